@@ -145,13 +145,32 @@ class Engine:
             ValueError: the state dict does not match the model's LoRA parameters
                 (nothing is changed in that case).
         """
-        from peft import set_peft_model_state_dict
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
         t = time.perf_counter()
         with self.lock:
-            result = set_peft_model_state_dict(self.model, state_dict)
-            unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
-            if unexpected:
-                raise ValueError(f"adapter version {version} does not fit this model: unexpected keys {unexpected[:3]}")
+            check_adapter_state(state_dict, get_peft_model_state_dict(self.model), version)
+            set_peft_model_state_dict(self.model, state_dict)
             self.version = version
         return time.perf_counter() - t
+
+
+def check_adapter_state(state_dict: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], version: int) -> None:
+    """Raise ValueError unless ``state_dict`` has exactly the keys and shapes of ``expected``.
+
+    Checked before anything is copied: peft's ``set_peft_model_state_dict`` loads the
+    keys that match and only reports the others, which would leave a half-swapped model.
+    """
+    missing = sorted(expected.keys() - state_dict.keys())
+    unexpected = sorted(state_dict.keys() - expected.keys())
+    reshaped = [
+        f"{k} {tuple(state_dict[k].shape)} != {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)
+    ]
+    problems = [
+        f"{what} {items[:3]}" for what, items in
+        (("missing keys", missing), ("unexpected keys", unexpected), ("wrong shapes", reshaped)) if items
+    ]
+    if problems:
+        raise ValueError(f"adapter version {version} does not fit this model: " + "; ".join(problems))

@@ -70,7 +70,9 @@ def rollout(
     tok = engine.tokenizer
     native_tools = [t.openai_schema() for t in tools] if tools and template_supports_tools(tok) else None
     tool_map = {t.name: t for t in tools}
-    eos_text = tok.decode([engine.eos_token_ids[0]])
+    # the template's end of turn is the tokenizer's EOS; the engine's ids are sorted, and the
+    # lowest may be one the template never writes (Qwen2.5, Llama-3 list several).
+    eos_text = tok.eos_token or tok.decode([engine.eos_token_ids[0]])
     trajs: list[Trajectory] = []
     for task, gid in zip(tasks, group_ids):
         msgs = initial_messages(task, tools, cfg, tok)

@@ -1,0 +1,294 @@
+"""Reward functions, their registry and presets, and the scoring of trajectory groups.
+
+A reward function is a plain callable ``fn(traj, ctx) -> float | None``; None
+means "not applicable to this trajectory" and is left out of the weighted sum.
+``score_group`` runs the weighted functions of a preset over one group (the
+rollouts of one task in one iteration) and writes ``traj.rewards`` (the
+breakdown), ``traj.reward`` (the weighted sum) and ``traj.correct`` (the
+verifier's verdict, kept for accounting even when it is not rewarded).
+
+Failures are never turned into rewards: a trajectory whose rollout failed
+(``traj.error`` set) gets ``reward=None`` and is left out of the update, and a
+reward function that raises records its exception on ``traj.error`` instead of
+scoring 0.0 (verifiers' rubric does the latter and corrupts the gradient silently).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from decimal import Decimal
+
+from selfrl.tasks import Task, TaskSource
+from selfrl.trajectory import Trajectory
+
+__all__ = [
+    "PRESETS",
+    "REWARD_FUNCS",
+    "RewardContext",
+    "RewardFunc",
+    "format_reward",
+    "get_preset",
+    "get_reward_func",
+    "normalize_answer",
+    "score_batch",
+    "score_group",
+    "self_consistency",
+    "tool_success",
+    "verifier",
+]
+
+
+@dataclass
+class RewardContext:
+    """What a reward function may look at besides the trajectory itself.
+
+    Attributes:
+        task: the task the trajectory solved.
+        source: the task source that made ``task`` (extracts and checks answers).
+        group: every scorable trajectory of the same ``group_id``, the scored one included.
+    """
+
+    task: Task
+    source: TaskSource
+    group: list[Trajectory]
+
+
+RewardFunc = Callable[[Trajectory, RewardContext], "float | None"]
+
+
+# ---------------------------------------------------------------- functions
+
+
+def verifier(traj: Trajectory, ctx: RewardContext) -> float:
+    """Binary correctness against the task's reference answer: 0.0 or 1.0, never None.
+
+    1.0 when ``source.correct(task, source.extract_answer(traj.final_answer or ""))``,
+    i.e. the source's score is full credit, else 0.0. A trajectory with no final
+    answer (e.g. truncated before answering) gets 0.0.
+
+    Binary on purpose: reasoning-gym's ``score_answer`` gives partial credit to
+    some wrong answers, e.g. "1227" for a reference of 227 scores 0.75 because it
+    contains the right digits; rewarding that partial score would pay the policy
+    for wrong answers.
+    """
+    answer = ctx.source.extract_answer(traj.final_answer or "")
+    return 1.0 if ctx.source.correct(ctx.task, answer) else 0.0
+
+
+_NUMERIC_RE = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def normalize_answer(answer: str | None) -> str | None:
+    """Canonical text of an extracted answer, for comparing answers with each other.
+
+    Strips whitespace and removes thousands commas; a plain number is written in
+    its shortest form ("3.0" -> "3", "2.50" -> "2.5", "-0" -> "0"). Other text is
+    kept as is (after strip and comma removal). None or empty gives None.
+    """
+    if answer is None:
+        return None
+    text = answer.strip().replace(",", "")
+    if not text:
+        return None
+    if _NUMERIC_RE.fullmatch(text):
+        value = Decimal(text)
+        if value == value.to_integral_value():
+            return str(int(value))
+        return format(value.normalize(), "f")
+    return text
+
+
+def self_consistency(traj: Trajectory, ctx: RewardContext) -> float | None:
+    """Label-free agreement with the group's majority answer: 0.0, 1.0, or None.
+
+    Every member of ``ctx.group`` has its answer extracted
+    (``source.extract_answer(final_answer or "")``) and normalized with
+    ``normalize_answer``; members with no answer do not vote. The majority answer
+    is the most frequent one, and it exists only when its count is greater than 1
+    and no other answer has the same count (a unique plurality, not necessarily
+    more than half). Returns:
+
+    * None when fewer than 2 members gave an answer, or when there is no majority
+      (a tie for the top count, or all answers different): the group carries no
+      consensus to reward;
+    * 1.0 when this trajectory's answer equals the majority answer;
+    * 0.0 otherwise, including when this trajectory gave no answer.
+
+    Agreement alone rewards a collapse to a constant answer (always saying "0"
+    agrees perfectly); the validation gate (which checks accuracy on held-out
+    tasks with the verifier) and the guards are what stop such a policy, not this
+    function.
+    """
+    def answer_of(t: Trajectory) -> str | None:
+        return normalize_answer(ctx.source.extract_answer(t.final_answer or ""))
+
+    counts = Counter(a for a in map(answer_of, ctx.group) if a is not None)
+    if sum(counts.values()) < 2:
+        return None
+    (top, top_count), *rest = counts.most_common()
+    if top_count < 2 or (rest and rest[0][1] == top_count):
+        return None
+    return 1.0 if answer_of(traj) == top else 0.0
+
+
+def tool_success(traj: Trajectory, ctx: RewardContext) -> float | None:
+    """Share of this trajectory's tool calls that succeeded, in [0, 1]; None when no tool was called.
+
+    A call succeeds when it parsed, named a known tool, matched its schema and ran
+    (``ToolCallRecord.ok``); this is ``traj.tool_success_rate``.
+    """
+    return traj.tool_success_rate
+
+
+_ANSWER_OPEN = "<answer>"
+_ANSWER_CLOSE = "</answer>"
+
+
+def format_reward(traj: Trajectory, ctx: RewardContext) -> float:
+    """Well-formed answer tag: 1.0 or 0.0 (registered as ``"format"``).
+
+    1.0 when the final answer holds exactly one ``<answer>`` and exactly one
+    ``</answer>``, in that order, with non-blank text between them (so nothing
+    is nested: a second ``<answer>`` inside fails the count); else 0.0, also when
+    there is no final answer. Text outside the tag is allowed.
+
+    FINDINGS: in an earlier probe the policy learned this bonus at the expense of
+    accuracy, so the presets give it weight 0 (they leave it out).
+    """
+    text = traj.final_answer or ""
+    if text.count(_ANSWER_OPEN) != 1 or text.count(_ANSWER_CLOSE) != 1:
+        return 0.0
+    start = text.index(_ANSWER_OPEN) + len(_ANSWER_OPEN)
+    end = text.index(_ANSWER_CLOSE)
+    if end < start or not text[start:end].strip():
+        return 0.0
+    return 1.0
+
+
+# ---------------------------------------------------------------- registry and presets
+
+REWARD_FUNCS: dict[str, RewardFunc] = {
+    "verifier": verifier,
+    "self_consistency": self_consistency,
+    "tool_success": tool_success,
+    "format": format_reward,
+}
+
+# "label-free" must never use the verifier: it stands for runs without reference answers.
+PRESETS: dict[str, dict[str, float]] = {
+    "verified": {"verifier": 1.0, "tool_success": 0.2},
+    "label-free": {"self_consistency": 1.0, "tool_success": 0.2},
+}
+
+
+def get_reward_func(name: str) -> RewardFunc:
+    """The reward function registered as ``name``.
+
+    Raises:
+        ValueError: unknown name; the message lists the valid ones.
+    """
+    if name not in REWARD_FUNCS:
+        raise ValueError(f"unknown reward function {name!r}; valid names: {', '.join(sorted(REWARD_FUNCS))}")
+    return REWARD_FUNCS[name]
+
+
+def get_preset(name: str) -> dict[str, float]:
+    """A copy of the weights ``{reward function name: weight}`` of preset ``name``.
+
+    Raises:
+        ValueError: unknown name; the message lists the valid ones.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown reward preset {name!r}; valid names: {', '.join(sorted(PRESETS))}")
+    return dict(PRESETS[name])
+
+
+# ---------------------------------------------------------------- scoring
+
+
+def _check_weights(weights: dict[str, float]) -> dict[str, RewardFunc]:
+    funcs = {name: get_reward_func(name) for name in weights}
+    bad = {name: w for name, w in weights.items() if not math.isfinite(w)}
+    if bad:
+        raise ValueError(f"reward weights must be finite, got {bad}")
+    return funcs
+
+
+def score_group(
+    trajs: list[Trajectory],
+    task: Task,
+    source: TaskSource,
+    weights: dict[str, float],
+) -> None:
+    """Score one group of trajectories of ``task`` in place.
+
+    For each trajectory with ``error is None``: ``rewards = {name: value}`` for
+    every function named in ``weights`` (None values kept), ``reward = sum(w * v)``
+    over the non-None values (0.0 when all are None), and ``correct`` = the
+    verifier's verdict, computed always (also in label-free runs) for accounting.
+
+    A trajectory with ``error`` set gets ``reward=None`` and is left out (it does
+    not vote in ``self_consistency`` either). A reward function that raises, or
+    returns a non-finite value, records the failure on ``traj.error`` and leaves
+    ``reward=None``; the other trajectories are still scored.
+
+    Raises:
+        ValueError: an unknown function name or a non-finite weight (before
+            anything is written), or a trajectory of another task.
+    """
+    funcs = _check_weights(weights)
+    others = sorted({t.task_id for t in trajs if t.task_id != task.id})
+    if others:
+        raise ValueError(f"score_group for task {task.id} got trajectories of other task(s): {', '.join(others)}")
+    scorable = [t for t in trajs if t.error is None]
+    for traj in trajs:
+        traj.reward = None
+    ctx = RewardContext(task=task, source=source, group=scorable)
+    for traj in scorable:
+        traj.rewards = {}
+        stage = "verifier (for correct)"
+        try:
+            traj.correct = verifier(traj, ctx) == 1.0
+            for name, fn in funcs.items():
+                stage = name
+                value = fn(traj, ctx)
+                if value is not None:
+                    value = float(value)
+                    if not math.isfinite(value):
+                        raise ValueError(f"returned a non-finite value {value}")
+                traj.rewards[name] = value
+        except Exception as err:  # recorded on the trajectory, never turned into a reward
+            traj.error = f"reward {stage!r} failed: {type(err).__name__}: {err}"
+            continue
+        traj.reward = float(sum(weights[n] * v for n, v in traj.rewards.items() if v is not None))
+
+
+def score_batch(
+    trajs: list[Trajectory],
+    tasks_by_id: dict[str, Task],
+    source: TaskSource,
+    weights: dict[str, float],
+) -> None:
+    """Group ``trajs`` by ``group_id`` and ``score_group`` each group in place.
+
+    Raises:
+        ValueError: a group mixes tasks, or a trajectory's task is not in
+            ``tasks_by_id`` (checked for all groups before any is scored), or as
+            ``score_group``.
+    """
+    _check_weights(weights)
+    groups: dict[str, list[Trajectory]] = defaultdict(list)
+    for traj in trajs:
+        groups[traj.group_id].append(traj)
+    for gid, group in groups.items():
+        ids = sorted({t.task_id for t in group})
+        if len(ids) != 1:
+            raise ValueError(f"group {gid!r} mixes tasks: {', '.join(ids)}")
+        if ids[0] not in tasks_by_id:
+            raise ValueError(f"group {gid!r}: task {ids[0]} is not in tasks_by_id")
+    for group in groups.values():
+        score_group(group, tasks_by_id[group[0].task_id], source, weights)

@@ -1,0 +1,215 @@
+import pytest
+import torch
+
+from selfrl.chat import prompt_ids, render
+from selfrl.engine import Engine, Generation
+from selfrl.rl.logprobs import per_token_logps
+from selfrl.rollout import RolloutConfig, initial_messages, rollout
+from selfrl.tasks import Task
+from selfrl.toolcall import format_tool_response, render_tools_prompt
+from selfrl.tools import CALCULATOR
+
+CALL_17_25 = '<tool_call>{"name": "calculator", "arguments": {"expression": "17+25"}}</tool_call>'
+GLUED = (
+    '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}'
+    '{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>'
+)
+TASK = Task.make("test", "What is 17+25?", "42")
+
+
+class ScriptedEngine(Engine):
+    """An engine whose turns are preset texts: call ``k`` answers the active rows with ``script[k]``.
+
+    Each turn is the text's ids plus EOS, cut at ``max_new_tokens`` (then unfinished);
+    token ``j`` of a turn gets logprob ``-(j + 1) / 100`` so misplaced logprobs show.
+    Every batch of prompts received is kept in ``calls``.
+    """
+
+    def __init__(self, model, tokenizer, script: list[list[str]]):
+        super().__init__(model, tokenizer)
+        self.script = script
+        self.calls: list[list[list[int]]] = []
+
+    def generate(self, prompts, max_new_tokens, temperature=1.0, greedy=False):
+        texts = self.script[len(self.calls)]
+        assert len(texts) == len(prompts), "script and active rows disagree"
+        self.calls.append([list(p) for p in prompts])
+        out = []
+        for text in texts:
+            ids = (turn_ids(self.tokenizer, text) + [self.tokenizer.eos_token_id])[:max_new_tokens]
+            finished = ids[-1] == self.tokenizer.eos_token_id
+            out.append(Generation(ids, scripted_logprobs(len(ids)), finished, self.version))
+        return out
+
+
+def turn_ids(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def scripted_logprobs(n):
+    return [-(j + 1) / 100 for j in range(n)]
+
+
+def start_ids(tok, task=TASK, cfg=None):
+    cfg = cfg or RolloutConfig()
+    return prompt_ids(tok, initial_messages(task, [CALCULATOR], cfg, tok))
+
+
+def run(engine, cfg=None, tasks=(TASK,)):
+    return rollout(engine, list(tasks), [f"g{i}" for i in range(len(tasks))], [CALCULATOR], cfg or RolloutConfig())
+
+
+def assert_invariants(traj, eos):
+    """Token-level invariants every trajectory must satisfy."""
+    traj.check()
+    n = traj.prompt_len
+    assert n > 0 and traj.completion_mask[:n] == [0] * n
+    assert set(traj.completion_mask) <= {0, 1}
+    for m, lp in zip(traj.completion_mask, traj.logprobs):
+        assert lp == 0.0 if m == 0 else lp <= 0.0
+    # one contiguous sampled segment per assistant turn, each ending in EOS unless cut off
+    segments, start = [], None
+    for t, m in enumerate(traj.completion_mask + [0]):
+        if m and start is None:
+            start = t
+        if not m and start is not None:
+            segments.append(traj.token_ids[start:t])
+            start = None
+    assert len(segments) == traj.num_turns == sum(m["role"] == "assistant" for m in traj.messages)
+    for k, seg in enumerate(segments):
+        last = k == len(segments) - 1
+        if last and traj.truncated:
+            assert eos not in seg
+        else:
+            assert seg[-1] == eos and eos not in seg[:-1]
+    assert traj.num_completion_tokens == sum(len(s) for s in segments)
+
+
+def test_tool_round_trip_then_answer(tiny_tokenizer, tiny_model):
+    tok = tiny_tokenizer
+    eos = tok.eos_token_id
+    engine = ScriptedEngine(tiny_model, tok, [[CALL_17_25], ["<answer>42</answer>"]])
+    (traj,) = run(engine)
+
+    prompt = start_ids(tok)
+    turn1 = turn_ids(tok, CALL_17_25) + [eos]
+    between = turn_ids(
+        tok, "\n<|im_start|>tool\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    turn2 = turn_ids(tok, "<answer>42</answer>") + [eos]
+    assert traj.token_ids == prompt + turn1 + between + turn2
+    assert traj.prompt_len == len(prompt)
+    assert traj.completion_mask == [0] * len(prompt) + [1] * len(turn1) + [0] * len(between) + [1] * len(turn2)
+    assert traj.logprobs == (
+        [0.0] * len(prompt) + scripted_logprobs(len(turn1)) + [0.0] * len(between) + scripted_logprobs(len(turn2))
+    )
+    # the model saw exactly the trajectory's own prefix at turn 2
+    assert engine.calls == [[prompt], [prompt + turn1 + between]]
+
+    (call,) = traj.tool_calls
+    assert call.ok and call.name == "calculator" and call.arguments == {"expression": "17+25"}
+    assert call.result == "42" and call.error is None
+    assert traj.final_answer == "<answer>42</answer>"
+    assert [m["role"] for m in traj.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert traj.messages[0]["content"].endswith(render_tools_prompt([CALCULATOR]))
+    assert traj.messages[2]["content"] == CALL_17_25
+    assert traj.messages[3]["content"] == "<tool_response>\n42\n</tool_response>"
+    assert traj.num_turns == 2 and not traj.truncated and traj.tool_success_rate == 1.0
+    assert traj.group_id == "g0" and traj.task_id == TASK.id and traj.adapter_version == 0
+    # the token stream is the chat template's own rendering of the messages
+    assert tok.decode(traj.token_ids) + "\n" == render(tok, traj.messages, add_generation_prompt=False)
+    assert_invariants(traj, eos)
+
+
+def test_end_of_turn_text_is_the_templates_eos_when_generation_config_lists_several(tiny_tokenizer, tiny_model):
+    # Qwen2.5 / Llama-3 style: generation_config ends on several ids, the lowest of which
+    # (<|endoftext|>) the chat template never writes after an assistant turn.
+    tok = tiny_tokenizer
+    endoftext = tok.convert_tokens_to_ids("<|endoftext|>")
+    assert endoftext < tok.eos_token_id
+    tiny_model.generation_config.eos_token_id = [tok.eos_token_id, endoftext]
+    engine = ScriptedEngine(tiny_model, tok, [[CALL_17_25], ["<answer>42</answer>"]])
+    (traj,) = run(engine)
+    assert traj.num_turns == 2 and traj.tool_calls[0].result == "42"
+    assert tok.decode(traj.token_ids) + "\n" == render(tok, traj.messages, add_generation_prompt=False)
+
+
+@pytest.mark.parametrize(
+    "bad_turn, why",
+    [(GLUED, "expected one JSON object, found extra data"), (CALL_17_25.replace("calculator", "abacus"), "unknown tool")],
+)
+def test_failed_call_is_recorded_and_sent_back(tiny_tokenizer, tiny_model, bad_turn, why):
+    tok = tiny_tokenizer
+    engine = ScriptedEngine(tiny_model, tok, [[bad_turn], ["<answer>2</answer>"]])
+    (traj,) = run(engine)
+    (call,) = traj.tool_calls
+    assert not call.ok and why in call.error and call.result == f"error: {call.error}"
+    assert traj.tool_success_rate == 0.0
+    assert traj.messages[3] == {"role": "tool", "content": format_tool_response(call)}
+    assert f"<tool_response>\nerror: {call.error}\n</tool_response>" in tok.decode(engine.calls[1][0])
+    assert traj.num_turns == 2 and traj.final_answer == "<answer>2</answer>" and not traj.truncated
+    assert_invariants(traj, tok.eos_token_id)
+
+
+def test_truncated_turn_ends_the_trajectory_without_running_its_calls(tiny_tokenizer, tiny_model):
+    tok = tiny_tokenizer
+    text = CALL_17_25 + " and now a long afterthought that runs past the limit"
+    limit = len(turn_ids(tok, CALL_17_25)) + 3
+    engine = ScriptedEngine(tiny_model, tok, [[text], ["<answer>42</answer>"]])
+    (traj,) = run(engine, RolloutConfig(max_new_tokens=limit))
+    assert traj.truncated and traj.num_turns == 1 and len(engine.calls) == 1
+    assert traj.tool_calls == []
+    assert traj.num_completion_tokens == limit
+    assert traj.token_ids[-1] != tok.eos_token_id
+    assert [m["role"] for m in traj.messages] == ["system", "user", "assistant"]
+    assert traj.final_answer == tok.decode(traj.token_ids[traj.prompt_len:]).replace(CALL_17_25, "").strip()
+    assert_invariants(traj, tok.eos_token_id)
+
+
+@pytest.mark.parametrize("max_turns", [1, 2, 3])
+def test_max_turns_is_respected(tiny_tokenizer, tiny_model, max_turns):
+    tok = tiny_tokenizer
+    engine = ScriptedEngine(tiny_model, tok, [[CALL_17_25]] * 5)  # a model that never stops calling
+    (traj,) = run(engine, RolloutConfig(max_turns=max_turns))
+    assert len(engine.calls) == traj.num_turns == max_turns
+    assert len(traj.tool_calls) == max_turns - 1  # the last turn's call could never be answered
+    roles = [m["role"] for m in traj.messages]
+    assert roles == ["system", "user"] + ["assistant", "tool"] * (max_turns - 1) + ["assistant"]
+    assert not traj.truncated
+    assert_invariants(traj, tok.eos_token_id)
+
+
+def test_batch_rows_finish_independently(tiny_tokenizer, tiny_model):
+    tok = tiny_tokenizer
+    other = Task.make("test", "What is 2+2?", "4")
+    engine = ScriptedEngine(tiny_model, tok, [[CALL_17_25, "<answer>4</answer>"], ["<answer>42</answer>"]])
+    first, second = run(engine, tasks=(TASK, other))
+    assert len(engine.calls[0]) == 2 and len(engine.calls[1]) == 1
+    assert first.num_turns == 2 and first.final_answer == "<answer>42</answer>"
+    assert second.num_turns == 1 and second.final_answer == "<answer>4</answer>" and second.tool_calls == []
+    assert second.token_ids == start_ids(tok, other) + turn_ids(tok, "<answer>4</answer>") + [tok.eos_token_id]
+    for traj in (first, second):
+        assert_invariants(traj, tok.eos_token_id)
+
+
+def test_real_tiny_model_rollout(tiny_tokenizer, tiny_model_factory):
+    tok = tiny_tokenizer
+    model = tiny_model_factory(seed=3, eos_bias=2.5, lora=True)
+    engine = Engine(model, tok, version=5)
+    cfg = RolloutConfig(max_turns=2, max_new_tokens=16, temperature=0.8)
+    tasks = [TASK, TASK, Task.make("test", "What is 2+2?", "4"), Task.make("test", "What is 2+2?", "4")]
+    torch.manual_seed(0)
+    trajs = rollout(engine, tasks, ["a", "a", "b", "b"], [CALCULATOR], cfg)
+    assert len(trajs) == 4 and [t.group_id for t in trajs] == ["a", "a", "b", "b"]
+    for task, traj in zip(tasks, trajs):
+        assert_invariants(traj, tok.eos_token_id)
+        assert traj.adapter_version == 5 and 1 <= traj.num_turns <= cfg.max_turns
+        assert traj.token_ids[:traj.prompt_len] == start_ids(tok, task, cfg)
+        assert traj.timings["generate"] > 0.0
+        # the learner's recomputation at the sampling temperature gives back the sampled logprobs
+        ids = torch.tensor([traj.token_ids])  # (1, T)
+        mask = torch.tensor([traj.completion_mask])  # (1, T)
+        with torch.no_grad():
+            recomputed = per_token_logps(model, ids, torch.ones_like(ids), mask, cfg.temperature)[0]  # (T,)
+        torch.testing.assert_close(recomputed, torch.tensor(traj.logprobs), atol=1e-4, rtol=0)
+    assert any(t.num_completion_tokens > 1 for t in trajs)
