@@ -20,10 +20,18 @@ from selfrl.toolcall import execute_call, format_tool_response, parse_tool_calls
 from selfrl.tools import Tool
 from selfrl.trajectory import Trajectory
 
-DEFAULT_SYSTEM_PROMPT = (
-    "You are a careful assistant. Use the calculator tool for any arithmetic, "
-    "then give the final answer as <answer>NUMBER</answer>."
-)
+DEFAULT_SYSTEM_PROMPT = "You are a careful assistant. Give the final answer as <answer>NUMBER</answer>."
+
+# One worked example shown before the task (few-shot). Measured on SmolLM2-135M with
+# chain_sum: with no example the base model never called the tool (0/48 sampled);
+# with this one it called it in about a third of samples; with two it always did
+# and solved 100 % greedy, leaving RL nothing to learn. See README.
+DEMONSTRATION: list[dict[str, str]] = [
+    {"role": "user", "content": "State the final answer to the following arithmetic problem: 38 - 5 + 14 ="},
+    {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "38 - 5 + 14"}}</tool_call>'},
+    {"role": "tool", "content": "<tool_response>\n47\n</tool_response>"},
+    {"role": "assistant", "content": "<answer>47</answer>"},
+]
 
 
 @dataclass
@@ -35,6 +43,8 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature (the learner uses the same value)
     system_prompt: str = DEFAULT_SYSTEM_PROMPT  # instruction placed before the tool descriptions
     tools: list[str] = field(default_factory=lambda: ["calculator"])  # registered tool names
+    tools_prompt: str = "compact"  # how tool schemas are shown when the template can't: compact | json
+    demonstration: bool = True  # show DEMONSTRATION (one worked tool call) before the task
 
 
 def initial_messages(task: Task, tools: list[Tool], cfg: RolloutConfig, tokenizer) -> list[dict]:
@@ -42,8 +52,9 @@ def initial_messages(task: Task, tools: list[Tool], cfg: RolloutConfig, tokenize
     template cannot render them itself (SmolLM2)."""
     system = cfg.system_prompt
     if tools and not template_supports_tools(tokenizer):
-        system = system + "\n\n" + render_tools_prompt(tools)
-    return [{"role": "system", "content": system}, {"role": "user", "content": task.question}]
+        system = system + "\n\n" + render_tools_prompt(tools, cfg.tools_prompt)
+    demo = [dict(m) for m in DEMONSTRATION] if cfg.demonstration and tools else []
+    return [{"role": "system", "content": system}, *demo, {"role": "user", "content": task.question}]
 
 
 def rollout(

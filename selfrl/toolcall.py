@@ -49,15 +49,27 @@ def _example_arguments(tool: Tool) -> dict[str, Any]:
     return example
 
 
-def render_tools_prompt(tools: list[Tool]) -> str:
+def render_tools_prompt(tools: list[Tool], style: str = "json") -> str:
     """The system-prompt section that describes ``tools`` and the call format.
 
-    One JSON schema per line inside ``<tools></tools>``, the exact call format,
-    a one-line example call (on the first tool) and where the result arrives.
-    Returns "" when ``tools`` is empty.
+    ``style="json"``: one JSON schema per line inside ``<tools></tools>``, the
+    exact call format, a one-line example call (on the first tool) and where the
+    result arrives (Hermes style). ``style="compact"``: one line per tool,
+    ``name(arg: type, ...): description``, then the call format with the first
+    tool's example. The compact form is the default of ``selfrl run``: on
+    SmolLM2-135M the JSON schemas (about 150 more prompt tokens) stopped the base
+    model from calling the tool at all (0 of 64 samples), while the compact form
+    with one demonstration gave about a third. Returns "" when ``tools`` is empty.
+
+    Raises:
+        ValueError: unknown ``style``.
     """
     if not tools:
         return ""
+    if style == "compact":
+        return _render_compact(tools)
+    if style != "json":
+        raise ValueError(f"unknown tools prompt style {style!r}; valid: compact, json")
     schemas = "\n".join(json.dumps(t.openai_schema()) for t in tools)
     example = json.dumps({"name": tools[0].name, "arguments": _example_arguments(tools[0])})
     return (
@@ -67,6 +79,20 @@ def render_tools_prompt(tools: list[Tool]) -> str:
         f'{TOOL_CALL_OPEN}{{"name": <tool name>, "arguments": <JSON object>}}{TOOL_CALL_CLOSE}\n'
         f"Example: {TOOL_CALL_OPEN}{example}{TOOL_CALL_CLOSE}\n"
         f"The result comes back in a {TOOL_RESPONSE_OPEN}{TOOL_RESPONSE_CLOSE} message."
+    )
+
+
+def _render_compact(tools: list[Tool]) -> str:
+    lines = []
+    for t in tools:
+        props = t.parameters.get("properties", {})
+        args = ", ".join(f"{k}: {v.get('type', 'any')}" for k, v in props.items())
+        lines.append(f"- {t.name}({args}): {t.description}")
+    example = json.dumps({"name": tools[0].name, "arguments": _example_arguments(tools[0])})
+    return (
+        "Tools:\n" + "\n".join(lines) + "\n"
+        f"To use a tool, write {TOOL_CALL_OPEN}{example}{TOOL_CALL_CLOSE} "
+        f"and wait for the {TOOL_RESPONSE_OPEN}."
     )
 
 

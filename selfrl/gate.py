@@ -1,0 +1,71 @@
+"""Held-out validation and the promotion gate.
+
+Every candidate adapter is scored on held-out tasks with greedy decoding
+(pass@1, judged by the task's verifier) before it may serve as "best". The gate
+is deliberately simple here: promote when the candidate is not worse than the
+best so far by more than ``tolerance`` (absolute success rate).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from selfrl.engine import Engine
+from selfrl.rollout import RolloutConfig, rollout
+from selfrl.tasks import Task, TaskSource
+from selfrl.tools import Tool
+
+
+@dataclass
+class GateConfig:
+    """Validation settings."""
+
+    val_size: int = 128  # held-out tasks (pass@1, greedy)
+    eval_every: int = 4  # updates between validations
+    tolerance: float = 0.02  # a candidate may trail the best by at most this (absolute)
+    batch_size: int = 64  # trajectories per generation batch during validation
+
+
+@dataclass
+class EvalResult:
+    """Outcome of one validation.
+
+    Attributes:
+        version: adapter version evaluated.
+        results: ``(task_id, correct, answer)`` per task, in task order.
+        seconds: wall time of the evaluation.
+    """
+
+    version: int
+    results: list[tuple[str, bool, str | None]]
+    seconds: float
+
+    @property
+    def success(self) -> float:
+        """Share of tasks solved (0..1)."""
+        return sum(c for _, c, _ in self.results) / max(len(self.results), 1)
+
+
+def evaluate(
+    engine: Engine, tasks: list[Task], source: TaskSource, tools: list[Tool], cfg: RolloutConfig, batch_size: int = 64
+) -> EvalResult:
+    """Greedy pass@1 of the engine's current version on ``tasks``."""
+    t0 = time.perf_counter()
+    results = []
+    for s in range(0, len(tasks), batch_size):
+        chunk = tasks[s:s + batch_size]
+        trajs = rollout(engine, chunk, [f"val-{t.id}" for t in chunk], tools, cfg, greedy=True)
+        for task, tr in zip(chunk, trajs):
+            answer = source.extract_answer(tr.final_answer or "")
+            results.append((task.id, bool(source.correct(task, answer)), answer))
+    return EvalResult(engine.version, results, time.perf_counter() - t0)
+
+
+def passes_gate(candidate: float, best: float, tolerance: float) -> bool:
+    """True when ``candidate >= best - tolerance`` (success rates in 0..1).
+
+    >>> passes_gate(0.50, 0.51, 0.02), passes_gate(0.40, 0.51, 0.02)
+    (True, False)
+    """
+    return candidate >= best - tolerance

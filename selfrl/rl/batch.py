@@ -1,0 +1,67 @@
+"""Trajectories -> one padded tensor batch for the update."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from selfrl.trajectory import Trajectory
+
+
+@dataclass
+class TensorBatch:
+    """Right-padded tensors for B trajectories of at most T tokens.
+
+    Attributes:
+        input_ids: (B, T) long, the exact sampled/prompt ids; pad elsewhere.
+        attention_mask: (B, T) long, 1 on real tokens.
+        completion_mask: (B, T) float, 1 on policy-sampled tokens.
+        old_per_token_logps: (B, T) float, sampling log-probs (0 where mask is 0).
+        advantages: (B,) float.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    old_per_token_logps: torch.Tensor
+    advantages: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """Completion tokens in the batch."""
+        return int(self.completion_mask.sum())
+
+
+def collate(trajs: list[Trajectory], pad_token_id: int) -> TensorBatch:
+    """Pad trajectories on the right into a :class:`TensorBatch`.
+
+    Raises:
+        ValueError: empty list, a trajectory without an advantage, inconsistent
+            token-level lengths, or a completion token at position 0.
+    """
+    if not trajs:
+        raise ValueError("collate needs at least one trajectory")
+    width = max(len(t.token_ids) for t in trajs)
+    B = len(trajs)
+    input_ids = torch.full((B, width), pad_token_id, dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros((B, width), dtype=torch.long)  # (B, T)
+    completion_mask = torch.zeros((B, width), dtype=torch.float32)  # (B, T)
+    old = torch.zeros((B, width), dtype=torch.float32)  # (B, T)
+    adv = torch.zeros(B, dtype=torch.float32)  # (B,)
+    for i, t in enumerate(trajs):
+        t.check()
+        if t.advantage is None:
+            raise ValueError(f"trajectory {t.id} has no advantage; score and group it first")
+        if t.completion_mask and t.completion_mask[0]:
+            raise ValueError(f"trajectory {t.id}: the first token cannot be a completion token")
+        n = len(t.token_ids)
+        input_ids[i, :n] = torch.tensor(t.token_ids)
+        attention_mask[i, :n] = 1
+        completion_mask[i, :n] = torch.tensor(t.completion_mask, dtype=torch.float32)
+        old[i, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
+        adv[i] = t.advantage
+    return TensorBatch(input_ids, attention_mask, completion_mask, old, adv)
