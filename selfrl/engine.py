@@ -51,6 +51,50 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+MIN_SHARED_PREFIX = 16  # tokens; shorter common prefixes are not worth a separate pass
+
+
+def shared_prefix_len(prompts: list[list[int]]) -> int:
+    """Length of the common prefix of all prompts, leaving every prompt at least one
+    token of its own; 0 when under ``MIN_SHARED_PREFIX`` or for a single prompt.
+
+    >>> shared_prefix_len([[1] * 20 + [2], [1] * 20 + [3, 4]])
+    20
+    """
+    if len(prompts) < 2:
+        return 0
+    n = min(len(p) for p in prompts) - 1
+    first = prompts[0]
+    for i in range(n):
+        if any(p[i] != first[i] for p in prompts):
+            n = i
+            break
+    return n if n >= MIN_SHARED_PREFIX else 0
+
+
+def pack_prompts(prompts: list[list[int]], shared: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lay prompts out as ``[shared prefix][padding][own suffix]`` per row.
+
+    With ``shared == 0`` this is plain left padding. The padding sits between the
+    prefix and the suffix so the prefix occupies the same columns in every row and
+    its cache can be computed once; position ids come from the attention mask, so
+    every real token keeps the position it has in an unpadded sequence.
+
+    Returns:
+        ``input_ids`` (B, P) and ``attention_mask`` (B, P).
+    """
+    width = shared + max(len(p) - shared for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)  # (B, P)
+    attention_mask = torch.zeros_like(input_ids)  # (B, P)
+    for i, p in enumerate(prompts):
+        input_ids[i, :shared] = torch.tensor(p[:shared], dtype=torch.long)
+        attention_mask[i, :shared] = 1
+        own = p[shared:]
+        input_ids[i, width - len(own):] = torch.tensor(own, dtype=torch.long)
+        attention_mask[i, width - len(own):] = 1
+    return input_ids, attention_mask
+
+
 class Engine:
     """Batched generation over a (peft) causal LM, tagged with an adapter version.
 
@@ -59,13 +103,15 @@ class Engine:
             ``selfrl run`` (one copy of the weights in memory).
         tokenizer: its tokenizer; ``pad_token_id`` must be set.
         version: the adapter version currently in the weights.
+        share_prefix: encode the prompts' common prefix once per batch (see :func:`pack_prompts`).
 
     Thread safety: ``generate`` and ``swap`` take the same lock, so a generation
     always runs on exactly one version from start to end.
     """
 
-    def __init__(self, model, tokenizer, version: int = 0):
+    def __init__(self, model, tokenizer, version: int = 0, share_prefix: bool = True):
         self.model = model
+        self.share_prefix = share_prefix
         self.tokenizer = tokenizer
         self.version = version
         self.eos_token_ids = eos_ids(model, tokenizer)
@@ -98,17 +144,21 @@ class Engine:
             raise ValueError("generate needs at least one prompt, and no prompt may be empty")
         if not greedy and temperature <= 0:
             raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)  # (B, P)
-        attention_mask = torch.zeros_like(input_ids)  # (B, P)
-        for i, p in enumerate(prompts):
-            input_ids[i, width - len(p):] = torch.tensor(p)
-            attention_mask[i, width - len(p):] = 1
+        shared = shared_prefix_len(prompts) if self.share_prefix else 0
+        input_ids, attention_mask = pack_prompts(prompts, shared, self.pad_token_id)  # (B, P), (B, P)
+        width = input_ids.shape[1]
         sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature)
         with self.lock:
             version = self.version
             was_training = self.model.training
             self.model.eval()
+            extra = {}
+            if shared:
+                # The shared prefix (system prompt, demonstration) is encoded once and its
+                # key/value cache repeated for every row, instead of once per row.
+                cache = self.model(input_ids=input_ids[:1, :shared], use_cache=True).past_key_values
+                cache.batch_repeat_interleave(len(prompts))
+                extra["cache"] = cache
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -121,6 +171,7 @@ class Engine:
                 pad_token_id=self.pad_token_id,
                 return_dict_in_generate=True,
                 output_logits=True,
+                **extra,
                 **sampling,
             )
             if was_training:

@@ -5,7 +5,8 @@ small corpus with SmolLM2's special tokens and ChatML template (no tool
 support), EOS ``<|im_end|>`` and pad = EOS (same id, as in SmolLM2). The model
 is a 2-layer Llama with random weights; LoRA adapters are initialised with
 ``init_lora_weights=False`` (A and B both random) so that the adapter changes
-the logits from the first step and a test of the LoRA path is not vacuous.
+the logits from the first step and a test of the LoRA path is not vacuous;
+``default_init=True`` gives peft's default (B = 0), the start of a real run.
 """
 
 from __future__ import annotations
@@ -116,26 +117,30 @@ def build_tiny_model(tokenizer, seed: int = 0, eos_bias: float | None = None):
     return model.eval()
 
 
-def add_lora(model, seed: int = 0, r: int = 4):
+def add_lora(model, seed: int = 0, r: int = 4, default_init: bool = False):
     """Wrap ``model`` with a rank-``r`` LoRA on every linear layer but the output one.
 
     ``init_lora_weights=False`` makes both A and B random, so the adapter is not a
-    no-op: the LoRA path contributes to every logit from the start.
+    no-op: the LoRA path contributes to every logit from the start. With
+    ``default_init`` peft's own initialisation is used instead (A random, B = 0:
+    the adapter starts as a no-op), as in ``selfrl run``.
     """
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    cfg = LoraConfig(r=r, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
+    cfg = LoraConfig(r=r, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
+                     init_lora_weights=True if default_init else False)
     return get_peft_model(model, cfg).eval()
 
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tiny_tokenizer):
-    """``make(seed=0, eos_bias=None, lora=False)`` -> a fresh tiny model (a PeftModel when ``lora``)."""
+    """``make(seed=0, eos_bias=None, lora=False, default_init=False)`` -> a fresh tiny model
+    (a PeftModel when ``lora``; see :func:`add_lora` for ``default_init``)."""
 
-    def make(seed: int = 0, eos_bias: float | None = None, lora: bool = False):
+    def make(seed: int = 0, eos_bias: float | None = None, lora: bool = False, default_init: bool = False):
         model = build_tiny_model(tiny_tokenizer, seed=seed, eos_bias=eos_bias)
-        return add_lora(model, seed=seed + 1) if lora else model
+        return add_lora(model, seed=seed + 1, default_init=default_init) if lora else model
 
     return make
 

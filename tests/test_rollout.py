@@ -4,7 +4,7 @@ import torch
 from selfrl.chat import prompt_ids, render
 from selfrl.engine import Engine, Generation
 from selfrl.rl.logprobs import per_token_logps
-from selfrl.rollout import RolloutConfig, initial_messages, rollout
+from selfrl.rollout import DEMONSTRATION, RolloutConfig, initial_messages, rollout
 from selfrl.tasks import Task
 from selfrl.toolcall import format_tool_response, render_tools_prompt
 from selfrl.tools import CALCULATOR
@@ -42,6 +42,11 @@ class ScriptedEngine(Engine):
         return out
 
 
+def plain_cfg(**kw) -> RolloutConfig:
+    """The layout these tests spell out token by token: no demonstration, JSON tool schemas."""
+    return RolloutConfig(demonstration=False, tools_prompt="json", **kw)
+
+
 def turn_ids(tok, text):
     return tok(text, add_special_tokens=False)["input_ids"]
 
@@ -51,12 +56,12 @@ def scripted_logprobs(n):
 
 
 def start_ids(tok, task=TASK, cfg=None):
-    cfg = cfg or RolloutConfig()
+    cfg = cfg or plain_cfg()
     return prompt_ids(tok, initial_messages(task, [CALCULATOR], cfg, tok))
 
 
 def run(engine, cfg=None, tasks=(TASK,)):
-    return rollout(engine, list(tasks), [f"g{i}" for i in range(len(tasks))], [CALCULATOR], cfg or RolloutConfig())
+    return rollout(engine, list(tasks), [f"g{i}" for i in range(len(tasks))], [CALCULATOR], cfg or plain_cfg())
 
 
 def assert_invariants(traj, eos):
@@ -75,7 +80,10 @@ def assert_invariants(traj, eos):
         if not m and start is not None:
             segments.append(traj.token_ids[start:t])
             start = None
-    assert len(segments) == traj.num_turns == sum(m["role"] == "assistant" for m in traj.messages)
+    # the policy's turns are the assistant messages after the task (the last user message);
+    # a demonstration's assistant messages come before it
+    task_at = max(i for i, m in enumerate(traj.messages) if m["role"] == "user")
+    assert len(segments) == traj.num_turns == sum(m["role"] == "assistant" for m in traj.messages[task_at:])
     for k, seg in enumerate(segments):
         last = k == len(segments) - 1
         if last and traj.truncated:
@@ -111,7 +119,7 @@ def test_tool_round_trip_then_answer(tiny_tokenizer, tiny_model):
     assert call.result == "42" and call.error is None
     assert traj.final_answer == "<answer>42</answer>"
     assert [m["role"] for m in traj.messages] == ["system", "user", "assistant", "tool", "assistant"]
-    assert traj.messages[0]["content"].endswith(render_tools_prompt([CALCULATOR]))
+    assert traj.messages[0]["content"].endswith(render_tools_prompt([CALCULATOR], "json"))
     assert traj.messages[2]["content"] == CALL_17_25
     assert traj.messages[3]["content"] == "<tool_response>\n42\n</tool_response>"
     assert traj.num_turns == 2 and not traj.truncated and traj.tool_success_rate == 1.0
@@ -119,6 +127,30 @@ def test_tool_round_trip_then_answer(tiny_tokenizer, tiny_model):
     # the token stream is the chat template's own rendering of the messages
     assert tok.decode(traj.token_ids) + "\n" == render(tok, traj.messages, add_generation_prompt=False)
     assert_invariants(traj, eos)
+
+
+def test_demonstration_sits_between_system_and_user(tiny_tokenizer, tiny_model):
+    tok = tiny_tokenizer
+    cfg = RolloutConfig()  # the defaults of `selfrl run`: one demonstration, compact tool list
+    assert cfg.demonstration and cfg.tools_prompt == "compact"
+    msgs = initial_messages(TASK, [CALCULATOR], cfg, tok)
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant", "user"]
+    assert msgs[1:-1] == DEMONSTRATION and msgs[1:-1] is not DEMONSTRATION
+    assert msgs[0]["content"] == cfg.system_prompt + "\n\n" + render_tools_prompt([CALCULATOR], "compact")
+    assert msgs[-1] == {"role": "user", "content": TASK.question}
+    msgs[1]["content"] = "changed"  # the module-level example is copied, never shared
+    assert DEMONSTRATION[0]["content"] != "changed"
+    # without tools there is nothing to demonstrate
+    assert [m["role"] for m in initial_messages(TASK, [], cfg, tok)] == ["system", "user"]
+
+    # the rollout starts from exactly that prompt and appends the task's own turns after it
+    engine = ScriptedEngine(tiny_model, tok, [["<answer>42</answer>"]])
+    (traj,) = run(engine, cfg)
+    assert engine.calls == [[prompt_ids(tok, msgs[:1] + DEMONSTRATION + msgs[-1:])]]
+    assert [m["role"] for m in traj.messages] == ["system", "user", "assistant", "tool", "assistant", "user", "assistant"]
+    assert traj.final_answer == "<answer>42</answer>" and traj.num_turns == 1
+    assert tok.decode(traj.token_ids) + "\n" == render(tok, traj.messages, add_generation_prompt=False)
+    assert_invariants(traj, tok.eos_token_id)
 
 
 def test_end_of_turn_text_is_the_templates_eos_when_generation_config_lists_several(tiny_tokenizer, tiny_model):
@@ -156,7 +188,7 @@ def test_truncated_turn_ends_the_trajectory_without_running_its_calls(tiny_token
     text = CALL_17_25 + " and now a long afterthought that runs past the limit"
     limit = len(turn_ids(tok, CALL_17_25)) + 3
     engine = ScriptedEngine(tiny_model, tok, [[text], ["<answer>42</answer>"]])
-    (traj,) = run(engine, RolloutConfig(max_new_tokens=limit))
+    (traj,) = run(engine, plain_cfg(max_new_tokens=limit))
     assert traj.truncated and traj.num_turns == 1 and len(engine.calls) == 1
     assert traj.tool_calls == []
     assert traj.num_completion_tokens == limit
@@ -170,7 +202,7 @@ def test_truncated_turn_ends_the_trajectory_without_running_its_calls(tiny_token
 def test_max_turns_is_respected(tiny_tokenizer, tiny_model, max_turns):
     tok = tiny_tokenizer
     engine = ScriptedEngine(tiny_model, tok, [[CALL_17_25]] * 5)  # a model that never stops calling
-    (traj,) = run(engine, RolloutConfig(max_turns=max_turns))
+    (traj,) = run(engine, plain_cfg(max_turns=max_turns))
     assert len(engine.calls) == traj.num_turns == max_turns
     assert len(traj.tool_calls) == max_turns - 1  # the last turn's call could never be answered
     roles = [m["role"] for m in traj.messages]
@@ -196,7 +228,7 @@ def test_real_tiny_model_rollout(tiny_tokenizer, tiny_model_factory):
     tok = tiny_tokenizer
     model = tiny_model_factory(seed=3, eos_bias=2.5, lora=True)
     engine = Engine(model, tok, version=5)
-    cfg = RolloutConfig(max_turns=2, max_new_tokens=16, temperature=0.8)
+    cfg = plain_cfg(max_turns=2, max_new_tokens=16, temperature=0.8)
     tasks = [TASK, TASK, Task.make("test", "What is 2+2?", "4"), Task.make("test", "What is 2+2?", "4")]
     torch.manual_seed(0)
     trajs = rollout(engine, tasks, ["a", "a", "b", "b"], [CALCULATOR], cfg)

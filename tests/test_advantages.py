@@ -1,0 +1,91 @@
+import math
+
+import pytest
+
+from selfrl.rl.advantages import group_advantages
+
+S = math.sqrt(1.5)  # 1 / sqrt(2/3): the scaled advantage of a reward 1 away from the mean of {1, 2, 3}
+
+
+def approx(values):
+    return [None if v is None else pytest.approx(v, abs=1e-12) for v in values]
+
+
+def test_two_groups_of_uneven_size_interleaved():
+    # group a = {1, 0}:    mean 0.5, population std sqrt((0.25 + 0.25) / 2) = 0.5 -> (r - 0.5) / 0.5 = +1, -1
+    # group b = {3, 1, 2}: mean 2,   population std sqrt((1 + 1 + 0) / 3) = sqrt(2/3)
+    #                      -> +1 / sqrt(2/3), -1 / sqrt(2/3), 0
+    rewards = [1.0, 3.0, 0.0, 1.0, 2.0]
+    groups = ["a", "b", "a", "b", "b"]
+    res = group_advantages(rewards, groups)
+    assert res.advantages == approx([1.0, S, -1.0, -S, 0.0])
+    assert res.num_groups == 2 and res.num_groups_no_signal == 0 and res.frac_no_signal == 0.0
+
+
+def test_scale_none_only_centres():
+    # Dr. GRPO: r - mean; group a mean 0.5, group b mean 2
+    res = group_advantages([1.0, 3.0, 0.0, 1.0, 2.0], ["a", "b", "a", "b", "b"], scale_rewards="none")
+    assert res.advantages == approx([0.5, 1.0, -0.5, -1.0, 0.0])
+
+
+def test_constant_and_single_sample_groups_give_zero_and_count_as_no_signal():
+    # c = {0.7, 0.7, 0.7}: std 0; d = {5.0}: one sample; e = {0, 2}: mean 1, std 1 -> -1, +1
+    rewards = [0.7, 0.7, 5.0, 0.7, 0.0, 2.0]
+    groups = ["c", "c", "d", "c", "e", "e"]
+    res = group_advantages(rewards, groups)
+    assert res.advantages == [0.0, 0.0, 0.0, 0.0, -1.0, 1.0]
+    assert res.num_groups == 3 and res.num_groups_no_signal == 2
+    assert res.frac_no_signal == pytest.approx(2 / 3)
+
+
+def test_spread_below_eps_is_a_constant_group_not_a_huge_advantage():
+    # {0, 1e-7}: std 5e-8 < eps = 1e-6. The paper's (r - mean) / (std + 1e-4) would give ~ +-5e-4,
+    # dividing by the bare std +-1; both are noise, so the group gets 0.
+    res = group_advantages([0.0, 1e-7], ["g", "g"])
+    assert res.advantages == [0.0, 0.0] and res.num_groups_no_signal == 1
+    # just above eps the group carries signal: {0, 1e-5} has std 5e-6 -> exactly -1, +1
+    assert group_advantages([0.0, 1e-5], ["g", "g"]).advantages == approx([-1.0, 1.0])
+
+
+def test_none_rewards_are_excluded_from_their_group():
+    # group a keeps {2, 4}: mean 3, std 1 -> -1, +1; the None gets None and does not move the mean.
+    # group b = {None, 1.0}: one scored sample left -> 0, no signal.
+    # group c has no scored sample: not a group at all.
+    rewards = [None, 2.0, 4.0, None, 1.0, None]
+    groups = ["a", "a", "a", "b", "b", "c"]
+    res = group_advantages(rewards, groups)
+    assert res.advantages == [None, -1.0, 1.0, None, 0.0, None]
+    assert res.num_groups == 2 and res.num_groups_no_signal == 1
+
+
+def test_all_none_batch_has_no_groups():
+    res = group_advantages([None, None], ["a", "a"])
+    assert res.advantages == [None, None]
+    assert res.num_groups == 0 and res.frac_no_signal == 1.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_reward_raises(bad):
+    with pytest.raises(ValueError, match="reward 1 is not finite"):
+        group_advantages([1.0, bad, 0.0], ["a", "a", "a"])
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="differ in length"):
+        group_advantages([1.0, 0.0], ["a"])
+    with pytest.raises(ValueError, match="scale_rewards must be 'group' or 'none'"):
+        group_advantages([1.0, 0.0], ["a", "a"], scale_rewards="batch")
+
+
+def test_never_nan():
+    # every kind of group at once, with large and tiny magnitudes
+    rewards = [1e12, 1e12, 1e12 + 1e6, -3.0, 5.0, 5.0, 0.0, None, 1e-300, 0.0]
+    groups = ["big", "big", "big", "one", "const", "const", "tiny", "tiny", "tiny", "tiny"]
+    for scale in ("group", "none"):
+        adv = group_advantages(rewards, groups, scale_rewards=scale).advantages
+        assert all(a is None or math.isfinite(a) for a in adv)
+        assert adv[7] is None and adv[3:6] == [0.0, 0.0, 0.0]
+        assert adv[6] == adv[8] == adv[9] == 0.0  # {0, 1e-300, 0}: spread far below eps
+    # big: {0, 0, 1e6} around 1e12 -> mean offset 1e6/3, std 1e6 * sqrt(2)/3 -> -1/sqrt(2), -1/sqrt(2), sqrt(2)
+    big = group_advantages(rewards, groups).advantages[:3]
+    assert big == [pytest.approx(-1 / math.sqrt(2), rel=1e-6)] * 2 + [pytest.approx(math.sqrt(2), rel=1e-6)]

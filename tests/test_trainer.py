@@ -1,0 +1,164 @@
+"""The learner on the tiny model, from trajectories really sampled by the engine.
+
+The adapter uses peft's default initialisation (A random, B = 0), as a real run
+does, so the policy starts exactly at the base model.
+"""
+
+import math
+
+import pytest
+import torch
+
+from selfrl.adapters import lora_state
+from selfrl.engine import Engine
+from selfrl.rl.batch import collate
+from selfrl.rollout import RolloutConfig, rollout
+from selfrl.tasks import Task
+from selfrl.tools import CALCULATOR
+from selfrl.trainer import Learner, TrainConfig
+
+TEMPERATURE = 0.7
+TASKS = [Task.make("test", "What is 17+25?", "42"), Task.make("test", "What is 2+2?", "4")]
+
+
+@pytest.fixture
+def policy(tiny_model_factory):
+    return tiny_model_factory(seed=3, eos_bias=2.5, lora=True, default_init=True)
+
+
+def sample(model, tok, n_per_task=3, seed=0):
+    """``n_per_task`` sampled trajectories per task, advantages alternating +1 / -1."""
+    engine = Engine(model, tok)
+    cfg = RolloutConfig(max_turns=2, max_new_tokens=12, temperature=TEMPERATURE)
+    tasks = [t for t in TASKS for _ in range(n_per_task)]
+    torch.manual_seed(seed)
+    trajs = rollout(engine, tasks, [t.id for t in tasks], [CALCULATOR], cfg)
+    for i, t in enumerate(trajs):
+        t.advantage = 1.0 if i % 2 == 0 else -1.0
+    assert sum(t.num_completion_tokens for t in trajs) > len(trajs)  # not all one-token turns
+    return trajs
+
+
+def learner(model, tok, **kw):
+    cfg = TrainConfig(**{"beta": 0.0, "micro_batch_size": 4, "learning_rate": 1e-2, **kw})
+    return Learner(model, cfg, TEMPERATURE, tok.pad_token_id, max_completion_length=24)
+
+
+def params(model, kind):
+    """Detached copies of the named parameters: ``lora_A``, ``lora_B`` or ``base`` (all others)."""
+    out = {}
+    for name, p in model.named_parameters():
+        is_kind = ("lora_" not in name) if kind == "base" else (f"{kind}." in name)
+        if is_kind:
+            out[name] = p.detach().clone()
+    return out
+
+
+def changed(before, model):
+    now = dict(model.named_parameters())
+    return {k for k, v in before.items() if not torch.equal(v, now[k])}
+
+
+def test_default_init_trains_b_first_then_a_and_never_the_base(policy, tiny_tokenizer):
+    a0, b0, base0 = params(policy, "lora_A"), params(policy, "lora_B"), params(policy, "base")
+    assert len(a0) == len(b0) == 14  # 7 linear layers x 2 decoder layers, lm_head excluded
+    assert all(not v.any() for v in b0.values())  # peft's default: B = 0, the adapter is a no-op
+    trajs = sample(policy, tiny_tokenizer)
+    lr = learner(policy, tiny_tokenizer)
+
+    m1 = lr.step(trajs)
+    assert m1["skipped"] == 0.0 and m1["num_sequences"] == len(trajs) and m1["grad_norm"] > 0
+    # dL/dA = scale * B^T dL/dy = 0 while B = 0, and AdamW moves a parameter with zero gradient
+    # (and no weight decay) by exactly 0: after the first step every B has moved and no A has.
+    assert changed(b0, policy) == set(b0)
+    assert changed(a0, policy) == set()
+    # the second step sees B != 0, so every A gets a gradient and moves
+    b1 = params(policy, "lora_B")
+    m2 = lr.step(trajs)
+    assert m2["skipped"] == 0.0
+    assert changed(a0, policy) == set(a0)
+    assert changed(b1, policy) == set(b1)
+    assert changed(base0, policy) == set()  # the base model is frozen throughout
+    assert all(not p.requires_grad for n, p in policy.named_parameters() if "lora_" not in n)
+
+
+def test_first_ratio_is_one_for_the_sampling_policy(policy, tiny_tokenizer):
+    trajs = sample(policy, tiny_tokenizer)
+    m = learner(policy, tiny_tokenizer).step(trajs)
+    # the learner recomputes the sampling logprobs at the sampling temperature: ratio 1, nothing clipped
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert m["clip_ratio"] == 0.0
+    assert m["num_tokens"] == sum(t.num_completion_tokens for t in trajs)
+    # dapo on the first step: loss = -sum_i A_i * n_i / N with ratio 1 (n_i completion tokens of i)
+    expected = -sum(t.advantage * t.num_completion_tokens for t in trajs) / m["num_tokens"]
+    assert m["loss"] == pytest.approx(expected, abs=1e-4)
+
+
+def test_batch_without_signal_is_skipped_without_a_forward(policy, tiny_tokenizer, monkeypatch):
+    trajs = sample(policy, tiny_tokenizer)
+    for i, t in enumerate(trajs):
+        t.advantage = None if i == 0 else 0.0
+    before = lora_state(policy)
+
+    def no_forward(*a, **k):
+        raise AssertionError("a batch without signal must not run the model")
+
+    monkeypatch.setattr("selfrl.trainer.per_token_logps", no_forward)
+    m = learner(policy, tiny_tokenizer).step(trajs)
+    assert m["skipped"] == 1.0 and m["skip_reason_no_signal"] == 1.0 and m["num_sequences"] == 0.0
+    after = lora_state(policy)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_nan_in_old_logprobs_skips_the_update(policy, tiny_tokenizer):
+    trajs = sample(policy, tiny_tokenizer)
+    t = trajs[1]
+    pos = t.completion_mask.index(1)
+    original, t.logprobs[pos] = t.logprobs[pos], float("nan")
+    before = lora_state(policy)
+    lr = learner(policy, tiny_tokenizer)
+    m = lr.step(trajs)
+    assert m["skipped"] == 1.0 and m["skip_reason_not_finite"] == 1.0 and math.isnan(m["loss"])
+    after = lora_state(policy)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not policy.training
+    # the learner is still usable: the same batch without the NaN trains
+    t.logprobs[pos] = original
+    assert lr.step(trajs)["skipped"] == 0.0
+
+
+def test_kl_to_the_base_is_zero_first_then_grows(policy, tiny_tokenizer):
+    trajs = sample(policy, tiny_tokenizer)
+    lr = learner(policy, tiny_tokenizer, beta=0.1)
+    kls = [lr.step(trajs)["kl"] for _ in range(3)]
+    # step 0: policy == base (B = 0), so logp == ref_logp on every token and k3 = e^0 - 0 - 1 = 0
+    assert kls[0] == pytest.approx(0.0, abs=1e-7)
+    assert kls[1] > 1e-5 and kls[2] > kls[1]
+
+
+def test_reference_state_matches_disabled_adapter_for_the_zero_b_start(policy, tiny_tokenizer):
+    start = lora_state(policy)  # B = 0: the reference is the base model
+    trajs = sample(policy, tiny_tokenizer)
+    lr_base = learner(policy, tiny_tokenizer, beta=0.1)
+    for _ in range(2):
+        lr_base.step(trajs)  # move away from the reference
+    trained = lora_state(policy)
+    assert any(not torch.equal(start[k], trained[k]) for k in start)
+    lr_state = learner(policy, tiny_tokenizer, beta=0.1)
+    lr_state.ref_state = start
+    ids_before = [id(p) for p in lr_state.params]
+
+    mb = collate(trajs, tiny_tokenizer.pad_token_id)
+    ref_disabled = lr_base._ref_logps(mb)  # (B, T) via disable_adapter()
+    ref_from_state = lr_state._ref_logps(mb)  # (B, T) via copying the start state in and back out
+    torch.testing.assert_close(ref_from_state, ref_disabled, atol=1e-6, rtol=0)
+    # the trained weights are back in place, in the same parameter objects the optimizer holds
+    after = lora_state(policy)
+    assert all(torch.equal(trained[k], after[k]) for k in trained)
+    assert [id(p) for p in dict(policy.named_parameters()).values() if p.requires_grad] == ids_before
+    # and the reference is not the current policy (the comparison above is not vacuous)
+    from selfrl.rl.logprobs import per_token_logps
+
+    with torch.no_grad():
+        current = per_token_logps(policy, mb.input_ids, mb.attention_mask, mb.completion_mask, TEMPERATURE)
+    assert (current - ref_disabled).abs().max() > 1e-3
