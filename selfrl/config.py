@@ -120,7 +120,9 @@ def _apply(obj, values: dict[str, Any], where: str) -> None:
                 raise ConfigError(f"{where}{key} must be a table")
             _apply(current, value, f"{where}{key}.")
             continue
-        expected = type(current) if current is not None else None
+        # the declared type, not the default's: "all-linear" must not forbid a list of modules
+        declared = fields[key].type if isinstance(fields[key].type, str) else getattr(fields[key].type, "__name__", "")
+        expected = {"int": int, "float": float, "str": str, "bool": bool}.get(declared)
         if expected in (int, float) and isinstance(value, bool):
             raise ConfigError(f"{where}{key} must be a number, got {value!r}")
         if expected is float and isinstance(value, int):

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from selfrl.prefix import shared_prefix_len
+
 
 @dataclass
 class Generation:
@@ -49,27 +51,6 @@ def eos_ids(model, tokenizer) -> list[int]:
     if not ids:
         raise ValueError("the tokenizer defines no EOS token; the engine cannot tell when a turn ends")
     return sorted(ids)
-
-
-MIN_SHARED_PREFIX = 16  # tokens; shorter common prefixes are not worth a separate pass
-
-
-def shared_prefix_len(prompts: list[list[int]]) -> int:
-    """Length of the common prefix of all prompts, leaving every prompt at least one
-    token of its own; 0 when under ``MIN_SHARED_PREFIX`` or for a single prompt.
-
-    >>> shared_prefix_len([[1] * 20 + [2], [1] * 20 + [3, 4]])
-    20
-    """
-    if len(prompts) < 2:
-        return 0
-    n = min(len(p) for p in prompts) - 1
-    first = prompts[0]
-    for i in range(n):
-        if any(p[i] != first[i] for p in prompts):
-            n = i
-            break
-    return n if n >= MIN_SHARED_PREFIX else 0
 
 
 def pack_prompts(prompts: list[list[int]], shared: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,7 +137,7 @@ class Engine:
             if shared:
                 # The shared prefix (system prompt, demonstration) is encoded once and its
                 # key/value cache repeated for every row, instead of once per row.
-                cache = self.model(input_ids=input_ids[:1, :shared], use_cache=True).past_key_values
+                cache = self.model(input_ids=input_ids[:1, :shared], use_cache=True).cache
                 cache.batch_repeat_interleave(len(prompts))
                 extra["cache"] = cache
             out = self.model.generate(

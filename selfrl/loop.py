@@ -138,6 +138,9 @@ def run(cfg: RunConfig, resume: bool = False, progress=None) -> RunResult:
     tools = resolve_tools(cfg.rollout.tools)
     weights = cfg.reward_weights or get_preset(cfg.preset)
     model, tok = build_policy(cfg)
+    # the KL reference is the adapter the run started from (TrainConfig.beta, LoraSettings.init_adapter);
+    # taken before a resume swaps in a later version
+    ref_state = adapters.lora_state(model) if cfg.lora.init_adapter else None
     engine = Engine(model, tok)
     tasks_by_id = {t.id: t for t in train}
 
@@ -166,7 +169,8 @@ def run(cfg: RunConfig, resume: bool = False, progress=None) -> RunResult:
         say(f"base model: held-out success {base.success:.3f} on {len(val)} tasks ({base.seconds:.0f} s)")
     log = MetricsLog(run_dir, store, run_id)
     log.log(start, {"val/success": best_success})
-    learner = Learner(model, cfg.train, cfg.rollout.temperature, tok.pad_token_id, cfg.rollout.max_new_tokens * cfg.rollout.max_turns)
+    learner = Learner(model, cfg.train, cfg.rollout.temperature, tok.pad_token_id,
+                      cfg.rollout.max_new_tokens * cfg.rollout.max_turns, ref_state=ref_state)
     best_version = engine.version
     best_state = adapters.lora_state(model)
     stopped = False

@@ -14,6 +14,7 @@ Departures from TRL's GRPOTrainer, each on purpose:
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -109,6 +110,10 @@ class Learner:
         eps_high = self.cfg.epsilon_high if self.cfg.epsilon_high is not None else self.cfg.epsilon
         totals = {"loss": 0.0, "kl": 0.0, "clipped": 0.0, "ratio": 0.0}
         grad_norm = 0.0
+        # a skip must leave the weights as they were, also when an earlier pass already stepped
+        backup = None
+        if self.cfg.num_iterations > 1:
+            backup = ([p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict()))
         self.model.train()
         for _ in range(self.cfg.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
@@ -128,6 +133,11 @@ class Learner:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
             if not (math.isfinite(grad_norm) and math.isfinite(totals["loss"])):
                 self.optimizer.zero_grad(set_to_none=True)
+                if backup is not None:
+                    with torch.no_grad():
+                        for p, saved in zip(self.params, backup[0]):
+                            p.copy_(saved)
+                    self.optimizer.load_state_dict(backup[1])
                 self.model.eval()
                 return {"skipped": 1.0, "skip_reason_not_finite": 1.0, "loss": totals["loss"],
                         "grad_norm": grad_norm, "time_s": time.perf_counter() - t0}

@@ -162,3 +162,27 @@ def test_reference_state_matches_disabled_adapter_for_the_zero_b_start(policy, t
     with torch.no_grad():
         current = per_token_logps(policy, mb.input_ids, mb.attention_mask, mb.completion_mask, TEMPERATURE)
     assert (current - ref_disabled).abs().max() > 1e-3
+
+
+def test_non_finite_second_pass_restores_the_first_passs_update(policy, tiny_tokenizer):
+    # num_iterations = 2: the first pass steps the optimizer; a non-finite loss in the second
+    # must not leave that half-update behind, or the weights would change with no new version.
+    trajs = sample(policy, tiny_tokenizer)
+    lr = learner(policy, tiny_tokenizer, num_iterations=2, micro_batch_size=len(trajs))  # one micro-batch per pass
+    lr.step(trajs)  # some optimizer state to restore as well
+    before = lora_state(policy)
+    state_before = {k: v.clone() for k, v in lr.optimizer.state_dict()["state"][0].items()}
+    aggregate, calls = lr.aggregate, []
+
+    def nan_on_second_pass(loss, mask, norm):
+        calls.append(1)
+        out = aggregate(loss, mask, norm)
+        return out * float("nan") if len(calls) == 2 else out
+
+    lr.aggregate = nan_on_second_pass
+    m = lr.step(trajs)
+    assert len(calls) == 2 and m["skipped"] == 1.0 and m["skip_reason_not_finite"] == 1.0
+    after = lora_state(policy)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    state_after = lr.optimizer.state_dict()["state"][0]
+    assert all(torch.equal(state_before[k], state_after[k]) for k in state_before)

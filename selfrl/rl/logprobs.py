@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from selfrl.prefix import shared_prefix_len
+
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits, -1).gather(-1, index)`` for (..., V) logits and (...) index.
@@ -41,6 +43,7 @@ def per_token_logps(
     completion_mask: torch.Tensor,
     temperature: float = 1.0,
     chunk_size: int = 512,
+    share_prefix: bool = True,
 ) -> torch.Tensor:
     """Log-prob of each token given its prefix, at completion positions only.
 
@@ -52,15 +55,28 @@ def per_token_logps(
             is never a completion token.
         temperature: logits are divided by it, as at sampling time.
         chunk_size: rows of the output layer computed at once.
+        share_prefix: encode the rows' common prefix once (``selfrl.prefix``); exact,
+            gradients included.
 
     Returns:
         (B, T) float32 log-probs; 0 where ``completion_mask`` is 0.
     """
     decoder, head = _decoder_and_head(model)
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
-    mask = completion_mask[:, 1:].bool()  # (B, T-1): token t+1 is predicted from hidden t
+    B, T = input_ids.shape
+    start = _prefix_len(input_ids, attention_mask, completion_mask) if share_prefix and B > 1 else 0
+    if start:
+        cache = decoder(input_ids=input_ids[:1, :start], use_cache=True).cache
+        cache.batch_repeat_interleave(B)
+        positions = torch.arange(start, T, device=input_ids.device).unsqueeze(0).expand(B, -1)  # (B, T-S)
+        hidden = decoder(
+            input_ids=input_ids[:, start:], attention_mask=attention_mask, position_ids=positions,
+            cache=cache, use_cache=True,
+        ).last_hidden_state  # (B, T-S, H): positions start..T-1
+    else:
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
+    mask = completion_mask[:, start + 1:].bool()  # (B, T-S-1): token t+1 is predicted from hidden t
     rows = hidden[:, :-1][mask]  # (M, H)
-    targets = input_ids[:, 1:][mask]  # (M,)
+    targets = input_ids[:, start + 1:][mask]  # (M,)
     parts = []
     for s in range(0, rows.shape[0], chunk_size):
         args = (rows[s:s + chunk_size], head.weight, head.bias, targets[s:s + chunk_size], temperature)
@@ -69,7 +85,18 @@ def per_token_logps(
         else:
             parts.append(_chunk_logps(*args))
     flat = torch.cat(parts) if parts else hidden.new_zeros(0)  # (M,)
-    out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)  # (B, T)
-    out_tail = torch.zeros(mask.shape, dtype=torch.float32, device=input_ids.device)  # (B, T-1)
-    out_tail = out_tail.masked_scatter(mask, flat.float())
-    return torch.cat([out[:, :1], out_tail], dim=1)  # (B, T)
+    out = torch.zeros((B, T), dtype=torch.float32, device=input_ids.device)  # (B, T)
+    tail = torch.zeros(mask.shape, dtype=torch.float32, device=input_ids.device)  # (B, T-S-1)
+    tail = tail.masked_scatter(mask, flat.float())
+    return torch.cat([out[:, :start + 1], tail], dim=1)  # (B, T)
+
+
+def _prefix_len(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> int:
+    """Common prefix of the rows that ends before any row's first completion token
+    (so every completion token is predicted from a hidden state of the batched pass)."""
+    lengths = attention_mask.sum(dim=1).tolist()
+    has = completion_mask.bool().any(dim=1)
+    firsts = completion_mask.float().argmax(dim=1)[has]
+    limit = int(firsts.min()) - 1 if len(firsts) else min(lengths) - 1
+    rows = [input_ids[i, :n].tolist() for i, n in enumerate(lengths)]
+    return shared_prefix_len(rows, limit=limit)
