@@ -7,7 +7,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 RUN_FLAGS = {
     # flag: (dotted config key, type, help)
@@ -46,10 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     from selfrl.model import ModelLoadError
 
     overrides = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in RUN_FLAGS.items()}
+    base = None
     if args.resume:
         overrides["run_dir"] = args.resume
+        stored = Path(args.resume) / "config.json"
+        if stored.exists() and not args.config:
+            base = json.loads(stored.read_text())  # resume with the run's own settings
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, overrides, base)
         from rich.console import Console
 
         from selfrl.loop import run

@@ -132,17 +132,22 @@ def _apply(obj, values: dict[str, Any], where: str) -> None:
         setattr(obj, key, value)
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Build a :class:`RunConfig` from defaults, a TOML file, then dotted overrides.
+def load_config(
+    path: str | Path | None = None, overrides: dict[str, Any] | None = None, base: dict[str, Any] | None = None
+) -> RunConfig:
+    """Build a :class:`RunConfig` from defaults, ``base``, a TOML file, then dotted overrides.
 
     Args:
         path: TOML file, or None.
         overrides: e.g. ``{"train.learning_rate": 1e-4, "iterations": 4}``; None values are skipped.
+        base: a stored config (``RunConfig.to_dict()``), e.g. the ``config.json`` of a run to resume.
 
     Raises:
         ConfigError: unreadable file, unknown key, wrong type or invalid value.
     """
     cfg = RunConfig()
+    if base is not None:
+        _apply(cfg, base, "")
     if path is not None:
         try:
             data = tomllib.loads(Path(path).read_text())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -130,6 +131,8 @@ def run(cfg: RunConfig, resume: bool = False, progress=None) -> RunResult:
     if not resume and db.exists():
         raise FileExistsError(f"{run_dir} already holds a run; pass --resume or choose another --run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        _write_atomic(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
     say = progress.log if progress else print
 
     source = get_task_source(cfg.task.source, **cfg.task.options)
@@ -217,6 +220,15 @@ def run(cfg: RunConfig, resume: bool = False, progress=None) -> RunResult:
     report = write_report(run_dir, store, run_id, summary)
     store.close()
     return RunResult(run_dir, _rate(base_eval), _rate(final), base_version, best_version, stopped, {**summary, "report": str(report)})
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _rate(evaluation: dict[str, bool]) -> float:
