@@ -59,9 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         from rich.console import Console
 
         from selfrl.loop import run
+        from selfrl.progress import RichProgress
 
-        console = Console(stderr=True)
-        result = run(cfg, resume=bool(args.resume), progress=console)
+        with RichProgress(cfg.iterations, Console(stderr=True)) as progress:
+            result = run(cfg, resume=bool(args.resume), progress=progress)
     except (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"selfrl: error: {e}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ best so far by more than ``tolerance`` (absolute success rate).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from selfrl.engine import Engine
@@ -48,9 +49,11 @@ class EvalResult:
 
 
 def evaluate(
-    engine: Engine, tasks: list[Task], source: TaskSource, tools: list[Tool], cfg: RolloutConfig, batch_size: int = 64
+    engine: Engine, tasks: list[Task], source: TaskSource, tools: list[Tool], cfg: RolloutConfig, batch_size: int = 64,
+    on_batch: Callable[[int], None] | None = None,
 ) -> EvalResult:
-    """Greedy pass@1 of the engine's current version on ``tasks``."""
+    """Greedy pass@1 of the engine's current version on ``tasks``; ``on_batch(n)`` is
+    called after each batch of n tasks (progress display)."""
     t0 = time.perf_counter()
     results = []
     for s in range(0, len(tasks), batch_size):
@@ -59,6 +62,8 @@ def evaluate(
         for task, tr in zip(chunk, trajs):
             answer = source.extract_answer(tr.final_answer or "")
             results.append((task.id, bool(source.correct(task, answer)), answer))
+        if on_batch is not None:
+            on_batch(len(chunk))
     return EvalResult(engine.version, results, time.perf_counter() - t0)
 
 

@@ -1,8 +1,12 @@
 """The online self-improvement loop: rollouts -> rewards -> advantages -> LoRA update
 -> candidate version -> validation gate -> promote or roll back; all recorded.
 
-This module only orchestrates; the math lives in ``selfrl.rl`` and the parts in
-their own modules.
+This module only orchestrates; the math lives in ``selfrl.rl`` and each part in
+its own module. Version semantics: the engine's ``version`` is always the
+version whose weights are loaded. An update saves its result as a new
+*candidate* version, which serves the next rollouts (on-policy); every
+``gate.eval_every`` updates the candidate is validated and either *promoted*
+(new best) or *rejected*, in which case the best version is swapped back in.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from selfrl import adapters
 from selfrl.config import RunConfig
 from selfrl.engine import Engine
 from selfrl.gate import EvalResult, evaluate, passes_gate
+from selfrl.progress import PlainProgress, Progress
 from selfrl.rewards import get_preset, score_batch
 from selfrl.rl.advantages import group_advantages
 from selfrl.rollout import rollout
@@ -28,6 +33,7 @@ from selfrl.store import Store
 from selfrl.tasks import Task, assert_disjoint, get_task_source, split_tasks
 from selfrl.tools import resolve_tools
 from selfrl.trainer import Learner
+from selfrl.trajectory import Trajectory
 
 
 @dataclass
@@ -112,114 +118,204 @@ def iteration_tasks(train: list[Task], iteration: int, num_prompts: int, seed: i
     return [train[i] for i in idx]
 
 
-def run(cfg: RunConfig, resume: bool = False, progress=None) -> RunResult:
+def run(cfg: RunConfig, resume: bool = False, progress: Progress | None = None) -> RunResult:
     """Run (or resume) the self-improvement loop described by ``cfg``.
 
     With ``resume``, the store in ``cfg.run_dir`` is reopened, the last promoted
     version is loaded into the engine, and iterations continue after the last
-    one stored; no stored trajectory is touched. Ctrl-C stops after the current
-    phase, gates nothing new, and still writes the report.
+    one stored; no stored trajectory is touched (the optimizer state starts
+    fresh). Ctrl-C stops after the current step, gates nothing new, and still
+    writes the report.
 
     Raises:
         FileExistsError: ``run_dir`` already holds a run and ``resume`` is False.
         FileNotFoundError: ``resume`` but there is no run to resume.
     """
-    run_dir = Path(cfg.run_dir)
-    db = run_dir / "selfrl.db"
-    if resume and not db.exists():
-        raise FileNotFoundError(f"nothing to resume: no run at {run_dir}")
-    if not resume and db.exists():
-        raise FileExistsError(f"{run_dir} already holds a run; pass --resume or choose another --run-dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        _write_atomic(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
-    say = progress.log if progress else print
+    return Runner(cfg, resume, progress or PlainProgress()).run()
 
-    source = get_task_source(cfg.task.source, **cfg.task.options)
-    train, val = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
-    assert_disjoint(train, val)
-    tools = resolve_tools(cfg.rollout.tools)
-    weights = cfg.reward_weights or get_preset(cfg.preset)
-    model, tok = build_policy(cfg)
-    # the KL reference is the adapter the run started from (TrainConfig.beta, LoraSettings.init_adapter);
-    # taken before a resume swaps in a later version
-    ref_state = adapters.lora_state(model) if cfg.lora.init_adapter else None
-    engine = Engine(model, tok)
-    tasks_by_id = {t.id: t for t in train}
 
-    store = Store(db)
-    timer = Timer()
-    if resume:
-        run_id = store.start_run(cfg.to_dict())
-        best = store.latest_promoted()
-        if best["version"] != 0:
-            engine.swap(adapters.load_version_state(Path(best["path"])), best["version"])
-        best_success = best["metrics"].get("val/success", 0.0)
-        done = [m["step"] for m in store.metrics() if m["name"] == "reward/mean"]
-        start = max(done) + 1 if done else 0
-        base_version = 0
-        say(f"resuming at iteration {start} from version {best['version']} (held-out {best_success:.3f})")
-    else:
-        run_id = store.start_run(cfg.to_dict())
-        store.add_tasks([_task_row(t) for t in train], "train")
-        store.add_tasks([_task_row(t) for t in val], "val")
-        base_path = adapters.save_version(model, run_dir, 0)
-        base = evaluate(engine, val, source, tools, cfg.rollout, cfg.gate.batch_size)
-        timer.add("validation", base.seconds)
-        store.add_version(0, None, str(base_path), "base", {"val/success": base.success})
-        store.add_evaluation(0, base.results)
-        best_success, start, base_version = base.success, 0, 0
-        say(f"base model: held-out success {base.success:.3f} on {len(val)} tasks ({base.seconds:.0f} s)")
-    log = MetricsLog(run_dir, store, run_id)
-    log.log(start, {"val/success": best_success})
-    learner = Learner(model, cfg.train, cfg.rollout.temperature, tok.pad_token_id,
-                      cfg.rollout.max_new_tokens * cfg.rollout.max_turns, ref_state=ref_state)
-    best_version = engine.version
-    best_state = adapters.lora_state(model)
-    stopped = False
-    try:
-        for it in range(start, cfg.iterations):
-            stopped = _iteration(it, cfg, engine, learner, source, train, tasks_by_id, tools, weights, store, run_id, run_dir, log, timer, say)
-            if (it + 1) % cfg.gate.eval_every == 0 or it == cfg.iterations - 1:
-                res = evaluate(engine, val, source, tools, cfg.rollout, cfg.gate.batch_size)
-                timer.add("validation", res.seconds)
-                store.add_evaluation(res.version, res.results)
-                log.log(it, {"val/success": res.success})
-                if res.version == best_version:
-                    continue
-                if passes_gate(res.success, best_success, cfg.gate.tolerance):
-                    store.set_version_status(res.version, "promoted", {"val/success": res.success})
-                    store.log_event(run_id, "promote", f"version {res.version} promoted: held-out {res.success:.3f} (best was {best_success:.3f})")
-                    say(f"iteration {it}: version {res.version} promoted, held-out {res.success:.3f}")
-                    best_success = max(best_success, res.success)
-                    best_version, best_state = res.version, adapters.lora_state(model)
-                else:
-                    store.set_version_status(res.version, "rejected", {"val/success": res.success})
-                    engine.swap(best_state, best_version)
-                    store.log_event(run_id, "rollback", f"version {res.version} rejected: held-out {res.success:.3f} < best {best_success:.3f} - {cfg.gate.tolerance}; serving {best_version} again")
-                    say(f"iteration {it}: version {res.version} rejected ({res.success:.3f}); back to version {best_version}")
-    except KeyboardInterrupt:
-        stopped = True
-        say("interrupted: stored trajectories and promoted versions are kept; resume with --resume")
-    if engine.version != best_version:
-        engine.swap(best_state, best_version)
-    final = store.evaluation(best_version)
-    base_eval = store.evaluation(0)
-    inference = timer.seconds.get("inference", 0.0)
-    training = timer.seconds.get("training", 0.0)
-    summary = {
-        "base_version": 0, "final_version": best_version,
-        "time_inference_s": inference, "time_training_s": training,
-        "time_validation_s": timer.seconds.get("validation", 0.0),
-        "cost_ratio": (inference + training) / inference if inference else float("nan"),
-        "stopped_early": stopped,
+class Runner:
+    """State of one run; :meth:`run` drives it. See :func:`run`."""
+
+    def __init__(self, cfg: RunConfig, resume: bool, progress: Progress):
+        self.cfg, self.resume, self.progress = cfg, resume, progress
+        self.run_dir = Path(cfg.run_dir)
+        db = self.run_dir / "selfrl.db"
+        if resume and not db.exists():
+            raise FileNotFoundError(f"nothing to resume: no run at {self.run_dir}")
+        if not resume and db.exists():
+            raise FileExistsError(f"{self.run_dir} already holds a run; pass --resume or choose another --run-dir")
+        self.source = get_task_source(cfg.task.source, **cfg.task.options)
+        self.train, self.val = split_tasks(
+            self.source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed
+        )
+        assert_disjoint(self.train, self.val)
+        self.tasks_by_id = {t.id: t for t in self.train}
+        self.tools = resolve_tools(cfg.rollout.tools)
+        self.weights = cfg.reward_weights or get_preset(cfg.preset)
+        model, tok = build_policy(cfg)
+        # The KL reference is the adapter the run started from (LoraSettings.init_adapter),
+        # taken before a resume swaps in a later version; None means the base model.
+        ref_state = adapters.lora_state(model) if cfg.lora.init_adapter else None
+        self.engine = Engine(model, tok)
+        self.learner = Learner(
+            model, cfg.train, cfg.rollout.temperature, tok.pad_token_id,
+            cfg.rollout.max_new_tokens * cfg.rollout.max_turns, ref_state=ref_state,
+        )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            _write_atomic(self.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
+        self.store = Store(db)
+        self.run_id = self.store.start_run(cfg.to_dict())
+        self.timer = Timer()
+        self.best_version, self.best_success, self.best_state = 0, 0.0, None
+
+    # -- phases -------------------------------------------------------------------------
+
+    def validate(self) -> EvalResult:
+        """Held-out pass@1 of the engine's current version, stored per task."""
+        self.progress.phase(f"validation (version {self.engine.version})", len(self.val))
+        res = evaluate(self.engine, self.val, self.source, self.tools, self.cfg.rollout,
+                       self.cfg.gate.batch_size, on_batch=self.progress.advance)
+        self.timer.add("validation", res.seconds)
+        self.store.add_evaluation(res.version, res.results)
+        return res
+
+    def start(self) -> int:
+        """Evaluate the base (fresh run) or restore the best version (resume); returns
+        the first iteration to run."""
+        if self.resume:
+            best = self.store.latest_promoted()
+            if best["version"] != 0:
+                self.engine.swap(adapters.load_version_state(Path(best["path"])), best["version"])
+            done = [m["step"] for m in self.store.metrics() if m["name"] == "reward/mean"]
+            start = max(done) + 1 if done else 0
+            self.best_version, self.best_success = best["version"], best["metrics"].get("val/success", 0.0)
+            self.progress.log(f"resuming at iteration {start} from version {self.best_version} "
+                              f"(held-out {self.best_success:.3f})")
+        else:
+            self.store.add_tasks([_task_row(t) for t in self.train], "train")
+            self.store.add_tasks([_task_row(t) for t in self.val], "val")
+            path = adapters.save_version(self.engine.model, self.run_dir, 0)
+            self.store.add_version(0, None, str(path), "base", {})
+            base = self.validate()
+            self.store.set_version_status(0, "base", {"val/success": base.success})
+            start, self.best_success = 0, base.success
+            self.progress.log(f"base model: held-out success {base.success:.3f} on {len(self.val)} tasks "
+                              f"({base.seconds:.0f} s)")
+        self.best_state = adapters.lora_state(self.engine.model)
+        return start
+
+    def iteration(self, it: int) -> dict[str, float]:
+        """Rollouts, rewards, advantages and one update; returns the logged metrics."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        batch = iteration_tasks(self.train, it, cfg.num_prompts, cfg.task.train_seed)
+        tasks = [t for t in batch for _ in range(cfg.num_generations)]
+        groups = [f"{it}-{j}" for j, t in enumerate(batch) for _ in range(cfg.num_generations)]
+        self.progress.phase(f"iteration {it}: rollouts (turns)", cfg.rollout.max_turns)
+        trajs = rollout(self.engine, tasks, groups, self.tools, cfg.rollout, on_turn=self.progress.advance)
+        self.timer.add("inference", time.perf_counter() - t0)
+        score_batch(trajs, self.tasks_by_id, self.source, self.weights)
+        adv = group_advantages([t.reward for t in trajs], [t.group_id for t in trajs], cfg.train.scale_rewards)
+        for t, a in zip(trajs, adv.advantages):
+            t.advantage = a
+        self.store.add_trajectories(self.run_id, it, trajs)
+        signal = sum(1 for t in trajs if t.advantage)
+        self.progress.phase(f"iteration {it}: update (micro-batches)", max(1, -(-signal // cfg.train.micro_batch_size)))
+        metrics = self.learner.step(trajs, on_micro_batch=self.progress.advance)
+        self.timer.add("training", metrics.get("time_s", 0.0))
+        if not metrics.get("skipped"):
+            version = self.store.next_version()
+            path = adapters.save_version(self.engine.model, self.run_dir, version)
+            self.store.add_version(version, self.engine.version, str(path), "candidate", {})
+            self.engine.version = version
+        else:
+            self.store.log_event(self.run_id, "skip", f"iteration {it}: update skipped", metrics)
+        metrics.update(rollout_metrics(trajs))
+        metrics.update({"frac_reward_zero_std": adv.frac_no_signal, "version": float(self.engine.version)})
+        self.progress.log(
+            f"iteration {it}: reward {metrics['reward/mean']:.3f} correct {metrics['train/correct']:.3f} "
+            f"tool use {metrics['train/tool_use']:.2f} kl {metrics.get('kl', 0.0):.4f} "
+            f"version {self.engine.version} ({time.perf_counter() - t0:.0f} s)"
+        )
+        return metrics
+
+    def gate(self, it: int, res: EvalResult) -> None:
+        """Promote the validated candidate, or reject it and swap the best version back in."""
+        if res.version == self.best_version:
+            return
+        tol = self.cfg.gate.tolerance
+        if passes_gate(res.success, self.best_success, tol):
+            self.store.set_version_status(res.version, "promoted", {"val/success": res.success})
+            msg = f"version {res.version} promoted: held-out {res.success:.3f} (best was {self.best_success:.3f})"
+            self.store.log_event(self.run_id, "promote", msg)
+            self.best_success = max(self.best_success, res.success)
+            self.best_version, self.best_state = res.version, adapters.lora_state(self.engine.model)
+        else:
+            self.store.set_version_status(res.version, "rejected", {"val/success": res.success})
+            self.engine.swap(self.best_state, self.best_version)
+            msg = (f"version {res.version} rejected: held-out {res.success:.3f} < best {self.best_success:.3f} "
+                   f"- {tol}; serving version {self.best_version} again")
+            self.store.log_event(self.run_id, "rollback", msg)
+        self.progress.log(f"iteration {it}: {msg}")
+
+    def run(self) -> RunResult:
+        start = self.start()
+        log = MetricsLog(self.run_dir, self.store, self.run_id)
+        log.log(start, {"val/success": self.best_success})
+        stopped = False
+        try:
+            for it in range(start, self.cfg.iterations):
+                log.log(it, self.iteration(it))
+                if (it + 1) % self.cfg.gate.eval_every == 0 or it == self.cfg.iterations - 1:
+                    res = self.validate()
+                    log.log(it, {"val/success": res.success})
+                    self.gate(it, res)
+                if hasattr(self.progress, "iteration_done"):
+                    self.progress.iteration_done(it)
+        except KeyboardInterrupt:
+            stopped = True
+            self.progress.log("interrupted: stored trajectories and versions are kept; continue with --resume")
+        finally:
+            log.close()
+        return self.finish(stopped)
+
+    def finish(self, stopped: bool) -> RunResult:
+        """Serve the best version, write the report, close the store."""
+        from selfrl.report import write_report
+
+        if self.engine.version != self.best_version:
+            self.engine.swap(self.best_state, self.best_version)
+        secs = self.timer.seconds
+        inference, training = secs.get("inference", 0.0), secs.get("training", 0.0)
+        summary = {
+            "base_version": 0, "final_version": self.best_version,
+            "time_inference_s": inference, "time_training_s": training,
+            "time_validation_s": secs.get("validation", 0.0),
+            "cost_ratio": (inference + training) / inference if inference else float("nan"),
+            "stopped_early": stopped,
+        }
+        report = write_report(self.run_dir, self.store, self.run_id, summary)
+        base, final = self.store.evaluation(0), self.store.evaluation(self.best_version)
+        self.store.close()
+        return RunResult(self.run_dir, _rate(base), _rate(final), 0, self.best_version, stopped,
+                         {**summary, "report": str(report)})
+
+
+def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    """Batch statistics of a set of rollouts (rates in 0..1, tokens per trajectory)."""
+    scored = [t for t in trajs if t.reward is not None]
+    tool_rates = [t.tool_success_rate for t in trajs if t.tool_success_rate is not None]
+    n = max(len(trajs), 1)
+    return {
+        "reward/mean": sum(t.reward for t in scored) / max(len(scored), 1),
+        "train/correct": sum(bool(t.correct) for t in trajs) / n,
+        "train/tool_use": sum(bool(t.tool_calls) for t in trajs) / n,
+        "train/tool_success": sum(tool_rates) / len(tool_rates) if tool_rates else float("nan"),
+        "train/truncated": sum(t.truncated for t in trajs) / n,
+        "train/completion_tokens": sum(t.num_completion_tokens for t in trajs) / n,
+        "train/failed_rollouts": sum(t.error is not None for t in trajs) / n,
     }
-    log.close()
-    from selfrl.report import write_report
-
-    report = write_report(run_dir, store, run_id, summary)
-    store.close()
-    return RunResult(run_dir, _rate(base_eval), _rate(final), base_version, best_version, stopped, {**summary, "report": str(report)})
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -237,42 +333,3 @@ def _rate(evaluation: dict[str, bool]) -> float:
 
 def _task_row(t: Task) -> dict:
     return {"id": t.id, "source": t.source, "question": t.question, "answer": t.answer, "metadata": t.metadata}
-
-
-def _iteration(it, cfg, engine, learner, source, train, tasks_by_id, tools, weights, store, run_id, run_dir, log, timer, say) -> bool:
-    """One rollout + update; returns False (kept for symmetry with early-stop signals)."""
-    batch = iteration_tasks(train, it, cfg.num_prompts, cfg.task.train_seed)
-    tasks = [t for t in batch for _ in range(cfg.num_generations)]
-    groups = [f"{it}-{j}" for j, t in enumerate(batch) for _ in range(cfg.num_generations)]
-    t0 = time.perf_counter()
-    trajs = rollout(engine, tasks, groups, tools, cfg.rollout)
-    timer.add("inference", time.perf_counter() - t0)
-    score_batch(trajs, tasks_by_id, source, weights)
-    adv = group_advantages([t.reward for t in trajs], [t.group_id for t in trajs], cfg.train.scale_rewards)
-    for t, a in zip(trajs, adv.advantages):
-        t.advantage = a
-    store.add_trajectories(run_id, it, trajs)
-    metrics = learner.step(trajs)
-    timer.add("training", metrics.get("time_s", 0.0))
-    if not metrics.get("skipped"):
-        version = store.next_version()
-        path = adapters.save_version(engine.model, run_dir, version)
-        store.add_version(version, engine.version, str(path), "candidate", {})
-        engine.version = version
-    scored = [t for t in trajs if t.reward is not None]
-    tool_rates = [t.tool_success_rate for t in trajs if t.tool_success_rate is not None]
-    metrics.update({
-        "reward/mean": sum(t.reward for t in scored) / max(len(scored), 1),
-        "train/correct": sum(bool(t.correct) for t in trajs) / len(trajs),
-        "train/tool_use": sum(bool(t.tool_calls) for t in trajs) / len(trajs),
-        "train/tool_success": sum(tool_rates) / len(tool_rates) if tool_rates else float("nan"),
-        "train/truncated": sum(t.truncated for t in trajs) / len(trajs),
-        "train/completion_tokens": sum(t.num_completion_tokens for t in trajs) / len(trajs),
-        "frac_reward_zero_std": adv.frac_no_signal,
-        "version": float(engine.version),
-    })
-    log.log(it, metrics)
-    say(f"iteration {it}: reward {metrics['reward/mean']:.3f} correct {metrics['train/correct']:.3f} "
-        f"tool use {metrics['train/tool_use']:.2f} kl {metrics.get('kl', 0.0):.4f} "
-        f"version {engine.version} ({time.perf_counter() - t0:.0f} s)")
-    return False

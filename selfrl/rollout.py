@@ -11,6 +11,7 @@ ends the trajectory.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from selfrl.chat import between_turns_ids, prompt_ids, template_supports_tools
@@ -64,6 +65,7 @@ def rollout(
     tools: list[Tool],
     cfg: RolloutConfig,
     greedy: bool = False,
+    on_turn: Callable[[], None] | None = None,
 ) -> list[Trajectory]:
     """Run one trajectory per ``(task, group_id)`` pair, batched.
 
@@ -73,6 +75,7 @@ def rollout(
         group_ids: N group keys.
         tools: tools the agent may call.
         greedy: argmax decoding (validation) instead of sampling.
+        on_turn: called after each batched turn (progress display).
 
     Returns:
         N trajectories with token ids, ``completion_mask``, sampling ``logprobs``,
@@ -135,4 +138,6 @@ def rollout(
             tr.timings["tools"] += time.perf_counter() - t1
             still.append(i)
         active = still
+        if on_turn is not None:
+            on_turn()
     return trajs

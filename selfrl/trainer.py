@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -90,7 +91,7 @@ class Learner:
         finally:
             set_peft_model_state_dict(self.model, current)
 
-    def step(self, trajs: list[Trajectory]) -> dict[str, float]:
+    def step(self, trajs: list[Trajectory], on_micro_batch: Callable[[], None] | None = None) -> dict[str, float]:
         """One update from scored trajectories (``advantage`` set on each).
 
         Returns:
@@ -125,6 +126,8 @@ class Learner:
                 )
                 loss = self.aggregate(loss_t, mb.completion_mask, norm)
                 loss.backward()
+                if on_micro_batch is not None:
+                    on_micro_batch()
                 m = mb.completion_mask
                 totals["loss"] += float(loss)
                 totals["kl"] += float((parts["kl"] * m).sum()) / max(norm.num_tokens, 1)

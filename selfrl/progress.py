@@ -1,0 +1,74 @@
+"""What the user sees while a run goes: progress bars (rich) and log lines.
+
+The loop talks to a :class:`Progress`; :class:`PlainProgress` prints lines (tests,
+pipes), :class:`RichProgress` draws bars for rollouts, updates and validation.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Progress(Protocol):
+    """The loop's view of the display."""
+
+    def log(self, message: str) -> None:
+        """Print one line above the bars."""
+
+    def phase(self, description: str, total: int) -> None:
+        """Start a phase of ``total`` steps (replaces the previous phase's bar)."""
+
+    def advance(self, steps: int = 1) -> None:
+        """Advance the current phase."""
+
+
+class PlainProgress:
+    """Prints log lines only."""
+
+    def log(self, message: str) -> None:
+        print(message, flush=True)
+
+    def phase(self, description: str, total: int) -> None:
+        pass
+
+    def advance(self, steps: int = 1) -> None:
+        pass
+
+
+class RichProgress:
+    """Two rich bars: iterations overall, and the current phase. Use as a context manager."""
+
+    def __init__(self, iterations: int, console=None):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bars = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=console, transient=False,
+        )
+        self.iterations = iterations
+        self.overall = None
+        self.current = None
+
+    def __enter__(self) -> "RichProgress":
+        self.bars.__enter__()
+        self.overall = self.bars.add_task("iterations", total=self.iterations)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bars.__exit__(*exc)
+
+    def log(self, message: str) -> None:
+        self.bars.console.log(message)
+
+    def phase(self, description: str, total: int) -> None:
+        if self.current is not None:
+            self.bars.remove_task(self.current)
+        self.current = self.bars.add_task(description, total=total)
+
+    def advance(self, steps: int = 1) -> None:
+        if self.current is not None:
+            self.bars.advance(self.current, steps)
+
+    def iteration_done(self, iteration: int) -> None:
+        """Set the overall bar to ``iteration + 1`` completed."""
+        self.bars.update(self.overall, completed=iteration + 1)
