@@ -128,7 +128,9 @@ class Engine:
         shared = shared_prefix_len(prompts) if self.share_prefix else 0
         input_ids, attention_mask = pack_prompts(prompts, shared, self.pad_token_id)  # (B, P), (B, P)
         width = input_ids.shape[1]
-        sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature)
+        # Sampling: temperature only, every other warper off. Greedy: no sampling flags at all.
+        sampling = (dict(do_sample=False, top_k=None, top_p=None, temperature=None) if greedy else
+                    dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=None))
         with self.lock:
             version = self.version
             was_training = self.model.training
@@ -144,9 +146,6 @@ class Engine:
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 max_new_tokens=max_new_tokens,
-                top_k=0,
-                top_p=1.0,
-                min_p=None,
                 repetition_penalty=1.0,
                 eos_token_id=self.eos_token_ids,
                 pad_token_id=self.pad_token_id,

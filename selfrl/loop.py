@@ -284,8 +284,8 @@ class Runner:
         """Serve the best version, write the report, close the store."""
         from selfrl.report import write_report
 
-        if self.engine.version != self.best_version:
-            self.engine.swap(self.best_state, self.best_version)
+        # Always: an interrupted update may have changed the weights without saving a version.
+        self.engine.swap(self.best_state, self.best_version)
         secs = self.timer.seconds
         inference, training = secs.get("inference", 0.0), secs.get("training", 0.0)
         summary = {

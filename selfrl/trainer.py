@@ -129,7 +129,7 @@ class Learner:
                 if on_micro_batch is not None:
                     on_micro_batch()
                 m = mb.completion_mask
-                totals["loss"] += float(loss)
+                totals["loss"] += float(loss.detach())
                 totals["kl"] += float((parts["kl"] * m).sum()) / max(norm.num_tokens, 1)
                 totals["clipped"] += float((parts["clipped"] * m).sum()) / max(norm.num_tokens, 1)
                 totals["ratio"] += float((parts["ratio"] * m).sum()) / max(norm.num_tokens, 1)
