@@ -168,6 +168,7 @@ class Runner:
         self.store = Store(db)
         self.run_id = self.store.start_run(cfg.to_dict())
         self.timer = Timer()
+        self.t_start = time.perf_counter()
         self.best_version, self.best_success, self.best_state = 0, 0.0, None
 
     # -- phases -------------------------------------------------------------------------
@@ -223,7 +224,7 @@ class Runner:
         signal = sum(1 for t in trajs if t.advantage)
         self.progress.phase(f"iteration {it}: update (micro-batches)", max(1, -(-signal // cfg.train.micro_batch_size)))
         metrics = self.learner.step(trajs, on_micro_batch=self.progress.advance)
-        self.timer.add("training", metrics.get("time_s", 0.0))
+        self.timer.add("training", metrics.get("time/update_s", 0.0))
         if not metrics.get("skipped"):
             version = self.store.next_version()
             path = adapters.save_version(self.engine.model, self.run_dir, version)
@@ -294,6 +295,10 @@ class Runner:
             "time_validation_s": secs.get("validation", 0.0),
             "cost_ratio": (inference + training) / inference if inference else float("nan"),
             "stopped_early": stopped,
+            "model": self.cfg.model.name, "task": self.cfg.task.source, "preset": self.cfg.preset,
+            "reward_weights": self.weights, "num_prompts": self.cfg.num_prompts,
+            "num_generations": self.cfg.num_generations, "iterations": self.cfg.iterations,
+            "wall_time_s": time.perf_counter() - self.t_start,
         }
         report = write_report(self.run_dir, self.store, self.run_id, summary)
         base, final = self.store.evaluation(0), self.store.evaluation(self.best_version)

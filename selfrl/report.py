@@ -54,6 +54,7 @@ def write_report(run_dir: Path, store: Store, run_id: int, summary: dict[str, An
     lines += time_section(summary)
     lines += versions_section(store)
     lines += other_summary_section(summary)
+    lines += events_section(store, run_id)
     lines += ["## Metrics", ""]
     if plots:
         lines += [f"![{name}](plots/{path.name})" for name, path in plots.items()]
@@ -177,6 +178,16 @@ def versions_section(store: Store) -> list[str]:
             success = "not evaluated"
         parent = "" if v["parent"] is None else v["parent"]
         lines.append(f"| {v['version']} | {parent} | {v['status']} | {success} |")
+    return lines + [""]
+
+
+def events_section(store: Store, run_id: int) -> list[str]:
+    """Promotions, rollbacks and skipped updates of the run, in order."""
+    events = store.events(run_id)
+    if not events:
+        return []
+    lines = ["## Events", "", "| kind | message |", "|---|---|"]
+    lines += [f"| {e['kind']} | {e['message']} |" for e in events]
     return lines + [""]
 
 

@@ -97,12 +97,12 @@ class Learner:
         Returns:
             metrics: ``loss``, ``kl``, ``clip_ratio``, ``ratio_mean``, ``grad_norm``,
             ``num_sequences``, ``num_tokens``, ``skipped`` (1 when nothing carried signal
-            or a value was not finite), ``time_s``.
+            or a value was not finite), ``time/update_s`` (seconds).
         """
         t0 = time.perf_counter()
         usable = [t for t in trajs if t.advantage is not None and t.advantage != 0.0]
         if not usable:
-            return {"skipped": 1.0, "skip_reason_no_signal": 1.0, "num_sequences": 0.0, "time_s": time.perf_counter() - t0}
+            return {"skipped": 1.0, "skip_reason_no_signal": 1.0, "num_sequences": 0.0, "time/update_s": time.perf_counter() - t0}
         usable.sort(key=lambda t: len(t.token_ids))  # similar lengths per micro-batch: less padding
         micro = [collate(usable[i:i + self.cfg.micro_batch_size], self.pad_token_id)
                  for i in range(0, len(usable), self.cfg.micro_batch_size)]
@@ -143,12 +143,12 @@ class Learner:
                     self.optimizer.load_state_dict(backup[1])
                 self.model.eval()
                 return {"skipped": 1.0, "skip_reason_not_finite": 1.0, "loss": totals["loss"],
-                        "grad_norm": grad_norm, "time_s": time.perf_counter() - t0}
+                        "grad_norm": grad_norm, "time/update_s": time.perf_counter() - t0}
             self.optimizer.step()
         self.model.eval()
         return {
             "loss": totals["loss"], "kl": totals["kl"], "clip_ratio": totals["clipped"],
             "ratio_mean": totals["ratio"], "grad_norm": grad_norm, "skipped": 0.0,
             "num_sequences": float(len(usable)), "num_tokens": float(norm.num_tokens),
-            "time_s": time.perf_counter() - t0,
+            "time/update_s": time.perf_counter() - t0,
         }
