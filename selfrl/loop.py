@@ -215,7 +215,8 @@ class Runner:
         groups = [f"{it}-{j}" for j, t in enumerate(batch) for _ in range(cfg.num_generations)]
         self.progress.phase(f"iteration {it}: rollouts (turns)", cfg.rollout.max_turns)
         trajs = rollout(self.engine, tasks, groups, self.tools, cfg.rollout, on_turn=self.progress.advance)
-        self.timer.add("inference", time.perf_counter() - t0)
+        t_roll = time.perf_counter() - t0
+        self.timer.add("inference", t_roll)
         score_batch(trajs, self.tasks_by_id, self.source, self.weights)
         adv = group_advantages([t.reward for t in trajs], [t.group_id for t in trajs], cfg.train.scale_rewards)
         for t, a in zip(trajs, adv.advantages):
@@ -237,7 +238,7 @@ class Runner:
         self.progress.log(
             f"iteration {it}: reward {metrics['reward/mean']:.3f} correct {metrics['train/correct']:.3f} "
             f"tool use {metrics['train/tool_use']:.2f} kl {metrics.get('kl', 0.0):.4f} "
-            f"version {self.engine.version} ({time.perf_counter() - t0:.0f} s)"
+            f"version {self.engine.version} (rollouts {t_roll:.0f} s, update {metrics.get('time/update_s', 0.0):.0f} s)"
         )
         return metrics
 

@@ -300,7 +300,8 @@ def split_tasks(
 ) -> tuple[list[Task], list[Task]]:
     """Make ``(train, val)`` with no validation question in training; deterministic.
 
-    Validation is ``source.sample(n_val, val_seed)``. Training starts as
+    Validation is ``n_val`` distinct questions (:func:`distinct_sample`), so that a
+    held-out success rate is over ``n_val`` tasks, each counted once. Training starts as
     ``source.sample(n_train, train_seed)``; tasks whose id is in validation are
     dropped, and the gap is filled from further seeds derived from
     ``train_seed``, round after round, until training has ``n_train`` tasks.
@@ -310,7 +311,7 @@ def split_tasks(
         ValueError: after ``max_rounds`` rounds training is still short (the
             source has too few distinct questions outside validation).
     """
-    val = source.sample(n_val, val_seed)
+    val = distinct_sample(source, n_val, val_seed, max_rounds)
     val_ids = {task.id for task in val}
     train: list[Task] = []
     for round_ in range(max_rounds):
@@ -327,6 +328,29 @@ def split_tasks(
             )
     assert_disjoint(train, val)
     return train, val
+
+
+def distinct_sample(source: TaskSource, n: int, seed: int, max_rounds: int = 100) -> list[Task]:
+    """``n`` tasks with distinct ids: ``source.sample(n, seed)`` with repeats dropped,
+    topped up from seeds derived from ``seed``; deterministic.
+
+    Raises:
+        ValueError: the source has fewer than ``n`` distinct questions within ``max_rounds`` rounds.
+    """
+    out: list[Task] = []
+    seen: set[str] = set()
+    for round_ in range(max_rounds):
+        missing = n - len(out)
+        if missing <= 0:
+            break
+        batch = source.sample(missing, seed if round_ == 0 else _topup_seed(seed, round_))
+        for task in batch:
+            if task.id not in seen:
+                seen.add(task.id)
+                out.append(task)
+    if len(out) < n:
+        raise ValueError(f"source {source.name!r} gave only {len(out)} distinct tasks of the {n} asked for")
+    return out[:n]
 
 
 def assert_disjoint(train: list[Task], val: list[Task]) -> None:
