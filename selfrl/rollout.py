@@ -127,11 +127,17 @@ def rollout(
                 tr.final_answer = rest
                 continue
             t1 = time.perf_counter()
-            records = [execute_call(c, tool_map) for c in calls]
+            records = [execute_call(c, tool_map) for c in calls]  # never raises: errors go to the model
             tr.tool_calls += records
             contents = [format_tool_response(r) for r in records]
             tr.messages += [{"role": "tool", "content": c} for c in contents]
-            extra = between_turns_ids(tok, contents, eos_text)
+            try:
+                extra = between_turns_ids(tok, contents, eos_text)
+            except ValueError as e:
+                # The chat template cannot continue after a tool message: the trajectory is
+                # recorded as failed (left out of the update), the rest of the batch goes on.
+                tr.error = f"rollout stopped after turn {turn + 1}: {e}"
+                continue
             tr.token_ids += extra
             tr.completion_mask += [0] * len(extra)
             tr.logprobs += [0.0] * len(extra)

@@ -143,9 +143,10 @@ TYPED = Tool(
 
 
 def test_validate_accepts_good_arguments():
-    validate_arguments(TYPED, {"s": "x", "n": 1.5, "i": 3, "b": False, "o": {}, "a": [1], "maybe": None})
-    validate_arguments(TYPED, {"s": "x", "n": 2, "mode": "fast", "extra": 1})  # additionalProperties not false
-    validate_arguments(CALCULATOR, {"expression": "1+1"})
+    # validate_arguments returns None on success and raises ToolError otherwise
+    assert validate_arguments(TYPED, {"s": "x", "n": 1.5, "i": 3, "b": False, "o": {}, "a": [1], "maybe": None}) is None
+    assert validate_arguments(TYPED, {"s": "x", "n": 2, "mode": "fast", "extra": 1}) is None  # additionalProperties not false
+    assert validate_arguments(CALCULATOR, {"expression": "1+1"}) is None
 
 
 @pytest.mark.parametrize(
