@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -44,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 for bad input)."""
     args = _parser().parse_args(argv)
+    # Nothing is fetched from a model hub while a run goes; HF_HUB_OFFLINE=0 allows it.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from selfrl.config import ConfigError, load_config
     from selfrl.model import ModelLoadError
 
@@ -66,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"selfrl: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("selfrl: interrupted", file=sys.stderr)
+        return 130
     print(f"held-out success: base {result.base_success:.3f} -> final {result.final_success:.3f} "
           f"(version {result.final_version})")
     print(f"report: {result.summary['report']}")

@@ -99,10 +99,34 @@ class RunConfig:
             (self.gate.eval_every >= 1, "gate.eval_every must be >= 1"),
             (self.gate.tolerance >= 0, "gate.tolerance must be >= 0"),
         ]
+        checks += [
+            (self.task.num_train >= 1, "task.num_train must be >= 1"),
+            (self.gate.batch_size >= 1, "gate.batch_size must be >= 1"),
+            (self.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
+            (self.train.scale_rewards in ("group", "none"), "train.scale_rewards must be 'group' or 'none'"),
+            (self.rollout.tools_prompt in ("compact", "json"), "rollout.tools_prompt must be 'compact' or 'json'"),
+            (isinstance(self.rollout.tools, list), "rollout.tools must be a list of tool names"),
+            (self.reward_weights is None or isinstance(self.reward_weights, dict),
+             "reward_weights must be a table of name = weight"),
+        ]
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        self._check_names()
         return self
+
+    def _check_names(self) -> None:
+        """Names that refer to registries (loss type, preset, reward functions, tools)."""
+        from selfrl.rewards import check_weights, get_preset
+        from selfrl.rl.losses import get_loss_aggregation
+        from selfrl.tools import resolve_tools
+
+        try:
+            get_loss_aggregation(self.train.loss_type)
+            check_weights(self.reward_weights if self.reward_weights is not None else get_preset(self.preset))
+            resolve_tools(self.rollout.tools)
+        except (KeyError, ValueError) as e:
+            raise ConfigError(str(e).strip("'\"")) from e
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

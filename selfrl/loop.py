@@ -49,16 +49,6 @@ class RunResult:
     summary: dict = field(default_factory=dict)
 
 
-class Timer:
-    """Accumulates seconds per phase (inference, training, validation)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    def add(self, phase: str, seconds: float) -> None:
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
-
-
 def build_policy(cfg: RunConfig):
     """Load the model and attach a LoRA adapter; returns ``(peft_model, tokenizer)``.
 
@@ -163,11 +153,12 @@ class Runner:
             cfg.rollout.max_new_tokens * cfg.rollout.max_turns, ref_state=ref_state,
         )
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            _write_atomic(self.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
+        if resume:
+            check_resumable(json.loads((self.run_dir / "config.json").read_text()), cfg.to_dict())
+        _write_atomic(self.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
         self.store = Store(db)
         self.run_id = self.store.start_run(cfg.to_dict())
-        self.timer = Timer()
+        self.step = 0  # the iteration under way, for metrics logged outside an iteration
         self.t_start = time.perf_counter()
         self.best_version, self.best_success, self.best_state = 0, 0.0, None
 
@@ -178,33 +169,35 @@ class Runner:
         self.progress.phase(f"validation (version {self.engine.version})", len(self.val))
         res = evaluate(self.engine, self.val, self.source, self.tools, self.cfg.rollout,
                        self.cfg.gate.batch_size, on_batch=self.progress.advance)
-        self.timer.add("validation", res.seconds)
         self.store.add_evaluation(res.version, res.results)
+        self.store.log_metrics(self.run_id, self.step, {"time/validation_s": res.seconds})
         return res
 
     def start(self) -> int:
-        """Evaluate the base (fresh run) or restore the best version (resume); returns
-        the first iteration to run."""
+        """Evaluate the base model (fresh run, or a resume whose base validation never
+        finished) or restore the best version (resume); returns the first iteration."""
+        base = next((v for v in self.store.versions() if v["version"] == 0), None)
+        if base is None or "val/success" not in base["metrics"]:
+            if base is None:
+                self.store.add_tasks([_task_row(t) for t in self.train], "train")
+                self.store.add_tasks([_task_row(t) for t in self.val], "val")
+                existing = adapters.version_dir(self.run_dir, 0)
+                path = existing if existing.exists() else adapters.save_version(self.engine.model, self.run_dir, 0)
+                self.store.add_version(0, None, str(path), "base", {})
+            res = self.validate()
+            self.store.set_version_status(0, "base", {"val/success": res.success})
+            self.progress.log(f"base model: held-out success {res.success:.3f} on {len(self.val)} tasks "
+                              f"({res.seconds:.0f} s)")
+        best = self.store.latest_promoted()
+        if best["version"] != 0:
+            self.engine.swap(adapters.load_version_state(Path(best["path"])), best["version"])
+        self.best_version, self.best_success = best["version"], best["metrics"]["val/success"]
+        self.best_state = adapters.lora_state(self.engine.model)
+        done = [m["step"] for m in self.store.metrics() if m["name"] == "reward/mean"]
+        start = max(done) + 1 if done else 0
         if self.resume:
-            best = self.store.latest_promoted()
-            if best["version"] != 0:
-                self.engine.swap(adapters.load_version_state(Path(best["path"])), best["version"])
-            done = [m["step"] for m in self.store.metrics() if m["name"] == "reward/mean"]
-            start = max(done) + 1 if done else 0
-            self.best_version, self.best_success = best["version"], best["metrics"].get("val/success", 0.0)
             self.progress.log(f"resuming at iteration {start} from version {self.best_version} "
                               f"(held-out {self.best_success:.3f})")
-        else:
-            self.store.add_tasks([_task_row(t) for t in self.train], "train")
-            self.store.add_tasks([_task_row(t) for t in self.val], "val")
-            path = adapters.save_version(self.engine.model, self.run_dir, 0)
-            self.store.add_version(0, None, str(path), "base", {})
-            base = self.validate()
-            self.store.set_version_status(0, "base", {"val/success": base.success})
-            start, self.best_success = 0, base.success
-            self.progress.log(f"base model: held-out success {base.success:.3f} on {len(self.val)} tasks "
-                              f"({base.seconds:.0f} s)")
-        self.best_state = adapters.lora_state(self.engine.model)
         return start
 
     def iteration(self, it: int) -> dict[str, float]:
@@ -216,7 +209,6 @@ class Runner:
         self.progress.phase(f"iteration {it}: rollouts (turns)", cfg.rollout.max_turns)
         trajs = rollout(self.engine, tasks, groups, self.tools, cfg.rollout, on_turn=self.progress.advance)
         t_roll = time.perf_counter() - t0
-        self.timer.add("inference", t_roll)
         score_batch(trajs, self.tasks_by_id, self.source, self.weights)
         adv = group_advantages([t.reward for t in trajs], [t.group_id for t in trajs], cfg.train.scale_rewards)
         for t, a in zip(trajs, adv.advantages):
@@ -225,7 +217,6 @@ class Runner:
         signal = sum(1 for t in trajs if t.advantage)
         self.progress.phase(f"iteration {it}: update (micro-batches)", max(1, -(-signal // cfg.train.micro_batch_size)))
         metrics = self.learner.step(trajs, on_micro_batch=self.progress.advance)
-        self.timer.add("training", metrics.get("time/update_s", 0.0))
         if not metrics.get("skipped"):
             version = self.store.next_version()
             path = adapters.save_version(self.engine.model, self.run_dir, version)
@@ -234,11 +225,14 @@ class Runner:
         else:
             self.store.log_event(self.run_id, "skip", f"iteration {it}: update skipped", metrics)
         metrics.update(rollout_metrics(trajs))
-        metrics.update({"frac_reward_zero_std": adv.frac_no_signal, "version": float(self.engine.version)})
+        metrics.update({"frac_reward_zero_std": adv.frac_no_signal, "version": float(self.engine.version),
+                        "time/rollout_s": t_roll})
+        note = " (update skipped: no group had reward spread)" if metrics.get("skip_reason_no_signal") else (
+            " (update skipped: loss or gradient not finite)" if metrics.get("skip_reason_not_finite") else "")
         self.progress.log(
             f"iteration {it}: reward {metrics['reward/mean']:.3f} correct {metrics['train/correct']:.3f} "
             f"tool use {metrics['train/tool_use']:.2f} kl {metrics.get('kl', 0.0):.4f} "
-            f"version {self.engine.version} (rollouts {t_roll:.0f} s, update {metrics.get('time/update_s', 0.0):.0f} s)"
+            f"version {self.engine.version} (rollouts {t_roll:.0f} s, update {metrics.get('time/update_s', 0.0):.0f} s){note}"
         )
         return metrics
 
@@ -262,14 +256,21 @@ class Runner:
         self.progress.log(f"iteration {it}: {msg}")
 
     def run(self) -> RunResult:
-        start = self.start()
+        try:
+            start = self.start()
+        except KeyboardInterrupt:
+            self.store.close()
+            self.progress.log("interrupted before the first update; --resume starts again from the base validation")
+            raise
         log = MetricsLog(self.run_dir, self.store, self.run_id)
         log.log(start, {"val/success": self.best_success})
         stopped = False
         try:
             for it in range(start, self.cfg.iterations):
+                self.step = it
                 log.log(it, self.iteration(it))
-                if (it + 1) % self.cfg.gate.eval_every == 0 or it == self.cfg.iterations - 1:
+                due = (it + 1) % self.cfg.gate.eval_every == 0 or it == self.cfg.iterations - 1
+                if due and self.engine.version != self.best_version:  # nothing new to validate otherwise
                     res = self.validate()
                     log.log(it, {"val/success": res.success})
                     self.gate(it, res)
@@ -288,12 +289,15 @@ class Runner:
 
         # Always: an interrupted update may have changed the weights without saving a version.
         self.engine.swap(self.best_state, self.best_version)
-        secs = self.timer.seconds
-        inference, training = secs.get("inference", 0.0), secs.get("training", 0.0)
+        totals: dict[str, float] = {}
+        for row in self.store.metrics():  # every session of this run directory, not only this one
+            if row["name"].startswith("time/") and row["value"] is not None:
+                totals[row["name"]] = totals.get(row["name"], 0.0) + row["value"]
+        inference, training = totals.get("time/rollout_s", 0.0), totals.get("time/update_s", 0.0)
         summary = {
             "base_version": 0, "final_version": self.best_version,
             "time_inference_s": inference, "time_training_s": training,
-            "time_validation_s": secs.get("validation", 0.0),
+            "time_validation_s": totals.get("time/validation_s", 0.0),
             "cost_ratio": (inference + training) / inference if inference else float("nan"),
             "stopped_early": stopped,
             "model": self.cfg.model.name, "task": self.cfg.task.source, "preset": self.cfg.preset,
@@ -306,6 +310,27 @@ class Runner:
         self.store.close()
         return RunResult(self.run_dir, _rate(base), _rate(final), 0, self.best_version, stopped,
                          {**summary, "report": str(report)})
+
+
+# Settings a resumed run must share with the run it continues: the same policy, tasks,
+# held-out set and agent. Anything else (iterations, learning rate, ...) may change.
+RESUME_FIXED = ("model", "lora", "task", "rollout", "preset", "reward_weights")
+
+
+def check_resumable(stored: dict, new: dict) -> None:
+    """Raise ConfigError naming the settings that differ from the stored run's.
+
+    Raises:
+        ConfigError: a key of ``RESUME_FIXED`` or ``gate.val_size`` differs.
+    """
+    from selfrl.config import ConfigError
+
+    changed = [k for k in RESUME_FIXED if stored.get(k) != new.get(k)]
+    if stored.get("gate", {}).get("val_size") != new.get("gate", {}).get("val_size"):
+        changed.append("gate.val_size")
+    if changed:
+        raise ConfigError(f"--resume cannot change {', '.join(changed)} of the stored run; "
+                          "start a new run (another --run-dir) for that")
 
 
 def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:

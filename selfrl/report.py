@@ -48,13 +48,13 @@ def write_report(run_dir: Path, store: Store, run_id: int, summary: dict[str, An
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    plots = plot_metrics(store.metrics(run_id), run_dir / "plots")
-    lines = [f"# selfrl run {run_id}", ""]
+    plots = plot_metrics(store.metrics(), run_dir / "plots")  # every session of this run directory
+    lines = [f"# selfrl run report: {run_dir}", ""]
     lines += heldout_section(store, summary.get("base_version"), summary.get("final_version"))
     lines += time_section(summary)
     lines += versions_section(store)
     lines += other_summary_section(summary)
-    lines += events_section(store, run_id)
+    lines += events_section(store)
     lines += ["## Metrics", ""]
     if plots:
         lines += [f"![{name}](plots/{path.name})" for name, path in plots.items()]
@@ -181,9 +181,9 @@ def versions_section(store: Store) -> list[str]:
     return lines + [""]
 
 
-def events_section(store: Store, run_id: int) -> list[str]:
-    """Promotions, rollbacks and skipped updates of the run, in order."""
-    events = store.events(run_id)
+def events_section(store: Store) -> list[str]:
+    """Promotions, rollbacks and skipped updates of the run (all sessions), in order."""
+    events = store.events()
     if not events:
         return []
     lines = ["## Events", "", "| kind | message |", "|---|---|"]

@@ -210,9 +210,16 @@ def get_preset(name: str) -> dict[str, float]:
 # ---------------------------------------------------------------- scoring
 
 
-def _check_weights(weights: dict[str, float]) -> dict[str, RewardFunc]:
+def check_weights(weights: dict[str, float]) -> dict[str, RewardFunc]:
+    """The reward functions named by ``weights``.
+
+    Raises:
+        ValueError: an unknown name (the message lists the valid ones), or a weight
+            that is not a finite number.
+    """
     funcs = {name: get_reward_func(name) for name in weights}
-    bad = {name: w for name, w in weights.items() if not math.isfinite(w)}
+    bad = {name: w for name, w in weights.items()
+           if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)}
     if bad:
         raise ValueError(f"reward weights must be finite, got {bad}")
     return funcs
@@ -240,7 +247,7 @@ def score_group(
         ValueError: an unknown function name or a non-finite weight (before
             anything is written), or a trajectory of another task.
     """
-    funcs = _check_weights(weights)
+    funcs = check_weights(weights)
     others = sorted({t.task_id for t in trajs if t.task_id != task.id})
     if others:
         raise ValueError(f"score_group for task {task.id} got trajectories of other task(s): {', '.join(others)}")
@@ -280,7 +287,7 @@ def score_batch(
             ``tasks_by_id`` (checked for all groups before any is scored), or as
             ``score_group``.
     """
-    _check_weights(weights)
+    check_weights(weights)
     groups: dict[str, list[Trajectory]] = defaultdict(list)
     for traj in trajs:
         groups[traj.group_id].append(traj)

@@ -84,3 +84,35 @@ def test_modules_to_save_is_rejected_with_the_reason():
 def test_out_of_range_values(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=overrides)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"reward_weights": {"verifier": "a"}}, "finite"),
+        ({"reward_weights": {"nope": 1.0}}, "valid names: format, self_consistency, tool_success, verifier"),
+        ({"train.scale_rewards": "x"}, "train.scale_rewards"),
+        ({"rollout.tools_prompt": "x"}, "rollout.tools_prompt"),
+        ({"rollout.tools": ["calculator", "nope"]}, "nope"),
+        ({"gate.batch_size": 0}, "gate.batch_size"),
+        ({"task.num_train": 0}, "task.num_train"),
+        ({"train.loss_type": "x"}, "valid: dapo, dr_grpo, grpo"),
+    ],
+)
+def test_registry_names_and_ranges_fail_before_any_model_is_loaded(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, override)
+
+
+def test_resume_may_change_iterations_but_not_the_task():
+    from selfrl.loop import check_resumable
+
+    stored = load_config().to_dict()
+    more = load_config(None, {"iterations": 40, "train.learning_rate": 5e-5}).to_dict()
+    assert check_resumable(stored, more) is None
+    other_task = load_config(None, {"task.source": "basic_arithmetic"}).to_dict()
+    with pytest.raises(ConfigError, match="cannot change task"):
+        check_resumable(stored, other_task)
+    other_val = load_config(None, {"gate.val_size": 64}).to_dict()
+    with pytest.raises(ConfigError, match="gate.val_size"):
+        check_resumable(stored, other_val)

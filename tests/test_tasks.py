@@ -144,8 +144,12 @@ def test_assert_disjoint_names_overlapping_ids(chain_sum):
 def test_split_raises_when_source_is_exhausted():
     # 1-term, 1-digit chain sums have only 10 distinct questions.
     source = get_task_source("chain_sum", min_terms=1, max_terms=1, max_digits=1)
-    with pytest.raises(ValueError, match="training tasks outside validation"):
+    # Validation asks for more distinct questions than exist.
+    with pytest.raises(ValueError, match="only 10 distinct tasks of the 200"):
         split_tasks(source, n_train=5, n_val=200, train_seed=0, val_seed=0, max_rounds=5)
+    # Validation takes all 10, so none is left for training.
+    with pytest.raises(ValueError, match="training tasks outside validation"):
+        split_tasks(source, n_train=5, n_val=10, train_seed=0, val_seed=0, max_rounds=50)
 
 
 def test_unknown_source_error_lists_valid_names():
