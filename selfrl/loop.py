@@ -250,6 +250,7 @@ class Runner:
         else:
             self.store.set_version_status(res.version, "rejected", {"val/success": res.success})
             self.engine.swap(self.best_state, self.best_version)
+            self.learner.reset_optimizer()
             msg = (f"version {res.version} rejected: held-out {res.success:.3f} < best {self.best_success:.3f} "
                    f"- {tol}; serving version {self.best_version} again")
             self.store.log_event(self.run_id, "rollback", msg)

@@ -74,6 +74,10 @@ class Learner:
         self.aggregate = get_loss_aggregation(cfg.loss_type)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
 
+    def reset_optimizer(self) -> None:
+        """Forget AdamW's moments (after a rollback they point along the rejected path)."""
+        self.optimizer.state.clear()
+
     def _ref_logps(self, mb: TensorBatch) -> torch.Tensor:
         """(B, T) log-probs under the reference: the base model, or the starting adapter
         copied in place for the pass and the current weights put back after it."""

@@ -186,3 +186,17 @@ def test_non_finite_second_pass_restores_the_first_passs_update(policy, tiny_tok
     assert all(torch.equal(before[k], after[k]) for k in before)
     state_after = lr.optimizer.state_dict()["state"][0]
     assert all(torch.equal(state_before[k], state_after[k]) for k in state_before)
+
+
+def test_reset_optimizer_forgets_adam_moments():
+    import torch
+
+    from selfrl.trainer import Learner, TrainConfig
+
+    model = torch.nn.Linear(2, 1)
+    learner = Learner(model, TrainConfig(), temperature=1.0, pad_token_id=0, max_completion_length=4)
+    model(torch.ones(1, 2)).sum().backward()
+    learner.optimizer.step()
+    assert len(learner.optimizer.state) == 2  # weight and bias have moments
+    learner.reset_optimizer()
+    assert len(learner.optimizer.state) == 0
