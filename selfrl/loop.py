@@ -135,6 +135,9 @@ class Runner:
             raise FileNotFoundError(f"nothing to resume: no run at {self.run_dir}")
         if not resume and db.exists():
             raise FileExistsError(f"{self.run_dir} already holds a run; pass --resume or choose another --run-dir")
+        stored = self.run_dir / "config.json"
+        if resume and stored.exists():
+            check_resumable(json.loads(stored.read_text()), cfg.to_dict())
         self.source = get_task_source(cfg.task.source, **cfg.task.options)
         self.train, self.val = split_tasks(
             self.source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed
@@ -153,8 +156,6 @@ class Runner:
             cfg.rollout.max_new_tokens * cfg.rollout.max_turns, ref_state=ref_state,
         )
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if resume:
-            check_resumable(json.loads((self.run_dir / "config.json").read_text()), cfg.to_dict())
         _write_atomic(self.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
         self.store = Store(db)
         self.run_id = self.store.start_run(cfg.to_dict())
