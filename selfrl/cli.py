@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 RUN_FLAGS = {
@@ -17,7 +18,7 @@ RUN_FLAGS = {
     "--model": ("model.name", str, "Hugging Face causal LM id or local path (default: embedded SmolLM2-135M-Instruct)"),
     "--task": ("task.source", str, "task source name, e.g. chain_sum, basic_arithmetic, rg:<dataset>"),
     "--preset": ("preset", str, "reward preset: verified | label-free"),
-    "--iterations": ("iterations", int, "rollout + update cycles"),
+    "--iterations": ("iterations", int, "total rollout + update cycles of the run (with --resume: the new total)"),
     "--num-prompts": ("num_prompts", int, "tasks per iteration"),
     "--num-generations": ("num_generations", int, "samples per task (GRPO group size)"),
     "--learning-rate": ("train.learning_rate", float, "AdamW learning rate"),
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # Nothing is fetched from a model hub while a run goes; HF_HUB_OFFLINE=0 allows it.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # A deprecation inside transformers, raised on every run; not ours to fix.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     from selfrl.config import ConfigError, load_config
     from selfrl.model import ModelLoadError
 

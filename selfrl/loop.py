@@ -197,6 +197,7 @@ class Runner:
         done = [m["step"] for m in self.store.metrics() if m["name"] == "reward/mean"]
         start = max(done) + 1 if done else 0
         if self.resume:
+            self.store.log_event(self.run_id, "resume", f"resumed at iteration {start} from version {self.best_version}")
             self.progress.log(f"resuming at iteration {start} from version {self.best_version} "
                               f"(held-out {self.best_success:.3f})")
         return start
@@ -305,7 +306,7 @@ class Runner:
             "model": self.cfg.model.name, "task": self.cfg.task.source, "preset": self.cfg.preset,
             "reward_weights": self.weights, "num_prompts": self.cfg.num_prompts,
             "num_generations": self.cfg.num_generations, "iterations": self.cfg.iterations,
-            "wall_time_s": time.perf_counter() - self.t_start,
+            "session_wall_time_s": time.perf_counter() - self.t_start,
         }
         report = write_report(self.run_dir, self.store, self.run_id, summary)
         base, final = self.store.evaluation(0), self.store.evaluation(self.best_version)

@@ -50,17 +50,22 @@ class RichProgress:
         self.current = None
 
     def __enter__(self) -> "RichProgress":
-        self.bars.__enter__()
-        self.overall = self.bars.add_task("iterations", total=self.iterations)
-        return self
+        return self  # the bars start with the first phase, so an early error prints alone
 
     def __exit__(self, *exc) -> None:
-        self.bars.__exit__(*exc)
+        if self.overall is not None:
+            self.bars.__exit__(*exc)
+
+    def _start(self) -> None:
+        if self.overall is None:
+            self.bars.__enter__()
+            self.overall = self.bars.add_task("iterations", total=self.iterations)
 
     def log(self, message: str) -> None:
         self.bars.console.log(message)
 
     def phase(self, description: str, total: int) -> None:
+        self._start()
         if self.current is not None:
             self.bars.remove_task(self.current)
         self.current = self.bars.add_task(description, total=total)
@@ -71,4 +76,5 @@ class RichProgress:
 
     def iteration_done(self, iteration: int) -> None:
         """Set the overall bar to ``iteration + 1`` completed."""
+        self._start()
         self.bars.update(self.overall, completed=iteration + 1)
