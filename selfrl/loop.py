@@ -226,6 +226,7 @@ class Runner:
             self.engine.version = version
         else:
             self.store.log_event(self.run_id, "skip", f"iteration {it}: update skipped", metrics)
+            self.progress.advance()  # close the update bar: no micro-batch ran
         metrics.update(rollout_metrics(trajs))
         metrics.update({"frac_reward_zero_std": adv.frac_no_signal, "version": float(self.engine.version),
                         "time/rollout_s": t_roll})
