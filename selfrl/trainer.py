@@ -85,9 +85,11 @@ class Learner:
         if self.ref_state is None:
             with torch.no_grad(), self.model.disable_adapter():
                 return per_token_logps(self.model, *args)
-        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+        from peft import set_peft_model_state_dict
 
-        current = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
+        from selfrl.adapters import lora_state
+
+        current = lora_state(self.model)
         try:
             set_peft_model_state_dict(self.model, self.ref_state)
             with torch.no_grad():
