@@ -2,6 +2,7 @@
 
     selfrl run [--config FILE] [flags]     run the self-improvement loop
     selfrl run --resume RUN_DIR            continue a stopped run
+    selfrl serve [--config FILE] [flags]   OpenAI-compatible server that learns from its traffic
 """
 
 from __future__ import annotations
@@ -32,6 +33,20 @@ RUN_FLAGS = {
 }
 
 
+SERVE_FLAGS = {
+    "--model": ("model.name", str, "Hugging Face causal LM id or local path (default: embedded SmolLM2-135M-Instruct)"),
+    "--run-dir": ("run_dir", str, "store, adapter versions and logs (a restart continues it)"),
+    "--host": ("host", str, "bind address (default 127.0.0.1; anything else exposes the server)"),
+    "--port": ("port", int, "port (default 8000)"),
+    "--served-model-name": ("served_model_name", str, "model id clients see (versions are <name>@v<N>)"),
+    "--min-batch": ("learner.min_batch", int, "served turns with a complete reward that trigger an update"),
+    "--feedback-wait": ("learner.feedback_wait_s", float, "seconds a turn waits for feedback before training without it"),
+    "--learning-rate": ("train.learning_rate", float, "AdamW learning rate"),
+    "--val-size": ("gate.val_size", int, "held-out tasks of the validation gate"),
+    "--task": ("task.source", str, "task source of the validation gate (see selfrl run --task)"),
+}
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="selfrl", description="Continual self-improvement of LLM agents by online RL.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -40,6 +55,13 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", metavar="RUN_DIR", help="continue the run stored in RUN_DIR")
     for flag, (_, typ, help_) in RUN_FLAGS.items():
         r.add_argument(flag, type=typ, help=help_)
+    s = sub.add_parser("serve", help="OpenAI-compatible server that records, learns and hot-swaps adapters")
+    s.add_argument("--config", help="TOML file with ServeConfig keys (see selfrl/serve/config.py)")
+    s.add_argument("--api-key-file", help="file whose first line is the API key (else SELFRL_API_KEY)")
+    s.add_argument("--no-learn", action="store_true", help="serve and record only; no background learner")
+    s.add_argument("--protect-completions", action="store_true", help="require the API key for completions too")
+    for flag, (_, typ, help_) in SERVE_FLAGS.items():
+        s.add_argument(flag, type=typ, help=help_)
     return p
 
 
@@ -52,6 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     from selfrl.config import ConfigError, load_config
     from selfrl.model import ModelLoadError
+
+    if args.command == "serve":
+        from selfrl.serve.main import serve
+
+        overrides = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in SERVE_FLAGS.items()}
+        return serve(args.config, overrides, args.api_key_file, learn=not args.no_learn,
+                     protect_completions=args.protect_completions)
 
     overrides = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in RUN_FLAGS.items()}
     base = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,8 @@ class Engine:
         max_new_tokens: int,
         temperature: float = 1.0,
         greedy: bool = False,
+        top_p: float = 1.0,
+        on_step: Callable[[torch.Tensor], None] | None = None,
     ) -> list[Generation]:
         """Sample one continuation per prompt.
 
@@ -114,23 +117,33 @@ class Engine:
             max_new_tokens: token limit per continuation.
             temperature: sampling temperature (> 0); ignored when ``greedy``.
             greedy: argmax decoding (validation).
+            top_p: nucleus sampling (serving only; 1.0 = off). With ``top_p < 1`` the
+                recorded ``logprobs`` are still those of ``logits / temperature`` over the
+                whole vocabulary (what the learner recomputes), not of the truncated
+                distribution the token was drawn from.
+            on_step: called during decoding with the (B, n) ids sampled so far (rows
+                that ended keep receiving pad ids); used to stream tokens. The last
+                token of each row is only in the returned :class:`Generation`.
 
         Returns:
             B :class:`Generation`, in order.
 
         Raises:
-            ValueError: empty prompt list, an empty prompt, or temperature <= 0.
+            ValueError: empty prompt list, an empty prompt, temperature <= 0, or
+                top_p outside (0, 1].
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt, and no prompt may be empty")
         if not greedy and temperature <= 0:
             raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         shared = shared_prefix_len(prompts) if self.share_prefix else 0
         input_ids, attention_mask = pack_prompts(prompts, shared, self.pad_token_id)  # (B, P), (B, P)
         width = input_ids.shape[1]
         # Sampling: temperature only, every other warper off. Greedy: no sampling flags at all.
         sampling = (dict(do_sample=False, top_k=None, top_p=None, temperature=None) if greedy else
-                    dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=None))
+                    dict(do_sample=True, temperature=temperature, top_k=0, top_p=top_p, min_p=None))
         with self.lock:
             version = self.version
             was_training = self.model.training
@@ -142,6 +155,10 @@ class Engine:
                 cache = self.model(input_ids=input_ids[:1, :shared], use_cache=True).cache
                 cache.batch_repeat_interleave(len(prompts))
                 extra["cache"] = cache
+            if on_step is not None:
+                from transformers import LogitsProcessorList
+
+                extra["logits_processor"] = LogitsProcessorList([_StepObserver(width, on_step)])
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -184,6 +201,22 @@ class Engine:
             set_peft_model_state_dict(self.model, state_dict)
             self.version = version
         return time.perf_counter() - t
+
+
+class _StepObserver:
+    """A logits processor that changes nothing and reports the ids sampled so far.
+
+    ``generate`` calls it before each new token with the whole sequence, so at
+    step k it sees the k ids sampled before (B, k); it returns the scores as they are.
+    """
+
+    def __init__(self, prompt_width: int, on_step: Callable[[torch.Tensor], None]):
+        self.width, self.on_step = prompt_width, on_step
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] > self.width:
+            self.on_step(input_ids[:, self.width:])  # (B, k)
+        return scores
 
 
 def check_adapter_state(state_dict: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], version: int) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import sqlite3
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -125,16 +126,19 @@ class Store:
     """SQLite-backed record of one or more runs.
 
     Usable as a context manager (closes on exit). One ``Store`` object belongs
-    to one thread; open another on the same path to read from elsewhere.
+    to one thread; open another on the same path to read from elsewhere, or pass
+    ``shared=True`` and hold ``self.lock`` around every call (the server does).
 
     Args:
         path: database file; created, with its parent folder, if missing.
+        shared: allow use from several threads (serialised by ``self.lock``).
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, shared: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.conn = sqlite3.connect(self.path)
+        self.lock = threading.RLock()
+        self.conn = sqlite3.connect(self.path, check_same_thread=not shared)
         self.conn.row_factory = sqlite3.Row
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
@@ -214,29 +218,25 @@ class Store:
         now = time.time()
         with self.conn:
             for t in trajs:
-                self.conn.execute(
-                    "INSERT INTO trajectories (id, run_id, iteration, task_id, group_id, adapter_version,"
-                    " reward, correct, error, num_completion_tokens, created_at, data_json)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        t.id,
-                        run_id,
-                        iteration,
-                        t.task_id,
-                        t.group_id,
-                        t.adapter_version,
-                        real(t.reward),
-                        None if t.correct is None else int(bool(t.correct)),
-                        t.error,
-                        t.num_completion_tokens,
-                        now,
-                        to_json(t.to_dict()),
-                    ),
-                )
-                self.conn.executemany(
-                    "INSERT INTO rewards (trajectory_id, name, value) VALUES (?, ?, ?)",
-                    [(t.id, name, real(v)) for name, v in t.rewards.items()],
-                )
+                self.insert_trajectory(run_id, iteration, t, now)
+
+    def insert_trajectory(self, run_id: int, iteration: int, t: Trajectory, now: float) -> None:
+        """Insert one trajectory and its reward rows *without committing*; for callers
+        that write it together with rows of their own in one transaction (``with store.conn:``)."""
+        self.conn.execute(
+            "INSERT INTO trajectories (id, run_id, iteration, task_id, group_id, adapter_version,"
+            " reward, correct, error, num_completion_tokens, created_at, data_json)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                t.id, run_id, iteration, t.task_id, t.group_id, t.adapter_version, real(t.reward),
+                None if t.correct is None else int(bool(t.correct)), t.error, t.num_completion_tokens,
+                now, to_json(t.to_dict()),
+            ),
+        )
+        self.conn.executemany(
+            "INSERT INTO rewards (trajectory_id, name, value) VALUES (?, ?, ?)",
+            [(t.id, name, real(v)) for name, v in t.rewards.items()],
+        )
 
     def trajectories(self, run_id: int | None = None, iteration: int | None = None) -> list[Trajectory]:
         """Stored trajectories, optionally filtered, in insertion order.

@@ -68,6 +68,10 @@ class Trajectory:
         error: an exception text when the rollout failed; such a trajectory is
             left out of the update and counted, never scored 0 in silence.
         timings: seconds spent, e.g. ``{"generate": 1.2, "tools": 0.01}``.
+        flags: reward-hacking verdicts ``{detector name: reason}``; empty when no
+            detector flagged it (see ``selfrl.detectors``).
+        env_state: JSON summary of a stateful environment's final state (e.g. the
+            web shop's order), what its task source scores; None without one.
     """
 
     task_id: str
@@ -88,7 +92,10 @@ class Trajectory:
     correct: bool | None = None
     error: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    flags: dict[str, str] = field(default_factory=dict)
+    env_state: dict[str, Any] | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    parent_id: str | None = None
 
     @property
     def num_completion_tokens(self) -> int:

@@ -208,3 +208,31 @@ def test_swap_rejects_a_mismatched_state_dict_and_changes_nothing(tiny_tokenizer
     after = all_weights(tiny_peft_model)
     assert after.keys() == before.keys()
     assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_on_step_streams_the_sampled_ids_and_changes_nothing(tiny_tokenizer, tiny_model_factory):
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    engine = Engine(model, tiny_tokenizer)
+    prompts = chat_prompts(tiny_tokenizer)
+    torch.manual_seed(3)
+    plain = engine.generate(prompts, 12, temperature=0.9)
+    seen = []
+    torch.manual_seed(3)
+    streamed = engine.generate(prompts, 12, temperature=0.9, on_step=lambda ids: seen.append(ids.clone()))
+    assert [g.token_ids for g in streamed] == [g.token_ids for g in plain]  # observing changes no sample
+    assert seen and [s.shape[1] for s in seen] == list(range(1, len(seen) + 1))
+    last = seen[-1]
+    for i, g in enumerate(streamed):  # every id seen so far is a prefix of the final row
+        k = min(last.shape[1], len(g.token_ids))
+        assert last[i, :k].tolist() == g.token_ids[:k]
+
+
+def test_top_p_restricts_sampling_to_the_nucleus(tiny_tokenizer, tiny_peft_model):
+    engine = Engine(tiny_peft_model, tiny_tokenizer)
+    prompt = chat_prompts(tiny_tokenizer)[:1] * 8
+    greedy = engine.generate(prompt[:1], 1, greedy=True)[0].token_ids
+    torch.manual_seed(0)
+    tiny = engine.generate(prompt, 1, temperature=1.0, top_p=1e-6)  # nucleus = the top token only
+    assert all(g.token_ids == greedy for g in tiny)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate(prompt, 1, top_p=0.0)

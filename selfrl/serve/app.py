@@ -1,0 +1,165 @@
+"""The HTTP layer of ``selfrl serve`` (FastAPI): routes, authentication, errors.
+
+Routes:
+
+* ``POST /v1/chat/completions`` — OpenAI chat completions (``stream`` via SSE).
+* ``GET /v1/models`` — the served model and every base/promoted adapter version.
+* ``POST /v1/feedback`` — a user's rating or correction of a response (API key).
+* ``GET /admin/status``, ``POST /admin/pin``, ``POST /admin/unpin``,
+  ``POST /admin/rollback`` — versions, queue, pending rewards; pin or roll back (API key).
+
+Every response to a completion carries the adapter version that produced it, as the
+``adapter_version`` field, in ``system_fingerprint`` (``selfrl-v<N>``) and in the
+``X-Selfrl-Adapter-Version`` header.
+
+Security: anyone who can post feedback can steer training, so feedback and admin
+routes need ``Authorization: Bearer <key>``; the key comes from ``SELFRL_API_KEY`` or
+a file (``--api-key-file``), is compared in constant time (``hmac.compare_digest``),
+and without a configured key those routes answer 403. Completions are open unless
+``protect_completions`` is set (they only ever add trajectories; rewards come from
+feedback). Errors have OpenAI's shape ``{"error": {message, type, param, code}}``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from selfrl.serve.protocol import ChatCompletionRequest, FeedbackRequest, VersionRequest, error_body
+from selfrl.serve.service import ApiError, Service, start_learning
+from selfrl.serve.streaming import stream_chunks
+
+VERSION_HEADER = "X-Selfrl-Adapter-Version"
+
+
+def load_api_key(key_file: str | None = None) -> str | None:
+    """The API key from ``key_file`` (first line) or ``SELFRL_API_KEY``; None when neither is set.
+
+    Raises:
+        ValueError: the file is unreadable or empty, or the key is shorter than 16 characters.
+    """
+    key = None
+    if key_file:
+        try:
+            key = Path(key_file).read_text().strip().splitlines()[0].strip()
+        except (OSError, IndexError) as e:
+            raise ValueError(f"cannot read an API key from {key_file}: {e}") from e
+    elif os.environ.get("SELFRL_API_KEY"):
+        key = os.environ["SELFRL_API_KEY"].strip()
+    if key is not None and len(key) < 16:
+        raise ValueError("the API key must be at least 16 characters long")
+    return key
+
+
+def _error(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+
+
+def create_app(service: Service, api_key: str | None, protect_completions: bool = False,
+               learn: bool = True) -> FastAPI:
+    """The FastAPI application around ``service``.
+
+    Args:
+        api_key: the bearer token for feedback and admin routes (None: those routes are refused).
+        protect_completions: require the key for completions and models too.
+        learn: start the background learner with the app.
+    """
+
+    def require_key(request: Request) -> None:
+        if api_key is None:
+            raise ApiError(403, "feedback and admin routes are disabled: set SELFRL_API_KEY or --api-key-file",
+                           code="no_api_key_configured", type_="permission_error")
+        header = request.headers.get("authorization", "")
+        given = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                           code="invalid_api_key", type_="authentication_error")
+
+    open_or_key = [Depends(require_key)] if protect_completions else []
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if learn:
+            start_learning(service)
+        yield
+        service.close()
+
+    app = FastAPI(title="selfrl", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError):
+        return _error(e.status, e.message, e.type, e.param, e.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException):
+        return _error(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            msg, where = f"the body is not valid JSON: {first.get('ctx', {}).get('error', msg)}", None
+        elif first.get("type") == "extra_forbidden":
+            msg = f"unrecognized request argument supplied: {where}"
+        return _error(400, f"{msg}" + (f" (at {where})" if where and first.get("type") != "extra_forbidden" else ""),
+                      param=where)
+
+    @app.post("/v1/chat/completions", dependencies=open_or_key)
+    async def chat_completions(req: ChatCompletionRequest):
+        if req.stream:
+            version, lines = await stream_chunks(service, req)
+            return StreamingResponse(lines, media_type="text/event-stream", headers={VERSION_HEADER: str(version)})
+        resp = await service.complete(req)
+        return JSONResponse(resp, headers={VERSION_HEADER: str(resp["adapter_version"])})
+
+    @app.get("/v1/models", dependencies=open_or_key)
+    async def models():
+        name = service.cfg.served_model_name
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "selfrl",
+                 "adapter_version": service.engine.version, "base_model": service.cfg.model.name}]
+        for v in service.version_ids():
+            data.append({"id": f"{name}@v{v['version']}", "object": "model", "created": int(v["created_at"]),
+                         "owned_by": "selfrl", "adapter_version": v["version"], "status": v["status"],
+                         "val_success": v["metrics"].get("val/success")})
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/feedback", dependencies=[Depends(require_key)])
+    async def feedback(f: FeedbackRequest):
+        return service.feedback(f)
+
+    @app.get("/admin/status", dependencies=[Depends(require_key)])
+    async def status():
+        return service.status()
+
+    @app.post("/admin/pin", dependencies=[Depends(require_key)])
+    async def pin(v: VersionRequest):
+        import asyncio
+
+        return await asyncio.to_thread(service.pin, v.version)
+
+    @app.post("/admin/unpin", dependencies=[Depends(require_key)])
+    async def unpin():
+        import asyncio
+
+        return await asyncio.to_thread(service.unpin)
+
+    @app.post("/admin/rollback", dependencies=[Depends(require_key)])
+    async def rollback(v: VersionRequest):
+        import asyncio
+
+        return await asyncio.to_thread(service.rollback, v.version)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "served_version": service.engine.version}
+
+    return app

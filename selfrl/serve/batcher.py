@@ -1,0 +1,160 @@
+"""Batching concurrent requests into engine calls.
+
+Requests that arrive while the engine is busy, or within ``window_s`` of each other,
+are run together in one ``Engine.generate`` call when they sample alike (same
+temperature, ``top_p``, greedy or not, and adapter version). Rows keep their own
+token limit: the batch runs to the largest one and each row is cut at its own, which
+changes nothing for the kept tokens (decoding is left to right).
+
+One worker thread runs every engine call, so a swap (``Engine.swap`` takes the
+engine's lock) always falls between two batches: a request finishes on the version
+it started with.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from selfrl.engine import Engine, Generation
+
+
+@dataclass
+class Job:
+    """One continuation to sample.
+
+    Attributes:
+        prompt: token ids of the prompt.
+        max_new_tokens: this row's token limit.
+        temperature: > 0 when sampling; ignored when ``greedy``.
+        top_p: nucleus (1.0 = off).
+        greedy: argmax decoding (temperature 0 requests).
+        version: adapter version to run on, or None for whatever is being served.
+        on_tokens: streaming callback, called from the worker thread with the ids so far.
+        future: resolved with the :class:`Generation`, or with the exception.
+    """
+
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+    version: int | None = None
+    on_tokens: Callable[[list[int]], None] | None = None
+    future: Future = field(default_factory=Future)
+
+    @property
+    def key(self) -> tuple:
+        return (self.greedy, None if self.greedy else self.temperature, self.top_p, self.version)
+
+
+def cut(gen: Generation, limit: int, eos_ids: list[int]) -> Generation:
+    """``gen`` cut to ``limit`` tokens; ``finished`` only when an EOS lies within the limit.
+
+    >>> cut(Generation([5, 6, 2], [-1., -2., -3.], True, 0), 2, [2])
+    Generation(token_ids=[5, 6], logprobs=[-1.0, -2.0], finished=False, adapter_version=0)
+    """
+    if len(gen.token_ids) <= limit:
+        return gen
+    ids = gen.token_ids[:limit]
+    return Generation(ids, gen.logprobs[:limit], bool(ids) and ids[-1] in eos_ids, gen.adapter_version)
+
+
+class Batcher:
+    """Runs :class:`Job` s on an engine from one worker thread.
+
+    Args:
+        engine: the serving engine.
+        run_on_version: ``run_on_version(version, fn)`` runs ``fn()`` with that adapter
+            version loaded (and the served one restored after); used for requests that
+            name a version other than the served one.
+        max_batch: rows per engine call.
+        window_s: how long the worker waits for more requests before starting a batch (seconds).
+    """
+
+    def __init__(self, engine: Engine, run_on_version: Callable[[int, Callable], object],
+                 max_batch: int = 32, window_s: float = 0.01):
+        self.engine, self.run_on_version = engine, run_on_version
+        self.max_batch, self.window_s = max_batch, window_s
+        self.queue: queue.Queue[Job | None] = queue.Queue()
+        self.batches = 0  # engine calls so far
+        self.rows = 0  # rows sampled so far
+        self._thread = threading.Thread(target=self._work, name="selfrl-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> Future:
+        """Queue a job; returns its future."""
+        self.queue.put(job)
+        return job.future
+
+    def close(self) -> None:
+        """Stop the worker after the jobs already queued."""
+        self.queue.put(None)
+        self._thread.join(timeout=60)
+
+    @property
+    def pending(self) -> int:
+        return self.queue.qsize()
+
+    def _collect(self, first: Job) -> tuple[list[Job], bool]:
+        jobs, stop = [first], False
+        deadline = time.monotonic() + self.window_s
+        while len(jobs) < self.max_batch:
+            try:
+                nxt = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if nxt is None:
+                stop = True
+                break
+            jobs.append(nxt)
+        return jobs, stop
+
+    def _work(self) -> None:
+        while True:
+            first = self.queue.get()
+            if first is None:
+                return
+            jobs, stop = self._collect(first)
+            groups: dict[tuple, list[Job]] = {}
+            for j in jobs:
+                groups.setdefault(j.key, []).append(j)
+            for group in groups.values():
+                self._run(group)
+            if stop:
+                return
+
+    def _run(self, jobs: list[Job]) -> None:
+        live = [j for j in jobs if j.future.set_running_or_notify_cancel()]
+        if not live:
+            return
+        head = live[0]
+        limit = max(j.max_new_tokens for j in live)
+        streams = [j for j in live if j.on_tokens is not None]
+
+        def on_step(ids):  # (B, k) ids sampled so far
+            for i, j in enumerate(live):
+                if j.on_tokens is not None:
+                    j.on_tokens(ids[i, :j.max_new_tokens].tolist())
+
+        def call():
+            return self.engine.generate([j.prompt for j in live], limit, head.temperature, greedy=head.greedy,
+                                        top_p=head.top_p, on_step=on_step if streams else None)
+
+        try:
+            if head.version is None or head.version == self.engine.version:
+                gens = call()
+            else:
+                gens = self.run_on_version(head.version, call)
+        except Exception as e:  # every waiting request gets the error; the worker goes on
+            for j in live:
+                j.future.set_exception(e)
+            return
+        self.batches += 1
+        self.rows += len(live)
+        for j, g in zip(live, gens):
+            j.future.set_result(cut(g, j.max_new_tokens, self.engine.eos_token_ids))

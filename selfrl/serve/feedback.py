@@ -1,0 +1,133 @@
+"""Turning what users do into rewards: explicit feedback, implicit corrections,
+conversation links, and the reward of a served turn.
+
+**Explicit feedback** (``POST /v1/feedback``) gives a value in [-1, 1]: the rating
+when one is given, else -1 when the user says they corrected the answer, else 0.
+
+**Implicit correction.** When a conversation comes back with a new *user* message
+right after our answer, that message is read as a correction when
+
+1. it opens with a correction phrase (:data:`CORRECTION_RE`: "no", "wrong",
+   "that's not right", "try again", "actually", ...), or
+2. it repeats the user's previous request: after lower-casing and collapsing
+   whitespace, ``difflib.SequenceMatcher`` similarity >= :data:`REPEAT_SIMILARITY`.
+
+Limits of the rule, on purpose kept simple and visible: it reads English only; a user
+who says "no, that's great, now do X" is counted as a correction; a user who silently
+gives up or rephrases with other words is not; and it only sees conversations whose
+client sends the earlier turns back unchanged (OpenAI-style clients do). An implicit
+correction counts -1 and never overrides explicit feedback.
+
+**Linking.** A request continues an earlier served turn when its messages, up to its
+last assistant message, equal that turn's request messages plus the answer we
+returned (compared by role, text, and tool-call names and arguments; tool-call ids
+are ignored): see :func:`conversation_key`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import re
+from typing import Any
+
+CORRECTION_RE = re.compile(
+    r"^\W*(no\b|nope\b|wrong\b|incorrect\b|not (quite|right|correct)\b|that'?s (not|wrong|incorrect)\b"
+    r"|that is (not|wrong|incorrect)\b|try again\b|actually\b|you made a mistake|you are wrong|you're wrong)",
+    re.IGNORECASE,
+)
+REPEAT_SIMILARITY = 0.85
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def correction_reason(new_user_text: str, previous_user_text: str | None) -> str | None:
+    """Why ``new_user_text`` counts as a correction of our last answer, or None.
+
+    >>> correction_reason("No, that's wrong. It is 42.", "What is 6*7?")
+    'opens with a correction phrase'
+    >>> correction_reason("what is 6 * 7?", "What is 6*7?")
+    'repeats the previous request'
+    >>> correction_reason("Thanks! Now add 3.", "What is 6*7?") is None
+    True
+    """
+    if CORRECTION_RE.match(new_user_text or ""):
+        return "opens with a correction phrase"
+    if previous_user_text and new_user_text:
+        ratio = difflib.SequenceMatcher(None, _norm(new_user_text), _norm(previous_user_text)).ratio()
+        if ratio >= REPEAT_SIMILARITY:
+            return "repeats the previous request"
+    return None
+
+
+def explicit_value(rating: float | None, corrected: bool) -> float:
+    """The reward value of explicit feedback (see the module docstring).
+
+    >>> explicit_value(0.5, True), explicit_value(None, True), explicit_value(None, False)
+    (0.5, -1.0, 0.0)
+    """
+    if rating is not None:
+        return float(rating)
+    return -1.0 if corrected else 0.0
+
+
+def _canonical(messages: list[dict[str, Any]]) -> list[Any]:
+    out = []
+    for m in messages:
+        calls = []
+        for c in m.get("tool_calls") or []:
+            fn = c.get("function", {})
+            try:
+                args = json.loads(fn.get("arguments") or "{}")
+            except (json.JSONDecodeError, TypeError):
+                args = fn.get("arguments")
+            calls.append([fn.get("name"), args])
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        out.append([m.get("role"), (content or "").strip(), calls])
+    return out
+
+
+def conversation_key(messages: list[dict[str, Any]]) -> str:
+    """A hash of OpenAI-style messages for linking turns (tool-call ids ignored).
+
+    >>> a = [{"role": "user", "content": "hi "}, {"role": "assistant", "content": None,
+    ...       "tool_calls": [{"id": "call_1", "function": {"name": "f", "arguments": '{"x": 1}'}}]}]
+    >>> b = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "",
+    ...       "tool_calls": [{"id": "call_9", "function": {"name": "f", "arguments": '{ "x":1 }'}}]}]
+    >>> conversation_key(a) == conversation_key(b)
+    True
+    """
+    blob = json.dumps(_canonical(messages), sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def default_group_key(messages: list[dict[str, Any]]) -> str:
+    """The learner's group of a request without ``task_key``: its first user message."""
+    first = next((m for m in _canonical(messages) if m[0] == "user"), ["user", "", []])
+    return "prompt:" + hashlib.sha256(first[1].encode()).hexdigest()[:16]
+
+
+def served_rewards(feedback: float | None, tool_success: float | None,
+                   weights: dict[str, float]) -> tuple[dict[str, float | None], float | None]:
+    """Reward breakdown and total of a served turn.
+
+    Components: ``user_feedback`` (explicit, inherited or implicit feedback, in
+    [-1, 1]; None when none arrived) and ``tool_success`` (share of the turn's tool
+    calls that parsed, named a requested tool and matched its schema; None without
+    calls). The total is the weighted sum of the components that apply, and None when
+    none applies (such a turn is not trained on).
+
+    >>> served_rewards(-1.0, 1.0, {"user_feedback": 1.0, "tool_success": 0.2})
+    ({'user_feedback': -1.0, 'tool_success': 1.0}, -0.8)
+    >>> served_rewards(None, None, {"user_feedback": 1.0, "tool_success": 0.2})
+    ({'user_feedback': None, 'tool_success': None}, None)
+    """
+    parts = {"user_feedback": feedback, "tool_success": tool_success}
+    applied = [(weights.get(k, 0.0), v) for k, v in parts.items() if v is not None and weights.get(k, 0.0) != 0.0]
+    total = round(sum(w * v for w, v in applied), 12) if applied else None
+    return parts, total

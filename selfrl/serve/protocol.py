@@ -1,0 +1,296 @@
+"""The OpenAI chat-completions wire format: request models, and the conversion
+between OpenAI messages and the chat the model sees.
+
+What an OpenAI client sends is validated here (pydantic) and turned into plain
+chat messages for the model's template:
+
+* ``tools`` become a tools section in the system prompt (Hermes style, see
+  ``selfrl.toolcall``) unless the chat template renders tools itself;
+* an assistant message's ``tool_calls`` become ``<tool_call>{...}</tool_call>``
+  text, the form the model was prompted to write;
+* a ``role: "tool"`` message becomes a ``<tool_response>`` tool turn.
+
+The other way, :func:`parse_completion` turns the sampled text into OpenAI's
+``content`` and ``tool_calls`` (id, type, function name, arguments as a JSON string).
+
+Not supported (each is a 400 naming the field, not a silent no-op):
+``frequency_penalty``/``presence_penalty``/``logit_bias`` other than neutral
+values (they would make the recorded logprobs differ from the sampling
+distribution), images and audio in message content. ``seed`` is accepted and
+ignored: requests are batched, so a per-request seed cannot be honoured.
+``tool_choice="required"`` or a named function adds an instruction to the prompt
+but does not constrain decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from selfrl.toolcall import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    TOOL_RESPONSE_CLOSE,
+    TOOL_RESPONSE_OPEN,
+    parse_tool_calls,
+    render_tools_prompt,
+)
+from selfrl.tools import Tool, ToolError, validate_arguments
+from selfrl.trajectory import ToolCallRecord
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Strict):
+    """One OpenAI chat message (roles system, developer, user, assistant, tool)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+    def text(self) -> str:
+        """The content as text; list content must be ``{"type": "text"}`` parts.
+
+        Raises:
+            ValueError: a non-text part (image, audio, file).
+        """
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class FunctionDef(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class ChatCompletionRequest(BaseModel):
+    """``POST /v1/chat/completions`` body. Unknown fields are rejected (400), as OpenAI does.
+
+    selfrl extensions (pass them with the openai client's ``extra_body``):
+    ``task_key`` groups requests for the learner (default: the conversation's first
+    user message), ``record=False`` keeps a request out of the store and of training
+    (for evaluation traffic).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # selfrl extensions
+    task_key: str | None = Field(default=None, max_length=200)
+    record: bool = True
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v):
+        if v is None or v in ("none", "auto", "required"):
+            return v
+        if isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function", {}).get("name"), str):
+            return v
+        raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return v
+
+    def unsupported(self) -> str | None:
+        """The first setting selfrl cannot honour exactly, as an error message, or None."""
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                return f"{name} is not supported (it would change the sampling distribution the logprobs record)"
+        if self.logit_bias:
+            return "logit_bias is not supported (it would change the sampling distribution the logprobs record)"
+        return None
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class FeedbackRequest(_Strict):
+    """``POST /v1/feedback`` body: a user's verdict on a response, possibly minutes later.
+
+    ``rating`` is in [-1, 1] (thumbs down -1, up +1); ``corrected=True`` means the
+    user had to correct the answer (counts as -1 unless a rating is given);
+    ``correction`` is the corrected answer, stored with the trajectory.
+    ``choice`` picks one of ``n`` choices (default 0).
+    """
+
+    response_id: str = Field(min_length=1, max_length=100)
+    choice: int = Field(default=0, ge=0, le=15)
+    rating: float | None = Field(default=None, ge=-1.0, le=1.0)
+    corrected: bool = False
+    correction: str | None = Field(default=None, max_length=20000)
+    comment: str | None = Field(default=None, max_length=20000)
+
+
+class VersionRequest(_Strict):
+    """Admin body naming an adapter version."""
+
+    version: int = Field(ge=0)
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# ------------------------------------------------------------------ conversion
+
+
+def client_tools(tools: list[ToolDef] | None) -> list[Tool]:
+    """The request's tools as :class:`Tool` objects (for the prompt and argument checks);
+    they run on the client, so their ``fn`` raises if ever called."""
+
+    def client_side(**_: Any) -> str:
+        raise ToolError("this tool runs on the client")
+
+    return [Tool(t.function.name, t.function.description, t.function.parameters, client_side) for t in tools or []]
+
+
+def _call_text(call: ToolCall) -> str:
+    try:
+        args = json.loads(call.function.arguments or "{}")
+    except json.JSONDecodeError:
+        args = call.function.arguments  # kept as the client sent it
+    return TOOL_CALL_OPEN + json.dumps({"name": call.function.name, "arguments": args}) + TOOL_CALL_CLOSE
+
+
+def to_chat(req: ChatCompletionRequest, native_tools: bool, tools_prompt: str = "compact") -> list[dict[str, str]]:
+    """The request's messages as the chat the model's template renders.
+
+    Args:
+        native_tools: the chat template renders ``tools`` itself (then no tools
+            section is added to the system prompt).
+        tools_prompt: ``compact`` or ``json`` (see ``render_tools_prompt``).
+
+    Raises:
+        ValueError: non-text content parts.
+    """
+    msgs: list[dict[str, str]] = []
+    for m in req.messages:
+        role = "system" if m.role == "developer" else m.role
+        if role == "assistant":
+            text = m.text() + "".join(_call_text(c) for c in m.tool_calls or [])
+            msgs.append({"role": "assistant", "content": text})
+        elif role == "tool":
+            msgs.append({"role": "tool", "content": f"{TOOL_RESPONSE_OPEN}\n{m.text()}\n{TOOL_RESPONSE_CLOSE}"})
+        else:
+            msgs.append({"role": role, "content": m.text()})
+    use_tools = bool(req.tools) and req.tool_choice != "none"
+    section = ""
+    if use_tools and not native_tools:
+        section = render_tools_prompt(client_tools(req.tools), tools_prompt)
+    if use_tools and req.tool_choice not in (None, "auto"):
+        name = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
+        section += f"\nYou must call the tool {name} now." if name else "\nYou must call a tool now."
+    if section:
+        if msgs and msgs[0]["role"] == "system":
+            msgs[0] = {"role": "system", "content": msgs[0]["content"] + "\n\n" + section.strip()}
+        else:
+            msgs.insert(0, {"role": "system", "content": section.strip()})
+    return msgs
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def parse_completion(text: str, tools: list[Tool]) -> tuple[str | None, list[dict[str, Any]], list[ToolCallRecord]]:
+    """Split sampled text into OpenAI ``content`` and ``tool_calls``.
+
+    A call is returned in ``tool_calls`` when it parsed and names one of the
+    request's ``tools``; its arguments are checked against the tool's schema
+    (a mismatch is recorded as a failed call but still returned, since the client
+    runs the tool and reports the error back). A call that did not parse, or names
+    an unknown tool, is not returned as a call: its text stays in ``content`` so the
+    agent sees what the model wrote.
+
+    Returns:
+        (content or None, OpenAI tool_calls dicts, a :class:`ToolCallRecord` per attempted call).
+    """
+    rest, calls = parse_tool_calls(text)
+    if not tools:
+        return (text or None), [], []
+    by_name = {t.name: t for t in tools}
+    out: list[dict[str, Any]] = []
+    records: list[ToolCallRecord] = []
+    keep_raw = False
+    for c in calls:
+        if c.error is not None or c.name not in by_name:
+            why = c.error or f"unknown tool {c.name!r}; valid tools: {', '.join(sorted(by_name))}"
+            records.append(ToolCallRecord(c.name, c.arguments, c.raw, False, f"error: {why}", why))
+            keep_raw = True
+            continue
+        err = None
+        try:
+            validate_arguments(by_name[c.name], c.arguments)
+        except ToolError as e:
+            err = str(e)
+        records.append(ToolCallRecord(c.name, c.arguments, c.raw, err is None, "", err))
+        out.append({"id": new_call_id(), "type": "function",
+                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)}})
+    content = text if keep_raw else rest
+    return (content or None), out, records

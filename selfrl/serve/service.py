@@ -1,0 +1,357 @@
+"""The serving core behind the HTTP layer: requests -> engine jobs -> OpenAI responses,
+every choice recorded as a trajectory, feedback attached, adapter versions swapped.
+
+The HTTP layer (``selfrl.serve.app``) only parses, authenticates and formats; all
+decisions are here, in plain methods that raise :class:`ApiError` for bad input.
+
+Versions: ``engine.version`` is the version being served. A promoted candidate is
+swapped in by :meth:`Service.publish` (in place, under the engine lock, so between two
+batches) unless a version is pinned. A request may name a version as
+``<served_model_name>@v<N>``; it then runs on that version (swapped in for its batch
+and back out after).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from selfrl import adapters
+from selfrl.chat import prompt_ids, template_supports_tools
+from selfrl.engine import Engine, Generation
+from selfrl.serve import records
+from selfrl.serve.batcher import Batcher, Job
+from selfrl.serve.config import ServeConfig
+from selfrl.serve.feedback import conversation_key, correction_reason, default_group_key, explicit_value
+from selfrl.serve.protocol import ChatCompletionRequest, FeedbackRequest, client_tools, parse_completion, to_chat
+from selfrl.store import Store
+from selfrl.trajectory import Trajectory
+
+_VERSION_RE = re.compile(r"@v(\d+)$")
+
+
+class ApiError(Exception):
+    """A request the server refuses; becomes an OpenAI-style error with ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready for the engine."""
+
+    req: ChatCompletionRequest
+    messages: list[dict[str, Any]]  # the request's messages as OpenAI dicts
+    chat: list[dict[str, str]]  # what the template renders
+    prompt: list[int]
+    limit: int
+    version: int | None
+    parent: dict[str, Any] | None
+    group_key: str
+    response_id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class Service:
+    """Serving state: engine, batcher, store, versions and (optionally) the learner.
+
+    Args:
+        model: the serving policy (a ``peft.PeftModel``).
+        tokenizer: its tokenizer.
+        cfg: :class:`ServeConfig`.
+        learner_model: a separate copy of the policy for the background learner, or
+            None to serve and record without learning.
+
+    Raises:
+        ValueError: the stored versions do not fit the model.
+    """
+
+    def __init__(self, model, tokenizer, cfg: ServeConfig, learner_model=None):
+        self.cfg = cfg
+        self.tok = tokenizer
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.store = Store(self.run_dir / "selfrl.db", shared=True)
+        with self.store.lock:
+            records.init(self.store)
+            self.run_id = self.store.start_run({"serve": cfg.to_dict()})
+        self.engine = Engine(model, tokenizer)
+        self.context = int(getattr(model.config, "max_position_embeddings", 0) or tokenizer.model_max_length)
+        self.native_tools = template_supports_tools(tokenizer)
+        self.pinned: int | None = None
+        self.swap_seconds: list[float] = []
+        self._states: dict[int, Any] = {}
+        self._restore()
+        self.batcher = Batcher(self.engine, self.run_on_version, cfg.max_batch, cfg.batch_window_s)
+        self.learner = None
+        if learner_model is not None and cfg.learner.enabled:
+            from selfrl.serve.learner import BackgroundLearner
+
+            self.learner = BackgroundLearner(self, learner_model)
+
+    # -- versions ----------------------------------------------------------------------
+
+    def _restore(self) -> None:
+        """Record the base version on a fresh run dir; serve the latest promoted one on a restart."""
+        with self.store.lock:
+            if not any(v["version"] == 0 for v in self.store.versions()):
+                path = adapters.version_dir(self.run_dir, 0)
+                if not path.exists():
+                    path = adapters.save_version(self.engine.model, self.run_dir, 0)
+                self.store.add_version(0, None, str(path), "base", {})
+            best = self.store.latest_promoted()
+        if best["version"] != 0:
+            self.engine.swap(self.state_of(best["version"]), best["version"])
+
+    def state_of(self, version: int):
+        """The LoRA tensors of a stored version (cached).
+
+        Raises:
+            ApiError: 404 when the version does not exist or was never saved.
+        """
+        if version not in self._states:
+            with self.store.lock:
+                row = next((v for v in self.store.versions() if v["version"] == version), None)
+            if row is None or not row["path"] or not Path(row["path"]).exists():
+                raise ApiError(404, f"adapter version {version} does not exist", "model", "model_not_found")
+            self._states[version] = adapters.load_version_state(Path(row["path"]))
+        return self._states[version]
+
+    def version_ids(self) -> list[dict[str, Any]]:
+        with self.store.lock:
+            return [v for v in self.store.versions() if v["status"] in ("base", "promoted")]
+
+    def run_on_version(self, version: int, fn):
+        """Run ``fn()`` with ``version`` swapped in, then swap the served version back."""
+        from selfrl.adapters import lora_state
+
+        state = self.state_of(version)
+        with self.engine.lock:
+            served, served_state = self.engine.version, lora_state(self.engine.model)
+            self.engine.swap(state, version)
+            try:
+                return fn()
+            finally:
+                self.engine.swap(served_state, served)
+
+    def publish(self, version: int, state, reason: str) -> float | None:
+        """Serve ``version`` now (unless a version is pinned); returns the swap seconds."""
+        self._states[version] = {k: v.clone() for k, v in state.items()}
+        if self.pinned is not None:
+            self.event("promote", f"version {version} {reason}; not served: version {self.pinned} is pinned")
+            return None
+        seconds = self.engine.swap(state, version)
+        self.swap_seconds.append(seconds)
+        self.event("swap", f"serving version {version} ({reason}); swap took {seconds * 1000:.1f} ms",
+                   {"version": version, "swap_s": seconds})
+        return seconds
+
+    def pin(self, version: int) -> dict[str, Any]:
+        """Serve ``version`` and keep it until :meth:`unpin` (promotions are recorded, not served)."""
+        state = self.state_of(version)
+        self.engine.swap(state, version)
+        self.pinned = version
+        self.event("pin", f"version {version} pinned")
+        return self.status()
+
+    def unpin(self) -> dict[str, Any]:
+        self.pinned = None
+        with self.store.lock:
+            best = self.store.latest_promoted()
+        self.engine.swap(self.state_of(best["version"]), best["version"])
+        self.event("unpin", f"unpinned; serving the latest promoted version {best['version']}")
+        return self.status()
+
+    def rollback(self, version: int) -> dict[str, Any]:
+        """Serve ``version`` again, mark the promoted versions after it rolled back, and
+        restart the learner from it."""
+        state = self.state_of(version)
+        with self.store.lock:
+            later = [v["version"] for v in self.store.versions() if v["version"] > version and v["status"] == "promoted"]
+            for v in later:
+                self.store.set_version_status(v, "rolled_back")
+        if self.learner is not None:
+            self.learner.reset_to(version, state)
+        self.engine.swap(state, version)
+        self.event("rollback", f"rolled back to version {version}; versions {later} marked rolled_back")
+        return self.status()
+
+    def event(self, kind: str, message: str, data: dict | None = None) -> None:
+        with self.store.lock:
+            self.store.log_event(self.run_id, kind, message, data)
+
+    def status(self) -> dict[str, Any]:
+        with self.store.lock:
+            versions = [{"version": v["version"], "status": v["status"], "parent": v["parent"],
+                         "val_success": v["metrics"].get("val/success")} for v in self.store.versions()]
+            counts = records.counts(self.store)
+        return {
+            "served_version": self.engine.version, "pinned": self.pinned, "versions": versions,
+            "queue": self.batcher.pending, "batches": self.batcher.batches, "rows": self.batcher.rows,
+            "turns": counts, "swap_ms": [round(s * 1000, 2) for s in self.swap_seconds[-10:]],
+            "learner": None if self.learner is None else self.learner.status(),
+        }
+
+    # -- requests ----------------------------------------------------------------------
+
+    def prepare(self, req: ChatCompletionRequest) -> Prepared:
+        """Validate a request and build its prompt; applies implicit corrections.
+
+        Raises:
+            ApiError: 400 for settings selfrl cannot honour, non-text content or a prompt
+                beyond the model's context; 404 for an unknown adapter version.
+        """
+        problem = req.unsupported()
+        if problem:
+            raise ApiError(400, problem, problem.split()[0])
+        version = None
+        m = _VERSION_RE.search(req.model)
+        if m:
+            version = int(m.group(1))
+            self.state_of(version)  # 404 if unknown
+        try:
+            chat = to_chat(req, self.native_tools, self.cfg.tools_prompt)
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from e
+        tools = [t.model_dump() for t in req.tools] if (req.tools and self.native_tools) else None
+        try:
+            prompt = prompt_ids(self.tok, chat, tools=tools)
+        except Exception as e:  # a template that rejects this message order, e.g.
+            raise ApiError(400, f"the chat template cannot render these messages: {e}", "messages") from e
+        room = self.context - len(prompt)
+        if room <= 0:
+            raise ApiError(400, f"the prompt is {len(prompt)} tokens; this model's context is {self.context} tokens",
+                           "messages", "context_length_exceeded")
+        if req.token_limit is not None and req.token_limit > room:
+            raise ApiError(400, f"max_tokens {req.token_limit} + prompt {len(prompt)} tokens exceeds the context "
+                           f"of {self.context} tokens", "max_tokens", "context_length_exceeded")
+        limit = req.token_limit or min(self.cfg.max_tokens_default, room)
+        messages = [msg.model_dump(exclude_none=True) for msg in req.messages]
+        parent = self._link(messages) if req.record else None
+        group = req.task_key or (parent["group_key"] if parent else default_group_key(messages))
+        return Prepared(req, messages, chat, prompt, limit, version, parent, group)
+
+    def _link(self, messages: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """The served turn this request continues (and an implicit correction of it), or None."""
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+        if last is None:
+            return None
+        with self.store.lock:
+            parent = records.find_by_continuation(self.store, conversation_key(messages[:last + 1]))
+        if parent is None:
+            return None
+        after = [m for m in messages[last + 1:] if m["role"] == "user"]
+        before = [m for m in messages[:last] if m["role"] == "user"]
+        if after:
+            text = lambda m: m["content"] if isinstance(m.get("content"), str) else ""  # noqa: E731
+            reason = correction_reason(text(after[-1]), text(before[-1]) if before else None)
+            if reason:
+                with self.store.lock:
+                    records.apply_feedback(self.store, parent["response_id"], parent["choice"], "implicit", -1.0,
+                                           corrected=True, comment=f"implicit: the next user message {reason}")
+        return parent
+
+    def jobs(self, p: Prepared, on_tokens=None) -> list[Job]:
+        req = p.req
+        greedy = req.temperature == 0
+        temperature = 1.0 if req.temperature is None else req.temperature
+        return [Job(p.prompt, p.limit, temperature, req.top_p or 1.0, greedy, p.version,
+                    None if on_tokens is None else (lambda ids, i=i: on_tokens(i, ids))) for i in range(req.n)]
+
+    def finish(self, p: Prepared, gens: list[Generation], seconds: float) -> dict[str, Any]:
+        """Build the OpenAI response for finished generations and record each choice."""
+        tools = client_tools(p.req.tools) if p.req.tool_choice != "none" else []
+        choices, completion_tokens = [], 0
+        version = gens[0].adapter_version
+        for i, g in enumerate(gens):
+            ids, finished = list(g.token_ids), g.finished
+            text = self.tok.decode(ids, skip_special_tokens=True)
+            stopped = False
+            for s in p.req.stops:
+                if s in text:
+                    text, stopped = text[:text.index(s)], True
+            content, calls, records_ = parse_completion(text, tools)
+            finish = "tool_calls" if calls else ("stop" if finished or stopped else "length")
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            choice = {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
+            if p.req.logprobs:
+                choice["logprobs"] = {"content": [
+                    {"token": self.tok.decode([t]), "logprob": lp, "bytes": list(self.tok.decode([t]).encode()),
+                     "top_logprobs": []} for t, lp in zip(ids, g.logprobs)]}
+            choices.append(choice)
+            completion_tokens += len(ids)
+            if p.req.record:
+                self._record(p, i, g, message, records_, content, not (finished or stopped), seconds)
+        return {
+            "id": p.response_id, "object": "chat.completion", "created": p.created,
+            "model": self.cfg.served_model_name + (f"@v{version}" if p.version is not None else ""),
+            "system_fingerprint": f"selfrl-v{version}", "adapter_version": version,
+            "choices": choices,
+            "usage": {"prompt_tokens": len(p.prompt), "completion_tokens": completion_tokens,
+                      "total_tokens": len(p.prompt) * len(gens) + completion_tokens},
+        }
+
+    def _record(self, p: Prepared, i: int, g: Generation, message: dict, calls, content, truncated, seconds) -> None:
+        P = len(p.prompt)
+        traj = Trajectory(
+            task_id=p.group_key, group_id=p.group_key, adapter_version=g.adapter_version, prompt_len=P,
+            token_ids=list(p.prompt) + list(g.token_ids), completion_mask=[0] * P + [1] * len(g.token_ids),
+            logprobs=[0.0] * P + list(g.logprobs), messages=[*p.chat, {"role": "assistant", "content":
+                                                                       self.tok.decode(g.token_ids, skip_special_tokens=True)}],
+            tool_calls=calls, final_answer=None if message.get("tool_calls") else content, truncated=truncated,
+            num_turns=1, timings={"generate": seconds}, parent_id=p.parent["trajectory_id"] if p.parent else None,
+        )
+        conversation = p.parent["conversation_id"] if p.parent else uuid.uuid4().hex
+        key = conversation_key([*p.messages, message])
+        with self.store.lock:
+            records.add_turn(self.store, self.run_id, traj, p.response_id, i, conversation, p.group_key, key)
+
+    async def complete(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        """A non-streaming chat completion."""
+        p = self.prepare(req)
+        t0 = time.perf_counter()
+        futures = [self.batcher.submit(j) for j in self.jobs(p)]
+        gens = [await asyncio.wrap_future(f) for f in futures]
+        return await asyncio.to_thread(self.finish, p, gens, time.perf_counter() - t0)
+
+    def feedback(self, f: FeedbackRequest) -> dict[str, Any]:
+        """Attach a user's feedback to a response (and its conversation's earlier turns).
+
+        Raises:
+            ApiError: 404 when the response (or that choice) was never served or recorded.
+        """
+        value = explicit_value(f.rating, f.corrected)
+        with self.store.lock:
+            try:
+                changed = records.apply_feedback(self.store, f.response_id, f.choice, "explicit", value, f.rating,
+                                                 f.corrected, f.correction, f.comment)
+            except KeyError:
+                raise ApiError(404, f"no recorded response {f.response_id!r} with choice {f.choice}",
+                               "response_id", "response_not_found") from None
+        return {"object": "feedback", "response_id": f.response_id, "choice": f.choice, "reward": value,
+                "turns_updated": changed}
+
+    def close(self) -> None:
+        if self.learner is not None:
+            self.learner.stop()
+        self.batcher.close()
+        with self.store.lock:
+            self.store.close()
+
+
+def start_learning(service: Service) -> None:
+    """Start the background learner thread, if there is one."""
+    if service.learner is not None and not service.learner.is_alive():
+        service.learner.start()
+
+

@@ -1,0 +1,129 @@
+"""Server-sent events for ``stream: true``: OpenAI ``chat.completion.chunk`` objects.
+
+Tokens are streamed as the batch decodes them (``Engine.generate``'s ``on_step``).
+Text that may still turn out to be a tool call or a stop string is held back:
+from the first ``<tool_call>`` (or stop string) on nothing more is streamed as
+content, and the last few characters wait until they cannot start either. When the
+generation ends, the rest of the content, the tool calls (one delta each, arguments
+whole) and the finish reason follow, so the concatenated deltas equal the
+non-streaming response. The recorded trajectory is the same as without streaming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from selfrl.serve.protocol import ChatCompletionRequest
+from selfrl.serve.service import Service
+from selfrl.toolcall import TOOL_CALL_OPEN
+
+
+def safe_prefix(text: str, markers: list[str]) -> str:
+    """The part of ``text`` that can be streamed as content now.
+
+    >>> safe_prefix("The sum is <tool_call>{", ["<tool_call>"])
+    'The sum is '
+    >>> safe_prefix("The sum is <tool", ["<tool_call>"])
+    'The sum is '
+    >>> safe_prefix("abc\\ufffd", ["<tool_call>"])
+    'abc'
+    """
+    cut = len(text)
+    for m in markers:
+        i = text.find(m)
+        if i >= 0:
+            cut = min(cut, i)
+        for k in range(min(len(m) - 1, len(text)), 0, -1):  # a marker may be starting at the end
+            if text.endswith(m[:k]):
+                cut = min(cut, len(text) - k)
+                break
+    out = text[:cut]
+    return out.rstrip("\ufffd")  # an incomplete UTF-8 sequence decodes as U+FFFD
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def stream_chunks(service: Service, req: ChatCompletionRequest) -> tuple[int, AsyncIterator[str]]:
+    """Start a streamed completion; returns the adapter version serving it (known once
+    decoding has begun) and the SSE lines.
+
+    Raises:
+        ApiError: as :meth:`Service.prepare` (before anything is streamed).
+    """
+    p = service.prepare(req)
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    started: list[int] = []
+
+    def on_tokens(i: int, ids: list[int]) -> None:  # worker thread, inside the engine lock
+        if not started:
+            started.append(service.engine.version)
+        loop.call_soon_threadsafe(queue.put_nowait, (i, ids))
+
+    t0 = time.perf_counter()
+    futures = [service.batcher.submit(j) for j in service.jobs(p, on_tokens)]
+    done = asyncio.ensure_future(asyncio.gather(*[asyncio.wrap_future(f) for f in futures]))
+    first_tokens = asyncio.ensure_future(queue.get())
+    await asyncio.wait([done, first_tokens], return_when=asyncio.FIRST_COMPLETED)
+    if done.done() and done.exception() is not None:
+        first_tokens.cancel()
+        raise done.exception()
+    pending_first = first_tokens.result() if first_tokens.done() else None
+    if not first_tokens.done():
+        first_tokens.cancel()
+    version = done.result()[0].adapter_version if done.done() else started[0]
+    markers = [TOOL_CALL_OPEN, *req.stops]
+    tok = service.tok
+    base = {"id": p.response_id, "object": "chat.completion.chunk", "created": p.created,
+            "model": service.cfg.served_model_name, "system_fingerprint": f"selfrl-v{version}",
+            "adapter_version": version}
+
+    def chunk(i: int, delta: dict, finish: str | None = None) -> str:
+        return _sse({**base, "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+
+    async def lines() -> AsyncIterator[str]:
+        sent = [""] * req.n
+        for i in range(req.n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+
+        def emit(i: int, ids: list[int]) -> str | None:
+            safe = safe_prefix(tok.decode(ids, skip_special_tokens=True), markers)
+            if len(safe) > len(sent[i]) and safe.startswith(sent[i]):
+                delta, sent[i] = safe[len(sent[i]):], safe
+                return chunk(i, {"content": delta})
+            return None
+
+        if pending_first is not None:
+            line = emit(*pending_first)
+            if line:
+                yield line
+        while not done.done():
+            getter = asyncio.ensure_future(queue.get())
+            await asyncio.wait([done, getter], return_when=asyncio.FIRST_COMPLETED)
+            if getter.done():
+                line = emit(*getter.result())
+                if line:
+                    yield line
+            else:
+                getter.cancel()
+        gens = done.result()
+        resp = await asyncio.to_thread(service.finish, p, gens, time.perf_counter() - t0)
+        for ch in resp["choices"]:
+            i, msg = ch["index"], ch["message"]
+            content = msg.get("content") or ""
+            if content.startswith(sent[i]) and len(content) > len(sent[i]):
+                yield chunk(i, {"content": content[len(sent[i]):]})
+            for k, call in enumerate(msg.get("tool_calls") or []):
+                yield chunk(i, {"tool_calls": [{"index": k, **call}]})
+            yield chunk(i, {}, ch["finish_reason"])
+        if (req.stream_options or {}).get("include_usage"):
+            yield _sse({**base, "choices": [], "usage": resp["usage"]})
+        yield "data: [DONE]\n\n"
+
+    return version, lines()
