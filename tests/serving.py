@@ -1,0 +1,77 @@
+"""Test helpers for ``selfrl serve``: a real uvicorn server on loopback around a tiny model."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import torch
+
+from selfrl.rl.logprobs import per_token_logps
+from selfrl.serve.app import create_app
+from selfrl.serve.config import ServeConfig
+from selfrl.serve.service import Service
+
+API_KEY = "test-key-0123456789abcdef"
+
+
+def tiny_serve_config(run_dir, **learner) -> ServeConfig:
+    cfg = ServeConfig(run_dir=str(run_dir), max_tokens_default=16, batch_window_s=0.02)
+    cfg.gate.val_size, cfg.gate.batch_size = 4, 4
+    cfg.rollout.max_new_tokens, cfg.rollout.max_turns = 6, 1
+    for k, v in learner.items():
+        setattr(cfg.learner, k, v)
+    return cfg
+
+
+@contextlib.contextmanager
+def running_server(model, tok, cfg: ServeConfig, learn: bool = False, api_key: str | None = API_KEY):
+    """Yield ``(base_url, service)`` for a server on a free loopback port; stops it after."""
+    import uvicorn
+
+    service = Service(model, tok, cfg, learner_model=copy.deepcopy(model) if learn else None)
+    app = create_app(service, api_key, learn=learn)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", service
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+def http(method: str, url: str, body=None, raw: bytes | None = None, key: str | None = None) -> tuple[int, dict]:
+    """A plain HTTP call (stdlib): returns ``(status, decoded JSON body)``."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    headers = {"content-type": "application/json"}
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as f:
+            return f.status, json.loads(f.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def recomputed_logps(model, traj, temperature: float) -> torch.Tensor:
+    """(n,) log-probs of the trajectory's completion tokens recomputed by ``model``."""
+    ids = torch.tensor([traj.token_ids])  # (1, T)
+    mask = torch.tensor([traj.completion_mask])  # (1, T)
+    with torch.no_grad():
+        out = per_token_logps(model, ids, torch.ones_like(ids), mask, temperature)[0]  # (T,)
+    return out[mask[0].bool()]

@@ -1,0 +1,213 @@
+"""End to end: the real ``openai`` client against the real server on loopback (tiny model)."""
+
+import json
+
+import openai
+import pytest
+import torch
+from openai import OpenAI
+
+from selfrl.engine import Generation
+from selfrl.serve import records
+from serving import API_KEY, http, recomputed_logps, running_server, tiny_serve_config
+
+CALC = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate arithmetic.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_tokenizer, tiny_model_factory, tmp_path_factory):
+    model = tiny_model_factory(lora=True, eos_bias=3.0)
+    cfg = tiny_serve_config(tmp_path_factory.mktemp("serve"))
+    with running_server(model, tiny_tokenizer, cfg) as (url, service):
+        yield url, service
+
+
+@pytest.fixture
+def client(server):
+    return OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def stored(service, response_id, choice=0):
+    with service.store.lock:
+        row = records.find_response(service.store, response_id, choice)
+        traj = next(t for t in service.store.trajectories() if t.id == row["trajectory_id"])
+    return row, traj
+
+
+def scripted(service, text: str):
+    """Make the engine 'sample' ``text`` (+ EOS), recording its real logprobs as the engine would."""
+    tok, engine = service.tok, service.engine
+    ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+    def generate(prompts, max_new_tokens, temperature=1.0, greedy=False, top_p=1.0, on_step=None):
+        out = []
+        for p in prompts:
+            full = torch.tensor([p + ids])
+            mask = torch.tensor([[0] * len(p) + [1] * len(ids)])
+            with torch.no_grad():
+                lp = recomputed_logps(engine.model, type("T", (), {"token_ids": p + ids, "completion_mask": mask[0].tolist()}),
+                                      1.0 if greedy else temperature)
+            assert full.shape[1] == len(p) + len(ids)
+            out.append(Generation(list(ids), lp.tolist(), True, engine.version))
+        return out
+
+    return generate
+
+
+def test_plain_chat_records_exact_tokens_and_names_its_version(server, client):
+    url, service = server
+    raw = client.chat.completions.with_raw_response.create(
+        model="anything", messages=[{"role": "user", "content": "What is 2+3?"}], max_tokens=8, temperature=0.7)
+    resp = raw.parse()
+    assert raw.headers["x-selfrl-adapter-version"] == "0"
+    assert resp.system_fingerprint == "selfrl-v0" and resp.model_extra["adapter_version"] == 0
+    assert resp.usage.completion_tokens >= 1
+    row, traj = stored(service, resp.id)
+    assert traj.adapter_version == 0 and row["status"] == "pending" and row["parent_id"] is None
+    n = traj.num_completion_tokens
+    assert n == resp.usage.completion_tokens
+    assert service.tok.decode(traj.token_ids[-n:], skip_special_tokens=True).startswith(resp.choices[0].message.content or "")
+    sampled = torch.tensor([lp for lp, m in zip(traj.logprobs, traj.completion_mask) if m])
+    assert torch.allclose(sampled, recomputed_logps(service.engine.model, traj, 0.7), atol=1e-4)
+
+
+def test_tool_calls_across_turns_in_openai_shape_and_linked(server, client, monkeypatch):
+    url, service = server
+    monkeypatch.setattr(service.engine, "generate", scripted(
+        service, '<tool_call>{"name": "calculator", "arguments": {"expression": "17+25"}}</tool_call>'))
+    msgs = [{"role": "user", "content": "What is 17+25?"}]
+    first = client.chat.completions.create(model="selfrl", messages=msgs, tools=[CALC], max_tokens=40)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "calculator"
+    assert json.loads(call.function.arguments) == {"expression": "17+25"}
+    row1, traj1 = stored(service, first.id)
+    assert traj1.tool_calls[0].ok and traj1.tool_calls[0].name == "calculator"
+    assert "calculator(expression: string)" in traj1.messages[0]["content"]  # the tools section of the prompt
+
+    monkeypatch.setattr(service.engine, "generate", scripted(service, "<answer>42</answer>"))
+    msgs += [choice.message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+    second = client.chat.completions.create(model="selfrl", messages=msgs, tools=[CALC], max_tokens=40)
+    assert second.choices[0].message.content == "<answer>42</answer>"
+    assert second.choices[0].finish_reason == "stop"
+    row2, traj2 = stored(service, second.id)
+    assert traj2.parent_id == traj1.id and row2["conversation_id"] == row1["conversation_id"]
+    # the earlier call is shown to the model as the text it wrote, and the result as a tool turn
+    assert traj2.messages[-3]["content"].startswith("<tool_call>") and "<tool_response>\n42\n" in traj2.messages[-2]["content"]
+
+    status, body = http("POST", url + "/v1/feedback", {"response_id": second.id, "rating": 1.0}, key=API_KEY)
+    assert status == 200 and body["turns_updated"] == 2  # the answer and the tool-call turn before it
+    assert stored(service, first.id)[0]["feedback"] == 1.0
+    assert stored(service, first.id)[0]["feedback_source"] == "inherited"
+
+
+def test_streaming_deltas_equal_the_full_response(server, client):
+    url, service = server
+    kwargs = dict(model="selfrl", messages=[{"role": "user", "content": "Count to five."}], max_tokens=12, temperature=0)
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == (full.choices[0].message.content or "")
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [full.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert {c.model_extra["adapter_version"] for c in chunks} == {0}
+    row, traj = stored(service, chunks[0].id)  # streamed requests are recorded too
+    assert traj.num_completion_tokens == full.usage.completion_tokens
+
+
+def test_feedback_needs_the_key_and_an_existing_response(server, client):
+    url, service = server
+    resp = client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert http("POST", url + "/v1/feedback", {"response_id": resp.id, "rating": 1})[0] == 401
+    assert http("POST", url + "/v1/feedback", {"response_id": resp.id, "rating": 1}, key="wrong-key-0123456789")[0] == 401
+    status, body = http("POST", url + "/v1/feedback", {"response_id": "chatcmpl-nope", "rating": 1}, key=API_KEY)
+    assert status == 404 and body["error"]["code"] == "response_not_found"
+    status, body = http("POST", url + "/v1/feedback", {"response_id": resp.id, "rating": 3}, key=API_KEY)
+    assert status == 400 and body["error"]["param"] == "rating"
+    status, body = http("POST", url + "/v1/feedback",
+                        {"response_id": resp.id, "corrected": True, "correction": "hello"}, key=API_KEY)
+    assert status == 200 and body["reward"] == -1.0
+    assert stored(service, resp.id)[0]["feedback"] == -1.0
+
+
+def test_a_correcting_next_user_turn_counts_as_implicit_feedback(server, client):
+    url, service = server
+    msgs = [{"role": "user", "content": "What is 6*7?"}]
+    first = client.chat.completions.create(model="selfrl", messages=msgs, max_tokens=6)
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "No, that's wrong. Try again."}]
+    second = client.chat.completions.create(model="selfrl", messages=msgs, max_tokens=6)
+    row1, _ = stored(service, first.id)
+    assert row1["feedback"] == -1.0 and row1["feedback_source"] == "implicit"
+    assert stored(service, second.id)[1].parent_id == row1["trajectory_id"]
+    # explicit feedback beats the implicit guess
+    assert http("POST", url + "/v1/feedback", {"response_id": first.id, "rating": 0.5}, key=API_KEY)[0] == 200
+    assert stored(service, first.id)[0]["feedback"] == 0.5
+
+
+def test_bad_requests_get_openai_errors_and_store_nothing(server, client):
+    url, service = server
+    before = service.store.count_trajectories()
+    cases = [
+        (dict(raw=b'{"model": "selfrl", "messages": ['), 400, None),
+        (dict(body={"model": "selfrl", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}), 400, "temperature"),
+        (dict(body={"model": "selfrl", "messages": [{"role": "user", "content": "x"}], "bogus": 1}), 400, "bogus"),
+        (dict(body={"model": "selfrl", "messages": []}), 400, "messages"),
+        (dict(body={"model": "selfrl", "messages": [{"role": "wizard", "content": "x"}]}), 400, None),
+        (dict(body={"model": "selfrl", "messages": [{"role": "user", "content": "x " * 3000}]}), 400, "messages"),
+        (dict(body={"model": "selfrl", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}), 400, "max_tokens"),
+        (dict(body={"model": "selfrl", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1}), 400, "presence_penalty"),
+        (dict(body={"model": "selfrl@v99", "messages": [{"role": "user", "content": "x"}]}), 404, "model"),
+    ]
+    for kwargs, code, param in cases:
+        status, body = http("POST", url + "/v1/chat/completions", **kwargs)
+        assert status == code, (kwargs, body)
+        assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"]
+        if param:
+            assert param in (body["error"]["param"] or ""), body
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="selfrl@v99", messages=[{"role": "user", "content": "x"}])
+    assert service.store.count_trajectories() == before
+
+
+def test_models_pin_and_rollback(server, client):
+    url, service = server
+    from selfrl import adapters
+    from selfrl.adapters import lora_state
+
+    state = {k: torch.randn_like(v) * 0.1 for k, v in lora_state(service.engine.model).items()}
+    with service.store.lock:
+        v = service.store.next_version()
+        path = adapters.version_dir(service.run_dir, v)
+        from safetensors.torch import save_file
+        path.mkdir(parents=True)
+        save_file(state, str(path / "adapter_model.safetensors"))
+        service.store.add_version(v, 0, str(path), "promoted", {"val/success": 0.0})
+    service.publish(v, state, "test")
+    ids = [m.id for m in client.models.list().data]
+    assert f"selfrl@v{v}" in ids and "selfrl@v0" in ids
+    assert client.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}], max_tokens=2).system_fingerprint == f"selfrl-v{v}"
+    old = client.chat.completions.create(model="selfrl@v0", messages=[{"role": "user", "content": "a"}], max_tokens=2)
+    assert old.model_extra["adapter_version"] == 0 and service.engine.version == v  # swapped back after
+    assert http("POST", url + "/admin/pin", {"version": 0})[0] == 401
+    status, body = http("POST", url + "/admin/pin", {"version": 0}, key=API_KEY)
+    assert status == 200 and body["served_version"] == 0 and body["pinned"] == 0
+    assert http("POST", url + "/admin/pin", {"version": 77}, key=API_KEY)[0] == 404
+    assert http("POST", url + "/admin/unpin", key=API_KEY)[1]["served_version"] == v
+    status, body = http("POST", url + "/admin/rollback", {"version": 0}, key=API_KEY)
+    assert status == 200 and body["served_version"] == 0
+    assert {x["version"]: x["status"] for x in body["versions"]}[v] == "rolled_back"
+    status, body = http("GET", url + "/admin/status", key=API_KEY)
+    assert status == 200 and body["turns"]["pending"] >= 1
+
+
+def test_no_key_configured_disables_feedback_and_admin(tiny_tokenizer, tiny_model_factory, tmp_path):
+    model = tiny_model_factory(lora=True, eos_bias=3.0)
+    with running_server(model, tiny_tokenizer, tiny_serve_config(tmp_path), api_key=None) as (url, _):
+        status, body = http("GET", url + "/admin/status", key="anything-0123456789")
+        assert status == 403 and body["error"]["code"] == "no_api_key_configured"

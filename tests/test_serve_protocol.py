@@ -1,0 +1,110 @@
+"""OpenAI messages <-> the model's chat, completion parsing, and the server's records."""
+
+import json
+import sqlite3
+
+import pytest
+from pydantic import ValidationError
+
+from selfrl.serve import records
+from selfrl.serve.protocol import ChatCompletionRequest, parse_completion, to_chat, client_tools
+from selfrl.store import Store
+from selfrl.trajectory import Trajectory
+
+CALC = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate arithmetic.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
+def req(**kw):
+    return ChatCompletionRequest(model="m", **kw)
+
+
+def test_tool_turns_become_the_text_the_model_was_taught():
+    r = req(messages=[
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "17+"}, {"type": "text", "text": "25?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "17+25"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ], tools=[CALC])
+    chat = to_chat(r, native_tools=False)
+    assert chat[0]["role"] == "system" and chat[0]["content"].startswith("Be brief.\n\nTools:\n- calculator(expression: string)")
+    assert chat[1] == {"role": "user", "content": "17+25?"}
+    assert chat[2] == {"role": "assistant",
+                       "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "17+25"}}</tool_call>'}
+    assert chat[3] == {"role": "tool", "content": "<tool_response>\n42\n</tool_response>"}
+    assert to_chat(r, native_tools=True)[0] == {"role": "system", "content": "Be brief."}  # the template shows tools
+    none = req(messages=[{"role": "user", "content": "x"}], tools=[CALC], tool_choice="none")
+    assert to_chat(none, native_tools=False) == [{"role": "user", "content": "x"}]
+
+
+def test_images_are_refused_not_dropped():
+    r = req(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(ValueError, match="only text"):
+        to_chat(r, native_tools=False)
+
+
+def test_parse_completion_returns_openai_tool_calls():
+    tools = client_tools([ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                                "tools": [CALC]}).tools[0]])
+    content, calls, recs = parse_completion(
+        'Let me compute. <tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>', tools)
+    assert content == "Let me compute." and len(calls) == 1
+    assert calls[0]["type"] == "function" and json.loads(calls[0]["function"]["arguments"]) == {"expression": "1+1"}
+    assert recs[0].ok
+    # wrong argument type: still returned (the client runs the tool), recorded as failed
+    _, calls, recs = parse_completion('<tool_call>{"name": "calculator", "arguments": {"expression": 5}}</tool_call>', tools)
+    assert len(calls) == 1 and not recs[0].ok and "expression" in recs[0].error
+    # unknown tool or broken JSON: not a call; the text stays visible to the agent
+    text = '<tool_call>{"name": "weather", "arguments": {}}</tool_call>'
+    content, calls, recs = parse_completion(text, tools)
+    assert calls == [] and content == text and not recs[0].ok
+    content, calls, recs = parse_completion("<tool_call>{oops</tool_call>", tools)
+    assert calls == [] and content == "<tool_call>{oops</tool_call>" and recs[0].error
+    assert parse_completion("<tool_call>{}</tool_call>", []) == ("<tool_call>{}</tool_call>", [], [])  # no tools offered
+
+
+@pytest.mark.parametrize("bad", [
+    {"temperature": 3}, {"n": 0}, {"top_p": 0}, {"stop": ["a", "b", "c", "d", "e"]}, {"tool_choice": "always"},
+    {"unknown_field": 1}, {"messages": []},
+])
+def test_request_validation(bad):
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **bad}
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate(body)
+
+
+def turn(store, run_id, tid, response_id, parent=None, key="k"):
+    t = Trajectory(task_id="g", group_id="g", adapter_version=0, id=tid, parent_id=parent,
+                   token_ids=[1, 2], completion_mask=[0, 1], logprobs=[0.0, -0.5])
+    records.add_turn(store, run_id, t, response_id, 0, "conv", "g", key)
+
+
+def test_feedback_precedence_and_chain(tmp_path):
+    store = Store(tmp_path / "db.sqlite")
+    records.init(store)
+    run = store.start_run({})
+    turn(store, run, "t1", "r1")
+    turn(store, run, "t2", "r2", parent="t1")
+    assert records.chain(store, "t2") == ["t2", "t1"]
+    assert records.apply_feedback(store, "r1", 0, "implicit", -1.0) == 1
+    assert records.apply_feedback(store, "r2", 0, "explicit", 1.0) == 2  # inherited beats implicit on t1
+    assert records.find_response(store, "r1")["feedback_source"] == "inherited"
+    assert records.apply_feedback(store, "r2", 0, "implicit", -1.0) == 0  # implicit never beats explicit
+    assert records.find_response(store, "r2")["feedback"] == 1.0
+    with pytest.raises(KeyError):
+        records.apply_feedback(store, "nope", 0, "explicit", 1.0)
+    assert records.counts(store)["feedback_messages"] == 3  # every message is kept; the refused one wrote nothing
+    ready = records.ready(store, wait_s=3600, limit=10)
+    assert [t.id for t, _ in ready] == ["t1", "t2"]
+
+
+def test_a_failed_turn_write_leaves_nothing(tmp_path):
+    store = Store(tmp_path / "db.sqlite")
+    records.init(store)
+    run = store.start_run({})
+    turn(store, run, "t1", "r1")
+    with pytest.raises(sqlite3.IntegrityError):
+        turn(store, run, "t2", "r1")  # the same response id and choice again: the served row fails
+    assert store.count_trajectories() == 1  # ... and the trajectory written before it in the transaction is gone
