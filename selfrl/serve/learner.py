@@ -76,12 +76,15 @@ class BackgroundLearner(threading.Thread):
         self.updates = 0
         self.last: dict[str, Any] = {}
         self.error: str | None = None
+        self.busy = False  # between taking a batch and finishing its gate
 
     # -- thread ------------------------------------------------------------------------
 
     def run(self) -> None:
         try:
+            self.busy = True
             self.best_success = self.validated(self.best_version)
+            self.busy = False
             while not self._halt.wait(self.cfg.learner.poll_s):
                 self.tick()
         except Exception as e:  # the server keeps serving; the failure is visible in status and events
@@ -94,7 +97,7 @@ class BackgroundLearner(threading.Thread):
             self.join(timeout=600)
 
     def status(self) -> dict[str, Any]:
-        return {"alive": self.is_alive(), "updates": self.updates, "best_version": self.best_version,
+        return {"alive": self.is_alive(), "busy": self.busy, "updates": self.updates, "best_version": self.best_version,
                 "best_val_success": self.best_success, "last_update": self.last, "error": self.error}
 
     # -- steps -------------------------------------------------------------------------
@@ -122,7 +125,11 @@ class BackgroundLearner(threading.Thread):
         if len(batch) < lc.min_batch:
             return False
         with self.lock:
-            self.update(batch)
+            self.busy = True
+            try:
+                self.update(batch)
+            finally:
+                self.busy = False
         return True
 
     def score(self, batch: list[tuple[Trajectory, dict]]) -> tuple[list[Trajectory], list[Trajectory]]:
