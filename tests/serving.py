@@ -54,6 +54,20 @@ def running_server(model, tok, cfg: ServeConfig, learn: bool = False, api_key: s
         thread.join(timeout=60)
 
 
+def add_version(service: Service, state: dict, version: int, parent: int = 0, status: str = "promoted",
+                metrics: dict | None = None) -> None:
+    """Save ``state`` as a complete adapter version of ``service``'s run and record it."""
+    from peft import set_peft_model_state_dict
+
+    from selfrl import adapters
+
+    holder = copy.deepcopy(service.engine.model)
+    set_peft_model_state_dict(holder, state)
+    with service.store.lock:
+        path = adapters.save_version(holder, service.run_dir, version)
+        service.store.add_version(version, parent, str(path), status, metrics or {})
+
+
 def http(method: str, url: str, body=None, raw: bytes | None = None, key: str | None = None) -> tuple[int, dict]:
     """A plain HTTP call (stdlib): returns ``(status, decoded JSON body)``."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())

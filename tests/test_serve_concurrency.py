@@ -6,12 +6,10 @@ import time
 import torch
 from openai import OpenAI
 from peft import set_peft_model_state_dict
-from safetensors.torch import save_file
 
-from selfrl import adapters
 from selfrl.adapters import lora_state
 from selfrl.serve import records
-from serving import recomputed_logps, running_server, tiny_serve_config
+from serving import add_version, recomputed_logps, running_server, tiny_serve_config
 
 TEMPERATURE = 0.8
 
@@ -49,11 +47,7 @@ def test_swaps_under_load_fail_nothing_and_every_response_matches_its_version(ti
         for v in range(1, 7):  # six swaps while the clients keep sending
             time.sleep(0.3)
             state = {k: torch.randn_like(x) * 0.3 for k, x in states[0].items()}
-            with service.store.lock:
-                path = adapters.version_dir(service.run_dir, v)
-                path.mkdir(parents=True)
-                save_file(state, str(path / "adapter_model.safetensors"))
-                service.store.add_version(v, v - 1, str(path), "promoted", {})
+            add_version(service, state, v, parent=v - 1)
             states[v] = state
             swap_started[v] = time.monotonic()
             service.publish(v, state, "test")

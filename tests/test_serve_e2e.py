@@ -9,7 +9,7 @@ from openai import OpenAI
 
 from selfrl.engine import Generation
 from selfrl.serve import records
-from serving import API_KEY, http, recomputed_logps, running_server, tiny_serve_config
+from serving import API_KEY, add_version, http, recomputed_logps, running_server, tiny_serve_config
 
 CALC = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate arithmetic.",
@@ -177,17 +177,12 @@ def test_bad_requests_get_openai_errors_and_store_nothing(server, client):
 
 def test_models_pin_and_rollback(server, client):
     url, service = server
-    from selfrl import adapters
     from selfrl.adapters import lora_state
 
     state = {k: torch.randn_like(v) * 0.1 for k, v in lora_state(service.engine.model).items()}
     with service.store.lock:
         v = service.store.next_version()
-        path = adapters.version_dir(service.run_dir, v)
-        from safetensors.torch import save_file
-        path.mkdir(parents=True)
-        save_file(state, str(path / "adapter_model.safetensors"))
-        service.store.add_version(v, 0, str(path), "promoted", {"val/success": 0.0})
+    add_version(service, state, v, metrics={"val/success": 0.0})
     service.publish(v, state, "test")
     ids = [m.id for m in client.models.list().data]
     assert f"selfrl@v{v}" in ids and "selfrl@v0" in ids

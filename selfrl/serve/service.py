@@ -107,9 +107,15 @@ class Service:
                 if not path.exists():
                     path = adapters.save_version(self.engine.model, self.run_dir, 0)
                 self.store.add_version(0, None, str(path), "base", {})
-            best = self.store.latest_promoted()
-        if best["version"] != 0:
-            self.engine.swap(self.state_of(best["version"]), best["version"])
+            servable = [v for v in reversed(self.store.versions()) if v["status"] in ("promoted", "base")]
+        for v in servable:  # the latest promoted version whose folder is complete
+            try:
+                state = self.state_of(v["version"])
+            except ApiError as e:
+                self.event("skip_version", f"restart: {e.message}; trying an earlier version")
+                continue
+            self.engine.swap(state, v["version"])
+            return
 
     def state_of(self, version: int):
         """The LoRA tensors of a stored version (cached).
@@ -122,7 +128,11 @@ class Service:
                 row = next((v for v in self.store.versions() if v["version"] == version), None)
             if row is None or not row["path"] or not Path(row["path"]).exists():
                 raise ApiError(404, f"adapter version {version} does not exist", "model", "model_not_found")
-            self._states[version] = adapters.load_version_state(Path(row["path"]))
+            try:
+                self._states[version] = adapters.load_version_state(Path(row["path"]))
+            except (adapters.CorruptVersionError, FileNotFoundError) as e:
+                raise ApiError(409, f"adapter version {version} cannot be served: {e}", "model",
+                               "version_incomplete") from e
         return self._states[version]
 
     def version_ids(self) -> list[dict[str, Any]]:

@@ -1,0 +1,86 @@
+"""`selfrl serve` settings, API keys, and a restart that continues the run directory."""
+
+import pytest
+import torch
+from openai import OpenAI
+
+from selfrl.adapters import lora_state
+from selfrl.config import ConfigError
+from selfrl.serve import records
+from selfrl.serve.app import load_api_key
+from selfrl.serve.main import load_serve_config
+from serving import add_version, running_server, tiny_serve_config
+
+
+def test_api_key_from_env_or_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("SELFRL_API_KEY", raising=False)
+    assert load_api_key(None) is None
+    monkeypatch.setenv("SELFRL_API_KEY", "  0123456789abcdefXYZ \n")
+    assert load_api_key(None) == "0123456789abcdefXYZ"
+    f = tmp_path / "key"
+    f.write_text("fedcba9876543210fedcba\nsecond line ignored\n")
+    assert load_api_key(str(f)) == "fedcba9876543210fedcba"  # the file wins over the environment
+    f.write_text("short\n")
+    with pytest.raises(ValueError, match="16 characters"):
+        load_api_key(str(f))
+    with pytest.raises(ValueError, match="cannot read"):
+        load_api_key(str(tmp_path / "missing"))
+
+
+def test_serve_config_layers_and_errors(tmp_path):
+    toml = tmp_path / "serve.toml"
+    toml.write_text('port = 9000\n[learner]\nmin_batch = 16\n[train]\nlearning_rate = 5e-5\n')
+    cfg = load_serve_config(str(toml), {"learner.feedback_wait_s": 30, "port": None})
+    assert (cfg.port, cfg.learner.min_batch, cfg.train.learning_rate, cfg.learner.feedback_wait_s) == (9000, 16, 5e-5, 30.0)
+    assert cfg.host == "127.0.0.1"  # loopback unless told otherwise
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_serve_config(None, {"learner.min_btch": 3})
+    with pytest.raises(ConfigError, match="min_batch"):
+        load_serve_config(None, {"learner.min_batch": 1})
+    with pytest.raises(ConfigError, match="must be int"):
+        load_serve_config(None, {"port": "eighty"})
+
+
+def test_restart_serves_the_latest_promoted_version_and_keeps_pending_turns(tiny_tokenizer, tiny_model_factory, tmp_path):
+    cfg = tiny_serve_config(tmp_path / "run")
+    model = tiny_model_factory(lora=True, eos_bias=3.0)
+    with running_server(model, tiny_tokenizer, cfg) as (url, service):
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        first = client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        state = {k: torch.randn_like(v) for k, v in lora_state(model).items()}
+        add_version(service, state, 1, metrics={"val/success": 0.5})
+    fresh = tiny_model_factory(lora=True, eos_bias=3.0)
+    with running_server(fresh, tiny_tokenizer, cfg) as (url, service):
+        assert service.engine.version == 1
+        assert all(torch.equal(v, state[k]) for k, v in lora_state(service.engine.model).items())
+        with service.store.lock:
+            row = records.find_response(service.store, first.id)
+        assert row["status"] == "pending"  # still waiting for its reward after the restart
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert r.model_extra["adapter_version"] == 1
+
+
+def test_stop_strings_cut_the_content(tiny_tokenizer, tiny_model_factory, tmp_path):
+    model = tiny_model_factory(lora=True, eos_bias=-5.0)  # never ends early: 12 tokens of text
+    with running_server(model, tiny_tokenizer, tiny_serve_config(tmp_path / "run")) as (url, service):
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        kw = dict(model="selfrl", messages=[{"role": "user", "content": "go"}], max_tokens=12, temperature=0)
+        full = client.chat.completions.create(**kw).choices[0].message.content
+        stop = full[3:5]
+        cut = client.chat.completions.create(stop=[stop], **kw).choices[0]
+        assert cut.message.content == full[:full.index(stop)] and cut.finish_reason == "stop"
+
+
+def test_restart_skips_a_version_whose_folder_is_incomplete(tiny_tokenizer, tiny_model_factory, tmp_path):
+    cfg = tiny_serve_config(tmp_path / "run")
+    with running_server(tiny_model_factory(lora=True), tiny_tokenizer, cfg) as (url, service):
+        add_version(service, {k: torch.randn_like(v) for k, v in lora_state(service.engine.model).items()}, 1)
+        weights = service.run_dir / "adapters" / "v000001" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # a torn write
+    with running_server(tiny_model_factory(lora=True), tiny_tokenizer, cfg) as (url, service):
+        assert service.engine.version == 0
+        assert any(e["kind"] == "skip_version" for e in service.store.events())
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(Exception, match="cannot be served"):
+            client.chat.completions.create(model="selfrl@v1", messages=[{"role": "user", "content": "x"}])
