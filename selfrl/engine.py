@@ -99,6 +99,7 @@ class Engine:
         self.eos_token_ids = eos_ids(model, tokenizer)
         self.pad_token_id = tokenizer.pad_token_id
         self.lock = threading.RLock()
+        self._lora_params: dict[str, torch.Tensor] | None = None
 
     @torch.no_grad()
     def generate(
@@ -189,6 +190,10 @@ class Engine:
     def swap(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
         """Hot-swap the LoRA weights to ``version`` in place; returns the seconds it took.
 
+        The tensors are copied straight into the LoRA parameters (a few milliseconds for
+        a rank-16 adapter of a 135M model); models whose adapter cannot be mapped that
+        way go through ``peft.set_peft_model_state_dict`` (about 80 ms).
+
         Raises:
             ValueError: the state dict does not match the model's LoRA parameters
                 (nothing is changed in that case).
@@ -197,10 +202,33 @@ class Engine:
 
         t = time.perf_counter()
         with self.lock:
-            check_adapter_state(state_dict, get_peft_model_state_dict(self.model), version)
-            set_peft_model_state_dict(self.model, state_dict)
+            params = self.lora_parameters()
+            if params:
+                check_adapter_state(state_dict, params, version)
+                with torch.no_grad():
+                    for key, p in params.items():
+                        p.copy_(state_dict[key])
+            else:
+                check_adapter_state(state_dict, get_peft_model_state_dict(self.model), version)
+                set_peft_model_state_dict(self.model, state_dict)
             self.version = version
         return time.perf_counter() - t
+
+    def lora_parameters(self) -> dict[str, torch.Tensor]:
+        """The model's LoRA parameters under peft's state-dict keys (computed once), or
+        {} when they do not map one to one onto ``get_peft_model_state_dict``'s keys."""
+        if self._lora_params is None:
+            from peft import get_peft_model_state_dict
+
+            expected = get_peft_model_state_dict(self.model)
+            adapter = getattr(self.model, "active_adapter", "default")
+            found = {}
+            for name, p in self.model.named_parameters():
+                key = name.replace(f".{adapter}.", ".")
+                if key in expected and p.shape == expected[key].shape:
+                    found[key] = p
+            self._lora_params = found if found.keys() == expected.keys() else {}
+        return self._lora_params
 
 
 class _StepObserver:

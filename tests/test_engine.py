@@ -236,3 +236,15 @@ def test_top_p_restricts_sampling_to_the_nucleus(tiny_tokenizer, tiny_peft_model
     assert all(g.token_ids == greedy for g in tiny)
     with pytest.raises(ValueError, match="top_p"):
         engine.generate(prompt, 1, top_p=0.0)
+
+
+def test_swap_copies_straight_into_the_lora_parameters(tiny_tokenizer, tiny_peft_model):
+    engine = Engine(tiny_peft_model, tiny_tokenizer)
+    params = engine.lora_parameters()
+    assert params.keys() == get_peft_model_state_dict(tiny_peft_model).keys()  # the fast path applies
+    new = {k: torch.randn_like(v) for k, v in get_peft_model_state_dict(tiny_peft_model).items()}
+    engine.swap(new, 5)
+    after = get_peft_model_state_dict(tiny_peft_model)
+    assert all(torch.equal(after[k], new[k]) for k in new) and engine.version == 5
+    new[next(iter(new))] = new[next(iter(new))] + 1  # the engine keeps no reference to the caller's tensors
+    assert not torch.equal(get_peft_model_state_dict(tiny_peft_model)[next(iter(new))], new[next(iter(new))])
