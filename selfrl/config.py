@@ -2,7 +2,7 @@
 
 A config file has one table per concern, named as the fields of
 :class:`RunConfig` (``[model]``, ``[lora]``, ``[task]``, ``[rollout]``,
-``[train]``, ``[gate]``) plus top-level keys. Unknown keys are errors that list
+``[train]``, ``[gate]``, ``[collapse]``, ``[detectors]``) plus top-level keys. Unknown keys are errors that list
 the valid ones, so a typo never silently falls back to a default.
 """
 
@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from selfrl.collapse import CollapseConfig
+from selfrl.detectors import DetectorConfig
 from selfrl.gate import GateConfig
 from selfrl.model import DEFAULT_MODEL
 from selfrl.rollout import RolloutConfig
@@ -64,6 +66,8 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     gate: GateConfig = field(default_factory=GateConfig)
+    collapse: CollapseConfig = field(default_factory=CollapseConfig)  # collapse rules and rollback (selfrl.collapse)
+    detectors: DetectorConfig = field(default_factory=DetectorConfig)  # reward-hacking detectors (selfrl.detectors)
     run_dir: str = "runs/default"  # where the store, adapters, metrics and report go
     iterations: int = 16  # rollout + update cycles
     num_prompts: int = 8  # tasks per iteration
@@ -98,6 +102,20 @@ class RunConfig:
             (self.gate.val_size >= 1, "gate.val_size must be >= 1"),
             (self.gate.eval_every >= 1, "gate.eval_every must be >= 1"),
             (self.gate.tolerance >= 0, "gate.tolerance must be >= 0"),
+            (self.train.skip_max_reward_spread > 0, "train.skip_max_reward_spread must be > 0"),
+            (self.train.skip_max_kl > 0, "train.skip_max_kl must be > 0"),
+            (self.train.skip_max_grad_norm > 0, "train.skip_max_grad_norm must be > 0"),
+            (self.collapse.baseline_window >= 1, "collapse.baseline_window must be >= 1"),
+            (0 <= self.collapse.entropy_min_ratio < 1 < self.collapse.entropy_max_ratio,
+             "collapse needs 0 <= entropy_min_ratio < 1 < entropy_max_ratio"),
+            (self.collapse.max_kl > 0 and self.collapse.degenerate_rise > 0 and self.collapse.heldout_drop > 0,
+             "collapse.max_kl, degenerate_rise and heldout_drop must be > 0"),
+            (self.collapse.max_rollbacks >= 0, "collapse.max_rollbacks must be >= 0"),
+            (0 < self.collapse.lr_factor <= 1, "collapse.lr_factor must be in (0, 1]"),
+            (self.collapse.beta_factor >= 1 and self.collapse.beta_min >= 0,
+             "collapse.beta_factor must be >= 1 and collapse.beta_min >= 0"),
+            (self.collapse.repeat_ngram >= 1 and 0 < self.collapse.repeat_share <= 1,
+             "collapse.repeat_ngram must be >= 1 and collapse.repeat_share in (0, 1]"),
         ]
         checks += [
             (self.task.num_train >= 1, "task.num_train must be >= 1"),
@@ -117,6 +135,7 @@ class RunConfig:
 
     def _check_names(self) -> None:
         """Names that refer to registries (loss type, preset, reward functions, tools)."""
+        from selfrl.detectors import check_detectors
         from selfrl.rewards import check_weights, get_preset
         from selfrl.rl.losses import get_loss_aggregation
         from selfrl.tools import resolve_tools
@@ -125,6 +144,7 @@ class RunConfig:
             get_loss_aggregation(self.train.loss_type)
             check_weights(self.reward_weights if self.reward_weights is not None else get_preset(self.preset))
             resolve_tools(self.rollout.tools)
+            check_detectors(self.detectors.names)
         except (KeyError, ValueError) as e:
             raise ConfigError(str(e).strip("'\"")) from e
 
@@ -169,7 +189,18 @@ def load_config(
     Raises:
         ConfigError: unreadable file, unknown key, wrong type or invalid value.
     """
-    cfg = RunConfig()
+    return fill(RunConfig(), path, overrides, base).validate()
+
+
+def fill(cfg, path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+         base: dict[str, Any] | None = None):
+    """Set the fields of a config dataclass from ``base``, then a TOML file, then dotted
+    ``overrides`` (None values skipped); returns ``cfg``. Shared by ``selfrl run`` and
+    ``selfrl serve``.
+
+    Raises:
+        ConfigError: unreadable file, unknown key or wrong type.
+    """
     if base is not None:
         _apply(cfg, base, "")
     if path is not None:
@@ -186,4 +217,4 @@ def load_config(
         for p in reversed(parents):
             nested = {p: nested}
         _apply(cfg, nested, "")
-    return cfg.validate()
+    return cfg

@@ -32,14 +32,18 @@ class Generation:
         token_ids: (n,) the sampled ids, the EOS included when one was sampled.
         logprobs: (n,) log-probability of each sampled id under ``logits / temperature``
             (greedy decoding records the temperature-1 logprob).
-        finished: True when an EOS was sampled within the token limit.
+        finished: True when the turn ended within the token limit: an EOS was sampled,
+            or a stop string was completed (then ``stopped`` is True too).
         adapter_version: version of the weights that produced the tokens.
+        stopped: True when a stop string ended the turn; no EOS was sampled, the last
+            id is the one that completed the stop string.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finished: bool
     adapter_version: int
+    stopped: bool = False
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -110,6 +114,7 @@ class Engine:
         greedy: bool = False,
         top_p: float = 1.0,
         on_step: Callable[[torch.Tensor], None] | None = None,
+        stop: list[str] | None = None,
     ) -> list[Generation]:
         """Sample one continuation per prompt.
 
@@ -125,6 +130,10 @@ class Engine:
             on_step: called during decoding with the (B, n) ids sampled so far (rows
                 that ended keep receiving pad ids); used to stream tokens. The last
                 token of each row is only in the returned :class:`Generation`.
+            stop: strings that end a turn (e.g. ``"</tool_call>"``): a row is cut right
+                after the token that completes one, before any EOS. The ids after it
+                are dropped, which leaves the kept ones exactly as sampled (decoding is
+                left to right); the batch still decodes up to its limit.
 
         Returns:
             B :class:`Generation`, in order.
@@ -184,7 +193,11 @@ class Engine:
             row = new[i].tolist()
             is_eos = torch.isin(new[i], eos).nonzero()
             n = int(is_eos[0]) + 1 if len(is_eos) else len(row)
-            results.append(Generation(row[:n], logps[i, :n].tolist(), bool(len(is_eos)), version))
+            cut = stop_cut(self.tokenizer, row[:n], stop) if stop else None
+            if cut is not None:
+                results.append(Generation(row[:cut], logps[i, :cut].tolist(), True, version, stopped=True))
+            else:
+                results.append(Generation(row[:n], logps[i, :n].tolist(), bool(len(is_eos)), version))
         return results
 
     def swap(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
@@ -229,6 +242,17 @@ class Engine:
                     found[key] = p
             self._lora_params = found if found.keys() == expected.keys() else {}
         return self._lora_params
+
+
+def stop_cut(tokenizer, ids: list[int], stop: list[str]) -> int | None:
+    """The number of leading ``ids`` up to the one that completes the first stop string, or None."""
+    if not any(s in tokenizer.decode(ids, skip_special_tokens=True) for s in stop):
+        return None
+    for k in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:k], skip_special_tokens=True)
+        if any(s in text for s in stop):
+            return k
+    return None
 
 
 class _StepObserver:

@@ -3,15 +3,19 @@
 Every candidate adapter is scored on held-out tasks with greedy decoding
 (pass@1, judged by the task's verifier) before it may serve as "best". The gate
 is deliberately simple here: promote when the candidate is not worse than the
-best so far by more than ``tolerance`` (absolute success rate).
+best so far by more than ``tolerance`` (absolute success rate). Validation also
+measures the share of degenerate held-out rollouts (loops, empty answers, cut off
+at the length limit), which the collapse rules compare with the base version's.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from selfrl.collapse import CollapseConfig, degenerate_share
 from selfrl.engine import Engine
 from selfrl.rollout import RolloutConfig, rollout
 from selfrl.tasks import Task, TaskSource
@@ -36,11 +40,14 @@ class EvalResult:
         version: adapter version evaluated.
         results: ``(task_id, correct, answer)`` per task, in task order.
         seconds: wall time of the evaluation.
+        degenerate: share (0..1) of the held-out rollouts that were degenerate
+            (``selfrl.collapse.degenerate_reasons``).
     """
 
     version: int
     results: list[tuple[str, bool, str | None]]
     seconds: float
+    degenerate: float = math.nan
 
     @property
     def success(self) -> float:
@@ -50,21 +57,24 @@ class EvalResult:
 
 def evaluate(
     engine: Engine, tasks: list[Task], source: TaskSource, tools: list[Tool], cfg: RolloutConfig, batch_size: int = 64,
-    on_batch: Callable[[int], None] | None = None,
+    on_batch: Callable[[int], None] | None = None, collapse: CollapseConfig | None = None,
 ) -> EvalResult:
     """Greedy pass@1 of the engine's current version on ``tasks``; ``on_batch(n)`` is
-    called after each batch of n tasks (progress display)."""
+    called after each batch of n tasks (progress display); ``collapse`` sets what
+    counts as degenerate (default :class:`CollapseConfig`)."""
     t0 = time.perf_counter()
-    results = []
+    results, degenerate = [], 0.0
     for s in range(0, len(tasks), batch_size):
         chunk = tasks[s:s + batch_size]
-        trajs = rollout(engine, chunk, [f"val-{t.id}" for t in chunk], tools, cfg, greedy=True)
+        trajs = rollout(engine, chunk, [f"val-{t.id}" for t in chunk], tools, cfg, greedy=True,
+                        env_factory=source.make_env)
         for task, tr in zip(chunk, trajs):
-            answer = source.extract_answer(tr.final_answer or "")
+            answer = source.trajectory_answer(tr)
             results.append((task.id, bool(source.correct(task, answer)), answer))
+        degenerate += degenerate_share(trajs, collapse or CollapseConfig()) * len(chunk)
         if on_batch is not None:
             on_batch(len(chunk))
-    return EvalResult(engine.version, results, time.perf_counter() - t0)
+    return EvalResult(engine.version, results, time.perf_counter() - t0, degenerate / max(len(results), 1))
 
 
 def passes_gate(candidate: float, best: float, tolerance: float) -> bool:

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from selfrl import adapters
+from selfrl import adapters, collapse, faults
 from selfrl.config import RunConfig
+from selfrl.detectors import HackingMonitor
 from selfrl.engine import Engine
 from selfrl.gate import EvalResult, evaluate, passes_gate
 from selfrl.progress import PlainProgress, Progress
@@ -32,7 +33,7 @@ from selfrl.rollout import rollout
 from selfrl.store import Store
 from selfrl.tasks import Task, assert_disjoint, get_task_source, split_tasks
 from selfrl.tools import resolve_tools
-from selfrl.trainer import Learner
+from selfrl.trainer import Learner, skip_note
 from selfrl.trajectory import Trajectory
 
 
@@ -47,6 +48,10 @@ class RunResult:
     final_version: int
     stopped_early: bool = False
     summary: dict = field(default_factory=dict)
+
+
+class CollapseStop(Exception):
+    """The collapse rollback budget is spent; the run stops with the best version served."""
 
 
 def build_policy(cfg: RunConfig):
@@ -146,6 +151,7 @@ class Runner:
         self.tasks_by_id = {t.id: t for t in self.train}
         self.tools = resolve_tools(cfg.rollout.tools)
         self.weights = cfg.reward_weights or get_preset(cfg.preset)
+        self.monitor = HackingMonitor(cfg.detectors, self.weights)
         model, tok = build_policy(cfg)
         # The KL reference is the adapter the run started from (LoraSettings.init_adapter),
         # taken before a resume swaps in a later version; None means the base model.
@@ -162,6 +168,9 @@ class Runner:
         self.step = 0  # the iteration under way, for metrics logged outside an iteration
         self.t_start = time.perf_counter()
         self.best_version, self.best_success, self.best_state = 0, 0.0, None
+        self.history: list[collapse.UpdateRecord] = []  # one record per iteration, for the collapse rules
+        self.chain_start = 0  # history index where the current candidate chain began
+        self.rollbacks = 0  # collapse rollbacks so far (all sessions of this run)
 
     # -- phases -------------------------------------------------------------------------
 
@@ -169,33 +178,43 @@ class Runner:
         """Held-out pass@1 of the engine's current version, stored per task."""
         self.progress.phase(f"validation (version {self.engine.version})", len(self.val))
         res = evaluate(self.engine, self.val, self.source, self.tools, self.cfg.rollout,
-                       self.cfg.gate.batch_size, on_batch=self.progress.advance)
+                       self.cfg.gate.batch_size, on_batch=self.progress.advance, collapse=self.cfg.collapse)
+        faults.point("during_validation")
         self.store.add_evaluation(res.version, res.results)
         self.store.log_metrics(self.run_id, self.step, {"time/validation_s": res.seconds})
+        if self.monitor.runs_probes:  # adversarial probe tasks scored per version (selfrl.detectors)
+            probes = self.monitor.run_probes(self.engine, self.source, self.tools, self.cfg.rollout)
+            self.store.log_metrics(self.run_id, self.step, probes)
+            for alert in self.monitor.pop_alerts():
+                self.store.log_event(self.run_id, "hacking", f"version {res.version}: {alert}")
         return res
 
     def start(self) -> int:
         """Evaluate the base model (fresh run, or a resume whose base validation never
         finished) or restore the best version (resume); returns the first iteration."""
+        if self.resume:
+            self.recover()
         base = next((v for v in self.store.versions() if v["version"] == 0), None)
         if base is None or "val/success" not in base["metrics"]:
             if base is None:
                 self.store.add_tasks([_task_row(t) for t in self.train], "train")
                 self.store.add_tasks([_task_row(t) for t in self.val], "val")
                 existing = adapters.version_dir(self.run_dir, 0)
-                path = existing if existing.exists() else adapters.save_version(self.engine.model, self.run_dir, 0)
+                complete = existing.exists() and adapters.verify_version(existing) is None
+                path = existing if complete else adapters.save_version(self.engine.model, self.run_dir, 0)
                 self.store.add_version(0, None, str(path), "base", {})
             res = self.validate()
-            self.store.set_version_status(0, "base", {"val/success": res.success})
+            self.store.set_version_status(0, "base", {"val/success": res.success, "val/degenerate": res.degenerate})
             self.progress.log(f"base model: held-out success {res.success:.3f} on {len(self.val)} tasks "
                               f"({res.seconds:.0f} s)")
-        best = self.store.latest_promoted()
+        best = self.served_version()
         if best["version"] != 0:
             self.engine.swap(adapters.load_version_state(Path(best["path"])), best["version"])
         self.best_version, self.best_success = best["version"], best["metrics"]["val/success"]
         self.best_state = adapters.lora_state(self.engine.model)
         done = [m["step"] for m in self.store.metrics() if m["name"] == "reward/mean"]
         start = max(done) + 1 if done else 0
+        self.chain_start = len(self.history)
         if self.resume:
             self.store.log_event(self.run_id, "resume", f"resumed at iteration {start} from version {self.best_version}")
             self.progress.log(f"resuming at iteration {start} from version {self.best_version} "
@@ -205,38 +224,56 @@ class Runner:
     def iteration(self, it: int) -> dict[str, float]:
         """Rollouts, rewards, advantages and one update; returns the logged metrics."""
         cfg, t0 = self.cfg, time.perf_counter()
+        faults.set_iteration(it)
         batch = iteration_tasks(self.train, it, cfg.num_prompts, cfg.task.train_seed)
         tasks = [t for t in batch for _ in range(cfg.num_generations)]
         groups = [f"{it}-{j}" for j, t in enumerate(batch) for _ in range(cfg.num_generations)]
         self.progress.phase(f"iteration {it}: rollouts (turns)", cfg.rollout.max_turns)
-        trajs = rollout(self.engine, tasks, groups, self.tools, cfg.rollout, on_turn=self.progress.advance)
+        trajs = rollout(self.engine, tasks, groups, self.tools, cfg.rollout, on_turn=self.progress.advance,
+                        env_factory=self.source.make_env)
         t_roll = time.perf_counter() - t0
+        faults.point("after_rollout")
         score_batch(trajs, self.tasks_by_id, self.source, self.weights)
+        hacking = self.monitor.apply(trajs)  # reward-hacking detectors: a flagged trajectory earns at most 0
+        for alert in self.monitor.pop_alerts():
+            self.store.log_event(self.run_id, "hacking", f"iteration {it}: {alert}")
         adv = group_advantages([t.reward for t in trajs], [t.group_id for t in trajs], cfg.train.scale_rewards)
         for t, a in zip(trajs, adv.advantages):
             t.advantage = a
         self.store.add_trajectories(self.run_id, it, trajs)
+        faults.point("after_store")
+        sampled = self.engine.version
         signal = sum(1 for t in trajs if t.advantage)
         self.progress.phase(f"iteration {it}: update (micro-batches)", max(1, -(-signal // cfg.train.micro_batch_size)))
         metrics = self.learner.step(trajs, on_micro_batch=self.progress.advance)
         if not metrics.get("skipped"):
+            if faults.active("noise"):
+                faults.add_noise(self.learner.params)
             version = self.store.next_version()
             path = adapters.save_version(self.engine.model, self.run_dir, version)
             self.store.add_version(version, self.engine.version, str(path), "candidate", {})
             self.engine.version = version
+            if cfg.collapse.enabled and cfg.collapse.kl_probe_size:
+                metrics["candidate_kl"] = self.learner.probe_kl(trajs, cfg.collapse.kl_probe_size)
         else:
-            self.store.log_event(self.run_id, "skip", f"iteration {it}: update skipped", metrics)
+            self.store.log_event(self.run_id, "skip", f"iteration {it}: update skipped: {skip_note(metrics)}", metrics)
             self.progress.advance()  # close the update bar: no micro-batch ran
         metrics.update(rollout_metrics(trajs))
+        metrics.update(hacking)
         metrics.update({"frac_reward_zero_std": adv.frac_no_signal, "version": float(self.engine.version),
-                        "time/rollout_s": t_roll})
-        note = " (update skipped: no group had reward spread)" if metrics.get("skip_reason_no_signal") else (
-            " (update skipped: loss or gradient not finite)" if metrics.get("skip_reason_not_finite") else "")
+                        "time/rollout_s": t_roll, "sampled_version": float(sampled),
+                        "train/entropy": collapse.entropy_estimate(trajs),
+                        "train/degenerate": collapse.degenerate_share(trajs, cfg.collapse)})
+        note = f" (update skipped: {skip_note(metrics)})" if metrics.get("skipped") else ""
         self.progress.log(
             f"iteration {it}: reward {metrics['reward/mean']:.3f} correct {metrics['train/correct']:.3f} "
             f"tool use {metrics['train/tool_use']:.2f} kl {metrics.get('kl', 0.0):.4f} "
             f"version {self.engine.version} (rollouts {t_roll:.0f} s, update {metrics.get('time/update_s', 0.0):.0f} s){note}"
         )
+        self.history.append(collapse.record_from_metrics(it, metrics))
+        alarms = collapse.cheap_alarms(self.history, cfg.collapse)
+        if alarms:  # also when the best version sampled them: the new candidate goes, the setting gets safer
+            self.roll_back(it, alarms)
         return metrics
 
     def gate(self, it: int, res: EvalResult) -> None:
@@ -244,7 +281,28 @@ class Runner:
         if res.version == self.best_version:
             return
         tol = self.cfg.gate.tolerance
-        if passes_gate(res.success, self.best_success, tol):
+        chain = self.history[self.chain_start:]
+        alarms = collapse.heldout_alarms(
+            res.success, self.best_success, [r.reward for r in chain if r.version != self.best_version],
+            [r.reward for r in self.history if r.version == self.best_version], tol, self.cfg.collapse)
+        base = next((v for v in self.store.versions() if v["version"] == 0), None)
+        base_degenerate = (base or {}).get("metrics", {}).get("val/degenerate")
+        degenerate = collapse.validation_alarm(
+            res.degenerate, math.nan if base_degenerate is None else base_degenerate, self.cfg.collapse)
+        alarms += [degenerate] if degenerate else []
+        self.store.set_version_status(res.version, "candidate", {"val/success": res.success,
+                                                                  "val/degenerate": res.degenerate})
+        if alarms:
+            self.roll_back(it, alarms)
+            return
+        broken = adapters.verify_version(adapters.version_dir(self.run_dir, res.version))
+        if broken is not None:  # never promote a version whose folder is not complete
+            self.store.set_version_status(res.version, "rejected", {"corrupt": broken})
+            self.engine.swap(self.best_state, self.best_version)
+            self.learner.reset_optimizer()
+            msg = f"version {res.version} not promoted: {broken}; serving version {self.best_version} again"
+            self.store.log_event(self.run_id, "corrupt_version", msg)
+        elif passes_gate(res.success, self.best_success, tol):
             self.store.set_version_status(res.version, "promoted", {"val/success": res.success})
             msg = f"version {res.version} promoted: held-out {res.success:.3f} (best was {self.best_success:.3f})"
             self.store.log_event(self.run_id, "promote", msg)
@@ -257,7 +315,81 @@ class Runner:
             msg = (f"version {res.version} rejected: held-out {res.success:.3f} < best {self.best_success:.3f} "
                    f"- {tol}; serving version {self.best_version} again")
             self.store.log_event(self.run_id, "rollback", msg)
+        self.chain_start = len(self.history)
         self.progress.log(f"iteration {it}: {msg}")
+
+    def roll_back(self, it: int, alarms: list[collapse.Alarm]) -> None:
+        """A collapse: mark the candidates since the best version ``rolled_back``, serve
+        the best version again, reset AdamW, continue with the safer setting, and log
+        it all as a ``collapse`` event. The run loop stops before the next iteration when
+        the rollbacks exceed ``collapse.max_rollbacks`` (:meth:`check_budget`)."""
+        bad = [v["version"] for v in self.store.versions()
+               if v["status"] == "candidate" and v["version"] > self.best_version]
+        for v in bad:
+            self.store.set_version_status(v, "rolled_back", {"collapse": alarms[0].rule})
+        self.engine.swap(self.best_state, self.best_version)
+        self.learner.reset_optimizer()
+        self.rollbacks += 1
+        lr, beta = collapse.safer_setting(self.learner.cfg.learning_rate, self.learner.cfg.beta, self.cfg.collapse)
+        self.learner.set_hyperparameters(lr, beta)
+        self.chain_start = len(self.history)
+        cc = self.cfg.collapse
+        msg = (f"iteration {it}: collapse: {'; '.join(a.message for a in alarms)}. Versions {bad} rolled back, "
+               f"serving version {self.best_version}; now learning rate {lr:.3g}, beta {beta:.3g} "
+               f"(rollback {self.rollbacks} of {cc.max_rollbacks} allowed)")
+        self.store.log_event(self.run_id, "collapse", msg, {
+            "iteration": it, "alarms": [a.to_dict() for a in alarms], "rolled_back": bad,
+            "serving": self.best_version, "learning_rate": lr, "beta": beta, "rollbacks": self.rollbacks})
+        self.progress.log(msg)
+
+    def check_budget(self) -> None:
+        """Raise :class:`CollapseStop` (after logging a ``collapse_stop`` event) when the
+        collapse rollbacks exceed ``collapse.max_rollbacks``."""
+        if self.rollbacks > self.cfg.collapse.max_rollbacks:
+            msg = (f"stopping: {self.rollbacks} collapse rollbacks exceed collapse.max_rollbacks = "
+                   f"{self.cfg.collapse.max_rollbacks}; serving the best version {self.best_version} "
+                   f"(held-out {self.best_success:.3f})")
+            self.store.log_event(self.run_id, "collapse_stop", msg, {"rollbacks": self.rollbacks})
+            raise CollapseStop(msg)
+
+    def served_version(self) -> dict:
+        """The version to serve: the store's latest promoted (or base) version whose folder is
+        complete (:func:`adapters.verify_version`). One that is not is marked ``rolled_back``,
+        with a ``corrupt_version`` event, and the next older one is tried.
+
+        Raises:
+            adapters.CorruptVersionError: no promoted or base version is complete.
+        """
+        for v in reversed(self.store.versions()):
+            if v["status"] not in ("promoted", "base"):
+                continue
+            reason = adapters.verify_version(Path(v["path"]))
+            if reason is None:
+                return v
+            self.store.set_version_status(v["version"], "rolled_back", {"corrupt": reason})
+            self.store.log_event(self.run_id, "corrupt_version", f"version {v['version']} is not served: {reason}")
+        raise adapters.CorruptVersionError(f"no complete adapter version to serve in {self.run_dir}")
+
+    def recover(self) -> None:
+        """On resume: move aside what a killed save left (never recorded), re-save a damaged
+        base version (the freshly built policy is the base), and restore the rollback count,
+        the safer setting and the collapse history of earlier sessions."""
+        versions = self.store.versions()
+        for path in adapters.stray_dirs(self.run_dir, {v["version"] for v in versions}):
+            dest = adapters.quarantine(path)
+            self.store.log_event(self.run_id, "recover", f"{path.name} was left by an interrupted save and never "
+                                 f"recorded; moved to {dest}")
+        base = next((v for v in versions if v["version"] == 0), None)
+        if base is not None and (reason := adapters.verify_version(Path(base["path"]))) is not None:
+            if Path(base["path"]).exists():
+                adapters.quarantine(Path(base["path"]))
+            adapters.save_version(self.engine.model, self.run_dir, 0)
+            self.store.log_event(self.run_id, "recover", f"base version 0 was damaged ({reason}); saved again")
+        self.rollbacks = sum(1 for e in self.store.events() if e["kind"] == "collapse")
+        for _ in range(self.rollbacks):
+            lr, beta = collapse.safer_setting(self.learner.cfg.learning_rate, self.learner.cfg.beta, self.cfg.collapse)
+            self.learner.set_hyperparameters(lr, beta)
+        self.history = collapse.history_from_metrics(self.store.metrics())
 
     def run(self) -> RunResult:
         try:
@@ -272,6 +404,7 @@ class Runner:
         try:
             for it in range(start, self.cfg.iterations):
                 self.step = it
+                self.check_budget()
                 log.log(it, self.iteration(it))
                 due = (it + 1) % self.cfg.gate.eval_every == 0 or it == self.cfg.iterations - 1
                 if due and self.engine.version != self.best_version:  # nothing new to validate otherwise
@@ -283,6 +416,9 @@ class Runner:
         except KeyboardInterrupt:
             stopped = True
             self.progress.log("interrupted: stored trajectories and versions are kept; continue with --resume")
+        except CollapseStop as e:
+            stopped = True
+            self.progress.log(str(e))
         finally:
             log.close()
         return self.finish(stopped)
@@ -303,7 +439,7 @@ class Runner:
             "time_inference_s": inference, "time_training_s": training,
             "time_validation_s": totals.get("time/validation_s", 0.0),
             "cost_ratio": (inference + training) / inference if inference else float("nan"),
-            "stopped_early": stopped,
+            "stopped_early": stopped, "collapse_rollbacks": self.rollbacks,
             "model": self.cfg.model.name, "task": self.cfg.task.source, "preset": self.cfg.preset,
             "reward_weights": self.weights, "num_prompts": self.cfg.num_prompts,
             "num_generations": self.cfg.num_generations, "iterations": self.cfg.iterations,

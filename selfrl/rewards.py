@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 
+from selfrl.envs.webshop import naive_reward as webshop_naive
 from selfrl.tasks import Task, TaskSource
 from selfrl.trajectory import Trajectory
 
@@ -66,7 +67,8 @@ RewardFunc = Callable[[Trajectory, RewardContext], "float | None"]
 def verifier(traj: Trajectory, ctx: RewardContext) -> float:
     """Binary correctness against the task's reference answer: 0.0 or 1.0, never None.
 
-    1.0 when ``source.correct(task, source.extract_answer(traj.final_answer or ""))``,
+    1.0 when ``source.correct(task, source.trajectory_answer(traj))`` (by default the
+    answer extracted from ``traj.final_answer``; the web shop's is its order outcome),
     i.e. the source's score is full credit, else 0.0. A trajectory with no final
     answer (e.g. truncated before answering) gets 0.0.
 
@@ -75,7 +77,7 @@ def verifier(traj: Trajectory, ctx: RewardContext) -> float:
     contains the right digits; rewarding that partial score would pay the policy
     for wrong answers.
     """
-    answer = ctx.source.extract_answer(traj.final_answer or "")
+    answer = ctx.source.trajectory_answer(traj)
     return 1.0 if ctx.source.correct(ctx.task, answer) else 0.0
 
 
@@ -124,7 +126,7 @@ def self_consistency(traj: Trajectory, ctx: RewardContext) -> float | None:
     function.
     """
     def answer_of(t: Trajectory) -> str | None:
-        return normalize_answer(ctx.source.extract_answer(t.final_answer or ""))
+        return normalize_answer(ctx.source.trajectory_answer(t))
 
     counts = Counter(a for a in map(answer_of, ctx.group) if a is not None)
     if sum(counts.values()) < 2:
@@ -176,12 +178,14 @@ REWARD_FUNCS: dict[str, RewardFunc] = {
     "self_consistency": self_consistency,
     "tool_success": tool_success,
     "format": format_reward,
+    "webshop_naive": webshop_naive,  # counts "Order confirmed" events: hackable on purpose (selfrl.envs.webshop)
 }
 
 # "label-free" must never use the verifier: it stands for runs without reference answers.
 PRESETS: dict[str, dict[str, float]] = {
     "verified": {"verifier": 1.0, "tool_success": 0.2},
     "label-free": {"self_consistency": 1.0, "tool_success": 0.2},
+    "webshop-naive": {"webshop_naive": 1.0},  # the careless reward of the web-shop demonstration
 }
 
 

@@ -6,6 +6,14 @@ them executed; their results are appended as tool messages (tokens with
 ``completion_mask`` 0) and the trajectory continues, up to ``max_turns``. A turn
 without a tool call, a turn cut off at the token limit, or the last allowed turn
 ends the trajectory.
+
+Stateful tools (a web shop's cart) come from an ``Environment`` made per
+trajectory by ``env_factory(task)`` (see ``selfrl.envs``): its tools are added to
+the shared ones for that trajectory only, its demonstration replaces the
+calculator's, the episode ends early when ``is_completed()`` says so, and its
+final ``state()`` is recorded as ``Trajectory.env_state``. Without an
+``env_factory`` nothing changes. ``scripted_rollout`` runs the same tool
+handling with a scripted policy instead of a model (tests, demonstrations).
 """
 
 from __future__ import annotations
@@ -16,10 +24,21 @@ from dataclasses import dataclass, field
 
 from selfrl.chat import between_turns_ids, prompt_ids, template_supports_tools
 from selfrl.engine import Engine
+from selfrl.envs import Environment
 from selfrl.tasks import Task
-from selfrl.toolcall import execute_call, format_tool_response, parse_tool_calls, render_tools_prompt
+from selfrl.toolcall import (
+    TOOL_CALL_CLOSE,
+    ParsedCall,
+    execute_call,
+    format_tool_response,
+    parse_tool_calls,
+    render_tools_prompt,
+)
 from selfrl.tools import Tool
 from selfrl.trajectory import Trajectory
+
+EnvFactory = Callable[[Task], "Environment | None"]
+ScriptedPolicy = Callable[[Task, list[dict]], str]  # (task, messages so far) -> next assistant text
 
 DEFAULT_SYSTEM_PROMPT = "You are a careful assistant. Give the final answer as <answer>NUMBER</answer>."
 
@@ -46,15 +65,20 @@ class RolloutConfig:
     tools: list[str] = field(default_factory=lambda: ["calculator"])  # registered tool names
     tools_prompt: str = "compact"  # how tool schemas are shown when the template can't: compact | json
     demonstration: bool = True  # show DEMONSTRATION (one worked tool call) before the task
+    stop_at_tool_call: bool = False  # end a turn right after "</tool_call>" (one call per turn; see rollout)
 
 
-def initial_messages(task: Task, tools: list[Tool], cfg: RolloutConfig, tokenizer) -> list[dict]:
+def initial_messages(
+    task: Task, tools: list[Tool], cfg: RolloutConfig, tokenizer, demonstration: list[dict] | None = None
+) -> list[dict]:
     """System + user messages for a task; tool schemas go in the system text when the
-    template cannot render them itself (SmolLM2)."""
+    template cannot render them itself (SmolLM2). ``demonstration`` replaces
+    ``DEMONSTRATION`` (an environment's own worked example)."""
     system = cfg.system_prompt
     if tools and not template_supports_tools(tokenizer):
         system = system + "\n\n" + render_tools_prompt(tools, cfg.tools_prompt)
-    demo = [dict(m) for m in DEMONSTRATION] if cfg.demonstration and tools else []
+    example = DEMONSTRATION if demonstration is None else demonstration
+    demo = [dict(m) for m in example] if cfg.demonstration and tools else []
     return [{"role": "system", "content": system}, *demo, {"role": "user", "content": task.question}]
 
 
@@ -66,6 +90,7 @@ def rollout(
     cfg: RolloutConfig,
     greedy: bool = False,
     on_turn: Callable[[], None] | None = None,
+    env_factory: EnvFactory | None = None,
 ) -> list[Trajectory]:
     """Run one trajectory per ``(task, group_id)`` pair, batched.
 
@@ -76,20 +101,26 @@ def rollout(
         tools: tools the agent may call.
         greedy: argmax decoding (validation) instead of sampling.
         on_turn: called after each batched turn (progress display).
+        env_factory: ``task -> Environment | None``, one per trajectory (stateful tools).
 
     Returns:
         N trajectories with token ids, ``completion_mask``, sampling ``logprobs``,
-        messages, tool calls, final answer and timings (seconds).
+        messages, tool calls, final answer, timings (seconds) and, with an
+        environment, its final ``env_state``.
     """
     tok = engine.tokenizer
-    native_tools = [t.openai_schema() for t in tools] if tools and template_supports_tools(tok) else None
-    tool_map = {t.name: t for t in tools}
+    envs = [env_factory(task) if env_factory else None for task in tasks]
+    tool_maps = []
     # the template's end of turn is the tokenizer's EOS; the engine's ids are sorted, and the
     # lowest may be one the template never writes (Qwen2.5, Llama-3 list several).
     eos_text = tok.eos_token or tok.decode([engine.eos_token_ids[0]])
+    eos_id = tok.eos_token_id if tok.eos_token else engine.eos_token_ids[0]
     trajs: list[Trajectory] = []
-    for task, gid in zip(tasks, group_ids):
-        msgs = initial_messages(task, tools, cfg, tok)
+    for task, gid, env in zip(tasks, group_ids, envs):
+        t_tools = tools + env.tools if env is not None else tools
+        tool_maps.append({t.name: t for t in t_tools})
+        native_tools = [t.openai_schema() for t in t_tools] if t_tools and template_supports_tools(tok) else None
+        msgs = initial_messages(task, t_tools, cfg, tok, env.demonstration if env is not None else None)
         ids = prompt_ids(tok, msgs, tools=native_tools)
         trajs.append(
             Trajectory(
@@ -103,8 +134,9 @@ def rollout(
         if not active:
             break
         t0 = time.perf_counter()
+        stop = {"stop": [TOOL_CALL_CLOSE]} if cfg.stop_at_tool_call else {}
         gens = engine.generate(
-            [trajs[i].token_ids for i in active], cfg.max_new_tokens, cfg.temperature, greedy=greedy
+            [trajs[i].token_ids for i in active], cfg.max_new_tokens, cfg.temperature, greedy=greedy, **stop
         )
         dt = (time.perf_counter() - t0) / len(active)
         still = []
@@ -127,12 +159,14 @@ def rollout(
                 tr.final_answer = rest
                 continue
             t1 = time.perf_counter()
-            records = [execute_call(c, tool_map) for c in calls]  # never raises: errors go to the model
-            tr.tool_calls += records
-            contents = [format_tool_response(r) for r in records]
-            tr.messages += [{"role": "tool", "content": c} for c in contents]
+            contents = run_tool_calls(tr, calls, tool_maps[i])
+            if envs[i] is not None and envs[i].is_completed():
+                tr.final_answer = rest
+                tr.timings["tools"] += time.perf_counter() - t1
+                continue
             try:
-                extra = between_turns_ids(tok, contents, eos_text)
+                # a turn cut at "</tool_call>" sampled no EOS: the end of turn is added (mask 0)
+                extra = ([eos_id] if g.stopped else []) + between_turns_ids(tok, contents, eos_text)
             except ValueError as e:
                 # The chat template cannot continue after a tool message: the trajectory is
                 # recorded as failed (left out of the update), the rest of the batch goes on.
@@ -146,4 +180,52 @@ def rollout(
         active = still
         if on_turn is not None:
             on_turn()
+    for tr, env in zip(trajs, envs):
+        if env is not None:
+            tr.env_state = env.state()
     return trajs
+
+
+def run_tool_calls(tr: Trajectory, calls: list[ParsedCall], tool_map: dict[str, Tool]) -> list[str]:
+    """Execute ``calls`` in order, append their records and tool messages to ``tr``; returns
+    the tool messages' contents. Never raises: a failed call's error goes to the model."""
+    records = [execute_call(c, tool_map) for c in calls]
+    tr.tool_calls += records
+    contents = [format_tool_response(r) for r in records]
+    tr.messages += [{"role": "tool", "content": c} for c in contents]
+    return contents
+
+
+def scripted_rollout(
+    policy: ScriptedPolicy, tasks: list[Task], tools: list[Tool], cfg: RolloutConfig,
+    env_factory: EnvFactory | None = None, group_ids: list[str] | None = None,
+) -> list[Trajectory]:
+    """``rollout`` with a scripted policy instead of a model: same prompts (rendered without a
+    chat template), tool handling, turn limit and environment hooks; no token ids.
+
+    Returns:
+        one trajectory per task; ``token_ids``, ``completion_mask`` and ``logprobs`` are empty.
+    """
+    out = []
+    for j, task in enumerate(tasks):
+        env = env_factory(task) if env_factory else None
+        t_tools = tools + env.tools if env is not None else tools
+        tool_map = {t.name: t for t in t_tools}
+        msgs = initial_messages(task, t_tools, cfg, None, env.demonstration if env is not None else None)
+        tr = Trajectory(task_id=task.id, group_id=group_ids[j] if group_ids else task.id, adapter_version=0,
+                        messages=msgs, timings={"generate": 0.0, "tools": 0.0})
+        for turn in range(cfg.max_turns):
+            text = policy(task, tr.messages)
+            tr.messages.append({"role": "assistant", "content": text})
+            tr.num_turns += 1
+            rest, calls = parse_tool_calls(text)
+            tr.final_answer = rest
+            if not calls or turn == cfg.max_turns - 1:
+                break
+            run_tool_calls(tr, calls, tool_map)
+            if env is not None and env.is_completed():
+                break
+        if env is not None:
+            tr.env_state = env.state()
+        out.append(tr)
+    return out

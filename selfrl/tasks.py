@@ -132,6 +132,19 @@ class TaskSource(abc.ABC):
         """Pull the final answer out of the model's final text; see ``selfrl.tasks.extract_answer``."""
         return extract_answer(text)
 
+    def trajectory_answer(self, traj) -> str | None:
+        """The answer a ``Trajectory`` gave, for ``score``: by default
+        ``extract_answer(final_answer)``; an environment's source reads ``traj.env_state``."""
+        return self.extract_answer(traj.final_answer or "")
+
+    def make_env(self, task: Task):
+        """A fresh per-trajectory ``selfrl.envs.Environment`` for ``task``, or None (stateless tools only)."""
+        return None
+
+    def probe_tasks(self) -> list[Task]:
+        """Adversarial tasks whose right behaviour is known (``selfrl.detectors.probe_regression``); none by default."""
+        return []
+
 
 def _reasoning_gym_names() -> list[str]:
     return sorted(reasoning_gym.factory.DATASETS)
@@ -277,6 +290,15 @@ BASIC_ARITHMETIC_SMALL: dict[str, Any] = {"min_terms": 2, "max_terms": 3, "min_d
 
 register_task_source("chain_sum", _reasoning_gym_factory("chain_sum", CHAIN_SUM_SMALL))
 register_task_source("basic_arithmetic", _reasoning_gym_factory("basic_arithmetic", BASIC_ARITHMETIC_SMALL))
+
+
+def _webshop_factory(**overrides: Any) -> TaskSource:
+    from selfrl.envs.webshop import WebShopSource  # imported here: it imports this module
+
+    return WebShopSource(**overrides)
+
+
+register_task_source("webshop", _webshop_factory)
 
 
 # ---------------------------------------------------------------- splits

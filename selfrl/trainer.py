@@ -10,11 +10,17 @@ Departures from TRL's GRPOTrainer, each on purpose:
 * The reference model is the adapter the run started from; with no starting
   adapter it is the base model, reached by ``disable_adapter()`` (no second copy).
 * Log-probs are computed only at completion positions (``selfrl.rl.logprobs``).
+* Anomaly skip: an update is skipped, weights and AdamW state left exactly as
+  they were, when the batch's reward spread, the KL measured in the forward pass
+  or the gradient norm before clipping is beyond its threshold, or a loss or the
+  gradient norm is not finite (:func:`skip_reason`); the metrics say why
+  (``skip_reason_<reason>`` = 1). TRL has no such guard.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -22,9 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from selfrl import faults
 from selfrl.rl.batch import TensorBatch, collate
 from selfrl.rl.logprobs import per_token_logps
-from selfrl.rl.losses import Normalizer, get_loss_aggregation, per_token_loss
+from selfrl.rl.losses import Normalizer, get_loss_aggregation, k3_kl, per_token_loss
 from selfrl.trajectory import Trajectory
 
 
@@ -42,6 +49,58 @@ class TrainConfig:
     micro_batch_size: int = 8  # sequences per forward/backward (memory bound)
     weight_decay: float = 0.0  # AdamW weight decay
     scale_rewards: str = "group"  # advantage scaling: group (GRPO) | none (Dr. GRPO)
+    skip_max_reward_spread: float = 10.0  # skip when the batch's max - min reward exceeds this (a broken reward)
+    skip_max_kl: float = 1.0  # skip when the mean per-token KL to the reference (forward pass) exceeds this; beta > 0 only
+    skip_max_grad_norm: float = 100.0  # skip when the gradient L2 norm before clipping exceeds this
+
+
+SKIP_REASONS = ("no_signal", "reward_spread", "not_finite", "kl", "grad_norm")
+
+
+def skip_note(metrics: dict[str, float]) -> str:
+    """Why an update was skipped, in words, from its ``skip_reason_*`` metric and values."""
+    notes = {
+        "no_signal": "no group had reward spread",
+        "reward_spread": f"reward spread {metrics.get('reward_spread', math.nan):.3g} beyond train.skip_max_reward_spread",
+        "not_finite": "loss or gradient not finite",
+        "kl": f"KL {metrics.get('kl', math.nan):.3g} beyond train.skip_max_kl",
+        "grad_norm": f"gradient norm {metrics.get('grad_norm', math.nan):.3g} beyond train.skip_max_grad_norm",
+    }
+    return "; ".join(text for key, text in notes.items() if metrics.get(f"skip_reason_{key}")) or "unknown"
+
+
+def reward_spread(trajs: list[Trajectory]) -> float:
+    """max - min of the batch's finite rewards (0 for fewer than two); NaN or inf rewards give inf.
+
+    >>> from selfrl.trajectory import Trajectory as T
+    >>> reward_spread([T("a", "g", 0, reward=r) for r in (0.0, 1.0, None, 0.5)])
+    1.0
+    """
+    rewards = [t.reward for t in trajs if t.reward is not None]
+    if any(not math.isfinite(r) for r in rewards):
+        return math.inf
+    return max(rewards) - min(rewards) if len(rewards) > 1 else 0.0
+
+
+def skip_reason(loss: float, kl: float, grad_norm: float, cfg: TrainConfig) -> str | None:
+    """Why an update must not be applied (checked before ``optimizer.step()``), or None.
+
+    ``loss`` and ``kl`` (mean per-token k3 KL, 0 when ``beta == 0``) from the forward
+    pass, ``grad_norm`` the L2 norm before clipping. Order: not finite, KL, grad norm.
+
+    >>> cfg = TrainConfig(skip_max_kl=1.0, skip_max_grad_norm=100.0)
+    >>> skip_reason(0.1, 0.01, 2.0, cfg), skip_reason(float("nan"), 0.0, 2.0, cfg), skip_reason(0.1, 3.0, 2.0, cfg)
+    (None, 'not_finite', 'kl')
+    >>> skip_reason(0.1, 0.01, 500.0, cfg)
+    'grad_norm'
+    """
+    if not (math.isfinite(loss) and math.isfinite(kl) and math.isfinite(grad_norm)):
+        return "not_finite"
+    if kl > cfg.skip_max_kl:
+        return "kl"
+    if grad_norm > cfg.skip_max_grad_norm:
+        return "grad_norm"
+    return None
 
 
 class Learner:
@@ -74,6 +133,12 @@ class Learner:
         self.aggregate = get_loss_aggregation(cfg.loss_type)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
 
+    def set_hyperparameters(self, learning_rate: float, beta: float) -> None:
+        """Change the learning rate (also in AdamW's parameter groups) and ``beta`` from the next update on."""
+        self.cfg = dataclasses.replace(self.cfg, learning_rate=learning_rate, beta=beta)
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate
+
     def reset_optimizer(self) -> None:
         """Forget AdamW's moments (after a rollback they point along the rejected path)."""
         self.optimizer.state.clear()
@@ -97,15 +162,40 @@ class Learner:
         finally:
             set_peft_model_state_dict(self.model, current)
 
+    def probe_kl(self, trajs: list[Trajectory], num_sequences: int) -> float | None:
+        """Mean per-token k3 KL(current weights || reference) on the first ``num_sequences``
+        trajectories of ``trajs`` with an advantage and completion tokens; None when there is
+        none or ``num_sequences`` is 0.
+
+        Costs two no-grad forward passes of that many sequences (policy and reference).
+        The loop runs it on a new candidate before it serves, so that a destructive update
+        is caught at once (the update's own KL measures the weights *before* its step).
+        """
+        chosen = [t for t in trajs if t.advantage is not None and any(t.completion_mask)][:num_sequences]
+        if not chosen:
+            return None
+        mb = collate(chosen, self.pad_token_id)
+        with torch.no_grad():
+            logps = per_token_logps(self.model, mb.input_ids, mb.attention_mask, mb.completion_mask, self.temperature)
+            kl = k3_kl(logps, self._ref_logps(mb))  # (B, T)
+        mask = mb.completion_mask  # (B, T)
+        return float((kl * mask).sum() / mask.sum())
+
     def step(self, trajs: list[Trajectory], on_micro_batch: Callable[[], None] | None = None) -> dict[str, float]:
         """One update from scored trajectories (``advantage`` set on each).
 
         Returns:
             metrics: ``loss``, ``kl``, ``clip_ratio``, ``ratio_mean``, ``grad_norm``,
-            ``num_sequences``, ``num_tokens``, ``skipped`` (1 when nothing carried signal
-            or a value was not finite), ``time/update_s`` (seconds).
+            ``num_sequences``, ``num_tokens``, ``skipped`` (1 when the update was not
+            applied), ``skip_reason_<reason>`` (1, with ``reason`` in :data:`SKIP_REASONS`)
+            and ``reward_spread`` when skipped, ``time/update_s`` (seconds). A skipped
+            update leaves the weights and the optimizer state exactly as they were.
         """
         t0 = time.perf_counter()
+        spread = reward_spread(trajs)
+        if spread > self.cfg.skip_max_reward_spread:
+            return {"skipped": 1.0, "skip_reason_reward_spread": 1.0, "reward_spread": spread,
+                    "num_sequences": 0.0, "time/update_s": time.perf_counter() - t0}
         usable = [t for t in trajs if t.advantage is not None and t.advantage != 0.0]
         if not usable:
             return {"skipped": 1.0, "skip_reason_no_signal": 1.0, "num_sequences": 0.0, "time/update_s": time.perf_counter() - t0}
@@ -131,7 +221,10 @@ class Learner:
                     logps, mb.old_per_token_logps, mb.advantages, ref, self.cfg.beta, self.cfg.epsilon, eps_high
                 )
                 loss = self.aggregate(loss_t, mb.completion_mask, norm)
+                if faults.active("nan_loss"):
+                    loss = loss * float("nan")
                 loss.backward()
+                faults.point("during_update")
                 if on_micro_batch is not None:
                     on_micro_batch()
                 m = mb.completion_mask
@@ -140,7 +233,8 @@ class Learner:
                 totals["clipped"] += float((parts["clipped"] * m).sum()) / max(norm.num_tokens, 1)
                 totals["ratio"] += float((parts["ratio"] * m).sum()) / max(norm.num_tokens, 1)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
-            if not (math.isfinite(grad_norm) and math.isfinite(totals["loss"])):
+            reason = skip_reason(totals["loss"], totals["kl"], grad_norm, self.cfg)
+            if reason is not None:
                 self.optimizer.zero_grad(set_to_none=True)
                 if backup is not None:
                     with torch.no_grad():
@@ -148,9 +242,15 @@ class Learner:
                             p.copy_(saved)
                     self.optimizer.load_state_dict(backup[1])
                 self.model.eval()
-                return {"skipped": 1.0, "skip_reason_not_finite": 1.0, "loss": totals["loss"],
-                        "grad_norm": grad_norm, "time/update_s": time.perf_counter() - t0}
+                return {"skipped": 1.0, f"skip_reason_{reason}": 1.0, "loss": totals["loss"], "kl": totals["kl"],
+                        "grad_norm": grad_norm, "num_sequences": float(len(usable)),
+                        "time/update_s": time.perf_counter() - t0}
+            scale = 1000.0 if faults.active("lr_x1000") else 1.0
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.cfg.learning_rate * scale
             self.optimizer.step()
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.cfg.learning_rate
         self.model.eval()
         return {
             "loss": totals["loss"], "kl": totals["kl"], "clip_ratio": totals["clipped"],

@@ -248,3 +248,16 @@ def test_swap_copies_straight_into_the_lora_parameters(tiny_tokenizer, tiny_peft
     assert all(torch.equal(after[k], new[k]) for k in new) and engine.version == 5
     new[next(iter(new))] = new[next(iter(new))] + 1  # the engine keeps no reference to the caller's tensors
     assert not torch.equal(get_peft_model_state_dict(tiny_peft_model)[next(iter(new))], new[next(iter(new))])
+
+
+def test_stop_cuts_after_the_token_that_completes_the_stop_string(tiny_tokenizer, tiny_model_factory):
+    engine = Engine(tiny_model_factory(lora=True, eos_bias=-5.0), tiny_tokenizer)
+    prompt = chat_prompts(tiny_tokenizer)[:1]
+    full = engine.generate(prompt, 16, greedy=True)[0]
+    text = tiny_tokenizer.decode(full.token_ids)
+    stop = text[5:8]
+    k = next(k for k in range(1, 17) if stop in tiny_tokenizer.decode(full.token_ids[:k]))
+    cut = engine.generate(prompt, 16, greedy=True, stop=[stop])[0]
+    assert cut.stopped and cut.finished and cut.token_ids == full.token_ids[:k] and cut.logprobs == full.logprobs[:k]
+    none = engine.generate(prompt, 16, greedy=True, stop=["\x00never"])[0]
+    assert not none.stopped and none.token_ids == full.token_ids

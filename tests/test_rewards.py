@@ -136,14 +136,14 @@ def test_format(task, source, text, expected):
 
 
 def test_registry_and_presets():
-    assert set(REWARD_FUNCS) == {"verifier", "self_consistency", "tool_success", "format"}
+    assert set(REWARD_FUNCS) == {"verifier", "self_consistency", "tool_success", "format", "webshop_naive"}
     assert get_reward_func("format") is format_reward
-    with pytest.raises(ValueError, match="valid names: format, self_consistency, tool_success, verifier"):
+    with pytest.raises(ValueError, match="valid names: format, self_consistency, tool_success, verifier, webshop_naive"):
         get_reward_func("nope")
     assert get_preset("verified") == {"verifier": 1.0, "tool_success": 0.2}
     assert "verifier" not in get_preset("label-free")
     assert all("format" not in w for w in PRESETS.values())
-    with pytest.raises(ValueError, match="valid names: label-free, verified"):
+    with pytest.raises(ValueError, match="valid names: label-free, verified, webshop-naive"):
         get_preset("nope")
     get_preset("verified")["verifier"] = 5.0  # a copy: the preset is unchanged
     assert PRESETS["verified"]["verifier"] == 1.0

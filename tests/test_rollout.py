@@ -245,3 +245,33 @@ def test_real_tiny_model_rollout(tiny_tokenizer, tiny_model_factory):
             recomputed = per_token_logps(model, ids, torch.ones_like(ids), mask, cfg.temperature)[0]  # (T,)
         torch.testing.assert_close(recomputed, torch.tensor(traj.logprobs), atol=1e-4, rtol=0)
     assert any(t.num_completion_tokens > 1 for t in trajs)
+
+
+class StoppingEngine(ScriptedEngine):
+    """A scripted engine that honours ``stop`` as ``Engine.generate`` does: the turn is cut
+    after the stop string, no EOS, ``stopped=True``."""
+
+    def generate(self, prompts, max_new_tokens, temperature=1.0, greedy=False, stop=None):
+        out = super().generate(prompts, max_new_tokens, temperature, greedy)
+        for k, g in enumerate(out):
+            text = self.script[len(self.calls) - 1][k]
+            if stop and stop[0] in text:
+                ids = turn_ids(self.tokenizer, text[:text.index(stop[0]) + len(stop[0])])
+                out[k] = Generation(ids, scripted_logprobs(len(ids)), True, self.version, stopped=True)
+        return out
+
+
+def test_stop_at_tool_call_ends_the_turn_and_adds_the_end_of_turn(tiny_tokenizer, tiny_model):
+    tok, eos = tiny_tokenizer, tiny_tokenizer.eos_token_id
+    rambling = CALL_17_25 + "<tool_response>\n41\n</tool_response> so the answer is 41"  # a made-up tool reply
+    engine = StoppingEngine(tiny_model, tok, [[rambling], ["<answer>42</answer>"]])
+    (traj,) = run(engine, plain_cfg(stop_at_tool_call=True))
+    prompt = start_ids(tok, cfg=plain_cfg(stop_at_tool_call=True))
+    turn1 = turn_ids(tok, CALL_17_25)  # cut right after </tool_call>: the made-up reply never happened
+    between = [eos] + turn_ids(
+        tok, "\n<|im_start|>tool\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    turn2 = turn_ids(tok, "<answer>42</answer>") + [eos]
+    assert traj.token_ids == prompt + turn1 + between + turn2
+    assert traj.completion_mask == [0] * len(prompt) + [1] * len(turn1) + [0] * len(between) + [1] * len(turn2)
+    assert traj.tool_calls[0].result == "42" and traj.final_answer == "<answer>42</answer>" and not traj.truncated
+    assert tok.decode(traj.token_ids) + "\n" == render(tok, traj.messages, add_generation_prompt=False)

@@ -200,3 +200,109 @@ def test_reset_optimizer_forgets_adam_moments():
     assert len(learner.optimizer.state) == 2  # weight and bias have moments
     learner.reset_optimizer()
     assert len(learner.optimizer.state) == 0
+
+
+# ---------------------------------------------------------------- anomaly skip and injected faults
+
+
+def adam_state(lr):
+    return {i: {k: v.clone() for k, v in s.items()} for i, s in lr.optimizer.state_dict()["state"].items()}
+
+
+def assert_untouched(policy, lr, weights, state):
+    """Weights and AdamW moments exactly as they were before the skipped step."""
+    after = lora_state(policy)
+    assert all(torch.equal(weights[k], after[k]) for k in weights)
+    now = adam_state(lr)
+    assert now.keys() == state.keys()
+    assert all(torch.equal(state[i][k], now[i][k]) for i in state for k in state[i])
+    assert not policy.training
+
+
+@pytest.fixture
+def fault_env(monkeypatch):
+    from selfrl import faults
+
+    def inject(spec, iteration):
+        monkeypatch.setenv(faults.ENV, spec)
+        faults.set_iteration(iteration)
+
+    yield inject
+    faults.set_iteration(-1)
+
+
+def test_reward_spread_beyond_the_threshold_skips_before_the_forward(policy, tiny_tokenizer, monkeypatch):
+    trajs = sample(policy, tiny_tokenizer)
+    for i, t in enumerate(trajs):
+        t.reward = 0.0 if i else 50.0  # a broken reward function
+    weights = lora_state(policy)
+
+    def no_forward(*a, **k):
+        raise AssertionError("a skipped batch must not run the model")
+
+    monkeypatch.setattr("selfrl.trainer.per_token_logps", no_forward)
+    m = learner(policy, tiny_tokenizer, skip_max_reward_spread=10.0).step(trajs)
+    assert m["skipped"] == 1.0 and m["skip_reason_reward_spread"] == 1.0 and m["reward_spread"] == 50.0
+    assert all(torch.equal(weights[k], v) for k, v in lora_state(policy).items())
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_kl_beyond_the_threshold_skips_and_leaves_weights_and_adam_state(policy, tiny_tokenizer, num_iterations):
+    trajs = sample(policy, tiny_tokenizer)
+    lr = learner(policy, tiny_tokenizer, beta=0.1, num_iterations=num_iterations)
+    first = lr.step(trajs)  # KL 0 at the start (B = 0); moves the policy and fills the Adam moments
+    assert first["skipped"] == 0.0
+    probe = lr.step(trajs)
+    assert probe["skipped"] == 0.0 and probe["kl"] > 1e-5
+    weights, state = lora_state(policy), adam_state(lr)
+    lr.cfg.skip_max_kl = probe["kl"] / 10  # the next measured KL is larger than the last one
+    m = lr.step(trajs)
+    assert m["skipped"] == 1.0 and m["skip_reason_kl"] == 1.0 and m["kl"] > lr.cfg.skip_max_kl
+    assert_untouched(policy, lr, weights, state)
+
+
+def test_grad_norm_beyond_the_threshold_skips(policy, tiny_tokenizer):
+    trajs = sample(policy, tiny_tokenizer)
+    lr = learner(policy, tiny_tokenizer)
+    lr.step(trajs)
+    weights, state = lora_state(policy), adam_state(lr)
+    lr.cfg.skip_max_grad_norm = 1e-9
+    m = lr.step(trajs)
+    assert m["skipped"] == 1.0 and m["skip_reason_grad_norm"] == 1.0 and m["grad_norm"] > 1e-9
+    assert_untouched(policy, lr, weights, state)
+
+
+def test_injected_nan_loss_is_skipped_at_its_iteration_only(policy, tiny_tokenizer, fault_env):
+    trajs = sample(policy, tiny_tokenizer)
+    lr = learner(policy, tiny_tokenizer)
+    lr.step(trajs)
+    weights, state = lora_state(policy), adam_state(lr)
+    fault_env("nan_loss@5", 5)
+    m = lr.step(trajs)
+    assert m["skipped"] == 1.0 and m["skip_reason_not_finite"] == 1.0 and math.isnan(m["loss"])
+    assert_untouched(policy, lr, weights, state)
+    fault_env("nan_loss@5", 6)
+    assert lr.step(trajs)["skipped"] == 0.0
+
+
+def test_injected_lr_x1000_makes_one_step_a_thousand_times_larger(tiny_model_factory, tiny_tokenizer, fault_env):
+    # AdamW's first step moves each weight by about lr (m / sqrt(v) = sign(g)), so the ratio is ~1000
+    a = tiny_model_factory(seed=3, eos_bias=2.5, lora=True, default_init=True)
+    b = tiny_model_factory(seed=3, eos_bias=2.5, lora=True, default_init=True)
+    trajs = sample(a, tiny_tokenizer)
+    start = lora_state(a)
+    la, lb = learner(a, tiny_tokenizer, learning_rate=1e-5), learner(b, tiny_tokenizer, learning_rate=1e-5)
+    la.step(trajs)
+    fault_env("lr_x1000@2", 2)
+    lb.step(trajs)
+    moved_a = max((lora_state(a)[k] - start[k]).abs().max() for k in start)
+    moved_b = max((lora_state(b)[k] - start[k]).abs().max() for k in start)
+    assert 900 < moved_b / moved_a < 1100
+    assert lb.optimizer.param_groups[0]["lr"] == 1e-5  # back to the configured rate after the step
+
+
+def test_set_hyperparameters_reaches_the_optimizer(policy, tiny_tokenizer):
+    lr = learner(policy, tiny_tokenizer, learning_rate=1e-3, beta=0.0)
+    lr.set_hyperparameters(5e-4, 0.02)
+    assert lr.cfg.learning_rate == 5e-4 and lr.cfg.beta == 0.02
+    assert [g["lr"] for g in lr.optimizer.param_groups] == [5e-4]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import tomllib
 from typing import Any
 
 from selfrl.serve.config import ServeConfig
@@ -16,23 +15,9 @@ def load_serve_config(path: str | None, overrides: dict[str, Any]) -> ServeConfi
     Raises:
         selfrl.config.ConfigError: unreadable file, unknown key or wrong type.
     """
-    from selfrl.config import ConfigError, _apply
+    from selfrl.config import ConfigError, fill
 
-    cfg = ServeConfig()
-    if path:
-        try:
-            with open(path, "rb") as f:
-                _apply(cfg, tomllib.load(f), "")
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"cannot read {path}: {e}") from e
-    for dotted, value in overrides.items():
-        if value is None:
-            continue
-        *parents, leaf = dotted.split(".")
-        tree: dict[str, Any] = {leaf: value}
-        for p in reversed(parents):
-            tree = {p: tree}
-        _apply(cfg, tree, "")
+    cfg = fill(ServeConfig(), path, overrides)
     if cfg.learner.min_batch < 2 or cfg.learner.max_batch < cfg.learner.min_batch:
         raise ConfigError("learner.min_batch must be >= 2 and <= learner.max_batch")
     if cfg.learner.feedback_wait_s < 0:
