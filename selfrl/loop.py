@@ -19,13 +19,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
 from selfrl import adapters, collapse, faults
 from selfrl.config import RunConfig
 from selfrl.detectors import HackingMonitor
 from selfrl.engine import Engine
 from selfrl.gate import EvalResult, evaluate, passes_gate
+from selfrl.metrics import MetricsLog, rollout_metrics
+from selfrl.model import build_policy
 from selfrl.progress import PlainProgress, Progress
 from selfrl.rewards import get_preset, score_batch
 from selfrl.rl.advantages import group_advantages
@@ -34,7 +35,6 @@ from selfrl.store import Store
 from selfrl.tasks import Task, assert_disjoint, get_task_source, split_tasks
 from selfrl.tools import resolve_tools
 from selfrl.trainer import Learner, skip_note
-from selfrl.trajectory import Trajectory
 
 
 @dataclass
@@ -52,56 +52,6 @@ class RunResult:
 
 class CollapseStop(Exception):
     """The collapse rollback budget is spent; the run stops with the best version served."""
-
-
-def build_policy(cfg: RunConfig):
-    """Load the model and attach a LoRA adapter; returns ``(peft_model, tokenizer)``.
-
-    Raises:
-        selfrl.model.ModelLoadError: the model cannot be loaded.
-        ValueError: the LoRA settings do not fit the model (peft's message).
-    """
-    from peft import LoraConfig, PeftModel, get_peft_model
-
-    from selfrl.model import load_model
-
-    base, tok = load_model(cfg.model.name)
-    torch.manual_seed(cfg.seed)
-    if cfg.lora.init_adapter:
-        model = PeftModel.from_pretrained(base, cfg.lora.init_adapter, is_trainable=True)
-    else:
-        lcfg = LoraConfig(
-            r=cfg.lora.r, lora_alpha=cfg.lora.lora_alpha, lora_dropout=cfg.lora.lora_dropout,
-            target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM",
-        )
-        model = get_peft_model(base, lcfg)
-    model.eval()
-    return model, tok
-
-
-class MetricsLog:
-    """Writes metrics to the store, ``metrics.jsonl`` and TensorBoard (tensorboardX)."""
-
-    def __init__(self, run_dir: Path, store: Store, run_id: int):
-        from tensorboardX import SummaryWriter
-
-        self.store, self.run_id = store, run_id
-        self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        clean = {k: float(v) for k, v in metrics.items() if v is not None}
-        self.store.log_metrics(self.run_id, step, clean)
-        self.jsonl.write(json.dumps({"step": step, "time": time.time(), **{
-            k: (v if math.isfinite(v) else None) for k, v in clean.items()}}) + "\n")
-        for k, v in clean.items():
-            if math.isfinite(v):
-                self.tb.add_scalar(k, v, step)
-        self.tb.flush()
-
-    def close(self) -> None:
-        self.jsonl.close()
-        self.tb.close()
 
 
 def iteration_tasks(train: list[Task], iteration: int, num_prompts: int, seed: int) -> list[Task]:
@@ -471,22 +421,6 @@ def check_resumable(stored: dict, new: dict) -> None:
     if changed:
         raise ConfigError(f"--resume cannot change {', '.join(changed)} of the stored run; "
                           "start a new run (another --run-dir) for that")
-
-
-def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
-    """Batch statistics of a set of rollouts (rates in 0..1, tokens per trajectory)."""
-    scored = [t for t in trajs if t.reward is not None]
-    tool_rates = [t.tool_success_rate for t in trajs if t.tool_success_rate is not None]
-    n = max(len(trajs), 1)
-    return {
-        "reward/mean": sum(t.reward for t in scored) / max(len(scored), 1),
-        "train/correct": sum(bool(t.correct) for t in trajs) / n,
-        "train/tool_use": sum(bool(t.tool_calls) for t in trajs) / n,
-        "train/tool_success": sum(tool_rates) / len(tool_rates) if tool_rates else float("nan"),
-        "train/truncated": sum(t.truncated for t in trajs) / n,
-        "train/completion_tokens": sum(t.num_completion_tokens for t in trajs) / n,
-        "train/failed_rollouts": sum(t.error is not None for t in trajs) / n,
-    }
 
 
 def _write_atomic(path: Path, text: str) -> None:

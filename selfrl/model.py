@@ -98,3 +98,29 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
         tok.pad_token = tok.eos_token
     model.eval()
     return model, tok
+
+
+def build_policy(cfg):
+    """Load the model and attach a LoRA adapter; returns ``(peft_model, tokenizer)``.
+
+    ``cfg`` has ``model.name``, ``lora`` (``selfrl.config.LoraSettings``) and ``seed``:
+    a ``RunConfig`` or a ``ServeConfig``.
+
+    Raises:
+        selfrl.model.ModelLoadError: the model cannot be loaded.
+        ValueError: the LoRA settings do not fit the model (peft's message).
+    """
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    base, tok = load_model(cfg.model.name)
+    torch.manual_seed(cfg.seed)
+    if cfg.lora.init_adapter:
+        model = PeftModel.from_pretrained(base, cfg.lora.init_adapter, is_trainable=True)
+    else:
+        lcfg = LoraConfig(
+            r=cfg.lora.r, lora_alpha=cfg.lora.lora_alpha, lora_dropout=cfg.lora.lora_dropout,
+            target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(base, lcfg)
+    model.eval()
+    return model, tok
