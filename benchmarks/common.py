@@ -1,0 +1,189 @@
+"""Shared helpers of the benchmarks: timing with repeats, machine facts, peak memory,
+JSON results, rich tables, and the tiny random model that ``--tiny`` runs use.
+
+Every benchmark is one command (``python benchmarks/bench_<name>.py``) that prints
+a table and writes ``benchmarks/results/<name>.json``. Figures are medians over
+repeats with min and max, since a 2-core machine is noisy; the load average at
+start and end goes into each JSON so a contended measurement can be recognised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+REAL_MODEL = "embedded:smollm2-135m-instruct"
+
+
+@dataclass
+class Stats:
+    """Median, min and max of repeated measurements (same unit as the values)."""
+
+    median: float
+    min: float
+    max: float
+    n: int
+
+    @classmethod
+    def of(cls, values: list[float]) -> "Stats":
+        """Summarise ``values``.
+
+        >>> Stats.of([3.0, 1.0, 2.0])
+        Stats(median=2.0, min=1.0, max=3.0, n=3)
+
+        Raises:
+            ValueError: no values.
+        """
+        if not values:
+            raise ValueError("Stats.of needs at least one value")
+        return cls(statistics.median(values), min(values), max(values), len(values))
+
+    def fmt(self, spec: str = ".3g", scale: float = 1.0) -> str:
+        """``median [min, max]`` with every value multiplied by ``scale``.
+
+        >>> Stats.of([1.0, 2.0, 4.0]).fmt(".1f")
+        '2.0 [1.0, 4.0]'
+        """
+        m, lo, hi = (format(v * scale, spec) for v in (self.median, self.min, self.max))
+        return m if self.n == 1 else f"{m} [{lo}, {hi}]"
+
+
+def timed(fn: Callable[[], Any], repeats: int, warmup: int = 0) -> tuple[Stats, Any]:
+    """Run ``fn`` ``warmup`` times untimed, then ``repeats`` times; returns
+    (seconds as :class:`Stats`, the last return value)."""
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+    return Stats.of(times), out
+
+
+def machine() -> dict[str, Any]:
+    """CPU count, model name (from lscpu), torch version and threads, load average."""
+    import torch
+
+    model = platform.processor()
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"nproc": os.cpu_count(), "cpu_model": model, "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "gpu": bool(torch.cuda.is_available())}
+
+
+def loadavg() -> float:
+    """One-minute load average (2 cores: above ~1.5 means another job was running)."""
+    return os.getloadavg()[0]
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (bytes; Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def write_result(name: str, data: dict[str, Any], out_dir: Path | None = None) -> Path:
+    """Write ``data`` as ``<out_dir>/<name>.json`` (default ``benchmarks/results``); returns the path."""
+    out = Path(out_dir or RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+    return path
+
+
+def _jsonable(obj):
+    if isinstance(obj, Stats):
+        return asdict(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    """Print a table with rich (to stdout)."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=escape(title))  # "[min, max]" is text, not rich markup
+    for c in columns:
+        table.add_column(escape(c))
+    for r in rows:
+        table.add_row(*[escape(str(x)) for x in r])
+    Console(width=160).print(table)
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """The flags every benchmark takes: ``--tiny``, ``--repeats``, ``--out``."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--tiny", action="store_true", help="tiny random model built from a config (seconds; smoke test)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per figure (median, min, max)")
+    p.add_argument("--out", type=Path, default=None, help="folder for the JSON result (default benchmarks/results)")
+    return p
+
+
+def envelope(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """What every result starts with: the command, the machine, the time and the load."""
+    return {"command": command, "tiny": bool(args.tiny), "repeats": args.repeats, "machine": machine(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "loadavg_start": loadavg()}
+
+
+def finish(result: dict[str, Any], name: str, out_dir: Path | None) -> Path:
+    """Add the end load average (and a ``contended`` flag) and write the result."""
+    result["loadavg_end"] = loadavg()
+    result["contended"] = max(result["loadavg_start"], result["loadavg_end"]) > 1.5 * (os.cpu_count() or 1) / 2
+    return write_result(name, result, out_dir)
+
+
+def tiny_model_dir(path: Path) -> str:
+    """Save a tiny random 2-layer Llama and byte-level tokenizer (from ``tests/conftest.py``)
+    into ``path``; returns it as a model path for ``selfrl.model.load_model``."""
+    path = Path(path)
+    if (path / "config.json").exists():
+        return str(path)
+    spec = importlib.util.spec_from_file_location("selfrl_test_conftest", ROOT / "tests" / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    tok = conftest.build_tiny_tokenizer()
+    model = conftest.build_tiny_model(tok)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def model_name(args: argparse.Namespace, workdir: Path) -> str:
+    """The real embedded model, or a tiny one saved under ``workdir`` with ``--tiny``."""
+    return tiny_model_dir(Path(workdir) / "tiny-model") if args.tiny else REAL_MODEL
+
+
+def run_child(argv: list[str], result_file: Path, timeout: float | None = None) -> dict[str, Any]:
+    """Run ``python argv...`` in its own process (own peak RSS, no shared thread pools) and
+    return the JSON it wrote to ``result_file``.
+
+    Raises:
+        RuntimeError: the child failed; its stderr tail is in the message.
+    """
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if proc.returncode != 0 or not Path(result_file).exists():
+        raise RuntimeError(f"{' '.join(argv[:3])} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(Path(result_file).read_text())

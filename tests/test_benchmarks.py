@@ -1,0 +1,123 @@
+"""Smoke tests of the benchmarks: each runs once on a tiny random model (``--tiny``) so the
+scripts don't rot, and its JSON holds the values it must (hand-computed where possible).
+
+The TRL comparison runs only where the ``bench`` extra (``trl``) is installed.
+"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import bench_ceiling  # noqa: E402
+import bench_cost  # noqa: E402
+import bench_hotswap  # noqa: E402
+import bench_scaling  # noqa: E402
+import bench_trl  # noqa: E402
+from common import Stats  # noqa: E402
+
+TINY = ["--tiny", "--repeats", "1"]
+
+
+def test_stats_median_min_max():
+    s = Stats.of([0.5, 4.0, 1.0, 2.0])
+    assert (s.median, s.min, s.max, s.n) == (1.5, 0.5, 4.0, 4)
+    assert s.fmt(".1f") == "1.5 [0.5, 4.0]"
+    with pytest.raises(ValueError):
+        Stats.of([])
+
+
+def test_hotswap_tiny(tmp_path):
+    r = bench_hotswap.main(TINY + ["--out", str(tmp_path)])
+    # tiny Llama (hidden 32, intermediate 64, 4 heads of 8, 2 kv heads, 2 layers), LoRA r=16 on the 7
+    # linear layers of each block: q 1024 + k 768 + v 768 + o 1024 + gate/up/down 1536 each = 8192
+    # parameters per layer, 2 layers, fp32.
+    assert r["num_lora_tensors"] == 2 * 7 * 2
+    assert r["lora_tensor_bytes"] == 2 * 8192 * 4
+    assert r["logits_match_after_swap"] is True
+    assert r["full_reload_s"].median > 0 and r["swap_memory_s"].median > 0
+    saved = json.loads((tmp_path / "hotswap.json").read_text())
+    assert saved["full_reload_s"]["n"] == 1 and saved["machine"]["nproc"] >= 1
+
+
+def test_matmul_params_counts_tied_embedding_once(tiny_model_factory):
+    model = tiny_model_factory()
+    total = sum(p.numel() for p in model.parameters())
+    emb = model.get_input_embeddings().weight.numel()
+    assert bench_ceiling.matmul_params(model) == total - emb  # untied: the input embedding is a lookup
+    model.lm_head.weight = model.get_input_embeddings().weight  # tie
+    tied_total = sum(p.numel() for p in model.parameters())  # shared tensor counted once
+    assert bench_ceiling.matmul_params(model) == tied_total
+
+
+def test_ceiling_tiny(tmp_path):
+    r = bench_ceiling.main(TINY + ["--out", str(tmp_path)])
+    assert r["batch_size"] == 4 and r["max_new_tokens"] == 8
+    assert 4 <= r["generated_tokens"] <= 4 * 8
+    assert r["generation_bound_tokens_per_s"] == pytest.approx(r["matmul_flops_per_s"].median / (2 * r["matmul_params"]))
+    assert r["generation_fraction"] == pytest.approx(r["generation_tokens_per_s"] / r["generation_bound_tokens_per_s"])
+    assert r["last_update_metrics"]["num_sequences"] == 4  # every rollout carried an advantage
+    assert (tmp_path / "ceiling.json").exists()
+
+
+def test_scaling_tiny(tmp_path):
+    png = tmp_path / "scaling.png"
+    r = bench_scaling.main(TINY + ["--out", str(tmp_path), "--plot", str(png)])
+    # base point plus one move per variable (two values each in the tiny grid)
+    assert [(p["num_generations"], p["completion_length"], p["lora_r"]) for p in r["points"]] == [
+        (2, 4, 2), (4, 4, 2), (2, 8, 2), (2, 4, 4)]
+    assert [p["sequences"] for p in r["points"]] == [4, 8, 4, 4]
+    assert [p["completion_tokens"] for p in r["points"]] == [16, 32, 32, 16]
+    assert all(p["skipped"] == 0.0 for p in r["points"])
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_synthetic_batch_shapes(tiny_tokenizer):
+    trajs = bench_scaling.synthetic_batch(tiny_tokenizer, [[1, 2, 3], [4, 5]], num_generations=2, completion_length=3)
+    assert len(trajs) == 4
+    assert [t.completion_mask for t in trajs[:2]] == [[0, 0, 0, 1, 1, 1]] * 2
+    assert [t.advantage for t in trajs] == [-1.0, 1.0, -1.0, 1.0]
+    assert all(t.token_ids[-1] == tiny_tokenizer.eos_token_id for t in trajs)
+
+
+def test_cost_tiny(tmp_path):
+    r = bench_cost.main(TINY + ["--out", str(tmp_path)])
+    rows = [json.loads(line) for line in open(Path(r["run_dir"]) / "metrics.jsonl")]
+    its = [x for x in rows if "time/rollout_s" in x]
+    inference = sum(x["time/rollout_s"] for x in its)
+    training = sum(x.get("time/update_s", 0.0) for x in its)
+    assert r["iterations"] == 2 and r["rollouts_per_iteration"] == 4
+    assert r["inference_s"] == pytest.approx(inference)
+    assert r["cost_ratio"] == pytest.approx((inference + training) / inference)
+    assert r["generated_tokens"] == pytest.approx(sum(x["train/completion_tokens"] * 4 for x in its))
+    assert r["validations"] >= 1  # the base model at least
+
+
+def test_cost_refuses_missing_run(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        bench_cost.cost_figures(tmp_path)
+
+
+def test_checkpoint_at_equal_wall_clock():
+    steps = [{"step": 1, "seconds": 10.0}, {"step": 2, "seconds": 20.0}]
+    assert bench_trl.checkpoint_at(steps, 20.0)["step"] == 2
+    assert bench_trl.checkpoint_at(steps, 19.9)["step"] == 1
+    assert bench_trl.checkpoint_at(steps, 9.0) is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="the bench extra (trl) is not installed")
+def test_trl_tiny(tmp_path):
+    r = bench_trl.main(TINY + ["--inprocess", "--out", str(tmp_path), "--workdir", str(tmp_path / "work")])
+    assert r["rollouts_per_trainer"] == 2 * 2 * 2
+    assert [s["step"] for s in r["trl"]["steps"]] == [1, 2]
+    assert len(r["selfrl"]["steps"]) == 2
+    for s in r["trl"]["steps"]:
+        assert (Path(s["adapter"]) / "adapter_model.safetensors").exists()
+    per = r["rows"]["seconds per update (median)"]
+    assert per["ratio"] == pytest.approx(per["selfrl"] / per["trl"])
+    assert 0.0 <= r["rows"]["held-out success, equal rollouts"]["trl"] <= 1.0
