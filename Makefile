@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: install demo demo-label-free test test-slow clean
+.PHONY: install demo demo-label-free serve-demo test test-slow clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -25,6 +25,9 @@ demo: $(STAMP)
 
 demo-label-free: $(STAMP)
 	$(BIN)/selfrl run --config configs/demo.toml --preset label-free --run-dir $(RUN_DIR)-label-free
+
+serve-demo: $(STAMP)
+	$(BIN)/python examples/serve_agent.py --run-dir $(RUN_DIR)-serve
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow" -q
