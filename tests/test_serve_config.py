@@ -68,8 +68,37 @@ def test_stop_strings_cut_the_content(tiny_tokenizer, tiny_model_factory, tmp_pa
         kw = dict(model="selfrl", messages=[{"role": "user", "content": "go"}], max_tokens=12, temperature=0)
         full = client.chat.completions.create(**kw).choices[0].message.content
         stop = full[3:5]
-        cut = client.chat.completions.create(stop=[stop], **kw).choices[0]
+        resp = client.chat.completions.create(stop=[stop], **kw)
+        cut = resp.choices[0]
         assert cut.message.content == full[:full.index(stop)] and cut.finish_reason == "stop"
+        # decoding ended at the stop string: what is recorded (and trained on) is what was sent, no more
+        with service.store.lock:
+            row = records.find_response(service.store, resp.id)
+            traj = next(t for t in service.store.trajectories() if t.id == row["trajectory_id"])
+        assert traj.num_completion_tokens == resp.usage.completion_tokens < 12
+        assert stop in tiny_tokenizer.decode(traj.token_ids[-traj.num_completion_tokens:])
+
+
+def test_a_pin_outlives_a_restart_and_rolled_back_versions_are_not_served(tiny_tokenizer, tiny_model_factory, tmp_path):
+    from serving import API_KEY, http
+
+    cfg = tiny_serve_config(tmp_path / "run")
+    with running_server(tiny_model_factory(lora=True), tiny_tokenizer, cfg) as (url, service):
+        for v in (1, 2):
+            add_version(service, {k: torch.randn_like(x) for k, x in lora_state(service.engine.model).items()}, v)
+        service.publish(2, service.state_of(2), "test")
+        assert http("POST", url + "/admin/pin", {"version": 1}, key=API_KEY)[1]["pinned"] == 1
+    with running_server(tiny_model_factory(lora=True), tiny_tokenizer, cfg) as (url, service):
+        assert service.engine.version == 1 and service.pinned == 1
+        status, body = http("POST", url + "/admin/rollback", {"version": 0}, key=API_KEY)
+        assert status == 200 and body["pinned"] is None and body["served_version"] == 0
+        status, body = http("POST", url + "/v1/chat/completions",
+                            {"model": "selfrl@v2", "messages": [{"role": "user", "content": "x"}]})
+        assert status == 409 and body["error"]["code"] == "version_not_servable"
+        status, body = http("POST", url + "/admin/rollback", {"version": 2}, key=API_KEY)  # promoted again
+        assert status == 200 and body["served_version"] == 2
+        assert {v["version"]: v["status"] for v in body["versions"]}[2] == "promoted"
+
 
 
 def test_restart_skips_a_version_whose_folder_is_incomplete(tiny_tokenizer, tiny_model_factory, tmp_path):

@@ -41,7 +41,7 @@ def scripted(service, text: str):
     tok, engine = service.tok, service.engine
     ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
-    def generate(prompts, max_new_tokens, temperature=1.0, greedy=False, top_p=1.0, on_step=None):
+    def generate(prompts, max_new_tokens, temperature=1.0, greedy=False, top_p=1.0, on_step=None, stop=None):
         out = []
         for p in prompts:
             full = torch.tensor([p + ids])
@@ -118,6 +118,32 @@ def test_streaming_deltas_equal_the_full_response(server, client):
     assert {c.model_extra["adapter_version"] for c in chunks} == {0}
     row, traj = stored(service, chunks[0].id)  # streamed requests are recorded too
     assert traj.num_completion_tokens == full.usage.completion_tokens
+
+
+def test_streaming_with_tools_offered_equals_the_full_response(server, client):
+    kwargs = dict(model="selfrl", messages=[{"role": "user", "content": "Add 2 and 3."}], tools=[CALC],
+                  max_tokens=12, temperature=0)
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (full.choices[0].message.content or "")
+
+
+def test_usage_counts_the_prompt_once_for_several_choices(server, client):
+    r = client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": "hi"}], max_tokens=3, n=3)
+    assert len(r.choices) == 3
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_oversized_bodies_and_inconsistent_tool_choice_are_refused(server):
+    url, service = server
+    status, body = http("POST", url + "/v1/chat/completions", raw=b"x" * (service.cfg.max_request_bytes + 1))
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    msgs = [{"role": "user", "content": "x"}]
+    status, body = http("POST", url + "/v1/chat/completions", {"model": "m", "messages": msgs, "tool_choice": "required"})
+    assert status == 400 and body["error"]["param"] == "tool_choice"
+    status, body = http("POST", url + "/v1/chat/completions", {
+        "model": "m", "messages": msgs, "tools": [CALC], "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    assert status == 400 and "nope" in body["error"]["message"]
 
 
 def test_feedback_needs_the_key_and_an_existing_response(server, client):

@@ -47,9 +47,12 @@ def load_api_key(key_file: str | None = None) -> str | None:
     key = None
     if key_file:
         try:
-            key = Path(key_file).read_text().strip().splitlines()[0].strip()
-        except (OSError, IndexError) as e:
+            lines = Path(key_file).read_text().strip().splitlines()
+        except OSError as e:
             raise ValueError(f"cannot read an API key from {key_file}: {e}") from e
+        if not lines:
+            raise ValueError(f"the API key file {key_file} is empty")
+        key = lines[0].strip()
     elif os.environ.get("SELFRL_API_KEY"):
         key = os.environ["SELFRL_API_KEY"].strip()
     if key is not None and len(key) < 16:
@@ -92,6 +95,14 @@ def create_app(service: Service, api_key: str | None, protect_completions: bool 
         service.close()
 
     app = FastAPI(title="selfrl", lifespan=lifespan)
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > service.cfg.max_request_bytes:
+            return _error(413, f"the request body is {int(size)} bytes; the limit is {service.cfg.max_request_bytes} "
+                          "bytes (max_request_bytes)", code="request_too_large")
+        return await call_next(request)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError):

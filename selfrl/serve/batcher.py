@@ -34,6 +34,7 @@ class Job:
         top_p: nucleus (1.0 = off).
         greedy: argmax decoding (temperature 0 requests).
         version: adapter version to run on, or None for whatever is being served.
+        stop: strings that end the row (cut right after the token that completes one).
         on_tokens: streaming callback, called from the worker thread with the ids so far.
         future: resolved with the :class:`Generation`, or with the exception.
     """
@@ -44,12 +45,13 @@ class Job:
     top_p: float = 1.0
     greedy: bool = False
     version: int | None = None
+    stop: tuple[str, ...] = ()
     on_tokens: Callable[[list[int]], None] | None = None
     future: Future = field(default_factory=Future)
 
     @property
     def key(self) -> tuple:
-        return (self.greedy, None if self.greedy else self.temperature, self.top_p, self.version)
+        return (self.greedy, None if self.greedy else self.temperature, self.top_p, self.version, self.stop)
 
 
 def cut(gen: Generation, limit: int, eos_ids: list[int]) -> Generation:
@@ -143,7 +145,8 @@ class Batcher:
 
         def call():
             return self.engine.generate([j.prompt for j in live], limit, head.temperature, greedy=head.greedy,
-                                        top_p=head.top_p, on_step=on_step if streams else None)
+                                        top_p=head.top_p, on_step=on_step if streams else None,
+                                        stop=list(head.stop) or None)
 
         try:
             if head.version is None or head.version == self.engine.version:

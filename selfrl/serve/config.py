@@ -37,6 +37,7 @@ class ServeConfig:
     max_batch: int = 32  # rows per engine call
     batch_window_s: float = 0.01  # seconds the batcher waits for more requests before a batch
     max_tokens_default: int = 256  # completion limit when a request sets none
+    max_request_bytes: int = 4_000_000  # larger request bodies get a 413 before they are read
     tools_prompt: str = "compact"  # how request tools are shown to a template without tool support
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)

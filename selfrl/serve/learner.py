@@ -178,7 +178,10 @@ class BackgroundLearner(threading.Thread):
         if metrics.get("skipped"):
             with store.lock:
                 records.mark(store, scored, "skipped", None)
-            info["result"] = "skipped (no reward spread)" if not usable else "skipped (not finite)"
+            reasons = [k.removeprefix("skip_reason_") for k, v in metrics.items() if k.startswith("skip_reason_") and v]
+            info["result"] = "skipped (" + (", ".join(reasons) or "no reward spread") + ")"
+            self.service.event("skip", f"update skipped: {', '.join(reasons) or 'no reward spread'}",
+                               {k: v for k, v in metrics.items() if isinstance(v, float)})
             self.last = info
             return info
         with store.lock:
@@ -196,8 +199,9 @@ class BackgroundLearner(threading.Thread):
             msg = f"held-out {success:.3f} (best {self.best_success:.3f})"
             self.best_version, self.best_success = version, max(success, self.best_success or 0.0)
             self.best_state = adapters.lora_state(self.model)
-            info["swap_s"] = self.service.publish(version, self.best_state, f"promoted: {msg}")
             info["result"] = "promoted"
+            self.last = info  # before the swap: whoever sees the new version sees this too
+            info["swap_s"] = self.service.publish(version, self.best_state, f"promoted: {msg}")
         else:
             with store.lock:
                 store.set_version_status(version, "rejected", {"val/success": success})

@@ -36,6 +36,8 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
         from selfrl.serve.app import load_api_key
 
         api_key = load_api_key(api_key_file)
+        if protect_completions and api_key is None:
+            raise ConfigError("--protect-completions needs an API key (SELFRL_API_KEY or --api-key-file)")
         from selfrl.tasks import get_task_source
         from selfrl.tools import resolve_tools
 
@@ -50,7 +52,8 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
         model, tok = build_policy(cfg)
         service = Service(model, tok, cfg, learner_model=copy.deepcopy(model) if learn else None)
     except (ConfigError, ModelLoadError, ValueError, KeyError) as e:
-        print(f"selfrl: error: {str(e).strip(chr(39))}", file=sys.stderr)
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"selfrl: error: {msg}", file=sys.stderr)
         return 2
     if cfg.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"selfrl: warning: binding to {cfg.host} exposes the server beyond this machine", file=sys.stderr)

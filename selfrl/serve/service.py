@@ -14,6 +14,8 @@ and back out after).
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import re
 import time
 import uuid
@@ -115,7 +117,16 @@ class Service:
                 self.event("skip_version", f"restart: {e.message}; trying an earlier version")
                 continue
             self.engine.swap(state, v["version"])
-            return
+            break
+        pin = self.run_dir / "pinned.json"
+        if pin.exists():  # a pin outlives a restart
+            version = json.loads(pin.read_text())["version"]
+            try:
+                self.engine.swap(self.state_of(version), version)
+                self.pinned = version
+            except ApiError as e:
+                self.event("unpin", f"restart: the pinned version cannot be served ({e.message}); unpinned")
+                pin.unlink()
 
     def state_of(self, version: int):
         """The LoRA tensors of a stored version (cached).
@@ -134,6 +145,17 @@ class Service:
                 raise ApiError(409, f"adapter version {version} cannot be served: {e}", "model",
                                "version_incomplete") from e
         return self._states[version]
+
+    def check_servable(self, version: int, param: str = "model") -> None:
+        """Raise ApiError unless ``version`` is the base or a promoted version with a complete folder."""
+        with self.store.lock:
+            row = next((v for v in self.store.versions() if v["version"] == version), None)
+        if row is None:
+            raise ApiError(404, f"adapter version {version} does not exist", param, "model_not_found")
+        if row["status"] not in ("base", "promoted"):
+            raise ApiError(409, f"adapter version {version} is {row['status']}; only the base and promoted "
+                           "versions are served", param, "version_not_servable")
+        self.state_of(version)
 
     def version_ids(self) -> list[dict[str, Any]]:
         with self.store.lock:
@@ -165,15 +187,18 @@ class Service:
         return seconds
 
     def pin(self, version: int) -> dict[str, Any]:
-        """Serve ``version`` and keep it until :meth:`unpin` (promotions are recorded, not served)."""
-        state = self.state_of(version)
-        self.engine.swap(state, version)
+        """Serve ``version`` and keep it until :meth:`unpin`, across restarts (promotions are
+        recorded, not served)."""
+        self.check_servable(version, "version")
+        self.engine.swap(self.state_of(version), version)
         self.pinned = version
+        _write_atomic(self.run_dir / "pinned.json", json.dumps({"version": version}))
         self.event("pin", f"version {version} pinned")
         return self.status()
 
     def unpin(self) -> dict[str, Any]:
         self.pinned = None
+        (self.run_dir / "pinned.json").unlink(missing_ok=True)
         with self.store.lock:
             best = self.store.latest_promoted()
         self.engine.swap(self.state_of(best["version"]), best["version"])
@@ -182,12 +207,23 @@ class Service:
 
     def rollback(self, version: int) -> dict[str, Any]:
         """Serve ``version`` again, mark the promoted versions after it rolled back, and
-        restart the learner from it."""
+        restart the learner from it. A version that was rolled back earlier is promoted again."""
+        with self.store.lock:
+            row = next((v for v in self.store.versions() if v["version"] == version), None)
+        if row is None:
+            raise ApiError(404, f"adapter version {version} does not exist", "version", "model_not_found")
+        if row["status"] not in ("base", "promoted", "rolled_back"):
+            raise ApiError(409, f"adapter version {version} is {row['status']} (never validated); roll back to "
+                           "the base or a promoted version", "version", "version_not_servable")
         state = self.state_of(version)
         with self.store.lock:
+            if row["status"] == "rolled_back":
+                self.store.set_version_status(version, "promoted")
             later = [v["version"] for v in self.store.versions() if v["version"] > version and v["status"] == "promoted"]
             for v in later:
                 self.store.set_version_status(v, "rolled_back")
+        self.pinned = None
+        (self.run_dir / "pinned.json").unlink(missing_ok=True)
         if self.learner is not None:
             self.learner.reset_to(version, state)
         self.engine.swap(state, version)
@@ -222,11 +258,17 @@ class Service:
         problem = req.unsupported()
         if problem:
             raise ApiError(400, problem, problem.split()[0])
+        if req.tool_choice not in (None, "none", "auto") and not req.tools:
+            raise ApiError(400, "tool_choice needs tools", "tool_choice")
+        if isinstance(req.tool_choice, dict):
+            name = req.tool_choice["function"]["name"]
+            if name not in {t.function.name for t in req.tools}:
+                raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", "tool_choice")
         version = None
         m = _VERSION_RE.search(req.model)
         if m:
             version = int(m.group(1))
-            self.state_of(version)  # 404 if unknown
+            self.check_servable(version)
         try:
             chat = to_chat(req, self.native_tools, self.cfg.tools_prompt)
         except ValueError as e:
@@ -273,7 +315,7 @@ class Service:
         req = p.req
         greedy = req.temperature == 0
         temperature = 1.0 if req.temperature is None else req.temperature
-        return [Job(p.prompt, p.limit, temperature, req.top_p or 1.0, greedy, p.version,
+        return [Job(p.prompt, p.limit, temperature, req.top_p or 1.0, greedy, p.version, tuple(req.stops),
                     None if on_tokens is None else (lambda ids, i=i: on_tokens(i, ids))) for i in range(req.n)]
 
     def finish(self, p: Prepared, gens: list[Generation], seconds: float) -> dict[str, Any]:
@@ -284,10 +326,10 @@ class Service:
         for i, g in enumerate(gens):
             ids, finished = list(g.token_ids), g.finished
             text = self.tok.decode(ids, skip_special_tokens=True)
-            stopped = False
+            stopped = g.stopped  # the engine cut the row right after a stop string
             for s in p.req.stops:
                 if s in text:
-                    text, stopped = text[:text.index(s)], True
+                    text = text[:text.index(s)]
             content, calls, records_ = parse_completion(text, tools)
             finish = "tool_calls" if calls else ("stop" if finished or stopped else "length")
             message = {"role": "assistant", "content": content}
@@ -308,7 +350,7 @@ class Service:
             "system_fingerprint": f"selfrl-v{version}", "adapter_version": version,
             "choices": choices,
             "usage": {"prompt_tokens": len(p.prompt), "completion_tokens": completion_tokens,
-                      "total_tokens": len(p.prompt) * len(gens) + completion_tokens},
+                      "total_tokens": len(p.prompt) + completion_tokens},
         }
 
     def _record(self, p: Prepared, i: int, g: Generation, message: dict, calls, content, truncated, seconds) -> None:
@@ -328,7 +370,7 @@ class Service:
 
     async def complete(self, req: ChatCompletionRequest) -> dict[str, Any]:
         """A non-streaming chat completion."""
-        p = self.prepare(req)
+        p = await asyncio.to_thread(self.prepare, req)  # tokenizing a long prompt must not block the loop
         t0 = time.perf_counter()
         futures = [self.batcher.submit(j) for j in self.jobs(p)]
         gens = [await asyncio.wrap_future(f) for f in futures]
@@ -365,3 +407,10 @@ def start_learning(service: Service) -> None:
         service.learner.start()
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -56,7 +56,7 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest) -> tuple[i
     Raises:
         ApiError: as :meth:`Service.prepare` (before anything is streamed).
     """
-    p = service.prepare(req)
+    p = await asyncio.to_thread(service.prepare, req)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     started: list[int] = []
@@ -79,9 +79,12 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest) -> tuple[i
         first_tokens.cancel()
     version = done.result()[0].adapter_version if done.done() else started[0]
     markers = [TOOL_CALL_OPEN, *req.stops]
+    # with tools offered, content is the text outside tool calls, stripped: stream it stripped too
+    strip = bool(req.tools) and req.tool_choice != "none"
     tok = service.tok
     base = {"id": p.response_id, "object": "chat.completion.chunk", "created": p.created,
-            "model": service.cfg.served_model_name, "system_fingerprint": f"selfrl-v{version}",
+            "model": service.cfg.served_model_name + (f"@v{version}" if p.version is not None else ""),
+            "system_fingerprint": f"selfrl-v{version}",
             "adapter_version": version}
 
     def chunk(i: int, delta: dict, finish: str | None = None) -> str:
@@ -94,6 +97,8 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest) -> tuple[i
 
         def emit(i: int, ids: list[int]) -> str | None:
             safe = safe_prefix(tok.decode(ids, skip_special_tokens=True), markers)
+            if strip:
+                safe = safe.strip()
             if len(safe) > len(sent[i]) and safe.startswith(sent[i]):
                 delta, sent[i] = safe[len(sent[i]):], safe
                 return chunk(i, {"content": delta})
