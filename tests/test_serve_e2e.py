@@ -136,8 +136,19 @@ def test_usage_counts_the_prompt_once_for_several_choices(server, client):
 
 def test_oversized_bodies_and_inconsistent_tool_choice_are_refused(server):
     url, service = server
-    status, body = http("POST", url + "/v1/chat/completions", raw=b"x" * (service.cfg.max_request_bytes + 1))
-    assert status == 413 and body["error"]["code"] == "request_too_large"
+    from http.client import HTTPConnection
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    conn = HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.putrequest("POST", "/v1/chat/completions")  # announce a huge body; the server answers before reading it
+    conn.putheader("content-type", "application/json")
+    conn.putheader("content-length", str(service.cfg.max_request_bytes + 1))
+    conn.endheaders()
+    resp = conn.getresponse()
+    body = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 413 and body["error"]["code"] == "request_too_large"
     msgs = [{"role": "user", "content": "x"}]
     status, body = http("POST", url + "/v1/chat/completions", {"model": "m", "messages": msgs, "tool_choice": "required"})
     assert status == 400 and body["error"]["param"] == "tool_choice"
