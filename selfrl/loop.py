@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from pathlib import Path
 
 
 from selfrl import adapters, collapse, faults
+from selfrl.atomic import write_atomic
 from selfrl.config import RunConfig
 from selfrl.detectors import HackingMonitor
 from selfrl.engine import Engine
@@ -112,7 +112,7 @@ class Runner:
             cfg.rollout.max_new_tokens * cfg.rollout.max_turns, ref_state=ref_state,
         )
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
+        write_atomic(self.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
         self.store = Store(db)
         self.run_id = self.store.start_run(cfg.to_dict())
         self.step = 0  # the iteration under way, for metrics logged outside an iteration
@@ -421,15 +421,6 @@ def check_resumable(stored: dict, new: dict) -> None:
     if changed:
         raise ConfigError(f"--resume cannot change {', '.join(changed)} of the stored run; "
                           "start a new run (another --run-dir) for that")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _rate(evaluation: dict[str, bool]) -> float:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import time
 import uuid
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from selfrl import adapters
+from selfrl.atomic import write_atomic
 from selfrl.chat import prompt_ids, template_supports_tools
 from selfrl.engine import Engine, Generation
 from selfrl.serve import records
@@ -192,7 +192,7 @@ class Service:
         self.check_servable(version, "version")
         self.engine.swap(self.state_of(version), version)
         self.pinned = version
-        _write_atomic(self.run_dir / "pinned.json", json.dumps({"version": version}))
+        write_atomic(self.run_dir / "pinned.json", json.dumps({"version": version}))
         self.event("pin", f"version {version} pinned")
         return self.status()
 
@@ -405,12 +405,3 @@ def start_learning(service: Service) -> None:
     """Start the background learner thread, if there is one."""
     if service.learner is not None and not service.learner.is_alive():
         service.learner.start()
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
