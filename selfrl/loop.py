@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from selfrl import adapters, collapse, faults
 from selfrl.atomic import write_atomic
 from selfrl.config import RunConfig

@@ -29,8 +29,19 @@ from selfrl.engine import Engine, Generation
 from selfrl.serve import records
 from selfrl.serve.batcher import Batcher, Job
 from selfrl.serve.config import ServeConfig
-from selfrl.serve.feedback import conversation_key, correction_reason, default_group_key, explicit_value
-from selfrl.serve.protocol import ChatCompletionRequest, FeedbackRequest, client_tools, parse_completion, to_chat
+from selfrl.serve.feedback import (
+    conversation_key,
+    correction_reason,
+    default_group_key,
+    explicit_value,
+)
+from selfrl.serve.protocol import (
+    ChatCompletionRequest,
+    FeedbackRequest,
+    client_tools,
+    parse_completion,
+    to_chat,
+)
 from selfrl.store import Store
 from selfrl.trajectory import Trajectory
 
