@@ -45,6 +45,14 @@ def test_kl_blow_up_fires_with_value_and_threshold():
     assert cheap_alarms([rec(0, kl=None)], CFG) == []
 
 
+def test_low_entropy_with_rising_reward_is_learning_not_collapse():
+    # make demo: entropy 0.36 -> 0.075 nats/token while the reward went 0.04 -> 1.0
+    hist = [rec(0, entropy=0.37, reward=0.04), rec(1, entropy=0.35, reward=0.40), rec(2, entropy=0.075, reward=1.0)]
+    assert cheap_alarms(hist, CFG) == []
+    hist[-1] = rec(2, entropy=0.075, reward=0.25)  # confident but no better than the baseline (0.22): collapse
+    assert [a.rule for a in cheap_alarms(hist, CFG)] == ["entropy_collapse"]
+
+
 def test_entropy_collapse_fires_against_the_baseline_window():
     hist = [rec(0, entropy=1.2), rec(1, entropy=0.8), rec(2, entropy=0.24)]  # baseline 1.0, limit 0.25
     alarms = cheap_alarms(hist, CFG)
