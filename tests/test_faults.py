@@ -221,7 +221,8 @@ def test_kill_during_save_then_resume_loses_nothing(model_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("point", [p for p in faults.POINTS if p != "during_save"])
 def test_kill_at_every_point_then_resume_loses_nothing(point, model_dir, tmp_path):
-    kill_and_resume(f"kill:{point}@1", model_dir, tmp_path)
+    out = kill_and_resume(f"kill:{point}@1", model_dir, tmp_path)
+    assert out.recovered and (out.trajectories_lost, out.corrupt_versions_served) == (0, 0)
 
 
 def test_store_rows_are_all_or_nothing_under_a_failed_write(tmp_path):
