@@ -51,31 +51,11 @@ def short(traj, ctx):
 
 
 def save_tiny_model(path: Path, seed: int = 0, eos_bias: float = 2.0) -> Path:
-    """A random 2-layer Phi (its output layer has a bias, so the EOS bias survives saving)
-    and the tiny tokenizer of ``tests/conftest.py``, saved to ``path``."""
-    import torch
-    from transformers import PhiConfig, PhiForCausalLM
-
+    """The tests' tiny Phi (``tests/conftest.py``), saved as a local model folder."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import build_tiny_tokenizer
+    from conftest import build_tiny_tokenizer, save_tiny_phi
 
-    tok = build_tiny_tokenizer()
-    eos = tok.eos_token_id
-    config = PhiConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=eos, pad_token_id=eos,
-        bos_token_id=None, tie_word_embeddings=False, initializer_range=0.1,
-    )
-    torch.manual_seed(seed)
-    model = PhiForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.bias.zero_()
-        model.lm_head.bias[eos] = eos_bias
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = eos
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_phi(path, build_tiny_tokenizer(), seed, eos_bias)
 
 
 CONFIG = """\

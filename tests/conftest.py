@@ -155,3 +155,26 @@ def tiny_model(tiny_model_factory):
 def tiny_peft_model(tiny_model_factory):
     """A fresh LoRA-wrapped tiny Llama per test."""
     return tiny_model_factory(lora=True)
+
+
+def save_tiny_phi(path, tokenizer, seed=0, eos_bias=2.0):
+    """Save a random 2-layer Phi (output bias ``eos_bias`` at EOS, so turns end) and
+    ``tokenizer`` to ``path``, as a local model folder for ``selfrl run --model``; returns ``path``."""
+    from transformers import PhiConfig, PhiForCausalLM
+
+    eos = tokenizer.eos_token_id
+    config = PhiConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        eos_token_id=eos, pad_token_id=eos, bos_token_id=None, tie_word_embeddings=False, initializer_range=0.1,
+    )
+    torch.manual_seed(seed)
+    model = PhiForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.bias.zero_()
+        model.lm_head.bias[eos] = eos_bias
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = eos
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

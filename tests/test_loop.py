@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import save_tiny_phi
 from peft import set_peft_model_state_dict
 
 from selfrl import adapters
@@ -20,27 +21,6 @@ from selfrl.loop import build_policy, run
 from selfrl.rewards import REWARD_FUNCS
 from selfrl.rl.logprobs import per_token_logps
 from selfrl.store import Store
-
-
-def save_tiny_phi(path, tokenizer, seed=0, eos_bias=2.0):
-    from transformers import PhiConfig, PhiForCausalLM
-
-    eos = tokenizer.eos_token_id
-    config = PhiConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        eos_token_id=eos, pad_token_id=eos, bos_token_id=None, tie_word_embeddings=False, initializer_range=0.1,
-    )
-    torch.manual_seed(seed)
-    model = PhiForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.bias.zero_()
-        model.lm_head.bias[eos] = eos_bias
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = eos
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def short(traj, ctx):
