@@ -30,6 +30,7 @@ RUN_FLAGS = {
     "--eval-every": ("gate.eval_every", int, "updates between validations"),
     "--run-dir": ("run_dir", str, "output folder"),
     "--seed": ("seed", int, "random seed"),
+    "--engine": ("engine", str, "sampling backend: reference | slots (selfrl.engines)"),
 }
 
 
@@ -44,6 +45,7 @@ SERVE_FLAGS = {
     "--learning-rate": ("train.learning_rate", float, "AdamW learning rate"),
     "--val-size": ("gate.val_size", int, "held-out tasks of the validation gate"),
     "--task": ("task.source", str, "task source of the validation gate (see selfrl run --task)"),
+    "--engine": ("engine", str, "sampling backend: reference | slots (selfrl.engines)"),
 }
 
 
