@@ -48,6 +48,9 @@ from selfrl.engines.sampling import sample_tokens
 from selfrl.prefix import MIN_SHARED_PREFIX, shared_prefix_len
 
 
+IDLE_CACHE_BYTES = 64 * 2**20  # an idle engine keeps a cache up to this size; a larger one is freed
+
+
 class VersionGate:
     """A shared/exclusive lock: requests hold shared tickets (released from any thread),
     a swap holds it exclusively. A waiting swap blocks new tickets (no starvation);
@@ -98,7 +101,7 @@ class VersionGate:
         return self._tickets
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """One continuation to sample (see :meth:`SlotEngine.submit`)."""
 
@@ -282,6 +285,8 @@ class SlotEngine:
     def _work(self) -> None:
         while True:
             with self._cond:
+                if not self._queue and not self._rows and self.cache.nbytes > IDLE_CACHE_BYTES:
+                    self.cache = SlotCache(slots=min(8, self.max_slots))  # idle: give the memory back
                 while not self._queue and not self._rows and not self._closed:
                     self._cond.wait()
                 if self._closed:
@@ -334,7 +339,10 @@ class SlotEngine:
         with self._cond:
             room = self.max_slots - len(rows)
             new = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
-        new = [r for r in new if r.future.set_running_or_notify_cancel() or self.lock.release_shared()]
+        cancelled = [r for r in new if not r.future.set_running_or_notify_cancel()]
+        for _ in cancelled:
+            self.lock.release_shared()
+        new = [r for r in new if r not in cancelled]
         if new:
             parts.append(self._prefill(new))
             rows = self._rows = rows + new
