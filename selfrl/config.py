@@ -31,6 +31,8 @@ class ModelConfig:
     """Which policy to load."""
 
     name: str = DEFAULT_MODEL  # Hugging Face id, local path, or embedded:smollm2-135m-instruct
+    device: str = "auto"  # auto | cpu | cuda: where the policy, learner and reference pass run (auto: cuda if present)
+    dtype: str = "auto"  # auto | float32 | bfloat16: base weights' dtype (auto: bf16 on a GPU that has it, else fp32)
 
 
 @dataclass
@@ -130,6 +132,7 @@ class RunConfig:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        check_placement(self.model)
         self._check_names()
         return self
 
@@ -150,6 +153,19 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def check_placement(model: ModelConfig) -> None:
+    """Raise ConfigError for an unknown ``model.device``/``model.dtype``, or a device this
+    machine does not have (``cuda`` with no GPU): refused before the model loads."""
+    from selfrl.device import DeviceError, check_names, resolve
+
+    try:
+        check_names(model.device, model.dtype)
+        if model.device != "auto" or model.dtype != "auto":
+            resolve(model.device, model.dtype)
+    except DeviceError as e:
+        raise ConfigError(str(e)) from e
 
 
 def _apply(obj, values: dict[str, Any], where: str) -> None:
