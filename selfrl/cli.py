@@ -30,6 +30,8 @@ RUN_FLAGS = {
     "--eval-every": ("gate.eval_every", int, "updates between validations"),
     "--run-dir": ("run_dir", str, "output folder"),
     "--seed": ("seed", int, "random seed"),
+    "--device": ("model.device", str, "auto | cpu | cuda: where the policy, learner and reference pass run"),
+    "--dtype": ("model.dtype", str, "auto | float32 | bfloat16 (auto: bf16 on a GPU that has it, else fp32)"),
 }
 
 
@@ -44,6 +46,8 @@ SERVE_FLAGS = {
     "--learning-rate": ("train.learning_rate", float, "AdamW learning rate"),
     "--val-size": ("gate.val_size", int, "held-out tasks of the validation gate"),
     "--task": ("task.source", str, "task source of the validation gate (see selfrl run --task)"),
+    "--device": ("model.device", str, "auto | cpu | cuda: where the served policy and its learner run"),
+    "--dtype": ("model.dtype", str, "auto | float32 | bfloat16 (auto: bf16 on a GPU that has it, else fp32)"),
 }
 
 
@@ -55,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", metavar="RUN_DIR", help="continue the run stored in RUN_DIR")
     for flag, (_, typ, help_) in RUN_FLAGS.items():
         r.add_argument(flag, type=typ, help=help_)
+    r.add_argument("--gradient-checkpointing", action="store_true", default=None,
+                   help="recompute activations in the backward pass: less memory, about one more forward of time")
     s = sub.add_parser("serve", help="OpenAI-compatible server that records, learns and hot-swaps adapters")
     s.add_argument("--config", help="TOML file with ServeConfig keys (see selfrl/serve/config.py)")
     s.add_argument("--api-key-file", help="file whose first line is the API key (else SELFRL_API_KEY)")
@@ -83,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                      protect_completions=args.protect_completions)
 
     overrides = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in RUN_FLAGS.items()}
+    overrides["train.gradient_checkpointing"] = args.gradient_checkpointing
     base = None
     if args.resume:
         overrides["run_dir"] = args.resume
