@@ -82,3 +82,17 @@ def _http_sampler(model, tokenizer, version: int = 0) -> SamplingEngine:
 
 
 BACKENDS["http"] = _http_sampler
+
+
+def _fake_vllm(model, tokenizer, version: int = 0) -> SamplingEngine:
+    """EXPERIMENTAL vLLM client against tests/fake_vllm.py on loopback (no real vLLM here)."""
+    from selfrl.engine import Engine
+    from selfrl.engines.vllm import VLLMEngine
+    from tests.fake_vllm import create_fake_vllm
+
+    url = start_loopback(create_fake_vllm(Engine(model, tokenizer)))
+    return VLLMEngine(url, tokenizer, version=version, adapter_config=model.peft_config["default"], timeout_s=120)
+
+
+BACKENDS["vllm-client-on-fake-vllm"] = _fake_vllm
+UNAVAILABLE["vllm"] = "a real vLLM server needs a GPU and the vllm wheel (336 MB); none here"
