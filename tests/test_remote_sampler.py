@@ -37,7 +37,8 @@ def sampler_process(tmp_path_factory, tiny_tokenizer):
     key_file = tmp_path_factory.mktemp("key") / "key"
     key_file.write_text(KEY + "\n")
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "selfrl.cli", "sampler", "--model", str(folder), "--lora-r", "4", "--port", str(port),
          "--device", "cpu", "--api-key-file", str(key_file)],

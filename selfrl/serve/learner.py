@@ -154,7 +154,7 @@ class BackgroundLearner(threading.Thread):
         pad = self.service.tok.pad_token_id
         for i in range(0, len(trajs), self.cfg.train.micro_batch_size):
             chunk = trajs[i:i + self.cfg.train.micro_batch_size]
-            mb = collate(chunk, pad)
+            mb = collate(chunk, pad).to(self.learner.device)
             logps = per_token_logps(self.model, mb.input_ids, mb.attention_mask, mb.completion_mask,
                                     self.cfg.learner.temperature)  # (B, T)
             for j, t in enumerate(chunk):
