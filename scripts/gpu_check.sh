@@ -17,10 +17,10 @@ fi
   python3 -c "import torch, transformers, peft, fastapi; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'bf16', torch.cuda.is_bf16_supported(), 'transformers', transformers.__version__, 'peft', peft.__version__, 'fastapi', fastapi.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 t0=$(date +%s)
-timeout 260 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W ignore::FutureWarning \
+timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W ignore::FutureWarning \
   tests/test_device.py tests/test_swap_check.py tests/test_engine_conformance.py tests/test_vllm_backend.py \
   tests/test_remote_sampler.py tests/test_trainer.py tests/test_engine.py tests/test_loop.py 2>&1 | tee "$OUT/pytest.txt" | tail -25
 echo "pytest: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/pytest.txt"
 t0=$(date +%s)
-timeout 200 python3 scripts/gpu_bench.py --out "$OUT" 2>&1 | grep -E '^(\{|learner|generate|run) ' | tee "$OUT/bench.txt"
+timeout 170 python3 scripts/gpu_bench.py --out "$OUT" 2>&1 | grep -E '^(\{|learner|generate|run) ' | tee "$OUT/bench.txt"
 echo "bench: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/bench.txt"
