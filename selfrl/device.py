@@ -101,8 +101,10 @@ def enable_gradient_checkpointing(model) -> None:
         ValueError: the model does not support gradient checkpointing (transformers' message).
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    base.config.use_cache = False
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.24; the old name is deprecated there
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def gradient_checkpointing_on(model) -> bool:

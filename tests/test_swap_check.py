@@ -89,8 +89,15 @@ class HangingEngine(Engine):
 
     def swap(self, state_dict, version):
         seconds = super().swap(state_dict, version)
-        self.lock.acquire()
-        threading.Thread(target=lambda: (self.release.wait(60), self.lock.release()), daemon=True).start()
+        held = threading.Event()
+
+        def hang():
+            with self.lock:
+                held.set()
+                self.release.wait(60)
+
+        threading.Thread(target=hang, daemon=True).start()
+        held.wait(10)
         return seconds
 
 
