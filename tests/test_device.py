@@ -121,7 +121,7 @@ def test_cli_flags_reach_the_config(no_gpu, tmp_path, monkeypatch):
 def test_build_policy_places_the_model_and_seeds_the_adapter_as_on_the_cpu(tmp_path, tiny_tokenizer, device):
     folder = save_tiny_phi(tmp_path / "m", tiny_tokenizer)
     cfg = RunConfig()
-    cfg.model.name, cfg.lora.r, cfg.model.dtype = str(folder), 4, "bfloat16"
+    cfg.model.name, cfg.lora.r, cfg.model.device, cfg.model.dtype = str(folder), 4, "cpu", "bfloat16"
     cpu_model, _ = build_policy(cfg)
     cfg.model.device = device
     model, _ = build_policy(cfg)
@@ -203,7 +203,9 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_update(tiny_tokeni
     a, b = shapes["ckpt"][0], shapes["ckpt"][2]
     assert shapes["ckpt"] == [a, a, b, b] and (a[0], b[0]) == (4, 2)
     assert m_ckpt["loss"] == pytest.approx(m_plain["loss"], abs=1e-6)
+    # AdamW's first step moves each weight by about lr = 1e-2 whatever the gradient's size, so a
+    # summation-order difference in a near-zero gradient shows up amplified (8e-6 seen on a 16-core CPU)
     for k, v in lora_state(plain).items():
-        torch.testing.assert_close(lora_state(ckpt)[k], v, atol=1e-6, rtol=0)
+        torch.testing.assert_close(lora_state(ckpt)[k], v, atol=1e-4, rtol=0)
     # generation is unaffected: the engine still decodes with its KV cache in eval mode
     assert Engine(ckpt, tiny_tokenizer).generate([[1, 2, 3]], max_new_tokens=4, greedy=True)[0].token_ids

@@ -54,7 +54,7 @@ def sampler_process(tmp_path_factory, tiny_tokenizer):
             assert time.monotonic() < deadline, "selfrl sampler did not come up"
             time.sleep(0.3)
     cfg = RunConfig()
-    cfg.model.name, cfg.lora.r = str(folder), 4
+    cfg.model.name, cfg.lora.r, cfg.model.device = str(folder), 4, "cpu"  # as the sampler (fp32 on both sides)
     yield url, cfg
     proc.terminate()
     proc.wait(timeout=30)
