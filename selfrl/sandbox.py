@@ -9,12 +9,13 @@ which one ran (``ExecResult.isolation``); neither is chosen silently.
       the network namespace has only a loopback of its own, so no host or
       internet address is reachable; the program cannot see or signal host
       processes (its ``/proc`` shows only its own);
-    * the file system is a fresh root: ``/usr`` (+ the ``/bin``, ``/lib*``
-      links) and the interpreter's prefix read-only, a minimal ``/dev`` and
-      ``/proc``; everything else of the host (``/etc``, ``/home``, ``/root``,
+    * the file system is a fresh, read-only root: ``/usr`` (+ the ``/bin``,
+      ``/lib*`` links) and the interpreter's prefix read-only, a minimal
+      ``/dev`` and ``/proc``; everything else of the host (``/etc``, ``/home``, ``/root``,
       ``/work``, the host's ``/tmp``) is invisible;
-    * its own writable directory ``/sandbox`` (the cwd) and ``/tmp``: tmpfs
-      mounts of ``Limits.disk_bytes`` each, gone when the run ends, so the host
+    * its own writable directory ``/sandbox`` (the cwd), ``/tmp`` and
+      ``/dev/shm``: tmpfs mounts of ``Limits.disk_bytes`` each (nothing else is
+      writable), gone when the run ends, so the host
       disk is never written;
     * all capabilities dropped, no nested user namespaces (``--disable-userns``),
       a new session (``--new-session``, no terminal injection), killed if its
@@ -105,7 +106,7 @@ class Limits:
         memory_bytes: address space per process (bytes, ``RLIMIT_AS``).
         max_processes: processes + threads the program may have at once (``RLIMIT_NPROC``).
         file_size_bytes: largest file the program may write (bytes, ``RLIMIT_FSIZE``).
-        disk_bytes: size of each writable tmpfs, ``/sandbox`` and ``/tmp`` (bytes; bwrap only).
+        disk_bytes: size of each writable tmpfs: ``/sandbox``, ``/tmp``, ``/dev/shm`` (bytes; bwrap only).
         open_files: open file descriptors per process (``RLIMIT_NOFILE``).
         max_output_bytes: stdout + stderr kept (bytes); more kills the run (``killed="output_limit"``).
     """
@@ -164,6 +165,25 @@ class ExecResult:
     def ok(self) -> bool:
         """True when the program exited by itself with status 0."""
         return self.exit_code == 0 and self.killed is None
+
+    def as_tool_output(self, max_chars: int = 2000) -> str:
+        r"""What a ``run_python`` tool shows the model: the exit, then stdout and stderr, cut to ``max_chars``.
+
+        >>> ExecResult("4\n", "", 0, False, None, 0.1, "bwrap").as_tool_output()
+        'exit code 0\nstdout:\n4\n'
+        >>> ExecResult("", "", None, True, "timeout", 10.0, "bwrap").as_tool_output()
+        'killed: timeout (after 10.0 s)\n'
+        """
+        head = (f"killed: {self.killed} (after {self.wall_seconds:.1f} s)" if self.killed
+                else f"exit code {self.exit_code}")
+        text = head + "\n"
+        if self.stdout:
+            text += "stdout:\n" + self.stdout
+        if self.stderr:
+            text += ("" if text.endswith("\n") else "\n") + "stderr:\n" + self.stderr
+        if len(text) > max_chars:
+            text = text[: max_chars - 20] + f"\n[... {len(text) - max_chars + 20} chars cut]"
+        return text
 
 
 @dataclass
@@ -374,10 +394,13 @@ class Sandbox:
         if prefix:
             argv += ["--ro-bind", prefix, prefix]
         argv += ["--proc", "/proc", "--dev", "/dev",
+                 "--size", str(self.limits.disk_bytes), "--tmpfs", "/dev/shm",
                  "--size", str(self.limits.disk_bytes), "--tmpfs", "/tmp",
                  "--size", str(self.limits.disk_bytes), "--tmpfs", _WORKDIR]
         for name, fd in file_fds.items():
             argv += ["--file", str(fd), f"{_WORKDIR}/{name}"]
+        # bwrap's root and /dev are tmpfs mounts without a size limit: no writes there
+        argv += ["--remount-ro", "/dev", "--remount-ro", "/"]
         argv += ["--chdir", _WORKDIR, "--clearenv",
                  "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", _WORKDIR,
                  "--setenv", "TMPDIR", "/tmp"]
