@@ -102,6 +102,11 @@ def _stayed_unprivileged(fx: HostFixture, res: ExecResult) -> str | None:
     return None
 
 
+def _nothing_written(fx: HostFixture, res: ExecResult) -> str | None:
+    wrote = [ln.split(" ", 1)[1] for ln in res.stdout.splitlines() if ln.startswith("WROTE ")]
+    return f"wrote outside its own directories: {wrote}" if wrote else None
+
+
 HOSTILE: tuple[Hostile, ...] = (
     Hostile("fork_bomb", "fork without end", "while True:\n    os.fork()\n"),
     Hostile("infinite_loop", "spin the CPU forever", "while True:\n    pass\n"),
@@ -116,6 +121,10 @@ HOSTILE: tuple[Hostile, ...] = (
             "                (os.path.join(os.getcwd(), '..', 'selfrl-pwned'), 'w')):\n"
             "    try:\n        open(p, mode).write('pwned')\n        print('WROTE', p)\n"
             "    except OSError as e:\n        print('refused', p, e)\n"),
+    Hostile("fill_unsized_mounts", "write into /, /dev, /usr and /etc (mounts without a size limit)",
+            "for p in ('/selfrl-fill', '/dev/selfrl-fill', '/usr/selfrl-fill', '/etc/selfrl-fill'):\n"
+            "    try:\n        open(p, 'wb').write(b'x' * 2**20)\n        print('WROTE', p)\n"
+            "    except OSError as e:\n        print('refused', p, e)\n", _nothing_written),
     Hostile("write_host_tmp", "create a file in the host's /tmp",
             "try:\n    open(H['host_tmp_target'], 'w').write('pwned')\n"
             "except OSError as e:\n    print('refused', e)\n"),
