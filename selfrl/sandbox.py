@@ -367,19 +367,26 @@ class Sandbox:
             return self._run_bwrap(exe, args, files, data, uid, prefix, nproc)
         return self._run_rlimit(exe, args, files, data, uid, nproc)
 
-    def _preexec(self, nproc: int):
+    def _rlimits(self, nproc: int) -> list[tuple[str, int, int]]:
+        """(prlimit option, resource, value) of every limit set on the run."""
         lim = self.limits
+        return [("as", resource.RLIMIT_AS, lim.memory_bytes), ("cpu", resource.RLIMIT_CPU, lim.cpu_limit),
+                ("nproc", resource.RLIMIT_NPROC, nproc), ("fsize", resource.RLIMIT_FSIZE, lim.file_size_bytes),
+                ("nofile", resource.RLIMIT_NOFILE, lim.open_files), ("core", resource.RLIMIT_CORE, 0)]
+
+    def _limited(self, argv: list[str], nproc: int):
+        """(argv, preexec_fn): util-linux ``prlimit`` in front of argv where it exists, which keeps
+        Python code out of the fork (``preexec_fn`` is not safe in a threaded caller), else a preexec_fn."""
+        limits = self._rlimits(nproc)
+        prlimit = shutil.which("prlimit", path="/usr/bin:/bin")
+        if prlimit:
+            return [prlimit, *(f"--{opt}={value}" for opt, _, value in limits), "--", *argv], None
 
         def apply() -> None:  # runs in the child between fork and exec (after setuid)
-            for res, value in ((resource.RLIMIT_AS, lim.memory_bytes),
-                               (resource.RLIMIT_CPU, lim.cpu_limit),
-                               (resource.RLIMIT_NPROC, nproc),
-                               (resource.RLIMIT_FSIZE, lim.file_size_bytes),
-                               (resource.RLIMIT_NOFILE, lim.open_files),
-                               (resource.RLIMIT_CORE, 0)):
+            for _, res, value in limits:
                 resource.setrlimit(res, (value, value))
 
-        return apply
+        return argv, apply
 
     def _bwrap_argv(self, exe: str, args: list[str], file_fds: dict[str, int],
                     prefix: str | None) -> list[str]:
@@ -439,12 +446,12 @@ class Sandbox:
 
     def _spawn(self, argv, cwd, env, data, uid, nproc, isolation, pass_fds) -> ExecResult:
         ids = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
+        argv, preexec = self._limited(argv, nproc)
         t0 = time.monotonic()
         proc = subprocess.Popen(
             argv, cwd=cwd, env=env if env is not None else {"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, preexec_fn=self._preexec(nproc), pass_fds=pass_fds,
-            close_fds=True, **ids)
+            start_new_session=True, preexec_fn=preexec, pass_fds=pass_fds, close_fds=True, **ids)
         out, err, killed = self._communicate(proc, data, t0 + self.limits.wall_seconds)
         if killed:
             _kill_everything(proc, uid)

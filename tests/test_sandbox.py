@@ -127,3 +127,24 @@ def test_hostile_suite_finds_the_fallbacks_documented_gaps():
                        "write_host_tmp", "write_outside"], {n: r.escapes for n, r in rows.items()}
     assert "secret token" in " ".join(rows["read_host_secret"].escapes)
     assert "received" in " ".join(rows["socket_loopback"].escapes)
+
+
+_READ_LIMITS = ("import resource\nprint([resource.getrlimit(getattr(resource, 'RLIMIT_' + n))[0] for n in "
+                "('AS', 'CPU', 'NPROC', 'FSIZE', 'NOFILE', 'CORE')])")
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+@pytest.mark.parametrize("via_prlimit", [True, False])
+def test_the_program_runs_under_the_configured_rlimits(isolation, via_prlimit, monkeypatch):
+    if not via_prlimit:  # the preexec_fn path, used where util-linux prlimit is missing
+        which = sb.shutil.which
+        monkeypatch.setattr(sb.shutil, "which", lambda name, path=None: None if name == "prlimit" else which(name, path=path))
+    lim = Limits(wall_seconds=20, cpu_seconds=7, memory_bytes=300 * 2**20, max_processes=20,
+                 file_size_bytes=2**20, open_files=50)
+    res = Sandbox(lim, isolation=isolation).run_python(_READ_LIMITS)
+    assert res.ok, res.stderr
+    got = eval(res.stdout)
+    if os.geteuid() != 0:  # without a fresh uid the caller's own process count is added (_nproc_limit)
+        assert got[2] > 20
+        got[2] = 20
+    assert got == [300 * 2**20, 7, 20, 2**20, 50, 0]
