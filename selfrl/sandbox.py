@@ -541,24 +541,31 @@ def _kill_everything(proc: subprocess.Popen, uid: int | None) -> None:
 
 
 def _kill_uid(uid: int) -> None:
-    """SIGKILL every process whose uid is ``uid`` (``kill(-1)`` from a child running as it).
+    """SIGKILL every process whose uid is ``uid`` (``kill -9 -1`` run as that uid).
 
     ``kill(-1, SIGKILL)`` reaches exactly the processes the sender may signal;
     a sender with real and effective uid ``uid`` and no capabilities may
     signal only processes of that uid. Repeated until none is left, since a
-    fork bomb may fork between the rounds.
+    fork bomb may fork between the rounds. The killer is started by
+    ``subprocess`` (uid switched in C, no Python in the fork) where
+    ``/usr/bin/kill`` or ``/bin/kill`` exists, else by ``os.fork``.
     """
+    kill = shutil.which("kill", path="/usr/bin:/bin")
     for _ in range(50):
         if _count_processes(uid) == 0:
             return
-        pid = os.fork()
-        if pid == 0:  # child: drop to the uid and kill all it may kill; only os calls here
-            try:
-                os.setgroups([])
-                os.setresgid(uid, uid, uid)
-                os.setresuid(uid, uid, uid)
-                os.kill(-1, signal.SIGKILL)
-            finally:
-                os._exit(0)
-        os.waitpid(pid, 0)
+        if kill:
+            subprocess.run([kill, "-9", "--", "-1"], user=uid, group=uid, extra_groups=[],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+        else:
+            pid = os.fork()
+            if pid == 0:  # child: drop to the uid and kill all it may kill; only os calls here
+                try:
+                    os.setgroups([])
+                    os.setresgid(uid, uid, uid)
+                    os.setresuid(uid, uid, uid)
+                    os.kill(-1, signal.SIGKILL)
+                finally:
+                    os._exit(0)
+            os.waitpid(pid, 0)
         time.sleep(0.01)

@@ -1,5 +1,6 @@
 """selfrl.sandbox: limits, results, and the hostile-program suite (0 escapes under bwrap)."""
 
+import ast
 import os
 import shutil
 import time
@@ -143,7 +144,7 @@ def test_the_program_runs_under_the_configured_rlimits(isolation, via_prlimit, m
                  file_size_bytes=2**20, open_files=50)
     res = Sandbox(lim, isolation=isolation).run_python(_READ_LIMITS)
     assert res.ok, res.stderr
-    got = eval(res.stdout)
+    got = ast.literal_eval(res.stdout)
     if os.geteuid() != 0:  # without a fresh uid the caller's own process count is added (_nproc_limit)
         assert got[2] > 20
         got[2] = 20
