@@ -149,3 +149,19 @@ def test_the_program_runs_under_the_configured_rlimits(isolation, via_prlimit, m
         assert got[2] > 20
         got[2] = 20
     assert got == [300 * 2**20, 7, 20, 2**20, 50, 0]
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_concurrent_runs_from_threads_stay_separate(isolation):
+    """Rollouts may verify in parallel: each run gets its own files, output and limits."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    box = Sandbox(Limits(wall_seconds=30), isolation=isolation)
+
+    def one(i: int):
+        return box.run_python("import os\nprint(open('n.txt').read(), sorted(os.listdir('.')))",
+                              files={"n.txt": str(i)})
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(one, range(12)))
+    assert [r.stdout for r in results] == [f"{i} ['main.py', 'n.txt']\n" for i in range(12)]
