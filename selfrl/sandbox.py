@@ -71,6 +71,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -296,7 +297,7 @@ class Sandbox:
     Args:
         limits: the limits of every run (``Limits()`` when None).
         isolation: "auto" (bwrap when ``bwrap_problem()`` is None, else the
-            rlimit fallback, with the reason in ``self.fallback_reason``),
+            rlimit fallback with a RuntimeWarning and the reason in ``self.fallback_reason``),
             "bwrap" (raise ``SandboxError`` if bwrap cannot run) or "rlimit".
         python: interpreter for ``run_python``; default: the caller's base
             interpreter when the sandboxed uid can reach it, else /usr/bin/python3.
@@ -315,6 +316,10 @@ class Sandbox:
         if isolation == "auto":
             self.fallback_reason = bwrap_problem()
             isolation = "rlimit" if self.fallback_reason else "bwrap"
+            if self.fallback_reason:
+                warnings.warn(f"sandbox: bubblewrap cannot run ({self.fallback_reason}); model-written "
+                              "code runs under the weaker rlimit fallback, with network and host files "
+                              "reachable (docs/sandbox.md)", RuntimeWarning, stacklevel=2)
         elif isolation == "bwrap" and not _probe:
             problem = bwrap_problem()
             if problem:

@@ -55,7 +55,8 @@ def test_bwrap_required_but_unusable_raises(monkeypatch):
     monkeypatch.setattr(sb, "bwrap_problem", lambda: "bwrap not found on PATH")
     with pytest.raises(SandboxError, match="bwrap not found"):
         Sandbox(isolation="bwrap")
-    auto = Sandbox(isolation="auto")
+    with pytest.warns(RuntimeWarning, match="weaker rlimit fallback"):
+        auto = Sandbox(isolation="auto")
     assert auto.isolation == "rlimit" and auto.fallback_reason == "bwrap not found on PATH"
 
 
