@@ -71,11 +71,13 @@ def mismatch_kl(old_per_token_logps: torch.Tensor, sampler_per_token_logps: torc
     ``k3 = r - 1 - log r`` (Schulman 2020): unbiased for KL(mu || pi_old) because the
     tokens come from mu, never negative, and 0 exactly when the log-probs are equal.
     verl logs the same quantity as ``rollout_corr/k3_kl``. Not capped: it is a
-    measurement, not a loss term.
+    measurement, not a loss term. Computed in float64 with ``expm1``: a float32
+    mismatch of 1e-4 per token has k3 = 5e-9, which ``exp(x) - 1 - x`` in float32
+    cancels to 0 (or below).
 
     >>> round(float(mismatch_kl(torch.tensor([-1.0]), torch.tensor([-2.0]))), 6)  # e^1 - 1 - 1
     0.718282
     """
-    log_ratio = (old_per_token_logps - sampler_per_token_logps).detach()  # (B, T)
+    log_ratio = (old_per_token_logps - sampler_per_token_logps).detach().double()  # (B, T)
     log_ratio = torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    return torch.exp(log_ratio) - 1.0 - log_ratio  # (B, T)
+    return torch.expm1(log_ratio) - log_ratio  # (B, T) float64
