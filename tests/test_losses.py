@@ -223,3 +223,13 @@ def test_a_sequence_without_tokens_changes_no_aggregation(name):
     norm = Normalizer.of([padded_mask], 4)
     expected = {"dapo": (-2.7 + 4.6) / 5, "grpo": (-0.9 + 2.3) / 2, "dr_grpo": (-2.7 + 4.6) / 8}[name]
     assert fn(padded_loss, padded_mask, norm).item() == pytest.approx(expected, abs=1e-12)
+
+
+def test_k3_kl_keeps_its_digits_for_a_policy_close_to_the_reference():
+    # d = 1e-3 in float32: k3 = e^d - d - 1 = d^2/2 + d^3/6 + ... = 5.0015e-7. exp(d) - d - 1 in float32
+    # rounds e^d to 7 digits near 1 and gives 4.768e-7 (5 % off); expm1(d) - d is within 1e-4 relative
+    lp = torch.tensor([[-1.0]], dtype=torch.float32)
+    ref = lp + 1e-3
+    d = float(ref - lp)  # the float32 difference, as k3_kl sees it
+    exact = math.expm1(d) - d
+    assert k3_kl(lp, ref).item() == pytest.approx(exact, rel=1e-3)

@@ -59,15 +59,17 @@ def k3_kl(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor) -> t
 
     ``d = clamp(ref - logp, -20, 20)``, ``k3 = min(e^d - d - 1, 10)`` (Schulman 2020,
     "Approximating KL divergence"; the bounds are verl's and OpenRLHF's, see the module
-    docstring). NaN in, NaN out.
+    docstring). NaN in, NaN out. ``e^d - 1`` is computed as ``expm1(d)``: for a small ``d``
+    (1e-3, a policy close to its reference) ``exp(d) - 1`` in float32 loses about 4 of its
+    7 digits, and k3 (5e-7) is then mostly rounding error.
 
     >>> float(k3_kl(torch.tensor([0.0]), torch.tensor([0.0])))
     0.0
     >>> float(k3_kl(torch.tensor([-100.0]), torch.tensor([0.0])))  # e^100 would overflow
     10.0
     """
-    delta = torch.clamp(ref_per_token_logps - per_token_logps, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    return torch.clamp(torch.exp(delta) - delta - 1.0, max=KL_BOUND)
+    delta = torch.clamp(ref_per_token_logps - per_token_logps, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
+    return torch.clamp(torch.expm1(delta) - delta, max=KL_BOUND)  # (B, T)
 
 
 def per_token_loss(

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from selfrl.rl.losses import LOG_RATIO_BOUND
+from selfrl.rl.losses import LOG_RATIO_BOUND, safe_exp_log_ratio
 
 
 def tis_weights(old_per_token_logps: torch.Tensor, sampler_per_token_logps: torch.Tensor, cap: float) -> torch.Tensor:
@@ -59,8 +59,7 @@ def tis_weights(old_per_token_logps: torch.Tensor, sampler_per_token_logps: torc
         raise ValueError(f"the TIS cap must be > 0, got {cap}")
     if old_per_token_logps.shape != sampler_per_token_logps.shape:
         raise ValueError(f"shapes differ: {tuple(old_per_token_logps.shape)} and {tuple(sampler_per_token_logps.shape)}")
-    log_ratio = (old_per_token_logps - sampler_per_token_logps).detach()  # (B, T)
-    weights = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))  # (B, T)
+    weights = safe_exp_log_ratio((old_per_token_logps - sampler_per_token_logps).detach())  # (B, T)
     return torch.clamp(weights, max=cap)  # (B, T)
 
 
