@@ -372,7 +372,7 @@ def test_logps_of_a_micro_batch_without_completion_tokens_stay_in_the_graph(poli
     assert all(g is None or not g.any() for g in grads)
 
 
-def test_temperature_must_be_positive(policy, tiny_tokenizer):
+def test_settings_the_update_divides_by_must_be_positive(policy, tiny_tokenizer):
     from selfrl.rl.logprobs import per_token_logps
 
     with pytest.raises(ValueError, match="temperature must be > 0"):
@@ -382,6 +382,8 @@ def test_temperature_must_be_positive(policy, tiny_tokenizer):
         per_token_logps(policy, mb.input_ids, mb.attention_mask, mb.completion_mask, 0.0)
     with pytest.raises(ValueError, match="tis_cap"):
         Learner(policy, TrainConfig(tis_cap=-1.0), 1.0, tiny_tokenizer.pad_token_id, max_completion_length=24)
+    with pytest.raises(ValueError, match="max_completion_length"):  # dr_grpo's divisor
+        Learner(policy, TrainConfig(loss_type="dr_grpo"), 1.0, tiny_tokenizer.pad_token_id, max_completion_length=0)
 
 
 # ---------------------------------------------------------------- an extreme KL token (issue 17, case 3)

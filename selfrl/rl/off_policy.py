@@ -13,7 +13,8 @@ policy gradient is biased; each token's PG term is reweighted by
 Training"; the decoupled PPO objective of Hilton et al. 2021 with the behaviour ratio
 truncated as in Espeholt et al. 2018's IMPALA). verl's rollout importance sampling
 (token level, ``rollout_is_threshold`` 2.0), TRL's
-``vllm_importance_sampling_correction`` (cap 2.0), ART and SkyRL do the same.
+``vllm_importance_sampling_correction`` (cap 2.0, 3.0 in later versions), ART and SkyRL do
+the same.
 
 Departures, and why:
 
