@@ -33,6 +33,7 @@ RUN_FLAGS = {
     "--seed": ("seed", int, "random seed"),
     "--device": ("model.device", str, "auto | cpu | cuda: where the policy, learner and reference pass run"),
     "--dtype": ("model.dtype", str, "auto | float32 | bfloat16 (auto: bf16 on a GPU that has it, else fp32)"),
+    "--engine": ("engine", str, "sampling backend: reference | slots (selfrl.engines)"),
 }
 
 
@@ -49,6 +50,7 @@ SERVE_FLAGS = {
     "--task": ("task.source", str, "task source of the validation gate (see selfrl run --task)"),
     "--device": ("model.device", str, "auto | cpu | cuda: where the served policy and its learner run"),
     "--dtype": ("model.dtype", str, "auto | float32 | bfloat16 (auto: bf16 on a GPU that has it, else fp32)"),
+    "--engine": ("engine", str, "sampling backend: reference | slots (selfrl.engines)"),
 }
 
 

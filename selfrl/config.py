@@ -16,6 +16,7 @@ from typing import Any
 
 from selfrl.collapse import CollapseConfig
 from selfrl.detectors import DetectorConfig
+from selfrl.engines import DEFAULT_ENGINE, ENGINES
 from selfrl.gate import GateConfig
 from selfrl.model import DEFAULT_MODEL
 from selfrl.rollout import RolloutConfig
@@ -77,6 +78,7 @@ class RunConfig:
     preset: str = "verified"  # reward preset: verified | label-free
     reward_weights: dict[str, float] | None = None  # explicit weights; overrides the preset
     seed: int = 0  # torch seed for sampling and LoRA init
+    engine: str = DEFAULT_ENGINE  # sampling backend: reference | slots (see selfrl.engines)
 
     def validate(self) -> "RunConfig":
         """Check values; returns self.
@@ -127,6 +129,7 @@ class RunConfig:
             (self.train.scale_rewards in ("group", "none"), "train.scale_rewards must be 'group' or 'none'"),
             (self.rollout.tools_prompt in ("compact", "json"), "rollout.tools_prompt must be 'compact' or 'json'"),
             (isinstance(self.rollout.tools, list), "rollout.tools must be a list of tool names"),
+            (self.engine in ENGINES, f"engine must be one of {sorted(ENGINES)}, got {self.engine!r}"),
             (self.reward_weights is None or isinstance(self.reward_weights, dict),
              "reward_weights must be a table of name = weight"),
         ]

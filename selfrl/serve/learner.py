@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from selfrl import adapters
-from selfrl.engine import Engine
+from selfrl.engines import make_engine
 from selfrl.gate import evaluate, passes_gate
 from selfrl.rl.advantages import group_advantages
 from selfrl.rl.batch import collate
@@ -56,7 +56,7 @@ class BackgroundLearner(threading.Thread):
         self.service, self.cfg = service, service.cfg
         tok = service.tok
         self.model = model
-        self.engine = Engine(model, tok, version=service.engine.version)  # validation runs here, not on the server
+        self.engine = make_engine(service.cfg.engine, model, tok, version=service.engine.version)  # validation runs here, not on the server
         if service.engine.version != 0:
             from peft import set_peft_model_state_dict
 
