@@ -136,7 +136,7 @@ class RunConfig:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
-        check_placement(self.model)
+        check_placement(self.model, self.engine)
         self._check_names()
         return self
 
@@ -159,15 +159,23 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-def check_placement(model: ModelConfig) -> None:
-    """Raise ConfigError for an unknown ``model.device``/``model.dtype``, or a device this
-    machine does not have (``cuda`` with no GPU): refused before the model loads."""
+# Sampling backends that keep their tensors on the CPU (the slot engine's cache and batches).
+CPU_ONLY_ENGINES = ("slots",)
+
+
+def check_placement(model: ModelConfig, engine: str | None = None) -> None:
+    """Raise ConfigError for an unknown ``model.device``/``model.dtype``, a device this
+    machine does not have (``cuda`` with no GPU), or a CPU-only engine on a GPU: refused
+    before the model loads."""
     from selfrl.device import DeviceError, check_names, resolve
 
     try:
         check_names(model.device, model.dtype)
-        if model.device != "auto" or model.dtype != "auto":
-            resolve(model.device, model.dtype)
+        if model.device != "auto" or model.dtype != "auto" or engine in CPU_ONLY_ENGINES:
+            placement = resolve(model.device, model.dtype)
+            if engine in CPU_ONLY_ENGINES and placement.device != "cpu":
+                raise DeviceError(f"engine {engine!r} runs on the CPU only, and model.device resolves to "
+                                  f"{placement.device!r}; use --engine reference, or --device cpu")
     except DeviceError as e:
         raise ConfigError(str(e)) from e
 

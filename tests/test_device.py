@@ -85,6 +85,16 @@ def test_cuda_without_a_gpu_is_refused_by_resolve_config_and_cli(no_gpu, capsys,
     assert not (tmp_path / "r").exists()  # refused before anything was written
 
 
+def test_a_cpu_only_engine_is_refused_on_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    cfg = RunConfig(engine="slots")
+    with pytest.raises(ConfigError, match="engine 'slots' runs on the CPU only.*'cuda'"):
+        cfg.validate()
+    cfg.model.device = "cpu"
+    assert cfg.validate() is cfg
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("device", "tpu", "model.device must be one of auto, cpu, cuda, got 'tpu'"),
     ("dtype", "float16", "float16 is not supported: use bfloat16"),
