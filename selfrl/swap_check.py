@@ -219,6 +219,25 @@ def _is_timeout(e: BaseException) -> bool:
 
 
 @dataclass
+class SwapCheckConfig:
+    """Settings of the swap check (a ``[swap_check]`` table where a config wires it in)."""
+
+    enabled: bool = True  # check every swap into a separate sampling backend before promotion
+    deadline_s: float = 30.0  # seconds the backend has to return the probe log-probs
+    tolerance: float | None = None  # mean |dlogp| per probe token allowed; None: by dtype (TOLERANCE)
+    probe_tokens: int = 48  # length of the probe sequence
+
+    def validate(self) -> None:
+        """Raise ValueError for a non-positive deadline or tolerance, or a probe under 2 tokens."""
+        if not self.deadline_s > 0:
+            raise ValueError(f"swap_check.deadline_s must be > 0, got {self.deadline_s}")
+        if self.tolerance is not None and not self.tolerance > 0:
+            raise ValueError(f"swap_check.tolerance must be > 0 (or unset), got {self.tolerance}")
+        if self.probe_tokens < 2:
+            raise ValueError(f"swap_check.probe_tokens must be >= 2, got {self.probe_tokens}")
+
+
+@dataclass
 class SwapChecker:
     """Checks each swap against the learner and remembers the last good probe log-probs.
 
@@ -238,6 +257,17 @@ class SwapChecker:
     tolerance: float = TOLERANCE["float32"]
     deadline_s: float = 30.0
     last: list[float] | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_config(cls, cfg: SwapCheckConfig, tokenizer, dtype: str) -> "SwapChecker":
+        """A checker for a learner whose base weights are ``dtype`` (``float32`` or ``bfloat16``).
+
+        Raises:
+            ValueError: invalid settings, or a dtype with no default tolerance.
+        """
+        cfg.validate()
+        tol = cfg.tolerance if cfg.tolerance is not None else tolerance_for(dtype)
+        return cls(probe_ids(tokenizer, cfg.probe_tokens), tol, cfg.deadline_s)
 
     def check(self, backend: ProbeScorer, model, version: int) -> SwapCheckResult:
         """Run :func:`check_swap` for ``version`` against ``model``'s current weights; a pass

@@ -14,8 +14,8 @@ from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from selfrl.engine import Engine
 from selfrl.engines.remote import RemoteEngine
 from selfrl.engines.sampler_app import create_sampler_app
-from selfrl.swap_check import (SwapChecker, SwapCheckError, check_swap, probe_ids, sequence_logprobs,
-                               tolerance_for)
+from selfrl.swap_check import (SwapCheckConfig, SwapChecker, SwapCheckError, check_swap, probe_ids,
+                               sequence_logprobs, tolerance_for)
 from tests.engine_backends import start_loopback
 
 
@@ -69,6 +69,16 @@ def test_tolerances_and_probe(tiny_tokenizer):
         tolerance_for("float16")
     ids = probe_ids(tiny_tokenizer, 48)
     assert len(ids) == 48 and ids == probe_ids(tiny_tokenizer, 48) and len(set(ids)) > 10
+
+
+def test_checker_from_config(tiny_tokenizer):
+    c = SwapChecker.from_config(SwapCheckConfig(probe_tokens=20), tiny_tokenizer, "bfloat16")
+    assert len(c.probe) == 20 and c.tolerance == tolerance_for("bfloat16") and c.deadline_s == 30.0
+    assert SwapChecker.from_config(SwapCheckConfig(tolerance=0.5), tiny_tokenizer, "float32").tolerance == 0.5
+    for bad, match in [(dict(deadline_s=0), "deadline_s"), (dict(tolerance=-1.0), "tolerance"),
+                       (dict(probe_tokens=1), "probe_tokens")]:
+        with pytest.raises(ValueError, match=match):
+            SwapChecker.from_config(SwapCheckConfig(**bad), tiny_tokenizer, "float32")
 
 
 # ------------------------------------------------------------------ over HTTP on loopback
