@@ -32,6 +32,8 @@ class ModelConfig:
     """Which policy to load."""
 
     name: str = DEFAULT_MODEL  # Hugging Face id, local path, or embedded:smollm2-135m-instruct
+    device: str = "auto"  # auto | cpu | cuda: where the policy, learner and reference pass run (auto: cuda if present)
+    dtype: str = "auto"  # auto | float32 | bfloat16: base weights' dtype (auto: bf16 on a GPU that has it, else fp32)
 
 
 @dataclass
@@ -107,6 +109,7 @@ class RunConfig:
             (self.train.skip_max_reward_spread > 0, "train.skip_max_reward_spread must be > 0"),
             (self.train.skip_max_kl > 0, "train.skip_max_kl must be > 0"),
             (self.train.skip_max_grad_norm > 0, "train.skip_max_grad_norm must be > 0"),
+            (self.train.tis_cap >= 0, "train.tis_cap must be >= 0 (0 turns the off-policy correction off)"),
             (self.collapse.baseline_window >= 1, "collapse.baseline_window must be >= 1"),
             (0 <= self.collapse.entropy_min_ratio < 1 < self.collapse.entropy_max_ratio,
              "collapse needs 0 <= entropy_min_ratio < 1 < entropy_max_ratio"),
@@ -133,6 +136,7 @@ class RunConfig:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        check_placement(self.model, self.engine)
         self._check_names()
         return self
 
@@ -153,6 +157,27 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# Sampling backends that keep their tensors on the CPU (the slot engine's cache and batches).
+CPU_ONLY_ENGINES = ("slots",)
+
+
+def check_placement(model: ModelConfig, engine: str | None = None) -> None:
+    """Raise ConfigError for an unknown ``model.device``/``model.dtype``, a device this
+    machine does not have (``cuda`` with no GPU), or a CPU-only engine on a GPU: refused
+    before the model loads."""
+    from selfrl.device import DeviceError, check_names, resolve
+
+    try:
+        check_names(model.device, model.dtype)
+        if model.device != "auto" or model.dtype != "auto" or engine in CPU_ONLY_ENGINES:
+            placement = resolve(model.device, model.dtype)
+            if engine in CPU_ONLY_ENGINES and placement.device != "cpu":
+                raise DeviceError(f"engine {engine!r} runs on the CPU only, and model.device resolves to "
+                                  f"{placement.device!r}; use --engine reference, or --device cpu")
+    except DeviceError as e:
+        raise ConfigError(str(e)) from e
 
 
 def _apply(obj, values: dict[str, Any], where: str) -> None:

@@ -142,7 +142,8 @@ class BackgroundLearner(threading.Thread):
             (scored if traj.reward is not None else unscored).append(traj)
         if scored:
             adv = group_advantages([t.reward for t in scored], [t.group_id for t in scored],
-                                   self.cfg.train.scale_rewards)
+                                   self.cfg.train.scale_rewards,
+                                   num_completion_tokens=[t.num_completion_tokens for t in scored])
             for t, a in zip(scored, adv.advantages):
                 t.advantage = a
         return scored, unscored
@@ -154,7 +155,7 @@ class BackgroundLearner(threading.Thread):
         pad = self.service.tok.pad_token_id
         for i in range(0, len(trajs), self.cfg.train.micro_batch_size):
             chunk = trajs[i:i + self.cfg.train.micro_batch_size]
-            mb = collate(chunk, pad)
+            mb = collate(chunk, pad).to(self.learner.device)
             logps = per_token_logps(self.model, mb.input_ids, mb.attention_mask, mb.completion_mask,
                                     self.cfg.learner.temperature)  # (B, T)
             for j, t in enumerate(chunk):
