@@ -229,13 +229,18 @@ def _pipelined_turns(engine, trajs: list[Trajectory], tool_maps, envs, ctx: _Tur
     at_turn = [0] * cfg.max_turns  # trajectories whose turn k is submitted and not back
 
     started = 0  # highest turn index submitted so far
+    import torch
+
+    base = int(torch.randint(0, 2**62, (1,)))  # one draw: each (trajectory, turn) gets its own seed
+
 
     def submit(i: int, turn: int) -> None:
         nonlocal started
         started = max(started, turn)
         at_turn[turn] += 1
+        seed = (base + 1_000_003 * i + 7_919 * turn) % 2**62  # fixed whatever order turns finish in
         pending[engine.submit(trajs[i].token_ids, cfg.max_new_tokens, cfg.temperature, greedy=greedy,
-                              stop=stop)] = (i, turn)
+                              stop=stop, seed=seed)] = (i, turn)
 
     for i in range(len(trajs)):
         submit(i, 0)

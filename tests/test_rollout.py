@@ -302,7 +302,8 @@ class TurnScriptEngine(Engine):
 class SubmitScriptEngine(TurnScriptEngine):
     """The same answers through ``submit``: rollout takes its pipelined path."""
 
-    def submit(self, prompt, max_new_tokens, temperature=1.0, greedy=False, top_p=1.0, stop=None, on_tokens=None):
+    def submit(self, prompt, max_new_tokens, temperature=1.0, greedy=False, top_p=1.0, stop=None, on_tokens=None,
+               seed=None):
         from concurrent.futures import Future
 
         f = Future()

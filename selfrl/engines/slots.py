@@ -113,12 +113,20 @@ class Request:
     stop: tuple[str, ...] = ()
     on_tokens: Callable[[list[int]], None] | None = None  # called from the worker with the ids so far
     prefix_hint: int = 0  # leading tokens shared with other queued requests (encode once)
+    generator: torch.Generator | None = None  # this row's own sampling generator
     future: Future = field(default_factory=Future)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     version: int = 0
     length: int = 0  # tokens of this row in the cache
     call: "_Call | None" = None
+
+
+def row_generator(seed: int | None) -> torch.Generator:
+    """A generator for one row: seeded with ``seed``, or with a draw from the global one."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)))
+    return torch.Generator().manual_seed(seed)
 
 
 class _Call:
@@ -207,8 +215,8 @@ class SlotEngine:
         """
         check_generate_args(prompts, max_new_tokens, temperature, greedy, top_p)
         hint = shared_prefix_len(prompts) if self.share_prefix else 0
-        reqs = [Request(list(p), max_new_tokens, temperature, greedy, top_p, tuple(stop or ()), prefix_hint=hint)
-                for p in prompts]
+        reqs = [Request(list(p), max_new_tokens, temperature, greedy, top_p, tuple(stop or ()), prefix_hint=hint,
+                        generator=row_generator(None)) for p in prompts]
         call = _Call(reqs, on_step, self.pad_token_id) if on_step is not None else None
         for r in reqs:
             r.call = call
@@ -217,10 +225,13 @@ class SlotEngine:
 
     def submit(self, prompt: list[int], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False,
                top_p: float = 1.0, stop: list[str] | tuple[str, ...] | None = None,
-               on_tokens: Callable[[list[int]], None] | None = None) -> Future:
+               on_tokens: Callable[[list[int]], None] | None = None, seed: int | None = None) -> Future:
         """Queue one continuation; returns a future of its :class:`Generation`.
 
         ``on_tokens(ids)`` is called from the worker thread with the ids sampled so far.
+        The row samples from its own generator, seeded with ``seed`` (or with a draw from
+        torch's global generator in the calling thread), so what it samples does not
+        depend on which rows share its batch.
         Blocks only while a swap is waiting or running.
 
         Raises:
@@ -228,7 +239,8 @@ class SlotEngine:
             RuntimeError: the engine is closed.
         """
         check_generate_args([prompt], max_new_tokens, temperature, greedy, top_p)
-        req = Request(list(prompt), max_new_tokens, temperature, greedy, top_p, tuple(stop or ()), on_tokens)
+        req = Request(list(prompt), max_new_tokens, temperature, greedy, top_p, tuple(stop or ()), on_tokens,
+                      generator=row_generator(seed))
         self._enqueue([req])
         return req.future
 
@@ -351,7 +363,7 @@ class SlotEngine:
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # (B, V)
         ids, logps = sample_tokens(
             logits, torch.tensor([r.temperature for r in rows]), torch.tensor([r.greedy for r in rows]),
-            torch.tensor([r.top_p for r in rows]))
+            torch.tensor([r.top_p for r in rows]), [r.generator for r in rows])
         done, calls = [], {}
         for i, (r, t, lp) in enumerate(zip(rows, ids.tolist(), logps.tolist())):
             r.token_ids.append(t)
