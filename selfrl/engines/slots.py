@@ -18,7 +18,9 @@ How it departs from :class:`selfrl.engine.Engine` (the reference backend):
   once and its keys and values are copied into each new row that starts with it;
   only the rest of the prompt is prefilled.
 - **Per-row sampling settings**: rows with different temperatures, ``top_p`` or
-  greedy decoding share a batch.
+  greedy decoding share a batch, and each row samples from its own seeded generator, so
+  what a row samples does not depend on which rows share its steps (which depends on
+  thread timing): a seeded run repeats.
 
 Logprobs are exact as in the reference: ``log_softmax(logits / temperature)`` at the
 sampled id (:func:`~selfrl.engines.sampling.sample_tokens`), tested against a
