@@ -78,6 +78,7 @@ class Engine:
     """
 
     name = "reference"
+    supports_constraints = True  # honours generate(..., constraints=...) (selfrl.constrain)
 
     def __init__(self, model, tokenizer, version: int = 0, share_prefix: bool = True):
         self.model = model
@@ -99,6 +100,7 @@ class Engine:
         top_p: float = 1.0,
         on_step: Callable[[torch.Tensor], None] | None = None,
         stop: list[str] | None = None,
+        constraints: list | None = None,
     ) -> list[Generation]:
         """Sample one continuation per prompt.
 
@@ -118,15 +120,25 @@ class Engine:
                 after the token that completes one, before any EOS. The ids after it
                 are dropped, which leaves the kept ones exactly as sampled (decoding is
                 left to right); the batch still decodes up to its limit.
+            constraints: B :class:`selfrl.constrain.Constraint` or None (one per row;
+                None everywhere = unconstrained). A constrained row samples only ids its
+                grammar allows; its recorded logprobs are those of the masked
+                distribution and ``Generation.constrained`` flags the steps the mask
+                restricted (see :mod:`selfrl.constrain`).
 
         Returns:
             B :class:`Generation`, in order.
 
         Raises:
             ValueError: empty prompt list, an empty prompt, max_new_tokens < 1,
-                temperature <= 0, or top_p outside (0, 1].
+                temperature <= 0, top_p outside (0, 1], or ``constraints`` not one per prompt.
+            selfrl.constrain.ConstraintError: a grammar that does not compile.
         """
         check_generate_args(prompts, max_new_tokens, temperature, greedy, top_p)
+        if constraints is not None and len(constraints) != len(prompts):
+            raise ValueError(f"constraints must be one per prompt ({len(prompts)}), got {len(constraints)}")
+        if constraints is not None and all(c is None for c in constraints):
+            constraints = None
         shared = shared_prefix_len(prompts) if self.share_prefix else 0
         input_ids, attention_mask = pack_prompts(prompts, shared, self.pad_token_id)  # (B, P), (B, P)
         width = input_ids.shape[1]
@@ -144,10 +156,20 @@ class Engine:
                 cache = self.model(input_ids=input_ids[:1, :shared], use_cache=True).cache
                 cache.batch_repeat_interleave(len(prompts))
                 extra["cache"] = cache
+            processors = []
+            masks = None
+            if constraints is not None:
+                from selfrl.constrain import GrammarMasks
+
+                vocab = self.model.get_output_embeddings().weight.shape[0]
+                masks = GrammarMasks(constraints, self.tokenizer, vocab, self.eos_token_ids, width)
+                processors.append(masks)
             if on_step is not None:
+                processors.append(_StepObserver(width, on_step))
+            if processors:
                 from transformers import LogitsProcessorList
 
-                extra["logits_processor"] = LogitsProcessorList([_StepObserver(width, on_step)])
+                extra["logits_processor"] = LogitsProcessorList(processors)
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -172,11 +194,13 @@ class Engine:
             row = new[i].tolist()
             is_eos = torch.isin(new[i], eos).nonzero()
             n = int(is_eos[0]) + 1 if len(is_eos) else len(row)
+            row_logps, flags = logps[i], None
+            if masks is not None and constraints[i] is not None:
+                row_logps, flags = masks.masked_logps(i, logits[i], new[i])  # (N,), N flags
             cut = stop_cut(self.tokenizer, row[:n], stop) if stop else None
-            if cut is not None:
-                results.append(Generation(row[:cut], logps[i, :cut].tolist(), True, version, stopped=True))
-            else:
-                results.append(Generation(row[:n], logps[i, :n].tolist(), bool(len(is_eos)), version))
+            keep, done = (cut, True) if cut is not None else (n, bool(len(is_eos)))
+            results.append(Generation(row[:keep], row_logps[:keep].tolist(), done, version, stopped=cut is not None,
+                                      constrained=None if flags is None else flags[:keep]))
         return results
 
     def swap(self, state_dict: AdapterSource, version: int) -> float:

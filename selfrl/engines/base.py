@@ -41,6 +41,9 @@ class Generation:
         adapter_version: version of the weights that produced the tokens.
         stopped: True when a stop string ended the turn; no EOS was sampled, the last
             id is the one that completed the stop string.
+        constrained: (n,) per id, True where a grammar removed ids from its distribution
+            (its logprob is then the masked distribution's); None when the row had no
+            constraint (see :mod:`selfrl.constrain`).
     """
 
     token_ids: list[int]
@@ -48,6 +51,7 @@ class Generation:
     finished: bool
     adapter_version: int
     stopped: bool = False
+    constrained: list[bool] | None = None
 
     @property
     def finish_reason(self) -> FinishReason:
@@ -94,6 +98,9 @@ class SamplingEngine(Protocol):
     tokenizer: object
     eos_token_ids: list[int]
     version: int
+    # A backend that honours ``generate(..., constraints=[...])`` (one
+    # selfrl.constrain.Constraint or None per prompt) sets ``supports_constraints = True``;
+    # the server refuses constrained requests on a backend without it, never ignoring them.
 
     def generate(
         self,

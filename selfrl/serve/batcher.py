@@ -36,6 +36,8 @@ class Job:
         version: adapter version to run on, or None for whatever is being served.
         stop: strings that end the row (cut right after the token that completes one).
         on_tokens: streaming callback, called from the worker thread with the ids so far.
+        constraint: a :class:`selfrl.constrain.Constraint` for this row, or None; rows
+            with and without one share a batch (the engine masks per row).
         future: resolved with the :class:`Generation`, or with the exception.
     """
 
@@ -47,6 +49,7 @@ class Job:
     version: int | None = None
     stop: tuple[str, ...] = ()
     on_tokens: Callable[[list[int]], None] | None = None
+    constraint: object | None = None
     future: Future = field(default_factory=Future)
 
     @property
@@ -58,12 +61,13 @@ def cut(gen: Generation, limit: int, eos_ids: list[int]) -> Generation:
     """``gen`` cut to ``limit`` tokens; ``finished`` only when an EOS lies within the limit.
 
     >>> cut(Generation([5, 6, 2], [-1., -2., -3.], True, 0), 2, [2])
-    Generation(token_ids=[5, 6], logprobs=[-1.0, -2.0], finished=False, adapter_version=0, stopped=False)
+    Generation(token_ids=[5, 6], logprobs=[-1.0, -2.0], finished=False, adapter_version=0, stopped=False, constrained=None)
     """
     if len(gen.token_ids) <= limit:
         return gen
     ids = gen.token_ids[:limit]
-    return Generation(ids, gen.logprobs[:limit], bool(ids) and ids[-1] in eos_ids, gen.adapter_version)
+    return Generation(ids, gen.logprobs[:limit], bool(ids) and ids[-1] in eos_ids, gen.adapter_version,
+                      constrained=None if gen.constrained is None else gen.constrained[:limit])
 
 
 class Batcher:
@@ -143,10 +147,13 @@ class Batcher:
                 if j.on_tokens is not None:
                     j.on_tokens(ids[i, :j.max_new_tokens].tolist())
 
+        # only a constrained batch passes ``constraints``: a backend without them never sees one
+        constrained = {"constraints": [j.constraint for j in live]} if any(j.constraint for j in live) else {}
+
         def call():
             return self.engine.generate([j.prompt for j in live], limit, head.temperature, greedy=head.greedy,
                                         top_p=head.top_p, on_step=on_step if streams else None,
-                                        stop=list(head.stop) or None)
+                                        stop=list(head.stop) or None, **constrained)
 
         try:
             if head.version is None or head.version == self.engine.version:
