@@ -3,6 +3,8 @@
 Routes:
 
 * ``POST /v1/chat/completions`` — OpenAI chat completions (``stream`` via SSE).
+* ``POST /v1/responses`` — the Responses API, served as a chat completion
+  (``selfrl.serve.responses``).
 * ``GET /v1/models`` — the served model and every base/promoted adapter version.
 * ``POST /v1/feedback`` — a user's rating or correction of a response (API key).
 * ``GET /admin/status``, ``POST /admin/pin``, ``POST /admin/unpin``,
@@ -32,6 +34,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from selfrl.serve.protocol import ChatCompletionRequest, FeedbackRequest, VersionRequest, error_body
+from selfrl.serve.responses import ResponseLog, ResponsesRequest, create_response, sse, stream_events
 from selfrl.serve.service import ApiError, Service, start_learning
 from selfrl.serve.streaming import stream_chunks
 
@@ -131,6 +134,16 @@ def create_app(service: Service, api_key: str | None, protect_completions: bool 
             return StreamingResponse(lines, media_type="text/event-stream", headers={VERSION_HEADER: str(version)})
         resp = await service.complete(req)
         return JSONResponse(resp, headers={VERSION_HEADER: str(resp["adapter_version"])})
+
+    responses_log = ResponseLog()
+
+    @app.post("/v1/responses", dependencies=open_or_key)
+    async def responses(req: ResponsesRequest):
+        resp = await create_response(service, responses_log, req)
+        headers = {VERSION_HEADER: str(resp["adapter_version"])}
+        if req.stream:
+            return StreamingResponse(iter([sse(stream_events(resp))]), media_type="text/event-stream", headers=headers)
+        return JSONResponse(resp, headers=headers)
 
     @app.get("/v1/models", dependencies=open_or_key)
     async def models():

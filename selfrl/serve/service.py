@@ -410,9 +410,12 @@ class Service:
         with self.store.lock:
             records.add_turn(self.store, self.run_id, traj, p.response_id, i, conversation, p.group_key, key)
 
-    async def complete(self, req: ChatCompletionRequest) -> dict[str, Any]:
-        """A non-streaming chat completion."""
+    async def complete(self, req: ChatCompletionRequest, response_id: str | None = None) -> dict[str, Any]:
+        """A non-streaming chat completion (recorded under ``response_id`` when given:
+        the Responses API's ``resp_`` ids)."""
         p = await asyncio.to_thread(self.prepare, req)  # tokenizing a long prompt must not block the loop
+        if response_id is not None:
+            p.response_id = response_id
         t0 = time.perf_counter()
         futures = [self.batcher.submit(j) for j in self.jobs(p)]
         gens = [await asyncio.wrap_future(f) for f in futures]
