@@ -14,7 +14,11 @@ What is constrained (``selfrl serve``; OpenAI's request fields):
   tool call or the JSON answer (what the Agents SDK sends with ``output_type``).
 
 JSON is compact (no whitespace between tokens; ``whitespace_flexible: false``), so a
-model cannot spend its token budget on blank space inside a constrained answer.
+model cannot spend its token budget on blank space inside a constrained answer. An
+object schema that lists ``properties`` and says nothing of ``additionalProperties`` is
+closed (as OpenAI's strict mode requires): JSON Schema would allow any extra key, and a
+model that invents argument names breaks the tool that receives them (smolagents
+refuses the call). Say ``"additionalProperties": true`` to keep an object open.
 
 The grammar library is llguidance (the Rust core of Microsoft's guidance, also used by
 vLLM, SGLang and llama.cpp). Chosen over xgrammar 0.2.8 (its wheel pulls triton, a GPU
@@ -70,7 +74,31 @@ class Constraint:
     grammar: str
 
 
+def closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that lists
+    ``properties`` and leaves ``additionalProperties`` unsaid (recursively).
+
+    >>> closed({"type": "object", "properties": {"a": {"type": "object", "properties": {}}}})
+    {'type': 'object', 'properties': {'a': {'type': 'object', 'properties': {}, 'additionalProperties': False}}, 'additionalProperties': False}
+    """
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (closed(v) if k in _SUBSCHEMAS else v) for k, v in schema.items()}
+    for k in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(k), dict):
+            out[k] = {name: closed(sub) for name, sub in schema[k].items()}
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMAS = ("items", "anyOf", "oneOf", "allOf", "prefixItems", "additionalProperties", "not", "then", "else", "if")
+
+
 def _compact(schema: dict[str, Any]) -> dict[str, Any]:
+    schema = closed(schema)
     return {**schema, "x-guidance": {**_COMPACT, **schema.get("x-guidance", {})}}
 
 
