@@ -90,7 +90,7 @@ def test_openai_chat_response_format_json_schema_and_json_object(server, client)
     assert r.choices[0].finish_reason != "stop" or isinstance(json.loads(r.choices[0].message.content), dict)
     r = client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": "hi"}],
                                        response_format={"type": "text"}, max_tokens=4)
-    assert r.choices[0].message.content is not None
+    assert r.choices[0].finish_reason in ("stop", "length")  # accepted (it was a 400), decoding free
 
 
 # ------------------------------------------------------------------ openai: Responses
@@ -225,9 +225,10 @@ def test_smolagents_tool_calling_agent(server):
     assert len(new) >= len(steps) >= 1
     # every step sent tool_choice "required": each step's turn is a call smolagents ran
     # without an error, unless the token limit cut it (a random model may ramble inside
-    # final_answer's string argument) -- then the step says so
+    # final_answer's string argument) -- then the step says so; after max_steps smolagents
+    # asks once more without tools, and that step carries AgentMaxStepsError
     for s in steps:
-        assert s.tool_calls and s.error is None or "parsing" in str(s.error), s.error
+        assert s.tool_calls and s.error is None or "parsing" in str(s.error) or "max steps" in str(s.error), s.error
     assert any(s.tool_calls for s in steps) or all(t.truncated for t in new)
 
 
