@@ -155,6 +155,9 @@ class Batcher:
         """Give one job to a continuous engine; its future resolves when the engine's does."""
         if not job.future.set_running_or_notify_cancel():
             return
+        if job.constraint is not None:  # never sample a constrained row without its grammar
+            job.future.set_exception(RuntimeError("this engine cannot constrain decoding (submit takes no grammar)"))
+            return
         try:
             fut = self.engine.submit(job.prompt, job.max_new_tokens, job.temperature, greedy=job.greedy,
                                      top_p=job.top_p, stop=list(job.stop) or None, on_tokens=job.on_tokens)
