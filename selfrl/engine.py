@@ -79,6 +79,7 @@ class Engine:
 
     name = "reference"
     supports_constraints = True  # honours generate(..., constraints=...) (selfrl.constrain)
+    supports_cancel = True  # honours generate(..., cancel=...): a cancelled row stops at the next step
 
     def __init__(self, model, tokenizer, version: int = 0, share_prefix: bool = True):
         self.model = model
@@ -101,6 +102,7 @@ class Engine:
         on_step: Callable[[torch.Tensor], None] | None = None,
         stop: list[str] | None = None,
         constraints: list | None = None,
+        cancel: list[threading.Event] | None = None,
     ) -> list[Generation]:
         """Sample one continuation per prompt.
 
@@ -125,6 +127,10 @@ class Engine:
                 grammar allows; its recorded logprobs are those of the masked
                 distribution and ``Generation.constrained`` flags the steps the mask
                 restricted (see :mod:`selfrl.constrain`).
+            cancel: B events or None: a row whose event is set stops at the next step
+                (a client that went away); it returns the ids sampled until then with
+                ``cancelled=True``, ``finished=False``. When every row has stopped the
+                batch ends.
 
         Returns:
             B :class:`Generation`, in order.
@@ -172,6 +178,12 @@ class Engine:
                 from transformers import LogitsProcessorList
 
                 extra["logits_processor"] = LogitsProcessorList(processors)
+            stopper = None
+            if cancel is not None:
+                from transformers import StoppingCriteriaList
+
+                stopper = _Cancelled(width, cancel)
+                extra["stopping_criteria"] = StoppingCriteriaList([stopper])
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -196,13 +208,16 @@ class Engine:
             row = new[i].tolist()
             is_eos = torch.isin(new[i], eos).nonzero()
             n = int(is_eos[0]) + 1 if len(is_eos) else len(row)
+            cancelled = stopper is not None and i in stopper.cut and (not len(is_eos) or stopper.cut[i] < n)
+            if cancelled:  # after the cut the row holds padding, which may be the EOS id
+                n, is_eos = stopper.cut[i], []
             row_logps, flags = logps[i], None
             if masks is not None and constraints[i] is not None:
                 row_logps, flags = masks.masked_logps(i, logits[i], new[i])  # (N,), N flags
             cut = stop_cut(self.tokenizer, row[:n], stop) if stop else None
             keep, done = (cut, True) if cut is not None else (n, bool(len(is_eos)))
             results.append(Generation(row[:keep], row_logps[:keep].tolist(), done, version, stopped=cut is not None,
-                                      constrained=None if flags is None else flags[:keep]))
+                                      constrained=None if flags is None else flags[:keep], cancelled=cancelled))
         return results
 
     def swap(self, state_dict: AdapterSource, version: int) -> float:
@@ -286,6 +301,22 @@ class _StepObserver:
         if input_ids.shape[1] > self.width:
             self.on_step(input_ids[:, self.width:])  # (B, k)
         return scores
+
+
+class _Cancelled:
+    """A stopping criterion: row i is done once ``events[i]`` is set. ``cut[i]`` is the
+    number of ids row i had sampled then (the ids after it are padding)."""
+
+    def __init__(self, prompt_width: int, events: list[threading.Event | None]):
+        self.width, self.events, self.cut = prompt_width, events, {}
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool)  # (B,)
+        for i, e in enumerate(self.events):
+            if e is not None and e.is_set():
+                self.cut.setdefault(i, input_ids.shape[1] - self.width)
+                done[i] = True
+        return done
 
 
 def check_adapter_state(state_dict: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], version: int) -> None:

@@ -52,6 +52,7 @@ class Generation:
     adapter_version: int
     stopped: bool = False
     constrained: list[bool] | None = None
+    cancelled: bool = False  # the caller cancelled the row mid-generation (then ``finished`` is False)
 
     @property
     def finish_reason(self) -> FinishReason:
@@ -101,6 +102,9 @@ class SamplingEngine(Protocol):
     # A backend that honours ``generate(..., constraints=[...])`` (one
     # selfrl.constrain.Constraint or None per prompt) sets ``supports_constraints = True``;
     # the server refuses constrained requests on a backend without it, never ignoring them.
+    # A backend that honours ``generate(..., cancel=[threading.Event, ...])`` (a row stops
+    # at the next step once its event is set; its Generation has ``cancelled=True``) sets
+    # ``supports_cancel = True``; without it a cancelled row runs to its end.
 
     def generate(
         self,

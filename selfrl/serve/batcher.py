@@ -45,6 +45,9 @@ class Job:
         on_tokens: streaming callback, called from the worker thread with the ids so far.
         constraint: a :class:`selfrl.constrain.Constraint` for this row, or None; rows
             with and without one share a batch (the engine masks per row).
+        cancel: set it when the client went away: a job not started yet resolves with an
+            empty cancelled :class:`Generation`; a running row stops at the next step on
+            an engine with ``supports_cancel`` (and runs to its end on one without).
         future: resolved with the :class:`Generation`, or with the exception.
     """
 
@@ -57,6 +60,7 @@ class Job:
     stop: tuple[str, ...] = ()
     on_tokens: Callable[[list[int]], None] | None = None
     constraint: object | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
     future: Future = field(default_factory=Future)
 
     @property
@@ -68,13 +72,13 @@ def cut(gen: Generation, limit: int, eos_ids: list[int]) -> Generation:
     """``gen`` cut to ``limit`` tokens; ``finished`` only when an EOS lies within the limit.
 
     >>> cut(Generation([5, 6, 2], [-1., -2., -3.], True, 0), 2, [2])
-    Generation(token_ids=[5, 6], logprobs=[-1.0, -2.0], finished=False, adapter_version=0, stopped=False, constrained=None)
+    Generation(token_ids=[5, 6], logprobs=[-1.0, -2.0], finished=False, adapter_version=0, stopped=False, constrained=None, cancelled=False)
     """
     if len(gen.token_ids) <= limit:
         return gen
     ids = gen.token_ids[:limit]
     return Generation(ids, gen.logprobs[:limit], bool(ids) and ids[-1] in eos_ids, gen.adapter_version,
-                      constrained=None if gen.constrained is None else gen.constrained[:limit])
+                      constrained=None if gen.constrained is None else gen.constrained[:limit], cancelled=gen.cancelled)
 
 
 class Batcher:
@@ -177,6 +181,9 @@ class Batcher:
 
     def _run(self, jobs: list[Job]) -> None:
         live = [j for j in jobs if j.future.set_running_or_notify_cancel()]
+        for j in [j for j in live if j.cancel.is_set()]:  # the client left before its turn came
+            j.future.set_result(Generation([], [], False, self.engine.version, cancelled=True))
+        live = [j for j in live if not j.cancel.is_set()]
         if not live:
             return
         head = live[0]
@@ -189,12 +196,14 @@ class Batcher:
                     j.on_tokens(ids[i, :j.max_new_tokens].tolist())
 
         # only a constrained batch passes ``constraints``: a backend without them never sees one
-        constrained = {"constraints": [j.constraint for j in live]} if any(j.constraint for j in live) else {}
+        extra = {"constraints": [j.constraint for j in live]} if any(j.constraint for j in live) else {}
+        if getattr(self.engine, "supports_cancel", False):
+            extra["cancel"] = [j.cancel for j in live]
 
         def call():
             return self.engine.generate([j.prompt for j in live], limit, head.temperature, greedy=head.greedy,
                                         top_p=head.top_p, on_step=on_step if streams else None,
-                                        stop=list(head.stop) or None, **constrained)
+                                        stop=list(head.stop) or None, **extra)
 
         try:
             if head.version is None or head.version == self.engine.version:

@@ -411,15 +411,30 @@ class Service:
         with self.store.lock:
             records.add_turn(self.store, self.run_id, traj, p.response_id, i, conversation, p.group_key, key)
 
-    async def complete(self, req: ChatCompletionRequest, response_id: str | None = None) -> dict[str, Any]:
+    async def complete(self, req: ChatCompletionRequest, response_id: str | None = None,
+                       is_disconnected=None) -> dict[str, Any]:
         """A non-streaming chat completion (recorded under ``response_id`` when given:
-        the Responses API's ``resp_`` ids)."""
+        the Responses API's ``resp_`` ids).
+
+        Args:
+            is_disconnected: the HTTP request's ``is_disconnected``; a client that leaves
+                before the end has its turn cut off (``selfrl.serve.disconnect``).
+
+        Raises:
+            ApiError: as :meth:`prepare`; 499 when the client disconnected (nobody reads it).
+        """
+        from selfrl.serve.disconnect import await_jobs
+
         p = await asyncio.to_thread(self.prepare, req)  # tokenizing a long prompt must not block the loop
         if response_id is not None:
             p.response_id = response_id
         t0 = time.perf_counter()
-        futures = [self.batcher.submit(j) for j in self.jobs(p)]
-        gens = [await asyncio.wrap_future(f) for f in futures]
+        jobs = self.jobs(p)
+        for j in jobs:
+            self.batcher.submit(j)
+        gens = await await_jobs(self, p, jobs, t0, is_disconnected)
+        if gens is None:
+            raise ApiError(499, "the client disconnected", code="client_disconnected")
         return await asyncio.to_thread(self.finish, p, gens, time.perf_counter() - t0)
 
     def feedback(self, f: FeedbackRequest) -> dict[str, Any]:
