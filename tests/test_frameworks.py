@@ -124,10 +124,13 @@ def test_openai_responses_tool_loop_previous_response_id_stream_and_feedback(ser
 
 
 def test_openai_responses_structured_output(server, client):
-    r = client.responses.create(model="selfrl", input="grade it", text={"format": {
-        "type": "json_schema", "name": "verdict", "schema": VERDICT, "strict": True}})
+    r = client.responses.create(model="selfrl", input="grade it", include=["message.output_text.logprobs"],
+                                text={"format": {"type": "json_schema", "name": "verdict", "schema": VERDICT,
+                                                 "strict": True}})
     v = json.loads(r.output_text)
     assert set(v) == {"ok", "grade"} and v["grade"] in ("A", "B")
+    lps = r.output[0].content[0].logprobs  # the masked distribution's: each <= 0, one per sampled token
+    assert lps and all(lp.logprob <= 0 for lp in lps) and r.usage.output_tokens == len(lps)
 
 
 # ------------------------------------------------------------------ LangChain and LangGraph

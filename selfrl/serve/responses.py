@@ -210,8 +210,9 @@ def new_response_id() -> str:
     return "resp_" + uuid.uuid4().hex
 
 
-def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chat completion's assistant message as Responses output items (text first, then calls).
+def output_items(message: dict[str, Any], logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """A chat completion's assistant message as Responses output items (text first, then
+    calls); ``logprobs`` (the chat choice's ``logprobs.content``) go with the text.
 
     >>> [i["type"] for i in output_items({"role": "assistant", "content": "hi", "tool_calls": [
     ...     {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})]
@@ -221,7 +222,7 @@ def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
     if message.get("content"):
         items.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "completed", "role": "assistant",
                       "content": [{"type": "output_text", "text": message["content"], "annotations": [],
-                                   "logprobs": []}]})
+                                   "logprobs": logprobs or []}]})
     for call in message.get("tool_calls") or []:
         items.append({"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call["id"],
                       "name": call["function"]["name"], "arguments": call["function"]["arguments"],
@@ -240,7 +241,7 @@ def to_response(chat: dict[str, Any], req: ResponsesRequest, chat_req: ChatCompl
         "status": "incomplete" if incomplete else "completed",
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "error": None, "model": chat["model"], "instructions": req.instructions,
-        "output": output_items(choice["message"]),
+        "output": output_items(choice["message"], (choice.get("logprobs") or {}).get("content")),
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
         "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
