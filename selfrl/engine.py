@@ -37,6 +37,8 @@ class Generation:
         adapter_version: version of the weights that produced the tokens.
         stopped: True when a stop string ended the turn; no EOS was sampled, the last
             id is the one that completed the stop string.
+        top_logprobs: (n, k) the k most likely ids at each position and their logprobs
+            (same distribution as ``logprobs``), most likely first; None unless asked for.
     """
 
     token_ids: list[int]
@@ -44,6 +46,7 @@ class Generation:
     finished: bool
     adapter_version: int
     stopped: bool = False
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -115,6 +118,7 @@ class Engine:
         top_p: float = 1.0,
         on_step: Callable[[torch.Tensor], None] | None = None,
         stop: list[str] | None = None,
+        top_logprobs: int = 0,
     ) -> list[Generation]:
         """Sample one continuation per prompt.
 
@@ -134,6 +138,7 @@ class Engine:
                 after the token that completes one, before any EOS. The ids after it
                 are dropped, which leaves the kept ones exactly as sampled (decoding is
                 left to right); the batch still decodes up to its limit.
+            top_logprobs: also return the k most likely ids per position (0 = none).
 
         Returns:
             B :class:`Generation`, in order.
@@ -186,7 +191,9 @@ class Engine:
         new = out.sequences[:, width:]  # (B, N)
         scale = 1.0 if greedy else temperature
         logits = torch.stack(out.logits, dim=1).float() / scale  # (B, N, V)
-        logps = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, N)
+        all_logps = torch.log_softmax(logits, dim=-1)  # (B, N, V)
+        logps = all_logps.gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, N)
+        top = all_logps.topk(min(top_logprobs, all_logps.shape[-1]), dim=-1) if top_logprobs > 0 else None  # (B, N, k)
         eos = torch.tensor(self.eos_token_ids)
         results = []
         for i in range(len(prompts)):
@@ -194,10 +201,15 @@ class Engine:
             is_eos = torch.isin(new[i], eos).nonzero()
             n = int(is_eos[0]) + 1 if len(is_eos) else len(row)
             cut = stop_cut(self.tokenizer, row[:n], stop) if stop else None
+            keep = cut if cut is not None else n
+            alts = None if top is None else [list(zip(ix, lp)) for ix, lp in
+                                             zip(top.indices[i, :keep].tolist(), top.values[i, :keep].tolist())]
             if cut is not None:
-                results.append(Generation(row[:cut], logps[i, :cut].tolist(), True, version, stopped=True))
+                results.append(Generation(row[:cut], logps[i, :cut].tolist(), True, version, stopped=True,
+                                          top_logprobs=alts))
             else:
-                results.append(Generation(row[:n], logps[i, :n].tolist(), bool(len(is_eos)), version))
+                results.append(Generation(row[:n], logps[i, :n].tolist(), bool(len(is_eos)), version,
+                                          top_logprobs=alts))
         return results
 
     def swap(self, state_dict: dict[str, torch.Tensor], version: int) -> float:

@@ -36,6 +36,8 @@ class Job:
         version: adapter version to run on, or None for whatever is being served.
         stop: strings that end the row (cut right after the token that completes one).
         on_tokens: streaming callback, called from the worker thread with the ids so far.
+        top_logprobs: how many alternatives per token to return (0-20; not part of the
+            batch key: a batch computes the most any of its jobs asks for).
         future: resolved with the :class:`Generation`, or with the exception.
     """
 
@@ -47,6 +49,7 @@ class Job:
     version: int | None = None
     stop: tuple[str, ...] = ()
     on_tokens: Callable[[list[int]], None] | None = None
+    top_logprobs: int = 0
     future: Future = field(default_factory=Future)
 
     @property
@@ -63,7 +66,9 @@ def cut(gen: Generation, limit: int, eos_ids: list[int]) -> Generation:
     if len(gen.token_ids) <= limit:
         return gen
     ids = gen.token_ids[:limit]
-    return Generation(ids, gen.logprobs[:limit], bool(ids) and ids[-1] in eos_ids, gen.adapter_version)
+    top = None if gen.top_logprobs is None else gen.top_logprobs[:limit]
+    return Generation(ids, gen.logprobs[:limit], bool(ids) and ids[-1] in eos_ids, gen.adapter_version,
+                      top_logprobs=top)
 
 
 class Batcher:
@@ -143,10 +148,13 @@ class Batcher:
                 if j.on_tokens is not None:
                     j.on_tokens(ids[i, :j.max_new_tokens].tolist())
 
+        k = max(j.top_logprobs for j in live)
+        extra = {"top_logprobs": k} if k else {}
+
         def call():
             return self.engine.generate([j.prompt for j in live], limit, head.temperature, greedy=head.greedy,
                                         top_p=head.top_p, on_step=on_step if streams else None,
-                                        stop=list(head.stop) or None)
+                                        stop=list(head.stop) or None, **extra)
 
         try:
             if head.version is None or head.version == self.engine.version:
@@ -160,4 +168,6 @@ class Batcher:
         self.batches += 1
         self.rows += len(live)
         for j, g in zip(live, gens):
+            if g.top_logprobs is not None:  # each job gets the k it asked for
+                g.top_logprobs = [alts[:j.top_logprobs] for alts in g.top_logprobs] if j.top_logprobs else None
             j.future.set_result(cut(g, j.max_new_tokens, self.engine.eos_token_ids))

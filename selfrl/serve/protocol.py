@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -35,8 +36,10 @@ from selfrl.toolcall import (
     TOOL_CALL_OPEN,
     TOOL_RESPONSE_CLOSE,
     TOOL_RESPONSE_OPEN,
-    parse_tool_calls,
+    call_spans,
+    reasoning_spans,
     render_tools_prompt,
+    split_reasoning,
 )
 from selfrl.tools import Tool, ToolError, validate_arguments
 from selfrl.trajectory import ToolCallRecord
@@ -66,6 +69,7 @@ class Message(_Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
+    reasoning_content: str | None = None  # what we returned; accepted back, not shown to the model again
 
     def text(self) -> str:
         """The content as text; list content must be ``{"type": "text"}`` parts.
@@ -126,6 +130,7 @@ class ChatCompletionRequest(BaseModel):
     store: bool | None = None
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -157,6 +162,8 @@ class ChatCompletionRequest(BaseModel):
                 return f"{name} is not supported (it would change the sampling distribution the logprobs record)"
         if self.logit_bias:
             return "logit_bias is not supported (it would change the sampling distribution the logprobs record)"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs needs logprobs: true"
         return None
 
     @property
@@ -258,39 +265,112 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def parse_completion(text: str, tools: list[Tool]) -> tuple[str | None, list[dict[str, Any]], list[ToolCallRecord]]:
-    """Split sampled text into OpenAI ``content`` and ``tool_calls``.
+@dataclass
+class Completion:
+    """Sampled text split into what OpenAI returns.
 
-    A call is returned in ``tool_calls`` when it parsed and names one of the
-    request's ``tools``; its arguments are checked against the tool's schema
-    (a mismatch is recorded as a failed call but still returned, since the client
-    runs the tool and reports the error back). A call that did not parse, or names
-    an unknown tool, is not returned as a call: its text stays in ``content`` so the
-    agent sees what the model wrote.
-
-    Returns:
-        (content or None, OpenAI tool_calls dicts, a :class:`ToolCallRecord` per attempted call).
+    Attributes:
+        content: the answer text, or None when empty.
+        reasoning: the reasoning blocks' text (``reasoning_content``), or None.
+        tool_calls: OpenAI tool-call dicts (id, type, function name, arguments as JSON).
+        records: a :class:`ToolCallRecord` per attempted call (for the trajectory).
+        spans: character spans ``[start, end)`` of the sampled text that make up
+            ``content``, in order: ``content == "".join(text[s:e] for s, e in spans)``
+            (used to give logprobs only for the tokens of the content).
     """
-    rest, calls = parse_tool_calls(text)
-    if not tools:
-        return (text or None), [], []
+
+    content: str | None
+    reasoning: str | None
+    tool_calls: list[dict[str, Any]]
+    records: list[ToolCallRecord]
+    spans: list[tuple[int, int]]
+
+
+def _complement(length: int, removed: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out, pos = [], 0
+    for start, end in sorted(removed):
+        if start > pos:
+            out.append((pos, start))
+        pos = max(pos, end)
+    if pos < length:
+        out.append((pos, length))
+    return out
+
+
+def _strip_spans(text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` without the whitespace at the start of the first and the end of the last."""
+    spans = list(spans)
+    while spans:
+        s, e = spans[0]
+        s += len(text[s:e]) - len(text[s:e].lstrip())
+        if s < e:
+            spans[0] = (s, e)
+            break
+        spans.pop(0)
+    while spans:
+        s, e = spans[-1]
+        e -= len(text[s:e]) - len(text[s:e].rstrip())
+        if s < e:
+            spans[-1] = (s, e)
+            break
+        spans.pop()
+    return spans
+
+
+def split_completion(text: str, tools: list[Tool]) -> Completion:
+    """Split sampled text into OpenAI ``content``, ``reasoning_content`` and ``tool_calls``.
+
+    The rule (one for every request, streamed or not):
+
+    * reasoning blocks (``<think>...</think>``, see ``selfrl.toolcall``) go to
+      ``reasoning``, never to ``content``; a call drafted inside one is not a call;
+    * a ``<tool_call>`` block that parsed and names one of ``tools`` is returned in
+      ``tool_calls`` (its arguments are checked against the tool's schema; a mismatch
+      is recorded as a failed call but still returned, since the client runs the tool
+      and reports the error back);
+    * any other block (malformed, an unknown tool, or no tools offered, which is the
+      case under ``tool_choice: "none"``) is not a call: it is returned as plain text,
+      the text between its tags, in place. ``<tool_call>``/``</tool_call>`` markup
+      never reaches ``content``;
+    * ``content`` is what remains, without leading or trailing whitespace.
+    """
     by_name = {t.name: t for t in tools}
+    removed = list(reasoning_spans(text))
     out: list[dict[str, Any]] = []
     records: list[ToolCallRecord] = []
-    keep_raw = False
-    for c in calls:
-        if c.error is not None or c.name not in by_name:
+    for start, end, c in call_spans(text):
+        if c.error is None and c.name in by_name:
+            err = None
+            try:
+                validate_arguments(by_name[c.name], c.arguments)
+            except (ToolError, ValueError) as e:
+                err = str(e)
+            records.append(ToolCallRecord(c.name, c.arguments, c.raw, err is None, "", err))
+            out.append({"id": new_call_id(), "type": "function",
+                        "function": {"name": c.name, "arguments": json.dumps(c.arguments)}})
+            removed.append((start, end))
+            continue
+        if tools:
             why = c.error or f"unknown tool {c.name!r}; valid tools: {', '.join(sorted(by_name))}"
             records.append(ToolCallRecord(c.name, c.arguments, c.raw, False, f"error: {why}", why))
-            keep_raw = True
-            continue
-        err = None
-        try:
-            validate_arguments(by_name[c.name], c.arguments)
-        except ToolError as e:
-            err = str(e)
-        records.append(ToolCallRecord(c.name, c.arguments, c.raw, err is None, "", err))
-        out.append({"id": new_call_id(), "type": "function",
-                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)}})
-    content = text if keep_raw else rest
-    return (content or None), out, records
+        removed.append((start, start + len(TOOL_CALL_OPEN)))  # the tags go, the text between them stays
+        closed = end - len(TOOL_CALL_CLOSE) >= start + len(TOOL_CALL_OPEN)
+        if closed and text.startswith(TOOL_CALL_CLOSE, end - len(TOOL_CALL_CLOSE)):
+            removed.append((end - len(TOOL_CALL_CLOSE), end))
+    kept = _complement(len(text), removed)
+    stray = []  # a "</tool_call>" with no opening tag
+    for s, e in kept:
+        i = text.find(TOOL_CALL_CLOSE, s, e)
+        while i >= 0:
+            stray.append((i, i + len(TOOL_CALL_CLOSE)))
+            i = text.find(TOOL_CALL_CLOSE, i + 1, e)
+    spans = _strip_spans(text, _complement(len(text), removed + stray))
+    content = "".join(text[s:e] for s, e in spans)
+    reasoning, _ = split_reasoning(text)
+    return Completion(content or None, reasoning or None, out, records, spans)
+
+
+def parse_completion(text: str, tools: list[Tool]) -> tuple[str | None, list[dict[str, Any]], list[ToolCallRecord]]:
+    """``(content, tool_calls, records)`` of :func:`split_completion`."""
+    c = split_completion(text, tools)
+    return c.content, c.tool_calls, c.records

@@ -39,9 +39,10 @@ from selfrl.serve.protocol import (
     ChatCompletionRequest,
     FeedbackRequest,
     client_tools,
-    parse_completion,
+    split_completion,
     to_chat,
 )
+from selfrl.serve.logprobs import bytes_text, char_to_byte_spans, content_entries, token_bytes
 from selfrl.store import Store
 from selfrl.trajectory import Trajectory
 
@@ -326,8 +327,9 @@ class Service:
         req = p.req
         greedy = req.temperature == 0
         temperature = 1.0 if req.temperature is None else req.temperature
+        top = (req.top_logprobs or 0) if req.logprobs else 0
         return [Job(p.prompt, p.limit, temperature, req.top_p or 1.0, greedy, p.version, tuple(req.stops),
-                    None if on_tokens is None else (lambda ids, i=i: on_tokens(i, ids))) for i in range(req.n)]
+                    None if on_tokens is None else (lambda ids, i=i: on_tokens(i, ids)), top) for i in range(req.n)]
 
     def finish(self, p: Prepared, gens: list[Generation], seconds: float) -> dict[str, Any]:
         """Build the OpenAI response for finished generations and record each choice."""
@@ -336,21 +338,27 @@ class Service:
         version = gens[0].adapter_version
         for i, g in enumerate(gens):
             ids, finished = list(g.token_ids), g.finished
-            text = self.tok.decode(ids, skip_special_tokens=True)
+            pieces = token_bytes(self.tok, ids)
+            text = bytes_text(pieces)  # the sampled bytes, special tokens left out, never cleaned up
             stopped = g.stopped  # the engine cut the row right after a stop string
             for s in p.req.stops:
                 if s in text:
                     text = text[:text.index(s)]
-            content, calls, records_ = parse_completion(text, tools)
+            parts = split_completion(text, tools)
+            content, calls, records_ = parts.content, parts.tool_calls, parts.records
             finish = "tool_calls" if calls else ("stop" if finished or stopped else "length")
             message = {"role": "assistant", "content": content}
+            if parts.reasoning:
+                message["reasoning_content"] = parts.reasoning
             if calls:
                 message["tool_calls"] = calls
             choice = {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
             if p.req.logprobs:
-                choice["logprobs"] = {"content": [
-                    {"token": self.tok.decode([t]), "logprob": lp, "bytes": list(self.tok.decode([t]).encode()),
-                     "top_logprobs": []} for t, lp in zip(ids, g.logprobs)]}
+                top = None
+                if g.top_logprobs is not None:
+                    top = [[(token_bytes(self.tok, [t])[0], lp) for t, lp in alts] for alts in g.top_logprobs]
+                choice["logprobs"] = {"content": content_entries(pieces, g.logprobs, char_to_byte_spans(
+                    text, parts.spans), top), "refusal": None}
             choices.append(choice)
             completion_tokens += len(ids)
             if p.req.record:

@@ -7,6 +7,14 @@ content, and the last few characters wait until they cannot start either. When t
 generation ends, the rest of the content, the tool calls (one delta each, arguments
 whole) and the finish reason follow, so the concatenated deltas equal the
 non-streaming response. The recorded trajectory is the same as without streaming.
+
+Content is cut from the text by the same rule as without streaming
+(``split_completion``): a reasoning block is never streamed as content (a partial
+``<think>``/``</think>`` tag at the end waits), and its text follows at the end as
+one ``reasoning_content`` delta. With ``logprobs: true`` each content chunk carries
+the ``logprobs.content`` entries of its own bytes; the logprobs of a token are known
+only when the generation ends, so such a response sends its content in one chunk
+at the end (the first chunk and the finish still come as usual).
 """
 
 from __future__ import annotations
@@ -17,9 +25,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from selfrl.serve.protocol import ChatCompletionRequest
+from selfrl.serve.logprobs import bytes_text, slice_entries, token_bytes
+from selfrl.serve.protocol import ChatCompletionRequest, split_completion
 from selfrl.serve.service import Service
-from selfrl.toolcall import TOOL_CALL_OPEN
+from selfrl.toolcall import THINK_CLOSE, THINK_OPEN, TOOL_CALL_OPEN
 
 
 def safe_prefix(text: str, markers: list[str]) -> str:
@@ -43,6 +52,19 @@ def safe_prefix(text: str, markers: list[str]) -> str:
                 break
     out = text[:cut]
     return out.rstrip("\ufffd")  # an incomplete UTF-8 sequence decodes as U+FFFD
+
+
+def hold_partial_tags(text: str, tags: list[str]) -> str:
+    """``text`` without a tag that may be starting at its end.
+
+    >>> hold_partial_tags("ok </thi", [THINK_OPEN, THINK_CLOSE])
+    'ok '
+    """
+    for m in tags:
+        for k in range(min(len(m) - 1, len(text)), 0, -1):
+            if text.endswith(m[:k]):
+                return text[:-k]
+    return text
 
 
 def _sse(obj: Any) -> str:
@@ -79,16 +101,16 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest) -> tuple[i
         first_tokens.cancel()
     version = done.result()[0].adapter_version if done.done() else started[0]
     markers = [TOOL_CALL_OPEN, *req.stops]
-    # with tools offered, content is the text outside tool calls, stripped: stream it stripped too
-    strip = bool(req.tools) and req.tool_choice != "none"
     tok = service.tok
+    # a template that opens the reasoning block in the prompt (Qwen3 with thinking on)
+    opened = tok.decode(p.prompt[-8:], skip_special_tokens=False).rstrip().endswith(THINK_OPEN)
     base = {"id": p.response_id, "object": "chat.completion.chunk", "created": p.created,
             "model": service.cfg.served_model_name + (f"@v{version}" if p.version is not None else ""),
             "system_fingerprint": f"selfrl-v{version}",
             "adapter_version": version}
 
-    def chunk(i: int, delta: dict, finish: str | None = None) -> str:
-        return _sse({**base, "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+    def chunk(i: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
+        return _sse({**base, "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]})
 
     async def lines() -> AsyncIterator[str]:
         sent = [""] * req.n
@@ -96,9 +118,10 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest) -> tuple[i
             yield chunk(i, {"role": "assistant", "content": ""})
 
         def emit(i: int, ids: list[int]) -> str | None:
-            safe = safe_prefix(tok.decode(ids, skip_special_tokens=True), markers)
-            if strip:
-                safe = safe.strip()
+            if req.logprobs:
+                return None  # the logprobs come with the content at the end
+            text = hold_partial_tags(safe_prefix(bytes_text(token_bytes(tok, ids)), markers), [THINK_OPEN, THINK_CLOSE])
+            safe = split_completion((THINK_OPEN if opened else "") + text, []).content or ""
             if len(safe) > len(sent[i]) and safe.startswith(sent[i]):
                 delta, sent[i] = safe[len(sent[i]):], safe
                 return chunk(i, {"content": delta})
@@ -122,8 +145,14 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest) -> tuple[i
         for ch in resp["choices"]:
             i, msg = ch["index"], ch["message"]
             content = msg.get("content") or ""
+            if msg.get("reasoning_content"):
+                yield chunk(i, {"reasoning_content": msg["reasoning_content"]})
             if content.startswith(sent[i]) and len(content) > len(sent[i]):
-                yield chunk(i, {"content": content[len(sent[i]):]})
+                logprobs = None
+                if ch.get("logprobs") is not None:
+                    logprobs = {"content": slice_entries(ch["logprobs"]["content"], len(sent[i].encode()),
+                                                         len(content.encode())), "refusal": None}
+                yield chunk(i, {"content": content[len(sent[i]):]}, logprobs=logprobs)
             for k, call in enumerate(msg.get("tool_calls") or []):
                 yield chunk(i, {"tool_calls": [{"index": k, **call}]})
             yield chunk(i, {}, ch["finish_reason"])
