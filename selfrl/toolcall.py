@@ -302,6 +302,7 @@ def execute_call(call: ParsedCall, tools: dict[str, Tool] | list[Tool]) -> ToolC
     return ToolCallRecord(name=call.name, arguments=call.arguments, raw=call.raw, ok=True, result=output)
 
 
-def format_tool_response(record: ToolCallRecord) -> str:
-    """The content of the ``tool`` message for ``record``: ``<tool_response>\\n{result}\\n</tool_response>``."""
-    return f"{TOOL_RESPONSE_OPEN}\n{record.result}\n{TOOL_RESPONSE_CLOSE}"
+def format_tool_response(record: ToolCallRecord, wrap: bool = True) -> str:
+    """The content of the ``tool`` message for ``record``: ``<tool_response>\\n{result}\\n</tool_response>``,
+    or the bare result when ``wrap`` is False (a template that adds those tags itself)."""
+    return f"{TOOL_RESPONSE_OPEN}\n{record.result}\n{TOOL_RESPONSE_CLOSE}" if wrap else record.result

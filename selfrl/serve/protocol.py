@@ -225,13 +225,16 @@ def _call_text(call: ToolCall) -> str:
     return TOOL_CALL_OPEN + json.dumps({"name": call.function.name, "arguments": args}) + TOOL_CALL_CLOSE
 
 
-def to_chat(req: ChatCompletionRequest, native_tools: bool, tools_prompt: str = "compact") -> list[dict[str, str]]:
+def to_chat(req: ChatCompletionRequest, native_tools: bool, tools_prompt: str = "compact",
+            wrap_tool_responses: bool = True) -> list[dict[str, str]]:
     """The request's messages as the chat the model's template renders.
 
     Args:
         native_tools: the chat template renders ``tools`` itself (then no tools
             section is added to the system prompt).
         tools_prompt: ``compact`` or ``json`` (see ``render_tools_prompt``).
+        wrap_tool_responses: put a tool message inside ``<tool_response>`` tags (False
+            when the template adds them itself, see ``selfrl.chat``).
 
     Raises:
         ValueError: non-text content parts.
@@ -243,7 +246,9 @@ def to_chat(req: ChatCompletionRequest, native_tools: bool, tools_prompt: str = 
             text = m.text() + "".join(_call_text(c) for c in m.tool_calls or [])
             msgs.append({"role": "assistant", "content": text})
         elif role == "tool":
-            msgs.append({"role": "tool", "content": f"{TOOL_RESPONSE_OPEN}\n{m.text()}\n{TOOL_RESPONSE_CLOSE}"})
+            text = m.text()
+            msgs.append({"role": "tool", "content": f"{TOOL_RESPONSE_OPEN}\n{text}\n{TOOL_RESPONSE_CLOSE}"
+                         if wrap_tool_responses else text})
         else:
             msgs.append({"role": role, "content": m.text()})
     use_tools = bool(req.tools) and req.tool_choice != "none"

@@ -24,7 +24,7 @@ from typing import Any
 
 from selfrl import adapters
 from selfrl.atomic import write_atomic
-from selfrl.chat import prompt_ids, template_supports_tools
+from selfrl.chat import prompt_ids, template_supports_tools, template_wraps_tool_responses
 from selfrl.engine import Engine, Generation
 from selfrl.serve import records
 from selfrl.serve.batcher import Batcher, Job
@@ -282,7 +282,7 @@ class Service:
             version = int(m.group(1))
             self.check_servable(version)
         try:
-            chat = to_chat(req, self.native_tools, self.cfg.tools_prompt)
+            chat = to_chat(req, self.native_tools, self.cfg.tools_prompt, not template_wraps_tool_responses(self.tok))
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from e
         tools = [t.model_dump() for t in req.tools] if (req.tools and self.native_tools) else None
