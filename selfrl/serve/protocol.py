@@ -29,8 +29,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from selfrl.serve.limits import check_text
 from selfrl.toolcall import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
@@ -45,8 +46,16 @@ from selfrl.tools import Tool, ToolError, validate_arguments
 from selfrl.trajectory import ToolCallRecord
 
 
+def _valid_text(data: Any) -> Any:
+    check_text(data)
+    return data
+
+
 class _Strict(BaseModel):
+    """A request body part: unknown fields refused, every string valid Unicode."""
+
     model_config = ConfigDict(extra="forbid")
+    _text = model_validator(mode="before")(_valid_text)
 
 
 class FunctionCall(_Strict):
@@ -89,11 +98,37 @@ class Message(_Strict):
         return "".join(parts)
 
 
+def check_parameters_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """Refuse a tool's ``parameters`` that the prompt and the argument checks cannot read:
+    ``properties`` must map names to objects, a property's ``type`` must be a string or a
+    list of strings, ``enum`` a list, ``required`` a list of strings.
+
+    Raises:
+        ValueError: the first problem found.
+    """
+    props = schema.get("properties", {})
+    if not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()):
+        raise ValueError('"properties" must be an object mapping each argument name to a schema object')
+    for name, prop in props.items():
+        kind = prop.get("type")
+        if kind is not None and not (isinstance(kind, str) or (isinstance(kind, list) and kind
+                                                               and all(isinstance(k, str) for k in kind))):
+            raise ValueError(f'"type" of argument {name!r} must be a string or a list of strings')
+        if "enum" in prop and not isinstance(prop["enum"], list):
+            raise ValueError(f'"enum" of argument {name!r} must be a list')
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise ValueError('"required" must be a list of argument names')
+    return schema
+
+
 class FunctionDef(_Strict):
     name: str = Field(min_length=1, max_length=64)
     description: str = ""
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
     strict: bool | None = None
+
+    _schema = field_validator("parameters")(check_parameters_schema)
 
 
 class ToolDef(_Strict):
@@ -111,6 +146,7 @@ class ChatCompletionRequest(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid")
+    _text = model_validator(mode="before")(_valid_text)
 
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -143,7 +179,8 @@ class ChatCompletionRequest(BaseModel):
     def _tool_choice(cls, v):
         if v is None or v in ("none", "auto", "required"):
             return v
-        if isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function", {}).get("name"), str):
+        fn = v.get("function") if isinstance(v, dict) else None
+        if isinstance(v, dict) and v.get("type") == "function" and isinstance(fn, dict) and isinstance(fn.get("name"), str):
             return v
         raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
 

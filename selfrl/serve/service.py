@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -42,11 +41,10 @@ from selfrl.serve.protocol import (
     split_completion,
     to_chat,
 )
+from selfrl.serve.limits import parse_version_suffix
 from selfrl.serve.logprobs import bytes_text, char_to_byte_spans, content_entries, token_bytes
 from selfrl.store import Store
 from selfrl.trajectory import Trajectory
-
-_VERSION_RE = re.compile(r"@v(\d+)$")
 
 
 class ApiError(Exception):
@@ -70,6 +68,7 @@ class Prepared:
     version: int | None
     parent: dict[str, Any] | None
     group_key: str
+    client: str = ""  # the client identity (selfrl.serve.feedback.client_identity)
     response_id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -260,8 +259,9 @@ class Service:
 
     # -- requests ----------------------------------------------------------------------
 
-    def prepare(self, req: ChatCompletionRequest) -> Prepared:
-        """Validate a request and build its prompt; applies implicit corrections.
+    def prepare(self, req: ChatCompletionRequest, client: str = "") -> Prepared:
+        """Validate a request from ``client`` and build its prompt; applies implicit corrections
+        (to ``client``'s own turns only, see ``selfrl.serve.feedback``).
 
         Raises:
             ApiError: 400 for settings selfrl cannot honour, non-text content or a prompt
@@ -276,10 +276,11 @@ class Service:
             name = req.tool_choice["function"]["name"]
             if name not in {t.function.name for t in req.tools}:
                 raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", "tool_choice")
-        version = None
-        m = _VERSION_RE.search(req.model)
-        if m:
-            version = int(m.group(1))
+        try:
+            version = parse_version_suffix(req.model)
+        except ValueError as e:
+            raise ApiError(404, f"model {req.model[:64]!r}...: {e}", "model", "model_not_found") from None
+        if version is not None:
             self.check_servable(version)
         try:
             chat = to_chat(req, self.native_tools, self.cfg.tools_prompt, not template_wraps_tool_responses(self.tok))
@@ -299,17 +300,17 @@ class Service:
                            f"of {self.context} tokens", "max_tokens", "context_length_exceeded")
         limit = req.token_limit or min(self.cfg.max_tokens_default, room)
         messages = [msg.model_dump(exclude_none=True) for msg in req.messages]
-        parent = self._link(messages) if req.record else None
+        parent = self._link(messages, client) if req.record else None
         group = req.task_key or (parent["group_key"] if parent else default_group_key(messages))
-        return Prepared(req, messages, chat, prompt, limit, version, parent, group)
+        return Prepared(req, messages, chat, prompt, limit, version, parent, group, client)
 
-    def _link(self, messages: list[dict[str, Any]]) -> dict[str, Any] | None:
-        """The served turn this request continues (and an implicit correction of it), or None."""
+    def _link(self, messages: list[dict[str, Any]], client: str) -> dict[str, Any] | None:
+        """The turn served to ``client`` this request continues (and an implicit correction of it), or None."""
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
         if last is None:
             return None
         with self.store.lock:
-            parent = records.find_by_continuation(self.store, conversation_key(messages[:last + 1]))
+            parent = records.find_by_continuation(self.store, conversation_key(messages[:last + 1]), client)
         if parent is None:
             return None
         after = [m for m in messages[last + 1:] if m["role"] == "user"]
@@ -385,11 +386,11 @@ class Service:
         conversation = p.parent["conversation_id"] if p.parent else uuid.uuid4().hex
         key = conversation_key([*p.messages, message])
         with self.store.lock:
-            records.add_turn(self.store, self.run_id, traj, p.response_id, i, conversation, p.group_key, key)
+            records.add_turn(self.store, self.run_id, traj, p.response_id, i, conversation, p.group_key, key, p.client)
 
-    async def complete(self, req: ChatCompletionRequest) -> dict[str, Any]:
-        """A non-streaming chat completion."""
-        p = await asyncio.to_thread(self.prepare, req)  # tokenizing a long prompt must not block the loop
+    async def complete(self, req: ChatCompletionRequest, client: str = "") -> dict[str, Any]:
+        """A non-streaming chat completion for ``client``."""
+        p = await asyncio.to_thread(self.prepare, req, client)  # tokenizing a long prompt must not block the loop
         t0 = time.perf_counter()
         futures = [self.batcher.submit(j) for j in self.jobs(p)]
         gens = [await asyncio.wrap_future(f) for f in futures]

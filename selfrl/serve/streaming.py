@@ -71,14 +71,14 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def stream_chunks(service: Service, req: ChatCompletionRequest) -> tuple[int, AsyncIterator[str]]:
+async def stream_chunks(service: Service, req: ChatCompletionRequest, client: str = "") -> tuple[int, AsyncIterator[str]]:
     """Start a streamed completion; returns the adapter version serving it (known once
     decoding has begun) and the SSE lines.
 
     Raises:
         ApiError: as :meth:`Service.prepare` (before anything is streamed).
     """
-    p = await asyncio.to_thread(service.prepare, req)
+    p = await asyncio.to_thread(service.prepare, req, client)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     started: list[int] = []
