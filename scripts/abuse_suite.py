@@ -342,6 +342,7 @@ def attack_feedback_without_key(t: Target) -> Tally:
             tally.statuses.append(status)
             if status not in (401, 403):
                 tally.problems.append(f"{path} with key {key!r} answered {status}")
+    tally.detail = f"statuses {sorted(set(tally.statuses))}"
     return tally
 
 
@@ -355,6 +356,8 @@ def attack_nesting_and_numbers(t: Target) -> Tally:
                       .encode())
     for raw in bodies:
         tally.statuses.append(request(t.base, "POST", "/v1/chat/completions", raw)[0])
+    tally.added_turns = tally.statuses.count(200)  # an accepted completion is recorded
+    tally.detail = f"statuses {tally.statuses}"
     return tally
 
 
@@ -365,6 +368,8 @@ def attack_many_messages_and_tools(t: Target) -> Tally:
     tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(5_000)]
     tally.statuses.append(chat(t.base, msgs, None, max_tokens=1)[0])
     tally.statuses.append(chat(t.base, [{"role": "user", "content": "hi"}], None, tools=tools, max_tokens=1)[0])
+    tally.added_turns = tally.statuses.count(200)
+    tally.detail = f"statuses {tally.statuses}"
     return tally
 
 
