@@ -14,10 +14,18 @@ earlier ones none, Llama-3.1 trims the content. So the tokens between two turns 
 never found by comparing two renderings of the history; they are read off one
 rendering, after the dummy assistant turn's end-of-turn text (see
 :func:`between_turns_ids`). The sampled turn itself is always kept as sampled.
+
+**Content never forges control tokens.** The text of a message (user, system, tool,
+earlier assistant turns) is tokenized as text: ``<|im_end|>`` written by a user is the
+characters ``<``, ``|``, ``im``... and never the end-of-turn token, so a client cannot
+close its turn and open a system turn of its own, and a tool result cannot end the
+tool message. Only the template's own text yields control tokens (:func:`encode_chat`).
+Tool descriptions rendered by a template with native tool support are not covered.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from selfrl.toolcall import TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN
@@ -58,10 +66,59 @@ def render(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: boo
     )
 
 
+def control_tokens(tokenizer) -> list[str]:
+    """The texts that tokenize to a special (control) token: ``<|im_end|>``, ``<|eot_id|>``..."""
+    out = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    for t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values():
+        if getattr(t, "special", False):
+            out.add(str(t.content))
+    return sorted(out, key=len, reverse=True)
+
+
+def _locate(text: str, content: str, pos: int) -> tuple[int, int] | None:
+    """Where ``content`` lies in the rendered ``text`` from ``pos`` on, as the template may
+    have written it (as is, trimmed, or JSON-quoted as Llama-3.1 does for tool results)."""
+    found = None
+    for cand in (content, content.strip(), content.lstrip("\n"), json.dumps(content, ensure_ascii=False)[1:-1],
+                 json.dumps(content)[1:-1]):
+        i = text.find(cand, pos) if cand else -1
+        if i >= 0 and (found is None or i < found[0] or (i == found[0] and i + len(cand) > found[1])):
+            found = (i, i + len(cand))
+    return found
+
+
+def encode_chat(tokenizer, text: str, contents: list[str]) -> list[int]:
+    """Token ids of rendered chat ``text`` in which each of ``contents`` (in order) is
+    tokenized as text: control-token strings inside them do not become control tokens.
+
+    Raises:
+        ValueError: a content holding control-token text cannot be found in ``text``
+            (the template changed it beyond trimming or JSON quoting).
+    """
+    specials = control_tokens(tokenizer)
+    regions, pos = [], 0
+    for c in contents:
+        if not isinstance(c, str) or not any(s in c for s in specials):
+            continue  # nothing to keep out: tokenized with the rest
+        where = _locate(text, c, pos)
+        if where is None:
+            raise ValueError("chat template: a message holding control-token text could not be found in the "
+                             "rendering, so it cannot be kept from forging control tokens")
+        regions.append(where)
+        pos = where[1]
+    ids, pos = [], 0
+    for start, end in regions:
+        ids += tokenizer(text[pos:start], add_special_tokens=False)["input_ids"]
+        ids += tokenizer(text[start:end], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        pos = end
+    return ids + tokenizer(text[pos:], add_special_tokens=False)["input_ids"]
+
+
 def prompt_ids(tokenizer, messages: list[dict[str, Any]], tools=None) -> list[int]:
-    """Token ids of ``messages`` followed by the assistant header (the first prompt)."""
+    """Token ids of ``messages`` followed by the assistant header (the first prompt); the
+    messages' contents are tokenized as text (:func:`encode_chat`)."""
     text = render(tokenizer, messages, add_generation_prompt=True, tools=tools)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return encode_chat(tokenizer, text, [m.get("content") for m in messages])
 
 
 def between_turns_ids(tokenizer, tool_contents: list[str], eos_text: str) -> list[int]:
@@ -90,4 +147,4 @@ def between_turns_ids(tokenizer, tool_contents: list[str], eos_text: str) -> lis
     cut = after.find(eos_text, at + len(_DUMMY_ASSISTANT))
     if cut < 0:
         raise ValueError(f"chat template does not end an assistant turn with the EOS token {eos_text!r}")
-    return tokenizer(after[cut + len(eos_text):], add_special_tokens=False)["input_ids"]
+    return encode_chat(tokenizer, after[cut + len(eos_text):], tool_contents)
