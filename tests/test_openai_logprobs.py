@@ -202,3 +202,21 @@ def test_engine_top_logprobs_are_the_k_most_likely_ids_of_the_sampling_distribut
         assert [a for a, _ in alts] == ix.tolist()
         assert [b for _, b in alts] == pytest.approx(v.tolist(), abs=1e-4)
     assert engine.generate([prompt], 3, temperature=0.7)[0].top_logprobs is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_under_tool_choice_none_is_plain_text_without_markup(server, client, monkeypatch, stream):
+    url, service = server
+    call = {"name": "calculator", "arguments": {"expression": "2+3"}}
+    gen, _ = forced(service, "Sure: <tool_call>" + json.dumps(call) + "</tool_call>")
+    monkeypatch.setattr(service.engine, "generate", gen)
+    kw = dict(model="selfrl", messages=MSGS, tools=[CALC], tool_choice="none", max_tokens=200)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        ch = client.chat.completions.create(**kw).choices[0]
+        content, calls, finish = ch.message.content, ch.message.tool_calls or [], [ch.finish_reason]
+    assert content == "Sure: " + json.dumps(call) and calls == [] and finish == ["stop"]

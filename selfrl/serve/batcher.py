@@ -61,7 +61,7 @@ def cut(gen: Generation, limit: int, eos_ids: list[int]) -> Generation:
     """``gen`` cut to ``limit`` tokens; ``finished`` only when an EOS lies within the limit.
 
     >>> cut(Generation([5, 6, 2], [-1., -2., -3.], True, 0), 2, [2])
-    Generation(token_ids=[5, 6], logprobs=[-1.0, -2.0], finished=False, adapter_version=0, stopped=False)
+    Generation(token_ids=[5, 6], logprobs=[-1.0, -2.0], finished=False, adapter_version=0, stopped=False, top_logprobs=None)
     """
     if len(gen.token_ids) <= limit:
         return gen
