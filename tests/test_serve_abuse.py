@@ -121,3 +121,22 @@ def test_the_abuse_suite_lists_the_ledger_races_as_entries():
     for race in ("concurrent_pins", "rollback_during_update", "stray_adapter_folder"):
         outcome = abuse.run_attack(names[race], abuse.Target("http://127.0.0.1:9", Path("/nonexistent")))
         assert outcome.tried == (names[race].pending is None)  # a pending entry is listed, not run
+
+
+def test_a_store_written_before_client_identities_gets_the_column_and_its_turns_are_never_continued(tmp_path):
+    from selfrl.serve import records
+    from selfrl.store import Store
+
+    old_schema = records.SERVE_SCHEMA.replace("    client          TEXT NOT NULL DEFAULT '',\n", "")
+    assert old_schema != records.SERVE_SCHEMA
+    store = Store(tmp_path / "selfrl.db")
+    store.conn.execute("PRAGMA foreign_keys = OFF")  # a lone served row is enough here
+    with store.conn:
+        store.conn.executescript(old_schema)
+        store.conn.execute("INSERT INTO served (trajectory_id, response_id, choice, conversation_id, group_key,"
+                           " continuation, created_at, status) VALUES ('t', 'r', 0, 'c', 'g', 'k', 0, 'pending')")
+    records.init(store)
+    assert records.find_response(store, "r")["client"] == ""
+    assert records.find_by_continuation(store, "k", "") is None  # an anonymous client continues nothing
+    assert records.find_by_continuation(store, "k", "bearer:abc") is None  # nor does anyone else
+    store.close()
