@@ -20,7 +20,8 @@ earlier assistant turns) is tokenized as text: ``<|im_end|>`` written by a user 
 characters ``<``, ``|``, ``im``... and never the end-of-turn token, so a client cannot
 close its turn and open a system turn of its own, and a tool result cannot end the
 tool message. Only the template's own text yields control tokens (:func:`encode_chat`).
-Tool descriptions rendered by a template with native tool support are not covered.
+Tool definitions that a template renders itself (native tool support) may not hold
+control-token text at all: :func:`prompt_ids` refuses them.
 """
 
 from __future__ import annotations
@@ -116,7 +117,17 @@ def encode_chat(tokenizer, text: str, contents: list[str]) -> list[int]:
 
 def prompt_ids(tokenizer, messages: list[dict[str, Any]], tools=None) -> list[int]:
     """Token ids of ``messages`` followed by the assistant header (the first prompt); the
-    messages' contents are tokenized as text (:func:`encode_chat`)."""
+    messages' contents are tokenized as text (:func:`encode_chat`).
+
+    Raises:
+        ValueError: no chat template; ``tools`` (rendered by the template) hold control-token
+            text; a content with control-token text cannot be located in the rendering.
+    """
+    if tools:
+        blob = json.dumps(tools, ensure_ascii=False)
+        found = [s for s in control_tokens(tokenizer) if s in blob]
+        if found:
+            raise ValueError(f"tool definitions may not contain control-token text ({found[0]!r})")
     text = render(tokenizer, messages, add_generation_prompt=True, tools=tools)
     return encode_chat(tokenizer, text, [m.get("content") for m in messages])
 
