@@ -45,18 +45,24 @@ def forced(service, text: str):
     ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
     def generate(prompts, max_new_tokens, temperature=1.0, greedy=False, top_p=1.0, on_step=None, stop=None,
-                 top_logprobs=0):
-        out = []
+                 top_logprobs=0, step_logprobs=False):
+        out, steps = [], []
         for p in prompts:
             lps = full_logps(model, p, ids, 1.0 if greedy else temperature)  # (n, V)
-            sampled = lps.gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1).tolist()
-            top = None
-            if top_logprobs:
-                v, ix = lps.topk(top_logprobs, dim=-1)
-                top = [list(zip(a, b)) for a, b in zip(ix.tolist(), v.tolist())]
-            if on_step is not None:
-                on_step(torch.tensor([ids[:-1]] * len(prompts)))
-            out.append(Generation(list(ids), sampled, True, service.engine.version, top_logprobs=top))
+            sampled = lps.gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1)  # (n,)
+            v, ix = lps.topk(max(top_logprobs, 1), dim=-1)  # (n, k)
+            top = [list(zip(a, b)) for a, b in zip(ix.tolist(), v.tolist())] if top_logprobs else None
+            steps.append((sampled, ix, v))
+            out.append(Generation(list(ids), sampled.tolist(), True, service.engine.version, top_logprobs=top))
+        if on_step is not None:  # as the engine does: every id but the last, in two steps
+            for k in (len(ids) // 2, len(ids) - 1):
+                batch = torch.tensor([ids[:k]] * len(prompts))
+                if not step_logprobs:
+                    on_step(batch)
+                    continue
+                top = (torch.stack([s[1][:k] for s in steps]), torch.stack([s[2][:k] for s in steps])) \
+                    if top_logprobs else None
+                on_step(batch, torch.stack([s[0][:k] for s in steps]), top)
         return out
 
     return generate, ids
@@ -121,12 +127,22 @@ def test_top_logprobs_gives_k_alternatives_in_full_and_streamed_responses(server
     chunks = list(client.chat.completions.create(stream=True, **kw))
     content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
     assert content_chunks, "no content was streamed"
+    assert len(content_chunks) >= 2  # streamed as decoding goes, not all at the end
     streamed = []
     for c in content_chunks:  # each content chunk carries the entries of its own bytes
         lp = c.choices[0].logprobs
         assert lp is not None and joined([e.model_dump() for e in lp.content]) == c.choices[0].delta.content.encode()
         streamed += lp.content
-    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in entries]
+    # together they are the full response's entries (a token cut by a chunk edge is split in two)
+    assert joined([e.model_dump() for e in streamed]) == joined([e.model_dump() for e in entries])
+    by_offset, off = {}, 0
+    for e in entries:
+        by_offset.update({off + j: [e.logprob] + [a.logprob for a in e.top_logprobs] for j in range(len(e.bytes))})
+        off += len(e.bytes)
+    off = 0
+    for e in streamed:
+        assert [e.logprob] + [a.logprob for a in e.top_logprobs] == pytest.approx(by_offset[off], abs=1e-6)
+        off += len(e.bytes)
 
 
 @pytest.mark.parametrize("body, param", [
@@ -180,6 +196,17 @@ def test_a_call_reaches_the_client_only_with_the_arguments_the_model_wrote(serve
         assert [json.loads(c.function.arguments) for c in msg.tool_calls] == [args]
 
 
+def test_invalid_utf8_keeps_its_raw_bytes_and_the_entries_after_it_stay_aligned():
+    from selfrl.serve.logprobs import bytes_text, char_offsets, char_to_byte_spans
+
+    pieces = [b"\xec", b"\xda", b"ok", b"\xe4\xbd", b"\xa0"]
+    text = bytes_text(pieces)
+    assert text == "\ufffd\ufffdok你"
+    spans = char_to_byte_spans(text, [(2, 5)], char_offsets(b"".join(pieces)))
+    entries = content_entries(pieces, [-1.0, -2.0, -3.0, -4.0, -5.0], spans)
+    assert [(e["bytes"], e["logprob"]) for e in entries] == [(list(b"ok"), -3.0), ([0xE4, 0xBD], -4.0), ([0xA0], -5.0)]
+
+
 def test_content_entries_and_slices_keep_the_byte_invariant():
     pieces = [b"\xe4\xbd", b"\xa0\xe5", b"\xa5\xbd", b"!"]
     entries = content_entries(pieces, [-1.0, -2.0, float("-inf"), -4.0], [(0, 6)])
@@ -220,3 +247,43 @@ def test_a_call_under_tool_choice_none_is_plain_text_without_markup(server, clie
         ch = client.chat.completions.create(**kw).choices[0]
         content, calls, finish = ch.message.content, ch.message.tool_calls or [], [ch.finish_reason]
     assert content == "Sure: " + json.dumps(call) and calls == [] and finish == ["stop"]
+
+
+def test_engine_step_logprobs_are_the_values_it_records(server):
+    _, service = server
+    engine = service.engine
+    prompt = service.tok("What is 12 + 30?", add_special_tokens=False)["input_ids"]
+    seen = []
+    torch.manual_seed(1)
+    g = engine.generate([prompt, prompt[:-2]], 6, temperature=0.7, top_logprobs=2, step_logprobs=True,
+                        on_step=lambda ids, lps, top: seen.append((ids.clone(), lps.clone(), top)))
+    ids, lps, (top_ix, top_v) = seen[-1]
+    for row, gen in enumerate(g):
+        k = min(ids.shape[1], len(gen.token_ids))
+        assert ids[row, :k].tolist() == gen.token_ids[:k]
+        assert lps[row, :k].tolist() == pytest.approx(gen.logprobs[:k], abs=1e-6)
+        assert [[a for a, _ in t] for t in gen.top_logprobs[:k]] == top_ix[row, :k].tolist()
+
+
+def test_a_real_streamed_completion_carries_the_recorded_logprobs_chunk_by_chunk(server, client):
+    url, service = server
+    for attempt in range(8):  # a random tiny model: retry until it writes a few content tokens
+        chunks = list(client.chat.completions.create(model="selfrl", messages=MSGS, stream=True, logprobs=True,
+                                                     top_logprobs=1, max_tokens=10, temperature=1.5))
+        content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+        if len(content_chunks) >= 2:
+            break
+    assert len(content_chunks) >= 2
+    from selfrl.serve import records
+
+    with service.store.lock:
+        row = records.find_response(service.store, chunks[0].id)
+        traj = next(t for t in service.store.trajectories() if t.id == row["trajectory_id"])
+    recorded = [lp for lp, m in zip(traj.logprobs, traj.completion_mask) if m]
+    for c in content_chunks:  # a random model may sample bytes that are not UTF-8: they show as U+FFFD
+        lp = c.choices[0].logprobs
+        raw = joined([e.model_dump() for e in lp.content])
+        assert raw.decode("utf-8", errors="replace") == c.choices[0].delta.content
+        for e in lp.content:
+            assert any(abs(e.logprob - r) < 1e-5 for r in recorded)
+            assert len(e.top_logprobs) == 1 and e.top_logprobs[0].logprob >= e.logprob - 1e-6

@@ -35,7 +35,9 @@ class Job:
         greedy: argmax decoding (temperature 0 requests).
         version: adapter version to run on, or None for whatever is being served.
         stop: strings that end the row (cut right after the token that completes one).
-        on_tokens: streaming callback, called from the worker thread with the ids so far.
+        on_tokens: streaming callback, called from the worker thread with the ids so far, or
+            (with ``step_logprobs``) with the ids, their logprobs and the top alternatives
+            (a list per token of ``(id, logprob)``, or None).
         top_logprobs: how many alternatives per token to return (0-20; not part of the
             batch key: a batch computes the most any of its jobs asks for).
         future: resolved with the :class:`Generation`, or with the exception.
@@ -50,6 +52,7 @@ class Job:
     stop: tuple[str, ...] = ()
     on_tokens: Callable[[list[int]], None] | None = None
     top_logprobs: int = 0
+    step_logprobs: bool = False
     future: Future = field(default_factory=Future)
 
     @property
@@ -143,13 +146,24 @@ class Batcher:
         limit = max(j.max_new_tokens for j in live)
         streams = [j for j in live if j.on_tokens is not None]
 
-        def on_step(ids):  # (B, k) ids sampled so far
+        def on_step(ids, logps=None, top=None):  # (B, k) ids sampled so far; (B, k) their logprobs
             for i, j in enumerate(live):
-                if j.on_tokens is not None:
-                    j.on_tokens(ids[i, :j.max_new_tokens].tolist())
+                if j.on_tokens is None:
+                    continue
+                n = j.max_new_tokens
+                if not j.step_logprobs:
+                    j.on_tokens(ids[i, :n].tolist())
+                    continue
+                alts = None
+                if top is not None and j.top_logprobs:
+                    alts = [list(zip(a[:j.top_logprobs], b[:j.top_logprobs])) for a, b in
+                            zip(top[0][i, :n].tolist(), top[1][i, :n].tolist())]
+                j.on_tokens(ids[i, :n].tolist(), logps[i, :n].tolist(), alts)
 
         k = max(j.top_logprobs for j in live)
         extra = {"top_logprobs": k} if k else {}
+        if any(j.step_logprobs for j in streams):
+            extra["step_logprobs"] = True
 
         def call():
             return self.engine.generate([j.prompt for j in live], limit, head.temperature, greedy=head.greedy,

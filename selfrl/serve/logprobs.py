@@ -12,7 +12,9 @@
   token, a reasoning block, a tool call returned in ``tool_calls``, markup dropped from
   the content, or whitespace stripped from its ends. A token that straddles the edge
   of the content is listed with only its bytes inside it. So the bytes of the entries,
-  joined, equal the content's UTF-8 exactly.
+  joined, equal the content's UTF-8 exactly; where the model sampled bytes that are not
+  valid UTF-8 the content shows U+FFFD and the entries keep the raw bytes (joined, they
+  decode to the content).
 * ``top_logprobs`` holds the ``k`` most likely tokens at that position (0 <= k <= 20),
   most likely first, each ``{"token", "logprob", "bytes"}`` with the whole token.
 * Logprobs are those recorded when sampling (``log_softmax(logits / temperature)``);
@@ -25,8 +27,10 @@ A streamed response gives each content chunk the entries of its own bytes
 
 from __future__ import annotations
 
+import codecs
 import math
 import re
+import threading
 from functools import lru_cache
 from typing import Any
 
@@ -94,13 +98,50 @@ def bytes_text(pieces: list[bytes]) -> str:
     return b"".join(pieces).decode("utf-8", errors="replace")
 
 
-def char_to_byte_spans(text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Character spans of ``text`` as byte spans of its UTF-8.
+_invalid = threading.local()
+
+
+def _record_invalid(e: UnicodeDecodeError) -> tuple[str, int]:
+    _invalid.spans.append((e.start, e.end))
+    return "\ufffd", e.end
+
+
+codecs.register_error("selfrl-offsets", _record_invalid)
+
+
+def char_offsets(raw: bytes) -> list[int]:
+    """``offsets[k]`` is the byte of ``raw`` where character k of ``bytes_text(raw)`` starts
+    (``offsets[-1] == len(raw)``), also where an invalid sequence became U+FFFD (the spans
+    Python's ``errors="replace"`` replaces, one U+FFFD each).
+
+    >>> char_offsets("你x".encode()), char_offsets(b"\\xec\\xdax"), char_offsets(b"a\\xe4\\xbd")
+    ([0, 3, 4], [0, 1, 2, 3], [0, 1, 3])
+    """
+    _invalid.spans = []
+    raw.decode("utf-8", errors="selfrl-offsets")
+    starts, p = [], 0
+    for start, end in [*_invalid.spans, (len(raw), len(raw))]:
+        while p < start:  # valid characters: their length from the lead byte
+            starts.append(p)
+            lead = raw[p]
+            p += 1 if lead < 0x80 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+        if start < end:
+            starts.append(start)
+            p = end
+    return starts + [len(raw)]
+
+
+def char_to_byte_spans(text: str, spans: list[tuple[int, int]], offsets: list[int] | None = None
+                       ) -> list[tuple[int, int]]:
+    """Character spans of ``text`` as byte spans: of its UTF-8, or of the raw bytes it was
+    decoded from when ``offsets`` (:func:`char_offsets`) is given.
 
     >>> char_to_byte_spans("你好x", [(1, 3)])
     [(3, 7)]
     """
-    return [(len(text[:s].encode()), len(text[:e].encode())) for s, e in spans]
+    if offsets is None:
+        return [(len(text[:s].encode()), len(text[:e].encode())) for s, e in spans]
+    return [(offsets[s], offsets[e]) for s, e in spans]
 
 
 def _finite(lp: float) -> float:

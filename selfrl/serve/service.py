@@ -42,7 +42,7 @@ from selfrl.serve.protocol import (
     to_chat,
 )
 from selfrl.serve.limits import parse_version_suffix
-from selfrl.serve.logprobs import bytes_text, char_to_byte_spans, content_entries, token_bytes
+from selfrl.serve.logprobs import bytes_text, char_offsets, char_to_byte_spans, content_entries, token_bytes
 from selfrl.store import Store
 from selfrl.trajectory import Trajectory
 
@@ -330,7 +330,8 @@ class Service:
         temperature = 1.0 if req.temperature is None else req.temperature
         top = (req.top_logprobs or 0) if req.logprobs else 0
         return [Job(p.prompt, p.limit, temperature, req.top_p or 1.0, greedy, p.version, tuple(req.stops),
-                    None if on_tokens is None else (lambda ids, i=i: on_tokens(i, ids)), top) for i in range(req.n)]
+                    None if on_tokens is None else (lambda ids, *step, i=i: on_tokens(i, ids, *step)), top,
+                    bool(req.logprobs) and on_tokens is not None) for i in range(req.n)]
 
     def finish(self, p: Prepared, gens: list[Generation], seconds: float) -> dict[str, Any]:
         """Build the OpenAI response for finished generations and record each choice."""
@@ -358,8 +359,8 @@ class Service:
                 top = None
                 if g.top_logprobs is not None:
                     top = [[(token_bytes(self.tok, [t])[0], lp) for t, lp in alts] for alts in g.top_logprobs]
-                choice["logprobs"] = {"content": content_entries(pieces, g.logprobs, char_to_byte_spans(
-                    text, parts.spans), top), "refusal": None}
+                spans = char_to_byte_spans(text, parts.spans, char_offsets(b"".join(pieces)))
+                choice["logprobs"] = {"content": content_entries(pieces, g.logprobs, spans, top), "refusal": None}
             choices.append(choice)
             completion_tokens += len(ids)
             if p.req.record:

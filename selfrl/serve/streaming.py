@@ -12,9 +12,8 @@ Content is cut from the text by the same rule as without streaming
 (``split_completion``): a reasoning block is never streamed as content (a partial
 ``<think>``/``</think>`` tag at the end waits), and its text follows at the end as
 one ``reasoning_content`` delta. With ``logprobs: true`` each content chunk carries
-the ``logprobs.content`` entries of its own bytes; the logprobs of a token are known
-only when the generation ends, so such a response sends its content in one chunk
-at the end (the first chunk and the finish still come as usual).
+the ``logprobs.content`` entries of its own bytes (``Engine.generate``'s
+``step_logprobs`` reports them as decoding goes; the same values as the final ones).
 """
 
 from __future__ import annotations
@@ -25,7 +24,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from selfrl.serve.logprobs import bytes_text, slice_entries, token_bytes
+from selfrl.serve.logprobs import (
+    bytes_text,
+    char_offsets,
+    char_to_byte_spans,
+    content_entries,
+    slice_entries,
+    token_bytes,
+)
 from selfrl.serve.protocol import ChatCompletionRequest, split_completion
 from selfrl.serve.service import Service
 from selfrl.toolcall import THINK_CLOSE, THINK_OPEN, TOOL_CALL_OPEN
@@ -83,10 +89,11 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest, client: st
     queue: asyncio.Queue = asyncio.Queue()
     started: list[int] = []
 
-    def on_tokens(i: int, ids: list[int]) -> None:  # worker thread, inside the engine lock
+    def on_tokens(i: int, ids: list[int], lps: list[float] | None = None, alts=None) -> None:
+        # worker thread, inside the engine lock; ``lps``/``alts`` only with logprobs
         if not started:
             started.append(service.engine.version)
-        loop.call_soon_threadsafe(queue.put_nowait, (i, ids))
+        loop.call_soon_threadsafe(queue.put_nowait, (i, ids, lps, alts))
 
     t0 = time.perf_counter()
     futures = [service.batcher.submit(j) for j in service.jobs(p, on_tokens)]
@@ -114,17 +121,32 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest, client: st
 
     async def lines() -> AsyncIterator[str]:
         sent = [""] * req.n
+        sent_raw = [0] * req.n  # bytes of the logprob entries streamed so far, per choice
         for i in range(req.n):
             yield chunk(i, {"role": "assistant", "content": ""})
 
-        def emit(i: int, ids: list[int]) -> str | None:
-            if req.logprobs:
-                return None  # the logprobs come with the content at the end
-            text = hold_partial_tags(safe_prefix(bytes_text(token_bytes(tok, ids)), markers), [THINK_OPEN, THINK_CLOSE])
-            safe = split_completion((THINK_OPEN if opened else "") + text, []).content or ""
+        def emit(i: int, ids: list[int], lps: list[float] | None = None, alts=None) -> str | None:
+            if req.logprobs and (lps is None or len(lps) != len(ids)):
+                return None  # no logprobs for these ids: their content waits
+            pieces = token_bytes(tok, ids)
+            text = hold_partial_tags(safe_prefix(bytes_text(pieces), markers), [THINK_OPEN, THINK_CLOSE])
+            prefix = THINK_OPEN if opened else ""
+            parts = split_completion(prefix + text, [])
+            safe = parts.content or ""
             if len(safe) > len(sent[i]) and safe.startswith(sent[i]):
                 delta, sent[i] = safe[len(sent[i]):], safe
-                return chunk(i, {"content": delta})
+                logprobs = None
+                if req.logprobs:
+                    top = None
+                    if alts is not None:
+                        top = [[(token_bytes(tok, [t])[0], lp) for t, lp in a] for a in alts]
+                    spans = [(max(0, s - len(prefix)), e - len(prefix)) for s, e in parts.spans]
+                    entries = content_entries(pieces, lps, char_to_byte_spans(text, spans, char_offsets(
+                        b"".join(pieces))), top)
+                    total = sum(len(e["bytes"]) for e in entries)  # raw bytes of the content so far
+                    logprobs = {"content": slice_entries(entries, sent_raw[i], total), "refusal": None}
+                    sent_raw[i] = total
+                return chunk(i, {"content": delta}, logprobs=logprobs)
             return None
 
         if pending_first is not None:
@@ -150,8 +172,8 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest, client: st
             if content.startswith(sent[i]) and len(content) > len(sent[i]):
                 logprobs = None
                 if ch.get("logprobs") is not None:
-                    logprobs = {"content": slice_entries(ch["logprobs"]["content"], len(sent[i].encode()),
-                                                         len(content.encode())), "refusal": None}
+                    logprobs = {"content": slice_entries(ch["logprobs"]["content"], sent_raw[i], 1 << 62),
+                                "refusal": None}
                 yield chunk(i, {"content": content[len(sent[i]):]}, logprobs=logprobs)
             for k, call in enumerate(msg.get("tool_calls") or []):
                 yield chunk(i, {"tool_calls": [{"index": k, **call}]})
