@@ -232,7 +232,7 @@ class FeedbackRequest(_Strict):
 class VersionRequest(_Strict):
     """Admin body naming an adapter version."""
 
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=999_999_999)  # bounded like a model name's @v<N>
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
