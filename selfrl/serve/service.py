@@ -34,6 +34,8 @@ from selfrl.serve.feedback import (
     default_group_key,
     explicit_value,
 )
+from selfrl.serve.limits import parse_version_suffix
+from selfrl.serve.logprobs import bytes_text, char_offsets, char_to_byte_spans, content_entries, token_bytes
 from selfrl.serve.protocol import (
     ChatCompletionRequest,
     FeedbackRequest,
@@ -41,8 +43,6 @@ from selfrl.serve.protocol import (
     split_completion,
     to_chat,
 )
-from selfrl.serve.limits import parse_version_suffix
-from selfrl.serve.logprobs import bytes_text, char_offsets, char_to_byte_spans, content_entries, token_bytes
 from selfrl.store import Store
 from selfrl.trajectory import Trajectory
 
