@@ -116,7 +116,7 @@ class Engine:
         temperature: float = 1.0,
         greedy: bool = False,
         top_p: float = 1.0,
-        on_step: Callable[[torch.Tensor], None] | None = None,
+        on_step: Callable[..., None] | None = None,
         stop: list[str] | None = None,
         top_logprobs: int = 0,
         step_logprobs: bool = False,
