@@ -24,7 +24,8 @@ from typing import Any
 from selfrl import adapters
 from selfrl.atomic import write_atomic
 from selfrl.chat import prompt_ids, template_supports_tools, template_wraps_tool_responses
-from selfrl.engine import Engine, Generation
+from selfrl.engine import Generation
+from selfrl.engines import make_engine
 from selfrl.serve import records
 from selfrl.serve.batcher import Batcher, Job
 from selfrl.serve.config import ServeConfig
@@ -96,7 +97,7 @@ class Service:
         with self.store.lock:
             records.init(self.store)
             self.run_id = self.store.start_run({"serve": cfg.to_dict()})
-        self.engine = Engine(model, tokenizer)
+        self.engine = make_engine(cfg.engine, model, tokenizer)
         self.context = int(getattr(model.config, "max_position_embeddings", 0) or tokenizer.model_max_length)
         self.native_tools = template_supports_tools(tokenizer)
         self.pinned: int | None = None
@@ -270,6 +271,9 @@ class Service:
         problem = req.unsupported()
         if problem:
             raise ApiError(400, problem, problem.split()[0])
+        if req.logprobs and req.top_logprobs and not self.batcher.supports("top_logprobs"):
+            raise ApiError(400, f"top_logprobs is not supported by the {self.cfg.engine!r} engine backend; "
+                           "the reference engine supports it", "top_logprobs")
         if req.tool_choice not in (None, "none", "auto") and not req.tools:
             raise ApiError(400, "tool_choice needs tools", "tool_choice")
         if isinstance(req.tool_choice, dict):
@@ -418,6 +422,8 @@ class Service:
         if self.learner is not None:
             self.learner.stop()
         self.batcher.close()
+        if callable(close_engine := getattr(self.engine, "close", None)):
+            close_engine()  # a continuous engine's worker thread
         with self.store.lock:
             self.store.close()
 
