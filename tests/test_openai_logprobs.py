@@ -287,3 +287,25 @@ def test_a_real_streamed_completion_carries_the_recorded_logprobs_chunk_by_chunk
         for e in lp.content:
             assert any(abs(e.logprob - r) < 1e-5 for r in recorded)
             assert len(e.top_logprobs) == 1 and e.top_logprobs[0].logprob >= e.logprob - 1e-6
+
+
+def test_the_slot_engine_gives_content_logprobs_and_refuses_top_logprobs(tiny_tokenizer, tiny_model_factory,
+                                                                          tmp_path):
+    model = tiny_model_factory(lora=True, eos_bias=1.0)
+    cfg = tiny_serve_config(tmp_path / "serve")
+    cfg.engine = "slots"
+    with running_server(model, tiny_tokenizer, cfg) as (url, service):
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        status, body = http("POST", url + "/v1/chat/completions", {"model": "selfrl", "messages": MSGS,
+                                                                   "logprobs": True, "top_logprobs": 2})
+        assert status == 400 and body["error"]["param"] == "top_logprobs"  # refused, not ignored
+        full = client.chat.completions.create(model="selfrl", messages=MSGS, logprobs=True, max_tokens=8,
+                                              temperature=1.5).choices[0]
+        raw = joined([e.model_dump() for e in full.logprobs.content])
+        assert raw.decode("utf-8", errors="replace") == (full.message.content or "")
+        chunks = list(client.chat.completions.create(model="selfrl", messages=MSGS, logprobs=True, max_tokens=8,
+                                                     temperature=1.5, stream=True))
+        for c in chunks:
+            if c.choices and c.choices[0].delta.content:
+                lp = joined([e.model_dump() for e in c.choices[0].logprobs.content])
+                assert lp.decode("utf-8", errors="replace") == c.choices[0].delta.content
