@@ -257,25 +257,22 @@ class GrammarMasks:
             scores[i] = scores[i].masked_fill(~allowed.to(scores.device), float("-inf"))
         return scores
 
-    def masked_logps(self, row: int, logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
-        """The row's sampled ids' logprobs under the masked distribution, and which steps
-        the mask restricted.
+    def masked_logps(self, row: int, logits: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
+        """The row's log-probabilities under the masked distribution it sampled from, and
+        which steps the mask restricted.
 
         Args:
             row: the batch row.
             logits: (N, V) the row's logits divided by the temperature.
-            tokens: (N,) the ids it sampled.
 
         Returns:
-            (N,) log-probabilities (``log_softmax`` over the allowed ids where a mask
-            applied, over all ids elsewhere) and N flags, True where the mask removed
+            (N, V) ``log_softmax`` over the allowed ids where a mask applied (``-inf`` at
+            the others), over all ids elsewhere; and N flags, True where the mask removed
             at least one id.
         """
-        n = len(tokens)
-        steps = min(len(self.masks[row]), n)
+        n = logits.shape[0]
         allowed = torch.ones(n, logits.shape[-1], dtype=torch.bool)  # (N, V)
-        for k in range(steps):
+        for k in range(min(len(self.masks[row]), n)):
             allowed[k] = unpack_mask(self.masks[row][k], logits.shape[-1])
         restricted = (~allowed).any(dim=-1)  # (N,)
-        logps = torch.log_softmax(logits[:n].masked_fill(~allowed, float("-inf")), dim=-1)  # (N, V)
-        return logps.gather(-1, tokens[:n].unsqueeze(-1)).squeeze(-1), restricted.tolist()
+        return torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1), restricted.tolist()

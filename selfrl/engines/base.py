@@ -44,6 +44,9 @@ class Generation:
         constrained: (n,) per id, True where a grammar removed ids from its distribution
             (its logprob is then the masked distribution's); None when the row had no
             constraint (see :mod:`selfrl.constrain`).
+        top_logprobs: (n, k) the k most likely ids at each position and their logprobs
+            (same distribution as ``logprobs``), most likely first; None unless asked for
+            (``generate(top_logprobs=k)``, a backend that supports it).
     """
 
     token_ids: list[int]
@@ -53,6 +56,7 @@ class Generation:
     stopped: bool = False
     constrained: list[bool] | None = None
     cancelled: bool = False  # the caller cancelled the row mid-generation (then ``finished`` is False)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def finish_reason(self) -> FinishReason:
@@ -129,6 +133,11 @@ class SamplingEngine(Protocol):
                 sampled so far (rows that ended may hold anything after their end).
             stop: strings that end a turn: a row is cut right after the token that
                 completes one (``stopped`` and ``finished`` set, no EOS appended).
+
+        Optional keywords a backend may accept (the reference engine does; the server asks
+        with ``Batcher.supports`` and refuses ``top_logprobs`` where it is missing):
+        ``top_logprobs=k`` fills :attr:`Generation.top_logprobs`; ``step_logprobs=True``
+        calls ``on_step(ids, logprobs, top)`` so that a stream carries its logprobs.
 
         Returns:
             B :class:`Generation`, in prompt order.

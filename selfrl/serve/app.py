@@ -33,6 +33,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from selfrl.serve.feedback import client_identity
+from selfrl.serve.limits import BodyLimit
 from selfrl.serve.protocol import ChatCompletionRequest, FeedbackRequest, VersionRequest, error_body
 from selfrl.serve.responses import ResponseLog, ResponsesRequest, create_response, sse, stream_events
 from selfrl.serve.service import ApiError, Service, start_learning
@@ -67,27 +69,6 @@ def _error(status: int, message: str, type_: str = "invalid_request_error", para
     return JSONResponse(error_body(message, type_, param, code), status_code=status)
 
 
-class _BodyLimit:
-    """Answers 413 to a request that announces a body over the limit, before it is read.
-
-    A plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` (``@app.middleware``)
-    hides the client's disconnect from the route, so a client that left could not be
-    noticed (``selfrl.serve.disconnect``).
-    """
-
-    def __init__(self, app, too_large):
-        self.app, self.too_large = app, too_large
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            size = dict(scope["headers"]).get(b"content-length", b"")
-            answer = self.too_large(int(size)) if size.isdigit() else None
-            if answer is not None:
-                await answer(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def create_app(service: Service, api_key: str | None, protect_completions: bool = False,
                learn: bool = True) -> FastAPI:
     """The FastAPI application around ``service``.
@@ -120,14 +101,7 @@ def create_app(service: Service, api_key: str | None, protect_completions: bool 
 
     app = FastAPI(title="selfrl", lifespan=lifespan)
 
-    def too_large(size: int) -> JSONResponse | None:
-        limit = service.cfg.max_request_bytes
-        if size <= limit:
-            return None
-        return _error(413, f"the request body is {size} bytes; the limit is {limit} bytes (max_request_bytes)",
-                      code="request_too_large")
-
-    app.add_middleware(_BodyLimit, too_large=too_large)
+    app.add_middleware(BodyLimit, limit=service.cfg.max_request_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError):
@@ -151,17 +125,19 @@ def create_app(service: Service, api_key: str | None, protect_completions: bool 
 
     @app.post("/v1/chat/completions", dependencies=open_or_key)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
+        client = client_identity(request.headers.get("authorization"))
         if req.stream:
-            version, lines = await stream_chunks(service, req)
+            version, lines = await stream_chunks(service, req, client)
             return StreamingResponse(lines, media_type="text/event-stream", headers={VERSION_HEADER: str(version)})
-        resp = await service.complete(req, is_disconnected=request.is_disconnected)
+        resp = await service.complete(req, client, is_disconnected=request.is_disconnected)
         return JSONResponse(resp, headers={VERSION_HEADER: str(resp["adapter_version"])})
 
     responses_log = ResponseLog()
 
     @app.post("/v1/responses", dependencies=open_or_key)
     async def responses(req: ResponsesRequest, request: Request):
-        resp = await create_response(service, responses_log, req, request.is_disconnected)
+        client = client_identity(request.headers.get("authorization"))
+        resp = await create_response(service, responses_log, req, client, request.is_disconnected)
         headers = {VERSION_HEADER: str(resp["adapter_version"])}
         if req.stream:
             return StreamingResponse(iter([sse(stream_events(resp))]), media_type="text/event-stream", headers=headers)

@@ -312,8 +312,9 @@ class ResponseLog:
             self._items.popitem(last=False)
 
 
-async def create_response(service, log: ResponseLog, req: ResponsesRequest, is_disconnected=None) -> dict[str, Any]:
-    """Serve ``req`` through ``service`` as a chat completion recorded under a ``resp_`` id,
+async def create_response(service, log: ResponseLog, req: ResponsesRequest, client: str = "",
+                          is_disconnected=None) -> dict[str, Any]:
+    """Serve ``req`` for ``client`` through ``service`` as a chat completion recorded under a ``resp_`` id,
     remember its conversation in ``log``, and return the Responses object.
 
     Raises:
@@ -338,6 +339,6 @@ async def create_response(service, log: ResponseLog, req: ResponsesRequest, is_d
         first = e.errors()[0]
         raise ApiError(400, first.get("msg", "invalid request"), ".".join(map(str, first.get("loc", ()))) or None) from e
     response_id = new_response_id()
-    chat = await service.complete(chat_req, response_id=response_id, is_disconnected=is_disconnected)
+    chat = await service.complete(chat_req, client, response_id=response_id, is_disconnected=is_disconnected)
     log.add(response_id, [m.model_dump(exclude_none=True) for m in chat_req.messages], chat["choices"][0]["message"])
     return to_response(chat, req, chat_req, response_id)
