@@ -72,6 +72,11 @@ def test_openai_chat_required_and_named_tool_choice_give_calls(server, client):
     r2 = client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": "2+3?"}],
                                         tools=[other, ADD], tool_choice={"type": "function", "function": {"name": "add"}})
     assert [c.function.name for c in r2.choices[0].message.tool_calls] == ["add"]
+    chunks = list(client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": "2+3?"}],
+                                                 tools=[ADD], tool_choice="required", stream=True))
+    calls = [c for ch in chunks for d in [ch.choices[0].delta] if d.tool_calls for c in d.tool_calls]
+    assert [c.function.name for c in calls] == ["add"] and set(json.loads(calls[0].function.arguments)) == {"a", "b"}
+    assert not "".join(ch.choices[0].delta.content or "" for ch in chunks)  # no markup streamed as content
     row = served(service, r.id)
     with service.store.lock:
         traj = next(t for t in service.store.trajectories() if t.id == row["trajectory_id"])
