@@ -129,8 +129,8 @@ def engine_rows(repeats: int) -> list[list]:
     return rows
 
 
-def main() -> None:
-    args = base_parser(__doc__.splitlines()[0]).parse_args()
+def main(argv: list[str] | None = None) -> dict:
+    args = base_parser(__doc__.splitlines()[0]).parse_args(argv)
     result = envelope(args, "python benchmarks/bench_constrain.py" + (" --tiny" if args.tiny else ""))
     tok, name = tokenizer(args.tiny)
     result.update(tokenizer=name, vocab=len(tok))
@@ -147,6 +147,7 @@ def main() -> None:
     print_table(f"Constrained decoding per token ({name}, {len(tok)} ids)",
                 ["library", "setup s", "ms per token", "tokens"], rows)
     print(finish(result, "constrain", args.out))
+    return result
 
 
 if __name__ == "__main__":
