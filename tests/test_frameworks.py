@@ -70,7 +70,8 @@ def test_openai_chat_required_and_named_tool_choice_give_calls(server, client):
     other = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"enum": ["Oslo", "Paris"]}}, "required": ["city"]}}}
     r2 = client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": "2+3?"}],
-                                        tools=[other, ADD], tool_choice={"type": "function", "function": {"name": "add"}})
+                                        tools=[other, ADD],
+                                        tool_choice={"type": "function", "function": {"name": "add"}})
     assert [c.function.name for c in r2.choices[0].message.tool_calls] == ["add"]
     chunks = list(client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": "2+3?"}],
                                                  tools=[ADD], tool_choice="required", stream=True))

@@ -337,7 +337,8 @@ async def create_response(service, log: ResponseLog, req: ResponsesRequest, clie
         raise ApiError(400, str(e), e.param) from e
     except ValidationError as e:
         first = e.errors()[0]
-        raise ApiError(400, first.get("msg", "invalid request"), ".".join(map(str, first.get("loc", ()))) or None) from e
+        where = ".".join(map(str, first.get("loc", ()))) or None
+        raise ApiError(400, first.get("msg", "invalid request"), where) from e
     response_id = new_response_id()
     chat = await service.complete(chat_req, client, response_id=response_id, is_disconnected=is_disconnected)
     log.add(response_id, [m.model_dump(exclude_none=True) for m in chat_req.messages], chat["choices"][0]["message"])
