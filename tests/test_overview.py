@@ -257,3 +257,51 @@ def test_serve_report_shows_versions_feedback_and_gate_results(tmp_path, clock):
     assert "| 1 | 0 | 30 s | 6/10 = 0.600 [0.313, 0.832] | passed the gate; served |" in text
     assert "| 2 | 1 | 40 s | 3/10 = 0.300 [0.108, 0.603] | failed the gate; never served |" in text
     assert (run_dir / "plots" / "serve_overview.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def short(traj, ctx):
+    """Test reward: 1 for an immediate EOS, 0 at the token limit of both turns (24 tokens)."""
+    return 1.0 - traj.num_completion_tokens / 24
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tiny_tokenizer):
+    """A real two-iteration run of the loop on a tiny Phi, validated after every update."""
+    from conftest import save_tiny_phi
+
+    from selfrl.config import RunConfig
+    from selfrl.loop import run
+    from selfrl.rewards import REWARD_FUNCS
+
+    mp = pytest.MonkeyPatch()
+    mp.setitem(REWARD_FUNCS, "short", short)
+    cfg = RunConfig(run_dir=str(tmp_path_factory.mktemp("run") / "r"), iterations=2, num_prompts=2,
+                    num_generations=3, reward_weights={"short": 1.0})
+    cfg.model.name = str(save_tiny_phi(tmp_path_factory.mktemp("model"), tiny_tokenizer))
+    cfg.lora.r = 4
+    cfg.task.source, cfg.task.num_train = "chain_sum", 40
+    cfg.rollout.max_new_tokens, cfg.rollout.max_turns, cfg.rollout.temperature = 12, 2, 0.7
+    cfg.gate.val_size, cfg.gate.eval_every = 6, 1
+    cfg.train.learning_rate, cfg.train.micro_batch_size = 1e-2, 4
+    try:
+        result = run(cfg.validate())
+    finally:
+        mp.undo()
+    return result.run_dir
+
+
+def test_overview_of_a_real_tiny_run(tiny_run, tmp_path):
+    assert (tiny_run / "plots" / "overview.png").exists()  # the loop's own report has it
+    assert main(["report", str(tiny_run), "--out", str(tmp_path)]) == 0
+    assert "![overview](plots/overview.png)" in (tmp_path / "report.md").read_text()
+    with Store(tiny_run / "selfrl.db", readonly=True) as s:
+        marked = [m for m in (event_mark(e["kind"], e["message"]) for e in s.events()) if m is not None]
+        tl = load_timeline(s, "tiny")
+        fig = overview_figure([tl], "update")
+        trajectories = s.count_trajectories()
+    assert marked  # validated after both updates: each candidate was promoted, rejected or rolled back
+    assert [h.at.update for h in tl.heldout][0] == 0 and all(h.n == 6 for h in tl.heldout)
+    assert len(tl.heldout) >= 2 and tl.rollouts == trajectories == 12
+    for ax in fig.axes:
+        assert len(gids(ax, "event-line:")) == len(marked)
+    assert all(len(gids(ax, "heldout-band")) == 1 for ax in fig.axes[:2])
