@@ -34,7 +34,6 @@ from selfrl.stats import wilson_interval
 from selfrl.store import Store
 
 Axis = Literal["update", "rollouts", "elapsed"]
-AXES: tuple[str, ...] = ("update", "rollouts", "elapsed")
 
 
 class Mark(str, Enum):
