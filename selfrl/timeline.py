@@ -48,7 +48,7 @@ class Mark(str, Enum):
 # Stored event kind -> mark. Kinds not listed (skip, hacking, resume, ...) are not marked.
 EVENT_MARKS: dict[str, Mark] = {
     "promote": Mark.PROMOTE,
-    "swap": Mark.PROMOTE,  # selfrl serve: a promoted version was swapped in
+    "swap": Mark.PROMOTE,  # selfrl serve: a promoted version was swapped in (see load_timeline)
     "reject": Mark.REJECT,
     "rollback": Mark.ROLLBACK,
     "collapse": Mark.COLLAPSE,
@@ -232,8 +232,13 @@ def load_timeline(store: Store, label: str) -> Timeline:
 
     tl.base = base_result(store, val_n, tl.heldout)
     anchors.sort(key=lambda p: p.elapsed_s)
+    # A server that records its promotions as 'promote' also records each swap that follows;
+    # only in stores without 'promote' events (older servers) does a swap mark the promotion.
+    swaps_promote = not any(e["kind"] == "promote" for e in events)
     for e in events:
         mark = event_mark(e["kind"], e["message"])
+        if e["kind"] == "swap" and not swaps_promote:
+            mark = None
         if mark is not None:
             tl.events.append(Event(mark, e["kind"], e["message"], place(clock.elapsed(e["run_id"], e["time"]), anchors)))
     return tl

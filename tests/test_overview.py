@@ -257,6 +257,14 @@ def test_serve_report_shows_versions_feedback_and_gate_results(tmp_path, clock):
     assert "| 1 | 0 | 30 s | 6/10 = 0.600 [0.313, 0.832] | passed the gate; served |" in text
     assert "| 2 | 1 | 40 s | 3/10 = 0.300 [0.108, 0.603] | failed the gate; never served |" in text
     assert (run_dir / "plots" / "serve_overview.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with Store(run_dir / "selfrl.db", readonly=True) as s:
+        assert [(e.mark, e.at.elapsed_s) for e in load_timeline(s, "serve").events] == [
+            (Mark.PROMOTE, 31.0), (Mark.REJECT, 40.0)]
+    with Store(run_dir / "selfrl.db") as s:  # a server that records 'promote' too: its swap is not marked again
+        clock.t = 160.0
+        s.log_event(run, "promote", "version 3 promoted")
+        s.log_event(run, "swap", "serving version 3")
+        assert [e.mark for e in load_timeline(s, "serve").events] == [Mark.REJECT, Mark.PROMOTE]
 
 
 def short(traj, ctx):
