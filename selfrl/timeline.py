@@ -119,7 +119,7 @@ class Timeline:
         heldout: each held-out validation (the ``val/success`` rows) with its interval.
         base: the base model's (version 0) held-out result, or None.
         events: marked events in logging order.
-        updates: iterations logged (the largest step + 1).
+        updates: iterations whose rollout statistics were logged (the largest such step + 1).
         rollouts: trajectories stored.
         elapsed_s: recorded seconds (sessions joined, see the module docstring).
     """
@@ -213,7 +213,6 @@ def load_timeline(store: Store, label: str) -> Timeline:
         if m["name"] == "reward/mean":
             rolled.add(key)
         step = m["step"]
-        tl.updates = max(tl.updates, step + 1)
         validation = m["name"].startswith("val/") or m["name"] == "time/validation_s"
         if validation and key not in rolled:  # before this iteration: the base model, or a resumed best version
             update, rollouts = step, through(step - 1)
@@ -230,6 +229,7 @@ def load_timeline(store: Store, label: str) -> Timeline:
         if m["name"] == "val/success":
             tl.heldout.append(heldout_point(point, val_n))
 
+    tl.updates = max((step for _, step in rolled), default=-1) + 1
     tl.base = base_result(store, val_n, tl.heldout)
     anchors.sort(key=lambda p: p.elapsed_s)
     # A server that records its promotions as 'promote' also records each swap that follows;

@@ -169,6 +169,20 @@ def test_no_validation_no_band(tmp_path):
     assert len(fig.axes) == 6
 
 
+def test_a_run_killed_before_its_first_update(tmp_path):
+    with Store(tmp_path / "selfrl.db") as s:
+        run = s.start_run({})
+        s.add_version(0, None, "/a/0", "base", {"val/success": 0.5})
+        s.log_metrics(run, 0, {"time/validation_s": 3.0})
+        s.log_metrics(run, 0, {"val/success": 0.5})
+        tl = load_timeline(s, "run")
+    assert (tl.updates, tl.rollouts) == (0, 0)
+    assert [(h.at.update, h.at.value, h.n) for h in tl.heldout] == [(0, 0.5, None)]  # no task list: no interval
+    assert (tl.base.at.value, tl.base.n) == (0.5, None)
+    assert main(["report", str(tmp_path)]) == 0
+    assert "![overview](plots/overview.png)" in (tmp_path / "report.md").read_text()
+
+
 def test_selfrl_report_rebuilds_from_the_store_while_a_writer_holds_it(tmp_path, clock):
     run_dir = tmp_path / "run"
     build_run(run_dir / "selfrl.db", clock)
