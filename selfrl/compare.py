@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from selfrl.figures import overview_figure, save
-from selfrl.report import duration
+from selfrl.report import duration, run_config
 from selfrl.stats import paired_difference_ci, wilson_interval
 from selfrl.store import Store
 from selfrl.timeline import Timeline, load_timeline
@@ -27,7 +28,7 @@ from selfrl.timeline import Timeline, load_timeline
 
 @dataclass
 class RunOutcome:
-    """One compared run: its timeline and the per-task held-out results of its final version."""
+    """One compared run: its timeline, the per-task held-out results of its final version, its config."""
 
     label: str
     run_dir: Path
@@ -35,6 +36,7 @@ class RunOutcome:
     final_version: int | None
     final: dict[str, bool]  # task id -> solved
     base: dict[str, bool]
+    config: dict[str, Any]
 
 
 def load_outcome(run_dir: Path, label: str) -> RunOutcome:
@@ -51,7 +53,35 @@ def load_outcome(run_dir: Path, label: str) -> RunOutcome:
         final = store.latest_promoted()
         version = None if final is None else final["version"]
         return RunOutcome(label, Path(run_dir), timeline, version,
-                          {} if version is None else store.evaluation(version), store.evaluation(0))
+                          {} if version is None else store.evaluation(version), store.evaluation(0),
+                          run_config(Path(run_dir), store))
+
+
+def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"beta": 0.02}}`` -> ``{"train.beta": 0.02}``.
+
+    >>> flatten({"train": {"beta": 0.02}, "iterations": 4})
+    {'train.beta': 0.02, 'iterations': 4}
+    """
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def settings_table(outcomes: list[RunOutcome]) -> list[str]:
+    """The config keys whose values differ between the runs (``run_dir`` left out)."""
+    flat = [flatten(o.config) for o in outcomes]
+    keys = sorted({k for f in flat for k in f} - {"run_dir"})
+    differ = [k for k in keys if len({repr(f.get(k)) for f in flat}) > 1]
+    if not differ:
+        return ["The runs' configs do not differ (apart from their folders).", ""]
+    lines = ["| setting | " + " | ".join(o.label for o in outcomes) + " |", "|---" * (len(outcomes) + 1) + "|"]
+    lines += [f"| {k} | " + " | ".join(str(f.get(k, "")) for f in flat) + " |" for k in differ]
+    return lines + [""]
 
 
 def run_labels(run_dirs: list[Path]) -> list[str]:
@@ -122,7 +152,8 @@ def compare_runs(run_dirs: list[Path], out: Path) -> Path:
     save(overview_figure(timelines, "elapsed", f"{title}: against wall-clock time"), out / "compare_wallclock.png")
     lines = [f"# selfrl compare: {title}", "", "| run | folder |", "|---|---|"]
     lines += [f"| {o.label} | {o.run_dir} |" for o in outcomes]
-    lines += ["", "## Final held-out results", ""] + results_table(outcomes) + paired_table(outcomes)
+    lines += ["", "## Settings that differ", ""] + settings_table(outcomes)
+    lines += ["## Final held-out results", ""] + results_table(outcomes) + paired_table(outcomes)
     lines += ["## Against rollouts", "", "![against rollouts](compare_rollouts.png)", "",
               "## Against wall-clock time", "", "![against wall-clock time](compare_wallclock.png)", ""]
     path = out / "compare.md"

@@ -47,7 +47,8 @@ def build_run(db, clock, kl_scale: float = 1.0, finals: dict | None = None) -> N
     recorded as extra versions (parent 0) for the compare test."""
     s = Store(db)
     clock.t = 1000.0
-    run = s.start_run({"model": "tiny"})
+    config = {"model": {"name": "tiny"}, "train": {"beta": 0.02 * kl_scale}, "run_dir": str(db.parent)}
+    run = s.start_run(config)
     s.add_tasks([{"id": t, "question": "q"} for t in VAL], "val")
     s.add_version(0, None, "/a/0", "base", {"val/success": 0.2})
     s.add_evaluation(0, [(t, i < 2, None) for i, t in enumerate(VAL)])
@@ -81,7 +82,7 @@ def build_run(db, clock, kl_scale: float = 1.0, finals: dict | None = None) -> N
     clock.t = 1221.0
     s.log_event(run, "rollback", "version 4 rejected: held-out 0.400 < best 0.500 - 0.02; serving version 2 again")
     clock.t = 4600.0  # killed at 1221; resumed an hour later
-    run = s.start_run({"model": "tiny"})
+    run = s.start_run(config)
     s.log_event(run, "resume", "resumed at iteration 4 from version 2")
     s.log_metrics(run, 4, {"val/success": 0.5})
     iteration(4, 4640.0)
@@ -218,6 +219,7 @@ def test_selfrl_compare_writes_figures_and_the_paired_table(tmp_path, clock):
     # shared v0..v7: a = 1,1,0,0,1,0,1,0; b = 1,1,1,0,1,1,0,1; d = b - a = 0,0,1,0,0,1,-1,1
     # mean 2/8 = 0.25; s^2 = (4 * 0.0625 + 3 * 0.5625 + 1.5625) / 7 = 0.5; half = 1.96 * sqrt(0.5 / 8) = 0.49
     assert "| lr-b | 8 | +0.250 [-0.240, +0.740] |" in text
+    assert "| train.beta | 0.02 | 0.04 |" in text and "| run_dir |" not in text  # the settings that differ
     for png in ("compare_rollouts.png", "compare_wallclock.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"({png})" in text
