@@ -111,6 +111,7 @@ def overview_figure(timelines: list[Timeline], x: Axis = "update", title: str | 
     for i, (ax, (axis, _)) in enumerate(zip(axes, plan)):
         ax.set_title(PANELS[i].format(x=AXIS_LABELS[second]), fontsize=11, pad=6 + 9 * highest)
         ax.set_xlabel(axis_label(axis, unit))
+        ax.set_xlim(*x_limits(timelines, axis, unit))
         if axis != "elapsed":
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
@@ -119,6 +120,18 @@ def overview_figure(timelines: list[Timeline], x: Axis = "update", title: str | 
     fig.suptitle(title or ", ".join(t.label for t in timelines), fontsize=13)
     add_figure_legend(fig, timelines, single)
     return fig
+
+
+def x_limits(timelines: list[Timeline], axis: Axis, unit: TimeUnit) -> tuple[float, float]:
+    """From 0 to the last value or event on ``axis`` (at least 1), with a margin: the same
+    range on every panel of that axis, readable also when a run has one point so far."""
+    points = [p for t in timelines for series in t.series.values() for p in series]
+    points += [e.at for t in timelines for e in t.events]
+    hi = max([coord(p, axis, unit) for p in points] + [unit(t.elapsed_s) if axis == "elapsed" else 0.0
+                                                       for t in timelines] + [1.0])
+    if axis == "update":
+        return -0.5, hi + 0.5  # room for the bars of iteration 0 and of the last one
+    return -0.02 * hi, 1.02 * hi
 
 
 def axis_label(axis: Axis, unit: TimeUnit) -> str:

@@ -54,7 +54,7 @@ def write_report(run_dir: Path, store: Store, run_id: int, summary: dict[str, An
             ``time_inference_s``, ``time_training_s``, ``time_validation_s``
             (seconds). Any other keys are listed as they are. Missing keys are
             reported as "n/a".
-        label: the run's name on the overview figure (default: the folder name).
+        label: the run's name in the heading and on the overview figure (default: the folder).
 
     Returns:
         The path of ``report.md``.
@@ -65,8 +65,8 @@ def write_report(run_dir: Path, store: Store, run_id: int, summary: dict[str, An
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     plots = plot_metrics(store.metrics(), run_dir / "plots")  # every session of this run directory
-    lines = [f"# selfrl run report: {run_dir}", ""]
-    timeline = load_timeline(store, label or run_dir.name)
+    lines = [f"# selfrl run report: {label or run_dir}", ""]
+    timeline = load_timeline(store, Path(label).name if label else run_dir.name)
     if timeline.series:
         save(overview_figure([timeline], "update", overview_title(timeline)), run_dir / "plots" / "overview.png")
         lines += ["![overview](plots/overview.png)", "", OVERVIEW_CAPTION, ""]
@@ -232,7 +232,8 @@ def overview_title(tl: Timeline) -> str:
         first = f"{tl.base.k}/{tl.base.n}" if tl.base.n else f"{tl.base.at.value:.2f}"
         final = f"{last.k}/{last.n}" if last.n else f"{last.at.value:.2f}"
         parts.append(f"held-out {first} → {final} (last validation)")
-    parts += [f"{tl.updates} updates", f"{tl.rollouts} rollouts", duration(tl.elapsed_s)]
+    parts += [f"{tl.updates} update{'' if tl.updates == 1 else 's'}", f"{tl.rollouts} rollouts",
+              duration(tl.elapsed_s)]
     return f"{tl.label}: " + ", ".join(parts)
 
 
@@ -310,4 +311,4 @@ def rebuild_report(run_dir: Path, out: Path | None = None) -> Path:
 
             return write_serve_report(out, store, run_dir.name)
         summary = summary_from_store(store, run_config(run_dir, store))
-        return write_report(out, store, runs[-1]["id"] if runs else 0, summary, label=run_dir.name)
+        return write_report(out, store, runs[-1]["id"] if runs else 0, summary, label=str(run_dir))
