@@ -214,3 +214,19 @@ def counts(store: Store) -> dict[str, int]:
         "SELECT COUNT(*) FROM served WHERE status = 'pending' AND feedback IS NOT NULL").fetchone()[0])
     out["feedback_messages"] = int(store.conn.execute("SELECT COUNT(*) FROM feedback").fetchone()[0])
     return out
+
+
+def turn_history(store: Store) -> list[dict[str, Any]]:
+    """Every served turn, oldest first: ``{run_id, created_at, adapter_version, status,
+    trained_in, feedback, feedback_source}`` (for the serving report)."""
+    rows = store.conn.execute(
+        "SELECT t.run_id, s.created_at, t.adapter_version, s.status, s.trained_in, s.feedback, s.feedback_source"
+        " FROM served s JOIN trajectories t ON t.id = s.trajectory_id ORDER BY s.created_at"
+    )
+    return [dict(r) for r in rows]
+
+
+def feedback_history(store: Store) -> list[dict[str, Any]]:
+    """Every feedback message as it arrived, oldest first: ``{created_at, source, value}``."""
+    rows = store.conn.execute("SELECT created_at, source, value FROM feedback ORDER BY created_at, id")
+    return [dict(r) for r in rows]
