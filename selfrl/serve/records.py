@@ -189,6 +189,22 @@ def mark(store: Store, scored: list[Trajectory], status: str, version: int | Non
                                (status, version, t.id))
 
 
+def mark_cut_off(store: Store, response_id: str, reason: str) -> int:
+    """Mark every choice of ``response_id`` cut off: its trajectory gets ``error`` =
+    ``reason`` and ``truncated``, its served row ``skipped`` (never trained on), in one
+    transaction. Returns the number of turns marked."""
+    rows = store.conn.execute(
+        "SELECT t.id, t.data_json FROM served s JOIN trajectories t ON t.id = s.trajectory_id"
+        " WHERE s.response_id = ?", (response_id,)).fetchall()
+    with store.conn:
+        for r in rows:
+            data = json.loads(r["data_json"])
+            data.update(error=reason, truncated=True)
+            store.conn.execute("UPDATE trajectories SET data_json = ? WHERE id = ?", (to_json(data), r["id"]))
+            store.conn.execute("UPDATE served SET status = 'skipped' WHERE trajectory_id = ?", (r["id"],))
+    return len(rows)
+
+
 def counts(store: Store) -> dict[str, int]:
     """Served turns by status, and how many pending ones have feedback."""
     out = {s: 0 for s in ("pending", "trained", "skipped")}
