@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from typing import Any
 
 from selfrl import adapters
 from selfrl.atomic import write_atomic
-from selfrl.chat import prompt_ids, template_supports_tools
+from selfrl.chat import prompt_ids, template_supports_tools, template_wraps_tool_responses
 from selfrl.engine import Generation
 from selfrl.engines import make_engine
 from selfrl.serve import records
@@ -36,17 +35,17 @@ from selfrl.serve.feedback import (
     default_group_key,
     explicit_value,
 )
+from selfrl.serve.limits import parse_version_suffix
+from selfrl.serve.logprobs import bytes_text, char_offsets, char_to_byte_spans, content_entries, token_bytes
 from selfrl.serve.protocol import (
     ChatCompletionRequest,
     FeedbackRequest,
     client_tools,
-    parse_completion,
+    split_completion,
     to_chat,
 )
 from selfrl.store import Store
 from selfrl.trajectory import Trajectory
-
-_VERSION_RE = re.compile(r"@v(\d+)$")
 
 
 class ApiError(Exception):
@@ -70,6 +69,8 @@ class Prepared:
     version: int | None
     parent: dict[str, Any] | None
     group_key: str
+    client: str = ""  # the client identity (selfrl.serve.feedback.client_identity)
+    constraint: Any = None  # a selfrl.constrain.Constraint when tool_choice/response_format constrain decoding
     response_id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -260,8 +261,9 @@ class Service:
 
     # -- requests ----------------------------------------------------------------------
 
-    def prepare(self, req: ChatCompletionRequest) -> Prepared:
-        """Validate a request and build its prompt; applies implicit corrections.
+    def prepare(self, req: ChatCompletionRequest, client: str = "") -> Prepared:
+        """Validate a request from ``client`` and build its prompt; applies implicit corrections
+        (to ``client``'s own turns only, see ``selfrl.serve.feedback``).
 
         Raises:
             ApiError: 400 for settings selfrl cannot honour, non-text content or a prompt
@@ -270,19 +272,23 @@ class Service:
         problem = req.unsupported()
         if problem:
             raise ApiError(400, problem, problem.split()[0])
+        if req.logprobs and req.top_logprobs and not self.batcher.supports("top_logprobs"):
+            raise ApiError(400, f"top_logprobs is not supported by the {self.cfg.engine!r} engine backend; "
+                           "the reference engine supports it", "top_logprobs")
         if req.tool_choice not in (None, "none", "auto") and not req.tools:
             raise ApiError(400, "tool_choice needs tools", "tool_choice")
         if isinstance(req.tool_choice, dict):
             name = req.tool_choice["function"]["name"]
             if name not in {t.function.name for t in req.tools}:
                 raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", "tool_choice")
-        version = None
-        m = _VERSION_RE.search(req.model)
-        if m:
-            version = int(m.group(1))
+        try:
+            version = parse_version_suffix(req.model)
+        except ValueError as e:
+            raise ApiError(404, f"model {req.model[:64]!r}...: {e}", "model", "model_not_found") from None
+        if version is not None:
             self.check_servable(version)
         try:
-            chat = to_chat(req, self.native_tools, self.cfg.tools_prompt)
+            chat = to_chat(req, self.native_tools, self.cfg.tools_prompt, not template_wraps_tool_responses(self.tok))
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from e
         tools = [t.model_dump() for t in req.tools] if (req.tools and self.native_tools) else None
@@ -298,18 +304,46 @@ class Service:
             raise ApiError(400, f"max_tokens {req.token_limit} + prompt {len(prompt)} tokens exceeds the context "
                            f"of {self.context} tokens", "max_tokens", "context_length_exceeded")
         limit = req.token_limit or min(self.cfg.max_tokens_default, room)
+        constraint = self.constraint_for(req)
         messages = [msg.model_dump(exclude_none=True) for msg in req.messages]
-        parent = self._link(messages) if req.record else None
+        parent = self._link(messages, client) if req.record else None
         group = req.task_key or (parent["group_key"] if parent else default_group_key(messages))
-        return Prepared(req, messages, chat, prompt, limit, version, parent, group)
+        return Prepared(req, messages, chat, prompt, limit, version, parent, group, client,
+                        constraint=constraint)
 
-    def _link(self, messages: list[dict[str, Any]]) -> dict[str, Any] | None:
-        """The served turn this request continues (and an implicit correction of it), or None."""
+    def constraint_for(self, req: ChatCompletionRequest):
+        """The grammar ``req``'s decoding must follow (``selfrl.serve.structured``), or None.
+
+        Raises:
+            ApiError: 400 when the grammar does not compile (an unsupported schema);
+                501 when the engine cannot constrain decoding (never ignored).
+        """
+        from selfrl.constrain import ConstraintError, check_constraint
+        from selfrl.serve.structured import request_constraint
+
+        tools = [(t.function.name, t.function.parameters) for t in req.tools or []]
+        constraint = request_constraint(tools, req.tool_choice, req.response_format)
+        if constraint is None:
+            return None
+        param = "response_format" if constraint.kind == "json" else "tool_choice"
+        if not getattr(self.engine, "supports_constraints", False):
+            raise ApiError(501, f"the {getattr(self.engine, 'name', type(self.engine).__name__)} engine cannot "
+                           f"constrain decoding, which this request's {param} needs; serve with the reference "
+                           "engine", param, "constraints_unsupported")
+        vocab = self.engine.model.get_output_embeddings().weight.shape[0]
+        try:
+            check_constraint(constraint, self.tok, vocab, self.engine.eos_token_ids)
+        except ConstraintError as e:
+            raise ApiError(400, str(e), param, "invalid_schema") from e
+        return constraint
+
+    def _link(self, messages: list[dict[str, Any]], client: str) -> dict[str, Any] | None:
+        """The turn served to ``client`` this request continues (and an implicit correction of it), or None."""
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
         if last is None:
             return None
         with self.store.lock:
-            parent = records.find_by_continuation(self.store, conversation_key(messages[:last + 1]))
+            parent = records.find_by_continuation(self.store, conversation_key(messages[:last + 1]), client)
         if parent is None:
             return None
         after = [m for m in messages[last + 1:] if m["role"] == "user"]
@@ -327,8 +361,11 @@ class Service:
         req = p.req
         greedy = req.temperature == 0
         temperature = 1.0 if req.temperature is None else req.temperature
+        top = (req.top_logprobs or 0) if req.logprobs else 0
         return [Job(p.prompt, p.limit, temperature, req.top_p or 1.0, greedy, p.version, tuple(req.stops),
-                    None if on_tokens is None else (lambda ids, i=i: on_tokens(i, ids))) for i in range(req.n)]
+                    None if on_tokens is None else (lambda ids, *step, i=i: on_tokens(i, ids, *step)), top,
+                    bool(req.logprobs) and on_tokens is not None, constraint=p.constraint)
+                for i in range(req.n)]
 
     def finish(self, p: Prepared, gens: list[Generation], seconds: float) -> dict[str, Any]:
         """Build the OpenAI response for finished generations and record each choice."""
@@ -337,21 +374,27 @@ class Service:
         version = gens[0].adapter_version
         for i, g in enumerate(gens):
             ids, finished = list(g.token_ids), g.finished
-            text = self.tok.decode(ids, skip_special_tokens=True)
+            pieces = token_bytes(self.tok, ids)
+            text = bytes_text(pieces)  # the sampled bytes, special tokens left out, never cleaned up
             stopped = g.stopped  # the engine cut the row right after a stop string
             for s in p.req.stops:
                 if s in text:
                     text = text[:text.index(s)]
-            content, calls, records_ = parse_completion(text, tools)
+            parts = split_completion(text, tools)
+            content, calls, records_ = parts.content, parts.tool_calls, parts.records
             finish = "tool_calls" if calls else ("stop" if finished or stopped else "length")
             message = {"role": "assistant", "content": content}
+            if parts.reasoning:
+                message["reasoning_content"] = parts.reasoning
             if calls:
                 message["tool_calls"] = calls
             choice = {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
             if p.req.logprobs:
-                choice["logprobs"] = {"content": [
-                    {"token": self.tok.decode([t]), "logprob": lp, "bytes": list(self.tok.decode([t]).encode()),
-                     "top_logprobs": []} for t, lp in zip(ids, g.logprobs)]}
+                top = None
+                if g.top_logprobs is not None:
+                    top = [[(token_bytes(self.tok, [t])[0], lp) for t, lp in alts] for alts in g.top_logprobs]
+                spans = char_to_byte_spans(text, parts.spans, char_offsets(b"".join(pieces)))
+                choice["logprobs"] = {"content": content_entries(pieces, g.logprobs, spans, top), "refusal": None}
             choices.append(choice)
             completion_tokens += len(ids)
             if p.req.record:
@@ -367,9 +410,11 @@ class Service:
 
     def _record(self, p: Prepared, i: int, g: Generation, message: dict, calls, content, truncated, seconds) -> None:
         P = len(p.prompt)
+        # a token sampled under a grammar's restriction stays out of the loss (selfrl.constrain)
+        trained = [0 if c else 1 for c in g.constrained] if g.constrained is not None else [1] * len(g.token_ids)
         traj = Trajectory(
             task_id=p.group_key, group_id=p.group_key, adapter_version=g.adapter_version, prompt_len=P,
-            token_ids=list(p.prompt) + list(g.token_ids), completion_mask=[0] * P + [1] * len(g.token_ids),
+            token_ids=list(p.prompt) + list(g.token_ids), completion_mask=[0] * P + trained,
             logprobs=[0.0] * P + list(g.logprobs), messages=[*p.chat, {"role": "assistant", "content":
                                                                        self.tok.decode(g.token_ids, skip_special_tokens=True)}],
             tool_calls=calls, final_answer=None if message.get("tool_calls") else content, truncated=truncated,
@@ -378,14 +423,32 @@ class Service:
         conversation = p.parent["conversation_id"] if p.parent else uuid.uuid4().hex
         key = conversation_key([*p.messages, message])
         with self.store.lock:
-            records.add_turn(self.store, self.run_id, traj, p.response_id, i, conversation, p.group_key, key)
+            records.add_turn(self.store, self.run_id, traj, p.response_id, i, conversation, p.group_key, key, p.client)
 
-    async def complete(self, req: ChatCompletionRequest) -> dict[str, Any]:
-        """A non-streaming chat completion."""
-        p = await asyncio.to_thread(self.prepare, req)  # tokenizing a long prompt must not block the loop
+    async def complete(self, req: ChatCompletionRequest, client: str = "", response_id: str | None = None,
+                       is_disconnected=None) -> dict[str, Any]:
+        """A non-streaming chat completion for ``client`` (recorded under ``response_id``
+        when given: the Responses API's ``resp_`` ids).
+
+        Args:
+            is_disconnected: the HTTP request's ``is_disconnected``; a client that leaves
+                before the end has its turn cut off (``selfrl.serve.disconnect``).
+
+        Raises:
+            ApiError: as :meth:`prepare`; 499 when the client disconnected (nobody reads it).
+        """
+        from selfrl.serve.disconnect import await_jobs
+
+        p = await asyncio.to_thread(self.prepare, req, client)  # tokenizing a long prompt must not block the loop
+        if response_id is not None:
+            p.response_id = response_id
         t0 = time.perf_counter()
-        futures = [self.batcher.submit(j) for j in self.jobs(p)]
-        gens = [await asyncio.wrap_future(f) for f in futures]
+        jobs = self.jobs(p)
+        for j in jobs:
+            self.batcher.submit(j)
+        gens = await await_jobs(self, p, jobs, t0, is_disconnected)
+        if gens is None:
+            raise ApiError(499, "the client disconnected", code="client_disconnected")
         return await asyncio.to_thread(self.finish, p, gens, time.perf_counter() - t0)
 
     def feedback(self, f: FeedbackRequest) -> dict[str, Any]:
