@@ -197,9 +197,16 @@ class FunctionCallingEnv(Env):
         "gate.val_size": 96, "task.num_train": 400,
     }
 
-    def __init__(self, categories: list[str] | None = None, max_per_category: int | None = None):
+    def __init__(self, categories: list[str] | None = None, max_per_category: int | None = None,
+                 shots: int = 0, max_params: int | None = None):
         """``categories``: the BFCL categories to use (default: all of ``CATEGORIES``);
-        ``max_per_category``: keep only the first tasks of each (in hash order).
+        ``max_per_category``: keep only the first tasks of each (in hash order);
+        ``shots``: worked examples shown before each task: 0 is the one fixed ``get_weather``
+        example, k > 0 is k real BFCL tasks of the same categories solved with their first
+        possible answer (the k-shot prompt baseline; they are never held out: they come from
+        the end of the hash order and are removed from the task pool);
+        ``max_params``: keep only tasks whose functions have at most this many parameters
+        each (an easier subset).
 
         Raises:
             ValueError: an unknown category (lists the valid ones).
@@ -213,7 +220,19 @@ class FunctionCallingEnv(Env):
         for c in cats:
             tasks = sorted((self._task(c, item) for item in load_bfcl(c)),
                            key=lambda t: hashlib.sha256(t.metadata["bfcl_id"].encode()).hexdigest())
+            if max_params is not None:
+                tasks = [t for t in tasks if all(len(f.get("parameters", {}).get("properties", {})) <= max_params
+                                                 for f in t.metadata["functions"])]
             self.by_category[c] = tasks[:max_per_category] if max_per_category else tasks
+        if shots < 0:
+            raise ValueError(f"shots must be >= 0, got {shots}")
+        examples: list[Task] = []
+        for i in range(shots):  # round-robin over the categories, from the end of each list
+            c = cats[i % len(cats)]
+            if len(self.by_category[c]) < 2:
+                raise ValueError(f"category {c!r} has too few tasks for {shots} shots")
+            examples.append(self.by_category[c].pop())
+        self.demonstration = _shots(examples) if examples else DEMONSTRATION
 
     def _task(self, category: str, item: dict) -> Task:
         turns = item["question"][0]
@@ -252,7 +271,9 @@ class FunctionCallingEnv(Env):
         return train, val
 
     def make_env(self, task: Task) -> _CallState:
-        return _CallState(task.metadata["functions"])
+        state = _CallState(task.metadata["functions"])
+        state.demonstration = self.demonstration
+        return state
 
     def trajectory_answer(self, traj: Trajectory) -> str | None:
         return canonical_calls(traj.env_state)
@@ -270,6 +291,23 @@ class FunctionCallingEnv(Env):
             raise ValueError(f"task {task.id} is from source {task.source!r}, not {self.name!r}")
         calls = json.loads(answer) if answer else []
         return ast_score(calls, task.metadata["ground_truth"], task.metadata["functions"])[1]
+
+
+def _shots(examples: list[Task]) -> list[dict[str, str]]:
+    """Worked examples: each task's question, then its first possible answer as calls."""
+    out: list[dict[str, str]] = []
+    for t in examples:
+        calls = [{"name": name, "arguments": {p: v[0] for p, v in args.items() if v and v[0] != ""}}
+                 for answer in t.metadata["ground_truth"] for name, args in answer.items()]
+        out.append({"role": "user", "content": t.question})
+        if calls:
+            out.append({"role": "assistant", "content": "".join(
+                f"<tool_call>{json.dumps(c)}</tool_call>" for c in calls)})
+            out.append({"role": "tool", "content": "<tool_response>\ndone\n</tool_response>"})
+            out.append({"role": "assistant", "content": "Done."})
+        else:
+            out.append({"role": "assistant", "content": "None of the functions fits this request."})
+    return out
 
 
 def _quotas(sizes: dict[str, int], n: int) -> dict[str, int]:
