@@ -109,6 +109,7 @@ class RunConfig:
             (self.train.skip_max_reward_spread > 0, "train.skip_max_reward_spread must be > 0"),
             (self.train.skip_max_kl > 0, "train.skip_max_kl must be > 0"),
             (self.train.skip_max_grad_norm > 0, "train.skip_max_grad_norm must be > 0"),
+            (self.train.tis_cap >= 0, "train.tis_cap must be >= 0 (0 turns the off-policy correction off)"),
             (self.collapse.baseline_window >= 1, "collapse.baseline_window must be >= 1"),
             (0 <= self.collapse.entropy_min_ratio < 1 < self.collapse.entropy_max_ratio,
              "collapse needs 0 <= entropy_min_ratio < 1 < entropy_max_ratio"),

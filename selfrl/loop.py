@@ -208,7 +208,8 @@ class Runner:
         hacking = self.monitor.apply(trajs)  # reward-hacking detectors: a flagged trajectory earns at most 0
         for alert in self.monitor.pop_alerts():
             self.store.log_event(self.run_id, "hacking", f"iteration {it}: {alert}")
-        adv = group_advantages([t.reward for t in trajs], [t.group_id for t in trajs], cfg.train.scale_rewards)
+        adv = group_advantages([t.reward for t in trajs], [t.group_id for t in trajs], cfg.train.scale_rewards,
+                               num_completion_tokens=[t.num_completion_tokens for t in trajs])
         for t, a in zip(trajs, adv.advantages):
             t.advantage = a
         self.store.add_trajectories(self.run_id, it, trajs)

@@ -142,7 +142,8 @@ class BackgroundLearner(threading.Thread):
             (scored if traj.reward is not None else unscored).append(traj)
         if scored:
             adv = group_advantages([t.reward for t in scored], [t.group_id for t in scored],
-                                   self.cfg.train.scale_rewards)
+                                   self.cfg.train.scale_rewards,
+                                   num_completion_tokens=[t.num_completion_tokens for t in scored])
             for t, a in zip(scored, adv.advantages):
                 t.advantage = a
         return scored, unscored
