@@ -34,7 +34,7 @@ __all__ = [
     "format_reward",
     "get_preset",
     "get_reward_func",
-    "execution_agreement",
+    "agreement",
     "length_penalty",
     "normalize_answer",
     "partial_credit",
@@ -62,7 +62,7 @@ class RewardContext:
     task: Task
     source: TaskSource
     group: list[Trajectory]
-    cache: dict = field(default_factory=dict)  # per-group results a reward computes once (execution_agreement)
+    cache: dict = field(default_factory=dict)  # per-group results a reward computes once (agreement)
 
 
 RewardFunc = Callable[[Trajectory, RewardContext], "float | None"]
@@ -189,12 +189,14 @@ def partial_credit(traj: Trajectory, ctx: RewardContext) -> float:
     return float(ctx.source.score(ctx.task, ctx.source.trajectory_answer(traj)))
 
 
-def execution_agreement(traj: Trajectory, ctx: RewardContext) -> float | None:
-    """Label-free agreement of the group's programs on inputs the model wrote (CodeT-style).
+def agreement(traj: Trajectory, ctx: RewardContext) -> float | None:
+    """Label-free agreement of this sample with the rest of its group, as its environment defines it.
 
     The source computes it once per group with ``source.agreement_scores(task, group)``
-    (``{trajectory id: score or None}``, see ``selfrl.envs.code``); a source
-    without that method falls back to ``self_consistency`` on extracted answers.
+    (``{trajectory id: score or None}``): CodeT-style execution agreement for code
+    (``selfrl.envs.code``), call agreement for function calling
+    (``selfrl.envs.function_calling``). A source without that method falls back to
+    ``self_consistency`` on extracted answers.
     """
     scorer = getattr(ctx.source, "agreement_scores", None)
     if scorer is None:
@@ -252,7 +254,7 @@ REWARD_FUNCS: dict[str, RewardFunc] = {
     "tool_success": tool_success,
     "format": format_reward,
     "partial_credit": partial_credit,
-    "execution_agreement": execution_agreement,
+    "agreement": agreement,
     "user_correction": user_correction,
     "length_penalty": length_penalty,
 }
@@ -415,9 +417,9 @@ register_preset("code", {"verifier": 1.0},
                 "code: 1 when the final program passes the task's hidden tests in the sandbox. "
                 "Gamed by: special-casing the inputs visible in the docstring's examples when the hidden "
                 "tests are few; reading the tests is impossible (they run after the answer, in the sandbox).")
-register_preset("code-label-free", {"execution_agreement": 1.0},
-                "code without tests (CodeT-style): the share of the group whose programs give the same outputs "
-                "as this one on inputs the samples proposed. Gamed by: programs that all fail the same way "
+register_preset("code-label-free", {"agreement": 1.0},
+                "code without tests (CodeT-style): the share of the other samples whose programs give the same "
+                "outputs as this one on inputs the samples wrote. Gamed by: programs that all fail the same way "
                 "(or return a constant) agree; weak when most samples are wrong.")
 register_preset("function_calling", {"verifier": 1.0},
                 "function calling: 1 when the calls match BFCL's possible answers by AST (function names, "
@@ -427,6 +429,6 @@ register_preset("function_calling-partial", {"partial_credit": 1.0},
                 "function calling with partial credit: 0.5 for the right function name(s), 0.5 x the share of "
                 "right arguments; 1 only for an exact AST match. Gamed by: the right name with junk arguments "
                 "earns 0.5; the gate measures exact matches.")
-register_preset("function_calling-label-free", {"self_consistency": 1.0},
-                "function calling without answers: 1 for making the group's majority call (canonical JSON of "
-                "names and arguments). Gamed by: a constant call (or no call) agrees perfectly.")
+register_preset("function_calling-label-free", {"agreement": 1.0},
+                "function calling without answers: the share of the other samples that made the same calls "
+                "(BFCL's normalisation; order ignored). Gamed by: a constant call, or never calling, agrees perfectly.")

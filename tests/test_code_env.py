@@ -35,9 +35,9 @@ def test_model_code_cannot_reach_the_network_or_write_the_host():
 
     target = Path(__file__).resolve().parent / "escaped-by-model-code.txt"  # the host's /tmp is not visible
     out = run_python(f"open({str(target)!r}, 'w').write('x')")
-    assert "Read-only file system" in out and not target.exists()
+    assert "exit code 1" in out and not target.exists()  # /work is invisible inside the sandbox
     assert "Network is unreachable" in run_python("import socket; socket.create_connection(('1.1.1.1', 80), 2)")
-    assert run_python("print(6 * 7)") == "42"
+    assert run_python("print(6 * 7)") == "exit code 0\nstdout:\n42\n"
 
 
 def test_extract_program_takes_the_last_fenced_block():
@@ -55,7 +55,7 @@ def test_scripted_agent_uses_run_python_then_answers_and_is_rewarded():
     ])
     cfg = RolloutConfig(max_turns=3, tools=["run_python"])
     [traj] = scripted_rollout(lambda t, m: next(calls), [task], resolve_tools(["run_python"]), cfg, ENV.make_env)
-    assert traj.tool_calls[0].ok and traj.tool_calls[0].result == "0.5"
+    assert traj.tool_calls[0].ok and traj.tool_calls[0].result == "exit code 0\nstdout:\n0.5\n"
     score_group([traj], task, ENV, get_preset("code"))
     assert traj.correct and traj.reward == 1.0
 
@@ -72,8 +72,9 @@ def test_execution_agreement_pays_the_majority_behaviour_without_labels():
         trajs += scripted_rollout(lambda t, m, s=seq: next(s), [task], resolve_tools(["run_python"]),
                                   RolloutConfig(max_turns=2, tools=["run_python"]), ENV.make_env, group_ids=["g"])
     score_group(trajs, task, ENV, get_preset("code-label-free"))
-    # inputs: the docstring's truncate_number(3.5) and the samples' truncate_number(2.25)
-    assert [t.rewards["execution_agreement"] for t in trajs] == [0.5, 0.5, 0.25, 0.0]
+    # inputs: the docstring's truncate_number(3.5) and the samples' truncate_number(2.25); a score is
+    # the share of the 3 other samples with equal outputs on both; no program scores 0
+    assert [t.rewards["agreement"] for t in trajs] == [1 / 3, 1 / 3, 0.0, 0.0]
     assert [t.correct for t in trajs] == [True, True, False, False]  # accounting only
 
 

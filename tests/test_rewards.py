@@ -138,9 +138,9 @@ def test_format(task, source, text, expected):
 
 def test_registry_and_presets():
     assert set(REWARD_FUNCS) == {"verifier", "self_consistency", "tool_success", "format", "webshop_naive",
-                                 "partial_credit", "execution_agreement", "user_correction", "length_penalty"}
+                                 "partial_credit", "agreement", "user_correction", "length_penalty"}
     assert get_reward_func("format") is format_reward
-    with pytest.raises(ValueError, match="valid names: execution_agreement, format, length_penalty, partial_credit, "
+    with pytest.raises(ValueError, match="valid names: agreement, format, length_penalty, partial_credit, "
                        "self_consistency, tool_success, user_correction, verifier, webshop_naive"):
         get_reward_func("nope")
     assert get_preset("verified") == {"verifier": 1.0, "tool_success": 0.2}

@@ -11,8 +11,9 @@ function in the sandbox: 1.0 or 0.0. Label-free: ``agreement_scores`` (CodeT-sty
 execution agreement, for the ``code-label-free`` preset). Worked example: one
 ``run_python`` try on a problem that is not in HumanEval.
 
-Every execution of model-written code goes through ``run_sandboxed``
-(bubblewrap: no network, read-only file system, own /tmp, time and memory limits).
+Every execution of model-written code goes through ``selfrl.sandbox.Sandbox``
+(bubblewrap: no network, the host's files invisible, own /tmp, time and memory
+limits; see docs/sandbox.md); the tests run through ``selfrl.codeexec.run_tests``.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections import Counter
 from typing import Any, ClassVar
 
-from selfrl.envs._interim import load_humaneval, run_sandboxed
+from selfrl.codeexec import CodeTask, execution_agreement, load_humaneval, run_on_inputs, run_tests
+from selfrl.sandbox import Limits, Sandbox
 from selfrl.envs.base import Env
 from selfrl.envs.registry import register_env
 from selfrl.tasks import Task, assert_disjoint
@@ -32,17 +33,22 @@ from selfrl.trajectory import Trajectory
 
 __all__ = ["CodeEnv", "extract_program", "run_python"]
 
-TIMEOUT_S = 5.0
+TIMEOUT_S = 5.0  # wall-clock limit of one run_python call (seconds)
+TEST_TIMEOUT_S = 10.0  # wall-clock limit of one hidden-test run (seconds)
+_SANDBOXES: dict[float, Sandbox] = {}
+
+
+def sandbox(wall_seconds: float) -> Sandbox:
+    """The shared sandbox with this wall limit ("auto": bubblewrap, else the documented fallback, with a warning)."""
+    if wall_seconds not in _SANDBOXES:
+        _SANDBOXES[wall_seconds] = Sandbox(Limits(wall_seconds=wall_seconds))
+    return _SANDBOXES[wall_seconds]
 _FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)(?:```|$)", re.S)
 
 
 def run_python(code: str) -> str:
-    """The ``run_python`` tool: run ``code`` in the sandbox; its stdout and stderr (truncated)."""
-    res = run_sandboxed(code, timeout_s=TIMEOUT_S, max_output=600)
-    if res.timed_out:
-        return f"timed out after {TIMEOUT_S:.0f} s"
-    text = (res.stdout + res.stderr).strip()
-    return text[-600:] if text else f"(no output, exit code {res.returncode})"
+    """The ``run_python`` tool: run ``code`` in the sandbox; its exit, stdout and stderr (cut to 600 characters)."""
+    return sandbox(TIMEOUT_S).run_python(code).as_tool_output(600)
 
 
 RUN_PYTHON = register_tool(Tool(
@@ -120,11 +126,12 @@ class CodeEnv(Env):
         problems = load_humaneval()
         self.problems = problems[:limit] if limit else problems
 
-    def _task(self, p: dict) -> Task:
+    def _task(self, p: CodeTask) -> Task:
         question = ("Complete this Python function. Answer with the whole function in a ```python block.\n"
-                    f"```python\n{p['prompt']}```")
-        meta = {"problem_id": p["task_id"], "prompt": p["prompt"], "test": p["test"], "entry_point": p["entry_point"]}
-        return Task.make(self.name, question, p["canonical_solution"], meta)
+                    f"```python\n{p.prompt}```")
+        meta = {"problem_id": p.task_id, "prompt": p.prompt, "entry_point": p.entry_point,
+                "tests": list(p.tests), "setup": p.setup}
+        return Task.make(self.name, question, p.reference[len(p.prompt):], meta)
 
     def _ordered(self) -> list[Task]:
         tasks = [self._task(p) for p in self.problems]
@@ -168,42 +175,38 @@ class CodeEnv(Env):
             raise ValueError(f"task {task.id} is from source {task.source!r}, not {self.name!r}")
         if not answer:
             return 0.0
-        program = _program(task, answer) + "\n\n" + task.metadata["test"] + f"\n\ncheck({task.metadata['entry_point']})\n"
-        return 1.0 if run_sandboxed(program, timeout_s=TIMEOUT_S).ok else 0.0
+        return 1.0 if run_tests(_code_task(task), _program(task, answer), sandbox(TEST_TIMEOUT_S)).all_passed else 0.0
 
     # -- label-free: CodeT-style execution agreement ----------------------------------------
 
     def agreement_scores(self, task: Task, group: list[Trajectory]) -> dict[str, float | None]:
-        """CodeT-style agreement (Chen et al. 2022, "CodeT: Code Generation with Generated Tests"),
-        simplified: the inputs are the ``entry_point(...)`` calls the group's samples wrote in their
-        ``run_python`` tries, plus the docstring's ``>>>`` examples; each program runs on all of them
-        in one sandboxed process; a program's score is the share of the group's programs whose
-        outputs equal its own. Departs from CodeT: no dual agreement with generated expected
-        outputs; a sample without a program scores 0. None for every sample when there are no inputs.
+        """CodeT-style execution agreement (``selfrl.codeexec.execution_agreement``): the share of
+        the other samples whose programs give the same outputs on every input. The inputs are
+        the argument lists of the ``entry_point(...)`` calls in the docstring's examples and in
+        the samples' ``run_python`` tries (model-written). None for every sample when there are
+        no inputs or fewer than 2 samples; a sample without a program scores 0.
         """
         entry = task.metadata["entry_point"]
-        inputs = _calls_in(task.metadata["prompt"], entry)
+        calls = _calls_in(task.metadata["prompt"], entry)
         for t in group:
             for call in t.tool_calls:
                 if call.name == "run_python" and isinstance(call.arguments.get("code"), str):
-                    inputs += _calls_in(call.arguments["code"], entry)
-        inputs = sorted(set(inputs))[:16]
-        if not inputs:
+                    calls += _calls_in(call.arguments["code"], entry)
+        inputs = sorted({c[len(entry) + 1:-1] for c in calls})[:16]  # "f(3, [1])" -> "3, [1]"
+        if not inputs or len(group) < 2:
             return {t.id: None for t in group}
-        outputs: dict[str, str | None] = {}
+        outputs = []
         for t in group:
             code = self.extract_answer(t.final_answer or "")
-            outputs[t.id] = None if not code else self._outputs(task, code, inputs)
-        counts = Counter(o for o in outputs.values() if o is not None)
-        n = len(group)
-        return {tid: (0.0 if o is None else counts[o] / n) for tid, o in outputs.items()}
+            outputs.append([None] * len(inputs) if not code else
+                           run_on_inputs(_program(task, code), entry, inputs, sandbox(TEST_TIMEOUT_S)))
+        return dict(zip((t.id for t in group), execution_agreement(outputs)))
 
-    def _outputs(self, task: Task, code: str, inputs: list[str]) -> str | None:
-        """The program's outputs on ``inputs`` (one repr per line, errors as their type), or None when it does not run."""
-        lines = [f"try:\n    print(repr(eval({x!r})))\nexcept Exception as e:\n    print(type(e).__name__)"
-                 for x in inputs]  # eval: an input that does not parse fails alone
-        res = run_sandboxed(_program(task, code) + "\n\n" + "\n".join(lines) + "\n", timeout_s=TIMEOUT_S)
-        return res.stdout if res.ok else None
+
+def _code_task(task: Task) -> CodeTask:
+    m = task.metadata
+    return CodeTask(m["problem_id"], m["prompt"], m["entry_point"], tuple(m["tests"]), setup=m["setup"],
+                    source="humaneval")
 
 
 def _calls_in(code: str, entry: str) -> list[str]:

@@ -8,16 +8,14 @@ fits, the right answer is no call). ``[task] options.categories`` picks the mix
 hash of the BFCL id; the held-out set takes ``n_val`` tasks spread over the
 categories in proportion to their size, training takes the rest.
 
-Tools: the task's function schemas (BFCL types mapped to JSON schema), bound to
-a per-trajectory state that records the calls; the episode ends after the first
-turn that made a call. Verifier: BFCL's AST match (``ast_score``): the same
-functions, each required argument present, every argument known, each value
-among the possible answers (strings compared as BFCL does: case, spaces and
-punctuation ignored; an int accepted for a float); parallel calls matched in
-any order; no call at all for irrelevance. ``score`` gives partial credit
-(0.5 for the right function names, 0.5 x the share of right argument values,
-capped below 1); ``correct`` is the exact match only. The answer is the calls
-as canonical JSON, so ``self_consistency`` is agreement across samples.
+Tools: the task's function schemas (``selfrl.bfcl.to_openai_tools``), bound to a
+per-trajectory state that records the calls; the episode ends after the first
+turn that made a call. Verifier: BFCL's AST match (``selfrl.bfcl.ast_match``,
+equal to bfcl-eval's own checker); ``correct`` is the exact match only. ``score``
+gives partial credit below it (``partial_score``: 0.5 for the right function
+names, 0.5 x the share of right argument values, at most 0.9), for the
+``function_calling-partial`` preset. The answer is the calls as canonical JSON;
+``agreement_scores`` is ``selfrl.bfcl.call_agreement`` (label-free).
 """
 
 from __future__ import annotations
@@ -27,30 +25,16 @@ import json
 import re
 from typing import Any, ClassVar
 
-from selfrl.envs._interim import BFCL_FILES, load_bfcl
+from selfrl import bfcl
 from selfrl.envs.base import Env
 from selfrl.envs.registry import register_env
 from selfrl.tasks import Task, assert_disjoint, task_id
 from selfrl.tools import Tool
 from selfrl.trajectory import Trajectory
 
-__all__ = ["CATEGORIES", "FunctionCallingEnv", "ast_score"]
+__all__ = ["CATEGORIES", "FunctionCallingEnv", "partial_score"]
 
-CATEGORIES = tuple(BFCL_FILES)
-_TYPES = {"dict": "object", "float": "number", "integer": "integer", "string": "string", "boolean": "boolean",
-          "array": "array", "tuple": "array", "any": None}
-
-
-def _json_schema(params: dict) -> dict:
-    """A BFCL parameter schema as the JSON schema ``selfrl.tools.validate_arguments`` checks (top level only)."""
-    props = {}
-    for key, p in params.get("properties", {}).items():
-        q = {k: v for k, v in p.items() if k in ("description", "enum")}
-        t = _TYPES.get(p.get("type", "any"), None)
-        if t is not None:
-            q["type"] = t
-        props[key] = q
-    return {"type": "object", "properties": props, "required": list(params.get("required", []))}
+CATEGORIES = ("simple", "multiple", "parallel", "parallel_multiple", "irrelevance")
 
 
 def _norm(value: Any) -> Any:
@@ -95,21 +79,23 @@ def _call_score(call: dict, name: str, expected: dict, schema: dict | None) -> t
     return exact, right / len(expected) if expected else 1.0
 
 
-def ast_score(calls: list[dict], ground_truth: list[dict], functions: list[dict]) -> tuple[bool, float]:
-    """BFCL AST match of ``calls`` (``[{"name", "arguments"}]``) against ``ground_truth``
-    (``[{name: {param: [allowed values]}}]``; empty: no call is right).
+def partial_score(calls: list[dict], ground_truth: list[dict], functions: list[dict]) -> tuple[bool, float]:
+    """A lenient match of ``calls`` (``[{"name", "arguments"}]``) against ``ground_truth``
+    (``[{name: {param: [allowed values]}}]``; empty: no call is right), for partial credit.
 
-    Returns ``(exact, partial)``: exact match, and partial credit in [0, 1]
-    (1.0 only when exact; otherwise 0.5 x share of expected names called +
-    0.5 x share of expected argument values right, at most 0.9). Parallel calls are matched in any
-    order, greedily, each call used once; a call count different from the answer's is not exact.
+    Returns ``(match, partial)``: whether every expected call is matched (names, values
+    among the allowed ones after BFCL's string standardisation, an int accepted for a
+    float; no type check), and partial credit: 1.0 when matched, otherwise 0.5 x share
+    of expected names called + 0.5 x share of expected argument values right, at most
+    0.9. Parallel calls are matched in any order, greedily. The exact verdict is
+    ``selfrl.bfcl.ast_match`` (stricter: types, call counts per category).
 
     >>> gt = [{"f": {"x": [1], "unit": ["m", ""]}}]
-    >>> ast_score([{"name": "f", "arguments": {"x": 1}}], gt, [])
+    >>> partial_score([{"name": "f", "arguments": {"x": 1}}], gt, [])
     (True, 1.0)
-    >>> ast_score([{"name": "f", "arguments": {"x": 2}}], gt, [])
+    >>> partial_score([{"name": "f", "arguments": {"x": 2}}], gt, [])
     (False, 0.75)
-    >>> ast_score([], [], []), ast_score([{"name": "f", "arguments": {}}], [], [])
+    >>> partial_score([], [], []), partial_score([{"name": "f", "arguments": {}}], [], [])
     ((True, 1.0), (False, 0.0))
     """
     if not ground_truth:
@@ -145,8 +131,8 @@ class _CallState:
 
     def __init__(self, functions: list[dict]):
         self.calls: list[dict] = []
-        self.tools = [Tool(f["name"], f.get("description", "")[:200], _json_schema(f.get("parameters", {})),
-                           self._recorder(f["name"])) for f in functions]
+        self.tools = [Tool(t["function"]["name"], t["function"]["description"][:200], t["function"]["parameters"],
+                           self._recorder(t["function"]["name"])) for t in bfcl.to_openai_tools(functions)]
 
     def _recorder(self, name: str):
         def call(**arguments: Any) -> str:
@@ -218,7 +204,7 @@ class FunctionCallingEnv(Env):
         self.categories = cats
         self.by_category: dict[str, list[Task]] = {}
         for c in cats:
-            tasks = sorted((self._task(c, item) for item in load_bfcl(c)),
+            tasks = sorted((self._task(c, item) for item in bfcl.load_bfcl([c])),
                            key=lambda t: hashlib.sha256(t.metadata["bfcl_id"].encode()).hexdigest())
             if max_params is not None:
                 tasks = [t for t in tasks if all(len(f.get("parameters", {}).get("properties", {})) <= max_params
@@ -234,14 +220,14 @@ class FunctionCallingEnv(Env):
             examples.append(self.by_category[c].pop())
         self.demonstration = _shots(examples) if examples else DEMONSTRATION
 
-    def _task(self, category: str, item: dict) -> Task:
-        turns = item["question"][0]
-        question = "\n".join(m["content"] for m in turns if m["role"] == "user")
-        meta = {"bfcl_id": item["id"], "category": category, "functions": item["function"],
-                "ground_truth": item["ground_truth"]}
+    def _task(self, category: str, item: bfcl.BfclTask) -> Task:
+        question = "\n".join(m["content"] for m in item.messages if m["role"] == "user")
+        meta = {"bfcl_id": item.id, "category": category, "bfcl_category": item.category,
+                "messages": list(item.messages), "functions": list(item.functions),
+                "ground_truth": list(item.ground_truth)}
         # The id hashes the functions too: BFCL repeats a question with other functions.
-        key = question + "\x00" + json.dumps(item["function"], sort_keys=True)
-        return Task(task_id(self.name, key), self.name, question, json.dumps(item["ground_truth"]), meta)
+        key = question + "\x00" + json.dumps(list(item.functions), sort_keys=True)
+        return Task(task_id(self.name, key), self.name, question, json.dumps(list(item.ground_truth)), meta)
 
     def sample(self, n: int, seed: int) -> list[Task]:
         import random
@@ -282,7 +268,8 @@ class FunctionCallingEnv(Env):
         return None
 
     def score(self, task: Task, answer: str | None) -> float:
-        """Partial credit of the calls ``answer`` (canonical JSON) by ``ast_score``; 1.0 only for an exact match.
+        """1.0 when the calls ``answer`` (canonical JSON) pass BFCL's AST match, else the partial
+        credit of ``partial_score`` (at most 0.9). No answer (no state) scores as no call.
 
         Raises:
             ValueError: the task is from another source.
@@ -290,7 +277,23 @@ class FunctionCallingEnv(Env):
         if task.source != self.name:
             raise ValueError(f"task {task.id} is from source {task.source!r}, not {self.name!r}")
         calls = json.loads(answer) if answer else []
-        return ast_score(calls, task.metadata["ground_truth"], task.metadata["functions"])[1]
+        m = task.metadata
+        if bfcl.ast_match(_bfcl_task(task), bfcl.calls_from_openai(calls)).valid:
+            return 1.0
+        return min(0.9, partial_score(calls, m["ground_truth"], m["functions"])[1])
+
+    def agreement_scores(self, task: Task, group: list[Trajectory]) -> dict[str, float | None]:
+        """Label-free: ``selfrl.bfcl.call_agreement`` over the group's calls (None for a group of one)."""
+        if len(group) < 2:
+            return {t.id: None for t in group}
+        samples = [None if t.env_state is None else bfcl.calls_from_openai(t.env_state["calls"]) for t in group]
+        return dict(zip((t.id for t in group), bfcl.call_agreement(samples)))
+
+
+def _bfcl_task(task: Task) -> bfcl.BfclTask:
+    m = task.metadata
+    return bfcl.BfclTask(m["bfcl_id"], m["bfcl_category"], tuple(m["messages"]), tuple(m["functions"]),
+                         tuple(m["ground_truth"]))
 
 
 def _shots(examples: list[Task]) -> list[dict[str, str]]:
