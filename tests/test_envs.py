@@ -11,6 +11,7 @@ import pytest
 from selfrl.config import ConfigError
 from selfrl.envs import Env, available_envs, describe_envs, get_env, load_run_config, register_env
 from selfrl.envs.arithmetic import CHAIN_SUM_SMALL, ReasoningGymEnv
+from selfrl.rewards import get_preset
 from selfrl.tasks import Task, get_task_source
 
 
@@ -106,3 +107,33 @@ def test_tasks_module_imports_no_environment():
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
         a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not any(m and m.startswith("selfrl.envs") for m in imported) and "reasoning_gym" not in imported
+
+
+@pytest.mark.parametrize("env", ["code", "function_calling"])
+def test_selfrl_run_env_works_end_to_end_on_a_tiny_model(env, tmp_path, tiny_tokenizer, capsys):
+    """`selfrl run --env code|function_calling` with the environment's own defaults: tools, preset,
+    splits, sandboxed scoring; one iteration on a tiny model."""
+    from conftest import save_tiny_phi
+
+    from selfrl.cli import main
+    from selfrl.store import Store
+
+    model = save_tiny_phi(tmp_path / "model", tiny_tokenizer)
+    args = ["run", "--env", env, "--model", str(model), "--run-dir", str(tmp_path / "r"), "--iterations", "1",
+            "--num-prompts", "2", "--num-generations", "2", "--val-size", "3", "--lora-r", "4"]
+    assert main(args) == 0, capsys.readouterr().err
+    with Store(tmp_path / "r" / "selfrl.db") as store:
+        trajs = store.trajectories()
+        events = [e["kind"] for e in store.events()]
+    preset = {"code": "code", "function_calling": "function_calling"}[env]
+    assert len(trajs) == 4 and all(set(t.rewards) == set(get_preset(preset)) for t in trajs)
+    assert "preflight" in events
+    if env == "function_calling":
+        assert all(t.env_state is not None and "calls" in t.env_state for t in trajs)
+
+
+def test_env_and_task_flags_agree_or_are_refused(capsys):
+    from selfrl.cli import main
+
+    assert main(["run", "--env", "code", "--task", "chain_sum"]) == 2
+    assert "--env code and --task chain_sum disagree" in capsys.readouterr().err
