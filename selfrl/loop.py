@@ -465,7 +465,12 @@ def check_resumable(stored: dict, new: dict) -> None:
     """
     from selfrl.config import ConfigError
 
-    changed = [k for k in RESUME_FIXED if stored.get(k) != new.get(k)]
+    def same(a, b) -> bool:  # a table compares on the stored keys: fields added since then keep their defaults
+        if isinstance(a, dict) and isinstance(b, dict):
+            return all(k in b and same(v, b[k]) for k, v in a.items())
+        return a == b
+
+    changed = [k for k in RESUME_FIXED if not same(stored.get(k), new.get(k))]
     if stored.get("gate", {}).get("val_size") != new.get("gate", {}).get("val_size"):
         changed.append("gate.val_size")
     if changed:
