@@ -74,3 +74,16 @@ def test_irrelevance_is_right_without_a_call():
     task = _by_id("irrelevance_0")
     assert task.metadata["ground_truth"] == [] and ENV.score(task, "[]") == 1.0
     assert ENV.score(task, json.dumps([{"name": "determine_body_mass_index", "arguments": {}}])) == 0.0
+
+
+def test_one_turn_calls_are_parsed_from_the_text_and_scored():
+    """With max_turns = 1 the call is written but never dispatched: the answer is read from the text."""
+    task = _by_id("simple_python_0")
+    text = '<tool_call>{"name": "calculate_triangle_area", "arguments": {"base": 10, "height": 5}}</tool_call>'
+    bad = '<tool_call>{"name": "calculate_triangle_area", "arguments": {"base": 10, </tool_call>'
+    one_turn = RolloutConfig(max_turns=1, tools=[])
+    [good] = scripted_rollout(lambda t, m: text, [task], [], one_turn, ENV.make_env)
+    [broken] = scripted_rollout(lambda t, m: bad, [task], [], one_turn, ENV.make_env)
+    assert good.env_state == {"calls": []} and good.tool_calls == []  # nothing ran
+    assert ENV.score(task, ENV.trajectory_answer(good)) == 1.0
+    assert ENV.trajectory_answer(broken) == "[]" and ENV.score(task, "[]") == 0.0

@@ -29,6 +29,7 @@ from selfrl import bfcl
 from selfrl.envs.base import Env
 from selfrl.envs.registry import register_env
 from selfrl.tasks import Task, assert_disjoint, task_id
+from selfrl.toolcall import parse_tool_calls
 from selfrl.tools import Tool
 from selfrl.trajectory import Trajectory
 
@@ -262,7 +263,16 @@ class FunctionCallingEnv(Env):
         return state
 
     def trajectory_answer(self, traj: Trajectory) -> str | None:
-        return canonical_calls(traj.env_state)
+        """The calls the trajectory dispatched (its state), as canonical JSON; when it dispatched
+        none, the well-formed calls written in its last assistant message (a call written on the
+        last allowed turn is parsed but never dispatched, so ``max_turns = 1`` works)."""
+        if traj.env_state is None:
+            return None
+        if traj.env_state["calls"]:
+            return canonical_calls(traj.env_state)
+        last = next((m["content"] for m in reversed(traj.messages) if m["role"] == "assistant"), "")
+        calls = [{"name": c.name, "arguments": c.arguments} for c in parse_tool_calls(last)[1] if c.error is None]
+        return canonical_calls({"calls": calls})
 
     def extract_answer(self, text: str) -> str | None:  # answers come from the recorded calls, not the text
         return None
@@ -286,7 +296,8 @@ class FunctionCallingEnv(Env):
         """Label-free: ``selfrl.bfcl.call_agreement`` over the group's calls (None for a group of one)."""
         if len(group) < 2:
             return {t.id: None for t in group}
-        samples = [None if t.env_state is None else bfcl.calls_from_openai(t.env_state["calls"]) for t in group]
+        answers = [self.trajectory_answer(t) for t in group]
+        samples = [None if a is None else bfcl.calls_from_openai(json.loads(a)) for a in answers]
         return dict(zip((t.id for t in group), bfcl.call_agreement(samples)))
 
 
