@@ -55,7 +55,7 @@ class TaskConfig:
     val_seed: int = 2000  # seed of held-out tasks (disjointness is checked)
     num_train: int = 2000  # training tasks generated
     choice: str = "cycle"  # task choice: cycle (a shuffled walk) | signal (skip tasks predicted to give constant groups)
-    min_spread: float = 0.2  # choice = "signal": skip a seen task whose chance of a group with reward spread is below this
+    min_spread: float = 0.4  # choice = "signal": skip a seen task whose chance of a group with reward spread is below this
     retry_after: int = 4  # choice = "signal": iterations before a skipped task is tried again
     signal_check: str = "warn"  # before the first update: warn | stop (end the run when no group has signal) | off
 

@@ -9,9 +9,10 @@ GRPO learns only from groups whose rewards differ: a group whose samples all fai
   (``PassRates``: a Beta posterior whose prior is the run's overall pass rate);
 * chooses the tasks of an iteration (``SignalChooser``): it walks the same
   shuffled order as the plain cycle, but skips a task whose predicted chance of a
-  group with spread, ``1 - p^G - (1 - p)^G`` for pass rate ``p`` and group size
-  ``G``, is below ``min_spread``; a skipped task is tried again after
-  ``retry_after`` iterations, since the policy changes;
+  group with spread (beta-binomial: ``1 - P(all G fail) - P(all G pass)`` under
+  the task's posterior; ``1 - p^G - (1 - p)^G`` for a known pass rate ``p``) is
+  below ``min_spread``; a skipped task is tried again after ``retry_after``
+  iterations, since the policy changes;
 * names why a batch gives nothing to learn (``diagnose``), for the pre-flight
   check before the first update and for the iteration line of every skipped or
   flat update, with what to change.
@@ -68,6 +69,27 @@ class PassRates:
         n = sum(self.seen.values())
         return sum(self.passed.values()) / n if n else 0.5
 
+    def posterior(self, task_id: str) -> tuple[float, float]:
+        """``(alpha, beta)`` of the task's Beta posterior."""
+        m, k = self.overall(), self.prior_strength
+        n, s = self.seen.get(task_id, 0), self.passed.get(task_id, 0)
+        return s + k * m, (n - s) + k * (1.0 - m)
+
+    def spread_chance(self, task_id: str, group_size: int) -> float:
+        """Beta-binomial chance that ``group_size`` new samples are neither all failed nor all passed.
+
+        >>> r = PassRates()
+        >>> r.observe([Trajectory("a", "g", 0, correct=False)] * 8 + [Trajectory("b", "g", 0, correct=True)] * 2)
+        >>> round(r.spread_chance("a", 8), 3), round(r.spread_chance("unseen", 8), 3)
+        (0.22, 0.527)
+        """
+        a, b = self.posterior(task_id)
+        fail = passed = 1.0
+        for i in range(group_size):
+            fail *= (b + i) / (a + b + i)
+            passed *= (a + i) / (a + b + i)
+        return max(0.0, 1.0 - fail - passed)
+
     def estimate(self, task_id: str) -> float:
         """Posterior mean pass rate of ``task_id`` (the overall rate for a task never seen)."""
         m, k = self.overall(), self.prior_strength
@@ -85,7 +107,7 @@ class SignalChooser:
     """
 
     group_size: int
-    min_spread: float = 0.2
+    min_spread: float = 0.4
     retry_after: int = 4
     rates: PassRates = field(default_factory=PassRates)
     skipped_at: dict[str, int] = field(default_factory=dict)
@@ -93,7 +115,9 @@ class SignalChooser:
     last_skipped: int = 0
 
     def predicted_spread(self, task_id: str) -> float:
-        return spread_probability(self.rates.estimate(task_id), self.group_size)
+        """Posterior predictive chance that the next group of ``group_size`` is not constant:
+        ``1 - P(all fail) - P(all pass)`` under the task's Beta posterior (beta-binomial)."""
+        return self.rates.spread_chance(task_id, self.group_size)
 
     def choose(self, order: list[Task], iteration: int, n: int) -> list[Task]:
         """``n`` tasks for ``iteration``, walking ``order`` (the plain cycle's order) from where the
