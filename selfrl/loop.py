@@ -216,7 +216,7 @@ class Runner:
         faults.point("after_store")
         probe = probe_report(trajs)
         cause = diagnose(probe, cfg.rollout.temperature, cfg.num_generations, bool(self.tools) or
-                         bool(getattr(self.source.make_env(batch[0]), "tools", None)))
+                         bool(getattr(self.source.make_env(batch[0]), "tools", None)), cfg.rollout.demonstration)
         if self.chooser is not None:
             self.chooser.observe(trajs)
         if not self.checked_signal and cfg.task.signal_check != "off":

@@ -207,10 +207,12 @@ def probe_report(trajs: list[Trajectory]) -> ProbeReport:
     )
 
 
-def diagnose(report: ProbeReport, temperature: float, group_size: int, tools: bool) -> str | None:
+def diagnose(report: ProbeReport, temperature: float, group_size: int, tools: bool,
+             demonstration: bool = False) -> str | None:
     """Why this batch gives (almost) nothing to learn, with what to change; None when it has signal.
 
-    ``tools``: the environment offers tools (then low tool use is named).
+    ``tools``: the environment offers tools (then low tool use is named);
+    ``demonstration``: a worked example is already shown (then more examples are suggested).
 
     >>> diagnose(ProbeReport(8, 64, 0.0, 0.0, 0.02, 1.0, 1.0, 0.0), 0.7, 8, True)[:40]
     'no signal: every group failed every samp'
@@ -222,7 +224,9 @@ def diagnose(report: ProbeReport, temperature: float, group_size: int, tools: bo
     hints = []
     if report.all_fail >= 0.5:
         if tools and report.tool_use < 0.2:
-            hints.append(f"tool use is {report.tool_use:.0%}: show a worked tool call (rollout.demonstration) "
+            show = ("more worked examples (an environment's k-shot option)" if demonstration
+                    else "a worked tool call (rollout.demonstration = true)")
+            hints.append(f"tool use is {report.tool_use:.0%}: show {show} "
                          "or a compact tool description (rollout.tools_prompt = \"compact\")")
         hints.append("choose an easier subset ([task] options) or a partial-credit preset")
         if temperature < 1.0:

@@ -48,6 +48,8 @@ def test_probe_report_and_diagnosis_name_the_cause():
     msg = diagnose(report, temperature=0.7, group_size=4, tools=True)
     assert msg.startswith("no signal: every group failed every sample")
     assert "tool use is 0%" in msg and "raise rollout.temperature (now 0.7)" in msg and "num_generations (now 4)" in msg
+    assert "rollout.demonstration = true" in msg
+    assert "more worked examples" in diagnose(report, 0.7, 4, True, demonstration=True)
     easy = probe_report(_trajs("a", "g1", [True] * 4) + _trajs("b", "g2", [True] * 4))
     assert "too easy" in diagnose(easy, 1.0, 4, False)
     mixed = probe_report(_trajs("a", "g1", [True, False]) + _trajs("b", "g2", [False, False]))
