@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from selfrl.chat import between_turns_ids, prompt_ids, template_supports_tools
 from selfrl.engine import Engine
-from selfrl.envs import Environment
+from selfrl.envs.base import EnvState as Environment
 from selfrl.tasks import Task
 from selfrl.toolcall import (
     TOOL_CALL_CLOSE,
