@@ -3,6 +3,9 @@
     selfrl run [--config FILE] [flags]     run the self-improvement loop
     selfrl run --resume RUN_DIR            continue a stopped run
     selfrl serve [--config FILE] [flags]   OpenAI-compatible server that learns from its traffic
+    selfrl sampler [--config FILE] [flags] the policy as a remote sampling backend (HTTP)
+    selfrl report RUN_DIR [--out DIR]      rebuild a run's report from its store (also mid-run or killed)
+    selfrl compare RUN_DIR... [--out DIR]  several runs side by side, with paired held-out differences
     selfrl envs                            list the installed environments, one line each
 """
 
@@ -33,6 +36,9 @@ RUN_FLAGS = {
     "--eval-every": ("gate.eval_every", int, "updates between validations"),
     "--run-dir": ("run_dir", str, "output folder"),
     "--seed": ("seed", int, "random seed"),
+    "--device": ("model.device", str, "auto | cpu | cuda: where the policy, learner and reference pass run"),
+    "--dtype": ("model.dtype", str, "auto | float32 | bfloat16 (auto: bf16 on a GPU that has it, else fp32)"),
+    "--engine": ("engine", str, "sampling backend: reference | slots (selfrl.engines)"),
 }
 
 
@@ -47,6 +53,9 @@ SERVE_FLAGS = {
     "--learning-rate": ("train.learning_rate", float, "AdamW learning rate"),
     "--val-size": ("gate.val_size", int, "held-out tasks of the validation gate"),
     "--task": ("task.source", str, "task source of the validation gate (see selfrl run --task)"),
+    "--device": ("model.device", str, "auto | cpu | cuda: where the served policy and its learner run"),
+    "--dtype": ("model.dtype", str, "auto | float32 | bfloat16 (auto: bf16 on a GPU that has it, else fp32)"),
+    "--engine": ("engine", str, "sampling backend: reference | slots (selfrl.engines)"),
 }
 
 
@@ -58,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", metavar="RUN_DIR", help="continue the run stored in RUN_DIR")
     for flag, (_, typ, help_) in RUN_FLAGS.items():
         r.add_argument(flag, type=typ, help=help_)
+    r.add_argument("--gradient-checkpointing", action="store_true", default=None,
+                   help="recompute activations in the backward pass: less memory, about one more forward of time")
     sub.add_parser("envs", help="list the installed environments, one line each")
     s = sub.add_parser("serve", help="OpenAI-compatible server that records, learns and hot-swaps adapters")
     s.add_argument("--config", help="TOML file with ServeConfig keys (see selfrl/serve/config.py)")
@@ -66,12 +77,45 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--protect-completions", action="store_true", help="require the API key for completions too")
     for flag, (_, typ, help_) in SERVE_FLAGS.items():
         s.add_argument(flag, type=typ, help=help_)
+    m = sub.add_parser("sampler", help="serve the policy as a remote sampling backend for other selfrl processes")
+    m.add_argument("--config", help="TOML file of selfrl run (model, device, dtype and LoRA shape are used)")
+    m.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    m.add_argument("--port", type=int, default=8100, help="port (default 8100)")
+    m.add_argument("--api-key-file", help="file whose first line is the API key (else SELFRL_API_KEY)")
+    for flag in ("--model", "--device", "--dtype", "--lora-r", "--seed"):
+        m.add_argument(flag, type=RUN_FLAGS[flag][1], help=RUN_FLAGS[flag][2])
+    rep = sub.add_parser("report", help="rebuild report.md and its figures from a run's store")
+    rep.add_argument("run_dir", metavar="RUN_DIR", help="a run (or serve) folder holding selfrl.db")
+    rep.add_argument("--out", help="output folder (default: RUN_DIR)")
+    cmp_ = sub.add_parser("compare", help="runs side by side: overview figures and paired held-out differences")
+    cmp_.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="two or more run folders; the first is the reference")
+    cmp_.add_argument("--out", default="selfrl-compare", help="output folder (default: ./selfrl-compare)")
     return p
+
+
+def report_command(args: argparse.Namespace) -> int:
+    """``selfrl report`` and ``selfrl compare``; exit code 2 for a missing run or bad input."""
+    try:
+        if args.command == "report":
+            from selfrl.report import rebuild_report
+
+            path = rebuild_report(Path(args.run_dir), None if args.out is None else Path(args.out))
+        else:
+            from selfrl.compare import compare_runs
+
+            path = compare_runs([Path(d) for d in args.run_dirs], Path(args.out))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"selfrl: error: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 for bad input)."""
     args = _parser().parse_args(argv)
+    if args.command in ("report", "compare"):  # reads a store; loads no model
+        return report_command(args)
     # Nothing is fetched from a model hub while a run goes; HF_HUB_OFFLINE=0 allows it.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # A deprecation inside transformers, raised on every run; not ours to fix.
@@ -94,11 +138,19 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args.config, overrides, args.api_key_file, learn=not args.no_learn,
                      protect_completions=args.protect_completions)
 
+    if args.command == "sampler":
+        from selfrl.engines.sampler_main import sampler
+
+        overrides = {RUN_FLAGS[f][0]: getattr(args, f[2:].replace("-", "_"))
+                     for f in ("--model", "--device", "--dtype", "--lora-r", "--seed")}
+        return sampler(args.config, overrides, args.host, args.port, args.api_key_file)
+
     if args.env is not None and args.task is not None and args.env != args.task:
         print(f"selfrl: error: --env {args.env} and --task {args.task} disagree; give one", file=sys.stderr)
         return 2
     overrides = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in RUN_FLAGS.items()}
     overrides["task.source"] = args.env if args.env is not None else args.task
+    overrides["train.gradient_checkpointing"] = args.gradient_checkpointing
     base = None
     if args.resume:
         overrides["run_dir"] = args.resume

@@ -16,6 +16,7 @@ from typing import Any
 
 from selfrl.collapse import CollapseConfig
 from selfrl.detectors import DetectorConfig
+from selfrl.engines import DEFAULT_ENGINE, ENGINES
 from selfrl.gate import GateConfig
 from selfrl.model import DEFAULT_MODEL
 from selfrl.rollout import RolloutConfig
@@ -31,6 +32,8 @@ class ModelConfig:
     """Which policy to load."""
 
     name: str = DEFAULT_MODEL  # Hugging Face id, local path, or embedded:smollm2-135m-instruct
+    device: str = "auto"  # auto | cpu | cuda: where the policy, learner and reference pass run (auto: cuda if present)
+    dtype: str = "auto"  # auto | float32 | bfloat16: base weights' dtype (auto: bf16 on a GPU that has it, else fp32)
 
 
 @dataclass
@@ -79,6 +82,7 @@ class RunConfig:
     preset: str = "verified"  # reward preset: verified | label-free
     reward_weights: dict[str, float] | None = None  # explicit weights; overrides the preset
     seed: int = 0  # torch seed for sampling and LoRA init
+    engine: str = DEFAULT_ENGINE  # sampling backend: reference | slots (see selfrl.engines)
 
     def validate(self) -> "RunConfig":
         """Check values; returns self.
@@ -133,12 +137,14 @@ class RunConfig:
             (self.train.scale_rewards in ("group", "none"), "train.scale_rewards must be 'group' or 'none'"),
             (self.rollout.tools_prompt in ("compact", "json"), "rollout.tools_prompt must be 'compact' or 'json'"),
             (isinstance(self.rollout.tools, list), "rollout.tools must be a list of tool names"),
+            (self.engine in ENGINES, f"engine must be one of {sorted(ENGINES)}, got {self.engine!r}"),
             (self.reward_weights is None or isinstance(self.reward_weights, dict),
              "reward_weights must be a table of name = weight"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        check_placement(self.model, self.engine)
         self._check_names()
         return self
 
@@ -160,6 +166,27 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# Sampling backends that keep their tensors on the CPU (the slot engine's cache and batches).
+CPU_ONLY_ENGINES = ("slots",)
+
+
+def check_placement(model: ModelConfig, engine: str | None = None) -> None:
+    """Raise ConfigError for an unknown ``model.device``/``model.dtype``, a device this
+    machine does not have (``cuda`` with no GPU), or a CPU-only engine on a GPU: refused
+    before the model loads."""
+    from selfrl.device import DeviceError, check_names, resolve
+
+    try:
+        check_names(model.device, model.dtype)
+        if model.device != "auto" or model.dtype != "auto" or engine in CPU_ONLY_ENGINES:
+            placement = resolve(model.device, model.dtype)
+            if engine in CPU_ONLY_ENGINES and placement.device != "cpu":
+                raise DeviceError(f"engine {engine!r} runs on the CPU only, and model.device resolves to "
+                                  f"{placement.device!r}; use --engine reference, or --device cpu")
+    except DeviceError as e:
+        raise ConfigError(str(e)) from e
 
 
 def _apply(obj, values: dict[str, Any], where: str) -> None:

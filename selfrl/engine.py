@@ -17,33 +17,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from selfrl.engines.base import AdapterSource, EngineHealth, Generation, adapter_state, check_generate_args
 from selfrl.prefix import shared_prefix_len
 
-
-@dataclass
-class Generation:
-    """One sampled continuation.
-
-    Attributes:
-        token_ids: (n,) the sampled ids, the EOS included when one was sampled.
-        logprobs: (n,) log-probability of each sampled id under ``logits / temperature``
-            (greedy decoding records the temperature-1 logprob).
-        finished: True when the turn ended within the token limit: an EOS was sampled,
-            or a stop string was completed (then ``stopped`` is True too).
-        adapter_version: version of the weights that produced the tokens.
-        stopped: True when a stop string ended the turn; no EOS was sampled, the last
-            id is the one that completed the stop string.
-    """
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finished: bool
-    adapter_version: int
-    stopped: bool = False
+__all__ = ["Engine", "Generation", "eos_ids", "pack_prompts", "stop_cut", "check_adapter_state"]
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -82,7 +62,9 @@ def pack_prompts(prompts: list[list[int]], shared: int, pad_token_id: int) -> tu
 
 
 class Engine:
-    """Batched generation over a (peft) causal LM, tagged with an adapter version.
+    """Batched generation over a (peft) causal LM, tagged with an adapter version: the
+    reference backend of :class:`selfrl.engines.base.SamplingEngine` (one ``generate``
+    call is one batch from start to end; nothing joins it while it runs).
 
     Args:
         model: the policy, usually a ``peft.PeftModel``; shared with the learner in
@@ -94,6 +76,8 @@ class Engine:
     Thread safety: ``generate`` and ``swap`` take the same lock, so a generation
     always runs on exactly one version from start to end.
     """
+
+    name = "reference"
 
     def __init__(self, model, tokenizer, version: int = 0, share_prefix: bool = True):
         self.model = model
@@ -113,8 +97,10 @@ class Engine:
         temperature: float = 1.0,
         greedy: bool = False,
         top_p: float = 1.0,
-        on_step: Callable[[torch.Tensor], None] | None = None,
+        on_step: Callable[..., None] | None = None,
         stop: list[str] | None = None,
+        top_logprobs: int = 0,
+        step_logprobs: bool = False,
     ) -> list[Generation]:
         """Sample one continuation per prompt.
 
@@ -134,22 +120,23 @@ class Engine:
                 after the token that completes one, before any EOS. The ids after it
                 are dropped, which leaves the kept ones exactly as sampled (decoding is
                 left to right); the batch still decodes up to its limit.
+            top_logprobs: also return the k most likely ids per position (0 = none).
+            step_logprobs: call ``on_step(ids, logprobs, top)`` instead: ``logprobs`` (B, n)
+                of the ids so far (the same values the result records) and ``top`` a pair of
+                (B, n, k) tensors (ids, logprobs) of the ``top_logprobs`` most likely ids, or None.
 
         Returns:
             B :class:`Generation`, in order.
 
         Raises:
-            ValueError: empty prompt list, an empty prompt, temperature <= 0, or
-                top_p outside (0, 1].
+            ValueError: empty prompt list, an empty prompt, max_new_tokens < 1,
+                temperature <= 0, or top_p outside (0, 1].
         """
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("generate needs at least one prompt, and no prompt may be empty")
-        if not greedy and temperature <= 0:
-            raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        check_generate_args(prompts, max_new_tokens, temperature, greedy, top_p)
         shared = shared_prefix_len(prompts) if self.share_prefix else 0
         input_ids, attention_mask = pack_prompts(prompts, shared, self.pad_token_id)  # (B, P), (B, P)
+        device = next(self.model.parameters()).device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         width = input_ids.shape[1]
         # Sampling: temperature only, every other warper off. Greedy: no sampling flags at all.
         sampling = (dict(do_sample=False, top_k=None, top_p=None, temperature=None) if greedy else
@@ -168,7 +155,9 @@ class Engine:
             if on_step is not None:
                 from transformers import LogitsProcessorList
 
-                extra["logits_processor"] = LogitsProcessorList([_StepObserver(width, on_step)])
+                scale_or_none = (1.0 if greedy else temperature) if step_logprobs else None
+                extra["logits_processor"] = LogitsProcessorList([_StepObserver(width, on_step, scale_or_none,
+                                                                               top_logprobs)])
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -186,22 +175,32 @@ class Engine:
         new = out.sequences[:, width:]  # (B, N)
         scale = 1.0 if greedy else temperature
         logits = torch.stack(out.logits, dim=1).float() / scale  # (B, N, V)
-        logps = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, N)
-        eos = torch.tensor(self.eos_token_ids)
+        all_logps = torch.log_softmax(logits, dim=-1)  # (B, N, V)
+        logps = all_logps.gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, N)
+        top = all_logps.topk(min(top_logprobs, all_logps.shape[-1]), dim=-1) if top_logprobs > 0 else None  # (B, N, k)
+        eos = torch.tensor(self.eos_token_ids, device=new.device)
         results = []
         for i in range(len(prompts)):
             row = new[i].tolist()
             is_eos = torch.isin(new[i], eos).nonzero()
             n = int(is_eos[0]) + 1 if len(is_eos) else len(row)
             cut = stop_cut(self.tokenizer, row[:n], stop) if stop else None
+            keep = cut if cut is not None else n
+            alts = None if top is None else [list(zip(ix, lp)) for ix, lp in
+                                             zip(top.indices[i, :keep].tolist(), top.values[i, :keep].tolist())]
             if cut is not None:
-                results.append(Generation(row[:cut], logps[i, :cut].tolist(), True, version, stopped=True))
+                results.append(Generation(row[:cut], logps[i, :cut].tolist(), True, version, stopped=True,
+                                          top_logprobs=alts))
             else:
-                results.append(Generation(row[:n], logps[i, :n].tolist(), bool(len(is_eos)), version))
+                results.append(Generation(row[:n], logps[i, :n].tolist(), bool(len(is_eos)), version,
+                                          top_logprobs=alts))
         return results
 
-    def swap(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
+    def swap(self, state_dict: AdapterSource, version: int) -> float:
         """Hot-swap the LoRA weights to ``version`` in place; returns the seconds it took.
+
+        ``state_dict`` is peft's LoRA state dict, or the folder of a saved version
+        (verified and loaded with :func:`selfrl.adapters.load_version_state`).
 
         The tensors are copied straight into the LoRA parameters (a few milliseconds for
         a rank-16 adapter of a 135M model); models whose adapter cannot be mapped that
@@ -214,6 +213,7 @@ class Engine:
         from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
         t = time.perf_counter()
+        state_dict = adapter_state(state_dict)
         with self.lock:
             params = self.lora_parameters()
             if params:
@@ -226,6 +226,14 @@ class Engine:
                 set_peft_model_state_dict(self.model, state_dict)
             self.version = version
         return time.perf_counter() - t
+
+    def health(self) -> EngineHealth:
+        """Always ok in process (the model is in this process's memory); the detail says
+        whether a generation or swap holds the engine now."""
+        busy = not self.lock.acquire(blocking=False)
+        if not busy:
+            self.lock.release()
+        return EngineHealth(True, self.version, self.name, "busy" if busy else "idle")
 
     def lora_parameters(self) -> dict[str, torch.Tensor]:
         """The model's LoRA parameters under peft's state-dict keys (computed once), or
@@ -260,14 +268,34 @@ class _StepObserver:
 
     ``generate`` calls it before each new token with the whole sequence, so at
     step k it sees the k ids sampled before (B, k); it returns the scores as they are.
+    With ``scale`` set it also reports their logprobs, ``log_softmax(scores / scale)``
+    of the scores it saw one step earlier (the raw logits: it runs before any warper),
+    and the ``top`` most likely ids with theirs.
     """
 
-    def __init__(self, prompt_width: int, on_step: Callable[[torch.Tensor], None]):
-        self.width, self.on_step = prompt_width, on_step
+    def __init__(self, prompt_width: int, on_step: Callable[..., None], scale: float | None = None, top: int = 0):
+        self.width, self.on_step, self.scale, self.top = prompt_width, on_step, scale, top
+        self.prev: torch.Tensor | None = None  # (B, V) logprobs of the next token
+        self.sampled: list[torch.Tensor] = []  # per step (B,)
+        self.tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # per step (B, k) ids, (B, k) logprobs
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if input_ids.shape[1] > self.width:
-            self.on_step(input_ids[:, self.width:])  # (B, k)
+        k = input_ids.shape[1] - self.width
+        if self.scale is None:
+            if k > 0:
+                self.on_step(input_ids[:, self.width:])  # (B, k)
+            return scores
+        if self.prev is not None and k > 0:
+            self.sampled.append(self.prev.gather(-1, input_ids[:, -1:]).squeeze(-1))  # (B,)
+            if self.top:
+                v, ix = self.prev.topk(min(self.top, self.prev.shape[-1]), dim=-1)  # (B, k)
+                self.tops.append((ix, v))
+        if k > 0 and len(self.sampled) == k:
+            top = None
+            if self.top:
+                top = (torch.stack([t[0] for t in self.tops], 1), torch.stack([t[1] for t in self.tops], 1))
+            self.on_step(input_ids[:, self.width:], torch.stack(self.sampled, 1), top)  # (B, k), (B, k)
+        self.prev = torch.log_softmax(scores.float() / self.scale, dim=-1)  # (B, V)
         return scores
 
 

@@ -22,7 +22,7 @@ from selfrl import adapters, collapse, faults
 from selfrl.atomic import write_atomic
 from selfrl.config import RunConfig
 from selfrl.detectors import HackingMonitor
-from selfrl.engine import Engine
+from selfrl.engines import make_engine
 from selfrl.gate import EvalResult, evaluate, passes_gate
 from selfrl.metrics import MetricsLog, rollout_metrics
 from selfrl.model import build_policy
@@ -118,7 +118,7 @@ class Runner:
         # The KL reference is the adapter the run started from (LoraSettings.init_adapter),
         # taken before a resume swaps in a later version; None means the base model.
         ref_state = adapters.lora_state(model) if cfg.lora.init_adapter else None
-        self.engine = Engine(model, tok)
+        self.engine = make_engine(cfg.engine, model, tok)
         self.learner = Learner(
             model, cfg.train, cfg.rollout.temperature, tok.pad_token_id,
             cfg.rollout.max_new_tokens * cfg.rollout.max_turns, ref_state=ref_state,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from selfrl.config import LoraSettings, ModelConfig, TaskConfig
+from selfrl.engines import DEFAULT_ENGINE
 from selfrl.gate import GateConfig
 from selfrl.rollout import RolloutConfig
 from selfrl.trainer import TrainConfig
@@ -40,6 +41,7 @@ class ServeConfig:
     max_request_bytes: int = 4_000_000  # larger request bodies get a 413 before they are read
     tools_prompt: str = "compact"  # how request tools are shown to a template without tool support
     seed: int = 0
+    engine: str = DEFAULT_ENGINE  # sampling backend: reference | slots (see selfrl.engines)
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from selfrl import adapters
-from selfrl.engine import Engine
+from selfrl.engines import make_engine
 from selfrl.gate import evaluate, passes_gate
 from selfrl.rl.advantages import group_advantages
 from selfrl.rl.batch import collate
@@ -56,7 +56,7 @@ class BackgroundLearner(threading.Thread):
         self.service, self.cfg = service, service.cfg
         tok = service.tok
         self.model = model
-        self.engine = Engine(model, tok, version=service.engine.version)  # validation runs here, not on the server
+        self.engine = make_engine(service.cfg.engine, model, tok, version=service.engine.version)  # validation runs here, not on the server
         if service.engine.version != 0:
             from peft import set_peft_model_state_dict
 
@@ -155,7 +155,7 @@ class BackgroundLearner(threading.Thread):
         pad = self.service.tok.pad_token_id
         for i in range(0, len(trajs), self.cfg.train.micro_batch_size):
             chunk = trajs[i:i + self.cfg.train.micro_batch_size]
-            mb = collate(chunk, pad)
+            mb = collate(chunk, pad).to(self.learner.device)
             logps = per_token_logps(self.model, mb.input_ids, mb.attention_mask, mb.completion_mask,
                                     self.cfg.learner.temperature)  # (B, T)
             for j, t in enumerate(chunk):

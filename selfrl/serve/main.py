@@ -15,9 +15,10 @@ def load_serve_config(path: str | None, overrides: dict[str, Any]) -> ServeConfi
     Raises:
         selfrl.config.ConfigError: unreadable file, unknown key or wrong type.
     """
-    from selfrl.config import ConfigError, fill
+    from selfrl.config import ConfigError, check_placement, fill
 
     cfg = fill(ServeConfig(), path, overrides)
+    check_placement(cfg.model, cfg.engine)
     if cfg.learner.min_batch < 2 or cfg.learner.max_batch < cfg.learner.min_batch:
         raise ConfigError("learner.min_batch must be >= 2 and <= learner.max_batch")
     if cfg.learner.feedback_wait_s < 0:

@@ -36,6 +36,7 @@ CREATE TABLE IF NOT EXISTS served (
     trained_in      INTEGER,
     feedback        REAL,
     feedback_source TEXT CHECK (feedback_source IN ('explicit', 'inherited', 'implicit')),
+    client          TEXT NOT NULL DEFAULT '',
     UNIQUE (response_id, choice)
 );
 CREATE INDEX IF NOT EXISTS served_continuation ON served(continuation);
@@ -61,14 +62,19 @@ SOURCE_RANK = {"implicit": 1, "inherited": 2, "explicit": 3}
 
 
 def init(store: Store) -> None:
-    """Create the server's tables in ``store`` (idempotent)."""
+    """Create the server's tables in ``store`` (idempotent; adds the ``client`` column to a
+    store written before it existed: its turns belong to no client and are never continued)."""
     with store.conn:
         store.conn.executescript(SERVE_SCHEMA)
+        columns = {r[1] for r in store.conn.execute("PRAGMA table_info(served)")}
+        if "client" not in columns:
+            store.conn.execute("ALTER TABLE served ADD COLUMN client TEXT NOT NULL DEFAULT ''")
 
 
 def add_turn(store: Store, run_id: int, traj: Trajectory, response_id: str, choice: int,
-             conversation_id: str, group_key: str, continuation: str) -> None:
+             conversation_id: str, group_key: str, continuation: str, client: str = "") -> None:
     """Store one served choice: its trajectory and its ``served`` row, in one transaction.
+    ``client`` is the requesting client's identity (``feedback.client_identity``).
 
     Raises:
         sqlite3.IntegrityError: a duplicate id; nothing is written.
@@ -78,15 +84,18 @@ def add_turn(store: Store, run_id: int, traj: Trajectory, response_id: str, choi
         store.insert_trajectory(run_id, 0, traj, now)
         store.conn.execute(
             "INSERT INTO served (trajectory_id, response_id, choice, conversation_id, parent_id, group_key,"
-            " continuation, created_at, status) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending')",
-            (traj.id, response_id, choice, conversation_id, traj.parent_id, group_key, continuation, now),
+            " continuation, created_at, status, client) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?)",
+            (traj.id, response_id, choice, conversation_id, traj.parent_id, group_key, continuation, now, client),
         )
 
 
-def find_by_continuation(store: Store, key: str) -> dict[str, Any] | None:
-    """The latest served turn whose conversation-so-far hashes to ``key``, or None."""
+def find_by_continuation(store: Store, key: str, client: str) -> dict[str, Any] | None:
+    """The latest turn served to ``client`` whose conversation-so-far hashes to ``key``, or
+    None (always None for an anonymous client, ``""``: see ``selfrl.serve.feedback``)."""
+    if not client:
+        return None
     row = store.conn.execute(
-        "SELECT * FROM served WHERE continuation = ? ORDER BY created_at DESC LIMIT 1", (key,)
+        "SELECT * FROM served WHERE continuation = ? AND client = ? ORDER BY created_at DESC LIMIT 1", (key, client)
     ).fetchone()
     return None if row is None else dict(row)
 
@@ -189,3 +198,19 @@ def counts(store: Store) -> dict[str, int]:
         "SELECT COUNT(*) FROM served WHERE status = 'pending' AND feedback IS NOT NULL").fetchone()[0])
     out["feedback_messages"] = int(store.conn.execute("SELECT COUNT(*) FROM feedback").fetchone()[0])
     return out
+
+
+def turn_history(store: Store) -> list[dict[str, Any]]:
+    """Every served turn, oldest first: ``{run_id, created_at, adapter_version, status,
+    trained_in, feedback, feedback_source}`` (for the serving report)."""
+    rows = store.conn.execute(
+        "SELECT t.run_id, s.created_at, t.adapter_version, s.status, s.trained_in, s.feedback, s.feedback_source"
+        " FROM served s JOIN trajectories t ON t.id = s.trajectory_id ORDER BY s.created_at"
+    )
+    return [dict(r) for r in rows]
+
+
+def feedback_history(store: Store) -> list[dict[str, Any]]:
+    """Every feedback message as it arrived, oldest first: ``{created_at, source, value}``."""
+    rows = store.conn.execute("SELECT created_at, source, value FROM feedback ORDER BY created_at, id")
+    return [dict(r) for r in rows]
