@@ -70,7 +70,8 @@ def main() -> None:
     print("  diagnosis:", cause or "signal: yes")
     if a.greedy:
         res = evaluate(engine, val[: a.greedy], env, tools, cfg.rollout)
-        print(f"  greedy held-out pass@1: {sum(res.results.values())}/{len(res.results)} ({res.seconds:.0f} s)")
+        print(f"  greedy held-out pass@1: {sum(bool(r[1]) for r in res.results)}/{len(res.results)} "
+              f"({res.seconds:.0f} s)")
     for tr in trajs[: 3 * a.group: a.group]:
         print("  sample:", json.dumps(tr.messages[-2:])[:400])
 

@@ -162,7 +162,7 @@ class ProbeReport:
         groups: groups in the batch; samples: scored samples.
         pass_at_1: share of samples the verifier passed.
         pass_at_k: share of groups with at least one passed sample (k = group size).
-        tool_use: share of samples that called a tool.
+        tool_use: share of samples that called a tool (or wrote a call on their last turn).
         zero_signal: share of groups whose rewards are all equal (no gradient).
         all_fail, all_pass: share of groups where every sample failed / passed.
     """
@@ -179,6 +179,12 @@ class ProbeReport:
     def line(self) -> str:
         return (f"pass@1 {self.pass_at_1:.2f}, pass@k {self.pass_at_k:.2f}, tool use {self.tool_use:.2f}, "
                 f"zero-signal groups {self.zero_signal:.0%} ({self.groups} groups)")
+
+
+def _wrote_a_call(t: Trajectory) -> bool:
+    """A call was made, or written on the last turn (where it is parsed but never dispatched)."""
+    last = next((m["content"] for m in reversed(t.messages) if m["role"] == "assistant"), "")
+    return bool(t.tool_calls) or "<tool_call>" in last
 
 
 def probe_report(trajs: list[Trajectory]) -> ProbeReport:
@@ -200,7 +206,7 @@ def probe_report(trajs: list[Trajectory]) -> ProbeReport:
         groups=len(groups), samples=len(samples),
         pass_at_1=sum(bool(t.correct) for t in samples) / n,
         pass_at_k=sum(any(t.correct for t in grp) for grp in groups.values()) / g,
-        tool_use=sum(bool(t.tool_calls) for t in samples) / n,
+        tool_use=sum(_wrote_a_call(t) for t in samples) / n,
         zero_signal=len(constant) / g if groups else 1.0,
         all_fail=sum(not any(t.correct for t in grp) for grp in groups.values()) / g,
         all_pass=sum(all(t.correct for t in grp) for grp in groups.values()) / g,

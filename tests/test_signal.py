@@ -52,6 +52,9 @@ def test_probe_report_and_diagnosis_name_the_cause():
     assert "more worked examples" in diagnose(report, 0.7, 4, True, demonstration=True)
     easy = probe_report(_trajs("a", "g1", [True] * 4) + _trajs("b", "g2", [True] * 4))
     assert "too easy" in diagnose(easy, 1.0, 4, False)
+    one_turn = Trajectory("a", "g1", 0, reward=0.0, correct=False,
+                          messages=[{"role": "assistant", "content": '<tool_call>{"name": "f"}</tool_call>'}])
+    assert probe_report([one_turn] + _trajs("a", "g1", [False])).tool_use == 0.5  # written, never dispatched
     mixed = probe_report(_trajs("a", "g1", [True, False]) + _trajs("b", "g2", [False, False]))
     assert mixed.zero_signal == 0.5 and diagnose(mixed, 1.0, 2, False) is None
     assert diagnose(ProbeReport(0, 0, 0, 0, 0, 1.0, 0, 0), 1.0, 2, False).startswith("no signal: no scored group")
