@@ -6,6 +6,7 @@
     selfrl sampler [--config FILE] [flags] the policy as a remote sampling backend (HTTP)
     selfrl report RUN_DIR [--out DIR]      rebuild a run's report from its store (also mid-run or killed)
     selfrl compare RUN_DIR... [--out DIR]  several runs side by side, with paired held-out differences
+    selfrl envs                            list the installed environments, one line each
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from pathlib import Path
 RUN_FLAGS = {
     # flag: (dotted config key, type, help)
     "--model": ("model.name", str, "Hugging Face causal LM id or local path (default: embedded SmolLM2-135M-Instruct)"),
-    "--task": ("task.source", str, "task source name, e.g. chain_sum, basic_arithmetic, rg:<dataset>"),
+    "--env": ("task.source", str, "environment: arithmetic | webshop | code | function_calling (selfrl envs), "
+              "rg:<dataset>, or package.module:Name"),
+    "--task": ("task.source", str, "same as --env (older name), e.g. chain_sum, basic_arithmetic, rg:<dataset>"),
     "--preset": ("preset", str, "reward preset: verified | label-free"),
     "--iterations": ("iterations", int, "total rollout + update cycles of the run (with --resume: the new total)"),
     "--num-prompts": ("num_prompts", int, "tasks per iteration"),
@@ -66,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
         r.add_argument(flag, type=typ, help=help_)
     r.add_argument("--gradient-checkpointing", action="store_true", default=None,
                    help="recompute activations in the backward pass: less memory, about one more forward of time")
+    sub.add_parser("envs", help="list the installed environments, one line each")
     s = sub.add_parser("serve", help="OpenAI-compatible server that records, learns and hot-swaps adapters")
     s.add_argument("--config", help="TOML file with ServeConfig keys (see selfrl/serve/config.py)")
     s.add_argument("--api-key-file", help="file whose first line is the API key (else SELFRL_API_KEY)")
@@ -116,9 +120,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # A deprecation inside transformers, raised on every run; not ours to fix.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    from selfrl.config import ConfigError, load_config
+    from selfrl.config import ConfigError
     from selfrl.model import ModelLoadError
 
+    if args.command == "envs":
+        from selfrl.envs import describe_envs
+
+        rows = describe_envs()
+        width = max(len(name) for name, _ in rows)
+        for name, desc in rows:
+            print(f"{name:<{width}}  {desc}")
+        return 0
     if args.command == "serve":
         from selfrl.serve.main import serve
 
@@ -133,7 +145,11 @@ def main(argv: list[str] | None = None) -> int:
                      for f in ("--model", "--device", "--dtype", "--lora-r", "--seed")}
         return sampler(args.config, overrides, args.host, args.port, args.api_key_file)
 
+    if args.env is not None and args.task is not None and args.env != args.task:
+        print(f"selfrl: error: --env {args.env} and --task {args.task} disagree; give one", file=sys.stderr)
+        return 2
     overrides = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in RUN_FLAGS.items()}
+    overrides["task.source"] = args.env if args.env is not None else args.task
     overrides["train.gradient_checkpointing"] = args.gradient_checkpointing
     base = None
     if args.resume:
@@ -142,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         if stored.exists() and not args.config:
             base = json.loads(stored.read_text())  # resume with the run's own settings
     try:
-        cfg = load_config(args.config, overrides, base)
+        from selfrl.envs import load_run_config
+
+        cfg = load_run_config(args.config, overrides, base)  # the environment's defaults under file and flags
         from rich.console import Console
 
         from selfrl.loop import run

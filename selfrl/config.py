@@ -52,11 +52,15 @@ class LoraSettings:
 class TaskConfig:
     """Where tasks come from."""
 
-    source: str = "chain_sum"  # registered task source (see selfrl.tasks.available_task_sources)
+    source: str = "chain_sum"  # the environment: a name (selfrl envs), rg:<dataset>, or package.module:Name
     options: dict[str, Any] = field(default_factory=dict)  # overrides of the source's generator config
     train_seed: int = 1000  # seed of training tasks
     val_seed: int = 2000  # seed of held-out tasks (disjointness is checked)
     num_train: int = 2000  # training tasks generated
+    choice: str = "cycle"  # task choice: cycle (a shuffled walk) | signal (skip tasks predicted to give constant groups)
+    min_spread: float = 0.4  # choice = "signal": skip a seen task whose chance of a group with reward spread is below this
+    retry_after: int = 4  # choice = "signal": iterations before a skipped task is tried again
+    signal_check: str = "warn"  # before the first update: warn | stop (end the run when no group has signal) | off
 
 
 @dataclass
@@ -124,6 +128,10 @@ class RunConfig:
         ]
         checks += [
             (self.task.num_train >= 1, "task.num_train must be >= 1"),
+            (self.task.choice in ("cycle", "signal"), "task.choice must be 'cycle' or 'signal'"),
+            (0 <= self.task.min_spread < 1, "task.min_spread must be in [0, 1)"),
+            (self.task.retry_after >= 1, "task.retry_after must be >= 1"),
+            (self.task.signal_check in ("warn", "stop", "off"), "task.signal_check must be 'warn', 'stop' or 'off'"),
             (self.gate.batch_size >= 1, "gate.batch_size must be >= 1"),
             (self.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
             (self.train.scale_rewards in ("group", "none"), "train.scale_rewards must be 'group' or 'none'"),
@@ -142,6 +150,7 @@ class RunConfig:
 
     def _check_names(self) -> None:
         """Names that refer to registries (loss type, preset, reward functions, tools)."""
+        import selfrl.envs  # noqa: F401  the built-in environments register their tools and presets
         from selfrl.detectors import check_detectors
         from selfrl.rewards import check_weights, get_preset
         from selfrl.rl.losses import get_loss_aggregation

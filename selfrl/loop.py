@@ -30,8 +30,10 @@ from selfrl.progress import PlainProgress, Progress
 from selfrl.rewards import get_preset, score_batch
 from selfrl.rl.advantages import group_advantages
 from selfrl.rollout import rollout
+from selfrl.signal import SignalChooser, diagnose, probe_report
 from selfrl.store import Store
-from selfrl.tasks import Task, assert_disjoint, get_task_source, split_tasks
+from selfrl.envs import get_env
+from selfrl.tasks import Task, assert_disjoint
 from selfrl.tools import resolve_tools
 from selfrl.trainer import Learner, skip_note
 
@@ -51,6 +53,17 @@ class RunResult:
 
 class CollapseStop(Exception):
     """The collapse rollback budget is spent; the run stops with the best version served."""
+
+
+class NoSignalStop(Exception):
+    """``task.signal_check = "stop"`` and the first batch had no group with reward spread."""
+
+
+def shuffled(train: list[Task], seed: int) -> list[Task]:
+    """The training set in the order the iterations walk it."""
+    order = list(range(len(train)))
+    random.Random(seed).shuffle(order)
+    return [train[i] for i in order]
 
 
 def iteration_tasks(train: list[Task], iteration: int, num_prompts: int, seed: int) -> list[Task]:
@@ -92,9 +105,9 @@ class Runner:
         stored = self.run_dir / "config.json"
         if resume and stored.exists():
             check_resumable(json.loads(stored.read_text()), cfg.to_dict())
-        self.source = get_task_source(cfg.task.source, **cfg.task.options)
-        self.train, self.val = split_tasks(
-            self.source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed
+        self.source = get_env(cfg.task.source, **cfg.task.options)  # the environment (selfrl.envs)
+        self.train, self.val = self.source.split(
+            cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed
         )
         assert_disjoint(self.train, self.val)
         self.tasks_by_id = {t.id: t for t in self.train}
@@ -120,6 +133,9 @@ class Runner:
         self.history: list[collapse.UpdateRecord] = []  # one record per iteration, for the collapse rules
         self.chain_start = 0  # history index where the current candidate chain began
         self.rollbacks = 0  # collapse rollbacks so far (all sessions of this run)
+        self.chooser = (SignalChooser(cfg.num_generations, cfg.task.min_spread, cfg.task.retry_after)
+                        if cfg.task.choice == "signal" else None)
+        self.checked_signal = False  # the pre-flight signal check runs on this session's first batch
 
     # -- phases -------------------------------------------------------------------------
 
@@ -163,6 +179,9 @@ class Runner:
         self.best_state = adapters.lora_state(self.engine.model)
         done = [m["step"] for m in self.store.metrics() if m["name"] == "reward/mean"]
         start = max(done) + 1 if done else 0
+        if self.chooser is not None and start:  # resume: pass rates from the stored groups
+            self.chooser.observe(self.store.trajectories())
+            self.chooser.cursor = start * self.cfg.num_prompts
         self.chain_start = len(self.history)
         if self.resume:
             self.store.log_event(self.run_id, "resume", f"resumed at iteration {start} from version {self.best_version}")
@@ -174,7 +193,10 @@ class Runner:
         """Rollouts, rewards, advantages and one update; returns the logged metrics."""
         cfg, t0 = self.cfg, time.perf_counter()
         faults.set_iteration(it)
-        batch = iteration_tasks(self.train, it, cfg.num_prompts, cfg.task.train_seed)
+        if self.chooser is not None:  # signal-aware choice (selfrl.signal)
+            batch = self.chooser.choose(shuffled(self.train, cfg.task.train_seed), it, cfg.num_prompts)
+        else:
+            batch = iteration_tasks(self.train, it, cfg.num_prompts, cfg.task.train_seed)
         tasks = [t for t in batch for _ in range(cfg.num_generations)]
         groups = [f"{it}-{j}" for j, t in enumerate(batch) for _ in range(cfg.num_generations)]
         self.progress.phase(f"iteration {it}: rollouts (turns)", cfg.rollout.max_turns)
@@ -192,6 +214,13 @@ class Runner:
             t.advantage = a
         self.store.add_trajectories(self.run_id, it, trajs)
         faults.point("after_store")
+        probe = probe_report(trajs)
+        cause = diagnose(probe, cfg.rollout.temperature, cfg.num_generations, bool(self.tools) or
+                         bool(getattr(self.source.make_env(batch[0]), "tools", None)), cfg.rollout.demonstration)
+        if self.chooser is not None:
+            self.chooser.observe(trajs)
+        if not self.checked_signal and cfg.task.signal_check != "off":
+            self.preflight(it, probe.line(), cause)
         sampled = self.engine.version
         signal = sum(1 for t in trajs if t.advantage)
         self.progress.phase(f"iteration {it}: update (micro-batches)", max(1, -(-signal // cfg.train.micro_batch_size)))
@@ -214,7 +243,14 @@ class Runner:
                         "time/rollout_s": t_roll, "sampled_version": float(sampled),
                         "train/entropy": collapse.entropy_estimate(trajs),
                         "train/degenerate": collapse.degenerate_share(trajs, cfg.collapse)})
+        metrics.update({"signal/pass_at_k": probe.pass_at_k, "signal/all_fail": probe.all_fail,
+                        "signal/all_pass": probe.all_pass})
+        if self.chooser is not None:
+            metrics["signal/skipped_tasks"] = float(self.chooser.last_skipped)
         note = f" (update skipped: {skip_note(metrics)})" if metrics.get("skipped") else ""
+        if cause and (metrics.get("skipped") or probe.zero_signal >= 0.75):  # say why it is not learning
+            note += f" [{cause}]"
+            self.store.log_event(self.run_id, "no_signal", f"iteration {it}: {cause}", {"zero_signal": probe.zero_signal})
         self.progress.log(
             f"iteration {it}: reward {metrics['reward/mean']:.3f} correct {metrics['train/correct']:.3f} "
             f"tool use {metrics['train/tool_use']:.2f} kl {metrics.get('kl', 0.0):.4f} "
@@ -225,6 +261,20 @@ class Runner:
         if alarms:  # also when the best version sampled them: the new candidate goes, the setting gets safer
             self.roll_back(it, alarms)
         return metrics
+
+    def preflight(self, it: int, line: str, cause: str | None) -> None:
+        """The pre-flight signal check on the first batch, before the first update: log what the
+        batch shows and, without signal, why and what to change; stop under ``signal_check = "stop"``.
+
+        Raises:
+            NoSignalStop: ``signal_check`` is "stop" and the batch had no signal at all.
+        """
+        self.checked_signal = True
+        msg = f"pre-flight (iteration {it}, before the update): {line}" + (f". {cause}" if cause else ". Signal: yes")
+        self.store.log_event(self.run_id, "preflight", msg)
+        self.progress.log(msg)
+        if cause and cause.startswith("no signal") and self.cfg.task.signal_check == "stop":
+            raise NoSignalStop(msg)
 
     def gate(self, it: int, res: EvalResult) -> None:
         """Promote the validated candidate, or reject it and swap the best version back in."""
@@ -366,7 +416,7 @@ class Runner:
         except KeyboardInterrupt:
             stopped = True
             self.progress.log("interrupted: stored trajectories and versions are kept; continue with --resume")
-        except CollapseStop as e:
+        except (CollapseStop, NoSignalStop) as e:
             stopped = True
             self.progress.log(str(e))
         finally:
@@ -415,7 +465,12 @@ def check_resumable(stored: dict, new: dict) -> None:
     """
     from selfrl.config import ConfigError
 
-    changed = [k for k in RESUME_FIXED if stored.get(k) != new.get(k)]
+    def same(a, b) -> bool:  # a table compares on the stored keys: fields added since then keep their defaults
+        if isinstance(a, dict) and isinstance(b, dict):
+            return all(k in b and same(v, b[k]) for k, v in a.items())
+        return a == b
+
+    changed = [k for k in RESUME_FIXED if not same(stored.get(k), new.get(k))]
     if stored.get("gate", {}).get("val_size") != new.get("gate", {}).get("val_size"):
         changed.append("gate.val_size")
     if changed:

@@ -19,26 +19,32 @@ import math
 import re
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal
 
-from selfrl.envs.webshop import naive_reward as webshop_naive
 from selfrl.tasks import Task, TaskSource
 from selfrl.trajectory import Trajectory
 
 __all__ = [
     "PRESETS",
+    "PRESET_DOCS",
     "REWARD_FUNCS",
     "RewardContext",
     "RewardFunc",
     "format_reward",
     "get_preset",
     "get_reward_func",
+    "agreement",
+    "length_penalty",
     "normalize_answer",
+    "partial_credit",
+    "register_preset",
+    "register_reward_func",
     "score_batch",
     "score_group",
     "self_consistency",
     "tool_success",
+    "user_correction",
     "verifier",
 ]
 
@@ -56,6 +62,7 @@ class RewardContext:
     task: Task
     source: TaskSource
     group: list[Trajectory]
+    cache: dict = field(default_factory=dict)  # per-group results a reward computes once (agreement)
 
 
 RewardFunc = Callable[[Trajectory, RewardContext], "float | None"]
@@ -171,6 +178,74 @@ def format_reward(traj: Trajectory, ctx: RewardContext) -> float:
     return 1.0
 
 
+def partial_credit(traj: Trajectory, ctx: RewardContext) -> float:
+    """The source's own score of the answer, partial credit included: in [0, 1], never None.
+
+    ``source.score(task, source.trajectory_answer(traj))``. For function calling it
+    pays the right function name and each right argument (``selfrl.envs.function_calling``);
+    for reasoning-gym it pays some wrong answers (see ``verifier``), so the
+    arithmetic presets do not use it.
+    """
+    return float(ctx.source.score(ctx.task, ctx.source.trajectory_answer(traj)))
+
+
+def agreement(traj: Trajectory, ctx: RewardContext) -> float | None:
+    """Label-free agreement of this sample with the rest of its group, as its environment defines it.
+
+    The source computes it once per group with ``source.agreement_scores(task, group)``
+    (``{trajectory id: score or None}``): CodeT-style execution agreement for code
+    (``selfrl.envs.code``), call agreement for function calling
+    (``selfrl.envs.function_calling``). A source without that method falls back to
+    ``self_consistency`` on extracted answers.
+    """
+    scorer = getattr(ctx.source, "agreement_scores", None)
+    if scorer is None:
+        return self_consistency(traj, ctx)
+    if "agreement" not in ctx.cache:
+        ctx.cache["agreement"] = scorer(ctx.task, ctx.group)
+    return ctx.cache["agreement"].get(traj.id)
+
+
+def user_correction(traj: Trajectory, ctx: RewardContext) -> float | None:
+    """-1.0 when a user message after the first answer corrects it, 0.0 when the user
+    went on without correcting, None when no user spoke after an answer.
+
+    A correction is what ``selfrl.serve.feedback.correction_reason`` says it is
+    (a correction phrase, or the request asked again).
+
+    >>> t = Trajectory("t", "g", 0, messages=[{"role": "user", "content": "6*7?"},
+    ...     {"role": "assistant", "content": "41"}, {"role": "user", "content": "No, that's wrong."}])
+    >>> user_correction(t, None)
+    -1.0
+    """
+    from selfrl.serve.feedback import correction_reason
+
+    msgs = traj.messages
+    answered = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), None)
+    if answered is None:
+        return None
+    first_user = next((m["content"] for m in msgs[:answered] if m["role"] == "user"), None)
+    later = [m["content"] for m in msgs[answered + 1:] if m["role"] == "user"]
+    if not later:
+        return None
+    return -1.0 if any(correction_reason(text, first_user) for text in later) else 0.0
+
+
+LENGTH_PENALTY_TOKENS = 1024  # sampled tokens that cost the whole penalty
+
+
+def length_penalty(traj: Trajectory, ctx: RewardContext) -> float:
+    """Minus the share of ``LENGTH_PENALTY_TOKENS`` the trajectory sampled, in [-1, 0];
+    -1.0 for a trajectory cut off at the token limit (DAPO's overlong penalty, linear).
+
+    >>> length_penalty(Trajectory("t", "g", 0, completion_mask=[0] * 4 + [1] * 256), None)
+    -0.25
+    """
+    if traj.truncated:
+        return -1.0
+    return -min(1.0, traj.num_completion_tokens / LENGTH_PENALTY_TOKENS)
+
+
 # ---------------------------------------------------------------- registry and presets
 
 REWARD_FUNCS: dict[str, RewardFunc] = {
@@ -178,15 +253,40 @@ REWARD_FUNCS: dict[str, RewardFunc] = {
     "self_consistency": self_consistency,
     "tool_success": tool_success,
     "format": format_reward,
-    "webshop_naive": webshop_naive,  # counts "Order confirmed" events: hackable on purpose (selfrl.envs.webshop)
+    "partial_credit": partial_credit,
+    "agreement": agreement,
+    "user_correction": user_correction,
+    "length_penalty": length_penalty,
 }
 
-# "label-free" must never use the verifier: it stands for runs without reference answers.
-PRESETS: dict[str, dict[str, float]] = {
-    "verified": {"verifier": 1.0, "tool_success": 0.2},
-    "label-free": {"self_consistency": 1.0, "tool_success": 0.2},
-    "webshop-naive": {"webshop_naive": 1.0},  # the careless reward of the web-shop demonstration
-}
+# One named template per task kind. Each says what it pays and how a policy can game it.
+# "label-free" presets never use the verifier: they stand for runs without reference answers.
+PRESETS: dict[str, dict[str, float]] = {}
+PRESET_DOCS: dict[str, str] = {}
+
+
+def register_reward_func(name: str, fn: RewardFunc) -> None:
+    """Register reward function ``fn`` under ``name``, once (an environment's own reward).
+
+    Raises:
+        ValueError: ``name`` is taken by another function.
+    """
+    if REWARD_FUNCS.get(name, fn) is not fn:
+        raise ValueError(f"reward function {name!r} is already registered")
+    REWARD_FUNCS[name] = fn
+
+
+def register_preset(name: str, weights: dict[str, float], doc: str) -> None:
+    """Register preset ``name`` = ``weights`` with ``doc`` (what it pays; how it can be gamed).
+
+    Raises:
+        ValueError: ``name`` is taken, a function is unknown, or a weight is not finite.
+    """
+    if name in PRESETS and PRESETS[name] != weights:
+        raise ValueError(f"reward preset {name!r} is already registered")
+    check_weights(weights)
+    PRESETS[name] = dict(weights)
+    PRESET_DOCS[name] = doc
 
 
 def get_reward_func(name: str) -> RewardFunc:
@@ -303,3 +403,32 @@ def score_batch(
             raise ValueError(f"group {gid!r}: task {ids[0]} is not in tasks_by_id")
     for group in groups.values():
         score_group(group, tasks_by_id[group[0].task_id], source, weights)
+
+
+# ---------------------------------------------------------------- the built-in templates
+
+register_preset("verified", {"verifier": 1.0, "tool_success": 0.2},
+                "arithmetic: 1 for the right answer, +0.2 x the share of tool calls that ran. "
+                "Gamed by: calling the calculator pointlessly earns the 0.2 (capped at 0.2 a trajectory).")
+register_preset("label-free", {"self_consistency": 1.0, "tool_success": 0.2},
+                "arithmetic without labels: 1 for agreeing with the group's majority answer, +0.2 tool success. "
+                "Gamed by: a collapse to one constant answer agrees perfectly; the held-out gate catches it.")
+register_preset("code", {"verifier": 1.0},
+                "code: 1 when the final program passes the task's hidden tests in the sandbox. "
+                "Gamed by: special-casing the inputs visible in the docstring's examples when the hidden "
+                "tests are few; reading the tests is impossible (they run after the answer, in the sandbox).")
+register_preset("code-label-free", {"agreement": 1.0},
+                "code without tests (CodeT-style): the share of the other samples whose programs give the same "
+                "outputs as this one on inputs the samples wrote. Gamed by: programs that all fail the same way "
+                "(or return a constant) agree; weak when most samples are wrong.")
+register_preset("function_calling", {"verifier": 1.0},
+                "function calling: 1 when the calls match BFCL's possible answers by AST (function names, "
+                "required arguments, allowed values); for irrelevance, 1 for making no call. Gamed by: never "
+                "calling on irrelevance-heavy mixes; keep the category mix balanced.")
+register_preset("function_calling-partial", {"partial_credit": 1.0},
+                "function calling with partial credit: 0.5 for the right function name(s), 0.5 x the share of "
+                "right arguments; 1 only for an exact AST match. Gamed by: the right name with junk arguments "
+                "earns 0.5; the gate measures exact matches.")
+register_preset("function_calling-label-free", {"agreement": 1.0},
+                "function calling without answers: the share of the other samples that made the same calls "
+                "(BFCL's normalisation; order ignored). Gamed by: a constant call, or never calling, agrees perfectly.")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from selfrl.chat import between_turns_ids, prompt_ids, template_supports_tools, template_wraps_tool_responses
 from selfrl.engines.base import Generation, SamplingEngine
-from selfrl.envs import Environment
+from selfrl.envs.base import EnvState as Environment
 from selfrl.tasks import Task
 from selfrl.toolcall import (
     TOOL_CALL_CLOSE,

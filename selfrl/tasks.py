@@ -1,9 +1,9 @@
 """Task sources: where questions come from and how an answer is checked.
 
 A ``TaskSource`` samples ``Task`` records deterministically from a seed and
-scores a final answer against one of them (the verifier). Sources are found by
-registered name (``chain_sum``, ``basic_arithmetic``) or as ``rg:<dataset>`` for
-any reasoning-gym dataset; an unknown name gets an error listing the valid ones.
+scores a final answer against one of them (the verifier). Concrete sources are
+environments (``selfrl.envs``), found by name in ``selfrl.envs.registry``; this
+module holds only what every environment shares, and imports none of them.
 
 ``split_tasks`` builds a train/validation split with no validation question in
 training. Procedural generators reuse questions across seeds (reasoning-gym
@@ -14,25 +14,17 @@ distinct questions), so the split removes leaks by question content, not seed.
 from __future__ import annotations
 
 import abc
-import dataclasses
 import hashlib
-import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-import reasoning_gym
-import reasoning_gym.factory
+from typing import Any
 
 __all__ = [
-    "ReasoningGymSource",
     "Task",
     "TaskSource",
     "assert_disjoint",
-    "available_task_sources",
+    "distinct_sample",
     "extract_answer",
-    "get_task_source",
-    "register_task_source",
     "split_tasks",
     "task_id",
 ]
@@ -146,159 +138,26 @@ class TaskSource(abc.ABC):
         return []
 
 
-def _reasoning_gym_names() -> list[str]:
-    return sorted(reasoning_gym.factory.DATASETS)
+# ---------------------------------------------------------------- compatibility
+
+# The registry and the reasoning-gym environment moved to ``selfrl.envs`` (which imports this
+# module); these names still resolve here, on first use, for code written before the move.
+_MOVED = {
+    "ReasoningGymSource": ("selfrl.envs.arithmetic", "ReasoningGymEnv"),
+    "get_task_source": ("selfrl.envs.registry", "get_env"),
+    "register_task_source": ("selfrl.envs.registry", "register_env"),
+    "available_task_sources": ("selfrl.envs.registry", "available_envs"),
+}
 
 
-class ReasoningGymSource(TaskSource):
-    """Tasks from a reasoning-gym procedural dataset, scored by the dataset's own ``score_answer``.
+def __getattr__(name: str) -> Any:
+    """Names that moved to ``selfrl.envs`` (see ``_MOVED``), imported when first asked for."""
+    if name in _MOVED:
+        import importlib
 
-    ``Task.metadata`` holds ``entry`` (the reasoning-gym item, after a JSON
-    round trip so that it scores the same whether it comes from memory or from
-    the store) and ``dataset``, ``seed``, ``index`` to regenerate it. Datasets
-    whose items do not score the same after a JSON round trip (arc_agi, rearc:
-    boards are tuples) are refused at ``sample`` time rather than mis-scored.
-    """
-
-    def __init__(self, dataset: str, config: dict[str, Any] | None = None, name: str | None = None):
-        """Build a source for reasoning-gym ``dataset`` with config fields ``config``.
-
-        Args:
-            dataset: a reasoning-gym dataset name, e.g. ``"chain_sum"``.
-            config: fields of that dataset's config dataclass, without ``seed`` and ``size``.
-            name: the source name written into each ``Task.source`` (default: ``dataset``).
-
-        Raises:
-            ValueError: unknown dataset (the message lists the valid ones), unknown
-                config field (lists the valid fields), or a config the dataset rejects.
-        """
-        valid = _reasoning_gym_names()
-        if dataset not in valid:
-            raise ValueError(f"unknown reasoning-gym dataset {dataset!r}; valid names: {', '.join(valid)}")
-        config = dict(config or {})
-        _, config_cls = reasoning_gym.factory.DATASETS[dataset]
-        fields = sorted(f.name for f in dataclasses.fields(config_cls) if f.name not in ("seed", "size"))
-        unknown = sorted(set(config) - set(fields))
-        if unknown:
-            raise ValueError(f"unknown config field(s) {unknown} for {dataset!r}; valid fields: {', '.join(fields)}")
-        self.dataset = dataset
-        self.config = config
-        self.name = name or dataset
-        # One instance for scoring: score_answer may read the config, never the seed.
-        self._scorer = self._create(seed=0, size=1)
-
-    def _create(self, seed: int, size: int) -> Any:
-        try:
-            return reasoning_gym.create_dataset(self.dataset, seed=seed, size=size, **self.config)
-        except AssertionError as err:  # reasoning-gym validates configs with assert
-            raise ValueError(f"invalid config {self.config} for {self.dataset!r}: {err}") from err
-
-    def sample(self, n: int, seed: int) -> list[Task]:
-        """Return items ``0..n-1`` of the dataset seeded with ``seed``, as tasks."""
-        if n <= 0:
-            return []
-        data = self._create(seed=seed, size=n)
-        tasks = []
-        for index in range(n):
-            item = data[index]
-            entry = json.loads(json.dumps(item))
-            if data.score_answer(item["answer"], item) != data.score_answer(entry["answer"], entry):
-                raise ValueError(
-                    f"reasoning-gym dataset {self.dataset!r} scores differently after a JSON round trip "
-                    "of its items, so its tasks cannot be stored; it is not supported"
-                )
-            metadata = {"entry": entry, "dataset": self.dataset, "seed": seed, "index": index}
-            tasks.append(Task.make(self.name, item["question"], str(item["answer"]), metadata))
-        return tasks
-
-    def score(self, task: Task, answer: str | None) -> float:
-        """Score ``answer`` with reasoning-gym's ``score_answer(answer, entry)``.
-
-        Raises:
-            ValueError: the task is from another source, or reasoning-gym returned
-                a score outside [0, 1].
-        """
-        if task.source != self.name:
-            raise ValueError(f"task {task.id} is from source {task.source!r}, not {self.name!r}")
-        if answer is None:
-            return 0.0
-        value = float(self._scorer.score_answer(answer, task.metadata["entry"]))
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"{self.dataset!r} score_answer returned {value} for task {task.id}, outside [0, 1]")
-        return value
-
-    def __repr__(self) -> str:
-        return f"ReasoningGymSource(dataset={self.dataset!r}, config={self.config!r}, name={self.name!r})"
-
-
-# ---------------------------------------------------------------- registry
-
-TaskSourceFactory = Callable[..., TaskSource]
-_REGISTRY: dict[str, TaskSourceFactory] = {}
-_RG_PREFIX = "rg:"
-
-
-def register_task_source(name: str, factory: TaskSourceFactory) -> None:
-    """Register ``factory(**overrides) -> TaskSource`` under ``name``.
-
-    Raises:
-        ValueError: ``name`` is already registered or uses the reserved ``rg:`` prefix.
-    """
-    if name.startswith(_RG_PREFIX):
-        raise ValueError(f"names starting with {_RG_PREFIX!r} are reserved for reasoning-gym datasets: {name!r}")
-    if name in _REGISTRY:
-        raise ValueError(f"task source {name!r} is already registered")
-    _REGISTRY[name] = factory
-
-
-def available_task_sources() -> list[str]:
-    """Registered task source names, sorted (``rg:<dataset>`` also works for any reasoning-gym dataset)."""
-    return sorted(_REGISTRY)
-
-
-def get_task_source(name: str, **overrides: Any) -> TaskSource:
-    """Build the task source registered as ``name``, or ``rg:<dataset>`` for any reasoning-gym dataset.
-
-    ``overrides`` go to the factory; for reasoning-gym sources they are config
-    fields merged over the defaults.
-
-    Raises:
-        ValueError: unknown name; the message lists the valid names.
-    """
-    if name.startswith(_RG_PREFIX):
-        return ReasoningGymSource(name[len(_RG_PREFIX) :], overrides)
-    if name not in _REGISTRY:
-        raise ValueError(
-            f"unknown task source {name!r}; valid names: {', '.join(available_task_sources())}, "
-            f"or '{_RG_PREFIX}<dataset>' for any reasoning-gym dataset"
-        )
-    return _REGISTRY[name](**overrides)
-
-
-def _reasoning_gym_factory(dataset: str, defaults: dict[str, Any]) -> TaskSourceFactory:
-    def factory(**overrides: Any) -> TaskSource:
-        return ReasoningGymSource(dataset, {**defaults, **overrides})
-
-    return factory
-
-
-# Small configs: 2-3 terms of 1-2 digit numbers.
-CHAIN_SUM_SMALL: dict[str, Any] = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
-# Keeps reasoning-gym's default allow_parentheses=True: its parenthesis-free generator
-# evaluates left to right, ignoring operator precedence, so its answers can be wrong.
-BASIC_ARITHMETIC_SMALL: dict[str, Any] = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
-
-register_task_source("chain_sum", _reasoning_gym_factory("chain_sum", CHAIN_SUM_SMALL))
-register_task_source("basic_arithmetic", _reasoning_gym_factory("basic_arithmetic", BASIC_ARITHMETIC_SMALL))
-
-
-def _webshop_factory(**overrides: Any) -> TaskSource:
-    from selfrl.envs.webshop import WebShopSource  # imported here: it imports this module
-
-    return WebShopSource(**overrides)
-
-
-register_task_source("webshop", _webshop_factory)
+        module, attr = _MOVED[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'selfrl.tasks' has no attribute {name!r}")
 
 
 # ---------------------------------------------------------------- splits

@@ -91,7 +91,7 @@ def test_out_of_range_values(overrides, message):
     "override, message",
     [
         ({"reward_weights": {"verifier": "a"}}, "finite"),
-        ({"reward_weights": {"nope": 1.0}}, "valid names: format, self_consistency, tool_success, verifier"),
+        ({"reward_weights": {"nope": 1.0}}, "valid names: agreement, format, length_penalty, partial_credit, self_consistency, tool_success, user_correction, verifier"),
         ({"train.scale_rewards": "x"}, "train.scale_rewards"),
         ({"rollout.tools_prompt": "x"}, "rollout.tools_prompt"),
         ({"rollout.tools": ["calculator", "nope"]}, "nope"),
@@ -117,3 +117,8 @@ def test_resume_may_change_iterations_but_not_the_task():
     other_val = load_config(None, {"gate.val_size": 64}).to_dict()
     with pytest.raises(ConfigError, match="gate.val_size"):
         check_resumable(stored, other_val)
+    older = {**stored, "task": {k: v for k, v in stored["task"].items() if k not in ("choice", "signal_check")}}
+    assert check_resumable(older, more) is None  # a run stored before a field existed resumes with its default
+    signal = load_config(None, {"task.choice": "signal"}).to_dict()
+    with pytest.raises(ConfigError, match="cannot change task"):
+        check_resumable(stored, signal)

@@ -180,7 +180,8 @@ def test_cli_unknown_task_source(capsys, tmp_path):
     code = main(["run", "--task", "no_such_source", "--run-dir", str(tmp_path / "r")])
     err = capsys.readouterr().err
     assert code == 2
-    assert "selfrl: error: unknown task source 'no_such_source'; valid names: basic_arithmetic, chain_sum" in err
+    assert ("selfrl: error: unknown environment 'no_such_source'; valid names: arithmetic, basic_arithmetic, "
+            "chain_sum, code, function_calling, webshop") in err
 
 
 def test_cli_unknown_model_path(capsys, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from selfrl.rewards import (
+    PRESET_DOCS,
     PRESETS,
     REWARD_FUNCS,
     RewardContext,
@@ -136,15 +137,20 @@ def test_format(task, source, text, expected):
 
 
 def test_registry_and_presets():
-    assert set(REWARD_FUNCS) == {"verifier", "self_consistency", "tool_success", "format", "webshop_naive"}
+    assert set(REWARD_FUNCS) == {"verifier", "self_consistency", "tool_success", "format", "webshop_naive",
+                                 "partial_credit", "agreement", "user_correction", "length_penalty"}
     assert get_reward_func("format") is format_reward
-    with pytest.raises(ValueError, match="valid names: format, self_consistency, tool_success, verifier, webshop_naive"):
+    with pytest.raises(ValueError, match="valid names: agreement, format, length_penalty, partial_credit, "
+                       "self_consistency, tool_success, user_correction, verifier, webshop_naive"):
         get_reward_func("nope")
     assert get_preset("verified") == {"verifier": 1.0, "tool_success": 0.2}
-    assert "verifier" not in get_preset("label-free")
+    assert all("verifier" not in w and "partial_credit" not in w
+               for name, w in PRESETS.items() if name.endswith("label-free"))
     assert all("format" not in w for w in PRESETS.values())
-    with pytest.raises(ValueError, match="valid names: label-free, verified, webshop-naive"):
+    with pytest.raises(ValueError, match="valid names: code, code-label-free, function_calling, "
+                       "function_calling-label-free, function_calling-partial, label-free, verified, webshop-naive"):
         get_preset("nope")
+    assert set(PRESET_DOCS) == set(PRESETS) and all("Gamed by" in d for d in PRESET_DOCS.values())
     get_preset("verified")["verifier"] = 5.0  # a copy: the preset is unchanged
     assert PRESETS["verified"]["verifier"] == 1.0
 

@@ -1,44 +1,44 @@
-"""Stateful environments: per-trajectory state behind the agent's tools.
+"""Environments: each module here is one task kind, with its task source (train and
+held-out splits), tools, per-trajectory state, verifier, reward template and worked
+example (``selfrl.envs.base.Env``).
 
-The calculator is stateless, so one ``Tool`` list serves every trajectory. A
-web shop is not: a cart belongs to one trajectory. An ``Environment`` is made
-per trajectory (by ``TaskSource.make_env(task)``) and holds that state; its
-``tools`` are bound to it. ``selfrl.rollout.rollout`` dispatches a trajectory's
-calls to its own environment's tools, asks ``is_completed()`` after each turn
-(the episode may end before ``max_turns``) and records ``state()`` on the
-trajectory (``Trajectory.env_state``), which is what the task source scores.
-
-This is verifiers' ``MultiTurnEnv`` (``env_response`` + ``is_completed``) cut to
-what selfrl needs: the tool-call parsing and the chat layout stay in the
-rollout, so an environment only supplies its tools and its state.
+Importing this package registers the built-in environments (``selfrl envs`` lists
+them): ``arithmetic`` (with the aliases ``chain_sum``, ``basic_arithmetic``),
+``webshop``, ``code`` and ``function_calling``. Others load by dotted path or entry
+point (``selfrl.envs.registry``). Generic modules (the loop, the rollout, rewards)
+never import a particular environment.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from selfrl.envs.base import Env, EnvState
+from selfrl.envs.registry import (
+    available_envs,
+    describe_envs,
+    env_config_defaults,
+    get_env,
+    load_run_config,
+    register_env,
+)
 
-from selfrl.tools import Tool
+# The per-trajectory state protocol's name before ``Env`` existed.
+Environment = EnvState
 
+# Built-in environments register themselves on import (after the names above exist).
+from selfrl.envs import arithmetic, webshop  # noqa: E402,F401  isort: skip
+from selfrl.envs import code, function_calling  # noqa: E402,F401  isort: skip
 
-@runtime_checkable
-class Environment(Protocol):
-    """Per-trajectory state plus the tools that act on it.
+get_task_source = get_env  # the name before environments existed
 
-    Attributes:
-        tools: this trajectory's tools (same names and schemas for every
-            instance, so that prompts are identical), bound to this state.
-        demonstration: a worked example as chat messages, shown before the task
-            instead of the calculator's ``selfrl.rollout.DEMONSTRATION``; None
-            for that default.
-    """
-
-    tools: list[Tool]
-    demonstration: list[dict[str, str]] | None
-
-    def is_completed(self) -> bool:
-        """True when the episode is over (checked after each turn's tool calls)."""
-        ...
-
-    def state(self) -> dict[str, Any]:
-        """JSON-serializable summary of the final state, stored as ``Trajectory.env_state``."""
-        ...
+__all__ = [
+    "Env",
+    "EnvState",
+    "Environment",
+    "available_envs",
+    "describe_envs",
+    "env_config_defaults",
+    "get_env",
+    "get_task_source",
+    "load_run_config",
+    "register_env",
+]

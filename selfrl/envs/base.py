@@ -1,0 +1,85 @@
+"""The environment API: one object bundles what a task kind needs to be learned.
+
+An ``Env`` is a ``selfrl.tasks.TaskSource`` (tasks and their verifier) that also
+carries
+
+* ``split``: its train/held-out split, checked disjoint (``assert_disjoint``);
+* ``make_env(task)``: the per-trajectory state behind stateful tools (an
+  ``EnvState``), or None when the tools are stateless;
+* ``config_defaults``: the run settings it needs (system prompt, tool names,
+  turns, reward preset), applied under the user's config file and flags;
+* ``preset``: its reward template, one of ``selfrl.rewards.PRESETS``;
+* ``description``: one line for ``selfrl envs``.
+
+It is verifiers' ``Environment`` (dataset + rubric + tools) with the rubric
+named by preset, and nanochat's ``Task`` (``reward(conversation, response)``)
+as the verifier. The tool-call parsing and the chat layout stay in
+``selfrl.rollout``, so an environment only supplies tasks, tools, state and a
+verdict. Environments are found by name in ``selfrl.envs.registry``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from selfrl.tasks import Task, TaskSource, assert_disjoint, split_tasks
+from selfrl.tools import Tool
+
+__all__ = ["Env", "EnvState"]
+
+
+@runtime_checkable
+class EnvState(Protocol):
+    """Per-trajectory state plus the tools that act on it (made by ``Env.make_env(task)``).
+
+    ``selfrl.rollout.rollout`` dispatches a trajectory's calls to its own state's
+    tools, asks ``is_completed()`` after each turn (the episode may end before
+    ``max_turns``) and records ``state()`` on the trajectory
+    (``Trajectory.env_state``), which is what the environment scores.
+    This is verifiers' ``MultiTurnEnv`` (``env_response`` + ``is_completed``).
+
+    Attributes:
+        tools: this trajectory's tools, bound to this state.
+        demonstration: a worked example as chat messages, shown before the task
+            instead of the calculator's ``selfrl.rollout.DEMONSTRATION``; None
+            for that default.
+    """
+
+    tools: list[Tool]
+    demonstration: list[dict[str, str]] | None
+
+    def is_completed(self) -> bool:
+        """True when the episode is over (checked after each turn's tool calls)."""
+        ...
+
+    def state(self) -> dict[str, Any]:
+        """JSON-serializable summary of the final state, stored as ``Trajectory.env_state``."""
+        ...
+
+
+class Env(TaskSource):
+    """A task source that is also a whole environment (see the module docstring).
+
+    Subclasses set ``name``, ``description`` and implement ``sample`` and
+    ``score`` (``TaskSource``); everything else has a default: a split by
+    content hash, no per-trajectory state, the ``verified`` preset, no settings.
+    """
+
+    description: ClassVar[str] = ""
+    preset: ClassVar[str] = "verified"
+    # Dotted run-config keys -> values, applied under the config file and flags
+    # (selfrl.envs.registry.load_run_config); e.g. {"rollout.tools": ["run_python"]}.
+    config_defaults: ClassVar[dict[str, Any]] = {}
+
+    def split(self, n_train: int, n_val: int, train_seed: int, val_seed: int) -> tuple[list[Task], list[Task]]:
+        """``(train, val)`` with no held-out task in training.
+
+        The default is ``selfrl.tasks.split_tasks`` (for generators); a fixed
+        benchmark overrides it with a split of its own items.
+
+        Raises:
+            ValueError: the split cannot be made (too few distinct tasks), or it overlaps.
+        """
+        train, val = split_tasks(self, n_train, n_val, train_seed, val_seed)
+        assert_disjoint(train, val)
+        return train, val

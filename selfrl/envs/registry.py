@@ -1,0 +1,189 @@
+"""Find an environment by name: registered, ``rg:<dataset>``, ``module:attr``, or entry point.
+
+Names resolve in this order (``get_env``):
+
+1. a registered name (``register_env``; the built-in ones register on import of
+   ``selfrl.envs``: arithmetic, webshop, code, function_calling, plus the
+   arithmetic aliases chain_sum and basic_arithmetic that older configs use);
+2. ``rg:<dataset>``: any reasoning-gym dataset as an arithmetic-style environment;
+3. a dotted path ``package.module:Name`` (``--env mypkg.envs:MyEnv``): ``Name``
+   is an ``Env`` subclass or a factory returning one;
+4. a Python entry point in the group ``selfrl.envs`` (a third-party package
+   declares ``[project.entry-points."selfrl.envs"] myenv = "mypkg.envs:MyEnv"``).
+
+An unknown name gets an error that lists the valid ones (trl/scripts/grpo.py's
+pattern). ``load_run_config`` layers an environment's ``config_defaults`` under
+the user's config file and flags.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from selfrl.envs.base import Env
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "available_envs",
+    "describe_envs",
+    "env_config_defaults",
+    "get_env",
+    "load_run_config",
+    "register_env",
+]
+
+ENTRY_POINT_GROUP = "selfrl.envs"
+RG_PREFIX = "rg:"
+
+EnvFactory = Callable[..., Env]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    factory: EnvFactory
+    description: str
+    alias_of: str | None  # an alias is listed with the environment it names
+
+
+_REGISTRY: dict[str, _Entry] = {}
+
+
+def register_env(name: str, factory: EnvFactory, description: str | None = None, alias_of: str | None = None) -> None:
+    """Register ``factory(**options) -> Env`` under ``name``, once.
+
+    ``description`` defaults to the factory's ``description`` attribute (an
+    ``Env`` subclass has one). ``alias_of`` marks a second name for a listed
+    environment (``selfrl envs`` shows it on that environment's line).
+
+    Raises:
+        ValueError: ``name`` is taken, uses the reserved ``rg:`` prefix, or holds a ``:``.
+    """
+    if name.startswith(RG_PREFIX) or ":" in name:
+        raise ValueError(f"names starting with {RG_PREFIX!r} are reserved for reasoning-gym datasets "
+                         f"and ':' for dotted paths: {name!r}")
+    if name in _REGISTRY:
+        raise ValueError(f"environment {name!r} is already registered")
+    desc = description if description is not None else getattr(factory, "description", "")
+    _REGISTRY[name] = _Entry(factory, desc, alias_of)
+
+
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def available_envs() -> list[str]:
+    """Registered and entry-point environment names, sorted (aliases included)."""
+    return sorted(set(_REGISTRY) | set(_entry_points()))
+
+
+def describe_envs() -> list[tuple[str, str]]:
+    """``(name, one-line description)`` per environment, aliases folded into their line; sorted."""
+    aliases: dict[str, list[str]] = {}
+    for name, e in _REGISTRY.items():
+        if e.alias_of:
+            aliases.setdefault(e.alias_of, []).append(name)
+    out = []
+    for name, e in sorted(_REGISTRY.items()):
+        if e.alias_of:
+            continue
+        also = f" (also: {', '.join(sorted(aliases[name]))})" if name in aliases else ""
+        out.append((name, e.description + also))
+    for name, ep in sorted(_entry_points().items()):
+        if name not in _REGISTRY:
+            out.append((name, f"entry point {ep.value}"))
+    return out
+
+
+def _resolve_factory(name: str) -> EnvFactory:
+    """The factory for ``name`` (see the module docstring for the order).
+
+    Raises:
+        ValueError: unknown name, or a dotted path that does not import; the message lists valid names.
+    """
+    if name in _REGISTRY:
+        return _REGISTRY[name].factory
+    if name.startswith(RG_PREFIX):
+        from selfrl.envs.arithmetic import ReasoningGymEnv
+
+        dataset = name[len(RG_PREFIX):]
+
+        def rg(**options: Any) -> Env:
+            return ReasoningGymEnv(dataset, options)
+
+        return rg
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            obj = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"cannot load environment {name!r}: {type(e).__name__}: {e}") from e
+        if not callable(obj):
+            raise ValueError(f"environment {name!r} is not a class or factory")
+        return obj
+    eps = _entry_points()
+    if name in eps:
+        return eps[name].load()
+    raise ValueError(
+        f"unknown environment {name!r}; valid names: {', '.join(available_envs())}, "
+        f"'{RG_PREFIX}<dataset>' for any reasoning-gym dataset, or 'package.module:Name'"
+    )
+
+
+def get_env(name: str, **options: Any) -> Env:
+    """Build the environment ``name`` with ``options`` (the ``[task] options`` table).
+
+    Raises:
+        ValueError: unknown name (lists the valid ones), bad options, or a factory
+            that returns something other than an ``Env``.
+    """
+    env = _resolve_factory(name)(**options)
+    if not isinstance(env, Env):
+        raise ValueError(f"environment {name!r} built a {type(env).__name__}, not a selfrl.envs.Env")
+    return env
+
+
+def env_config_defaults(name: str) -> dict[str, Any]:
+    """The dotted run-config defaults of environment ``name`` (its ``config_defaults``), without building it.
+
+    Raises:
+        ValueError: unknown name, as ``get_env``.
+    """
+    return dict(getattr(_resolve_factory(name), "config_defaults", {}) or {})
+
+
+def _nest(dotted: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in dotted.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def load_run_config(path=None, overrides: dict[str, Any] | None = None, base: dict[str, Any] | None = None):
+    """``selfrl.config.load_config`` with the environment's ``config_defaults`` as the lowest layer.
+
+    Layers, lowest first: RunConfig defaults, the environment's defaults (only
+    for a fresh run: ``base`` is None), ``base`` (a stored run's config), the
+    TOML file at ``path``, then ``overrides``. The environment is the one named
+    by ``task.source`` after all layers.
+
+    Raises:
+        selfrl.config.ConfigError: as ``load_config``, or an unknown environment.
+    """
+    from selfrl.config import ConfigError, load_config
+
+    cfg = load_config(path, overrides, base)
+    if base is not None:
+        return cfg
+    try:
+        defaults = env_config_defaults(cfg.task.source)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return load_config(path, overrides, _nest(defaults)) if defaults else cfg

@@ -1,0 +1,139 @@
+"""The environment API: registry, dotted paths, entry points, aliases, config layering, `selfrl envs`."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+import types
+
+import pytest
+
+from selfrl.config import ConfigError
+from selfrl.envs import Env, available_envs, describe_envs, get_env, load_run_config, register_env
+from selfrl.envs.arithmetic import CHAIN_SUM_SMALL, ReasoningGymEnv
+from selfrl.rewards import get_preset
+from selfrl.tasks import Task, get_task_source
+
+
+def test_builtin_environments_are_listed_one_line_each(capsys):
+    from selfrl.cli import main
+
+    assert main(["envs"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split()[0] for line in lines] == ["arithmetic", "code", "function_calling", "webshop"]
+    assert "chain_sum" in lines[0] and "basic_arithmetic" in lines[0]  # aliases on their environment's line
+
+
+def test_arithmetic_alias_keeps_the_task_ids_of_older_runs():
+    old = get_task_source("chain_sum")  # the name before environments existed, via selfrl.tasks
+    new = get_env("arithmetic")
+    assert isinstance(old, ReasoningGymEnv) and old.config == CHAIN_SUM_SMALL == new.config
+    assert [t.id for t in old.sample(5, 3)] == [t.id for t in new.sample(5, 3)]
+    assert new.sample(1, 3)[0].source == "chain_sum"
+
+
+def test_unknown_name_lists_the_valid_ones():
+    with pytest.raises(ValueError) as err:
+        get_env("no_such_env")
+    for name in ("arithmetic", "code", "function_calling", "webshop", "rg:<dataset>", "package.module:Name"):
+        assert name in str(err.value)
+    with pytest.raises(ValueError, match="cannot load environment 'no_such_module:X'"):
+        get_env("no_such_module:X")
+    with pytest.raises(ValueError, match="already registered"):
+        register_env("webshop", ReasoningGymEnv)
+
+
+class _Echo(Env):
+    name = "echo"
+    description = "echo the word"
+    config_defaults = {"rollout.tools": [], "rollout.max_turns": 1, "gate.val_size": 3}
+
+    def sample(self, n, seed):
+        return [Task.make(self.name, f"say {w}", w) for w in ("a", "b", "c", "d", "e", "f")[:n]]
+
+    def score(self, task, answer):
+        return float(answer == task.answer)
+
+
+def test_dotted_path_and_entry_point_load_a_third_party_env(monkeypatch):
+    mod = types.ModuleType("thirdparty_envs")
+    mod.Echo = _Echo
+    monkeypatch.setitem(sys.modules, "thirdparty_envs", mod)
+    assert isinstance(get_env("thirdparty_envs:Echo"), _Echo)
+    ep = importlib.metadata.EntryPoint("echo", "thirdparty_envs:Echo", "selfrl.envs")
+    real = importlib.metadata.entry_points
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda **kw: [ep] if kw.get("group") == "selfrl.envs" else real(**kw))
+    assert isinstance(get_env("echo"), _Echo) and "echo" in available_envs()
+    assert ("echo", "entry point thirdparty_envs:Echo") in describe_envs()
+    mod.NotEnv = lambda: object()
+    with pytest.raises(ValueError, match="not a selfrl.envs.Env"):
+        get_env("thirdparty_envs:NotEnv")
+
+
+def test_env_defaults_sit_under_file_and_flags(monkeypatch, tmp_path):
+    mod = types.ModuleType("thirdparty_envs")
+    mod.Echo = _Echo
+    monkeypatch.setitem(sys.modules, "thirdparty_envs", mod)
+    cfg = load_run_config(None, {"task.source": "thirdparty_envs:Echo"})
+    assert (cfg.rollout.tools, cfg.rollout.max_turns, cfg.gate.val_size) == ([], 1, 3)
+    toml = tmp_path / "c.toml"
+    toml.write_text('[task]\nsource = "thirdparty_envs:Echo"\n[rollout]\nmax_turns = 4\n')
+    cfg = load_run_config(toml, {"gate.val_size": 5})
+    assert (cfg.rollout.max_turns, cfg.gate.val_size, cfg.rollout.tools) == (4, 5, [])  # file, flag, env default
+    assert load_run_config(None, {"task.source": "chain_sum"}).rollout.tools == ["calculator"]  # unchanged defaults
+    code = load_run_config(None, {"task.source": "code"})
+    assert (code.preset, code.rollout.tools) == ("code", ["run_python"])
+    with pytest.raises(ConfigError, match="unknown environment 'nope'"):
+        load_run_config(None, {"task.source": "nope"})
+
+
+def test_split_is_disjoint_for_every_builtin_env():
+    for name, (n_train, n_val) in {"arithmetic": (50, 20), "webshop": (20, 8), "code": (100, 48),
+                                   "function_calling": (200, 50)}.items():
+        train, val = get_env(name).split(n_train, n_val, 1000, 2000)
+        assert len(val) == n_val and not {t.id for t in train} & {t.id for t in val}, name
+    with pytest.raises(ValueError, match="exceed the 164"):
+        get_env("code").split(150, 48, 0, 0)
+
+
+def test_tasks_module_imports_no_environment():
+    import ast
+    from pathlib import Path
+
+    import selfrl.tasks
+
+    tree = ast.parse(Path(selfrl.tasks.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not any(m and m.startswith("selfrl.envs") for m in imported) and "reasoning_gym" not in imported
+
+
+@pytest.mark.parametrize("env", ["code", "function_calling"])
+def test_selfrl_run_env_works_end_to_end_on_a_tiny_model(env, tmp_path, tiny_tokenizer, capsys):
+    """`selfrl run --env code|function_calling` with the environment's own defaults: tools, preset,
+    splits, sandboxed scoring; one iteration on a tiny model."""
+    from conftest import save_tiny_phi
+
+    from selfrl.cli import main
+    from selfrl.store import Store
+
+    model = save_tiny_phi(tmp_path / "model", tiny_tokenizer)
+    args = ["run", "--env", env, "--model", str(model), "--run-dir", str(tmp_path / "r"), "--iterations", "1",
+            "--num-prompts", "2", "--num-generations", "2", "--val-size", "3", "--lora-r", "4"]
+    assert main(args) == 0, capsys.readouterr().err
+    with Store(tmp_path / "r" / "selfrl.db") as store:
+        trajs = store.trajectories()
+        events = [e["kind"] for e in store.events()]
+    preset = {"code": "code", "function_calling": "function_calling"}[env]
+    assert len(trajs) == 4 and all(set(t.rewards) == set(get_preset(preset)) for t in trajs)
+    assert "preflight" in events
+    if env == "function_calling":
+        assert all(t.env_state is not None and "calls" in t.env_state for t in trajs)
+
+
+def test_env_and_task_flags_agree_or_are_refused(capsys):
+    from selfrl.cli import main
+
+    assert main(["run", "--env", "code", "--task", "chain_sum"]) == 2
+    assert "--env code and --task chain_sum disagree" in capsys.readouterr().err
