@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -137,7 +138,8 @@ mark = _Mark()
 
 _RUNNER = r'''
 import importlib.util, json, os, re, sys, traceback
-MARK = "@@SELFRL-RESULTS@@"
+MARK = "@@SELFRL-RESULTS@@" + open("nonce.txt").read()
+os.remove("nonce.txt")
 files = json.load(open("repo.json"))
 wanted = json.load(open("wanted.json"))
 root = os.path.abspath("repo")
@@ -200,7 +202,9 @@ for n, rel in enumerate(files_wanted):
             tb = traceback.extract_tb(e.__traceback__)
             where = f" ({tb[-1].filename.replace(root + '/', '')}:{tb[-1].lineno})" if tb else ""
             results[tid] = ["xfailed" if xf else "failed", f"{type(e).__name__}: {e}"[:300] + where]
-print(MARK + json.dumps(results))
+sys.stdout.write("\n" + MARK + json.dumps(results) + "\n")
+sys.stdout.flush()
+os._exit(0)  # no atexit handler of the tested code may print after the results
 '''
 
 
@@ -213,6 +217,8 @@ class TestRun:
             (every collected test when none were named).
         messages: ``{test id: short failure message}`` for tests that did not pass.
         exec: the sandbox's ``ExecResult`` (exit, output, whether it was killed).
+        reported: whether the runner reported its results (the line marked with this run's
+            random nonce, so the tested code cannot forge it by printing).
     """
 
     __test__ = False  # not a pytest test class
@@ -220,6 +226,7 @@ class TestRun:
     outcomes: dict[str, str]
     messages: dict[str, str]
     exec: ExecResult
+    reported: bool = True  # False: the run was killed or crashed before reporting (every test "error")
 
     def passed(self, test_ids: Sequence[str]) -> bool:
         """True when every one of ``test_ids`` passed (a skip or an xfail is not a pass)."""
@@ -228,6 +235,10 @@ class TestRun:
 
 def run_repo_tests(files: Mapping[str, str], test_ids: Sequence[str] | None, sandbox: Sandbox) -> TestRun:
     """Run ``test_ids`` (``path::name`` or a whole ``path``; None: every test) of the repository ``files``.
+
+    The tested code runs in the runner's process: it can read the nonce from the runner's
+    globals or change the shim, so the report resists printing, not a deliberate attack on
+    the runner (which would be a source-code hack the detectors do not know).
 
     Args:
         files: ``{relative path: text}``, the whole repository.
@@ -239,14 +250,15 @@ def run_repo_tests(files: Mapping[str, str], test_ids: Sequence[str] | None, san
         reports, every asked test is ``error`` with the reason as its message.
     """
     wanted = list(test_ids or [])
+    mark = _MARK + secrets.token_hex(8)
     res = sandbox.run_python(_RUNNER, files={"repo.json": json.dumps(dict(files)), "wanted.json": json.dumps(wanted),
-                                            "pytest_shim.py": _PYTEST_SHIM})
-    line = next((ln for ln in res.stdout.splitlines()[::-1] if ln.startswith(_MARK)), None)
-    if line is None:
+                                            "pytest_shim.py": _PYTEST_SHIM, "nonce.txt": mark[len(_MARK):]})
+    line = next((ln for ln in res.stdout.splitlines()[::-1] if ln.startswith(mark)), None)
+    if line is None or res.killed:
         why = f"test run {res.killed}" if res.killed else f"test run crashed: {res.stderr.strip()[-300:]}"
         ids = wanted or ["*"]
-        return TestRun({t: "error" for t in ids}, {t: why for t in ids}, res)
-    raw = json.loads(line[len(_MARK):])
+        return TestRun({t: "error" for t in ids}, {t: why for t in ids}, res, reported=False)
+    raw = json.loads(line[len(mark):])
     outcomes = {t: v[0] for t, v in raw.items()}
     messages = {t: v[1] for t, v in raw.items() if v[0] != "passed"}
     return TestRun(outcomes, messages, res)
