@@ -219,12 +219,17 @@ class SweEnv(Env):
         self.by_id = {i.instance_id: i for i in self.instances}
 
     def _task(self, inst: Instance) -> Task:
-        return Task.make(self.name, inst.problem_statement, "FAIL_TO_PASS and PASS_TO_PASS pass",
+        # the id line keeps two bugs with the same failing tests distinct tasks (a task id hashes the question)
+        return Task.make(self.name, f"{inst.problem_statement}\n(instance {inst.instance_id})",
+                         "FAIL_TO_PASS and PASS_TO_PASS pass",
                          {"instance_id": inst.instance_id, "kind": inst.kind, "repo": inst.repo})
 
     def _ordered(self) -> list[Task]:
-        return [self._task(i) for i in sorted(self.instances, key=lambda i: hashlib.sha256(
-            i.instance_id.encode()).hexdigest())]
+        """Instances by content hash of their problem statement (then id), so that bugs that fail
+        the same tests with the same messages sit next to each other."""
+        def key(i: Instance) -> tuple[str, str]:
+            return hashlib.sha256(i.problem_statement.encode()).hexdigest(), i.instance_id
+        return [self._task(i) for i in sorted(self.instances, key=key)]
 
     def instance(self, task: Task) -> Instance:
         """The instance behind ``task``.
@@ -242,16 +247,24 @@ class SweEnv(Env):
         return [rng.choice(tasks) for _ in range(max(n, 0))]
 
     def split(self, n_train: int, n_val: int, train_seed: int, val_seed: int) -> tuple[list[Task], list[Task]]:
-        """The first ``n_val`` instances in hash order are held out, the next ``n_train`` train.
+        """The first ``n_val`` instances in hash order are held out, the next ``n_train`` train;
+        instances with the same problem statement never straddle the two (the held-out side's
+        last statement keeps all its instances off the training side).
 
         Raises:
-            ValueError: ``n_train + n_val`` exceeds the number of instances.
+            ValueError: ``n_train + n_val`` exceeds the number of instances (or of those left).
         """
         tasks = self._ordered()
         if n_train + n_val > len(tasks):
             raise ValueError(f"swe: {n_train} training + {n_val} held-out instances exceed the {len(tasks)} there "
                              "are; lower task.num_train or gate.val_size")
-        val, train = tasks[:n_val], tasks[n_val:n_val + n_train]
+        val = tasks[:n_val]
+        held = {self.by_id[t.metadata["instance_id"]].problem_statement for t in val}
+        rest = [t for t in tasks[n_val:] if self.by_id[t.metadata["instance_id"]].problem_statement not in held]
+        if n_train > len(rest):
+            raise ValueError(f"swe: {n_train} training instances exceed the {len(rest)} whose problem statements "
+                             "are not held out; lower task.num_train or gate.val_size")
+        train = rest[:n_train]
         assert_disjoint(train, val)
         return train, val
 

@@ -165,11 +165,10 @@ if os.path.exists("conftest.py"):
     spec.loader.exec_module(conftest)
 files_wanted = sorted({w.split("::")[0] for w in wanted}) if wanted else sorted(p for p in files if test_file.search(p))
 for n, rel in enumerate(files_wanted):
-    names = [w.split("::", 1)[1] for w in wanted if "::" in w and w.split("::")[0] == rel] if wanted else []
-    if wanted and rel in wanted:
-        names = []  # a whole file asked for
+    named = [w.split("::", 1)[1] for w in wanted if "::" in w and w.split("::")[0] == rel]
+    whole = not wanted or rel in wanted  # every test of the file
     if not os.path.exists(rel):
-        for name in names or ["*"]:
+        for name in named or ["*"]:
             results[f"{rel}::{name}"] = ["missing", "no such file"]
         continue
     try:
@@ -177,11 +176,11 @@ for n, rel in enumerate(files_wanted):
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
     except BaseException as e:
-        for name in names or ["*"]:
+        for name in named or ["*"]:
             results[f"{rel}::{name}"] = ["error", f"import failed: {type(e).__name__}: {e}"[:300]]
         continue
     tests = {k: v for k, v in vars(mod).items() if k.startswith("test") and callable(v)}
-    for name in (names or list(tests)):
+    for name in (list(tests) if whole else []) + [n for n in named if not (whole and n in tests)]:
         tid = f"{rel}::{name}"
         fn = tests.get(name)
         if fn is None:
