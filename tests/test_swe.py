@@ -205,3 +205,22 @@ def test_swe_is_registered_with_its_detectors_and_a_disjoint_split():
     with pytest.raises(ValueError, match="unknown mutation kinds"):
         get_env("swe", kinds=["typo"])
     assert apply_changes({"a.py": "1"}, {"conftest.py": {"before": None, "after": "x"}}) == {"a.py": "1"}
+
+
+def test_selfrl_run_env_swe_works_end_to_end_on_a_tiny_model(tmp_path, tiny_tokenizer, capsys):
+    """`selfrl run --env swe` with the environment's defaults (tools, detectors, split), one iteration."""
+    from conftest import save_tiny_phi
+
+    from selfrl.cli import main
+    from selfrl.store import Store
+
+    model = save_tiny_phi(tmp_path / "model", tiny_tokenizer)
+    args = ["run", "--env", "swe", "--model", str(model), "--run-dir", str(tmp_path / "r"), "--iterations", "1",
+            "--num-prompts", "2", "--num-generations", "2", "--val-size", "2", "--lora-r", "4"]
+    assert main(args) == 0, capsys.readouterr().err
+    with Store(tmp_path / "r" / "selfrl.db") as store:
+        trajs = store.trajectories()
+        metrics = {row["name"] for row in store.metrics()}
+    assert len(trajs) == 4 and all(t.env_state is not None and "changes" in t.env_state for t in trajs)
+    assert all(t.reward is not None and t.reward <= 1.0 for t in trajs)
+    assert {f"hacking/{n}" for n in SWE_DETECTORS} <= metrics, sorted(metrics)  # the detectors ran
