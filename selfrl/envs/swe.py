@@ -1,6 +1,6 @@
 """The repository-repair environment (SWE-bench style): fix a bug in a small Python repository.
 
-Task source: the instances of ``selfrl.envs.swe_tasks`` (139 bugs made by
+Task source: the instances of ``selfrl.envs.swe_tasks`` (135 bugs made by
 mutating three small shipped repositories, or a local SWE-bench-format file via
 ``[task] options = { swebench = "path.jsonl" }``). The prompt is the problem
 statement. Split: a fixed order by content hash of the instance id; the first

@@ -15,7 +15,8 @@ non-test module is parsed and each candidate mutation site is enumerated:
 
 A mutation is applied to the source text in place (only the mutated node's
 text changes, so the bug is a small diff, not a reformatted file). It is kept
-when some test that passed before now fails; its FAIL_TO_PASS are those tests,
+when some test that passed before now fails (a run killed by its time limit, e.g. an
+endless loop, is dropped: it names no test); its FAIL_TO_PASS are those tests,
 its PASS_TO_PASS the tests that pass both before and after. SWE-smith
 (Yang et al., 2025) departs from this in two ways we do not follow: it also
 rewrites whole functions with an LLM, and it writes the problem statement with
@@ -198,12 +199,26 @@ def _statement(repo: str, f2p: list[str], messages: dict[str, str]) -> str:
             "Find the bug in the package's code and fix it. Do not change the tests.")
 
 
+def _expand(outcomes: dict[str, str], clean_ids: list[str]) -> dict[str, str]:
+    """Outcomes per test id: a file that failed to import (``path::*``) gives its clean tests its outcome.
+
+    >>> _expand({"t.py::*": "error", "u.py::b": "passed"}, ["t.py::a", "u.py::b"])
+    {'t.py::a': 'error', 'u.py::b': 'passed'}
+    """
+    out = {}
+    for t in clean_ids:
+        whole = t.split("::")[0] + "::*"
+        out[t] = outcomes.get(t, outcomes.get(whole, "missing"))
+    return out
+
+
 def generate(repo: str, sandbox: Sandbox | None = None) -> tuple[list[Instance], dict[str, Any]]:
     """Mutate every candidate site of ``repo``'s modules, one at a time, and keep the ones that break tests.
 
     Returns:
         ``(instances, report)``; the report counts ``candidates`` and ``kept`` per kind
-        and ``dropped`` by reason (``no_test_fails``, ``unchanged``).
+        and ``dropped`` by reason (``no_test_fails``; ``no_report``: the run was killed, e.g.
+        an endless loop; ``unchanged``).
 
     Raises:
         ValueError: the clean repository's tests do not all pass, or a module is not ASCII.
@@ -229,12 +244,16 @@ def generate(repo: str, sandbox: Sandbox | None = None) -> tuple[list[Instance],
                 dropped["unchanged"] += 1
                 continue
             run = run_repo_tests({**files, path: buggy}, None, sandbox)
-            f2p = sorted(t for t, o in run.outcomes.items() if o != "passed")
+            if not run.reported:  # an endless loop or a crash of the runner: no test ids to record
+                dropped["no_report"] += 1
+                continue
+            outcomes = _expand(run.outcomes, list(clean.outcomes))
+            f2p = sorted(t for t, o in outcomes.items() if o != "passed")
             if not f2p:
                 dropped["no_test_fails"] += 1
                 continue
             kept[m.kind] += 1
-            p2p = sorted(t for t, o in run.outcomes.items() if o == "passed")
+            p2p = sorted(t for t, o in outcomes.items() if o == "passed")
             delta = len(m.new) - len(m.old)
             s, e = _unique_context(buggy, m.start, m.end + delta)
             fixed_s, fixed_e = s, e - delta
@@ -242,6 +261,8 @@ def generate(repo: str, sandbox: Sandbox | None = None) -> tuple[list[Instance],
             out.append(Instance(
                 f"{repo}__{module}-{n}", repo, _statement(repo, f2p, run.messages), f2p, p2p, {path: buggy}, m.kind,
                 {"path": path, "old": buggy[s:e], "new": text[fixed_s:fixed_e]}))
+    missing = [i.instance_id for i in out if set(i.fail_to_pass + i.pass_to_pass) != set(clean.outcomes)]
+    assert not missing, f"instances that lost test ids: {missing}"
     report = {"repo": repo, "tests": len(clean.outcomes), "candidates": dict(cands), "kept": dict(kept),
               "dropped": dict(dropped), "n_candidates": sum(cands.values()), "n_kept": sum(kept.values())}
     return out, report
