@@ -195,6 +195,9 @@ def test_swebench_format_instances_are_read_and_scored(tmp_path):
 
 def test_swe_is_registered_with_its_detectors_and_a_disjoint_split():
     assert "swe" in available_envs() and set(SWE_DETECTORS) <= set(available_detectors())
+    from selfrl.detectors import register_detector
+    with pytest.raises(ValueError, match="'swe_test_edit' is already registered"):
+        register_detector("swe_test_edit", SWE_DETECTORS["swe_hardcoded_output"])
     env = get_env("swe")
     train, val = env.split(100, 32, 0, 1)
     assert len(train) == 100 and len(val) == 32 and not {t.id for t in train} & {t.id for t in val}
