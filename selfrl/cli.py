@@ -21,7 +21,7 @@ from pathlib import Path
 RUN_FLAGS = {
     # flag: (dotted config key, type, help)
     "--model": ("model.name", str, "Hugging Face causal LM id or local path (default: embedded SmolLM2-135M-Instruct)"),
-    "--env": ("task.source", str, "environment: arithmetic | webshop | code | function_calling (selfrl envs), "
+    "--env": ("task.source", str, "environment: arithmetic | webshop | code | function_calling | swe | web (selfrl envs), "
               "rg:<dataset>, or package.module:Name"),
     "--task": ("task.source", str, "same as --env (older name), e.g. chain_sum, basic_arithmetic, rg:<dataset>"),
     "--preset": ("preset", str, "reward preset: verified | label-free"),

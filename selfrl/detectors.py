@@ -38,8 +38,8 @@ from selfrl.trajectory import Trajectory
 
 __all__ = [
     "DetectorConfig", "HackingMonitor", "Verdict", "apply_detectors", "available_detectors", "check_detectors",
-    "component_dominance", "format_gaming", "length_exploitation", "probe_regression", "repeated_action",
-    "verifier_disagreement",
+    "component_dominance", "format_gaming", "length_exploitation", "probe_regression", "register_detector",
+    "repeated_action", "verifier_disagreement",
 ]
 
 PENALTY_KEY = "hacking_penalty"
@@ -248,6 +248,18 @@ TRAJECTORY_DETECTORS: dict[str, TrajectoryDetector] = {
 GROUP_DETECTORS: dict[str, GroupDetector] = {"length_exploitation": length_exploitation}
 HISTORY_DETECTORS: dict[str, Callable] = {"component_dominance": component_dominance,
                                           "probe_regression": probe_regression}
+
+
+def register_detector(name: str, fn: TrajectoryDetector) -> None:
+    """Register a trajectory detector ``fn(traj, cfg) -> Verdict`` under ``name``, once (an
+    environment registers the detectors its tricks need, e.g. ``selfrl.envs.swe_detectors``).
+
+    Raises:
+        ValueError: ``name`` is already a detector.
+    """
+    if name in available_detectors():
+        raise ValueError(f"detector {name!r} is already registered")
+    TRAJECTORY_DETECTORS[name] = fn
 
 
 def available_detectors() -> list[str]:

@@ -153,12 +153,15 @@ def test_probe_regression():
 
 
 def test_unknown_detector_lists_the_valid_ones():
+    import selfrl.envs  # noqa: F401  environments register their own detectors (swe_*, web_confirm_spam)
+
     with pytest.raises(ValueError, match="valid names: component_dominance, format_gaming, length_exploitation, "
-                                         "probe_regression, repeated_action, verifier_disagreement"):
+                                         "probe_regression, repeated_action, swe_conftest, swe_hardcoded_output, "
+                                         "swe_skip_marker, swe_test_edit, verifier_disagreement, web_confirm_spam$"):
         check_detectors(["repeated_action", "nope"])
     with pytest.raises(ValueError, match="twice"):
         check_detectors(["repeated_action", "repeated_action"])
-    assert len(available_detectors()) == 6
+    assert len(available_detectors()) == 11  # 6 generic + 4 swe + 1 web
 
 
 def test_apply_detectors_flags_clamps_and_counts():

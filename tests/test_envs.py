@@ -20,7 +20,7 @@ def test_builtin_environments_are_listed_one_line_each(capsys):
 
     assert main(["envs"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert [line.split()[0] for line in lines] == ["arithmetic", "code", "function_calling", "webshop"]
+    assert [line.split()[0] for line in lines] == ["arithmetic", "code", "function_calling", "swe", "web", "webshop"]
     assert "chain_sum" in lines[0] and "basic_arithmetic" in lines[0]  # aliases on their environment's line
 
 

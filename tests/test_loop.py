@@ -181,7 +181,7 @@ def test_cli_unknown_task_source(capsys, tmp_path):
     err = capsys.readouterr().err
     assert code == 2
     assert ("selfrl: error: unknown environment 'no_such_source'; valid names: arithmetic, basic_arithmetic, "
-            "chain_sum, code, function_calling, webshop") in err
+            "chain_sum, code, function_calling, swe, web, webshop") in err
 
 
 def test_cli_unknown_model_path(capsys, tmp_path):

@@ -138,17 +138,17 @@ def test_format(task, source, text, expected):
 
 def test_registry_and_presets():
     assert set(REWARD_FUNCS) == {"verifier", "self_consistency", "tool_success", "format", "webshop_naive",
-                                 "partial_credit", "agreement", "user_correction", "length_penalty"}
+                                 "partial_credit", "agreement", "user_correction", "length_penalty", "web_naive"}
     assert get_reward_func("format") is format_reward
     with pytest.raises(ValueError, match="valid names: agreement, format, length_penalty, partial_credit, "
-                       "self_consistency, tool_success, user_correction, verifier, webshop_naive"):
+                       "self_consistency, tool_success, user_correction, verifier, web_naive, webshop_naive"):
         get_reward_func("nope")
     assert get_preset("verified") == {"verifier": 1.0, "tool_success": 0.2}
     assert all("verifier" not in w and "partial_credit" not in w
                for name, w in PRESETS.items() if name.endswith("label-free"))
     assert all("format" not in w for w in PRESETS.values())
     with pytest.raises(ValueError, match="valid names: code, code-label-free, function_calling, "
-                       "function_calling-label-free, function_calling-partial, label-free, verified, webshop-naive"):
+                       "function_calling-label-free, function_calling-partial, label-free, verified, web-naive, webshop-naive"):
         get_preset("nope")
     assert set(PRESET_DOCS) == set(PRESETS) and all("Gamed by" in d for d in PRESET_DOCS.values())
     get_preset("verified")["verifier"] = 5.0  # a copy: the preset is unchanged

@@ -4,7 +4,7 @@ example (``selfrl.envs.base.Env``).
 
 Importing this package registers the built-in environments (``selfrl envs`` lists
 them): ``arithmetic`` (with the aliases ``chain_sum``, ``basic_arithmetic``),
-``webshop``, ``code`` and ``function_calling``. Others load by dotted path or entry
+``webshop``, ``code``, ``function_calling``, ``swe`` and ``web``. Others load by dotted path or entry
 point (``selfrl.envs.registry``). Generic modules (the loop, the rollout, rewards)
 never import a particular environment.
 """
@@ -27,6 +27,7 @@ Environment = EnvState
 # Built-in environments register themselves on import (after the names above exist).
 from selfrl.envs import arithmetic, webshop  # noqa: E402,F401  isort: skip
 from selfrl.envs import code, function_calling  # noqa: E402,F401  isort: skip
+from selfrl.envs import swe, web  # noqa: E402,F401  isort: skip
 
 get_task_source = get_env  # the name before environments existed
 

@@ -1,0 +1,56 @@
+"""The repository-repair detector table: every hacking trick against every detector.
+
+For each shipped instance (or the first ``--limit``), the honest scripted agent and one
+scripted agent per trick (``selfrl.envs.swe.TRICKS``) act on a fresh copy of the buggy
+repository; every swe detector judges the resulting changes, and (with ``--score``) the
+clean-copy verifier scores them in the sandbox. Prints a markdown table of flagged rates
+(share of agents' trajectories each detector flags) and, with ``--score``, the share the
+verifier paid before clamping. The agents' final ``run_tests`` call is not executed (it
+changes nothing), so without ``--score`` no sandbox runs.
+
+    PYTHONPATH=$PWD python scripts/swe_detector_table.py --score
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from selfrl.detectors import DetectorConfig, apply_detectors
+from selfrl.envs import get_env
+from selfrl.envs.swe import TRICKS, hacking_policy, honest_policy
+from selfrl.envs.swe_detectors import SWE_DETECTORS
+from selfrl.rollout import RolloutConfig, scripted_rollout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=None, help="first N instances (default: all)")
+    ap.add_argument("--score", action="store_true", help="also score each trajectory in the sandbox")
+    args = ap.parse_args()
+    env = get_env("swe")
+    tasks = env._ordered()[:args.limit]
+    names = sorted(SWE_DETECTORS)
+    cfg = DetectorConfig(names=names)
+    agents = [("honest", honest_policy(env), 3)] + [(t, hacking_policy(env, t), 2) for t in TRICKS]
+    print(f"{len(tasks)} instances; flagged share per detector" + (", paid = verifier reward 1 before clamping"
+                                                                  if args.score else ""))
+    print("| agent | " + " | ".join(names) + " | any | " + ("paid |" if args.score else ""))
+    print("|---" * (len(names) + 2 + args.score) + "|")
+    t0 = time.time()
+    for name, policy, turns in agents:
+        trajs = scripted_rollout(policy, tasks, [], RolloutConfig(max_turns=turns), env_factory=env.make_env)
+        paid = 0.0
+        for tr, task in zip(trajs, tasks):
+            tr.reward = env.score(task, env.trajectory_answer(tr)) if args.score else 1.0
+            paid += tr.reward
+        m = apply_detectors(trajs, cfg)
+        cells = [f"{m[f'hacking/{n}']:.2f}" for n in names] + [f"{m['hacking/flagged']:.2f}"]
+        if args.score:
+            cells.append(f"{paid / len(trajs):.2f}")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+    print(f"({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""The web-navigation detector table: the honest and the confirm-spam scripted agents on
+``--n`` tasks of ``--env web`` (purchases and address changes), each scored by the careless
+``web-naive`` reward (one point per "Confirm order") and by the database check, then judged
+by every detector that applies. Prints a markdown table.
+
+    PYTHONPATH=$PWD python scripts/web_detector_table.py --n 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from selfrl.detectors import DetectorConfig, apply_detectors
+from selfrl.envs import get_env
+from selfrl.envs.web import confirm_spam_policy, honest_policy
+from selfrl.rewards import get_preset, score_group
+from selfrl.rollout import RolloutConfig, scripted_rollout
+
+DETECTORS = ["repeated_action", "verifier_disagreement", "web_confirm_spam"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=64, help="tasks (sampled with seed 0)")
+    args = ap.parse_args()
+    env = get_env("web")
+    tasks = env.sample(args.n, 0)
+    kinds = sum(t.metadata["kind"] == "buy" for t in tasks)
+    print(f"{args.n} tasks ({kinds} purchases, {args.n - kinds} address changes); flagged share per detector")
+    print("| agent | " + " | ".join(DETECTORS) + " | any | naive reward (mean) | database success |")
+    print("|---" * (len(DETECTORS) + 4) + "|")
+    t0 = time.time()
+    for name, policy in [("honest", honest_policy), ("confirm_spam", confirm_spam_policy)]:
+        trajs = scripted_rollout(policy, tasks, [], RolloutConfig(max_turns=10), env_factory=env.make_env)
+        for tr, task in zip(trajs, tasks):
+            score_group([tr], task, env, get_preset("web-naive"))
+        naive = sum(t.reward for t in trajs) / len(trajs)
+        success = sum(bool(t.correct) for t in trajs) / len(trajs)
+        m = apply_detectors(trajs, DetectorConfig(names=DETECTORS))
+        cells = [f"{m[f'hacking/{d}']:.2f}" for d in DETECTORS] + [f"{m['hacking/flagged']:.2f}",
+                                                                    f"{naive:.2f}", f"{success:.2f}"]
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+    print(f"({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+# Test configuration: the repository root is importable (``import ministats``).
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
