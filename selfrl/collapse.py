@@ -11,6 +11,8 @@ threshold, and returns an :class:`Alarm` (rule, value, threshold) or None.
 * Cheap rules (:func:`cheap_alarms`) use only what every iteration measures
   anyway, so they run after every update and roll back at once, between gate checks.
 * Held-out rules (:func:`heldout_alarms`) need a validation and run at the gate.
+* :class:`CollapseGuard` owns the history, the rollback budget and the safer setting,
+  for ``selfrl run`` and ``selfrl serve`` alike (``selfrl.cycle``).
 
 Entropy is estimated for free from the stored sampling log-probs: the mean of
 ``-log p(token)`` over sampled completion tokens is an unbiased Monte-Carlo
@@ -289,3 +291,53 @@ def safer_setting(learning_rate: float, beta: float, cfg: CollapseConfig) -> tup
     (5e-05, 0.04)
     """
     return learning_rate * cfg.lr_factor, max(beta * cfg.beta_factor, cfg.beta_min)
+
+
+# ------------------------------------------------------------------------- guard
+
+
+class CollapseStop(Exception):
+    """The collapse rollback budget is spent; the run stops with the best version served."""
+
+
+class CollapseGuard:
+    """Owns the collapse history, the rollback budget and the safer setting.
+
+    One record per update (:meth:`observe`, which runs the cheap rules); the held-out
+    rules at the gate (:meth:`heldout`); :meth:`rolled_back` counts a rollback and
+    returns the safer ``(learning_rate, beta)``; :meth:`check_budget` raises
+    :class:`CollapseStop` once the rollbacks exceed ``cfg.max_rollbacks``. A *chain*
+    is the run of updates since the champion last served (reset by :meth:`new_chain`).
+    """
+
+    def __init__(self, cfg: CollapseConfig, history: list[UpdateRecord] | None = None, rollbacks: int = 0):
+        self.cfg = cfg
+        self.history: list[UpdateRecord] = list(history or [])
+        self.rollbacks = rollbacks
+        self.chain_start = len(self.history)
+
+    def observe(self, rec: UpdateRecord) -> list[Alarm]:
+        """Add one update's record; the cheap rules that fire on it."""
+        self.history.append(rec)
+        return cheap_alarms(self.history, self.cfg)
+
+    def heldout(self, success: float, best_success: float, best_version: int, tolerance: float,
+                degenerate: float, base_degenerate: float | None) -> list[Alarm]:
+        """Held-out rules for a validated candidate (see :func:`heldout_alarms`, :func:`validation_alarm`)."""
+        chain = self.history[self.chain_start:]
+        alarms = heldout_alarms(success, best_success, [r.reward for r in chain if r.version != best_version],
+                                [r.reward for r in self.history if r.version == best_version], tolerance, self.cfg)
+        bad = validation_alarm(degenerate, math.nan if base_degenerate is None else base_degenerate, self.cfg)
+        return alarms + ([bad] if bad else [])
+
+    def new_chain(self) -> None:
+        self.chain_start = len(self.history)
+
+    def rolled_back(self, learning_rate: float, beta: float) -> tuple[float, float]:
+        """Count one collapse rollback; the safer ``(learning_rate, beta)`` to continue with."""
+        self.rollbacks += 1
+        self.new_chain()
+        return safer_setting(learning_rate, beta, self.cfg)
+
+    def over_budget(self) -> bool:
+        return self.rollbacks > self.cfg.max_rollbacks

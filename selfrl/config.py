@@ -76,6 +76,12 @@ class RunConfig:
     reward_weights: dict[str, float] | None = None  # explicit weights; overrides the preset
     seed: int = 0  # torch seed for sampling and LoRA init
 
+    @property
+    def max_completion_length(self) -> int:
+        """Completion tokens one trajectory may hold: ``max_new_tokens`` per turn times ``max_turns``
+        (the ``dr_grpo`` normaliser)."""
+        return self.rollout.max_new_tokens * self.rollout.max_turns
+
     def validate(self) -> "RunConfig":
         """Check values; returns self.
 

@@ -356,12 +356,12 @@ class HackingMonitor:
             ``{"hacking/probe_score": share correct, "hacking/probe_regression": 0 or 1}``,
             or ``{}`` when the source has no probe tasks.
         """
-        from selfrl.gate import evaluate  # the gate imports the rollout; keep this module light
+        from selfrl.gate import validate  # the gate imports the rollout; keep this module light
 
         probes = source.probe_tasks()
         if not probes:
             return {}
-        res = evaluate(engine, probes, source, tools, rollout_cfg)
+        res = validate(engine, probes, source, tools, rollout_cfg)
         verdict = self.record_probes(res.version, res.success)
         return {"hacking/probe_score": res.success, "hacking/probe_regression": float(verdict.flagged)}
 

@@ -55,7 +55,7 @@ class EvalResult:
         return sum(c for _, c, _ in self.results) / max(len(self.results), 1)
 
 
-def evaluate(
+def validate(
     engine: Engine, tasks: list[Task], source: TaskSource, tools: list[Tool], cfg: RolloutConfig, batch_size: int = 64,
     on_batch: Callable[[int], None] | None = None, collapse: CollapseConfig | None = None,
 ) -> EvalResult:

@@ -6,7 +6,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from selfrl.collapse import CollapseConfig
 from selfrl.config import LoraSettings, ModelConfig, TaskConfig
+from selfrl.detectors import DetectorConfig
 from selfrl.gate import GateConfig
 from selfrl.rollout import RolloutConfig
 from selfrl.trainer import TrainConfig
@@ -47,6 +49,14 @@ class ServeConfig:
     gate: GateConfig = field(default_factory=lambda: GateConfig(val_size=64))
     task: TaskConfig = field(default_factory=TaskConfig)  # the validation tasks of the gate
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(temperature=1.0))  # how validation runs
+    collapse: CollapseConfig = field(default_factory=CollapseConfig)  # collapse rules and rollback, as in run
+    detectors: DetectorConfig = field(default_factory=DetectorConfig)  # reward-hacking detectors, as in run
+
+    @property
+    def max_completion_length(self) -> int:
+        """Completion tokens one served turn may hold when the request sets no limit (the
+        ``dr_grpo`` normaliser of the learner)."""
+        return self.max_tokens_default
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
