@@ -28,29 +28,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from selfrl.config import CollapseConfig
 from selfrl.trajectory import Trajectory
-
-
-@dataclass
-class CollapseConfig:
-    """Collapse rules, thresholds and what a rollback changes (see docs/safety-collapse.md)."""
-
-    enabled: bool = True  # run the rules; False leaves only the gate and the anomaly skip
-    kl_probe_size: int = 4  # sequences on which a new candidate's KL is measured right after its update (0: off)
-    baseline_window: int = 2  # the first N updates of the run are the baseline for entropy and degenerate share
-    max_kl: float = 0.5  # kl: mean per-token KL to the reference (sampling version or new candidate) above this
-    entropy_min_ratio: float = 0.25  # entropy_collapse: entropy below this times the baseline entropy ...
-    entropy_reward_gain: float = 0.1  # ... unless the training reward rose at least this much over its baseline
-    entropy_max_ratio: float = 3.0  # entropy_blowup: entropy above this times the baseline (weights turned to noise)
-    degenerate_rise: float = 0.35  # degenerate: share of degenerate rollouts above the baseline share plus this
-    heldout_drop: float = 0.10  # heldout_drop: held-out success below best minus this (a fall well beyond gate.tolerance)
-    reward_rise: float = 0.10  # reward_vs_heldout: training reward up by this since the best version while held-out fell
-    repeat_ngram: int = 4  # a rollout loops when the share of repeated n-grams of its completion exceeds repeat_share
-    repeat_share: float = 0.5  # see repeat_ngram
-    max_rollbacks: int = 3  # collapse rollbacks allowed per run; one more stops the run with the best version served
-    lr_factor: float = 0.5  # after a rollback: learning rate times this
-    beta_factor: float = 2.0  # after a rollback: beta times this ...
-    beta_min: float = 0.01  # ... and at least this (so beta = 0 becomes beta_min)
 
 
 @dataclass

@@ -15,21 +15,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from selfrl.collapse import CollapseConfig, degenerate_share
+from selfrl.collapse import degenerate_share
+from selfrl.config import CollapseConfig, GateConfig, RolloutConfig
 from selfrl.engine import Engine
-from selfrl.rollout import RolloutConfig, rollout
+from selfrl.rollout import rollout
 from selfrl.tasks import Task, TaskSource
 from selfrl.tools import Tool
-
-
-@dataclass
-class GateConfig:
-    """Validation settings."""
-
-    val_size: int = 128  # held-out tasks (pass@1, greedy)
-    eval_every: int = 4  # updates between validations
-    tolerance: float = 0.02  # a candidate may trail the best by at most this (absolute)
-    batch_size: int = 64  # trajectories per generation batch during validation
 
 
 @dataclass

@@ -34,29 +34,11 @@ from dataclasses import dataclass
 import torch
 
 from selfrl import faults
+from selfrl.config import TrainConfig
 from selfrl.rl.batch import TensorBatch, collate
 from selfrl.rl.logprobs import per_token_logps
 from selfrl.rl.losses import Normalizer, get_loss_aggregation, k3_kl, per_token_loss
 from selfrl.trajectory import Trajectory
-
-
-@dataclass
-class TrainConfig:
-    """GRPO update settings (names as in TRL's GRPOConfig)."""
-
-    learning_rate: float = 1e-4  # AdamW learning rate for the LoRA parameters
-    beta: float = 0.02  # KL coefficient to the reference model (k3 estimator); 0 disables the reference pass
-    epsilon: float = 0.2  # lower clip of the importance ratio
-    epsilon_high: float | None = None  # upper clip (None = epsilon; DAPO uses 0.28)
-    loss_type: str = "dapo"  # token aggregation: dapo | grpo | dr_grpo
-    max_grad_norm: float = 1.0  # gradient clipping (L2 norm)
-    num_iterations: int = 1  # optimisation passes over each batch (PPO epochs)
-    micro_batch_size: int = 8  # sequences per forward/backward (memory bound)
-    weight_decay: float = 0.0  # AdamW weight decay
-    scale_rewards: str = "group"  # advantage scaling: group (GRPO) | none (Dr. GRPO)
-    skip_max_reward_spread: float = 10.0  # skip when the batch's max - min reward exceeds this (a broken reward)
-    skip_max_kl: float = 1.0  # skip when the mean per-token KL to the reference (forward pass) exceeds this; beta > 0 only
-    skip_max_grad_norm: float = 100.0  # skip when the gradient L2 norm before clipping exceeds this
 
 
 class SkipReason(str, enum.Enum):

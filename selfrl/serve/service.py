@@ -90,7 +90,7 @@ class Service:
     """
 
     def __init__(self, model, tokenizer, cfg: ServeConfig, learner_model=None):
-        self.cfg = cfg
+        self.cfg = cfg.validate()
         self.tok = tokenizer
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
