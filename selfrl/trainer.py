@@ -28,6 +28,7 @@ import dataclasses
 import enum
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -239,7 +240,9 @@ class Learner:
                                      **{"time/update_s": time.perf_counter() - t0})
         usable = [t for t in trajs if t.advantage is not None and t.advantage != 0.0]
         if not usable:
-            return UpdateResult.skip(SkipReason.NO_SIGNAL, num_sequences=0.0,
+            scored = Counter(t.group_id for t in trajs if t.advantage is not None)
+            lonely = bool(scored) and max(scored.values()) < 2  # no group to compare a sample with
+            return UpdateResult.skip(SkipReason.NO_GROUP if lonely else SkipReason.NO_SIGNAL, num_sequences=0.0,
                                      **{"time/update_s": time.perf_counter() - t0})
         usable.sort(key=lambda t: len(t.token_ids))  # similar lengths per micro-batch: less padding
         micro = [collate(usable[i:i + self.cfg.micro_batch_size], self.pad_token_id)

@@ -381,13 +381,21 @@ class Service:
         value = explicit_value(f.rating, f.corrected)
         with self.store.lock:
             try:
-                changed = records.apply_feedback(self.store, f.response_id, f.choice, "explicit", value, f.rating,
+                applied = records.apply_feedback(self.store, f.response_id, f.choice, "explicit", value, f.rating,
                                                  f.corrected, f.correction, f.comment)
             except KeyError:
                 raise ApiError(404, f"no recorded response {f.response_id!r} with choice {f.choice}",
                                "response_id", "response_not_found") from None
-        return {"object": "feedback", "response_id": f.response_id, "choice": f.choice, "reward": value,
-                "turns_updated": changed}
+        out = {"object": "feedback", "response_id": f.response_id, "choice": f.choice, "reward": value,
+               "turns_updated": applied.updated, "turns_too_late": applied.too_late}
+        if applied.too_late:
+            note = (f"came too late for {applied.too_late} turn(s): already trained on or skipped (a turn waits "
+                    f"learner.feedback_wait_s = {self.cfg.learner.feedback_wait_s:g} s for feedback); recorded, "
+                    "but it changes no update")
+            out["message"] = note
+            self.event(EventKind.LATE_FEEDBACK, f"feedback on {f.response_id}: {note}",
+                       {"response_id": f.response_id, "updated": applied.updated, "too_late": applied.too_late})
+        return out
 
     def close(self) -> None:
         if self.learner is not None:
