@@ -99,18 +99,19 @@ class UpdateCycle:
     def gate(self, step: int, version: int, success: float, degenerate: float) -> Verdict:
         """Decide a validated candidate (its validation already recorded): collapse rules at
         the gate, then the ledger's verdict; a rejected candidate gives way to the champion."""
-        champ = self.ledger.champion
-        base = self.ledger.get(0)
-        alarms = self.guard.heldout(success, champ.success if champ.success is not None else 0.0, champ.version,
-                                    self.tolerance, degenerate, base.metrics.get("val/degenerate") if base else None)
-        verdict = self.ledger.judge(version, success, self.tolerance, alarms)
-        if verdict.outcome == "collapse":
-            self.roll_back(step, alarms)
-        elif verdict.outcome == "promoted":
-            self.ledger.promote(version, adapters.lora_state(self.learner.model), success)
-        else:
-            self.restore_champion()
-        self.guard.new_chain()
+        with self.ledger.lock:  # one step: an admin's rollback comes before or after it, never inside
+            champ = self.ledger.champion
+            base = self.ledger.get(0)
+            alarms = self.guard.heldout(success, champ.success if champ.success is not None else 0.0, champ.version,
+                                        self.tolerance, degenerate, base.metrics.get("val/degenerate") if base else None)
+            verdict = self.ledger.judge(version, success, self.tolerance, alarms)
+            if verdict.outcome == "collapse":
+                self.roll_back(step, alarms)
+            elif verdict.outcome == "promoted":
+                self.ledger.promote(version, adapters.lora_state(self.learner.model), success)
+            else:
+                self.restore_champion()
+            self.guard.new_chain()
         return verdict
 
     def restore_champion(self) -> None:
@@ -123,8 +124,9 @@ class UpdateCycle:
         """A collapse: the candidates since the champion are marked ``rolled_back``, the
         champion serves again, AdamW is reset and the setting made safer; one ``collapse``
         event. Returns the versions rolled back."""
-        bad = self.ledger.roll_back_collapse(alarms[0].rule)
-        self.restore_champion()
+        with self.ledger.lock:
+            bad = self.ledger.roll_back_collapse(alarms[0].rule)
+            self.restore_champion()
         lr, beta = self.guard.rolled_back(self.learner.cfg.learning_rate, self.learner.cfg.beta)
         self.learner.set_hyperparameters(lr, beta)
         cc, champ = self.collapse_cfg, self.ledger.champion

@@ -117,6 +117,7 @@ class Ledger:
 
     def __init__(self, store: Store, run_id: int, run_dir: str | Path):
         self.store, self.run_id, self.run_dir = store, run_id, Path(run_dir)
+        self.lock = store.lock  # held by every step; hold it to make several steps one
         self.champion: Champion | None = None
 
     # -- reading -----------------------------------------------------------------------
@@ -223,9 +224,16 @@ class Ledger:
 
         champ = self.champion
         best = champ.success if champ.success is not None else 0.0
+        rec = self.get(version)
+        parent = self.get(rec.parent) if rec.parent is not None else None
+        if parent is not None and parent.status == VersionStatus.ROLLED_BACK:  # an admin rolled back meanwhile
+            msg = (f"version {version} rejected: its parent version {parent.version} was rolled back; "
+                   f"serving version {champ.version}")
+            self._set(version, VersionStatus.REJECTED, {"parent_rolled_back": parent.version})
+            self.event(EventKind.REJECT, msg, {"version": version})
+            return Verdict("rejected", msg)
         if alarms:
             return Verdict("collapse", "; ".join(a.message for a in alarms))
-        rec = self.get(version)
         broken = adapters.verify_version(Path(rec.path)) if rec.path else "never saved"
         if broken is not None:
             msg = f"version {version} not promoted: {broken}; serving version {champ.version} again"
@@ -262,6 +270,10 @@ class Ledger:
         """An admin's rollback: ``version`` (base, promoted, or rolled back earlier: promoted
         again) becomes the champion; the promoted versions after it are marked ``rolled_back``.
         Returns those. Raises KeyError / ValueError for a version that cannot be rolled back to."""
+        with self.lock:
+            return self._roll_back_to(version)
+
+    def _roll_back_to(self, version: int) -> list[int]:
         rec = self.get(version)
         if rec is None:
             raise KeyError(f"adapter version {version} does not exist")

@@ -122,6 +122,7 @@ class BackgroundLearner(threading.Thread):
         self.last: dict[str, Any] = {}
         self.error: str | None = None
         self.busy = False  # between taking a batch and finishing its gate
+        self._reset: Champion | None = None  # set by an admin rollback, applied before the next update
 
     # -- thread ------------------------------------------------------------------------
 
@@ -209,6 +210,7 @@ class BackgroundLearner(threading.Thread):
     def update(self, batch: list[tuple[Trajectory, dict]]) -> dict[str, Any]:
         """Score, update, save a candidate, check the collapse rules, validate it, publish or reject it."""
         t0, cycle = time.perf_counter(), self.cycle
+        self._apply_reset()
         cycle.check_budget()
         scored, unscored = self.score(batch)
         with self.store.lock:
@@ -251,6 +253,7 @@ class BackgroundLearner(threading.Thread):
                 info["swap_s"] = self.publish(version, champ.state, verdict.message)
             elif verdict.outcome == "collapse":
                 info["result"] = "rolled back (collapse)"
+        self._apply_reset()
         info["seconds"] = time.perf_counter() - t0
         self.last = info
         return info
@@ -262,8 +265,14 @@ class BackgroundLearner(threading.Thread):
         self.engine.version = version
 
     def reset_to(self, champion: Champion) -> None:
-        """Continue learning from ``champion`` (after an admin rollback); waits for an update under way."""
-        with self.lock:
+        """Continue learning from ``champion`` (after an admin rollback). Returns at once: the
+        learner loads it before its next update (an update under way is judged against the
+        ledger, which already holds the rollback, so its candidate is rejected)."""
+        self._reset = champion
+
+    def _apply_reset(self) -> None:
+        champion, self._reset = self._reset, None
+        if champion is not None:
             self._load(champion.state, champion.version)
             self.learner.reset_optimizer()
             self.cycle.guard.new_chain()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -103,6 +104,7 @@ class Service:
         self.context = int(getattr(model.config, "max_position_embeddings", 0) or tokenizer.model_max_length)
         self.native_tools = template_supports_tools(tokenizer)
         self.pinned: int | None = None
+        self.admin = threading.Lock()  # pin, unpin, rollback and publish: one at a time, each whole
         self.swap_seconds: list[float] = []
         self._states: dict[int, Any] = {}
         self._restore()
@@ -179,52 +181,66 @@ class Service:
                 self.engine.swap(served_state, served)
 
     def publish(self, version: int, state, reason: str) -> float | None:
-        """Serve ``version`` now (unless a version is pinned); returns the swap seconds."""
-        self._states[version] = {k: v.clone() for k, v in state.items()}
-        if self.pinned is not None:
-            self.event(EventKind.SWAP, f"version {version} {reason}; not served: version {self.pinned} is pinned",
-                       {"version": version, "served": False})
-            return None
-        seconds = self.engine.swap(state, version)
-        self.swap_seconds.append(seconds)
-        self.event(EventKind.SWAP, f"serving version {version} ({reason}); swap took {seconds * 1000:.1f} ms",
-                   {"version": version, "swap_s": seconds})
-        return seconds
+        """Serve ``version`` now, unless a version is pinned or an admin rolled back past it
+        meanwhile (it is no longer the champion); returns the swap seconds."""
+        with self.admin:
+            self._states[version] = {k: v.clone() for k, v in state.items()}
+            if self.ledger.champion.version != version:
+                self.event(EventKind.SWAP, f"version {version} {reason}; not served: version "
+                           f"{self.ledger.champion.version} was restored meanwhile", {"version": version, "served": False})
+                return None
+            if self.pinned is not None:
+                self.event(EventKind.SWAP, f"version {version} {reason}; not served: version {self.pinned} is pinned",
+                           {"version": version, "served": False})
+                return None
+            seconds = self.engine.swap(state, version)
+            self.swap_seconds.append(seconds)
+            self.event(EventKind.SWAP, f"serving version {version} ({reason}); swap took {seconds * 1000:.1f} ms",
+                       {"version": version, "swap_s": seconds})
+            return seconds
 
     def pin(self, version: int) -> dict[str, Any]:
         """Serve ``version`` and keep it until :meth:`unpin`, across restarts (promotions are
-        recorded, not served)."""
-        self.check_servable(version, "version")
-        self.engine.swap(self.state_of(version), version)
-        self.pinned = version
-        write_atomic(self.run_dir / "pinned.json", json.dumps({"version": version}))
-        self.event(EventKind.PIN, f"version {version} pinned")
+        recorded, not served). Serialised with the other admin operations; the pin file is
+        written before the swap, so a failure leaves the served version as it was."""
+        with self.admin:
+            self.check_servable(version, "version")
+            state = self.state_of(version)
+            write_atomic(self.run_dir / "pinned.json", json.dumps({"version": version}))
+            self.engine.swap(state, version)
+            self.pinned = version
+            self.event(EventKind.PIN, f"version {version} pinned")
         return self.status()
 
     def unpin(self) -> dict[str, Any]:
-        self.pinned = None
-        (self.run_dir / "pinned.json").unlink(missing_ok=True)
-        best = self.ledger.latest_servable()
-        self.engine.swap(self.state_of(best.version), best.version)
-        self.event(EventKind.UNPIN, f"unpinned; serving the latest promoted version {best.version}")
+        with self.admin:
+            best = self.ledger.champion
+            (self.run_dir / "pinned.json").unlink(missing_ok=True)
+            self.engine.swap(best.state, best.version)
+            self.pinned = None
+            self.event(EventKind.UNPIN, f"unpinned; serving the champion, version {best.version}")
         return self.status()
 
     def rollback(self, version: int) -> dict[str, Any]:
         """Serve ``version`` again, mark the promoted versions after it rolled back, and
-        restart the learner from it. A version that was rolled back earlier is promoted again."""
-        self.state_of(version)  # 404 / 409 before anything changes
-        try:
-            self.ledger.roll_back_to(version)
-        except KeyError:
-            raise ApiError(404, f"adapter version {version} does not exist", "version", "model_not_found") from None
-        except ValueError as e:
-            raise ApiError(409, str(e), "version", "version_not_servable") from None
-        self.pinned = None
-        (self.run_dir / "pinned.json").unlink(missing_ok=True)
-        champ = self.ledger.champion
-        if self.learner is not None:
-            self.learner.reset_to(champ)
-        self.engine.swap(champ.state, version)
+        restart the learner from it. A version that was rolled back earlier is promoted again.
+        The rollback sticks: a candidate the learner is training from a rolled-back parent is
+        rejected at its gate (``Ledger.judge``), and the learner continues from ``version``."""
+        with self.admin:
+            self.state_of(version)  # 404 / 409 before anything changes
+            try:
+                self.ledger.roll_back_to(version)
+            except KeyError:
+                raise ApiError(404, f"adapter version {version} does not exist", "version",
+                               "model_not_found") from None
+            except ValueError as e:
+                raise ApiError(409, str(e), "version", "version_not_servable") from None
+            (self.run_dir / "pinned.json").unlink(missing_ok=True)
+            self.pinned = None
+            champ = self.ledger.champion
+            self.engine.swap(champ.state, version)
+            if self.learner is not None:
+                self.learner.reset_to(champ)  # applied by the learner before its next update
         return self.status()
 
     def event(self, kind: EventKind, message: str, data: dict | None = None) -> None:
