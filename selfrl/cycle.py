@@ -87,12 +87,11 @@ class UpdateCycle:
             kl = self.learner.probe_kl(trajs, self.collapse_cfg.kl_probe_size)
         return CycleStep(result, candidate, kl)
 
-    def observe(self, rec: UpdateRecord) -> list[Alarm]:
-        """Record one update for the collapse rules; when a cheap rule fires, roll back now."""
+    def observe(self, rec: UpdateRecord) -> str | None:
+        """Record one update for the collapse rules; when a cheap rule fires, roll back now and
+        return the ``collapse`` event's message (None when no rule fired)."""
         alarms = self.guard.observe(rec)
-        if alarms:
-            self.roll_back(rec.step, alarms)
-        return alarms
+        return self.roll_back(rec.step, alarms) if alarms else None
 
     # -- gate ----------------------------------------------------------------------------
 
@@ -106,7 +105,7 @@ class UpdateCycle:
                                         self.tolerance, degenerate, base.metrics.get("val/degenerate") if base else None)
             verdict = self.ledger.judge(version, success, self.tolerance, alarms)
             if verdict.outcome == "collapse":
-                self.roll_back(step, alarms)
+                verdict = Verdict("collapse", self.roll_back(step, alarms))
             elif verdict.outcome == "promoted":
                 self.ledger.promote(version, adapters.lora_state(self.learner.model), success)
             else:
@@ -120,10 +119,10 @@ class UpdateCycle:
         self.load(champ.state, champ.version)
         self.learner.reset_optimizer()
 
-    def roll_back(self, step: int, alarms: list[Alarm]) -> list[int]:
+    def roll_back(self, step: int, alarms: list[Alarm]) -> str:
         """A collapse: the candidates since the champion are marked ``rolled_back``, the
         champion serves again, AdamW is reset and the setting made safer; one ``collapse``
-        event. Returns the versions rolled back."""
+        event, whose message is returned."""
         with self.ledger.lock:
             bad = self.ledger.roll_back_collapse(alarms[0].rule)
             self.restore_champion()
@@ -136,7 +135,7 @@ class UpdateCycle:
         self.ledger.event(EventKind.COLLAPSE, msg, {
             "iteration": step, "alarms": [a.to_dict() for a in alarms], "rolled_back": bad,
             "serving": champ.version, "learning_rate": lr, "beta": beta, "rollbacks": self.guard.rollbacks})
-        return bad
+        return msg
 
     def check_budget(self) -> None:
         """Raise :class:`CollapseStop` (after a ``collapse_stop`` event) once the collapse

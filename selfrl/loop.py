@@ -227,8 +227,9 @@ class Runner:
                         "train/degenerate": collapse.degenerate_share(trajs, cfg.collapse)})
         self.log_iteration(it, metrics, step.result, t_roll)
         # also when the champion sampled them: the new candidate goes, the setting gets safer
-        for alarm_msg in _alarm_lines(s.cycle.observe(collapse.record_from_metrics(it, metrics)), s.ledger):
-            self.progress.log(alarm_msg)
+        rolled_back = s.cycle.observe(collapse.record_from_metrics(it, metrics))
+        if rolled_back:
+            self.progress.log(rolled_back)
         return metrics
 
     def rollouts(self, it: int) -> tuple[list[Trajectory], float]:
@@ -258,10 +259,7 @@ class Runner:
         if res.version == self.champion.version:
             return
         verdict = self.s.cycle.gate(it, res.version, res.success, res.degenerate)
-        if verdict.outcome == "collapse":
-            self.progress.log(self.s.store.events()[-1]["message"])
-        else:
-            self.progress.log(f"iteration {it}: {verdict.message}")
+        self.progress.log(verdict.message if verdict.outcome == "collapse" else f"iteration {it}: {verdict.message}")
 
     def recover(self) -> None:
         """On resume: move aside what a killed save left (never recorded), and restore the
@@ -356,13 +354,6 @@ def check_resumable(stored: dict, new: dict) -> None:
     if changed:
         raise ConfigError(f"--resume cannot change {', '.join(changed)} of the stored run; "
                           "start a new run (another --run-dir) for that")
-
-
-def _alarm_lines(alarms: list, ledger: Ledger) -> list[str]:
-    """The ``collapse`` event's message, for the progress log, when ``alarms`` rolled back."""
-    if not alarms:
-        return []
-    return [ledger.store.events()[-1]["message"]]
 
 
 def _rate(evaluation: dict[str, bool]) -> float:

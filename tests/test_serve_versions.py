@@ -53,7 +53,7 @@ def test_concurrent_pins_and_rollbacks_are_serialised_and_consistent(tiny_tokeni
         if service.pinned is not None:
             assert served == service.pinned == json.loads(pin.read_text())["version"]
         else:
-            assert not pin.exists() and served == service.ledger.champion.version
+            assert not pin.exists() and served == service.ledger.latest_servable().version
         served_state = lora_state(service.engine.model)
         assert all(torch.equal(served_state[k], v) for k, v in service.state_of(served).items())
     finally:

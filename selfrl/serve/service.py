@@ -181,13 +181,15 @@ class Service:
                 self.engine.swap(served_state, served)
 
     def publish(self, version: int, state, reason: str) -> float | None:
-        """Serve ``version`` now, unless a version is pinned or an admin rolled back past it
-        meanwhile (it is no longer the champion); returns the swap seconds."""
+        """Serve ``version`` now, unless a version is pinned or an admin rolled it back
+        meanwhile (it is no longer servable); returns the swap seconds."""
         with self.admin:
             self._states[version] = {k: v.clone() for k, v in state.items()}
-            if self.ledger.champion.version != version:
-                self.event(EventKind.SWAP, f"version {version} {reason}; not served: version "
-                           f"{self.ledger.champion.version} was restored meanwhile", {"version": version, "served": False})
+            rec = self.ledger.get(version)
+            if rec is None or not rec.servable:
+                status = "unknown" if rec is None else rec.status.value
+                self.event(EventKind.SWAP, f"version {version} {reason}; not served: it is {status} now",
+                           {"version": version, "served": False})
                 return None
             if self.pinned is not None:
                 self.event(EventKind.SWAP, f"version {version} {reason}; not served: version {self.pinned} is pinned",
@@ -214,11 +216,12 @@ class Service:
 
     def unpin(self) -> dict[str, Any]:
         with self.admin:
-            best = self.ledger.champion
+            best = self.ledger.latest_servable()
+            state = self.state_of(best.version)
             (self.run_dir / "pinned.json").unlink(missing_ok=True)
-            self.engine.swap(best.state, best.version)
+            self.engine.swap(state, best.version)
             self.pinned = None
-            self.event(EventKind.UNPIN, f"unpinned; serving the champion, version {best.version}")
+            self.event(EventKind.UNPIN, f"unpinned; serving the latest promoted version {best.version}")
         return self.status()
 
     def rollback(self, version: int) -> dict[str, Any]:
