@@ -138,6 +138,7 @@ class TrainConfig:
     skip_max_reward_spread: float = 10.0  # skip when the batch's max - min reward exceeds this (a broken reward)
     skip_max_kl: float = 1.0  # skip when the mean per-token KL to the reference (forward pass) exceeds this; beta > 0 only
     skip_max_grad_norm: float = 100.0  # skip when the gradient L2 norm before clipping exceeds this
+    tis_cap: float = 2.0  # cap of the per-token weight exp(learner - sampler logprob) (TIS, Yao et al. 2025); 0: off
 
     def check(self, where: str = "") -> None:
         require([
@@ -153,6 +154,7 @@ class TrainConfig:
             (self.skip_max_reward_spread > 0, "skip_max_reward_spread must be > 0"),
             (self.skip_max_kl > 0, "skip_max_kl must be > 0"),
             (self.skip_max_grad_norm > 0, "skip_max_grad_norm must be > 0"),
+            (self.tis_cap >= 0, "tis_cap must be >= 0 (0 turns the off-policy correction off)"),
         ], where)
 
 

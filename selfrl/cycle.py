@@ -58,14 +58,15 @@ class UpdateCycle:
 
     def advantages(self, step: int, trajs: list[Trajectory]) -> tuple[AdvantageResult, dict[str, float]]:
         """Run the detectors (a flagged trajectory earns at most 0), then group advantages
-        over the trajectories with a reward; sets ``advantage`` on each. Returns the advantage
+        over the trajectories with a reward and a trainable token; sets ``advantage`` on each. Returns the advantage
         result and the detectors' metrics."""
         hacking = self.monitor.apply(trajs) if self.monitor is not None else {}
         if self.monitor is not None:
             for alert in self.monitor.pop_alerts():
                 self.ledger.event(EventKind.HACKING, f"iteration {step}: {alert}")
-        adv = group_advantages([t.reward for t in trajs], [t.group_id for t in trajs], self.scale_rewards)
-        for t, a in zip(trajs, adv.advantages):  # None where the reward is None
+        adv = group_advantages([t.reward for t in trajs], [t.group_id for t in trajs], self.scale_rewards,
+                               num_completion_tokens=[t.num_completion_tokens for t in trajs])
+        for t, a in zip(trajs, adv.advantages):  # None where the reward is None or nothing is trainable
             t.advantage = a
         return adv, hacking
 

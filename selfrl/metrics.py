@@ -50,4 +50,6 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
         "train/truncated": sum(t.truncated for t in trajs) / n,
         "train/completion_tokens": sum(t.num_completion_tokens for t in trajs) / n,
         "train/failed_rollouts": sum(t.error is not None for t in trajs) / n,
+        # left out of grouping and the loss (``group_advantages``): no token to train on
+        "train/no_trainable_tokens": sum(t.num_completion_tokens == 0 for t in trajs) / n,
     }

@@ -10,6 +10,17 @@ Departures from TRL's GRPOTrainer, each on purpose:
 * The reference model is the adapter the run started from; with no starting
   adapter it is the base model, reached by ``disable_adapter()`` (no second copy).
 * Log-probs are computed only at completion positions (``selfrl.rl.logprobs``).
+* Off-policy correction (``tis_cap``, on by default): the PPO ratio is taken against
+  the learner's own log-probs before the update (the first pass's forward, detached,
+  so no extra forward runs), and each token's policy-gradient term is weighted by
+  ``min(exp(old - sampler), tis_cap)`` (truncated importance sampling,
+  ``selfrl.rl.off_policy``), as TRL's ``vllm_importance_sampling_correction`` and
+  verl's rollout importance sampling do. Where sampler and learner compute the same
+  log-probs the weight is exactly 1 and the update is the uncorrected one. With
+  ``tis_cap = 0`` the sampler's log-probs are the PPO old log-probs (no correction).
+  ``mismatch_kl`` (KL(sampler || learner), k3, per token) is logged either way.
+* Sequences without a trainable token (``completion_mask`` all 0) never reach the
+  loss, its normaliser or the token metrics.
 * Anomaly skip: an update is skipped, weights and AdamW state left exactly as
   they were, when the batch's reward spread, the KL measured in the forward pass
   or the gradient norm before clipping is beyond its threshold, or a loss or the
@@ -39,6 +50,7 @@ from selfrl.config import TrainConfig
 from selfrl.rl.batch import TensorBatch, collate
 from selfrl.rl.logprobs import per_token_logps
 from selfrl.rl.losses import Normalizer, get_loss_aggregation, k3_kl, per_token_loss
+from selfrl.rl.off_policy import mismatch_kl, tis_weights
 from selfrl.trajectory import Trajectory
 
 
@@ -46,6 +58,7 @@ class SkipReason(str, enum.Enum):
     """Why an update was not applied."""
 
     NO_SIGNAL = "no_signal"  # no sequence has a non-zero advantage
+    NO_TOKENS = "no_tokens"  # no sequence with a non-zero advantage has a trainable token
     NO_GROUP = "no_group"  # no group has two or more samples (serve: set task_key, or request n > 1)
     REWARD_SPREAD = "reward_spread"  # max - min reward beyond train.skip_max_reward_spread
     NOT_FINITE = "not_finite"  # a loss or the gradient norm is NaN or inf
@@ -84,6 +97,7 @@ class UpdateResult:
         s = self.stats
         return {
             SkipReason.NO_SIGNAL: "no group had reward spread",
+            SkipReason.NO_TOKENS: "no sequence with a nonzero advantage has a trainable token",
             SkipReason.NO_GROUP: "no group had two or more samples: give related requests the same task_key, "
                                  "or request n > 1 samples",
             SkipReason.REWARD_SPREAD: f"reward spread {s.get('reward_spread', math.nan):.3g} beyond "
@@ -159,11 +173,18 @@ class Learner:
             reference is the base model (the adapter disabled).
 
     Raises:
-        ValueError: the model has no trainable parameters.
+        ValueError: the model has no trainable parameters, ``temperature`` not > 0,
+            ``max_completion_length`` < 1, or ``cfg.tis_cap`` < 0.
     """
 
     def __init__(self, model, cfg: TrainConfig, temperature: float, pad_token_id: int, max_completion_length: int,
                  ref_state: dict[str, torch.Tensor] | None = None):
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0 (the logits are divided by it), got {temperature}")
+        if max_completion_length < 1:
+            raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}")
+        if not cfg.tis_cap >= 0:
+            raise ValueError(f"train.tis_cap must be >= 0 (0: no correction), got {cfg.tis_cap}")
         self.model = model
         self.cfg = cfg
         self.temperature = temperature
@@ -229,28 +250,35 @@ class Learner:
 
         Returns:
             an :class:`UpdateResult`; its stats are ``loss``, ``kl``, ``clip_ratio``,
-            ``ratio_mean``, ``grad_norm``, ``num_sequences``, ``num_tokens``,
-            ``reward_spread`` (when skipped for it) and ``time/update_s`` (seconds). A
-            skipped update leaves the weights and the optimizer state exactly as they were.
+            ``ratio_mean``, ``grad_norm``, ``mismatch_kl`` (mean per-token KL(sampler ||
+            learner)), ``tis_weight_mean`` and ``tis_capped`` (share of tokens at the cap; both
+            when ``tis_cap`` > 0), ``num_sequences``, ``num_tokens``, ``reward_spread`` (when
+            skipped for it) and ``time/update_s`` (seconds). A skipped update leaves the weights
+            and the optimizer state exactly as they were.
         """
         t0 = time.perf_counter()
         spread = reward_spread(trajs)
         if spread > self.cfg.skip_max_reward_spread:
             return UpdateResult.skip(SkipReason.REWARD_SPREAD, reward_spread=spread, num_sequences=0.0,
                                      **{"time/update_s": time.perf_counter() - t0})
-        usable = [t for t in trajs if t.advantage is not None and t.advantage != 0.0]
+        signal = [t for t in trajs if t.advantage is not None and t.advantage != 0.0]
+        usable = [t for t in signal if t.num_completion_tokens > 0]  # nothing to train on: not in any count
         if not usable:
             scored = Counter(t.group_id for t in trajs if t.advantage is not None)
             lonely = bool(scored) and max(scored.values()) < 2  # no group to compare a sample with
-            return UpdateResult.skip(SkipReason.NO_GROUP if lonely else SkipReason.NO_SIGNAL, num_sequences=0.0,
-                                     **{"time/update_s": time.perf_counter() - t0})
+            reason = SkipReason.NO_TOKENS if signal else SkipReason.NO_GROUP if lonely else SkipReason.NO_SIGNAL
+            return UpdateResult.skip(reason, num_sequences=0.0, **{"time/update_s": time.perf_counter() - t0})
         usable.sort(key=lambda t: len(t.token_ids))  # similar lengths per micro-batch: less padding
         micro = [collate(usable[i:i + self.cfg.micro_batch_size], self.pad_token_id)
                  for i in range(0, len(usable), self.cfg.micro_batch_size)]
-        norm = Normalizer(sum(m.num_tokens for m in micro), len(usable), self.max_completion_length)
+        norm = Normalizer.of([m.completion_mask for m in micro], self.max_completion_length)
         refs = [self._ref_logps(m) if self.cfg.beta > 0 else None for m in micro]
         eps_high = self.cfg.epsilon_high if self.cfg.epsilon_high is not None else self.cfg.epsilon
         totals = {"loss": 0.0, "kl": 0.0, "clipped": 0.0, "ratio": 0.0}
+        # the learner's own log-probs before the update (first pass, detached) and the TIS weights
+        olds: list[torch.Tensor | None] = [None] * len(micro)
+        weights: list[torch.Tensor | None] = [None] * len(micro)
+        off = {"mismatch_kl": 0.0, "tis_weight_mean": 0.0, "tis_capped": 0.0}
         grad_norm = 0.0
         # a skip must leave the weights as they were, also when an earlier pass already stepped
         backup = None
@@ -260,10 +288,19 @@ class Learner:
         for epoch in range(self.cfg.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
             totals = dict.fromkeys(totals, 0.0)
-            for mb, ref in zip(micro, refs):
+            for k, (mb, ref) in enumerate(zip(micro, refs)):
                 logps = per_token_logps(self.model, mb.input_ids, mb.attention_mask, mb.completion_mask, self.temperature)
+                if olds[k] is None:
+                    olds[k] = logps.detach()  # (B, T): the weights have not moved yet in the first pass
+                    gap = mismatch_kl(olds[k], mb.old_per_token_logps)  # (B, T)
+                    off["mismatch_kl"] += self._token_mean(gap, mb, norm)
+                    if self.cfg.tis_cap > 0:
+                        weights[k] = tis_weights(olds[k], mb.old_per_token_logps, self.cfg.tis_cap)  # (B, T)
+                        off["tis_weight_mean"] += self._token_mean(weights[k], mb, norm)
+                        off["tis_capped"] += self._token_mean((weights[k] >= self.cfg.tis_cap).float(), mb, norm)
+                old = olds[k] if self.cfg.tis_cap > 0 else mb.old_per_token_logps
                 loss_t, parts = per_token_loss(
-                    logps, mb.old_per_token_logps, mb.advantages, ref, self.cfg.beta, self.cfg.epsilon, eps_high
+                    logps, old, mb.advantages, ref, self.cfg.beta, self.cfg.epsilon, eps_high, weights[k]
                 )
                 loss = self.aggregate(loss_t, mb.completion_mask, norm)
                 if faults.active("nan_loss"):
@@ -272,11 +309,10 @@ class Learner:
                 faults.point("during_update")
                 if on_micro_batch is not None:
                     on_micro_batch()
-                m = mb.completion_mask
                 totals["loss"] += float(loss.detach())
-                totals["kl"] += float((parts["kl"] * m).sum()) / max(norm.num_tokens, 1)
-                totals["clipped"] += float((parts["clipped"] * m).sum()) / max(norm.num_tokens, 1)
-                totals["ratio"] += float((parts["ratio"] * m).sum()) / max(norm.num_tokens, 1)
+                totals["kl"] += self._token_mean(parts["kl"], mb, norm)
+                totals["clipped"] += self._token_mean(parts["clipped"], mb, norm)
+                totals["ratio"] += self._token_mean(parts["ratio"], mb, norm)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
             reason = skip_reason(totals["loss"], totals["kl"], grad_norm, self.cfg)
             if reason is None and grad_norm == 0.0:
@@ -293,7 +329,7 @@ class Learner:
                 self.model.eval()
                 return UpdateResult.skip(SkipReason(reason), loss=totals["loss"], kl=totals["kl"],
                                          clip_ratio=totals["clipped"], grad_norm=grad_norm,
-                                         num_sequences=float(len(usable)),
+                                         num_sequences=float(len(usable)), mismatch_kl=off["mismatch_kl"],
                                          **{"time/update_s": time.perf_counter() - t0})
             scale = 1000.0 if faults.active("lr_x1000") else 1.0
             for group in self.optimizer.param_groups:
@@ -306,5 +342,14 @@ class Learner:
             "loss": totals["loss"], "kl": totals["kl"], "clip_ratio": totals["clipped"],
             "ratio_mean": totals["ratio"], "grad_norm": grad_norm,
             "num_sequences": float(len(usable)), "num_tokens": float(norm.num_tokens),
+            "mismatch_kl": off["mismatch_kl"],
+            **({"tis_weight_mean": off["tis_weight_mean"], "tis_capped": off["tis_capped"]}
+               if self.cfg.tis_cap > 0 else {}),
             "time/update_s": time.perf_counter() - t0,
         })
+
+    @staticmethod
+    def _token_mean(values: torch.Tensor, mb: TensorBatch, norm: Normalizer) -> float:
+        """This micro-batch's share of the batch's per-token mean of (B, T) ``values``
+        (the shares of all micro-batches add up to the mean; ``num_tokens`` >= 1 here)."""
+        return float((values * mb.completion_mask).sum()) / max(norm.num_tokens, 1)

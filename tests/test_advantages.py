@@ -89,3 +89,39 @@ def test_never_nan():
     # big: {0, 0, 1e6} around 1e12 -> mean offset 1e6/3, std 1e6 * sqrt(2)/3 -> -1/sqrt(2), -1/sqrt(2), sqrt(2)
     big = group_advantages(rewards, groups).advantages[:3]
     assert big == [pytest.approx(-1 / math.sqrt(2), rel=1e-6)] * 2 + [pytest.approx(math.sqrt(2), rel=1e-6)]
+
+
+def test_sample_without_trainable_tokens_is_left_out_of_its_group():
+    # issue 17 case 1: rewards [1, 0], the second sample has every token masked. Counted, it would
+    # make a {0, 1} group and push the real sample by +1 with no partner; left out, the real sample
+    # is alone in its group (no signal) and the empty one gets no advantage at all.
+    res = group_advantages([1.0, 0.0], ["g", "g"], num_completion_tokens=[5, 0])
+    assert res.advantages == [0.0, None]
+    assert (res.num_groups, res.num_groups_no_signal) == (1, 1)
+    # three samples, the middle one empty: the statistics are those of {1.0, 0.5}:
+    # mean 0.75, population std 0.25 -> (1 - 0.75) / 0.25 = +1, (0.5 - 0.75) / 0.25 = -1
+    res = group_advantages([1.0, 0.0, 0.5], ["g", "g", "g"], num_completion_tokens=[4, 0, 3])
+    assert res.advantages == approx([1.0, None, -1.0])
+    # Dr. GRPO's centring only: 1 - 0.75, 0.5 - 0.75
+    res = group_advantages([1.0, 0.0, 0.5], ["g"] * 3, "none", num_completion_tokens=[4, 0, 3])
+    assert res.advantages == approx([0.25, None, -0.25])
+    # a group whose every sample is empty is not a group
+    res = group_advantages([1.0, 0.0, 1.0, 0.0], ["a", "a", "b", "b"], num_completion_tokens=[0, 0, 2, 2])
+    assert res.advantages == [None, None, 1.0, -1.0] and res.num_groups == 1
+
+
+def test_token_counts_are_checked():
+    with pytest.raises(ValueError, match="differ in length"):
+        group_advantages([1.0, 0.0], ["g", "g"], num_completion_tokens=[1])
+    with pytest.raises(ValueError, match=">= 0"):
+        group_advantages([1.0, 0.0], ["g", "g"], num_completion_tokens=[1, -1])
+    # a non-finite reward is still an error, even on a sample without tokens
+    with pytest.raises(ValueError, match="not finite"):
+        group_advantages([math.nan, 0.0], ["g", "g"], num_completion_tokens=[0, 1])
+
+
+@pytest.mark.parametrize("eps", [0.0, -1.0])
+def test_eps_must_be_positive_it_guards_the_division_by_the_std(eps):
+    # with eps = 0 a constant group (std exactly 0) reached the division: ZeroDivisionError
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        group_advantages([1.0, 1.0], ["g", "g"], eps=eps)

@@ -79,6 +79,7 @@ def test_modules_to_save_is_rejected_with_the_reason():
         ({"train.epsilon": 1.0}, r"train\.epsilon must be in \(0, 1\)"),
         ({"rollout.temperature": 0.0}, r"rollout\.temperature must be > 0"),
         ({"gate.val_size": 0}, r"gate\.val_size must be >= 1"),
+        ({"train.tis_cap": -1.0}, r"train\.tis_cap must be >= 0 \(0 turns the off-policy correction off\)"),
     ],
 )
 def test_out_of_range_values(overrides, message):

@@ -34,7 +34,9 @@ def trajectories(model, shift: float, groups=("g", "g", "h", "h")) -> list[Traje
 
 
 def make_cycle(model, tmp_path, **train):
-    cfg = TrainConfig(**{"beta": 0.0, "learning_rate": 1e-2, "micro_batch_size": 4, **train})
+    # tis_cap 0: the PPO ratio is taken against the sampler's logprobs (the off-policy correction,
+    # on by default, takes it against the learner's own, so a shifted sampler is never clipped)
+    cfg = TrainConfig(**{"beta": 0.0, "learning_rate": 1e-2, "micro_batch_size": 4, "tis_cap": 0.0, **train})
     learner = Learner(model, cfg, TEMPERATURE, 0, max_completion_length=8)
     store = Store(tmp_path / "s.db")
     ledger = Ledger(store, store.start_run({}), tmp_path)

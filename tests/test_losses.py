@@ -139,3 +139,97 @@ def test_micro_batches_sum_to_the_full_batch(name):
 def test_unknown_loss_type_lists_valid_names():
     with pytest.raises(ValueError, match=r"unknown loss_type 'bnpo'; valid: dapo, dr_grpo, grpo"):
         get_loss_aggregation("bnpo")
+
+
+# ---------------------------------------------------------------- every exp in the loss is bounded
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_k3_kl_of_an_extreme_token_is_finite_and_capped(dtype):
+    # issue 17 case 3: policy logprob -100 against the reference's 0 gave exp(100) = inf in float32.
+    # d = ref - logp is clamped to [-20, 20] and k3 to at most 10 (verl's and OpenRLHF's bounds).
+    lp = torch.tensor([[-100.0, 0.0, -1.0, -2.0, -3.0]], dtype=dtype, requires_grad=True)
+    ref = torch.tensor([[0.0, -100.0, -3.0, 1.0, -1.0]], dtype=dtype)  # d = 100, -100, -2, 3, 2
+    kl = k3_kl(lp, ref)
+    # d = 100 -> 20 -> e^20 - 21, capped at 10; d = -100 -> -20 -> 19.0, capped; d = -2: e^-2 + 1 = 1.135335;
+    # d = 3: e^3 - 4 = 16.09, capped; d = 2: e^2 - 3 = 4.389056, below the cap
+    expected = [10.0, 10.0, math.exp(-2) + 1, 10.0, math.exp(2) - 3]
+    torch.testing.assert_close(kl, torch.tensor([expected], dtype=dtype), atol=1e-6, rtol=0)
+    # the loss with beta 0.04 on that token alone: ratio 1, A = 0, so loss = 0.04 * 10 = 0.4
+    loss, parts = per_token_loss(lp[:, :1], lp[:, :1].detach(), torch.tensor([0.0], dtype=dtype), ref[:, :1], 0.04)
+    assert loss.item() == pytest.approx(0.4, abs=1e-6) and torch.isfinite(parts["kl"]).all()
+    # where a bound is active the token's KL gradient is 0; elsewhere it is 1 - e^d
+    kl.sum().backward()
+    grad = [[0.0, 0.0, 1 - math.exp(-2), 0.0, 1 - math.exp(2)]]
+    torch.testing.assert_close(lp.grad, torch.tensor(grad, dtype=dtype), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_policy_ratio_of_an_extreme_token_is_finite(dtype):
+    # logp - old = 1000 overflowed exp() in both dtypes; clamped to 20 it is e^20 = 4.85e8. With A = -1
+    # the unclipped term is the min: loss = e^20, finite, and the gradient through the clamp is 0.
+    lp = torch.tensor([[0.0, -1000.0]], dtype=dtype, requires_grad=True)
+    old = torch.tensor([[-1000.0, 0.0]], dtype=dtype)
+    loss, parts = per_token_loss(lp, old, torch.tensor([-1.0], dtype=dtype))
+    assert torch.isfinite(loss).all()
+    assert loss[0, 0].item() == pytest.approx(math.exp(20), rel=1e-6)
+    assert parts["ratio"][0, 1].item() == pytest.approx(math.exp(-20), rel=1e-6)  # ratio e^-20 clipped to 0.8
+    assert loss[0, 1].item() == pytest.approx(0.8, abs=1e-6)
+    loss.sum().backward()
+    assert torch.equal(lp.grad, torch.zeros_like(lp))
+
+
+def test_nan_still_propagates_through_the_clamps():
+    # the learner's not-finite guard must still see a corrupt log-prob
+    nan = torch.tensor([[math.nan]])
+    assert torch.isnan(k3_kl(nan, torch.zeros(1, 1))).all()
+    loss, _ = per_token_loss(torch.zeros(1, 1), nan, torch.tensor([1.0]))
+    assert torch.isnan(loss).all()
+
+
+def test_is_weights_multiply_the_policy_gradient_term_only():
+    # rows as above (loss [-1, -1.2, -0.5] and [2, 3, 1.6]); weights scale it and its gradient, not the KL
+    w = torch.tensor([[2.0, 0.5, 1.0], [0.0, 1.0, 2.0]], dtype=D)
+    ref = OLD + RATIO.log() - 1.0  # d = -1 on every token: k3 = e^-1 + 1 - 1 = 0.367879
+    lp = logps()
+    loss, parts = per_token_loss(lp, OLD, ADV, ref, beta=0.1, is_weights=w)
+    k3 = math.exp(-1)
+    torch.testing.assert_close(loss, EXPECTED_LOSS * w + 0.1 * k3, atol=1e-12, rtol=0)
+    loss.sum().backward()
+    pg_grad = torch.tensor([[-1.0, 0.0, -0.5], [2.0, 3.0, 0.0]], dtype=D)  # from the unweighted test
+    torch.testing.assert_close(lp.grad, pg_grad * w + 0.1 * (1 - math.exp(-1)), atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------- sequences without tokens
+
+
+def test_normalizer_counts_only_sequences_with_tokens():
+    masks = [torch.tensor([[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]]), torch.tensor([[1.0, 0.0, 0.0]])]
+    assert Normalizer.of(masks, 4) == Normalizer(num_tokens=3, num_sequences=2, max_completion_length=4)
+    with pytest.raises(ValueError, match="max_completion_length"):
+        Normalizer(1, 1, 0)
+    with pytest.raises(ValueError, match="negative"):
+        Normalizer(-1, 1, 4)
+
+
+@pytest.mark.parametrize("name", ["dapo", "grpo", "dr_grpo"])
+def test_a_sequence_without_tokens_changes_no_aggregation(name):
+    # the batch above plus a third row whose mask is all 0 (its loss values are junk: 7.0):
+    # grpo and dr_grpo must still divide by 2 sequences, not 3
+    fn = get_loss_aggregation(name)
+    loss, _ = per_token_loss(logps(), OLD, ADV)
+    padded_loss = torch.cat([loss, torch.full((1, 3), 7.0, dtype=D)])
+    padded_mask = torch.cat([MASK, torch.zeros(1, 3, dtype=D)])
+    norm = Normalizer.of([padded_mask], 4)
+    expected = {"dapo": (-2.7 + 4.6) / 5, "grpo": (-0.9 + 2.3) / 2, "dr_grpo": (-2.7 + 4.6) / 8}[name]
+    assert fn(padded_loss, padded_mask, norm).item() == pytest.approx(expected, abs=1e-12)
+
+
+def test_k3_kl_keeps_its_digits_for_a_policy_close_to_the_reference():
+    # d = 1e-3 in float32: k3 = e^d - d - 1 = d^2/2 + d^3/6 + ... = 5.0015e-7. exp(d) - d - 1 in float32
+    # rounds e^d to 7 digits near 1 and gives 4.768e-7 (5 % off); expm1(d) - d is within 1e-4 relative
+    lp = torch.tensor([[-1.0]], dtype=torch.float32)
+    ref = lp + 1e-3
+    d = float(ref - lp)  # the float32 difference, as k3_kl sees it
+    exact = math.expm1(d) - d
+    assert k3_kl(lp, ref).item() == pytest.approx(exact, rel=1e-3)

@@ -58,16 +58,21 @@ def test_learner_scores_groups_by_task_key(tiny_tokenizer, tiny_model_factory, t
         service.learner.stop()
         ok = ToolCallRecord("calculator", {}, "", True, "")
         bad = ToolCallRecord("calculator", {}, "", False, "", "x")
+        tokens = {"token_ids": [1, 2], "completion_mask": [0, 1], "logprobs": [0.0, -1.0]}  # one sampled token
         batch = [
-            (Trajectory("a", "", 0), {"feedback": 1.0, "group_key": "g"}),
-            (Trajectory("b", "", 0, tool_calls=[bad]), {"feedback": -1.0, "group_key": "g"}),
-            (Trajectory("c", "", 0, tool_calls=[ok]), {"feedback": None, "group_key": "h"}),
-            (Trajectory("d", "", 0), {"feedback": None, "group_key": "h"}),
+            (Trajectory("a", "", 0, **tokens), {"feedback": 1.0, "group_key": "g"}),
+            (Trajectory("b", "", 0, tool_calls=[bad], **tokens), {"feedback": -1.0, "group_key": "g"}),
+            (Trajectory("c", "", 0, tool_calls=[ok], **tokens), {"feedback": None, "group_key": "h"}),
+            (Trajectory("d", "", 0, **tokens), {"feedback": None, "group_key": "h"}),
+            # a turn with no sampled token: rated, but nothing to train on, so not in its group's statistics
+            (Trajectory("e", "", 0, token_ids=[1, 2], completion_mask=[0, 0], logprobs=[0.0, 0.0]),
+             {"feedback": 0.0, "group_key": "g"}),
         ]
         scored, unscored = service.learner.score(batch)
-    # rewards: 1.0, -1.0 + 0.2 * 0 = -1.0, 0.2 * 1 = 0.2 (alone in its group), none
-    assert [t.reward for t in scored] == [1.0, -1.0, 0.2] and [t.task_id for t in unscored] == ["d"]
-    assert [t.advantage for t in scored] == [1.0, -1.0, 0.0]  # (r - mean) / std, ddof 0; a lone turn: 0
+    # rewards: 1.0, -1.0 + 0.2 * 0 = -1.0, 0.2 * 1 = 0.2 (alone in its group), none, 0.0
+    assert [t.reward for t in scored] == [1.0, -1.0, 0.2, 0.0] and [t.task_id for t in unscored] == ["d"]
+    # (r - mean) / std, ddof 0, over {1, -1} (with "e" counted it would be {1, -1, 0}: +-1.22); a lone turn: 0
+    assert [t.advantage for t in scored] == [1.0, -1.0, 0.0, None]
     assert served_rewards(None, 0.5, cfg.learner.reward_weights)[1] == 0.1
 
 

@@ -16,6 +16,7 @@ from selfrl.rollout import RolloutConfig, rollout
 from selfrl.tasks import Task
 from selfrl.tools import CALCULATOR
 from selfrl.trainer import Learner, TrainConfig
+from selfrl.trajectory import Trajectory
 
 TEMPERATURE = 0.7
 TASKS = [Task.make("test", "What is 17+25?", "42"), Task.make("test", "What is 2+2?", "4")]
@@ -306,3 +307,172 @@ def test_set_hyperparameters_reaches_the_optimizer(policy, tiny_tokenizer):
     lr.set_hyperparameters(5e-4, 0.02)
     assert lr.cfg.learning_rate == 5e-4 and lr.cfg.beta == 0.02
     assert [g["lr"] for g in lr.optimizer.param_groups] == [5e-4]
+
+
+def flat(result):
+    """The flat metrics of ``Learner.step``'s result (a dict, or a typed result with ``metrics()``)."""
+    return result.metrics() if hasattr(result, "metrics") else result
+
+
+def test_engine_logprobs_match_the_learner_so_the_correction_is_one(policy, tiny_tokenizer):
+    # the engine's sampled logprobs are the learner's own (same weights, same fp32 numerics, but other
+    # batch shapes), so the off-policy weight is 1 up to float noise and the mismatch KL about 0
+    trajs = sample(policy, tiny_tokenizer)
+    m = flat(learner(policy, tiny_tokenizer).step(trajs))
+    assert m["mismatch_kl"] < 1e-10
+    assert m["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5) and m["tis_capped"] == 0.0
+
+
+# ---------------------------------------------------------------- nothing to train on (issue 17, case 1)
+
+
+def empty_copy(t, advantage=1.0):
+    """``t`` with every token masked (nothing to train on), as a sample that got an advantage anyway."""
+    e = Trajectory.from_dict(t.to_dict())
+    e.id, e.advantage = e.id + "-empty", advantage
+    e.completion_mask, e.logprobs = [0] * len(e.token_ids), [0.0] * len(e.token_ids)
+    return e
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_sequence_without_trainable_tokens_never_reaches_the_loss_or_its_normaliser(tiny_model_factory, tiny_tokenizer,
+                                                                                   loss_type):
+    a = tiny_model_factory(seed=3, eos_bias=2.5, lora=True, default_init=True)
+    b = tiny_model_factory(seed=3, eos_bias=2.5, lora=True, default_init=True)
+    trajs = sample(a, tiny_tokenizer)
+    ma = flat(learner(a, tiny_tokenizer, loss_type=loss_type).step(trajs))
+    empties = [empty_copy(trajs[0]), empty_copy(trajs[1], -1.0)]
+    mb = flat(learner(b, tiny_tokenizer, loss_type=loss_type).step(trajs + empties))
+    # grpo divided by 8 sequences instead of 6 and dr_grpo by 8 * 24 instead of 6 * 24
+    assert mb["num_sequences"] == ma["num_sequences"] == len(trajs)
+    assert (mb["loss"], mb["grad_norm"], mb["num_tokens"]) == (ma["loss"], ma["grad_norm"], ma["num_tokens"])
+    after_a, after_b = lora_state(a), lora_state(b)
+    assert all(torch.equal(after_a[k], after_b[k]) for k in after_a)
+
+
+def test_signal_only_on_sequences_without_tokens_skips_with_its_own_reason(policy, tiny_tokenizer, monkeypatch):
+    trajs = [empty_copy(t, 1.0 if i % 2 else -1.0) for i, t in enumerate(sample(policy, tiny_tokenizer))]
+
+    def no_forward(*a, **k):
+        raise AssertionError("nothing to train on: the model must not run")
+
+    monkeypatch.setattr("selfrl.trainer.per_token_logps", no_forward)
+    m = flat(learner(policy, tiny_tokenizer).step(trajs))
+    assert m["skipped"] == 1.0 and m["skip_reason_no_tokens"] == 1.0 and m["num_sequences"] == 0.0
+
+
+def test_logps_of_a_micro_batch_without_completion_tokens_stay_in_the_graph(policy, tiny_tokenizer):
+    from selfrl.rl.logprobs import per_token_logps
+
+    mb = collate([empty_copy(t) for t in sample(policy, tiny_tokenizer)[:2]], tiny_tokenizer.pad_token_id)
+    logps = per_token_logps(policy, mb.input_ids, mb.attention_mask, mb.completion_mask, TEMPERATURE)
+    assert torch.equal(logps, torch.zeros_like(logps))
+    logps.sum().backward()  # used to raise: the zeros had no grad_fn
+    grads = [p.grad for p in policy.parameters() if p.requires_grad]
+    assert all(g is None or not g.any() for g in grads)
+
+
+def test_settings_the_update_divides_by_must_be_positive(policy, tiny_tokenizer):
+    from selfrl.rl.logprobs import per_token_logps
+
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        Learner(policy, TrainConfig(), 0.0, tiny_tokenizer.pad_token_id, max_completion_length=24)
+    mb = collate(sample(policy, tiny_tokenizer)[:1], tiny_tokenizer.pad_token_id)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        per_token_logps(policy, mb.input_ids, mb.attention_mask, mb.completion_mask, 0.0)
+    with pytest.raises(ValueError, match="tis_cap"):
+        Learner(policy, TrainConfig(tis_cap=-1.0), 1.0, tiny_tokenizer.pad_token_id, max_completion_length=24)
+    with pytest.raises(ValueError, match="max_completion_length"):  # dr_grpo's divisor
+        Learner(policy, TrainConfig(loss_type="dr_grpo"), 1.0, tiny_tokenizer.pad_token_id, max_completion_length=0)
+
+
+# ---------------------------------------------------------------- an extreme KL token (issue 17, case 3)
+
+
+def test_an_extreme_kl_token_is_bounded_not_thrown_away(policy, tiny_tokenizer, monkeypatch):
+    # policy logprob 100 below the reference's on one token per micro-batch (d = ref - logp = 100), beta 0.04:
+    # exp(100) overflowed float32, the loss was inf and the update was skipped as not finite
+    from selfrl.rl.logprobs import per_token_logps
+
+    trajs = sample(policy, tiny_tokenizer)
+    lr = learner(policy, tiny_tokenizer, beta=0.04, skip_max_kl=100.0)
+
+    def far_reference(mb):
+        with torch.no_grad():
+            ref = per_token_logps(policy, mb.input_ids, mb.attention_mask, mb.completion_mask, TEMPERATURE)
+        col = int(mb.completion_mask[0].nonzero()[0])
+        ref[0, col] += 100.0
+        return ref
+
+    monkeypatch.setattr(lr, "_ref_logps", far_reference)
+    before = lora_state(policy)
+    m = flat(lr.step(trajs))
+    assert m["skipped"] == 0.0 and math.isfinite(m["loss"])
+    # that token's k3 is capped at 10; every other token's reference is the policy itself (k3 = 0)
+    micro_batches = -(-len(trajs) // 4)
+    assert m["kl"] == pytest.approx(10.0 * micro_batches / m["num_tokens"], abs=1e-5)
+    assert any(not torch.equal(before[k], v) for k, v in lora_state(policy).items())
+
+
+# ---------------------------------------------------------------- off-policy correction (issue 15, part 4)
+
+
+def with_learner_logprobs(model, tok, trajs):
+    """``trajs`` with their recorded logprobs replaced by the learner's own, computed on the one
+    micro-batch that ``Learner.step`` builds (sorted by length, all in one): the same numerics, bit for bit."""
+    from selfrl.rl.logprobs import per_token_logps
+
+    trajs = sorted(trajs, key=lambda t: len(t.token_ids))
+    mb = collate(trajs, tok.pad_token_id)
+    with torch.no_grad():
+        logps = per_token_logps(model, mb.input_ids, mb.attention_mask, mb.completion_mask, TEMPERATURE)  # (B, T)
+    for j, t in enumerate(trajs):
+        t.logprobs = logps[j, :len(t.token_ids)].tolist()
+    return trajs
+
+
+def test_correction_is_exactly_one_and_the_update_unchanged_in_the_same_numerics(tiny_model_factory, tiny_tokenizer):
+    a = tiny_model_factory(seed=3, eos_bias=2.5, lora=True, default_init=True)
+    b = tiny_model_factory(seed=3, eos_bias=2.5, lora=True, default_init=True)
+    trajs = with_learner_logprobs(a, tiny_tokenizer, sample(a, tiny_tokenizer))
+    n = len(trajs)
+    ma = flat(learner(a, tiny_tokenizer, micro_batch_size=n).step(trajs))  # tis_cap 2.0, the default
+    mb = flat(learner(b, tiny_tokenizer, micro_batch_size=n, tis_cap=0.0).step(trajs))  # no correction
+    assert ma["tis_weight_mean"] == 1.0 and ma["tis_capped"] == 0.0 and ma["mismatch_kl"] == 0.0
+    assert "tis_weight_mean" not in mb and mb["mismatch_kl"] == 0.0
+    assert (ma["loss"], ma["grad_norm"]) == (mb["loss"], mb["grad_norm"])
+    after_a, after_b = lora_state(a), lora_state(b)
+    assert all(torch.equal(after_a[k], after_b[k]) for k in after_a)
+
+
+def test_correction_weights_the_policy_gradient_by_hand(tiny_model_factory, tiny_tokenizer):
+    # the sampler gave trajectory 0 (A = +1) log-probs 1 lower than the learner: w = min(e^1, 2) = 2 (capped);
+    # trajectory 1 (A = -1) 0.5 higher: w = e^-0.5 = 0.606531; the others agree: w = 1
+    a = tiny_model_factory(seed=3, eos_bias=2.5, lora=True, default_init=True)
+    b = tiny_model_factory(seed=3, eos_bias=2.5, lora=True, default_init=True)
+    trajs = with_learner_logprobs(a, tiny_tokenizer, sample(a, tiny_tokenizer))
+    for t, a_i in zip(trajs, [1.0, -1.0, 1.0, -1.0, 1.0, -1.0]):
+        t.advantage = a_i
+    shifted = [Trajectory.from_dict(t.to_dict()) for t in trajs]
+    for t, shift in ((shifted[0], -1.0), (shifted[1], 0.5)):
+        t.logprobs = [lp + shift * m for lp, m in zip(t.logprobs, t.completion_mask)]
+    n = [t.num_completion_tokens for t in trajs]
+    N = sum(n)
+    w = [2.0, math.exp(-0.5), 1.0, 1.0, 1.0, 1.0]
+    m = flat(learner(a, tiny_tokenizer, micro_batch_size=len(trajs)).step(shifted))
+    # first pass: the PPO ratio is against the learner's own log-probs, so it is 1 and nothing is clipped;
+    # dapo: loss = -sum_i w_i A_i n_i / N
+    assert m["ratio_mean"] == 1.0 and m["clip_ratio"] == 0.0
+    assert m["loss"] == pytest.approx(-sum(wi * t.advantage * ni for wi, t, ni in zip(w, trajs, n)) / N, abs=1e-5)
+    assert m["tis_weight_mean"] == pytest.approx(sum(wi * ni for wi, ni in zip(w, n)) / N, abs=1e-5)
+    assert m["tis_capped"] == pytest.approx(n[0] / N, abs=1e-7)
+    # KL(sampler || learner), k3 with log r = old - sampler = +1 and -0.5: e - 2 and e^-0.5 - 0.5
+    assert m["mismatch_kl"] == pytest.approx(((math.e - 2) * n[0] + (math.exp(-0.5) - 0.5) * n[1]) / N, abs=1e-5)
+    # the same update as no correction on unshifted data with the advantages scaled by w
+    scaled = [Trajectory.from_dict(t.to_dict()) for t in trajs]
+    for t, wi in zip(scaled, w):
+        t.advantage *= wi
+    ref = flat(learner(b, tiny_tokenizer, micro_batch_size=len(trajs), tis_cap=0.0).step(scaled))
+    assert m["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    after_a, after_b = lora_state(a), lora_state(b)
+    assert all(torch.allclose(after_a[k], after_b[k], atol=1e-7, rtol=0) for k in after_a)

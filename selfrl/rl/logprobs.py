@@ -59,8 +59,15 @@ def per_token_logps(
             gradients included.
 
     Returns:
-        (B, T) float32 log-probs; 0 where ``completion_mask`` is 0.
+        (B, T) float32 log-probs; 0 where ``completion_mask`` is 0. With no completion
+        token at all it is all zeros, still attached to the graph (a backward through it
+        gives zero gradients instead of an error).
+
+    Raises:
+        ValueError: ``temperature`` not > 0 (the logits are divided by it).
     """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (the logits are divided by it), got {temperature}")
     decoder, head = _decoder_and_head(model)
     B, T = input_ids.shape
     start = _prefix_len(input_ids, attention_mask, completion_mask) if share_prefix and B > 1 else 0
@@ -84,7 +91,7 @@ def per_token_logps(
             parts.append(checkpoint(_chunk_logps, *args, use_reentrant=False))
         else:
             parts.append(_chunk_logps(*args))
-    flat = torch.cat(parts) if parts else hidden.new_zeros(0)  # (M,)
+    flat = torch.cat(parts) if parts else rows.sum(dim=-1)  # (M,); (0,) in the graph when M == 0
     out = torch.zeros((B, T), dtype=torch.float32, device=input_ids.device)  # (B, T)
     tail = torch.zeros(mask.shape, dtype=torch.float32, device=input_ids.device)  # (B, T-S-1)
     tail = tail.masked_scatter(mask, flat.float())

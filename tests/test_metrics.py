@@ -1,0 +1,22 @@
+"""Batch statistics of a set of rollouts."""
+
+import math
+
+from selfrl.metrics import rollout_metrics
+from selfrl.trajectory import Trajectory
+
+
+def traj(mask, reward=None, error=None):
+    n = len(mask)
+    return Trajectory("t", "g", 0, token_ids=list(range(n)), completion_mask=mask, logprobs=[0.0] * n,
+                      reward=reward, error=error)
+
+
+def test_rollouts_without_trainable_tokens_are_counted():
+    # 1 of 4 has every token masked: it is left out of grouping and the loss, and the share says so
+    trajs = [traj([0, 1, 1], 1.0), traj([0, 0, 0], 0.0), traj([0, 1], 0.0), traj([0, 1, 1, 1], None, error="boom")]
+    m = rollout_metrics(trajs)
+    assert m["train/no_trainable_tokens"] == 0.25
+    assert m["train/completion_tokens"] == (2 + 0 + 1 + 3) / 4
+    assert m["reward/mean"] == 1.0 / 3 and m["train/failed_rollouts"] == 0.25
+    assert math.isnan(m["train/tool_success"])  # no tool called: not a rate of 0
