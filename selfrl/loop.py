@@ -227,7 +227,9 @@ class Runner:
                         "train/degenerate": collapse.degenerate_share(trajs, cfg.collapse)})
         self.log_iteration(it, metrics, step.result, t_roll)
         # also when the champion sampled them: the new candidate goes, the setting gets safer
-        rolled_back = s.cycle.observe(collapse.record_from_metrics(it, metrics))
+        record = collapse.UpdateRecord(it, sampled, metrics["reward/mean"], metrics["train/entropy"],
+                                       metrics["train/degenerate"], step.result.stats.get("kl"), step.candidate_kl)
+        rolled_back = s.cycle.observe(record)
         if rolled_back:
             self.progress.log(rolled_back)
         return metrics
