@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from selfrl.collapse import degenerate_share
 from selfrl.config import CollapseConfig, GateConfig, RolloutConfig
-from selfrl.engine import Engine
+from selfrl.engines.base import SamplingEngine
 from selfrl.rollout import rollout
 from selfrl.tasks import Task, TaskSource
 from selfrl.tools import Tool
@@ -47,7 +47,7 @@ class EvalResult:
 
 
 def validate(
-    engine: Engine, tasks: list[Task], source: TaskSource, tools: list[Tool], cfg: RolloutConfig, batch_size: int = 64,
+    engine: SamplingEngine, tasks: list[Task], source: TaskSource, tools: list[Tool], cfg: RolloutConfig, batch_size: int = 64,
     on_batch: Callable[[int], None] | None = None, collapse: CollapseConfig | None = None,
 ) -> EvalResult:
     """Greedy pass@1 of the engine's current version on ``tasks``; ``on_batch(n)`` is

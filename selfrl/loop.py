@@ -23,7 +23,7 @@ from selfrl.collapse import CollapseGuard, CollapseStop
 from selfrl.config import RunConfig
 from selfrl.cycle import UpdateCycle
 from selfrl.detectors import HackingMonitor
-from selfrl.engine import Engine
+from selfrl.engines import make_engine
 from selfrl.gate import EvalResult, validate
 from selfrl.metrics import MetricsLog, rollout_metrics
 from selfrl.model import build_policy
@@ -124,7 +124,7 @@ def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
     weights = cfg.reward_weights or get_preset(cfg.preset)
     monitor = HackingMonitor(cfg.detectors, weights)
     model, tok = build_policy(cfg)
-    engine = Engine(model, tok)
+    engine = make_engine(cfg.engine, model, tok)
     learner = Learner(model, cfg.train, cfg.rollout.temperature, tok.pad_token_id, cfg.max_completion_length,
                       ref_state=kl_reference(model, cfg.lora.init_adapter))
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -40,7 +40,7 @@ from selfrl import collapse
 from selfrl.collapse import CollapseGuard, CollapseStop
 from selfrl.cycle import UpdateCycle
 from selfrl.detectors import HackingMonitor
-from selfrl.engine import Engine
+from selfrl.engines import make_engine
 from selfrl.gate import validate
 from selfrl.rewards import score_group
 from selfrl.rl.batch import collate
@@ -101,7 +101,7 @@ class BackgroundLearner(threading.Thread):
             cfg, model, tokenizer, store, ledger, publish)
         ref_state = kl_reference(model, cfg.lora.init_adapter)  # before any other version is loaded (same rule as run)
         champ = ledger.champion
-        self.engine = Engine(model, tokenizer, version=champ.version)  # validation runs here, not on the server
+        self.engine = make_engine(cfg.engine, model, tokenizer, version=champ.version)  # validation runs here, not on the server
         if champ.version != 0:
             from peft import set_peft_model_state_dict
 
@@ -195,7 +195,7 @@ class BackgroundLearner(threading.Thread):
         pad = self.tok.pad_token_id
         for i in range(0, len(trajs), self.cfg.train.micro_batch_size):
             chunk = trajs[i:i + self.cfg.train.micro_batch_size]
-            mb = collate(chunk, pad)
+            mb = collate(chunk, pad).to(self.learner.device)
             logps = per_token_logps(self.model, mb.input_ids, mb.attention_mask, mb.completion_mask,
                                     self.cfg.learner.temperature)  # (B, T)
             for j, t in enumerate(chunk):

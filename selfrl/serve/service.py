@@ -27,7 +27,8 @@ from selfrl import adapters
 from selfrl.adapters import lora_state
 from selfrl.atomic import write_atomic
 from selfrl.chat import prompt_ids, template_supports_tools
-from selfrl.engine import Engine, Generation
+from selfrl.engine import Generation
+from selfrl.engines import make_engine
 from selfrl.serve import records
 from selfrl.serve.batcher import Batcher, Job
 from selfrl.serve.config import ServeConfig
@@ -99,7 +100,7 @@ class Service:
         records.init(self.store)
         self.run_id = self.store.start_run({"serve": cfg.to_dict()})
         self.ledger = Ledger(self.store, self.run_id, self.run_dir)
-        self.engine = Engine(model, tokenizer)
+        self.engine = make_engine(cfg.engine, model, tokenizer)
         self.context = int(getattr(model.config, "max_position_embeddings", 0) or tokenizer.model_max_length)
         self.native_tools = template_supports_tools(tokenizer)
         self.pinned: int | None = None
@@ -414,6 +415,8 @@ class Service:
         if self.learner is not None:
             self.learner.stop()
         self.batcher.close()
+        if callable(close_engine := getattr(self.engine, "close", None)):
+            close_engine()  # a continuous engine's worker thread
         self.store.close()
 
 
