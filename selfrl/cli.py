@@ -4,6 +4,8 @@
     selfrl run --resume RUN_DIR            continue a stopped run
     selfrl serve [--config FILE] [flags]   OpenAI-compatible server that learns from its traffic
     selfrl sampler [--config FILE] [flags] the policy as a remote sampling backend (HTTP)
+    selfrl report RUN_DIR [--out DIR]      rebuild a run's report from its store (also mid-run or killed)
+    selfrl compare RUN_DIR... [--out DIR]  several runs side by side, with paired held-out differences
 """
 
 from __future__ import annotations
@@ -78,12 +80,38 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--api-key-file", help="file whose first line is the API key (else SELFRL_API_KEY)")
     for flag in ("--model", "--device", "--dtype", "--lora-r", "--seed"):
         m.add_argument(flag, type=RUN_FLAGS[flag][1], help=RUN_FLAGS[flag][2])
+    rep = sub.add_parser("report", help="rebuild report.md and its figures from a run's store")
+    rep.add_argument("run_dir", metavar="RUN_DIR", help="a run (or serve) folder holding selfrl.db")
+    rep.add_argument("--out", help="output folder (default: RUN_DIR)")
+    cmp_ = sub.add_parser("compare", help="runs side by side: overview figures and paired held-out differences")
+    cmp_.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="two or more run folders; the first is the reference")
+    cmp_.add_argument("--out", default="selfrl-compare", help="output folder (default: ./selfrl-compare)")
     return p
+
+
+def report_command(args: argparse.Namespace) -> int:
+    """``selfrl report`` and ``selfrl compare``; exit code 2 for a missing run or bad input."""
+    try:
+        if args.command == "report":
+            from selfrl.report import rebuild_report
+
+            path = rebuild_report(Path(args.run_dir), None if args.out is None else Path(args.out))
+        else:
+            from selfrl.compare import compare_runs
+
+            path = compare_runs([Path(d) for d in args.run_dirs], Path(args.out))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"selfrl: error: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 for bad input)."""
     args = _parser().parse_args(argv)
+    if args.command in ("report", "compare"):  # reads a store; loads no model
+        return report_command(args)
     # Nothing is fetched from a model hub while a run goes; HF_HUB_OFFLINE=0 allows it.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # A deprecation inside transformers, raised on every run; not ours to fix.

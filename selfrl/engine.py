@@ -79,6 +79,8 @@ class Engine:
     """
 
     name = "reference"
+    supports_constraints = True  # honours generate(..., constraints=...) (selfrl.constrain)
+    supports_cancel = True  # honours generate(..., cancel=...): a cancelled row stops at the next step
 
     def __init__(self, model, tokenizer, version: int = 0, share_prefix: bool = True):
         self.model = model
@@ -102,6 +104,8 @@ class Engine:
         stop: list[str] | None = None,
         top_logprobs: int = 0,
         step_logprobs: bool = False,
+        constraints: list | None = None,
+        cancel: list[threading.Event] | None = None,
     ) -> list[Generation]:
         """Sample one continuation per prompt.
 
@@ -125,15 +129,29 @@ class Engine:
             step_logprobs: call ``on_step(ids, logprobs, top)`` instead: ``logprobs`` (B, n)
                 of the ids so far (the same values the result records) and ``top`` a pair of
                 (B, n, k) tensors (ids, logprobs) of the ``top_logprobs`` most likely ids, or None.
+            constraints: B :class:`selfrl.constrain.Constraint` or None (one per row;
+                None everywhere = unconstrained). A constrained row samples only ids its
+                grammar allows; its recorded logprobs are those of the masked
+                distribution and ``Generation.constrained`` flags the steps the mask
+                restricted (see :mod:`selfrl.constrain`).
+            cancel: B events or None: a row whose event is set stops at the next step
+                (a client that went away); it returns the ids sampled until then with
+                ``cancelled=True``, ``finished=False``. When every row has stopped the
+                batch ends.
 
         Returns:
             B :class:`Generation`, in order.
 
         Raises:
             ValueError: empty prompt list, an empty prompt, max_new_tokens < 1,
-                temperature <= 0, or top_p outside (0, 1].
+                temperature <= 0, top_p outside (0, 1], or ``constraints`` not one per prompt.
+            selfrl.constrain.ConstraintError: a grammar that does not compile.
         """
         check_generate_args(prompts, max_new_tokens, temperature, greedy, top_p)
+        if constraints is not None and len(constraints) != len(prompts):
+            raise ValueError(f"constraints must be one per prompt ({len(prompts)}), got {len(constraints)}")
+        if constraints is not None and all(c is None for c in constraints):
+            constraints = None
         shared = shared_prefix_len(prompts) if self.share_prefix else 0
         input_ids, attention_mask = pack_prompts(prompts, shared, self.pad_token_id)  # (B, P), (B, P)
         device = next(self.model.parameters()).device
@@ -153,12 +171,27 @@ class Engine:
                 cache = self.model(input_ids=input_ids[:1, :shared], use_cache=True).cache
                 cache.batch_repeat_interleave(len(prompts))
                 extra["cache"] = cache
-            if on_step is not None:
+            processors = []
+            masks = None
+            if constraints is not None:
+                from selfrl.constrain import GrammarMasks
+
+                vocab = self.model.get_output_embeddings().weight.shape[0]
+                masks = GrammarMasks(constraints, self.tokenizer, vocab, self.eos_token_ids, width)
+                processors.append(masks)
+            if on_step is not None:  # after the masks: streamed logprobs are the masked distribution's
+                scale_or_none = (1.0 if greedy else temperature) if step_logprobs else None
+                processors.append(_StepObserver(width, on_step, scale_or_none, top_logprobs))
+            if processors:
                 from transformers import LogitsProcessorList
 
-                scale_or_none = (1.0 if greedy else temperature) if step_logprobs else None
-                extra["logits_processor"] = LogitsProcessorList([_StepObserver(width, on_step, scale_or_none,
-                                                                               top_logprobs)])
+                extra["logits_processor"] = LogitsProcessorList(processors)
+            stopper = None
+            if cancel is not None:
+                from transformers import StoppingCriteriaList
+
+                stopper = _Cancelled(width, cancel)
+                extra["stopping_criteria"] = StoppingCriteriaList([stopper])
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -185,16 +218,25 @@ class Engine:
             row = new[i].tolist()
             is_eos = torch.isin(new[i], eos).nonzero()
             n = int(is_eos[0]) + 1 if len(is_eos) else len(row)
+            cancelled = stopper is not None and i in stopper.cut and (not len(is_eos) or stopper.cut[i] < n)
+            if cancelled:  # after the cut the row holds padding, which may be the EOS id
+                n, is_eos = stopper.cut[i], []
+            row_logps, flags = logps[i], None
+            row_top = None if top is None else (top.indices[i], top.values[i])  # (N, k), (N, k)
+            if masks is not None and constraints[i] is not None:  # the masked distribution, sampled from
+                row_all, flags = masks.masked_logps(i, logits[i])  # (N, V), N flags
+                row_logps = row_all.gather(-1, new[i].unsqueeze(-1)).squeeze(-1)  # (N,)
+                if top is not None:
+                    masked_top = row_all.topk(top.values.shape[-1], dim=-1)  # (N, k)
+                    row_top = (masked_top.indices, masked_top.values)
             cut = stop_cut(self.tokenizer, row[:n], stop) if stop else None
-            keep = cut if cut is not None else n
-            alts = None if top is None else [list(zip(ix, lp)) for ix, lp in
-                                             zip(top.indices[i, :keep].tolist(), top.values[i, :keep].tolist())]
-            if cut is not None:
-                results.append(Generation(row[:cut], logps[i, :cut].tolist(), True, version, stopped=True,
-                                          top_logprobs=alts))
-            else:
-                results.append(Generation(row[:n], logps[i, :n].tolist(), bool(len(is_eos)), version,
-                                          top_logprobs=alts))
+            keep, done = (cut, True) if cut is not None else (n, bool(len(is_eos)))
+            alts = None
+            if row_top is not None:
+                alts = [list(zip(ix, lp)) for ix, lp in zip(row_top[0][:keep].tolist(), row_top[1][:keep].tolist())]
+            results.append(Generation(row[:keep], row_logps[:keep].tolist(), done, version, stopped=cut is not None,
+                                      constrained=None if flags is None else flags[:keep], cancelled=cancelled,
+                                      top_logprobs=alts))
         return results
 
     def swap(self, state_dict: AdapterSource, version: int) -> float:
@@ -298,6 +340,22 @@ class _StepObserver:
             self.on_step(input_ids[:, self.width:], torch.stack(self.sampled, 1), top)  # (B, k), (B, k)
         self.prev = torch.log_softmax(scores.float() / self.scale, dim=-1)  # (B, V)
         return scores
+
+
+class _Cancelled:
+    """A stopping criterion: row i is done once ``events[i]`` is set. ``cut[i]`` is the
+    number of ids row i had sampled then (the ids after it are padding)."""
+
+    def __init__(self, prompt_width: int, events: list[threading.Event | None]):
+        self.width, self.events, self.cut = prompt_width, events, {}
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool)  # (B,)
+        for i, e in enumerate(self.events):
+            if e is not None and e.is_set():
+                self.cut.setdefault(i, input_ids.shape[1] - self.width)
+                done[i] = True
+        return done
 
 
 def check_adapter_state(state_dict: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], version: int) -> None:

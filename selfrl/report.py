@@ -1,9 +1,14 @@
-"""The end-of-run report: ``report.md`` plus one PNG plot per logged metric.
+"""The run report: ``report.md``, an overview figure at the top and one PNG per logged metric.
 
-Everything comes from the store (metrics, adapter versions, per-task held-out
+Everything comes from the store (metrics, events, adapter versions, per-task held-out
 evaluations) and from a small ``summary`` dict of run totals. The before/after
-comparison is paired: the base and the final version are compared on the
-held-out tasks both were evaluated on (:func:`selfrl.stats.paired_difference_ci`).
+comparison is paired: the base and the final version are compared on the held-out
+tasks both were evaluated on (:func:`selfrl.stats.paired_difference_ci`).
+
+:func:`rebuild_report` writes the same report from a run directory alone, at any
+time: for a finished run, a run in progress (the store is opened read-only) or a
+killed one (``selfrl report RUN_DIR``). A ``selfrl serve`` run directory gets the
+serving report instead (:mod:`selfrl.serve.report`).
 
 Plots are drawn on a ``FigureCanvasAgg`` directly, so writing a report neither
 needs a display nor changes the process-wide matplotlib backend.
@@ -11,6 +16,7 @@ needs a display nor changes the process-wide matplotlib backend.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -18,17 +24,26 @@ from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
+from selfrl.figures import overview_figure, save
 from selfrl.stats import paired_difference_ci, wilson_interval
 from selfrl.store import Store
+from selfrl.timeline import Mark, Timeline, event_mark, load_timeline
 
 # Plotted first, in this order; any other logged metric follows alphabetically.
 KEY_METRICS = ("reward/mean", "kl", "val/success", "loss")
 TIME_KEYS = ("time_inference_s", "time_training_s", "time_validation_s")
+OVERVIEW_CAPTION = (
+    "Held-out success with its 95 % Wilson interval (band) and the base model's level (dashed); "
+    "dotted vertical lines mark promotions, rejections, rollbacks and collapse rollbacks. "
+    "The panels against updates place a validation after the update it follows."
+)
 
 
-def write_report(run_dir: Path, store: Store, run_id: int, summary: dict[str, Any]) -> Path:
-    """Write ``run_dir/report.md`` and its plots under ``run_dir/plots/``.
+def write_report(run_dir: Path, store: Store, run_id: int, summary: dict[str, Any],
+                 label: str | None = None) -> Path:
+    """Write ``run_dir/report.md``, ``run_dir/plots/overview.png`` and one plot per metric.
 
     Args:
         run_dir: output folder (created if missing).
@@ -39,6 +54,7 @@ def write_report(run_dir: Path, store: Store, run_id: int, summary: dict[str, An
             ``time_inference_s``, ``time_training_s``, ``time_validation_s``
             (seconds). Any other keys are listed as they are. Missing keys are
             reported as "n/a".
+        label: the run's name in the heading and on the overview figure (default: the folder).
 
     Returns:
         The path of ``report.md``.
@@ -49,7 +65,11 @@ def write_report(run_dir: Path, store: Store, run_id: int, summary: dict[str, An
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     plots = plot_metrics(store.metrics(), run_dir / "plots")  # every session of this run directory
-    lines = [f"# selfrl run report: {run_dir}", ""]
+    lines = [f"# selfrl run report: {label or run_dir}", ""]
+    timeline = load_timeline(store, Path(label).name if label else run_dir.name)
+    if timeline.series:
+        save(overview_figure([timeline], "update", overview_title(timeline)), run_dir / "plots" / "overview.png")
+        lines += ["![overview](plots/overview.png)", "", OVERVIEW_CAPTION, ""]
     lines += heldout_section(store, summary.get("base_version"), summary.get("final_version"))
     lines += time_section(summary)
     lines += versions_section(store)
@@ -97,7 +117,8 @@ def plot_metrics(rows: list[dict[str, Any]], plot_dir: Path) -> dict[str, Path]:
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
         ax.plot(steps, values, marker="o" if len(steps) < 50 else None, markersize=3)
-        ax.set_xlabel("step")
+        ax.set_xlabel("iteration")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(name)
         ax.set_title(name)
         ax.grid(alpha=0.3)
@@ -201,3 +222,93 @@ def other_summary_section(summary: dict[str, Any]) -> list[str]:
     for k, v in rest.items():
         lines.append(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |")
     return lines + [""]
+
+
+def overview_title(tl: Timeline) -> str:
+    """``"name: held-out 9/128 → 128/128 (last validation), 4 updates, 256 rollouts, 6.1 min"``."""
+    parts = []
+    if tl.base is not None and tl.heldout:
+        last = tl.heldout[-1]
+        first = f"{tl.base.k}/{tl.base.n}" if tl.base.n else f"{tl.base.at.value:.2f}"
+        final = f"{last.k}/{last.n}" if last.n else f"{last.at.value:.2f}"
+        parts.append(f"held-out {first} → {final} (last validation)")
+    parts += [f"{tl.updates} update{'' if tl.updates == 1 else 's'}", f"{tl.rollouts} rollouts",
+              duration(tl.elapsed_s)]
+    return f"{tl.label}: " + ", ".join(parts)
+
+
+def duration(seconds: float) -> str:
+    """``"42 s"``, ``"6.1 min"`` or ``"2.3 h"``."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def summary_from_store(store: Store, config: dict[str, Any]) -> dict[str, Any]:
+    """The summary :func:`write_report` reads, rebuilt from the store and the run config:
+    time totals over every session, the final version (the latest promoted one, else the
+    base), counts of marked events, and the run's main settings."""
+    totals: dict[str, float] = {}
+    for row in store.metrics():
+        if row["name"].startswith("time/") and row["value"] is not None:
+            totals[row["name"]] = totals.get(row["name"], 0.0) + row["value"]
+    inference, training = totals.get("time/rollout_s", 0.0), totals.get("time/update_s", 0.0)
+    final = store.latest_promoted()
+    marks = [event_mark(e["kind"], e["message"]) for e in store.events()]
+    summary: dict[str, Any] = {
+        "base_version": 0, "final_version": 0 if final is None else final["version"],
+        "time_inference_s": inference, "time_training_s": training,
+        "time_validation_s": totals.get("time/validation_s", 0.0),
+        "cost_ratio": (inference + training) / inference if inference else float("nan"),
+        "promotions": marks.count(Mark.PROMOTE), "rejections": marks.count(Mark.REJECT),
+        "rollbacks": marks.count(Mark.ROLLBACK), "collapse_events": marks.count(Mark.COLLAPSE),
+        "num_trajectories": store.count_trajectories(), "sessions": len(store.runs()),
+    }
+    for key in ("model", "task", "preset", "num_prompts", "num_generations", "iterations"):
+        value = config.get(key)
+        if isinstance(value, dict):  # model and task are sections; their name says which
+            value = value.get("name", value.get("source"))
+        if value is not None:
+            summary[key] = value
+    return summary
+
+
+def run_config(run_dir: Path, store: Store) -> dict[str, Any]:
+    """The run's config: ``config.json`` when present, else the latest session's record."""
+    path = run_dir / "config.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    runs = store.runs()
+    return runs[-1]["config"] if runs else {}
+
+
+def rebuild_report(run_dir: Path, out: Path | None = None) -> Path:
+    """Write the report of ``run_dir`` from its store alone (``selfrl report``).
+
+    The store is opened read-only, so this works while the run is still going (it shows
+    what was committed so far) and after a kill. A ``selfrl serve`` run directory gets
+    the serving report (:func:`selfrl.serve.report.write_serve_report`).
+
+    Args:
+        run_dir: a folder holding ``selfrl.db``.
+        out: where ``report.md`` and ``plots/`` go (default: ``run_dir``).
+
+    Returns:
+        The path of ``report.md``.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` holds no ``selfrl.db``.
+    """
+    run_dir = Path(run_dir)
+    db = run_dir / "selfrl.db"
+    if not db.exists():
+        raise FileNotFoundError(f"no run at {run_dir}: {db} does not exist")
+    out = Path(out) if out is not None else run_dir
+    with Store(db, readonly=True) as store:
+        runs = store.runs()
+        if runs and "serve" in runs[-1]["config"]:
+            from selfrl.serve.report import write_serve_report
+
+            return write_serve_report(out, store, run_dir.name)
+        summary = summary_from_store(store, run_config(run_dir, store))
+        return write_report(out, store, runs[-1]["id"] if runs else 0, summary, label=str(run_dir))

@@ -147,12 +147,23 @@ class Store:
     Args:
         path: database file; created, with its parent folder, if missing.
         shared: allow use from several threads (serialised by ``self.lock``).
+        readonly: open an existing store for reading only (SQLite ``mode=ro``); a
+            writer, such as a run in progress, may keep writing meanwhile.
+
+    Raises:
+        FileNotFoundError: ``readonly`` and there is no file at ``path``.
     """
 
-    def __init__(self, path: str | Path, shared: bool = False):
+    def __init__(self, path: str | Path, shared: bool = False, readonly: bool = False):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.lock = threading.RLock()
+        if readonly:  # a report of a run in progress (or of someone else's run) writes nothing
+            if not self.path.exists():
+                raise FileNotFoundError(f"no store at {self.path}")
+            self.conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=not shared)
+            self.conn.row_factory = sqlite3.Row
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.conn = sqlite3.connect(self.path, check_same_thread=not shared)
         self.conn.row_factory = sqlite3.Row
         self.conn.execute("PRAGMA journal_mode=WAL")
@@ -182,6 +193,13 @@ class Store:
                 "INSERT INTO runs (created_at, config_json) VALUES (?, ?)", (time.time(), to_json(config))
             )
         return int(cur.lastrowid)
+
+    @locked
+    def runs(self) -> list[dict[str, Any]]:
+        """Every session recorded in this store, in order: dicts ``{id, created_at, config}``
+        (``created_at`` in seconds since the epoch). A resumed run adds a session."""
+        rows = self.conn.execute("SELECT id, created_at, config_json FROM runs ORDER BY id")
+        return [{"id": r["id"], "created_at": r["created_at"], "config": json.loads(r["config_json"])} for r in rows]
 
     @locked
     def add_tasks(self, tasks: Iterable[dict[str, Any]], split: str) -> None:
@@ -277,6 +295,16 @@ class Store:
             sql += " WHERE " + " AND ".join(where)
         rows = self.conn.execute(sql + " ORDER BY rowid", args)
         return [Trajectory.from_dict(json.loads(r["data_json"])) for r in rows]
+
+    @locked
+    def trajectory_index(self) -> list[dict[str, Any]]:
+        """One light row per stored trajectory, in insertion order, without its record:
+        ``{run_id, iteration, adapter_version, created_at, reward, correct}`` (``reward``
+        None when unknown, ``correct`` None or 0/1). For counting and plotting rollouts."""
+        rows = self.conn.execute(
+            "SELECT run_id, iteration, adapter_version, created_at, reward, correct FROM trajectories ORDER BY rowid"
+        )
+        return [dict(r) for r in rows]
 
     @locked
     def count_trajectories(self) -> int:

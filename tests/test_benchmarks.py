@@ -15,6 +15,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import bench_ceiling  # noqa: E402
+import bench_constrain  # noqa: E402
 import bench_cost  # noqa: E402
 import bench_hotswap  # noqa: E402
 import bench_scaling  # noqa: E402
@@ -121,3 +122,15 @@ def test_trl_tiny(tmp_path):
     per = r["rows"]["seconds per update (median)"]
     assert per["ratio"] == pytest.approx(per["selfrl"] / per["trl"])
     assert 0.0 <= r["rows"]["held-out success, equal rollouts"]["trl"] <= 1.0
+
+
+def test_constrain_tiny(tmp_path):
+    r = bench_constrain.main(TINY + ["--out", str(tmp_path)])
+    from conftest import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    body = tok.encode("<tool_call>" + bench_constrain.ANSWER + "</tool_call>", add_special_tokens=False)
+    assert r["tokenizer"] == "tiny (tests)" and r["vocab"] == len(tok)
+    assert r["llguidance"]["tokens"] == len(body) + 1 and r["llguidance"]["per_token_s"].median > 0  # + EOS
+    assert [row[0] for row in r["engine"]] == ["engine, tiny model, free", "engine, tiny model, tool_call grammar"]
+    assert json.loads((tmp_path / "constrain.json").read_text())["llguidance"]["tokens"] == len(body) + 1

@@ -42,7 +42,8 @@ def scripted(service, text: str):
     tok, engine = service.tok, service.engine
     ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
-    def generate(prompts, max_new_tokens, temperature=1.0, greedy=False, top_p=1.0, on_step=None, stop=None):
+    def generate(prompts, max_new_tokens, temperature=1.0, greedy=False, top_p=1.0, on_step=None, stop=None,
+                 cancel=None):  # scripted: returns at once, nothing to cancel
         out = []
         for p in prompts:
             full = torch.tensor([p + ids])

@@ -41,6 +41,9 @@ class Generation:
         adapter_version: version of the weights that produced the tokens.
         stopped: True when a stop string ended the turn; no EOS was sampled, the last
             id is the one that completed the stop string.
+        constrained: (n,) per id, True where a grammar removed ids from its distribution
+            (its logprob is then the masked distribution's); None when the row had no
+            constraint (see :mod:`selfrl.constrain`).
         top_logprobs: (n, k) the k most likely ids at each position and their logprobs
             (same distribution as ``logprobs``), most likely first; None unless asked for
             (``generate(top_logprobs=k)``, a backend that supports it).
@@ -51,6 +54,8 @@ class Generation:
     finished: bool
     adapter_version: int
     stopped: bool = False
+    constrained: list[bool] | None = None
+    cancelled: bool = False  # the caller cancelled the row mid-generation (then ``finished`` is False)
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
@@ -98,6 +103,12 @@ class SamplingEngine(Protocol):
     tokenizer: object
     eos_token_ids: list[int]
     version: int
+    # A backend that honours ``generate(..., constraints=[...])`` (one
+    # selfrl.constrain.Constraint or None per prompt) sets ``supports_constraints = True``;
+    # the server refuses constrained requests on a backend without it, never ignoring them.
+    # A backend that honours ``generate(..., cancel=[threading.Event, ...])`` (a row stops
+    # at the next step once its event is set; its Generation has ``cancelled=True``) sets
+    # ``supports_cancel = True``; without it a cancelled row runs to its end.
 
     def generate(
         self,

@@ -3,6 +3,8 @@
 Routes:
 
 * ``POST /v1/chat/completions`` — OpenAI chat completions (``stream`` via SSE).
+* ``POST /v1/responses`` — the Responses API, served as a chat completion
+  (``selfrl.serve.responses``).
 * ``GET /v1/models`` — the served model and every base/promoted adapter version.
 * ``POST /v1/feedback`` — a user's rating or correction of a response (API key).
 * ``GET /admin/status``, ``POST /admin/pin``, ``POST /admin/unpin``,
@@ -34,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from selfrl.serve.feedback import client_identity
 from selfrl.serve.limits import BodyLimit
 from selfrl.serve.protocol import ChatCompletionRequest, FeedbackRequest, VersionRequest, error_body
+from selfrl.serve.responses import ResponseLog, ResponsesRequest, create_response, sse, stream_events
 from selfrl.serve.service import ApiError, Service, start_learning
 from selfrl.serve.streaming import stream_chunks
 
@@ -126,8 +129,19 @@ def create_app(service: Service, api_key: str | None, protect_completions: bool 
         if req.stream:
             version, lines = await stream_chunks(service, req, client)
             return StreamingResponse(lines, media_type="text/event-stream", headers={VERSION_HEADER: str(version)})
-        resp = await service.complete(req, client)
+        resp = await service.complete(req, client, is_disconnected=request.is_disconnected)
         return JSONResponse(resp, headers={VERSION_HEADER: str(resp["adapter_version"])})
+
+    responses_log = ResponseLog()
+
+    @app.post("/v1/responses", dependencies=open_or_key)
+    async def responses(req: ResponsesRequest, request: Request):
+        client = client_identity(request.headers.get("authorization"))
+        resp = await create_response(service, responses_log, req, client, request.is_disconnected)
+        headers = {VERSION_HEADER: str(resp["adapter_version"])}
+        if req.stream:
+            return StreamingResponse(iter([sse(stream_events(resp))]), media_type="text/event-stream", headers=headers)
+        return JSONResponse(resp, headers=headers)
 
     @app.get("/v1/models", dependencies=open_or_key)
     async def models():

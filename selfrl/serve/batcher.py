@@ -48,6 +48,11 @@ class Job:
             (a list per token of ``(id, logprob)``, or None).
         top_logprobs: how many alternatives per token to return (0-20; not part of the
             batch key: a batch computes the most any of its jobs asks for).
+        constraint: a :class:`selfrl.constrain.Constraint` for this row, or None; rows
+            with and without one share a batch (the engine masks per row).
+        cancel: set it when the client went away: a job not started yet resolves with an
+            empty cancelled :class:`Generation`; a running row stops at the next step on
+            an engine with ``supports_cancel`` (and runs to its end on one without).
         future: resolved with the :class:`Generation`, or with the exception.
     """
 
@@ -61,6 +66,8 @@ class Job:
     on_tokens: Callable[[list[int]], None] | None = None
     top_logprobs: int = 0
     step_logprobs: bool = False
+    constraint: object | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
     future: Future = field(default_factory=Future)
 
     @property
@@ -79,13 +86,14 @@ def cut(gen: Generation, limit: int, eos_ids: list[int]) -> Generation:
     """``gen`` cut to ``limit`` tokens; ``finished`` only when an EOS lies within the limit.
 
     >>> cut(Generation([5, 6, 2], [-1., -2., -3.], True, 0), 2, [2])
-    Generation(token_ids=[5, 6], logprobs=[-1.0, -2.0], finished=False, adapter_version=0, stopped=False, top_logprobs=None)
+    Generation(token_ids=[5, 6], logprobs=[-1.0, -2.0], finished=False, adapter_version=0, stopped=False, constrained=None, cancelled=False, top_logprobs=None)
     """
     if len(gen.token_ids) <= limit:
         return gen
     ids = gen.token_ids[:limit]
     top = None if gen.top_logprobs is None else gen.top_logprobs[:limit]
     return Generation(ids, gen.logprobs[:limit], bool(ids) and ids[-1] in eos_ids, gen.adapter_version,
+                      constrained=None if gen.constrained is None else gen.constrained[:limit], cancelled=gen.cancelled,
                       top_logprobs=top)
 
 
@@ -173,6 +181,9 @@ class Batcher:
         """Give one job to a continuous engine; its future resolves when the engine's does."""
         if not job.future.set_running_or_notify_cancel():
             return
+        if job.constraint is not None:  # never sample a constrained row without its grammar
+            job.future.set_exception(RuntimeError("this engine cannot constrain decoding (submit takes no grammar)"))
+            return
         try:
             extra = {"top_logprobs": job.top_logprobs} if job.top_logprobs else {}
             fut = self.engine.submit(job.prompt, job.max_new_tokens, job.temperature, greedy=job.greedy,
@@ -193,6 +204,9 @@ class Batcher:
 
     def _run(self, jobs: list[Job]) -> None:
         live = [j for j in jobs if j.future.set_running_or_notify_cancel()]
+        for j in [j for j in live if j.cancel.is_set()]:  # the client left before its turn came
+            j.future.set_result(Generation([], [], False, self.engine.version, cancelled=True))
+        live = [j for j in live if not j.cancel.is_set()]
         if not live:
             return
         head = live[0]
@@ -217,6 +231,12 @@ class Batcher:
         extra = {"top_logprobs": k} if k else {}  # Service.prepare refused it where unsupported
         if any(j.step_logprobs for j in streams) and _accepts(self.engine.generate, "step_logprobs"):
             extra["step_logprobs"] = True  # else the stream gets its logprobs with the result
+
+        # only a constrained batch passes ``constraints``: a backend without them never sees one
+        if any(j.constraint for j in live):
+            extra["constraints"] = [j.constraint for j in live]
+        if getattr(self.engine, "supports_cancel", False) and _accepts(self.engine.generate, "cancel"):
+            extra["cancel"] = [j.cancel for j in live]
 
         def call():
             return self.engine.generate([j.prompt for j in live], limit, head.temperature, greedy=head.greedy,

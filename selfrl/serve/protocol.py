@@ -18,8 +18,8 @@ Not supported (each is a 400 naming the field, not a silent no-op):
 values (they would make the recorded logprobs differ from the sampling
 distribution), images and audio in message content. ``seed`` is accepted and
 ignored: requests are batched, so a per-request seed cannot be honoured.
-``tool_choice="required"`` or a named function adds an instruction to the prompt
-but does not constrain decoding.
+``tool_choice="required"``, a named function and ``response_format`` (``json_object``,
+``json_schema``) constrain decoding with a grammar (``selfrl.serve.structured``).
 """
 
 from __future__ import annotations
@@ -170,6 +170,7 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
     # selfrl extensions
     task_key: str | None = Field(default=None, max_length=200)
     record: bool = True
@@ -183,6 +184,17 @@ class ChatCompletionRequest(BaseModel):
         if isinstance(v, dict) and v.get("type") == "function" and isinstance(fn, dict) and isinstance(fn.get("name"), str):
             return v
         raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v):
+        if v is None or v.get("type") in ("text", "json_object"):
+            return v
+        spec = v.get("json_schema")
+        if v.get("type") == "json_schema" and isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict):
+            return v
+        raise ValueError('response_format must be {"type": "text"}, {"type": "json_object"} or '
+                         '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}')
 
     @field_validator("stop")
     @classmethod

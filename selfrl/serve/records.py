@@ -226,6 +226,23 @@ def mark(store: Store, scored: list[Trajectory], status: str, version: int | Non
 
 
 @locked
+def mark_cut_off(store: Store, response_id: str, reason: str) -> int:
+    """Mark every choice of ``response_id`` cut off: its trajectory gets ``error`` =
+    ``reason`` and ``truncated``, its served row ``skipped`` (never trained on), in one
+    transaction. Returns the number of turns marked."""
+    rows = store.conn.execute(
+        "SELECT t.id, t.data_json FROM served s JOIN trajectories t ON t.id = s.trajectory_id"
+        " WHERE s.response_id = ?", (response_id,)).fetchall()
+    with store.conn:
+        for r in rows:
+            data = json.loads(r["data_json"])
+            data.update(error=reason, truncated=True)
+            store.conn.execute("UPDATE trajectories SET data_json = ? WHERE id = ?", (to_json(data), r["id"]))
+            store.conn.execute("UPDATE served SET status = 'skipped' WHERE trajectory_id = ?", (r["id"],))
+    return len(rows)
+
+
+@locked
 def counts(store: Store) -> dict[str, int]:
     """Served turns by status, and how many pending ones have feedback."""
     out = {s: 0 for s in ("pending", "trained", "skipped")}
@@ -235,3 +252,19 @@ def counts(store: Store) -> dict[str, int]:
         "SELECT COUNT(*) FROM served WHERE status = 'pending' AND feedback IS NOT NULL").fetchone()[0])
     out["feedback_messages"] = int(store.conn.execute("SELECT COUNT(*) FROM feedback").fetchone()[0])
     return out
+
+
+def turn_history(store: Store) -> list[dict[str, Any]]:
+    """Every served turn, oldest first: ``{run_id, created_at, adapter_version, status,
+    trained_in, feedback, feedback_source}`` (for the serving report)."""
+    rows = store.conn.execute(
+        "SELECT t.run_id, s.created_at, t.adapter_version, s.status, s.trained_in, s.feedback, s.feedback_source"
+        " FROM served s JOIN trajectories t ON t.id = s.trajectory_id ORDER BY s.created_at"
+    )
+    return [dict(r) for r in rows]
+
+
+def feedback_history(store: Store) -> list[dict[str, Any]]:
+    """Every feedback message as it arrived, oldest first: ``{created_at, source, value}``."""
+    rows = store.conn.execute("SELECT created_at, source, value FROM feedback ORDER BY created_at, id")
+    return [dict(r) for r in rows]

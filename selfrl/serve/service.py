@@ -74,6 +74,7 @@ class Prepared:
     parent: dict[str, Any] | None
     group_key: str
     client: str = ""  # the client identity (selfrl.serve.feedback.client_identity)
+    constraint: Any = None  # a selfrl.constrain.Constraint when tool_choice/response_format constrain decoding
     response_id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -306,10 +307,38 @@ class Service:
             raise ApiError(400, f"max_tokens {req.token_limit} + prompt {len(prompt)} tokens exceeds the context "
                            f"of {self.context} tokens", "max_tokens", "context_length_exceeded")
         limit = req.token_limit or min(self.cfg.max_tokens_default, room)
+        constraint = self.constraint_for(req)
         messages = [msg.model_dump(exclude_none=True) for msg in req.messages]
         parent = self._link(messages, client) if req.record else None
         group = req.task_key or (parent["group_key"] if parent else default_group_key(messages))
-        return Prepared(req, messages, chat, prompt, limit, version, parent, group, client)
+        return Prepared(req, messages, chat, prompt, limit, version, parent, group, client,
+                        constraint=constraint)
+
+    def constraint_for(self, req: ChatCompletionRequest):
+        """The grammar ``req``'s decoding must follow (``selfrl.serve.structured``), or None.
+
+        Raises:
+            ApiError: 400 when the grammar does not compile (an unsupported schema);
+                501 when the engine cannot constrain decoding (never ignored).
+        """
+        from selfrl.constrain import ConstraintError, check_constraint
+        from selfrl.serve.structured import request_constraint
+
+        tools = [(t.function.name, t.function.parameters) for t in req.tools or []]
+        constraint = request_constraint(tools, req.tool_choice, req.response_format)
+        if constraint is None:
+            return None
+        param = "response_format" if constraint.kind == "json" else "tool_choice"
+        if not getattr(self.engine, "supports_constraints", False):
+            raise ApiError(501, f"the {getattr(self.engine, 'name', type(self.engine).__name__)} engine cannot "
+                           f"constrain decoding, which this request's {param} needs; serve with the reference "
+                           "engine", param, "constraints_unsupported")
+        vocab = self.engine.model.get_output_embeddings().weight.shape[0]
+        try:
+            check_constraint(constraint, self.tok, vocab, self.engine.eos_token_ids)
+        except ConstraintError as e:
+            raise ApiError(400, str(e), param, "invalid_schema") from e
+        return constraint
 
     def _link(self, messages: list[dict[str, Any]], client: str) -> dict[str, Any] | None:
         """The turn served to ``client`` this request continues (and an implicit correction of it), or None."""
@@ -336,7 +365,8 @@ class Service:
         top = (req.top_logprobs or 0) if req.logprobs else 0
         return [Job(p.prompt, p.limit, temperature, req.top_p or 1.0, greedy, p.version, tuple(req.stops),
                     None if on_tokens is None else (lambda ids, *step, i=i: on_tokens(i, ids, *step)), top,
-                    bool(req.logprobs) and on_tokens is not None) for i in range(req.n)]
+                    bool(req.logprobs) and on_tokens is not None, constraint=p.constraint)
+                for i in range(req.n)]
 
     def finish(self, p: Prepared, gens: list[Generation], seconds: float) -> dict[str, Any]:
         """Build the OpenAI response for finished generations and record each choice."""
@@ -381,9 +411,11 @@ class Service:
 
     def _record(self, p: Prepared, i: int, g: Generation, message: dict, calls, content, truncated, seconds) -> None:
         P = len(p.prompt)
+        # a token sampled under a grammar's restriction stays out of the loss (selfrl.constrain)
+        trained = [0 if c else 1 for c in g.constrained] if g.constrained is not None else [1] * len(g.token_ids)
         traj = Trajectory(
             task_id=p.group_key, group_id=p.group_key, adapter_version=g.adapter_version, prompt_len=P,
-            token_ids=list(p.prompt) + list(g.token_ids), completion_mask=[0] * P + [1] * len(g.token_ids),
+            token_ids=list(p.prompt) + list(g.token_ids), completion_mask=[0] * P + trained,
             logprobs=[0.0] * P + list(g.logprobs), messages=[*p.chat, {"role": "assistant", "content":
                                                                        self.tok.decode(g.token_ids, skip_special_tokens=True)}],
             tool_calls=calls, final_answer=None if message.get("tool_calls") else content, truncated=truncated,
@@ -393,12 +425,30 @@ class Service:
         key = conversation_key([*p.messages, message])
         records.add_turn(self.store, self.run_id, traj, p.response_id, i, conversation, p.group_key, key, p.client)
 
-    async def complete(self, req: ChatCompletionRequest, client: str = "") -> dict[str, Any]:
-        """A non-streaming chat completion for ``client``."""
+    async def complete(self, req: ChatCompletionRequest, client: str = "", response_id: str | None = None,
+                       is_disconnected=None) -> dict[str, Any]:
+        """A non-streaming chat completion for ``client`` (recorded under ``response_id``
+        when given: the Responses API's ``resp_`` ids).
+
+        Args:
+            is_disconnected: the HTTP request's ``is_disconnected``; a client that leaves
+                before the end has its turn cut off (``selfrl.serve.disconnect``).
+
+        Raises:
+            ApiError: as :meth:`prepare`; 499 when the client disconnected (nobody reads it).
+        """
+        from selfrl.serve.disconnect import await_jobs
+
         p = await asyncio.to_thread(self.prepare, req, client)  # tokenizing a long prompt must not block the loop
+        if response_id is not None:
+            p.response_id = response_id
         t0 = time.perf_counter()
-        futures = [self.batcher.submit(j) for j in self.jobs(p)]
-        gens = [await asyncio.wrap_future(f) for f in futures]
+        jobs = self.jobs(p)
+        for j in jobs:
+            self.batcher.submit(j)
+        gens = await await_jobs(self, p, jobs, t0, is_disconnected)
+        if gens is None:
+            raise ApiError(499, "the client disconnected", code="client_disconnected")
         return await asyncio.to_thread(self.finish, p, gens, time.perf_counter() - t0)
 
     def feedback(self, f: FeedbackRequest) -> dict[str, Any]:

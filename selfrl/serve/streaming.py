@@ -14,6 +14,7 @@ Content is cut from the text by the same rule as without streaming
 one ``reasoning_content`` delta. With ``logprobs: true`` each content chunk carries
 the ``logprobs.content`` entries of its own bytes (``Engine.generate``'s
 ``step_logprobs`` reports them as decoding goes; the same values as the final ones).
+A client that disconnects mid-stream has its turn cut off (``selfrl.serve.disconnect``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from selfrl.serve.disconnect import cut_off
 from selfrl.serve.logprobs import (
     bytes_text,
     char_offsets,
@@ -96,10 +98,15 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest, client: st
         loop.call_soon_threadsafe(queue.put_nowait, (i, ids, lps, alts))
 
     t0 = time.perf_counter()
-    futures = [service.batcher.submit(j) for j in service.jobs(p, on_tokens)]
+    jobs = service.jobs(p, on_tokens)
+    futures = [service.batcher.submit(j) for j in jobs]
     done = asyncio.ensure_future(asyncio.gather(*[asyncio.wrap_future(f) for f in futures]))
     first_tokens = asyncio.ensure_future(queue.get())
-    await asyncio.wait([done, first_tokens], return_when=asyncio.FIRST_COMPLETED)
+    try:
+        await asyncio.wait([done, first_tokens], return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the client left before the first token
+        cut_off(service, p, jobs, t0)
+        raise
     if done.done() and done.exception() is not None:
         first_tokens.cancel()
         raise done.exception()
@@ -163,6 +170,7 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest, client: st
             else:
                 getter.cancel()
         gens = done.result()
+        recorded.append(True)
         resp = await asyncio.to_thread(service.finish, p, gens, time.perf_counter() - t0)
         for ch in resp["choices"]:
             i, msg = ch["index"], ch["message"]
@@ -182,4 +190,16 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest, client: st
             yield _sse({**base, "choices": [], "usage": resp["usage"]})
         yield "data: [DONE]\n\n"
 
-    return version, lines()
+    recorded: list[bool] = []
+
+    async def until_disconnect() -> AsyncIterator[str]:
+        """``lines()``; a client that disconnects before the end has its turn cut off."""
+        try:
+            async for line in lines():
+                yield line
+        except (asyncio.CancelledError, GeneratorExit):
+            if not recorded:
+                cut_off(service, p, jobs, t0)
+            raise
+
+    return version, until_disconnect()

@@ -1,0 +1,278 @@
+"""Constrained decoding: a grammar masks the logits, so that a turn is a tool call or a
+(schema-valid) JSON answer by construction, whatever the weights.
+
+What is constrained (``selfrl serve``; OpenAI's request fields):
+
+* ``tool_choice: "required"``: the turn is exactly one
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` naming one of the
+  request's tools, its arguments valid against that tool's JSON schema, then EOS.
+* ``tool_choice: {"type": "function", "function": {"name": N}}``: the same, for N only.
+* ``response_format: {"type": "json_object"}``: one JSON object, then EOS.
+* ``response_format: {"type": "json_schema", "json_schema": {"schema": S}}``: one JSON
+  value valid against S (``strict`` or not: selfrl always enforces the schema).
+* ``response_format`` JSON with tools offered and ``tool_choice`` "auto": either one
+  tool call or the JSON answer (what the Agents SDK sends with ``output_type``).
+
+JSON is compact (no whitespace between tokens; ``whitespace_flexible: false``), so a
+model cannot spend its token budget on blank space inside a constrained answer. An
+object schema that lists ``properties`` and says nothing of ``additionalProperties`` is
+closed (as OpenAI's strict mode requires): JSON Schema would allow any extra key, and a
+model that invents argument names breaks the tool that receives them (smolagents
+refuses the call). Say ``"additionalProperties": true`` to keep an object open.
+
+The grammar library is llguidance (the Rust core of Microsoft's guidance, also used by
+vLLM, SGLang and llama.cpp). Chosen over xgrammar 0.2.8 (its wheel pulls triton, a GPU
+package, into a CPU install) and lm-format-enforcer 0.11.3 (pure Python, far slower per
+token); ``benchmarks/bench_constrain.py`` measures the cost per token.
+
+What the learner does with constrained tokens: a token is *constrained* when the mask
+removed at least one token from its distribution, so it was sampled from the masked
+distribution ``softmax(masked logits / T)``, not from the policy ``softmax(logits / T)``
+that the learner recomputes. The engine records the masked distribution's logprob for
+it (the behaviour policy, exactly) and flags it in ``Generation.constrained``; the
+server records it with ``completion_mask = 0`` so it never enters the loss, the KL or
+the importance ratio. Tokens where the mask removed nothing keep ``completion_mask = 1``
+and their (unmasked, equal) logprob, so the ratio is 1 for an unchanged policy on
+constrained turns too. Consequence: a turn decoded entirely under a grammar (every
+JSON token is) has no trained token and stays out of its group (``no_tokens``). The
+alternative, replaying the grammar's masks inside the learner's log-softmax, would
+train on structured output too; it is not done (see docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from selfrl.toolcall import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+ConstraintKind = Literal["tool_call", "json", "tool_call_or_json"]
+
+# Compact JSON: no whitespace between tokens (llguidance's JSON compiler option).
+_COMPACT = {"whitespace_flexible": False}
+
+
+class ConstraintError(RuntimeError):
+    """The grammar cannot be compiled, or a sampled token broke it (a bug: masks forbid that)."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A grammar for one turn (immutable, hashable, cheap to pass around).
+
+    Attributes:
+        kind: what it enforces (``tool_call``, ``json`` or ``tool_call_or_json``).
+        grammar: the llguidance grammar (Lark syntax with ``%json`` schemas).
+    """
+
+    kind: ConstraintKind
+    grammar: str
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that lists
+    ``properties`` and leaves ``additionalProperties`` unsaid (recursively).
+
+    >>> closed({"type": "object", "properties": {"a": {"type": "object", "properties": {}}}})
+    {'type': 'object', 'properties': {'a': {'type': 'object', 'properties': {}, 'additionalProperties': False}}, 'additionalProperties': False}
+    """
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (closed(v) if k in _SUBSCHEMAS else v) for k, v in schema.items()}
+    for k in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(k), dict):
+            out[k] = {name: closed(sub) for name, sub in schema[k].items()}
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMAS = ("items", "anyOf", "oneOf", "allOf", "prefixItems", "additionalProperties", "not", "then", "else", "if")
+
+
+def _compact(schema: dict[str, Any]) -> dict[str, Any]:
+    schema = closed(schema)
+    return {**schema, "x-guidance": {**_COMPACT, **schema.get("x-guidance", {})}}
+
+
+def _call_schema(tools: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    alternatives = [{
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": params or {"type": "object"}},
+        "required": ["name", "arguments"], "additionalProperties": False,
+    } for name, params in tools]
+    return _compact(alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives})
+
+
+def _lark(rules: list[str]) -> str:
+    return "\n".join(rules) + "\n"
+
+
+def tool_call_constraint(tools: list[tuple[str, dict[str, Any]]], name: str | None = None,
+                         answer_schema: dict[str, Any] | None = None) -> Constraint:
+    """One tool call (of ``name`` only, when given), or, with ``answer_schema``, either a
+    tool call or a JSON answer valid against it.
+
+    Args:
+        tools: ``(name, JSON schema of the arguments)`` per offered tool.
+        name: the only tool that may be called.
+        answer_schema: allow a JSON answer instead of a call (tool_choice "auto" with a
+            JSON ``response_format``).
+
+    Raises:
+        ValueError: no tools, or ``name`` is not one of them.
+
+    >>> c = tool_call_constraint([("add", {"type": "object"})])
+    >>> c.kind, c.grammar.splitlines()[0]
+    ('tool_call', 'start: call')
+    """
+    if not tools:
+        raise ValueError("a tool-call constraint needs at least one tool")
+    if name is not None:
+        tools = [t for t in tools if t[0] == name]
+        if not tools:
+            raise ValueError(f"tool {name!r} is not among the tools offered")
+    rules = ["start: call" if answer_schema is None else "start: call | answer",
+             f"call: {json.dumps(TOOL_CALL_OPEN)} body {json.dumps(TOOL_CALL_CLOSE)}",
+             f"body: %json {json.dumps(_call_schema(tools))}"]
+    if answer_schema is not None:
+        rules.append(f"answer: %json {json.dumps(_compact(answer_schema))}")
+    return Constraint("tool_call" if answer_schema is None else "tool_call_or_json", _lark(rules))
+
+
+def json_constraint(schema: dict[str, Any] | None = None) -> Constraint:
+    """One JSON value valid against ``schema`` (None: any JSON object, OpenAI's ``json_object``).
+
+    >>> json_constraint().kind
+    'json'
+    """
+    schema = {"type": "object"} if schema is None else schema
+    return Constraint("json", _lark([f"start: %json {json.dumps(_compact(schema))}"]))
+
+
+# ------------------------------------------------------------------ tokenizers and matchers
+
+_TOKENIZERS: dict[tuple[int, int, tuple[int, ...]], Any] = {}
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def grammar_tokenizer(tokenizer, vocab_size: int, eos_token_ids: list[int]):
+    """llguidance's view of a Hugging Face fast tokenizer (about 2 s to build for a 49k
+    vocabulary; cached per tokenizer object, vocabulary size and EOS ids).
+
+    Raises:
+        ConstraintError: the tokenizer is not a fast (Rust) tokenizer.
+    """
+    key = (id(tokenizer), vocab_size, tuple(eos_token_ids))
+    with _TOKENIZERS_LOCK:
+        if key not in _TOKENIZERS:
+            import llguidance.hf
+
+            try:
+                _TOKENIZERS[key] = (tokenizer, llguidance.hf.from_tokenizer(
+                    tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids)))
+            except ValueError as e:
+                raise ConstraintError(f"constrained decoding needs a fast tokenizer: {e}") from e
+        return _TOKENIZERS[key][1]
+
+
+def check_constraint(constraint: Constraint, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+    """Compile ``constraint`` once; raise :class:`ConstraintError` with llguidance's message
+    when it does not compile (an unsupported JSON-schema keyword, say)."""
+    import llguidance
+
+    bad, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        constraint.grammar, grammar_tokenizer(tokenizer, vocab_size, eos_token_ids))
+    if bad:
+        raise ConstraintError(f"the {constraint.kind} grammar cannot be compiled: {'; '.join(messages)}")
+
+
+def unpack_mask(bitmask: bytes | np.ndarray, vocab_size: int) -> torch.Tensor:
+    """(V,) bool: token i allowed, from llguidance's little-endian bitmask (one bit per id).
+
+    >>> unpack_mask(bytes([0b101, 0, 0, 0]), 4).tolist()
+    [True, False, True, False]
+    """
+    bits = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")[:vocab_size]
+    return torch.from_numpy(bits.astype(bool))
+
+
+class GrammarMasks:
+    """A Hugging Face logits processor that applies one grammar per row of a batch.
+
+    Rows whose constraint is None are left alone. Before each step it feeds the row's
+    previous sampled id to its matcher, then sets every id the grammar forbids to
+    ``-inf``. A row that sampled an EOS is done (later columns are padding). It keeps
+    each constrained row's masks (packed, V/8 bytes a step) so the engine can record
+    the masked distribution's logprobs.
+
+    Args:
+        constraints: B constraints or None.
+        tokenizer: the policy's fast tokenizer.
+        vocab_size: V, the width of the logits.
+        eos_token_ids: ids that end a turn (allowed once the grammar is complete).
+        prompt_width: P, the padded prompt width (columns before the first sampled id).
+
+    Raises:
+        ConstraintError: a grammar does not compile, or a sampled id broke it.
+    """
+
+    def __init__(self, constraints: list[Constraint | None], tokenizer, vocab_size: int,
+                 eos_token_ids: list[int], prompt_width: int):
+        import llguidance
+
+        llt = grammar_tokenizer(tokenizer, vocab_size, eos_token_ids)
+        self.vocab_size, self.width, self.eos = vocab_size, prompt_width, set(eos_token_ids)
+        self.matchers = []
+        for c in constraints:
+            m = None if c is None else llguidance.LLMatcher(llt, c.grammar, log_level=0)
+            if m is not None and m.is_error():
+                raise ConstraintError(f"the {c.kind} grammar cannot be compiled: {m.get_error()}")
+            self.matchers.append(m)
+        self.done = [m is None for m in self.matchers]
+        self.masks: list[list[bytes]] = [[] for _ in constraints]  # per row, per step: packed allowed ids
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.width  # ids sampled so far per row
+        for i, m in enumerate(self.matchers):
+            if self.done[i]:
+                continue
+            if step > 0:
+                last = int(input_ids[i, -1])
+                if last in self.eos:
+                    self.done[i] = True
+                    continue
+                if not m.consume_token(last):
+                    raise ConstraintError(f"row {i}: sampled id {last} broke the grammar: {m.get_error()}")
+            packed = m.compute_bitmask()
+            self.masks[i].append(packed)
+            allowed = unpack_mask(packed, scores.shape[-1])  # (V,)
+            scores[i] = scores[i].masked_fill(~allowed.to(scores.device), float("-inf"))
+        return scores
+
+    def masked_logps(self, row: int, logits: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
+        """The row's log-probabilities under the masked distribution it sampled from, and
+        which steps the mask restricted.
+
+        Args:
+            row: the batch row.
+            logits: (N, V) the row's logits divided by the temperature.
+
+        Returns:
+            (N, V) ``log_softmax`` over the allowed ids where a mask applied (``-inf`` at
+            the others), over all ids elsewhere; and N flags, True where the mask removed
+            at least one id.
+        """
+        n = logits.shape[0]
+        allowed = torch.ones(n, logits.shape[-1], dtype=torch.bool)  # (N, V)
+        for k in range(min(len(self.masks[row]), n)):
+            allowed[k] = unpack_mask(self.masks[row][k], logits.shape[-1])
+        restricted = (~allowed).any(dim=-1)  # (N,)
+        return torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1), restricted.tolist()

@@ -1,0 +1,345 @@
+"""The OpenAI Responses API (``POST /v1/responses``) as a translation to and from chat
+completions: a Responses request becomes a :class:`ChatCompletionRequest`, is served
+and recorded exactly like one, and the chat completion becomes a Responses object (or
+its stream of events). Pure functions, plus a small bounded log of past responses for
+``previous_response_id``.
+
+The subset is what the openai client and the OpenAI Agents SDK send by default:
+
+* ``input``: a string, or items: messages (``{"role", "content"}``, with ``type``
+  ``"message"`` or without; content a string or ``input_text``/``output_text`` parts),
+  ``function_call`` and ``function_call_output``;
+* ``instructions`` (a system message first), ``tools`` (``type: "function"``),
+  ``tool_choice``, ``text.format`` (``text``, ``json_object``, ``json_schema``: a
+  grammar enforces them, see ``selfrl.serve.structured``), ``max_output_tokens``,
+  ``temperature``, ``top_p``, ``parallel_tool_calls``, ``metadata``, ``user``, ``store``;
+* ``previous_response_id``: the conversation so far (that response's input and output)
+  is put in front of ``input``; responses are remembered in memory (the last
+  :data:`RESPONSE_LOG_SIZE`, lost on restart: the request then gets a 404);
+* ``stream: true``: the events ``response.created``, ``response.in_progress``, per
+  output item ``response.output_item.added``, the text or arguments as one
+  ``...delta`` and ``...done``, ``response.output_item.done``, then
+  ``response.completed``. The text arrives whole, after decoding (not token by token).
+
+Refused with a 400 naming the field (never ignored): built-in tools (web search, file
+search, computer use...), ``conversation``, ``prompt`` templates, ``reasoning`` effort,
+``background``, image/file input parts, ``item_reference`` and ``reasoning`` items.
+The response id (``resp_...``) is the one the store records, so ``POST /v1/feedback``
+takes it as ``response_id``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from selfrl.serve.protocol import ChatCompletionRequest
+
+RESPONSE_LOG_SIZE = 10_000
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses`` body. Unknown fields are rejected (400)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    input: str | list[dict[str, Any]] = Field(default_factory=list)
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    parallel_tool_calls: bool | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    top_logprobs: int | None = None
+    # refused when set (kept as fields so the error names them)
+    conversation: Any = None
+    prompt: Any = None
+    reasoning: Any = None
+    background: bool | None = None
+    # selfrl extensions, as in chat completions
+    task_key: str | None = Field(default=None, max_length=200)
+    record: bool = True
+
+
+class ResponsesError(ValueError):
+    """A Responses request selfrl cannot honour; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content as text (``input_text``/``output_text``/``text`` parts)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise ResponsesError(f"only text content parts are supported, got {part.get('type')!r}", where)
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Responses input items as chat-completions messages.
+
+    Consecutive ``function_call`` items join the assistant message before them (one
+    assistant turn with its text and calls); a ``function_call_output`` becomes a
+    ``tool`` message.
+
+    Raises:
+        ResponsesError: an item type outside the subset.
+
+    >>> input_messages([{"role": "user", "content": "2+2?"},
+    ...                 {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"},
+    ...                 {"type": "function_call_output", "call_id": "c1", "output": "4"}])[1:]
+    [{'role': 'assistant', 'content': None, 'tool_calls': [{'id': 'c1', 'type': 'function', \
+'function': {'name': 'add', 'arguments': '{}'}}]}, {'role': 'tool', 'tool_call_id': 'c1', 'content': '4'}]
+    """
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict[str, Any]] = []
+    for k, item in enumerate(items):
+        kind = item.get("type", "message")
+        where = f"input.{k}"
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise ResponsesError(f"unknown message role {role!r}", where)
+            out.append({"role": role, "content": _text(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+                last["content"] = last["content"] or None
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": output if isinstance(output, str) else _text(output, where)})
+        else:
+            raise ResponsesError(f"input items of type {kind!r} are not supported (supported: message, "
+                                 "function_call, function_call_output)", where)
+    return out
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format")
+    if not fmt or fmt.get("type") in ("text", "json_object"):
+        return fmt
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description")
+                                                       if k in fmt}}
+    raise ResponsesError(f"text.format type {fmt.get('type')!r} is not supported", "text.format")
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    out = []
+    for k, t in enumerate(tools):
+        if t.get("type") != "function":
+            raise ResponsesError(f"only function tools are supported, got {t.get('type')!r}", f"tools.{k}")
+        fn = {"name": t["name"], "description": t.get("description") or "",
+              "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
+        if t.get("strict") is not None:
+            fn["strict"] = t["strict"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or "name" not in choice:
+            raise ResponsesError("tool_choice must be none, auto, required or {type: function, name}", "tool_choice")
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat-completions request that serves ``req``, after ``history`` (the messages
+    of ``previous_response_id``, or [] without one).
+
+    Raises:
+        ResponsesError: a field or item outside the subset.
+        pydantic.ValidationError: the translated request is invalid (bad tool_choice, say).
+    """
+    for name in ("conversation", "prompt", "reasoning", "background"):
+        if getattr(req, name):
+            raise ResponsesError(f"{name} is not supported by selfrl's Responses API", name)
+    if req.truncation not in (None, "disabled"):
+        raise ResponsesError("only truncation 'disabled' is supported (a prompt beyond the context is a 400)",
+                             "truncation")
+    if req.include and any(i != "message.output_text.logprobs" for i in req.include):
+        raise ResponsesError(f"include supports only message.output_text.logprobs, got {req.include}", "include")
+    messages = list(history)
+    if req.instructions and not history:
+        messages.insert(0, {"role": "system", "content": req.instructions})
+    messages += input_messages(req.input)
+    if not messages:
+        raise ResponsesError("input is empty", "input")
+    return ChatCompletionRequest(
+        model=req.model, messages=messages, tools=_tools(req.tools), tool_choice=_tool_choice(req.tool_choice),
+        response_format=_response_format(req.text), max_completion_tokens=req.max_output_tokens,
+        temperature=req.temperature, top_p=req.top_p, parallel_tool_calls=req.parallel_tool_calls,
+        metadata=req.metadata, user=req.user, store=req.store, task_key=req.task_key, record=req.record,
+        logprobs=bool(req.include),
+    )
+
+
+def new_response_id() -> str:
+    return "resp_" + uuid.uuid4().hex
+
+
+def output_items(message: dict[str, Any], logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """A chat completion's assistant message as Responses output items (text first, then
+    calls); ``logprobs`` (the chat choice's ``logprobs.content``) go with the text.
+
+    >>> [i["type"] for i in output_items({"role": "assistant", "content": "hi", "tool_calls": [
+    ...     {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})]
+    ['message', 'function_call']
+    """
+    items: list[dict[str, Any]] = []
+    if message.get("content"):
+        items.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "completed", "role": "assistant",
+                      "content": [{"type": "output_text", "text": message["content"], "annotations": [],
+                                   "logprobs": logprobs or []}]})
+    for call in message.get("tool_calls") or []:
+        items.append({"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call["id"],
+                      "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                      "status": "completed"})
+    return items
+
+
+def to_response(chat: dict[str, Any], req: ResponsesRequest, chat_req: ChatCompletionRequest,
+                response_id: str) -> dict[str, Any]:
+    """The Responses object for a finished chat completion (its first choice)."""
+    choice = chat["choices"][0]
+    incomplete = choice["finish_reason"] == "length"
+    usage = chat["usage"]
+    return {
+        "id": response_id, "object": "response", "created_at": chat["created"],
+        "status": "incomplete" if incomplete else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "error": None, "model": chat["model"], "instructions": req.instructions,
+        "output": output_items(choice["message"], (choice.get("logprobs") or {}).get("content")),
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
+        "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
+        "previous_response_id": req.previous_response_id, "metadata": req.metadata or {},
+        "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled", "store": req.store is not False,
+        "usage": {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                  "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                  "total_tokens": usage["total_tokens"]},
+        "adapter_version": chat["adapter_version"], "system_fingerprint": chat["system_fingerprint"],
+    }
+
+
+def stream_events(response: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Responses streaming events for a finished ``response``, numbered in order."""
+    started = {**response, "status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
+    events: list[dict[str, Any]] = [{"type": "response.created", "response": started},
+                                    {"type": "response.in_progress", "response": started}]
+    for i, item in enumerate(response["output"]):
+        events.append({"type": "response.output_item.added", "output_index": i,
+                       "item": {**item, "status": "in_progress",
+                                **({"content": []} if item["type"] == "message" else {"arguments": ""})}})
+        if item["type"] == "message":
+            part = item["content"][0]
+            where = {"item_id": item["id"], "output_index": i, "content_index": 0}
+            events += [
+                {"type": "response.content_part.added", **where, "part": {**part, "text": ""}},
+                {"type": "response.output_text.delta", **where, "delta": part["text"], "logprobs": []},
+                {"type": "response.output_text.done", **where, "text": part["text"], "logprobs": []},
+                {"type": "response.content_part.done", **where, "part": part},
+            ]
+        else:
+            where = {"item_id": item["id"], "output_index": i}
+            events += [{"type": "response.function_call_arguments.delta", **where, "delta": item["arguments"]},
+                       {"type": "response.function_call_arguments.done", **where, "name": item["name"],
+                        "arguments": item["arguments"]}]
+        events.append({"type": "response.output_item.done", "output_index": i, "item": item})
+    done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+    events.append({"type": done, "response": response})
+    return [{**e, "sequence_number": n} for n, e in enumerate(events)]
+
+
+def sse(events: list[dict[str, Any]]) -> str:
+    """Events as server-sent events (``event:`` and ``data:`` lines)."""
+    return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events)
+
+
+class ResponseLog:
+    """The conversation behind each recent response id, for ``previous_response_id``
+    (the last ``size`` responses; thread-safe enough for one event loop)."""
+
+    def __init__(self, size: int = RESPONSE_LOG_SIZE):
+        self.size = size
+        self._items: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+
+    def history(self, response_id: str | None) -> list[dict[str, Any]]:
+        """The messages up to and including ``response_id``'s output.
+
+        Raises:
+            KeyError: the id is unknown (never served, or forgotten).
+        """
+        if response_id is None:
+            return []
+        return list(self._items[response_id])
+
+    def add(self, response_id: str, messages: list[dict[str, Any]], message: dict[str, Any]) -> None:
+        self._items[response_id] = [*messages, {k: v for k, v in message.items() if k != "refusal"}]
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+
+async def create_response(service, log: ResponseLog, req: ResponsesRequest, client: str = "",
+                          is_disconnected=None) -> dict[str, Any]:
+    """Serve ``req`` for ``client`` through ``service`` as a chat completion recorded under a ``resp_`` id,
+    remember its conversation in ``log``, and return the Responses object.
+
+    Raises:
+        selfrl.serve.service.ApiError: 404 for an unknown ``previous_response_id``, 400 for
+            a request outside the subset, and whatever a chat completion raises.
+    """
+    from pydantic import ValidationError
+
+    from selfrl.serve.service import ApiError
+
+    try:
+        history = log.history(req.previous_response_id)
+    except KeyError:
+        raise ApiError(404, f"no response {req.previous_response_id!r} is remembered (the server keeps the last "
+                       f"{log.size} responses in memory, until a restart)", "previous_response_id",
+                       "previous_response_not_found") from None
+    try:
+        chat_req = to_chat_request(req, history)
+    except ResponsesError as e:
+        raise ApiError(400, str(e), e.param) from e
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(map(str, first.get("loc", ()))) or None
+        raise ApiError(400, first.get("msg", "invalid request"), where) from e
+    response_id = new_response_id()
+    chat = await service.complete(chat_req, client, response_id=response_id, is_disconnected=is_disconnected)
+    log.add(response_id, [m.model_dump(exclude_none=True) for m in chat_req.messages], chat["choices"][0]["message"])
+    return to_response(chat, req, chat_req, response_id)
