@@ -47,6 +47,9 @@ class EventKind(str, enum.Enum):
     UNPIN = "unpin"
     LATE_FEEDBACK = "late_feedback"  # feedback reached a turn that was already trained or skipped
     LEARNER_ERROR = "learner_error"  # the background learner stopped
+    DISCONNECT = "disconnect"  # a client left before its response was complete (selfrl.serve.disconnect)
+    SWAP_CHECK = "swap_check"  # a swapped-in version matched its stored weights (selfrl.swap_check)
+    SWAP_CHECK_FAILED = "swap_check_failed"
 
 
 class VersionStatus(str, enum.Enum):

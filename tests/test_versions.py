@@ -150,3 +150,18 @@ def test_run_and_serve_keep_versions_the_same_way(model_dir, tiny_tokenizer, tmp
     finally:
         run_store.close()
         service.close()
+
+
+def test_every_event_kind_written_in_selfrl_is_an_event_kind():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "selfrl"
+    written = set()
+    for path in root.rglob("*.py"):
+        for line in path.read_text().splitlines():
+            if re.search(r"(\.event|log_event)\(", line):  # the kind is the first string literal of the call
+                head = line.split("(", 1)[1].split(",")[0]
+                written |= set(re.findall(r'"(\w+)"', head))
+    assert {"disconnect", "swap_check", "swap_check_failed"} <= written  # the scan sees the literal kinds
+    assert written <= {k.value for k in EventKind}
