@@ -208,15 +208,25 @@ def _pipelined_turns(engine, trajs: list[Trajectory], tool_maps, envs, ctx: _Tur
     """Each trajectory on its own: its next turn is submitted as soon as its tools have
     answered, so it joins the engine's running batch and nobody waits for the slowest
     row of a turn (engines with ``submit``, e.g. :class:`selfrl.engines.slots.SlotEngine`).
-    ``on_turn`` is called once per turn index, when no trajectory is left at that turn or before."""
+    ``on_turn`` is called once per turn index reached, when no trajectory is left at that turn
+    or before (as often as the batched path calls it)."""
     cfg = ctx.cfg
     pending: dict[Future, tuple[int, int]] = {}  # future -> (trajectory, turn)
     at_turn = [0] * cfg.max_turns  # trajectories whose turn k is submitted and not back
 
+    started = 0  # highest turn index submitted so far
+    import torch
+
+    base = int(torch.randint(0, 2**62, (1,)))  # one draw: each (trajectory, turn) gets its own seed
+
+
     def submit(i: int, turn: int) -> None:
+        nonlocal started
+        started = max(started, turn)
         at_turn[turn] += 1
+        seed = (base + 1_000_003 * i + 7_919 * turn) % 2**62  # fixed whatever order turns finish in
         pending[engine.submit(trajs[i].token_ids, cfg.max_new_tokens, cfg.temperature, greedy=greedy,
-                              stop=stop)] = (i, turn)
+                              stop=stop, seed=seed)] = (i, turn)
 
     for i in range(len(trajs)):
         submit(i, 0)
@@ -232,7 +242,7 @@ def _pipelined_turns(engine, trajs: list[Trajectory], tool_maps, envs, ctx: _Tur
             at_turn[turn] -= 1
             if _after_turn(trajs[i], f.result(), turn, tool_maps[i], envs[i], ctx):
                 submit(i, turn + 1)
-        while reported < cfg.max_turns and not any(at_turn[:reported + 1]):
+        while reported <= started and not any(at_turn[:reported + 1]):
             reported += 1
             if on_turn is not None:
                 on_turn()

@@ -124,6 +124,22 @@ def test_trl_tiny(tmp_path):
     assert 0.0 <= r["rows"]["held-out success, equal rollouts"]["trl"] <= 1.0
 
 
+def test_engines_tiny(tmp_path):
+    import bench_engines
+
+    r = bench_engines.main(TINY + ["--out", str(tmp_path), "--clients", "1,3", "--requests", "1"])
+    assert set(r["rollouts"]) == {"reference", "slots"}
+    for name in ("reference", "slots"):
+        roll = r["rollouts"][name]
+        assert roll["tokens"][0] >= 4 and roll["tokens_per_s"].median > 0  # 4 rollouts, >= 1 token each
+        assert roll["fraction_of_bound"] == roll["tokens_per_s"].median / r["generation_bound_tokens_per_s"]
+        levels = r["serve"][name]
+        assert [lv["clients"] for lv in levels] == [1, 3] and [lv["requests"] for lv in levels] == [1, 3]
+        assert all(0 < lv["ttft_s"].max <= lv["latency_s"].max for lv in levels)
+        assert all(1 <= lv["completion_tokens"] <= 8 * lv["requests"] for lv in levels)
+    assert (tmp_path / "engines.json").exists()
+
+
 def test_constrain_tiny(tmp_path):
     r = bench_constrain.main(TINY + ["--out", str(tmp_path)])
     from conftest import build_tiny_tokenizer

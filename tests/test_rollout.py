@@ -275,3 +275,60 @@ def test_stop_at_tool_call_ends_the_turn_and_adds_the_end_of_turn(tiny_tokenizer
     assert traj.completion_mask == [0] * len(prompt) + [1] * len(turn1) + [0] * len(between) + [1] * len(turn2)
     assert traj.tool_calls[0].result == "42" and traj.final_answer == "<answer>42</answer>" and not traj.truncated
     assert tok.decode(traj.token_ids) + "\n" == render(tok, traj.messages, add_generation_prompt=False)
+
+
+class TurnScriptEngine(Engine):
+    """Answers each prompt by its task and turn: ``script[question][k]`` for the k-th turn (k =
+    assistant turns so far in the prompt; no demonstration), whatever the batch; logprobs as
+    in ScriptedEngine."""
+
+    def __init__(self, model, tokenizer, script: dict[str, list[str]]):
+        super().__init__(model, tokenizer)
+        self.script = script
+        self.order: list[str] = []  # questions in the order their turns were asked for
+
+    def one(self, prompt, max_new_tokens) -> Generation:
+        text = self.tokenizer.decode(prompt)
+        q = next(q for q in self.script if q in text)
+        self.order.append(q)
+        ids = (turn_ids(self.tokenizer, self.script[q][text.count("<|im_start|>assistant") - 1])
+               + [self.tokenizer.eos_token_id])[:max_new_tokens]
+        return Generation(ids, scripted_logprobs(len(ids)), ids[-1] == self.tokenizer.eos_token_id, self.version)
+
+    def generate(self, prompts, max_new_tokens, temperature=1.0, greedy=False):
+        return [self.one(p, max_new_tokens) for p in prompts]
+
+
+class SubmitScriptEngine(TurnScriptEngine):
+    """The same answers through ``submit``: rollout takes its pipelined path."""
+
+    def submit(self, prompt, max_new_tokens, temperature=1.0, greedy=False, top_p=1.0, stop=None, on_tokens=None,
+               seed=None):
+        from concurrent.futures import Future
+
+        f = Future()
+        f.set_result(self.one(prompt, max_new_tokens))
+        return f
+
+
+def test_pipelined_turns_give_the_same_trajectories_as_batched_turns(tiny_tokenizer, tiny_model):
+    tok = tiny_tokenizer
+    tasks = [Task.make("test", "What is 17+25?", "42"), Task.make("test", "What is 2+2?", "4"),
+             Task.make("test", "What is 1+1?", "2")]
+    script = {tasks[0].question: [CALL_17_25, "<answer>42</answer>"],  # tool, then answer
+              tasks[1].question: ["<answer>4</answer>"],  # answers at once
+              tasks[2].question: [CALL_17_25, CALL_17_25, "<answer>2</answer>"]}  # two calls, then answer
+    cfg = plain_cfg(max_turns=3)
+    out, turns = {}, {}
+    for kind, cls in (("batched", TurnScriptEngine), ("pipelined", SubmitScriptEngine)):
+        engine = cls(tiny_model, tok, script)
+        calls = []
+        out[kind] = rollout(engine, tasks, ["a", "b", "c"], [CALCULATOR], cfg, on_turn=lambda: calls.append(1))
+        turns[kind] = (len(calls), len(engine.order))
+    for b, p in zip(out["batched"], out["pipelined"]):
+        assert_invariants(p, tok.eos_token_id)
+        assert (p.token_ids, p.completion_mask, p.logprobs) == (b.token_ids, b.completion_mask, b.logprobs)
+        assert (p.messages, p.num_turns, p.final_answer, p.truncated) == (b.messages, b.num_turns, b.final_answer,
+                                                                          b.truncated)
+    assert [t.num_turns for t in out["pipelined"]] == [2, 1, 3]
+    assert turns["batched"] == turns["pipelined"] == (3, 6)  # 3 turn indices reached, 6 turns sampled

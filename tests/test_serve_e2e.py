@@ -64,7 +64,8 @@ def script(monkeypatch, service, text: str) -> None:
     generate = scripted(service, text)
     monkeypatch.setattr(service.engine, "generate", generate)
     if callable(getattr(service.engine, "submit", None)):
-        def submit(prompt, max_new_tokens, temperature=1.0, greedy=False, top_p=1.0, stop=None, on_tokens=None):
+        def submit(prompt, max_new_tokens, temperature=1.0, greedy=False, top_p=1.0, stop=None, on_tokens=None,
+                   seed=None):
             fut = Future()
             fut.set_result(generate([prompt], max_new_tokens, temperature, greedy, top_p)[0])
             return fut

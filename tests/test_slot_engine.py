@@ -158,3 +158,37 @@ def test_cache_grows_without_losing_contents():
     assert torch.equal(cache.k[0][:2, :, :4], k) and cache.k[0][2:].abs().sum() == 0
     cache.move_row(1, 3, 4)
     assert torch.equal(cache.k[0][3, :, :4], k[1])
+
+
+def test_seeded_sampling_does_not_depend_on_batch_mates(tiny_tokenizer, tiny_model_factory):
+    model = tiny_model_factory(eos_bias=1.0, lora=True)
+    engine = SlotEngine(model, tiny_tokenizer, max_slots=4)
+    prompts = prompts_with_system(tiny_tokenizer, ["Hi", "What is 17+25?", "Add 1, 2, 3 and 4."])
+    alone = engine.submit(prompts[1], 10, temperature=1.0, seed=42).result(timeout=60)
+    crowd = [engine.submit(p, 10, temperature=1.0, seed=42 if i == 1 else i) for i, p in enumerate(prompts * 2)]
+    assert crowd[1].result(timeout=60).token_ids == alone.token_ids  # same seed, other batch mates
+    torch.manual_seed(5)
+    a = engine.generate(prompts * 2, 10, temperature=1.0)
+    torch.manual_seed(5)
+    c = engine.generate(prompts * 2, 10, temperature=1.0)
+    assert [g.token_ids for g in a] == [g.token_ids for g in c]
+    assert len({tuple(g.token_ids) for g in a}) > 2  # rows draw different samples
+    engine.close()
+
+
+def test_seeded_rollouts_repeat_exactly(tiny_tokenizer, tiny_model_factory):
+    from selfrl.rollout import RolloutConfig, rollout
+    from selfrl.tasks import Task
+    from selfrl.tools import CALCULATOR
+
+    model = tiny_model_factory(eos_bias=1.5, lora=True)
+    engine = SlotEngine(model, tiny_tokenizer, max_slots=3)
+    tasks = [Task.make("test", f"What is {i}+{i}?", str(2 * i)) for i in range(5)]
+    cfg = RolloutConfig(max_new_tokens=8, temperature=1.0)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        runs.append(rollout(engine, tasks, [t.id for t in tasks], [CALCULATOR], cfg))
+    assert [t.token_ids for t in runs[0]] == [t.token_ids for t in runs[1]]
+    assert [t.logprobs for t in runs[0]] == [t.logprobs for t in runs[1]]
+    engine.close()

@@ -25,7 +25,10 @@ def _slots(model, tokenizer, version: int = 0) -> SamplingEngine:
 
 # name -> factory(model, tokenizer, version) for the in-process backends
 ENGINES: dict[str, Callable[..., SamplingEngine]] = {"reference": _reference, "slots": _slots}
-DEFAULT_ENGINE = "reference"  # what selfrl run and selfrl serve sample with unless told otherwise
+DEFAULT_ENGINE = "slots"  # selfrl run: measured faster (docs/benchmarks.md, section 7), passes the conformance suite
+# selfrl serve: the reference, which also honours constrained decoding, cancellation and top
+# logprobs (selfrl.constrain, the batcher's options); the slot engine does not yet
+DEFAULT_SERVE_ENGINE = "reference"
 
 
 def make_engine(name: str, model, tokenizer, version: int = 0) -> SamplingEngine:
@@ -40,4 +43,4 @@ def make_engine(name: str, model, tokenizer, version: int = 0) -> SamplingEngine
     return ENGINES[name](model, tokenizer, version=version)
 
 
-__all__ = ["DEFAULT_ENGINE", "ENGINES", "EngineHealth", "Generation", "SamplingEngine", "make_engine"]
+__all__ = ["DEFAULT_ENGINE", "DEFAULT_SERVE_ENGINE", "ENGINES", "EngineHealth", "Generation", "SamplingEngine", "make_engine"]

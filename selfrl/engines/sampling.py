@@ -28,7 +28,8 @@ def nucleus_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
-                  top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  top_p: torch.Tensor, generators: list[torch.Generator | None] | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next id and its logprob for every row.
 
     Args:
@@ -36,11 +37,13 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch
         temperature: (B,) > 0 for sampled rows (ignored for greedy ones).
         greedy: (B,) bool, argmax rows.
         top_p: (B,) in (0, 1]; 1 = the whole vocabulary.
+        generators: one per row, or None: a row with its own generator draws from it
+            alone, so its samples do not depend on which rows share its batch.
 
     Returns:
         ``ids`` (B,) long and ``logps`` (B,) fp32: ``log_softmax(logits / t)[id]`` with
         ``t = 1`` for greedy rows. Sampling draws from the global torch generator
-        (``torch.manual_seed`` makes it repeatable).
+        unless the row has its own (``torch.manual_seed`` makes both repeatable).
     """
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)  # (B,)
     logp = torch.log_softmax(logits.float() / scale[:, None], dim=-1)  # (B, V)
@@ -51,5 +54,10 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch
         p = top_p[sampled]
         if bool((p < 1).any()):
             probs = probs.masked_fill(nucleus_mask(probs, p), 0.0)
-        ids[sampled] = torch.multinomial(probs, 1).squeeze(-1)
+        rows = sampled.nonzero().squeeze(-1).tolist()
+        if generators is None or all(generators[i] is None for i in rows):
+            ids[sampled] = torch.multinomial(probs, 1).squeeze(-1)
+        else:
+            ids[sampled] = torch.cat([torch.multinomial(probs[j], 1, generator=generators[i])
+                                      for j, i in enumerate(rows)])
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)

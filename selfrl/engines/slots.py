@@ -18,7 +18,9 @@ How it departs from :class:`selfrl.engine.Engine` (the reference backend):
   once and its keys and values are copied into each new row that starts with it;
   only the rest of the prompt is prefilled.
 - **Per-row sampling settings**: rows with different temperatures, ``top_p`` or
-  greedy decoding share a batch.
+  greedy decoding share a batch, and each row samples from its own seeded generator, so
+  what a row samples does not depend on which rows share its steps (which depends on
+  thread timing): a seeded run repeats.
 
 Logprobs are exact as in the reference: ``log_softmax(logits / temperature)`` at the
 sampled id (:func:`~selfrl.engines.sampling.sample_tokens`), tested against a
@@ -46,6 +48,9 @@ from selfrl.engines.base import AdapterSource, EngineHealth, Generation, check_g
 from selfrl.engines.kvcache import SlotCache
 from selfrl.engines.sampling import sample_tokens
 from selfrl.prefix import MIN_SHARED_PREFIX, shared_prefix_len
+
+
+IDLE_CACHE_BYTES = 64 * 2**20  # an idle engine keeps a cache up to this size; a larger one is freed
 
 
 class VersionGate:
@@ -98,7 +103,7 @@ class VersionGate:
         return self._tickets
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """One continuation to sample (see :meth:`SlotEngine.submit`)."""
 
@@ -110,12 +115,20 @@ class Request:
     stop: tuple[str, ...] = ()
     on_tokens: Callable[[list[int]], None] | None = None  # called from the worker with the ids so far
     prefix_hint: int = 0  # leading tokens shared with other queued requests (encode once)
+    generator: torch.Generator | None = None  # this row's own sampling generator
     future: Future = field(default_factory=Future)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     version: int = 0
     length: int = 0  # tokens of this row in the cache
     call: "_Call | None" = None
+
+
+def row_generator(seed: int | None) -> torch.Generator:
+    """A generator for one row: seeded with ``seed``, or with a draw from the global one."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)))
+    return torch.Generator().manual_seed(seed)
 
 
 class _Call:
@@ -204,8 +217,8 @@ class SlotEngine:
         """
         check_generate_args(prompts, max_new_tokens, temperature, greedy, top_p)
         hint = shared_prefix_len(prompts) if self.share_prefix else 0
-        reqs = [Request(list(p), max_new_tokens, temperature, greedy, top_p, tuple(stop or ()), prefix_hint=hint)
-                for p in prompts]
+        reqs = [Request(list(p), max_new_tokens, temperature, greedy, top_p, tuple(stop or ()), prefix_hint=hint,
+                        generator=row_generator(None)) for p in prompts]
         call = _Call(reqs, on_step, self.pad_token_id) if on_step is not None else None
         for r in reqs:
             r.call = call
@@ -214,10 +227,13 @@ class SlotEngine:
 
     def submit(self, prompt: list[int], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False,
                top_p: float = 1.0, stop: list[str] | tuple[str, ...] | None = None,
-               on_tokens: Callable[[list[int]], None] | None = None) -> Future:
+               on_tokens: Callable[[list[int]], None] | None = None, seed: int | None = None) -> Future:
         """Queue one continuation; returns a future of its :class:`Generation`.
 
         ``on_tokens(ids)`` is called from the worker thread with the ids sampled so far.
+        The row samples from its own generator, seeded with ``seed`` (or with a draw from
+        torch's global generator in the calling thread), so what it samples does not
+        depend on which rows share its batch.
         Blocks only while a swap is waiting or running.
 
         Raises:
@@ -225,7 +241,8 @@ class SlotEngine:
             RuntimeError: the engine is closed.
         """
         check_generate_args([prompt], max_new_tokens, temperature, greedy, top_p)
-        req = Request(list(prompt), max_new_tokens, temperature, greedy, top_p, tuple(stop or ()), on_tokens)
+        req = Request(list(prompt), max_new_tokens, temperature, greedy, top_p, tuple(stop or ()), on_tokens,
+                      generator=row_generator(seed))
         self._enqueue([req])
         return req.future
 
@@ -282,6 +299,8 @@ class SlotEngine:
     def _work(self) -> None:
         while True:
             with self._cond:
+                if not self._queue and not self._rows and self.cache.nbytes > IDLE_CACHE_BYTES:
+                    self.cache = SlotCache(slots=min(8, self.max_slots))  # idle: give the memory back
                 while not self._queue and not self._rows and not self._closed:
                     self._cond.wait()
                 if self._closed:
@@ -334,7 +353,10 @@ class SlotEngine:
         with self._cond:
             room = self.max_slots - len(rows)
             new = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
-        new = [r for r in new if r.future.set_running_or_notify_cancel() or self.lock.release_shared()]
+        cancelled = [r for r in new if not r.future.set_running_or_notify_cancel()]
+        for _ in cancelled:
+            self.lock.release_shared()
+        new = [r for r in new if r not in cancelled]
         if new:
             parts.append(self._prefill(new))
             rows = self._rows = rows + new
@@ -343,7 +365,7 @@ class SlotEngine:
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # (B, V)
         ids, logps = sample_tokens(
             logits, torch.tensor([r.temperature for r in rows]), torch.tensor([r.greedy for r in rows]),
-            torch.tensor([r.top_p for r in rows]))
+            torch.tensor([r.top_p for r in rows]), [r.generator for r in rows])
         done, calls = [], {}
         for i, (r, t, lp) in enumerate(zip(rows, ids.tolist(), logps.tolist())):
             r.token_ids.append(t)

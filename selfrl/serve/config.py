@@ -23,7 +23,7 @@ from selfrl.config import (
     one_of,
     require,
 )
-from selfrl.engines import DEFAULT_ENGINE
+from selfrl.engines import DEFAULT_SERVE_ENGINE
 
 
 @dataclass
@@ -63,7 +63,7 @@ class ServeConfig:
     max_request_bytes: int = 4_000_000  # larger request bodies get a 413 before they are read
     tools_prompt: ToolsPrompt = "compact"  # how request tools are shown to a template without tool support
     seed: int = 0
-    engine: str = DEFAULT_ENGINE  # sampling backend: reference | slots (see selfrl.engines)
+    engine: str = DEFAULT_SERVE_ENGINE  # sampling backend: reference | slots (slots: no grammars, cancel, top logprobs)
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
     train: TrainConfig = field(default_factory=TrainConfig)
