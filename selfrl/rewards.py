@@ -45,6 +45,7 @@ __all__ = [
     "self_consistency",
     "tool_success",
     "user_correction",
+    "user_feedback",
     "verifier",
 ]
 
@@ -246,6 +247,20 @@ def length_penalty(traj: Trajectory, ctx: RewardContext) -> float:
     return -min(1.0, traj.num_completion_tokens / LENGTH_PENALTY_TOKENS)
 
 
+def user_feedback(traj: Trajectory, ctx: RewardContext) -> float | None:
+    """A user's verdict on a served turn, in [-1, 1] (explicit, inherited or implicit feedback,
+    see ``selfrl.serve.feedback``); None when none arrived. ``selfrl serve`` puts each turn's
+    value in its group's task as ``metadata["feedback"][traj.id]``; elsewhere it is None.
+
+    >>> from selfrl.tasks import Task
+    >>> t = Trajectory("g", "g", 0, id="t1")
+    >>> ctx = RewardContext(Task("g", "served", "", "", {"feedback": {"t1": -1.0}}), None, [t])
+    >>> user_feedback(t, ctx), user_feedback(Trajectory("g", "g", 0, id="t2"), ctx)
+    (-1.0, None)
+    """
+    return (ctx.task.metadata.get("feedback") or {}).get(traj.id)
+
+
 # ---------------------------------------------------------------- registry and presets
 
 REWARD_FUNCS: dict[str, RewardFunc] = {
@@ -257,6 +272,7 @@ REWARD_FUNCS: dict[str, RewardFunc] = {
     "agreement": agreement,
     "user_correction": user_correction,
     "length_penalty": length_penalty,
+    "user_feedback": user_feedback,  # served turns only (selfrl serve's learner)
 }
 
 # One named template per task kind. Each says what it pays and how a policy can game it.

@@ -130,8 +130,8 @@ def test_importance_ratio_is_one_on_constrained_turns(tiny_tokenizer, tiny_model
     def step(batch):
         cfg = TrainConfig(beta=0.0, micro_batch_size=4, learning_rate=0.0)
         out = Learner(policy, cfg, T, tiny_tokenizer.pad_token_id, max_completion_length=48).step(batch)
-        return {k: float(v) for k, v in (out.items() if isinstance(out, dict) else vars(out).items())
-                if isinstance(v, (int, float))}
+        flat = out.metrics() if hasattr(out, "metrics") else out  # a typed UpdateResult, or a dict
+        return {k: float(v) for k, v in flat.items() if isinstance(v, (int, float))}
 
     m = step(trajs)
     assert m["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5) and m["mismatch_kl"] < 1e-8

@@ -161,8 +161,8 @@ def test_sampled_logprobs_equal_recomputed_on_device(tiny_tokenizer, device):
 def test_update_on_device_equals_the_update_on_the_cpu(tiny_tokenizer, device):
     cpu_model, dev_model = policy(tiny_tokenizer, "cpu"), policy(tiny_tokenizer, device)
     trajs = sample(cpu_model, tiny_tokenizer)
-    m_cpu = learner(cpu_model, tiny_tokenizer).step(trajs)
-    m_dev = learner(dev_model, tiny_tokenizer).step(trajs)
+    m_cpu = learner(cpu_model, tiny_tokenizer).step(trajs).metrics()
+    m_dev = learner(dev_model, tiny_tokenizer).step(trajs).metrics()
     assert m_dev["skipped"] == 0.0 and m_dev["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
     assert m_dev["loss"] == pytest.approx(m_cpu["loss"], abs=1e-5)
     key = "memory/peak_cuda_bytes" if device == "cuda" else "memory/peak_rss_bytes"
@@ -180,7 +180,7 @@ def test_bf16_base_trains_the_fp32_adapter_and_leaves_the_base(tiny_tokenizer, d
     model = policy(tiny_tokenizer, device, dtype=torch.bfloat16)
     base = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
     trajs = sample(model, tiny_tokenizer)
-    m = learner(model, tiny_tokenizer).step(trajs)
+    m = learner(model, tiny_tokenizer).step(trajs).metrics()
     assert m["skipped"] == 0.0 and torch.isfinite(torch.tensor(m["loss"]))
     # bf16 sampling and bf16 recomputation differ in rounding only: the ratio stays near 1
     assert m["ratio_mean"] == pytest.approx(1.0, abs=0.05)
@@ -203,10 +203,10 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_update(tiny_tokeni
             return forward(x)
 
         mlp.forward = counted
-    m_plain = learner(plain, tiny_tokenizer).step(trajs)
+    m_plain = learner(plain, tiny_tokenizer).step(trajs).metrics()
     lr = learner(ckpt, tiny_tokenizer, gradient_checkpointing=True)
     assert dev.gradient_checkpointing_on(ckpt)
-    m_ckpt = lr.step(trajs)
+    m_ckpt = lr.step(trajs).metrics()
     # 6 sequences in micro-batches of 4 and 2. Without checkpointing: a shared-prefix pass (1 row)
     # and a suffix pass per micro-batch. With it: the whole micro-batch, run again in the backward pass.
     assert [rows for rows, _ in shapes["plain"]] == [1, 4, 1, 2]

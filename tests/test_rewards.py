@@ -138,10 +138,12 @@ def test_format(task, source, text, expected):
 
 def test_registry_and_presets():
     assert set(REWARD_FUNCS) == {"verifier", "self_consistency", "tool_success", "format", "webshop_naive",
-                                 "partial_credit", "agreement", "user_correction", "length_penalty", "web_naive"}
+                                 "partial_credit", "agreement", "user_correction", "length_penalty", "web_naive",
+                                 "user_feedback"}
     assert get_reward_func("format") is format_reward
     with pytest.raises(ValueError, match="valid names: agreement, format, length_penalty, partial_credit, "
-                       "self_consistency, tool_success, user_correction, verifier, web_naive, webshop_naive"):
+                       "self_consistency, tool_success, user_correction, user_feedback, verifier, web_naive, "
+                       "webshop_naive"):
         get_reward_func("nope")
     assert get_preset("verified") == {"verifier": 1.0, "tool_success": 0.2}
     assert all("verifier" not in w and "partial_credit" not in w

@@ -5,8 +5,8 @@ user feedback that reached it) and every feedback message as it arrived.
 The tables live in the run's SQLite store next to ``trajectories``. A served turn is
 written with its trajectory in one transaction (both or neither), and feedback is
 applied in one transaction, so a crash or a bad request never leaves half a record.
-Every function here expects the caller to hold ``store.lock`` (the server shares one
-connection between threads).
+Every function here takes ``store.lock`` itself (the server shares one connection
+between threads).
 
 Training status of a served trajectory: ``pending`` (waiting for a reward),
 ``trained`` (used by the update that made version ``trained_in``), ``skipped``
@@ -15,8 +15,10 @@ Training status of a served trajectory: ``pending`` (waiting for a reward),
 
 from __future__ import annotations
 
+import functools
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from selfrl.store import Store, real, to_json
@@ -61,6 +63,18 @@ CREATE TABLE IF NOT EXISTS feedback (
 SOURCE_RANK = {"implicit": 1, "inherited": 2, "explicit": 3}
 
 
+def locked(fn):
+    """Run a function of this module under its store's own lock (the first argument)."""
+
+    @functools.wraps(fn)
+    def call(store: Store, *args, **kwargs):
+        with store.lock:
+            return fn(store, *args, **kwargs)
+
+    return call
+
+
+@locked
 def init(store: Store) -> None:
     """Create the server's tables in ``store`` (idempotent; adds the ``client`` column to a
     store written before it existed: its turns belong to no client and are never continued)."""
@@ -71,6 +85,7 @@ def init(store: Store) -> None:
             store.conn.execute("ALTER TABLE served ADD COLUMN client TEXT NOT NULL DEFAULT ''")
 
 
+@locked
 def add_turn(store: Store, run_id: int, traj: Trajectory, response_id: str, choice: int,
              conversation_id: str, group_key: str, continuation: str, client: str = "") -> None:
     """Store one served choice: its trajectory and its ``served`` row, in one transaction.
@@ -89,6 +104,7 @@ def add_turn(store: Store, run_id: int, traj: Trajectory, response_id: str, choi
         )
 
 
+@locked
 def find_by_continuation(store: Store, key: str, client: str) -> dict[str, Any] | None:
     """The latest turn served to ``client`` whose conversation-so-far hashes to ``key``, or
     None (always None for an anonymous client, ``""``: see ``selfrl.serve.feedback``)."""
@@ -100,6 +116,7 @@ def find_by_continuation(store: Store, key: str, client: str) -> dict[str, Any] 
     return None if row is None else dict(row)
 
 
+@locked
 def find_response(store: Store, response_id: str, choice: int = 0) -> dict[str, Any] | None:
     """The ``served`` row of a response's choice, or None."""
     row = store.conn.execute(
@@ -108,6 +125,7 @@ def find_response(store: Store, response_id: str, choice: int = 0) -> dict[str, 
     return None if row is None else dict(row)
 
 
+@locked
 def chain(store: Store, trajectory_id: str, limit: int = 100) -> list[str]:
     """``trajectory_id`` and its ancestors (earlier turns of the conversation), latest first."""
     out, cur = [], trajectory_id
@@ -118,18 +136,30 @@ def chain(store: Store, trajectory_id: str, limit: int = 100) -> list[str]:
     return out
 
 
+@dataclass(frozen=True)
+class FeedbackApplied:
+    """Where a feedback value landed.
+
+    Attributes:
+        updated: pending turns whose value changed; a later update trains on it.
+        too_late: turns already trained or skipped whose value changed for the record
+            only: no update will use it (the learner never trains a turn twice).
+    """
+
+    updated: int
+    too_late: int
+
+
+@locked
 def apply_feedback(store: Store, response_id: str, choice: int, source: str, value: float,
                    rating: float | None = None, corrected: bool = False, correction: str | None = None,
-                   comment: str | None = None) -> int:
+                   comment: str | None = None) -> FeedbackApplied:
     """Record feedback on a response and attach its value to the turn and its earlier turns.
 
     The turn itself gets ``source`` (``explicit`` or ``implicit``); its ancestors get
     ``inherited`` (explicit) or ``implicit``. A value never replaces one from a
-    stronger source (:data:`SOURCE_RANK`). Turns already trained keep their value
-    for the record but are not trained again.
-
-    Returns:
-        the number of turns whose feedback value changed.
+    stronger source (:data:`SOURCE_RANK`). Turns already trained or skipped keep the
+    value for the record but are never trained on: they count as ``too_late``.
 
     Raises:
         KeyError: no such response (nothing is written).
@@ -137,7 +167,7 @@ def apply_feedback(store: Store, response_id: str, choice: int, source: str, val
     row = find_response(store, response_id, choice)
     if row is None:
         raise KeyError(f"no response {response_id!r} with choice {choice}")
-    changed = 0
+    changed = late = 0
     with store.conn:
         store.conn.execute(
             "INSERT INTO feedback (response_id, choice, source, value, rating, corrected, correction, comment,"
@@ -146,15 +176,20 @@ def apply_feedback(store: Store, response_id: str, choice: int, source: str, val
         )
         for i, tid in enumerate(chain(store, row["trajectory_id"])):
             src = source if i == 0 else ("inherited" if source == "explicit" else "implicit")
-            cur = store.conn.execute("SELECT feedback_source FROM served WHERE trajectory_id = ?", (tid,)).fetchone()
+            cur = store.conn.execute("SELECT feedback_source, status FROM served WHERE trajectory_id = ?",
+                                     (tid,)).fetchone()
             if cur["feedback_source"] is not None and SOURCE_RANK[cur["feedback_source"]] > SOURCE_RANK[src]:
                 continue
             store.conn.execute("UPDATE served SET feedback = ?, feedback_source = ? WHERE trajectory_id = ?",
                                (value, src, tid))
-            changed += 1
-    return changed
+            if cur["status"] == "pending":
+                changed += 1
+            else:
+                late += 1
+    return FeedbackApplied(changed, late)
 
 
+@locked
 def ready(store: Store, wait_s: float, limit: int, now: float | None = None) -> list[tuple[Trajectory, dict[str, Any]]]:
     """Pending turns whose reward is complete: feedback arrived, or ``wait_s`` seconds passed.
 
@@ -174,6 +209,7 @@ def ready(store: Store, wait_s: float, limit: int, now: float | None = None) -> 
     return out
 
 
+@locked
 def mark(store: Store, scored: list[Trajectory], status: str, version: int | None) -> None:
     """Write the rewards the learner gave ``scored`` and set their status, in one transaction."""
     with store.conn:
@@ -189,6 +225,7 @@ def mark(store: Store, scored: list[Trajectory], status: str, version: int | Non
                                (status, version, t.id))
 
 
+@locked
 def mark_cut_off(store: Store, response_id: str, reason: str) -> int:
     """Mark every choice of ``response_id`` cut off: its trajectory gets ``error`` =
     ``reason`` and ``truncated``, its served row ``skipped`` (never trained on), in one
@@ -205,6 +242,7 @@ def mark_cut_off(store: Store, response_id: str, reason: str) -> int:
     return len(rows)
 
 
+@locked
 def counts(store: Store) -> dict[str, int]:
     """Served turns by status, and how many pending ones have feedback."""
     out = {s: 0 for s in ("pending", "trained", "skipped")}
