@@ -316,7 +316,7 @@ class RunConfig:
     preset: str = "verified"  # reward preset (selfrl.rewards.PRESETS): verified | label-free | webshop-naive
     reward_weights: dict[str, float] | None = None  # explicit weights; overrides the preset
     seed: int = 0  # torch seed for sampling and LoRA init
-    engine: str = DEFAULT_ENGINE  # sampling backend: reference | slots (see selfrl.engines)
+    engine: str = DEFAULT_ENGINE  # sampling backend: auto (slots on the CPU, reference on a GPU) | reference | slots
 
     @property
     def max_completion_length(self) -> int:

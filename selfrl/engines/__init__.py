@@ -1,7 +1,7 @@
 """Sampling backends behind one interface (:mod:`selfrl.engines.base`), found by name.
 
 >>> sorted(ENGINES)
-['reference', 'slots']
+['auto', 'reference', 'slots']
 """
 
 from __future__ import annotations
@@ -23,9 +23,16 @@ def _slots(model, tokenizer, version: int = 0) -> SamplingEngine:
     return SlotEngine(model, tokenizer, version=version)
 
 
+def _auto(model, tokenizer, version: int = 0) -> SamplingEngine:
+    """``slots`` for a policy on the CPU (measured faster there, docs/benchmarks.md section 7),
+    ``reference`` on a GPU (the slot engine keeps its cache on the CPU)."""
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    return (_slots if on_cpu else _reference)(model, tokenizer, version=version)
+
+
 # name -> factory(model, tokenizer, version) for the in-process backends
-ENGINES: dict[str, Callable[..., SamplingEngine]] = {"reference": _reference, "slots": _slots}
-DEFAULT_ENGINE = "slots"  # selfrl run: measured faster (docs/benchmarks.md, section 7), passes the conformance suite
+ENGINES: dict[str, Callable[..., SamplingEngine]] = {"auto": _auto, "reference": _reference, "slots": _slots}
+DEFAULT_ENGINE = "auto"  # selfrl run: slots on the CPU, reference on a GPU (both pass the conformance suite)
 # selfrl serve: the reference, which also honours constrained decoding, cancellation and top
 # logprobs (selfrl.constrain, the batcher's options); the slot engine does not yet
 DEFAULT_SERVE_ENGINE = "reference"

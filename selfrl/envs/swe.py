@@ -39,7 +39,7 @@ import random
 import re
 from typing import Any, ClassVar
 
-from selfrl.envs import swe_detectors  # noqa: F401  registers the detectors
+from selfrl.envs.swe_detectors import SWE_DETECTORS  # registers the detectors too
 from selfrl.envs.base import Env
 from selfrl.envs.registry import register_env
 from selfrl.envs.swe_tasks import KINDS, Instance, load_instances, read_swebench
@@ -197,7 +197,7 @@ class SweEnv(Env):
         "rollout.tools": [], "rollout.max_turns": 8, "rollout.max_new_tokens": 256,
         "rollout.system_prompt": "You are a software engineer. Use the tools to find and fix the bug in the "
                                  "package's code. Do not change the tests. Reply without a tool call when done.",
-        "detectors.names": sorted(swe_detectors.SWE_DETECTORS), "gate.val_size": 32, "task.num_train": 100,
+        "detectors.names": sorted(SWE_DETECTORS), "gate.val_size": 32, "task.num_train": 100,
     }
 
     def __init__(self, swebench: str | None = None, repo_dir: str | None = None, repos: list[str] | None = None,
