@@ -17,33 +17,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from selfrl.engines.base import AdapterSource, EngineHealth, Generation, adapter_state, check_generate_args
 from selfrl.prefix import shared_prefix_len
 
-
-@dataclass
-class Generation:
-    """One sampled continuation.
-
-    Attributes:
-        token_ids: (n,) the sampled ids, the EOS included when one was sampled.
-        logprobs: (n,) log-probability of each sampled id under ``logits / temperature``
-            (greedy decoding records the temperature-1 logprob).
-        finished: True when the turn ended within the token limit: an EOS was sampled,
-            or a stop string was completed (then ``stopped`` is True too).
-        adapter_version: version of the weights that produced the tokens.
-        stopped: True when a stop string ended the turn; no EOS was sampled, the last
-            id is the one that completed the stop string.
-    """
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finished: bool
-    adapter_version: int
-    stopped: bool = False
+__all__ = ["Engine", "Generation", "eos_ids", "pack_prompts", "stop_cut", "check_adapter_state"]
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -82,7 +62,9 @@ def pack_prompts(prompts: list[list[int]], shared: int, pad_token_id: int) -> tu
 
 
 class Engine:
-    """Batched generation over a (peft) causal LM, tagged with an adapter version.
+    """Batched generation over a (peft) causal LM, tagged with an adapter version: the
+    reference backend of :class:`selfrl.engines.base.SamplingEngine` (one ``generate``
+    call is one batch from start to end; nothing joins it while it runs).
 
     Args:
         model: the policy, usually a ``peft.PeftModel``; shared with the learner in
@@ -94,6 +76,8 @@ class Engine:
     Thread safety: ``generate`` and ``swap`` take the same lock, so a generation
     always runs on exactly one version from start to end.
     """
+
+    name = "reference"
 
     def __init__(self, model, tokenizer, version: int = 0, share_prefix: bool = True):
         self.model = model
@@ -139,15 +123,10 @@ class Engine:
             B :class:`Generation`, in order.
 
         Raises:
-            ValueError: empty prompt list, an empty prompt, temperature <= 0, or
-                top_p outside (0, 1].
+            ValueError: empty prompt list, an empty prompt, max_new_tokens < 1,
+                temperature <= 0, or top_p outside (0, 1].
         """
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("generate needs at least one prompt, and no prompt may be empty")
-        if not greedy and temperature <= 0:
-            raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        check_generate_args(prompts, max_new_tokens, temperature, greedy, top_p)
         shared = shared_prefix_len(prompts) if self.share_prefix else 0
         input_ids, attention_mask = pack_prompts(prompts, shared, self.pad_token_id)  # (B, P), (B, P)
         width = input_ids.shape[1]
@@ -200,8 +179,11 @@ class Engine:
                 results.append(Generation(row[:n], logps[i, :n].tolist(), bool(len(is_eos)), version))
         return results
 
-    def swap(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
+    def swap(self, state_dict: AdapterSource, version: int) -> float:
         """Hot-swap the LoRA weights to ``version`` in place; returns the seconds it took.
+
+        ``state_dict`` is peft's LoRA state dict, or the folder of a saved version
+        (verified and loaded with :func:`selfrl.adapters.load_version_state`).
 
         The tensors are copied straight into the LoRA parameters (a few milliseconds for
         a rank-16 adapter of a 135M model); models whose adapter cannot be mapped that
@@ -214,6 +196,7 @@ class Engine:
         from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
         t = time.perf_counter()
+        state_dict = adapter_state(state_dict)
         with self.lock:
             params = self.lora_parameters()
             if params:
@@ -226,6 +209,14 @@ class Engine:
                 set_peft_model_state_dict(self.model, state_dict)
             self.version = version
         return time.perf_counter() - t
+
+    def health(self) -> EngineHealth:
+        """Always ok in process (the model is in this process's memory); the detail says
+        whether a generation or swap holds the engine now."""
+        busy = not self.lock.acquire(blocking=False)
+        if not busy:
+            self.lock.release()
+        return EngineHealth(True, self.version, self.name, "busy" if busy else "idle")
 
     def lora_parameters(self) -> dict[str, torch.Tensor]:
         """The model's LoRA parameters under peft's state-dict keys (computed once), or

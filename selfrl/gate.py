@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from selfrl.collapse import CollapseConfig, degenerate_share
-from selfrl.engine import Engine
+from selfrl.engines.base import SamplingEngine
 from selfrl.rollout import RolloutConfig, rollout
 from selfrl.tasks import Task, TaskSource
 from selfrl.tools import Tool
@@ -56,7 +56,7 @@ class EvalResult:
 
 
 def evaluate(
-    engine: Engine, tasks: list[Task], source: TaskSource, tools: list[Tool], cfg: RolloutConfig, batch_size: int = 64,
+    engine: SamplingEngine, tasks: list[Task], source: TaskSource, tools: list[Tool], cfg: RolloutConfig, batch_size: int = 64,
     on_batch: Callable[[int], None] | None = None, collapse: CollapseConfig | None = None,
 ) -> EvalResult:
     """Greedy pass@1 of the engine's current version on ``tasks``; ``on_batch(n)`` is

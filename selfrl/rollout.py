@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from selfrl.chat import between_turns_ids, prompt_ids, template_supports_tools
-from selfrl.engine import Engine
+from selfrl.engines.base import SamplingEngine
 from selfrl.envs import Environment
 from selfrl.tasks import Task
 from selfrl.toolcall import (
@@ -83,7 +83,7 @@ def initial_messages(
 
 
 def rollout(
-    engine: Engine,
+    engine: SamplingEngine,
     tasks: list[Task],
     group_ids: list[str],
     tools: list[Tool],

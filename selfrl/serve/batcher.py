@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from selfrl.engine import Engine, Generation
+from selfrl.engines.base import Generation, SamplingEngine
 
 
 @dataclass
@@ -78,7 +78,7 @@ class Batcher:
         window_s: how long the worker waits for more requests before starting a batch (seconds).
     """
 
-    def __init__(self, engine: Engine, run_on_version: Callable[[int, Callable], object],
+    def __init__(self, engine: SamplingEngine, run_on_version: Callable[[int, Callable], object],
                  max_batch: int = 32, window_s: float = 0.01):
         self.engine, self.run_on_version = engine, run_on_version
         self.max_batch, self.window_s = max_batch, window_s

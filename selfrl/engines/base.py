@@ -1,0 +1,164 @@
+"""The engine interface: what everything that samples (the run loop, the gate, the
+server, the benchmarks) may ask of a sampling backend.
+
+A backend is any object with the attributes and methods of :class:`SamplingEngine`
+(a ``typing.Protocol``: no base class to inherit). It must:
+
+- ``generate``: sample one continuation per prompt and return the *exact* token ids
+  it sampled with the log-probability of each under ``logits / temperature`` over
+  the whole vocabulary (the quantity the learner recomputes for the importance
+  ratio), honouring ``stop`` strings and the token limit;
+- ``swap``: load an adapter version (a LoRA state dict, or the folder of a saved
+  version) and tag every later generation with that version;
+- ``version``: the version being served;
+- ``health``: say whether it can serve, without sampling.
+
+``tests/test_engine_conformance.py`` is the contract: every backend is added to its
+parameter list (``tests/engine_backends.py``) and must pass all of it. The in-process
+reference backend is :class:`selfrl.engine.Engine`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class Generation:
+    """One sampled continuation.
+
+    Attributes:
+        token_ids: (n,) the sampled ids, the EOS included when one was sampled.
+        logprobs: (n,) log-probability of each sampled id under ``logits / temperature``
+            (greedy decoding records the temperature-1 logprob).
+        finished: True when the turn ended within the token limit: an EOS was sampled,
+            or a stop string was completed (then ``stopped`` is True too).
+        adapter_version: version of the weights that produced the tokens.
+        stopped: True when a stop string ended the turn; no EOS was sampled, the last
+            id is the one that completed the stop string.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool
+    adapter_version: int
+    stopped: bool = False
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        """OpenAI's vocabulary: ``"stop"`` (EOS or a stop string), ``"length"`` (token limit).
+
+        >>> Generation([5, 2], [-1.0, -0.5], True, 0).finish_reason
+        'stop'
+        """
+        return "stop" if self.finished else "length"
+
+
+@dataclass
+class EngineHealth:
+    """What :meth:`SamplingEngine.health` reports.
+
+    Attributes:
+        ok: the backend can take requests now.
+        version: the adapter version it serves.
+        backend: its registered name (``"reference"``, ``"slots"``, ...).
+        detail: why it is not ok, or a short note (slots in use, queue length).
+    """
+
+    ok: bool
+    version: int
+    backend: str
+    detail: str = ""
+
+
+AdapterSource = Mapping[str, "object"] | str | Path  # a LoRA state dict, or a saved version's folder
+
+
+@runtime_checkable
+class SamplingEngine(Protocol):
+    """The interface every sampling backend provides (see the module docstring).
+
+    Attributes:
+        tokenizer: the policy's tokenizer (the rollout renders prompts with it and
+            decodes turns for stop strings and tool calls).
+        eos_token_ids: sorted ids that end an assistant turn.
+        version: the adapter version now served; every :class:`Generation` returned
+            later carries the version it was sampled with.
+    """
+
+    tokenizer: object
+    eos_token_ids: list[int]
+    version: int
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        greedy: bool = False,
+        top_p: float = 1.0,
+        on_step: Callable | None = None,
+        stop: list[str] | None = None,
+    ) -> list[Generation]:
+        """Sample one continuation per prompt; all of them on one adapter version.
+
+        Args:
+            prompts: B lists of token ids (any lengths, none empty).
+            max_new_tokens: token limit per continuation (>= 1).
+            temperature: sampling temperature (> 0); ignored when ``greedy``.
+            greedy: argmax decoding; the temperature-1 logprob is recorded.
+            top_p: nucleus sampling (1.0 = off); the recorded logprobs stay those of the
+                full distribution ``log_softmax(logits / temperature)``.
+            on_step: optional streaming hook, called with a (B, k) tensor of the ids
+                sampled so far (rows that ended may hold anything after their end).
+            stop: strings that end a turn: a row is cut right after the token that
+                completes one (``stopped`` and ``finished`` set, no EOS appended).
+
+        Returns:
+            B :class:`Generation`, in prompt order.
+
+        Raises:
+            ValueError: no prompts, an empty prompt, ``max_new_tokens < 1``,
+                ``temperature <= 0`` when sampling, or ``top_p`` outside (0, 1].
+        """
+        ...
+
+    def swap(self, adapter: AdapterSource, version: int) -> float:
+        """Serve ``adapter`` as ``version`` from the next generation on; returns seconds taken.
+
+        Raises:
+            ValueError: the adapter does not fit the model (nothing changes then).
+        """
+        ...
+
+    def health(self) -> EngineHealth:
+        """Whether the backend can serve now, and which version; never samples."""
+        ...
+
+
+def check_generate_args(prompts: list[list[int]], max_new_tokens: int, temperature: float, greedy: bool,
+                        top_p: float) -> None:
+    """Raise ValueError for arguments every backend refuses (see :meth:`SamplingEngine.generate`)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, and no prompt may be empty")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not greedy and temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def adapter_state(adapter: AdapterSource) -> dict:
+    """A LoRA state dict from ``adapter``: returned as is when it is one, loaded (and
+    checksum-verified, :func:`selfrl.adapters.load_version_state`) when it is a folder."""
+    if isinstance(adapter, (str, Path)):
+        from selfrl.adapters import load_version_state
+
+        return load_version_state(Path(adapter))
+    return dict(adapter)

@@ -1,0 +1,240 @@
+"""The contract of :class:`selfrl.engines.base.SamplingEngine`, run on every backend
+listed in ``tests/engine_backends.py``.
+
+Each test builds a tiny LoRA model, gives the backend its own deep copy, and
+checks what the backend returns against the other copy: sampled logprobs against
+a naive full-logits recomputation (within 1e-5 in fp32), greedy ids against the
+argmax, stop strings and limits, and swaps (by state dict and by saved folder)
+against the same adapter applied locally.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+from selfrl import adapters
+from selfrl.chat import prompt_ids
+from selfrl.engines.base import EngineHealth, Generation, SamplingEngine
+from tests.engine_backends import BACKENDS, UNAVAILABLE
+
+ATOL = 1e-5  # fp32: sampled logprobs equal the recomputed ones to this
+QUESTIONS = ["Hi", "What is 17+25? Use the calculator.", "Add 1, 2, 3, 4, 5, 6, 7, 8, 9 and 10, then say the total."]
+
+PARAMS = [pytest.param(name, id=name) for name in BACKENDS] + [
+    pytest.param(name, id=name, marks=pytest.mark.skip(reason=why)) for name, why in UNAVAILABLE.items()
+]
+
+
+@pytest.fixture(params=PARAMS)
+def backend(request):
+    """``make(model, tokenizer, version=0)`` for one backend."""
+    return BACKENDS.get(request.param)
+
+
+def chat_prompts(tok) -> list[list[int]]:
+    """Chat prompts of different lengths (each holds EOS = pad ids), sharing a > 16-token prefix."""
+    return [prompt_ids(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+def naive_logps(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+    """(n,) log-probs of ``completion`` after ``prompt`` from one unpadded row's full logits."""
+    ids = torch.tensor([prompt + completion])  # (1, T)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float() / temperature  # (T, V)
+    pred = logits[len(prompt) - 1:-1]  # (n, V): position t predicts token t+1
+    return torch.log_softmax(pred, dim=-1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)  # (n,)
+
+
+def served(backend, model, tok, version: int = 0) -> SamplingEngine:
+    """The backend over its own copy of ``model`` (so a test never sees shared weights move)."""
+    return backend(copy.deepcopy(model), tok, version=version)
+
+
+def assert_matches_model(gens: list[Generation], prompts, model, temperature: float, eos: int, limit: int) -> None:
+    """Every generation is well formed and its logprobs are ``model``'s within ATOL."""
+    for p, g in zip(prompts, gens, strict=True):
+        assert len(g.token_ids) == len(g.logprobs) <= limit
+        if g.finished and not g.stopped:
+            assert g.token_ids[-1] == eos and eos not in g.token_ids[:-1] and g.finish_reason == "stop"
+        elif not g.finished:
+            assert eos not in g.token_ids and len(g.token_ids) == limit and g.finish_reason == "length"
+        torch.testing.assert_close(torch.tensor(g.logprobs), naive_logps(model, p, g.token_ids, temperature),
+                                   atol=ATOL, rtol=0)
+
+
+def test_backend_satisfies_the_protocol(backend, tiny_tokenizer, tiny_model_factory):
+    engine = served(backend, tiny_model_factory(lora=True), tiny_tokenizer, version=4)
+    assert isinstance(engine, SamplingEngine)
+    assert engine.version == 4 and engine.eos_token_ids == [tiny_tokenizer.eos_token_id]
+    h = engine.health()
+    assert isinstance(h, EngineHealth) and h.ok and h.version == 4 and h.backend
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_sampled_logprobs_equal_recomputed(backend, tiny_tokenizer, tiny_model_factory, temperature):
+    # the EOS bias ends some rows early while others sample on; lengths differ (padding in play)
+    model = tiny_model_factory(eos_bias=3.0, lora=True)
+    engine = served(backend, model, tiny_tokenizer)
+    prompts = chat_prompts(tiny_tokenizer) * 3  # (9,)
+    torch.manual_seed(1)
+    gens = engine.generate(prompts, max_new_tokens=12, temperature=temperature)
+    assert len(gens) == 9 and all(g.adapter_version == 0 for g in gens)
+    assert any(g.finished for g in gens) and any(not g.finished for g in gens)
+    assert_matches_model(gens, prompts, model, temperature, tiny_tokenizer.eos_token_id, 12)
+    assert len({tuple(g.token_ids) for g in gens}) > 3  # it samples: not one continuation repeated
+
+
+def test_one_prompt_and_unrelated_prompts(backend, tiny_tokenizer, tiny_model_factory):
+    model = tiny_model_factory(eos_bias=2.0, lora=True)
+    engine = served(backend, model, tiny_tokenizer)
+    torch.manual_seed(2)
+    prompts = [torch.randint(0, 500, (n,)).tolist() for n in (1, 7, 30)]  # no shared prefix
+    for batch in (prompts[:1], prompts):
+        gens = engine.generate(batch, max_new_tokens=9, temperature=0.9)
+        assert_matches_model(gens, batch, model, 0.9, tiny_tokenizer.eos_token_id, 9)
+
+
+def test_greedy_is_argmax_and_deterministic(backend, tiny_tokenizer, tiny_model_factory):
+    model = tiny_model_factory(lora=True)
+    engine = served(backend, model, tiny_tokenizer)
+    prompts = chat_prompts(tiny_tokenizer)
+    torch.manual_seed(0)
+    a = engine.generate(prompts, max_new_tokens=10, greedy=True)
+    torch.manual_seed(123)
+    b = engine.generate(prompts[::-1], max_new_tokens=10, greedy=True)[::-1]  # order and batch mates change nothing
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    for p, g in zip(prompts, a):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + g.token_ids])).logits[0, len(p) - 1:-1]  # (n, V)
+        assert logits.argmax(-1).tolist() == g.token_ids
+    assert_matches_model(a, prompts, model, 1.0, tiny_tokenizer.eos_token_id, 10)  # temperature-1 logprobs
+
+
+def test_finish_reasons(backend, tiny_tokenizer, tiny_model_factory):
+    eos = tiny_tokenizer.eos_token_id
+    gens = served(backend, tiny_model_factory(eos_bias=50.0, lora=True), tiny_tokenizer).generate(
+        chat_prompts(tiny_tokenizer), max_new_tokens=8, temperature=1.0)
+    assert all(g.token_ids == [eos] and g.finished and g.finish_reason == "stop" for g in gens)
+    gens = served(backend, tiny_model_factory(eos_bias=-50.0, lora=True), tiny_tokenizer).generate(
+        chat_prompts(tiny_tokenizer), max_new_tokens=5, temperature=1.0)
+    assert all(len(g.token_ids) == 5 and not g.finished and g.finish_reason == "length" for g in gens)
+
+
+def test_stop_string_cuts_after_the_completing_token(backend, tiny_tokenizer, tiny_model_factory):
+    engine = served(backend, tiny_model_factory(lora=True, eos_bias=-5.0), tiny_tokenizer)
+    prompt = chat_prompts(tiny_tokenizer)[:1]
+    full = engine.generate(prompt, 16, greedy=True)[0]
+    stop = tiny_tokenizer.decode(full.token_ids)[5:8]
+    k = next(k for k in range(1, 17) if stop in tiny_tokenizer.decode(full.token_ids[:k]))
+    cut = engine.generate(prompt, 16, greedy=True, stop=[stop])[0]
+    assert cut.stopped and cut.finished and cut.finish_reason == "stop"
+    assert cut.token_ids == full.token_ids[:k]
+    torch.testing.assert_close(torch.tensor(cut.logprobs), torch.tensor(full.logprobs[:k]), atol=ATOL, rtol=0)
+    none = engine.generate(prompt, 16, greedy=True, stop=["\x00never"])[0]
+    assert not none.stopped and none.token_ids == full.token_ids
+
+
+def test_top_p_tiny_samples_the_top_token(backend, tiny_tokenizer, tiny_model_factory):
+    engine = served(backend, tiny_model_factory(lora=True), tiny_tokenizer)
+    prompt = chat_prompts(tiny_tokenizer)[:1] * 6
+    top = engine.generate(prompt[:1], 1, greedy=True)[0].token_ids
+    torch.manual_seed(0)
+    assert all(g.token_ids == top for g in engine.generate(prompt, 1, temperature=1.0, top_p=1e-6))
+
+
+def _random_state(model, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {k: torch.randn_like(v) * 0.3 for k, v in get_peft_model_state_dict(model).items()}
+
+
+def test_swap_by_state_dict_and_by_folder(backend, tiny_tokenizer, tiny_model_factory, tmp_path):
+    model = tiny_model_factory(lora=True, eos_bias=1.0)
+    engine = served(backend, model, tiny_tokenizer)
+    prompts = chat_prompts(tiny_tokenizer)
+    v0 = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
+    before = engine.generate(prompts, 8, greedy=True)
+
+    v1 = _random_state(model, 7)
+    seconds = engine.swap(v1, 1)
+    assert seconds >= 0.0 and engine.version == 1 and engine.health().version == 1
+    set_peft_model_state_dict(model, v1)
+    torch.manual_seed(3)
+    gens = engine.generate(prompts, 8, temperature=0.8)
+    assert all(g.adapter_version == 1 for g in gens)
+    assert_matches_model(gens, prompts, model, 0.8, tiny_tokenizer.eos_token_id, 8)  # the new weights sampled
+
+    v2 = _random_state(model, 8)
+    set_peft_model_state_dict(model, v2)
+    folder = adapters.save_version(model, tmp_path, 2)
+    engine.swap(folder, 2)
+    assert engine.version == 2
+    greedy = engine.generate(prompts, 8, greedy=True)
+    assert all(g.adapter_version == 2 for g in greedy)
+    assert_matches_model(greedy, prompts, model, 1.0, tiny_tokenizer.eos_token_id, 8)
+
+    engine.swap(v0, 0)
+    back = engine.generate(prompts, 8, greedy=True)
+    assert engine.version == 0 and [g.token_ids for g in back] == [g.token_ids for g in before]
+
+
+def test_swap_of_a_mismatched_adapter_changes_nothing(backend, tiny_tokenizer, tiny_model_factory):
+    model = tiny_model_factory(lora=True)
+    engine = served(backend, model, tiny_tokenizer, version=3)
+    prompts = chat_prompts(tiny_tokenizer)
+    before = engine.generate(prompts, 6, greedy=True)
+    bad = _random_state(model, 9)
+    bad.pop(next(iter(bad)))  # one tensor missing: the rest must not be copied either
+    with pytest.raises(ValueError, match="version 4"):
+        engine.swap(bad, 4)
+    after = engine.generate(prompts, 6, greedy=True)
+    assert engine.version == 3 and all(g.adapter_version == 3 for g in after)
+    assert [g.token_ids for g in after] == [g.token_ids for g in before]
+    for a, b in zip(after, before):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=ATOL, rtol=0)
+
+
+def test_bad_arguments_are_refused(backend, tiny_tokenizer, tiny_model_factory):
+    engine = served(backend, tiny_model_factory(lora=True), tiny_tokenizer)
+    for kwargs, match in [(dict(prompts=[]), "prompt"), (dict(prompts=[[1, 2], []]), "prompt"),
+                          (dict(temperature=0.0), "temperature"), (dict(top_p=0.0), "top_p"),
+                          (dict(top_p=1.5), "top_p"), (dict(max_new_tokens=0), "max_new_tokens")]:
+        args = {"prompts": [[1, 2]], "max_new_tokens": 4, **kwargs}
+        with pytest.raises(ValueError, match=match):
+            engine.generate(**args)
+
+
+def test_concurrent_callers_each_get_their_own_rows(backend, tiny_tokenizer, tiny_model_factory):
+    model = tiny_model_factory(lora=True, eos_bias=1.0)
+    engine = served(backend, model, tiny_tokenizer)
+    prompts = chat_prompts(tiny_tokenizer)
+    alone = [engine.generate([p], 10, greedy=True)[0].token_ids for p in prompts]
+    out: dict[int, list[int]] = {}
+
+    def call(i: int) -> None:
+        out[i] = engine.generate([prompts[i]], 10, greedy=True)[0].token_ids
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [out[i] for i in range(len(prompts))] == alone
+
+
+def test_on_step_streams_prefixes_of_the_result(backend, tiny_tokenizer, tiny_model_factory):
+    engine = served(backend, tiny_model_factory(lora=True), tiny_tokenizer)
+    prompts = chat_prompts(tiny_tokenizer)
+    seen: list[torch.Tensor] = []
+    gens = engine.generate(prompts, 12, greedy=True, on_step=lambda ids: seen.append(ids.clone()))
+    plain = engine.generate(prompts, 12, greedy=True)
+    assert [g.token_ids for g in gens] == [g.token_ids for g in plain]  # observing changes nothing
+    assert seen and seen[-1].shape[0] == len(prompts)
+    for ids in seen:
+        for i, g in enumerate(gens):
+            k = min(ids.shape[1], len(g.token_ids))
+            assert ids[i, :k].tolist() == g.token_ids[:k]
