@@ -34,6 +34,7 @@ from selfrl.store import Store
 from selfrl.tasks import Task, assert_disjoint, get_task_source, split_tasks
 from selfrl.tools import resolve_tools
 from selfrl.trainer import Learner, skip_note
+from selfrl.trajectory import Trajectory
 
 
 @dataclass
@@ -172,16 +173,9 @@ class Runner:
 
     def iteration(self, it: int) -> dict[str, float]:
         """Rollouts, rewards, advantages and one update; returns the logged metrics."""
-        cfg, t0 = self.cfg, time.perf_counter()
+        cfg = self.cfg
         faults.set_iteration(it)
-        batch = iteration_tasks(self.train, it, cfg.num_prompts, cfg.task.train_seed)
-        tasks = [t for t in batch for _ in range(cfg.num_generations)]
-        groups = [f"{it}-{j}" for j, t in enumerate(batch) for _ in range(cfg.num_generations)]
-        self.progress.phase(f"iteration {it}: rollouts (turns)", cfg.rollout.max_turns)
-        trajs = rollout(self.engine, tasks, groups, self.tools, cfg.rollout, on_turn=self.progress.advance,
-                        env_factory=self.source.make_env)
-        t_roll = time.perf_counter() - t0
-        faults.point("after_rollout")
+        trajs, t_roll = self.rollouts(it)
         score_batch(trajs, self.tasks_by_id, self.source, self.weights)
         hacking = self.monitor.apply(trajs)  # reward-hacking detectors: a flagged trajectory earns at most 0
         for alert in self.monitor.pop_alerts():
@@ -225,6 +219,19 @@ class Runner:
         if alarms:  # also when the best version sampled them: the new candidate goes, the setting gets safer
             self.roll_back(it, alarms)
         return metrics
+
+    def rollouts(self, it: int) -> tuple[list[Trajectory], float]:
+        """The iteration's group of ``num_generations`` rollouts per task; returns them and the seconds."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        batch = iteration_tasks(self.train, it, cfg.num_prompts, cfg.task.train_seed)
+        tasks = [t for t in batch for _ in range(cfg.num_generations)]
+        groups = [f"{it}-{j}" for j, t in enumerate(batch) for _ in range(cfg.num_generations)]
+        self.progress.phase(f"iteration {it}: rollouts (turns)", cfg.rollout.max_turns)
+        trajs = rollout(self.engine, tasks, groups, self.tools, cfg.rollout, on_turn=self.progress.advance,
+                        env_factory=self.source.make_env)
+        t_roll = time.perf_counter() - t0
+        faults.point("after_rollout")
+        return trajs, t_roll
 
     def gate(self, it: int, res: EvalResult) -> None:
         """Promote the validated candidate, or reject it and swap the best version back in."""

@@ -1,0 +1,244 @@
+"""The driver of a distributed run: a pool of Ray rollout workers feeding one learner.
+
+What runs where:
+
+- **driver** (the ``selfrl run --ray`` process): the store, the learner (the GRPO
+  update on the one trained model), the validation gate and the version folders;
+  everything of :class:`selfrl.loop.Runner` except where rollouts come from.
+- **workers** (Ray actors, anywhere in the cluster): one :class:`RolloutWorker`
+  each, with its own engine; they sample and send trajectories back.
+
+The run is asynchronous: every worker always holds ``in_flight`` jobs, so workers
+keep sampling while the driver scores and trains; each group records the version
+that sampled it, and groups older than ``max_staleness`` are dropped
+(:mod:`selfrl.distributed.staleness`). The rest go through the loop's usual update,
+whose truncated importance correction takes the sampler's recorded log-probs as the
+behaviour policy.
+
+Faults: a job whose worker died (``ray.exceptions.RayActorError``: killed, its node
+lost) or that is not back within ``job_timeout_s`` (a partitioned or hung worker,
+which is then killed) is redone on a fresh worker that replaces the lost one; each
+is a ``worker_lost`` event. Trajectories reach the store only through the driver,
+after a job returned whole, so a lost worker loses no stored sample and leaves no
+half-written one. The learner's crash safety (atomic versions, ``--resume``) is the
+loop's, unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from selfrl import adapters
+from selfrl.config import RunConfig
+from selfrl.distributed.config import DistributedConfig
+from selfrl.distributed.staleness import staleness
+from selfrl.distributed.worker import Job, JobResult, RolloutWorker
+from selfrl.loop import Runner, iteration_tasks
+from selfrl.progress import PlainProgress, Progress
+from selfrl.trajectory import Trajectory
+
+
+def connect(address: str, num_cpus: int | None = None) -> None:
+    """Join (``"auto"``, ``host:port``, ``ray://...``) or start (``"local"``) a Ray cluster,
+    unless this process is already connected. A local cluster listens on loopback only."""
+    if ray.is_initialized():
+        return
+    if address == "local":
+        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=False, configure_logging=False)
+    else:
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+
+
+@dataclass
+class PoolStats:
+    """What the pool counted (logged as ``async/*`` metrics and in the report)."""
+
+    jobs_done: int = 0
+    workers_lost: int = 0
+    jobs_redone: int = 0
+    dropped_stale: int = 0
+
+
+class WorkerPool:
+    """``num_workers`` rollout actors, each kept busy with ``in_flight`` jobs.
+
+    Args:
+        cfg: the run's config (sent to every worker).
+        dist: the distributed settings.
+        on_event: ``on_event(kind, message)`` for ``worker_lost`` events (the driver's store).
+    """
+
+    def __init__(self, cfg: RunConfig, dist: DistributedConfig, on_event: Callable[[str, str], None]):
+        self.cfg, self.dist, self.on_event = cfg, dist, on_event
+        self.remote_cls = ray.remote(num_cpus=dist.worker_cpus, max_restarts=0)(RolloutWorker)
+        self.spawned = 0
+        self.workers = [self._spawn() for _ in range(dist.num_workers)]
+        # ObjectRef -> (worker index, job, weights box, submit time)
+        self.pending: dict = {}
+        self.stats = PoolStats()
+
+    def _spawn(self):
+        self.spawned += 1
+        return self.remote_cls.remote(self.cfg, self.dist.engine, self.dist.worker_threads,
+                                      self.cfg.seed + 1000 * self.spawned)
+
+    def load(self, i: int) -> int:
+        return sum(1 for w, *_ in self.pending.values() if w == i)
+
+    def submit(self, i: int, job: Job, weights: list) -> None:
+        ref = self.workers[i].run_job.remote(job, weights)
+        self.pending[ref] = (i, job, weights, time.monotonic())
+
+    def fill(self, next_job: Callable[[], tuple[Job, list]]) -> None:
+        """Give every worker jobs until it holds ``in_flight``."""
+        for i in range(len(self.workers)):
+            while self.load(i) < self.dist.in_flight:
+                self.submit(i, *next_job())
+
+    def pids(self) -> list[int]:
+        """Process ids of the live workers (for the fault tests)."""
+        return ray.get([w.pid.remote() for w in self.workers])
+
+    def next_result(self) -> JobResult:
+        """The next finished job; a job lost with its worker (died, or past ``job_timeout_s``)
+        is resubmitted to a fresh worker that replaces it, and waited for again."""
+        while True:
+            oldest = min(t for *_, t in self.pending.values())
+            wait_s = max(0.0, self.dist.job_timeout_s - (time.monotonic() - oldest))
+            ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=wait_s)
+            if not ready:  # the oldest job is overdue: its worker is partitioned or hung
+                ref = min(self.pending, key=lambda r: self.pending[r][3])
+                self._replace(ref, f"no result within {self.dist.job_timeout_s:.0f} s", kill=True)
+                continue
+            ref = ready[0]
+            try:
+                result = ray.get(ref)
+            except (RayActorError, GetTimeoutError) as e:
+                self._replace(ref, f"{type(e).__name__}", kill=False)
+                continue
+            del self.pending[ref]
+            self.stats.jobs_done += 1
+            return result
+
+    def _replace(self, ref, why: str, kill: bool) -> None:
+        i, job, weights, _ = self.pending.pop(ref)
+        if kill:
+            ray.kill(self.workers[i], no_restart=True)
+        lost = [(r, j, w) for r, (k, j, w, _) in self.pending.items() if k == i]
+        for r, *_ in lost:  # the worker's queued jobs die with it
+            del self.pending[r]
+        self.workers[i] = self._spawn()
+        self.stats.workers_lost += 1
+        redo = [(job, weights)] + [(j, w) for _, j, w in lost]
+        for j, w in redo:
+            self.submit(i, j, w)
+        self.stats.jobs_redone += len(redo)
+        self.on_event("worker_lost", f"worker {i} lost ({why}); jobs {[j.job_id for j, _ in redo]} "
+                                     f"redone on a fresh worker")
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.pending.clear()
+
+
+class AsyncRunner(Runner):
+    """The loop of :class:`selfrl.loop.Runner` with rollouts from a :class:`WorkerPool`.
+
+    Each iteration takes the first ``num_prompts`` groups that come back within the
+    staleness bound; the jobs still in flight keep sampling while the driver trains.
+
+    Args:
+        on_result: test hook, called with the pool after each job returns (the fault
+            test kills a worker from it).
+    """
+
+    def __init__(self, cfg: RunConfig, dist: DistributedConfig, resume: bool = False,
+                 progress: Progress | None = None, on_result: Callable[[WorkerPool], None] | None = None):
+        super().__init__(cfg, resume, progress or PlainProgress())
+        self.dist, self.on_result = dist, on_result
+        self.loaded: list[int] = []  # versions the learner's weights held, in order
+        self.published: dict[int, list] = {}  # version -> [ObjectRef of its LoRA state]
+        self.job_count = 0
+        self.pool = WorkerPool(cfg, dist, lambda kind, msg: self.store.log_event(self.run_id, kind, msg))
+        self.max_trained_staleness = 0.0
+
+    def note_version(self) -> int:
+        """Record the learner's current version (after an update, a rejection or a rollback)
+        and publish its LoRA tensors to the object store once; returns it."""
+        v = self.engine.version
+        if not self.loaded or self.loaded[-1] != v:
+            self.loaded.append(v)
+        if v not in self.published:
+            self.published = {k: r for k, r in self.published.items() if k in self.loaded[-(self.dist.max_staleness + 2):]}
+            self.published[v] = [ray.put(adapters.lora_state(self.engine.model))]
+        return v
+
+    def next_job(self) -> tuple[Job, list]:
+        """The next task of the deterministic walk through the training set, on the current version."""
+        k, v = self.job_count, self.loaded[-1]
+        self.job_count += 1
+        task = iteration_tasks(self.train, k, 1, self.cfg.task.train_seed)[0]
+        return Job(k, task, f"j{k}", v), self.published[v]
+
+    def rollouts(self, it: int) -> tuple[list[Trajectory], float]:
+        t0 = time.perf_counter()
+        self.note_version()
+        self.progress.phase(f"iteration {it}: rollouts (groups)", self.cfg.num_prompts)
+        groups: list[JobResult] = []
+        dropped = 0
+        while len(groups) < self.cfg.num_prompts:
+            self.pool.fill(self.next_job)
+            res = self.pool.next_result()
+            if self.on_result is not None:
+                self.on_result(self.pool)
+            lag = staleness(res.version, self.loaded)
+            if lag > self.dist.max_staleness:
+                dropped += 1
+                continue
+            self.max_trained_staleness = max(self.max_trained_staleness, lag)
+            groups.append(res)
+            self.progress.advance()
+        self.pool.fill(self.next_job)  # keep the workers sampling while the learner trains
+        self.pool.stats.dropped_stale += dropped
+        self.iteration_stats = {"async/dropped_stale": float(dropped),
+                                "async/mean_staleness": sum(staleness(g.version, self.loaded) for g in groups)
+                                / len(groups),
+                                "async/workers_lost": float(self.pool.stats.workers_lost)}
+        return [t for g in groups for t in g.trajectories], time.perf_counter() - t0
+
+    def iteration(self, it: int) -> dict[str, float]:
+        metrics = super().iteration(it)
+        metrics.update(self.iteration_stats)
+        return metrics
+
+    def finish(self, stopped: bool):
+        s = self.pool.stats
+        self.store.log_event(self.run_id, "distributed", (
+            f"{self.dist.num_workers} workers: {s.jobs_done} jobs done, {s.dropped_stale} groups dropped as "
+            f"staler than {self.dist.max_staleness}, {s.workers_lost} workers lost, {s.jobs_redone} jobs redone"),
+            {"jobs_done": s.jobs_done, "dropped_stale": s.dropped_stale, "workers_lost": s.workers_lost,
+             "jobs_redone": s.jobs_redone, "max_staleness": self.dist.max_staleness})
+        self.pool.shutdown()
+        result = super().finish(stopped)
+        result.summary.update({"workers": self.dist.num_workers, "dropped_stale": s.dropped_stale,
+                               "workers_lost": s.workers_lost, "jobs_redone": s.jobs_redone})
+        return result
+
+
+def run_distributed(cfg: RunConfig, dist: DistributedConfig, resume: bool = False, progress: Progress | None = None,
+                    on_result: Callable[[WorkerPool], None] | None = None):
+    """:func:`selfrl.loop.run` with rollouts on Ray workers (see the module docstring).
+
+    Raises:
+        as :func:`selfrl.loop.run`; ``ConnectionError`` when the cluster cannot be reached.
+    """
+    dist.validate()
+    connect(dist.address)
+    return AsyncRunner(cfg, dist, resume, progress, on_result).run()

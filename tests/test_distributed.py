@@ -1,0 +1,106 @@
+"""Distributed rollouts on a local Ray cluster: the staleness bound checked from the
+store, a worker killed mid-run, and Ray never imported without ``--ray``.
+
+The model and reward are those of ``tests/test_loop.py`` (a tiny Phi saved to disk,
+the ``short`` test reward that differs within groups, so updates happen). The cluster
+is started on loopback with 2 CPUs, 2 workers of half a CPU each.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from conftest import save_tiny_phi
+
+from selfrl.config import ConfigError
+from selfrl.distributed.config import DistributedConfig
+from selfrl.distributed.staleness import staleness, within_bound
+from selfrl.store import Store
+
+
+def test_staleness_counts_weight_changes():
+    assert staleness(4, [0, 1, 2, 3, 4]) == 0
+    assert staleness(2, [0, 1, 2, 3, 4]) == 2
+    # candidate 3 rejected, champion 2 back: the learner changed once since 3 and 2
+    assert staleness(3, [0, 1, 2, 3, 2]) == 1
+    assert staleness(2, [0, 1, 2, 3, 2]) == 0
+    assert staleness(9, [0, 1]) == float("inf")
+    assert within_bound([4, 3, 2, 9], [0, 1, 2, 3, 4], 1) == [True, True, False, False]
+    assert within_bound([4, 3], [0, 1, 2, 3, 4], 0) == [True, False]
+    with pytest.raises(ValueError, match="max_staleness"):
+        within_bound([1], [1], -1)
+    with pytest.raises(ValueError, match="no version"):
+        staleness(0, [])
+
+
+def test_distributed_config_refuses_bad_values():
+    assert DistributedConfig().validate().max_staleness == 1
+    with pytest.raises(ConfigError, match="num_workers"):
+        DistributedConfig(num_workers=0).validate()
+    with pytest.raises(ConfigError, match="max_staleness"):
+        DistributedConfig(max_staleness=-1).validate()
+
+
+def test_no_ray_without_the_flag():
+    code = ("import sys, selfrl.cli, selfrl.loop, selfrl.distributed, selfrl.distributed.staleness, "
+            "selfrl.distributed.config, selfrl.distributed.agents, selfrl.distributed.worker; "
+            "assert 'ray' not in sys.modules, 'ray imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_async_run_bounds_staleness_and_survives_a_killed_worker(tmp_path, tiny_tokenizer, ray_cluster):
+    from test_loop import make_cfg, short
+
+    from selfrl.distributed.driver import run_distributed
+    from selfrl.rewards import REWARD_FUNCS
+
+    mp = pytest.MonkeyPatch()
+    mp.setitem(REWARD_FUNCS, "short", short)
+    model_dir = save_tiny_phi(tmp_path / "model", tiny_tokenizer)
+    cfg = make_cfg(model_dir, tmp_path / "run", iterations=4)
+    cfg.gate.eval_every = 100  # one validation, at the end, and no collapse rollbacks:
+    cfg.collapse.enabled = False  # versions only grow, so staleness = learner version - sampler version
+    dist = DistributedConfig(address="local", num_workers=2, max_staleness=1, job_timeout_s=120)
+    killed = []
+
+    def kill_one_mid_job(pool):  # after the third result, SIGKILL a worker that holds a job
+        if pool.stats.jobs_done == 3 and not killed:
+            busy = next(i for i, *_ in pool.pending.values())
+            pid = ray_cluster.get(pool.workers[busy].pid.remote())
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    try:
+        result = run_distributed(cfg, dist, on_result=kill_one_mid_job)
+    finally:
+        mp.undo()
+    assert killed and result.summary["workers_lost"] == 1 and result.summary["jobs_redone"] >= 1
+
+    store = Store(tmp_path / "run" / "selfrl.db")
+    learner_version = {m["step"]: int(m["value"]) for m in store.metrics() if m["name"] == "sampled_version"}
+    trajs = store.trajectories()
+    # every iteration trained num_prompts whole groups: nothing lost to the killed worker
+    for it in range(4):
+        assert len(store.trajectories(iteration=it)) == cfg.num_prompts * cfg.num_generations
+    assert all(t.error is None and t.token_ids for t in trajs)
+    lags = []
+    for it in range(4):
+        for t in store.trajectories(iteration=it):
+            lags.append(learner_version[it] - t.adapter_version)
+    assert max(lags) <= dist.max_staleness and min(lags) >= 0
+    assert max(lags) == 1  # asynchronous for real: some groups were sampled while the learner trained
+    assert learner_version[3] >= 2  # updates happened (versions grow)
+    events = [e for e in store.events() if e["kind"] == "worker_lost"]
+    assert len(events) == 1
+    store.close()
