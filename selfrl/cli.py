@@ -2,6 +2,7 @@
 
     selfrl run [--config FILE] [flags]     run the self-improvement loop
     selfrl run --resume RUN_DIR            continue a stopped run
+    selfrl run --ray auto|local|ADDRESS    rollouts on Ray workers, asynchronous (docs/distributed.md)
     selfrl serve [--config FILE] [flags]   OpenAI-compatible server that learns from its traffic
 """
 
@@ -55,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", metavar="RUN_DIR", help="continue the run stored in RUN_DIR")
     for flag, (_, typ, help_) in RUN_FLAGS.items():
         r.add_argument(flag, type=typ, help=help_)
+    r.add_argument("--ray", metavar="ADDRESS", help="rollouts on Ray workers: auto (a running cluster), local "
+                   "(start one here) or host:port; needs the ray extra")
+    r.add_argument("--workers", type=int, default=2, help="rollout workers with --ray (default 2)")
+    r.add_argument("--max-staleness", type=int, default=1,
+                   help="with --ray: versions a sample may lag the learner and still be trained (default 1)")
     s = sub.add_parser("serve", help="OpenAI-compatible server that records, learns and hot-swaps adapters")
     s.add_argument("--config", help="TOML file with ServeConfig keys (see selfrl/serve/config.py)")
     s.add_argument("--api-key-file", help="file whose first line is the API key (else SELFRL_API_KEY)")
@@ -97,8 +103,18 @@ def main(argv: list[str] | None = None) -> int:
         from selfrl.progress import RichProgress
 
         with RichProgress(cfg.iterations, Console(stderr=True)) as progress:
-            result = run(cfg, resume=bool(args.resume), progress=progress)
-    except (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError, ValueError) as e:
+            if args.ray:  # only here is Ray imported
+                from selfrl.distributed.config import DistributedConfig
+                try:
+                    from selfrl.distributed.driver import run_distributed
+                except ImportError as e:
+                    raise ConfigError(f"--ray needs Ray ({e}): pip install -e '.[ray]'") from e
+
+                dist = DistributedConfig(args.ray, args.workers, args.max_staleness).validate()
+                result = run_distributed(cfg, dist, resume=bool(args.resume), progress=progress)
+            else:
+                result = run(cfg, resume=bool(args.resume), progress=progress)
+    except (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError, ValueError, ConnectionError) as e:
         print(f"selfrl: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
