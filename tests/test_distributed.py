@@ -51,6 +51,19 @@ def test_no_ray_without_the_flag():
 
 
 @pytest.fixture(scope="module")
+def short_model(tmp_path_factory, tiny_tokenizer):
+    """(model folder, make_cfg) of tests/test_loop.py, with its ``short`` reward registered."""
+    from test_loop import make_cfg, short
+
+    from selfrl.rewards import REWARD_FUNCS
+
+    mp = pytest.MonkeyPatch()
+    mp.setitem(REWARD_FUNCS, "short", short)
+    yield save_tiny_phi(tmp_path_factory.mktemp("model"), tiny_tokenizer), make_cfg
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
 def ray_cluster():
     import ray  # in the test extra: CI runs this test, never skips it
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
@@ -59,15 +72,10 @@ def ray_cluster():
     ray.shutdown()
 
 
-def test_async_run_bounds_staleness_and_survives_a_killed_worker(tmp_path, tiny_tokenizer, ray_cluster):
-    from test_loop import make_cfg, short
-
+def test_async_run_bounds_staleness_and_survives_a_killed_worker(tmp_path, short_model, ray_cluster):
     from selfrl.distributed.driver import run_distributed
-    from selfrl.rewards import REWARD_FUNCS
 
-    mp = pytest.MonkeyPatch()
-    mp.setitem(REWARD_FUNCS, "short", short)
-    model_dir = save_tiny_phi(tmp_path / "model", tiny_tokenizer)
+    model_dir, make_cfg = short_model
     cfg = make_cfg(model_dir, tmp_path / "run", iterations=4)
     cfg.gate.eval_every = 100  # one validation, at the end, and no collapse rollbacks:
     cfg.collapse.enabled = False  # versions only grow, so staleness = learner version - sampler version
@@ -81,10 +89,7 @@ def test_async_run_bounds_staleness_and_survives_a_killed_worker(tmp_path, tiny_
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
-    try:
-        result = run_distributed(cfg, dist, on_result=kill_one_mid_job)
-    finally:
-        mp.undo()
+    result = run_distributed(cfg, dist, on_result=kill_one_mid_job)
     assert killed and result.summary["workers_lost"] == 1 and result.summary["jobs_redone"] >= 1
 
     store = Store(tmp_path / "run" / "selfrl.db")
@@ -104,3 +109,29 @@ def test_async_run_bounds_staleness_and_survives_a_killed_worker(tmp_path, tiny_
     events = [e for e in store.events() if e["kind"] == "worker_lost"]
     assert len(events) == 1
     store.close()
+
+
+def test_a_partitioned_worker_is_timed_out_replaced_and_its_job_redone(tmp_path, short_model, ray_cluster):
+    from selfrl import adapters
+    from selfrl.distributed.driver import WorkerPool
+    from selfrl.distributed.worker import Job
+    from selfrl.model import build_policy
+    from selfrl.tasks import get_task_source
+
+    model_dir, make_cfg = short_model
+    cfg = make_cfg(model_dir, tmp_path / "run")
+    events = []
+    pool = WorkerPool(cfg, DistributedConfig(num_workers=1, job_timeout_s=3), lambda k, m: events.append((k, m)))
+    weights = [ray_cluster.put(adapters.lora_state(build_policy(cfg)[0]))]
+    task = get_task_source("chain_sum").sample(1, seed=0)[0]
+    [stopped] = pool.pids()
+    os.kill(stopped, signal.SIGSTOP)  # partitioned: alive, never answers
+    try:
+        pool.submit(0, Job(7, task, "g7", 0), weights)
+        result = pool.next_result()
+    finally:
+        pool.shutdown()
+    assert result.job_id == 7 and result.version == 0 and result.worker_pid != stopped
+    assert len(result.trajectories) == cfg.num_generations and all(t.adapter_version == 0 for t in result.trajectories)
+    assert pool.stats.workers_lost == 1 and pool.stats.jobs_redone == 1
+    assert events == [("worker_lost", "worker 0 lost (no result within 3 s); jobs [7] redone on a fresh worker")]

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import RayActorError
 
 from selfrl import adapters
 from selfrl.config import RunConfig
@@ -41,6 +41,11 @@ from selfrl.distributed.worker import Job, JobResult, RolloutWorker
 from selfrl.loop import Runner, iteration_tasks
 from selfrl.progress import PlainProgress, Progress
 from selfrl.trajectory import Trajectory
+
+
+# Extra seconds a worker may take to start (Ray worker process, imports, model load) before
+# its first job's clock runs.
+STARTUP_GRACE_S = 600.0
 
 
 def connect(address: str, num_cpus: int | None = None) -> None:
@@ -78,22 +83,29 @@ class WorkerPool:
         self.cfg, self.dist, self.on_event = cfg, dist, on_event
         self.remote_cls = ray.remote(num_cpus=dist.worker_cpus, max_restarts=0)(RolloutWorker)
         self.spawned = 0
-        self.workers = [self._spawn() for _ in range(dist.num_workers)]
-        # ObjectRef -> (worker index, job, weights box, submit time)
-        self.pending: dict = {}
+        self.workers: list = []
+        self.starting: list = []  # per worker: ObjectRef that resolves once it is built, None after
+        self.since: list[float] = []  # per worker: when it last became ready, got work while idle, or answered
+        for i in range(dist.num_workers):
+            self.workers.append(None), self.starting.append(None), self.since.append(0.0)
+            self._spawn(i)
+        self.pending: dict = {}  # ObjectRef -> (worker index, job, weights box)
         self.stats = PoolStats()
 
-    def _spawn(self):
+    def _spawn(self, i: int) -> None:
         self.spawned += 1
-        return self.remote_cls.remote(self.cfg, self.dist.engine, self.dist.worker_threads,
-                                      self.cfg.seed + 1000 * self.spawned)
+        self.workers[i] = self.remote_cls.remote(self.cfg, self.dist.engine, self.dist.worker_threads,
+                                                 self.cfg.seed + 1000 * self.spawned)
+        self.starting[i], self.since[i] = self.workers[i].pid.remote(), time.monotonic()
 
     def load(self, i: int) -> int:
         return sum(1 for w, *_ in self.pending.values() if w == i)
 
     def submit(self, i: int, job: Job, weights: list) -> None:
+        if self.load(i) == 0:
+            self.since[i] = time.monotonic()
         ref = self.workers[i].run_job.remote(job, weights)
-        self.pending[ref] = (i, job, weights, time.monotonic())
+        self.pending[ref] = (i, job, weights)
 
     def fill(self, next_job: Callable[[], tuple[Job, list]]) -> None:
         """Give every worker jobs until it holds ``in_flight``."""
@@ -105,41 +117,56 @@ class WorkerPool:
         """Process ids of the live workers (for the fault tests)."""
         return ray.get([w.pid.remote() for w in self.workers])
 
+    def deadline(self, i: int) -> float:
+        """When worker ``i``, busy, counts as lost: ``job_timeout_s`` after it last showed
+        progress, plus ``STARTUP_GRACE_S`` while it is still being built."""
+        return self.since[i] + self.dist.job_timeout_s + (STARTUP_GRACE_S if self.starting[i] is not None else 0.0)
+
     def next_result(self) -> JobResult:
-        """The next finished job; a job lost with its worker (died, or past ``job_timeout_s``)
-        is resubmitted to a fresh worker that replaces it, and waited for again."""
+        """The next finished job. A worker that died (its job raises ``RayActorError``) or
+        shows no progress for ``job_timeout_s`` while busy (partitioned or hung: it is
+        killed) is replaced by a fresh one, and all its jobs are redone there."""
         while True:
-            oldest = min(t for *_, t in self.pending.values())
-            wait_s = max(0.0, self.dist.job_timeout_s - (time.monotonic() - oldest))
-            ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=wait_s)
-            if not ready:  # the oldest job is overdue: its worker is partitioned or hung
-                ref = min(self.pending, key=lambda r: self.pending[r][3])
-                self._replace(ref, f"no result within {self.dist.job_timeout_s:.0f} s", kill=True)
+            now = time.monotonic()
+            for i, ref in enumerate(self.starting):
+                if ref is not None and ray.wait([ref], timeout=0)[0]:
+                    self.starting[i], self.since[i] = None, now
+            busy = {i for i, *_ in self.pending.values()}
+            overdue = [i for i in busy if now > self.deadline(i)]
+            if overdue:
+                self._replace(overdue[0], f"no result within {self.dist.job_timeout_s:.0f} s", kill=True)
+                continue
+            wait_s = min(self.deadline(i) for i in busy) - now
+            if any(self.starting[i] is not None for i in busy):
+                wait_s = min(wait_s, 1.0)  # look again soon: its clock starts when it is built
+            ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=max(wait_s, 0.0))
+            if not ready:
                 continue
             ref = ready[0]
+            i = self.pending[ref][0]
             try:
                 result = ray.get(ref)
-            except (RayActorError, GetTimeoutError) as e:
-                self._replace(ref, f"{type(e).__name__}", kill=False)
+            except RayActorError as e:
+                self._replace(i, type(e).__name__, kill=False)
                 continue
             del self.pending[ref]
+            self.since[i] = time.monotonic()
             self.stats.jobs_done += 1
             return result
 
-    def _replace(self, ref, why: str, kill: bool) -> None:
-        i, job, weights, _ = self.pending.pop(ref)
+    def _replace(self, i: int, why: str, kill: bool) -> None:
+        """Replace worker ``i`` with a fresh one and resubmit every job it held, in order."""
         if kill:
             ray.kill(self.workers[i], no_restart=True)
-        lost = [(r, j, w) for r, (k, j, w, _) in self.pending.items() if k == i]
-        for r, *_ in lost:  # the worker's queued jobs die with it
+        lost = [(r, j, w) for r, (k, j, w) in self.pending.items() if k == i]
+        for r, *_ in lost:
             del self.pending[r]
-        self.workers[i] = self._spawn()
+        self._spawn(i)
         self.stats.workers_lost += 1
-        redo = [(job, weights)] + [(j, w) for _, j, w in lost]
-        for j, w in redo:
+        for _, j, w in sorted(lost, key=lambda x: x[1].job_id):
             self.submit(i, j, w)
-        self.stats.jobs_redone += len(redo)
-        self.on_event("worker_lost", f"worker {i} lost ({why}); jobs {[j.job_id for j, _ in redo]} "
+        self.stats.jobs_redone += len(lost)
+        self.on_event("worker_lost", f"worker {i} lost ({why}); jobs {sorted(j.job_id for _, j, _ in lost)} "
                                      f"redone on a fresh worker")
 
     def shutdown(self) -> None:
