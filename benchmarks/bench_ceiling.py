@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
         t.reward, t.advantage = float(i % 2), 1.0 if i % 2 else -1.0
     learner = Learner(model, cfg.train, cfg.rollout.temperature, tok.pad_token_id,
                       cfg.rollout.max_new_tokens * cfg.rollout.max_turns)
-    t_train, metrics = timed(lambda: learner.step(trajs), args.repeats, warmup=0 if args.tiny else 1)
+    t_train, metrics = timed(lambda: learner.step(trajs).metrics(), args.repeats, warmup=0 if args.tiny else 1)
     seq_tokens = sum(len(t.token_ids) for t in trajs)
     train_tokens = sum(t.num_completion_tokens for t in trajs)
     factor = 6 if cfg.train.beta > 0 else 4
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
                 ["figure", "measured", "upper bound", "fraction"], rows)
     if args.profile:
         result["profile_generation"] = profile_top(generate)
-        result["profile_training"] = profile_top(lambda: learner.step(trajs))
+        result["profile_training"] = profile_top(lambda: learner.step(trajs).metrics())
         for what in ("generation", "training"):
             print_table(f"top operators, one {what} call (self CPU time)", ["op", "s", "share", "calls"],
                         [[e["op"], f"{e['self_s']:.2f}", f"{e['share']:.0%}", e["calls"]]

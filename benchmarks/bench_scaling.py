@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
         model, tok, cfg, prompts = models[r]
         trajs = synthetic_batch(tok, prompts[:args.num_prompts], point["num_generations"], point["completion_length"])
         learner = Learner(model, cfg.train, cfg.rollout.temperature, tok.pad_token_id, point["completion_length"])
-        t, metrics = timed(lambda: learner.step(trajs), args.repeats, warmup=0 if args.tiny else 1)
+        t, metrics = timed(lambda: learner.step(trajs).metrics(), args.repeats, warmup=0 if args.tiny else 1)
         seqs = len(trajs)
         measured.append({**point, "seconds": t, "sequences": seqs, "tokens": sum(len(x.token_ids) for x in trajs),
                          "completion_tokens": seqs * point["completion_length"], "skipped": metrics.get("skipped")})

@@ -9,7 +9,7 @@ Three processes, one after the other (each its own peak RSS, no thread pools fig
    every update saved as a version folder.
 2. ``trl``: ``trl.GRPOTrainer`` with a peft ``LoraConfig`` of the same shape, on the same
    training tasks in the same order, an adapter saved after every step.
-3. ``eval``: every adapter needed for the comparison scored by ``selfrl.gate.evaluate``
+3. ``eval``: every adapter needed for the comparison scored by ``selfrl.gate.validate``
    (greedy pass@1 on the same held-out tasks, multi-turn with the calculator), so both
    trainers' results are measured the same way.
 
@@ -175,12 +175,12 @@ def worker_trl(cfg_dict: dict, out: Path) -> None:
 
 
 def worker_eval(cfg_dict: dict, adapters: dict[str, str | None], out: Path) -> None:
-    """Held-out greedy pass@1 of each adapter (None = the base model) with ``selfrl.gate.evaluate``."""
+    """Held-out greedy pass@1 of each adapter (None = the base model) with ``selfrl.gate.validate``."""
     from safetensors.torch import load_file
 
     from selfrl.config import load_config
     from selfrl.engine import Engine
-    from selfrl.gate import evaluate
+    from selfrl.gate import validate
     from selfrl.loop import build_policy
     from selfrl.tasks import get_task_source, split_tasks
     from selfrl.tools import resolve_tools
@@ -195,7 +195,7 @@ def worker_eval(cfg_dict: dict, adapters: dict[str, str | None], out: Path) -> N
     for k, (name, path) in enumerate(adapters.items(), start=1):
         if path is not None:
             engine.swap(load_file(str(Path(path) / "adapter_model.safetensors")), k)  # selfrl's and TRL's alike
-        res = evaluate(engine, val, source, tools, cfg.rollout, cfg.gate.batch_size)
+        res = validate(engine, val, source, tools, cfg.rollout, cfg.gate.batch_size)
         results[name] = {t: c for t, c, _ in res.results}
     json.dump({"results": results, "peak_rss_bytes": peak_rss_bytes()}, open(out, "w"))
 

@@ -10,7 +10,6 @@ start and end goes into each JSON so a contended measurement can be recognised.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -156,16 +155,15 @@ def finish(result: dict[str, Any], name: str, out_dir: Path | None) -> Path:
 
 
 def tiny_model_dir(path: Path) -> str:
-    """Save a tiny random 2-layer Llama and byte-level tokenizer (from ``tests/conftest.py``)
+    """Save a tiny random 2-layer Llama and byte-level tokenizer (``selfrl.testing``)
     into ``path``; returns it as a model path for ``selfrl.model.load_model``."""
+    from selfrl.testing import build_tiny_model, build_tiny_tokenizer
+
     path = Path(path)
     if (path / "config.json").exists():
         return str(path)
-    spec = importlib.util.spec_from_file_location("selfrl_test_conftest", ROOT / "tests" / "conftest.py")
-    conftest = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(conftest)
-    tok = conftest.build_tiny_tokenizer()
-    model = conftest.build_tiny_model(tok)
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(tok)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)

@@ -51,9 +51,8 @@ def short(traj, ctx):
 
 
 def save_tiny_model(path: Path, seed: int = 0, eos_bias: float = 2.0) -> Path:
-    """The tests' tiny Phi (``tests/conftest.py``), saved as a local model folder."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import build_tiny_tokenizer, save_tiny_phi
+    """The tests' tiny Phi (``selfrl.testing``), saved as a local model folder."""
+    from selfrl.testing import build_tiny_tokenizer, save_tiny_phi
 
     return save_tiny_phi(path, build_tiny_tokenizer(), seed, eos_bias)
 

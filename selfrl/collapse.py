@@ -11,6 +11,8 @@ threshold, and returns an :class:`Alarm` (rule, value, threshold) or None.
 * Cheap rules (:func:`cheap_alarms`) use only what every iteration measures
   anyway, so they run after every update and roll back at once, between gate checks.
 * Held-out rules (:func:`heldout_alarms`) need a validation and run at the gate.
+* :class:`CollapseGuard` owns the history, the rollback budget and the safer setting,
+  for ``selfrl run`` and ``selfrl serve`` alike (``selfrl.cycle``).
 
 Entropy is estimated for free from the stored sampling log-probs: the mean of
 ``-log p(token)`` over sampled completion tokens is an unbiased Monte-Carlo
@@ -26,29 +28,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from selfrl.config import CollapseConfig
 from selfrl.trajectory import Trajectory
-
-
-@dataclass
-class CollapseConfig:
-    """Collapse rules, thresholds and what a rollback changes (see docs/safety-collapse.md)."""
-
-    enabled: bool = True  # run the rules; False leaves only the gate and the anomaly skip
-    kl_probe_size: int = 4  # sequences on which a new candidate's KL is measured right after its update (0: off)
-    baseline_window: int = 2  # the first N updates of the run are the baseline for entropy and degenerate share
-    max_kl: float = 0.5  # kl: mean per-token KL to the reference (sampling version or new candidate) above this
-    entropy_min_ratio: float = 0.25  # entropy_collapse: entropy below this times the baseline entropy ...
-    entropy_reward_gain: float = 0.1  # ... unless the training reward rose at least this much over its baseline
-    entropy_max_ratio: float = 3.0  # entropy_blowup: entropy above this times the baseline (weights turned to noise)
-    degenerate_rise: float = 0.35  # degenerate: share of degenerate rollouts above the baseline share plus this
-    heldout_drop: float = 0.10  # heldout_drop: held-out success below best minus this (a fall well beyond gate.tolerance)
-    reward_rise: float = 0.10  # reward_vs_heldout: training reward up by this since the best version while held-out fell
-    repeat_ngram: int = 4  # a rollout loops when the share of repeated n-grams of its completion exceeds repeat_share
-    repeat_share: float = 0.5  # see repeat_ngram
-    max_rollbacks: int = 3  # collapse rollbacks allowed per run; one more stops the run with the best version served
-    lr_factor: float = 0.5  # after a rollback: learning rate times this
-    beta_factor: float = 2.0  # after a rollback: beta times this ...
-    beta_min: float = 0.01  # ... and at least this (so beta = 0 becomes beta_min)
 
 
 @dataclass
@@ -289,3 +270,53 @@ def safer_setting(learning_rate: float, beta: float, cfg: CollapseConfig) -> tup
     (5e-05, 0.04)
     """
     return learning_rate * cfg.lr_factor, max(beta * cfg.beta_factor, cfg.beta_min)
+
+
+# ------------------------------------------------------------------------- guard
+
+
+class CollapseStop(Exception):
+    """The collapse rollback budget is spent; the run stops with the best version served."""
+
+
+class CollapseGuard:
+    """Owns the collapse history, the rollback budget and the safer setting.
+
+    One record per update (:meth:`observe`, which runs the cheap rules); the held-out
+    rules at the gate (:meth:`heldout`); :meth:`rolled_back` counts a rollback and
+    returns the safer ``(learning_rate, beta)``; :meth:`check_budget` raises
+    :class:`CollapseStop` once the rollbacks exceed ``cfg.max_rollbacks``. A *chain*
+    is the run of updates since the champion last served (reset by :meth:`new_chain`).
+    """
+
+    def __init__(self, cfg: CollapseConfig, history: list[UpdateRecord] | None = None, rollbacks: int = 0):
+        self.cfg = cfg
+        self.history: list[UpdateRecord] = list(history or [])
+        self.rollbacks = rollbacks
+        self.chain_start = len(self.history)
+
+    def observe(self, rec: UpdateRecord) -> list[Alarm]:
+        """Add one update's record; the cheap rules that fire on it."""
+        self.history.append(rec)
+        return cheap_alarms(self.history, self.cfg)
+
+    def heldout(self, success: float, best_success: float, best_version: int, tolerance: float,
+                degenerate: float, base_degenerate: float | None) -> list[Alarm]:
+        """Held-out rules for a validated candidate (see :func:`heldout_alarms`, :func:`validation_alarm`)."""
+        chain = self.history[self.chain_start:]
+        alarms = heldout_alarms(success, best_success, [r.reward for r in chain if r.version != best_version],
+                                [r.reward for r in self.history if r.version == best_version], tolerance, self.cfg)
+        bad = validation_alarm(degenerate, math.nan if base_degenerate is None else base_degenerate, self.cfg)
+        return alarms + ([bad] if bad else [])
+
+    def new_chain(self) -> None:
+        self.chain_start = len(self.history)
+
+    def rolled_back(self, learning_rate: float, beta: float) -> tuple[float, float]:
+        """Count one collapse rollback; the safer ``(learning_rate, beta)`` to continue with."""
+        self.rollbacks += 1
+        self.new_chain()
+        return safer_setting(learning_rate, beta, self.cfg)
+
+    def over_budget(self) -> bool:
+        return self.rollbacks > self.cfg.max_rollbacks

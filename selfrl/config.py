@@ -1,9 +1,16 @@
-"""Run configuration: dataclasses split by concern, loaded from a TOML file and flags.
+"""Configuration of ``selfrl run`` and ``selfrl serve``: every settings dataclass, in one place.
 
-A config file has one table per concern, named as the fields of
-:class:`RunConfig` (``[model]``, ``[lora]``, ``[task]``, ``[rollout]``,
-``[train]``, ``[gate]``, ``[collapse]``, ``[detectors]``) plus top-level keys. Unknown keys are errors that list
-the valid ones, so a typo never silently falls back to a default.
+A config file has one table per concern, named as the fields of :class:`RunConfig`
+(``[model]``, ``[lora]``, ``[task]``, ``[rollout]``, ``[train]``, ``[gate]``,
+``[collapse]``, ``[detectors]``) plus top-level keys; ``selfrl serve`` reads the same
+tables into :class:`selfrl.serve.config.ServeConfig`. Unknown keys are errors that
+list the valid ones, so a typo never silently falls back to a default.
+
+Each dataclass checks its own fields in ``check(where)``, beside them; ``RunConfig``
+and ``ServeConfig`` both call those checks (:func:`check_sections`) and the registry
+names (:func:`check_names`), so a rule of ``run`` that applies to ``serve`` holds there
+too. Allowed values are ``Literal`` types, defined once; derived values are properties.
+Importing this module imports no torch.
 """
 
 from __future__ import annotations
@@ -12,18 +19,31 @@ import dataclasses
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal, get_args
 
-from selfrl.collapse import CollapseConfig
-from selfrl.detectors import DetectorConfig
-from selfrl.gate import GateConfig
-from selfrl.model import DEFAULT_MODEL
-from selfrl.rollout import RolloutConfig
-from selfrl.trainer import TrainConfig
+DEFAULT_MODEL = "embedded:smollm2-135m-instruct"
+DEFAULT_SYSTEM_PROMPT = "You are a careful assistant. Give the final answer as <answer>NUMBER</answer>."
+
+ScaleRewards = Literal["group", "none"]  # advantage scaling: group (GRPO) | none (Dr. GRPO)
+ToolsPrompt = Literal["compact", "json"]  # how tool schemas are shown to a template without tool support
 
 
 class ConfigError(ValueError):
     """An invalid configuration value or key; the message names it."""
+
+
+def require(rules: list[tuple[bool, str]], where: str = "") -> None:
+    """Raise :class:`ConfigError` with ``where + message`` for the first rule that does not hold."""
+    for ok, msg in rules:
+        if not ok:
+            raise ConfigError(where + msg)
+
+
+def one_of(value: Any, allowed: Any, name: str) -> tuple[bool, str]:
+    """A rule: ``value`` is one of the values of the ``Literal`` type ``allowed``."""
+    options = get_args(allowed)
+    return value in options, f"{name} must be one of {', '.join(map(repr, options))}, got {value!r}"
 
 
 @dataclass
@@ -31,6 +51,9 @@ class ModelConfig:
     """Which policy to load."""
 
     name: str = DEFAULT_MODEL  # Hugging Face id, local path, or embedded:smollm2-135m-instruct
+
+    def check(self, where: str = "") -> None:
+        require([(bool(self.name), "name must not be empty")], where)
 
 
 @dataclass
@@ -44,6 +67,16 @@ class LoraSettings:
     modules_to_save: list[str] | None = None  # rejected: hot-swap serves LoRA tensors only
     init_adapter: str | None = None  # start from this saved adapter folder (also the KL reference)
 
+    def check(self, where: str = "") -> None:
+        require([
+            (self.r >= 1, "r must be >= 1"),
+            (0 <= self.lora_dropout < 1, "lora_dropout must be in [0, 1)"),
+            (not self.modules_to_save, "modules_to_save is not supported: hot-swap copies LoRA tensors only, "
+             "so a saved embedding or head could not be served; leave it empty"),
+            (self.init_adapter is None or Path(self.init_adapter).is_dir(),
+             f"init_adapter {self.init_adapter!r} is not a folder"),
+        ], where)
+
 
 @dataclass
 class TaskConfig:
@@ -54,6 +87,188 @@ class TaskConfig:
     train_seed: int = 1000  # seed of training tasks
     val_seed: int = 2000  # seed of held-out tasks (disjointness is checked)
     num_train: int = 2000  # training tasks generated
+
+    def check(self, where: str = "") -> None:
+        require([(self.num_train >= 1, "num_train must be >= 1"),
+                 (isinstance(self.options, dict), "options must be a table")], where)
+
+
+@dataclass
+class RolloutConfig:
+    """How the agent samples (one line of help per field)."""
+
+    max_turns: int = 3  # assistant turns per trajectory (tool round-trips + final answer)
+    max_new_tokens: int = 64  # token limit of one assistant turn
+    temperature: float = 1.0  # sampling temperature (the learner uses the same value)
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT  # instruction placed before the tool descriptions
+    tools: list[str] = field(default_factory=lambda: ["calculator"])  # registered tool names
+    tools_prompt: ToolsPrompt = "compact"  # how tool schemas are shown when the template can't: compact | json
+    demonstration: bool = True  # show DEMONSTRATION (one worked tool call) before the task
+    stop_at_tool_call: bool = False  # end a turn right after "</tool_call>" (one call per turn; see rollout)
+
+    @property
+    def max_completion_length(self) -> int:
+        """Completion tokens one trajectory may hold (``max_new_tokens`` per turn, ``max_turns`` turns)."""
+        return self.max_new_tokens * self.max_turns
+
+    def check(self, where: str = "") -> None:
+        require([
+            (self.temperature > 0, "temperature must be > 0"),
+            (self.max_turns >= 1, "max_turns must be >= 1"),
+            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+            one_of(self.tools_prompt, ToolsPrompt, "tools_prompt"),
+            (isinstance(self.tools, list), "tools must be a list of tool names"),
+        ], where)
+
+
+@dataclass
+class TrainConfig:
+    """GRPO update settings (names as in TRL's GRPOConfig)."""
+
+    learning_rate: float = 1e-4  # AdamW learning rate for the LoRA parameters
+    beta: float = 0.02  # KL coefficient to the reference model (k3 estimator); 0 disables the reference pass
+    epsilon: float = 0.2  # lower clip of the importance ratio
+    epsilon_high: float | None = None  # upper clip (None = epsilon; DAPO uses 0.28)
+    loss_type: str = "dapo"  # token aggregation: dapo | grpo | dr_grpo (selfrl.rl.losses registry)
+    max_grad_norm: float = 1.0  # gradient clipping (L2 norm)
+    num_iterations: int = 1  # optimisation passes over each batch (PPO epochs)
+    micro_batch_size: int = 8  # sequences per forward/backward (memory bound)
+    weight_decay: float = 0.0  # AdamW weight decay
+    scale_rewards: ScaleRewards = "group"  # advantage scaling: group (GRPO) | none (Dr. GRPO)
+    skip_max_reward_spread: float = 10.0  # skip when the batch's max - min reward exceeds this (a broken reward)
+    skip_max_kl: float = 1.0  # skip when the mean per-token KL to the reference (forward pass) exceeds this; beta > 0 only
+    skip_max_grad_norm: float = 100.0  # skip when the gradient L2 norm before clipping exceeds this
+    tis_cap: float = 2.0  # cap of the per-token weight exp(learner - sampler logprob) (TIS, Yao et al. 2025); 0: off
+
+    def check(self, where: str = "") -> None:
+        require([
+            (self.learning_rate > 0, "learning_rate must be > 0"),
+            (self.beta >= 0, "beta must be >= 0"),
+            (0 < self.epsilon < 1, "epsilon must be in (0, 1)"),
+            (self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high must be > 0"),
+            (self.num_iterations >= 1, "num_iterations must be >= 1"),
+            (self.micro_batch_size >= 1, "micro_batch_size must be >= 1"),
+            (self.max_grad_norm > 0, "max_grad_norm must be > 0"),
+            (self.weight_decay >= 0, "weight_decay must be >= 0"),
+            one_of(self.scale_rewards, ScaleRewards, "scale_rewards"),
+            (self.skip_max_reward_spread > 0, "skip_max_reward_spread must be > 0"),
+            (self.skip_max_kl > 0, "skip_max_kl must be > 0"),
+            (self.skip_max_grad_norm > 0, "skip_max_grad_norm must be > 0"),
+            (self.tis_cap >= 0, "tis_cap must be >= 0 (0 turns the off-policy correction off)"),
+        ], where)
+
+
+@dataclass
+class GateConfig:
+    """Validation settings."""
+
+    val_size: int = 128  # held-out tasks (pass@1, greedy)
+    eval_every: int = 4  # updates between validations (run; serve validates every candidate)
+    tolerance: float = 0.02  # a candidate may trail the best by at most this (absolute)
+    batch_size: int = 64  # trajectories per generation batch during validation
+
+    def check(self, where: str = "") -> None:
+        require([
+            (self.val_size >= 1, "val_size must be >= 1"),
+            (self.eval_every >= 1, "eval_every must be >= 1"),
+            (self.tolerance >= 0, "tolerance must be >= 0"),
+            (self.batch_size >= 1, "batch_size must be >= 1"),
+        ], where)
+
+
+@dataclass
+class CollapseConfig:
+    """Collapse rules, thresholds and what a rollback changes (see docs/safety-collapse.md)."""
+
+    enabled: bool = True  # run the rules; False leaves only the gate and the anomaly skip
+    kl_probe_size: int = 4  # sequences on which a new candidate's KL is measured right after its update (0: off)
+    baseline_window: int = 2  # the first N updates of the run are the baseline for entropy and degenerate share
+    max_kl: float = 0.5  # kl: mean per-token KL to the reference (sampling version or new candidate) above this
+    entropy_min_ratio: float = 0.25  # entropy_collapse: entropy below this times the baseline entropy ...
+    entropy_reward_gain: float = 0.1  # ... unless the training reward rose at least this much over its baseline
+    entropy_max_ratio: float = 3.0  # entropy_blowup: entropy above this times the baseline (weights turned to noise)
+    degenerate_rise: float = 0.35  # degenerate: share of degenerate rollouts above the baseline share plus this
+    heldout_drop: float = 0.10  # heldout_drop: held-out success below best minus this (a fall well beyond gate.tolerance)
+    reward_rise: float = 0.10  # reward_vs_heldout: training reward up by this since the best version while held-out fell
+    repeat_ngram: int = 4  # a rollout loops when the share of repeated n-grams of its completion exceeds repeat_share
+    repeat_share: float = 0.5  # see repeat_ngram
+    max_rollbacks: int = 3  # collapse rollbacks allowed per run; one more stops the run with the best version served
+    lr_factor: float = 0.5  # after a rollback: learning rate times this
+    beta_factor: float = 2.0  # after a rollback: beta times this ...
+    beta_min: float = 0.01  # ... and at least this (so beta = 0 becomes beta_min)
+
+    def check(self, where: str = "") -> None:
+        require([
+            (self.kl_probe_size >= 0, "kl_probe_size must be >= 0"),
+            (self.baseline_window >= 1, "baseline_window must be >= 1"),
+            (0 <= self.entropy_min_ratio < 1, "entropy_min_ratio must be in [0, 1)"),
+            (self.entropy_max_ratio > 1, "entropy_max_ratio must be > 1"),
+            (self.max_kl > 0, "max_kl must be > 0"),
+            (self.degenerate_rise > 0, "degenerate_rise must be > 0"),
+            (self.heldout_drop > 0, "heldout_drop must be > 0"),
+            (self.max_rollbacks >= 0, "max_rollbacks must be >= 0"),
+            (0 < self.lr_factor <= 1, "lr_factor must be in (0, 1]"),
+            (self.beta_factor >= 1, "beta_factor must be >= 1"),
+            (self.beta_min >= 0, "beta_min must be >= 0"),
+            (self.repeat_ngram >= 1, "repeat_ngram must be >= 1"),
+            (0 < self.repeat_share <= 1, "repeat_share must be in (0, 1]"),
+        ], where)
+
+
+@dataclass
+class DetectorConfig:
+    """Which detectors run and their thresholds (one line of help per field)."""
+
+    names: list[str] = field(default_factory=list)  # detectors to apply (see available_detectors()); empty: none
+    max_identical_calls: int = 2  # repeated_action: times one identical successful call (name + arguments) may occur
+    once_only_tools: list[str] = field(default_factory=lambda: ["confirm"])  # repeated_action: may succeed once
+    single_tags: list[str] = field(default_factory=lambda: ["answer"])  # format_gaming: once at most in final answer
+    nest_tags: list[str] = field(default_factory=lambda: ["answer", "tool_call"])  # format_gaming: never nested
+    length_ratio: float = 3.0  # length_exploitation: flag above this times the group's median completion tokens ...
+    length_min_tokens: int = 32  # ... and above this many tokens, when also paid more than the group's median
+    paid_reward: float = 0.5  # verifier_disagreement: a reward at or above this is "paid as a success"
+    dominance_window: int = 4  # component_dominance: iterations compared (first against last)
+    dominance_share: float = 0.8  # component_dominance: one component's rise is at least this share of the total's ...
+    dominance_min_fall: float = 0.05  # ... while another weighted component falls by at least this much
+    probe_tolerance: float = 0.1  # probe_regression: flag a version this far below the best earlier probe score
+
+    def check(self, where: str = "") -> None:
+        require([(isinstance(self.names, list), "names must be a list of detector names")], where)
+
+
+# The sections both `selfrl run` and `selfrl serve` hold, checked the same way in both.
+SHARED_SECTIONS = ("model", "lora", "task", "rollout", "train", "gate", "collapse", "detectors")
+
+
+def check_sections(cfg: Any, names: tuple[str, ...] = SHARED_SECTIONS) -> None:
+    """Run ``check`` of every section ``names`` of ``cfg``, each message prefixed with its section.
+
+    Raises:
+        ConfigError: the first rule that does not hold.
+    """
+    for name in names:
+        getattr(cfg, name).check(f"{name}.")
+
+
+def check_names(cfg: Any, weights: Callable[[], dict[str, float]]) -> None:
+    """Names that refer to registries: loss type, reward preset and functions (``weights()``),
+    tools, detectors.
+
+    Raises:
+        ConfigError: an unknown name (the message lists the valid ones) or a bad weight.
+    """
+    from selfrl.detectors import check_detectors
+    from selfrl.rewards import check_weights
+    from selfrl.rl.losses import get_loss_aggregation
+    from selfrl.tools import resolve_tools
+
+    try:
+        get_loss_aggregation(cfg.train.loss_type)
+        check_weights(weights())
+        resolve_tools(cfg.rollout.tools)
+        check_detectors(cfg.detectors.names)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(str(e).strip("'\"")) from e
 
 
 @dataclass
@@ -72,82 +287,38 @@ class RunConfig:
     iterations: int = 16  # rollout + update cycles
     num_prompts: int = 8  # tasks per iteration
     num_generations: int = 8  # samples per task (the GRPO group size)
-    preset: str = "verified"  # reward preset: verified | label-free
+    preset: str = "verified"  # reward preset (selfrl.rewards.PRESETS): verified | label-free | webshop-naive
     reward_weights: dict[str, float] | None = None  # explicit weights; overrides the preset
     seed: int = 0  # torch seed for sampling and LoRA init
 
+    @property
+    def max_completion_length(self) -> int:
+        """Completion tokens one trajectory may hold (the ``dr_grpo`` normaliser)."""
+        return self.rollout.max_completion_length
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """The reward weights in force: ``reward_weights``, else the preset's."""
+        from selfrl.rewards import get_preset
+
+        return self.reward_weights or get_preset(self.preset)
+
     def validate(self) -> "RunConfig":
-        """Check values; returns self.
+        """Check every section and the run's own fields; returns self.
 
         Raises:
             ConfigError: a value out of range, with the field named.
         """
-        checks = [
+        check_sections(self)
+        require([
             (self.iterations >= 1, "iterations must be >= 1"),
             (self.num_prompts >= 1, "num_prompts must be >= 1"),
             (self.num_generations >= 2, "num_generations must be >= 2 (a group of one has no advantage)"),
-            (self.lora.r >= 1, "lora.r must be >= 1"),
-            (0 <= self.lora.lora_dropout < 1, "lora.lora_dropout must be in [0, 1)"),
-            (not self.lora.modules_to_save, "lora.modules_to_save is not supported: hot-swap copies LoRA "
-             "tensors only, so a saved embedding or head could not be served; leave it empty"),
-            (self.train.learning_rate > 0, "train.learning_rate must be > 0"),
-            (self.train.beta >= 0, "train.beta must be >= 0"),
-            (0 < self.train.epsilon < 1, "train.epsilon must be in (0, 1)"),
-            (self.train.num_iterations >= 1, "train.num_iterations must be >= 1"),
-            (self.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
-            (self.train.max_grad_norm > 0, "train.max_grad_norm must be > 0"),
-            (self.rollout.temperature > 0, "rollout.temperature must be > 0"),
-            (self.rollout.max_turns >= 1, "rollout.max_turns must be >= 1"),
-            (self.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
-            (self.gate.val_size >= 1, "gate.val_size must be >= 1"),
-            (self.gate.eval_every >= 1, "gate.eval_every must be >= 1"),
-            (self.gate.tolerance >= 0, "gate.tolerance must be >= 0"),
-            (self.train.skip_max_reward_spread > 0, "train.skip_max_reward_spread must be > 0"),
-            (self.train.skip_max_kl > 0, "train.skip_max_kl must be > 0"),
-            (self.train.skip_max_grad_norm > 0, "train.skip_max_grad_norm must be > 0"),
-            (self.train.tis_cap >= 0, "train.tis_cap must be >= 0 (0 turns the off-policy correction off)"),
-            (self.collapse.baseline_window >= 1, "collapse.baseline_window must be >= 1"),
-            (0 <= self.collapse.entropy_min_ratio < 1 < self.collapse.entropy_max_ratio,
-             "collapse needs 0 <= entropy_min_ratio < 1 < entropy_max_ratio"),
-            (self.collapse.max_kl > 0 and self.collapse.degenerate_rise > 0 and self.collapse.heldout_drop > 0,
-             "collapse.max_kl, degenerate_rise and heldout_drop must be > 0"),
-            (self.collapse.max_rollbacks >= 0, "collapse.max_rollbacks must be >= 0"),
-            (0 < self.collapse.lr_factor <= 1, "collapse.lr_factor must be in (0, 1]"),
-            (self.collapse.beta_factor >= 1 and self.collapse.beta_min >= 0,
-             "collapse.beta_factor must be >= 1 and collapse.beta_min >= 0"),
-            (self.collapse.repeat_ngram >= 1 and 0 < self.collapse.repeat_share <= 1,
-             "collapse.repeat_ngram must be >= 1 and collapse.repeat_share in (0, 1]"),
-        ]
-        checks += [
-            (self.task.num_train >= 1, "task.num_train must be >= 1"),
-            (self.gate.batch_size >= 1, "gate.batch_size must be >= 1"),
-            (self.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
-            (self.train.scale_rewards in ("group", "none"), "train.scale_rewards must be 'group' or 'none'"),
-            (self.rollout.tools_prompt in ("compact", "json"), "rollout.tools_prompt must be 'compact' or 'json'"),
-            (isinstance(self.rollout.tools, list), "rollout.tools must be a list of tool names"),
             (self.reward_weights is None or isinstance(self.reward_weights, dict),
              "reward_weights must be a table of name = weight"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ConfigError(msg)
-        self._check_names()
+        ])
+        check_names(self, lambda: self.weights)
         return self
-
-    def _check_names(self) -> None:
-        """Names that refer to registries (loss type, preset, reward functions, tools)."""
-        from selfrl.detectors import check_detectors
-        from selfrl.rewards import check_weights, get_preset
-        from selfrl.rl.losses import get_loss_aggregation
-        from selfrl.tools import resolve_tools
-
-        try:
-            get_loss_aggregation(self.train.loss_type)
-            check_weights(self.reward_weights if self.reward_weights is not None else get_preset(self.preset))
-            resolve_tools(self.rollout.tools)
-            check_detectors(self.detectors.names)
-        except (KeyError, ValueError) as e:
-            raise ConfigError(str(e).strip("'\"")) from e
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

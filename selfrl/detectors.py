@@ -32,8 +32,9 @@ import re
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from selfrl.config import DetectorConfig
 from selfrl.trajectory import Trajectory
 
 __all__ = [
@@ -54,24 +55,6 @@ class Verdict:
 
 
 OK = Verdict(False)
-
-
-@dataclass
-class DetectorConfig:
-    """Which detectors run and their thresholds (one line of help per field)."""
-
-    names: list[str] = field(default_factory=list)  # detectors to apply (see available_detectors()); empty: none
-    max_identical_calls: int = 2  # repeated_action: times one identical successful call (name + arguments) may occur
-    once_only_tools: list[str] = field(default_factory=lambda: ["confirm"])  # repeated_action: may succeed once
-    single_tags: list[str] = field(default_factory=lambda: ["answer"])  # format_gaming: once at most in final answer
-    nest_tags: list[str] = field(default_factory=lambda: ["answer", "tool_call"])  # format_gaming: never nested
-    length_ratio: float = 3.0  # length_exploitation: flag above this times the group's median completion tokens ...
-    length_min_tokens: int = 32  # ... and above this many tokens, when also paid more than the group's median
-    paid_reward: float = 0.5  # verifier_disagreement: a reward at or above this is "paid as a success"
-    dominance_window: int = 4  # component_dominance: iterations compared (first against last)
-    dominance_share: float = 0.8  # component_dominance: one component's rise is at least this share of the total's ...
-    dominance_min_fall: float = 0.05  # ... while another weighted component falls by at least this much
-    probe_tolerance: float = 0.1  # probe_regression: flag a version this far below the best earlier probe score
 
 
 # ---------------------------------------------------------------- trajectory detectors
@@ -356,12 +339,12 @@ class HackingMonitor:
             ``{"hacking/probe_score": share correct, "hacking/probe_regression": 0 or 1}``,
             or ``{}`` when the source has no probe tasks.
         """
-        from selfrl.gate import evaluate  # the gate imports the rollout; keep this module light
+        from selfrl.gate import validate  # the gate imports the rollout; keep this module light
 
         probes = source.probe_tasks()
         if not probes:
             return {}
-        res = evaluate(engine, probes, source, tools, rollout_cfg)
+        res = validate(engine, probes, source, tools, rollout_cfg)
         verdict = self.record_probes(res.version, res.success)
         return {"hacking/probe_score": res.success, "hacking/probe_regression": float(verdict.flagged)}
 

@@ -2,9 +2,10 @@
 and in-place hot-swap of LoRA adapter versions.
 
 The engine wraps a peft model whose LoRA weights are the *current adapter
-version*. Swapping a version copies the LoRA tensors in place
-(``peft.set_peft_model_state_dict``): the base model is never reloaded, and the
-swap of a rank-16 adapter takes about 0.1 s on the CPU.
+version*. Swapping a version copies the LoRA tensors straight into the LoRA
+parameters (``Engine.swap``; ``peft.set_peft_model_state_dict`` only for adapters
+that cannot be mapped that way): the base model is never reloaded, and the swap of a
+rank-16 adapter takes a few milliseconds on the CPU.
 
 Sampling uses Hugging Face ``generate`` with every logits warper off except the
 temperature (``top_k=0``, ``top_p=1``), so the logprob recorded for a sampled

@@ -15,21 +15,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from selfrl.collapse import CollapseConfig, degenerate_share
+from selfrl.collapse import degenerate_share
+from selfrl.config import CollapseConfig, GateConfig, RolloutConfig
 from selfrl.engines.base import SamplingEngine
-from selfrl.rollout import RolloutConfig, rollout
+from selfrl.rollout import rollout
 from selfrl.tasks import Task, TaskSource
 from selfrl.tools import Tool
-
-
-@dataclass
-class GateConfig:
-    """Validation settings."""
-
-    val_size: int = 128  # held-out tasks (pass@1, greedy)
-    eval_every: int = 4  # updates between validations
-    tolerance: float = 0.02  # a candidate may trail the best by at most this (absolute)
-    batch_size: int = 64  # trajectories per generation batch during validation
 
 
 @dataclass
@@ -55,7 +46,7 @@ class EvalResult:
         return sum(c for _, c, _ in self.results) / max(len(self.results), 1)
 
 
-def evaluate(
+def validate(
     engine: SamplingEngine, tasks: list[Task], source: TaskSource, tools: list[Tool], cfg: RolloutConfig, batch_size: int = 64,
     on_batch: Callable[[int], None] | None = None, collapse: CollapseConfig | None = None,
 ) -> EvalResult:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_MODEL = "embedded:smollm2-135m-instruct"
+from selfrl.config import DEFAULT_MODEL
+
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

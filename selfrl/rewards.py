@@ -39,6 +39,7 @@ __all__ = [
     "score_group",
     "self_consistency",
     "tool_success",
+    "user_feedback",
     "verifier",
 ]
 
@@ -171,6 +172,20 @@ def format_reward(traj: Trajectory, ctx: RewardContext) -> float:
     return 1.0
 
 
+def user_feedback(traj: Trajectory, ctx: RewardContext) -> float | None:
+    """A user's verdict on a served turn, in [-1, 1] (explicit, inherited or implicit feedback,
+    see ``selfrl.serve.feedback``); None when none arrived. ``selfrl serve`` puts each turn's
+    value in its group's task as ``metadata["feedback"][traj.id]``; elsewhere it is None.
+
+    >>> from selfrl.tasks import Task
+    >>> t = Trajectory("g", "g", 0, id="t1")
+    >>> ctx = RewardContext(Task("g", "served", "", "", {"feedback": {"t1": -1.0}}), None, [t])
+    >>> user_feedback(t, ctx), user_feedback(Trajectory("g", "g", 0, id="t2"), ctx)
+    (-1.0, None)
+    """
+    return (ctx.task.metadata.get("feedback") or {}).get(traj.id)
+
+
 # ---------------------------------------------------------------- registry and presets
 
 REWARD_FUNCS: dict[str, RewardFunc] = {
@@ -178,6 +193,7 @@ REWARD_FUNCS: dict[str, RewardFunc] = {
     "self_consistency": self_consistency,
     "tool_success": tool_success,
     "format": format_reward,
+    "user_feedback": user_feedback,  # served turns only (selfrl serve's learner)
     "webshop_naive": webshop_naive,  # counts "Order confirmed" events: hackable on purpose (selfrl.envs.webshop)
 }
 

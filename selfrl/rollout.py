@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from selfrl.chat import between_turns_ids, prompt_ids, template_supports_tools
+from selfrl.config import DEFAULT_SYSTEM_PROMPT, RolloutConfig
 from selfrl.engines.base import SamplingEngine
 from selfrl.envs import Environment
 from selfrl.tasks import Task
@@ -40,7 +40,6 @@ from selfrl.trajectory import Trajectory
 EnvFactory = Callable[[Task], "Environment | None"]
 ScriptedPolicy = Callable[[Task, list[dict]], str]  # (task, messages so far) -> next assistant text
 
-DEFAULT_SYSTEM_PROMPT = "You are a careful assistant. Give the final answer as <answer>NUMBER</answer>."
 
 # One worked example shown before the task (few-shot). Measured on SmolLM2-135M with
 # chain_sum: with no example the base model never called the tool (0/48 sampled);
@@ -52,20 +51,6 @@ DEMONSTRATION: list[dict[str, str]] = [
     {"role": "tool", "content": "<tool_response>\n47\n</tool_response>"},
     {"role": "assistant", "content": "<answer>47</answer>"},
 ]
-
-
-@dataclass
-class RolloutConfig:
-    """How the agent samples (one line of help per field)."""
-
-    max_turns: int = 3  # assistant turns per trajectory (tool round-trips + final answer)
-    max_new_tokens: int = 64  # token limit of one assistant turn
-    temperature: float = 1.0  # sampling temperature (the learner uses the same value)
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT  # instruction placed before the tool descriptions
-    tools: list[str] = field(default_factory=lambda: ["calculator"])  # registered tool names
-    tools_prompt: str = "compact"  # how tool schemas are shown when the template can't: compact | json
-    demonstration: bool = True  # show DEMONSTRATION (one worked tool call) before the task
-    stop_at_tool_call: bool = False  # end a turn right after "</tool_call>" (one call per turn; see rollout)
 
 
 def initial_messages(

@@ -25,21 +25,28 @@ Departures from TRL's GRPOTrainer, each on purpose:
   they were, when the batch's reward spread, the KL measured in the forward pass
   or the gradient norm before clipping is beyond its threshold, or a loss or the
   gradient norm is not finite (:func:`skip_reason`); the metrics say why
-  (``skip_reason_<reason>`` = 1). TRL has no such guard.
+  (:class:`UpdateResult` ``reason``). TRL has no such guard.
+* No-gradient skip: a batch whose gradient is exactly zero (every token's ratio
+  clipped, every token masked) is not applied either (``no_gradient``): applying it
+  would save a new version identical to its parent, or one moved by AdamW's
+  momentum alone.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from selfrl import faults
+from selfrl.config import TrainConfig
 from selfrl.rl.batch import TensorBatch, collate
 from selfrl.rl.logprobs import per_token_logps
 from selfrl.rl.losses import Normalizer, get_loss_aggregation, k3_kl, per_token_loss
@@ -47,40 +54,67 @@ from selfrl.rl.off_policy import mismatch_kl, tis_weights
 from selfrl.trajectory import Trajectory
 
 
+class SkipReason(str, enum.Enum):
+    """Why an update was not applied."""
+
+    NO_SIGNAL = "no_signal"  # no sequence has a non-zero advantage
+    NO_TOKENS = "no_tokens"  # no sequence with a non-zero advantage has a trainable token
+    NO_GROUP = "no_group"  # no group has two or more samples (serve: set task_key, or request n > 1)
+    REWARD_SPREAD = "reward_spread"  # max - min reward beyond train.skip_max_reward_spread
+    NOT_FINITE = "not_finite"  # a loss or the gradient norm is NaN or inf
+    KL = "kl"  # the forward pass's KL beyond train.skip_max_kl
+    GRAD_NORM = "grad_norm"  # the gradient norm beyond train.skip_max_grad_norm
+    NO_GRADIENT = "no_gradient"  # the gradient is exactly zero (e.g. every token's ratio clipped)
+
+
+SKIP_REASONS = tuple(r.value for r in SkipReason)
+
+
 @dataclass
-class TrainConfig:
-    """GRPO update settings (names as in TRL's GRPOConfig)."""
+class UpdateResult:
+    """What one update did.
 
-    learning_rate: float = 1e-4  # AdamW learning rate for the LoRA parameters
-    beta: float = 0.02  # KL coefficient to the reference model (k3 estimator); 0 disables the reference pass
-    epsilon: float = 0.2  # lower clip of the importance ratio
-    epsilon_high: float | None = None  # upper clip (None = epsilon; DAPO uses 0.28)
-    loss_type: str = "dapo"  # token aggregation: dapo | grpo | dr_grpo
-    max_grad_norm: float = 1.0  # gradient clipping (L2 norm)
-    num_iterations: int = 1  # optimisation passes over each batch (PPO epochs)
-    micro_batch_size: int = 8  # sequences per forward/backward (memory bound)
-    weight_decay: float = 0.0  # AdamW weight decay
-    scale_rewards: str = "group"  # advantage scaling: group (GRPO) | none (Dr. GRPO)
-    skip_max_reward_spread: float = 10.0  # skip when the batch's max - min reward exceeds this (a broken reward)
-    skip_max_kl: float = 1.0  # skip when the mean per-token KL to the reference (forward pass) exceeds this; beta > 0 only
-    skip_max_grad_norm: float = 100.0  # skip when the gradient L2 norm before clipping exceeds this
-    tis_cap: float = 2.0  # cap of the per-token weight exp(learner - sampler logprob) (TIS, Yao et al. 2025); 0: off
+    Attributes:
+        skipped: True when the weights and AdamW state were left as they were.
+        reason: why it was skipped (None when applied).
+        stats: ``loss``, ``kl``, ``clip_ratio``, ``ratio_mean``, ``grad_norm``, ``num_sequences``,
+            ``num_tokens``, ``reward_spread``, ``time/update_s`` (those that were measured).
+    """
 
+    skipped: bool
+    reason: SkipReason | None = None
+    stats: dict[str, float] = dataclasses.field(default_factory=dict)
 
-SKIP_REASONS = ("no_signal", "no_tokens", "reward_spread", "not_finite", "kl", "grad_norm")
+    @classmethod
+    def skip(cls, reason: SkipReason, **stats: float) -> "UpdateResult":
+        return cls(True, SkipReason(reason), dict(stats))
 
+    @property
+    def note(self) -> str:
+        """Why it was skipped, in words ("" when applied)."""
+        if not self.skipped:
+            return ""
+        s = self.stats
+        return {
+            SkipReason.NO_SIGNAL: "no group had reward spread",
+            SkipReason.NO_TOKENS: "no sequence with a nonzero advantage has a trainable token",
+            SkipReason.NO_GROUP: "no group had two or more samples: give related requests the same task_key, "
+                                 "or request n > 1 samples",
+            SkipReason.REWARD_SPREAD: f"reward spread {s.get('reward_spread', math.nan):.3g} beyond "
+                                      "train.skip_max_reward_spread",
+            SkipReason.NOT_FINITE: "loss or gradient not finite",
+            SkipReason.KL: f"KL {s.get('kl', math.nan):.3g} beyond train.skip_max_kl",
+            SkipReason.GRAD_NORM: f"gradient norm {s.get('grad_norm', math.nan):.3g} beyond train.skip_max_grad_norm",
+            SkipReason.NO_GRADIENT: f"no gradient (gradient norm 0; clip ratio {s.get('clip_ratio', math.nan):.3g})",
+        }.get(self.reason, "unknown")
 
-def skip_note(metrics: dict[str, float]) -> str:
-    """Why an update was skipped, in words, from its ``skip_reason_*`` metric and values."""
-    notes = {
-        "no_signal": "no group had reward spread",
-        "no_tokens": "no sequence with a nonzero advantage has a trainable token",
-        "reward_spread": f"reward spread {metrics.get('reward_spread', math.nan):.3g} beyond train.skip_max_reward_spread",
-        "not_finite": "loss or gradient not finite",
-        "kl": f"KL {metrics.get('kl', math.nan):.3g} beyond train.skip_max_kl",
-        "grad_norm": f"gradient norm {metrics.get('grad_norm', math.nan):.3g} beyond train.skip_max_grad_norm",
-    }
-    return "; ".join(text for key, text in notes.items() if metrics.get(f"skip_reason_{key}")) or "unknown"
+    def metrics(self) -> dict[str, float]:
+        """The flat metrics logged per iteration: ``stats``, ``skipped`` (0/1) and
+        ``skip_reason_<reason>`` = 1 when skipped."""
+        out = {**self.stats, "skipped": float(self.skipped)}
+        if self.reason is not None:
+            out[f"skip_reason_{self.reason.value}"] = 1.0
+        return out
 
 
 def reward_spread(trajs: list[Trajectory]) -> float:
@@ -115,6 +149,15 @@ def skip_reason(loss: float, kl: float, grad_norm: float, cfg: TrainConfig) -> s
     if grad_norm > cfg.skip_max_grad_norm:
         return "grad_norm"
     return None
+
+
+def kl_reference(model, init_adapter: str | None) -> dict[str, torch.Tensor] | None:
+    """The KL reference of a policy just built: the adapter it started from (``lora.init_adapter``),
+    copied before anything else is loaded into it, or None for the base model (the adapter
+    disabled). ``selfrl run`` and ``selfrl serve`` both use this rule."""
+    from selfrl.adapters import lora_state
+
+    return lora_state(model) if init_adapter else None
 
 
 class Learner:
@@ -202,29 +245,29 @@ class Learner:
         mask = mb.completion_mask  # (B, T)
         return float((kl * mask).sum() / mask.sum())
 
-    def step(self, trajs: list[Trajectory], on_micro_batch: Callable[[], None] | None = None) -> dict[str, float]:
+    def step(self, trajs: list[Trajectory], on_micro_batch: Callable[[], None] | None = None) -> UpdateResult:
         """One update from scored trajectories (``advantage`` set on each).
 
         Returns:
-            metrics: ``loss``, ``kl``, ``clip_ratio``, ``ratio_mean``, ``grad_norm``,
-            ``mismatch_kl`` (mean per-token KL(sampler || learner)), ``tis_weight_mean`` and
-            ``tis_capped`` (share of tokens at the cap; both when ``tis_cap`` > 0),
-            ``num_sequences``, ``num_tokens``, ``skipped`` (1 when the update was not
-            applied), ``skip_reason_<reason>`` (1, with ``reason`` in :data:`SKIP_REASONS`)
-            and ``reward_spread`` when skipped, ``time/update_s`` (seconds). A skipped
-            update leaves the weights and the optimizer state exactly as they were.
+            an :class:`UpdateResult`; its stats are ``loss``, ``kl``, ``clip_ratio``,
+            ``ratio_mean``, ``grad_norm``, ``mismatch_kl`` (mean per-token KL(sampler ||
+            learner)), ``tis_weight_mean`` and ``tis_capped`` (share of tokens at the cap; both
+            when ``tis_cap`` > 0), ``num_sequences``, ``num_tokens``, ``reward_spread`` (when
+            skipped for it) and ``time/update_s`` (seconds). A skipped update leaves the weights
+            and the optimizer state exactly as they were.
         """
         t0 = time.perf_counter()
         spread = reward_spread(trajs)
         if spread > self.cfg.skip_max_reward_spread:
-            return {"skipped": 1.0, "skip_reason_reward_spread": 1.0, "reward_spread": spread,
-                    "num_sequences": 0.0, "time/update_s": time.perf_counter() - t0}
+            return UpdateResult.skip(SkipReason.REWARD_SPREAD, reward_spread=spread, num_sequences=0.0,
+                                     **{"time/update_s": time.perf_counter() - t0})
         signal = [t for t in trajs if t.advantage is not None and t.advantage != 0.0]
         usable = [t for t in signal if t.num_completion_tokens > 0]  # nothing to train on: not in any count
         if not usable:
-            reason = "no_tokens" if signal else "no_signal"
-            return {"skipped": 1.0, f"skip_reason_{reason}": 1.0, "num_sequences": 0.0,
-                    "time/update_s": time.perf_counter() - t0}
+            scored = Counter(t.group_id for t in trajs if t.advantage is not None)
+            lonely = bool(scored) and max(scored.values()) < 2  # no group to compare a sample with
+            reason = SkipReason.NO_TOKENS if signal else SkipReason.NO_GROUP if lonely else SkipReason.NO_SIGNAL
+            return UpdateResult.skip(reason, num_sequences=0.0, **{"time/update_s": time.perf_counter() - t0})
         usable.sort(key=lambda t: len(t.token_ids))  # similar lengths per micro-batch: less padding
         micro = [collate(usable[i:i + self.cfg.micro_batch_size], self.pad_token_id)
                  for i in range(0, len(usable), self.cfg.micro_batch_size)]
@@ -242,7 +285,7 @@ class Learner:
         if self.cfg.num_iterations > 1:
             backup = ([p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict()))
         self.model.train()
-        for _ in range(self.cfg.num_iterations):
+        for epoch in range(self.cfg.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
             totals = dict.fromkeys(totals, 0.0)
             for k, (mb, ref) in enumerate(zip(micro, refs)):
@@ -272,6 +315,10 @@ class Learner:
                 totals["ratio"] += self._token_mean(parts["ratio"], mb, norm)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
             reason = skip_reason(totals["loss"], totals["kl"], grad_norm, self.cfg)
+            if reason is None and grad_norm == 0.0:
+                if epoch > 0:  # an earlier pass moved the weights; this one has nothing to add
+                    break
+                reason = SkipReason.NO_GRADIENT.value
             if reason is not None:
                 self.optimizer.zero_grad(set_to_none=True)
                 if backup is not None:
@@ -280,9 +327,10 @@ class Learner:
                             p.copy_(saved)
                     self.optimizer.load_state_dict(backup[1])
                 self.model.eval()
-                return {"skipped": 1.0, f"skip_reason_{reason}": 1.0, "loss": totals["loss"], "kl": totals["kl"],
-                        "grad_norm": grad_norm, "num_sequences": float(len(usable)),
-                        "mismatch_kl": off["mismatch_kl"], "time/update_s": time.perf_counter() - t0}
+                return UpdateResult.skip(SkipReason(reason), loss=totals["loss"], kl=totals["kl"],
+                                         clip_ratio=totals["clipped"], grad_norm=grad_norm,
+                                         num_sequences=float(len(usable)), mismatch_kl=off["mismatch_kl"],
+                                         **{"time/update_s": time.perf_counter() - t0})
             scale = 1000.0 if faults.active("lr_x1000") else 1.0
             for group in self.optimizer.param_groups:
                 group["lr"] = self.cfg.learning_rate * scale
@@ -290,15 +338,15 @@ class Learner:
             for group in self.optimizer.param_groups:
                 group["lr"] = self.cfg.learning_rate
         self.model.eval()
-        return {
+        return UpdateResult(False, None, {
             "loss": totals["loss"], "kl": totals["kl"], "clip_ratio": totals["clipped"],
-            "ratio_mean": totals["ratio"], "grad_norm": grad_norm, "skipped": 0.0,
+            "ratio_mean": totals["ratio"], "grad_norm": grad_norm,
             "num_sequences": float(len(usable)), "num_tokens": float(norm.num_tokens),
             "mismatch_kl": off["mismatch_kl"],
             **({"tis_weight_mean": off["tis_weight_mean"], "tis_capped": off["tis_capped"]}
                if self.cfg.tis_cap > 0 else {}),
             "time/update_s": time.perf_counter() - t0,
-        }
+        })
 
     @staticmethod
     def _token_mean(values: torch.Tensor, mb: TensorBatch, norm: Normalizer) -> float:

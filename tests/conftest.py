@@ -1,136 +1,27 @@
-"""Shared fixtures: a tiny byte-level tokenizer and a tiny Llama, both built in memory.
+"""Shared fixtures: the tiny tokenizer and tiny models of :mod:`selfrl.testing`.
 
-Nothing here downloads anything. The tokenizer is a byte-level BPE trained on a
-small corpus with SmolLM2's special tokens and ChatML template (no tool
-support), EOS ``<|im_end|>`` and pad = EOS (same id, as in SmolLM2). The model
-is a 2-layer Llama with random weights; LoRA adapters are initialised with
-``init_lora_weights=False`` (A and B both random) so that the adapter changes
-the logits from the first step and a test of the LoRA path is not vacuous;
-``default_init=True`` gives peft's default (B = 0), the start of a real run.
+The builders live in the package (``selfrl.testing``) because the benchmarks and the
+fault suite use them too; the names stay importable from here for the tests.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant<|im_end|>\n' }}{% endif %}"
-    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+from selfrl.testing import (  # noqa: F401 (re-exported for the tests)
+    CHATML_TEMPLATE,
+    SPECIAL_TOKENS,
+    add_lora,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    save_tiny_phi,
 )
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-_CORPUS = [
-    "You are a careful assistant. Use the calculator tool for any arithmetic, "
-    "then give the final answer as <answer>NUMBER</answer>.",
-    "You are a helpful AI assistant",
-    '<tool_call>{"name": "calculator", "arguments": {"expression": "17+25"}}</tool_call>',
-    '<tool_call>{"name": "calculator", "arguments": {"expression": "(3+4)*5"}}</tool_call>',
-    "<tool_response>\n42\n</tool_response>",
-    "<tool_response>\nerror: expected one JSON object, found extra data\n</tool_response>",
-    "<answer>42</answer> <answer>-7</answer> <answer>3.5</answer>",
-    '<tools>\n{"type": "function", "function": {"name": "calculator", "description": '
-    '"Evaluate an arithmetic expression", "parameters": {"type": "object", "properties": '
-    '{"expression": {"type": "string"}}, "required": ["expression"]}}}\n</tools>',
-    "What is 12 + 30? Let me compute this step by step. The sum of the numbers is 42.",
-    "0 1 2 3 4 5 6 7 8 9 10 11 12 17 25 42 100 256 1234 3.14 -5 + - * / // % ** ( )",
-    "The quick brown fox jumps over the lazy dog. Numbers, words and JSON: "
-    '{"a": [1, 2, 3], "b": {"c": true, "d": null}}',
-    "system user assistant tool\n",
-]
-
-
-def build_tiny_tokenizer(vocab_size: int = 512):
-    """A byte-level BPE ``PreTrainedTokenizerFast`` with SmolLM2's specials and ChatML template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: any text round-trips
-        show_progress=False,
-    )
-    bpe.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        eos_token="<|im_end|>",
-        pad_token="<|im_end|>",
-        bos_token=None,
-        unk_token=None,
-        additional_special_tokens=["<|endoftext|>", "<|im_start|>"],
-        clean_up_tokenization_spaces=False,
-    )
-    tok.chat_template = CHATML_TEMPLATE
-    return tok
 
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     """Session-wide tiny tokenizer (never mutate it; copy first)."""
     return build_tiny_tokenizer()
-
-
-def build_tiny_model(tokenizer, seed: int = 0, eos_bias: float | None = None):
-    """A random 2-layer ``LlamaForCausalLM`` (fp32, eval mode) sized to ``tokenizer``.
-
-    Args:
-        seed: seeds the weight initialisation.
-        eos_bias: when set, the output layer gets a bias that is 0 everywhere but
-            ``eos_bias`` at the EOS id, so sampled turns end early (the output
-            layer of a random model is near uniform over ~500 ids otherwise).
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    eos = tokenizer.eos_token_id
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        eos_token_id=eos,
-        pad_token_id=eos,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-        initializer_range=0.1,  # peakier than the default 0.02, so logprobs vary across ids
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float()
-    if eos_bias is not None:
-        old = model.lm_head
-        head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
-        with torch.no_grad():
-            head.weight.copy_(old.weight)
-            head.bias.zero_()
-            head.bias[eos] = eos_bias
-        model.lm_head = head
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = eos
-    return model.eval()
-
-
-def add_lora(model, seed: int = 0, r: int = 4, default_init: bool = False):
-    """Wrap ``model`` with a rank-``r`` LoRA on every linear layer but the output one.
-
-    ``init_lora_weights=False`` makes both A and B random, so the adapter is not a
-    no-op: the LoRA path contributes to every logit from the start. With
-    ``default_init`` peft's own initialisation is used instead (A random, B = 0:
-    the adapter starts as a no-op), as in ``selfrl run``.
-    """
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    cfg = LoraConfig(r=r, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
-                     init_lora_weights=True if default_init else False)
-    return get_peft_model(model, cfg).eval()
 
 
 @pytest.fixture(scope="session")
@@ -155,26 +46,3 @@ def tiny_model(tiny_model_factory):
 def tiny_peft_model(tiny_model_factory):
     """A fresh LoRA-wrapped tiny Llama per test."""
     return tiny_model_factory(lora=True)
-
-
-def save_tiny_phi(path, tokenizer, seed=0, eos_bias=2.0):
-    """Save a random 2-layer Phi (output bias ``eos_bias`` at EOS, so turns end) and
-    ``tokenizer`` to ``path``, as a local model folder for ``selfrl run --model``; returns ``path``."""
-    from transformers import PhiConfig, PhiForCausalLM
-
-    eos = tokenizer.eos_token_id
-    config = PhiConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        eos_token_id=eos, pad_token_id=eos, bos_token_id=None, tie_word_embeddings=False, initializer_range=0.1,
-    )
-    torch.manual_seed(seed)
-    model = PhiForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.bias.zero_()
-        model.lm_head.bias[eos] = eos_bias
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = eos
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path

@@ -91,7 +91,7 @@ def test_out_of_range_values(overrides, message):
     "override, message",
     [
         ({"reward_weights": {"verifier": "a"}}, "finite"),
-        ({"reward_weights": {"nope": 1.0}}, "valid names: format, self_consistency, tool_success, verifier"),
+        ({"reward_weights": {"nope": 1.0}}, "valid names: format, self_consistency, tool_success, user_feedback, verifier"),
         ({"train.scale_rewards": "x"}, "train.scale_rewards"),
         ({"rollout.tools_prompt": "x"}, "rollout.tools_prompt"),
         ({"rollout.tools": ["calculator", "nope"]}, "nope"),
@@ -117,3 +117,83 @@ def test_resume_may_change_iterations_but_not_the_task():
     other_val = load_config(None, {"gate.val_size": 64}).to_dict()
     with pytest.raises(ConfigError, match="gate.val_size"):
         check_resumable(stored, other_val)
+
+
+# Every rule of a section that `selfrl run` and `selfrl serve` share, with a value it refuses.
+SHARED_RULES = [
+    ("lora.modules_to_save", ["lm_head"], "lora.modules_to_save is not supported"),
+    ("lora.r", 0, "lora.r must be >= 1"),
+    ("lora.lora_dropout", 1.0, "lora.lora_dropout must be in"),
+    ("lora.init_adapter", "/no/such/adapter", "lora.init_adapter '/no/such/adapter' is not a folder"),
+    ("model.name", "", "model.name must not be empty"),
+    ("task.num_train", 0, "task.num_train must be >= 1"),
+    ("rollout.temperature", 0.0, "rollout.temperature must be > 0"),
+    ("rollout.max_turns", 0, "rollout.max_turns must be >= 1"),
+    ("rollout.max_new_tokens", 0, "rollout.max_new_tokens must be >= 1"),
+    ("rollout.tools_prompt", "xml", "rollout.tools_prompt must be one of 'compact', 'json'"),
+    ("rollout.tools", ["calculator", "nope"], "nope"),
+    ("train.learning_rate", 0.0, "train.learning_rate must be > 0"),
+    ("train.beta", -1.0, "train.beta must be >= 0"),
+    ("train.epsilon", 1.5, "train.epsilon must be in"),
+    ("train.epsilon_high", -0.1, "train.epsilon_high must be > 0"),
+    ("train.num_iterations", 0, "train.num_iterations must be >= 1"),
+    ("train.micro_batch_size", 0, "train.micro_batch_size must be >= 1"),
+    ("train.max_grad_norm", 0.0, "train.max_grad_norm must be > 0"),
+    ("train.weight_decay", -1.0, "train.weight_decay must be >= 0"),
+    ("train.scale_rewards", "batch", "train.scale_rewards must be one of 'group', 'none'"),
+    ("train.skip_max_reward_spread", 0.0, "train.skip_max_reward_spread must be > 0"),
+    ("train.skip_max_kl", 0.0, "train.skip_max_kl must be > 0"),
+    ("train.skip_max_grad_norm", 0.0, "train.skip_max_grad_norm must be > 0"),
+    ("train.loss_type", "x", "valid: dapo, dr_grpo, grpo"),
+    ("gate.val_size", 0, "gate.val_size must be >= 1"),
+    ("gate.eval_every", 0, "gate.eval_every must be >= 1"),
+    ("gate.tolerance", -0.1, "gate.tolerance must be >= 0"),
+    ("gate.batch_size", 0, "gate.batch_size must be >= 1"),
+    ("collapse.kl_probe_size", -1, "collapse.kl_probe_size must be >= 0"),
+    ("collapse.baseline_window", 0, "collapse.baseline_window must be >= 1"),
+    ("collapse.entropy_min_ratio", 1.0, "collapse.entropy_min_ratio must be in [0, 1)"),
+    ("collapse.entropy_max_ratio", 0.5, "collapse.entropy_max_ratio must be > 1"),
+    ("collapse.max_kl", 0.0, "collapse.max_kl must be > 0"),
+    ("collapse.degenerate_rise", 0.0, "collapse.degenerate_rise must be > 0"),
+    ("collapse.heldout_drop", 0.0, "collapse.heldout_drop must be > 0"),
+    ("collapse.max_rollbacks", -1, "collapse.max_rollbacks must be >= 0"),
+    ("collapse.lr_factor", 2.0, "collapse.lr_factor must be in"),
+    ("collapse.beta_factor", 0.5, "collapse.beta_factor must be >= 1"),
+    ("collapse.beta_min", -1.0, "collapse.beta_min must be >= 0"),
+    ("collapse.repeat_ngram", 0, "collapse.repeat_ngram must be >= 1"),
+    ("collapse.repeat_share", 0.0, "collapse.repeat_share must be in (0, 1]"),
+    ("detectors.names", ["no_such_detector"], "no_such_detector"),
+]
+
+
+@pytest.mark.parametrize("key, value, message", SHARED_RULES, ids=[r[0] for r in SHARED_RULES])
+def test_a_shared_rule_refuses_the_same_value_in_run_and_serve(key, value, message):
+    from selfrl.serve.main import load_serve_config
+
+    with pytest.raises(ConfigError) as run_err:
+        load_config(None, {key: value})
+    with pytest.raises(ConfigError) as serve_err:
+        load_serve_config(None, {key: value})
+    assert message in str(run_err.value)
+    assert str(serve_err.value) == str(run_err.value)
+
+
+def test_the_rules_walked_cover_every_shared_section_and_serve_holds_them_all():
+    import dataclasses
+
+    from selfrl.config import SHARED_SECTIONS
+    from selfrl.serve.config import ServeConfig
+
+    assert {key.split(".")[0] for key, _, _ in SHARED_RULES} == set(SHARED_SECTIONS)
+    run_types = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+    serve_types = {f.name: f.type for f in dataclasses.fields(ServeConfig)}
+    assert all(serve_types[name] == run_types[name] for name in SHARED_SECTIONS)
+
+
+def test_importing_the_config_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, selfrl.config, selfrl.serve.config; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -121,7 +121,7 @@ def test_a_partitioned_worker_is_timed_out_replaced_and_its_job_redone(tmp_path,
     model_dir, make_cfg = short_model
     cfg = make_cfg(model_dir, tmp_path / "run")
     events = []
-    pool = WorkerPool(cfg, DistributedConfig(num_workers=1, job_timeout_s=3), lambda k, m: events.append((k, m)))
+    pool = WorkerPool(cfg, DistributedConfig(num_workers=1, job_timeout_s=3), events.append)
     weights = [ray_cluster.put(adapters.lora_state(build_policy(cfg)[0]))]
     task = get_task_source("chain_sum").sample(1, seed=0)[0]
     [stopped] = pool.pids()
@@ -134,4 +134,4 @@ def test_a_partitioned_worker_is_timed_out_replaced_and_its_job_redone(tmp_path,
     assert result.job_id == 7 and result.version == 0 and result.worker_pid != stopped
     assert len(result.trajectories) == cfg.num_generations and all(t.adapter_version == 0 for t in result.trajectories)
     assert pool.stats.workers_lost == 1 and pool.stats.jobs_redone == 1
-    assert events == [("worker_lost", "worker 0 lost (no result within 3 s); jobs [7] redone on a fresh worker")]
+    assert events == ["worker 0 lost (no result within 3 s); jobs [7] redone on a fresh worker"]

@@ -136,9 +136,11 @@ def test_format(task, source, text, expected):
 
 
 def test_registry_and_presets():
-    assert set(REWARD_FUNCS) == {"verifier", "self_consistency", "tool_success", "format", "webshop_naive"}
+    assert set(REWARD_FUNCS) == {"verifier", "self_consistency", "tool_success", "format", "webshop_naive",
+                                 "user_feedback"}
     assert get_reward_func("format") is format_reward
-    with pytest.raises(ValueError, match="valid names: format, self_consistency, tool_success, verifier, webshop_naive"):
+    with pytest.raises(ValueError, match="valid names: format, self_consistency, tool_success, user_feedback, verifier, "
+                                         "webshop_naive"):
         get_reward_func("nope")
     assert get_preset("verified") == {"verifier": 1.0, "tool_success": 0.2}
     assert "verifier" not in get_preset("label-free")

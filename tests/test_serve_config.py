@@ -109,7 +109,9 @@ def test_restart_skips_a_version_whose_folder_is_incomplete(tiny_tokenizer, tiny
     weights.write_bytes(weights.read_bytes()[:-100])  # a torn write
     with running_server(tiny_model_factory(lora=True), tiny_tokenizer, cfg) as (url, service):
         assert service.engine.version == 0
-        assert any(e["kind"] == "skip_version" for e in service.store.events())
+        # as in `selfrl run`: marked rolled_back with the reason, and a corrupt_version event
+        assert any(e["kind"] == "corrupt_version" and "version 1" in e["message"] for e in service.store.events())
+        assert service.ledger.get(1).status == "rolled_back" and "corrupt" in service.ledger.get(1).metrics
         client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         with pytest.raises(Exception, match="cannot be served"):
             client.chat.completions.create(model="selfrl@v1", messages=[{"role": "user", "content": "x"}])

@@ -1,7 +1,9 @@
 """The background learner: feedback -> rewards -> update -> validated version served."""
 
+import copy
 import time
 
+import pytest
 import torch
 from openai import OpenAI
 
@@ -72,3 +74,97 @@ def test_learner_scores_groups_by_task_key(tiny_tokenizer, tiny_model_factory, t
     # (r - mean) / std, ddof 0, over {1, -1} (with "e" counted it would be {1, -1, 0}: +-1.22); a lone turn: 0
     assert [t.advantage for t in scored] == [1.0, -1.0, 0.0, None]
     assert served_rewards(None, 0.5, cfg.learner.reward_weights)[1] == 0.1
+
+
+# ------------------------------------------------------------- issue 17, cases 4, 6 and 7
+
+
+def record(service, trajs_and_keys):
+    """Store served turns as the server does; returns the learner's batch of (trajectory, row)."""
+    batch = []
+    with service.store.lock:
+        for t, key, feedback in trajs_and_keys:
+            records.add_turn(service.store, service.run_id, t, t.id, 0, t.id, key, t.id)
+            batch.append((t, {"feedback": feedback, "group_key": key}))
+    return batch
+
+
+def turn(i, group=None):
+    from selfrl.trajectory import Trajectory
+
+    return Trajectory(group or f"prompt:{i}", group or f"prompt:{i}", 0, prompt_len=3,
+                      token_ids=[5, 6, 7, 10 + i, 11 + i], completion_mask=[0, 0, 0, 1, 1], logprobs=[0.0] * 5)
+
+
+def test_no_group_of_two_is_named_with_its_fix(tiny_tokenizer, tiny_model_factory, tmp_path):
+    # four turns without task_key, rewards +-1: the rewards spread, but every group has one turn
+    from selfrl.serve.service import Service
+
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    service = Service(model, tiny_tokenizer, tiny_serve_config(tmp_path / "run", min_batch=4),
+                      learner_model=copy.deepcopy(model))
+    try:
+        info = service.learner.update(record(service, [(turn(i), f"prompt:{i}", (-1.0) ** i) for i in range(4)]))
+        assert info["reason"] == "no_group" and "no reward spread" not in info["result"]
+        assert "no group had two or more samples" in info["result"]
+        assert "task_key" in info["result"] and "n > 1" in info["result"]
+        event = service.store.events()[-1]
+        assert event["kind"] == "skip" and "task_key" in event["message"] and event["data"]["reason"] == "no_group"
+        assert [v.version for v in service.ledger.all()] == [0]
+    finally:
+        service.close()
+
+
+def test_late_feedback_says_it_changed_nothing(tiny_tokenizer, tiny_model_factory, tmp_path):
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    cfg = tiny_serve_config(tmp_path / "run", feedback_wait_s=120.0)
+    with running_server(model, tiny_tokenizer, cfg) as (url, service):
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        first = client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": "q"}],
+                                               max_tokens=3)
+        second = client.chat.completions.create(model="selfrl", max_tokens=3, messages=[
+            {"role": "user", "content": "q"}, {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "and then?"}])
+        with service.store.lock:  # the wait passed with no reward: the learner marked the first turn skipped
+            row = records.find_response(service.store, first.id)
+            traj = next(t for t in service.store.trajectories() if t.id == row["trajectory_id"])
+            records.mark(service.store, [traj], "skipped", None)
+        status, body = http("POST", url + "/v1/feedback", {"response_id": first.id, "rating": 1.0}, key=API_KEY)
+        assert status == 200 and body["turns_updated"] == 0 and body["turns_too_late"] == 1
+        assert "came too late" in body["message"] and "changes no update" in body["message"]
+        assert service.store.events()[-1]["kind"] == "late_feedback"
+        # on the later turn: it is still pending and counts; the parent keeps its own explicit value
+        status, body = http("POST", url + "/v1/feedback", {"response_id": second.id, "rating": -1.0}, key=API_KEY)
+        assert status == 200 and (body["turns_updated"], body["turns_too_late"]) == (1, 0) and "message" not in body
+        with service.store.lock:
+            assert records.find_response(service.store, second.id)["status"] == "pending"
+            assert records.find_response(service.store, first.id)["feedback"] == 1.0
+
+
+def test_serve_uses_init_adapter_as_the_kl_reference(tiny_tokenizer, tmp_path):
+    # serve started from a saved adapter with beta 0.1: the first update's KL is 0, as in `selfrl run`
+    from conftest import save_tiny_phi
+    from peft import set_peft_model_state_dict
+
+    from selfrl.model import build_policy
+    from selfrl.serve.service import Service
+
+    cfg = tiny_serve_config(tmp_path / "run", min_batch=4)
+    cfg.model.name, cfg.lora.r = str(save_tiny_phi(tmp_path / "model", tiny_tokenizer)), 4
+    model, _ = build_policy(cfg)
+    torch.manual_seed(0)
+    set_peft_model_state_dict(model, {k: torch.randn_like(v) for k, v in lora_state(model).items()})
+    model.save_pretrained(tmp_path / "sft")
+    cfg.lora.init_adapter, cfg.train.beta = str(tmp_path / "sft"), 0.1
+    model, tok = build_policy(cfg)
+    service = Service(model, tok, cfg, learner_model=copy.deepcopy(model))
+    try:
+        ref = service.learner.learner.ref_state
+        saved = lora_state(model)
+        assert ref is not None and all(torch.equal(ref[k], saved[k]) for k in saved)
+        batch = record(service, [(turn(i, "arith"), "arith", (-1.0) ** i) for i in range(4)])
+        service.learner.update(batch)
+        kl = [m["value"] for m in service.store.metrics() if m["name"] == "kl"]
+        assert len(kl) == 1 and kl[0] == pytest.approx(0.0, abs=1e-6)  # the base as reference gives about 0.3
+    finally:
+        service.close()

@@ -88,10 +88,10 @@ def test_feedback_precedence_and_chain(tmp_path):
     turn(store, run, "t1", "r1")
     turn(store, run, "t2", "r2", parent="t1")
     assert records.chain(store, "t2") == ["t2", "t1"]
-    assert records.apply_feedback(store, "r1", 0, "implicit", -1.0) == 1
-    assert records.apply_feedback(store, "r2", 0, "explicit", 1.0) == 2  # inherited beats implicit on t1
+    assert records.apply_feedback(store, "r1", 0, "implicit", -1.0).updated == 1
+    assert records.apply_feedback(store, "r2", 0, "explicit", 1.0).updated == 2  # inherited beats implicit on t1
     assert records.find_response(store, "r1")["feedback_source"] == "inherited"
-    assert records.apply_feedback(store, "r2", 0, "implicit", -1.0) == 0  # implicit never beats explicit
+    assert records.apply_feedback(store, "r2", 0, "implicit", -1.0).updated == 0  # implicit never beats explicit
     assert records.find_response(store, "r2")["feedback"] == 1.0
     with pytest.raises(KeyError):
         records.apply_feedback(store, "nope", 0, "explicit", 1.0)

@@ -68,7 +68,7 @@ def test_default_init_trains_b_first_then_a_and_never_the_base(policy, tiny_toke
     lr = learner(policy, tiny_tokenizer)
 
     m1 = lr.step(trajs)
-    assert m1["skipped"] == 0.0 and m1["num_sequences"] == len(trajs) and m1["grad_norm"] > 0
+    assert not m1.skipped and m1.stats["num_sequences"] == len(trajs) and m1.stats["grad_norm"] > 0
     # dL/dA = scale * B^T dL/dy = 0 while B = 0, and AdamW moves a parameter with zero gradient
     # (and no weight decay) by exactly 0: after the first step every B has moved and no A has.
     assert changed(b0, policy) == set(b0)
@@ -76,7 +76,7 @@ def test_default_init_trains_b_first_then_a_and_never_the_base(policy, tiny_toke
     # the second step sees B != 0, so every A gets a gradient and moves
     b1 = params(policy, "lora_B")
     m2 = lr.step(trajs)
-    assert m2["skipped"] == 0.0
+    assert not m2.skipped
     assert changed(a0, policy) == set(a0)
     assert changed(b1, policy) == set(b1)
     assert changed(base0, policy) == set()  # the base model is frozen throughout
@@ -87,12 +87,12 @@ def test_first_ratio_is_one_for_the_sampling_policy(policy, tiny_tokenizer):
     trajs = sample(policy, tiny_tokenizer)
     m = learner(policy, tiny_tokenizer).step(trajs)
     # the learner recomputes the sampling logprobs at the sampling temperature: ratio 1, nothing clipped
-    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
-    assert m["clip_ratio"] == 0.0
-    assert m["num_tokens"] == sum(t.num_completion_tokens for t in trajs)
+    assert m.stats["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert m.stats["clip_ratio"] == 0.0
+    assert m.stats["num_tokens"] == sum(t.num_completion_tokens for t in trajs)
     # dapo on the first step: loss = -sum_i A_i * n_i / N with ratio 1 (n_i completion tokens of i)
-    expected = -sum(t.advantage * t.num_completion_tokens for t in trajs) / m["num_tokens"]
-    assert m["loss"] == pytest.approx(expected, abs=1e-4)
+    expected = -sum(t.advantage * t.num_completion_tokens for t in trajs) / m.stats["num_tokens"]
+    assert m.stats["loss"] == pytest.approx(expected, abs=1e-4)
 
 
 def test_batch_without_signal_is_skipped_without_a_forward(policy, tiny_tokenizer, monkeypatch):
@@ -106,7 +106,7 @@ def test_batch_without_signal_is_skipped_without_a_forward(policy, tiny_tokenize
 
     monkeypatch.setattr("selfrl.trainer.per_token_logps", no_forward)
     m = learner(policy, tiny_tokenizer).step(trajs)
-    assert m["skipped"] == 1.0 and m["skip_reason_no_signal"] == 1.0 and m["num_sequences"] == 0.0
+    assert m.skipped and m.reason == "no_signal" and m.stats["num_sequences"] == 0.0
     after = lora_state(policy)
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -119,19 +119,19 @@ def test_nan_in_old_logprobs_skips_the_update(policy, tiny_tokenizer):
     before = lora_state(policy)
     lr = learner(policy, tiny_tokenizer)
     m = lr.step(trajs)
-    assert m["skipped"] == 1.0 and m["skip_reason_not_finite"] == 1.0 and math.isnan(m["loss"])
+    assert m.skipped and m.reason == "not_finite" and math.isnan(m.stats["loss"])
     after = lora_state(policy)
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert not policy.training
     # the learner is still usable: the same batch without the NaN trains
     t.logprobs[pos] = original
-    assert lr.step(trajs)["skipped"] == 0.0
+    assert not lr.step(trajs).skipped
 
 
 def test_kl_to_the_base_is_zero_first_then_grows(policy, tiny_tokenizer):
     trajs = sample(policy, tiny_tokenizer)
     lr = learner(policy, tiny_tokenizer, beta=0.1)
-    kls = [lr.step(trajs)["kl"] for _ in range(3)]
+    kls = [lr.step(trajs).stats["kl"] for _ in range(3)]
     # step 0: policy == base (B = 0), so logp == ref_logp on every token and k3 = e^0 - 0 - 1 = 0
     assert kls[0] == pytest.approx(0.0, abs=1e-7)
     assert kls[1] > 1e-5 and kls[2] > kls[1]
@@ -182,7 +182,7 @@ def test_non_finite_second_pass_restores_the_first_passs_update(policy, tiny_tok
 
     lr.aggregate = nan_on_second_pass
     m = lr.step(trajs)
-    assert len(calls) == 2 and m["skipped"] == 1.0 and m["skip_reason_not_finite"] == 1.0
+    assert len(calls) == 2 and m.skipped and m.reason == "not_finite"
     after = lora_state(policy)
     assert all(torch.equal(before[k], after[k]) for k in before)
     state_after = lr.optimizer.state_dict()["state"][0]
@@ -243,7 +243,7 @@ def test_reward_spread_beyond_the_threshold_skips_before_the_forward(policy, tin
 
     monkeypatch.setattr("selfrl.trainer.per_token_logps", no_forward)
     m = learner(policy, tiny_tokenizer, skip_max_reward_spread=10.0).step(trajs)
-    assert m["skipped"] == 1.0 and m["skip_reason_reward_spread"] == 1.0 and m["reward_spread"] == 50.0
+    assert m.skipped and m.reason == "reward_spread" and m.stats["reward_spread"] == 50.0
     assert all(torch.equal(weights[k], v) for k, v in lora_state(policy).items())
 
 
@@ -252,13 +252,13 @@ def test_kl_beyond_the_threshold_skips_and_leaves_weights_and_adam_state(policy,
     trajs = sample(policy, tiny_tokenizer)
     lr = learner(policy, tiny_tokenizer, beta=0.1, num_iterations=num_iterations)
     first = lr.step(trajs)  # KL 0 at the start (B = 0); moves the policy and fills the Adam moments
-    assert first["skipped"] == 0.0
+    assert not first.skipped
     probe = lr.step(trajs)
-    assert probe["skipped"] == 0.0 and probe["kl"] > 1e-5
+    assert not probe.skipped and probe.stats["kl"] > 1e-5
     weights, state = lora_state(policy), adam_state(lr)
-    lr.cfg.skip_max_kl = probe["kl"] / 10  # the next measured KL is larger than the last one
+    lr.cfg.skip_max_kl = probe.stats["kl"] / 10  # the next measured KL is larger than the last one
     m = lr.step(trajs)
-    assert m["skipped"] == 1.0 and m["skip_reason_kl"] == 1.0 and m["kl"] > lr.cfg.skip_max_kl
+    assert m.skipped and m.reason == "kl" and m.stats["kl"] > lr.cfg.skip_max_kl
     assert_untouched(policy, lr, weights, state)
 
 
@@ -269,7 +269,7 @@ def test_grad_norm_beyond_the_threshold_skips(policy, tiny_tokenizer):
     weights, state = lora_state(policy), adam_state(lr)
     lr.cfg.skip_max_grad_norm = 1e-9
     m = lr.step(trajs)
-    assert m["skipped"] == 1.0 and m["skip_reason_grad_norm"] == 1.0 and m["grad_norm"] > 1e-9
+    assert m.skipped and m.reason == "grad_norm" and m.stats["grad_norm"] > 1e-9
     assert_untouched(policy, lr, weights, state)
 
 
@@ -280,10 +280,10 @@ def test_injected_nan_loss_is_skipped_at_its_iteration_only(policy, tiny_tokeniz
     weights, state = lora_state(policy), adam_state(lr)
     fault_env("nan_loss@5", 5)
     m = lr.step(trajs)
-    assert m["skipped"] == 1.0 and m["skip_reason_not_finite"] == 1.0 and math.isnan(m["loss"])
+    assert m.skipped and m.reason == "not_finite" and math.isnan(m.stats["loss"])
     assert_untouched(policy, lr, weights, state)
     fault_env("nan_loss@5", 6)
-    assert lr.step(trajs)["skipped"] == 0.0
+    assert not lr.step(trajs).skipped
 
 
 def test_injected_lr_x1000_makes_one_step_a_thousand_times_larger(tiny_model_factory, tiny_tokenizer, fault_env):

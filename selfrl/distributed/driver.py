@@ -38,9 +38,10 @@ from selfrl.config import RunConfig
 from selfrl.distributed.config import DistributedConfig
 from selfrl.distributed.staleness import staleness
 from selfrl.distributed.worker import Job, JobResult, RolloutWorker
-from selfrl.loop import Runner, iteration_tasks
+from selfrl.loop import Runner, build_run, iteration_tasks
 from selfrl.progress import PlainProgress, Progress
 from selfrl.trajectory import Trajectory
+from selfrl.versions import EventKind
 
 
 # Extra seconds a worker may take to start (Ray worker process, imports, model load) before
@@ -76,10 +77,10 @@ class WorkerPool:
     Args:
         cfg: the run's config (sent to every worker).
         dist: the distributed settings.
-        on_event: ``on_event(kind, message)`` for ``worker_lost`` events (the driver's store).
+        on_event: ``on_event(message)`` for each lost worker (the driver records a ``worker_lost`` event).
     """
 
-    def __init__(self, cfg: RunConfig, dist: DistributedConfig, on_event: Callable[[str, str], None]):
+    def __init__(self, cfg: RunConfig, dist: DistributedConfig, on_event: Callable[[str], None]):
         self.cfg, self.dist, self.on_event = cfg, dist, on_event
         self.remote_cls = ray.remote(num_cpus=dist.worker_cpus, max_restarts=0)(RolloutWorker)
         self.spawned = 0
@@ -166,7 +167,7 @@ class WorkerPool:
         for _, j, w in sorted(lost, key=lambda x: x[1].job_id):
             self.submit(i, j, w)
         self.stats.jobs_redone += len(lost)
-        self.on_event("worker_lost", f"worker {i} lost ({why}); jobs {sorted(j.job_id for _, j, _ in lost)} "
+        self.on_event(f"worker {i} lost ({why}); jobs {sorted(j.job_id for _, j, _ in lost)} "
                                      f"redone on a fresh worker")
 
     def shutdown(self) -> None:
@@ -188,30 +189,30 @@ class AsyncRunner(Runner):
 
     def __init__(self, cfg: RunConfig, dist: DistributedConfig, resume: bool = False,
                  progress: Progress | None = None, on_result: Callable[[WorkerPool], None] | None = None):
-        super().__init__(cfg, resume, progress or PlainProgress())
+        super().__init__(build_run(cfg, resume), progress or PlainProgress())
         self.dist, self.on_result = dist, on_result
         self.loaded: list[int] = []  # versions the learner's weights held, in order
         self.published: dict[int, list] = {}  # version -> [ObjectRef of its LoRA state]
         self.job_count = 0
-        self.pool = WorkerPool(cfg, dist, lambda kind, msg: self.store.log_event(self.run_id, kind, msg))
+        self.pool = WorkerPool(cfg, dist, lambda msg: self.s.ledger.event(EventKind.WORKER_LOST, msg))
         self.max_trained_staleness = 0.0
 
     def note_version(self) -> int:
         """Record the learner's current version (after an update, a rejection or a rollback)
         and publish its LoRA tensors to the object store once; returns it."""
-        v = self.engine.version
+        v = self.s.engine.version
         if not self.loaded or self.loaded[-1] != v:
             self.loaded.append(v)
         if v not in self.published:
             self.published = {k: r for k, r in self.published.items() if k in self.loaded[-(self.dist.max_staleness + 2):]}
-            self.published[v] = [ray.put(adapters.lora_state(self.engine.model))]
+            self.published[v] = [ray.put(adapters.lora_state(self.s.engine.model))]
         return v
 
     def next_job(self) -> tuple[Job, list]:
         """The next task of the deterministic walk through the training set, on the current version."""
         k, v = self.job_count, self.loaded[-1]
         self.job_count += 1
-        task = iteration_tasks(self.train, k, 1, self.cfg.task.train_seed)[0]
+        task = iteration_tasks(self.s.train, k, 1, self.cfg.task.train_seed)[0]
         return Job(k, task, f"j{k}", v), self.published[v]
 
     def rollouts(self, it: int) -> tuple[list[Trajectory], float]:
@@ -247,7 +248,7 @@ class AsyncRunner(Runner):
 
     def finish(self, stopped: bool):
         s = self.pool.stats
-        self.store.log_event(self.run_id, "distributed", (
+        self.s.ledger.event(EventKind.DISTRIBUTED, (
             f"{self.dist.num_workers} workers: {s.jobs_done} jobs done, {s.dropped_stale} groups dropped as "
             f"staler than {self.dist.max_staleness}, {s.workers_lost} workers lost, {s.jobs_redone} jobs redone"),
             {"jobs_done": s.jobs_done, "dropped_stale": s.dropped_stale, "workers_lost": s.workers_lost,

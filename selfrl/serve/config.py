@@ -1,4 +1,5 @@
-"""Settings of ``selfrl serve``: one dataclass per concern, as for ``selfrl run``."""
+"""Settings of ``selfrl serve``: the same sections as ``selfrl run`` (``selfrl.config``),
+checked by the same validators, plus the server's own and its learner's."""
 
 from __future__ import annotations
 
@@ -6,10 +7,21 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from selfrl.config import LoraSettings, ModelConfig, TaskConfig
-from selfrl.gate import GateConfig
-from selfrl.rollout import RolloutConfig
-from selfrl.trainer import TrainConfig
+from selfrl.config import (
+    CollapseConfig,
+    DetectorConfig,
+    GateConfig,
+    LoraSettings,
+    ModelConfig,
+    RolloutConfig,
+    TaskConfig,
+    ToolsPrompt,
+    TrainConfig,
+    check_names,
+    check_sections,
+    one_of,
+    require,
+)
 
 
 @dataclass
@@ -23,7 +35,16 @@ class LearnerSettings:
     poll_s: float = 1.0  # seconds between checks for enough ready turns
     temperature: float = 1.0  # temperature of the learner's logprobs (old ones are recomputed at it)
     reward_weights: dict[str, float] = field(
-        default_factory=lambda: {"user_feedback": 1.0, "tool_success": 0.2})  # see selfrl.serve.feedback
+        default_factory=lambda: {"user_feedback": 1.0, "tool_success": 0.2})  # registered rewards (selfrl.rewards)
+
+    def check(self, where: str = "") -> None:
+        require([
+            (self.min_batch >= 2 and self.max_batch >= self.min_batch, "min_batch must be >= 2 and <= learner.max_batch"),
+            (self.feedback_wait_s >= 0, "feedback_wait_s must be >= 0"),
+            (self.poll_s > 0, "poll_s must be > 0"),
+            (self.temperature > 0, "temperature must be > 0"),
+            (isinstance(self.reward_weights, dict), "reward_weights must be a table of name = weight"),
+        ], where)
 
 
 @dataclass
@@ -38,7 +59,7 @@ class ServeConfig:
     batch_window_s: float = 0.01  # seconds the batcher waits for more requests before a batch
     max_tokens_default: int = 256  # completion limit when a request sets none
     max_request_bytes: int = 4_000_000  # larger request bodies get a 413 before they are read
-    tools_prompt: str = "compact"  # how request tools are shown to a template without tool support
+    tools_prompt: ToolsPrompt = "compact"  # how request tools are shown to a template without tool support
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
@@ -47,6 +68,35 @@ class ServeConfig:
     gate: GateConfig = field(default_factory=lambda: GateConfig(val_size=64))
     task: TaskConfig = field(default_factory=TaskConfig)  # the validation tasks of the gate
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(temperature=1.0))  # how validation runs
+    collapse: CollapseConfig = field(default_factory=CollapseConfig)  # collapse rules and rollback, as in run
+    detectors: DetectorConfig = field(default_factory=DetectorConfig)  # reward-hacking detectors, as in run
+
+    @property
+    def max_completion_length(self) -> int:
+        """Completion tokens one served turn may hold when the request sets no limit (the
+        ``dr_grpo`` normaliser of the learner)."""
+        return self.max_tokens_default
+
+    def validate(self) -> "ServeConfig":
+        """Check every section with ``selfrl run``'s validators, then the server's own fields; returns self.
+
+        Raises:
+            selfrl.config.ConfigError: a value out of range or an unknown name, with the field named.
+        """
+        check_sections(self)
+        self.learner.check("learner.")
+        require([
+            (1 <= self.port <= 65535, "port must be in 1..65535"),
+            (bool(self.served_model_name) and "@" not in self.served_model_name,
+             "served_model_name must be non-empty and hold no '@'"),
+            (self.max_batch >= 1, "max_batch must be >= 1"),
+            (self.batch_window_s >= 0, "batch_window_s must be >= 0"),
+            (self.max_tokens_default >= 1, "max_tokens_default must be >= 1"),
+            (self.max_request_bytes >= 1, "max_request_bytes must be >= 1"),
+            one_of(self.tools_prompt, ToolsPrompt, "tools_prompt"),
+        ])
+        check_names(self, lambda: self.learner.reward_weights)
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

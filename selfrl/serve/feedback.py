@@ -32,6 +32,8 @@ import json
 import re
 from typing import Any
 
+from selfrl.tasks import Task, TaskSource
+
 CORRECTION_RE = re.compile(
     r"^\W*(no\b|nope\b|wrong\b|incorrect\b|not (quite|right|correct)\b|that'?s (not|wrong|incorrect)\b"
     r"|that is (not|wrong|incorrect)\b|try again\b|actually\b|you made a mistake|you are wrong|you're wrong)",
@@ -131,3 +133,25 @@ def served_rewards(feedback: float | None, tool_success: float | None,
     applied = [(weights.get(k, 0.0), v) for k, v in parts.items() if v is not None and weights.get(k, 0.0) != 0.0]
     total = round(sum(w * v for w, v in applied), 12) if applied else None
     return parts, total
+
+
+class ServedTraffic(TaskSource):
+    """The task source of served turns: a group's task has no reference answer (its
+    verdict is the users' feedback, the ``user_feedback`` reward), so nothing scores as correct."""
+
+    name = "served"
+
+    def sample(self, n: int, seed: int) -> list[Task]:
+        raise NotImplementedError("served turns come from clients; there is nothing to sample")
+
+    def score(self, task: Task, answer: str | None) -> float:
+        return 0.0
+
+
+SERVED = ServedTraffic()
+
+
+def served_task(task_id: str, feedback: dict[str, float | None]) -> Task:
+    """The task of served turns ``task_id`` (their group key), holding each turn's feedback
+    ``{trajectory id: value or None}`` for the ``user_feedback`` reward."""
+    return Task(task_id, "served", "", "", {"feedback": dict(feedback)})

@@ -1,10 +1,12 @@
 """The background learner of ``selfrl serve``: served turns with complete rewards ->
-groups -> advantages -> the same GRPO update as ``selfrl run`` -> candidate version ->
-validation gate -> published to the serving engine, or rejected.
+rewards (``score_group``, the ``user_feedback`` reward) -> detectors -> group
+advantages -> the same update cycle as ``selfrl run`` (:class:`selfrl.cycle.UpdateCycle`:
+anomaly skip, candidate version, KL probe, collapse rules, gate) -> published to the
+serving engine, or rejected / rolled back.
 
 It trains its own copy of the policy in its own thread, so the serving engine only
-ever holds validated versions; publishing copies the LoRA tensors into the serving
-engine in place (``Service.publish``).
+ever holds validated versions. Its interface to the server is narrow: the store, the
+version ledger and a ``publish(version, state, reason)`` callback.
 
 Departures from ``selfrl run``, on purpose:
 
@@ -16,7 +18,10 @@ Departures from ``selfrl run``, on purpose:
   The sampled logprobs stay in the store untouched.
 * Groups are formed by ``task_key`` (or the first user message), not by repeated
   samples of one task: a group holds different prompts, and its mean reward is a
-  baseline for all of them.
+  baseline for all of them. A batch in which no group has two or more turns is
+  skipped as ``no_group`` (the message says how to fix it).
+* A turn none of whose reward components applies (no feedback, no tool call) is not
+  trained on (``run`` scores such a rollout 0).
 * Every candidate is validated before it is served (``selfrl run`` validates every
   ``eval_every`` updates).
 """
@@ -25,71 +30,114 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from selfrl import adapters
+from selfrl import collapse
+from selfrl.collapse import CollapseGuard, CollapseStop
+from selfrl.cycle import UpdateCycle
+from selfrl.detectors import HackingMonitor
 from selfrl.engine import Engine
-from selfrl.gate import evaluate, passes_gate
-from selfrl.rl.advantages import group_advantages
+from selfrl.gate import validate
+from selfrl.rewards import score_group
 from selfrl.rl.batch import collate
 from selfrl.rl.logprobs import per_token_logps
 from selfrl.serve import records
-from selfrl.serve.feedback import served_rewards
+from selfrl.serve.config import ServeConfig
+from selfrl.serve.feedback import SERVED, served_task
+from selfrl.store import Store
 from selfrl.tasks import assert_disjoint, get_task_source, split_tasks
 from selfrl.tools import resolve_tools
-from selfrl.trainer import Learner
+from selfrl.trainer import Learner, kl_reference
 from selfrl.trajectory import Trajectory
+from selfrl.versions import Champion, EventKind, Ledger
+
+Publish = Callable[[int, dict, str], "float | None"]
+
+
+def score_served(batch: list[tuple[Trajectory, dict]], weights: dict[str, float]) -> tuple[list[Trajectory],
+                                                                                         list[Trajectory]]:
+    """Rewards of served turns through :func:`selfrl.rewards.score_group` (the ``user_feedback``
+    reward reads the feedback each turn's ``served`` row holds); ``group_id`` becomes the row's
+    group key. Returns (scored, left out because no reward component applied)."""
+    by_task: dict[str, list[Trajectory]] = defaultdict(list)
+    feedback: dict[str, dict[str, float | None]] = defaultdict(dict)
+    for traj, row in batch:
+        traj.group_id = row["group_key"]
+        by_task[traj.task_id].append(traj)
+        feedback[traj.task_id][traj.id] = row["feedback"]
+    for task_id, trajs in by_task.items():
+        score_group(trajs, served_task(task_id, feedback[task_id]), SERVED, weights)
+    scored, unscored = [], []
+    for traj, _ in batch:
+        traj.correct = None  # served turns have no reference answer
+        if traj.reward is None or all(v is None for v in traj.rewards.values()):
+            traj.reward = None
+            unscored.append(traj)
+        else:
+            scored.append(traj)
+    return scored, unscored
 
 
 class BackgroundLearner(threading.Thread):
-    """Trains on recorded traffic and publishes validated versions to ``service``.
+    """Trains on recorded traffic and publishes validated versions.
 
     Args:
-        service: the :class:`selfrl.serve.service.Service` it learns for.
-        model: the learner's own copy of the policy (a ``peft.PeftModel``).
+        cfg: the server's settings.
+        model: the learner's own copy of the policy (a ``peft.PeftModel``), as built
+            (its adapter is the KL reference when ``lora.init_adapter`` is set).
+        tokenizer: its tokenizer.
+        store: the server's store (shared; every call holds ``store.lock``).
+        ledger: the server's version ledger; its champion is where learning starts.
+        publish: ``publish(version, state, reason)`` serves a promoted version.
     """
 
-    def __init__(self, service, model):
+    def __init__(self, cfg: ServeConfig, model, tokenizer, store: Store, ledger: Ledger, publish: Publish):
         super().__init__(name="selfrl-learner", daemon=True)
-        self.service, self.cfg = service, service.cfg
-        tok = service.tok
-        self.model = model
-        self.engine = Engine(model, tok, version=service.engine.version)  # validation runs here, not on the server
-        if service.engine.version != 0:
+        self.cfg, self.model, self.tok, self.store, self.ledger, self.publish = (
+            cfg, model, tokenizer, store, ledger, publish)
+        ref_state = kl_reference(model, cfg.lora.init_adapter)  # before any other version is loaded (same rule as run)
+        champ = ledger.champion
+        self.engine = Engine(model, tokenizer, version=champ.version)  # validation runs here, not on the server
+        if champ.version != 0:
             from peft import set_peft_model_state_dict
 
-            set_peft_model_state_dict(model, service.state_of(service.engine.version))
-        lc = self.cfg.learner
-        self.learner = Learner(model, self.cfg.train, lc.temperature, tok.pad_token_id, self.cfg.max_tokens_default)
-        self.source = get_task_source(self.cfg.task.source, **self.cfg.task.options)
-        _, self.val = split_tasks(self.source, 0, self.cfg.gate.val_size, self.cfg.task.train_seed,
-                                  self.cfg.task.val_seed)
+            set_peft_model_state_dict(model, champ.state)
+        lc = cfg.learner
+        self.learner = Learner(model, cfg.train, lc.temperature, tokenizer.pad_token_id, cfg.max_completion_length,
+                               ref_state=ref_state)
+        self.source = get_task_source(cfg.task.source, **cfg.task.options)
+        _, self.val = split_tasks(self.source, 0, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
         assert_disjoint([], self.val)
-        self.tools = resolve_tools(self.cfg.rollout.tools)
+        self.tools = resolve_tools(cfg.rollout.tools)
+        self.monitor = HackingMonitor(cfg.detectors, lc.reward_weights)
+        self.cycle = UpdateCycle(ledger, self.learner, CollapseGuard(cfg.collapse), self.monitor, cfg.collapse,
+                                 cfg.gate.tolerance, cfg.train.scale_rewards, load=self._load)
         self.lock = threading.RLock()
         self._halt = threading.Event()
-        self.best_version = self.engine.version
-        self.best_success: float | None = None
-        self.best_state = adapters.lora_state(model)
         self.updates = 0
         self.last: dict[str, Any] = {}
         self.error: str | None = None
         self.busy = False  # between taking a batch and finishing its gate
+        self._reset: Champion | None = None  # set by an admin rollback, applied before the next update
 
     # -- thread ------------------------------------------------------------------------
 
     def run(self) -> None:
         try:
             self.busy = True
-            self.best_success = self.validated(self.best_version)
+            self.ensure_champion_validated()
             self.busy = False
             while not self._halt.wait(self.cfg.learner.poll_s):
                 self.tick()
+        except CollapseStop as e:
+            self.error = str(e)
         except Exception as e:  # the server keeps serving; the failure is visible in status and events
             self.error = f"{type(e).__name__}: {e}"
-            self.service.event("learner_error", f"the background learner stopped: {self.error}")
+            self.ledger.event(EventKind.LEARNER_ERROR, f"the background learner stopped: {self.error}")
 
     def stop(self) -> None:
         self._halt.set()
@@ -97,31 +145,34 @@ class BackgroundLearner(threading.Thread):
             self.join(timeout=600)
 
     def status(self) -> dict[str, Any]:
-        return {"alive": self.is_alive(), "busy": self.busy, "updates": self.updates, "best_version": self.best_version,
-                "best_val_success": self.best_success, "last_update": self.last, "error": self.error}
+        champ = self.ledger.champion
+        return {"alive": self.is_alive(), "busy": self.busy, "updates": self.updates, "best_version": champ.version,
+                "best_val_success": champ.success, "last_update": self.last, "error": self.error}
 
     # -- steps -------------------------------------------------------------------------
 
-    def validated(self, version: int) -> float:
-        """Held-out success of the learner's current weights as ``version`` (stored; reused when known)."""
-        store = self.service.store
-        with store.lock:
-            row = next((v for v in store.versions() if v["version"] == version), None)
-        if row is not None and "val/success" in row["metrics"]:
-            return row["metrics"]["val/success"]
+    def ensure_champion_validated(self) -> None:
+        """Validate the champion once (stored; reused when known)."""
+        champ = self.ledger.champion
+        if champ.success is None:
+            res = self.validate(champ.version)
+            champ.success = res.success
+
+    def validate(self, version: int):
+        """Held-out validation of the learner's current weights as ``version``, recorded."""
         self.engine.version = version
-        res = evaluate(self.engine, self.val, self.source, self.tools, self.cfg.rollout, self.cfg.gate.batch_size)
-        with store.lock:
-            store.add_evaluation(version, res.results)
-            store.set_version_status(version, row["status"] if row else "candidate", {"val/success": res.success})
-            store.log_metrics(self.service.run_id, self.updates, {"time/validation_s": res.seconds})
-        return res.success
+        res = validate(self.engine, self.val, self.source, self.tools, self.cfg.rollout, self.cfg.gate.batch_size,
+                       collapse=self.cfg.collapse)
+        self.ledger.record_validation(version, res.success, res.degenerate, res.results)
+        with self.store.lock:
+            self.store.log_metrics(self.ledger.run_id, self.updates, {"time/validation_s": res.seconds})
+        return res
 
     def tick(self) -> bool:
         """One update if enough turns are ready; returns True when one ran."""
-        store, lc = self.service.store, self.cfg.learner
-        with store.lock:
-            batch = records.ready(store, lc.feedback_wait_s, lc.max_batch)
+        lc = self.cfg.learner
+        with self.store.lock:
+            batch = records.ready(self.store, lc.feedback_wait_s, lc.max_batch)
         if len(batch) < lc.min_batch:
             return False
         with self.lock:
@@ -133,26 +184,17 @@ class BackgroundLearner(threading.Thread):
         return True
 
     def score(self, batch: list[tuple[Trajectory, dict]]) -> tuple[list[Trajectory], list[Trajectory]]:
-        """Rewards and group advantages; returns (scored, left out because no reward applied)."""
-        scored, unscored = [], []
-        for traj, row in batch:
-            traj.rewards, traj.reward = served_rewards(row["feedback"], traj.tool_success_rate,
-                                                       self.cfg.learner.reward_weights)
-            traj.group_id = row["group_key"]
-            (scored if traj.reward is not None else unscored).append(traj)
+        """Rewards, detectors and group advantages; returns (scored, left out because no reward applied)."""
+        scored, unscored = score_served(batch, self.cfg.learner.reward_weights)
         if scored:
-            adv = group_advantages([t.reward for t in scored], [t.group_id for t in scored],
-                                   self.cfg.train.scale_rewards,
-                                   num_completion_tokens=[t.num_completion_tokens for t in scored])
-            for t, a in zip(scored, adv.advantages):
-                t.advantage = a
+            self.cycle.advantages(self.updates, scored)
         return scored, unscored
 
     @torch.no_grad()
     def recompute_old_logps(self, trajs: list[Trajectory]) -> list[Trajectory]:
         """Copies of ``trajs`` whose ``logprobs`` are the learner's own at its temperature."""
         out = []
-        pad = self.service.tok.pad_token_id
+        pad = self.tok.pad_token_id
         for i in range(0, len(trajs), self.cfg.train.micro_batch_size):
             chunk = trajs[i:i + self.cfg.train.micro_batch_size]
             mb = collate(chunk, pad)
@@ -166,66 +208,71 @@ class BackgroundLearner(threading.Thread):
         return out
 
     def update(self, batch: list[tuple[Trajectory, dict]]) -> dict[str, Any]:
-        """Score, update, save a candidate, validate it, publish or reject it."""
-        store, t0 = self.service.store, time.perf_counter()
+        """Score, update, save a candidate, check the collapse rules, validate it, publish or reject it."""
+        t0, cycle = time.perf_counter(), self.cycle
+        self._apply_reset()
+        cycle.check_budget()
         scored, unscored = self.score(batch)
-        with store.lock:
-            records.mark(store, unscored, "skipped", None)
+        with self.store.lock:
+            records.mark(self.store, unscored, "skipped", None)
         usable = [t for t in scored if t.advantage]
-        metrics = self.learner.step(self.recompute_old_logps(usable)) if usable else {"skipped": 1.0}
+        parent = self.ledger.champion.version
+        step_no = self.updates
+        step = cycle.update(step_no, self.recompute_old_logps(usable) if usable else scored, parent)
         self.updates += 1
+        reward_mean = sum(t.reward for t in scored) / max(len(scored), 1)
         info: dict[str, Any] = {"turns": len(batch), "scored": len(scored), "with_signal": len(usable),
-                                "reward_mean": sum(t.reward for t in scored) / max(len(scored), 1)}
-        if metrics.get("skipped"):
-            with store.lock:
-                records.mark(store, scored, "skipped", None)
-            reasons = [k.removeprefix("skip_reason_") for k, v in metrics.items() if k.startswith("skip_reason_") and v]
-            info["result"] = "skipped (" + (", ".join(reasons) or "no reward spread") + ")"
-            self.service.event("skip", f"update skipped: {', '.join(reasons) or 'no reward spread'}",
-                               {k: v for k, v in metrics.items() if isinstance(v, float)})
+                                "reward_mean": reward_mean}
+        if step.candidate is None:
+            with self.store.lock:
+                records.mark(self.store, scored, "skipped", None)
+            info["result"] = f"skipped ({step.result.note})"
+            info["reason"] = step.result.reason.value
             self.last = info
             return info
-        with store.lock:
-            version = store.next_version()
-            path = adapters.save_version(self.model, self.service.run_dir, version)
-            store.add_version(version, self.best_version, str(path), "candidate", {})
-            records.mark(store, scored, "trained", version)
-            store.log_metrics(self.service.run_id, self.updates, {
-                k: v for k, v in metrics.items() if isinstance(v, float)} | {"reward/mean": info["reward_mean"]})
-        success = self.validated(version)
-        info.update(version=version, val_success=success, update_s=metrics.get("time/update_s"))
-        if passes_gate(success, self.best_success or 0.0, self.cfg.gate.tolerance):
-            with store.lock:
-                store.set_version_status(version, "promoted", {"val/success": success})
-            msg = f"held-out {success:.3f} (best {self.best_success:.3f})"
-            self.best_version, self.best_success = version, max(success, self.best_success or 0.0)
-            self.best_state = adapters.lora_state(self.model)
-            info["result"] = "promoted"
-            self.last = info  # before the swap: whoever sees the new version sees this too
-            info["swap_s"] = self.service.publish(version, self.best_state, f"promoted: {msg}")
+        version = step.candidate.version
+        metrics = step.result.metrics() | {"reward/mean": reward_mean}
+        if step.candidate_kl is not None:
+            metrics["candidate_kl"] = step.candidate_kl
+        with self.store.lock:
+            records.mark(self.store, scored, "trained", version)
+            self.store.log_metrics(self.ledger.run_id, step_no, metrics)
+        rec = collapse.UpdateRecord(step_no, parent, reward_mean, collapse.entropy_estimate(scored),
+                                    collapse.degenerate_share(scored, self.cfg.collapse), metrics.get("kl"),
+                                    step.candidate_kl)
+        info.update(version=version, update_s=step.result.stats.get("time/update_s"))
+        if cycle.observe(rec):  # a cheap collapse rule fired: rolled back before validation
+            info["result"] = "rolled back (collapse)"
         else:
-            with store.lock:
-                store.set_version_status(version, "rejected", {"val/success": success})
-            self._load(self.best_state, self.best_version)
-            self.service.event("reject", f"version {version} rejected: held-out {success:.3f} < best "
-                               f"{self.best_success:.3f} - {self.cfg.gate.tolerance}")
-            info["result"] = "rejected"
+            res = self.validate(version)
+            verdict = cycle.gate(step_no, version, res.success, res.degenerate)
+            info.update(val_success=res.success, result=verdict.outcome)
+            if verdict.outcome == "promoted":
+                champ = self.ledger.champion
+                self.last = info  # before the swap: whoever sees the new version sees this too
+                info["swap_s"] = self.publish(version, champ.state, verdict.message)
+            elif verdict.outcome == "collapse":
+                info["result"] = "rolled back (collapse)"
+        self._apply_reset()
         info["seconds"] = time.perf_counter() - t0
         self.last = info
         return info
 
-    def _load(self, state, version: int) -> None:
+    def _load(self, state: dict, version: int) -> None:
         from peft import set_peft_model_state_dict
 
         set_peft_model_state_dict(self.model, state)
         self.engine.version = version
-        self.learner.reset_optimizer()
 
-    def reset_to(self, version: int, state) -> None:
-        """Continue learning from ``version`` (after an admin rollback)."""
-        with self.lock:
-            self._load(state, version)
-            self.best_version, self.best_state = version, {k: v.clone() for k, v in state.items()}
-            with self.service.store.lock:
-                row = next((v for v in self.service.store.versions() if v["version"] == version), None)
-            self.best_success = (row or {}).get("metrics", {}).get("val/success")
+    def reset_to(self, champion: Champion) -> None:
+        """Continue learning from ``champion`` (after an admin rollback). Returns at once: the
+        learner loads it before its next update (an update under way is judged against the
+        ledger, which already holds the rollback, so its candidate is rejected)."""
+        self._reset = champion
+
+    def _apply_reset(self) -> None:
+        champion, self._reset = self._reset, None
+        if champion is not None:
+            self._load(champion.state, champion.version)
+            self.learner.reset_optimizer()
+            self.cycle.guard.new_chain()

@@ -13,16 +13,12 @@ def load_serve_config(path: str | None, overrides: dict[str, Any]) -> ServeConfi
     """Defaults, then a TOML file, then dotted ``overrides`` (None values skipped).
 
     Raises:
-        selfrl.config.ConfigError: unreadable file, unknown key or wrong type.
+        selfrl.config.ConfigError: unreadable file, unknown key, wrong type or a value that
+            ``ServeConfig.validate`` (the same rules as ``selfrl run``) refuses.
     """
-    from selfrl.config import ConfigError, fill
+    from selfrl.config import fill
 
-    cfg = fill(ServeConfig(), path, overrides)
-    if cfg.learner.min_batch < 2 or cfg.learner.max_batch < cfg.learner.min_batch:
-        raise ConfigError("learner.min_batch must be >= 2 and <= learner.max_batch")
-    if cfg.learner.feedback_wait_s < 0:
-        raise ConfigError("learner.feedback_wait_s must be >= 0")
-    return cfg
+    return fill(ServeConfig(), path, overrides).validate()
 
 
 def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | None, learn: bool = True,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from selfrl.store import Store, real, to_json
@@ -109,18 +110,29 @@ def chain(store: Store, trajectory_id: str, limit: int = 100) -> list[str]:
     return out
 
 
+@dataclass(frozen=True)
+class FeedbackApplied:
+    """Where a feedback value landed.
+
+    Attributes:
+        updated: pending turns whose value changed; a later update trains on it.
+        too_late: turns already trained or skipped whose value changed for the record
+            only: no update will use it (the learner never trains a turn twice).
+    """
+
+    updated: int
+    too_late: int
+
+
 def apply_feedback(store: Store, response_id: str, choice: int, source: str, value: float,
                    rating: float | None = None, corrected: bool = False, correction: str | None = None,
-                   comment: str | None = None) -> int:
+                   comment: str | None = None) -> FeedbackApplied:
     """Record feedback on a response and attach its value to the turn and its earlier turns.
 
     The turn itself gets ``source`` (``explicit`` or ``implicit``); its ancestors get
     ``inherited`` (explicit) or ``implicit``. A value never replaces one from a
-    stronger source (:data:`SOURCE_RANK`). Turns already trained keep their value
-    for the record but are not trained again.
-
-    Returns:
-        the number of turns whose feedback value changed.
+    stronger source (:data:`SOURCE_RANK`). Turns already trained or skipped keep the
+    value for the record but are never trained on: they count as ``too_late``.
 
     Raises:
         KeyError: no such response (nothing is written).
@@ -128,7 +140,7 @@ def apply_feedback(store: Store, response_id: str, choice: int, source: str, val
     row = find_response(store, response_id, choice)
     if row is None:
         raise KeyError(f"no response {response_id!r} with choice {choice}")
-    changed = 0
+    changed = late = 0
     with store.conn:
         store.conn.execute(
             "INSERT INTO feedback (response_id, choice, source, value, rating, corrected, correction, comment,"
@@ -137,13 +149,17 @@ def apply_feedback(store: Store, response_id: str, choice: int, source: str, val
         )
         for i, tid in enumerate(chain(store, row["trajectory_id"])):
             src = source if i == 0 else ("inherited" if source == "explicit" else "implicit")
-            cur = store.conn.execute("SELECT feedback_source FROM served WHERE trajectory_id = ?", (tid,)).fetchone()
+            cur = store.conn.execute("SELECT feedback_source, status FROM served WHERE trajectory_id = ?",
+                                     (tid,)).fetchone()
             if cur["feedback_source"] is not None and SOURCE_RANK[cur["feedback_source"]] > SOURCE_RANK[src]:
                 continue
             store.conn.execute("UPDATE served SET feedback = ?, feedback_source = ? WHERE trajectory_id = ?",
                                (value, src, tid))
-            changed += 1
-    return changed
+            if cur["status"] == "pending":
+                changed += 1
+            else:
+                late += 1
+    return FeedbackApplied(changed, late)
 
 
 def ready(store: Store, wait_s: float, limit: int, now: float | None = None) -> list[tuple[Trajectory, dict[str, Any]]]:

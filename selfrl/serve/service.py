@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from selfrl import adapters
+from selfrl.adapters import lora_state
 from selfrl.atomic import write_atomic
 from selfrl.chat import prompt_ids, template_supports_tools
 from selfrl.engine import Engine, Generation
@@ -44,6 +46,7 @@ from selfrl.serve.protocol import (
 )
 from selfrl.store import Store
 from selfrl.trajectory import Trajectory
+from selfrl.versions import EventKind, Ledger
 
 _VERSION_RE = re.compile(r"@v(\d+)$")
 
@@ -88,7 +91,7 @@ class Service:
     """
 
     def __init__(self, model, tokenizer, cfg: ServeConfig, learner_model=None):
-        self.cfg = cfg
+        self.cfg = cfg.validate()
         self.tok = tokenizer
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -96,10 +99,12 @@ class Service:
         with self.store.lock:
             records.init(self.store)
             self.run_id = self.store.start_run({"serve": cfg.to_dict()})
+        self.ledger = Ledger(self.store, self.run_id, self.run_dir)
         self.engine = Engine(model, tokenizer)
         self.context = int(getattr(model.config, "max_position_embeddings", 0) or tokenizer.model_max_length)
         self.native_tools = template_supports_tools(tokenizer)
         self.pinned: int | None = None
+        self.admin = threading.Lock()  # pin, unpin, rollback and publish: one at a time, each whole
         self.swap_seconds: list[float] = []
         self._states: dict[int, Any] = {}
         self._restore()
@@ -108,50 +113,42 @@ class Service:
         if learner_model is not None and cfg.learner.enabled:
             from selfrl.serve.learner import BackgroundLearner
 
-            self.learner = BackgroundLearner(self, learner_model)
+            self.learner = BackgroundLearner(cfg, learner_model, tokenizer, self.store, self.ledger, self.publish)
 
     # -- versions ----------------------------------------------------------------------
 
     def _restore(self) -> None:
-        """Record the base version on a fresh run dir; serve the latest promoted one on a restart."""
-        with self.store.lock:
-            if not any(v["version"] == 0 for v in self.store.versions()):
-                path = adapters.version_dir(self.run_dir, 0)
-                if not path.exists():
-                    path = adapters.save_version(self.engine.model, self.run_dir, 0)
-                self.store.add_version(0, None, str(path), "base", {})
-            servable = [v for v in reversed(self.store.versions()) if v["status"] in ("promoted", "base")]
-        for v in servable:  # the latest promoted version whose folder is complete
-            try:
-                state = self.state_of(v["version"])
-            except ApiError as e:
-                self.event("skip_version", f"restart: {e.message}; trying an earlier version")
-                continue
-            self.engine.swap(state, v["version"])
-            break
+        """Record (or repair) the base version, move aside what a killed save left, and serve
+        the latest complete promoted version (the champion) or the pinned one, as ``run`` does."""
+        self.ledger.recover_strays()
+        self.ledger.ensure_base(self.engine.model)
+        best = self.ledger.latest_servable()
+        if best.version != 0:
+            self.engine.swap(self.state_of(best.version), best.version)
+        self.ledger.set_champion(best.version, lora_state(self.engine.model))
         pin = self.run_dir / "pinned.json"
         if pin.exists():  # a pin outlives a restart
             version = json.loads(pin.read_text())["version"]
             try:
+                self.check_servable(version, "version")
                 self.engine.swap(self.state_of(version), version)
                 self.pinned = version
             except ApiError as e:
-                self.event("unpin", f"restart: the pinned version cannot be served ({e.message}); unpinned")
+                self.event(EventKind.UNPIN, f"restart: the pinned version cannot be served ({e.message}); unpinned")
                 pin.unlink()
 
     def state_of(self, version: int):
         """The LoRA tensors of a stored version (cached).
 
         Raises:
-            ApiError: 404 when the version does not exist or was never saved.
+            ApiError: 404 when the version does not exist or was never saved; 409 when its
+                folder is not complete.
         """
         if version not in self._states:
-            with self.store.lock:
-                row = next((v for v in self.store.versions() if v["version"] == version), None)
-            if row is None or not row["path"] or not Path(row["path"]).exists():
-                raise ApiError(404, f"adapter version {version} does not exist", "model", "model_not_found")
             try:
-                self._states[version] = adapters.load_version_state(Path(row["path"]))
+                self._states[version] = self.ledger.load_state(version)
+            except KeyError:
+                raise ApiError(404, f"adapter version {version} does not exist", "model", "model_not_found") from None
             except (adapters.CorruptVersionError, FileNotFoundError) as e:
                 raise ApiError(409, f"adapter version {version} cannot be served: {e}", "model",
                                "version_incomplete") from e
@@ -159,23 +156,21 @@ class Service:
 
     def check_servable(self, version: int, param: str = "model") -> None:
         """Raise ApiError unless ``version`` is the base or a promoted version with a complete folder."""
-        with self.store.lock:
-            row = next((v for v in self.store.versions() if v["version"] == version), None)
-        if row is None:
+        rec = self.ledger.get(version)
+        if rec is None:
             raise ApiError(404, f"adapter version {version} does not exist", param, "model_not_found")
-        if row["status"] not in ("base", "promoted"):
-            raise ApiError(409, f"adapter version {version} is {row['status']}; only the base and promoted "
-                           "versions are served", param, "version_not_servable")
+        if not rec.servable:
+            raise ApiError(409, f"adapter version {version} cannot be served: it is {rec.status.value}; only the "
+                           "base and promoted versions are served", param, "version_not_servable")
         self.state_of(version)
 
     def version_ids(self) -> list[dict[str, Any]]:
-        with self.store.lock:
-            return [v for v in self.store.versions() if v["status"] in ("base", "promoted")]
+        """The servable versions as dicts: version, status, created_at, metrics."""
+        return [{"version": v.version, "status": v.status.value, "created_at": v.created_at, "metrics": v.metrics}
+                for v in self.ledger.all() if v.servable]
 
     def run_on_version(self, version: int, fn):
         """Run ``fn()`` with ``version`` swapped in, then swap the served version back."""
-        from selfrl.adapters import lora_state
-
         state = self.state_of(version)
         with self.engine.lock:
             served, served_state = self.engine.version, lora_state(self.engine.model)
@@ -186,69 +181,78 @@ class Service:
                 self.engine.swap(served_state, served)
 
     def publish(self, version: int, state, reason: str) -> float | None:
-        """Serve ``version`` now (unless a version is pinned); returns the swap seconds."""
-        self._states[version] = {k: v.clone() for k, v in state.items()}
-        if self.pinned is not None:
-            self.event("promote", f"version {version} {reason}; not served: version {self.pinned} is pinned")
-            return None
-        seconds = self.engine.swap(state, version)
-        self.swap_seconds.append(seconds)
-        self.event("swap", f"serving version {version} ({reason}); swap took {seconds * 1000:.1f} ms",
-                   {"version": version, "swap_s": seconds})
-        return seconds
+        """Serve ``version`` now, unless a version is pinned or an admin rolled it back
+        meanwhile (it is no longer servable); returns the swap seconds."""
+        with self.admin:
+            self._states[version] = {k: v.clone() for k, v in state.items()}
+            rec = self.ledger.get(version)
+            if rec is None or not rec.servable:
+                status = "unknown" if rec is None else rec.status.value
+                self.event(EventKind.SWAP, f"version {version} {reason}; not served: it is {status} now",
+                           {"version": version, "served": False})
+                return None
+            if self.pinned is not None:
+                self.event(EventKind.SWAP, f"version {version} {reason}; not served: version {self.pinned} is pinned",
+                           {"version": version, "served": False})
+                return None
+            seconds = self.engine.swap(state, version)
+            self.swap_seconds.append(seconds)
+            self.event(EventKind.SWAP, f"serving version {version} ({reason}); swap took {seconds * 1000:.1f} ms",
+                       {"version": version, "swap_s": seconds})
+            return seconds
 
     def pin(self, version: int) -> dict[str, Any]:
         """Serve ``version`` and keep it until :meth:`unpin`, across restarts (promotions are
-        recorded, not served)."""
-        self.check_servable(version, "version")
-        self.engine.swap(self.state_of(version), version)
-        self.pinned = version
-        write_atomic(self.run_dir / "pinned.json", json.dumps({"version": version}))
-        self.event("pin", f"version {version} pinned")
+        recorded, not served). Serialised with the other admin operations; the pin file is
+        written before the swap, so a failure leaves the served version as it was."""
+        with self.admin:
+            self.check_servable(version, "version")
+            state = self.state_of(version)
+            write_atomic(self.run_dir / "pinned.json", json.dumps({"version": version}))
+            self.engine.swap(state, version)
+            self.pinned = version
+            self.event(EventKind.PIN, f"version {version} pinned")
         return self.status()
 
     def unpin(self) -> dict[str, Any]:
-        self.pinned = None
-        (self.run_dir / "pinned.json").unlink(missing_ok=True)
-        with self.store.lock:
-            best = self.store.latest_promoted()
-        self.engine.swap(self.state_of(best["version"]), best["version"])
-        self.event("unpin", f"unpinned; serving the latest promoted version {best['version']}")
+        with self.admin:
+            best = self.ledger.latest_servable()
+            state = self.state_of(best.version)
+            (self.run_dir / "pinned.json").unlink(missing_ok=True)
+            self.engine.swap(state, best.version)
+            self.pinned = None
+            self.event(EventKind.UNPIN, f"unpinned; serving the latest promoted version {best.version}")
         return self.status()
 
     def rollback(self, version: int) -> dict[str, Any]:
         """Serve ``version`` again, mark the promoted versions after it rolled back, and
-        restart the learner from it. A version that was rolled back earlier is promoted again."""
-        with self.store.lock:
-            row = next((v for v in self.store.versions() if v["version"] == version), None)
-        if row is None:
-            raise ApiError(404, f"adapter version {version} does not exist", "version", "model_not_found")
-        if row["status"] not in ("base", "promoted", "rolled_back"):
-            raise ApiError(409, f"adapter version {version} is {row['status']} (never validated); roll back to "
-                           "the base or a promoted version", "version", "version_not_servable")
-        state = self.state_of(version)
-        with self.store.lock:
-            if row["status"] == "rolled_back":
-                self.store.set_version_status(version, "promoted")
-            later = [v["version"] for v in self.store.versions() if v["version"] > version and v["status"] == "promoted"]
-            for v in later:
-                self.store.set_version_status(v, "rolled_back")
-        self.pinned = None
-        (self.run_dir / "pinned.json").unlink(missing_ok=True)
-        if self.learner is not None:
-            self.learner.reset_to(version, state)
-        self.engine.swap(state, version)
-        self.event("rollback", f"rolled back to version {version}; versions {later} marked rolled_back")
+        restart the learner from it. A version that was rolled back earlier is promoted again.
+        The rollback sticks: a candidate the learner is training from a rolled-back parent is
+        rejected at its gate (``Ledger.judge``), and the learner continues from ``version``."""
+        with self.admin:
+            self.state_of(version)  # 404 / 409 before anything changes
+            try:
+                self.ledger.roll_back_to(version)
+            except KeyError:
+                raise ApiError(404, f"adapter version {version} does not exist", "version",
+                               "model_not_found") from None
+            except ValueError as e:
+                raise ApiError(409, str(e), "version", "version_not_servable") from None
+            (self.run_dir / "pinned.json").unlink(missing_ok=True)
+            self.pinned = None
+            champ = self.ledger.champion
+            self.engine.swap(champ.state, version)
+            if self.learner is not None:
+                self.learner.reset_to(champ)  # applied by the learner before its next update
         return self.status()
 
-    def event(self, kind: str, message: str, data: dict | None = None) -> None:
-        with self.store.lock:
-            self.store.log_event(self.run_id, kind, message, data)
+    def event(self, kind: EventKind, message: str, data: dict | None = None) -> None:
+        self.ledger.event(kind, message, data)
 
     def status(self) -> dict[str, Any]:
+        versions = [{"version": v.version, "status": v.status.value, "parent": v.parent,
+                     "val_success": v.val_success} for v in self.ledger.all()]
         with self.store.lock:
-            versions = [{"version": v["version"], "status": v["status"], "parent": v["parent"],
-                         "val_success": v["metrics"].get("val/success")} for v in self.store.versions()]
             counts = records.counts(self.store)
         return {
             "served_version": self.engine.version, "pinned": self.pinned, "versions": versions,
@@ -396,13 +400,21 @@ class Service:
         value = explicit_value(f.rating, f.corrected)
         with self.store.lock:
             try:
-                changed = records.apply_feedback(self.store, f.response_id, f.choice, "explicit", value, f.rating,
+                applied = records.apply_feedback(self.store, f.response_id, f.choice, "explicit", value, f.rating,
                                                  f.corrected, f.correction, f.comment)
             except KeyError:
                 raise ApiError(404, f"no recorded response {f.response_id!r} with choice {f.choice}",
                                "response_id", "response_not_found") from None
-        return {"object": "feedback", "response_id": f.response_id, "choice": f.choice, "reward": value,
-                "turns_updated": changed}
+        out = {"object": "feedback", "response_id": f.response_id, "choice": f.choice, "reward": value,
+               "turns_updated": applied.updated, "turns_too_late": applied.too_late}
+        if applied.too_late:
+            note = (f"came too late for {applied.too_late} turn(s): already trained on or skipped (a turn waits "
+                    f"learner.feedback_wait_s = {self.cfg.learner.feedback_wait_s:g} s for feedback); recorded, "
+                    "but it changes no update")
+            out["message"] = note
+            self.event(EventKind.LATE_FEEDBACK, f"feedback on {f.response_id}: {note}",
+                       {"response_id": f.response_id, "updated": applied.updated, "too_late": applied.too_late})
+        return out
 
     def close(self) -> None:
         if self.learner is not None:

@@ -1,0 +1,101 @@
+"""The update cycle shared by `selfrl run` and `selfrl serve`: skips are named, make no
+version and are recorded (issue 17 cases 2 and 6)."""
+
+import pytest
+import torch
+
+from selfrl.collapse import CollapseGuard
+from selfrl.config import CollapseConfig, TrainConfig
+from selfrl.cycle import UpdateCycle
+from selfrl.rl.logprobs import per_token_logps
+from selfrl.store import Store
+from selfrl.trainer import Learner, SkipReason
+from selfrl.trajectory import Trajectory
+from selfrl.versions import Ledger
+
+TEMPERATURE = 0.7
+
+
+def trajectories(model, shift: float, groups=("g", "g", "h", "h")) -> list[Trajectory]:
+    """Four trajectories, advantages +1 / -1; their old logprobs are the model's own moved by
+    ``shift`` against the sign of the advantage (ratio = exp(shift) for A > 0, exp(-shift) for A < 0)."""
+    out = []
+    for i, g in enumerate(groups):
+        n = 2 + i
+        t = Trajectory(g, g, 0, prompt_len=3, token_ids=[5, 6, 7] + [10 + k for k in range(n)],
+                       completion_mask=[0, 0, 0] + [1] * n, reward=1.0 if i % 2 == 0 else 0.0)
+        t.advantage = 1.0 if i % 2 == 0 else -1.0
+        ids, mask = torch.tensor([t.token_ids]), torch.tensor([t.completion_mask])  # (1, T)
+        with torch.no_grad():
+            own = per_token_logps(model, ids, torch.ones_like(ids), mask, TEMPERATURE)[0]  # (T,)
+        t.logprobs = ((own - shift * t.advantage) * mask[0]).tolist()
+        out.append(t)
+    return out
+
+
+def make_cycle(model, tmp_path, **train):
+    # tis_cap 0: the PPO ratio is taken against the sampler's logprobs (the off-policy correction,
+    # on by default, takes it against the learner's own, so a shifted sampler is never clipped)
+    cfg = TrainConfig(**{"beta": 0.0, "learning_rate": 1e-2, "micro_batch_size": 4, "tis_cap": 0.0, **train})
+    learner = Learner(model, cfg, TEMPERATURE, 0, max_completion_length=8)
+    store = Store(tmp_path / "s.db")
+    ledger = Ledger(store, store.start_run({}), tmp_path)
+    ledger.ensure_base(model)
+    from selfrl.adapters import lora_state
+
+    ledger.set_champion(0, lora_state(model))
+    cycle = UpdateCycle(ledger, learner, CollapseGuard(CollapseConfig()), None, CollapseConfig(), 0.02, "group",
+                        load=lambda state, version: None)
+    return cycle, ledger, store
+
+
+def test_a_batch_whose_every_token_is_clipped_is_skipped_as_no_gradient(tiny_peft_model, tmp_path):
+    cycle, ledger, store = make_cycle(tiny_peft_model, tmp_path)
+    before = {n: p.detach().clone() for n, p in tiny_peft_model.named_parameters() if p.requires_grad}
+    step = cycle.update(0, trajectories(tiny_peft_model, shift=1.0), parent=0)  # ratios e and 1/e: all clipped
+    assert step.result.skipped and step.result.reason == SkipReason.NO_GRADIENT
+    assert step.result.stats["clip_ratio"] == pytest.approx(1.0) and step.result.stats["grad_norm"] == 0.0
+    assert "no gradient" in step.result.note
+    # no new version, the weights and AdamW untouched, and an event that says why
+    assert step.candidate is None and [v.version for v in ledger.all()] == [0]
+    assert all(torch.equal(before[n], p) for n, p in tiny_peft_model.named_parameters() if p.requires_grad)
+    assert not cycle.learner.optimizer.state
+    event = store.events()[-1]
+    assert event["kind"] == "skip" and "no gradient" in event["message"] and event["data"]["reason"] == "no_gradient"
+    # the same batch inside the clip range is applied and makes version 1
+    step = cycle.update(1, trajectories(tiny_peft_model, shift=0.0), parent=0)
+    assert not step.result.skipped and step.candidate.version == 1
+    store.close()
+
+
+def test_an_update_after_an_earlier_one_is_still_skipped_when_all_clipped(tiny_peft_model, tmp_path):
+    # with AdamW moments from an earlier step, applying a zero gradient would still move the weights
+    cycle, ledger, store = make_cycle(tiny_peft_model, tmp_path)
+    cycle.update(0, trajectories(tiny_peft_model, shift=0.0), parent=0)
+    before = {n: p.detach().clone() for n, p in tiny_peft_model.named_parameters() if p.requires_grad}
+    step = cycle.update(1, trajectories(tiny_peft_model, shift=2.0), parent=1)
+    assert step.result.reason == SkipReason.NO_GRADIENT and step.candidate is None
+    assert all(torch.equal(before[n], p) for n, p in tiny_peft_model.named_parameters() if p.requires_grad)
+    assert [v.version for v in ledger.all()] == [0, 1]
+    store.close()
+
+
+def test_no_group_with_two_samples_is_named_as_such(tiny_peft_model, tmp_path):
+    from selfrl.rl.advantages import group_advantages
+
+    cycle, ledger, store = make_cycle(tiny_peft_model, tmp_path)
+    trajs = trajectories(tiny_peft_model, 0.0, groups=("a", "b", "c", "d"))  # rewards spread, one sample per group
+    for t, a in zip(trajs, group_advantages([t.reward for t in trajs], [t.group_id for t in trajs]).advantages):
+        t.advantage = a
+    step = cycle.update(0, trajs, parent=0)
+    assert step.result.reason == SkipReason.NO_GROUP
+    assert "no group had two or more samples" in step.result.note and "task_key" in step.result.note
+    assert "n > 1" in step.result.note
+    event = store.events()[-1]
+    assert event["kind"] == "skip" and event["data"]["reason"] == "no_group" and "task_key" in event["message"]
+    # groups of two with equal rewards are the other cause, named as before
+    same = trajectories(tiny_peft_model, 0.0)
+    for t in same:
+        t.reward, t.advantage = 1.0, 0.0
+    assert cycle.update(1, same, parent=0).result.reason == SkipReason.NO_SIGNAL
+    store.close()

@@ -1,0 +1,128 @@
+"""Issue 12 cases 1-3: admin operations under concurrency, a rollback while the learner
+trains, and a stray adapter folder, all through the version ledger."""
+
+import copy
+import json
+import random
+import shutil
+import threading
+
+import torch
+
+from selfrl import adapters
+from selfrl.adapters import lora_state
+from selfrl.serve import records
+from selfrl.serve.service import ApiError, Service
+from selfrl.trajectory import Trajectory
+from serving import add_version, tiny_serve_config
+
+
+def new_state(model):
+    return {k: torch.randn_like(v) for k, v in lora_state(model).items()}
+
+
+def test_concurrent_pins_and_rollbacks_are_serialised_and_consistent(tiny_tokenizer, tiny_model_factory, tmp_path):
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    service = Service(model, tiny_tokenizer, tiny_serve_config(tmp_path / "run"))
+    try:
+        for v in (1, 2, 3):
+            add_version(service, new_state(model), v, metrics={"val/success": 0.5})
+        failures = []
+
+        def admin(seed: int) -> None:
+            rng = random.Random(seed)
+            for _ in range(6):
+                v = rng.choice([0, 1, 2, 3])
+                try:
+                    (service.pin if rng.random() < 0.5 else service.rollback)(v)
+                except ApiError as e:  # a version rolled back by another call: refused, not broken
+                    if e.status != 409:
+                        failures.append(repr(e))
+                except Exception as e:  # noqa: BLE001 - anything else is a server error
+                    failures.append(repr(e))
+
+        threads = [threading.Thread(target=admin, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert failures == []
+        served = service.engine.version
+        assert service.ledger.get(served).status in ("base", "promoted")  # never a rolled-back version
+        pin = tmp_path / "run" / "pinned.json"
+        if service.pinned is not None:
+            assert served == service.pinned == json.loads(pin.read_text())["version"]
+        else:
+            assert not pin.exists() and served == service.ledger.latest_servable().version
+        served_state = lora_state(service.engine.model)
+        assert all(torch.equal(served_state[k], v) for k, v in service.state_of(served).items())
+    finally:
+        service.close()
+
+
+def served_turns(service, n=4):
+    batch = []
+    with service.store.lock:
+        for i in range(n):
+            t = Trajectory("arith", "arith", service.engine.version, prompt_len=3, token_ids=[5, 6, 7, 10 + i, 11],
+                           completion_mask=[0, 0, 0, 1, 1], logprobs=[0.0] * 5)
+            records.add_turn(service.store, service.run_id, t, t.id, 0, t.id, "arith", t.id)
+            batch.append((t, {"feedback": (-1.0) ** i, "group_key": "arith"}))
+    return batch
+
+
+def test_a_rollback_during_a_learner_update_sticks(tiny_tokenizer, tiny_model_factory, tmp_path, monkeypatch):
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    cfg = tiny_serve_config(tmp_path / "run", min_batch=4)
+    cfg.train.learning_rate = 1e-2
+    setup = Service(model, tiny_tokenizer, cfg)
+    v1 = new_state(model)
+    add_version(setup, v1, 1, metrics={"val/success": 0.5})
+    add_version(setup, new_state(model), 2, parent=1, metrics={"val/success": 0.5})
+    setup.close()
+    service = Service(model, tiny_tokenizer, cfg, learner_model=copy.deepcopy(model))
+    try:
+        assert service.engine.version == 2 and service.ledger.champion.version == 2
+        learner = service.learner
+        real = learner.validate
+
+        def validate_while_admin_rolls_back(version):
+            if version == 3:  # the in-flight candidate, trained from v2
+                service.rollback(1)
+            return real(version)
+
+        monkeypatch.setattr(learner, "validate", validate_while_admin_rolls_back)
+        info = learner.update(served_turns(service))
+        assert info["version"] == 3 and info["result"] == "rejected"
+        statuses = {v.version: v.status.value for v in service.ledger.all()}
+        assert statuses == {0: "base", 1: "promoted", 2: "rolled_back", 3: "rejected"}
+        assert any(e["kind"] == "reject" and "parent version 2 was rolled back" in e["message"]
+                   for e in service.store.events())
+        assert service.engine.version == 1 and service.ledger.champion.version == 1
+        trained = lora_state(learner.model)  # the learner continues from the restored version
+        assert all(torch.equal(trained[k], v1[k]) for k in v1)
+    finally:
+        service.close()
+    again = Service(tiny_model_factory(lora=True, eos_bias=2.0), tiny_tokenizer, cfg)
+    try:
+        assert again.engine.version == 1  # after a restart too
+    finally:
+        again.close()
+
+
+def test_a_stray_adapter_folder_is_recovered_in_serve_as_in_run(tiny_tokenizer, tiny_model_factory, tmp_path):
+    # what a kill between the folder rename and the database commit leaves: a folder with no row
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    cfg = tiny_serve_config(tmp_path / "run", min_batch=4)
+    Service(model, tiny_tokenizer, cfg).close()
+    run_dir = tmp_path / "run"
+    shutil.copytree(adapters.version_dir(run_dir, 0), adapters.version_dir(run_dir, 1))
+    service = Service(model, tiny_tokenizer, cfg, learner_model=copy.deepcopy(model))
+    try:
+        events = [e for e in service.store.events() if e["kind"] == "recover"]
+        assert len(events) == 1 and "v000001 was left by an interrupted save" in events[0]["message"]
+        assert not adapters.version_dir(run_dir, 1).exists() and list((run_dir / "adapters" / ".recovered").iterdir())
+        info = service.learner.update(served_turns(service))  # the learner saves version 1 as usual
+        assert info["version"] == 1 and adapters.verify_version(adapters.version_dir(run_dir, 1)) is None
+    finally:
+        service.close()
