@@ -109,7 +109,7 @@ def main() -> None:
 
     import ray
 
-    from selfrl.distributed.config import DistributedConfig
+    from selfrl.config import DistributedConfig
     from selfrl.distributed.driver import run_distributed
     from selfrl.loop import run
     from selfrl.rewards import REWARD_FUNCS
@@ -128,8 +128,9 @@ def main() -> None:
                  configure_logging=False)
         for w in args.workers:
             t0 = time.perf_counter()
-            dist = DistributedConfig(address="local", num_workers=w, max_staleness=1)
-            run_distributed(make_cfg(model, Path(tmp) / f"ray{w}", args), dist)
+            cfg = make_cfg(model, Path(tmp) / f"ray{w}", args)
+            cfg.distributed = DistributedConfig(address="local", num_workers=w, max_staleness=1)
+            run_distributed(cfg)
             r = throughput(Path(tmp) / f"ray{w}", args.num_prompts * args.num_generations)
             r["wall_s"] = time.perf_counter() - t0
             results[f"ray-{w}"] = r

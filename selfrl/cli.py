@@ -31,6 +31,11 @@ RUN_FLAGS = {
     "--eval-every": ("gate.eval_every", int, "updates between validations"),
     "--run-dir": ("run_dir", str, "output folder"),
     "--seed": ("seed", int, "random seed"),
+    "--ray": ("distributed.address", str, "rollouts on Ray workers: auto (a running cluster), local (start one "
+              "here) or host:port; needs the ray extra (docs/distributed.md)"),
+    "--workers": ("distributed.num_workers", int, "rollout workers with --ray (default 2)"),
+    "--max-staleness": ("distributed.max_staleness", int, "with --ray: versions a sample may lag the learner "
+                        "and still be trained (default 1)"),
 }
 
 
@@ -56,11 +61,6 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", metavar="RUN_DIR", help="continue the run stored in RUN_DIR")
     for flag, (_, typ, help_) in RUN_FLAGS.items():
         r.add_argument(flag, type=typ, help=help_)
-    r.add_argument("--ray", metavar="ADDRESS", help="rollouts on Ray workers: auto (a running cluster), local "
-                   "(start one here) or host:port; needs the ray extra")
-    r.add_argument("--workers", type=int, default=2, help="rollout workers with --ray (default 2)")
-    r.add_argument("--max-staleness", type=int, default=1,
-                   help="with --ray: versions a sample may lag the learner and still be trained (default 1)")
     s = sub.add_parser("serve", help="OpenAI-compatible server that records, learns and hot-swaps adapters")
     s.add_argument("--config", help="TOML file with ServeConfig keys (see selfrl/serve/config.py)")
     s.add_argument("--api-key-file", help="file whose first line is the API key (else SELFRL_API_KEY)")
@@ -103,17 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         from selfrl.progress import RichProgress
 
         with RichProgress(cfg.iterations, Console(stderr=True)) as progress:
-            if args.ray:  # only here is Ray imported
-                from selfrl.distributed.config import DistributedConfig
-                try:
-                    from selfrl.distributed.driver import run_distributed
-                except ImportError as e:
-                    raise ConfigError(f"--ray needs Ray ({e}): pip install -e '.[ray]'") from e
-
-                dist = DistributedConfig(args.ray, args.workers, args.max_staleness).validate()
-                result = run_distributed(cfg, dist, resume=bool(args.resume), progress=progress)
-            else:
-                result = run(cfg, resume=bool(args.resume), progress=progress)
+            result = run(cfg, resume=bool(args.resume), progress=progress)
     except (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError, ValueError, ConnectionError) as e:
         print(f"selfrl: error: {e}", file=sys.stderr)
         return 2

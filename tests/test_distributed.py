@@ -14,8 +14,7 @@ import sys
 import pytest
 from conftest import save_tiny_phi
 
-from selfrl.config import ConfigError
-from selfrl.distributed.config import DistributedConfig
+from selfrl.config import ConfigError, DistributedConfig, load_config
 from selfrl.distributed.staleness import staleness, within_bound
 from selfrl.store import Store
 
@@ -35,19 +34,34 @@ def test_staleness_counts_weight_changes():
         staleness(0, [])
 
 
-def test_distributed_config_refuses_bad_values():
-    assert DistributedConfig().validate().max_staleness == 1
-    with pytest.raises(ConfigError, match="num_workers"):
-        DistributedConfig(num_workers=0).validate()
-    with pytest.raises(ConfigError, match="max_staleness"):
-        DistributedConfig(max_staleness=-1).validate()
+def test_distributed_config_from_flags_and_its_checks():
+    cfg = load_config(None, {"distributed.address": "auto", "distributed.max_staleness": 3})
+    assert (cfg.distributed.address, cfg.distributed.max_staleness, cfg.distributed.num_workers) == ("auto", 3, 2)
+    assert load_config().distributed.address is None  # off by default: no Ray
+    with pytest.raises(ConfigError, match="distributed.num_workers must be >= 1"):
+        load_config(None, {"distributed.num_workers": 0})
+    with pytest.raises(ConfigError, match="distributed.max_staleness must be >= 0"):
+        load_config(None, {"distributed.max_staleness": -1})
 
 
 def test_no_ray_without_the_flag():
     code = ("import sys, selfrl.cli, selfrl.loop, selfrl.distributed, selfrl.distributed.staleness, "
-            "selfrl.distributed.config, selfrl.distributed.agents, selfrl.distributed.worker; "
+            "selfrl.distributed.agents, selfrl.distributed.worker; "
             "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+def test_run_hands_a_distributed_config_to_the_driver(monkeypatch):
+    import types
+
+    calls = []
+    fake = types.ModuleType("selfrl.distributed.driver")
+    fake.run_distributed = lambda cfg, resume, progress: calls.append((cfg.distributed.address, resume)) or "ran"
+    monkeypatch.setitem(sys.modules, "selfrl.distributed.driver", fake)
+    from selfrl.loop import run
+
+    cfg = load_config(None, {"distributed.address": "auto"})
+    assert run(cfg, resume=True) == "ran" and calls == [("auto", True)]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +93,7 @@ def test_async_run_bounds_staleness_and_survives_a_killed_worker(tmp_path, short
     cfg = make_cfg(model_dir, tmp_path / "run", iterations=4)
     cfg.gate.eval_every = 100  # one validation, at the end, and no collapse rollbacks:
     cfg.collapse.enabled = False  # versions only grow, so staleness = learner version - sampler version
-    dist = DistributedConfig(address="local", num_workers=2, max_staleness=1, job_timeout_s=120)
+    cfg.distributed = dist = DistributedConfig(address="local", num_workers=2, max_staleness=1, job_timeout_s=120)
     killed = []
 
     def kill_one_mid_job(pool):  # after the third result, SIGKILL a worker that holds a job
@@ -89,7 +103,7 @@ def test_async_run_bounds_staleness_and_survives_a_killed_worker(tmp_path, short
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
-    result = run_distributed(cfg, dist, on_result=kill_one_mid_job)
+    result = run_distributed(cfg, on_result=kill_one_mid_job)
     assert killed and result.summary["workers_lost"] == 1 and result.summary["jobs_redone"] >= 1
 
     store = Store(tmp_path / "run" / "selfrl.db")

@@ -4,7 +4,7 @@ sampling with a staleness bound, and several agents sharing one learner.
 Importing this package imports no Ray (``selfrl.distributed.driver`` does, on use):
 ``selfrl run`` without ``--ray`` never loads it. See ``docs/distributed.md``.
 
-- :mod:`selfrl.distributed.config`: the settings (:class:`DistributedConfig`).
+The settings are :class:`selfrl.config.DistributedConfig` (``[distributed]``).
 - :mod:`selfrl.distributed.staleness`: how stale a sample is, and which are trained (pure).
 - :mod:`selfrl.distributed.worker`: the rollout worker (one engine per actor).
 - :mod:`selfrl.distributed.driver`: the worker pool and the asynchronous run.

@@ -34,8 +34,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from selfrl import adapters
-from selfrl.config import RunConfig
-from selfrl.distributed.config import DistributedConfig
+from selfrl.config import DistributedConfig, RunConfig
 from selfrl.distributed.staleness import staleness
 from selfrl.distributed.worker import Job, JobResult, RolloutWorker
 from selfrl.loop import Runner, build_run, iteration_tasks
@@ -187,14 +186,14 @@ class AsyncRunner(Runner):
             test kills a worker from it).
     """
 
-    def __init__(self, cfg: RunConfig, dist: DistributedConfig, resume: bool = False,
-                 progress: Progress | None = None, on_result: Callable[[WorkerPool], None] | None = None):
+    def __init__(self, cfg: RunConfig, resume: bool = False, progress: Progress | None = None,
+                 on_result: Callable[[WorkerPool], None] | None = None):
         super().__init__(build_run(cfg, resume), progress or PlainProgress())
-        self.dist, self.on_result = dist, on_result
+        self.dist, self.on_result = cfg.distributed, on_result
         self.loaded: list[int] = []  # versions the learner's weights held, in order
         self.published: dict[int, list] = {}  # version -> [ObjectRef of its LoRA state]
         self.job_count = 0
-        self.pool = WorkerPool(cfg, dist, lambda msg: self.s.ledger.event(EventKind.WORKER_LOST, msg))
+        self.pool = WorkerPool(cfg, self.dist, lambda msg: self.s.ledger.event(EventKind.WORKER_LOST, msg))
         self.max_trained_staleness = 0.0
 
     def note_version(self) -> int:
@@ -260,13 +259,19 @@ class AsyncRunner(Runner):
         return result
 
 
-def run_distributed(cfg: RunConfig, dist: DistributedConfig, resume: bool = False, progress: Progress | None = None,
+def run_distributed(cfg: RunConfig, resume: bool = False, progress: Progress | None = None,
                     on_result: Callable[[WorkerPool], None] | None = None):
-    """:func:`selfrl.loop.run` with rollouts on Ray workers (see the module docstring).
+    """:func:`selfrl.loop.run` with rollouts on the Ray workers of ``cfg.distributed`` (see
+    the module docstring); :func:`selfrl.loop.run` calls it when ``distributed.address`` is set.
 
     Raises:
-        as :func:`selfrl.loop.run`; ``ConnectionError`` when the cluster cannot be reached.
+        as :func:`selfrl.loop.run`; ``selfrl.config.ConfigError`` without ``distributed.address``;
+        ``ConnectionError`` when the cluster cannot be reached.
     """
-    dist.validate()
-    connect(dist.address)
-    return AsyncRunner(cfg, dist, resume, progress, on_result).run()
+    from selfrl.config import ConfigError
+
+    cfg.validate()
+    if cfg.distributed.address is None:
+        raise ConfigError("distributed.address is not set (auto, local or host:port)")
+    connect(cfg.distributed.address)
+    return AsyncRunner(cfg, resume, progress, on_result).run()
