@@ -80,10 +80,16 @@ def short_model(tmp_path_factory, tiny_tokenizer):
 @pytest.fixture(scope="module")
 def ray_cluster():
     import ray  # in the test extra: CI runs this test, never skips it
+
+    # Ray's memory monitor kills workers when the *machine* is near full, whoever uses the
+    # memory; on a shared CI machine that would fail these tests for others' load.
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RAY_memory_monitor_refresh_ms", "0")
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              configure_logging=False)
     yield ray
     ray.shutdown()
+    mp.undo()
 
 
 def test_async_run_bounds_staleness_and_survives_a_killed_worker(tmp_path, short_model, ray_cluster):

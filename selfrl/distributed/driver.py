@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import OutOfMemoryError, RayActorError, WorkerCrashedError
 
 from selfrl import adapters
 from selfrl.config import DistributedConfig, RunConfig
@@ -42,6 +42,11 @@ from selfrl.progress import PlainProgress, Progress
 from selfrl.trajectory import Trajectory
 from selfrl.versions import EventKind
 
+
+# Errors that mean "the worker (process) is gone", not "the job is wrong": the job is redone.
+LOST = (RayActorError, OutOfMemoryError, WorkerCrashedError)
+# A job lost this many times stops the run: something kills every worker that takes it.
+MAX_LOSSES_PER_JOB = 3
 
 # Extra seconds a worker may take to start (Ray worker process, imports, model load) before
 # its first job's clock runs.
@@ -90,6 +95,7 @@ class WorkerPool:
             self.workers.append(None), self.starting.append(None), self.since.append(0.0)
             self._spawn(i)
         self.pending: dict = {}  # ObjectRef -> (worker index, job, weights box)
+        self.losses: dict[int, int] = {}  # job id -> times it was lost with its worker
         self.stats = PoolStats()
 
     def _spawn(self, i: int) -> None:
@@ -146,8 +152,8 @@ class WorkerPool:
             i = self.pending[ref][0]
             try:
                 result = ray.get(ref)
-            except RayActorError as e:
-                self._replace(i, type(e).__name__, kill=False)
+            except LOST as e:  # Ray's OOM killer, a crash, a kill: the process is gone
+                self._replace(i, type(e).__name__, kill=True)
                 continue
             del self.pending[ref]
             self.since[i] = time.monotonic()
@@ -155,12 +161,20 @@ class WorkerPool:
             return result
 
     def _replace(self, i: int, why: str, kill: bool) -> None:
-        """Replace worker ``i`` with a fresh one and resubmit every job it held, in order."""
+        """Replace worker ``i`` with a fresh one and resubmit every job it held, in order.
+
+        Raises:
+            RuntimeError: a job was lost ``MAX_LOSSES_PER_JOB`` times.
+        """
         if kill:
             ray.kill(self.workers[i], no_restart=True)
         lost = [(r, j, w) for r, (k, j, w) in self.pending.items() if k == i]
-        for r, *_ in lost:
+        for r, j, _ in lost:
             del self.pending[r]
+            self.losses[j.job_id] = self.losses.get(j.job_id, 0) + 1
+            if self.losses[j.job_id] >= MAX_LOSSES_PER_JOB:
+                raise RuntimeError(f"rollout job {j.job_id} was lost with its worker {self.losses[j.job_id]} times "
+                                   f"(last: {why}); stopping rather than retrying forever")
         self._spawn(i)
         self.stats.workers_lost += 1
         for _, j, w in sorted(lost, key=lambda x: x[1].job_id):
