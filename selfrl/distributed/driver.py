@@ -180,8 +180,7 @@ class WorkerPool:
         for _, j, w in sorted(lost, key=lambda x: x[1].job_id):
             self.submit(i, j, w)
         self.stats.jobs_redone += len(lost)
-        self.on_event(f"worker {i} lost ({why}); jobs {sorted(j.job_id for _, j, _ in lost)} "
-                                     f"redone on a fresh worker")
+        self.on_event(f"worker {i} lost ({why}); jobs {sorted(j.job_id for _, j, _ in lost)} redone on a fresh worker")
 
     def shutdown(self) -> None:
         for w in self.workers:
@@ -208,7 +207,13 @@ class AsyncRunner(Runner):
         self.published: dict[int, list] = {}  # version -> [ObjectRef of its LoRA state]
         self.job_count = 0
         self.pool = WorkerPool(cfg, self.dist, lambda msg: self.s.ledger.event(EventKind.WORKER_LOST, msg))
-        self.max_trained_staleness = 0.0
+        self.iteration_stats: dict[str, float] = {}
+
+    def start(self) -> int:
+        """The loop's start; a resumed run's task walk continues where the stored iterations left it."""
+        first = super().start()
+        self.job_count = first * self.cfg.num_prompts
+        return first
 
     def note_version(self) -> int:
         """Record the learner's current version (after an update, a rejection or a rollback)
@@ -229,6 +234,8 @@ class AsyncRunner(Runner):
         return Job(k, task, f"j{k}", v), self.published[v]
 
     def rollouts(self, it: int) -> tuple[list[Trajectory], float]:
+        """The first ``num_prompts`` groups back from the workers within the staleness bound
+        (older ones are dropped and counted); returns their trajectories and the seconds waited."""
         t0 = time.perf_counter()
         self.note_version()
         self.progress.phase(f"iteration {it}: rollouts (groups)", self.cfg.num_prompts)
@@ -243,14 +250,13 @@ class AsyncRunner(Runner):
             if lag > self.dist.max_staleness:
                 dropped += 1
                 continue
-            self.max_trained_staleness = max(self.max_trained_staleness, lag)
             groups.append(res)
             self.progress.advance()
         self.pool.fill(self.next_job)  # keep the workers sampling while the learner trains
         self.pool.stats.dropped_stale += dropped
-        self.iteration_stats = {"async/dropped_stale": float(dropped),
-                                "async/mean_staleness": sum(staleness(g.version, self.loaded) for g in groups)
-                                / len(groups),
+        lags = [staleness(g.version, self.loaded) for g in groups]
+        self.iteration_stats = {"async/dropped_stale": float(dropped), "async/mean_staleness": sum(lags) / len(lags),
+                                "async/max_staleness": float(max(lags)),
                                 "async/workers_lost": float(self.pool.stats.workers_lost)}
         return [t for g in groups for t in g.trajectories], time.perf_counter() - t0
 
