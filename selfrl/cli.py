@@ -4,6 +4,7 @@
     selfrl run --resume RUN_DIR            continue a stopped run
     selfrl run --ray auto|local|ADDRESS    rollouts on Ray workers, asynchronous (docs/distributed.md)
     selfrl serve [--config FILE] [flags]   OpenAI-compatible server that learns from its traffic
+    selfrl sampler [--config FILE] [flags] the policy as a remote sampling backend (HTTP)
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ RUN_FLAGS = {
     "--eval-every": ("gate.eval_every", int, "updates between validations"),
     "--run-dir": ("run_dir", str, "output folder"),
     "--seed": ("seed", int, "random seed"),
+    "--device": ("model.device", str, "auto | cpu | cuda: where the policy, learner and reference pass run"),
+    "--dtype": ("model.dtype", str, "auto | float32 | bfloat16 (auto: bf16 on a GPU that has it, else fp32)"),
+    "--engine": ("engine", str, "sampling backend: reference | slots (selfrl.engines)"),
     "--ray": ("distributed.address", str, "rollouts on Ray workers: auto (a running cluster), local (start one "
               "here) or host:port; needs the ray extra (docs/distributed.md)"),
     "--workers": ("distributed.num_workers", int, "rollout workers with --ray (default 2)"),
@@ -50,6 +54,9 @@ SERVE_FLAGS = {
     "--learning-rate": ("train.learning_rate", float, "AdamW learning rate"),
     "--val-size": ("gate.val_size", int, "held-out tasks of the validation gate"),
     "--task": ("task.source", str, "task source of the validation gate (see selfrl run --task)"),
+    "--device": ("model.device", str, "auto | cpu | cuda: where the served policy and its learner run"),
+    "--dtype": ("model.dtype", str, "auto | float32 | bfloat16 (auto: bf16 on a GPU that has it, else fp32)"),
+    "--engine": ("engine", str, "sampling backend: reference | slots (selfrl.engines)"),
 }
 
 
@@ -61,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", metavar="RUN_DIR", help="continue the run stored in RUN_DIR")
     for flag, (_, typ, help_) in RUN_FLAGS.items():
         r.add_argument(flag, type=typ, help=help_)
+    r.add_argument("--gradient-checkpointing", action="store_true", default=None,
+                   help="recompute activations in the backward pass: less memory, about one more forward of time")
     s = sub.add_parser("serve", help="OpenAI-compatible server that records, learns and hot-swaps adapters")
     s.add_argument("--config", help="TOML file with ServeConfig keys (see selfrl/serve/config.py)")
     s.add_argument("--api-key-file", help="file whose first line is the API key (else SELFRL_API_KEY)")
@@ -68,6 +77,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--protect-completions", action="store_true", help="require the API key for completions too")
     for flag, (_, typ, help_) in SERVE_FLAGS.items():
         s.add_argument(flag, type=typ, help=help_)
+    m = sub.add_parser("sampler", help="serve the policy as a remote sampling backend for other selfrl processes")
+    m.add_argument("--config", help="TOML file of selfrl run (model, device, dtype and LoRA shape are used)")
+    m.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    m.add_argument("--port", type=int, default=8100, help="port (default 8100)")
+    m.add_argument("--api-key-file", help="file whose first line is the API key (else SELFRL_API_KEY)")
+    for flag in ("--model", "--device", "--dtype", "--lora-r", "--seed"):
+        m.add_argument(flag, type=RUN_FLAGS[flag][1], help=RUN_FLAGS[flag][2])
     return p
 
 
@@ -88,7 +104,15 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args.config, overrides, args.api_key_file, learn=not args.no_learn,
                      protect_completions=args.protect_completions)
 
+    if args.command == "sampler":
+        from selfrl.engines.sampler_main import sampler
+
+        overrides = {RUN_FLAGS[f][0]: getattr(args, f[2:].replace("-", "_"))
+                     for f in ("--model", "--device", "--dtype", "--lora-r", "--seed")}
+        return sampler(args.config, overrides, args.host, args.port, args.api_key_file)
+
     overrides = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in RUN_FLAGS.items()}
+    overrides["train.gradient_checkpointing"] = args.gradient_checkpointing
     base = None
     if args.resume:
         overrides["run_dir"] = args.resume

@@ -22,6 +22,8 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any, Literal, get_args
 
+from selfrl.engines import DEFAULT_ENGINE, ENGINES  # the backend registry (imports no torch)
+
 DEFAULT_MODEL = "embedded:smollm2-135m-instruct"
 DEFAULT_SYSTEM_PROMPT = "You are a careful assistant. Give the final answer as <answer>NUMBER</answer>."
 
@@ -51,6 +53,8 @@ class ModelConfig:
     """Which policy to load."""
 
     name: str = DEFAULT_MODEL  # Hugging Face id, local path, or embedded:smollm2-135m-instruct
+    device: str = "auto"  # auto | cpu | cuda: where the policy, learner and reference pass run (auto: cuda if present)
+    dtype: str = "auto"  # auto | float32 | bfloat16: base weights' dtype (auto: bf16 on a GPU that has it, else fp32)
 
     def check(self, where: str = "") -> None:
         require([(bool(self.name), "name must not be empty")], where)
@@ -139,6 +143,7 @@ class TrainConfig:
     skip_max_kl: float = 1.0  # skip when the mean per-token KL to the reference (forward pass) exceeds this; beta > 0 only
     skip_max_grad_norm: float = 100.0  # skip when the gradient L2 norm before clipping exceeds this
     tis_cap: float = 2.0  # cap of the per-token weight exp(learner - sampler logprob) (TIS, Yao et al. 2025); 0: off
+    gradient_checkpointing: bool = False  # recompute decoder activations in the backward pass (less memory, ~1 more forward)
 
     def check(self, where: str = "") -> None:
         require([
@@ -250,6 +255,16 @@ def check_sections(cfg: Any, names: tuple[str, ...] = SHARED_SECTIONS) -> None:
         getattr(cfg, name).check(f"{name}.")
 
 
+def check_engine(cfg: Any) -> None:
+    """``cfg.engine`` is a registered sampling backend and fits ``cfg.model``'s placement.
+
+    Raises:
+        ConfigError: an unknown engine, device or dtype, or a CPU-only engine on a GPU.
+    """
+    require([(cfg.engine in ENGINES, f"engine must be one of {sorted(ENGINES)}, got {cfg.engine!r}")])
+    check_placement(cfg.model, cfg.engine)
+
+
 def check_names(cfg: Any, weights: Callable[[], dict[str, float]]) -> None:
     """Names that refer to registries: loss type, reward preset and functions (``weights()``),
     tools, detectors.
@@ -279,7 +294,6 @@ class DistributedConfig:
     num_workers: int = 2  # rollout worker actors, each with its own engine
     max_staleness: int = 1  # versions a group may lag the learner and still be trained; older ones are dropped
     in_flight: int = 1  # jobs queued per worker (more hides latency, makes samples staler)
-    engine: str = "reference"  # sampling backend of each worker (selfrl.engines.ENGINES)
     worker_threads: int = 1  # torch threads per worker
     worker_cpus: float = 0.5  # CPUs Ray reserves per worker (a fraction lets several share a core)
     job_timeout_s: float = 600.0  # a busy worker silent this long is taken as lost: killed, replaced, jobs redone
@@ -317,6 +331,7 @@ class RunConfig:
     preset: str = "verified"  # reward preset (selfrl.rewards.PRESETS): verified | label-free | webshop-naive
     reward_weights: dict[str, float] | None = None  # explicit weights; overrides the preset
     seed: int = 0  # torch seed for sampling and LoRA init
+    engine: str = DEFAULT_ENGINE  # sampling backend: reference | slots (see selfrl.engines)
 
     @property
     def max_completion_length(self) -> int:
@@ -345,11 +360,33 @@ class RunConfig:
             (self.reward_weights is None or isinstance(self.reward_weights, dict),
              "reward_weights must be a table of name = weight"),
         ])
+        check_engine(self)
         check_names(self, lambda: self.weights)
         return self
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# Sampling backends that keep their tensors on the CPU (the slot engine's cache and batches).
+CPU_ONLY_ENGINES = ("slots",)
+
+
+def check_placement(model: ModelConfig, engine: str | None = None) -> None:
+    """Raise ConfigError for an unknown ``model.device``/``model.dtype``, a device this
+    machine does not have (``cuda`` with no GPU), or a CPU-only engine on a GPU: refused
+    before the model loads."""
+    from selfrl.device import DeviceError, check_names, resolve
+
+    try:
+        check_names(model.device, model.dtype)
+        if model.device != "auto" or model.dtype != "auto" or engine in CPU_ONLY_ENGINES:
+            placement = resolve(model.device, model.dtype)
+            if engine in CPU_ONLY_ENGINES and placement.device != "cpu":
+                raise DeviceError(f"engine {engine!r} runs on the CPU only, and model.device resolves to "
+                                  f"{placement.device!r}; use --engine reference, or --device cpu")
+    except DeviceError as e:
+        raise ConfigError(str(e)) from e
 
 
 def _apply(obj, values: dict[str, Any], where: str) -> None:

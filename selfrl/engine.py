@@ -130,6 +130,8 @@ class Engine:
         check_generate_args(prompts, max_new_tokens, temperature, greedy, top_p)
         shared = shared_prefix_len(prompts) if self.share_prefix else 0
         input_ids, attention_mask = pack_prompts(prompts, shared, self.pad_token_id)  # (B, P), (B, P)
+        device = next(self.model.parameters()).device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         width = input_ids.shape[1]
         # Sampling: temperature only, every other warper off. Greedy: no sampling flags at all.
         sampling = (dict(do_sample=False, top_k=None, top_p=None, temperature=None) if greedy else
@@ -167,7 +169,7 @@ class Engine:
         scale = 1.0 if greedy else temperature
         logits = torch.stack(out.logits, dim=1).float() / scale  # (B, N, V)
         logps = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, N)
-        eos = torch.tensor(self.eos_token_ids)
+        eos = torch.tensor(self.eos_token_ids, device=new.device)
         results = []
         for i in range(len(prompts)):
             row = new[i].tolist()

@@ -23,7 +23,7 @@ from selfrl.collapse import CollapseGuard, CollapseStop
 from selfrl.config import ConfigError, RunConfig
 from selfrl.cycle import UpdateCycle
 from selfrl.detectors import HackingMonitor
-from selfrl.engine import Engine
+from selfrl.engines import make_engine
 from selfrl.gate import EvalResult, validate
 from selfrl.metrics import MetricsLog, rollout_metrics
 from selfrl.model import build_policy
@@ -134,7 +134,7 @@ def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
     weights = cfg.reward_weights or get_preset(cfg.preset)
     monitor = HackingMonitor(cfg.detectors, weights)
     model, tok = build_policy(cfg)
-    engine = Engine(model, tok)
+    engine = make_engine(cfg.engine, model, tok)
     learner = Learner(model, cfg.train, cfg.rollout.temperature, tok.pad_token_id, cfg.max_completion_length,
                       ref_state=kl_reference(model, cfg.lora.init_adapter))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -237,7 +237,9 @@ class Runner:
                         "train/degenerate": collapse.degenerate_share(trajs, cfg.collapse)})
         self.log_iteration(it, metrics, step.result, t_roll)
         # also when the champion sampled them: the new candidate goes, the setting gets safer
-        rolled_back = s.cycle.observe(collapse.record_from_metrics(it, metrics))
+        record = collapse.UpdateRecord(it, sampled, metrics["reward/mean"], metrics["train/entropy"],
+                                       metrics["train/degenerate"], step.result.stats.get("kl"), step.candidate_kl)
+        rolled_back = s.cycle.observe(record)
         if rolled_back:
             self.progress.log(rolled_back)
         return metrics

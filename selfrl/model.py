@@ -104,16 +104,22 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
 def build_policy(cfg):
     """Load the model and attach a LoRA adapter; returns ``(peft_model, tokenizer)``.
 
-    ``cfg`` has ``model.name``, ``lora`` (``selfrl.config.LoraSettings``) and ``seed``:
-    a ``RunConfig`` or a ``ServeConfig``.
+    ``cfg`` has ``model`` (name, device, dtype), ``lora`` (``selfrl.config.LoraSettings``)
+    and ``seed``: a ``RunConfig`` or a ``ServeConfig``.
+    The base weights are loaded in the resolved dtype and the whole model moved to the
+    resolved device (``selfrl.device.resolve``); the LoRA weights stay float32.
 
     Raises:
         selfrl.model.ModelLoadError: the model cannot be loaded.
+        selfrl.device.DeviceError: an impossible device or dtype (cuda with no GPU).
         ValueError: the LoRA settings do not fit the model (peft's message).
     """
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    base, tok = load_model(cfg.model.name)
+    from selfrl.device import resolve
+
+    placement = resolve(cfg.model.device, cfg.model.dtype)
+    base, tok = load_model(cfg.model.name, dtype=placement.torch_dtype)
     torch.manual_seed(cfg.seed)
     if cfg.lora.init_adapter:
         model = PeftModel.from_pretrained(base, cfg.lora.init_adapter, is_trainable=True)
@@ -123,5 +129,8 @@ def build_policy(cfg):
             target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM",
         )
         model = get_peft_model(base, lcfg)
+    # The LoRA init above ran on the CPU generator, so a seeded adapter is the same on every device.
+    if placement.device != "cpu":
+        model.to(placement.device)
     model.eval()
     return model, tok

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
 
 from selfrl.chat import between_turns_ids, prompt_ids, template_supports_tools
 from selfrl.config import DEFAULT_SYSTEM_PROMPT, RolloutConfig
-from selfrl.engines.base import SamplingEngine
+from selfrl.engines.base import Generation, SamplingEngine
 from selfrl.envs import Environment
 from selfrl.tasks import Task
 from selfrl.toolcall import (
@@ -114,61 +116,126 @@ def rollout(
                 messages=msgs, timings={"generate": 0.0, "tools": 0.0},
             )
         )
+    turn_ctx = _TurnContext(tok, cfg, eos_id, eos_text)
+    stop = [TOOL_CALL_CLOSE] if cfg.stop_at_tool_call else None
+    if callable(getattr(engine, "submit", None)):
+        _pipelined_turns(engine, trajs, tool_maps, envs, turn_ctx, greedy, stop, on_turn)
+    else:
+        _batched_turns(engine, trajs, tool_maps, envs, turn_ctx, greedy, stop, on_turn)
+    for tr, env in zip(trajs, envs):
+        if env is not None:
+            tr.env_state = env.state()
+    return trajs
+
+
+@dataclass
+class _TurnContext:
+    """What every turn of a rollout needs besides its own trajectory."""
+
+    tok: object
+    cfg: RolloutConfig
+    eos_id: int
+    eos_text: str
+
+
+def _after_turn(tr: Trajectory, g: Generation, turn: int, tool_map: dict[str, Tool], env: Environment | None,
+                ctx: _TurnContext) -> bool:
+    """Append the sampled turn ``g`` to ``tr`` and run its tool calls; True when the
+    trajectory goes on to another turn (its tool results and the next turn's header are
+    appended then)."""
+    tok, cfg = ctx.tok, ctx.cfg
+    tr.adapter_version = g.adapter_version
+    tr.token_ids += g.token_ids
+    tr.completion_mask += [1] * len(g.token_ids)
+    tr.logprobs += g.logprobs
+    tr.num_turns += 1
+    text = tok.decode(g.token_ids, skip_special_tokens=True)
+    tr.messages.append({"role": "assistant", "content": text})
+    rest, calls = parse_tool_calls(text)
+    if not g.finished:
+        tr.truncated = True
+        tr.final_answer = rest or None
+        return False
+    if not calls or turn == cfg.max_turns - 1:
+        tr.final_answer = rest
+        return False
+    t1 = time.perf_counter()
+    contents = run_tool_calls(tr, calls, tool_map)
+    if env is not None and env.is_completed():
+        tr.final_answer = rest
+        tr.timings["tools"] += time.perf_counter() - t1
+        return False
+    try:
+        # a turn cut at "</tool_call>" sampled no EOS: the end of turn is added (mask 0)
+        extra = ([ctx.eos_id] if g.stopped else []) + between_turns_ids(tok, contents, ctx.eos_text)
+    except ValueError as e:
+        # The chat template cannot continue after a tool message: the trajectory is
+        # recorded as failed (left out of the update), the rest of the batch goes on.
+        tr.error = f"rollout stopped after turn {turn + 1}: {e}"
+        return False
+    tr.token_ids += extra
+    tr.completion_mask += [0] * len(extra)
+    tr.logprobs += [0.0] * len(extra)
+    tr.timings["tools"] += time.perf_counter() - t1
+    return True
+
+
+def _batched_turns(engine: SamplingEngine, trajs: list[Trajectory], tool_maps, envs, ctx: _TurnContext,
+                   greedy: bool, stop: list[str] | None, on_turn: Callable[[], None] | None) -> None:
+    """Turn by turn: one ``generate`` call per turn over every unfinished trajectory."""
+    cfg = ctx.cfg
     active = list(range(len(trajs)))
     for turn in range(cfg.max_turns):
         if not active:
             break
         t0 = time.perf_counter()
-        stop = {"stop": [TOOL_CALL_CLOSE]} if cfg.stop_at_tool_call else {}
-        gens = engine.generate(
-            [trajs[i].token_ids for i in active], cfg.max_new_tokens, cfg.temperature, greedy=greedy, **stop
-        )
+        extra = {"stop": stop} if stop else {}
+        gens = engine.generate([trajs[i].token_ids for i in active], cfg.max_new_tokens, cfg.temperature,
+                               greedy=greedy, **extra)
         dt = (time.perf_counter() - t0) / len(active)
         still = []
         for i, g in zip(active, gens):
-            tr = trajs[i]
-            tr.timings["generate"] += dt
-            tr.adapter_version = g.adapter_version
-            tr.token_ids += g.token_ids
-            tr.completion_mask += [1] * len(g.token_ids)
-            tr.logprobs += g.logprobs
-            tr.num_turns += 1
-            text = tok.decode(g.token_ids, skip_special_tokens=True)
-            tr.messages.append({"role": "assistant", "content": text})
-            rest, calls = parse_tool_calls(text)
-            if not g.finished:
-                tr.truncated = True
-                tr.final_answer = rest or None
-                continue
-            if not calls or turn == cfg.max_turns - 1:
-                tr.final_answer = rest
-                continue
-            t1 = time.perf_counter()
-            contents = run_tool_calls(tr, calls, tool_maps[i])
-            if envs[i] is not None and envs[i].is_completed():
-                tr.final_answer = rest
-                tr.timings["tools"] += time.perf_counter() - t1
-                continue
-            try:
-                # a turn cut at "</tool_call>" sampled no EOS: the end of turn is added (mask 0)
-                extra = ([eos_id] if g.stopped else []) + between_turns_ids(tok, contents, eos_text)
-            except ValueError as e:
-                # The chat template cannot continue after a tool message: the trajectory is
-                # recorded as failed (left out of the update), the rest of the batch goes on.
-                tr.error = f"rollout stopped after turn {turn + 1}: {e}"
-                continue
-            tr.token_ids += extra
-            tr.completion_mask += [0] * len(extra)
-            tr.logprobs += [0.0] * len(extra)
-            tr.timings["tools"] += time.perf_counter() - t1
-            still.append(i)
+            trajs[i].timings["generate"] += dt
+            if _after_turn(trajs[i], g, turn, tool_maps[i], envs[i], ctx):
+                still.append(i)
         active = still
         if on_turn is not None:
             on_turn()
-    for tr, env in zip(trajs, envs):
-        if env is not None:
-            tr.env_state = env.state()
-    return trajs
+
+
+def _pipelined_turns(engine, trajs: list[Trajectory], tool_maps, envs, ctx: _TurnContext, greedy: bool,
+                     stop: list[str] | None, on_turn: Callable[[], None] | None) -> None:
+    """Each trajectory on its own: its next turn is submitted as soon as its tools have
+    answered, so it joins the engine's running batch and nobody waits for the slowest
+    row of a turn (engines with ``submit``, e.g. :class:`selfrl.engines.slots.SlotEngine`).
+    ``on_turn`` is called once per turn index, when no trajectory is left at that turn or before."""
+    cfg = ctx.cfg
+    pending: dict[Future, tuple[int, int]] = {}  # future -> (trajectory, turn)
+    at_turn = [0] * cfg.max_turns  # trajectories whose turn k is submitted and not back
+
+    def submit(i: int, turn: int) -> None:
+        at_turn[turn] += 1
+        pending[engine.submit(trajs[i].token_ids, cfg.max_new_tokens, cfg.temperature, greedy=greedy,
+                              stop=stop)] = (i, turn)
+
+    for i in range(len(trajs)):
+        submit(i, 0)
+    reported = 0
+    while pending:
+        t0 = time.perf_counter()
+        done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+        dt = (time.perf_counter() - t0) / len(pending)
+        for i, _ in pending.values():  # the wait's wall time, shared among the rows sampled in it
+            trajs[i].timings["generate"] += dt
+        for f in done:
+            i, turn = pending.pop(f)
+            at_turn[turn] -= 1
+            if _after_turn(trajs[i], f.result(), turn, tool_maps[i], envs[i], ctx):
+                submit(i, turn + 1)
+        while reported < cfg.max_turns and not any(at_turn[:reported + 1]):
+            reported += 1
+            if on_turn is not None:
+                on_turn()
 
 
 def run_tool_calls(tr: Trajectory, calls: list[ParsedCall], tool_map: dict[str, Tool]) -> list[str]:

@@ -15,6 +15,7 @@ So a non-finite value is stored as "unknown", never as a crash or as invalid JSO
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sqlite3
@@ -122,12 +123,26 @@ def real(x: float | None) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def locked(method):
+    """Run a :class:`Store` method under the store's own lock (an ``RLock``: a caller may hold it
+    around several calls to make them one)."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return call
+
+
 class Store:
     """SQLite-backed record of one or more runs.
 
-    Usable as a context manager (closes on exit). One ``Store`` object belongs
-    to one thread; open another on the same path to read from elsewhere, or pass
-    ``shared=True`` and hold ``self.lock`` around every call (the server does).
+    Usable as a context manager (closes on exit). Every method takes the store's own
+    lock (``self.lock``, reentrant), so with ``shared=True`` one ``Store`` serves several
+    threads (the server's); hold ``self.lock`` yourself only to make several calls one
+    step, or around ``self.conn`` used directly. Without ``shared`` it belongs to the
+    thread that opened it.
 
     Args:
         path: database file; created, with its parent folder, if missing.
@@ -146,6 +161,7 @@ class Store:
         with self.conn:
             self.conn.executescript(SCHEMA)
 
+    @locked
     def close(self) -> None:
         """Close the connection (all writes are already committed)."""
         self.conn.close()
@@ -158,6 +174,7 @@ class Store:
 
     # --- runs and tasks -------------------------------------------------------
 
+    @locked
     def start_run(self, config: dict[str, Any]) -> int:
         """Record a new run with its config; return the run id (1, 2, ...)."""
         with self.conn:
@@ -166,6 +183,7 @@ class Store:
             )
         return int(cur.lastrowid)
 
+    @locked
     def add_tasks(self, tasks: Iterable[dict[str, Any]], split: str) -> None:
         """Insert or update tasks, all in one transaction.
 
@@ -197,6 +215,7 @@ class Store:
                     ),
                 )
 
+    @locked
     def task_ids(self, split: str) -> set[str]:
         """Ids of the stored tasks in ``split`` ('train' or 'val')."""
         rows = self.conn.execute("SELECT id FROM tasks WHERE split = ?", (split,))
@@ -204,6 +223,7 @@ class Store:
 
     # --- trajectories ---------------------------------------------------------
 
+    @locked
     def add_trajectories(self, run_id: int, iteration: int, trajs: Iterable[Trajectory]) -> None:
         """Store a list of trajectories and their reward breakdowns, all or none.
 
@@ -220,6 +240,7 @@ class Store:
             for t in trajs:
                 self.insert_trajectory(run_id, iteration, t, now)
 
+    @locked
     def insert_trajectory(self, run_id: int, iteration: int, t: Trajectory, now: float) -> None:
         """Insert one trajectory and its reward rows *without committing*; for callers
         that write it together with rows of their own in one transaction (``with store.conn:``)."""
@@ -238,6 +259,7 @@ class Store:
             [(t.id, name, real(v)) for name, v in t.rewards.items()],
         )
 
+    @locked
     def trajectories(self, run_id: int | None = None, iteration: int | None = None) -> list[Trajectory]:
         """Stored trajectories, optionally filtered, in insertion order.
 
@@ -256,12 +278,14 @@ class Store:
         rows = self.conn.execute(sql + " ORDER BY rowid", args)
         return [Trajectory.from_dict(json.loads(r["data_json"])) for r in rows]
 
+    @locked
     def count_trajectories(self) -> int:
         """Number of stored trajectories over all runs."""
         return int(self.conn.execute("SELECT COUNT(*) FROM trajectories").fetchone()[0])
 
     # --- adapter versions -----------------------------------------------------
 
+    @locked
     def add_version(
         self,
         version: int,
@@ -284,6 +308,7 @@ class Store:
                 (version, parent, None if path is None else str(path), status, time.time(), to_json(metrics or {})),
             )
 
+    @locked
     def set_version_status(self, version: int, status: str, metrics: dict[str, Any] | None = None) -> None:
         """Change a version's status; ``metrics`` (if given) are merged into its metrics.
 
@@ -304,11 +329,13 @@ class Store:
                 (status, to_json(merged), version),
             )
 
+    @locked
     def versions(self) -> list[dict[str, Any]]:
         """All versions in order: dicts with version, parent, path, status, created_at, metrics."""
         rows = self.conn.execute("SELECT * FROM adapter_versions ORDER BY version")
         return [version_dict(r) for r in rows]
 
+    @locked
     def latest_promoted(self) -> dict[str, Any] | None:
         """The highest version whose status is 'promoted' or 'base', or None.
 
@@ -320,6 +347,7 @@ class Store:
         ).fetchone()
         return None if row is None else version_dict(row)
 
+    @locked
     def next_version(self) -> int:
         """One more than the highest recorded version (0 when there is none)."""
         row = self.conn.execute("SELECT MAX(version) FROM adapter_versions").fetchone()
@@ -327,6 +355,7 @@ class Store:
 
     # --- metrics and events ---------------------------------------------------
 
+    @locked
     def log_metrics(self, run_id: int, step: int, metrics: dict[str, float | None]) -> None:
         """Record scalar metrics for ``step``; NaN, inf and None are stored as NULL."""
         now = time.time()
@@ -336,6 +365,7 @@ class Store:
                 [(run_id, step, name, real(v), now) for name, v in metrics.items()],
             )
 
+    @locked
     def metrics(self, run_id: int | None = None) -> list[dict[str, Any]]:
         """Metric rows ``{run_id, step, name, value, wall_time}`` ordered by step, then insertion."""
         sql = "SELECT run_id, step, name, value, wall_time FROM metrics"
@@ -344,6 +374,7 @@ class Store:
             sql, args = sql + " WHERE run_id = ?", (run_id,)
         return [dict(r) for r in self.conn.execute(sql + " ORDER BY step, rowid", args)]
 
+    @locked
     def log_event(self, run_id: int | None, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         """Record a timestamped event (e.g. kind 'promote', 'reject', 'rollback', 'error')."""
         with self.conn:
@@ -352,6 +383,7 @@ class Store:
                 (run_id, time.time(), kind, message, to_json(data or {})),
             )
 
+    @locked
     def events(self, run_id: int | None = None) -> list[dict[str, Any]]:
         """Event dicts ``{run_id, time, kind, message, data}`` in the order they were logged."""
         sql = "SELECT run_id, time, kind, message, data_json FROM events"
@@ -367,6 +399,7 @@ class Store:
 
     # --- held-out evaluations -------------------------------------------------
 
+    @locked
     def add_evaluation(self, version: int, results: Iterable[tuple[str, bool, str | None]]) -> None:
         """Record per-task held-out results ``(task_id, correct, answer)`` of ``version``.
 
@@ -382,6 +415,7 @@ class Store:
                 [(version, str(tid), int(bool(ok)), answer) for tid, ok, answer in results],
             )
 
+    @locked
     def evaluation(self, version: int) -> dict[str, bool]:
         """Per-task results ``{task_id: correct}`` of ``version`` (empty if never evaluated)."""
         rows = self.conn.execute(

@@ -47,6 +47,7 @@ import torch
 
 from selfrl import faults
 from selfrl.config import TrainConfig
+from selfrl.device import PeakMemory, enable_gradient_checkpointing, gradient_checkpointing_on, model_device
 from selfrl.rl.batch import TensorBatch, collate
 from selfrl.rl.logprobs import per_token_logps
 from selfrl.rl.losses import Normalizer, get_loss_aggregation, k3_kl, per_token_loss
@@ -194,6 +195,10 @@ class Learner:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters (is the LoRA adapter attached and active?)")
+        self.device = model_device(model)
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        self.checkpointing = gradient_checkpointing_on(model)
         self.aggregate = get_loss_aggregation(cfg.loss_type)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
 
@@ -238,7 +243,7 @@ class Learner:
         chosen = [t for t in trajs if t.advantage is not None and any(t.completion_mask)][:num_sequences]
         if not chosen:
             return None
-        mb = collate(chosen, self.pad_token_id)
+        mb = collate(chosen, self.pad_token_id).to(self.device)
         with torch.no_grad():
             logps = per_token_logps(self.model, mb.input_ids, mb.attention_mask, mb.completion_mask, self.temperature)
             kl = k3_kl(logps, self._ref_logps(mb))  # (B, T)
@@ -253,7 +258,9 @@ class Learner:
             ``ratio_mean``, ``grad_norm``, ``mismatch_kl`` (mean per-token KL(sampler ||
             learner)), ``tis_weight_mean`` and ``tis_capped`` (share of tokens at the cap; both
             when ``tis_cap`` > 0), ``num_sequences``, ``num_tokens``, ``reward_spread`` (when
-            skipped for it) and ``time/update_s`` (seconds). A skipped update leaves the weights
+            skipped for it), ``time/update_s`` (seconds), and the peak memory in bytes once the
+            model ran (``memory/peak_cuda_bytes`` on a GPU, ``memory/peak_rss_bytes`` on the CPU;
+            see :class:`selfrl.device.PeakMemory`). A skipped update leaves the weights
             and the optimizer state exactly as they were.
         """
         t0 = time.perf_counter()
@@ -269,7 +276,8 @@ class Learner:
             reason = SkipReason.NO_TOKENS if signal else SkipReason.NO_GROUP if lonely else SkipReason.NO_SIGNAL
             return UpdateResult.skip(reason, num_sequences=0.0, **{"time/update_s": time.perf_counter() - t0})
         usable.sort(key=lambda t: len(t.token_ids))  # similar lengths per micro-batch: less padding
-        micro = [collate(usable[i:i + self.cfg.micro_batch_size], self.pad_token_id)
+        peak = PeakMemory(self.device)
+        micro = [collate(usable[i:i + self.cfg.micro_batch_size], self.pad_token_id).to(self.device)
                  for i in range(0, len(usable), self.cfg.micro_batch_size)]
         norm = Normalizer.of([m.completion_mask for m in micro], self.max_completion_length)
         refs = [self._ref_logps(m) if self.cfg.beta > 0 else None for m in micro]
@@ -289,7 +297,9 @@ class Learner:
             self.optimizer.zero_grad(set_to_none=True)
             totals = dict.fromkeys(totals, 0.0)
             for k, (mb, ref) in enumerate(zip(micro, refs)):
-                logps = per_token_logps(self.model, mb.input_ids, mb.attention_mask, mb.completion_mask, self.temperature)
+                # gradient checkpointing drops the KV cache in a training forward, so no shared-prefix cache then
+                logps = per_token_logps(self.model, mb.input_ids, mb.attention_mask, mb.completion_mask,
+                                        self.temperature, share_prefix=not self.checkpointing)
                 if olds[k] is None:
                     olds[k] = logps.detach()  # (B, T): the weights have not moved yet in the first pass
                     gap = mismatch_kl(olds[k], mb.old_per_token_logps)  # (B, T)
@@ -330,7 +340,7 @@ class Learner:
                 return UpdateResult.skip(SkipReason(reason), loss=totals["loss"], kl=totals["kl"],
                                          clip_ratio=totals["clipped"], grad_norm=grad_norm,
                                          num_sequences=float(len(usable)), mismatch_kl=off["mismatch_kl"],
-                                         **{"time/update_s": time.perf_counter() - t0})
+                                         **{"time/update_s": time.perf_counter() - t0, peak.metric: peak.read()})
             scale = 1000.0 if faults.active("lr_x1000") else 1.0
             for group in self.optimizer.param_groups:
                 group["lr"] = self.cfg.learning_rate * scale
@@ -345,7 +355,7 @@ class Learner:
             "mismatch_kl": off["mismatch_kl"],
             **({"tis_weight_mean": off["tis_weight_mean"], "tis_capped": off["tis_capped"]}
                if self.cfg.tis_cap > 0 else {}),
-            "time/update_s": time.perf_counter() - t0,
+            "time/update_s": time.perf_counter() - t0, peak.metric: peak.read(),
         })
 
     @staticmethod

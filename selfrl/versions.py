@@ -136,13 +136,11 @@ class Ledger:
 
     def all(self) -> list[VersionRecord]:
         """Every row, in version order."""
-        with self.store.lock:
-            return [VersionRecord.from_row(v) for v in self.store.versions()]
+        return [VersionRecord.from_row(v) for v in self.store.versions()]
 
     def event(self, kind: EventKind, message: str, data: dict[str, Any] | None = None) -> None:
         """Record an event of ``kind``."""
-        with self.store.lock:
-            self.store.log_event(self.run_id, EventKind(kind).value, message, data)
+        self.store.log_event(self.run_id, EventKind(kind).value, message, data)
 
     def load_state(self, version: int) -> dict:
         """The LoRA tensors of ``version``, checked against their checksums.
@@ -159,8 +157,7 @@ class Ledger:
     # -- writing -----------------------------------------------------------------------
 
     def _set(self, version: int, status: VersionStatus, metrics: dict[str, Any] | None = None) -> None:
-        with self.store.lock:
-            self.store.set_version_status(version, VersionStatus(status).value, metrics)
+        self.store.set_version_status(version, VersionStatus(status).value, metrics)
 
     def ensure_base(self, model) -> VersionRecord:
         """Record version 0 from ``model``'s adapter unless it is recorded; a base folder
@@ -176,8 +173,7 @@ class Ledger:
             if rec is not None:
                 self.event(EventKind.RECOVER, f"base version 0 was damaged ({reason}); saved again")
         if rec is None:
-            with self.store.lock:
-                self.store.add_version(0, None, str(path), VersionStatus.BASE.value, {})
+            self.store.add_version(0, None, str(path), VersionStatus.BASE.value, {})
         return self.get(0)
 
     def recover_strays(self) -> list[Path]:

@@ -31,3 +31,68 @@ BACKENDS: dict[str, BackendFactory] = {name: _in_process(name) for name in ENGIN
 
 # name -> why it cannot run here (reported as a skip)
 UNAVAILABLE: dict[str, str] = {}
+
+
+# ------------------------------------------------------------------ remote backends on loopback
+
+_SERVERS: list = []  # every server started here, stopped at exit
+
+
+def start_loopback(app) -> str:
+    """Run ``app`` under uvicorn on a free 127.0.0.1 port in a daemon thread; returns its base URL."""
+    import atexit
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the loopback server did not start")
+        time.sleep(0.02)
+    if not _SERVERS:
+        atexit.register(stop_loopback_servers)
+    _SERVERS.append((server, thread))
+    return f"http://127.0.0.1:{port}"
+
+
+def stop_loopback_servers() -> None:
+    while _SERVERS:
+        server, thread = _SERVERS.pop()
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def _http_sampler(model, tokenizer, version: int = 0) -> SamplingEngine:
+    """``selfrl sampler`` (the reference engine behind HTTP) on loopback, used through RemoteEngine."""
+    from selfrl.engine import Engine
+    from selfrl.engines.remote import RemoteEngine
+    from selfrl.engines.sampler_app import create_sampler_app
+
+    url = start_loopback(create_sampler_app(Engine(model, tokenizer, version=version)))
+    return RemoteEngine(url, tokenizer, timeout_s=120)
+
+
+BACKENDS["http"] = _http_sampler
+
+
+def _fake_vllm(model, tokenizer, version: int = 0) -> SamplingEngine:
+    """EXPERIMENTAL vLLM client against tests/fake_vllm.py on loopback (no real vLLM here)."""
+    from selfrl.engine import Engine
+    from selfrl.engines.vllm import VLLMEngine
+    from tests.fake_vllm import create_fake_vllm
+
+    url = start_loopback(create_fake_vllm(Engine(model, tokenizer)))
+    return VLLMEngine(url, tokenizer, version=version, adapter_config=model.peft_config["default"], timeout_s=120)
+
+
+BACKENDS["vllm-client-on-fake-vllm"] = _fake_vllm
+UNAVAILABLE["vllm"] = "a real vLLM server needs a GPU and the vllm wheel (336 MB); none here"

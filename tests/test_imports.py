@@ -73,5 +73,5 @@ def test_no_import_cycle_in_selfrl():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
-def test_config_imports_no_other_selfrl_module_at_load():
-    assert import_graph()["selfrl.config"] == set()
+def test_config_imports_only_the_engine_registry_at_load():
+    assert import_graph()["selfrl.config"] <= {"selfrl.engines", "selfrl.engines.base"}

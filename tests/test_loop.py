@@ -45,6 +45,7 @@ def make_cfg(model_dir, run_dir, iterations=2, **train) -> RunConfig:
     cfg = RunConfig(run_dir=str(run_dir), iterations=iterations, num_prompts=2, num_generations=3,
                     reward_weights={"short": 1.0})
     cfg.model.name = str(model_dir)
+    cfg.model.device = "cpu"  # these tests compare with CPU fp32 numbers, also on a machine with a GPU
     cfg.lora.r = 4
     cfg.task.source = "chain_sum"
     cfg.task.num_train = 40

@@ -1,6 +1,7 @@
 """End to end: the real ``openai`` client against the real server on loopback (tiny model)."""
 
 import json
+from concurrent.futures import Future
 
 import openai
 import pytest
@@ -56,6 +57,20 @@ def scripted(service, text: str):
     return generate
 
 
+def script(monkeypatch, service, text: str) -> None:
+    """Make the serving engine answer ``text`` from now on, through ``generate`` and, for a
+    continuous engine, through ``submit`` (what the batcher calls then)."""
+    generate = scripted(service, text)
+    monkeypatch.setattr(service.engine, "generate", generate)
+    if callable(getattr(service.engine, "submit", None)):
+        def submit(prompt, max_new_tokens, temperature=1.0, greedy=False, top_p=1.0, stop=None, on_tokens=None):
+            fut = Future()
+            fut.set_result(generate([prompt], max_new_tokens, temperature, greedy, top_p)[0])
+            return fut
+
+        monkeypatch.setattr(service.engine, "submit", submit)
+
+
 def test_plain_chat_records_exact_tokens_and_names_its_version(server, client):
     url, service = server
     raw = client.chat.completions.with_raw_response.create(
@@ -75,8 +90,7 @@ def test_plain_chat_records_exact_tokens_and_names_its_version(server, client):
 
 def test_tool_calls_across_turns_in_openai_shape_and_linked(server, client, monkeypatch):
     url, service = server
-    monkeypatch.setattr(service.engine, "generate", scripted(
-        service, '<tool_call>{"name": "calculator", "arguments": {"expression": "17+25"}}</tool_call>'))
+    script(monkeypatch, service, '<tool_call>{"name": "calculator", "arguments": {"expression": "17+25"}}</tool_call>')
     msgs = [{"role": "user", "content": "What is 17+25?"}]
     first = client.chat.completions.create(model="selfrl", messages=msgs, tools=[CALC], max_tokens=40)
     choice = first.choices[0]
@@ -88,7 +102,7 @@ def test_tool_calls_across_turns_in_openai_shape_and_linked(server, client, monk
     assert traj1.tool_calls[0].ok and traj1.tool_calls[0].name == "calculator"
     assert "calculator(expression: string)" in traj1.messages[0]["content"]  # the tools section of the prompt
 
-    monkeypatch.setattr(service.engine, "generate", scripted(service, "<answer>42</answer>"))
+    script(monkeypatch, service, "<answer>42</answer>")
     msgs += [choice.message.model_dump(exclude_none=True),
              {"role": "tool", "tool_call_id": call.id, "content": "42"}]
     second = client.chat.completions.create(model="selfrl", messages=msgs, tools=[CALC], max_tokens=40)

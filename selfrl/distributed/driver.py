@@ -100,7 +100,7 @@ class WorkerPool:
 
     def _spawn(self, i: int) -> None:
         self.spawned += 1
-        self.workers[i] = self.remote_cls.remote(self.cfg, self.dist.engine, self.dist.worker_threads,
+        self.workers[i] = self.remote_cls.remote(self.cfg, self.dist.worker_threads,
                                                  self.cfg.seed + 1000 * self.spawned)
         self.starting[i], self.since[i] = self.workers[i].pid.remote(), time.monotonic()
 

@@ -56,13 +56,13 @@ class RolloutWorker:
     """Samples jobs with its own engine (wrapped as a Ray actor by the driver).
 
     Args:
-        cfg: the run's config (model, LoRA, task source, tools, rollout settings).
-        engine: registered backend name (``selfrl.engines.ENGINES``).
+        cfg: the run's config (model, LoRA, task source, tools, rollout settings, and
+            ``engine``: the registered backend each worker runs, as the driver's).
         threads: torch threads for this worker.
         seed: this worker's sampling seed (the driver gives each worker its own).
     """
 
-    def __init__(self, cfg: RunConfig, engine: str = "reference", threads: int = 1, seed: int = 0):
+    def __init__(self, cfg: RunConfig, threads: int = 1, seed: int = 0):
         import torch
 
         from selfrl.engines import make_engine
@@ -74,7 +74,7 @@ class RolloutWorker:
         self.cfg = cfg
         model, tok = build_policy(cfg)
         torch.manual_seed(seed)
-        self.engine = make_engine(engine, model, tok, version=-1)
+        self.engine = make_engine(cfg.engine, model, tok, version=-1)
         self.source = get_task_source(cfg.task.source, **cfg.task.options)
         self.tools = resolve_tools(cfg.rollout.tools)
 

@@ -1,7 +1,7 @@
 """Sampling backends behind one interface (:mod:`selfrl.engines.base`), found by name.
 
 >>> sorted(ENGINES)
-['reference']
+['reference', 'slots']
 """
 
 from __future__ import annotations
@@ -17,8 +17,15 @@ def _reference(model, tokenizer, version: int = 0) -> SamplingEngine:
     return Engine(model, tokenizer, version=version)
 
 
+def _slots(model, tokenizer, version: int = 0) -> SamplingEngine:
+    from selfrl.engines.slots import SlotEngine
+
+    return SlotEngine(model, tokenizer, version=version)
+
+
 # name -> factory(model, tokenizer, version) for the in-process backends
-ENGINES: dict[str, Callable[..., SamplingEngine]] = {"reference": _reference}
+ENGINES: dict[str, Callable[..., SamplingEngine]] = {"reference": _reference, "slots": _slots}
+DEFAULT_ENGINE = "reference"  # what selfrl run and selfrl serve sample with unless told otherwise
 
 
 def make_engine(name: str, model, tokenizer, version: int = 0) -> SamplingEngine:
@@ -33,4 +40,4 @@ def make_engine(name: str, model, tokenizer, version: int = 0) -> SamplingEngine
     return ENGINES[name](model, tokenizer, version=version)
 
 
-__all__ = ["ENGINES", "EngineHealth", "Generation", "SamplingEngine", "make_engine"]
+__all__ = ["DEFAULT_ENGINE", "ENGINES", "EngineHealth", "Generation", "SamplingEngine", "make_engine"]

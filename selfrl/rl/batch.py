@@ -30,6 +30,13 @@ class TensorBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def to(self, device) -> "TensorBatch":
+        """The same batch on ``device`` (itself when it is already there)."""
+        if self.input_ids.device == torch.device(device):
+            return self
+        return TensorBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.completion_mask,
+                                                    self.old_per_token_logps, self.advantages)))
+
     @property
     def num_tokens(self) -> int:
         """Completion tokens in the batch."""

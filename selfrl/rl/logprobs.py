@@ -80,7 +80,7 @@ def per_token_logps(
             cache=cache, use_cache=True,
         ).last_hidden_state  # (B, T-S, H): positions start..T-1
     else:
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # (B, T, H)
     mask = completion_mask[:, start + 1:].bool()  # (B, T-S-1): token t+1 is predicted from hidden t
     rows = hidden[:, :-1][mask]  # (M, H)
     targets = input_ids[:, start + 1:][mask]  # (M,)

@@ -9,6 +9,13 @@ changes nothing for the kept tokens (decoding is left to right).
 One worker thread runs every engine call, so a swap (``Engine.swap`` takes the
 engine's lock) always falls between two batches: a request finishes on the version
 it started with.
+
+With a continuous-batching engine (one with ``submit``, e.g.
+:class:`selfrl.engines.slots.SlotEngine`) there is no batch to collect: each request
+is handed to the engine as it arrives and joins the batch already decoding, with
+its own sampling settings and token limit; the engine's version gate keeps each
+request on one version. Requests that name a version other than the served one
+still go through ``run_on_version`` one group at a time.
 """
 
 from __future__ import annotations
@@ -83,8 +90,9 @@ class Batcher:
         self.engine, self.run_on_version = engine, run_on_version
         self.max_batch, self.window_s = max_batch, window_s
         self.queue: queue.Queue[Job | None] = queue.Queue()
-        self.batches = 0  # engine calls so far
+        self.batches = 0  # engine calls so far (requests handed over, with a continuous engine)
         self.rows = 0  # rows sampled so far
+        self.continuous = callable(getattr(engine, "submit", None))
         self._thread = threading.Thread(target=self._work, name="selfrl-batcher", daemon=True)
         self._thread.start()
 
@@ -121,14 +129,44 @@ class Batcher:
             first = self.queue.get()
             if first is None:
                 return
+            if self.continuous and not self._pinned(first):
+                self._hand_over(first)
+                continue
             jobs, stop = self._collect(first)
             groups: dict[tuple, list[Job]] = {}
             for j in jobs:
+                if self.continuous and not self._pinned(j):
+                    self._hand_over(j)
+                    continue
                 groups.setdefault(j.key, []).append(j)
             for group in groups.values():
                 self._run(group)
             if stop:
                 return
+
+    def _pinned(self, job: Job) -> bool:
+        return job.version is not None and job.version != self.engine.version
+
+    def _hand_over(self, job: Job) -> None:
+        """Give one job to a continuous engine; its future resolves when the engine's does."""
+        if not job.future.set_running_or_notify_cancel():
+            return
+        try:
+            fut = self.engine.submit(job.prompt, job.max_new_tokens, job.temperature, greedy=job.greedy,
+                                     top_p=job.top_p, stop=list(job.stop) or None, on_tokens=job.on_tokens)
+        except Exception as e:
+            job.future.set_exception(e)
+            return
+        self.batches += 1
+        self.rows += 1
+
+        def resolve(f: Future) -> None:
+            if f.exception() is not None:
+                job.future.set_exception(f.exception())
+            else:
+                job.future.set_result(f.result())
+
+        fut.add_done_callback(resolve)
 
     def _run(self, jobs: list[Job]) -> None:
         live = [j for j in jobs if j.future.set_running_or_notify_cancel()]

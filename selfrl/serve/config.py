@@ -17,11 +17,13 @@ from selfrl.config import (
     TaskConfig,
     ToolsPrompt,
     TrainConfig,
+    check_engine,
     check_names,
     check_sections,
     one_of,
     require,
 )
+from selfrl.engines import DEFAULT_ENGINE
 
 
 @dataclass
@@ -61,6 +63,7 @@ class ServeConfig:
     max_request_bytes: int = 4_000_000  # larger request bodies get a 413 before they are read
     tools_prompt: ToolsPrompt = "compact"  # how request tools are shown to a template without tool support
     seed: int = 0
+    engine: str = DEFAULT_ENGINE  # sampling backend: reference | slots (see selfrl.engines)
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -95,6 +98,7 @@ class ServeConfig:
             (self.max_request_bytes >= 1, "max_request_bytes must be >= 1"),
             one_of(self.tools_prompt, ToolsPrompt, "tools_prompt"),
         ])
+        check_engine(self)
         check_names(self, lambda: self.learner.reward_weights)
         return self
 

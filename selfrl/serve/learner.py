@@ -40,7 +40,7 @@ from selfrl import collapse
 from selfrl.collapse import CollapseGuard, CollapseStop
 from selfrl.cycle import UpdateCycle
 from selfrl.detectors import HackingMonitor
-from selfrl.engine import Engine
+from selfrl.engines import make_engine
 from selfrl.gate import validate
 from selfrl.rewards import score_group
 from selfrl.rl.batch import collate
@@ -90,7 +90,7 @@ class BackgroundLearner(threading.Thread):
         model: the learner's own copy of the policy (a ``peft.PeftModel``), as built
             (its adapter is the KL reference when ``lora.init_adapter`` is set).
         tokenizer: its tokenizer.
-        store: the server's store (shared; every call holds ``store.lock``).
+        store: the server's store (shared; it takes its own lock).
         ledger: the server's version ledger; its champion is where learning starts.
         publish: ``publish(version, state, reason)`` serves a promoted version.
     """
@@ -101,7 +101,7 @@ class BackgroundLearner(threading.Thread):
             cfg, model, tokenizer, store, ledger, publish)
         ref_state = kl_reference(model, cfg.lora.init_adapter)  # before any other version is loaded (same rule as run)
         champ = ledger.champion
-        self.engine = Engine(model, tokenizer, version=champ.version)  # validation runs here, not on the server
+        self.engine = make_engine(cfg.engine, model, tokenizer, version=champ.version)  # validation runs here, not on the server
         if champ.version != 0:
             from peft import set_peft_model_state_dict
 
@@ -164,15 +164,13 @@ class BackgroundLearner(threading.Thread):
         res = validate(self.engine, self.val, self.source, self.tools, self.cfg.rollout, self.cfg.gate.batch_size,
                        collapse=self.cfg.collapse)
         self.ledger.record_validation(version, res.success, res.degenerate, res.results)
-        with self.store.lock:
-            self.store.log_metrics(self.ledger.run_id, self.updates, {"time/validation_s": res.seconds})
+        self.store.log_metrics(self.ledger.run_id, self.updates, {"time/validation_s": res.seconds})
         return res
 
     def tick(self) -> bool:
         """One update if enough turns are ready; returns True when one ran."""
         lc = self.cfg.learner
-        with self.store.lock:
-            batch = records.ready(self.store, lc.feedback_wait_s, lc.max_batch)
+        batch = records.ready(self.store, lc.feedback_wait_s, lc.max_batch)
         if len(batch) < lc.min_batch:
             return False
         with self.lock:
@@ -197,7 +195,7 @@ class BackgroundLearner(threading.Thread):
         pad = self.tok.pad_token_id
         for i in range(0, len(trajs), self.cfg.train.micro_batch_size):
             chunk = trajs[i:i + self.cfg.train.micro_batch_size]
-            mb = collate(chunk, pad)
+            mb = collate(chunk, pad).to(self.learner.device)
             logps = per_token_logps(self.model, mb.input_ids, mb.attention_mask, mb.completion_mask,
                                     self.cfg.learner.temperature)  # (B, T)
             for j, t in enumerate(chunk):
@@ -213,8 +211,7 @@ class BackgroundLearner(threading.Thread):
         self._apply_reset()
         cycle.check_budget()
         scored, unscored = self.score(batch)
-        with self.store.lock:
-            records.mark(self.store, unscored, "skipped", None)
+        records.mark(self.store, unscored, "skipped", None)
         usable = [t for t in scored if t.advantage]
         parent = self.ledger.champion.version
         step_no = self.updates
@@ -224,8 +221,7 @@ class BackgroundLearner(threading.Thread):
         info: dict[str, Any] = {"turns": len(batch), "scored": len(scored), "with_signal": len(usable),
                                 "reward_mean": reward_mean}
         if step.candidate is None:
-            with self.store.lock:
-                records.mark(self.store, scored, "skipped", None)
+            records.mark(self.store, scored, "skipped", None)
             info["result"] = f"skipped ({step.result.note})"
             info["reason"] = step.result.reason.value
             self.last = info
@@ -234,9 +230,8 @@ class BackgroundLearner(threading.Thread):
         metrics = step.result.metrics() | {"reward/mean": reward_mean}
         if step.candidate_kl is not None:
             metrics["candidate_kl"] = step.candidate_kl
-        with self.store.lock:
-            records.mark(self.store, scored, "trained", version)
-            self.store.log_metrics(self.ledger.run_id, step_no, metrics)
+        records.mark(self.store, scored, "trained", version)
+        self.store.log_metrics(self.ledger.run_id, step_no, metrics)
         rec = collapse.UpdateRecord(step_no, parent, reward_mean, collapse.entropy_estimate(scored),
                                     collapse.degenerate_share(scored, self.cfg.collapse), metrics.get("kl"),
                                     step.candidate_kl)

@@ -5,8 +5,8 @@ user feedback that reached it) and every feedback message as it arrived.
 The tables live in the run's SQLite store next to ``trajectories``. A served turn is
 written with its trajectory in one transaction (both or neither), and feedback is
 applied in one transaction, so a crash or a bad request never leaves half a record.
-Every function here expects the caller to hold ``store.lock`` (the server shares one
-connection between threads).
+Every function here takes ``store.lock`` itself (the server shares one connection
+between threads).
 
 Training status of a served trajectory: ``pending`` (waiting for a reward),
 ``trained`` (used by the update that made version ``trained_in``), ``skipped``
@@ -15,6 +15,7 @@ Training status of a served trajectory: ``pending`` (waiting for a reward),
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -61,12 +62,25 @@ CREATE TABLE IF NOT EXISTS feedback (
 SOURCE_RANK = {"implicit": 1, "inherited": 2, "explicit": 3}
 
 
+def locked(fn):
+    """Run a function of this module under its store's own lock (the first argument)."""
+
+    @functools.wraps(fn)
+    def call(store: Store, *args, **kwargs):
+        with store.lock:
+            return fn(store, *args, **kwargs)
+
+    return call
+
+
+@locked
 def init(store: Store) -> None:
     """Create the server's tables in ``store`` (idempotent)."""
     with store.conn:
         store.conn.executescript(SERVE_SCHEMA)
 
 
+@locked
 def add_turn(store: Store, run_id: int, traj: Trajectory, response_id: str, choice: int,
              conversation_id: str, group_key: str, continuation: str) -> None:
     """Store one served choice: its trajectory and its ``served`` row, in one transaction.
@@ -84,6 +98,7 @@ def add_turn(store: Store, run_id: int, traj: Trajectory, response_id: str, choi
         )
 
 
+@locked
 def find_by_continuation(store: Store, key: str) -> dict[str, Any] | None:
     """The latest served turn whose conversation-so-far hashes to ``key``, or None."""
     row = store.conn.execute(
@@ -92,6 +107,7 @@ def find_by_continuation(store: Store, key: str) -> dict[str, Any] | None:
     return None if row is None else dict(row)
 
 
+@locked
 def find_response(store: Store, response_id: str, choice: int = 0) -> dict[str, Any] | None:
     """The ``served`` row of a response's choice, or None."""
     row = store.conn.execute(
@@ -100,6 +116,7 @@ def find_response(store: Store, response_id: str, choice: int = 0) -> dict[str, 
     return None if row is None else dict(row)
 
 
+@locked
 def chain(store: Store, trajectory_id: str, limit: int = 100) -> list[str]:
     """``trajectory_id`` and its ancestors (earlier turns of the conversation), latest first."""
     out, cur = [], trajectory_id
@@ -124,6 +141,7 @@ class FeedbackApplied:
     too_late: int
 
 
+@locked
 def apply_feedback(store: Store, response_id: str, choice: int, source: str, value: float,
                    rating: float | None = None, corrected: bool = False, correction: str | None = None,
                    comment: str | None = None) -> FeedbackApplied:
@@ -162,6 +180,7 @@ def apply_feedback(store: Store, response_id: str, choice: int, source: str, val
     return FeedbackApplied(changed, late)
 
 
+@locked
 def ready(store: Store, wait_s: float, limit: int, now: float | None = None) -> list[tuple[Trajectory, dict[str, Any]]]:
     """Pending turns whose reward is complete: feedback arrived, or ``wait_s`` seconds passed.
 
@@ -181,6 +200,7 @@ def ready(store: Store, wait_s: float, limit: int, now: float | None = None) -> 
     return out
 
 
+@locked
 def mark(store: Store, scored: list[Trajectory], status: str, version: int | None) -> None:
     """Write the rewards the learner gave ``scored`` and set their status, in one transaction."""
     with store.conn:
@@ -196,6 +216,7 @@ def mark(store: Store, scored: list[Trajectory], status: str, version: int | Non
                                (status, version, t.id))
 
 
+@locked
 def counts(store: Store) -> dict[str, int]:
     """Served turns by status, and how many pending ones have feedback."""
     out = {s: 0 for s in ("pending", "trained", "skipped")}

@@ -27,7 +27,8 @@ from selfrl import adapters
 from selfrl.adapters import lora_state
 from selfrl.atomic import write_atomic
 from selfrl.chat import prompt_ids, template_supports_tools
-from selfrl.engine import Engine, Generation
+from selfrl.engine import Generation
+from selfrl.engines import make_engine
 from selfrl.serve import records
 from selfrl.serve.batcher import Batcher, Job
 from selfrl.serve.config import ServeConfig
@@ -96,11 +97,10 @@ class Service:
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store(self.run_dir / "selfrl.db", shared=True)
-        with self.store.lock:
-            records.init(self.store)
-            self.run_id = self.store.start_run({"serve": cfg.to_dict()})
+        records.init(self.store)
+        self.run_id = self.store.start_run({"serve": cfg.to_dict()})
         self.ledger = Ledger(self.store, self.run_id, self.run_dir)
-        self.engine = Engine(model, tokenizer)
+        self.engine = make_engine(cfg.engine, model, tokenizer)
         self.context = int(getattr(model.config, "max_position_embeddings", 0) or tokenizer.model_max_length)
         self.native_tools = template_supports_tools(tokenizer)
         self.pinned: int | None = None
@@ -252,8 +252,7 @@ class Service:
     def status(self) -> dict[str, Any]:
         versions = [{"version": v.version, "status": v.status.value, "parent": v.parent,
                      "val_success": v.val_success} for v in self.ledger.all()]
-        with self.store.lock:
-            counts = records.counts(self.store)
+        counts = records.counts(self.store)
         return {
             "served_version": self.engine.version, "pinned": self.pinned, "versions": versions,
             "queue": self.batcher.pending, "batches": self.batcher.batches, "rows": self.batcher.rows,
@@ -311,8 +310,7 @@ class Service:
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
         if last is None:
             return None
-        with self.store.lock:
-            parent = records.find_by_continuation(self.store, conversation_key(messages[:last + 1]))
+        parent = records.find_by_continuation(self.store, conversation_key(messages[:last + 1]))
         if parent is None:
             return None
         after = [m for m in messages[last + 1:] if m["role"] == "user"]
@@ -321,9 +319,8 @@ class Service:
             text = lambda m: m["content"] if isinstance(m.get("content"), str) else ""  # noqa: E731
             reason = correction_reason(text(after[-1]), text(before[-1]) if before else None)
             if reason:
-                with self.store.lock:
-                    records.apply_feedback(self.store, parent["response_id"], parent["choice"], "implicit", -1.0,
-                                           corrected=True, comment=f"implicit: the next user message {reason}")
+                records.apply_feedback(self.store, parent["response_id"], parent["choice"], "implicit", -1.0,
+                                       corrected=True, comment=f"implicit: the next user message {reason}")
         return parent
 
     def jobs(self, p: Prepared, on_tokens=None) -> list[Job]:
@@ -380,8 +377,7 @@ class Service:
         )
         conversation = p.parent["conversation_id"] if p.parent else uuid.uuid4().hex
         key = conversation_key([*p.messages, message])
-        with self.store.lock:
-            records.add_turn(self.store, self.run_id, traj, p.response_id, i, conversation, p.group_key, key)
+        records.add_turn(self.store, self.run_id, traj, p.response_id, i, conversation, p.group_key, key)
 
     async def complete(self, req: ChatCompletionRequest) -> dict[str, Any]:
         """A non-streaming chat completion."""
@@ -398,13 +394,12 @@ class Service:
             ApiError: 404 when the response (or that choice) was never served or recorded.
         """
         value = explicit_value(f.rating, f.corrected)
-        with self.store.lock:
-            try:
-                applied = records.apply_feedback(self.store, f.response_id, f.choice, "explicit", value, f.rating,
-                                                 f.corrected, f.correction, f.comment)
-            except KeyError:
-                raise ApiError(404, f"no recorded response {f.response_id!r} with choice {f.choice}",
-                               "response_id", "response_not_found") from None
+        try:
+            applied = records.apply_feedback(self.store, f.response_id, f.choice, "explicit", value, f.rating,
+                                             f.corrected, f.correction, f.comment)
+        except KeyError:
+            raise ApiError(404, f"no recorded response {f.response_id!r} with choice {f.choice}",
+                           "response_id", "response_not_found") from None
         out = {"object": "feedback", "response_id": f.response_id, "choice": f.choice, "reward": value,
                "turns_updated": applied.updated, "turns_too_late": applied.too_late}
         if applied.too_late:
@@ -420,8 +415,9 @@ class Service:
         if self.learner is not None:
             self.learner.stop()
         self.batcher.close()
-        with self.store.lock:
-            self.store.close()
+        if callable(close_engine := getattr(self.engine, "close", None)):
+            close_engine()  # a continuous engine's worker thread
+        self.store.close()
 
 
 def start_learning(service: Service) -> None:

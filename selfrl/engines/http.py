@@ -1,0 +1,83 @@
+"""JSON over HTTP for the remote backends (standard library only), with a timeout per call.
+
+A 4xx answer whose body says why becomes :class:`RemoteRequestError` (the backend
+refused the request: bad arguments, an adapter that does not fit); anything else
+that goes wrong (connection refused, 5xx, a broken body) is :class:`RemoteBackendError`;
+a call that outlives its timeout raises ``TimeoutError``.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+
+
+class RemoteBackendError(RuntimeError):
+    """The backend could not be reached or failed (connection, 5xx, unreadable answer)."""
+
+
+class RemoteRequestError(ValueError):
+    """The backend refused the request (4xx); the message is the backend's reason."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+def call(base_url: str, path: str, body=None, *, timeout_s: float, api_key: str | None = None,
+         raw: bytes | None = None, method: str | None = None):
+    """Send ``body`` as JSON (or ``raw`` bytes) to ``base_url + path``; returns the decoded JSON
+    answer (or its text when it is not JSON).
+
+    Raises:
+        RemoteRequestError: a 4xx answer.
+        RemoteBackendError: no connection, a 5xx answer.
+        TimeoutError: no answer within ``timeout_s``.
+    """
+    headers = {}
+    data = None
+    if raw is not None:
+        data, headers["Content-Type"] = raw, "application/octet-stream"
+    elif body is not None:
+        data, headers["Content-Type"] = json.dumps(body).encode(), "application/json"
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(base_url.rstrip("/") + path, data=data, headers=headers,
+                                 method=method or ("POST" if data is not None else "GET"))
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            text = resp.read().decode()
+    except urllib.error.HTTPError as e:
+        detail = _detail(e.read().decode(errors="replace"))
+        if 400 <= e.code < 500:
+            raise RemoteRequestError(detail, e.code) from None
+        raise RemoteBackendError(f"{base_url}{path}: HTTP {e.code}: {detail}") from None
+    except (socket.timeout, TimeoutError) as e:
+        raise TimeoutError(f"{base_url}{path}: no answer within {timeout_s:g} s") from e
+    except urllib.error.URLError as e:
+        if isinstance(e.reason, (socket.timeout, TimeoutError)):
+            raise TimeoutError(f"{base_url}{path}: no answer within {timeout_s:g} s") from e
+        raise RemoteBackendError(f"{base_url}{path}: {e.reason}") from e
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _detail(text: str) -> str:
+    """The reason in an error body: FastAPI's ``detail``, OpenAI's ``error.message``, or the text."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text.strip()
+    if isinstance(data, dict):
+        if isinstance(data.get("detail"), str):
+            return data["detail"]
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in data:
+            return str(data["message"])
+    return text.strip()

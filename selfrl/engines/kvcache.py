@@ -1,0 +1,116 @@
+"""A preallocated key/value cache with one row (slot) per sequence, for continuous batching.
+
+Hugging Face's ``DynamicCache`` grows by concatenation at every decoding step
+(``aten::cat`` took 45 % of sampling time on this machine, FINDINGS.md). Here every
+layer's keys and values live in one tensor ``(slots, kv_heads, capacity + 1, head_dim)``
+allocated once (it grows by half when a longer or larger batch needs it, which is
+rare), and a forward pass writes its new keys and values in place at the columns
+given for each token. **Column = position**: the token at position ``t`` of a row
+is stored in column ``t``, so a row's mask is just ``column <= position``. The last
+column is scratch: padding tokens write there and no mask ever shows it.
+
+The object speaks the part of ``transformers``' ``Cache`` protocol a decoder layer
+uses (``update(key_states, value_states, layer_idx, ...)``); the caller passes
+``position_ids`` and a ready 4-D mask, so nothing else is asked of it. The active
+rows of a forward pass are always a contiguous range of slots (``window``), so the
+keys and values handed to attention are views, never copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotCache:
+    """Per-layer key/value storage for ``slots`` sequences of up to ``capacity`` positions.
+
+    Tensors are allocated at the first ``update`` of each layer (the key/value head
+    count, head size and dtype come from the model's own states).
+    """
+
+    def __init__(self, slots: int = 8, capacity: int = 256):
+        self.slots, self.capacity = slots, capacity
+        self.k: list[torch.Tensor] = []  # per layer (slots, kv_heads, capacity + 1, head_dim)
+        self.v: list[torch.Tensor] = []
+        self.rows = slice(0, 0)  # the slots the current forward pass runs on
+        self.width = 0  # columns visible to attention in the current pass
+        self.write_rows: torch.Tensor | None = None  # (b, T) slot of each input token
+        self.write_cols: torch.Tensor | None = None  # (b, T) column of each input token
+
+    # ------------------------------------------------------------------ the transformers side
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write the pass's (b, kv_heads, T, head_dim) states in place; return the window's
+        (b, kv_heads, width, head_dim) keys and values (views)."""
+        while len(self.k) <= layer_idx:
+            self.k.append(torch.zeros(0))
+            self.v.append(torch.zeros(0))
+        if self.k[layer_idx].dim() != 4:
+            shape = (self.slots, key_states.shape[1], self.capacity + 1, key_states.shape[3])
+            self.k[layer_idx] = torch.zeros(shape, dtype=key_states.dtype)
+            self.v[layer_idx] = torch.zeros(shape, dtype=value_states.dtype)
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        k[self.write_rows, :, self.write_cols] = key_states.transpose(1, 2)  # (b, T, kv_heads, head_dim)
+        v[self.write_rows, :, self.write_cols] = value_states.transpose(1, 2)
+        return k[self.rows, :, :self.width], v[self.rows, :, :self.width]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.width
+
+    # ------------------------------------------------------------------ the scheduler side
+
+    def set_pass(self, rows: slice, width: int, write_rows: torch.Tensor, write_cols: torch.Tensor) -> None:
+        """Set what the next forward pass reads (``rows``, first ``width`` columns) and where
+        each of its (b, T) input tokens is written."""
+        self.rows, self.width, self.write_rows, self.write_cols = rows, width, write_rows, write_cols
+
+    @property
+    def scratch(self) -> int:
+        """The column padding tokens write to (never inside a window)."""
+        return self.capacity
+
+    def ensure(self, slots: int, columns: int) -> None:
+        """Make room for ``slots`` rows of ``columns`` positions, growing by half when short
+        (existing contents are kept)."""
+        if slots <= self.slots and columns <= self.capacity:
+            return
+        new_slots = max(self.slots, slots if slots <= self.slots else max(slots, self.slots * 3 // 2))
+        new_cap = max(self.capacity, columns if columns <= self.capacity else max(columns, self.capacity * 3 // 2))
+        for store in (self.k, self.v):
+            for i, old in enumerate(store):
+                if old.dim() != 4:
+                    continue
+                new = torch.zeros(new_slots, old.shape[1], new_cap + 1, old.shape[3], dtype=old.dtype)
+                new[:old.shape[0], :, :self.capacity] = old[:, :, :self.capacity]
+                store[i] = new
+        self.slots, self.capacity = new_slots, new_cap
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` columns of slot ``src`` into slot ``dst`` (compaction)."""
+        for store in (self.k, self.v):
+            for t in store:
+                if t.dim() == 4:
+                    t[dst, :, :length] = t[src, :, :length]
+
+    def load_prefix(self, dst: int, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
+        """Copy a stored prefix (per layer (kv_heads, n, head_dim), n >= ``length``) into
+        columns ``[0, length)`` of slot ``dst``."""
+        while len(self.k) < len(keys):
+            self.k.append(torch.zeros(0))
+            self.v.append(torch.zeros(0))
+        for i, (pk, pv) in enumerate(zip(keys, values)):
+            if self.k[i].dim() != 4:
+                shape = (self.slots, pk.shape[0], self.capacity + 1, pk.shape[2])
+                self.k[i] = torch.zeros(shape, dtype=pk.dtype)
+                self.v[i] = torch.zeros(shape, dtype=pv.dtype)
+            self.k[i][dst, :, :length] = pk[:, :length]
+            self.v[i][dst, :, :length] = pv[:, :length]
+
+    def read_prefix(self, src: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of slot ``src``'s first ``length`` columns, per layer (kv_heads, length, head_dim)."""
+        return ([t[src, :, :length].clone() for t in self.k if t.dim() == 4],
+                [t[src, :, :length].clone() for t in self.v if t.dim() == 4])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)

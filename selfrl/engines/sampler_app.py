@@ -1,0 +1,113 @@
+"""``selfrl sampler``: a sampling backend as a separate process, reached over HTTP.
+
+It serves one in-process engine (:class:`selfrl.engine.Engine` over a peft model)
+to other selfrl processes, which use it through :class:`selfrl.engines.remote.RemoteEngine`.
+It is the CPU inference server of issue 15: it runs wherever selfrl runs, returns
+exact token ids and logprobs (the engine's own), and loads adapters by version.
+
+Endpoints (JSON unless said otherwise; a refused request is a 400 whose ``detail``
+says why; with an API key every endpoint but ``/sampler/health`` needs
+``Authorization: Bearer <key>``):
+
+=====================================  ==============================================
+``GET  /sampler/health``               ``{ok, version, backend, detail}``
+``GET  /sampler/info``                 ``{version, eos_token_ids, model}``
+``POST /sampler/generate``             ``{prompts, max_new_tokens, temperature, greedy,
+                                       top_p, stop}`` -> ``{generations: [{token_ids,
+                                       logprobs, finished, stopped, adapter_version}]}``
+``POST /sampler/adapters/{version}``   body: the LoRA state dict as safetensors bytes
+``POST /sampler/adapters/{version}/load``  ``{path}``: a saved version folder on the
+                                       server's file system (checksums verified)
+``POST /sampler/logprobs``             ``{token_ids, temperature}`` -> ``{logprobs,
+                                       version}``: each token given its prefix (the
+                                       swap check's probe, :mod:`selfrl.swap_check`)
+=====================================  ==============================================
+"""
+
+import hmac
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from pydantic import BaseModel, Field
+
+from selfrl.engines.base import SamplingEngine
+
+
+class GenerateRequest(BaseModel):
+    prompts: list[list[int]]
+    max_new_tokens: int
+    temperature: float = 1.0
+    greedy: bool = False
+    top_p: float = 1.0
+    stop: list[str] | None = None
+
+
+class LoadRequest(BaseModel):
+    path: str
+
+
+class LogprobsRequest(BaseModel):
+    token_ids: list[int] = Field(min_length=2)
+    temperature: float = Field(default=1.0, gt=0)
+
+
+def create_sampler_app(engine: SamplingEngine, api_key: str | None = None, model_name: str = ""):
+    """A FastAPI app serving ``engine`` (it must have ``.model`` for ``/sampler/logprobs``)."""
+    def auth(request: Request) -> None:
+        if api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+            raise HTTPException(401, "missing or wrong API key")
+
+    app = FastAPI(title="selfrl sampler")
+
+    @app.get("/sampler/health")
+    def health() -> dict:
+        h = engine.health()
+        return {"ok": h.ok, "version": h.version, "backend": h.backend, "detail": h.detail}
+
+    @app.get("/sampler/info", dependencies=[Depends(auth)])
+    def info() -> dict:
+        return {"version": engine.version, "eos_token_ids": list(engine.eos_token_ids), "model": model_name}
+
+    @app.post("/sampler/generate", dependencies=[Depends(auth)])
+    def generate(req: GenerateRequest) -> dict:
+        try:
+            gens = engine.generate(req.prompts, req.max_new_tokens, temperature=req.temperature, greedy=req.greedy,
+                                   top_p=req.top_p, stop=req.stop)
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from e
+        return {"generations": [{"token_ids": g.token_ids, "logprobs": g.logprobs, "finished": g.finished,
+                                 "stopped": g.stopped, "adapter_version": g.adapter_version} for g in gens]}
+
+    @app.post("/sampler/adapters/{version}", dependencies=[Depends(auth)])
+    async def swap_bytes(version: int, request: Request) -> dict:
+        from safetensors.torch import load
+
+        body = await request.body()
+        try:
+            state = load(body)
+        except Exception as e:  # a body that is not safetensors is the client's mistake
+            raise HTTPException(400, f"the body is not a safetensors LoRA state dict: {e}") from e
+        return _swap(state, version)
+
+    @app.post("/sampler/adapters/{version}/load", dependencies=[Depends(auth)])
+    def swap_folder(version: int, req: LoadRequest) -> dict:
+        return _swap(req.path, version)
+
+    def _swap(adapter, version: int) -> dict:
+        try:
+            seconds = engine.swap(adapter, version)
+        except (ValueError, FileNotFoundError) as e:
+            raise HTTPException(400, str(e)) from e
+        return {"version": engine.version, "seconds": seconds}
+
+    @app.post("/sampler/logprobs", dependencies=[Depends(auth)])
+    def logprobs(req: LogprobsRequest) -> dict:
+        from selfrl.swap_check import sequence_logprobs
+
+        with engine.lock:  # one version from start to end, as a generation
+            return {"logprobs": sequence_logprobs(engine.model, req.token_ids, req.temperature),
+                    "version": engine.version}
+
+    return app

@@ -1,0 +1,444 @@
+"""The slot engine: continuous batching over the Hugging Face model's own forward pass,
+with a preallocated key/value cache and shared prefixes encoded once.
+
+How it departs from :class:`selfrl.engine.Engine` (the reference backend):
+
+- **Continuous batching.** One worker thread owns the model. Every request takes a
+  slot (a row of :class:`~selfrl.engines.kvcache.SlotCache`); at each step the
+  worker decodes one token for every active row, and a row that ends (EOS, a stop
+  string, its own token limit) frees its slot at once for a queued request, which is
+  prefilled and joins the running batch. Nothing waits for the longest row, and a
+  multi-turn rollout that submits each trajectory's next turn as soon as its tools
+  have answered (:meth:`SlotEngine.submit`) never holds the batch while a tool runs.
+- **No cache concatenation.** Keys and values are written in place (column =
+  position) and read as views; rows are kept contiguous by moving the last row into
+  a freed slot.
+- **Shared prefixes.** A prefix common to a ``generate`` call (the system prompt and
+  demonstration of every rollout), or the prompt of an earlier request, is encoded
+  once and its keys and values are copied into each new row that starts with it;
+  only the rest of the prompt is prefilled.
+- **Per-row sampling settings**: rows with different temperatures, ``top_p`` or
+  greedy decoding share a batch.
+
+Logprobs are exact as in the reference: ``log_softmax(logits / temperature)`` at the
+sampled id (:func:`~selfrl.engines.sampling.sample_tokens`), tested against a
+full recomputation within 1e-5 in fp32 (``tests/test_engine_conformance.py``).
+
+Versions: every request holds a ticket of the :class:`VersionGate` from submission
+to completion, and :meth:`SlotEngine.swap` takes the gate exclusively (waiting for
+the requests in flight; new ones wait for it), so each generation runs on exactly
+one version, as in the reference.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from selfrl.engine import Engine
+from selfrl.engines.base import AdapterSource, EngineHealth, Generation, check_generate_args
+from selfrl.engines.kvcache import SlotCache
+from selfrl.engines.sampling import sample_tokens
+from selfrl.prefix import MIN_SHARED_PREFIX, shared_prefix_len
+
+
+class VersionGate:
+    """A shared/exclusive lock: requests hold shared tickets (released from any thread),
+    a swap holds it exclusively. A waiting swap blocks new tickets (no starvation);
+    the thread that holds it exclusively may still take tickets (to sample on the
+    version it just loaded). ``with gate:`` takes it exclusively, reentrantly."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._tickets = 0
+        self._owner: int | None = None
+        self._depth = 0
+        self._waiting = 0
+
+    def acquire_shared(self) -> None:
+        with self._cond:
+            me = threading.get_ident()
+            while self._owner not in (None, me) or (self._waiting and self._owner != me):
+                self._cond.wait()
+            self._tickets += 1
+
+    def release_shared(self) -> None:
+        with self._cond:
+            self._tickets -= 1
+            self._cond.notify_all()
+
+    def __enter__(self):
+        with self._cond:
+            me = threading.get_ident()
+            if self._owner == me:
+                self._depth += 1
+                return self
+            self._waiting += 1
+            while self._owner is not None or self._tickets:
+                self._cond.wait()
+            self._waiting -= 1
+            self._owner, self._depth = me, 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._cond.notify_all()
+
+    @property
+    def in_flight(self) -> int:
+        return self._tickets
+
+
+@dataclass
+class Request:
+    """One continuation to sample (see :meth:`SlotEngine.submit`)."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    greedy: bool = False
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    on_tokens: Callable[[list[int]], None] | None = None  # called from the worker with the ids so far
+    prefix_hint: int = 0  # leading tokens shared with other queued requests (encode once)
+    future: Future = field(default_factory=Future)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    version: int = 0
+    length: int = 0  # tokens of this row in the cache
+    call: "_Call | None" = None
+
+
+class _Call:
+    """The rows of one ``generate`` call, for its ``on_step`` hook."""
+
+    def __init__(self, requests: list[Request], on_step: Callable[[torch.Tensor], None], pad: int):
+        self.requests, self.on_step, self.pad = requests, on_step, pad
+
+    def emit(self) -> None:
+        k = max(len(r.token_ids) for r in self.requests)
+        if k == 0:
+            return
+        ids = torch.full((len(self.requests), k), self.pad, dtype=torch.long)  # (B, k)
+        for i, r in enumerate(self.requests):
+            if r.token_ids:
+                ids[i, :len(r.token_ids)] = torch.tensor(r.token_ids)
+        self.on_step(ids)
+
+
+class SlotEngine:
+    """Continuous-batching backend of :class:`selfrl.engines.base.SamplingEngine`.
+
+    Args:
+        model: the policy (usually a ``peft.PeftModel``), shared with the learner in
+            ``selfrl run``: LoRA weights are read at every step, never merged, so an
+            update made in place is sampled from at once.
+        tokenizer: its tokenizer; ``pad_token_id`` must be set.
+        version: the adapter version in the weights.
+        max_slots: rows decoded together at most (requests beyond wait for a slot).
+        share_prefix: encode common prefixes once (see the module docstring).
+        prefix_entries: how many encoded prefixes are kept (least recently used dropped).
+    """
+
+    name = "slots"
+
+    def __init__(self, model, tokenizer, version: int = 0, max_slots: int = 64, share_prefix: bool = True,
+                 prefix_entries: int = 4):
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        self._ref = Engine(model, tokenizer, version=version, share_prefix=share_prefix)  # swap and checks
+        self.model, self.tokenizer = model, tokenizer
+        self.eos_token_ids = self._ref.eos_token_ids
+        self.pad_token_id = tokenizer.pad_token_id
+        self.max_slots, self.share_prefix, self.prefix_entries = max_slots, share_prefix, prefix_entries
+        self.lock = VersionGate()
+        self.cache = SlotCache(slots=min(8, max_slots))
+        self._eos = set(self.eos_token_ids)
+        self._queue: deque[Request] = deque()
+        self._rows: list[Request] = []  # active rows; index = slot
+        self._prefixes: list[tuple[tuple[int, ...], list[torch.Tensor], list[torch.Tensor]]] = []
+        self._trainable = [p for p in model.parameters() if p.requires_grad]
+        self._stamp = self._weights_stamp()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._error: str | None = None
+        self.steps = 0  # decoding steps so far
+        self.rows_done = 0  # requests completed so far
+        self._worker = threading.Thread(target=self._work, name="selfrl-slot-engine", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ the interface
+
+    @property
+    def version(self) -> int:
+        return self._ref.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._ref.version = value
+        self._prefixes = []
+
+    def _weights_stamp(self) -> int:
+        """Changes whenever a trainable parameter is modified in place (torch's per-tensor
+        version counter): stored prefixes were encoded with other weights then."""
+        return sum(p._version for p in self._trainable)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
+                 greedy: bool = False, top_p: float = 1.0, on_step: Callable[[torch.Tensor], None] | None = None,
+                 stop: list[str] | None = None) -> list[Generation]:
+        """Sample one continuation per prompt (see :meth:`SamplingEngine.generate`); the rows
+        join whatever batch is running, and the call returns when all of them are done.
+
+        Raises:
+            ValueError: bad arguments (:func:`~selfrl.engines.base.check_generate_args`).
+            RuntimeError: the engine is closed.
+        """
+        check_generate_args(prompts, max_new_tokens, temperature, greedy, top_p)
+        hint = shared_prefix_len(prompts) if self.share_prefix else 0
+        reqs = [Request(list(p), max_new_tokens, temperature, greedy, top_p, tuple(stop or ()), prefix_hint=hint)
+                for p in prompts]
+        call = _Call(reqs, on_step, self.pad_token_id) if on_step is not None else None
+        for r in reqs:
+            r.call = call
+        self._enqueue(reqs)
+        return [r.future.result() for r in reqs]
+
+    def submit(self, prompt: list[int], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False,
+               top_p: float = 1.0, stop: list[str] | tuple[str, ...] | None = None,
+               on_tokens: Callable[[list[int]], None] | None = None) -> Future:
+        """Queue one continuation; returns a future of its :class:`Generation`.
+
+        ``on_tokens(ids)`` is called from the worker thread with the ids sampled so far.
+        Blocks only while a swap is waiting or running.
+
+        Raises:
+            ValueError: bad arguments.
+            RuntimeError: the engine is closed.
+        """
+        check_generate_args([prompt], max_new_tokens, temperature, greedy, top_p)
+        req = Request(list(prompt), max_new_tokens, temperature, greedy, top_p, tuple(stop or ()), on_tokens)
+        self._enqueue([req])
+        return req.future
+
+    def swap(self, adapter: AdapterSource, version: int) -> float:
+        """Wait for the requests in flight, then load ``adapter`` as ``version`` in place
+        (see :meth:`selfrl.engine.Engine.swap`); returns the seconds the copy took.
+
+        Raises:
+            ValueError: the adapter does not fit the model (nothing changes).
+        """
+        with self.lock:
+            seconds = self._ref.swap(adapter, version)
+            self._prefixes = []
+            return seconds
+
+    def health(self) -> EngineHealth:
+        """Ok while the worker thread runs; the detail gives rows, queue and cache size."""
+        ok = self._worker.is_alive() and not self._closed
+        detail = (self._error or "closed") if not ok else (
+            f"{len(self._rows)} active rows, {len(self._queue)} queued, cache {self.cache.nbytes / 2**20:.0f} MiB")
+        return EngineHealth(ok, self.version, self.name, detail)
+
+    def close(self) -> None:
+        """Stop the worker (queued requests fail with RuntimeError) and free the cache."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._worker.join(timeout=60)
+        self.cache = SlotCache(slots=1, capacity=1)
+
+    def lora_parameters(self) -> dict[str, torch.Tensor]:
+        return self._ref.lora_parameters()
+
+    # ------------------------------------------------------------------ the worker
+
+    def _enqueue(self, reqs: list[Request]) -> None:
+        taken = 0
+        try:
+            for _ in reqs:
+                self.lock.acquire_shared()
+                taken += 1
+            with self._cond:
+                if self._closed:
+                    raise RuntimeError("the slot engine is closed")
+                for r in reqs:
+                    r.version = self.version
+                self._queue.extend(reqs)
+                self._cond.notify_all()
+        except BaseException:
+            for _ in range(taken):
+                self.lock.release_shared()
+            raise
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._rows and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    self._fail_all(RuntimeError("the slot engine is closed"))
+                    return
+            try:
+                with torch.no_grad():
+                    self._step()
+            except Exception as e:  # every request in flight gets the error; the worker goes on
+                self._error = f"last step failed: {e!r}"
+                self._fail_all(e)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._cond:
+            pending = self._rows + list(self._queue)
+            self._rows, self._queue = [], deque()
+        for r in pending:
+            self._finish(r, error=error)
+
+    def _finish(self, r: Request, gen: Generation | None = None, error: BaseException | None = None) -> None:
+        try:
+            if error is not None:
+                r.future.set_exception(error)
+            else:
+                r.future.set_result(gen)
+        finally:
+            self.lock.release_shared()
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(b, V) fp32 logits of the last input position of every row."""
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=self.cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float()
+
+    def _step(self) -> None:
+        if self.model.training:
+            self.model.eval()
+        parts = []
+        rows = self._rows
+        if rows:  # one decoding step for the rows already running
+            lens = torch.tensor([r.length for r in rows])  # (B,) the new token goes to column lens
+            width = int(lens.max()) + 1
+            self.cache.set_pass(slice(0, len(rows)), width, torch.arange(len(rows))[:, None], lens[:, None])
+            mask = (torch.arange(width)[None, :] <= lens[:, None])[:, None, None, :]  # (B, 1, 1, W)
+            ids = torch.tensor([[r.token_ids[-1]] for r in rows])  # (B, 1)
+            parts.append(self._forward(ids, lens[:, None], mask))
+            for r in rows:
+                r.length += 1
+            self.steps += 1
+        with self._cond:
+            room = self.max_slots - len(rows)
+            new = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
+        new = [r for r in new if r.future.set_running_or_notify_cancel() or self.lock.release_shared()]
+        if new:
+            parts.append(self._prefill(new))
+            rows = self._rows = rows + new
+        if not rows:
+            return
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # (B, V)
+        ids, logps = sample_tokens(
+            logits, torch.tensor([r.temperature for r in rows]), torch.tensor([r.greedy for r in rows]),
+            torch.tensor([r.top_p for r in rows]))
+        done, calls = [], {}
+        for i, (r, t, lp) in enumerate(zip(rows, ids.tolist(), logps.tolist())):
+            r.token_ids.append(t)
+            r.logprobs.append(lp)
+            if r.on_tokens is not None:
+                r.on_tokens(list(r.token_ids))
+            if r.call is not None:
+                calls[id(r.call)] = r.call
+            stopped = bool(r.stop) and t not in self._eos and any(
+                s in self.tokenizer.decode(r.token_ids, skip_special_tokens=True) for s in r.stop)
+            if t in self._eos or stopped or len(r.token_ids) >= r.max_new_tokens:
+                done.append(i)
+                gen = Generation(r.token_ids, r.logprobs, t in self._eos or stopped, r.version, stopped=stopped)
+                self.rows_done += 1
+                self._finish(r, gen)
+        for c in calls.values():
+            c.emit()
+        self._release(done)
+
+    def _release(self, done: list[int]) -> None:
+        """Free the slots of finished rows, moving the last rows into the holes."""
+        rows = self._rows
+        for i in sorted(done, reverse=True):
+            last = len(rows) - 1
+            if i != last:
+                self.cache.move_row(last, i, rows[last].length)
+                rows[i] = rows[last]
+            rows.pop()
+
+    def _match(self, prompt: list[int]) -> tuple[int, int]:
+        """(entry index, length) of the longest stored prefix of ``prompt`` (at most len - 1), or (-1, 0)."""
+        best, best_n = -1, 0
+        for j, (tokens, _, _) in enumerate(self._prefixes):
+            n, limit = 0, min(len(tokens), len(prompt) - 1)
+            while n < limit and tokens[n] == prompt[n]:
+                n += 1
+            if n > best_n:
+                best, best_n = j, n
+        return (best, best_n) if best_n >= MIN_SHARED_PREFIX else (-1, 0)
+
+    def _store_prefix(self, tokens: list[int], slot: int) -> None:
+        keys, values = self.cache.read_prefix(slot, len(tokens))
+        self._prefixes.insert(0, (tuple(tokens), keys, values))
+        del self._prefixes[self.prefix_entries:]
+
+    def _prefill(self, new: list[Request]) -> torch.Tensor:
+        """Encode the prompts of ``new`` rows into the slots after the active ones; returns
+        their (b, V) next-token logits."""
+        first = len(self._rows)
+        self.cache.ensure(first + len(new), max(len(r.prompt) + r.max_new_tokens for r in new))
+        if self.share_prefix and self._stamp != (stamp := self._weights_stamp()):
+            self._prefixes, self._stamp = [], stamp  # the weights moved (a swap, an update in place)
+        if self.share_prefix:
+            # a prefix common to the rows admitted now, or to a generate call: encoded once
+            common = shared_prefix_len([r.prompt for r in new])
+            for r in new:
+                hint = max(common, r.prefix_hint)
+                if hint >= MIN_SHARED_PREFIX and self._match(r.prompt)[1] < hint:
+                    self._encode(r.prompt[:hint], first)
+        starts = []
+        for k, r in enumerate(new):
+            j, m = self._match(r.prompt) if self.share_prefix else (-1, 0)
+            if j >= 0:
+                _, keys, values = self._prefixes[j]
+                self.cache.load_prefix(first + k, keys, values, m)
+                self._prefixes.insert(0, self._prefixes.pop(j))
+            starts.append(m)
+        T = max(len(r.prompt) - m for r, m in zip(new, starts))
+        b = len(new)
+        input_ids = torch.full((b, T), self.pad_token_id, dtype=torch.long)  # (b, T) left-padded suffixes
+        pos = torch.zeros(b, T, dtype=torch.long)  # (b, T)
+        cols = torch.full((b, T), self.cache.scratch, dtype=torch.long)  # (b, T) padding -> scratch column
+        for i, (r, m) in enumerate(zip(new, starts)):
+            n = len(r.prompt) - m
+            input_ids[i, T - n:] = torch.tensor(r.prompt[m:])
+            pos[i, T - n:] = torch.arange(m, len(r.prompt))
+            cols[i, T - n:] = pos[i, T - n:]
+            r.length = len(r.prompt)
+        width = max(len(r.prompt) for r in new)
+        slots = torch.arange(first, first + b)[:, None].expand(b, T)
+        self.cache.set_pass(slice(first, first + b), width, slots, cols)
+        mask = (torch.arange(width)[None, None, :] <= pos[:, :, None])[:, None]  # (b, 1, T, W)
+        logits = self._forward(input_ids, pos, mask)
+        if self.share_prefix:  # an unshared prompt may start later ones (a chat's system prompt)
+            k = next((k for k, (r, m) in enumerate(zip(new, starts)) if m == 0 and len(r.prompt) > 2 * MIN_SHARED_PREFIX),
+                     None)
+            if k is not None:
+                self._store_prefix(new[k].prompt[:-1], first + k)
+        return logits
+
+    def _encode(self, tokens: list[int], slot: int) -> None:
+        """Encode ``tokens`` alone into ``slot`` and keep them as a stored prefix."""
+        n = len(tokens)
+        pos = torch.arange(n)[None, :]  # (1, n)
+        self.cache.set_pass(slice(slot, slot + 1), n, torch.full((1, n), slot), pos)
+        mask = (torch.arange(n)[None, :] <= torch.arange(n)[:, None])[None, None]  # (1, 1, n, n)
+        self._forward(torch.tensor([tokens]), pos, mask)
+        self._store_prefix(tokens, slot)

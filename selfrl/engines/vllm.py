@@ -1,0 +1,171 @@
+"""EXPERIMENTAL: a vLLM OpenAI-compatible server as the sampling backend, with each
+adapter version loaded at run time under a name that is never reused.
+
+**Not yet run against a real vLLM.** The vllm wheel (0.33.0, 336 MB) is too large
+to carry to the GPU machine this was developed with, and this machine has no GPU;
+the client is tested against a stand-in server (``tests/fake_vllm.py``) that
+implements the endpoints below as documented. Treat it as a starting point.
+
+What the vLLM server must be started with:
+
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve <base model> --enable-lora \\
+        --max-lora-rank <r> --max-loras 2 --logprobs-mode processed_logprobs
+
+``processed_logprobs`` makes the returned logprob that of ``logits / temperature``
+(the quantity the learner recomputes); vLLM's default, ``raw_logprobs``, returns
+temperature-1 logprobs. The adapter folders must be on a file system the server
+can read under the same path.
+
+Calls made:
+
+- ``POST /v1/load_lora_adapter {lora_name, lora_path}`` for each swap, under the name
+  ``<prefix>-v<version>-<client id>-<n>``: a new name every time, also when an
+  older version is served again after a rollback (vLLM keys its adapter cache by
+  name, so a reused name could serve the old weights: the stale-sync failure);
+  ``POST /v1/unload_lora_adapter {lora_name}`` for names older than the last
+  ``keep_loaded``;
+- ``POST /v1/completions`` with token-id prompts, ``logprobs: 0`` and
+  ``return_token_ids: true`` (the sampled ids and their logprobs, no re-tokenizing),
+  ``stop_token_ids`` = the EOS ids, ``skip_special_tokens: false``;
+- ``POST /v1/completions`` with ``prompt_logprobs: 0`` and ``max_tokens: 1`` for the
+  swap check's probe (:mod:`selfrl.swap_check`); the answer's ``model`` field names
+  the adapter that computed it, so a wrong version is caught;
+- ``GET /health`` and ``GET /v1/models``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from selfrl.engines import http
+from selfrl.engines.base import AdapterSource, EngineHealth, Generation, check_generate_args
+
+
+class VLLMEngine:
+    """The engine interface over a vLLM server at ``base_url`` (see the module docstring).
+
+    Args:
+        base_url: e.g. ``http://127.0.0.1:8000`` (no ``/v1``).
+        tokenizer: the served model's tokenizer.
+        version: the version the base model stands for (0: no adapter).
+        eos_token_ids: ids that end a turn (default: the tokenizer's EOS).
+        adapter_config: a peft ``LoraConfig``, needed only to swap in a state dict (it is
+            written to a folder under ``adapter_dir`` first; folders are passed as they are).
+        adapter_dir: where such folders go (default: a temporary folder).
+        api_key: the server's ``--api-key``, if any.
+        keep_loaded: adapters left loaded on the server (the newest ones).
+
+    Raises:
+        selfrl.engines.http.RemoteBackendError: the server cannot be reached.
+    """
+
+    name = "vllm"
+
+    def __init__(self, base_url: str, tokenizer, version: int = 0, eos_token_ids: list[int] | None = None,
+                 adapter_config=None, adapter_dir: str | Path | None = None, api_key: str | None = None,
+                 timeout_s: float = 600.0, keep_loaded: int = 2, name_prefix: str = "selfrl"):
+        self.base_url, self.tokenizer, self.api_key, self.timeout_s = base_url.rstrip("/"), tokenizer, api_key, timeout_s
+        self.eos_token_ids = sorted(eos_token_ids or [tokenizer.eos_token_id])
+        self.adapter_config, self.keep_loaded, self.prefix = adapter_config, max(1, keep_loaded), name_prefix
+        self.adapter_dir = Path(adapter_dir) if adapter_dir else Path(tempfile.mkdtemp(prefix="selfrl-vllm-"))
+        self.client_id = secrets.token_hex(3)  # two clients (or a restarted one) never pick the same name
+        self.loads = 0
+        models = self._call("/v1/models")["data"]
+        self.base_model = models[0]["id"]
+        self.version = version
+        self.model_name = self.base_model  # what requests ask for: the base, or the loaded adapter's name
+        self.names: dict[str, int] = {self.base_model: version}  # every name this client loaded -> its version
+        self.loaded: list[str] = []
+
+    def _call(self, path: str, body=None, timeout_s: float | None = None):
+        return http.call(self.base_url, path, body, timeout_s=timeout_s or self.timeout_s, api_key=self.api_key)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False,
+                 top_p: float = 1.0, on_step: Callable | None = None, stop: list[str] | None = None) -> list[Generation]:
+        """See :meth:`selfrl.engines.base.SamplingEngine.generate`; ``on_step`` is called once, at the end.
+
+        Raises:
+            ValueError: arguments every backend refuses, or the server's refusal (4xx).
+        """
+        check_generate_args(prompts, max_new_tokens, temperature, greedy, top_p)
+        name, version = self.model_name, self.version
+        body = {"model": name, "prompt": prompts, "max_tokens": max_new_tokens, "n": 1,
+                "temperature": 0.0 if greedy else temperature, "top_p": 1.0 if greedy else top_p,
+                "logprobs": 0, "return_token_ids": True, "stop_token_ids": self.eos_token_ids,
+                "skip_special_tokens": False, "include_stop_str_in_output": True}
+        if stop:
+            body["stop"] = stop
+        out = self._call("/v1/completions", body)
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        if len(choices) != len(prompts):
+            raise http.RemoteBackendError(f"vLLM returned {len(choices)} choices for {len(prompts)} prompts")
+        gens = []
+        for c in choices:
+            ids = list(c["token_ids"])
+            logps = [float(x) for x in c["logprobs"]["token_logprobs"]]
+            if len(logps) != len(ids):
+                raise http.RemoteBackendError(f"vLLM returned {len(ids)} token ids but {len(logps)} logprobs")
+            finished = c.get("finish_reason") == "stop"
+            stopped = finished and isinstance(c.get("stop_reason"), str)
+            gens.append(Generation(ids, logps, finished, self.names.get(out.get("model", name), version), stopped))
+        if on_step is not None and gens:
+            import torch
+
+            width = max(len(g.token_ids) for g in gens)
+            on_step(torch.tensor([g.token_ids + [self.eos_token_ids[0]] * (width - len(g.token_ids)) for g in gens]))
+        return gens
+
+    def _folder(self, adapter: AdapterSource, name: str) -> Path:
+        if isinstance(adapter, (str, Path)):
+            return Path(adapter).resolve()
+        if self.adapter_config is None:
+            raise ValueError("the vLLM backend needs adapter_config to load a state dict; pass a saved version folder")
+        from safetensors.torch import save_file
+
+        folder = self.adapter_dir / name
+        folder.mkdir(parents=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, folder / "adapter_model.safetensors")
+        self.adapter_config.save_pretrained(folder)
+        return folder.resolve()
+
+    def swap(self, adapter: AdapterSource, version: int) -> float:
+        """Load ``adapter`` into vLLM under a new name and serve it as ``version``.
+
+        Raises:
+            ValueError: vLLM refused it (the message names the version); the served one is unchanged.
+        """
+        t = time.perf_counter()
+        self.loads += 1
+        name = f"{self.prefix}-v{int(version)}-{self.client_id}-{self.loads}"
+        folder = self._folder(adapter, name)
+        try:
+            self._call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+        except http.RemoteRequestError as e:
+            raise ValueError(f"vLLM refused adapter version {version} ({name}): {e}") from None
+        self.names[name] = int(version)
+        self.model_name, self.version = name, int(version)
+        self.loaded.append(name)
+        while len(self.loaded) > self.keep_loaded:
+            self._call("/v1/unload_lora_adapter", {"lora_name": self.loaded.pop(0)})
+        return time.perf_counter() - t
+
+    def health(self) -> EngineHealth:
+        try:
+            self._call("/health", timeout_s=min(self.timeout_s, 10.0))
+        except (http.RemoteBackendError, http.RemoteRequestError, TimeoutError) as e:
+            return EngineHealth(False, self.version, self.name, str(e))
+        return EngineHealth(True, self.version, self.name, f"serving {self.model_name}")
+
+    def prompt_logprobs(self, token_ids: list[int], timeout_s: float | None = None) -> tuple[list[float], int]:
+        """(n - 1) temperature-1 log-probs of ``token_ids[1:]`` from vLLM's ``prompt_logprobs``, and
+        the version of the adapter that computed them (from the answer's ``model`` name)."""
+        out = self._call("/v1/completions", {"model": self.model_name, "prompt": token_ids, "max_tokens": 1,
+                                             "temperature": 1.0, "prompt_logprobs": 0, "return_token_ids": True},
+                         timeout_s=timeout_s)
+        entries = out["choices"][0]["prompt_logprobs"][1:]
+        logps = [float(e[str(t)]["logprob"]) for e, t in zip(entries, token_ids[1:], strict=True)]
+        return logps, self.names.get(out.get("model"), -1)

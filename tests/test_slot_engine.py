@@ -1,0 +1,160 @@
+"""What the slot engine adds to the contract (tests/test_engine_conformance.py covers the
+contract itself): continuous batching, slot reuse and compaction, shared prefixes,
+the version gate, the sampling function, and the cache."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from selfrl.chat import prompt_ids
+from selfrl.engines.kvcache import SlotCache
+from selfrl.engines.sampling import nucleus_mask, sample_tokens
+from selfrl.engines.slots import SlotEngine, VersionGate
+from tests.test_engine_conformance import assert_matches_model, naive_logps
+
+LONG_SYSTEM = "You are a careful assistant. Use the calculator tool for any arithmetic, then give the final answer."
+
+
+def prompts_with_system(tok, questions):
+    return [prompt_ids(tok, [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": q}])
+            for q in questions]
+
+
+def test_more_requests_than_slots_reuse_freed_slots_exactly(tiny_tokenizer, tiny_model_factory):
+    # 2 slots for 9 rows of different lengths: rows end at different steps, freed slots are
+    # refilled mid-batch and the last row is moved into each hole; every logprob stays exact
+    model = tiny_model_factory(eos_bias=2.5, lora=True)
+    engine = SlotEngine(model, tiny_tokenizer, max_slots=2)
+    prompts = prompts_with_system(tiny_tokenizer, ["Hi", "What is 17+25?", "Add 1, 2, 3 and 4."]) * 3
+    torch.manual_seed(4)
+    gens = engine.generate(prompts, max_new_tokens=10, temperature=0.8)
+    assert_matches_model(gens, prompts, model, 0.8, tiny_tokenizer.eos_token_id, 10)
+    assert len({len(g.token_ids) for g in gens}) > 2
+    assert engine.rows_done == 9 and len(engine._rows) == 0
+    engine.close()
+
+
+def test_a_request_joins_a_running_batch(tiny_tokenizer, tiny_model_factory):
+    model = tiny_model_factory(eos_bias=-50.0, lora=True)  # no EOS: every row runs to its limit
+    engine = SlotEngine(model, tiny_tokenizer)
+    prompt = prompts_with_system(tiny_tokenizer, ["Hi"])[0]
+    long = engine.submit(prompt, 200, greedy=True)
+    while engine.steps < 3:  # the long row is decoding
+        time.sleep(0.01)
+    short = engine.submit(prompt, 2, greedy=True).result(timeout=60)
+    assert not long.done()  # the short request did not wait for the long one
+    full = long.result(timeout=120)
+    assert short.token_ids == full.token_ids[:2]  # same prompt, greedy: the same first ids
+    assert engine.steps < 200 + 5  # both rode the same steps; no second pass of 200 steps
+    engine.close()
+
+
+def test_shared_prefix_is_encoded_once_and_reused_exactly(tiny_tokenizer, tiny_model_factory):
+    model = tiny_model_factory(eos_bias=2.0, lora=True)
+    engine = SlotEngine(model, tiny_tokenizer, max_slots=3)
+    prompts = prompts_with_system(tiny_tokenizer, ["Hi", "What is 17+25?", "Add 1, 2, 3 and 4.", "Go"])
+    torch.manual_seed(0)
+    gens = engine.generate(prompts, 8, temperature=1.0)
+    assert len(engine._prefixes) >= 1
+    shared = len(engine._prefixes[-1][0])
+    assert shared >= 16 and all(p[:shared] == prompts[0][:shared] for p in prompts)
+    assert_matches_model(gens, prompts, model, 1.0, tiny_tokenizer.eos_token_id, 8)
+    # a later single request reuses the stored prefix, still exactly
+    one = engine.submit(prompts[1], 8, temperature=1.0).result(timeout=60)
+    assert_matches_model([one], prompts[1:2], model, 1.0, tiny_tokenizer.eos_token_id, 8)
+    engine.close()
+
+
+def test_an_update_in_place_drops_stored_prefixes(tiny_tokenizer, tiny_model_factory):
+    # selfrl run trains the shared model in place: the next sample must use the new weights
+    model = tiny_model_factory(eos_bias=1.0, lora=True)
+    engine = SlotEngine(model, tiny_tokenizer)
+    prompts = prompts_with_system(tiny_tokenizer, ["Hi", "What is 17+25?"])
+    engine.generate(prompts, 4, greedy=True)
+    assert engine._prefixes
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.2 * torch.randn_like(p))
+    gens = engine.generate(prompts, 6, temperature=0.9)
+    assert_matches_model(gens, prompts, model, 0.9, tiny_tokenizer.eos_token_id, 6)
+    engine.close()
+
+
+def test_swap_waits_for_requests_in_flight(tiny_tokenizer, tiny_model_factory):
+    from peft import get_peft_model_state_dict
+
+    model = tiny_model_factory(eos_bias=-50.0, lora=True)
+    engine = SlotEngine(model, tiny_tokenizer)
+    prompt = prompts_with_system(tiny_tokenizer, ["Hi"])[0]
+    state = {k: torch.randn_like(v) for k, v in get_peft_model_state_dict(model).items()}
+    running = engine.submit(prompt, 60, greedy=True)
+    while engine.steps < 2:
+        time.sleep(0.01)
+    swapper = threading.Thread(target=engine.swap, args=(state, 1))
+    swapper.start()
+    gen = running.result(timeout=120)
+    swapper.join(timeout=60)
+    assert gen.adapter_version == 0 and len(gen.token_ids) == 60 and engine.version == 1
+    after = engine.submit(prompt, 3, greedy=True).result(timeout=60)
+    assert after.adapter_version == 1
+    engine.close()
+
+
+def test_mixed_sampling_settings_share_a_batch(tiny_tokenizer, tiny_model_factory):
+    model = tiny_model_factory(lora=True)
+    engine = SlotEngine(model, tiny_tokenizer)
+    p = prompts_with_system(tiny_tokenizer, ["Hi"])[0]
+    torch.manual_seed(1)
+    futs = [engine.submit(p, 6, greedy=True), engine.submit(p, 6, temperature=0.5),
+            engine.submit(p, 6, temperature=1.3, top_p=0.9)]
+    greedy, cold, hot = [f.result(timeout=60) for f in futs]
+    torch.testing.assert_close(torch.tensor(cold.logprobs), naive_logps(model, p, cold.token_ids, 0.5), atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(hot.logprobs), naive_logps(model, p, hot.token_ids, 1.3), atol=1e-5, rtol=0)
+    with torch.no_grad():
+        first = model(input_ids=torch.tensor([p])).logits[0, -1].argmax().item()
+    assert greedy.token_ids[0] == first
+    engine.close()
+
+
+def test_the_gate_owner_may_take_tickets():
+    gate = VersionGate()
+    with gate:
+        gate.acquire_shared()  # the owner may sample on the version it holds
+        gate.release_shared()
+    assert gate.in_flight == 0
+
+
+def test_close_fails_new_requests(tiny_tokenizer, tiny_model_factory):
+    engine = SlotEngine(tiny_model_factory(lora=True), tiny_tokenizer)
+    engine.close()
+    assert not engine.health().ok
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.generate([[1, 2, 3]], 2)
+
+
+def test_nucleus_mask_and_sampling_by_hand():
+    probs = torch.tensor([[0.1, 0.6, 0.3], [0.2, 0.2, 0.6]])
+    assert nucleus_mask(probs, torch.tensor([0.5, 1.0])).tolist() == [[True, False, True], [False, False, False]]
+    logits = torch.tensor([[0.0, 2.0, 1.0], [1.0, 1.0, 3.0]])
+    ids, logps = sample_tokens(logits, torch.tensor([0.5, 1.0]), torch.tensor([True, False]), torch.tensor([1.0, 1e-6]))
+    assert ids.tolist() == [1, 2]  # greedy argmax; a tiny nucleus keeps only the top id
+    expected = torch.log_softmax(logits, -1)[[0, 1], [1, 2]]  # greedy: temperature 1; row 2: temperature 1
+    torch.testing.assert_close(logps, expected)
+
+
+def test_cache_grows_without_losing_contents():
+    cache = SlotCache(slots=2, capacity=4)
+    k = torch.arange(2 * 3 * 4 * 5, dtype=torch.float).view(2, 3, 4, 5)  # (b, kv_heads, T, head_dim)
+    cache.set_pass(slice(0, 2), 4, torch.arange(2)[:, None].expand(2, 4), torch.arange(4)[None].expand(2, 4))
+    keys, _ = cache.update(k, k + 1, 0)
+    assert torch.equal(keys, k)
+    cache.ensure(5, 9)
+    assert cache.slots >= 5 and cache.capacity >= 9
+    assert torch.equal(cache.k[0][:2, :, :4], k) and cache.k[0][2:].abs().sum() == 0
+    cache.move_row(1, 3, 4)
+    assert torch.equal(cache.k[0][3, :, :4], k[1])
