@@ -155,3 +155,48 @@ def test_a_partitioned_worker_is_timed_out_replaced_and_its_job_redone(tmp_path,
     assert len(result.trajectories) == cfg.num_generations and all(t.adapter_version == 0 for t in result.trajectories)
     assert pool.stats.workers_lost == 1 and pool.stats.jobs_redone == 1
     assert events == ["worker 0 lost (no result within 3 s); jobs [7] redone on a fresh worker"]
+
+
+def test_rollouts_drop_groups_older_than_the_bound():
+    """AsyncRunner.rollouts on a stand-in pool: with max_staleness 0 only groups sampled by the
+    current version are kept; the others are counted as dropped, and the loop's batch is whole."""
+    from types import SimpleNamespace
+
+    from selfrl.distributed.driver import AsyncRunner
+    from selfrl.distributed.worker import JobResult
+    from selfrl.progress import PlainProgress
+    from selfrl.trajectory import Trajectory
+
+    versions = [3, 1, 3, 2, 3]  # the versions of the groups, in the order they come back
+
+    class Pool:
+        stats = SimpleNamespace(workers_lost=0, dropped_stale=0)
+        filled = 0
+
+        def fill(self, next_job):
+            self.filled += 1
+
+        def next_result(self):
+            k = len(versions) - len(self.left)
+            v = self.left.pop(0)
+            return JobResult(k, v, [Trajectory(f"t{k}", f"j{k}", v) for _ in range(2)], 0, 0.0)
+
+    pool = Pool()
+    pool.left = list(versions)
+    runner = object.__new__(AsyncRunner)
+    runner.s = SimpleNamespace(engine=SimpleNamespace(version=3))
+    runner.cfg = SimpleNamespace(num_prompts=3)
+    runner.dist = DistributedConfig(address="local", max_staleness=0)
+    runner.progress, runner.pool, runner.on_result = PlainProgress(), pool, None
+    runner.loaded, runner.published = [0, 1, 2], {3: ["ref"]}
+    trajs, _ = runner.rollouts(0)
+    assert runner.loaded == [0, 1, 2, 3]
+    assert [t.task_id for t in trajs] == ["t0", "t0", "t2", "t2", "t4", "t4"]
+    assert {t.adapter_version for t in trajs} == {3}
+    assert runner.iteration_stats["async/dropped_stale"] == 2.0 and pool.stats.dropped_stale == 2
+    assert runner.iteration_stats["async/max_staleness"] == 0.0
+    # with a bound of 2 the same stream keeps the first three groups, staleness 0, 2 and 0
+    pool.left, runner.dist = list(versions), DistributedConfig(address="local", max_staleness=2)
+    trajs, _ = runner.rollouts(1)
+    assert [t.task_id for t in trajs][::2] == ["t0", "t1", "t2"]
+    assert runner.iteration_stats["async/mean_staleness"] == pytest.approx(2 / 3)
