@@ -107,7 +107,7 @@ def bench_learner(tok, dtype, checkpointing, steps=3):
     sync()
     times, peaks, ratios = [], [], []
     for _ in range(steps):
-        m = learner.step(trajs)
+        m = learner.step(trajs).metrics()
         sync()
         times.append(m["time/update_s"])
         peaks.append(m.get("memory/peak_cuda_bytes", m.get("memory/peak_rss_bytes")))

@@ -98,8 +98,10 @@ class Engine:
         temperature: float = 1.0,
         greedy: bool = False,
         top_p: float = 1.0,
-        on_step: Callable[[torch.Tensor], None] | None = None,
+        on_step: Callable[..., None] | None = None,
         stop: list[str] | None = None,
+        top_logprobs: int = 0,
+        step_logprobs: bool = False,
     ) -> list[Generation]:
         """Sample one continuation per prompt.
 
@@ -119,6 +121,10 @@ class Engine:
                 after the token that completes one, before any EOS. The ids after it
                 are dropped, which leaves the kept ones exactly as sampled (decoding is
                 left to right); the batch still decodes up to its limit.
+            top_logprobs: also return the k most likely ids per position (0 = none).
+            step_logprobs: call ``on_step(ids, logprobs, top)`` instead: ``logprobs`` (B, n)
+                of the ids so far (the same values the result records) and ``top`` a pair of
+                (B, n, k) tensors (ids, logprobs) of the ``top_logprobs`` most likely ids, or None.
 
         Returns:
             B :class:`Generation`, in order.
@@ -150,7 +156,9 @@ class Engine:
             if on_step is not None:
                 from transformers import LogitsProcessorList
 
-                extra["logits_processor"] = LogitsProcessorList([_StepObserver(width, on_step)])
+                scale_or_none = (1.0 if greedy else temperature) if step_logprobs else None
+                extra["logits_processor"] = LogitsProcessorList([_StepObserver(width, on_step, scale_or_none,
+                                                                               top_logprobs)])
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -168,7 +176,9 @@ class Engine:
         new = out.sequences[:, width:]  # (B, N)
         scale = 1.0 if greedy else temperature
         logits = torch.stack(out.logits, dim=1).float() / scale  # (B, N, V)
-        logps = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, N)
+        all_logps = torch.log_softmax(logits, dim=-1)  # (B, N, V)
+        logps = all_logps.gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, N)
+        top = all_logps.topk(min(top_logprobs, all_logps.shape[-1]), dim=-1) if top_logprobs > 0 else None  # (B, N, k)
         eos = torch.tensor(self.eos_token_ids, device=new.device)
         results = []
         for i in range(len(prompts)):
@@ -176,10 +186,15 @@ class Engine:
             is_eos = torch.isin(new[i], eos).nonzero()
             n = int(is_eos[0]) + 1 if len(is_eos) else len(row)
             cut = stop_cut(self.tokenizer, row[:n], stop) if stop else None
+            keep = cut if cut is not None else n
+            alts = None if top is None else [list(zip(ix, lp)) for ix, lp in
+                                             zip(top.indices[i, :keep].tolist(), top.values[i, :keep].tolist())]
             if cut is not None:
-                results.append(Generation(row[:cut], logps[i, :cut].tolist(), True, version, stopped=True))
+                results.append(Generation(row[:cut], logps[i, :cut].tolist(), True, version, stopped=True,
+                                          top_logprobs=alts))
             else:
-                results.append(Generation(row[:n], logps[i, :n].tolist(), bool(len(is_eos)), version))
+                results.append(Generation(row[:n], logps[i, :n].tolist(), bool(len(is_eos)), version,
+                                          top_logprobs=alts))
         return results
 
     def swap(self, state_dict: AdapterSource, version: int) -> float:
@@ -254,14 +269,34 @@ class _StepObserver:
 
     ``generate`` calls it before each new token with the whole sequence, so at
     step k it sees the k ids sampled before (B, k); it returns the scores as they are.
+    With ``scale`` set it also reports their logprobs, ``log_softmax(scores / scale)``
+    of the scores it saw one step earlier (the raw logits: it runs before any warper),
+    and the ``top`` most likely ids with theirs.
     """
 
-    def __init__(self, prompt_width: int, on_step: Callable[[torch.Tensor], None]):
-        self.width, self.on_step = prompt_width, on_step
+    def __init__(self, prompt_width: int, on_step: Callable[..., None], scale: float | None = None, top: int = 0):
+        self.width, self.on_step, self.scale, self.top = prompt_width, on_step, scale, top
+        self.prev: torch.Tensor | None = None  # (B, V) logprobs of the next token
+        self.sampled: list[torch.Tensor] = []  # per step (B,)
+        self.tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # per step (B, k) ids, (B, k) logprobs
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if input_ids.shape[1] > self.width:
-            self.on_step(input_ids[:, self.width:])  # (B, k)
+        k = input_ids.shape[1] - self.width
+        if self.scale is None:
+            if k > 0:
+                self.on_step(input_ids[:, self.width:])  # (B, k)
+            return scores
+        if self.prev is not None and k > 0:
+            self.sampled.append(self.prev.gather(-1, input_ids[:, -1:]).squeeze(-1))  # (B,)
+            if self.top:
+                v, ix = self.prev.topk(min(self.top, self.prev.shape[-1]), dim=-1)  # (B, k)
+                self.tops.append((ix, v))
+        if k > 0 and len(self.sampled) == k:
+            top = None
+            if self.top:
+                top = (torch.stack([t[0] for t in self.tops], 1), torch.stack([t[1] for t in self.tops], 1))
+            self.on_step(input_ids[:, self.width:], torch.stack(self.sampled, 1), top)  # (B, k), (B, k)
+        self.prev = torch.log_softmax(scores.float() / self.scale, dim=-1)  # (B, V)
         return scores
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
-from selfrl.chat import between_turns_ids, prompt_ids, template_supports_tools
+from selfrl.chat import between_turns_ids, prompt_ids, template_supports_tools, template_wraps_tool_responses
 from selfrl.config import DEFAULT_SYSTEM_PROMPT, RolloutConfig
 from selfrl.engines.base import Generation, SamplingEngine
 from selfrl.envs import Environment
@@ -160,7 +160,7 @@ def _after_turn(tr: Trajectory, g: Generation, turn: int, tool_map: dict[str, To
         tr.final_answer = rest
         return False
     t1 = time.perf_counter()
-    contents = run_tool_calls(tr, calls, tool_map)
+    contents = run_tool_calls(tr, calls, tool_map, wrap=not template_wraps_tool_responses(tok))
     if env is not None and env.is_completed():
         tr.final_answer = rest
         tr.timings["tools"] += time.perf_counter() - t1
@@ -238,12 +238,13 @@ def _pipelined_turns(engine, trajs: list[Trajectory], tool_maps, envs, ctx: _Tur
                 on_turn()
 
 
-def run_tool_calls(tr: Trajectory, calls: list[ParsedCall], tool_map: dict[str, Tool]) -> list[str]:
+def run_tool_calls(tr: Trajectory, calls: list[ParsedCall], tool_map: dict[str, Tool], wrap: bool = True) -> list[str]:
     """Execute ``calls`` in order, append their records and tool messages to ``tr``; returns
-    the tool messages' contents. Never raises: a failed call's error goes to the model."""
+    the tool messages' contents (``wrap``: inside ``<tool_response>`` tags, unless the chat
+    template adds them). Never raises: a failed call's error goes to the model."""
     records = [execute_call(c, tool_map) for c in calls]
     tr.tool_calls += records
-    contents = [format_tool_response(r) for r in records]
+    contents = [format_tool_response(r, wrap) for r in records]
     tr.messages += [{"role": "tool", "content": c} for c in contents]
     return contents
 

@@ -12,6 +12,21 @@ Parsing never guesses: a block that is not exactly one JSON object with a
 string ``name`` and object ``arguments`` becomes a failed call with a reason,
 which is recorded on the trajectory and sent back to the model; the tool
 function is not run.
+
+**Argument keys.** ``arguments`` is the key; ``parameters`` is accepted as its
+alias, because Llama-3.1's own tool format writes ``{"name": ..., "parameters":
+{...}}``. Any other key besides ``name`` (``args``, ``input``, ``function``...), or
+both ``arguments`` and ``parameters``, makes the call malformed: a call never reaches
+a tool or a client with arguments other than the ones the model wrote.
+
+**Reasoning blocks.** Qwen3, SmolLM3 and DeepSeek-R1 style models think inside
+``<think>...</think>`` (:data:`THINK_OPEN`, :data:`THINK_CLOSE`). Nothing inside a
+reasoning block is a call: a ``<tool_call>`` drafted while thinking is part of the
+thought, never run, never returned to a client. An unclosed ``<think>`` runs to the
+end of the text (the whole rest is reasoning); a ``</think>`` without an opening tag
+closes a block that began at the start of the text (Qwen3's template opens the
+block in the prompt, so the sampled text starts inside it). The rollout and the
+server both go through :func:`parse_tool_calls`, so the rule is the same in both.
 """
 
 from __future__ import annotations
@@ -27,6 +42,9 @@ TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 TOOL_RESPONSE_OPEN = "<tool_response>"
 TOOL_RESPONSE_CLOSE = "</tool_response>"
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+ARGUMENT_KEYS = ("arguments", "parameters")  # "parameters": Llama-3.1's own tool format
 
 _PLACEHOLDERS: dict[str, Any] = {
     "string": "...",
@@ -119,8 +137,9 @@ def _parse_block(raw: str) -> ParsedCall:
         return ParsedCall("", {}, raw, "empty <tool_call>")
     try:
         obj, end = json.JSONDecoder().raw_decode(body)
-    except json.JSONDecodeError as e:
-        return ParsedCall("", {}, raw, f"invalid JSON in <tool_call>: {e.msg} at char {e.pos}")
+    except (json.JSONDecodeError, RecursionError, ValueError) as e:
+        why = f"{e.msg} at char {e.pos}" if isinstance(e, json.JSONDecodeError) else type(e).__name__
+        return ParsedCall("", {}, raw, f"invalid JSON in <tool_call>: {why}")
     if body[end:].strip():
         return ParsedCall("", {}, raw, "expected one JSON object, found extra data")
     if not isinstance(obj, dict):
@@ -129,50 +148,123 @@ def _parse_block(raw: str) -> ParsedCall:
     if not isinstance(name, str) or not name:
         why = 'missing "name"' if name is None else '"name" must be a non-empty string'
         return ParsedCall("", {}, raw, why)
-    if "arguments" not in obj:
+    extra = [k for k in obj if k != "name" and k not in ARGUMENT_KEYS]
+    if extra:
+        return ParsedCall(name, {}, raw, f'unexpected key(s) {", ".join(map(repr, extra))} in <tool_call>; '
+                          'write {"name": ..., "arguments": {...}}')
+    given = [k for k in ARGUMENT_KEYS if k in obj]
+    if len(given) > 1:
+        return ParsedCall(name, {}, raw, 'both "arguments" and "parameters" given; write only "arguments"')
+    if not given:
         return ParsedCall(name, {}, raw, None)
-    args = obj["arguments"]
+    key = given[0]
+    args = obj[key]
     if isinstance(args, str):  # OpenAI sends arguments as a JSON string
         try:
             args = json.loads(args)
-        except json.JSONDecodeError as e:
-            return ParsedCall(name, {}, raw, f'"arguments" string is not valid JSON: {e.msg}')
+        except (json.JSONDecodeError, RecursionError, ValueError) as e:
+            return ParsedCall(name, {}, raw, f'"{key}" string is not valid JSON: {getattr(e, "msg", type(e).__name__)}')
     if not isinstance(args, dict):
-        return ParsedCall(name, {}, raw, f'"arguments" must be a JSON object, found {json_type_name(args)}')
+        return ParsedCall(name, {}, raw, f'"{key}" must be a JSON object, found {json_type_name(args)}')
     return ParsedCall(name, args, raw, None)
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[ParsedCall]]:
-    """Split ``text`` into the text outside tool-call blocks and the calls, in order.
+def reasoning_spans(text: str) -> list[tuple[int, int]]:
+    """Character spans ``[start, end)`` of the reasoning blocks in ``text``, tags included.
 
-    Each ``<tool_call>...</tool_call>`` block must hold exactly one JSON object
-    ``{"name": str, "arguments": object}``; ``arguments`` may be missing
-    (taken as {}) or a JSON string holding an object. Whitespace around the
-    object is ignored. Anything else yields a ``ParsedCall`` with ``error``
-    set and empty arguments: an unclosed ``<tool_call>`` (its raw text runs to
-    the end), invalid JSON, several objects glued together, a non-object,
-    a missing or non-string name, or arguments of another type.
+    See the module docstring for the rule.
+
+    >>> reasoning_spans("<think>a</think>b")
+    [(0, 16)]
+    >>> reasoning_spans("a</think>b"), reasoning_spans("x<think>y")
+    ([(0, 9)], [(1, 9)])
+    """
+    spans: list[tuple[int, int]] = []
+    first_open = text.find(THINK_OPEN)
+    first_close = text.find(THINK_CLOSE)
+    pos = 0
+    if first_close >= 0 and (first_open < 0 or first_close < first_open):  # opened by the prompt
+        pos = first_close + len(THINK_CLOSE)
+        spans.append((0, pos))
+    while True:
+        start = text.find(THINK_OPEN, pos)
+        if start < 0:
+            return spans
+        end = text.find(THINK_CLOSE, start + len(THINK_OPEN))
+        if end < 0:
+            spans.append((start, len(text)))
+            return spans
+        pos = end + len(THINK_CLOSE)
+        spans.append((start, pos))
+
+
+def split_reasoning(text: str) -> tuple[str, str]:
+    """``(reasoning, rest)``: the text of the reasoning blocks (tags removed, joined by
+    newlines, stripped) and the text outside them.
+
+    >>> split_reasoning("<think>2+2 is 4</think>It is 4.")
+    ('2+2 is 4', 'It is 4.')
+    """
+    thoughts, pieces, pos = [], [], 0
+    for start, end in reasoning_spans(text):
+        pieces.append(text[pos:start])
+        inner = text[start:end]
+        inner = inner[len(THINK_OPEN):] if inner.startswith(THINK_OPEN) else inner
+        inner = inner[:-len(THINK_CLOSE)] if inner.endswith(THINK_CLOSE) else inner
+        thoughts.append(inner.strip())
+        pos = end
+    pieces.append(text[pos:])
+    return "\n".join(t for t in thoughts if t), "".join(pieces)
+
+
+def call_spans(text: str) -> list[tuple[int, int, ParsedCall]]:
+    """Each tool-call block outside reasoning blocks: ``(start, end, call)`` with
+    ``[start, end)`` the block's characters in ``text``, tags included (an unclosed
+    block runs to the end of the text, or to the next reasoning block)."""
+    out: list[tuple[int, int, ParsedCall]] = []
+    spans = reasoning_spans(text) + [(len(text), len(text))]
+    pos = 0
+    for think_start, think_end in spans:
+        while True:  # the calls in text[pos:think_start]
+            start = text.find(TOOL_CALL_OPEN, pos, think_start)
+            if start < 0:
+                break
+            body_start = start + len(TOOL_CALL_OPEN)
+            end = text.find(TOOL_CALL_CLOSE, body_start, think_start)
+            if end < 0:
+                out.append((start, think_start, ParsedCall("", {}, text[body_start:think_start],
+                                                             f"unclosed {TOOL_CALL_OPEN}")))
+                break
+            out.append((start, end + len(TOOL_CALL_CLOSE), _parse_block(text[body_start:end])))
+            pos = end + len(TOOL_CALL_CLOSE)
+        pos = think_end
+    return out
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[ParsedCall]]:
+    """Split ``text`` into the answer text and the calls, in order.
+
+    Each ``<tool_call>...</tool_call>`` block outside a reasoning block must hold
+    exactly one JSON object ``{"name": str, "arguments": object}`` (``parameters``
+    is an alias of ``arguments``); ``arguments`` may be missing (taken as {}) or a
+    JSON string holding an object. Whitespace around the object is ignored.
+    Anything else yields a ``ParsedCall`` with ``error`` set and empty arguments:
+    an unclosed ``<tool_call>`` (its raw text runs to the end), invalid JSON,
+    several objects glued together, a non-object, a missing or non-string name,
+    arguments of another type, or any other key. Blocks inside ``<think>`` are
+    part of the reasoning and are not calls (see the module docstring).
 
     Returns:
-        (text with the blocks removed and stripped, calls in order of appearance).
+        (the text with the reasoning blocks and the call blocks removed, stripped;
+        calls in order of appearance).
     """
-    pieces: list[str] = []
-    calls: list[ParsedCall] = []
-    pos = 0
-    while True:
-        start = text.find(TOOL_CALL_OPEN, pos)
-        if start < 0:
-            pieces.append(text[pos:])
-            break
+    drop = sorted([(s, e) for s, e in reasoning_spans(text)] + [(s, e) for s, e, _ in call_spans(text)])
+    pieces, pos = [], 0
+    for start, end in drop:
         pieces.append(text[pos:start])
-        body_start = start + len(TOOL_CALL_OPEN)
-        end = text.find(TOOL_CALL_CLOSE, body_start)
-        if end < 0:
-            calls.append(ParsedCall("", {}, text[body_start:], f"unclosed {TOOL_CALL_OPEN}"))
-            break
-        calls.append(_parse_block(text[body_start:end]))
-        pos = end + len(TOOL_CALL_CLOSE)
-    return "".join(pieces).strip(), calls
+        pos = max(pos, end)
+    pieces.append(text[pos:])
+    return "".join(pieces).strip(), [c for _, _, c in call_spans(text)]
 
 
 def _failed(call: ParsedCall, why: str) -> ToolCallRecord:
@@ -210,6 +302,7 @@ def execute_call(call: ParsedCall, tools: dict[str, Tool] | list[Tool]) -> ToolC
     return ToolCallRecord(name=call.name, arguments=call.arguments, raw=call.raw, ok=True, result=output)
 
 
-def format_tool_response(record: ToolCallRecord) -> str:
-    """The content of the ``tool`` message for ``record``: ``<tool_response>\\n{result}\\n</tool_response>``."""
-    return f"{TOOL_RESPONSE_OPEN}\n{record.result}\n{TOOL_RESPONSE_CLOSE}"
+def format_tool_response(record: ToolCallRecord, wrap: bool = True) -> str:
+    """The content of the ``tool`` message for ``record``: ``<tool_response>\\n{result}\\n</tool_response>``,
+    or the bare result when ``wrap`` is False (a template that adds those tags itself)."""
+    return f"{TOOL_RESPONSE_OPEN}\n{record.result}\n{TOOL_RESPONSE_CLOSE}" if wrap else record.result

@@ -56,13 +56,14 @@ def test_parse_completion_returns_openai_tool_calls():
     # wrong argument type: still returned (the client runs the tool), recorded as failed
     _, calls, recs = parse_completion('<tool_call>{"name": "calculator", "arguments": {"expression": 5}}</tool_call>', tools)
     assert len(calls) == 1 and not recs[0].ok and "expression" in recs[0].error
-    # unknown tool or broken JSON: not a call; the text stays visible to the agent
+    # unknown tool or broken JSON: not a call; the text between the tags stays visible to the
+    # agent, the internal markup does not
     text = '<tool_call>{"name": "weather", "arguments": {}}</tool_call>'
     content, calls, recs = parse_completion(text, tools)
-    assert calls == [] and content == text and not recs[0].ok
+    assert calls == [] and content == '{"name": "weather", "arguments": {}}' and not recs[0].ok
     content, calls, recs = parse_completion("<tool_call>{oops</tool_call>", tools)
-    assert calls == [] and content == "<tool_call>{oops</tool_call>" and recs[0].error
-    assert parse_completion("<tool_call>{}</tool_call>", []) == ("<tool_call>{}</tool_call>", [], [])  # no tools offered
+    assert calls == [] and content == "{oops" and recs[0].error
+    assert parse_completion("<tool_call>{}</tool_call>", []) == ("{}", [], [])  # no tools offered
 
 
 @pytest.mark.parametrize("bad", [

@@ -214,3 +214,43 @@ def test_execute_non_string_output_is_an_error():
     tool, _ = spy_tool(output=42)
     record = execute_call(ParsedCall("spy", {}, "", None), [tool])
     assert record.ok is False and "returned int, expected str" in record.error
+
+
+DRAFT = '<tool_call>{"name": "calculator", "arguments": {"expression": "17*25"}}</tool_call>'
+REAL = '<tool_call>{"name": "calculator", "arguments": {"expression": "17+25"}}</tool_call>'
+
+
+@pytest.mark.parametrize("text", [
+    f"<think>maybe {DRAFT}? no.</think>{REAL}",
+    f"maybe {DRAFT}? no.</think>{REAL}",  # the template opened the block in the prompt (Qwen3)
+    f"<think>a</think> <think>maybe {DRAFT}</think>\n{REAL}",
+])
+def test_a_call_drafted_inside_a_reasoning_block_is_not_a_call(text):
+    rest, calls = parse_tool_calls(text)
+    assert [c.arguments for c in calls] == [{"expression": "17+25"}] and rest == ""
+
+
+def test_an_unclosed_reasoning_block_holds_every_call_after_it():
+    rest, calls = parse_tool_calls(f"Let me think. <think>{REAL}")
+    assert calls == [] and rest == "Let me think."
+
+
+def test_parameters_is_an_alias_of_arguments():
+    tool, spy = spy_tool()
+    _, (call,) = parse_tool_calls(call_block({"name": "spy", "parameters": {"x": 1}}))
+    assert call.error is None and call.arguments == {"x": 1}
+    assert execute_call(call, [tool]).ok and spy.calls == [{"x": 1}]
+
+
+@pytest.mark.parametrize("body, why", [
+    ({"name": "spy", "args": {"x": 1}}, "unexpected key"),
+    ({"name": "spy", "input": {"x": 1}}, "unexpected key"),
+    ({"name": "spy", "arguments": {"x": 1}, "id": "call_1"}, "unexpected key"),
+    ({"name": "spy", "arguments": {"x": 1}, "parameters": {"x": 2}}, "both"),
+    ({"name": "spy", "parameters": "[1]"}, "must be a JSON object"),
+])
+def test_any_other_key_makes_the_call_malformed_and_the_tool_never_runs(body, why):
+    tool, spy = spy_tool()
+    _, (call,) = parse_tool_calls(call_block(body))
+    record = execute_call(call, [tool])
+    assert why in call.error and not record.ok and spy.calls == []

@@ -41,6 +41,9 @@ class Generation:
         adapter_version: version of the weights that produced the tokens.
         stopped: True when a stop string ended the turn; no EOS was sampled, the last
             id is the one that completed the stop string.
+        top_logprobs: (n, k) the k most likely ids at each position and their logprobs
+            (same distribution as ``logprobs``), most likely first; None unless asked for
+            (``generate(top_logprobs=k)``, a backend that supports it).
     """
 
     token_ids: list[int]
@@ -48,6 +51,7 @@ class Generation:
     finished: bool
     adapter_version: int
     stopped: bool = False
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def finish_reason(self) -> FinishReason:
@@ -118,6 +122,11 @@ class SamplingEngine(Protocol):
                 sampled so far (rows that ended may hold anything after their end).
             stop: strings that end a turn: a row is cut right after the token that
                 completes one (``stopped`` and ``finished`` set, no EOS appended).
+
+        Optional keywords a backend may accept (the reference engine does; the server asks
+        with ``Batcher.supports`` and refuses ``top_logprobs`` where it is missing):
+        ``top_logprobs=k`` fills :attr:`Generation.top_logprobs`; ``step_logprobs=True``
+        calls ``on_step(ids, logprobs, top)`` so that a stream carries its logprobs.
 
         Returns:
             B :class:`Generation`, in prompt order.

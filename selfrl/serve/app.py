@@ -31,6 +31,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from selfrl.serve.feedback import client_identity
+from selfrl.serve.limits import BodyLimit
 from selfrl.serve.protocol import ChatCompletionRequest, FeedbackRequest, VersionRequest, error_body
 from selfrl.serve.service import ApiError, Service, start_learning
 from selfrl.serve.streaming import stream_chunks
@@ -96,13 +98,7 @@ def create_app(service: Service, api_key: str | None, protect_completions: bool 
 
     app = FastAPI(title="selfrl", lifespan=lifespan)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > service.cfg.max_request_bytes:
-            return _error(413, f"the request body is {int(size)} bytes; the limit is {service.cfg.max_request_bytes} "
-                          "bytes (max_request_bytes)", code="request_too_large")
-        return await call_next(request)
+    app.add_middleware(BodyLimit, limit=service.cfg.max_request_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError):
@@ -125,11 +121,12 @@ def create_app(service: Service, api_key: str | None, protect_completions: bool 
                       param=where)
 
     @app.post("/v1/chat/completions", dependencies=open_or_key)
-    async def chat_completions(req: ChatCompletionRequest):
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        client = client_identity(request.headers.get("authorization"))
         if req.stream:
-            version, lines = await stream_chunks(service, req)
+            version, lines = await stream_chunks(service, req, client)
             return StreamingResponse(lines, media_type="text/event-stream", headers={VERSION_HEADER: str(version)})
-        resp = await service.complete(req)
+        resp = await service.complete(req, client)
         return JSONResponse(resp, headers={VERSION_HEADER: str(resp["adapter_version"])})
 
     @app.get("/v1/models", dependencies=open_or_key)

@@ -20,6 +20,7 @@ still go through ``run_on_version`` one group at a time.
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
 import time
@@ -42,7 +43,11 @@ class Job:
         greedy: argmax decoding (temperature 0 requests).
         version: adapter version to run on, or None for whatever is being served.
         stop: strings that end the row (cut right after the token that completes one).
-        on_tokens: streaming callback, called from the worker thread with the ids so far.
+        on_tokens: streaming callback, called from the worker thread with the ids so far, or
+            (with ``step_logprobs``) with the ids, their logprobs and the top alternatives
+            (a list per token of ``(id, logprob)``, or None).
+        top_logprobs: how many alternatives per token to return (0-20; not part of the
+            batch key: a batch computes the most any of its jobs asks for).
         future: resolved with the :class:`Generation`, or with the exception.
     """
 
@@ -54,6 +59,8 @@ class Job:
     version: int | None = None
     stop: tuple[str, ...] = ()
     on_tokens: Callable[[list[int]], None] | None = None
+    top_logprobs: int = 0
+    step_logprobs: bool = False
     future: Future = field(default_factory=Future)
 
     @property
@@ -61,16 +68,25 @@ class Job:
         return (self.greedy, None if self.greedy else self.temperature, self.top_p, self.version, self.stop)
 
 
+def _accepts(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def cut(gen: Generation, limit: int, eos_ids: list[int]) -> Generation:
     """``gen`` cut to ``limit`` tokens; ``finished`` only when an EOS lies within the limit.
 
     >>> cut(Generation([5, 6, 2], [-1., -2., -3.], True, 0), 2, [2])
-    Generation(token_ids=[5, 6], logprobs=[-1.0, -2.0], finished=False, adapter_version=0, stopped=False)
+    Generation(token_ids=[5, 6], logprobs=[-1.0, -2.0], finished=False, adapter_version=0, stopped=False, top_logprobs=None)
     """
     if len(gen.token_ids) <= limit:
         return gen
     ids = gen.token_ids[:limit]
-    return Generation(ids, gen.logprobs[:limit], bool(ids) and ids[-1] in eos_ids, gen.adapter_version)
+    top = None if gen.top_logprobs is None else gen.top_logprobs[:limit]
+    return Generation(ids, gen.logprobs[:limit], bool(ids) and ids[-1] in eos_ids, gen.adapter_version,
+                      top_logprobs=top)
 
 
 class Batcher:
@@ -109,6 +125,12 @@ class Batcher:
     @property
     def pending(self) -> int:
         return self.queue.qsize()
+
+    def supports(self, option: str) -> bool:
+        """Whether the engine takes ``option`` (``top_logprobs``, ``step_logprobs``) on every
+        path a job may take (``generate``, and ``submit`` for a continuous engine)."""
+        fns = [self.engine.generate] + ([self.engine.submit] if self.continuous else [])
+        return all(_accepts(fn, option) for fn in fns)
 
     def _collect(self, first: Job) -> tuple[list[Job], bool]:
         jobs, stop = [first], False
@@ -152,8 +174,9 @@ class Batcher:
         if not job.future.set_running_or_notify_cancel():
             return
         try:
+            extra = {"top_logprobs": job.top_logprobs} if job.top_logprobs else {}
             fut = self.engine.submit(job.prompt, job.max_new_tokens, job.temperature, greedy=job.greedy,
-                                     top_p=job.top_p, stop=list(job.stop) or None, on_tokens=job.on_tokens)
+                                     top_p=job.top_p, stop=list(job.stop) or None, on_tokens=job.on_tokens, **extra)
         except Exception as e:
             job.future.set_exception(e)
             return
@@ -176,15 +199,29 @@ class Batcher:
         limit = max(j.max_new_tokens for j in live)
         streams = [j for j in live if j.on_tokens is not None]
 
-        def on_step(ids):  # (B, k) ids sampled so far
+        def on_step(ids, logps=None, top=None):  # (B, k) ids sampled so far; (B, k) their logprobs
             for i, j in enumerate(live):
-                if j.on_tokens is not None:
-                    j.on_tokens(ids[i, :j.max_new_tokens].tolist())
+                if j.on_tokens is None:
+                    continue
+                n = j.max_new_tokens
+                if not j.step_logprobs:
+                    j.on_tokens(ids[i, :n].tolist())
+                    continue
+                alts = None
+                if top is not None and j.top_logprobs:
+                    alts = [list(zip(a[:j.top_logprobs], b[:j.top_logprobs])) for a, b in
+                            zip(top[0][i, :n].tolist(), top[1][i, :n].tolist())]
+                j.on_tokens(ids[i, :n].tolist(), logps[i, :n].tolist(), alts)
+
+        k = max(j.top_logprobs for j in live)
+        extra = {"top_logprobs": k} if k else {}  # Service.prepare refused it where unsupported
+        if any(j.step_logprobs for j in streams) and _accepts(self.engine.generate, "step_logprobs"):
+            extra["step_logprobs"] = True  # else the stream gets its logprobs with the result
 
         def call():
             return self.engine.generate([j.prompt for j in live], limit, head.temperature, greedy=head.greedy,
                                         top_p=head.top_p, on_step=on_step if streams else None,
-                                        stop=list(head.stop) or None)
+                                        stop=list(head.stop) or None, **extra)
 
         try:
             if head.version is None or head.version == self.engine.version:
@@ -198,4 +235,6 @@ class Batcher:
         self.batches += 1
         self.rows += len(live)
         for j, g in zip(live, gens):
+            if g.top_logprobs is not None:  # each job gets the k it asked for
+                g.top_logprobs = [alts[:j.top_logprobs] for alts in g.top_logprobs] if j.top_logprobs else None
             j.future.set_result(cut(g, j.max_new_tokens, self.engine.eos_token_ids))

@@ -21,7 +21,18 @@ correction counts -1 and never overrides explicit feedback.
 **Linking.** A request continues an earlier served turn when its messages, up to its
 last assistant message, equal that turn's request messages plus the answer we
 returned (compared by role, text, and tool-call names and arguments; tool-call ids
-are ignored): see :func:`conversation_key`.
+are ignored): see :func:`conversation_key`, *and* it comes from the same client.
+
+**Who is the same client.** A client is the bearer token it sends
+(``Authorization: Bearer <token>``; the OpenAI clients always send one), kept as a
+hash (:func:`client_identity`) with each served turn. A request links to, inherits the
+group of, and may implicitly correct only the turns recorded for its own identity;
+another client cannot forge one without knowing the token. A request without a bearer
+token is anonymous: it is recorded, but it never continues an earlier turn, so its
+next message is never read as a correction of anyone's answer. Clients that share one
+token (one key for a whole application, or ``--protect-completions``) are one client
+under this rule: give each end user its own token to keep them apart. Explicit
+feedback (``POST /v1/feedback``) needs the server's API key.
 """
 
 from __future__ import annotations
@@ -106,6 +117,21 @@ def conversation_key(messages: list[dict[str, Any]]) -> str:
     """
     blob = json.dumps(_canonical(messages), sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def client_identity(authorization: str | None) -> str:
+    """The client identity of a request: a hash of its bearer token, "" when it has none.
+
+    >>> client_identity(None), client_identity("Basic abc")
+    ('', '')
+    >>> client_identity("Bearer sk-1") == client_identity("bearer  sk-1 ") != client_identity("Bearer sk-2")
+    True
+    """
+    header = (authorization or "").strip()
+    if not header.lower().startswith("bearer "):
+        return ""
+    token = header[7:].strip()
+    return "" if not token else "bearer:" + hashlib.sha256(token.encode("utf-8", "replace")).hexdigest()[:32]
 
 
 def default_group_key(messages: list[dict[str, Any]]) -> str:

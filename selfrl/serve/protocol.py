@@ -26,24 +26,36 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from selfrl.serve.limits import check_text
 from selfrl.toolcall import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     TOOL_RESPONSE_CLOSE,
     TOOL_RESPONSE_OPEN,
-    parse_tool_calls,
+    call_spans,
+    reasoning_spans,
     render_tools_prompt,
+    split_reasoning,
 )
 from selfrl.tools import Tool, ToolError, validate_arguments
 from selfrl.trajectory import ToolCallRecord
 
 
+def _valid_text(data: Any) -> Any:
+    check_text(data)
+    return data
+
+
 class _Strict(BaseModel):
+    """A request body part: unknown fields refused, every string valid Unicode."""
+
     model_config = ConfigDict(extra="forbid")
+    _text = model_validator(mode="before")(_valid_text)
 
 
 class FunctionCall(_Strict):
@@ -66,6 +78,7 @@ class Message(_Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
+    reasoning_content: str | None = None  # what we returned; accepted back, not shown to the model again
 
     def text(self) -> str:
         """The content as text; list content must be ``{"type": "text"}`` parts.
@@ -85,11 +98,37 @@ class Message(_Strict):
         return "".join(parts)
 
 
+def check_parameters_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """Refuse a tool's ``parameters`` that the prompt and the argument checks cannot read:
+    ``properties`` must map names to objects, a property's ``type`` must be a string or a
+    list of strings, ``enum`` a list, ``required`` a list of strings.
+
+    Raises:
+        ValueError: the first problem found.
+    """
+    props = schema.get("properties", {})
+    if not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()):
+        raise ValueError('"properties" must be an object mapping each argument name to a schema object')
+    for name, prop in props.items():
+        kind = prop.get("type")
+        if kind is not None and not (isinstance(kind, str) or (isinstance(kind, list) and kind
+                                                               and all(isinstance(k, str) for k in kind))):
+            raise ValueError(f'"type" of argument {name!r} must be a string or a list of strings')
+        if "enum" in prop and not isinstance(prop["enum"], list):
+            raise ValueError(f'"enum" of argument {name!r} must be a list')
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise ValueError('"required" must be a list of argument names')
+    return schema
+
+
 class FunctionDef(_Strict):
     name: str = Field(min_length=1, max_length=64)
     description: str = ""
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
     strict: bool | None = None
+
+    _schema = field_validator("parameters")(check_parameters_schema)
 
 
 class ToolDef(_Strict):
@@ -107,6 +146,7 @@ class ChatCompletionRequest(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid")
+    _text = model_validator(mode="before")(_valid_text)
 
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -126,6 +166,7 @@ class ChatCompletionRequest(BaseModel):
     store: bool | None = None
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -138,7 +179,8 @@ class ChatCompletionRequest(BaseModel):
     def _tool_choice(cls, v):
         if v is None or v in ("none", "auto", "required"):
             return v
-        if isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function", {}).get("name"), str):
+        fn = v.get("function") if isinstance(v, dict) else None
+        if isinstance(v, dict) and v.get("type") == "function" and isinstance(fn, dict) and isinstance(fn.get("name"), str):
             return v
         raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
 
@@ -157,6 +199,8 @@ class ChatCompletionRequest(BaseModel):
                 return f"{name} is not supported (it would change the sampling distribution the logprobs record)"
         if self.logit_bias:
             return "logit_bias is not supported (it would change the sampling distribution the logprobs record)"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs needs logprobs: true"
         return None
 
     @property
@@ -188,7 +232,7 @@ class FeedbackRequest(_Strict):
 class VersionRequest(_Strict):
     """Admin body naming an adapter version."""
 
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=999_999_999)  # bounded like a model name's @v<N>
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -218,13 +262,16 @@ def _call_text(call: ToolCall) -> str:
     return TOOL_CALL_OPEN + json.dumps({"name": call.function.name, "arguments": args}) + TOOL_CALL_CLOSE
 
 
-def to_chat(req: ChatCompletionRequest, native_tools: bool, tools_prompt: str = "compact") -> list[dict[str, str]]:
+def to_chat(req: ChatCompletionRequest, native_tools: bool, tools_prompt: str = "compact",
+            wrap_tool_responses: bool = True) -> list[dict[str, str]]:
     """The request's messages as the chat the model's template renders.
 
     Args:
         native_tools: the chat template renders ``tools`` itself (then no tools
             section is added to the system prompt).
         tools_prompt: ``compact`` or ``json`` (see ``render_tools_prompt``).
+        wrap_tool_responses: put a tool message inside ``<tool_response>`` tags (False
+            when the template adds them itself, see ``selfrl.chat``).
 
     Raises:
         ValueError: non-text content parts.
@@ -236,7 +283,9 @@ def to_chat(req: ChatCompletionRequest, native_tools: bool, tools_prompt: str = 
             text = m.text() + "".join(_call_text(c) for c in m.tool_calls or [])
             msgs.append({"role": "assistant", "content": text})
         elif role == "tool":
-            msgs.append({"role": "tool", "content": f"{TOOL_RESPONSE_OPEN}\n{m.text()}\n{TOOL_RESPONSE_CLOSE}"})
+            text = m.text()
+            msgs.append({"role": "tool", "content": f"{TOOL_RESPONSE_OPEN}\n{text}\n{TOOL_RESPONSE_CLOSE}"
+                         if wrap_tool_responses else text})
         else:
             msgs.append({"role": role, "content": m.text()})
     use_tools = bool(req.tools) and req.tool_choice != "none"
@@ -258,39 +307,112 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def parse_completion(text: str, tools: list[Tool]) -> tuple[str | None, list[dict[str, Any]], list[ToolCallRecord]]:
-    """Split sampled text into OpenAI ``content`` and ``tool_calls``.
+@dataclass
+class Completion:
+    """Sampled text split into what OpenAI returns.
 
-    A call is returned in ``tool_calls`` when it parsed and names one of the
-    request's ``tools``; its arguments are checked against the tool's schema
-    (a mismatch is recorded as a failed call but still returned, since the client
-    runs the tool and reports the error back). A call that did not parse, or names
-    an unknown tool, is not returned as a call: its text stays in ``content`` so the
-    agent sees what the model wrote.
-
-    Returns:
-        (content or None, OpenAI tool_calls dicts, a :class:`ToolCallRecord` per attempted call).
+    Attributes:
+        content: the answer text, or None when empty.
+        reasoning: the reasoning blocks' text (``reasoning_content``), or None.
+        tool_calls: OpenAI tool-call dicts (id, type, function name, arguments as JSON).
+        records: a :class:`ToolCallRecord` per attempted call (for the trajectory).
+        spans: character spans ``[start, end)`` of the sampled text that make up
+            ``content``, in order: ``content == "".join(text[s:e] for s, e in spans)``
+            (used to give logprobs only for the tokens of the content).
     """
-    rest, calls = parse_tool_calls(text)
-    if not tools:
-        return (text or None), [], []
+
+    content: str | None
+    reasoning: str | None
+    tool_calls: list[dict[str, Any]]
+    records: list[ToolCallRecord]
+    spans: list[tuple[int, int]]
+
+
+def _complement(length: int, removed: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out, pos = [], 0
+    for start, end in sorted(removed):
+        if start > pos:
+            out.append((pos, start))
+        pos = max(pos, end)
+    if pos < length:
+        out.append((pos, length))
+    return out
+
+
+def _strip_spans(text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` without the whitespace at the start of the first and the end of the last."""
+    spans = list(spans)
+    while spans:
+        s, e = spans[0]
+        s += len(text[s:e]) - len(text[s:e].lstrip())
+        if s < e:
+            spans[0] = (s, e)
+            break
+        spans.pop(0)
+    while spans:
+        s, e = spans[-1]
+        e -= len(text[s:e]) - len(text[s:e].rstrip())
+        if s < e:
+            spans[-1] = (s, e)
+            break
+        spans.pop()
+    return spans
+
+
+def split_completion(text: str, tools: list[Tool]) -> Completion:
+    """Split sampled text into OpenAI ``content``, ``reasoning_content`` and ``tool_calls``.
+
+    The rule (one for every request, streamed or not):
+
+    * reasoning blocks (``<think>...</think>``, see ``selfrl.toolcall``) go to
+      ``reasoning``, never to ``content``; a call drafted inside one is not a call;
+    * a ``<tool_call>`` block that parsed and names one of ``tools`` is returned in
+      ``tool_calls`` (its arguments are checked against the tool's schema; a mismatch
+      is recorded as a failed call but still returned, since the client runs the tool
+      and reports the error back);
+    * any other block (malformed, an unknown tool, or no tools offered, which is the
+      case under ``tool_choice: "none"``) is not a call: it is returned as plain text,
+      the text between its tags, in place. ``<tool_call>``/``</tool_call>`` markup
+      never reaches ``content``;
+    * ``content`` is what remains, without leading or trailing whitespace.
+    """
     by_name = {t.name: t for t in tools}
+    removed = list(reasoning_spans(text))
     out: list[dict[str, Any]] = []
     records: list[ToolCallRecord] = []
-    keep_raw = False
-    for c in calls:
-        if c.error is not None or c.name not in by_name:
+    for start, end, c in call_spans(text):
+        if c.error is None and c.name in by_name:
+            err = None
+            try:
+                validate_arguments(by_name[c.name], c.arguments)
+            except (ToolError, ValueError) as e:
+                err = str(e)
+            records.append(ToolCallRecord(c.name, c.arguments, c.raw, err is None, "", err))
+            out.append({"id": new_call_id(), "type": "function",
+                        "function": {"name": c.name, "arguments": json.dumps(c.arguments)}})
+            removed.append((start, end))
+            continue
+        if tools:
             why = c.error or f"unknown tool {c.name!r}; valid tools: {', '.join(sorted(by_name))}"
             records.append(ToolCallRecord(c.name, c.arguments, c.raw, False, f"error: {why}", why))
-            keep_raw = True
-            continue
-        err = None
-        try:
-            validate_arguments(by_name[c.name], c.arguments)
-        except ToolError as e:
-            err = str(e)
-        records.append(ToolCallRecord(c.name, c.arguments, c.raw, err is None, "", err))
-        out.append({"id": new_call_id(), "type": "function",
-                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)}})
-    content = text if keep_raw else rest
-    return (content or None), out, records
+        removed.append((start, start + len(TOOL_CALL_OPEN)))  # the tags go, the text between them stays
+        closed = end - len(TOOL_CALL_CLOSE) >= start + len(TOOL_CALL_OPEN)
+        if closed and text.startswith(TOOL_CALL_CLOSE, end - len(TOOL_CALL_CLOSE)):
+            removed.append((end - len(TOOL_CALL_CLOSE), end))
+    kept = _complement(len(text), removed)
+    stray = []  # a "</tool_call>" with no opening tag
+    for s, e in kept:
+        i = text.find(TOOL_CALL_CLOSE, s, e)
+        while i >= 0:
+            stray.append((i, i + len(TOOL_CALL_CLOSE)))
+            i = text.find(TOOL_CALL_CLOSE, i + 1, e)
+    spans = _strip_spans(text, _complement(len(text), removed + stray))
+    content = "".join(text[s:e] for s, e in spans)
+    reasoning, _ = split_reasoning(text)
+    return Completion(content or None, reasoning or None, out, records, spans)
+
+
+def parse_completion(text: str, tools: list[Tool]) -> tuple[str | None, list[dict[str, Any]], list[ToolCallRecord]]:
+    """``(content, tool_calls, records)`` of :func:`split_completion`."""
+    c = split_completion(text, tools)
+    return c.content, c.tool_calls, c.records

@@ -38,6 +38,7 @@ CREATE TABLE IF NOT EXISTS served (
     trained_in      INTEGER,
     feedback        REAL,
     feedback_source TEXT CHECK (feedback_source IN ('explicit', 'inherited', 'implicit')),
+    client          TEXT NOT NULL DEFAULT '',
     UNIQUE (response_id, choice)
 );
 CREATE INDEX IF NOT EXISTS served_continuation ON served(continuation);
@@ -75,15 +76,20 @@ def locked(fn):
 
 @locked
 def init(store: Store) -> None:
-    """Create the server's tables in ``store`` (idempotent)."""
+    """Create the server's tables in ``store`` (idempotent; adds the ``client`` column to a
+    store written before it existed: its turns belong to no client and are never continued)."""
     with store.conn:
         store.conn.executescript(SERVE_SCHEMA)
+        columns = {r[1] for r in store.conn.execute("PRAGMA table_info(served)")}
+        if "client" not in columns:
+            store.conn.execute("ALTER TABLE served ADD COLUMN client TEXT NOT NULL DEFAULT ''")
 
 
 @locked
 def add_turn(store: Store, run_id: int, traj: Trajectory, response_id: str, choice: int,
-             conversation_id: str, group_key: str, continuation: str) -> None:
+             conversation_id: str, group_key: str, continuation: str, client: str = "") -> None:
     """Store one served choice: its trajectory and its ``served`` row, in one transaction.
+    ``client`` is the requesting client's identity (``feedback.client_identity``).
 
     Raises:
         sqlite3.IntegrityError: a duplicate id; nothing is written.
@@ -93,16 +99,19 @@ def add_turn(store: Store, run_id: int, traj: Trajectory, response_id: str, choi
         store.insert_trajectory(run_id, 0, traj, now)
         store.conn.execute(
             "INSERT INTO served (trajectory_id, response_id, choice, conversation_id, parent_id, group_key,"
-            " continuation, created_at, status) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending')",
-            (traj.id, response_id, choice, conversation_id, traj.parent_id, group_key, continuation, now),
+            " continuation, created_at, status, client) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?)",
+            (traj.id, response_id, choice, conversation_id, traj.parent_id, group_key, continuation, now, client),
         )
 
 
 @locked
-def find_by_continuation(store: Store, key: str) -> dict[str, Any] | None:
-    """The latest served turn whose conversation-so-far hashes to ``key``, or None."""
+def find_by_continuation(store: Store, key: str, client: str) -> dict[str, Any] | None:
+    """The latest turn served to ``client`` whose conversation-so-far hashes to ``key``, or
+    None (always None for an anonymous client, ``""``: see ``selfrl.serve.feedback``)."""
+    if not client:
+        return None
     row = store.conn.execute(
-        "SELECT * FROM served WHERE continuation = ? ORDER BY created_at DESC LIMIT 1", (key,)
+        "SELECT * FROM served WHERE continuation = ? AND client = ? ORDER BY created_at DESC LIMIT 1", (key, client)
     ).fetchone()
     return None if row is None else dict(row)
 

@@ -26,7 +26,7 @@ from typing import Any
 from selfrl import adapters
 from selfrl.adapters import lora_state
 from selfrl.atomic import write_atomic
-from selfrl.chat import prompt_ids, template_supports_tools
+from selfrl.chat import prompt_ids, template_supports_tools, template_wraps_tool_responses
 from selfrl.engine import Generation
 from selfrl.engines import make_engine
 from selfrl.serve import records
@@ -38,18 +38,18 @@ from selfrl.serve.feedback import (
     default_group_key,
     explicit_value,
 )
+from selfrl.serve.limits import parse_version_suffix
+from selfrl.serve.logprobs import bytes_text, char_offsets, char_to_byte_spans, content_entries, token_bytes
 from selfrl.serve.protocol import (
     ChatCompletionRequest,
     FeedbackRequest,
     client_tools,
-    parse_completion,
+    split_completion,
     to_chat,
 )
 from selfrl.store import Store
 from selfrl.trajectory import Trajectory
 from selfrl.versions import EventKind, Ledger
-
-_VERSION_RE = re.compile(r"@v(\d+)$")
 
 
 class ApiError(Exception):
@@ -73,6 +73,7 @@ class Prepared:
     version: int | None
     parent: dict[str, Any] | None
     group_key: str
+    client: str = ""  # the client identity (selfrl.serve.feedback.client_identity)
     response_id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -262,8 +263,9 @@ class Service:
 
     # -- requests ----------------------------------------------------------------------
 
-    def prepare(self, req: ChatCompletionRequest) -> Prepared:
-        """Validate a request and build its prompt; applies implicit corrections.
+    def prepare(self, req: ChatCompletionRequest, client: str = "") -> Prepared:
+        """Validate a request from ``client`` and build its prompt; applies implicit corrections
+        (to ``client``'s own turns only, see ``selfrl.serve.feedback``).
 
         Raises:
             ApiError: 400 for settings selfrl cannot honour, non-text content or a prompt
@@ -272,19 +274,23 @@ class Service:
         problem = req.unsupported()
         if problem:
             raise ApiError(400, problem, problem.split()[0])
+        if req.logprobs and req.top_logprobs and not self.batcher.supports("top_logprobs"):
+            raise ApiError(400, f"top_logprobs is not supported by the {self.cfg.engine!r} engine backend; "
+                           "the reference engine supports it", "top_logprobs")
         if req.tool_choice not in (None, "none", "auto") and not req.tools:
             raise ApiError(400, "tool_choice needs tools", "tool_choice")
         if isinstance(req.tool_choice, dict):
             name = req.tool_choice["function"]["name"]
             if name not in {t.function.name for t in req.tools}:
                 raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", "tool_choice")
-        version = None
-        m = _VERSION_RE.search(req.model)
-        if m:
-            version = int(m.group(1))
+        try:
+            version = parse_version_suffix(req.model)
+        except ValueError as e:
+            raise ApiError(404, f"model {req.model[:64]!r}...: {e}", "model", "model_not_found") from None
+        if version is not None:
             self.check_servable(version)
         try:
-            chat = to_chat(req, self.native_tools, self.cfg.tools_prompt)
+            chat = to_chat(req, self.native_tools, self.cfg.tools_prompt, not template_wraps_tool_responses(self.tok))
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from e
         tools = [t.model_dump() for t in req.tools] if (req.tools and self.native_tools) else None
@@ -301,16 +307,16 @@ class Service:
                            f"of {self.context} tokens", "max_tokens", "context_length_exceeded")
         limit = req.token_limit or min(self.cfg.max_tokens_default, room)
         messages = [msg.model_dump(exclude_none=True) for msg in req.messages]
-        parent = self._link(messages) if req.record else None
+        parent = self._link(messages, client) if req.record else None
         group = req.task_key or (parent["group_key"] if parent else default_group_key(messages))
-        return Prepared(req, messages, chat, prompt, limit, version, parent, group)
+        return Prepared(req, messages, chat, prompt, limit, version, parent, group, client)
 
-    def _link(self, messages: list[dict[str, Any]]) -> dict[str, Any] | None:
-        """The served turn this request continues (and an implicit correction of it), or None."""
+    def _link(self, messages: list[dict[str, Any]], client: str) -> dict[str, Any] | None:
+        """The turn served to ``client`` this request continues (and an implicit correction of it), or None."""
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
         if last is None:
             return None
-        parent = records.find_by_continuation(self.store, conversation_key(messages[:last + 1]))
+        parent = records.find_by_continuation(self.store, conversation_key(messages[:last + 1]), client)
         if parent is None:
             return None
         after = [m for m in messages[last + 1:] if m["role"] == "user"]
@@ -327,8 +333,10 @@ class Service:
         req = p.req
         greedy = req.temperature == 0
         temperature = 1.0 if req.temperature is None else req.temperature
+        top = (req.top_logprobs or 0) if req.logprobs else 0
         return [Job(p.prompt, p.limit, temperature, req.top_p or 1.0, greedy, p.version, tuple(req.stops),
-                    None if on_tokens is None else (lambda ids, i=i: on_tokens(i, ids))) for i in range(req.n)]
+                    None if on_tokens is None else (lambda ids, *step, i=i: on_tokens(i, ids, *step)), top,
+                    bool(req.logprobs) and on_tokens is not None) for i in range(req.n)]
 
     def finish(self, p: Prepared, gens: list[Generation], seconds: float) -> dict[str, Any]:
         """Build the OpenAI response for finished generations and record each choice."""
@@ -337,21 +345,27 @@ class Service:
         version = gens[0].adapter_version
         for i, g in enumerate(gens):
             ids, finished = list(g.token_ids), g.finished
-            text = self.tok.decode(ids, skip_special_tokens=True)
+            pieces = token_bytes(self.tok, ids)
+            text = bytes_text(pieces)  # the sampled bytes, special tokens left out, never cleaned up
             stopped = g.stopped  # the engine cut the row right after a stop string
             for s in p.req.stops:
                 if s in text:
                     text = text[:text.index(s)]
-            content, calls, records_ = parse_completion(text, tools)
+            parts = split_completion(text, tools)
+            content, calls, records_ = parts.content, parts.tool_calls, parts.records
             finish = "tool_calls" if calls else ("stop" if finished or stopped else "length")
             message = {"role": "assistant", "content": content}
+            if parts.reasoning:
+                message["reasoning_content"] = parts.reasoning
             if calls:
                 message["tool_calls"] = calls
             choice = {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
             if p.req.logprobs:
-                choice["logprobs"] = {"content": [
-                    {"token": self.tok.decode([t]), "logprob": lp, "bytes": list(self.tok.decode([t]).encode()),
-                     "top_logprobs": []} for t, lp in zip(ids, g.logprobs)]}
+                top = None
+                if g.top_logprobs is not None:
+                    top = [[(token_bytes(self.tok, [t])[0], lp) for t, lp in alts] for alts in g.top_logprobs]
+                spans = char_to_byte_spans(text, parts.spans, char_offsets(b"".join(pieces)))
+                choice["logprobs"] = {"content": content_entries(pieces, g.logprobs, spans, top), "refusal": None}
             choices.append(choice)
             completion_tokens += len(ids)
             if p.req.record:
@@ -377,11 +391,11 @@ class Service:
         )
         conversation = p.parent["conversation_id"] if p.parent else uuid.uuid4().hex
         key = conversation_key([*p.messages, message])
-        records.add_turn(self.store, self.run_id, traj, p.response_id, i, conversation, p.group_key, key)
+        records.add_turn(self.store, self.run_id, traj, p.response_id, i, conversation, p.group_key, key, p.client)
 
-    async def complete(self, req: ChatCompletionRequest) -> dict[str, Any]:
-        """A non-streaming chat completion."""
-        p = await asyncio.to_thread(self.prepare, req)  # tokenizing a long prompt must not block the loop
+    async def complete(self, req: ChatCompletionRequest, client: str = "") -> dict[str, Any]:
+        """A non-streaming chat completion for ``client``."""
+        p = await asyncio.to_thread(self.prepare, req, client)  # tokenizing a long prompt must not block the loop
         t0 = time.perf_counter()
         futures = [self.batcher.submit(j) for j in self.jobs(p)]
         gens = [await asyncio.wrap_future(f) for f in futures]

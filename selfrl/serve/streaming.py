@@ -7,6 +7,13 @@ content, and the last few characters wait until they cannot start either. When t
 generation ends, the rest of the content, the tool calls (one delta each, arguments
 whole) and the finish reason follow, so the concatenated deltas equal the
 non-streaming response. The recorded trajectory is the same as without streaming.
+
+Content is cut from the text by the same rule as without streaming
+(``split_completion``): a reasoning block is never streamed as content (a partial
+``<think>``/``</think>`` tag at the end waits), and its text follows at the end as
+one ``reasoning_content`` delta. With ``logprobs: true`` each content chunk carries
+the ``logprobs.content`` entries of its own bytes (``Engine.generate``'s
+``step_logprobs`` reports them as decoding goes; the same values as the final ones).
 """
 
 from __future__ import annotations
@@ -17,9 +24,17 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from selfrl.serve.protocol import ChatCompletionRequest
+from selfrl.serve.logprobs import (
+    bytes_text,
+    char_offsets,
+    char_to_byte_spans,
+    content_entries,
+    slice_entries,
+    token_bytes,
+)
+from selfrl.serve.protocol import ChatCompletionRequest, split_completion
 from selfrl.serve.service import Service
-from selfrl.toolcall import TOOL_CALL_OPEN
+from selfrl.toolcall import THINK_CLOSE, THINK_OPEN, TOOL_CALL_OPEN
 
 
 def safe_prefix(text: str, markers: list[str]) -> str:
@@ -45,26 +60,40 @@ def safe_prefix(text: str, markers: list[str]) -> str:
     return out.rstrip("\ufffd")  # an incomplete UTF-8 sequence decodes as U+FFFD
 
 
+def hold_partial_tags(text: str, tags: list[str]) -> str:
+    """``text`` without a tag that may be starting at its end.
+
+    >>> hold_partial_tags("ok </thi", [THINK_OPEN, THINK_CLOSE])
+    'ok '
+    """
+    for m in tags:
+        for k in range(min(len(m) - 1, len(text)), 0, -1):
+            if text.endswith(m[:k]):
+                return text[:-k]
+    return text
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def stream_chunks(service: Service, req: ChatCompletionRequest) -> tuple[int, AsyncIterator[str]]:
+async def stream_chunks(service: Service, req: ChatCompletionRequest, client: str = "") -> tuple[int, AsyncIterator[str]]:
     """Start a streamed completion; returns the adapter version serving it (known once
     decoding has begun) and the SSE lines.
 
     Raises:
         ApiError: as :meth:`Service.prepare` (before anything is streamed).
     """
-    p = await asyncio.to_thread(service.prepare, req)
+    p = await asyncio.to_thread(service.prepare, req, client)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     started: list[int] = []
 
-    def on_tokens(i: int, ids: list[int]) -> None:  # worker thread, inside the engine lock
+    def on_tokens(i: int, ids: list[int], lps: list[float] | None = None, alts=None) -> None:
+        # worker thread, inside the engine lock; ``lps``/``alts`` only with logprobs
         if not started:
             started.append(service.engine.version)
-        loop.call_soon_threadsafe(queue.put_nowait, (i, ids))
+        loop.call_soon_threadsafe(queue.put_nowait, (i, ids, lps, alts))
 
     t0 = time.perf_counter()
     futures = [service.batcher.submit(j) for j in service.jobs(p, on_tokens)]
@@ -79,29 +108,45 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest) -> tuple[i
         first_tokens.cancel()
     version = done.result()[0].adapter_version if done.done() else started[0]
     markers = [TOOL_CALL_OPEN, *req.stops]
-    # with tools offered, content is the text outside tool calls, stripped: stream it stripped too
-    strip = bool(req.tools) and req.tool_choice != "none"
     tok = service.tok
+    # a template that opens the reasoning block in the prompt (Qwen3 with thinking on)
+    opened = tok.decode(p.prompt[-8:], skip_special_tokens=False).rstrip().endswith(THINK_OPEN)
     base = {"id": p.response_id, "object": "chat.completion.chunk", "created": p.created,
             "model": service.cfg.served_model_name + (f"@v{version}" if p.version is not None else ""),
             "system_fingerprint": f"selfrl-v{version}",
             "adapter_version": version}
 
-    def chunk(i: int, delta: dict, finish: str | None = None) -> str:
-        return _sse({**base, "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+    def chunk(i: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
+        return _sse({**base, "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]})
 
     async def lines() -> AsyncIterator[str]:
         sent = [""] * req.n
+        sent_raw = [0] * req.n  # bytes of the logprob entries streamed so far, per choice
         for i in range(req.n):
             yield chunk(i, {"role": "assistant", "content": ""})
 
-        def emit(i: int, ids: list[int]) -> str | None:
-            safe = safe_prefix(tok.decode(ids, skip_special_tokens=True), markers)
-            if strip:
-                safe = safe.strip()
+        def emit(i: int, ids: list[int], lps: list[float] | None = None, alts=None) -> str | None:
+            if req.logprobs and (lps is None or len(lps) != len(ids)):
+                return None  # no logprobs for these ids: their content waits
+            pieces = token_bytes(tok, ids)
+            text = hold_partial_tags(safe_prefix(bytes_text(pieces), markers), [THINK_OPEN, THINK_CLOSE])
+            prefix = THINK_OPEN if opened else ""
+            parts = split_completion(prefix + text, [])
+            safe = parts.content or ""
             if len(safe) > len(sent[i]) and safe.startswith(sent[i]):
                 delta, sent[i] = safe[len(sent[i]):], safe
-                return chunk(i, {"content": delta})
+                logprobs = None
+                if req.logprobs:
+                    top = None
+                    if alts is not None:
+                        top = [[(token_bytes(tok, [t])[0], lp) for t, lp in a] for a in alts]
+                    spans = [(max(0, s - len(prefix)), e - len(prefix)) for s, e in parts.spans]
+                    entries = content_entries(pieces, lps, char_to_byte_spans(text, spans, char_offsets(
+                        b"".join(pieces))), top)
+                    total = sum(len(e["bytes"]) for e in entries)  # raw bytes of the content so far
+                    logprobs = {"content": slice_entries(entries, sent_raw[i], total), "refusal": None}
+                    sent_raw[i] = total
+                return chunk(i, {"content": delta}, logprobs=logprobs)
             return None
 
         if pending_first is not None:
@@ -122,8 +167,14 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest) -> tuple[i
         for ch in resp["choices"]:
             i, msg = ch["index"], ch["message"]
             content = msg.get("content") or ""
+            if msg.get("reasoning_content"):
+                yield chunk(i, {"reasoning_content": msg["reasoning_content"]})
             if content.startswith(sent[i]) and len(content) > len(sent[i]):
-                yield chunk(i, {"content": content[len(sent[i]):]})
+                logprobs = None
+                if ch.get("logprobs") is not None:
+                    logprobs = {"content": slice_entries(ch["logprobs"]["content"], sent_raw[i], 1 << 62),
+                                "refusal": None}
+                yield chunk(i, {"content": content[len(sent[i]):]}, logprobs=logprobs)
             for k, call in enumerate(msg.get("tool_calls") or []):
                 yield chunk(i, {"tool_calls": [{"index": k, **call}]})
             yield chunk(i, {}, ch["finish_reason"])
