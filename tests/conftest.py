@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from selfrl.testing import (  # noqa: F401 (re-exported for the tests)
+    _CORPUS,
     CHATML_TEMPLATE,
     SPECIAL_TOKENS,
     add_lora,
