@@ -2,6 +2,7 @@
 
     selfrl run [--config FILE] [flags]     run the self-improvement loop
     selfrl run --resume RUN_DIR            continue a stopped run
+    selfrl run --ray auto|local|ADDRESS    rollouts on Ray workers, asynchronous (docs/distributed.md)
     selfrl serve [--config FILE] [flags]   OpenAI-compatible server that learns from its traffic
     selfrl sampler [--config FILE] [flags] the policy as a remote sampling backend (HTTP)
     selfrl report RUN_DIR [--out DIR]      rebuild a run's report from its store (also mid-run or killed)
@@ -39,6 +40,11 @@ RUN_FLAGS = {
     "--device": ("model.device", str, "auto | cpu | cuda: where the policy, learner and reference pass run"),
     "--dtype": ("model.dtype", str, "auto | float32 | bfloat16 (auto: bf16 on a GPU that has it, else fp32)"),
     "--engine": ("engine", str, "sampling backend: reference | slots (selfrl.engines)"),
+    "--ray": ("distributed.address", str, "rollouts on Ray workers: auto (a running cluster), local (start one "
+              "here) or host:port; needs the ray extra (docs/distributed.md)"),
+    "--workers": ("distributed.num_workers", int, "rollout workers with --ray (default 2)"),
+    "--max-staleness": ("distributed.max_staleness", int, "with --ray: versions a sample may lag the learner "
+                        "and still be trained (default 1)"),
 }
 
 
@@ -168,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
         with RichProgress(cfg.iterations, Console(stderr=True)) as progress:
             result = run(cfg, resume=bool(args.resume), progress=progress)
-    except (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError, ValueError, ConnectionError) as e:
         print(f"selfrl: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -2,7 +2,7 @@
 
 A config file has one table per concern, named as the fields of :class:`RunConfig`
 (``[model]``, ``[lora]``, ``[task]``, ``[rollout]``, ``[train]``, ``[gate]``,
-``[collapse]``, ``[detectors]``) plus top-level keys; ``selfrl serve`` reads the same
+``[collapse]``, ``[detectors]``, ``[distributed]``) plus top-level keys; ``selfrl serve`` reads the same
 tables into :class:`selfrl.serve.config.ServeConfig`. Unknown keys are errors that
 list the valid ones, so a typo never silently falls back to a default.
 
@@ -298,6 +298,31 @@ def check_names(cfg: Any, weights: Callable[[], dict[str, float]]) -> None:
 
 
 @dataclass
+class DistributedConfig:
+    """Rollouts on Ray workers (``selfrl.distributed``, docs/distributed.md); off unless ``address`` is set."""
+
+    address: str | None = None  # Ray cluster: auto | local (start one here) | host:port | ray://...; None: no Ray
+    num_workers: int = 2  # rollout worker actors, each with its own engine
+    max_staleness: int = 1  # versions a group may lag the learner and still be trained; older ones are dropped
+    in_flight: int = 1  # jobs queued per worker (more hides latency, makes samples staler)
+    worker_threads: int = 1  # torch threads per worker
+    worker_cpus: float = 0.5  # CPUs Ray reserves per worker (a fraction lets several share a core)
+    job_timeout_s: float = 600.0  # a busy worker silent this long is taken as lost: killed, replaced, jobs redone
+
+    def check(self, where: str = "") -> None:
+        require([
+            (self.address is None or (isinstance(self.address, str) and self.address != ""),
+             "address must be auto, local or host:port"),
+            (self.num_workers >= 1, "num_workers must be >= 1"),
+            (self.max_staleness >= 0, "max_staleness must be >= 0"),
+            (self.in_flight >= 1, "in_flight must be >= 1"),
+            (self.worker_threads >= 1, "worker_threads must be >= 1"),
+            (self.worker_cpus > 0, "worker_cpus must be > 0"),
+            (self.job_timeout_s > 0, "job_timeout_s must be > 0"),
+        ], where)
+
+
+@dataclass
 class RunConfig:
     """Everything one ``selfrl run`` needs."""
 
@@ -309,6 +334,7 @@ class RunConfig:
     gate: GateConfig = field(default_factory=GateConfig)
     collapse: CollapseConfig = field(default_factory=CollapseConfig)  # collapse rules and rollback (selfrl.collapse)
     detectors: DetectorConfig = field(default_factory=DetectorConfig)  # reward-hacking detectors (selfrl.detectors)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # Ray workers (selfrl.distributed)
     run_dir: str = "runs/default"  # where the store, adapters, metrics and report go
     iterations: int = 16  # rollout + update cycles
     num_prompts: int = 8  # tasks per iteration
@@ -337,6 +363,7 @@ class RunConfig:
             ConfigError: a value out of range, with the field named.
         """
         check_sections(self)
+        self.distributed.check("distributed.")
         require([
             (self.iterations >= 1, "iterations must be >= 1"),
             (self.num_prompts >= 1, "num_prompts must be >= 1"),

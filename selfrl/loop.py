@@ -20,7 +20,7 @@ from pathlib import Path
 from selfrl import adapters, collapse, faults
 from selfrl.atomic import write_atomic
 from selfrl.collapse import CollapseGuard, CollapseStop
-from selfrl.config import RunConfig
+from selfrl.config import ConfigError, RunConfig
 from selfrl.cycle import UpdateCycle
 from selfrl.detectors import HackingMonitor
 from selfrl.engines import make_engine
@@ -83,12 +83,22 @@ def run(cfg: RunConfig, resume: bool = False, progress: Progress | None = None) 
     version is loaded into the engine, and iterations continue after the last
     one stored; no stored trajectory is touched (the optimizer state starts
     fresh). Ctrl-C stops after the current step, gates nothing new, and still
-    writes the report.
+    writes the report. With ``distributed.address`` set, rollouts run on Ray workers
+    (:func:`selfrl.distributed.driver.run_distributed`); only then is Ray imported.
 
     Raises:
         FileExistsError: ``run_dir`` already holds a run and ``resume`` is False.
         FileNotFoundError: ``resume`` but there is no run to resume.
+        ConfigError: ``distributed.address`` is set and Ray is not installed.
     """
+    if cfg.distributed.address is not None:
+        try:
+            from selfrl.distributed.driver import run_distributed
+        except ModuleNotFoundError as e:
+            if e.name != "ray":
+                raise
+            raise ConfigError("distributed.address (--ray) needs Ray: pip install -e '.[ray]'") from e
+        return run_distributed(cfg, resume, progress)
     return Runner(build_run(cfg, resume), progress or PlainProgress()).run()
 
 

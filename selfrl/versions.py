@@ -52,6 +52,8 @@ class EventKind(str, enum.Enum):
     SWAP_CHECK_FAILED = "swap_check_failed"
     PREFLIGHT = "preflight"  # the pre-flight signal check on a run's first batch (selfrl.signal)
     NO_SIGNAL = "no_signal"  # an iteration gave no learning signal; the event names the cause and the fix
+    WORKER_LOST = "worker_lost"  # a Ray rollout worker died or timed out; its jobs were redone (selfrl.distributed)
+    DISTRIBUTED = "distributed"  # a distributed run's totals: jobs, stale groups dropped, workers lost
 
 
 class VersionStatus(str, enum.Enum):

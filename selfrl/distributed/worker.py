@@ -1,0 +1,98 @@
+"""The rollout worker: one engine per worker, sampling jobs sent by the driver.
+
+A worker builds its own policy from the run's config and serves it through any
+backend of the engine interface (``selfrl.engines.make_engine``). It never scores,
+trains or writes the store: it returns trajectories, and the driver does the rest.
+Adapter versions reach it *by version*: each job names the version to sample with
+and carries a reference to that version's LoRA tensors in Ray's object store; the
+worker fetches and swaps them only when the version differs from the one it holds.
+
+This module imports no Ray: :mod:`selfrl.distributed.driver` wraps the class with
+``ray.remote``. A worker starts at version -1 (nothing loaded), so its first job
+always swaps the driver's weights in: workers never rely on building the same
+random LoRA initialisation as the driver.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from selfrl.config import RunConfig
+from selfrl.tasks import Task
+from selfrl.trajectory import Trajectory
+
+
+@dataclass
+class Job:
+    """One rollout job: ``num_generations`` samples of one task, on one version.
+
+    Attributes:
+        job_id: the driver's running number (unique in a run).
+        task: the training task.
+        group_id: group id of the samples (one GRPO group).
+        version: the adapter version to sample with.
+    """
+
+    job_id: int
+    task: Task
+    group_id: str
+    version: int
+
+
+@dataclass
+class JobResult:
+    """What a worker sends back: the group's trajectories, sampled by ``version``."""
+
+    job_id: int
+    version: int
+    trajectories: list[Trajectory]
+    worker_pid: int
+    seconds: float
+
+
+class RolloutWorker:
+    """Samples jobs with its own engine (wrapped as a Ray actor by the driver).
+
+    Args:
+        cfg: the run's config (model, LoRA, task source, tools, rollout settings, and
+            ``engine``: the registered backend each worker runs, as the driver's).
+        threads: torch threads for this worker.
+        seed: this worker's sampling seed (the driver gives each worker its own).
+    """
+
+    def __init__(self, cfg: RunConfig, threads: int = 1, seed: int = 0):
+        import torch
+
+        from selfrl.engines import make_engine
+        from selfrl.model import build_policy
+        from selfrl.tasks import get_task_source
+        from selfrl.tools import resolve_tools
+
+        torch.set_num_threads(threads)
+        self.cfg = cfg
+        model, tok = build_policy(cfg)
+        torch.manual_seed(seed)
+        self.engine = make_engine(cfg.engine, model, tok, version=-1)
+        self.source = get_task_source(cfg.task.source, **cfg.task.options)
+        self.tools = resolve_tools(cfg.rollout.tools)
+
+    def pid(self) -> int:
+        """The worker's process id (the fault tests kill it)."""
+        return os.getpid()
+
+    def run_job(self, job: Job, weights: list) -> JobResult:
+        """Sample ``job``; ``weights`` is ``[ObjectRef]`` of the version's LoRA state (in a
+        list, so Ray does not fetch it unless the worker needs it)."""
+        from selfrl.rollout import rollout
+
+        t0 = time.perf_counter()
+        if self.engine.version != job.version:
+            import ray
+
+            self.engine.swap(ray.get(weights[0]), job.version)
+        n = self.cfg.num_generations
+        trajs = rollout(self.engine, [job.task] * n, [job.group_id] * n, self.tools, self.cfg.rollout,
+                        env_factory=self.source.make_env)
+        return JobResult(job.job_id, job.version, trajs, os.getpid(), time.perf_counter() - t0)

@@ -1,0 +1,202 @@
+"""Distributed rollouts on a local Ray cluster: the staleness bound checked from the
+store, a worker killed mid-run, and Ray never imported without ``--ray``.
+
+The model and reward are those of ``tests/test_loop.py`` (a tiny Phi saved to disk,
+the ``short`` test reward that differs within groups, so updates happen). The cluster
+is started on loopback with 2 CPUs, 2 workers of half a CPU each.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from conftest import save_tiny_phi
+
+from selfrl.config import ConfigError, DistributedConfig, load_config
+from selfrl.distributed.staleness import staleness, within_bound
+from selfrl.store import Store
+
+
+def test_staleness_counts_weight_changes():
+    assert staleness(4, [0, 1, 2, 3, 4]) == 0
+    assert staleness(2, [0, 1, 2, 3, 4]) == 2
+    # candidate 3 rejected, champion 2 back: the learner changed once since 3 and 2
+    assert staleness(3, [0, 1, 2, 3, 2]) == 1
+    assert staleness(2, [0, 1, 2, 3, 2]) == 0
+    assert staleness(9, [0, 1]) == float("inf")
+    assert within_bound([4, 3, 2, 9], [0, 1, 2, 3, 4], 1) == [True, True, False, False]
+    assert within_bound([4, 3], [0, 1, 2, 3, 4], 0) == [True, False]
+    with pytest.raises(ValueError, match="max_staleness"):
+        within_bound([1], [1], -1)
+    with pytest.raises(ValueError, match="no version"):
+        staleness(0, [])
+
+
+def test_distributed_config_from_flags_and_its_checks():
+    cfg = load_config(None, {"distributed.address": "auto", "distributed.max_staleness": 3})
+    assert (cfg.distributed.address, cfg.distributed.max_staleness, cfg.distributed.num_workers) == ("auto", 3, 2)
+    assert load_config().distributed.address is None  # off by default: no Ray
+    with pytest.raises(ConfigError, match="distributed.num_workers must be >= 1"):
+        load_config(None, {"distributed.num_workers": 0})
+    with pytest.raises(ConfigError, match="distributed.max_staleness must be >= 0"):
+        load_config(None, {"distributed.max_staleness": -1})
+
+
+def test_no_ray_without_the_flag():
+    code = ("import sys, selfrl.cli, selfrl.loop, selfrl.distributed, selfrl.distributed.staleness, "
+            "selfrl.distributed.agents, selfrl.distributed.worker; "
+            "assert 'ray' not in sys.modules, 'ray imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+def test_run_hands_a_distributed_config_to_the_driver(monkeypatch):
+    import types
+
+    calls = []
+    fake = types.ModuleType("selfrl.distributed.driver")
+    fake.run_distributed = lambda cfg, resume, progress: calls.append((cfg.distributed.address, resume)) or "ran"
+    monkeypatch.setitem(sys.modules, "selfrl.distributed.driver", fake)
+    from selfrl.loop import run
+
+    cfg = load_config(None, {"distributed.address": "auto"})
+    assert run(cfg, resume=True) == "ran" and calls == [("auto", True)]
+
+
+@pytest.fixture(scope="module")
+def short_model(tmp_path_factory, tiny_tokenizer):
+    """(model folder, make_cfg) of tests/test_loop.py, with its ``short`` reward registered."""
+    from test_loop import make_cfg, short
+
+    from selfrl.rewards import REWARD_FUNCS
+
+    mp = pytest.MonkeyPatch()
+    mp.setitem(REWARD_FUNCS, "short", short)
+    yield save_tiny_phi(tmp_path_factory.mktemp("model"), tiny_tokenizer), make_cfg
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray  # in the test extra: CI runs this test, never skips it
+
+    # Ray's memory monitor kills workers when the *machine* is near full, whoever uses the
+    # memory; on a shared CI machine that would fail these tests for others' load.
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RAY_memory_monitor_refresh_ms", "0")
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             configure_logging=False)
+    yield ray
+    ray.shutdown()
+    mp.undo()
+
+
+def test_async_run_bounds_staleness_and_survives_a_killed_worker(tmp_path, short_model, ray_cluster):
+    from selfrl.distributed.driver import run_distributed
+
+    model_dir, make_cfg = short_model
+    cfg = make_cfg(model_dir, tmp_path / "run", iterations=4)
+    cfg.gate.eval_every = 100  # one validation, at the end, and no collapse rollbacks:
+    cfg.collapse.enabled = False  # versions only grow, so staleness = learner version - sampler version
+    cfg.distributed = dist = DistributedConfig(address="local", num_workers=2, max_staleness=1, job_timeout_s=120)
+    killed = []
+
+    def kill_one_mid_job(pool):  # after the third result, SIGKILL a worker that holds a job
+        if pool.stats.jobs_done == 3 and not killed:
+            busy = next(i for i, *_ in pool.pending.values())
+            pid = ray_cluster.get(pool.workers[busy].pid.remote())
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    result = run_distributed(cfg, on_result=kill_one_mid_job)
+    assert killed and result.summary["workers_lost"] == 1 and result.summary["jobs_redone"] >= 1
+
+    store = Store(tmp_path / "run" / "selfrl.db")
+    learner_version = {m["step"]: int(m["value"]) for m in store.metrics() if m["name"] == "sampled_version"}
+    trajs = store.trajectories()
+    # every iteration trained num_prompts whole groups: nothing lost to the killed worker
+    for it in range(4):
+        assert len(store.trajectories(iteration=it)) == cfg.num_prompts * cfg.num_generations
+    assert all(t.error is None and t.token_ids for t in trajs)
+    lags = []
+    for it in range(4):
+        for t in store.trajectories(iteration=it):
+            lags.append(learner_version[it] - t.adapter_version)
+    assert max(lags) <= dist.max_staleness and min(lags) >= 0
+    assert max(lags) == 1  # asynchronous for real: some groups were sampled while the learner trained
+    assert learner_version[3] >= 2  # updates happened (versions grow)
+    events = [e for e in store.events() if e["kind"] == "worker_lost"]
+    assert len(events) == 1
+    store.close()
+
+
+def test_a_partitioned_worker_is_timed_out_replaced_and_its_job_redone(tmp_path, short_model, ray_cluster):
+    from selfrl import adapters
+    from selfrl.distributed.driver import WorkerPool
+    from selfrl.distributed.worker import Job
+    from selfrl.model import build_policy
+    from selfrl.tasks import get_task_source
+
+    model_dir, make_cfg = short_model
+    cfg = make_cfg(model_dir, tmp_path / "run")
+    events = []
+    pool = WorkerPool(cfg, DistributedConfig(num_workers=1, job_timeout_s=3), events.append)
+    weights = [ray_cluster.put(adapters.lora_state(build_policy(cfg)[0]))]
+    task = get_task_source("chain_sum").sample(1, seed=0)[0]
+    [stopped] = pool.pids()
+    os.kill(stopped, signal.SIGSTOP)  # partitioned: alive, never answers
+    try:
+        pool.submit(0, Job(7, task, "g7", 0), weights)
+        result = pool.next_result()
+    finally:
+        pool.shutdown()
+    assert result.job_id == 7 and result.version == 0 and result.worker_pid != stopped
+    assert len(result.trajectories) == cfg.num_generations and all(t.adapter_version == 0 for t in result.trajectories)
+    assert pool.stats.workers_lost == 1 and pool.stats.jobs_redone == 1
+    assert events == ["worker 0 lost (no result within 3 s); jobs [7] redone on a fresh worker"]
+
+
+def test_rollouts_drop_groups_older_than_the_bound():
+    """AsyncRunner.rollouts on a stand-in pool: with max_staleness 0 only groups sampled by the
+    current version are kept; the others are counted as dropped, and the loop's batch is whole."""
+    from types import SimpleNamespace
+
+    from selfrl.distributed.driver import AsyncRunner
+    from selfrl.distributed.worker import JobResult
+    from selfrl.progress import PlainProgress
+    from selfrl.trajectory import Trajectory
+
+    versions = [3, 1, 3, 2, 3]  # the versions of the groups, in the order they come back
+
+    class Pool:
+        stats = SimpleNamespace(workers_lost=0, dropped_stale=0)
+        filled = 0
+
+        def fill(self, next_job):
+            self.filled += 1
+
+        def next_result(self):
+            k = len(versions) - len(self.left)
+            v = self.left.pop(0)
+            return JobResult(k, v, [Trajectory(f"t{k}", f"j{k}", v) for _ in range(2)], 0, 0.0)
+
+    pool = Pool()
+    pool.left = list(versions)
+    runner = object.__new__(AsyncRunner)
+    runner.s = SimpleNamespace(engine=SimpleNamespace(version=3))
+    runner.cfg = SimpleNamespace(num_prompts=3)
+    runner.dist = DistributedConfig(address="local", max_staleness=0)
+    runner.progress, runner.pool, runner.on_result = PlainProgress(), pool, None
+    runner.loaded, runner.published = [0, 1, 2], {3: ["ref"]}
+    trajs, _ = runner.rollouts(0)
+    assert runner.loaded == [0, 1, 2, 3]
+    assert [t.task_id for t in trajs] == ["t0", "t0", "t2", "t2", "t4", "t4"]
+    assert {t.adapter_version for t in trajs} == {3}
+    assert runner.iteration_stats["async/dropped_stale"] == 2.0 and pool.stats.dropped_stale == 2
+    assert runner.iteration_stats["async/max_staleness"] == 0.0
+    # with a bound of 2 the same stream keeps the first three groups, staleness 0, 2 and 0
+    pool.left, runner.dist = list(versions), DistributedConfig(address="local", max_staleness=2)
+    trajs, _ = runner.rollouts(1)
+    assert [t.task_id for t in trajs][::2] == ["t0", "t1", "t2"]
+    assert runner.iteration_stats["async/mean_staleness"] == pytest.approx(2 / 3)
