@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     from selfrl.rollout import rollout
     from selfrl.tasks import get_task_source, split_tasks
     from selfrl.tools import resolve_tools
-    from selfrl.trainer import Learner
+    from selfrl.learner import Learner
 
     result = envelope(args, "python benchmarks/bench_ceiling.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     overrides = {"model.name": model_name(args, Path(tempfile.mkdtemp(prefix="bench-ceiling-")))}

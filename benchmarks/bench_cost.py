@@ -10,7 +10,7 @@ Read from the run's store (``time/rollout_s``, ``time/update_s``, ``time/validat
 run's iterations with min and max (``--repeats`` does not apply: one run, many
 iterations). Tokens generated count the sampled completion tokens of every rollout;
 tokens trained count the completion tokens of the sequences that went into the update
-(those with a non-zero advantage; the others are skipped, see ``selfrl.trainer``).
+(those with a non-zero advantage; the others are skipped, see ``selfrl.learner``).
 """
 
 from __future__ import annotations

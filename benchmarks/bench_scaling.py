@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     from selfrl.rollout import initial_messages
     from selfrl.tasks import get_task_source, split_tasks
     from selfrl.tools import resolve_tools
-    from selfrl.trainer import Learner
+    from selfrl.learner import Learner
 
     result = envelope(args, "python benchmarks/bench_scaling.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     name = model_name(args, Path(tempfile.mkdtemp(prefix="bench-scaling-")))

@@ -96,7 +96,7 @@ def synthetic(model, n=32, prompt=64, completion=192):
 
 
 def bench_learner(tok, dtype, checkpointing, steps=3):
-    from selfrl.trainer import Learner, TrainConfig
+    from selfrl.learner import Learner, TrainConfig
 
     model = with_lora(qwen05(tok, dtype)).to(DEVICE)
     trajs = synthetic(model)

@@ -19,7 +19,7 @@ from selfrl import adapters, collapse, faults
 from selfrl.collapse import Alarm, CollapseConfig, CollapseGuard, CollapseStop, UpdateRecord
 from selfrl.detectors import HackingMonitor
 from selfrl.rl.advantages import AdvantageResult, group_advantages
-from selfrl.trainer import Learner, UpdateResult
+from selfrl.learner import Learner, UpdateResult
 from selfrl.trajectory import Trajectory
 from selfrl.versions import EventKind, Ledger, VersionRecord, Verdict
 

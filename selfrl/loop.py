@@ -35,7 +35,7 @@ from selfrl.store import Store
 from selfrl.envs import get_env
 from selfrl.tasks import Task, TaskSource, assert_disjoint
 from selfrl.tools import Tool, resolve_tools
-from selfrl.trainer import Learner, UpdateResult, kl_reference
+from selfrl.learner import Learner, UpdateResult, kl_reference
 from selfrl.trajectory import Trajectory
 from selfrl.versions import Champion, EventKind, Ledger
 

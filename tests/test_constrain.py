@@ -21,7 +21,7 @@ from selfrl.engine import Engine
 from selfrl.serve.structured import request_constraint
 from selfrl.toolcall import parse_tool_calls
 from selfrl.tools import Tool, validate_arguments
-from selfrl.trainer import Learner, TrainConfig
+from selfrl.learner import Learner, TrainConfig
 from selfrl.trajectory import Trajectory
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},

@@ -9,7 +9,7 @@ from selfrl.config import CollapseConfig, TrainConfig
 from selfrl.cycle import UpdateCycle
 from selfrl.rl.logprobs import per_token_logps
 from selfrl.store import Store
-from selfrl.trainer import Learner, SkipReason
+from selfrl.learner import Learner, SkipReason
 from selfrl.trajectory import Trajectory
 from selfrl.versions import Ledger
 

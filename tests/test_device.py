@@ -18,7 +18,7 @@ from selfrl.rl.logprobs import per_token_logps
 from selfrl.rollout import RolloutConfig, rollout
 from selfrl.tasks import Task
 from selfrl.tools import CALCULATOR
-from selfrl.trainer import Learner, TrainConfig
+from selfrl.learner import Learner, TrainConfig
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 TEMPERATURE = 0.7

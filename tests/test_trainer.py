@@ -15,7 +15,7 @@ from selfrl.rl.batch import collate
 from selfrl.rollout import RolloutConfig, rollout
 from selfrl.tasks import Task
 from selfrl.tools import CALCULATOR
-from selfrl.trainer import Learner, TrainConfig
+from selfrl.learner import Learner, TrainConfig
 from selfrl.trajectory import Trajectory
 
 TEMPERATURE = 0.7
@@ -104,7 +104,7 @@ def test_batch_without_signal_is_skipped_without_a_forward(policy, tiny_tokenize
     def no_forward(*a, **k):
         raise AssertionError("a batch without signal must not run the model")
 
-    monkeypatch.setattr("selfrl.trainer.per_token_logps", no_forward)
+    monkeypatch.setattr("selfrl.learner.per_token_logps", no_forward)
     m = learner(policy, tiny_tokenizer).step(trajs)
     assert m.skipped and m.reason == "no_signal" and m.stats["num_sequences"] == 0.0
     after = lora_state(policy)
@@ -192,7 +192,7 @@ def test_non_finite_second_pass_restores_the_first_passs_update(policy, tiny_tok
 def test_reset_optimizer_forgets_adam_moments():
     import torch
 
-    from selfrl.trainer import Learner, TrainConfig
+    from selfrl.learner import Learner, TrainConfig
 
     model = torch.nn.Linear(2, 1)
     learner = Learner(model, TrainConfig(), temperature=1.0, pad_token_id=0, max_completion_length=4)
@@ -241,7 +241,7 @@ def test_reward_spread_beyond_the_threshold_skips_before_the_forward(policy, tin
     def no_forward(*a, **k):
         raise AssertionError("a skipped batch must not run the model")
 
-    monkeypatch.setattr("selfrl.trainer.per_token_logps", no_forward)
+    monkeypatch.setattr("selfrl.learner.per_token_logps", no_forward)
     m = learner(policy, tiny_tokenizer, skip_max_reward_spread=10.0).step(trajs)
     assert m.skipped and m.reason == "reward_spread" and m.stats["reward_spread"] == 50.0
     assert all(torch.equal(weights[k], v) for k, v in lora_state(policy).items())
@@ -356,7 +356,7 @@ def test_signal_only_on_sequences_without_tokens_skips_with_its_own_reason(polic
     def no_forward(*a, **k):
         raise AssertionError("nothing to train on: the model must not run")
 
-    monkeypatch.setattr("selfrl.trainer.per_token_logps", no_forward)
+    monkeypatch.setattr("selfrl.learner.per_token_logps", no_forward)
     m = flat(learner(policy, tiny_tokenizer).step(trajs))
     assert m["skipped"] == 1.0 and m["skip_reason_no_tokens"] == 1.0 and m["num_sequences"] == 0.0
 

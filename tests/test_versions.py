@@ -102,7 +102,7 @@ def serve_side(model_dir, tiny_tokenizer, tmp_path, monkeypatch):
     cfg.model.name, cfg.lora.r = str(model_dir), 4
     same_settings(cfg)
     scripted_validate.run_dir = cfg.run_dir
-    monkeypatch.setattr("selfrl.serve.learner.validate", scripted_validate)
+    monkeypatch.setattr("selfrl.serve.background.validate", scripted_validate)
     model, tok = build_policy(cfg)
     service = Service(model, tok, cfg, learner_model=copy.deepcopy(model))  # the learner thread is not started
     learner = service.learner

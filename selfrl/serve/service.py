@@ -113,7 +113,7 @@ class Service:
         self.batcher = Batcher(self.engine, self.run_on_version, cfg.max_batch, cfg.batch_window_s)
         self.learner = None
         if learner_model is not None and cfg.learner.enabled:
-            from selfrl.serve.learner import BackgroundLearner
+            from selfrl.serve.background import BackgroundLearner
 
             self.learner = BackgroundLearner(cfg, learner_model, tokenizer, self.store, self.ledger, self.publish)
 

@@ -51,7 +51,7 @@ from selfrl.serve.feedback import SERVED, served_task
 from selfrl.store import Store
 from selfrl.tasks import assert_disjoint, get_task_source, split_tasks
 from selfrl.tools import resolve_tools
-from selfrl.trainer import Learner, kl_reference
+from selfrl.learner import Learner, kl_reference
 from selfrl.trajectory import Trajectory
 from selfrl.versions import Champion, EventKind, Ledger
 
