@@ -426,7 +426,9 @@ def attack_concurrent_pins(t: Target) -> Tally:
     return tally
 
 
-LEDGER_PENDING = "needs the version ledger (issue 10); listed until that refactor is on main"
+# Cases 2 and 3 need a learner update in flight and a server restart; they are pinned by
+# tests/test_serve_versions.py rather than run against this suite's single server.
+TESTED_ELSEWHERE = "needs a running learner or a restart; tested in tests/test_serve_versions.py"
 ATTACKS: list[Attack] = [
     Attack("chunked_body_40MB", "issue 12 case 4", attack_chunked_body),
     Attack("hostile_values_every_route", "issue 12 case 5", attack_hostile_values),
@@ -437,9 +439,9 @@ ATTACKS: list[Attack] = [
     Attack("10k_messages_5k_tools", "handled", attack_many_messages_and_tools),
     Attack("slow_clients", "handled", attack_slow_clients),
     Attack("concurrent_flood", "handled", attack_concurrent_flood),
-    Attack("concurrent_pins", "issue 12 case 1", attack_concurrent_pins, LEDGER_PENDING),
-    Attack("rollback_during_update", "issue 12 case 2", None, LEDGER_PENDING),
-    Attack("stray_adapter_folder", "issue 12 case 3", None, LEDGER_PENDING),
+    Attack("concurrent_pins", "issue 12 case 1", attack_concurrent_pins),
+    Attack("rollback_during_update", "issue 12 case 2", None, TESTED_ELSEWHERE),
+    Attack("stray_adapter_folder", "issue 12 case 3", None, TESTED_ELSEWHERE),
 ]
 
 
