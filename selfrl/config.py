@@ -16,6 +16,7 @@ Importing this module imports no torch.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -261,8 +262,24 @@ def check_sections(cfg: Any, names: tuple[str, ...] = SHARED_SECTIONS) -> None:
     Raises:
         ConfigError: the first rule that does not hold.
     """
+    check_finite(cfg)
     for name in names:
         getattr(cfg, name).check(f"{name}.")
+
+
+def check_finite(obj: Any, where: str = "") -> None:
+    """Every float field of the dataclass ``obj``, nested sections included, is finite
+    (``inf`` passes a rule such as ``> 0``; ``nan`` fails it with a misleading message).
+
+    Raises:
+        ConfigError: the first field that holds ``inf``, ``-inf`` or ``nan``, named with its section.
+    """
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            check_finite(value, f"{where}{f.name}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where}{f.name} must be a finite number, got {value!r}")
 
 
 def check_engine(cfg: Any) -> None:

@@ -206,3 +206,13 @@ def test_importing_the_config_imports_no_torch():
     code = "import sys, selfrl.config, selfrl.serve.config; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("key", ["train.learning_rate", "rollout.temperature", "gate.tolerance", "collapse.max_kl"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_a_number_that_is_not_finite_is_refused_in_run_and_serve(key, value):
+    from selfrl.serve.main import load_serve_config
+
+    for load in (load_config, load_serve_config):
+        with pytest.raises(ConfigError, match=f"{key} must be a finite number"):
+            load(None, {key: value})
