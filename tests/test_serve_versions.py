@@ -7,6 +7,7 @@ import random
 import shutil
 import threading
 
+import pytest
 import torch
 
 from selfrl import adapters
@@ -126,3 +127,22 @@ def test_a_stray_adapter_folder_is_recovered_in_serve_as_in_run(tiny_tokenizer, 
         assert info["version"] == 1 and adapters.verify_version(adapters.version_dir(run_dir, 1)) is None
     finally:
         service.close()
+
+
+def test_a_second_server_on_the_same_run_dir_is_refused(tmp_path):
+    """Two servers on one run dir would run two learners on one store and disagree on the pin."""
+    import subprocess
+    import sys
+
+    from selfrl.runlock import RunDirLock, RunDirLocked
+
+    first = RunDirLock(tmp_path)
+    code = ("import sys; from selfrl.runlock import RunDirLock, RunDirLocked\n"
+            f"try:\n    RunDirLock({str(tmp_path)!r})\nexcept RunDirLocked as e:\n    print('refused:', e); sys.exit(3)\n")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert other.returncode == 3 and "in use by another selfrl process" in other.stdout
+    first.release()
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert again.returncode == 0, again.stdout + again.stderr
+    with pytest.raises(RunDirLocked):  # a second lock in the same process is refused too
+        RunDirLock(tmp_path), RunDirLock(tmp_path)

@@ -29,6 +29,7 @@ from selfrl.atomic import write_atomic
 from selfrl.chat import prompt_ids, template_supports_tools, template_wraps_tool_responses
 from selfrl.engine import Generation
 from selfrl.engines import make_engine
+from selfrl.runlock import RunDirLock
 from selfrl.serve import records
 from selfrl.serve.batcher import Batcher, Job
 from selfrl.serve.config import ServeConfig
@@ -91,6 +92,7 @@ class Service:
 
     Raises:
         ValueError: the stored versions do not fit the model.
+        selfrl.runlock.RunDirLocked: another process serves (or runs) this run directory.
     """
 
     def __init__(self, model, tokenizer, cfg: ServeConfig, learner_model=None):
@@ -98,6 +100,7 @@ class Service:
         self.tok = tokenizer
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_lock = RunDirLock(self.run_dir)  # one server per run directory
         self.store = Store(self.run_dir / "selfrl.db", shared=True)
         records.init(self.store)
         self.run_id = self.store.start_run({"serve": cfg.to_dict()})
@@ -482,6 +485,7 @@ class Service:
         if callable(close_engine := getattr(self.engine, "close", None)):
             close_engine()  # a continuous engine's worker thread
         self.store.close()
+        self.run_lock.release()
 
 
 def start_learning(service: Service) -> None:
