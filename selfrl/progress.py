@@ -62,7 +62,9 @@ class RichProgress:
             self.overall = self.bars.add_task("iterations", total=self.iterations)
 
     def log(self, message: str) -> None:
-        self.bars.console.log(message)
+        from rich.markup import escape
+
+        self.bars.console.log(escape(message))  # "[task] options" is text, not rich markup
 
     def phase(self, description: str, total: int) -> None:
         self._start()
