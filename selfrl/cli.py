@@ -25,7 +25,7 @@ RUN_FLAGS = {
     "--env": ("task.source", str, "environment: arithmetic | webshop | code | function_calling | swe | web (selfrl envs), "
               "rg:<dataset>, or package.module:Name"),
     "--task": ("task.source", str, "same as --env (older name), e.g. chain_sum, basic_arithmetic, rg:<dataset>"),
-    "--preset": ("preset", str, "reward preset: verified | label-free"),
+    "--preset": ("preset", str, "reward preset (selfrl.rewards.PRESETS; an environment sets its own): verified, label-free, code, function_calling, ..."),
     "--iterations": ("iterations", int, "total rollout + update cycles of the run (with --resume: the new total)"),
     "--num-prompts": ("num_prompts", int, "tasks per iteration"),
     "--num-generations": ("num_generations", int, "samples per task (GRPO group size)"),

@@ -356,7 +356,7 @@ class RunConfig:
     iterations: int = 16  # rollout + update cycles
     num_prompts: int = 8  # tasks per iteration
     num_generations: int = 8  # samples per task (the GRPO group size)
-    preset: str = "verified"  # reward preset (selfrl.rewards.PRESETS): verified | label-free | webshop-naive
+    preset: str = "verified"  # reward preset: a name of selfrl.rewards.PRESETS (environments register theirs; an unknown name lists them)
     reward_weights: dict[str, float] | None = None  # explicit weights; overrides the preset
     seed: int = 0  # torch seed for sampling and LoRA init
     engine: str = DEFAULT_ENGINE  # sampling backend: auto (slots on the CPU, reference on a GPU) | reference | slots
