@@ -359,7 +359,7 @@ class RunConfig:
     preset: str = "verified"  # reward preset: a name of selfrl.rewards.PRESETS (environments register theirs; an unknown name lists them)
     reward_weights: dict[str, float] | None = None  # explicit weights; overrides the preset
     seed: int = 0  # torch seed for sampling and LoRA init
-    engine: str = DEFAULT_ENGINE  # sampling backend: auto (slots on the CPU, reference on a GPU) | reference | slots
+    engine: str = DEFAULT_ENGINE  # sampling backend: reference | slots | auto (slots on the CPU, reference on a GPU)
 
     @property
     def max_completion_length(self) -> int:
