@@ -41,27 +41,14 @@ _SERVERS: list = []  # every server started here, stopped at exit
 def start_loopback(app) -> str:
     """Run ``app`` under uvicorn on a free 127.0.0.1 port in a daemon thread; returns its base URL."""
     import atexit
-    import socket
-    import threading
-    import time
 
-    import uvicorn
+    from serving import start_uvicorn
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the loopback server did not start")
-        time.sleep(0.02)
+    url, server, thread = start_uvicorn(app)
     if not _SERVERS:
         atexit.register(stop_loopback_servers)
     _SERVERS.append((server, thread))
-    return f"http://127.0.0.1:{port}"
+    return url
 
 
 def stop_loopback_servers() -> None:

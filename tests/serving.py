@@ -30,13 +30,16 @@ def tiny_serve_config(run_dir, **learner) -> ServeConfig:
     return cfg
 
 
-@contextlib.contextmanager
-def running_server(model, tok, cfg: ServeConfig, learn: bool = False, api_key: str | None = API_KEY):
-    """Yield ``(base_url, service)`` for a server on a free loopback port; stops it after."""
+def start_uvicorn(app) -> tuple[str, object, threading.Thread]:
+    """Run ``app`` under uvicorn on a free 127.0.0.1 port in a daemon thread.
+
+    Returns ``(base_url, server, thread)``; stop it with ``server.should_exit = True``.
+
+    Raises:
+        RuntimeError: the server did not start within 30 s.
+    """
     import uvicorn
 
-    service = Service(model, tok, cfg, learner_model=copy.deepcopy(model) if learn else None)
-    app = create_app(service, api_key, learn=learn)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -45,10 +48,19 @@ def running_server(model, tok, cfg: ServeConfig, learn: bool = False, api_key: s
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the loopback server did not start")
         time.sleep(0.02)
+    return f"http://127.0.0.1:{port}", server, thread
+
+
+@contextlib.contextmanager
+def running_server(model, tok, cfg: ServeConfig, learn: bool = False, api_key: str | None = API_KEY):
+    """Yield ``(base_url, service)`` for a server on a free loopback port; stops it after."""
+    service = Service(model, tok, cfg, learner_model=copy.deepcopy(model) if learn else None)
+    url, server, thread = start_uvicorn(create_app(service, api_key, learn=learn))
     try:
-        yield f"http://127.0.0.1:{port}", service
+        yield url, service
     finally:
         server.should_exit = True
         thread.join(timeout=60)
