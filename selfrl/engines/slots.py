@@ -7,7 +7,10 @@ How it departs from :class:`selfrl.engine.Engine` (the reference backend):
   slot (a row of :class:`~selfrl.engines.kvcache.SlotCache`); at each step the
   worker decodes one token for every active row, and a row that ends (EOS, a stop
   string, its own token limit) frees its slot at once for a queued request, which is
-  prefilled and joins the running batch. Nothing waits for the longest row, and a
+  prefilled and joins the running batch. A step admits first: the new rows' prompts
+  are prefilled and their first tokens sampled and streamed before the decoding pass,
+  so a request's time to first token is the rest of the step in progress plus its
+  prefill, never a wait for other rows to finish. Nothing waits for the longest row, and a
   multi-turn rollout that submits each trajectory's next turn as soon as its tools
   have answered (:meth:`SlotEngine.submit`) never holds the batch while a tool runs.
 - **No cache concatenation.** Keys and values are written in place (column =
@@ -412,34 +415,39 @@ class SlotEngine:
         return out.logits[:, -1].float()
 
     def _step(self) -> None:
+        """Admit queued requests (prefill, first token: streamed at once, so a new request's
+        time to first token is one prefill, not a decoding step more), then one decoding
+        step for every active row, the new ones included."""
         if self.model.training:
             self.model.eval()
         self._drop_cancelled()
-        parts = []
-        rows = self._rows
-        if rows:  # one decoding step for the rows already running
-            lens = torch.tensor([r.length for r in rows])  # (B,) the new token goes to column lens
-            width = int(lens.max()) + 1
-            self.cache.set_pass(slice(0, len(rows)), width, torch.arange(len(rows))[:, None], lens[:, None])
-            mask = (torch.arange(width)[None, :] <= lens[:, None])[:, None, None, :]  # (B, 1, 1, W)
-            ids = torch.tensor([[r.token_ids[-1]] for r in rows])  # (B, 1)
-            parts.append(self._forward(ids, lens[:, None], mask))
-            for r in rows:
-                r.length += 1
-            self.steps += 1
         with self._cond:
-            room = self.max_slots - len(rows)
+            room = self.max_slots - len(self._rows)
             new = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
         cancelled = [r for r in new if not r.future.set_running_or_notify_cancel()]
         for _ in cancelled:
             self.lock.release_shared()
         new = [r for r in new if r not in cancelled]
         if new:
-            parts.append(self._prefill(new))
-            rows = self._rows = rows + new
-        if not rows:
-            return
-        logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # (B, V)
+            logits = self._prefill(new)  # (b, V)
+            self._rows = self._rows + new
+            self._sample(new, logits)
+        rows = self._rows
+        if rows:  # one decoding step for the active rows
+            lens = torch.tensor([r.length for r in rows])  # (B,) the new token goes to column lens
+            width = int(lens.max()) + 1
+            self.cache.set_pass(slice(0, len(rows)), width, torch.arange(len(rows))[:, None], lens[:, None])
+            mask = (torch.arange(width)[None, :] <= lens[:, None])[:, None, None, :]  # (B, 1, 1, W)
+            ids = torch.tensor([[r.token_ids[-1]] for r in rows])  # (B, 1)
+            logits = self._forward(ids, lens[:, None], mask)  # (B, V)
+            for r in rows:
+                r.length += 1
+            self.steps += 1
+            self._sample(rows, logits)
+
+    def _sample(self, rows: list[Request], logits: torch.Tensor) -> None:
+        """Choose the next id of each of ``rows`` from its (B, V) ``logits``, record it, stream
+        it, and finish (and free the slots of) the rows that end."""
         allowed = None  # (B, V) the ids each row's grammar allows
         if any(r.grammar is not None for r in rows):
             allowed = torch.ones(len(rows), logits.shape[-1], dtype=torch.bool)
@@ -478,7 +486,7 @@ class SlotEngine:
                 self._finish(r, r.result(t in self._eos or stopped, stopped=stopped))
         for c in calls.values():
             c.emit()
-        self._release(done)
+        self._release([self._rows.index(rows[i]) for i in done])
 
     def _drop_cancelled(self) -> None:
         """Finish every queued or running request whose cancel event is set (``cancelled=True``,
