@@ -288,3 +288,25 @@ def test_the_serve_path_gives_both_engines_the_same_rows(tiny_tokenizer, tiny_mo
     assert [[i for i, _ in alts] for alts in mine[1].top_logprobs] == [[i for i, _ in alts] for alts in ref[1].top_logprobs]
     assert my_stream[3][-1] == mine[3].token_ids  # streamed as decoded (the reference's stream stops one id short)
     assert ref_stream[3][-1] == ref[3].token_ids[:len(ref_stream[3][-1])]
+
+
+def test_constrained_rollouts_on_the_slot_engine_train_with_ratio_one(tiny_tokenizer, tiny_model_factory):
+    """``rollout.constrain = "tool_call"`` through the slot engine's pipelined turns (submit
+    with a grammar): every turn a valid call, and the learner's replayed masks recompute
+    the sampled logprobs exactly (TIS weight 1, mismatch KL 0)."""
+    from selfrl.rollout import rollout
+    from selfrl.tasks import Task
+    from tests.test_constrained_rollouts import _cfg, _step, _tools, _with_advantages
+
+    policy = tiny_model_factory(seed=4, lora=True, default_init=True)
+    engine = SlotEngine(policy, tiny_tokenizer)
+    log = []
+    torch.manual_seed(5)
+    trajs = rollout(engine, [Task("t1", "test", "What is 17+25?", "42")] * 4, ["g"] * 4, _tools(log),
+                    _cfg(max_turns=2, max_new_tokens=64))
+    engine.close()
+    assert len(log) >= 4 and all(isinstance(a, int) and isinstance(b, int) for a, b in log)  # valid calls, run
+    assert all(len(t.constraints) == t.num_turns >= 1 for t in trajs)
+    m = _step(policy, tiny_tokenizer, _with_advantages(trajs, [1.0, -1.0, 1.0, -1.0]))
+    assert m["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5) and m["mismatch_kl"] < 1e-8
+    assert m["num_tokens"] > 0
