@@ -101,3 +101,41 @@ def recomputed_logps(model, traj, temperature: float) -> torch.Tensor:
     with torch.no_grad():
         out = per_token_logps(model, ids, torch.ones_like(ids), mask, temperature)[0]  # (T,)
     return out[mask[0].bool()]
+
+
+SERVE_ENGINES = ["reference", "slots"]  # the serve tests that matter run on both backends
+
+
+def serve_config(run_dir, engine: str = "reference", **learner) -> ServeConfig:
+    """:func:`tiny_serve_config` served by ``engine``."""
+    cfg = tiny_serve_config(run_dir, **learner)
+    cfg.engine = engine
+    return cfg
+
+
+def patch_generate(monkeypatch, service, generate) -> None:
+    """Make the serving engine answer through ``generate`` (an ``Engine.generate`` stand-in)
+    from now on; for a continuous engine also through ``submit`` (what the batcher calls
+    then), with ``on_tokens`` fed from ``generate``'s ``on_step`` as the engine would."""
+    from concurrent.futures import Future
+
+    monkeypatch.setattr(service.engine, "generate", generate)
+    if not callable(getattr(service.engine, "submit", None)):
+        return
+
+    def submit(prompt, max_new_tokens, temperature=1.0, greedy=False, top_p=1.0, stop=None, on_tokens=None,
+               seed=None, top_logprobs=0, step_logprobs=False, cancel=None):
+        def on_step(ids, lps=None, top=None):  # (1, k) ids; (1, k) logprobs; (1, k, n) alternatives
+            if not step_logprobs:
+                return on_tokens(ids[0].tolist())
+            alts = None if top is None else [list(zip(a[:top_logprobs], b[:top_logprobs]))
+                                             for a, b in zip(top[0][0].tolist(), top[1][0].tolist())]
+            return on_tokens(ids[0].tolist(), lps[0].tolist(), alts)
+
+        extra = {"top_logprobs": top_logprobs, "step_logprobs": step_logprobs} if (top_logprobs or step_logprobs) else {}
+        fut = Future()
+        fut.set_result(generate([prompt], max_new_tokens, temperature, greedy, top_p,
+                                on_step if on_tokens is not None else None, stop, **extra)[0])
+        return fut
+
+    monkeypatch.setattr(service.engine, "submit", submit)

@@ -150,3 +150,20 @@ def test_constrain_tiny(tmp_path):
     assert r["llguidance"]["tokens"] == len(body) + 1 and r["llguidance"]["per_token_s"].median > 0  # + EOS
     assert [row[0] for row in r["engine"]] == ["engine, tiny model, free", "engine, tiny model, tool_call grammar"]
     assert json.loads((tmp_path / "constrain.json").read_text())["llguidance"]["tokens"] == len(body) + 1
+
+
+def test_serve_tiny(tmp_path):
+    import bench_serve
+
+    r = bench_serve.main(TINY + ["--out", str(tmp_path), "--clients", "1,3", "--requests", "1"])
+    assert r["engines"] == ["reference", "slots"]
+    for name in ("reference", "slots"):
+        levels = r["serve"][name]
+        assert [lv["clients"] for lv in levels] == [1, 3] and [lv["requests"] for lv in levels] == [1, 3]
+        assert all(lv["errors"] == [] and 0 < lv["ttft_p50_s"] <= lv["ttft_p90_s"] <= lv["latency_s"].max
+                   for lv in levels)
+        assert all(1 <= lv["completion_tokens"] <= 8 * lv["requests"] for lv in levels)
+        assert all(lv["tokens_per_s"] == lv["completion_tokens"] / lv["wall_s"] for lv in levels)
+    for k, ratio in enumerate(r["ratios"]["levels"]):
+        assert ratio["ttft_p50"] == r["serve"]["slots"][k]["ttft_p50_s"] / r["serve"]["reference"][k]["ttft_p50_s"]
+    assert (tmp_path / "serve.json").exists()

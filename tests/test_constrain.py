@@ -154,18 +154,19 @@ def test_request_constraints_and_bad_schemas(tiny_tokenizer):
 
 
 def test_a_backend_without_constraints_refuses_constrained_requests(tiny_tokenizer):
-    """The slot engine has no grammar support: a tool_choice "required" request is a 501
-    that says so, never a silently unconstrained sample; free requests pass."""
+    """A backend without grammar support (no ``supports_constraints``): a tool_choice
+    "required" request is a 501 that says so, never a silently unconstrained sample; free
+    requests pass."""
     from types import SimpleNamespace
 
     from selfrl.serve.protocol import ChatCompletionRequest
     from selfrl.serve.service import ApiError, Service
 
-    holder = SimpleNamespace(engine=SimpleNamespace(name="slots"), tok=tiny_tokenizer)
+    holder = SimpleNamespace(engine=SimpleNamespace(name="plain"), tok=tiny_tokenizer)
     tool = {"type": "function", "function": {"name": "add", "parameters": ADD}}
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[tool],
                                 tool_choice="required")
-    with pytest.raises(ApiError, match="slots engine cannot constrain decoding") as e:
+    with pytest.raises(ApiError, match="plain engine cannot constrain decoding") as e:
         Service.constraint_for(holder, req)
     assert e.value.status == 501 and e.value.param == "tool_choice"
     free = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[tool])

@@ -238,3 +238,150 @@ def test_on_step_streams_prefixes_of_the_result(backend, tiny_tokenizer, tiny_mo
         for i, g in enumerate(gens):
             k = min(ids.shape[1], len(g.token_ids))
             assert ids[i, :k].tolist() == g.token_ids[:k]
+
+
+# ------------------------------------------------------------------ what the server asks of a backend
+# Grammars, cancellation and top logprobs: each backend that declares or accepts them is
+# checked against the reference engine (same weights) and against a naive recomputation.
+
+def _needs(engine, what: str) -> None:
+    import inspect
+
+    if what in ("constraints", "cancel") and not getattr(engine, f"supports_{what}", False):
+        pytest.skip(f"the {engine.name if hasattr(engine, 'name') else type(engine).__name__} backend has no {what}")
+    if what not in inspect.signature(engine.generate).parameters:
+        pytest.skip(f"{type(engine).__name__}.generate takes no {what}")
+
+
+def _grammar_replay(model, tok, prompt, g, constraint, temperature: float) -> tuple[torch.Tensor, list[bool]]:
+    """(n,) the masked distribution's logprob of each id of ``g``, replaying ``constraint`` on
+    one unpadded row's full logits, and per id whether the mask removed any id."""
+    import llguidance
+
+    from selfrl.constrain import grammar_tokenizer, unpack_mask
+
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + g.token_ids])).logits[0, len(prompt) - 1:-1].float()  # (n, V)
+    V = logits.shape[-1]
+    m = llguidance.LLMatcher(grammar_tokenizer(tok, V, [tok.eos_token_id]), constraint.grammar)
+    out, flags = [], []
+    for k, t in enumerate(g.token_ids):
+        allowed = unpack_mask(m.compute_bitmask(), V)  # (V,)
+        out.append(torch.log_softmax(logits[k].masked_fill(~allowed, float("-inf")) / temperature, -1)[t])
+        flags.append(bool((~allowed).any()))
+        if t != tok.eos_token_id:
+            assert m.consume_token(t), "a sampled id broke the grammar"
+    return torch.stack(out), flags
+
+
+def test_constrained_rows_equal_the_reference_and_record_the_masked_distribution(backend, tiny_tokenizer,
+                                                                                  tiny_model_factory):
+    from selfrl.constrain import json_constraint, tool_call_constraint
+    from selfrl.engine import Engine
+    from selfrl.toolcall import parse_tool_calls
+
+    model = tiny_model_factory(lora=True)
+    engine = served(backend, model, tiny_tokenizer)
+    _needs(engine, "constraints")
+    add = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+           "required": ["a", "b"], "additionalProperties": False}
+    call, answer = tool_call_constraint([("add", add)]), json_constraint({"type": "object", "properties": {
+        "ok": {"type": "boolean"}}, "required": ["ok"]})
+    prompts = chat_prompts(tiny_tokenizer)
+    constraints = [call, answer, None]
+    reference = Engine(copy.deepcopy(model), tiny_tokenizer)
+    mine = engine.generate(prompts, 40, greedy=True, constraints=constraints)
+    ref = reference.generate(prompts, 40, greedy=True, constraints=constraints)
+    for a, b in zip(mine, ref, strict=True):  # greedy: the same ids, flags and masked logprobs
+        assert a.token_ids == b.token_ids and a.constrained == b.constrained and a.finished == b.finished
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=ATOL, rtol=0)
+    assert mine[2].constrained is None and all(mine[0].constrained)
+    torch.manual_seed(5)  # sampled: the recorded logprobs are the masked distribution's, flags its restrictions
+    gens = engine.generate(prompts[:2] * 2, 64, temperature=0.8, constraints=[call, answer] * 2)
+    for p, g, c in zip(prompts[:2] * 2, gens, [call, answer] * 2):
+        lps, flags = _grammar_replay(model, tiny_tokenizer, p, g, c, 0.8)
+        torch.testing.assert_close(torch.tensor(g.logprobs), lps, atol=ATOL, rtol=0)
+        assert g.constrained == flags and any(flags)
+        if g.finished and c is call:
+            rest, calls = parse_tool_calls(tiny_tokenizer.decode(g.token_ids, skip_special_tokens=True))
+            assert rest.strip() == "" and [x.name for x in calls] == ["add"] and calls[0].error is None
+
+
+def test_a_cancelled_row_stops_at_the_next_step_and_keeps_its_ids(backend, tiny_tokenizer, tiny_model_factory):
+    model = tiny_model_factory(lora=True, eos_bias=-30.0)  # no EOS: rows run to their limit unless cut
+    engine = served(backend, model, tiny_tokenizer)
+    _needs(engine, "cancel")
+    prompts = chat_prompts(tiny_tokenizer)[:2]
+    gone, stay = threading.Event(), threading.Event()
+
+    def on_step(ids):  # (B, k)
+        if ids.shape[1] >= 3:
+            gone.set()
+
+    torch.manual_seed(6)
+    a, b = engine.generate(prompts, 40, temperature=1.0, on_step=on_step, cancel=[gone, stay])
+    assert a.cancelled and not a.finished and 3 <= len(a.token_ids) <= 5  # cut within a step or two
+    assert not b.cancelled and len(b.token_ids) == 40
+    assert_matches_model([b], prompts[1:], model, 1.0, tiny_tokenizer.eos_token_id, 40)
+    torch.testing.assert_close(torch.tensor(a.logprobs), naive_logps(model, prompts[0], a.token_ids, 1.0),
+                               atol=ATOL, rtol=0)  # what it sampled before the cut stays exact
+    both = threading.Event()
+    both.set()
+    gens = engine.generate(prompts, 40, temperature=1.0, cancel=[both, both])  # set before the start
+    assert all(g.cancelled and not g.finished and len(g.token_ids) <= 1 for g in gens)
+    assert engine.generate(prompts, 3, greedy=True)[0].token_ids  # the engine serves on
+
+
+def test_top_logprobs_equal_the_reference(backend, tiny_tokenizer, tiny_model_factory):
+    from selfrl.constrain import tool_call_constraint
+    from selfrl.engine import Engine
+
+    model = tiny_model_factory(lora=True, eos_bias=1.0)
+    engine = served(backend, model, tiny_tokenizer)
+    _needs(engine, "top_logprobs")
+    prompts = chat_prompts(tiny_tokenizer)
+    reference = Engine(copy.deepcopy(model), tiny_tokenizer)
+    k = 5
+    mine = engine.generate(prompts, 10, greedy=True, top_logprobs=k)
+    ref = reference.generate(prompts, 10, greedy=True, top_logprobs=k)
+
+    def same(a, b, k):
+        assert a.token_ids == b.token_ids and len(a.top_logprobs) == len(a.token_ids)
+        for x, y in zip(a.top_logprobs, b.top_logprobs, strict=True):
+            assert len(x) == k and [i for i, _ in x] == [i for i, _ in y]
+            torch.testing.assert_close(torch.tensor([v for _, v in x]), torch.tensor([v for _, v in y]),
+                                       atol=ATOL, rtol=0)
+
+    for a, b in zip(mine, ref, strict=True):
+        same(a, b, k)
+        assert a.top_logprobs[0][0][0] == a.token_ids[0]  # greedy: the most likely id is the one taken
+    torch.manual_seed(7)  # sampled: the k most likely ids of log_softmax(logits / T), from a full recomputation
+    for p, g in zip(prompts, engine.generate(prompts, 8, temperature=0.7, top_logprobs=k)):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + g.token_ids])).logits[0, len(p) - 1:-1].float()  # (n, V)
+        top = torch.log_softmax(logits / 0.7, -1).topk(k, dim=-1)  # (n, k)
+        assert [[i for i, _ in alts] for alts in g.top_logprobs] == top.indices.tolist()
+        torch.testing.assert_close(torch.tensor([[v for _, v in alts] for alts in g.top_logprobs]), top.values,
+                                   atol=ATOL, rtol=0)
+    if getattr(engine, "supports_constraints", False):  # constrained rows: the masked distribution's top ids
+        c = [tool_call_constraint([("add", {"type": "object"})])] * 2
+        for a, b in zip(engine.generate(prompts[:2], 12, greedy=True, top_logprobs=3, constraints=c),
+                        reference.generate(prompts[:2], 12, greedy=True, top_logprobs=3, constraints=c)):
+            same(a, b, 3)
+
+
+def test_streamed_step_logprobs_are_the_recorded_ones(backend, tiny_tokenizer, tiny_model_factory):
+    engine = served(backend, tiny_model_factory(lora=True, eos_bias=1.0), tiny_tokenizer)
+    _needs(engine, "step_logprobs")
+    prompts = chat_prompts(tiny_tokenizer)
+    seen = []
+    torch.manual_seed(8)
+    gens = engine.generate(prompts, 8, temperature=0.9, top_logprobs=2, step_logprobs=True,
+                           on_step=lambda ids, lps, top: seen.append((ids.clone(), lps.clone(), top)))
+    assert seen
+    for ids, lps, top in seen:
+        for i, g in enumerate(gens):
+            n = min(ids.shape[1], len(g.token_ids))
+            assert ids[i, :n].tolist() == g.token_ids[:n]
+            torch.testing.assert_close(lps[i, :n], torch.tensor(g.logprobs[:n]), atol=ATOL, rtol=0)
+            assert top[0][i, :n, :2].tolist() == [[a for a, _ in alts] for alts in g.top_logprobs[:n]]

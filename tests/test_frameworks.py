@@ -17,7 +17,7 @@ from pydantic import Field
 from openai import OpenAI
 
 from selfrl.serve import records
-from serving import API_KEY, http, running_server, tiny_serve_config
+from serving import API_KEY, SERVE_ENGINES, http, running_server, serve_config
 
 ADD = {"type": "function", "function": {
     "name": "add", "description": "Add two integers.",
@@ -28,13 +28,13 @@ VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}, "grade": 
            "required": ["ok", "grade"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_tokenizer, tiny_model_factory, tmp_path_factory):
+@pytest.fixture(scope="module", params=SERVE_ENGINES)
+def server(request, tiny_tokenizer, tiny_model_factory, tmp_path_factory):
     model = tiny_model_factory(lora=True, eos_bias=3.0)
     # smolagents' system prompt alone is ~2,300 tokens of the tiny byte-level vocabulary;
     # rotary positions need no table, so the tiny Llama takes a longer context as it is
     model.config.max_position_embeddings = 8192
-    cfg = tiny_serve_config(tmp_path_factory.mktemp("frameworks"))
+    cfg = serve_config(tmp_path_factory.mktemp("frameworks"), request.param)
     cfg.max_tokens_default = 200  # frameworks send no max_tokens; a call with random integers needs room
     with running_server(model, tiny_tokenizer, cfg) as (url, service):
         yield url, service

@@ -10,7 +10,7 @@ from openai import OpenAI
 
 from selfrl.engine import Generation
 from selfrl.serve.logprobs import LOGPROB_FLOOR, content_entries, slice_entries, token_bytes
-from serving import http, running_server, tiny_serve_config
+from serving import SERVE_ENGINES, http, patch_generate, running_server, serve_config
 
 CALC = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate arithmetic.",
@@ -18,10 +18,10 @@ CALC = {"type": "function", "function": {
 MSGS = [{"role": "user", "content": "Say hello in Chinese."}]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_tokenizer, tiny_model_factory, tmp_path_factory):
+@pytest.fixture(scope="module", params=SERVE_ENGINES)
+def server(request, tiny_tokenizer, tiny_model_factory, tmp_path_factory):
     model = tiny_model_factory(lora=True, eos_bias=3.0)
-    cfg = tiny_serve_config(tmp_path_factory.mktemp("serve"))
+    cfg = serve_config(tmp_path_factory.mktemp("serve"), request.param)
     with running_server(model, tiny_tokenizer, cfg) as (url, service):
         yield url, service
 
@@ -75,7 +75,7 @@ def joined(entries) -> bytes:
 def test_logprob_entries_carry_raw_token_bytes_and_only_the_contents_tokens(server, client, monkeypatch):
     url, service = server
     gen, ids = forced(service, "你好")
-    monkeypatch.setattr(service.engine, "generate", gen)
+    patch_generate(monkeypatch, service, gen)
     pieces = token_bytes(service.tok, ids)
     assert len(ids) - 1 > 2  # the tiny vocabulary splits the two characters into byte tokens
     r = client.chat.completions.create(model="selfrl", messages=MSGS, logprobs=True, max_tokens=20)
@@ -100,7 +100,7 @@ def test_logprobs_leave_out_tool_calls_and_reasoning(server, client, monkeypatch
     text = ('<think>maybe <tool_call>{"name": "calculator", "arguments": {"expression": "17*25"}}</tool_call>'
             '? no.</think>Sure. <tool_call>{"name": "calculator", "arguments": {"expression": "17+25"}}</tool_call>')
     gen, _ = forced(service, text)
-    monkeypatch.setattr(service.engine, "generate", gen)
+    patch_generate(monkeypatch, service, gen)
     r = client.chat.completions.create(model="selfrl", messages=MSGS, tools=[CALC], logprobs=True, top_logprobs=1,
                                        max_tokens=200)
     ch = r.choices[0]
@@ -113,7 +113,7 @@ def test_logprobs_leave_out_tool_calls_and_reasoning(server, client, monkeypatch
 def test_top_logprobs_gives_k_alternatives_in_full_and_streamed_responses(server, client, monkeypatch, k):
     url, service = server
     gen, ids = forced(service, "hi 你")
-    monkeypatch.setattr(service.engine, "generate", gen)
+    patch_generate(monkeypatch, service, gen)
     kw = dict(model="selfrl", messages=MSGS, logprobs=True, top_logprobs=k, temperature=0.7)
     full = client.chat.completions.create(**kw).choices[0]
     entries = full.logprobs.content
@@ -161,7 +161,7 @@ def test_a_call_drafted_while_thinking_is_not_returned(server, client, monkeypat
     text = ('<think>maybe <tool_call>{"name": "calculator", "arguments": {"expression": "17*25"}}</tool_call>'
             '? no.</think><tool_call>{"name": "calculator", "arguments": {"expression": "17+25"}}</tool_call>')
     gen, _ = forced(service, text)
-    monkeypatch.setattr(service.engine, "generate", gen)
+    patch_generate(monkeypatch, service, gen)
     for stream in (False, True):
         if stream:
             chunks = list(client.chat.completions.create(model="selfrl", messages=MSGS, tools=[CALC], stream=True,
@@ -187,7 +187,7 @@ def test_a_call_drafted_while_thinking_is_not_returned(server, client, monkeypat
 def test_a_call_reaches_the_client_only_with_the_arguments_the_model_wrote(server, client, monkeypatch, body, args):
     url, service = server
     gen, _ = forced(service, "<tool_call>" + json.dumps(body) + "</tool_call>")
-    monkeypatch.setattr(service.engine, "generate", gen)
+    patch_generate(monkeypatch, service, gen)
     msg = client.chat.completions.create(model="selfrl", messages=MSGS, tools=[CALC],
                                                  max_tokens=200).choices[0].message
     if args is None:  # malformed: never a call with "{}"; its text stays visible, without the markup
@@ -236,7 +236,7 @@ def test_a_call_under_tool_choice_none_is_plain_text_without_markup(server, clie
     url, service = server
     call = {"name": "calculator", "arguments": {"expression": "2+3"}}
     gen, _ = forced(service, "Sure: <tool_call>" + json.dumps(call) + "</tool_call>")
-    monkeypatch.setattr(service.engine, "generate", gen)
+    patch_generate(monkeypatch, service, gen)
     kw = dict(model="selfrl", messages=MSGS, tools=[CALC], tool_choice="none", max_tokens=200)
     if stream:
         chunks = list(client.chat.completions.create(stream=True, **kw))
@@ -289,23 +289,25 @@ def test_a_real_streamed_completion_carries_the_recorded_logprobs_chunk_by_chunk
             assert len(e.top_logprobs) == 1 and e.top_logprobs[0].logprob >= e.logprob - 1e-6
 
 
-def test_the_slot_engine_gives_content_logprobs_and_refuses_top_logprobs(tiny_tokenizer, tiny_model_factory,
-                                                                          tmp_path):
+def test_the_slot_engine_serves_the_reference_engines_top_logprobs(tiny_tokenizer, tiny_model_factory, tmp_path):
+    """The same weights behind both backends, greedy: the same content and, per token, the
+    same logprob and top alternatives within 1e-5 (fp32), full and streamed."""
+    import copy
+
     model = tiny_model_factory(lora=True, eos_bias=1.0)
-    cfg = tiny_serve_config(tmp_path / "serve")
-    cfg.engine = "slots"
-    with running_server(model, tiny_tokenizer, cfg) as (url, service):
-        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        status, body = http("POST", url + "/v1/chat/completions", {"model": "selfrl", "messages": MSGS,
-                                                                   "logprobs": True, "top_logprobs": 2})
-        assert status == 400 and body["error"]["param"] == "top_logprobs"  # refused, not ignored
-        full = client.chat.completions.create(model="selfrl", messages=MSGS, logprobs=True, max_tokens=8,
-                                              temperature=1.5).choices[0]
-        raw = joined([e.model_dump() for e in full.logprobs.content])
-        assert raw.decode("utf-8", errors="replace") == (full.message.content or "")
-        chunks = list(client.chat.completions.create(model="selfrl", messages=MSGS, logprobs=True, max_tokens=8,
-                                                     temperature=1.5, stream=True))
-        for c in chunks:
-            if c.choices and c.choices[0].delta.content:
-                lp = joined([e.model_dump() for e in c.choices[0].logprobs.content])
-                assert lp.decode("utf-8", errors="replace") == c.choices[0].delta.content
+    body = dict(model="selfrl", messages=MSGS, logprobs=True, top_logprobs=3, max_tokens=8, temperature=0)
+    answers = {}
+    for engine in SERVE_ENGINES:
+        with running_server(copy.deepcopy(model), tiny_tokenizer, serve_config(tmp_path / engine, engine)) as (url, _):
+            client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            full = client.chat.completions.create(**body).choices[0]
+            chunks = list(client.chat.completions.create(stream=True, **body))
+            streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                        for e in c.choices[0].logprobs.content]
+            answers[engine] = (full.message.content, full.logprobs.content, streamed)
+    (text_a, full_a, stream_a), (text_b, full_b, stream_b) = answers["reference"], answers["slots"]
+    assert text_a == text_b and full_a and len(full_a) == len(full_b) == len(stream_a) == len(stream_b)
+    for a, b in [*zip(full_a, full_b), *zip(stream_a, stream_b), *zip(full_a, stream_b)]:
+        assert a.bytes == b.bytes and abs(a.logprob - b.logprob) < 1e-5
+        assert [t.bytes for t in a.top_logprobs] == [t.bytes for t in b.top_logprobs] and len(a.top_logprobs) == 3
+        assert all(abs(x.logprob - y.logprob) < 1e-5 for x, y in zip(a.top_logprobs, b.top_logprobs))

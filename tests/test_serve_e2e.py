@@ -1,7 +1,6 @@
 """End to end: the real ``openai`` client against the real server on loopback (tiny model)."""
 
 import json
-from concurrent.futures import Future
 
 import openai
 import pytest
@@ -10,17 +9,18 @@ from openai import OpenAI
 
 from selfrl.engine import Generation
 from selfrl.serve import records
-from serving import API_KEY, add_version, http, recomputed_logps, running_server, tiny_serve_config
+from serving import (API_KEY, SERVE_ENGINES, add_version, http, patch_generate, recomputed_logps, running_server,
+                     serve_config, tiny_serve_config)
 
 CALC = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate arithmetic.",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_tokenizer, tiny_model_factory, tmp_path_factory):
+@pytest.fixture(scope="module", params=SERVE_ENGINES)
+def server(request, tiny_tokenizer, tiny_model_factory, tmp_path_factory):
     model = tiny_model_factory(lora=True, eos_bias=3.0)
-    cfg = tiny_serve_config(tmp_path_factory.mktemp("serve"))
+    cfg = serve_config(tmp_path_factory.mktemp("serve"), request.param)
     with running_server(model, tiny_tokenizer, cfg) as (url, service):
         yield url, service
 
@@ -59,18 +59,9 @@ def scripted(service, text: str):
 
 
 def script(monkeypatch, service, text: str) -> None:
-    """Make the serving engine answer ``text`` from now on, through ``generate`` and, for a
-    continuous engine, through ``submit`` (what the batcher calls then)."""
-    generate = scripted(service, text)
-    monkeypatch.setattr(service.engine, "generate", generate)
-    if callable(getattr(service.engine, "submit", None)):
-        def submit(prompt, max_new_tokens, temperature=1.0, greedy=False, top_p=1.0, stop=None, on_tokens=None,
-                   seed=None):
-            fut = Future()
-            fut.set_result(generate([prompt], max_new_tokens, temperature, greedy, top_p)[0])
-            return fut
-
-        monkeypatch.setattr(service.engine, "submit", submit)
+    """Make the serving engine answer ``text`` from now on (``generate``, and ``submit`` for a
+    continuous engine)."""
+    patch_generate(monkeypatch, service, scripted(service, text))
 
 
 def test_plain_chat_records_exact_tokens_and_names_its_version(server, client):

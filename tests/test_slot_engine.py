@@ -192,3 +192,121 @@ def test_seeded_rollouts_repeat_exactly(tiny_tokenizer, tiny_model_factory):
     assert [t.token_ids for t in runs[0]] == [t.token_ids for t in runs[1]]
     assert [t.logprobs for t in runs[0]] == [t.logprobs for t in runs[1]]
     engine.close()
+
+
+def test_a_cancelled_request_frees_its_slot_at_the_next_step(tiny_tokenizer, tiny_model_factory):
+    # one slot: a long row holds it, a second waits; cancelling the first lets the second in at
+    # once, and a request cancelled while queued resolves without ever being prefilled
+    model = tiny_model_factory(eos_bias=-50.0, lora=True)
+    engine = SlotEngine(model, tiny_tokenizer, max_slots=1)
+    prompt = prompts_with_system(tiny_tokenizer, ["Hi"])[0]
+    gone, later = threading.Event(), threading.Event()
+    long = engine.submit(prompt, 10_000, temperature=1.0, cancel=gone)
+    waiting = engine.submit(prompt, 3, greedy=True)
+    never = engine.submit(prompt, 3, greedy=True, cancel=later)
+    while engine.steps < 3:
+        time.sleep(0.01)
+    later.set()
+    assert never.result(timeout=60).cancelled and never.result().token_ids == []
+    assert not waiting.done()  # still queued behind the long row
+    steps = engine.steps
+    gone.set()
+    g = long.result(timeout=60)
+    assert g.cancelled and not g.finished and 3 <= len(g.token_ids) == len(g.logprobs) < 10_000
+    torch.testing.assert_close(torch.tensor(g.logprobs), naive_logps(model, prompt, g.token_ids, 1.0), atol=1e-5, rtol=0)
+    assert waiting.result(timeout=60).token_ids and engine.steps - steps <= 5  # the slot was free at once
+    assert engine.rows_cancelled == 2 and engine.health().detail.startswith("idle")
+    engine.close()
+
+
+def test_a_row_whose_grammar_breaks_fails_alone(tiny_tokenizer, tiny_model_factory):
+    from selfrl.constrain import ConstraintError, json_constraint
+
+    model = tiny_model_factory(eos_bias=-50.0, lora=True)
+    engine = SlotEngine(model, tiny_tokenizer)
+    prompt = prompts_with_system(tiny_tokenizer, ["Hi"])[0]
+    free = engine.submit(prompt, 8, greedy=True)
+    req = engine._request(prompt, 8, 1.0, True, 1.0, None, None, None, 0, False, json_constraint(), None)
+
+    class Refusing:  # the matcher refuses the second id the mask allowed
+        def __init__(self, real):
+            self.real, self.fed = real, 0
+
+        def compute_bitmask(self):
+            return self.real.compute_bitmask()
+
+        def consume_token(self, t):
+            self.fed += 1
+            return self.fed < 2 and self.real.consume_token(t)
+
+        def get_error(self):
+            return "refused"
+
+    req.grammar.matcher = Refusing(req.grammar.matcher)
+    engine._enqueue([req])
+    bad = req.future
+    with pytest.raises(ConstraintError, match="broke the json grammar"):
+        bad.result(timeout=60)
+    assert len(free.result(timeout=60).token_ids) == 8 and engine.health().ok
+    engine.close()
+
+
+def test_the_serve_path_gives_both_engines_the_same_rows(tiny_tokenizer, tiny_model_factory):
+    """Jobs as ``selfrl serve`` makes them (stop strings, top logprobs, a grammar, a token
+    limit per row, streamed ids), through the Batcher: the slot engine's rows equal the
+    reference engine's (greedy), ids exactly and logprobs within 1e-5."""
+    import copy
+
+    from selfrl.constrain import tool_call_constraint
+    from selfrl.engine import Engine
+    from selfrl.serve.batcher import Batcher, Job
+
+    model = tiny_model_factory(eos_bias=-2.0, lora=True)
+    prompts = prompts_with_system(tiny_tokenizer, ["Hi", "What is 17+25?", "Add 1, 2, 3 and 4."])
+    full = Engine(copy.deepcopy(model), tiny_tokenizer).generate(prompts[:1], 12, greedy=True)[0]
+    stop = tiny_tokenizer.decode(full.token_ids)[4:6]
+    call = tool_call_constraint([("add", {"type": "object", "properties": {"a": {"type": "integer"}}})])
+    out = {}
+    for name, engine in [("reference", Engine(copy.deepcopy(model), tiny_tokenizer)),
+                         ("slots", SlotEngine(copy.deepcopy(model), tiny_tokenizer))]:
+        batcher = Batcher(engine, lambda version, fn: fn())
+        streamed: dict[int, list] = {}
+        jobs = [Job(prompts[0], 12, greedy=True, stop=(stop,)),
+                Job(prompts[1], 7, greedy=True, top_logprobs=2),
+                Job(prompts[2], 30, greedy=True, constraint=call),
+                Job(prompts[1], 5, greedy=True, on_tokens=lambda ids: streamed.setdefault(3, []).append(ids))]
+        out[name] = ([batcher.submit(j).result(timeout=120) for j in jobs], streamed)
+        batcher.close()
+        getattr(engine, "close", lambda: None)()
+    (ref, ref_stream), (mine, my_stream) = out["reference"], out["slots"]
+    assert ref[0].stopped and ref[0].token_ids == full.token_ids[:len(ref[0].token_ids)] < full.token_ids
+    assert len(ref[1].token_ids) == 7 and len(ref[1].top_logprobs[0]) == 2 and ref[2].constrained
+    for a, b in zip(mine, ref):
+        assert (a.token_ids, a.stopped, a.finished, a.constrained) == (b.token_ids, b.stopped, b.finished, b.constrained)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+        assert (a.top_logprobs is None) == (b.top_logprobs is None)
+    assert [[i for i, _ in alts] for alts in mine[1].top_logprobs] == [[i for i, _ in alts] for alts in ref[1].top_logprobs]
+    assert my_stream[3][-1] == mine[3].token_ids  # streamed as decoded (the reference's stream stops one id short)
+    assert ref_stream[3][-1] == ref[3].token_ids[:len(ref_stream[3][-1])]
+
+
+def test_constrained_rollouts_on_the_slot_engine_train_with_ratio_one(tiny_tokenizer, tiny_model_factory):
+    """``rollout.constrain = "tool_call"`` through the slot engine's pipelined turns (submit
+    with a grammar): every turn a valid call, and the learner's replayed masks recompute
+    the sampled logprobs exactly (TIS weight 1, mismatch KL 0)."""
+    from selfrl.rollout import rollout
+    from selfrl.tasks import Task
+    from tests.test_constrained_rollouts import _cfg, _step, _tools, _with_advantages
+
+    policy = tiny_model_factory(seed=4, lora=True, default_init=True)
+    engine = SlotEngine(policy, tiny_tokenizer)
+    log = []
+    torch.manual_seed(5)
+    trajs = rollout(engine, [Task("t1", "test", "What is 17+25?", "42")] * 4, ["g"] * 4, _tools(log),
+                    _cfg(max_turns=2, max_new_tokens=64))
+    engine.close()
+    assert len(log) >= 4 and all(isinstance(a, int) and isinstance(b, int) for a, b in log)  # valid calls, run
+    assert all(len(t.constraints) == t.num_turns >= 1 for t in trajs)
+    m = _step(policy, tiny_tokenizer, _with_advantages(trajs, [1.0, -1.0, 1.0, -1.0]))
+    assert m["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5) and m["mismatch_kl"] < 1e-8
+    assert m["num_tokens"] > 0

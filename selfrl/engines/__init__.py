@@ -37,8 +37,10 @@ ENGINES: dict[str, Callable[..., SamplingEngine]] = {"auto": _auto, "reference":
 # 5.5 %; the reference: -> 89.8 % and more) and no end-to-end speed-up was measured on an idle
 # machine; it stays opt-in (--engine slots, or auto) until both are shown (issue 15).
 DEFAULT_ENGINE = "reference"
-# selfrl serve: the reference, which also honours constrained decoding, cancellation and top
-# logprobs (selfrl.constrain, the batcher's options); the slot engine does not yet
+# selfrl serve: the reference. Both backends honour constrained decoding, cancellation and top
+# logprobs (selfrl.constrain, the batcher's options; the serve tests run on both); with slots
+# each request joins the running batch (--engine slots). Which is the default is decided on
+# the numbers of benchmarks/bench_serve.py (issue 15).
 DEFAULT_SERVE_ENGINE = "reference"
 
 

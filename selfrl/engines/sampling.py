@@ -27,27 +27,27 @@ def nucleus_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return drop_sorted.scatter(-1, order, drop_sorted)
 
 
-def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
-                  top_p: torch.Tensor, generators: list[torch.Generator | None] | None = None,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next id and its logprob for every row.
+def next_token_logps(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
+                     allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, V) the distribution each row samples from: ``log_softmax(logits / t)`` with
+    ``t = 1`` for greedy rows, over the ids ``allowed`` (B, V) bool leaves (a grammar's
+    mask, :mod:`selfrl.constrain`; ``-inf`` elsewhere), or over all ids when None.
 
-    Args:
-        logits: (B, V) fp32 next-token logits.
-        temperature: (B,) > 0 for sampled rows (ignored for greedy ones).
-        greedy: (B,) bool, argmax rows.
-        top_p: (B,) in (0, 1]; 1 = the whole vocabulary.
-        generators: one per row, or None: a row with its own generator draws from it
-            alone, so its samples do not depend on which rows share its batch.
-
-    Returns:
-        ``ids`` (B,) long and ``logps`` (B,) fp32: ``log_softmax(logits / t)[id]`` with
-        ``t = 1`` for greedy rows. Sampling draws from the global torch generator
-        unless the row has its own (``torch.manual_seed`` makes both repeatable).
+    >>> next_token_logps(torch.tensor([[0., 0., 0.]]), torch.tensor([1.]), torch.tensor([False]),
+    ...                  torch.tensor([[True, True, False]])).exp().tolist()
+    [[0.5, 0.5, 0.0]]
     """
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))  # (B, V)
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)  # (B,)
-    logp = torch.log_softmax(logits.float() / scale[:, None], dim=-1)  # (B, V)
-    ids = logits.argmax(dim=-1)  # (B,)
+    return torch.log_softmax(logits.float() / scale[:, None], dim=-1)  # (B, V)
+
+
+def choose_tokens(logp: torch.Tensor, greedy: torch.Tensor, top_p: torch.Tensor,
+                  generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
+    """(B,) long: the argmax of ``logp`` (B, V) for greedy rows, a draw from it (within the
+    row's nucleus ``top_p``) for the others, from the row's own generator when it has one."""
+    ids = logp.argmax(dim=-1)  # (B,)
     sampled = ~greedy
     if bool(sampled.any()):
         probs = logp[sampled].exp()  # (b, V)
@@ -60,4 +60,29 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch
         else:
             ids[sampled] = torch.cat([torch.multinomial(probs[j], 1, generator=generators[i])
                                       for j, i in enumerate(rows)])
+    return ids
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
+                  top_p: torch.Tensor, generators: list[torch.Generator | None] | None = None,
+                  allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next id and its logprob for every row.
+
+    Args:
+        logits: (B, V) fp32 next-token logits.
+        temperature: (B,) > 0 for sampled rows (ignored for greedy ones).
+        greedy: (B,) bool, argmax rows.
+        top_p: (B,) in (0, 1]; 1 = the whole vocabulary.
+        generators: one per row, or None: a row with its own generator draws from it
+            alone, so its samples do not depend on which rows share its batch.
+        allowed: (B, V) bool or None: the ids each row may take (a grammar's mask); the
+            recorded logprob is then the masked distribution's (see :mod:`selfrl.constrain`).
+
+    Returns:
+        ``ids`` (B,) long and ``logps`` (B,) fp32: ``log_softmax(logits / t)[id]`` with
+        ``t = 1`` for greedy rows. Sampling draws from the global torch generator
+        unless the row has its own (``torch.manual_seed`` makes both repeatable).
+    """
+    logp = next_token_logps(logits, temperature, greedy, allowed)  # (B, V)
+    ids = choose_tokens(logp, greedy, top_p, generators)
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)

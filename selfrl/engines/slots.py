@@ -7,7 +7,10 @@ How it departs from :class:`selfrl.engine.Engine` (the reference backend):
   slot (a row of :class:`~selfrl.engines.kvcache.SlotCache`); at each step the
   worker decodes one token for every active row, and a row that ends (EOS, a stop
   string, its own token limit) frees its slot at once for a queued request, which is
-  prefilled and joins the running batch. Nothing waits for the longest row, and a
+  prefilled and joins the running batch. A step admits first: the new rows' prompts
+  are prefilled and their first tokens sampled and streamed before the decoding pass,
+  so a request's time to first token is the rest of the step in progress plus its
+  prefill, never a wait for other rows to finish. Nothing waits for the longest row, and a
   multi-turn rollout that submits each trajectory's next turn as soon as its tools
   have answered (:meth:`SlotEngine.submit`) never holds the batch while a tool runs.
 - **No cache concatenation.** Keys and values are written in place (column =
@@ -21,6 +24,12 @@ How it departs from :class:`selfrl.engine.Engine` (the reference backend):
   greedy decoding share a batch, and each row samples from its own seeded generator, so
   what a row samples does not depend on which rows share its steps (which depends on
   thread timing): a seeded run repeats.
+- **What the server needs, per row**: a grammar (:class:`~selfrl.engines.rowgrammar.RowGrammar`,
+  the reference's rules: the masked distribution's logprob is recorded and the step
+  flagged in ``Generation.constrained``), a cancel event (checked before every step: a
+  cancelled row frees its slot at once and returns what it sampled with
+  ``cancelled=True``), the ``k`` most likely ids per position (``top_logprobs``), and
+  logprobs streamed as decoding goes (``step_logprobs``).
 
 Logprobs are exact as in the reference: ``log_softmax(logits / temperature)`` at the
 sampled id (:func:`~selfrl.engines.sampling.sample_tokens`), tested against a
@@ -46,7 +55,8 @@ import torch
 from selfrl.engine import Engine
 from selfrl.engines.base import AdapterSource, EngineHealth, Generation, check_generate_args
 from selfrl.engines.kvcache import SlotCache
-from selfrl.engines.sampling import sample_tokens
+from selfrl.engines.rowgrammar import RowGrammar
+from selfrl.engines.sampling import choose_tokens, next_token_logps
 from selfrl.prefix import MIN_SHARED_PREFIX, shared_prefix_len
 
 
@@ -116,12 +126,31 @@ class Request:
     on_tokens: Callable[[list[int]], None] | None = None  # called from the worker with the ids so far
     prefix_hint: int = 0  # leading tokens shared with other queued requests (encode once)
     generator: torch.Generator | None = None  # this row's own sampling generator
+    top_logprobs: int = 0  # most likely ids kept per position (0 = none)
+    step_logprobs: bool = False  # on_tokens(ids, logprobs, top) instead of on_tokens(ids)
+    grammar: RowGrammar | None = None  # this row's grammar (constrained decoding)
+    cancel: threading.Event | None = None  # set: the row stops before the next step
     future: Future = field(default_factory=Future)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    constrained: list[bool] | None = None  # per id, the grammar removed ids from its distribution
+    top: list[list[tuple[int, float]]] | None = None  # per id, the top_logprobs most likely (id, logprob)
     version: int = 0
     length: int = 0  # tokens of this row in the cache
     call: "_Call | None" = None
+
+    def result(self, finished: bool, stopped: bool = False, cancelled: bool = False) -> Generation:
+        return Generation(self.token_ids, self.logprobs, finished, self.version, stopped=stopped,
+                          constrained=self.constrained, cancelled=cancelled, top_logprobs=self.top)
+
+    def report(self) -> None:
+        """Call ``on_tokens`` with the ids so far (and their logprobs, with ``step_logprobs``)."""
+        if self.on_tokens is None:
+            return
+        if self.step_logprobs:
+            self.on_tokens(list(self.token_ids), list(self.logprobs), None if self.top is None else list(self.top))
+        else:
+            self.on_tokens(list(self.token_ids))
 
 
 def row_generator(seed: int | None) -> torch.Generator:
@@ -134,18 +163,32 @@ def row_generator(seed: int | None) -> torch.Generator:
 class _Call:
     """The rows of one ``generate`` call, for its ``on_step`` hook."""
 
-    def __init__(self, requests: list[Request], on_step: Callable[[torch.Tensor], None], pad: int):
-        self.requests, self.on_step, self.pad = requests, on_step, pad
+    def __init__(self, requests: list[Request], on_step: Callable[..., None], pad: int, step_logprobs: bool = False):
+        self.requests, self.on_step, self.pad, self.step_logprobs = requests, on_step, pad, step_logprobs
 
     def emit(self) -> None:
+        """``on_step(ids)`` (B, k), or with ``step_logprobs`` ``on_step(ids, logprobs, top)``:
+        (B, k) logprobs and a pair of (B, k, n) tensors (ids, logprobs) or None; rows that
+        ended hold padding (id ``pad``, logprob 0) after their end."""
         k = max(len(r.token_ids) for r in self.requests)
         if k == 0:
             return
-        ids = torch.full((len(self.requests), k), self.pad, dtype=torch.long)  # (B, k)
+        B = len(self.requests)
+        ids = torch.full((B, k), self.pad, dtype=torch.long)  # (B, k)
+        logps = torch.zeros(B, k)  # (B, k)
+        n = max(r.top_logprobs for r in self.requests)
+        top = (torch.full((B, k, n), self.pad, dtype=torch.long), torch.zeros(B, k, n)) if n else None  # (B, k, n)
         for i, r in enumerate(self.requests):
             if r.token_ids:
                 ids[i, :len(r.token_ids)] = torch.tensor(r.token_ids)
-        self.on_step(ids)
+                logps[i, :len(r.logprobs)] = torch.tensor(r.logprobs)
+            if top is not None and r.top:
+                top[0][i, :len(r.top)] = torch.tensor([[t for t, _ in alts] for alts in r.top])
+                top[1][i, :len(r.top)] = torch.tensor([[lp for _, lp in alts] for alts in r.top])
+        if self.step_logprobs:
+            self.on_step(ids, logps, top)
+        else:
+            self.on_step(ids)
 
 
 class SlotEngine:
@@ -163,6 +206,8 @@ class SlotEngine:
     """
 
     name = "slots"
+    supports_constraints = True  # honours generate(..., constraints=...) and submit(..., constraint=...)
+    supports_cancel = True  # honours cancel events: a cancelled row frees its slot before the next step
 
     def __init__(self, model, tokenizer, version: int = 0, max_slots: int = 64, share_prefix: bool = True,
                  prefix_entries: int = 4):
@@ -176,6 +221,7 @@ class SlotEngine:
         self.lock = VersionGate()
         self.cache = SlotCache(slots=min(8, max_slots))
         self._eos = set(self.eos_token_ids)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self._queue: deque[Request] = deque()
         self._rows: list[Request] = []  # active rows; index = slot
         self._prefixes: list[tuple[tuple[int, ...], list[torch.Tensor], list[torch.Tensor]]] = []
@@ -186,6 +232,7 @@ class SlotEngine:
         self._error: str | None = None
         self.steps = 0  # decoding steps so far
         self.rows_done = 0  # requests completed so far
+        self.rows_cancelled = 0  # requests cancelled (queued or running) so far
         self._worker = threading.Thread(target=self._work, name="selfrl-slot-engine", daemon=True)
         self._worker.start()
 
@@ -206,20 +253,34 @@ class SlotEngine:
         return sum(p._version for p in self._trainable)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
-                 greedy: bool = False, top_p: float = 1.0, on_step: Callable[[torch.Tensor], None] | None = None,
-                 stop: list[str] | None = None) -> list[Generation]:
-        """Sample one continuation per prompt (see :meth:`SamplingEngine.generate`); the rows
-        join whatever batch is running, and the call returns when all of them are done.
+                 greedy: bool = False, top_p: float = 1.0, on_step: Callable[..., None] | None = None,
+                 stop: list[str] | None = None, top_logprobs: int = 0, step_logprobs: bool = False,
+                 constraints: list | None = None, cancel: list[threading.Event | None] | None = None,
+                 ) -> list[Generation]:
+        """Sample one continuation per prompt (see :meth:`SamplingEngine.generate` and, for
+        ``top_logprobs``, ``step_logprobs``, ``constraints`` and ``cancel``,
+        :meth:`selfrl.engine.Engine.generate`); the rows join whatever batch is running,
+        and the call returns when all of them are done.
+
+        A cancelled row stops before the next step: it returns the ids sampled until then
+        (none when it was cancelled before it started) with ``cancelled=True``.
 
         Raises:
-            ValueError: bad arguments (:func:`~selfrl.engines.base.check_generate_args`).
+            ValueError: bad arguments (:func:`~selfrl.engines.base.check_generate_args`), or
+                ``constraints`` / ``cancel`` not one per prompt.
+            selfrl.constrain.ConstraintError: a grammar that does not compile.
             RuntimeError: the engine is closed.
         """
         check_generate_args(prompts, max_new_tokens, temperature, greedy, top_p)
+        for name, per_row in (("constraints", constraints), ("cancel", cancel)):
+            if per_row is not None and len(per_row) != len(prompts):
+                raise ValueError(f"{name} must be one per prompt ({len(prompts)}), got {len(per_row)}")
         hint = shared_prefix_len(prompts) if self.share_prefix else 0
-        reqs = [Request(list(p), max_new_tokens, temperature, greedy, top_p, tuple(stop or ()), prefix_hint=hint,
-                        generator=row_generator(None)) for p in prompts]
-        call = _Call(reqs, on_step, self.pad_token_id) if on_step is not None else None
+        reqs = [self._request(p, max_new_tokens, temperature, greedy, top_p, stop, None, None, top_logprobs,
+                              step_logprobs, None if constraints is None else constraints[i],
+                              None if cancel is None else cancel[i], prefix_hint=hint)
+                for i, p in enumerate(prompts)]
+        call = _Call(reqs, on_step, self.pad_token_id, step_logprobs) if on_step is not None else None
         for r in reqs:
             r.call = call
         self._enqueue(reqs)
@@ -227,24 +288,40 @@ class SlotEngine:
 
     def submit(self, prompt: list[int], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False,
                top_p: float = 1.0, stop: list[str] | tuple[str, ...] | None = None,
-               on_tokens: Callable[[list[int]], None] | None = None, seed: int | None = None) -> Future:
+               on_tokens: Callable[..., None] | None = None, seed: int | None = None, top_logprobs: int = 0,
+               step_logprobs: bool = False, constraint=None, cancel: threading.Event | None = None) -> Future:
         """Queue one continuation; returns a future of its :class:`Generation`.
 
-        ``on_tokens(ids)`` is called from the worker thread with the ids sampled so far.
-        The row samples from its own generator, seeded with ``seed`` (or with a draw from
-        torch's global generator in the calling thread), so what it samples does not
-        depend on which rows share its batch.
-        Blocks only while a swap is waiting or running.
+        ``on_tokens(ids)`` is called from the worker thread with the ids sampled so far
+        (with ``step_logprobs``: ``on_tokens(ids, logprobs, top)``, ``top`` the
+        ``top_logprobs`` alternatives per id or None). The row samples from its own
+        generator, seeded with ``seed`` (or with a draw from torch's global generator in
+        the calling thread), so what it samples does not depend on which rows share its
+        batch. ``constraint`` (a :class:`selfrl.constrain.Constraint`) masks its logits;
+        setting ``cancel`` stops it before the next step (its slot is freed, the result
+        has ``cancelled=True``). Blocks only while a swap is waiting or running.
 
         Raises:
             ValueError: bad arguments.
+            selfrl.constrain.ConstraintError: a grammar that does not compile.
             RuntimeError: the engine is closed.
         """
         check_generate_args([prompt], max_new_tokens, temperature, greedy, top_p)
-        req = Request(list(prompt), max_new_tokens, temperature, greedy, top_p, tuple(stop or ()), on_tokens,
-                      generator=row_generator(seed))
+        req = self._request(prompt, max_new_tokens, temperature, greedy, top_p, stop, on_tokens, seed, top_logprobs,
+                            step_logprobs, constraint, cancel)
         self._enqueue([req])
         return req.future
+
+    def _request(self, prompt, max_new_tokens, temperature, greedy, top_p, stop, on_tokens, seed, top_logprobs,
+                 step_logprobs, constraint, cancel, prefix_hint: int = 0) -> Request:
+        if not 0 <= top_logprobs <= self.vocab_size:
+            raise ValueError(f"top_logprobs must be in [0, {self.vocab_size}], got {top_logprobs}")
+        grammar = None if constraint is None else RowGrammar(constraint, self.tokenizer, self.vocab_size,
+                                                            self.eos_token_ids)
+        return Request(list(prompt), max_new_tokens, temperature, greedy, top_p, tuple(stop or ()), on_tokens,
+                       prefix_hint=prefix_hint, generator=row_generator(seed), top_logprobs=top_logprobs,
+                       step_logprobs=step_logprobs, grammar=grammar, cancel=cancel,
+                       constrained=None if grammar is None else [], top=[] if top_logprobs else None)
 
     def swap(self, adapter: AdapterSource, version: int) -> float:
         """Wait for the requests in flight, then load ``adapter`` as ``version`` in place
@@ -261,8 +338,10 @@ class SlotEngine:
     def health(self) -> EngineHealth:
         """Ok while the worker thread runs; the detail gives rows, queue and cache size."""
         ok = self._worker.is_alive() and not self._closed
+        state = "busy" if self._rows or self._queue else "idle"  # the reference engine's words first
         detail = (self._error or "closed") if not ok else (
-            f"{len(self._rows)} active rows, {len(self._queue)} queued, cache {self.cache.nbytes / 2**20:.0f} MiB")
+            f"{state}: {len(self._rows)} active rows, {len(self._queue)} queued, "
+            f"cache {self.cache.nbytes / 2**20:.0f} MiB")
         return EngineHealth(ok, self.version, self.name, detail)
 
     def close(self) -> None:
@@ -336,53 +415,95 @@ class SlotEngine:
         return out.logits[:, -1].float()
 
     def _step(self) -> None:
+        """Admit queued requests (prefill, first token: streamed at once, so a new request's
+        time to first token is one prefill, not a decoding step more), then one decoding
+        step for every active row, the new ones included."""
         if self.model.training:
             self.model.eval()
-        parts = []
-        rows = self._rows
-        if rows:  # one decoding step for the rows already running
-            lens = torch.tensor([r.length for r in rows])  # (B,) the new token goes to column lens
-            width = int(lens.max()) + 1
-            self.cache.set_pass(slice(0, len(rows)), width, torch.arange(len(rows))[:, None], lens[:, None])
-            mask = (torch.arange(width)[None, :] <= lens[:, None])[:, None, None, :]  # (B, 1, 1, W)
-            ids = torch.tensor([[r.token_ids[-1]] for r in rows])  # (B, 1)
-            parts.append(self._forward(ids, lens[:, None], mask))
-            for r in rows:
-                r.length += 1
-            self.steps += 1
+        self._drop_cancelled()
         with self._cond:
-            room = self.max_slots - len(rows)
+            room = self.max_slots - len(self._rows)
             new = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
         cancelled = [r for r in new if not r.future.set_running_or_notify_cancel()]
         for _ in cancelled:
             self.lock.release_shared()
         new = [r for r in new if r not in cancelled]
         if new:
-            parts.append(self._prefill(new))
-            rows = self._rows = rows + new
-        if not rows:
-            return
-        logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # (B, V)
-        ids, logps = sample_tokens(
-            logits, torch.tensor([r.temperature for r in rows]), torch.tensor([r.greedy for r in rows]),
-            torch.tensor([r.top_p for r in rows]), [r.generator for r in rows])
+            logits = self._prefill(new)  # (b, V)
+            self._rows = self._rows + new
+            self._sample(new, logits)
+        rows = self._rows
+        if rows:  # one decoding step for the active rows
+            lens = torch.tensor([r.length for r in rows])  # (B,) the new token goes to column lens
+            width = int(lens.max()) + 1
+            self.cache.set_pass(slice(0, len(rows)), width, torch.arange(len(rows))[:, None], lens[:, None])
+            mask = (torch.arange(width)[None, :] <= lens[:, None])[:, None, None, :]  # (B, 1, 1, W)
+            ids = torch.tensor([[r.token_ids[-1]] for r in rows])  # (B, 1)
+            logits = self._forward(ids, lens[:, None], mask)  # (B, V)
+            for r in rows:
+                r.length += 1
+            self.steps += 1
+            self._sample(rows, logits)
+
+    def _sample(self, rows: list[Request], logits: torch.Tensor) -> None:
+        """Choose the next id of each of ``rows`` from its (B, V) ``logits``, record it, stream
+        it, and finish (and free the slots of) the rows that end."""
+        allowed = None  # (B, V) the ids each row's grammar allows
+        if any(r.grammar is not None for r in rows):
+            allowed = torch.ones(len(rows), logits.shape[-1], dtype=torch.bool)
+            for i, r in enumerate(rows):
+                if r.grammar is not None:
+                    allowed[i] = r.grammar.allowed()
+        greedy = torch.tensor([r.greedy for r in rows])  # (B,)
+        logp = next_token_logps(logits, torch.tensor([r.temperature for r in rows]), greedy, allowed)  # (B, V)
+        ids = choose_tokens(logp, greedy, torch.tensor([r.top_p for r in rows]), [r.generator for r in rows])  # (B,)
+        logps = logp.gather(-1, ids[:, None]).squeeze(-1)  # (B,)
+        k = max(r.top_logprobs for r in rows)
+        top = logp.topk(min(k, logp.shape[-1]), dim=-1) if k else None  # (B, k) values and indices
         done, calls = [], {}
         for i, (r, t, lp) in enumerate(zip(rows, ids.tolist(), logps.tolist())):
             r.token_ids.append(t)
             r.logprobs.append(lp)
-            if r.on_tokens is not None:
-                r.on_tokens(list(r.token_ids))
+            if r.top is not None:
+                n = r.top_logprobs
+                r.top.append(list(zip(top.indices[i, :n].tolist(), top.values[i, :n].tolist())))
+            if r.grammar is not None:
+                r.constrained.append(bool((~allowed[i]).any()))
+                try:
+                    r.grammar.advance(t)
+                except Exception as e:  # this row fails; the others go on
+                    done.append(i)
+                    self._finish(r, error=e)
+                    continue
+            r.report()
             if r.call is not None:
                 calls[id(r.call)] = r.call
             stopped = bool(r.stop) and t not in self._eos and any(
                 s in self.tokenizer.decode(r.token_ids, skip_special_tokens=True) for s in r.stop)
             if t in self._eos or stopped or len(r.token_ids) >= r.max_new_tokens:
                 done.append(i)
-                gen = Generation(r.token_ids, r.logprobs, t in self._eos or stopped, r.version, stopped=stopped)
                 self.rows_done += 1
-                self._finish(r, gen)
+                self._finish(r, r.result(t in self._eos or stopped, stopped=stopped))
         for c in calls.values():
             c.emit()
+        self._release([self._rows.index(rows[i]) for i in done])
+
+    def _drop_cancelled(self) -> None:
+        """Finish every queued or running request whose cancel event is set (``cancelled=True``,
+        the ids sampled so far) and free the slots of the running ones."""
+        with self._cond:
+            gone = [r for r in self._queue if r.cancel is not None and r.cancel.is_set()]
+            for r in gone:
+                self._queue.remove(r)
+        for r in gone:
+            if r.future.set_running_or_notify_cancel():
+                self._finish(r, r.result(False, cancelled=True))
+            else:
+                self.lock.release_shared()
+        done = [i for i, r in enumerate(self._rows) if r.cancel is not None and r.cancel.is_set()]
+        for i in done:
+            self._finish(self._rows[i], self._rows[i].result(False, cancelled=True))
+        self.rows_cancelled += len(gone) + len(done)
         self._release(done)
 
     def _release(self, done: list[int]) -> None:

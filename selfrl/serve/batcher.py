@@ -13,8 +13,8 @@ it started with.
 With a continuous-batching engine (one with ``submit``, e.g.
 :class:`selfrl.engines.slots.SlotEngine`) there is no batch to collect: each request
 is handed to the engine as it arrives and joins the batch already decoding, with
-its own sampling settings and token limit; the engine's version gate keeps each
-request on one version. Requests that name a version other than the served one
+its own sampling settings, token limit, grammar, cancel event and top logprobs; the
+engine's version gate keeps each request on one version. Requests that name a version other than the served one
 still go through ``run_on_version`` one group at a time.
 """
 
@@ -178,14 +178,28 @@ class Batcher:
         return job.version is not None and job.version != self.engine.version
 
     def _hand_over(self, job: Job) -> None:
-        """Give one job to a continuous engine; its future resolves when the engine's does."""
+        """Give one job to a continuous engine; its future resolves when the engine's does.
+        Its grammar, cancel event, top logprobs and streamed logprobs go with it; an engine
+        that cannot take one of them fails the job (never samples it without)."""
         if not job.future.set_running_or_notify_cancel():
             return
-        if job.constraint is not None:  # never sample a constrained row without its grammar
-            job.future.set_exception(RuntimeError("this engine cannot constrain decoding (submit takes no grammar)"))
+        if job.cancel.is_set():  # the client left before its turn came
+            job.future.set_result(Generation([], [], False, self.engine.version, cancelled=True))
             return
+        extra = {"cancel": job.cancel}
+        if job.constraint is not None:
+            extra["constraint"] = job.constraint
+        if job.top_logprobs:
+            extra["top_logprobs"] = job.top_logprobs
+        if job.step_logprobs and job.on_tokens is not None:
+            extra["step_logprobs"] = True
+        missing = [k for k in extra if not _accepts(self.engine.submit, k)]
+        if "constraint" in missing or "top_logprobs" in missing:  # never sample a row without what it asked for
+            job.future.set_exception(RuntimeError(f"this engine's submit takes no {' or '.join(missing)}"))
+            return
+        for k in missing:  # cancel: the row runs to its end; step_logprobs: the stream gets them at the end
+            extra.pop(k)
         try:
-            extra = {"top_logprobs": job.top_logprobs} if job.top_logprobs else {}
             fut = self.engine.submit(job.prompt, job.max_new_tokens, job.temperature, greedy=job.greedy,
                                      top_p=job.top_p, stop=list(job.stop) or None, on_tokens=job.on_tokens, **extra)
         except Exception as e:

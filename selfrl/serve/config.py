@@ -63,7 +63,7 @@ class ServeConfig:
     max_request_bytes: int = 4_000_000  # larger request bodies get a 413 before they are read
     tools_prompt: ToolsPrompt = "compact"  # how request tools are shown to a template without tool support
     seed: int = 0
-    engine: str = DEFAULT_SERVE_ENGINE  # sampling backend: reference | slots (slots: no grammars, cancel, top logprobs)
+    engine: str = DEFAULT_SERVE_ENGINE  # sampling backend: reference (batches) | slots (requests join the running batch)
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
     train: TrainConfig = field(default_factory=TrainConfig)
