@@ -78,7 +78,7 @@ class UpdateCycle:
         result = self.learner.step(trajs, on_micro_batch=on_micro_batch)
         if result.skipped:
             self.ledger.event(EventKind.SKIP, f"iteration {step}: update skipped: {result.note}",
-                              {"reason": result.reason.value, **result.metrics()})
+                              {"iteration": step, "reason": result.reason.value, **result.metrics()})
             return CycleStep(result)
         if faults.active("noise"):
             faults.add_noise(self.learner.params)

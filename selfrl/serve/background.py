@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from selfrl import collapse
+from selfrl import collapse, faults
 from selfrl.collapse import CollapseGuard, CollapseStop
 from selfrl.cycle import UpdateCycle
 from selfrl.detectors import HackingMonitor
@@ -208,6 +208,7 @@ class BackgroundLearner(threading.Thread):
     def update(self, batch: list[tuple[Trajectory, dict]]) -> dict[str, Any]:
         """Score, update, save a candidate, check the collapse rules, validate it, publish or reject it."""
         t0, cycle = time.perf_counter(), self.cycle
+        faults.set_iteration(self.updates)  # SELFRL_FAULT counts the learner's updates as iterations
         self._apply_reset()
         cycle.check_budget()
         scored, unscored = self.score(batch)
@@ -227,7 +228,7 @@ class BackgroundLearner(threading.Thread):
             self.last = info
             return info
         version = step.candidate.version
-        metrics = step.result.metrics() | {"reward/mean": reward_mean}
+        metrics = step.result.metrics() | {"reward/mean": reward_mean, "version": float(version)}
         if step.candidate_kl is not None:
             metrics["candidate_kl"] = step.candidate_kl
         records.mark(self.store, scored, "trained", version)
