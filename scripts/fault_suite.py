@@ -16,8 +16,17 @@ random Phi saved to a temporary folder, with ``SELFRL_FAULT`` set (see ``selfrl/
   stored before the kill is still there, byte for byte, and every version marked
   served (promoted or base) is complete (``adapters.verify_version``).
 
+* ``serve:noise@1``, ``serve:lr_x1000@1``, ``serve:nan_loss@1``: the same faults in the
+  second update of ``selfrl serve``'s background learner (in this process, uvicorn on
+  loopback) while client threads keep sending rated chat requests; recovered when the
+  collapse rules rolled the faulty candidate back (``nan_loss``: the update was skipped),
+  every request got a 200, and every response named a version that existed, had been
+  swapped in, is base or promoted, and is not older than the version served when it was
+  sent (:func:`bad_served`).
+
 It prints a table (faults injected, recovered, trajectories lost, corrupt versions
-served) and writes the rows as JSON. ``tests/test_faults.py`` runs the same checks.
+served; for serve: requests, failed requests, bad versions served) and writes the rows
+as JSON. ``tests/test_faults.py`` and ``tests/test_serve_faults.py`` run the same checks.
 """
 
 from __future__ import annotations
@@ -460,7 +469,24 @@ def judge_serve(fault: str, responses: list[Response], rows: dict[int, dict], ev
 def all_faults() -> list[str]:
     from selfrl.faults import POINTS
 
-    return ["lr_x1000@1", "noise@1", "nan_loss@1"] + [f"kill:{p}@1" for p in POINTS]
+    return (["lr_x1000@1", "noise@1", "nan_loss@1"] + [f"kill:{p}@1" for p in POINTS]
+            + [f"serve:{f}" for f in SERVE_FAULTS])
+
+
+SERVE_FAULTS = ("noise@1", "lr_x1000@1", "nan_loss@1")  # injected into selfrl serve's learner under traffic
+
+
+def serve_table(outcomes: list[ServeOutcome]) -> str:
+    """The serve faults' table and totals (plain text, Markdown-compatible)."""
+    lines = ["| fault | recovered | requests | failed requests | bad versions served | seconds | detail |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {o.fault} | {'yes' if o.recovered else 'NO'} | {o.requests} | {o.failed_requests} | "
+              f"{o.bad_versions_served} | {o.seconds:.0f} | {o.detail} |" for o in outcomes]
+    lines += ["", "| serve faults injected | recovered | requests | failed requests | bad versions served |",
+              "|---|---|---|---|---|",
+              f"| {len(outcomes)} | {sum(o.recovered for o in outcomes)} | {sum(o.requests for o in outcomes)} | "
+              f"{sum(o.failed_requests for o in outcomes)} | {sum(o.bad_versions_served for o in outcomes)} |"]
+    return "\n".join(lines)
 
 
 def table(outcomes: list[Outcome]) -> str:
@@ -480,27 +506,39 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/fault_suite.json", help="where the JSON rows go")
     p.add_argument("--keep", help="keep the run folders here (default: a temporary folder, removed)")
-    p.add_argument("--faults", nargs="*", help="only these faults (default: all)")
+    p.add_argument("--faults", nargs="*", help="only these faults, e.g. noise@1 serve:noise@1 (default: all)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
         model_dir = save_tiny_model(work / "tiny-model")
-        outcomes = []
+        outcomes: list[Outcome] = []
         for fault in args.faults or all_faults():
-            outcomes.append(run_fault(fault, model_dir, work))
+            if fault.startswith("serve:"):
+                outcomes.append(run_serve_fault(fault.removeprefix("serve:"), model_dir, work))
+            else:
+                outcomes.append(run_fault(fault, model_dir, work))
             print(f"{fault}: {'recovered' if outcomes[-1].recovered else 'NOT RECOVERED'} "
                   f"({outcomes[-1].seconds:.0f} s) {outcomes[-1].detail}", flush=True)
-    print(table(outcomes))
+    runs = [o for o in outcomes if not isinstance(o, ServeOutcome)]
+    serves = [o for o in outcomes if isinstance(o, ServeOutcome)]
+    if runs:
+        print(table(runs))
+    if serves:
+        print(serve_table(serves))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = {"faults_injected": len(outcomes), "faults_recovered": sum(o.recovered for o in outcomes),
                "trajectories_lost": sum(o.trajectories_lost for o in outcomes),
-               "corrupt_versions_served": sum(o.corrupt_versions_served for o in outcomes)}
+               "corrupt_versions_served": sum(o.corrupt_versions_served for o in outcomes),
+               "serve_requests": sum(o.requests for o in serves),
+               "serve_failed_requests": sum(o.failed_requests for o in serves),
+               "serve_bad_versions_served": sum(o.bad_versions_served for o in serves)}
     out.write_text(json.dumps({"summary": summary, "faults": [asdict(o) for o in outcomes]}, indent=2))
     print(f"written: {out}")
     ok = summary["faults_recovered"] == summary["faults_injected"] and not summary["trajectories_lost"] \
-        and not summary["corrupt_versions_served"]
+        and not summary["corrupt_versions_served"] and not summary["serve_failed_requests"] \
+        and not summary["serve_bad_versions_served"]
     return 0 if ok else 1
 
 
