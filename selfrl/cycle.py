@@ -150,6 +150,18 @@ class UpdateCycle:
             self.ledger.event(EventKind.COLLAPSE_STOP, msg, {"rollbacks": self.guard.rollbacks})
             raise CollapseStop(msg)
 
+    def resume(self, store) -> int:
+        """After a restart (``run --resume``, or ``serve`` on a run directory it served before):
+        the collapse rollbacks counted from the ``collapse`` events of ``store``, the history
+        rebuilt from its metrics (:func:`selfrl.collapse.history_from_metrics`), and the safer
+        setting applied once per rollback, so the budget and the setting outlive the process.
+        Returns the number of rollbacks."""
+        self.guard.rollbacks = sum(1 for e in store.events() if e["kind"] == EventKind.COLLAPSE.value)
+        self.guard.history = collapse.history_from_metrics(store.metrics())
+        self.guard.new_chain()
+        self.restore_setting()
+        return self.guard.rollbacks
+
     def restore_setting(self) -> None:
         """On resume: apply the safer setting once per earlier collapse rollback."""
         for _ in range(self.guard.rollbacks):

@@ -335,10 +335,7 @@ class Runner:
         (a damaged base is re-saved by :meth:`Ledger.ensure_base`)."""
         s = self.s
         s.ledger.recover_strays()
-        guard = s.cycle.guard
-        guard.rollbacks = sum(1 for e in s.store.events() if e["kind"] == EventKind.COLLAPSE.value)
-        guard.history = collapse.history_from_metrics(s.store.metrics())
-        s.cycle.restore_setting()
+        s.cycle.resume(s.store)
 
     def run(self) -> RunResult:
         s = self.s

@@ -81,3 +81,54 @@ def test_bad_served_names_each_kind_of_bad_version():
         "response 2: version 3 was not yet served",
         "response 3: sent while version 1 served, answered by version 0",
         "response 4: version 7 did not exist"]
+
+
+def rated_turns(service, n=4):
+    """``n`` served turns of one group, rated +1 / -1 in turn, stored as the server stores them."""
+    from selfrl.serve import records
+    from selfrl.trajectory import Trajectory
+
+    batch = []
+    with service.store.lock:
+        for i in range(n):
+            t = Trajectory("arith", "arith", service.engine.version, prompt_len=3, token_ids=[5, 6, 7, 10 + i, 11],
+                           completion_mask=[0, 0, 0, 1, 1], logprobs=[0.0] * 5)
+            records.add_turn(service.store, service.run_id, t, t.id, 0, t.id, "arith", t.id)
+            batch.append((t, {"feedback": (-1.0) ** i, "group_key": "arith"}))
+    return batch
+
+
+def test_a_restart_keeps_the_collapse_budget_history_and_safer_setting(tiny_tokenizer, tiny_model_factory, tmp_path):
+    # as run --resume does: before, a restarted server forgot its rollbacks and learned at the old rate
+    import copy
+
+    from selfrl.collapse import CollapseStop
+    from selfrl.serve.service import Service
+    from serving import tiny_serve_config
+
+    cfg = tiny_serve_config(tmp_path / "run", min_batch=4)
+    cfg.train.learning_rate, cfg.train.beta = 1e-2, 0.05
+    cfg.collapse.max_kl, cfg.collapse.max_rollbacks = 1e-12, 1  # every candidate's KL fires the rule
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    service = Service(model, tiny_tokenizer, cfg, learner_model=copy.deepcopy(model))
+    try:
+        info = service.learner.update(rated_turns(service))
+        assert info["result"] == "rolled back (collapse)" and info["version"] == 1
+        assert service.learner.learner.cfg.learning_rate == pytest.approx(5e-3)
+    finally:
+        service.close()
+    again = Service(model, tiny_tokenizer, cfg, learner_model=copy.deepcopy(model))
+    try:
+        learner = again.learner
+        assert learner.updates == 1 and learner.cycle.guard.rollbacks == 1
+        assert [(r.step, r.version) for r in learner.cycle.guard.history] == [(0, 0)]
+        assert learner.learner.cfg.learning_rate == pytest.approx(5e-3)  # x 0.5 once, not reset to 1e-2
+        assert learner.learner.cfg.beta == pytest.approx(0.1)
+        info = learner.update(rated_turns(again))  # rollback 2 of 1 allowed: the budget is spent
+        assert info["result"] == "rolled back (collapse)" and info["version"] == 2
+        with pytest.raises(CollapseStop, match="2 collapse rollbacks exceed collapse.max_rollbacks = 1"):
+            learner.update(rated_turns(again))
+        metrics = {(m["step"], m["name"]) for m in again.store.metrics()}
+        assert {(0, "train/entropy"), (1, "train/entropy"), (1, "sampled_version")} <= metrics
+    finally:
+        again.close()

@@ -118,7 +118,9 @@ class BackgroundLearner(threading.Thread):
                                  cfg.gate.tolerance, cfg.train.scale_rewards, load=self._load)
         self.lock = threading.RLock()
         self._halt = threading.Event()
-        self.updates = 0
+        done = [m["step"] for m in store.metrics() if m["name"] == "reward/mean"]
+        self.updates = max(done) + 1 if done else 0  # numbered on from the run directory's earlier sessions
+        self.cycle.resume(store)  # their collapse rollbacks, history and safer setting, as run --resume
         self.last: dict[str, Any] = {}
         self.error: str | None = None
         self.busy = False  # between taking a batch and finishing its gate
@@ -228,14 +230,16 @@ class BackgroundLearner(threading.Thread):
             self.last = info
             return info
         version = step.candidate.version
-        metrics = step.result.metrics() | {"reward/mean": reward_mean, "version": float(version)}
+        # the names run logs, so that a restart rebuilds the collapse history (UpdateCycle.resume)
+        metrics = step.result.metrics() | {"reward/mean": reward_mean, "version": float(version),
+                                           "sampled_version": float(parent),
+                                           "train/entropy": collapse.entropy_estimate(scored),
+                                           "train/degenerate": collapse.degenerate_share(scored, self.cfg.collapse)}
         if step.candidate_kl is not None:
             metrics["candidate_kl"] = step.candidate_kl
         records.mark(self.store, scored, "trained", version)
         self.store.log_metrics(self.ledger.run_id, step_no, metrics)
-        rec = collapse.UpdateRecord(step_no, parent, reward_mean, collapse.entropy_estimate(scored),
-                                    collapse.degenerate_share(scored, self.cfg.collapse), metrics.get("kl"),
-                                    step.candidate_kl)
+        rec = collapse.record_from_metrics(step_no, metrics)
         info.update(version=version, update_s=step.result.stats.get("time/update_s"))
         if cycle.observe(rec):  # a cheap collapse rule fired: rolled back before validation
             info["result"] = "rolled back (collapse)"
