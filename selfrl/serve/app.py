@@ -132,7 +132,7 @@ def create_app(service: Service, api_key: str | None, protect_completions: bool 
         resp = await service.complete(req, client, is_disconnected=request.is_disconnected)
         return JSONResponse(resp, headers={VERSION_HEADER: str(resp["adapter_version"])})
 
-    responses_log = ResponseLog()
+    responses_log = ResponseLog(service.store)
 
     @app.post("/v1/responses", dependencies=open_or_key)
     async def responses(req: ResponsesRequest, request: Request):
