@@ -64,6 +64,16 @@ def test_parse_completion_returns_openai_tool_calls():
     content, calls, recs = parse_completion("<tool_call>{oops</tool_call>", tools)
     assert calls == [] and content == "{oops" and recs[0].error
     assert parse_completion("<tool_call>{}</tool_call>", []) == ("{}", [], [])  # no tools offered
+    # a call cut off before </tool_call> (max_tokens) while tools are offered: neither a call nor content
+    content, calls, recs = parse_completion('Sure. <tool_call>\n{"name": "calcu', tools)
+    assert (content, calls) == ("Sure.", []) and recs[0].error == "unclosed <tool_call>"
+    assert parse_completion('<tool_call>{"name": "calcu', tools)[:2] == (None, [])
+    # with no tools offered (tool_choice "none") it stays text, as every block does
+    assert parse_completion('<tool_call>{"name": "calcu', []) == ('{"name": "calcu', [], [])
+    # a tag cut off at the end is markup as well, with tools or without
+    assert parse_completion("The sum is <tool_", tools)[0] == "The sum is"
+    assert parse_completion('<tool_call>{"a": 1}</tool_c', [])[0] == '{"a": 1}'
+    assert parse_completion("<", tools)[:2] == (None, [])
 
 
 @pytest.mark.parametrize("bad", [

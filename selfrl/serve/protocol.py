@@ -382,6 +382,12 @@ def split_completion(text: str, tools: list[Tool]) -> Completion:
       ``tool_calls`` (its arguments are checked against the tool's schema; a mismatch
       is recorded as a failed call but still returned, since the client runs the tool
       and reports the error back);
+    * a block cut off before its ``</tool_call>`` (the ``max_tokens`` limit, or an end
+      token inside it) while tools are offered is dropped whole: the partial call is
+      neither a call nor content (recorded as a failed call). With
+      ``tool_choice: "required"`` or a named function and a tiny ``max_tokens`` the
+      answer is then ``content: null``, no ``tool_calls``, ``finish_reason: "length"``.
+      A tag itself cut off at the end of the text (``<tool_``, ``</tool_ca``) is dropped too;
     * any other block (malformed, an unknown tool, or no tools offered, which is the
       case under ``tool_choice: "none"``) is not a call: it is returned as plain text,
       the text between its tags, in place. ``<tool_call>``/``</tool_call>`` markup
@@ -404,13 +410,21 @@ def split_completion(text: str, tools: list[Tool]) -> Completion:
                         "function": {"name": c.name, "arguments": json.dumps(c.arguments)}})
             removed.append((start, end))
             continue
+        closed = (end - len(TOOL_CALL_CLOSE) >= start + len(TOOL_CALL_OPEN)
+                  and text.startswith(TOOL_CALL_CLOSE, end - len(TOOL_CALL_CLOSE)))
         if tools:
             why = c.error or f"unknown tool {c.name!r}; valid tools: {', '.join(sorted(by_name))}"
             records.append(ToolCallRecord(c.name, c.arguments, c.raw, False, f"error: {why}", why))
+            if not closed:  # a call cut off (by max_tokens, or an end token): not a call, and not text either
+                removed.append((start, end))
+                continue
         removed.append((start, start + len(TOOL_CALL_OPEN)))  # the tags go, the text between them stays
-        closed = end - len(TOOL_CALL_CLOSE) >= start + len(TOOL_CALL_OPEN)
-        if closed and text.startswith(TOOL_CALL_CLOSE, end - len(TOOL_CALL_CLOSE)):
+        if closed:
             removed.append((end - len(TOOL_CALL_CLOSE), end))
+    for tag in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE):  # a tag cut off at the very end ("<tool_") is markup too
+        k = next((k for k in range(len(tag) - 1, 0, -1) if text.endswith(tag[:k])), 0)
+        if k:
+            removed.append((len(text) - k, len(text)))
     kept = _complement(len(text), removed)
     stray = []  # a "</tool_call>" with no opening tag
     for s, e in kept:
