@@ -217,6 +217,10 @@ def test_bad_requests_get_openai_errors_and_store_nothing(server, client):
         (dict(body={"model": "selfrl", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1}), 400, "presence_penalty"),
         (dict(body={"model": "selfrl@v99", "messages": [{"role": "user", "content": "x"}]}), 404, "model"),
         (dict(body={"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}), 404, "model"),
+        (dict(body={"model": "selfrl", "messages": [{"role": "user", "content": None}]}), 400, "messages"),
+        (dict(body={"model": "selfrl", "messages": [{"role": "user", "content": "x"},
+                                                    {"role": "tool", "tool_call_id": "c9", "content": "5"}]}),
+         400, "messages"),
     ]
     for kwargs, code, param in cases:
         status, body = http("POST", url + "/v1/chat/completions", **kwargs)
@@ -224,6 +228,9 @@ def test_bad_requests_get_openai_errors_and_store_nothing(server, client):
         assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"]
         if param:
             assert param in (body["error"]["param"] or ""), body
+        if kwargs.get("body", {}).get("messages", [{}])[-1:] in ([{"role": "user", "content": None}],
+                                                                  [{"role": "tool", "tool_call_id": "c9", "content": "5"}]):
+            assert "messages[" in body["error"]["message"], body  # the reason names the message
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="selfrl@v99", messages=[{"role": "user", "content": "x"}])
     assert service.store.count_trajectories() == before

@@ -98,6 +98,28 @@ class Message(_Strict):
         return "".join(parts)
 
 
+def check_messages(messages: list[Message]) -> None:
+    """The conversation rules OpenAI applies: a system, developer, user or tool message has
+    content (not null); an assistant message has content, ``tool_calls`` or a refusal; a
+    tool message's ``tool_call_id`` answers a call of an earlier assistant message.
+
+    Raises:
+        ValueError: the first message that breaks one, named by index and role.
+    """
+    calls: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.role == "assistant":
+            if m.content is None and not m.tool_calls and m.refusal is None:
+                raise ValueError(f"messages[{i}]: an assistant message needs content or tool_calls (both are null)")
+            calls.update(c.id for c in m.tool_calls or [])
+        elif m.content is None:
+            raise ValueError(f"messages[{i}]: content of a {m.role!r} message must not be null")
+        if m.role == "tool" and m.tool_call_id not in calls:
+            said = "has no tool_call_id" if m.tool_call_id is None else f"answers tool_call_id {m.tool_call_id!r}"
+            raise ValueError(f"messages[{i}]: the tool message {said}, which is no tool call of an earlier "
+                             "assistant message")
+
+
 def check_parameters_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """Refuse a tool's ``parameters`` that the prompt and the argument checks cannot read:
     ``properties`` must map names to objects, a property's ``type`` must be a string or a
@@ -195,6 +217,12 @@ class ChatCompletionRequest(BaseModel):
             return v
         raise ValueError('response_format must be {"type": "text"}, {"type": "json_object"} or '
                          '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}')
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v: list[Message]) -> list[Message]:
+        check_messages(v)
+        return v
 
     @field_validator("stop")
     @classmethod
