@@ -312,3 +312,14 @@ def test_a_forced_call_cut_off_by_max_tokens_returns_no_markup(server, client, c
     assert sampled.startswith("<tool_call>"[:len(sampled)])  # what was cut: the forced call
     if "<tool_call>" in sampled:  # the block opened: recorded as a failed call
         assert [c.error for c in traj.tool_calls] == ["unclosed <tool_call>"]
+
+
+@pytest.mark.parametrize("rating", [b"NaN", b"Infinity", b"-Infinity", b'"nan"'])
+def test_a_non_finite_rating_is_named_as_such(server, client, rating):
+    url, _ = server
+    resp = client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    raw = b'{"response_id": "' + resp.id.encode() + b'", "rating": ' + rating + b"}"
+    status, body = http("POST", url + "/v1/feedback", raw=raw, key=API_KEY)
+    assert status == 400 and body["error"]["param"] == "rating"
+    assert "rating must be a finite number" in body["error"]["message"]
+    assert "less than or equal" not in body["error"]["message"]

@@ -25,6 +25,7 @@ ignored: requests are batched, so a per-request seed cannot be honoured.
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -267,6 +268,19 @@ class FeedbackRequest(_Strict):
     corrected: bool = False
     correction: str | None = Field(default=None, max_length=20000)
     comment: str | None = Field(default=None, max_length=20000)
+
+    @field_validator("rating", mode="before")
+    @classmethod
+    def _finite(cls, v):
+        """NaN and infinity (JSON ``NaN``, ``Infinity`` or the strings) are named as what they are,
+        not as out of range."""
+        try:
+            x = float(v) if isinstance(v, (int, float, str)) and not isinstance(v, bool) else None
+        except ValueError:
+            return v  # not a number at all: pydantic's own message says so
+        if x is not None and not math.isfinite(x):
+            raise ValueError(f"rating must be a finite number in [-1, 1], got {v!r}")
+        return v
 
 
 class VersionRequest(_Strict):
