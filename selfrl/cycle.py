@@ -88,6 +88,17 @@ class UpdateCycle:
             kl = self.learner.probe_kl(trajs, self.collapse_cfg.kl_probe_size)
         return CycleStep(result, candidate, kl)
 
+    def probe(self, version: int, engine, source, tools, rollout_cfg) -> dict[str, float]:
+        """The ``probe_regression`` detector at a validation of ``version`` (the engine's current
+        weights): the source's probe tasks scored, a ``hacking`` event per alert; returns the
+        ``hacking/probe_*`` metrics ({} when the detector is off or the source has no probes)."""
+        if self.monitor is None or not self.monitor.runs_probes:
+            return {}
+        probes = self.monitor.run_probes(engine, source, tools, rollout_cfg)
+        for alert in self.monitor.pop_alerts():
+            self.ledger.event(EventKind.HACKING, f"version {version}: {alert}")
+        return probes
+
     def observe(self, rec: UpdateRecord) -> str | None:
         """Record one update for the collapse rules; when a cheap rule fires, roll back now and
         return the ``collapse`` event's message (None when no rule fired)."""

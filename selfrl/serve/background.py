@@ -166,7 +166,8 @@ class BackgroundLearner(threading.Thread):
         res = validate(self.engine, self.val, self.source, self.tools, self.cfg.rollout, self.cfg.gate.batch_size,
                        collapse=self.cfg.collapse)
         self.ledger.record_validation(version, res.success, res.degenerate, res.results)
-        self.store.log_metrics(self.ledger.run_id, self.updates, {"time/validation_s": res.seconds})
+        probes = self.cycle.probe(version, self.engine, self.source, self.tools, self.cfg.rollout)  # as run does
+        self.store.log_metrics(self.ledger.run_id, self.updates, {"time/validation_s": res.seconds, **probes})
         return res
 
     def tick(self) -> bool:
