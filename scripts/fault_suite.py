@@ -254,6 +254,7 @@ class Response:
     version: int | None = None
     streamed: bool = False
     error: str = ""
+    id: str = ""  # the response id (chatcmpl-...), when answered
 
 
 def serve_config(model_dir: Path, run_dir: Path):
@@ -308,7 +309,7 @@ def traffic(url: str, key: str, k: int, stop, out: list[Response]) -> None:
             r.status, headers, resp = _call(url + "/v1/chat/completions", body)
             r.answered = time.time()
             if r.status == 200:
-                r.version = int(resp["adapter_version"])
+                r.version, r.id = int(resp["adapter_version"]), resp["id"]
                 said = {int(headers.get(VERSION_HEADER, -1)), *resp.get("chunk_versions", {r.version})}
                 if said != {r.version}:
                     r.error = f"the header and the body name different versions: {sorted(said)}"
@@ -333,14 +334,20 @@ def serve_timeline(events: list[dict]) -> list[tuple[float, int]]:
                          if e["kind"] == "swap" and e["data"].get("served", True)]
 
 
-def bad_served(responses: list[Response], versions: dict[int, dict], timeline: list[tuple[float, int]]) -> list[str]:
+def bad_served(responses: list[Response], versions: dict[int, dict], timeline: list[tuple[float, int]],
+               sampled: dict[str, int] | None = None) -> list[str]:
     """Responses that name a version which did not exist when they were answered, was never
     swapped in before they were answered, is not servable now (rejected, rolled back, a
-    candidate), or is older than the version served when they were sent (a request sent
-    after a swap must get the new version). One line each."""
+    candidate), is older than the version served when they were sent (a request sent
+    after a swap must get the new version), or is not the version the stored turn was
+    sampled with (``sampled``: response id -> the trajectory's ``adapter_version``). One
+    line each."""
     bad = []
     for i, r in enumerate(x for x in responses if x.version is not None):
         v, row = r.version, versions.get(r.version)
+        if sampled is not None and sampled.get(r.id) != v:
+            bad.append(f"response {i}: names version {v}, its turn was sampled on {sampled.get(r.id)}")
+            continue
         swapped = [t for t, ver in timeline if ver == v]
         served_at_send = max((ver for t, ver in timeline if t <= r.sent), default=0)
         if row is None or row["created_at"] > r.answered:
@@ -380,6 +387,7 @@ def run_serve_fault(fault: str, model_dir: Path, work: Path, clients: int = SERV
 
     from selfrl import faults
     from selfrl.model import build_policy
+    from selfrl.serve import records
     from selfrl.serve.app import create_app
     from selfrl.serve.main import bind
     from selfrl.serve.service import Service
@@ -418,6 +426,12 @@ def run_serve_fault(fault: str, model_dir: Path, work: Path, clients: int = SERV
             rows = {v["version"]: v for v in service.store.versions()}
             events = service.store.events()
             metrics = service.store.metrics()
+            by_traj = {t.id: t.adapter_version for t in service.store.trajectories()}
+            sampled = {}
+            for r in responses:
+                row = records.find_response(service.store, r.id) if r.id else None
+                if row is not None:
+                    sampled[r.id] = by_traj.get(row["trajectory_id"])
         error, done = learner.error, learner.updates
     finally:
         stop.set()
@@ -428,16 +442,17 @@ def run_serve_fault(fault: str, model_dir: Path, work: Path, clients: int = SERV
             os.environ.pop(faults.ENV, None)
         else:
             os.environ[faults.ENV] = old
-    out = judge_serve(fault, responses, rows, events, metrics, error, done, updates)
+    out = judge_serve(fault, responses, rows, events, metrics, error, done, updates, sampled)
     out.seconds = time.perf_counter() - t0
     return out
 
 
 def judge_serve(fault: str, responses: list[Response], rows: dict[int, dict], events: list[dict],
-                metrics: list[dict], error: str | None, done: int, updates: int) -> ServeOutcome:
+                metrics: list[dict], error: str | None, done: int, updates: int,
+                sampled: dict[str, int] | None = None) -> ServeOutcome:
     """The verdict of :func:`run_serve_fault` from what the server recorded."""
     failed = [r for r in responses if r.status != 200 or r.error]
-    bad = bad_served(responses, rows, serve_timeline(events))
+    bad = bad_served(responses, rows, serve_timeline(events), sampled)
     kept = [e for e in events if e["kind"] in ("collapse", "skip", "promote", "reject", "swap")]
     out = ServeOutcome(f"serve:{fault}", False, requests=len(responses), failed_requests=len(failed),
                        bad_versions_served=len(bad), versions={v: r["status"] for v, r in rows.items()},

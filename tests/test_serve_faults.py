@@ -81,6 +81,10 @@ def test_bad_served_names_each_kind_of_bad_version():
         "response 2: version 3 was not yet served",
         "response 3: sent while version 1 served, answered by version 0",
         "response 4: version 7 did not exist"]
+    named = [R(1.0, 2.0, 200, 0, id="a"), R(13.0, 14.0, 200, 1, id="b")]
+    assert suite.bad_served(named, versions, timeline, {"a": 0, "b": 1}) == []
+    assert suite.bad_served(named, versions, timeline, {"a": 0, "b": 0}) == [
+        "response 1: names version 1, its turn was sampled on 0"]
 
 
 def rated_turns(service, n=4):
@@ -132,3 +136,50 @@ def test_a_restart_keeps_the_collapse_budget_history_and_safer_setting(tiny_toke
         assert {(0, "train/entropy"), (1, "train/entropy"), (1, "sampled_version")} <= metrics
     finally:
         again.close()
+
+
+def test_an_admin_rollback_under_live_traffic(tiny_tokenizer, tiny_model_factory, tmp_path):
+    # v1 serves under traffic; POST /admin/rollback {"version": 0}: requests in flight finish on v1,
+    # requests sent after the call returned get v0; nothing fails
+    import threading
+    import time
+
+    import torch
+
+    from selfrl.adapters import lora_state
+    from selfrl.serve import records
+    from serving import API_KEY, add_version, http, running_server, tiny_serve_config
+
+    model = tiny_model_factory(lora=True, eos_bias=1.0)
+    cfg = tiny_serve_config(tmp_path / "run")
+    v1 = {k: torch.randn_like(x) * 0.3 for k, x in lora_state(model).items()}
+    responses, stop = [], threading.Event()
+    with running_server(model, tiny_tokenizer, cfg) as (url, service):
+        add_version(service, v1, 1, metrics={"val/success": 0.0})
+        service.publish(1, v1, "test")
+        users = [threading.Thread(target=suite.traffic, args=(url, API_KEY, k, stop, responses)) for k in range(3)]
+        for u in users:
+            u.start()
+        time.sleep(1.0)
+        called = time.time()
+        status, body = http("POST", url + "/admin/rollback", {"version": 0}, key=API_KEY)
+        returned = time.time()
+        time.sleep(1.0)
+        stop.set()
+        for u in users:
+            u.join(timeout=60)
+        with service.store.lock:
+            statuses = {v["version"]: v["status"] for v in service.store.versions()}
+            trajs = {t.id: t for t in service.store.trajectories()}
+            ran_on = {r.id: trajs[records.find_response(service.store, r.id)["trajectory_id"]].adapter_version
+                      for r in responses}
+    assert status == 200 and body["served_version"] == 0 and statuses == {0: "base", 1: "rolled_back"}
+    assert all(r.status == 200 and not r.error for r in responses), [r.error for r in responses if r.error]
+    before = [r for r in responses if r.answered < called]
+    after = [r for r in responses if r.sent > returned]
+    in_flight = [r for r in responses if r.sent < returned and r.answered > called]
+    assert len(before) >= 3 and {r.version for r in before} == {1}
+    assert len(after) >= 3 and {r.version for r in after} == {0}  # new requests: the restored version
+    assert {r.version for r in in_flight} <= {0, 1}
+    # each response names the version its tokens were sampled with (the stored turn's), in flight too
+    assert all(ran_on[r.id] == r.version for r in responses)
