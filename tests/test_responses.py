@@ -135,8 +135,11 @@ def test_previous_response_id_works_after_a_restart_for_its_own_client_only(tiny
         assert "What is 2+3?" in prompt and "And 3+4?" in prompt and prompt.count("Be brief.") == 1
         assert first.output_text in prompt
         assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+        unstored = alice.responses.create(model="selfrl", input="hi", max_output_tokens=2, store=False)
+        assert unstored.store is False
         bob = OpenAI(base_url=url + "/v1", api_key="bob-key", max_retries=0)
-        for client, rid in ((bob, first.id), (alice, "resp_nope")):  # another client's id, an unknown id
+        # another client's id, an unknown id, a response made with store: false
+        for client, rid in ((bob, first.id), (alice, "resp_nope"), (alice, unstored.id)):
             with pytest.raises(openai.NotFoundError) as e:
                 client.responses.create(model="selfrl", previous_response_id=rid, input="hi")
             assert e.value.body["code"] == "previous_response_not_found"

@@ -16,7 +16,8 @@ The subset is what the openai client and the OpenAI Agents SDK send by default:
 * ``previous_response_id``: the conversation so far (that response's input and output)
   is put in front of ``input``; responses are remembered in the run's store (the last
   :data:`RESPONSE_LOG_SIZE`, at most :data:`RESPONSE_LOG_BYTES`; across restarts), each
-  for the client that made it: an unknown, forgotten or other client's id gets a 404;
+  for the client that made it (not with ``store: false``): an unknown, forgotten, unstored
+  or other client's id gets a 404;
 * ``stream: true``: the events ``response.created``, ``response.in_progress``, per
   output item ``response.output_item.added``, the text or arguments as one
   ``...delta`` and ``...done``, ``response.output_item.done``, then
@@ -360,6 +361,7 @@ async def create_response(service, log: ResponseLog, req: ResponsesRequest, clie
         raise ApiError(400, first.get("msg", "invalid request"), where) from e
     response_id = new_response_id()
     chat = await service.complete(chat_req, client, response_id=response_id, is_disconnected=is_disconnected)
-    log.add(response_id, [m.model_dump(exclude_none=True) for m in chat_req.messages], chat["choices"][0]["message"],
-            client)
+    if req.store is not False:  # store: false, as OpenAI: the response cannot be continued
+        log.add(response_id, [m.model_dump(exclude_none=True) for m in chat_req.messages],
+                chat["choices"][0]["message"], client)
     return to_response(chat, req, chat_req, response_id)
