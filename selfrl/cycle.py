@@ -78,7 +78,7 @@ class UpdateCycle:
         result = self.learner.step(trajs, on_micro_batch=on_micro_batch)
         if result.skipped:
             self.ledger.event(EventKind.SKIP, f"iteration {step}: update skipped: {result.note}",
-                              {"reason": result.reason.value, **result.metrics()})
+                              {"iteration": step, "reason": result.reason.value, **result.metrics()})
             return CycleStep(result)
         if faults.active("noise"):
             faults.add_noise(self.learner.params)
@@ -87,6 +87,17 @@ class UpdateCycle:
         if self.collapse_cfg.enabled and self.collapse_cfg.kl_probe_size:
             kl = self.learner.probe_kl(trajs, self.collapse_cfg.kl_probe_size)
         return CycleStep(result, candidate, kl)
+
+    def probe(self, version: int, engine, source, tools, rollout_cfg) -> dict[str, float]:
+        """The ``probe_regression`` detector at a validation of ``version`` (the engine's current
+        weights): the source's probe tasks scored, a ``hacking`` event per alert; returns the
+        ``hacking/probe_*`` metrics ({} when the detector is off or the source has no probes)."""
+        if self.monitor is None or not self.monitor.runs_probes:
+            return {}
+        probes = self.monitor.run_probes(engine, source, tools, rollout_cfg)
+        for alert in self.monitor.pop_alerts():
+            self.ledger.event(EventKind.HACKING, f"version {version}: {alert}")
+        return probes
 
     def observe(self, rec: UpdateRecord) -> str | None:
         """Record one update for the collapse rules; when a cheap rule fires, roll back now and
@@ -149,6 +160,18 @@ class UpdateCycle:
                    f"(held-out {best:.3f})")
             self.ledger.event(EventKind.COLLAPSE_STOP, msg, {"rollbacks": self.guard.rollbacks})
             raise CollapseStop(msg)
+
+    def resume(self, store) -> int:
+        """After a restart (``run --resume``, or ``serve`` on a run directory it served before):
+        the collapse rollbacks counted from the ``collapse`` events of ``store``, the history
+        rebuilt from its metrics (:func:`selfrl.collapse.history_from_metrics`), and the safer
+        setting applied once per rollback, so the budget and the setting outlive the process.
+        Returns the number of rollbacks."""
+        self.guard.rollbacks = sum(1 for e in store.events() if e["kind"] == EventKind.COLLAPSE.value)
+        self.guard.history = collapse.history_from_metrics(store.metrics())
+        self.guard.new_chain()
+        self.restore_setting()
+        return self.guard.rollbacks
 
     def restore_setting(self) -> None:
         """On resume: apply the safer setting once per earlier collapse rollback."""

@@ -12,7 +12,10 @@
 Without the variable every hook is a no-op. Iteration -1 is the base validation
 before the first iteration. The loop calls :func:`set_iteration` at the start of
 each iteration, :func:`point` at the named points and :func:`active` where a
-corrupting fault applies.
+corrupting fault applies. In ``selfrl serve`` the background learner's update
+number (0, 1, ..., counted on across restarts of the run directory) is the iteration, so ``noise@1`` poisons
+its second update; the kill points that ``serve`` passes through are
+``during_update``, ``during_save`` and ``after_save``.
 """
 
 from __future__ import annotations

@@ -190,11 +190,9 @@ class Runner:
         faults.point("during_validation")
         s.ledger.record_validation(res.version, res.success, res.degenerate, res.results)
         s.store.log_metrics(s.run_id, self.step, {"time/validation_s": res.seconds})
-        if s.monitor.runs_probes:  # adversarial probe tasks scored per version (selfrl.detectors)
-            probes = s.monitor.run_probes(s.engine, s.source, s.tools, self.cfg.rollout)
+        probes = s.cycle.probe(res.version, s.engine, s.source, s.tools, self.cfg.rollout)  # selfrl.detectors
+        if probes:
             s.store.log_metrics(s.run_id, self.step, probes)
-            for alert in s.monitor.pop_alerts():
-                s.ledger.event(EventKind.HACKING, f"version {res.version}: {alert}")
         return res
 
     def start(self) -> int:
@@ -335,10 +333,7 @@ class Runner:
         (a damaged base is re-saved by :meth:`Ledger.ensure_base`)."""
         s = self.s
         s.ledger.recover_strays()
-        guard = s.cycle.guard
-        guard.rollbacks = sum(1 for e in s.store.events() if e["kind"] == EventKind.COLLAPSE.value)
-        guard.history = collapse.history_from_metrics(s.store.metrics())
-        s.cycle.restore_setting()
+        s.cycle.resume(s.store)
 
     def run(self) -> RunResult:
         s = self.s

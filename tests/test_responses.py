@@ -1,4 +1,7 @@
-"""The Responses API translation (pure functions): what is accepted, what is refused."""
+"""The Responses API translation (pure functions): what is accepted, what is refused; the
+stored log behind ``previous_response_id``."""
+
+import json
 
 import pytest
 
@@ -33,8 +36,10 @@ def test_a_tool_turn_round_trips_into_chat_messages():
                                                                           "strict": True}}
 
 
-def test_history_comes_first_and_instructions_only_once():
-    log = ResponseLog(size=2)
+def test_history_comes_first_and_instructions_only_once(tmp_path):
+    from selfrl.store import Store
+
+    log = ResponseLog(Store(tmp_path / "selfrl.db"), size=2)
     log.add("resp_1", [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}],
             {"role": "assistant", "content": "hello", "refusal": None})
     req = ResponsesRequest(model="m", instructions="S", input="again", previous_response_id="resp_1")
@@ -80,3 +85,62 @@ def test_response_and_events_from_a_chat_completion():
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "The sum"
     assert [e["arguments"] for e in events if e["type"] == "response.function_call_arguments.done"] == ['{"a":1}']
     assert input_messages("hi") == [{"role": "user", "content": "hi"}]
+
+
+def test_the_log_is_bounded_by_bytes_and_scoped_to_its_client(tmp_path):
+    from selfrl.store import Store
+
+    store = Store(tmp_path / "selfrl.db")
+    one = {"role": "assistant", "content": "x" * 100}
+    size = len(json.dumps([one]))  # 116 bytes of JSON per response
+    log = ResponseLog(store, size=10, max_bytes=2 * size + 10)
+    for i in range(3):
+        log.add(f"resp_{i}", [], one, client="alice")
+    with pytest.raises(KeyError):  # three do not fit in 2 x 116 + 10 bytes: the oldest went
+        log.history("resp_0", "alice")
+    assert log.history("resp_2", "alice") == [one] and log.history("resp_1", "alice") == [one]
+    with pytest.raises(KeyError):  # another client's id is unknown to this one
+        log.history("resp_2", "bob")
+    big = {"role": "assistant", "content": "y" * 1000}
+    log.add("resp_big", [], big, client="alice")  # larger than the budget alone: kept, the rest go
+    assert log.history("resp_big", "alice") == [big]
+    assert store.conn.execute("SELECT COUNT(*) FROM response_history").fetchone()[0] == 1
+    store.close()
+    again = ResponseLog(Store(tmp_path / "selfrl.db"), size=10)  # after a restart
+    assert again.history("resp_big", "alice") == [big]
+
+
+def test_previous_response_id_works_after_a_restart_for_its_own_client_only(tiny_tokenizer, tiny_model_factory,
+                                                                             tmp_path):
+    import openai
+    from openai import OpenAI
+
+    from serving import running_server, tiny_serve_config
+
+    cfg = tiny_serve_config(tmp_path / "run")
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    with running_server(model, tiny_tokenizer, cfg) as (url, _):
+        first = OpenAI(base_url=url + "/v1", api_key="alice-key", max_retries=0).responses.create(
+            model="selfrl", instructions="Be brief.", input="What is 2+3?", max_output_tokens=5)
+    with running_server(model, tiny_tokenizer, cfg) as (url, service):  # a new process would read the same store
+        alice = OpenAI(base_url=url + "/v1", api_key="alice-key", max_retries=0)
+        second = alice.responses.create(model="selfrl", previous_response_id=first.id, input="And 3+4?",
+                                        max_output_tokens=5)
+        with service.store.lock:
+            from selfrl.serve import records
+
+            row = records.find_response(service.store, second.id)
+            traj = next(t for t in service.store.trajectories() if t.id == row["trajectory_id"])
+        prompt = tiny_tokenizer.decode(traj.token_ids[:traj.prompt_len])
+        assert "What is 2+3?" in prompt and "And 3+4?" in prompt and prompt.count("Be brief.") == 1
+        assert first.output_text in prompt
+        assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+        unstored = alice.responses.create(model="selfrl", input="hi", max_output_tokens=2, store=False)
+        assert unstored.store is False
+        bob = OpenAI(base_url=url + "/v1", api_key="bob-key", max_retries=0)
+        # another client's id, an unknown id, a response made with store: false
+        for client, rid in ((bob, first.id), (alice, "resp_nope"), (alice, unstored.id)):
+            with pytest.raises(openai.NotFoundError) as e:
+                client.responses.create(model="selfrl", previous_response_id=rid, input="hi")
+            assert e.value.body["code"] == "previous_response_not_found"
+            assert "across restarts" in e.value.body["message"]

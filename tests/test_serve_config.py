@@ -115,3 +115,53 @@ def test_restart_skips_a_version_whose_folder_is_incomplete(tiny_tokenizer, tiny
         client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         with pytest.raises(Exception, match="cannot be served"):
             client.chat.completions.create(model="selfrl@v1", messages=[{"role": "user", "content": "x"}])
+
+
+def test_a_taken_port_is_a_clear_error_before_anything_is_announced(tmp_path, capsys, monkeypatch):
+    import socket
+
+    from selfrl.serve import main
+
+    loaded = []
+    monkeypatch.setattr("selfrl.model.build_policy", lambda cfg: loaded.append(cfg))  # must not be reached
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main.serve(None, {"port": port, "run_dir": str(tmp_path / "run")}, None)
+    err = capsys.readouterr().err
+    assert code == 1 and loaded == []
+    assert f"selfrl: error: cannot bind 127.0.0.1:{port}: Address already in use" in err and "--port" in err
+    assert "serving" not in err and "http://" not in err
+
+
+def test_the_url_is_announced_only_once_the_socket_listens(monkeypatch):
+    import socket
+    import threading
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from selfrl.serve import main
+
+    sock = main.bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    with socket.socket() as probe:  # bound, not listening yet: a connection is refused
+        assert probe.connect_ex(("127.0.0.1", port)) != 0
+    seen = []
+
+    def announce(line, **kw):  # connect at the moment the line is printed
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+            seen.append((line, c.getpeername()[1]))
+
+    monkeypatch.setattr(main, "print", announce, raising=False)
+    server = main._announcing_server(uvicorn.Config(FastAPI(), log_level="warning"), "serving on the port")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    for _ in range(300):
+        if seen:
+            break
+        threading.Event().wait(0.05)
+    server.should_exit = True
+    thread.join(timeout=30)
+    assert seen == [("serving on the port", port)]

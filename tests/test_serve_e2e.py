@@ -67,7 +67,7 @@ def script(monkeypatch, service, text: str) -> None:
 def test_plain_chat_records_exact_tokens_and_names_its_version(server, client):
     url, service = server
     raw = client.chat.completions.with_raw_response.create(
-        model="anything", messages=[{"role": "user", "content": "What is 2+3?"}], max_tokens=8, temperature=0.7)
+        model="selfrl", messages=[{"role": "user", "content": "What is 2+3?"}], max_tokens=8, temperature=0.7)
     resp = raw.parse()
     assert raw.headers["x-selfrl-adapter-version"] == "0"
     assert resp.system_fingerprint == "selfrl-v0" and resp.model_extra["adapter_version"] == 0
@@ -157,10 +157,10 @@ def test_oversized_bodies_and_inconsistent_tool_choice_are_refused(server):
     conn.close()
     assert resp.status == 413 and body["error"]["code"] == "request_too_large"
     msgs = [{"role": "user", "content": "x"}]
-    status, body = http("POST", url + "/v1/chat/completions", {"model": "m", "messages": msgs, "tool_choice": "required"})
+    status, body = http("POST", url + "/v1/chat/completions", {"model": "selfrl", "messages": msgs, "tool_choice": "required"})
     assert status == 400 and body["error"]["param"] == "tool_choice"
     status, body = http("POST", url + "/v1/chat/completions", {
-        "model": "m", "messages": msgs, "tools": [CALC], "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+        "model": "selfrl", "messages": msgs, "tools": [CALC], "tool_choice": {"type": "function", "function": {"name": "nope"}}})
     assert status == 400 and "nope" in body["error"]["message"]
 
 
@@ -207,6 +207,11 @@ def test_bad_requests_get_openai_errors_and_store_nothing(server, client):
         (dict(body={"model": "selfrl", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}), 400, "max_tokens"),
         (dict(body={"model": "selfrl", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1}), 400, "presence_penalty"),
         (dict(body={"model": "selfrl@v99", "messages": [{"role": "user", "content": "x"}]}), 404, "model"),
+        (dict(body={"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}), 404, "model"),
+        (dict(body={"model": "selfrl", "messages": [{"role": "user", "content": None}]}), 400, "messages"),
+        (dict(body={"model": "selfrl", "messages": [{"role": "user", "content": "x"},
+                                                    {"role": "tool", "tool_call_id": "c9", "content": "5"}]}),
+         400, "messages"),
     ]
     for kwargs, code, param in cases:
         status, body = http("POST", url + "/v1/chat/completions", **kwargs)
@@ -214,6 +219,9 @@ def test_bad_requests_get_openai_errors_and_store_nothing(server, client):
         assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"]
         if param:
             assert param in (body["error"]["param"] or ""), body
+        if kwargs.get("body", {}).get("messages", [{}])[-1:] in ([{"role": "user", "content": None}],
+                                                                  [{"role": "tool", "tool_call_id": "c9", "content": "5"}]):
+            assert "messages[" in body["error"]["message"], body  # the reason names the message
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="selfrl@v99", messages=[{"role": "user", "content": "x"}])
     assert service.store.count_trajectories() == before
@@ -230,7 +238,7 @@ def test_models_pin_and_rollback(server, client):
     service.publish(v, state, "test")
     ids = [m.id for m in client.models.list().data]
     assert f"selfrl@v{v}" in ids and "selfrl@v0" in ids
-    assert client.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}], max_tokens=2).system_fingerprint == f"selfrl-v{v}"
+    assert client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": "a"}], max_tokens=2).system_fingerprint == f"selfrl-v{v}"
     old = client.chat.completions.create(model="selfrl@v0", messages=[{"role": "user", "content": "a"}], max_tokens=2)
     assert old.model_extra["adapter_version"] == 0 and service.engine.version == v  # swapped back after
     assert http("POST", url + "/admin/pin", {"version": 0})[0] == 401
@@ -250,3 +258,59 @@ def test_no_key_configured_disables_feedback_and_admin(tiny_tokenizer, tiny_mode
     with running_server(model, tiny_tokenizer, tiny_serve_config(tmp_path), api_key=None) as (url, _):
         status, body = http("GET", url + "/admin/status", key="anything-0123456789")
         assert status == 403 and body["error"]["code"] == "no_api_key_configured"
+
+
+def test_an_unknown_model_is_a_404_and_the_listed_ids_are_served(tiny_tokenizer, tiny_model_factory, tmp_path):
+    # as OpenAI and vLLM: a request for a model the server does not list is refused, never
+    # answered by another model; model_aliases adds ids (listed in /v1/models too)
+    cfg = tiny_serve_config(tmp_path / "run")
+    cfg.model_aliases = ["gpt-4o"]
+    with running_server(tiny_model_factory(lora=True, eos_bias=3.0), tiny_tokenizer, cfg) as (url, service):
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        ids = [m.id for m in client.models.list().data]
+        assert ids == ["selfrl", "gpt-4o", "selfrl@v0"]
+        for model in ids:
+            r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "a"}], max_tokens=2)
+            assert r.model_extra["adapter_version"] == 0
+        before = service.store.count_trajectories()
+        for model in ("gpt-4", "selfrl-x", "gpt-4o@v0", "other@v0", "SELFRL"):
+            with pytest.raises(openai.NotFoundError) as e:
+                client.chat.completions.create(model=model, messages=[{"role": "user", "content": "a"}], max_tokens=2)
+            assert e.value.body["code"] == "model_not_found" and "GET /v1/models" in e.value.body["message"]
+        with pytest.raises(openai.NotFoundError):
+            client.responses.create(model="gpt-4", input="hi", max_output_tokens=2)
+        assert service.store.count_trajectories() == before
+
+
+@pytest.mark.parametrize("limit", [1, 3, 9])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "calculator"}}])
+def test_a_forced_call_cut_off_by_max_tokens_returns_no_markup(server, client, choice, limit):
+    # the grammar forces '<tool_call>\n{"name": "calc...' and the limit cuts it (inside the tag or
+    # inside the call): neither a call nor content, finish_reason "length" (as OpenAI: a cut-off
+    # answer is "length"), streamed or not
+    msgs = [{"role": "user", "content": "What is 2+3?"}]
+    r = client.chat.completions.create(model="selfrl", messages=msgs, tools=[CALC], tool_choice=choice,
+                                       max_tokens=limit)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == limit
+    assert r.choices[0].message.content is None and not r.choices[0].message.tool_calls
+    chunks = list(client.chat.completions.create(model="selfrl", messages=msgs, tools=[CALC], tool_choice=choice,
+                                                 max_tokens=limit, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "" and not any(d.tool_calls for d in deltas)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    _, traj = stored(server[1], r.id)
+    sampled = server[1].tok.decode(traj.token_ids[traj.prompt_len:])
+    assert sampled.startswith("<tool_call>"[:len(sampled)])  # what was cut: the forced call
+    if "<tool_call>" in sampled:  # the block opened: recorded as a failed call
+        assert [c.error for c in traj.tool_calls] == ["unclosed <tool_call>"]
+
+
+@pytest.mark.parametrize("rating", [b"NaN", b"Infinity", b"-Infinity", b'"nan"'])
+def test_a_non_finite_rating_is_named_as_such(server, client, rating):
+    url, _ = server
+    resp = client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    raw = b'{"response_id": "' + resp.id.encode() + b'", "rating": ' + rating + b"}"
+    status, body = http("POST", url + "/v1/feedback", raw=raw, key=API_KEY)
+    assert status == 400 and body["error"]["param"] == "rating"
+    assert "rating must be a finite number" in body["error"]["message"]
+    assert "less than or equal" not in body["error"]["message"]

@@ -168,3 +168,23 @@ def test_serve_uses_init_adapter_as_the_kl_reference(tiny_tokenizer, tmp_path):
         assert len(kl) == 1 and kl[0] == pytest.approx(0.0, abs=1e-6)  # the base as reference gives about 0.3
     finally:
         service.close()
+
+
+def test_serve_runs_the_probe_detector_at_each_validation_as_run_does(tiny_tokenizer, tiny_model_factory, tmp_path):
+    # detectors.names = ["probe_regression"] was ignored by serve's validation before: it scores the
+    # source's probe tasks per version, logs hacking/probe_* and records hacking events, as in run
+    from selfrl.serve.service import Service
+
+    cfg = tiny_serve_config(tmp_path / "run")
+    cfg.task.source, cfg.rollout.tools, cfg.rollout.max_turns = "webshop", [], 2
+    cfg.detectors.names = ["probe_regression"]
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    service = Service(model, tiny_tokenizer, cfg, learner_model=copy.deepcopy(model))
+    try:
+        service.learner.validate(0)
+        metrics = {m["name"]: m["value"] for m in service.store.metrics()}
+        n = len(service.learner.source.probe_tasks())
+        assert "hacking/probe_score" in metrics and "hacking/probe_regression" in metrics
+        assert metrics["hacking/probe_score"] * n == pytest.approx(round(metrics["hacking/probe_score"] * n))
+    finally:
+        service.close()

@@ -1,6 +1,7 @@
 """OpenAI messages <-> the model's chat, completion parsing, and the server's records."""
 
 import json
+import re
 import sqlite3
 
 import pytest
@@ -64,6 +65,16 @@ def test_parse_completion_returns_openai_tool_calls():
     content, calls, recs = parse_completion("<tool_call>{oops</tool_call>", tools)
     assert calls == [] and content == "{oops" and recs[0].error
     assert parse_completion("<tool_call>{}</tool_call>", []) == ("{}", [], [])  # no tools offered
+    # a call cut off before </tool_call> (max_tokens) while tools are offered: neither a call nor content
+    content, calls, recs = parse_completion('Sure. <tool_call>\n{"name": "calcu', tools)
+    assert (content, calls) == ("Sure.", []) and recs[0].error == "unclosed <tool_call>"
+    assert parse_completion('<tool_call>{"name": "calcu', tools)[:2] == (None, [])
+    # with no tools offered (tool_choice "none") it stays text, as every block does
+    assert parse_completion('<tool_call>{"name": "calcu', []) == ('{"name": "calcu', [], [])
+    # a tag cut off at the end is markup as well, with tools or without
+    assert parse_completion("The sum is <tool_", tools)[0] == "The sum is"
+    assert parse_completion('<tool_call>{"a": 1}</tool_c', [])[0] == '{"a": 1}'
+    assert parse_completion("<", tools)[:2] == (None, [])
 
 
 @pytest.mark.parametrize("bad", [
@@ -109,3 +120,34 @@ def test_a_failed_turn_write_leaves_nothing(tmp_path):
     with pytest.raises(sqlite3.IntegrityError):
         turn(store, run, "t2", "r1")  # the same response id and choice again: the served row fails
     assert store.count_trajectories() == 1  # ... and the trajectory written before it in the transaction is gone
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("messages, reason", [
+    ([{"role": "user", "content": None}], "messages[0]: content of a 'user' message must not be null"),
+    ([{"role": "system"}, {"role": "user", "content": "x"}], "content of a 'system' message must not be null"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": None}],
+     "messages[1]: an assistant message needs content or tool_calls"),
+    ([{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "call_9", "content": "5"}],
+     "messages[1]: the tool message answers tool_call_id 'call_9', which is no tool call of an earlier"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [CALL]},
+      {"role": "tool", "tool_call_id": "call_2", "content": "5"}], "answers tool_call_id 'call_2'"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [CALL]},
+      {"role": "tool", "content": "5"}], "messages[2]: the tool message has no tool_call_id"),
+    ([{"role": "tool", "tool_call_id": "call_1", "content": "5"}, {"role": "assistant", "tool_calls": [CALL]}],
+     "answers tool_call_id 'call_1'"),  # the call must come before its answer
+])
+def test_messages_that_openai_refuses_are_refused_with_the_reason(messages, reason):
+    with pytest.raises(ValidationError, match=re.escape(reason)):
+        req(messages=messages)
+
+
+def test_what_openai_accepts_is_accepted():
+    # an assistant message with tool_calls and null (or missing) content; a refusal alone; a
+    # tool answer to an earlier call; list content
+    req(messages=[{"role": "user", "content": [{"type": "text", "text": "x"}]},
+                  {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+                  {"role": "assistant", "refusal": "no"}, {"role": "user", "content": ""}])

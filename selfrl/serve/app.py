@@ -132,7 +132,7 @@ def create_app(service: Service, api_key: str | None, protect_completions: bool 
         resp = await service.complete(req, client, is_disconnected=request.is_disconnected)
         return JSONResponse(resp, headers={VERSION_HEADER: str(resp["adapter_version"])})
 
-    responses_log = ResponseLog()
+    responses_log = ResponseLog(service.store)
 
     @app.post("/v1/responses", dependencies=open_or_key)
     async def responses(req: ResponsesRequest, request: Request):
@@ -146,8 +146,9 @@ def create_app(service: Service, api_key: str | None, protect_completions: bool 
     @app.get("/v1/models", dependencies=open_or_key)
     async def models():
         name = service.cfg.served_model_name
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "selfrl",
-                 "adapter_version": service.engine.version, "base_model": service.cfg.model.name}]
+        data = [{"id": n, "object": "model", "created": 0, "owned_by": "selfrl",
+                 "adapter_version": service.engine.version, "base_model": service.cfg.model.name}
+                for n in (name, *service.cfg.model_aliases)]
         for v in service.version_ids():
             data.append({"id": f"{name}@v{v['version']}", "object": "model", "created": int(v["created_at"]),
                          "owned_by": "selfrl", "adapter_version": v["version"], "status": v["status"],

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from selfrl import collapse
+from selfrl import collapse, faults
 from selfrl.collapse import CollapseGuard, CollapseStop
 from selfrl.cycle import UpdateCycle
 from selfrl.detectors import HackingMonitor
@@ -118,7 +118,9 @@ class BackgroundLearner(threading.Thread):
                                  cfg.gate.tolerance, cfg.train.scale_rewards, load=self._load)
         self.lock = threading.RLock()
         self._halt = threading.Event()
-        self.updates = 0
+        done = [m["step"] for m in store.metrics() if m["name"] == "reward/mean"]
+        self.updates = max(done) + 1 if done else 0  # numbered on from the run directory's earlier sessions
+        self.cycle.resume(store)  # their collapse rollbacks, history and safer setting, as run --resume
         self.last: dict[str, Any] = {}
         self.error: str | None = None
         self.busy = False  # between taking a batch and finishing its gate
@@ -164,7 +166,8 @@ class BackgroundLearner(threading.Thread):
         res = validate(self.engine, self.val, self.source, self.tools, self.cfg.rollout, self.cfg.gate.batch_size,
                        collapse=self.cfg.collapse)
         self.ledger.record_validation(version, res.success, res.degenerate, res.results)
-        self.store.log_metrics(self.ledger.run_id, self.updates, {"time/validation_s": res.seconds})
+        probes = self.cycle.probe(version, self.engine, self.source, self.tools, self.cfg.rollout)  # as run does
+        self.store.log_metrics(self.ledger.run_id, self.updates, {"time/validation_s": res.seconds, **probes})
         return res
 
     def tick(self) -> bool:
@@ -208,6 +211,7 @@ class BackgroundLearner(threading.Thread):
     def update(self, batch: list[tuple[Trajectory, dict]]) -> dict[str, Any]:
         """Score, update, save a candidate, check the collapse rules, validate it, publish or reject it."""
         t0, cycle = time.perf_counter(), self.cycle
+        faults.set_iteration(self.updates)  # SELFRL_FAULT counts the learner's updates as iterations
         self._apply_reset()
         cycle.check_budget()
         scored, unscored = self.score(batch)
@@ -227,14 +231,16 @@ class BackgroundLearner(threading.Thread):
             self.last = info
             return info
         version = step.candidate.version
-        metrics = step.result.metrics() | {"reward/mean": reward_mean}
+        # the names run logs, so that a restart rebuilds the collapse history (UpdateCycle.resume)
+        metrics = step.result.metrics() | {"reward/mean": reward_mean, "version": float(version),
+                                           "sampled_version": float(parent),
+                                           "train/entropy": collapse.entropy_estimate(scored),
+                                           "train/degenerate": collapse.degenerate_share(scored, self.cfg.collapse)}
         if step.candidate_kl is not None:
             metrics["candidate_kl"] = step.candidate_kl
         records.mark(self.store, scored, "trained", version)
         self.store.log_metrics(self.ledger.run_id, step_no, metrics)
-        rec = collapse.UpdateRecord(step_no, parent, reward_mean, collapse.entropy_estimate(scored),
-                                    collapse.degenerate_share(scored, self.cfg.collapse), metrics.get("kl"),
-                                    step.candidate_kl)
+        rec = collapse.record_from_metrics(step_no, metrics)
         info.update(version=version, update_s=step.result.stats.get("time/update_s"))
         if cycle.observe(rec):  # a cheap collapse rule fired: rolled back before validation
             info["result"] = "rolled back (collapse)"

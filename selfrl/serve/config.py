@@ -57,6 +57,7 @@ class ServeConfig:
     host: str = "127.0.0.1"  # bind address; anything else exposes the server beyond this machine
     port: int = 8000
     served_model_name: str = "selfrl"  # the model id /v1/models lists; versions are "<name>@v<N>"
+    model_aliases: list[str] = field(default_factory=list)  # more ids served as the current version (e.g. a client's hard-coded "gpt-4o"); any other id: 404 model_not_found
     max_batch: int = 32  # rows per engine call
     batch_window_s: float = 0.01  # seconds the batcher waits for more requests before a batch
     max_tokens_default: int = 256  # completion limit when a request sets none
@@ -92,6 +93,9 @@ class ServeConfig:
             (1 <= self.port <= 65535, "port must be in 1..65535"),
             (bool(self.served_model_name) and "@" not in self.served_model_name,
              "served_model_name must be non-empty and hold no '@'"),
+            (isinstance(self.model_aliases, list) and all(isinstance(a, str) and a and "@" not in a
+                                                          for a in self.model_aliases),
+             "model_aliases must be a list of non-empty names without '@'"),
             (self.max_batch >= 1, "max_batch must be >= 1"),
             (self.batch_window_s >= 0, "batch_window_s must be >= 0"),
             (self.max_tokens_default >= 1, "max_tokens_default must be >= 1"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import socket
 import sys
 from typing import Any
 
@@ -19,6 +20,35 @@ def load_serve_config(path: str | None, overrides: dict[str, Any]) -> ServeConfi
     from selfrl.config import fill
 
     return fill(ServeConfig(), path, overrides).validate()
+
+
+class BindError(OSError):
+    """The server's address could not be bound (in use, not permitted, or not an address here)."""
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (port 0: a free one), not yet listening; uvicorn
+    listens on it (``uvicorn.Server.run(sockets=[sock])``), so nothing is announced before
+    the address is ours.
+
+    Raises:
+        BindError: the address is in use, not permitted, or not an address of this machine;
+            the message names it and the cause.
+    """
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
+        raise BindError(f"cannot bind {host}:{port}: {e.strerror or e}") from e
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a TIME_WAIT port may be reused
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        hint = " (another server uses it; choose --port)" if e.errno in (98, 48) else ""
+        raise BindError(f"cannot bind {host}:{port}: {e.strerror or e}{hint}") from e
+    sock.set_inheritable(True)
+    return sock
 
 
 def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | None, learn: bool = True,
@@ -39,6 +69,16 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
 
         get_task_source(cfg.task.source, **cfg.task.options)  # fail before the model loads
         resolve_tools(cfg.rollout.tools)
+    except (ConfigError, ValueError, KeyError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"selfrl: error: {msg}", file=sys.stderr)
+        return 2
+    try:
+        sock = bind(cfg.host, cfg.port)  # before the model loads: a taken port fails in a second
+    except BindError as e:
+        print(f"selfrl: error: {e}", file=sys.stderr)
+        return 1
+    try:
         import uvicorn
 
         from selfrl.loop import build_policy
@@ -48,6 +88,7 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
         model, tok = build_policy(cfg)
         service = Service(model, tok, cfg, learner_model=copy.deepcopy(model) if learn else None)
     except (ConfigError, ModelLoadError, ValueError, KeyError) as e:
+        sock.close()
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"selfrl: error: {msg}", file=sys.stderr)
         return 2
@@ -56,8 +97,23 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
     if api_key is None:
         print("selfrl: no API key (SELFRL_API_KEY or --api-key-file): /v1/feedback and /admin are disabled",
               file=sys.stderr)
-    print(f"selfrl: serving {cfg.model.name} as {cfg.served_model_name!r} (version {service.engine.version}) "
-          f"on http://{cfg.host}:{cfg.port}/v1; run dir {cfg.run_dir}", file=sys.stderr)
     app = create_app(service, api_key, protect_completions, learn=learn)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
-    return 0
+    port = sock.getsockname()[1]
+    server = _announcing_server(uvicorn.Config(app, log_level="warning"),
+                               f"selfrl: serving {cfg.model.name} as {cfg.served_model_name!r} (version "
+                               f"{service.engine.version}) on http://{cfg.host}:{port}/v1; run dir {cfg.run_dir}")
+    server.run(sockets=[sock])
+    return 0 if server.started else 1
+
+
+def _announcing_server(config, line: str):
+    """A ``uvicorn.Server`` that prints ``line`` once it listens, never before."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if self.started and not self.should_exit:
+                print(line, file=sys.stderr, flush=True)
+
+    return Server(config)

@@ -25,6 +25,7 @@ ignored: requests are batched, so a per-request seed cannot be honoured.
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -96,6 +97,28 @@ class Message(_Strict):
                 raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
             parts.append(part["text"])
         return "".join(parts)
+
+
+def check_messages(messages: list[Message]) -> None:
+    """The conversation rules OpenAI applies: a system, developer, user or tool message has
+    content (not null); an assistant message has content, ``tool_calls`` or a refusal; a
+    tool message's ``tool_call_id`` answers a call of an earlier assistant message.
+
+    Raises:
+        ValueError: the first message that breaks one, named by index and role.
+    """
+    calls: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.role == "assistant":
+            if m.content is None and not m.tool_calls and m.refusal is None:
+                raise ValueError(f"messages[{i}]: an assistant message needs content or tool_calls (both are null)")
+            calls.update(c.id for c in m.tool_calls or [])
+        elif m.content is None:
+            raise ValueError(f"messages[{i}]: content of a {m.role!r} message must not be null")
+        if m.role == "tool" and m.tool_call_id not in calls:
+            said = "has no tool_call_id" if m.tool_call_id is None else f"answers tool_call_id {m.tool_call_id!r}"
+            raise ValueError(f"messages[{i}]: the tool message {said}, which is no tool call of an earlier "
+                             "assistant message")
 
 
 def check_parameters_schema(schema: dict[str, Any]) -> dict[str, Any]:
@@ -196,6 +219,12 @@ class ChatCompletionRequest(BaseModel):
         raise ValueError('response_format must be {"type": "text"}, {"type": "json_object"} or '
                          '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}')
 
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v: list[Message]) -> list[Message]:
+        check_messages(v)
+        return v
+
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
@@ -239,6 +268,19 @@ class FeedbackRequest(_Strict):
     corrected: bool = False
     correction: str | None = Field(default=None, max_length=20000)
     comment: str | None = Field(default=None, max_length=20000)
+
+    @field_validator("rating", mode="before")
+    @classmethod
+    def _finite(cls, v):
+        """NaN and infinity (JSON ``NaN``, ``Infinity`` or the strings) are named as what they are,
+        not as out of range."""
+        try:
+            x = float(v) if isinstance(v, (int, float, str)) and not isinstance(v, bool) else None
+        except ValueError:
+            return v  # not a number at all: pydantic's own message says so
+        if x is not None and not math.isfinite(x):
+            raise ValueError(f"rating must be a finite number in [-1, 1], got {v!r}")
+        return v
 
 
 class VersionRequest(_Strict):
@@ -382,6 +424,12 @@ def split_completion(text: str, tools: list[Tool]) -> Completion:
       ``tool_calls`` (its arguments are checked against the tool's schema; a mismatch
       is recorded as a failed call but still returned, since the client runs the tool
       and reports the error back);
+    * a block cut off before its ``</tool_call>`` (the ``max_tokens`` limit, or an end
+      token inside it) while tools are offered is dropped whole: the partial call is
+      neither a call nor content (recorded as a failed call). With
+      ``tool_choice: "required"`` or a named function and a tiny ``max_tokens`` the
+      answer is then ``content: null``, no ``tool_calls``, ``finish_reason: "length"``.
+      A tag itself cut off at the end of the text (``<tool_``, ``</tool_ca``) is dropped too;
     * any other block (malformed, an unknown tool, or no tools offered, which is the
       case under ``tool_choice: "none"``) is not a call: it is returned as plain text,
       the text between its tags, in place. ``<tool_call>``/``</tool_call>`` markup
@@ -404,13 +452,21 @@ def split_completion(text: str, tools: list[Tool]) -> Completion:
                         "function": {"name": c.name, "arguments": json.dumps(c.arguments)}})
             removed.append((start, end))
             continue
+        closed = (end - len(TOOL_CALL_CLOSE) >= start + len(TOOL_CALL_OPEN)
+                  and text.startswith(TOOL_CALL_CLOSE, end - len(TOOL_CALL_CLOSE)))
         if tools:
             why = c.error or f"unknown tool {c.name!r}; valid tools: {', '.join(sorted(by_name))}"
             records.append(ToolCallRecord(c.name, c.arguments, c.raw, False, f"error: {why}", why))
+            if not closed:  # a call cut off (by max_tokens, or an end token): not a call, and not text either
+                removed.append((start, end))
+                continue
         removed.append((start, start + len(TOOL_CALL_OPEN)))  # the tags go, the text between them stays
-        closed = end - len(TOOL_CALL_CLOSE) >= start + len(TOOL_CALL_OPEN)
-        if closed and text.startswith(TOOL_CALL_CLOSE, end - len(TOOL_CALL_CLOSE)):
+        if closed:
             removed.append((end - len(TOOL_CALL_CLOSE), end))
+    for tag in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE):  # a tag cut off at the very end ("<tool_") is markup too
+        k = next((k for k in range(len(tag) - 1, 0, -1) if text.endswith(tag[:k])), 0)
+        if k:
+            removed.append((len(text) - k, len(text)))
     kept = _complement(len(text), removed)
     stray = []  # a "</tool_call>" with no opening tag
     for s, e in kept:

@@ -1,6 +1,7 @@
 """What the server stores besides the trajectories themselves: one ``served`` row per
 returned choice (response id, conversation link, group key, training status, the
-user feedback that reached it) and every feedback message as it arrived.
+user feedback that reached it), every feedback message as it arrived, and the
+conversation behind each recent Responses API id (``previous_response_id``).
 
 The tables live in the run's SQLite store next to ``trajectories``. A served turn is
 written with its trajectory in one transaction (both or neither), and feedback is
@@ -54,6 +55,14 @@ CREATE TABLE IF NOT EXISTS feedback (
     correction  TEXT,
     comment     TEXT,
     created_at  REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS response_history (
+    seq           INTEGER PRIMARY KEY AUTOINCREMENT,
+    response_id   TEXT NOT NULL UNIQUE,
+    client        TEXT NOT NULL,
+    created_at    REAL NOT NULL,
+    bytes         INTEGER NOT NULL,
+    messages_json TEXT NOT NULL
 );
 """
 
@@ -268,3 +277,36 @@ def feedback_history(store: Store) -> list[dict[str, Any]]:
     """Every feedback message as it arrived, oldest first: ``{created_at, source, value}``."""
     rows = store.conn.execute("SELECT created_at, source, value FROM feedback ORDER BY created_at, id")
     return [dict(r) for r in rows]
+
+
+@locked
+def remember_response(store: Store, response_id: str, client: str, messages: list[dict[str, Any]],
+                      max_items: int, max_bytes: int) -> None:
+    """Store the conversation up to and including ``response_id``'s output, for ``client``;
+    then forget the oldest ones beyond ``max_items`` rows or ``max_bytes`` of JSON. One
+    transaction: a crash keeps all of it or none."""
+    data = to_json(messages)
+    with store.conn:
+        store.conn.execute(
+            "INSERT INTO response_history (response_id, client, created_at, bytes, messages_json) VALUES (?, ?, ?, ?, ?)",
+            (response_id, client, time.time(), len(data), data))
+        store.conn.execute(
+            "DELETE FROM response_history WHERE seq <= (SELECT MAX(seq) FROM response_history) - ?", (max_items,))
+        total = store.conn.execute("SELECT COALESCE(SUM(bytes), 0) FROM response_history").fetchone()[0]
+        if total > max_bytes:  # oldest first, until what is left fits (the newest always stays)
+            drop, cut = total - max_bytes, None
+            for seq, size in store.conn.execute("SELECT seq, bytes FROM response_history ORDER BY seq"):
+                cut, drop = seq, drop - size
+                if drop <= 0:
+                    break
+            store.conn.execute("DELETE FROM response_history WHERE seq <= ? AND response_id != ?", (cut, response_id))
+
+
+@locked
+def recall_response(store: Store, response_id: str, client: str) -> list[dict[str, Any]] | None:
+    """The conversation stored for ``response_id`` when ``client`` made it; None when it was
+    never stored, was forgotten, or belongs to another client (the same answer, so an id
+    reveals nothing about other clients' conversations)."""
+    row = store.conn.execute("SELECT messages_json FROM response_history WHERE response_id = ? AND client = ?",
+                             (response_id, client)).fetchone()
+    return None if row is None else json.loads(row[0])

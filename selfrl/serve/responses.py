@@ -1,8 +1,8 @@
 """The OpenAI Responses API (``POST /v1/responses``) as a translation to and from chat
 completions: a Responses request becomes a :class:`ChatCompletionRequest`, is served
 and recorded exactly like one, and the chat completion becomes a Responses object (or
-its stream of events). Pure functions, plus a small bounded log of past responses for
-``previous_response_id``.
+its stream of events). Pure functions, plus a bounded log of past responses (kept in
+the run's store) for ``previous_response_id``.
 
 The subset is what the openai client and the OpenAI Agents SDK send by default:
 
@@ -14,8 +14,10 @@ The subset is what the openai client and the OpenAI Agents SDK send by default:
   grammar enforces them, see ``selfrl.serve.structured``), ``max_output_tokens``,
   ``temperature``, ``top_p``, ``parallel_tool_calls``, ``metadata``, ``user``, ``store``;
 * ``previous_response_id``: the conversation so far (that response's input and output)
-  is put in front of ``input``; responses are remembered in memory (the last
-  :data:`RESPONSE_LOG_SIZE`, lost on restart: the request then gets a 404);
+  is put in front of ``input``; responses are remembered in the run's store (the last
+  :data:`RESPONSE_LOG_SIZE`, at most :data:`RESPONSE_LOG_BYTES`; across restarts), each
+  for the client that made it (not with ``store: false``): an unknown, forgotten, unstored
+  or other client's id gets a 404;
 * ``stream: true``: the events ``response.created``, ``response.in_progress``, per
   output item ``response.output_item.added``, the text or arguments as one
   ``...delta`` and ``...done``, ``response.output_item.done``, then
@@ -32,14 +34,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections import OrderedDict
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from selfrl.serve.protocol import ChatCompletionRequest
 
-RESPONSE_LOG_SIZE = 10_000
+RESPONSE_LOG_SIZE = 10_000  # responses whose conversation previous_response_id can continue
+RESPONSE_LOG_BYTES = 256 * 2**20  # and at most this much of their JSON, in the run's store
 
 
 class ResponsesRequest(BaseModel):
@@ -289,27 +291,45 @@ def sse(events: list[dict[str, Any]]) -> str:
 
 
 class ResponseLog:
-    """The conversation behind each recent response id, for ``previous_response_id``
-    (the last ``size`` responses; thread-safe enough for one event loop)."""
+    """The conversation behind each recent response id, for ``previous_response_id``: kept
+    in the run's store (:func:`selfrl.serve.records.remember_response`), so it outlives a
+    restart; the last ``size`` responses, at most ``max_bytes`` of JSON in all, each one
+    visible only to the client that made it.
 
-    def __init__(self, size: int = RESPONSE_LOG_SIZE):
-        self.size = size
-        self._items: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+    Args:
+        store: the run's store (its tables are created when missing).
+        size: responses remembered.
+        max_bytes: JSON bytes remembered in all (the oldest go first; the newest always stays).
+    """
 
-    def history(self, response_id: str | None) -> list[dict[str, Any]]:
+    def __init__(self, store, size: int = RESPONSE_LOG_SIZE, max_bytes: int = RESPONSE_LOG_BYTES):
+        from selfrl.serve import records
+
+        records.init(store)
+        self.store, self.size, self.max_bytes = store, size, max_bytes
+
+    def history(self, response_id: str | None, client: str = "") -> list[dict[str, Any]]:
         """The messages up to and including ``response_id``'s output.
 
         Raises:
-            KeyError: the id is unknown (never served, or forgotten).
+            KeyError: the id is unknown to ``client`` (never served to it, or forgotten).
         """
+        from selfrl.serve import records
+
         if response_id is None:
             return []
-        return list(self._items[response_id])
+        found = records.recall_response(self.store, response_id, client)
+        if found is None:
+            raise KeyError(response_id)
+        return found
 
-    def add(self, response_id: str, messages: list[dict[str, Any]], message: dict[str, Any]) -> None:
-        self._items[response_id] = [*messages, {k: v for k, v in message.items() if k != "refusal"}]
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
+    def add(self, response_id: str, messages: list[dict[str, Any]], message: dict[str, Any],
+            client: str = "") -> None:
+        from selfrl.serve import records
+
+        records.remember_response(self.store, response_id, client,
+                                  [*messages, {k: v for k, v in message.items() if k != "refusal"}],
+                                  self.size, self.max_bytes)
 
 
 async def create_response(service, log: ResponseLog, req: ResponsesRequest, client: str = "",
@@ -326,11 +346,11 @@ async def create_response(service, log: ResponseLog, req: ResponsesRequest, clie
     from selfrl.serve.service import ApiError
 
     try:
-        history = log.history(req.previous_response_id)
+        history = log.history(req.previous_response_id, client)
     except KeyError:
-        raise ApiError(404, f"no response {req.previous_response_id!r} is remembered (the server keeps the last "
-                       f"{log.size} responses in memory, until a restart)", "previous_response_id",
-                       "previous_response_not_found") from None
+        raise ApiError(404, f"no response {req.previous_response_id!r} is remembered for this client (the server "
+                       f"keeps the last {log.size} responses in its run directory, across restarts)",
+                       "previous_response_id", "previous_response_not_found") from None
     try:
         chat_req = to_chat_request(req, history)
     except ResponsesError as e:
@@ -341,5 +361,7 @@ async def create_response(service, log: ResponseLog, req: ResponsesRequest, clie
         raise ApiError(400, first.get("msg", "invalid request"), where) from e
     response_id = new_response_id()
     chat = await service.complete(chat_req, client, response_id=response_id, is_disconnected=is_disconnected)
-    log.add(response_id, [m.model_dump(exclude_none=True) for m in chat_req.messages], chat["choices"][0]["message"])
+    if req.store is not False:  # store: false, as OpenAI: the response cannot be continued
+        log.add(response_id, [m.model_dump(exclude_none=True) for m in chat_req.messages],
+                chat["choices"][0]["message"], client)
     return to_response(chat, req, chat_req, response_id)

@@ -169,6 +169,24 @@ class Service:
                            "base and promoted versions are served", param, "version_not_servable")
         self.state_of(version)
 
+    def check_model_name(self, model: str, version: int | None) -> None:
+        """Refuse a model id this server does not list in ``/v1/models``: it serves
+        ``served_model_name`` (the current version), ``<served_model_name>@v<N>`` (version N)
+        and each of ``model_aliases`` (the current version), as OpenAI and vLLM refuse an
+        unknown model rather than answer with another one.
+
+        Raises:
+            ApiError: 404 ``model_not_found``, naming the ids that are served.
+        """
+        name = self.cfg.served_model_name
+        if model == name or (version is None and model in self.cfg.model_aliases) or (
+                version is not None and model == f"{name}@v{version}"):
+            return
+        aliases = "".join(f", {a!r}" for a in self.cfg.model_aliases)
+        raise ApiError(404, f"the model {model[:64]!r} does not exist: this server serves {name!r}{aliases} and "
+                       f"'{name}@v<N>' for a stored version (GET /v1/models lists them; serve.model_aliases adds "
+                       "names)", "model", "model_not_found")
+
     def version_ids(self) -> list[dict[str, Any]]:
         """The servable versions as dicts: version, status, created_at, metrics."""
         return [{"version": v.version, "status": v.status.value, "created_at": v.created_at, "metrics": v.metrics}
@@ -291,6 +309,7 @@ class Service:
             version = parse_version_suffix(req.model)
         except ValueError as e:
             raise ApiError(404, f"model {req.model[:64]!r}...: {e}", "model", "model_not_found") from None
+        self.check_model_name(req.model, version)
         if version is not None:
             self.check_servable(version)
         try:
