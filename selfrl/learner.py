@@ -217,7 +217,7 @@ class Learner:
         """Forget AdamW's moments (after a rollback they point along the rejected path)."""
         self.optimizer.state.clear()
 
-    def _replay(self, traj: Trajectory) -> tuple[list[int], torch.Tensor]:
+    def grammar_masks(self, traj: Trajectory) -> tuple[list[int], torch.Tensor]:
         """The grammar masks of ``traj``'s constrained turns: (positions, (n, V) allowed ids).
 
         Raises:
@@ -240,7 +240,7 @@ class Learner:
         return positions, torch.cat(blocks)
 
     def _collate(self, trajs: list[Trajectory]) -> TensorBatch:
-        return collate(trajs, self.pad_token_id, self._replay).to(self.device)
+        return collate(trajs, self.pad_token_id, self.grammar_masks).to(self.device)
 
     def _ref_logps(self, mb: TensorBatch) -> torch.Tensor:
         """(B, T) log-probs under the reference: the base model, or the starting adapter

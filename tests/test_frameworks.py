@@ -81,8 +81,10 @@ def test_openai_chat_required_and_named_tool_choice_give_calls(server, client):
     row = served(service, r.id)
     with service.store.lock:
         traj = next(t for t in service.store.trajectories() if t.id == row["trajectory_id"])
-    assert traj.num_completion_tokens == 0  # every token was constrained: recorded, kept out of the loss
-    assert len(traj.token_ids) > traj.prompt_len
+    # every token was constrained: the turn records its grammar, so the learner replays the masks and trains it
+    assert traj.num_completion_tokens == len(traj.token_ids) - traj.prompt_len > 0
+    (span,) = traj.constraints
+    assert (span["start"], span["end"], span["kind"]) == (traj.prompt_len, len(traj.token_ids), "tool_call")
 
 
 def test_openai_chat_response_format_json_schema_and_json_object(server, client):

@@ -108,7 +108,7 @@ class BackgroundLearner(threading.Thread):
             set_peft_model_state_dict(model, champ.state)
         lc = cfg.learner
         self.learner = Learner(model, cfg.train, lc.temperature, tokenizer.pad_token_id, cfg.max_completion_length,
-                               ref_state=ref_state)
+                               ref_state=ref_state, tokenizer=tokenizer)
         self.source = get_task_source(cfg.task.source, **cfg.task.options)
         _, self.val = split_tasks(self.source, 0, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
         assert_disjoint([], self.val)
@@ -198,9 +198,9 @@ class BackgroundLearner(threading.Thread):
         pad = self.tok.pad_token_id
         for i in range(0, len(trajs), self.cfg.train.micro_batch_size):
             chunk = trajs[i:i + self.cfg.train.micro_batch_size]
-            mb = collate(chunk, pad).to(self.learner.device)
+            mb = collate(chunk, pad, self.learner.grammar_masks).to(self.learner.device)
             logps = per_token_logps(self.model, mb.input_ids, mb.attention_mask, mb.completion_mask,
-                                    self.cfg.learner.temperature)  # (B, T)
+                                    self.cfg.learner.temperature, vocab_masks=mb.vocab_masks)  # (B, T)
             for j, t in enumerate(chunk):
                 copy = Trajectory.from_dict(t.to_dict())
                 copy.logprobs = (logps[j, :len(t.token_ids)] * mb.completion_mask[j, :len(t.token_ids)]).tolist()

@@ -433,8 +433,10 @@ class Service:
 
     def _record(self, p: Prepared, i: int, g: Generation, message: dict, calls, content, truncated, seconds) -> None:
         P = len(p.prompt)
-        # a token sampled under a grammar's restriction stays out of the loss (selfrl.constrain)
-        trained = [0 if c else 1 for c in g.constrained] if g.constrained is not None else [1] * len(g.token_ids)
+        # a turn sampled under a grammar records it: the learner replays its masks (selfrl.constrain)
+        trained = [1] * len(g.token_ids)
+        constraints = [] if p.constraint is None or not g.token_ids else [
+            {"start": P, "end": P + len(g.token_ids), "kind": p.constraint.kind, "grammar": p.constraint.grammar}]
         traj = Trajectory(
             task_id=p.group_key, group_id=p.group_key, adapter_version=g.adapter_version, prompt_len=P,
             token_ids=list(p.prompt) + list(g.token_ids), completion_mask=[0] * P + trained,
@@ -442,6 +444,7 @@ class Service:
                                                                        self.tok.decode(g.token_ids, skip_special_tokens=True)}],
             tool_calls=calls, final_answer=None if message.get("tool_calls") else content, truncated=truncated,
             num_turns=1, timings={"generate": seconds}, parent_id=p.parent["trajectory_id"] if p.parent else None,
+            constraints=constraints,
         )
         conversation = p.parent["conversation_id"] if p.parent else uuid.uuid4().hex
         key = conversation_key([*p.messages, message])
