@@ -67,7 +67,7 @@ class RolloutWorker:
 
         from selfrl.engines import make_engine
         from selfrl.model import build_policy
-        from selfrl.tasks import get_task_source
+        from selfrl.loop import make_source
         from selfrl.tools import resolve_tools
 
         torch.set_num_threads(threads)
@@ -75,7 +75,7 @@ class RolloutWorker:
         model, tok = build_policy(cfg)
         torch.manual_seed(seed)
         self.engine = make_engine(cfg.engine, model, tok, version=-1)
-        self.source = get_task_source(cfg.task.source, **cfg.task.options)
+        self.source = make_source(cfg)  # the run's environment, or its agents' ([[agents]])
         self.tools = resolve_tools(cfg.rollout.tools)
 
     def pid(self) -> int:
