@@ -46,7 +46,8 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
         from selfrl.serve.service import Service
 
         model, tok = build_policy(cfg)
-        service = Service(model, tok, cfg, learner_model=copy.deepcopy(model) if learn else None)
+        learner_model = copy.deepcopy(model) if learn and not cfg.replica else None  # a replica has no learner
+        service = Service(model, tok, cfg, learner_model=learner_model)
     except (ConfigError, ModelLoadError, ValueError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"selfrl: error: {msg}", file=sys.stderr)
@@ -57,7 +58,8 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
         print("selfrl: no API key (SELFRL_API_KEY or --api-key-file): /v1/feedback and /admin are disabled",
               file=sys.stderr)
     print(f"selfrl: serving {cfg.model.name} as {cfg.served_model_name!r} (version {service.engine.version}) "
-          f"on http://{cfg.host}:{cfg.port}/v1; run dir {cfg.run_dir}", file=sys.stderr)
+          f"on http://{cfg.host}:{cfg.port}/v1; run dir {cfg.run_dir}"
+          + (" (replica: its owner learns; promoted versions are followed)" if cfg.replica else ""), file=sys.stderr)
     app = create_app(service, api_key, protect_completions, learn=learn)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
     return 0
