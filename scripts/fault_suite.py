@@ -16,8 +16,25 @@ random Phi saved to a temporary folder, with ``SELFRL_FAULT`` set (see ``selfrl/
   stored before the kill is still there, byte for byte, and every version marked
   served (promoted or base) is complete (``adapters.verify_version``).
 
+Distributed faults (``selfrl run --ray local``, 2 rollout workers; only when Ray is installed):
+
+* ``worker:kill:<point>`` for each point of ``selfrl.distributed.worker.WORKER_FAULT_POINTS``
+  (``before_sampling``, ``mid_rollout``, ``after_sending``): the first worker to reach the
+  point SIGKILLs itself (``SELFRL_WORKER_FAULT``); ``worker:stop:mid_rollout`` SIGSTOPs it
+  instead (alive and silent, as a worker partitioned from the driver), and the driver
+  must time it out (``job_timeout_s``) and replace it. Recovered when the run finishes
+  with exactly one ``worker_lost``, every iteration trained ``num_prompts`` whole groups
+  (trajectories lost: the groups missing), no group stored twice, every trained group
+  within the staleness bound, and no corrupt version served.
+* ``ray:kill:<point>@1``: the *driver* of a distributed run is SIGKILLed at a point of
+  ``selfrl.faults.POINTS``, then ``--resume`` (with ``--ray``) must finish the run from
+  the last good version: every trajectory stored before the kill unchanged, no group id
+  stored twice, the ``resume`` event naming the version that was the newest servable one
+  at the kill, and no corrupt version served.
+
 It prints a table (faults injected, recovered, trajectories lost, corrupt versions
-served) and writes the rows as JSON. ``tests/test_faults.py`` runs the same checks.
+served) and writes the rows as JSON. ``tests/test_faults.py`` and
+``tests/test_distributed.py`` run the same checks.
 """
 
 from __future__ import annotations
@@ -87,17 +104,35 @@ degenerate_rise = 0.6
 # (tests/test_collapse.py); the destructive faults are caught by the KL rule.
 
 
-def write_config(path: Path, model_dir: Path, iterations: int = ITERATIONS) -> Path:
-    path.write_text(CONFIG.format(iterations=iterations, model=model_dir))
+DIST_CONFIG = CONFIG + """\
+[distributed]
+address = "local"
+num_workers = 2
+max_staleness = 1
+worker_cpus = 0.5
+job_timeout_s = 8.0
+"""
+# job_timeout_s: a partitioned (SIGSTOPped) worker is replaced after 8 s of silence; a tiny
+# model's job takes well under a second, even on 2 shared cores.
+
+
+def write_config(path: Path, model_dir: Path, iterations: int = ITERATIONS, distributed: bool = False) -> Path:
+    path.write_text((DIST_CONFIG if distributed else CONFIG).format(iterations=iterations, model=model_dir))
     return path
 
 
-def run_child(args: list[str], fault: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``selfrl run <args>`` in a subprocess, with ``SELFRL_FAULT=fault``."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+def run_child(args: list[str], fault: str | None = None, timeout: float = 300,
+              worker_fault: str | None = None) -> subprocess.CompletedProcess:
+    """``selfrl run <args>`` in a subprocess, with ``SELFRL_FAULT=fault`` (the driver's) and
+    ``SELFRL_WORKER_FAULT=worker_fault`` (a Ray rollout worker's)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "RAY_memory_monitor_refresh_ms": "0"}  # Ray must not kill workers for others' memory use
     env.pop("SELFRL_FAULT", None)
+    env.pop("SELFRL_WORKER_FAULT", None)
     if fault:
         env["SELFRL_FAULT"] = fault
+    if worker_fault:
+        env["SELFRL_WORKER_FAULT"] = worker_fault
     return subprocess.run([sys.executable, str(SCRIPT), "child", "run", *args], env=env, capture_output=True,
                           text=True, timeout=timeout, check=False)
 
@@ -227,10 +262,107 @@ def run_fault(fault: str, model_dir: Path, work: Path) -> Outcome:
     return out
 
 
+# ------------------------------------------------------------- distributed faults
+
+NUM_PROMPTS, NUM_GENERATIONS = 2, 4  # as CONFIG
+
+
+def groups_check(run_dir: Path) -> tuple[int, int, list[int]]:
+    """``(trajectories lost, groups stored twice, staleness of every stored trajectory)`` of a
+    finished distributed run: lost are the trajectories missing from iterations that trained
+    fewer than ``num_prompts`` whole groups; a group id stored with more than ``num_generations``
+    trajectories is stored twice; staleness is ``learner version - sampler version``."""
+    db = sqlite3.connect(f"file:{run_dir / 'selfrl.db'}?mode=ro", uri=True)
+    try:
+        rows = db.execute("SELECT iteration, group_id, adapter_version FROM trajectories").fetchall()
+        learner = dict(db.execute("SELECT step, value FROM metrics WHERE name = 'sampled_version'").fetchall())
+    finally:
+        db.close()
+    per_group: dict[str, int] = {}
+    per_iteration: dict[int, int] = {}
+    for it, gid, _ in rows:
+        per_group[gid] = per_group.get(gid, 0) + 1
+        per_iteration[it] = per_iteration.get(it, 0) + 1
+    expected = NUM_PROMPTS * NUM_GENERATIONS
+    lost = sum(max(0, expected - per_iteration.get(it, 0)) for it in range(ITERATIONS))
+    twice = sum(1 for n in per_group.values() if n > NUM_GENERATIONS)
+    lags = [int(learner[it]) - v for it, _, v in rows if it in learner]
+    return lost, twice, lags
+
+
+def check_worker_fault(fault: str, run_dir: Path, final: int | None) -> Outcome:
+    """Judge a distributed run in which one worker was killed or stopped (see the module docstring)."""
+    r = read_run(run_dir)
+    bad = corrupt_served(run_dir, r["versions"], final)
+    lost, twice, lags = groups_check(run_dir)
+    [totals] = [e["data"] for e in r["events"] if e["kind"] == "distributed"] or [{}]
+    losses = [e["message"] for e in r["events"] if e["kind"] == "worker_lost"]
+    in_bound = bool(lags) and 0 <= min(lags) and max(lags) <= 1
+    ok = len(losses) == 1 and lost == 0 and twice == 0 and in_bound and not bad
+    detail = (f"{len(losses)} worker lost, {totals.get('jobs_redone')} jobs redone, {twice} groups stored twice, "
+              f"staleness {min(lags, default=None)}..{max(lags, default=None)}")
+    return Outcome(fault, ok, lost, len(bad), detail=detail, notes=losses)
+
+
+def check_driver_kill(fault: str, run_dir: Path, before: dict[str, str], last_good: int | None,
+                      final: int | None) -> Outcome:
+    """Judge a distributed run whose driver was killed, then resumed (see the module docstring)."""
+    out = check_kill(fault, run_dir, before, final)
+    _, twice, _ = groups_check(run_dir)
+    resumed = [e["message"] for e in read_run(run_dir)["events"] if e["kind"] == "resume"]
+    from_good = bool(resumed) and resumed[0].endswith(f"from version {last_good}")
+    out.recovered = out.recovered and twice == 0 and from_good
+    out.detail += f"; {twice} groups stored twice; {resumed[0] if resumed else 'no resume event'}"
+    return out
+
+
+def newest_servable(run_dir: Path) -> int | None:
+    """The version a resume must start from: the newest base or promoted version with a complete folder."""
+    from selfrl import adapters
+
+    servable = [v["version"] for v in read_run(run_dir)["versions"] if v["status"] in ("promoted", "base")
+                and adapters.verify_version(Path(v["path"])) is None]
+    return max(servable, default=None)
+
+
+def run_distributed_fault(fault: str, model_dir: Path, work: Path) -> Outcome:
+    """Inject one distributed fault (``worker:...`` or ``ray:kill:...``) into a fresh ``--ray local`` run."""
+    t0 = time.perf_counter()
+    run_dir = work / fault.replace(":", "_").replace("@", "_at_")
+    config = write_config(work / f"{run_dir.name}.toml", model_dir, distributed=True)
+    args = ["--config", str(config), "--run-dir", str(run_dir)]
+    if fault.startswith("worker:"):
+        proc = run_child(args, worker_fault=fault.removeprefix("worker:"))
+        out = (check_worker_fault(fault, run_dir, final_version(proc.stdout)) if proc.returncode == 0 else
+               Outcome(fault, False, detail=f"exit {proc.returncode}: {proc.stderr[-600:]}"))
+    else:
+        killed = run_child(args, fault.removeprefix("ray:"))
+        if killed.returncode != -signal.SIGKILL:
+            return Outcome(fault, False, detail=f"not killed: exit {killed.returncode}: {killed.stderr[-400:]}")
+        before, last_good = snapshot(run_dir), newest_servable(run_dir)
+        proc = run_child(["--config", str(config), "--resume", str(run_dir)])
+        out = (check_driver_kill(fault, run_dir, before, last_good, final_version(proc.stdout))
+               if proc.returncode == 0 else Outcome(fault, False, detail=f"exit {proc.returncode}: {proc.stderr[-600:]}"))
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def distributed_faults() -> list[str]:
+    """The distributed faults, or none when Ray is not installed."""
+    try:
+        import ray  # noqa: F401
+    except ModuleNotFoundError:
+        return []
+    from selfrl.distributed.worker import WORKER_FAULT_POINTS
+
+    return ([f"worker:kill:{p}" for p in WORKER_FAULT_POINTS] + ["worker:stop:mid_rollout"]
+            + ["ray:kill:after_store@1", "ray:kill:during_update@1"])
+
+
 def all_faults() -> list[str]:
     from selfrl.faults import POINTS
 
-    return ["lr_x1000@1", "noise@1", "nan_loss@1"] + [f"kill:{p}@1" for p in POINTS]
+    return ["lr_x1000@1", "noise@1", "nan_loss@1"] + [f"kill:{p}@1" for p in POINTS] + distributed_faults()
 
 
 def table(outcomes: list[Outcome]) -> str:
@@ -258,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = save_tiny_model(work / "tiny-model")
         outcomes = []
         for fault in args.faults or all_faults():
-            outcomes.append(run_fault(fault, model_dir, work))
+            distributed = fault.startswith(("worker:", "ray:"))
+            outcomes.append((run_distributed_fault if distributed else run_fault)(fault, model_dir, work))
             print(f"{fault}: {'recovered' if outcomes[-1].recovered else 'NOT RECOVERED'} "
                   f"({outcomes[-1].seconds:.0f} s) {outcomes[-1].detail}", flush=True)
     print(table(outcomes))
