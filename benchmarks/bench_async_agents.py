@@ -19,9 +19,10 @@ within minutes on 2 shared cores; the loop, the gate, the store and the timings 
 real ones.
 
 1. ``sync`` and ``async`` (``--ray local``, 2 workers, ``max_staleness`` 1): one agent
-   (long), the same tasks, seeds and settings; held-out success of each validated version
+   (short: the base model, with no EOS bias, runs to the token limit), the same tasks, seeds and settings; held-out success of each validated version
    against the wall-clock since the run started (``val/success`` in the store).
-2. ``agents``: two agents, ``long`` on 3-4-term sums and ``short`` on 2-term sums, into
+2. ``agents``: two agents, ``long`` on 3-4-term sums (at least half the token limit) and
+   ``short`` on 2-term sums (at most ``--threshold`` tokens), into
    one learner (``[[agents]]``), each with its own held-out set and tolerance; the report
    lists each validated version's success per agent and each conflict.
 
@@ -75,6 +76,30 @@ def length_goal(traj, ctx) -> float:
     return share if env.direction == "long" else 1.0 - share
 
 
+def save_phi(path: Path, hidden: int, layers: int, eos_bias: float) -> str:
+    """A random Phi and the tests' tiny tokenizer, saved as a model folder (as bench_distributed's,
+    with the EOS bias as a parameter)."""
+    import torch
+    from conftest import build_tiny_tokenizer
+    from transformers import PhiConfig, PhiForCausalLM
+
+    tok = build_tiny_tokenizer()
+    eos = tok.eos_token_id
+    cfg = PhiConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048, eos_token_id=eos,
+                    pad_token_id=eos, bos_token_id=None, tie_word_embeddings=False, initializer_range=0.02)
+    torch.manual_seed(0)
+    model = PhiForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.bias.zero_()
+        model.lm_head.bias[eos] = eos_bias
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = eos
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
 def make_cfg(model: str, run_dir: Path, args, mode: str):
     from selfrl.config import AgentConfig, DistributedConfig, RunConfig
 
@@ -90,32 +115,35 @@ def make_cfg(model: str, run_dir: Path, args, mode: str):
     if mode == "agents":
         cfg.agents = [
             AgentConfig("long", "bench_async_agents:LengthEnv",
-                        {"direction": "long", "threshold": args.threshold, "min_terms": 3, "max_terms": 4,
+                        {"direction": "long", "threshold": LIMIT[0] // 2, "min_terms": 3, "max_terms": 4,
                          "min_digits": 2, "max_digits": 2}, tolerance=0.1),
             AgentConfig("short", "bench_async_agents:LengthEnv",
-                        {"direction": "short", "threshold": 2, "min_terms": 2, "max_terms": 2,
+                        {"direction": "short", "threshold": args.threshold, "min_terms": 2, "max_terms": 2,
                          "min_digits": 1, "max_digits": 1}, tolerance=0.1)]
     else:
         cfg.task.source = "bench_async_agents:LengthEnv"
-        cfg.task.options = {"direction": "long", "threshold": args.threshold}
+        cfg.task.options = {"direction": "short", "threshold": args.threshold}
     if mode == "async":
         cfg.distributed = DistributedConfig(address="local", num_workers=2, max_staleness=1, worker_cpus=0.5,
                                             job_timeout_s=300)
     return cfg.validate()
 
 
-def curve(run_dir: Path) -> list[tuple[float, float, int]]:
-    """``(seconds since the run's first metric, held-out success, version)`` of each validation."""
+def curve(run_dir: Path) -> list[tuple[float, float, int, str]]:
+    """``(seconds since the run's first metric, held-out success, version, its status)`` of each
+    validation (the version validated is the ``version`` metric of the same step)."""
     from selfrl.store import Store
 
     with Store(run_dir / "selfrl.db", readonly=True) as store:
         rows = store.metrics()
+        status = {v["version"]: v["status"] for v in store.versions()}
         t0 = min(m["wall_time"] for m in rows)
         versions = {m["step"]: int(m["value"]) for m in rows if m["name"] == "version"}
         out = []
         for m in rows:
             if m["name"] == "val/success":
-                out.append((m["wall_time"] - t0, m["value"], versions.get(m["step"], 0) if out else 0))
+                v = versions.get(m["step"], 0) if out else 0
+                out.append((m["wall_time"] - t0, m["value"], v, status.get(v, "?")))
     return out
 
 
@@ -138,20 +166,26 @@ def agents_table(run_dir: Path) -> dict:
 
 
 def plot_curves(curves: dict[str, list], path: Path, title: str) -> None:
+    """The served (champion's) held-out success as a step line; rejected candidates as crosses."""
     from matplotlib.figure import Figure
 
     from selfrl.figures import RUN_COLOURS, save
 
-    fig = Figure(figsize=(6.4, 3.6))
+    fig = Figure(figsize=(6.4, 3.8))
     ax = fig.add_subplot()
     for (name, pts), colour in zip(curves.items(), RUN_COLOURS):
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colour, label=name, drawstyle="steps-post")
-    ax.set_xlabel("wall-clock since the run started (s)")
-    ax.set_ylabel("held-out success")
+        served = [p for p in pts if p[3] in ("base", "promoted")]
+        ax.plot([p[0] for p in served], [p[1] for p in served], marker="o", color=colour, label=name,
+                drawstyle="steps-post")
+        rejected = [p for p in pts if p[3] not in ("base", "promoted")]
+        ax.scatter([p[0] for p in rejected], [p[1] for p in rejected], marker="x", color=colour)
+    ax.set_xlabel("wall-clock since the run started (s); x: a rejected candidate")
+    ax.set_ylabel("held-out success of the served version")
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="center right", fontsize=8)
     ax.set_title(title, fontsize=9)
+    fig.subplots_adjust(bottom=0.16)
     save(fig, path)
 
 
@@ -174,11 +208,12 @@ def plot_agents(table: dict, path: Path, title: str) -> None:
             symbol, colour, label = MARK_STYLE[mark]
             ax.scatter([r["version"]], [1.08], marker=symbol, color=colour, clip_on=False)
     ax.set_xlabel("validated version (^ promoted, X rejected by an agent's gate)")
-    ax.set_ylabel("held-out success")
+    ax.set_ylabel("held-out success per agent")
     ax.set_ylim(-0.05, 1.12)
     ax.grid(alpha=0.3)
     ax.legend(loc="center right")
     ax.set_title(title, fontsize=9)
+    fig.subplots_adjust(bottom=0.16)
     save(fig, path)
 
 
@@ -188,10 +223,11 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--num-generations", type=int, default=4)
     p.add_argument("--val-size", type=int, default=16)
-    p.add_argument("--threshold", type=int, default=6)
+    p.add_argument("--threshold", type=int, default=4, help="a short answer has at most this many tokens")
     p.add_argument("--learning-rate", type=float, default=2e-2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--eos-bias", type=float, default=0.0, help="output bias at EOS (0: the greedy answer runs long)")
     p.add_argument("--modes", nargs="*", default=["sync", "async", "agents"])
     p.add_argument("--keep", help="keep the run folders here")
     args = p.parse_args()
@@ -199,8 +235,6 @@ def main() -> int:
     # Ray workers import LengthEnv by its dotted path: they inherit this PYTHONPATH
     os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), str(ROOT),
                                                 os.environ.get("PYTHONPATH", "")])
-    from bench_distributed import save_phi
-
     from selfrl.loop import run
     from selfrl.rewards import REWARD_FUNCS
 
@@ -210,7 +244,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        model = save_phi(work / "model", args.hidden, args.layers)
+        model = save_phi(work / "model", args.hidden, args.layers, args.eos_bias)
         for mode in args.modes:
             run_dir = work / mode
             t0 = time.perf_counter()
@@ -233,7 +267,7 @@ def main() -> int:
     if "sync" in runs and "async" in runs:
         plot_curves({"synchronous": runs["sync"]["curve"], "asynchronous (Ray, 2 workers, staleness <= 1)":
                      runs["async"]["curve"]}, images / "async_vs_sync.png",
-                    f"held-out success (greedy answer >= {args.threshold} tokens), tiny random Phi, 2 shared cores")
+                    f"held-out success (greedy answer <= {args.threshold} tokens), small random Phi, 2 shared cores")
     if "agents" in runs:
         plot_agents(runs["agents"]["agents"], images / "two_agents.png",
                     "two agents pulling in opposite directions, one shared adapter, a gate per agent")
