@@ -22,7 +22,8 @@ Distributed faults (``selfrl run --ray local``, 2 rollout workers; only when Ray
   (``before_sampling``, ``mid_rollout``, ``after_sending``): the first worker to reach the
   point SIGKILLs itself (``SELFRL_WORKER_FAULT``); ``worker:stop:mid_rollout`` SIGSTOPs it
   instead (alive and silent, as a worker partitioned from the driver), and the driver
-  must time it out (``job_timeout_s``) and replace it. Recovered when the run finishes
+  must time it out (``job_timeout_s``, 4 s; this run has one worker, so it cannot finish
+  without) and replace it. Recovered when the run finishes
   with exactly one ``worker_lost``, every iteration trained ``num_prompts`` whole groups
   (trajectories lost: the groups missing), no group stored twice, every trained group
   within the staleness bound, and no corrupt version served.
@@ -107,17 +108,23 @@ degenerate_rise = 0.6
 DIST_CONFIG = CONFIG + """\
 [distributed]
 address = "local"
-num_workers = 2
+num_workers = {num_workers}
 max_staleness = 1
 worker_cpus = 0.5
-job_timeout_s = 8.0
+job_timeout_s = {job_timeout_s}
 """
-# job_timeout_s: a partitioned (SIGSTOPped) worker is replaced after 8 s of silence; a tiny
-# model's job takes well under a second, even on 2 shared cores.
+# job_timeout_s: a tiny model's job takes well under a second, even on 2 shared cores. The
+# partition fault (a SIGSTOPped worker) runs with one worker and a 4 s timeout, so the run can
+# only go on once the driver has timed the silent worker out and replaced it (with two, the
+# other worker may finish the run first); every other fault gets 60 s, never reached.
+PARTITION_TIMEOUT_S = 4.0
 
 
-def write_config(path: Path, model_dir: Path, iterations: int = ITERATIONS, distributed: bool = False) -> Path:
-    path.write_text((DIST_CONFIG if distributed else CONFIG).format(iterations=iterations, model=model_dir))
+def write_config(path: Path, model_dir: Path, iterations: int = ITERATIONS, distributed: bool = False,
+                 job_timeout_s: float = 60.0, num_workers: int = 2) -> Path:
+    text = DIST_CONFIG if distributed else CONFIG
+    path.write_text(text.format(iterations=iterations, model=model_dir, job_timeout_s=job_timeout_s,
+                                num_workers=num_workers))
     return path
 
 
@@ -329,7 +336,9 @@ def run_distributed_fault(fault: str, model_dir: Path, work: Path) -> Outcome:
     """Inject one distributed fault (``worker:...`` or ``ray:kill:...``) into a fresh ``--ray local`` run."""
     t0 = time.perf_counter()
     run_dir = work / fault.replace(":", "_").replace("@", "_at_")
-    config = write_config(work / f"{run_dir.name}.toml", model_dir, distributed=True)
+    partition = fault.startswith("worker:stop:")
+    config = write_config(work / f"{run_dir.name}.toml", model_dir, distributed=True,
+                          job_timeout_s=PARTITION_TIMEOUT_S if partition else 60.0, num_workers=1 if partition else 2)
     args = ["--config", str(config), "--run-dir", str(run_dir)]
     if fault.startswith("worker:"):
         proc = run_child(args, worker_fault=fault.removeprefix("worker:"))

@@ -202,6 +202,30 @@ def test_rollouts_drop_groups_older_than_the_bound():
     assert runner.iteration_stats["async/mean_staleness"] == pytest.approx(2 / 3)
 
 
+def test_several_agents_run_on_ray_workers_into_one_learner(tmp_path, short_model, ray_cluster):
+    """[[agents]] with --ray: the workers build the agents' environment from the run's config
+    and sample both agents' tagged tasks; every iteration holds both agents in equal numbers,
+    and each agent's held-out success is logged."""
+    from selfrl.config import AgentConfig
+    from selfrl.distributed.agents_env import agent_of
+    from selfrl.distributed.driver import run_distributed
+
+    model_dir, make_cfg = short_model
+    cfg = make_cfg(model_dir, tmp_path / "run", iterations=2)
+    cfg.agents = [AgentConfig("one", "chain_sum", {"min_digits": 1, "max_digits": 1}, val_size=3),
+                  AgentConfig("three", "chain_sum", {"min_digits": 3, "max_digits": 3}, val_size=2)]
+    cfg.gate.eval_every, cfg.collapse.enabled = 2, False
+    cfg.distributed = DistributedConfig(address="local", num_workers=2, max_staleness=1, job_timeout_s=120)
+    run_distributed(cfg)
+    with Store(tmp_path / "run" / "selfrl.db") as store:
+        for it in range(2):
+            agents = [agent_of(t.task_id) for t in store.trajectories(iteration=it)]
+            assert sorted(agents) == ["one"] * 3 + ["three"] * 3  # one group of 3 per agent per iteration
+        assert sorted(agent_of(t) for t in store.evaluation(0)) == ["one"] * 3 + ["three"] * 2
+        names = {m["name"] for m in store.metrics()}
+        assert {"val/one", "val/three"} <= names
+
+
 @pytest.mark.parametrize("point", ["before_sampling", "mid_rollout", "after_sending"])
 def test_a_worker_killed_at_each_point_of_a_job_loses_nothing(point, tmp_path, short_model, ray_cluster):
     """The worker SIGKILLs itself at ``point`` of its first job (SELFRL_WORKER_FAULT, once per run
