@@ -24,6 +24,24 @@ random Phi saved to a temporary folder, with ``SELFRL_FAULT`` set (see ``selfrl/
   swapped in, is base or promoted, and is not older than the version served when it was
   sent (:func:`bad_served`).
 
+Distributed faults (``selfrl run --ray local``, 2 rollout workers; only when Ray is installed; in
+``scripts/fault_distributed.py``):
+
+* ``worker:kill:<point>`` for each point of ``selfrl.distributed.worker.WORKER_FAULT_POINTS``
+  (``before_sampling``, ``mid_rollout``, ``after_sending``): the first worker to reach the
+  point SIGKILLs itself (``SELFRL_WORKER_FAULT``); ``worker:stop:mid_rollout`` SIGSTOPs it
+  instead (alive and silent, as a worker partitioned from the driver), and the driver
+  must time it out (``job_timeout_s``, 4 s; this run has one worker, so it cannot finish
+  without) and replace it. Recovered when the run finishes
+  with exactly one ``worker_lost``, every iteration trained ``num_prompts`` whole groups
+  (trajectories lost: the groups missing), no group stored twice, every trained group
+  within the staleness bound, and no corrupt version served.
+* ``ray:kill:<point>@1``: the *driver* of a distributed run is SIGKILLed at a point of
+  ``selfrl.faults.POINTS``, then ``--resume`` (with ``--ray``) must finish the run from
+  the last good version: every trajectory stored before the kill unchanged, no group id
+  stored twice, the ``resume`` event naming the version that was the newest servable one
+  at the kill, and no corrupt version served.
+
 It prints a table (faults injected, recovered, trajectories lost, corrupt versions
 served; for serve: requests, failed requests, bad versions served) and writes the rows
 as JSON. ``tests/test_faults.py`` and ``tests/test_serve_faults.py`` run the same checks.
@@ -97,17 +115,41 @@ degenerate_rise = 0.6
 # (tests/test_collapse.py); the destructive faults are caught by the KL rule.
 
 
-def write_config(path: Path, model_dir: Path, iterations: int = ITERATIONS) -> Path:
-    path.write_text(CONFIG.format(iterations=iterations, model=model_dir))
+DIST_CONFIG = CONFIG + """\
+[distributed]
+address = "local"
+num_workers = {num_workers}
+max_staleness = 1
+worker_cpus = 0.5
+job_timeout_s = {job_timeout_s}
+"""
+# job_timeout_s: a tiny model's job takes well under a second, even on 2 shared cores. The
+# partition fault (a SIGSTOPped worker) runs with one worker and a 4 s timeout, so the run can
+# only go on once the driver has timed the silent worker out and replaced it (with two, the
+# other worker may finish the run first); every other fault gets 60 s, never reached.
+PARTITION_TIMEOUT_S = 4.0
+
+
+def write_config(path: Path, model_dir: Path, iterations: int = ITERATIONS, distributed: bool = False,
+                 job_timeout_s: float = 60.0, num_workers: int = 2) -> Path:
+    text = DIST_CONFIG if distributed else CONFIG
+    path.write_text(text.format(iterations=iterations, model=model_dir, job_timeout_s=job_timeout_s,
+                                num_workers=num_workers))
     return path
 
 
-def run_child(args: list[str], fault: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``selfrl run <args>`` in a subprocess, with ``SELFRL_FAULT=fault``."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+def run_child(args: list[str], fault: str | None = None, timeout: float = 300,
+              worker_fault: str | None = None) -> subprocess.CompletedProcess:
+    """``selfrl run <args>`` in a subprocess, with ``SELFRL_FAULT=fault`` (the driver's) and
+    ``SELFRL_WORKER_FAULT=worker_fault`` (a Ray rollout worker's)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "RAY_memory_monitor_refresh_ms": "0"}  # Ray must not kill workers for others' memory use
     env.pop("SELFRL_FAULT", None)
+    env.pop("SELFRL_WORKER_FAULT", None)
     if fault:
         env["SELFRL_FAULT"] = fault
+    if worker_fault:
+        env["SELFRL_WORKER_FAULT"] = worker_fault
     return subprocess.run([sys.executable, str(SCRIPT), "child", "run", *args], env=env, capture_output=True,
                           text=True, timeout=timeout, check=False)
 
@@ -485,7 +527,20 @@ def all_faults() -> list[str]:
     from selfrl.faults import POINTS
 
     return (["lr_x1000@1", "noise@1", "nan_loss@1"] + [f"kill:{p}@1" for p in POINTS]
-            + [f"serve:{f}" for f in SERVE_FAULTS])
+            + [f"serve:{f}" for f in SERVE_FAULTS] + distributed().distributed_faults())
+
+
+def distributed():
+    """``scripts/fault_distributed.py`` (the Ray faults), loaded beside this file."""
+    import importlib.util
+
+    sys.modules.setdefault("fault_suite", sys.modules[__name__])  # it imports this module's helpers
+    if "fault_distributed" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("fault_distributed", SCRIPT.parent / "fault_distributed.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["fault_distributed"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["fault_distributed"]
 
 
 SERVE_FAULTS = ("noise@1", "lr_x1000@1", "nan_loss@1")  # injected into selfrl serve's learner under traffic
@@ -531,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
         for fault in args.faults or all_faults():
             if fault.startswith("serve:"):
                 outcomes.append(run_serve_fault(fault.removeprefix("serve:"), model_dir, work))
+            elif fault.startswith(("worker:", "ray:")):
+                outcomes.append(distributed().run_distributed_fault(fault, model_dir, work))
             else:
                 outcomes.append(run_fault(fault, model_dir, work))
             print(f"{fault}: {'recovered' if outcomes[-1].recovered else 'NOT RECOVERED'} "

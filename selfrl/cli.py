@@ -81,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key-file", help="file whose first line is the API key (else SELFRL_API_KEY)")
     s.add_argument("--no-learn", action="store_true", help="serve and record only; no background learner")
     s.add_argument("--protect-completions", action="store_true", help="require the API key for completions too")
+    s.add_argument("--replica", action="store_true", default=None,
+                   help="serve beside the server that owns --run-dir: share its store and learner, swap in each "
+                        "version it promotes (docs/distributed.md)")
     for flag, (_, typ, help_) in SERVE_FLAGS.items():
         s.add_argument(flag, type=typ, help=help_)
     m = sub.add_parser("sampler", help="serve the policy as a remote sampling backend for other selfrl processes")
@@ -141,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         from selfrl.serve.main import serve
 
         overrides = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in SERVE_FLAGS.items()}
+        overrides["replica"] = args.replica
         return serve(args.config, overrides, args.api_key_file, learn=not args.no_learn,
                      protect_completions=args.protect_completions)
 

@@ -342,6 +342,34 @@ class DistributedConfig:
         ], where)
 
 
+AgentAdapters = Literal["shared"]  # many agents: one shared adapter ("per_agent" is refused, docs/distributed.md)
+
+
+@dataclass
+class AgentConfig:
+    """One agent of a run with several (``[[agents]]``; ``selfrl.distributed.agents``): its own
+    environment, held-out set and gate tolerance; unset fields take the run's value."""
+
+    name: str = ""  # the agent's name: unique, no "/" (it prefixes the agent's task ids)
+    source: str = "chain_sum"  # the agent's environment: a name (selfrl envs), rg:<dataset>, or package.module:Name
+    options: dict[str, Any] = field(default_factory=dict)  # the environment's options (as [task] options)
+    tolerance: float | None = None  # largest held-out drop this agent accepts (None: gate.tolerance)
+    val_size: int | None = None  # this agent's held-out tasks (None: gate.val_size)
+    num_train: int | None = None  # this agent's training tasks (None: task.num_train)
+    train_seed: int | None = None  # seed of its training tasks (None: task.train_seed)
+    val_seed: int | None = None  # seed of its held-out tasks (None: task.val_seed)
+
+    def check(self, where: str = "") -> None:
+        require([
+            (bool(self.name) and "/" not in self.name, "name must be a non-empty name without '/'"),
+            (bool(self.source), "source must not be empty"),
+            (isinstance(self.options, dict), "options must be a table"),
+            (self.tolerance is None or self.tolerance >= 0, "tolerance must be >= 0"),
+            (self.val_size is None or self.val_size >= 1, "val_size must be >= 1"),
+            (self.num_train is None or self.num_train >= 1, "num_train must be >= 1"),
+        ], where)
+
+
 @dataclass
 class RunConfig:
     """Everything one ``selfrl run`` needs."""
@@ -363,6 +391,9 @@ class RunConfig:
     reward_weights: dict[str, float] | None = None  # explicit weights; overrides the preset
     seed: int = 0  # torch seed for sampling and LoRA init
     engine: str = DEFAULT_ENGINE  # sampling backend: reference | slots | auto (slots on the CPU, reference on a GPU)
+    # several agents into one learner ([[agents]] tables; empty: one agent, [task]); selfrl.distributed.agents
+    agents: list[AgentConfig] = field(default_factory=list, metadata={"table_of": AgentConfig})
+    agent_adapters: AgentAdapters = "shared"  # with [[agents]]: shared (one adapter, per-agent advantage normalisation)
 
     @property
     def max_completion_length(self) -> int:
@@ -391,9 +422,31 @@ class RunConfig:
             (self.reward_weights is None or isinstance(self.reward_weights, dict),
              "reward_weights must be a table of name = weight"),
         ])
+        self.check_agents()
         check_engine(self)
         check_names(self, lambda: self.weights)
         return self
+
+    def check_agents(self) -> None:
+        """``[[agents]]``: each agent's fields, unique names, one shared adapter.
+
+        Raises:
+            ConfigError: a bad agent field, a repeated name, ``task.options`` beside agents
+                (each agent has its own), or ``agent_adapters`` other than "shared".
+        """
+        names = [a.name for a in self.agents]
+        for i, agent in enumerate(self.agents):
+            agent.check(f"agents[{i}] ({agent.name or 'unnamed'}).")
+        require([
+            (self.agent_adapters != "per_agent",
+             "agent_adapters = 'per_agent' is not offered: several agents train one shared adapter with "
+             "per-agent advantage normalisation, and each agent's gate guards it (docs/distributed.md); "
+             "for separate adapters run one selfrl run per agent"),
+            one_of(self.agent_adapters, AgentAdapters, "agent_adapters"),
+            (len(set(names)) == len(names), f"agent names must be unique, got {names}"),
+            (not self.agents or not self.task.options,
+             "task.options does not apply with [[agents]]: give each agent its own options"),
+        ])
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -427,6 +480,16 @@ def _apply(obj, values: dict[str, Any], where: str) -> None:
         if key not in fields:
             raise ConfigError(f"unknown key {where}{key!r}; valid: {', '.join(sorted(fields))}")
         current = getattr(obj, key)
+        item = fields[key].metadata.get("table_of")
+        if item is not None:  # an array of tables ([[agents]]): each one a fresh dataclass
+            if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+                raise ConfigError(f"{where}{key} must be an array of tables ([[{key}]])")
+            items = []
+            for i, v in enumerate(value):
+                items.append(item())
+                _apply(items[-1], v, f"{where}{key}[{i}].")
+            setattr(obj, key, items)
+            continue
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}{key} must be a table")

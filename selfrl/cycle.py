@@ -46,13 +46,17 @@ class UpdateCycle:
         scale_rewards: advantage scaling (``train.scale_rewards``).
         load: ``load(state, version)`` puts LoRA tensors back into the trained model (and,
             in ``run``, marks the engine's version): used to serve the champion again.
+        agent_of: with several agents, ``agent_of(task_id)`` names a trajectory's agent, and the
+            group advantages are balanced per agent (``selfrl.distributed.agents.balance_agents``);
+            None: one agent.
     """
 
     def __init__(self, ledger: Ledger, learner: Learner, guard: CollapseGuard, monitor: HackingMonitor | None,
                  collapse_cfg: CollapseConfig, tolerance: float, scale_rewards: str,
-                 load: Callable[[dict, int], None]):
+                 load: Callable[[dict, int], None], agent_of: Callable[[str], str] | None = None):
         self.ledger, self.learner, self.guard, self.monitor = ledger, learner, guard, monitor
         self.collapse_cfg, self.tolerance, self.scale_rewards, self.load = collapse_cfg, tolerance, scale_rewards, load
+        self.agent_of = agent_of
 
     # -- update --------------------------------------------------------------------------
 
@@ -66,7 +70,12 @@ class UpdateCycle:
                 self.ledger.event(EventKind.HACKING, f"iteration {step}: {alert}")
         adv = group_advantages([t.reward for t in trajs], [t.group_id for t in trajs], self.scale_rewards,
                                num_completion_tokens=[t.num_completion_tokens for t in trajs])
-        for t, a in zip(trajs, adv.advantages):  # None where the reward is None or nothing is trainable
+        advantages = adv.advantages
+        if self.agent_of is not None:  # several agents: each carries the same share of the update
+            from selfrl.distributed.agents import balance_agents
+
+            advantages = balance_agents(advantages, [self.agent_of(t.task_id) for t in trajs])
+        for t, a in zip(trajs, advantages):  # None where the reward is None or nothing is trainable
             t.advantage = a
         return adv, hacking
 
@@ -107,15 +116,16 @@ class UpdateCycle:
 
     # -- gate ----------------------------------------------------------------------------
 
-    def gate(self, step: int, version: int, success: float, degenerate: float) -> Verdict:
+    def gate(self, step: int, version: int, success: float, degenerate: float, veto: str | None = None) -> Verdict:
         """Decide a validated candidate (its validation already recorded): collapse rules at
-        the gate, then the ledger's verdict; a rejected candidate gives way to the champion."""
+        the gate, then the ledger's verdict; a rejected candidate gives way to the champion.
+        ``veto`` (the agents' gate's conflicts) rejects a candidate the collapse rules let through."""
         with self.ledger.lock:  # one step: an admin's rollback comes before or after it, never inside
             champ = self.ledger.champion
             base = self.ledger.get(0)
             alarms = self.guard.heldout(success, champ.success if champ.success is not None else 0.0, champ.version,
                                         self.tolerance, degenerate, base.metrics.get("val/degenerate") if base else None)
-            verdict = self.ledger.judge(version, success, self.tolerance, alarms)
+            verdict = self.ledger.judge(version, success, self.tolerance, alarms, veto=veto)
             if verdict.outcome == "collapse":
                 verdict = Verdict("collapse", self.roll_back(step, alarms))
             elif verdict.outcome == "promoted":

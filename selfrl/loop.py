@@ -11,10 +11,12 @@ version whose weights are loaded. An update saves its result as a new
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 
 from selfrl import adapters, collapse, faults
@@ -40,7 +42,7 @@ from selfrl.trajectory import Trajectory
 from selfrl.versions import Champion, EventKind, Ledger
 
 __all__ = ["CollapseStop", "NoSignalStop", "RunResult", "RunSetup", "Runner", "build_policy", "build_run", "check_resumable",
-           "iteration_tasks", "kl_reference", "run"]
+           "iteration_tasks", "kl_reference", "make_source", "run"]
 
 
 @dataclass
@@ -60,17 +62,28 @@ class NoSignalStop(Exception):
     """``task.signal_check = "stop"`` and the first batch had no group with reward spread."""
 
 
-def shuffled(train: list[Task], seed: int) -> list[Task]:
-    """The training set in the order the iterations walk it."""
+def walk_order(train: list[Task], seed: int) -> list[int]:
+    """The order the iterations walk the training set: shuffled by ``seed``; tasks tagged with
+    an agent (``metadata["agent"]``, ``[[agents]]``) then take turns, agent by agent, so every
+    batch of ``num_prompts`` holds the agents in equal numbers (when it is a multiple of them)."""
     order = list(range(len(train)))
     random.Random(seed).shuffle(order)
-    return [train[i] for i in order]
+    by_agent: dict[str, list[int]] = {}
+    for i in order:
+        by_agent.setdefault(train[i].metadata.get("agent", ""), []).append(i)
+    if len(by_agent) < 2:
+        return order
+    return [i for row in zip_longest(*by_agent.values()) for i in row if i is not None]
+
+
+def shuffled(train: list[Task], seed: int) -> list[Task]:
+    """The training set in the order the iterations walk it."""
+    return [train[i] for i in walk_order(train, seed)]
 
 
 def iteration_tasks(train: list[Task], iteration: int, num_prompts: int, seed: int) -> list[Task]:
-    """The tasks of one iteration: a deterministic walk through a shuffled training set."""
-    order = list(range(len(train)))
-    random.Random(seed).shuffle(order)
+    """The tasks of one iteration: a deterministic walk through the shuffled training set (:func:`walk_order`)."""
+    order = walk_order(train, seed)
     start = (iteration * num_prompts) % len(order)
     idx = (order + order)[start:start + num_prompts]
     return [train[i] for i in idx]
@@ -140,7 +153,7 @@ def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
     stored = run_dir / "config.json"
     if resume and stored.exists():
         check_resumable(json.loads(stored.read_text()), cfg.to_dict())
-    source = get_env(cfg.task.source, **cfg.task.options)  # the environment (selfrl.envs)
+    source = make_source(cfg)  # the environment (selfrl.envs), or the agents' ([[agents]])
     train, val = source.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     assert_disjoint(train, val)
     tools = resolve_tools(cfg.rollout.tools)
@@ -157,9 +170,29 @@ def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
     ledger = Ledger(store, run_id, run_dir)
     guard = CollapseGuard(cfg.collapse)
     cycle = UpdateCycle(ledger, learner, guard, monitor, cfg.collapse, cfg.gate.tolerance, cfg.train.scale_rewards,
-                        load=engine.swap)
+                        load=engine.swap, agent_of=_agent_of() if cfg.agents else None)
     return RunSetup(cfg, resume, run_dir, source, train, val, tools, weights, monitor, engine, learner, store, run_id,
                     ledger, cycle)
+
+
+def make_source(cfg: RunConfig) -> TaskSource:
+    """The run's environment: ``task.source`` with ``task.options``, or with ``[[agents]]`` their
+    :class:`selfrl.distributed.agents_env.AgentsEnv` (also what each rollout worker builds).
+
+    Raises:
+        ValueError: an unknown environment or bad options (an agent's is named).
+    """
+    if cfg.agents:
+        from selfrl.distributed.agents_env import AgentsEnv
+
+        return AgentsEnv(cfg.agents, cfg.task, cfg.gate)
+    return get_env(cfg.task.source, **cfg.task.options)
+
+
+def _agent_of():
+    from selfrl.distributed.agents_env import agent_of
+
+    return agent_of
 
 
 class Runner:
@@ -321,11 +354,34 @@ class Runner:
             raise NoSignalStop(msg)
 
     def gate(self, it: int, res: EvalResult) -> None:
-        """Promote the validated candidate, or reject it (or roll its chain back) and serve the champion."""
+        """Promote the validated candidate, or reject it (or roll its chain back) and serve the champion.
+        With ``[[agents]]`` every agent gates it too (:meth:`agents_gate`)."""
         if res.version == self.champion.version:
             return
-        verdict = self.s.cycle.gate(it, res.version, res.success, res.degenerate)
+        veto = self.agents_gate(it, res) if self.cfg.agents else None
+        verdict = self.s.cycle.gate(it, res.version, res.success, res.degenerate, veto=veto)
         self.progress.log(verdict.message if verdict.outcome == "collapse" else f"iteration {it}: {verdict.message}")
+
+    def agents_gate(self, it: int, res: EvalResult) -> str | None:
+        """Each agent's gate on its own held-out tasks against the champion's stored results
+        (:func:`selfrl.distributed.agents.judge_agents`): logs ``val/<agent>`` and records one
+        ``agent_conflict`` event per agent the candidate hurts beyond its tolerance; returns the
+        conflicts' message (the candidate's veto), or None when no agent loses."""
+        from selfrl.distributed.agents import judge_agents
+        from selfrl.distributed.agents_env import agent_results
+
+        s = self.s
+        verdict = judge_agents(agent_results(s.store.evaluation(self.champion.version)), agent_results(res.results),
+                               s.source.tolerance)
+        s.store.log_metrics(s.run_id, it, {f"val/{a}": new for a, (_, new) in verdict.success.items()})
+        for c in verdict.conflicts:
+            s.ledger.event(EventKind.AGENT_CONFLICT, f"iteration {it}: version {res.version}: {c.message()}", {
+                "version": res.version, "champion": self.champion.version, **dataclasses.asdict(c)})
+        self.progress.log(f"iteration {it}: agents' gate for version {res.version}: " +
+                          "; ".join(f"{a} {old:.3f} -> {new:.3f}" for a, (old, new) in verdict.success.items()))
+        if verdict.promoted:
+            return None
+        return "; ".join(c.message() for c in verdict.conflicts)
 
     def recover(self) -> None:
         """On resume: move aside what a killed save left (never recorded), and restore the
@@ -400,7 +456,7 @@ class Runner:
 
 # Settings a resumed run must share with the run it continues: the same policy, tasks,
 # held-out set and agent. Anything else (iterations, learning rate, ...) may change.
-RESUME_FIXED = ("model", "lora", "task", "rollout", "preset", "reward_weights")
+RESUME_FIXED = ("model", "lora", "task", "rollout", "preset", "reward_weights", "agents")
 
 
 def check_resumable(stored: dict, new: dict) -> None:

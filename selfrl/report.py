@@ -73,6 +73,7 @@ def write_report(run_dir: Path, store: Store, run_id: int, summary: dict[str, An
     lines += heldout_section(store, summary.get("base_version"), summary.get("final_version"))
     lines += time_section(summary)
     lines += versions_section(store)
+    lines += agents_section(store)
     lines += other_summary_section(summary)
     lines += events_section(store)
     lines += ["## Metrics", ""]
@@ -199,6 +200,37 @@ def versions_section(store: Store) -> list[str]:
             success = "not evaluated"
         parent = "" if v["parent"] is None else v["parent"]
         lines.append(f"| {v['version']} | {parent} | {v['status']} | {success} |")
+    return lines + [""]
+
+
+def agents_section(store: Store) -> list[str]:
+    """A run with several agents (held-out task ids ``<agent>/<id>``): each validated version's
+    held-out success per agent, and every conflict of the agents' gate (which agent lost, by
+    how much, on which tasks). Empty for a run with one agent."""
+    per_version = {}
+    for v in store.versions():
+        res = store.evaluation(v["version"])
+        if res and all("/" in t for t in res):
+            per_version[v["version"]] = (v["status"], res)
+    if not per_version:
+        return []
+    agents = sorted({t.partition("/")[0] for _, res in per_version.values() for t in res})
+    lines = ["## Agents", "", "Held-out success per agent (each on its own held-out set):", "",
+             "| version | status | " + " | ".join(agents) + " |", "|---|---|" + "---|" * len(agents)]
+    for version, (status, res) in per_version.items():
+        cells = []
+        for a in agents:
+            mine = [c for t, c in res.items() if t.startswith(a + "/")]
+            cells.append(f"{sum(mine) / len(mine):.3f} ({sum(mine)}/{len(mine)})" if mine else "n/a")
+        lines.append(f"| {version} | {status} | " + " | ".join(cells) + " |")
+    conflicts = [e for e in store.events() if e["kind"] == "agent_conflict"]
+    lines += ["", f"Conflicts (a candidate that hurt an agent beyond its tolerance is not promoted): {len(conflicts)}", ""]
+    for e in conflicts:
+        d = e["data"] or {}
+        lines.append(f"- version {d.get('version')}: agent **{d.get('agent')}** fell from "
+                     f"{d.get('champion_success', float('nan')):.3f} to {d.get('candidate_success', float('nan')):.3f} "
+                     f"(down {d.get('drop', float('nan')):.3f}, tolerance {d.get('tolerance')}); lost tasks: "
+                     f"{', '.join(d.get('lost_tasks') or []) or 'none'}")
     return lines + [""]
 
 

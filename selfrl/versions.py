@@ -53,6 +53,7 @@ class EventKind(str, enum.Enum):
     PREFLIGHT = "preflight"  # the pre-flight signal check on a run's first batch (selfrl.signal)
     NO_SIGNAL = "no_signal"  # an iteration gave no learning signal; the event names the cause and the fix
     WORKER_LOST = "worker_lost"  # a Ray rollout worker died or timed out; its jobs were redone (selfrl.distributed)
+    AGENT_CONFLICT = "agent_conflict"  # a candidate hurt one agent beyond its tolerance (selfrl.distributed.agents)
     DISTRIBUTED = "distributed"  # a distributed run's totals: jobs, stale groups dropped, workers lost
 
 
@@ -217,12 +218,14 @@ class Ledger:
                                  {k: v.detach().clone() for k, v in state.items()})
         return self.champion
 
-    def judge(self, version: int, success: float, tolerance: float, alarms: list) -> Verdict:
+    def judge(self, version: int, success: float, tolerance: float, alarms: list, veto: str | None = None) -> Verdict:
         """The gate for a validated candidate, recorded: a collapse alarm rolls the chain back
         (the caller's :class:`selfrl.collapse.CollapseGuard` does it), an incomplete folder
         is rejected as corrupt, a success within ``tolerance`` of the champion's is promoted,
         anything else rejected. Promote and reject write the row and the event here; the
-        caller then serves the champion (promoted: the candidate, with :meth:`set_champion`)."""
+        caller then serves the champion (promoted: the candidate, with :meth:`set_champion`).
+        ``veto`` (several agents: the conflicts of their gates) rejects an intact candidate,
+        with the veto as the reason."""
         from selfrl.gate import passes_gate
 
         champ = self.champion
@@ -243,6 +246,11 @@ class Ledger:
             self._set(version, VersionStatus.REJECTED, {"corrupt": broken})
             self.event(EventKind.CORRUPT_VERSION, msg, {"version": version})
             return Verdict("corrupt", msg)
+        if veto is not None:
+            msg = f"version {version} rejected: {veto}; serving version {champ.version} again"
+            self._set(version, VersionStatus.REJECTED, {"val/success": success, "veto": veto})
+            self.event(EventKind.REJECT, msg, {"version": version})
+            return Verdict("rejected", msg)
         if passes_gate(success, best, tolerance):
             msg = f"version {version} promoted: held-out {success:.3f} (best was {best:.3f})"
             self._set(version, VersionStatus.PROMOTED, {"val/success": success})

@@ -26,9 +26,12 @@ loop's, unchanged.
 
 from __future__ import annotations
 
+import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 from ray.exceptions import OutOfMemoryError, RayActorError, WorkerCrashedError
@@ -36,7 +39,7 @@ from ray.exceptions import OutOfMemoryError, RayActorError, WorkerCrashedError
 from selfrl import adapters
 from selfrl.config import DistributedConfig, RunConfig
 from selfrl.distributed.staleness import staleness
-from selfrl.distributed.worker import Job, JobResult, RolloutWorker
+from selfrl.distributed.worker import WORKER_FAULT_ENV, Job, JobResult, RolloutWorker, parse_worker_fault
 from selfrl.loop import Runner, build_run, iteration_tasks
 from selfrl.progress import PlainProgress, Progress
 from selfrl.trajectory import Trajectory
@@ -84,8 +87,13 @@ class WorkerPool:
         on_event: ``on_event(message)`` for each lost worker (the driver records a ``worker_lost`` event).
     """
 
-    def __init__(self, cfg: RunConfig, dist: DistributedConfig, on_event: Callable[[str], None]):
+    def __init__(self, cfg: RunConfig, dist: DistributedConfig, on_event: Callable[[str], None],
+                 fault: str | None = None):
         self.cfg, self.dist, self.on_event = cfg, dist, on_event
+        # the fault suite's injected worker fault (selfrl.distributed.worker.WORKER_FAULT_ENV), checked here
+        self.fault = os.environ.get(WORKER_FAULT_ENV) if fault is None else fault
+        parse_worker_fault(self.fault)
+        self.fault_mark = str(Path(cfg.run_dir) / ".worker_fault_fired")
         self.remote_cls = ray.remote(num_cpus=dist.worker_cpus, max_restarts=0)(RolloutWorker)
         self.spawned = 0
         self.workers: list = []
@@ -101,7 +109,7 @@ class WorkerPool:
     def _spawn(self, i: int) -> None:
         self.spawned += 1
         self.workers[i] = self.remote_cls.remote(self.cfg, self.dist.worker_threads,
-                                                 self.cfg.seed + 1000 * self.spawned)
+                                                 self.cfg.seed + 1000 * self.spawned, self.fault, self.fault_mark)
         self.starting[i], self.since[i] = self.workers[i].pid.remote(), time.monotonic()
 
     def load(self, i: int) -> int:
@@ -210,9 +218,15 @@ class AsyncRunner(Runner):
         self.iteration_stats: dict[str, float] = {}
 
     def start(self) -> int:
-        """The loop's start; a resumed run's task walk continues where the stored iterations left it."""
+        """The loop's start; a resumed run's task walk continues where the stored iterations left
+        it, and its job numbers after the last stored one, so no group id is ever stored twice
+        (a driver killed between storing an iteration and training on it leaves those groups
+        stored, never trained; the resumed run samples that iteration again under new ids)."""
         first = super().start()
-        self.job_count = first * self.cfg.num_prompts
+        with self.s.store.lock:
+            groups = [r[0] for r in self.s.store.conn.execute("SELECT DISTINCT group_id FROM trajectories")]
+        stored = [int(m.group(1)) for g in groups if (m := re.fullmatch(r"j(\d+)", g))]
+        self.job_count = max(first * self.cfg.num_prompts, max(stored, default=-1) + 1)
         return first
 
     def note_version(self) -> int:

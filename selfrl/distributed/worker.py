@@ -23,6 +23,29 @@ from selfrl.config import RunConfig
 from selfrl.tasks import Task
 from selfrl.trajectory import Trajectory
 
+# Fault injection for the fault suite (scripts/fault_suite.py): ``SELFRL_WORKER_FAULT`` in the
+# driver's environment, ``kill:<point>`` (SIGKILL) or ``stop:<point>`` (SIGSTOP: alive, silent,
+# as a worker partitioned from the driver), fires once per run directory in the first worker
+# that reaches the point.
+WORKER_FAULT_ENV = "SELFRL_WORKER_FAULT"
+WORKER_FAULT_POINTS = ("before_sampling", "mid_rollout", "after_sending")
+WORKER_FAULT_KINDS = ("kill", "stop")
+
+
+def parse_worker_fault(spec: str | None) -> tuple[str, str] | None:
+    """``"kill:mid_rollout"`` -> ``("kill", "mid_rollout")``; None for None or "".
+
+    Raises:
+        ValueError: an unknown kind or point (the message lists the valid ones).
+    """
+    if not spec:
+        return None
+    kind, _, point = spec.partition(":")
+    if kind not in WORKER_FAULT_KINDS or point not in WORKER_FAULT_POINTS:
+        raise ValueError(f"{WORKER_FAULT_ENV}={spec!r}: expected KIND:POINT, KIND one of {', '.join(WORKER_FAULT_KINDS)}, "
+                         f"POINT one of {', '.join(WORKER_FAULT_POINTS)}")
+    return kind, point
+
 
 @dataclass
 class Job:
@@ -60,14 +83,17 @@ class RolloutWorker:
             ``engine``: the registered backend each worker runs, as the driver's).
         threads: torch threads for this worker.
         seed: this worker's sampling seed (the driver gives each worker its own).
+        fault: an injected fault, ``kind:point`` (:func:`parse_worker_fault`; the fault suite only).
+        fault_mark: the file whose creation claims the fault, so it fires once in all workers.
     """
 
-    def __init__(self, cfg: RunConfig, threads: int = 1, seed: int = 0):
+    def __init__(self, cfg: RunConfig, threads: int = 1, seed: int = 0, fault: str | None = None,
+                 fault_mark: str | None = None):
         import torch
 
         from selfrl.engines import make_engine
         from selfrl.model import build_policy
-        from selfrl.tasks import get_task_source
+        from selfrl.loop import make_source
         from selfrl.tools import resolve_tools
 
         torch.set_num_threads(threads)
@@ -75,8 +101,9 @@ class RolloutWorker:
         model, tok = build_policy(cfg)
         torch.manual_seed(seed)
         self.engine = make_engine(cfg.engine, model, tok, version=-1)
-        self.source = get_task_source(cfg.task.source, **cfg.task.options)
+        self.source = make_source(cfg)  # the run's environment, or its agents' ([[agents]])
         self.tools = resolve_tools(cfg.rollout.tools)
+        self.fault, self.fault_mark = parse_worker_fault(fault), fault_mark
 
     def pid(self) -> int:
         """The worker's process id (the fault tests kill it)."""
@@ -88,11 +115,37 @@ class RolloutWorker:
         from selfrl.rollout import rollout
 
         t0 = time.perf_counter()
+        self.fault_point("before_sampling")
         if self.engine.version != job.version:
             import ray
 
             self.engine.swap(ray.get(weights[0]), job.version)
         n = self.cfg.num_generations
         trajs = rollout(self.engine, [job.task] * n, [job.group_id] * n, self.tools, self.cfg.rollout,
-                        env_factory=self.source.make_env)
+                        env_factory=self.source.make_env, on_turn=lambda: self.fault_point("mid_rollout"))
+        if self.claims("after_sending"):  # dies right after the result has left
+            import threading
+
+            threading.Timer(0.5, self._fire).start()
         return JobResult(job.job_id, job.version, trajs, os.getpid(), time.perf_counter() - t0)
+
+    # -- fault injection (the fault suite only) ------------------------------------------
+
+    def claims(self, point: str) -> bool:
+        """True once per run directory, for the first worker that reaches the fault's point."""
+        if self.fault is None or self.fault[1] != point or self.fault_mark is None:
+            return False
+        try:
+            os.close(os.open(self.fault_mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
+
+    def fault_point(self, point: str) -> None:
+        if self.claims(point):
+            self._fire()
+
+    def _fire(self) -> None:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL if self.fault[0] == "kill" else signal.SIGSTOP)

@@ -65,6 +65,8 @@ class ServeConfig:
     tools_prompt: ToolsPrompt = "compact"  # how request tools are shown to a template without tool support
     seed: int = 0
     engine: str = DEFAULT_SERVE_ENGINE  # sampling backend: reference (batches) | slots (requests join the running batch)
+    replica: bool = False  # serve beside the run_dir's owner: record into its store, follow its versions (selfrl.serve.replica)
+    follow_s: float = 1.0  # replica: seconds between two looks at the owner's version ledger
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -100,6 +102,7 @@ class ServeConfig:
             (self.batch_window_s >= 0, "batch_window_s must be >= 0"),
             (self.max_tokens_default >= 1, "max_tokens_default must be >= 1"),
             (self.max_request_bytes >= 1, "max_request_bytes must be >= 1"),
+            (self.follow_s > 0, "follow_s must be > 0"),
             one_of(self.tools_prompt, ToolsPrompt, "tools_prompt"),
         ])
         check_engine(self)

@@ -86,7 +86,8 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
         from selfrl.serve.service import Service
 
         model, tok = build_policy(cfg)
-        service = Service(model, tok, cfg, learner_model=copy.deepcopy(model) if learn else None)
+        learner_model = copy.deepcopy(model) if learn and not cfg.replica else None  # a replica has no learner
+        service = Service(model, tok, cfg, learner_model=learner_model)
     except (ConfigError, ModelLoadError, ValueError, KeyError) as e:
         sock.close()
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
@@ -101,7 +102,8 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
     port = sock.getsockname()[1]
     server = _announcing_server(uvicorn.Config(app, log_level="warning"),
                                f"selfrl: serving {cfg.model.name} as {cfg.served_model_name!r} (version "
-                               f"{service.engine.version}) on http://{cfg.host}:{port}/v1; run dir {cfg.run_dir}")
+                               f"{service.engine.version}) on http://{cfg.host}:{port}/v1; run dir {cfg.run_dir}"
+                               + (" (replica: its owner learns; promoted versions are followed)" if cfg.replica else ""))
     server.run(sockets=[sock])
     return 0 if server.started else 1
 

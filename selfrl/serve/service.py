@@ -100,7 +100,13 @@ class Service:
         self.tok = tokenizer
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.run_lock = RunDirLock(self.run_dir)  # one server per run directory
+        # one owner per run directory; replicas (selfrl.serve.replica) share its store and follow its versions
+        self.run_lock = None if cfg.replica else RunDirLock(self.run_dir)
+        if cfg.replica and not (self.run_dir / "selfrl.db").exists():
+            from selfrl.serve.replica import NoOwner
+
+            raise NoOwner(f"{self.run_dir} has no servable version to follow: start its owner (selfrl serve "
+                          "without --replica) on it first")
         self.store = Store(self.run_dir / "selfrl.db", shared=True)
         records.init(self.store)
         self.run_id = self.store.start_run({"serve": cfg.to_dict()})
@@ -112,10 +118,15 @@ class Service:
         self.admin = threading.Lock()  # pin, unpin, rollback and publish: one at a time, each whole
         self.swap_seconds: list[float] = []
         self._states: dict[int, Any] = {}
-        self._restore()
+        self._restore_replica() if cfg.replica else self._restore()
         self.batcher = Batcher(self.engine, self.run_on_version, cfg.max_batch, cfg.batch_window_s)
-        self.learner = None
-        if learner_model is not None and cfg.learner.enabled:
+        self.learner = self.follower = None
+        if cfg.replica:  # no learner: the owner's trains on this replica's turns too
+            from selfrl.serve.replica import Follower
+
+            self.follower = Follower(self, cfg.follow_s)
+            self.follower.start()
+        elif learner_model is not None and cfg.learner.enabled:
             from selfrl.serve.background import BackgroundLearner
 
             self.learner = BackgroundLearner(cfg, learner_model, tokenizer, self.store, self.ledger, self.publish)
@@ -141,6 +152,27 @@ class Service:
             except ApiError as e:
                 self.event(EventKind.UNPIN, f"restart: the pinned version cannot be served ({e.message}); unpinned")
                 pin.unlink()
+
+    def _restore_replica(self) -> None:
+        """A replica serves the owner's newest servable version; it never writes a version.
+
+        Raises:
+            selfrl.serve.replica.NoOwner: the owner has not recorded a base version yet.
+        """
+        from selfrl.serve.replica import NoOwner, newest_servable
+
+        best = newest_servable(self.ledger) if self.ledger.get(0) is not None else None
+        if best is None:
+            raise NoOwner(f"{self.run_dir} has no servable version to follow: start its owner (selfrl serve "
+                          "without --replica) on it first")
+        if best.version != 0:
+            self.engine.swap(self.state_of(best.version), best.version)
+
+    def owner_only(self, action: str) -> None:
+        """Raise ApiError 409 on a replica: pins and rollbacks belong to the run directory's owner."""
+        if self.cfg.replica:
+            raise ApiError(409, f"this server is a replica of the run directory {self.run_dir}; {action} on the "
+                           "server that owns it (it holds the learner and the versions)", code="replica")
 
     def state_of(self, version: int):
         """The LoRA tensors of a stored version (cached).
@@ -228,6 +260,7 @@ class Service:
         """Serve ``version`` and keep it until :meth:`unpin`, across restarts (promotions are
         recorded, not served). Serialised with the other admin operations; the pin file is
         written before the swap, so a failure leaves the served version as it was."""
+        self.owner_only("pin")
         with self.admin:
             self.check_servable(version, "version")
             state = self.state_of(version)
@@ -238,6 +271,7 @@ class Service:
         return self.status()
 
     def unpin(self) -> dict[str, Any]:
+        self.owner_only("unpin")
         with self.admin:
             best = self.ledger.latest_servable()
             state = self.state_of(best.version)
@@ -252,6 +286,7 @@ class Service:
         restart the learner from it. A version that was rolled back earlier is promoted again.
         The rollback sticks: a candidate the learner is training from a rolled-back parent is
         rejected at its gate (``Ledger.judge``), and the learner continues from ``version``."""
+        self.owner_only("roll back")
         with self.admin:
             self.state_of(version)  # 404 / 409 before anything changes
             try:
@@ -281,6 +316,7 @@ class Service:
             "queue": self.batcher.pending, "batches": self.batcher.batches, "rows": self.batcher.rows,
             "turns": counts, "swap_ms": [round(s * 1000, 2) for s in self.swap_seconds[-10:]],
             "learner": None if self.learner is None else self.learner.status(),
+            "replica": None if self.follower is None else {"swaps": self.follower.swaps, "error": self.follower.error},
         }
 
     # -- requests ----------------------------------------------------------------------
@@ -503,11 +539,14 @@ class Service:
     def close(self) -> None:
         if self.learner is not None:
             self.learner.stop()
+        if self.follower is not None:
+            self.follower.stop()
         self.batcher.close()
         if callable(close_engine := getattr(self.engine, "close", None)):
             close_engine()  # a continuous engine's worker thread
         self.store.close()
-        self.run_lock.release()
+        if self.run_lock is not None:
+            self.run_lock.release()
 
 
 def start_learning(service: Service) -> None:
