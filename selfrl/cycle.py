@@ -46,13 +46,18 @@ class UpdateCycle:
         scale_rewards: advantage scaling (``train.scale_rewards``).
         load: ``load(state, version)`` puts LoRA tensors back into the trained model (and,
             in ``run``, marks the engine's version): used to serve the champion again.
+        verify: ``verify(version)``, the promote step's swap check: proves that the sampler
+            serves the validated candidate before the gate may promote it, raising
+            :class:`selfrl.swap_check.SwapCheckError` otherwise (a remote sampler,
+            :mod:`selfrl.sampler_sync`); None: the engine shares the trained model.
     """
 
     def __init__(self, ledger: Ledger, learner: Learner, guard: CollapseGuard, monitor: HackingMonitor | None,
                  collapse_cfg: CollapseConfig, tolerance: float, scale_rewards: str,
-                 load: Callable[[dict, int], None]):
+                 load: Callable[[dict, int], None], verify: Callable[[int], object] | None = None):
         self.ledger, self.learner, self.guard, self.monitor = ledger, learner, guard, monitor
         self.collapse_cfg, self.tolerance, self.scale_rewards, self.load = collapse_cfg, tolerance, scale_rewards, load
+        self.verify = verify
 
     # -- update --------------------------------------------------------------------------
 
@@ -98,7 +103,13 @@ class UpdateCycle:
 
     def gate(self, step: int, version: int, success: float, degenerate: float) -> Verdict:
         """Decide a validated candidate (its validation already recorded): collapse rules at
-        the gate, then the ledger's verdict; a rejected candidate gives way to the champion."""
+        the gate, then the ledger's verdict; a rejected candidate gives way to the champion.
+
+        Raises:
+            selfrl.swap_check.SwapCheckError: ``verify`` failed (the candidate is rejected, not promoted).
+        """
+        if self.verify is not None:  # the served version must be the trained one before any verdict
+            self.verify(version)
         with self.ledger.lock:  # one step: an admin's rollback comes before or after it, never inside
             champ = self.ledger.champion
             base = self.ledger.get(0)
