@@ -213,3 +213,30 @@ def test_cli_an_unreachable_sampler_is_a_clear_error(model_dir, tmp_path, capsys
     err = capsys.readouterr().err
     assert "cannot reach the selfrl sampler at http://127.0.0.1:9 (sampler.url)" in err
     assert not (tmp_path / "r").exists()  # nothing was started
+
+
+def test_cli_a_stale_sampler_exits_1_and_resume_on_a_fixed_one_goes_on(model_dir, tiny_tokenizer, tmp_path, capsys):
+    cfg = make_cfg(model_dir, tmp_path / "x")
+    conf = tmp_path / "c.toml"
+    conf.write_text('reward_weights = { short = 1.0 }\nengine = "reference"\n[rollout]\nmax_new_tokens = 12\n'
+                    'max_turns = 2\n[gate]\nval_size = 6\n[train]\nmicro_batch_size = 4\n')
+    args = ["run", "--config", str(conf), "--model", str(model_dir), "--device", "cpu", "--lora-r", "4", "--task",
+            "chain_sum", "--iterations", "2", "--num-prompts", "2", "--num-generations", "3", "--eval-every", "1",
+            "--learning-rate", "0.01", "--temperature", "0.7"]
+    run_dir = tmp_path / "r"
+    assert main(args + ["--run-dir", str(run_dir), "--sampler", sampler(cfg, tiny_tokenizer, StaleEngine)]) == 1
+    err = capsys.readouterr().err
+    assert "selfrl: error: swap check failed for version 1 (mismatch)" in err and "--resume" in err
+    # the sampler is fixed (here: another one, honest): the run continues from its champion
+    assert main(["run", "--resume", str(run_dir), "--sampler", sampler(cfg, tiny_tokenizer)]) == 0
+    versions, events, _ = read(run_dir)
+    assert versions[1]["status"] == "rejected" and versions[1]["metrics"]["swap_check"] == "mismatch"
+    assert [v["version"] for v in versions] == [0, 1, 2, 3]
+    assert {v["status"] for v in versions[2:]} <= {"promoted", "rejected"}
+    resumed = next(i for i, e in enumerate(events) if e["kind"] == "resume")
+    checks = [(e["data"]["stage"], e["data"]["version"]) for e in events[:resumed] if e["kind"] == "swap_check"]
+    # first session: the base, (version 1 failed), the champion put back at the stop (the stale sampler
+    # holds the base weights, which are version 0's); then the resumed session's champion, before it goes on
+    assert checks == [("start", 0), ("finish", 0), ("start", 0)]
+    later = [(e["data"]["stage"], e["data"]["version"]) for e in events if e["kind"] == "swap_check"]
+    assert ("candidate", 2) in later and ("candidate", 3) in later
