@@ -87,11 +87,16 @@ def run(cfg: RunConfig, resume: bool = False, progress: Progress | None = None) 
     fresh). Ctrl-C stops after the current step, gates nothing new, and still
     writes the report. With ``distributed.address`` set, rollouts run on Ray workers
     (:func:`selfrl.distributed.driver.run_distributed`); only then is Ray imported.
+    With ``sampler.url`` set, a separate process samples and every version pushed
+    there is proved by the swap check (:mod:`selfrl.sampler_sync`).
 
     Raises:
         FileExistsError: ``run_dir`` already holds a run and ``resume`` is False.
         FileNotFoundError: ``resume`` but there is no run to resume.
         ConfigError: ``distributed.address`` is set and Ray is not installed.
+        ConnectionError: ``sampler.url`` cannot be reached.
+        selfrl.swap_check.SwapCheckError: the sampler failed a swap check; the run stopped
+            after rejecting the candidate and writing its report (never raised without a sampler).
     """
     if cfg.distributed.address is not None:
         try:
