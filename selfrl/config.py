@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import Any, Literal, get_args
 
 from selfrl.engines import DEFAULT_ENGINE, ENGINES  # the backend registry (imports no torch)
-from selfrl.swap_check import SwapCheckConfig  # imports no torch
 
 DEFAULT_MODEL = "embedded:smollm2-135m-instruct"
 DEFAULT_SYSTEM_PROMPT = "You are a careful assistant. Give the final answer as <answer>NUMBER</answer>."
@@ -342,6 +341,26 @@ class DistributedConfig:
             (self.worker_cpus > 0, "worker_cpus must be > 0"),
             (self.job_timeout_s > 0, "job_timeout_s must be > 0"),
         ], where)
+
+
+@dataclass
+class SwapCheckConfig:
+    """Settings of the swap check (:mod:`selfrl.swap_check`; the ``[swap_check]`` table of ``selfrl run``,
+    used with ``sampler.url``)."""
+
+    enabled: bool = True  # check every swap into a separate sampling backend before promotion
+    deadline_s: float = 30.0  # seconds the backend has to acknowledge a swap, and to return the probe log-probs
+    tolerance: float | None = None  # mean |dlogp| per probe token allowed; None: by dtype (TOLERANCE)
+    probe_tokens: int = 48  # length of the probe sequence
+
+    def validate(self) -> None:
+        """Raise ValueError for a non-positive deadline or tolerance, or a probe under 2 tokens."""
+        if not self.deadline_s > 0:
+            raise ValueError(f"swap_check.deadline_s must be > 0, got {self.deadline_s}")
+        if self.tolerance is not None and not self.tolerance > 0:
+            raise ValueError(f"swap_check.tolerance must be > 0 (or unset), got {self.tolerance}")
+        if self.probe_tokens < 2:
+            raise ValueError(f"swap_check.probe_tokens must be >= 2, got {self.probe_tokens}")
 
 
 @dataclass
