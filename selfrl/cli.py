@@ -3,6 +3,7 @@
     selfrl run [--config FILE] [flags]     run the self-improvement loop
     selfrl run --resume RUN_DIR            continue a stopped run
     selfrl run --ray auto|local|ADDRESS    rollouts on Ray workers, asynchronous (docs/distributed.md)
+    selfrl run --sampler URL               rollouts in a separate sampler process over HTTP (docs/engines.md)
     selfrl serve [--config FILE] [flags]   OpenAI-compatible server that learns from its traffic
     selfrl sampler [--config FILE] [flags] the policy as a remote sampling backend (HTTP)
     selfrl report RUN_DIR [--out DIR]      rebuild a run's report from its store (also mid-run or killed)
@@ -42,6 +43,11 @@ RUN_FLAGS = {
     "--engine": ("engine", str, "sampling backend: reference | slots (selfrl.engines)"),
     "--ray": ("distributed.address", str, "rollouts on Ray workers: auto (a running cluster), local (start one "
               "here) or host:port; needs the ray extra (docs/distributed.md)"),
+    "--sampler": ("sampler.url", str, "sample in a separate process over HTTP, e.g. http://127.0.0.1:8100 "
+                  "(selfrl sampler); each version is pushed there and checked (docs/engines.md)"),
+    "--sampler-kind": ("sampler.kind", str, "selfrl (default) | vllm (EXPERIMENTAL: never run against a real vLLM)"),
+    "--swap-check-deadline": ("swap_check.deadline_s", float, "seconds the sampler has to acknowledge a swap and to "
+                              "answer the swap check's probe (default 30)"),
     "--workers": ("distributed.num_workers", int, "rollout workers with --ray (default 2)"),
     "--max-staleness": ("distributed.max_staleness", int, "with --ray: versions a sample may lag the learner "
                         "and still be trained (default 1)"),
@@ -131,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     from selfrl.config import ConfigError
     from selfrl.model import ModelLoadError
+    from selfrl.swap_check import SwapCheckError
 
     if args.command == "envs":
         from selfrl.envs import describe_envs
@@ -184,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("selfrl: interrupted", file=sys.stderr)
         return 130
+    except SwapCheckError as e:  # the run stopped rather than sample from a stale or hung sampler
+        print(f"selfrl: error: {e}; the run stopped (versions and report kept; fix the sampler and "
+              "--resume)", file=sys.stderr)
+        return 1
     print(f"held-out success: base {result.base_success:.3f} -> final {result.final_success:.3f} "
           f"(version {result.final_version})")
     print(f"report: {result.summary['report']}")

@@ -2,7 +2,7 @@
 
 A config file has one table per concern, named as the fields of :class:`RunConfig`
 (``[model]``, ``[lora]``, ``[task]``, ``[rollout]``, ``[train]``, ``[gate]``,
-``[collapse]``, ``[detectors]``, ``[distributed]``) plus top-level keys; ``selfrl serve`` reads the same
+``[collapse]``, ``[detectors]``, ``[distributed]``, ``[sampler]``, ``[swap_check]``) plus top-level keys; ``selfrl serve`` reads the same
 tables into :class:`selfrl.serve.config.ServeConfig`. Unknown keys are errors that
 list the valid ones, so a typo never silently falls back to a default.
 
@@ -33,6 +33,7 @@ ToolsPrompt = Literal["compact", "json"]  # how tool schemas are shown to a temp
 TaskChoice = Literal["cycle", "signal"]  # task choice: a shuffled walk | skip tasks predicted to give constant groups
 Constrain = Literal["none", "tool_call"]  # grammar-constrained rollouts (selfrl.constrain)
 SignalCheck = Literal["warn", "stop", "off"]  # the pre-flight signal check before the first update
+SamplerKind = Literal["selfrl", "vllm"]  # a remote sampler: selfrl sampler | a vLLM server (EXPERIMENTAL)
 
 
 class ConfigError(ValueError):
@@ -371,6 +372,71 @@ class AgentConfig:
 
 
 @dataclass
+class SwapCheckConfig:
+    """Settings of the swap check (:mod:`selfrl.swap_check`; the ``[swap_check]`` table of ``selfrl run``,
+    used with ``sampler.url``)."""
+
+    enabled: bool = True  # check every swap into a separate sampling backend before promotion
+    deadline_s: float = 30.0  # seconds the backend has to acknowledge a swap, and to return the probe log-probs
+    tolerance: float | None = None  # mean |dlogp| per probe token allowed; None: by dtype (TOLERANCE)
+    probe_tokens: int = 48  # length of the probe sequence
+
+    def validate(self) -> None:
+        """Raise ValueError for a non-positive deadline or tolerance, or a probe under 2 tokens."""
+        if not self.deadline_s > 0:
+            raise ValueError(f"swap_check.deadline_s must be > 0, got {self.deadline_s}")
+        if self.tolerance is not None and not self.tolerance > 0:
+            raise ValueError(f"swap_check.tolerance must be > 0 (or unset), got {self.tolerance}")
+        if self.probe_tokens < 2:
+            raise ValueError(f"swap_check.probe_tokens must be >= 2, got {self.probe_tokens}")
+
+
+@dataclass
+class SamplerConfig:
+    """A sampling backend in a separate process, over HTTP (``selfrl.sampler_sync``, docs/engines.md);
+    off unless ``url`` is set. The learner stays in this process; every version that must serve is
+    pushed to the sampler by version and proved with the swap check (``[swap_check]``)."""
+
+    url: str | None = None  # e.g. http://127.0.0.1:8100 (selfrl sampler); None: sample in process
+    kind: SamplerKind = "selfrl"  # selfrl (selfrl sampler) | vllm (EXPERIMENTAL: never run against a real vLLM)
+    api_key_file: str | None = None  # the sampler's API key, first line of this file (else SELFRL_API_KEY)
+    timeout_s: float = 600.0  # seconds one generation call may take
+
+    def check(self, where: str = "") -> None:
+        require([
+            (self.url is None or (isinstance(self.url, str) and self.url.startswith(("http://", "https://"))),
+             f"url must start with http:// or https://, got {self.url!r}"),
+            one_of(self.kind, SamplerKind, "kind"),
+            (self.timeout_s > 0, "timeout_s must be > 0"),
+        ], where)
+
+
+def check_sampler(cfg: Any) -> None:
+    """The swap check's settings, and, with ``sampler.url``, no setting that needs the policy
+    in this process's engine.
+
+    Raises:
+        ConfigError: a bad ``[sampler]`` or ``[swap_check]`` value, or a combination the remote
+            sampler cannot honour (the message names both settings).
+    """
+    cfg.sampler.check("sampler.")
+    try:
+        cfg.swap_check.validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if cfg.sampler.url is None:
+        return
+    require([
+        (cfg.distributed.address is None, "sampler.url (--sampler) and distributed.address (--ray) are two ways "
+         "to sample outside this process; set one"),
+        (cfg.engine == DEFAULT_ENGINE, f"engine = {cfg.engine!r} picks an in-process backend, and sampler.url "
+         "(--sampler) samples in another process (selfrl sampler serves the reference engine); drop one"),
+        (cfg.rollout.constrain == "none", f"rollout.constrain = {cfg.rollout.constrain!r} needs the in-process "
+         "engine's grammar constraints; a remote sampler (--sampler) has none"),
+    ])
+
+
+@dataclass
 class RunConfig:
     """Everything one ``selfrl run`` needs."""
 
@@ -383,6 +449,8 @@ class RunConfig:
     collapse: CollapseConfig = field(default_factory=CollapseConfig)  # collapse rules and rollback (selfrl.collapse)
     detectors: DetectorConfig = field(default_factory=DetectorConfig)  # reward-hacking detectors (selfrl.detectors)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # Ray workers (selfrl.distributed)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)  # a remote sampler over HTTP (selfrl.sampler_sync)
+    swap_check: SwapCheckConfig = field(default_factory=SwapCheckConfig)  # each push to the sampler, proved (selfrl.swap_check)
     run_dir: str = "runs/default"  # where the store, adapters, metrics and report go
     iterations: int = 16  # rollout + update cycles
     num_prompts: int = 8  # tasks per iteration
@@ -424,6 +492,7 @@ class RunConfig:
         ])
         self.check_agents()
         check_engine(self)
+        check_sampler(self)
         check_names(self, lambda: self.weights)
         return self
 

@@ -49,14 +49,19 @@ class UpdateCycle:
         agent_of: with several agents, ``agent_of(task_id)`` names a trajectory's agent, and the
             group advantages are balanced per agent (``selfrl.distributed.agents.balance_agents``);
             None: one agent.
+        verify: ``verify(version)``, the promote step's swap check: proves that the sampler
+            serves the validated candidate before the gate may promote it, raising
+            :class:`selfrl.swap_check.SwapCheckError` otherwise (a remote sampler,
+            :mod:`selfrl.sampler_sync`); None: the engine shares the trained model.
     """
 
     def __init__(self, ledger: Ledger, learner: Learner, guard: CollapseGuard, monitor: HackingMonitor | None,
                  collapse_cfg: CollapseConfig, tolerance: float, scale_rewards: str,
-                 load: Callable[[dict, int], None], agent_of: Callable[[str], str] | None = None):
+                 load: Callable[[dict, int], None], agent_of: Callable[[str], str] | None = None,
+                 verify: Callable[[int], object] | None = None):
         self.ledger, self.learner, self.guard, self.monitor = ledger, learner, guard, monitor
         self.collapse_cfg, self.tolerance, self.scale_rewards, self.load = collapse_cfg, tolerance, scale_rewards, load
-        self.agent_of = agent_of
+        self.agent_of, self.verify = agent_of, verify
 
     # -- update --------------------------------------------------------------------------
 
@@ -119,7 +124,13 @@ class UpdateCycle:
     def gate(self, step: int, version: int, success: float, degenerate: float, veto: str | None = None) -> Verdict:
         """Decide a validated candidate (its validation already recorded): collapse rules at
         the gate, then the ledger's verdict; a rejected candidate gives way to the champion.
-        ``veto`` (the agents' gate's conflicts) rejects a candidate the collapse rules let through."""
+        ``veto`` (the agents' gate's conflicts) rejects a candidate the collapse rules let through.
+
+        Raises:
+            selfrl.swap_check.SwapCheckError: ``verify`` failed (the candidate is rejected, not promoted).
+        """
+        if self.verify is not None:  # the served version must be the trained one before any verdict
+            self.verify(version)
         with self.ledger.lock:  # one step: an admin's rollback comes before or after it, never inside
             champ = self.ledger.champion
             base = self.ledger.get(0)

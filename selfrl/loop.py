@@ -32,8 +32,10 @@ from selfrl.model import build_policy
 from selfrl.progress import PlainProgress, Progress
 from selfrl.rewards import get_preset, score_batch
 from selfrl.rollout import rollout
+from selfrl.sampler_sync import SamplerSync
 from selfrl.signal import SignalChooser, diagnose, probe_report
 from selfrl.store import Store
+from selfrl.swap_check import SwapCheckError
 from selfrl.envs import get_env
 from selfrl.tasks import Task, TaskSource, assert_disjoint
 from selfrl.tools import Tool, resolve_tools
@@ -98,11 +100,16 @@ def run(cfg: RunConfig, resume: bool = False, progress: Progress | None = None) 
     fresh). Ctrl-C stops after the current step, gates nothing new, and still
     writes the report. With ``distributed.address`` set, rollouts run on Ray workers
     (:func:`selfrl.distributed.driver.run_distributed`); only then is Ray imported.
+    With ``sampler.url`` set, a separate process samples and every version pushed
+    there is proved by the swap check (:mod:`selfrl.sampler_sync`).
 
     Raises:
         FileExistsError: ``run_dir`` already holds a run and ``resume`` is False.
         FileNotFoundError: ``resume`` but there is no run to resume.
         ConfigError: ``distributed.address`` is set and Ray is not installed.
+        ConnectionError: ``sampler.url`` cannot be reached.
+        selfrl.swap_check.SwapCheckError: the sampler failed a swap check; the run stopped
+            after rejecting the candidate and writing its report (never raised without a sampler).
     """
     if cfg.distributed.address is not None:
         try:
@@ -134,6 +141,7 @@ class RunSetup:
     run_id: int
     ledger: Ledger
     cycle: UpdateCycle
+    sampler: SamplerSync | None = None  # a remote sampler kept in step (--sampler); None: the engine shares the model
 
 
 def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
@@ -160,7 +168,12 @@ def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
     weights = cfg.reward_weights or get_preset(cfg.preset)
     monitor = HackingMonitor(cfg.detectors, weights)
     model, tok = build_policy(cfg)
-    engine = make_engine(cfg.engine, model, tok)
+    if cfg.sampler.url is None:
+        engine = make_engine(cfg.engine, model, tok)
+    else:  # rollouts in another process; the learner keeps its model here (selfrl.sampler_sync)
+        from selfrl.sampler_sync import connect
+
+        engine = connect(cfg, tok, model)
     learner = Learner(model, cfg.train, cfg.rollout.temperature, tok.pad_token_id, cfg.max_completion_length,
                       ref_state=kl_reference(model, cfg.lora.init_adapter), tokenizer=tok)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -169,10 +182,24 @@ def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
     run_id = store.start_run(cfg.to_dict())
     ledger = Ledger(store, run_id, run_dir)
     guard = CollapseGuard(cfg.collapse)
+    sync = None if cfg.sampler.url is None else sampler_sync(cfg, engine, model, tok, ledger)
     cycle = UpdateCycle(ledger, learner, guard, monitor, cfg.collapse, cfg.gate.tolerance, cfg.train.scale_rewards,
-                        load=engine.swap, agent_of=_agent_of() if cfg.agents else None)
+                        load=engine.swap if sync is None else sync.load, verify=None if sync is None else sync.verify,
+                        agent_of=_agent_of() if cfg.agents else None)
     return RunSetup(cfg, resume, run_dir, source, train, val, tools, weights, monitor, engine, learner, store, run_id,
-                    ledger, cycle)
+                    ledger, cycle, sync)
+
+
+def sampler_sync(cfg: RunConfig, engine, model, tokenizer, ledger: Ledger):
+    """The :class:`selfrl.sampler_sync.SamplerSync` of a run with ``sampler.url``: the swap check's
+    tolerance is set by the learner's dtype unless ``swap_check.tolerance`` is given."""
+    from selfrl.device import resolve
+    from selfrl.swap_check import SwapChecker
+
+    checker = None
+    if cfg.swap_check.enabled:
+        checker = SwapChecker.from_config(cfg.swap_check, tokenizer, resolve(cfg.model.device, cfg.model.dtype).dtype)
+    return SamplerSync(engine, model, ledger, checker, by_folder=cfg.sampler.kind == "vllm")
 
 
 def make_source(cfg: RunConfig) -> TaskSource:
@@ -238,15 +265,22 @@ class Runner:
         if fresh:
             s.store.add_tasks([_task_row(t) for t in s.train], "train")
             s.store.add_tasks([_task_row(t) for t in s.val], "val")
-        base = s.ledger.ensure_base(s.engine.model)
+        base = s.ledger.ensure_base(s.learner.model)
+        pushed = None
+        if s.sampler is not None and base.val_success is None:  # the sampler must serve the base it validates
+            s.sampler.push(0, "start")
+            pushed = 0
         if base.val_success is None:
             res = self.validate()
             self.progress.log(f"base model: held-out success {res.success:.3f} on {len(s.val)} tasks "
                               f"({res.seconds:.0f} s)")
         best = s.ledger.latest_servable()
-        if best.version != 0:
+        if s.sampler is not None:
+            if best.version != pushed:
+                s.sampler.load(s.ledger.load_state(best.version), best.version, "start")
+        elif best.version != 0:
             s.engine.swap(s.ledger.load_state(best.version), best.version)
-        s.ledger.set_champion(best.version, adapters.lora_state(s.engine.model))
+        s.ledger.set_champion(best.version, adapters.lora_state(s.learner.model))
         done = [m["step"] for m in s.store.metrics() if m["name"] == "reward/mean"]
         start = max(done) + 1 if done else 0
         if self.chooser is not None and start:  # resume: pass rates from the stored groups
@@ -281,7 +315,9 @@ class Runner:
         signal = sum(1 for t in trajs if t.advantage)
         self.progress.phase(f"iteration {it}: update (micro-batches)", max(1, -(-signal // cfg.train.micro_batch_size)))
         step = s.cycle.update(it, trajs, sampled, on_micro_batch=self.progress.advance)
-        if step.candidate is not None:
+        if step.candidate is not None and s.sampler is not None:  # it samples the next rollouts: pushed, checked
+            s.sampler.push(step.candidate.version, "candidate")
+        elif step.candidate is not None:
             s.engine.version = step.candidate.version
         else:
             self.progress.advance()  # close the update bar: no micro-batch ran
@@ -399,9 +435,14 @@ class Runner:
             s.store.close()
             self.progress.log("interrupted before the first update; --resume starts again from the base validation")
             raise
+        except SwapCheckError as e:
+            s.store.close()
+            self.progress.log(f"error: {e}; the sampler at {self.cfg.sampler.url} does not serve the learner's "
+                              "weights (the same model, LoRA shape and seed?); nothing was trained")
+            raise
         log = MetricsLog(s.run_dir, s.store, s.run_id)
         log.log(start, {"val/success": self.champion.success})
-        stopped = False
+        stopped, failure = False, None
         try:
             for it in range(start, self.cfg.iterations):
                 self.step = it
@@ -420,9 +461,16 @@ class Runner:
         except (CollapseStop, NoSignalStop) as e:
             stopped = True
             self.progress.log(str(e))
+        except SwapCheckError as e:  # never go on with a stale or hung sampler (selfrl.sampler_sync)
+            stopped, failure = True, e
+            self.progress.log(f"error: {e}; stopping: the sampler at {self.cfg.sampler.url} does not serve the "
+                              "trained weights; fix it and continue with --resume")
         finally:
             log.close()
-        return self.finish(stopped)
+        result = self.finish(stopped)
+        if failure is not None:
+            raise failure
+        return result
 
     def finish(self, stopped: bool) -> RunResult:
         """Serve the best version, write the report, close the store."""
@@ -430,7 +478,13 @@ class Runner:
 
         s, champ = self.s, self.champion
         # Always: an interrupted update may have changed the weights without saving a version.
-        s.engine.swap(champ.state, champ.version)
+        if s.sampler is None:
+            s.engine.swap(champ.state, champ.version)
+        else:
+            try:
+                s.sampler.load(champ.state, champ.version, "finish")
+            except SwapCheckError as e:  # the run is ending: reported, the learner holds the champion
+                self.progress.log(f"the sampler could not be put back on version {champ.version}: {e}")
         totals: dict[str, float] = {}
         for row in s.store.metrics():  # every session of this run directory, not only this one
             if row["name"].startswith("time/") and row["value"] is not None:

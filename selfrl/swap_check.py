@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
+from selfrl.config import SwapCheckConfig  # the settings live with every other settings dataclass
+
 # Mean |served - learner| log-prob per probe token allowed, by the lower precision of the two sides.
 TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2}
 PROBE_TEXT = (
@@ -216,25 +218,6 @@ def _is_timeout(e: BaseException) -> bool:
     import socket
 
     return isinstance(e, (TimeoutError, socket.timeout)) or isinstance(getattr(e, "reason", None), TimeoutError)
-
-
-@dataclass
-class SwapCheckConfig:
-    """Settings of the swap check (a ``[swap_check]`` table where a config wires it in)."""
-
-    enabled: bool = True  # check every swap into a separate sampling backend before promotion
-    deadline_s: float = 30.0  # seconds the backend has to return the probe log-probs
-    tolerance: float | None = None  # mean |dlogp| per probe token allowed; None: by dtype (TOLERANCE)
-    probe_tokens: int = 48  # length of the probe sequence
-
-    def validate(self) -> None:
-        """Raise ValueError for a non-positive deadline or tolerance, or a probe under 2 tokens."""
-        if not self.deadline_s > 0:
-            raise ValueError(f"swap_check.deadline_s must be > 0, got {self.deadline_s}")
-        if self.tolerance is not None and not self.tolerance > 0:
-            raise ValueError(f"swap_check.tolerance must be > 0 (or unset), got {self.tolerance}")
-        if self.probe_tokens < 2:
-            raise ValueError(f"swap_check.probe_tokens must be >= 2, got {self.probe_tokens}")
 
 
 @dataclass

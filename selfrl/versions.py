@@ -262,6 +262,18 @@ class Ledger:
         self.event(EventKind.REJECT, msg, {"version": version})
         return Verdict("rejected", msg)
 
+    def reject_unverified(self, version: int, reason: str, mean_abs_diff: float) -> bool:
+        """A candidate whose swap check failed (the sampler does not serve it): marked ``rejected``
+        with the check's reason and mean |dlogp|, never promoted. The ``swap_check_failed`` event
+        is the caller's (:mod:`selfrl.sampler_sync`). Returns whether it was a candidate (the base
+        or a promoted version keeps its status)."""
+        rec = self.get(version)
+        if rec is None or rec.status != VersionStatus.CANDIDATE:
+            return False
+        diff = mean_abs_diff if math.isfinite(mean_abs_diff) else None
+        self._set(version, VersionStatus.REJECTED, {"swap_check": reason, "swap_check/mean_abs_diff": diff})
+        return True
+
     def promote(self, version: int, state: dict, success: float) -> None:
         """After a ``promoted`` verdict: the candidate becomes the champion (its success
         becomes the best, which never falls)."""
