@@ -287,3 +287,25 @@ def test_greedy_rollouts_with_tools_are_identical(engines):
     for ta, tb in zip(a, b):
         assert torch.allclose(torch.tensor(ta.logprobs), torch.tensor(tb.logprobs), atol=1e-5)
     assert max(t.num_turns for t in a) >= 2  # the tool path ran
+
+
+def test_per_row_generators_at_a_real_vocabulary_draw_the_batch_distribution():
+    """The slot engine's per-row seeded generators (seeded as the rollout seeds them), at
+    SmolLM2's vocabulary size, draw what one global draw over the batch draws, and rows of a
+    group are independent (``torch.multinomial`` draws exponentials per row: a seeded stream
+    each; the reference draws one stream for the whole batch)."""
+    from selfrl.engines.sampling import sample_tokens
+    from selfrl.engines.slots import row_generator
+
+    torch.manual_seed(0)
+    vocab, rows = 49152, 48 * GROUP
+    logits = (torch.randn(vocab) * 2.5).expand(rows, vocab).contiguous()  # top id about 0.35 at T 0.7
+    args = (torch.full((rows,), 0.7), torch.zeros(rows, dtype=torch.bool), torch.ones(rows))
+    torch.manual_seed(1)
+    batch, _ = sample_tokens(logits, *args)
+    torch.manual_seed(2)
+    base = int(torch.randint(0, 2**62, (1,)))
+    per_row, _ = sample_tokens(logits, *args, [row_generator((base + 1_000_003 * i) % 2**62) for i in range(rows)])
+    assert chi_square_homogeneity(batch.tolist(), per_row.tolist()).p_value > ALPHA
+    groups = [str(i // GROUP) for i in range(rows)]
+    assert independence_p(per_row.tolist(), groups, [0] * rows, permutations=999) > ALPHA
