@@ -32,7 +32,7 @@ def main() -> None:
 
     from selfrl.engine import Engine
     from selfrl.envs import get_env, load_run_config
-    from selfrl.gate import evaluate
+    from selfrl.gate import validate
     from selfrl.model import build_policy
     from selfrl.rewards import get_preset, score_batch
     from selfrl.rollout import rollout
@@ -69,7 +69,7 @@ def main() -> None:
     cause = diagnose(probe_report(trajs), cfg.rollout.temperature, a.group, True)
     print("  diagnosis:", cause or "signal: yes")
     if a.greedy:
-        res = evaluate(engine, val[: a.greedy], env, tools, cfg.rollout)
+        res = validate(engine, val[: a.greedy], env, tools, cfg.rollout)
         print(f"  greedy held-out pass@1: {sum(bool(r[1]) for r in res.results)}/{len(res.results)} "
               f"({res.seconds:.0f} s)")
     for tr in trajs[: 3 * a.group: a.group]:

@@ -31,6 +31,7 @@ DEFAULT_SYSTEM_PROMPT = "You are a careful assistant. Give the final answer as <
 ScaleRewards = Literal["group", "none"]  # advantage scaling: group (GRPO) | none (Dr. GRPO)
 ToolsPrompt = Literal["compact", "json"]  # how tool schemas are shown to a template without tool support
 TaskChoice = Literal["cycle", "signal"]  # task choice: a shuffled walk | skip tasks predicted to give constant groups
+Constrain = Literal["none", "tool_call"]  # grammar-constrained rollouts (selfrl.constrain)
 SignalCheck = Literal["warn", "stop", "off"]  # the pre-flight signal check before the first update
 
 
@@ -120,6 +121,7 @@ class RolloutConfig:
     tools_prompt: ToolsPrompt = "compact"  # how tool schemas are shown when the template can't: compact | json
     demonstration: bool = True  # show DEMONSTRATION (one worked tool call) before the task
     stop_at_tool_call: bool = False  # end a turn right after "</tool_call>" (one call per turn; see rollout)
+    constrain: Constrain = "none"  # none | tool_call (every turn is one call to an offered tool, by grammar; the learner replays the masks)
 
     @property
     def max_completion_length(self) -> int:
@@ -132,6 +134,7 @@ class RolloutConfig:
             (self.max_turns >= 1, "max_turns must be >= 1"),
             (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
             one_of(self.tools_prompt, ToolsPrompt, "tools_prompt"),
+            one_of(self.constrain, Constrain, "constrain"),
             (isinstance(self.tools, list), "tools must be a list of tool names"),
         ], where)
 

@@ -276,3 +276,45 @@ class GrammarMasks:
             allowed[k] = unpack_mask(self.masks[row][k], logits.shape[-1])
         restricted = (~allowed).any(dim=-1)  # (N,)
         return torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1), restricted.tolist()
+
+
+def replay_masks(constraint: Constraint, token_ids: list[int], tokenizer, vocab_size: int,
+                 eos_token_ids: list[int]) -> torch.Tensor:
+    """The masks a grammar applied while ``token_ids`` were sampled, recomputed.
+
+    The matcher is deterministic in the ids it consumed, so feeding it the sampled ids
+    again gives, before each id, the same set of allowed ids as at sampling time. The
+    learner uses it to recompute a constrained token's log-probability under the masked
+    distribution it was sampled from (the behaviour policy), so that grammar-constrained
+    turns train with an importance ratio of exactly 1 for an unchanged policy.
+
+    Args:
+        constraint: the turn's grammar.
+        token_ids: (n,) the ids sampled in that turn, in order (its EOS included, if sampled).
+        tokenizer: the policy's fast tokenizer; vocab_size: V; eos_token_ids: as at sampling.
+
+    Returns:
+        (n, V) bool: row k is the set of ids allowed before ``token_ids[k]``. Rows after
+        the grammar completed (an EOS the grammar allowed) allow everything.
+
+    Raises:
+        ConstraintError: the grammar does not compile, or an id is one it forbade (the
+            ids were not sampled under this grammar).
+    """
+    import llguidance
+
+    matcher = llguidance.LLMatcher(grammar_tokenizer(tokenizer, vocab_size, eos_token_ids), constraint.grammar,
+                                   log_level=0)
+    if matcher.is_error():
+        raise ConstraintError(f"the {constraint.kind} grammar cannot be compiled: {matcher.get_error()}")
+    eos = set(eos_token_ids)
+    allowed = torch.ones(len(token_ids), vocab_size, dtype=torch.bool)  # (n, V)
+    for k, tid in enumerate(token_ids):
+        allowed[k] = unpack_mask(matcher.compute_bitmask(), vocab_size)
+        if not allowed[k, tid]:
+            raise ConstraintError(f"id {tid} at step {k} is not allowed by the {constraint.kind} grammar")
+        if tid in eos:
+            break
+        if not matcher.consume_token(tid):
+            raise ConstraintError(f"id {tid} at step {k} broke the {constraint.kind} grammar: {matcher.get_error()}")
+    return allowed

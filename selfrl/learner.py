@@ -172,6 +172,10 @@ class Learner:
         max_completion_length: per-sequence completion-token limit (for ``dr_grpo``).
         ref_state: LoRA state dict of the reference adapter, or None when the
             reference is the base model (the adapter disabled).
+        tokenizer: the policy's tokenizer, needed only for trajectories sampled under a
+            grammar (``Trajectory.constraints``): their masks are replayed
+            (``selfrl.constrain.replay_masks``) so that the policy, old and reference
+            log-probabilities of a constrained token are all over the allowed ids.
 
     Raises:
         ValueError: the model has no trainable parameters, ``temperature`` not > 0,
@@ -179,7 +183,7 @@ class Learner:
     """
 
     def __init__(self, model, cfg: TrainConfig, temperature: float, pad_token_id: int, max_completion_length: int,
-                 ref_state: dict[str, torch.Tensor] | None = None):
+                 ref_state: dict[str, torch.Tensor] | None = None, tokenizer=None):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0 (the logits are divided by it), got {temperature}")
         if max_completion_length < 1:
@@ -192,6 +196,7 @@ class Learner:
         self.pad_token_id = pad_token_id
         self.max_completion_length = max_completion_length
         self.ref_state = ref_state
+        self.tokenizer = tokenizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters (is the LoRA adapter attached and active?)")
@@ -212,13 +217,39 @@ class Learner:
         """Forget AdamW's moments (after a rollback they point along the rejected path)."""
         self.optimizer.state.clear()
 
+    def _replay(self, traj: Trajectory) -> tuple[list[int], torch.Tensor]:
+        """The grammar masks of ``traj``'s constrained turns: (positions, (n, V) allowed ids).
+
+        Raises:
+            ValueError: the learner has no tokenizer to replay them with.
+        """
+        if self.tokenizer is None:
+            raise ValueError("this learner has no tokenizer, so it cannot replay the grammar masks of "
+                             f"trajectory {traj.id} (sampled under rollout.constrain)")
+        from selfrl.constrain import Constraint, replay_masks
+        from selfrl.engine import eos_ids
+
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        eos = eos_ids(self.model, self.tokenizer)
+        positions: list[int] = []
+        blocks = []
+        for c in traj.constraints:
+            ids = traj.token_ids[c["start"]:c["end"]]
+            blocks.append(replay_masks(Constraint(c["kind"], c["grammar"]), ids, self.tokenizer, vocab, eos))
+            positions += range(c["start"], c["end"])
+        return positions, torch.cat(blocks)
+
+    def _collate(self, trajs: list[Trajectory]) -> TensorBatch:
+        return collate(trajs, self.pad_token_id, self._replay).to(self.device)
+
     def _ref_logps(self, mb: TensorBatch) -> torch.Tensor:
         """(B, T) log-probs under the reference: the base model, or the starting adapter
         copied in place for the pass and the current weights put back after it."""
         args = (mb.input_ids, mb.attention_mask, mb.completion_mask, self.temperature)
+        kw = {"vocab_masks": mb.vocab_masks}
         if self.ref_state is None:
             with torch.no_grad(), self.model.disable_adapter():
-                return per_token_logps(self.model, *args)
+                return per_token_logps(self.model, *args, **kw)
         from peft import set_peft_model_state_dict
 
         from selfrl.adapters import lora_state
@@ -227,7 +258,7 @@ class Learner:
         try:
             set_peft_model_state_dict(self.model, self.ref_state)
             with torch.no_grad():
-                return per_token_logps(self.model, *args)
+                return per_token_logps(self.model, *args, **kw)
         finally:
             set_peft_model_state_dict(self.model, current)
 
@@ -243,9 +274,10 @@ class Learner:
         chosen = [t for t in trajs if t.advantage is not None and any(t.completion_mask)][:num_sequences]
         if not chosen:
             return None
-        mb = collate(chosen, self.pad_token_id).to(self.device)
+        mb = self._collate(chosen)
         with torch.no_grad():
-            logps = per_token_logps(self.model, mb.input_ids, mb.attention_mask, mb.completion_mask, self.temperature)
+            logps = per_token_logps(self.model, mb.input_ids, mb.attention_mask, mb.completion_mask, self.temperature,
+                                    vocab_masks=mb.vocab_masks)
             kl = k3_kl(logps, self._ref_logps(mb))  # (B, T)
         mask = mb.completion_mask  # (B, T)
         return float((kl * mask).sum() / mask.sum())
@@ -277,7 +309,7 @@ class Learner:
             return UpdateResult.skip(reason, num_sequences=0.0, **{"time/update_s": time.perf_counter() - t0})
         usable.sort(key=lambda t: len(t.token_ids))  # similar lengths per micro-batch: less padding
         peak = PeakMemory(self.device)
-        micro = [collate(usable[i:i + self.cfg.micro_batch_size], self.pad_token_id).to(self.device)
+        micro = [self._collate(usable[i:i + self.cfg.micro_batch_size])
                  for i in range(0, len(usable), self.cfg.micro_batch_size)]
         norm = Normalizer.of([m.completion_mask for m in micro], self.max_completion_length)
         refs = [self._ref_logps(m) if self.cfg.beta > 0 else None for m in micro]
@@ -299,7 +331,8 @@ class Learner:
             for k, (mb, ref) in enumerate(zip(micro, refs)):
                 # gradient checkpointing drops the KV cache in a training forward, so no shared-prefix cache then
                 logps = per_token_logps(self.model, mb.input_ids, mb.attention_mask, mb.completion_mask,
-                                        self.temperature, share_prefix=not self.checkpointing)
+                                        self.temperature, share_prefix=not self.checkpointing,
+                                        vocab_masks=mb.vocab_masks)
                 if olds[k] is None:
                     olds[k] = logps.detach()  # (B, T): the weights have not moved yet in the first pass
                     gap = mismatch_kl(olds[k], mb.old_per_token_logps)  # (B, T)

@@ -149,7 +149,7 @@ def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
     model, tok = build_policy(cfg)
     engine = make_engine(cfg.engine, model, tok)
     learner = Learner(model, cfg.train, cfg.rollout.temperature, tok.pad_token_id, cfg.max_completion_length,
-                      ref_state=kl_reference(model, cfg.lora.init_adapter))
+                      ref_state=kl_reference(model, cfg.lora.init_adapter), tokenizer=tok)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
     store = Store(db)

@@ -103,9 +103,14 @@ def rollout(
     eos_text = tok.eos_token or tok.decode([engine.eos_token_ids[0]])
     eos_id = tok.eos_token_id if tok.eos_token else engine.eos_token_ids[0]
     trajs: list[Trajectory] = []
+    constraints: list = []
+    if cfg.constrain != "none" and not getattr(engine, "supports_constraints", False):
+        raise ValueError(f"rollout.constrain = {cfg.constrain!r} needs an engine with grammar constraints; "
+                         f"{type(engine).__name__} has none (use the reference engine)")
     for task, gid, env in zip(tasks, group_ids, envs):
         t_tools = tools + env.tools if env is not None else tools
         tool_maps.append({t.name: t for t in t_tools})
+        constraints.append(turn_constraint(cfg, t_tools))
         native_tools = [t.openai_schema() for t in t_tools] if t_tools and template_supports_tools(tok) else None
         msgs = initial_messages(task, t_tools, cfg, tok, env.demonstration if env is not None else None)
         ids = prompt_ids(tok, msgs, tools=native_tools)
@@ -116,7 +121,7 @@ def rollout(
                 messages=msgs, timings={"generate": 0.0, "tools": 0.0},
             )
         )
-    turn_ctx = _TurnContext(tok, cfg, eos_id, eos_text)
+    turn_ctx = _TurnContext(tok, cfg, eos_id, eos_text, constraints)
     stop = [TOOL_CALL_CLOSE] if cfg.stop_at_tool_call else None
     if callable(getattr(engine, "submit", None)):
         _pipelined_turns(engine, trajs, tool_maps, envs, turn_ctx, greedy, stop, on_turn)
@@ -136,15 +141,21 @@ class _TurnContext:
     cfg: RolloutConfig
     eos_id: int
     eos_text: str
+    constraints: list  # per trajectory: the grammar of each of its turns, or None
 
 
 def _after_turn(tr: Trajectory, g: Generation, turn: int, tool_map: dict[str, Tool], env: Environment | None,
-                ctx: _TurnContext) -> bool:
-    """Append the sampled turn ``g`` to ``tr`` and run its tool calls; True when the
+                ctx: _TurnContext, constraint=None) -> bool:
+    """Append the sampled turn ``g`` to ``tr`` (``constraint``: the grammar it was sampled
+    under, recorded in ``tr.constraints``) and run its tool calls; True when the
     trajectory goes on to another turn (its tool results and the next turn's header are
     appended then)."""
     tok, cfg = ctx.tok, ctx.cfg
     tr.adapter_version = g.adapter_version
+    if constraint is not None:
+        start = len(tr.token_ids)
+        tr.constraints.append({"start": start, "end": start + len(g.token_ids), "kind": constraint.kind,
+                               "grammar": constraint.grammar})
     tr.token_ids += g.token_ids
     tr.completion_mask += [1] * len(g.token_ids)
     tr.logprobs += g.logprobs
@@ -190,13 +201,15 @@ def _batched_turns(engine: SamplingEngine, trajs: list[Trajectory], tool_maps, e
             break
         t0 = time.perf_counter()
         extra = {"stop": stop} if stop else {}
+        if any(ctx.constraints[i] is not None for i in active):
+            extra["constraints"] = [ctx.constraints[i] for i in active]
         gens = engine.generate([trajs[i].token_ids for i in active], cfg.max_new_tokens, cfg.temperature,
                                greedy=greedy, **extra)
         dt = (time.perf_counter() - t0) / len(active)
         still = []
         for i, g in zip(active, gens):
             trajs[i].timings["generate"] += dt
-            if _after_turn(trajs[i], g, turn, tool_maps[i], envs[i], ctx):
+            if _after_turn(trajs[i], g, turn, tool_maps[i], envs[i], ctx, ctx.constraints[i]):
                 still.append(i)
         active = still
         if on_turn is not None:
@@ -225,8 +238,9 @@ def _pipelined_turns(engine, trajs: list[Trajectory], tool_maps, envs, ctx: _Tur
         started = max(started, turn)
         at_turn[turn] += 1
         seed = (base + 1_000_003 * i + 7_919 * turn) % 2**62  # fixed whatever order turns finish in
+        extra = {"constraint": ctx.constraints[i]} if ctx.constraints[i] is not None else {}
         pending[engine.submit(trajs[i].token_ids, cfg.max_new_tokens, cfg.temperature, greedy=greedy,
-                              stop=stop, seed=seed)] = (i, turn)
+                              stop=stop, seed=seed, **extra)] = (i, turn)
 
     for i in range(len(trajs)):
         submit(i, 0)
@@ -240,12 +254,26 @@ def _pipelined_turns(engine, trajs: list[Trajectory], tool_maps, envs, ctx: _Tur
         for f in done:
             i, turn = pending.pop(f)
             at_turn[turn] -= 1
-            if _after_turn(trajs[i], f.result(), turn, tool_maps[i], envs[i], ctx):
+            if _after_turn(trajs[i], f.result(), turn, tool_maps[i], envs[i], ctx, ctx.constraints[i]):
                 submit(i, turn + 1)
         while reported <= started and not any(at_turn[:reported + 1]):
             reported += 1
             if on_turn is not None:
                 on_turn()
+
+
+def turn_constraint(cfg: RolloutConfig, tools: list[Tool]):
+    """The grammar every assistant turn is sampled under (``rollout.constrain``), or None.
+
+    ``"tool_call"``: exactly one ``<tool_call>`` to one of ``tools`` with arguments valid
+    against its schema (:func:`selfrl.constrain.tool_call_constraint`); a trajectory
+    without tools is left unconstrained.
+    """
+    if cfg.constrain == "none" or not tools:
+        return None
+    from selfrl.constrain import tool_call_constraint
+
+    return tool_call_constraint([(t.name, t.parameters) for t in tools])
 
 
 def run_tool_calls(tr: Trajectory, calls: list[ParsedCall], tool_map: dict[str, Tool], wrap: bool = True) -> list[str]:

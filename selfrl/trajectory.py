@@ -72,6 +72,10 @@ class Trajectory:
             detector flagged it (see ``selfrl.detectors``).
         env_state: JSON summary of a stateful environment's final state (e.g. the
             web shop's order), what its task source scores; None without one.
+        constraints: the turns sampled under a grammar (``rollout.constrain``), each
+            ``{"start", "end", "kind", "grammar"}``: ``token_ids[start:end]`` was sampled
+            under the llguidance ``grammar``; the learner replays its masks
+            (``selfrl.constrain.replay_masks``). Empty when nothing was constrained.
     """
 
     task_id: str
@@ -94,6 +98,7 @@ class Trajectory:
     timings: dict[str, float] = field(default_factory=dict)
     flags: dict[str, str] = field(default_factory=dict)
     env_state: dict[str, Any] | None = None
+    constraints: list[dict[str, Any]] = field(default_factory=list)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     parent_id: str | None = None
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from selfrl.rl.logprobs import VocabMasks
 from selfrl.trajectory import Trajectory
+
+# trajectory -> (positions in token_ids, (n, V) bool allowed ids at each): its grammar masks
+MaskReplay = Callable[[Trajectory], tuple[list[int], torch.Tensor]]
 
 
 @dataclass
@@ -19,6 +24,8 @@ class TensorBatch:
         completion_mask: (B, T) float, 1 on policy-sampled tokens.
         old_per_token_logps: (B, T) float, sampling log-probs (0 where mask is 0).
         advantages: (B,) float.
+        vocab_masks: the grammar masks of constrained tokens, or None when no
+            trajectory was sampled under a grammar (``Trajectory.constraints``).
     """
 
     input_ids: torch.Tensor
@@ -26,6 +33,7 @@ class TensorBatch:
     completion_mask: torch.Tensor
     old_per_token_logps: torch.Tensor
     advantages: torch.Tensor
+    vocab_masks: VocabMasks | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -35,7 +43,8 @@ class TensorBatch:
         if self.input_ids.device == torch.device(device):
             return self
         return TensorBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.completion_mask,
-                                                    self.old_per_token_logps, self.advantages)))
+                                                    self.old_per_token_logps, self.advantages)),
+                           None if self.vocab_masks is None else self.vocab_masks.to(device))
 
     @property
     def num_tokens(self) -> int:
@@ -43,12 +52,16 @@ class TensorBatch:
         return int(self.completion_mask.sum())
 
 
-def collate(trajs: list[Trajectory], pad_token_id: int) -> TensorBatch:
+def collate(trajs: list[Trajectory], pad_token_id: int, replay: MaskReplay | None = None) -> TensorBatch:
     """Pad trajectories on the right into a :class:`TensorBatch`.
+
+    ``replay`` recomputes the grammar masks of trajectories with ``constraints``
+    (``selfrl.constrain.replay_masks`` behind it; the learner passes it).
 
     Raises:
         ValueError: empty list, a trajectory without an advantage, inconsistent
-            token-level lengths, or a completion token at position 0.
+            token-level lengths, a completion token at position 0, or a trajectory
+            with ``constraints`` and no ``replay``.
     """
     if not trajs:
         raise ValueError("collate needs at least one trajectory")
@@ -71,4 +84,18 @@ def collate(trajs: list[Trajectory], pad_token_id: int) -> TensorBatch:
         completion_mask[i, :n] = torch.tensor(t.completion_mask, dtype=torch.float32)
         old[i, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
         adv[i] = t.advantage
-    return TensorBatch(input_ids, attention_mask, completion_mask, old, adv)
+    masks = None
+    if any(t.constraints for t in trajs):
+        if replay is None:
+            raise ValueError("trajectories sampled under a grammar need the learner's mask replay (a tokenizer)")
+        index = torch.full((B, width), -1, dtype=torch.long)  # (B, T)
+        blocks, k = [], 0
+        for i, t in enumerate(trajs):
+            if not t.constraints:
+                continue
+            positions, allowed = replay(t)  # (n,), (n, V)
+            index[i, positions] = torch.arange(k, k + len(positions))
+            blocks.append(allowed)
+            k += len(positions)
+        masks = VocabMasks(index, torch.cat(blocks))
+    return TensorBatch(input_ids, attention_mask, completion_mask, old, adv, masks)

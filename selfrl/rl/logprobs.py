@@ -25,8 +25,11 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
     return logits.gather(-1, index.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def _chunk_logps(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float):
+def _chunk_logps(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float,
+                 allowed: torch.Tensor | None = None):
     logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature  # (C, V)
+    if allowed is not None:  # (C, V) bool: the grammar's masks, replayed (selfrl.constrain.replay_masks)
+        logits = logits.masked_fill(~allowed, float("-inf"))
     return selective_log_softmax(logits, targets)  # (C,)
 
 
@@ -44,6 +47,7 @@ def per_token_logps(
     temperature: float = 1.0,
     chunk_size: int = 512,
     share_prefix: bool = True,
+    vocab_masks: "VocabMasks | None" = None,
 ) -> torch.Tensor:
     """Log-prob of each token given its prefix, at completion positions only.
 
@@ -57,6 +61,9 @@ def per_token_logps(
         chunk_size: rows of the output layer computed at once.
         share_prefix: encode the rows' common prefix once (``selfrl.prefix``); exact,
             gradients included.
+        vocab_masks: the grammar masks of constrained tokens (:class:`VocabMasks`): at
+            those positions the log-softmax runs over the allowed ids only, as when they
+            were sampled; None: every position over the whole vocabulary.
 
     Returns:
         (B, T) float32 log-probs; 0 where ``completion_mask`` is 0. With no completion
@@ -84,9 +91,13 @@ def per_token_logps(
     mask = completion_mask[:, start + 1:].bool()  # (B, T-S-1): token t+1 is predicted from hidden t
     rows = hidden[:, :-1][mask]  # (M, H)
     targets = input_ids[:, start + 1:][mask]  # (M,)
+    which = vocab_masks.index[:, start + 1:][mask] if vocab_masks is not None else None  # (M,) -1 or mask row
     parts = []
     for s in range(0, rows.shape[0], chunk_size):
-        args = (rows[s:s + chunk_size], head.weight, head.bias, targets[s:s + chunk_size], temperature)
+        allowed = None
+        if which is not None and bool((which[s:s + chunk_size] >= 0).any()):
+            allowed = vocab_masks.rows(which[s:s + chunk_size], head.weight.shape[0])  # (C, V)
+        args = (rows[s:s + chunk_size], head.weight, head.bias, targets[s:s + chunk_size], temperature, allowed)
         if torch.is_grad_enabled():
             parts.append(checkpoint(_chunk_logps, *args, use_reentrant=False))
         else:
@@ -96,6 +107,30 @@ def per_token_logps(
     tail = torch.zeros(mask.shape, dtype=torch.float32, device=input_ids.device)  # (B, T-S-1)
     tail = tail.masked_scatter(mask, flat.float())
     return torch.cat([out[:, :start + 1], tail], dim=1)  # (B, T)
+
+
+class VocabMasks:
+    """Per-position sets of allowed ids for a (B, T) batch: the grammar masks of the
+    constrained tokens, replayed by :func:`selfrl.constrain.replay_masks`.
+
+    Args:
+        index: (B, T) long, ``k`` where the token at ``(b, t)`` was sampled under mask
+            row ``k`` of ``allowed``, -1 where no mask applied.
+        allowed: (K, V) bool, the allowed ids of each masked position.
+    """
+
+    def __init__(self, index: torch.Tensor, allowed: torch.Tensor):
+        self.index, self.allowed = index, allowed
+
+    def rows(self, which: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """(C, V) bool for C positions (``which``: (C,) mask row or -1 for no mask)."""
+        out = torch.ones(len(which), vocab_size, dtype=torch.bool, device=self.allowed.device)  # (C, V)
+        hit = which >= 0
+        out[hit] = self.allowed[which[hit]]
+        return out
+
+    def to(self, device) -> "VocabMasks":
+        return VocabMasks(self.index.to(device), self.allowed.to(device))
 
 
 def _prefix_len(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> int:
