@@ -16,7 +16,12 @@ pushes the policy toward the calculator in the first update). Two-sample tests
 (:mod:`selfrl.two_sample`) say whether the backends differ: chi-square on first tokens, tool
 use and turn counts; Mann-Whitney on completion lengths, rewards and distinct completions per group.
 
-``--store`` prints the same per-iteration statistics from the stores of finished runs instead.
+``--store`` prints the same per-iteration statistics from the stores of finished runs instead;
+with ``--pit`` it also checks each store's first-iteration sampling on its own: the model's
+logits are recomputed at every sampled position, and the randomized probability integral
+transforms of the sampled ids under ``softmax(logits / temperature)`` must be i.i.d.
+uniform (:func:`selfrl.two_sample.sampling_pit`, Kolmogorov-Smirnov). A sampler that is too
+sharp, too flat, truncated (top-k, top-p) or off the logits fails it, whatever the task.
 """
 
 from __future__ import annotations
@@ -70,6 +75,40 @@ def store_stats(path: Path) -> dict[int, dict[str, float]]:
     return {it: group_stats(ts) for it, ts in sorted(by_it.items())}
 
 
+def store_pit(path: Path, model, temperature: float, iteration: int = 0, batch: int = 4) -> dict[str, float]:
+    """KS test of the sampled ids of ``iteration`` in a store against ``model`` (the weights
+    they were sampled with: the base model for iteration 0 of a run whose LoRA starts at zero)."""
+    import torch
+
+    from selfrl.two_sample import ks_uniform, sampling_pit
+
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    trajs = [json.loads(d) for (d,) in con.execute("SELECT data_json FROM trajectories WHERE iteration = ?",
+                                                  (iteration,))]
+    con.close()
+    gen = torch.Generator().manual_seed(0)
+    pits, gaps = [], []
+    with torch.no_grad():
+        for i in range(0, len(trajs), batch):
+            chunk = trajs[i:i + batch]
+            width = max(len(t["token_ids"]) for t in chunk)
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)  # (b, L) right-padded
+            for r, t in enumerate(chunk):
+                ids[r, :len(t["token_ids"])] = torch.tensor(t["token_ids"])
+            hidden = model.model(input_ids=ids).last_hidden_state  # (b, L, H)
+            for r, t in enumerate(chunk):
+                pos = [k for k, m in enumerate(t["completion_mask"]) if m]
+                logits = model.lm_head(hidden[r, [k - 1 for k in pos]]).float() / temperature  # (n, V)
+                probs = torch.softmax(logits, -1)
+                x = torch.tensor([t["token_ids"][k] for k in pos])
+                pits += sampling_pit(probs, x, torch.rand(len(pos), generator=gen)).tolist()
+                recorded = torch.tensor([t["logprobs"][k] for k in pos])
+                gaps.append(float((torch.log_softmax(logits, -1).gather(-1, x[:, None]).squeeze(-1) - recorded).abs().max()))
+    ks = ks_uniform(pits)
+    return {"sampled_ids": len(pits), "ks_d": ks.statistic, "ks_p": ks.p_value, "pit_mean": statistics.mean(pits),
+            "max_logprob_gap": max(gaps)}
+
+
 def compare(a: list[dict], b: list[dict]) -> dict[str, float]:
     """p-values of two-sample tests between two backends' pooled rollouts (stored dicts)."""
     from selfrl.two_sample import chi_square_homogeneity, mann_whitney
@@ -112,6 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seeds", type=int, default=6, help="first iterations sampled per backend (seed = iteration)")
     p.add_argument("--preset", default="label-free", help="reward preset the rollouts are scored with")
     p.add_argument("--store", action="append", default=[], help="print a finished run's statistics instead")
+    p.add_argument("--pit", action="store_true", help="with --store: check the first iteration's sampling on its own")
     args = p.parse_args(argv)
     result = envelope(args, "python benchmarks/bench_parity.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     if args.store:
@@ -120,6 +160,15 @@ def main(argv: list[str] | None = None) -> dict:
             per_it = store_stats(Path(path))
             result["stores"][path] = per_it
             print_table(f"{path}, per iteration", COLUMNS, [_rows(f"iteration {i}", s) for i, s in per_it.items()])
+        if args.pit:
+            from selfrl.model import load_model
+
+            model, _ = load_model(model_name(args, Path(tempfile.mkdtemp(prefix="bench-parity-"))))
+            result["pit"] = {}
+            for path in args.store:
+                cfg = json.loads((Path(path).parent / "config.json").read_text())
+                result["pit"][path] = pit = store_pit(Path(path), model, cfg["rollout"]["temperature"])
+                print(f"{path}: iteration 0, " + ", ".join(f"{k} {v:.4g}" for k, v in pit.items()), flush=True)
         return finish(result, "parity_stores", args.out)
 
     import torch

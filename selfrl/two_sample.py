@@ -11,6 +11,11 @@ both samples come from one distribution, of a statistic at least as extreme.
 * :func:`mann_whitney` -- ordinal samples (lengths, distinct completions per group):
   the U test, normal approximation with the tie correction (Lehmann, *Nonparametrics*,
   1975, ch. 1).
+* :func:`ks_uniform` -- one sample against Uniform(0, 1): Kolmogorov-Smirnov with the
+  asymptotic distribution and Stephens' small-sample correction (Stephens 1970, JRSS B 32).
+  With :func:`sampling_pit` it checks a sampler on its own: the randomized probability
+  integral transforms of ids drawn one after another from known distributions are i.i.d.
+  uniform (Brockwell 2007, "Universal residuals").
 * :func:`chi2_sf` -- the chi-square survival function, from the regularized upper
   incomplete gamma function (Numerical Recipes, 3rd ed., section 6.2).
 """
@@ -175,3 +180,42 @@ def mann_whitney(a: Sequence[float], b: Sequence[float]) -> TwoSampleResult:
         return TwoSampleResult(u, 1.0)
     z = (u - na * nb / 2) / math.sqrt(var)
     return TwoSampleResult(u, min(1.0, math.erfc(abs(z) / math.sqrt(2))))
+
+
+def ks_uniform(values: Sequence[float]) -> TwoSampleResult:
+    """Kolmogorov-Smirnov test that ``values`` are a sample of Uniform(0, 1); the statistic is D.
+
+    >>> ks_uniform([(i + 0.5) / 100 for i in range(100)]).p_value > 0.99
+    True
+    >>> ks_uniform([v / 200 for v in range(100)]).p_value < 1e-10
+    True
+
+    Raises:
+        ValueError: no values.
+    """
+    if not values:
+        raise ValueError("ks_uniform needs at least one value")
+    xs = sorted(values)
+    n = len(xs)
+    d = max(max((i + 1) / n - x, x - i / n) for i, x in enumerate(xs))
+    lam = (math.sqrt(n) + 0.12 + 0.11 / math.sqrt(n)) * d
+    p = 2 * sum((-1) ** (k - 1) * math.exp(-2 * k * k * lam * lam) for k in range(1, 101))
+    return TwoSampleResult(d, min(1.0, max(0.0, p)))
+
+
+def sampling_pit(probs, ids, uniforms):
+    """Randomized probability integral transforms of sampled ids: ``P(X > x) + U * P(X = x)``
+    with the ids ordered by probability (larger first), one value per row; i.i.d. Uniform(0, 1)
+    exactly when each id was drawn from its row's distribution.
+
+    Args:
+        probs: (n, V) float tensor, each row a distribution (the one the id should come from).
+        ids: (n,) long tensor of the sampled ids.
+        uniforms: (n,) float tensor of Uniform(0, 1) draws (fixed, for a repeatable test).
+
+    Returns:
+        (n,) float tensor in [0, 1].
+    """
+    p_x = probs.gather(-1, ids[:, None])  # (n, 1)
+    above = (probs * (probs > p_x)).sum(-1)  # (n,) mass of the more probable ids
+    return (above + uniforms * p_x.squeeze(-1)).clamp(0.0, 1.0)

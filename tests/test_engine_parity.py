@@ -30,7 +30,14 @@ import torch
 
 from selfrl.engine import Engine
 from selfrl.engines.slots import SlotEngine
-from selfrl.two_sample import TwoSampleResult, chi_square_homogeneity, combine_chi_square, mann_whitney
+from selfrl.two_sample import (
+    TwoSampleResult,
+    chi_square_homogeneity,
+    combine_chi_square,
+    ks_uniform,
+    mann_whitney,
+    sampling_pit,
+)
 
 ALPHA = 1e-3
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>'
@@ -115,6 +122,34 @@ def test_generate_draws_the_reference_distribution(engines, temperature, top_p):
     # the draws are diverse enough for the tests to mean something
     assert len({g.token_ids[0] for g in b[0]}) >= 10
     assert 0.1 < sum(g.finished for g in b[0]) / 256 < 0.9
+
+
+def pit_p(model, prompts, drawn: dict, temperature: float) -> float:
+    """KS p-value of the randomized PITs of every sampled id under ``softmax(logits / temperature)``
+    recomputed by a plain forward pass (i.i.d. uniform for a correct sampler, whatever the model)."""
+    gen = torch.Generator().manual_seed(0)
+    pits = []
+    with torch.no_grad():
+        for k, gens in drawn.items():
+            for g in gens[:64]:
+                ids = torch.tensor([prompts[k] + g.token_ids])  # (1, L)
+                logits = model(input_ids=ids).logits[0, len(prompts[k]) - 1:-1].float() / temperature  # (n, V)
+                pits += sampling_pit(torch.softmax(logits, -1), torch.tensor(g.token_ids),
+                                     torch.rand(len(g.token_ids), generator=gen)).tolist()
+    return ks_uniform(pits).p_value
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_each_engine_samples_softmax_of_logits_over_temperature(engines, temperature):
+    """Calibration of each sampler on its own (no comparison): the probability integral
+    transforms of its draws are uniform, and those of draws at another temperature are not."""
+    reference, slots = engines
+    prompts = _prompts(reference.tokenizer)
+    for engine, seed in ((reference, 5), (slots, 6)):
+        drawn = _sample(engine, prompts, 64, seed=seed, temperature=temperature)
+        assert pit_p(reference.model, prompts, drawn, temperature) > ALPHA, engine.name
+    off = _sample(slots, prompts, 64, seed=6, temperature=temperature * 0.8)
+    assert pit_p(reference.model, prompts, off, temperature) < 1e-6
 
 
 def test_parity_detects_a_wrong_temperature_or_nucleus(engines):
