@@ -145,7 +145,7 @@ COLUMNS = ["", "tool use", "correct", "zero-spread groups", "distinct compl./gro
            "mean reward", "completion tokens", "advantage on tool use"]
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> Path:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--engines", default="reference,slots", help="backends, comma-separated (selfrl.engines)")
     p.add_argument("--seeds", type=int, default=6, help="first iterations sampled per backend (seed = iteration)")

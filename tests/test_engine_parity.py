@@ -344,3 +344,19 @@ def test_per_row_generators_at_a_real_vocabulary_draw_the_batch_distribution():
     assert chi_square_homogeneity(batch.tolist(), per_row.tolist()).p_value > ALPHA
     groups = [str(i // GROUP) for i in range(rows)]
     assert independence_p(per_row.tolist(), groups, [0] * rows, permutations=999) > ALPHA
+
+
+def test_bench_parity_runs_on_the_tiny_model(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_parity
+
+    bench_parity.main(["--tiny", "--seeds", "1", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "parity.json").read_text())
+    for name in ("reference", "slots"):  # --tiny: 2 tasks x 4 samples, one seed
+        assert saved["pooled"][name]["rollouts"] == 8 and saved["pooled"][name]["groups"] == 2
+    assert set(saved["tests"]) >= {"first_token_chi2_p", "tool_use_chi2_p", "distinct_per_group_mw_p"}
+    assert all(0.0 <= p <= 1.0 for p in saved["tests"].values())
