@@ -4,9 +4,15 @@ each of the 8 tasks of iteration 0, per engine (rollout path: batched on the ref
 
     OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/bench_parity_first_turn.py 128   # ~10 min on 2 busy cores
 """
-import sys, time, json, torch
+from __future__ import annotations
+
+import json
+import sys
+import time
 from pathlib import Path
-from collections import Counter
+
+import torch
+
 from selfrl.config import load_config
 from selfrl.engines import make_engine
 from selfrl.loop import build_policy, iteration_tasks
@@ -30,7 +36,8 @@ for name in ("reference", "slots"):
         torch.manual_seed(100 + j)
         trajs = rollout(eng, [t] * R, [f"{j}-{i // 8}" for i in range(R)], tools, cfg.rollout)
         rows += [(j, tuple(tr.token_ids[tr.prompt_len:tr.prompt_len + 4])) for tr in trajs]
-    if hasattr(eng, "close"): eng.close()
+    if hasattr(eng, "close"):
+        eng.close()
     out[name] = rows
     tool = sum(tok.decode(list(r)).startswith("<tool") for _, r in rows)
     print(name, len(rows), "rows", f"{time.time()-t0:.0f}s", "starts '<tool':", tool, f"{tool/len(rows):.3f}", flush=True)
