@@ -66,7 +66,8 @@ def main() -> None:
         r = probe_report(ts)
         mean = sum(t.reward for t in ts if t.reward is not None) / max(1, sum(t.reward is not None for t in ts))
         print(f"  {c:18s} {r.line()}; mean reward {mean:.3f}")
-    cause = diagnose(probe_report(trajs), cfg.rollout.temperature, a.group, True)
+    cause = diagnose(probe_report(trajs), cfg.rollout.temperature, a.group, True, cfg.rollout.demonstration,
+                     cfg.rollout.tools_prompt, cfg.rollout.constrain)
     print("  diagnosis:", cause or "signal: yes")
     if a.greedy:
         res = validate(engine, val[: a.greedy], env, tools, cfg.rollout)

@@ -27,16 +27,21 @@ token); ``benchmarks/bench_constrain.py`` measures the cost per token.
 
 What the learner does with constrained tokens: a token is *constrained* when the mask
 removed at least one token from its distribution, so it was sampled from the masked
-distribution ``softmax(masked logits / T)``, not from the policy ``softmax(logits / T)``
-that the learner recomputes. The engine records the masked distribution's logprob for
-it (the behaviour policy, exactly) and flags it in ``Generation.constrained``; the
-server records it with ``completion_mask = 0`` so it never enters the loss, the KL or
-the importance ratio. Tokens where the mask removed nothing keep ``completion_mask = 1``
-and their (unmasked, equal) logprob, so the ratio is 1 for an unchanged policy on
-constrained turns too. Consequence: a turn decoded entirely under a grammar (every
-JSON token is) has no trained token and stays out of its group (``no_tokens``). The
-alternative, replaying the grammar's masks inside the learner's log-softmax, would
-train on structured output too; it is not done (see docs/serving.md).
+distribution ``softmax(masked logits / T)``, not from the policy ``softmax(logits / T)``.
+The engine records the masked distribution's logprob for it (the behaviour policy,
+exactly) and flags it in ``Generation.constrained``. Two rules use that:
+
+* ``selfrl run`` with ``rollout.constrain = "tool_call"``: the trajectory records each
+  constrained turn's span and grammar (``Trajectory.constraints``), and the learner
+  replays the grammar on the sampled ids (:func:`replay_masks`; the matcher is
+  deterministic) so the policy's, the old and the reference log-probabilities of those
+  tokens are all taken over the allowed ids. The ratio is exactly 1 for an unchanged
+  policy, and RL learns which of the allowed tokens to write (the argument values), not
+  the syntax the grammar already guarantees.
+* ``selfrl serve``: constrained tokens are recorded with ``completion_mask = 0`` and
+  never enter the loss, the KL or the importance ratio; tokens where the mask removed
+  nothing keep ``completion_mask = 1``. A turn decoded entirely under a grammar (every
+  JSON token is) has no trained token and stays out of its group (``no_tokens``).
 """
 
 from __future__ import annotations

@@ -241,7 +241,7 @@ class Runner:
         probe = probe_report(trajs)
         cause = diagnose(probe, cfg.rollout.temperature, cfg.num_generations, bool(s.tools) or
                          bool(getattr(s.source.make_env(self.tasks_by_id[trajs[0].task_id]), "tools", None)),
-                         cfg.rollout.demonstration)
+                         cfg.rollout.demonstration, cfg.rollout.tools_prompt, cfg.rollout.constrain)
         if self.chooser is not None:
             self.chooser.observe(trajs)
         if not self.checked_signal and cfg.task.signal_check != "off":

@@ -214,11 +214,13 @@ def probe_report(trajs: list[Trajectory]) -> ProbeReport:
 
 
 def diagnose(report: ProbeReport, temperature: float, group_size: int, tools: bool,
-             demonstration: bool = False) -> str | None:
+             demonstration: bool = False, tools_prompt: str | None = None, constrain: str = "none") -> str | None:
     """Why this batch gives (almost) nothing to learn, with what to change; None when it has signal.
 
     ``tools``: the environment offers tools (then low tool use is named);
-    ``demonstration``: a worked example is already shown (then more examples are suggested).
+    ``demonstration``: a worked example is already shown (then more examples are suggested);
+    ``tools_prompt``, ``constrain``: the rollout's settings, so that only a change that is
+    not already made is suggested (a compact tool description, grammar-constrained calls).
 
     >>> diagnose(ProbeReport(8, 64, 0.0, 0.0, 0.02, 1.0, 1.0, 0.0), 0.7, 8, True)[:40]
     'no signal: every group failed every samp'
@@ -230,10 +232,13 @@ def diagnose(report: ProbeReport, temperature: float, group_size: int, tools: bo
     hints = []
     if report.all_fail >= 0.5:
         if tools and report.tool_use < 0.2:
-            show = ("more worked examples (an environment's k-shot option)" if demonstration
-                    else "a worked tool call (rollout.demonstration = true)")
-            hints.append(f"tool use is {report.tool_use:.0%}: show {show} "
-                         "or a compact tool description (rollout.tools_prompt = \"compact\")")
+            fixes = ["show " + ("more worked examples (an environment's k-shot option)" if demonstration
+                                else "a worked tool call (rollout.demonstration = true)")]
+            if tools_prompt != "compact":
+                fixes.append("a compact tool description (rollout.tools_prompt = \"compact\")")
+            if constrain == "none":
+                fixes.append("decode each turn as a call under a grammar (rollout.constrain = \"tool_call\")")
+            hints.append(f"tool use is {report.tool_use:.0%}: " + ", or ".join(fixes))
         hints.append("choose an easier subset ([task] options) or a partial-credit preset")
         if temperature < 1.0:
             hints.append(f"raise rollout.temperature (now {temperature:g})")

@@ -50,6 +50,9 @@ def test_probe_report_and_diagnosis_name_the_cause():
     assert "tool use is 0%" in msg and "raise rollout.temperature (now 0.7)" in msg and "num_generations (now 4)" in msg
     assert "rollout.demonstration = true" in msg
     assert "more worked examples" in diagnose(report, 0.7, 4, True, demonstration=True)
+    assert 'rollout.constrain = "tool_call"' in msg and 'tools_prompt = "compact"' in msg
+    done = diagnose(report, 0.7, 4, True, True, tools_prompt="compact", constrain="tool_call")
+    assert "tools_prompt" not in done and "rollout.constrain" not in done  # never a change already made
     easy = probe_report(_trajs("a", "g1", [True] * 4) + _trajs("b", "g2", [True] * 4))
     assert "too easy" in diagnose(easy, 1.0, 4, False)
     one_turn = Trajectory("a", "g1", 0, reward=0.0, correct=False,

@@ -1,0 +1,71 @@
+"""The best-prompt baseline: the base model (no adapter) on a run's held-out tasks, with
+k worked examples, against what RL reached on the same tasks.
+
+    python scripts/prompt_baseline.py --config configs/function_calling.toml --shots 0 3 5 \
+        [--run-dir runs/fc] [--set rollout.constrain='"none"']
+
+For each ``k`` in ``--shots`` the environment is built with ``options.shots = k`` (the
+environment must take a ``shots`` option; ``function_calling`` does) and the base model
+is evaluated greedily exactly as the gate evaluates (``selfrl.gate.validate``), on the
+held-out split of the config (the same tasks as the run's, by ``task.val_seed``). Prints
+success with its 95 % Wilson interval; with ``--run-dir``, also the paired difference of
+the run's final (latest promoted) version against each prompt on the tasks both were
+evaluated on (``selfrl.stats.paired_difference_ci``). Nothing is trained or stored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", required=True)
+    p.add_argument("--shots", type=int, nargs="+", default=[0, 3])
+    p.add_argument("--run-dir")
+    p.add_argument("--set", action="append", default=[], help="dotted config override KEY=JSON")
+    a = p.parse_args()
+
+    import torch
+
+    from selfrl.compare import load_outcome
+    from selfrl.engine import Engine
+    from selfrl.envs import get_env, load_run_config
+    from selfrl.gate import validate
+    from selfrl.model import build_policy
+    from selfrl.stats import paired_difference_ci, wilson_interval
+    from selfrl.tools import resolve_tools
+
+    overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in a.set)}
+    cfg = load_run_config(a.config, overrides)
+    torch.manual_seed(cfg.seed)
+    model, tok = build_policy(cfg)
+    engine = Engine(model, tok)
+    tools = resolve_tools(cfg.rollout.tools)
+    run = load_outcome(Path(a.run_dir), "run") if a.run_dir else None
+    if run is not None:
+        n = len(run.final)
+        lo, hi = wilson_interval(sum(run.final.values()), n)
+        print(f"RL run {a.run_dir}: version {run.final_version}: {sum(run.final.values())}/{n} "
+              f"= {sum(run.final.values()) / max(n, 1):.1%} [{lo:.1%}, {hi:.1%}]")
+    for k in a.shots:
+        env = get_env(cfg.task.source, **{**cfg.task.options, "shots": k})
+        _, val = env.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
+        t0 = time.perf_counter()
+        res = validate(engine, val, env, tools, cfg.rollout)
+        solved = {tid: ok for tid, ok, _ in res.results}
+        s, n = sum(solved.values()), len(solved)
+        lo, hi = wilson_interval(s, n)
+        line = f"base model, {k}-shot prompt: {s}/{n} = {s / n:.1%} [{lo:.1%}, {hi:.1%}] ({time.perf_counter() - t0:.0f} s)"
+        if run is not None:
+            common = sorted(set(solved) & set(run.final))
+            d, dlo, dhi = paired_difference_ci([solved[t] for t in common], [run.final[t] for t in common])
+            line += f"; RL - this prompt on {len(common)} paired tasks: {d:+.1%} [{dlo:+.1%}, {dhi:+.1%}]"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
