@@ -45,7 +45,7 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     return {
         "reward/mean": sum(t.reward for t in scored) / max(len(scored), 1),
         "train/correct": sum(bool(t.correct) for t in trajs) / n,
-        "train/tool_use": sum(bool(t.tool_calls) for t in trajs) / n,
+        "train/tool_use": sum(t.wrote_a_call for t in trajs) / n,  # written calls count too (max_turns = 1)
         "train/tool_success": sum(tool_rates) / len(tool_rates) if tool_rates else float("nan"),
         "train/truncated": sum(t.truncated for t in trajs) / n,
         "train/completion_tokens": sum(t.num_completion_tokens for t in trajs) / n,

@@ -181,12 +181,6 @@ class ProbeReport:
                 f"zero-signal groups {self.zero_signal:.0%} ({self.groups} groups)")
 
 
-def _wrote_a_call(t: Trajectory) -> bool:
-    """A call was made, or written on the last turn (where it is parsed but never dispatched)."""
-    last = next((m["content"] for m in reversed(t.messages) if m["role"] == "assistant"), "")
-    return bool(t.tool_calls) or "<tool_call>" in last
-
-
 def probe_report(trajs: list[Trajectory]) -> ProbeReport:
     """Statistics of scored trajectories grouped by ``group_id`` (rewards and ``correct`` set).
 
@@ -206,7 +200,7 @@ def probe_report(trajs: list[Trajectory]) -> ProbeReport:
         groups=len(groups), samples=len(samples),
         pass_at_1=sum(bool(t.correct) for t in samples) / n,
         pass_at_k=sum(any(t.correct for t in grp) for grp in groups.values()) / g,
-        tool_use=sum(_wrote_a_call(t) for t in samples) / n,
+        tool_use=sum(t.wrote_a_call for t in samples) / n,
         zero_signal=len(constant) / g if groups else 1.0,
         all_fail=sum(not any(t.correct for t in grp) for grp in groups.values()) / g,
         all_pass=sum(all(t.correct for t in grp) for grp in groups.values()) / g,

@@ -123,6 +123,16 @@ class Trajectory:
                 f"({len(self.completion_mask)}) and logprobs ({len(self.logprobs)}) differ in length"
             )
 
+    @property
+    def wrote_a_call(self) -> bool:
+        """A tool call was dispatched, or written in the last assistant turn (a call written on
+        the last allowed turn is parsed, scored and never dispatched: ``max_turns = 1``).
+        The one rule behind every "tool use" rate (iteration line, pre-flight check)."""
+        if self.tool_calls:
+            return True
+        last = next((m.get("content") or "" for m in reversed(self.messages) if m.get("role") == "assistant"), "")
+        return "<tool_call>" in last
+
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form (the store keeps this)."""
         return dataclasses.asdict(self)

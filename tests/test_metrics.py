@@ -20,3 +20,12 @@ def test_rollouts_without_trainable_tokens_are_counted():
     assert m["train/completion_tokens"] == (2 + 0 + 1 + 3) / 4
     assert m["reward/mean"] == 1.0 / 3 and m["train/failed_rollouts"] == 0.25
     assert math.isnan(m["train/tool_success"])  # no tool called: not a rate of 0
+
+
+def test_tool_use_counts_a_call_written_on_the_last_turn():
+    """With max_turns = 1 a call is parsed and scored but never dispatched: it is still tool use
+    (the iteration line said 0.00 on every BFCL iteration where every turn was a call)."""
+    written = Trajectory("a", "g", 0, messages=[{"role": "assistant", "content": '<tool_call>{"name": "f"}</tool_call>'}])
+    prose = Trajectory("b", "g", 0, messages=[{"role": "assistant", "content": "no call"}])
+    assert rollout_metrics([written, prose])["train/tool_use"] == 0.5
+    assert written.wrote_a_call and not prose.wrote_a_call
