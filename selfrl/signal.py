@@ -231,7 +231,8 @@ def diagnose(report: ProbeReport, temperature: float, group_size: int, tools: bo
             if tools_prompt != "compact":
                 fixes.append("a compact tool description (rollout.tools_prompt = \"compact\")")
             if constrain == "none":
-                fixes.append("decode each turn as a call under a grammar (rollout.constrain = \"tool_call\")")
+                fixes.append("where every turn should be a call, decode it under a grammar "
+                             "(rollout.constrain = \"tool_call\")")
             hints.append(f"tool use is {report.tool_use:.0%}: " + ", or ".join(fixes))
         hints.append("choose an easier subset ([task] options) or a partial-credit preset")
         if temperature < 1.0:
