@@ -17,11 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 
-def main() -> None:
+def main() -> int:
+    try:
+        return baseline()
+    except (OSError, ValueError) as e:  # ConfigError and JSONDecodeError are ValueErrors
+        print(f"prompt_baseline: error: {e}", file=sys.stderr)
+        return 2
+
+
+def baseline() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)
     p.add_argument("--shots", type=int, nargs="+", default=[0, 3])
@@ -39,20 +48,35 @@ def main() -> None:
     from selfrl.stats import paired_difference_ci, wilson_interval
     from selfrl.tools import resolve_tools
 
-    overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in a.set)}
+    overrides = {}
+    for item in a.set:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"--set {item!r}: write KEY=JSON, e.g. rollout.constrain='\"none\"'")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--set {item!r}: the value is not JSON ({e.msg}); quote strings: '\"none\"'") from e
     cfg = load_run_config(a.config, overrides)
+    run = load_outcome(Path(a.run_dir), "run") if a.run_dir else None  # before the model loads
+    if run is not None and run.final_version is None:
+        raise ValueError(f"run {a.run_dir} promoted no version: there is no RL result to compare")
+    if run is not None and not run.final:
+        raise ValueError(f"run {a.run_dir}'s final version {run.final_version} was never evaluated")
     torch.manual_seed(cfg.seed)
     model, tok = build_policy(cfg)
     engine = Engine(model, tok)
     tools = resolve_tools(cfg.rollout.tools)
-    run = load_outcome(Path(a.run_dir), "run") if a.run_dir else None
     if run is not None:
         n = len(run.final)
         lo, hi = wilson_interval(sum(run.final.values()), n)
         print(f"RL run {a.run_dir}: version {run.final_version}: {sum(run.final.values())}/{n} "
               f"= {sum(run.final.values()) / max(n, 1):.1%} [{lo:.1%}, {hi:.1%}]")
     for k in a.shots:
-        env = get_env(cfg.task.source, **{**cfg.task.options, "shots": k})
+        try:
+            env = get_env(cfg.task.source, **{**cfg.task.options, "shots": k})
+        except ValueError as e:
+            raise ValueError(f"the k-shot baseline needs an environment with a 'shots' option: {e}") from e
         _, val = env.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
         t0 = time.perf_counter()
         res = validate(engine, val, env, tools, cfg.rollout)
@@ -62,10 +86,14 @@ def main() -> None:
         line = f"base model, {k}-shot prompt: {s}/{n} = {s / n:.1%} [{lo:.1%}, {hi:.1%}] ({time.perf_counter() - t0:.0f} s)"
         if run is not None:
             common = sorted(set(solved) & set(run.final))
+            if not common:
+                raise ValueError(f"run {a.run_dir} and this config share no held-out task: "
+                                 "is it a run of the same environment, options and gate.val_size?")
             d, dlo, dhi = paired_difference_ci([solved[t] for t in common], [run.final[t] for t in common])
             line += f"; RL - this prompt on {len(common)} paired tasks: {d:+.1%} [{dlo:+.1%}, {dhi:+.1%}]"
         print(line, flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

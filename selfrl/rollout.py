@@ -110,6 +110,9 @@ def rollout(
     for task, gid, env in zip(tasks, group_ids, envs):
         t_tools = tools + env.tools if env is not None else tools
         tool_maps.append({t.name: t for t in t_tools})
+        if cfg.constrain != "none" and not t_tools:
+            raise ValueError(f"rollout.constrain = {cfg.constrain!r} needs tools to call, and task {task.id} "
+                             "has none (set rollout.tools, or constrain = \"none\")")
         constraints.append(turn_constraint(cfg, t_tools))
         native_tools = [t.openai_schema() for t in t_tools] if t_tools and template_supports_tools(tok) else None
         msgs = initial_messages(task, t_tools, cfg, tok, env.demonstration if env is not None else None)
@@ -266,8 +269,8 @@ def turn_constraint(cfg: RolloutConfig, tools: list[Tool]):
     """The grammar every assistant turn is sampled under (``rollout.constrain``), or None.
 
     ``"tool_call"``: exactly one ``<tool_call>`` to one of ``tools`` with arguments valid
-    against its schema (:func:`selfrl.constrain.tool_call_constraint`); a trajectory
-    without tools is left unconstrained.
+    against its schema (:func:`selfrl.constrain.tool_call_constraint`). (:func:`rollout`
+    refuses a constrained task without tools.)
     """
     if cfg.constrain == "none" or not tools:
         return None

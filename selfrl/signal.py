@@ -224,6 +224,9 @@ def diagnose(report: ProbeReport, temperature: float, group_size: int, tools: bo
     if report.zero_signal < 0.75:
         return None
     hints = []
+    if report.all_fail >= 0.5 and constrain != "none":
+        hints.append(f"every turn is forced to be a call (rollout.constrain = {constrain!r}): an environment "
+                     "answered in text can never answer; set constrain = \"none\" unless the calls are the answer")
     if report.all_fail >= 0.5:
         if tools and report.tool_use < 0.2:
             fixes = ["show " + ("more worked examples (an environment's k-shot option)" if demonstration

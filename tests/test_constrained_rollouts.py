@@ -149,5 +149,7 @@ def test_an_engine_without_grammars_refuses_constrained_rollouts(tiny_tokenizer,
 
     with pytest.raises(ValueError, match="needs an engine with grammar constraints"):
         rollout(Plain(), [Task("t", "test", "q", "a")], ["g"], _tools([]), _cfg())
+    with pytest.raises(ValueError, match="needs tools to call"):
+        rollout(Engine(tiny_model, tiny_tokenizer), [Task("t", "test", "q", "a")], ["g"], [], _cfg())
     with pytest.raises(ValueError, match="constrain must be one of"):
         dataclasses.replace(_cfg(), constrain="json").check()
