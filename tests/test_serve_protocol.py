@@ -147,7 +147,8 @@ def test_messages_that_openai_refuses_are_refused_with_the_reason(messages, reas
 def test_what_openai_accepts_is_accepted():
     # an assistant message with tool_calls and null (or missing) content; a refusal alone; a
     # tool answer to an earlier call; list content
-    req(messages=[{"role": "user", "content": [{"type": "text", "text": "x"}]},
-                  {"role": "assistant", "content": None, "tool_calls": [CALL]},
-                  {"role": "tool", "tool_call_id": "call_1", "content": "5"},
-                  {"role": "assistant", "refusal": "no"}, {"role": "user", "content": ""}])
+    accepted = req(messages=[{"role": "user", "content": [{"type": "text", "text": "x"}]},
+                             {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                             {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+                             {"role": "assistant", "refusal": "no"}, {"role": "user", "content": ""}])
+    assert [m.role for m in accepted.messages] == ["user", "assistant", "tool", "assistant", "user"]
