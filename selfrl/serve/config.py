@@ -63,7 +63,7 @@ class ServeConfig:
     max_tokens_default: int = 256  # completion limit when a request sets none
     max_request_bytes: int = 4_000_000  # larger request bodies get a 413 before they are read
     tools_prompt: ToolsPrompt = "compact"  # how request tools are shown to a template without tool support
-    seed: int = 0
+    seed: int = 0  # seeds the adapter's initialisation; sampling draws a fresh stream per process (restarts, replicas)
     engine: str = DEFAULT_SERVE_ENGINE  # sampling backend: reference (batches) | slots (requests join the running batch)
     replica: bool = False  # serve beside the run_dir's owner: record into its store, follow its versions (selfrl.serve.replica)
     follow_s: float = 1.0  # replica: seconds between two looks at the owner's version ledger

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import socket
 import sys
 from typing import Any
@@ -86,6 +87,11 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
         from selfrl.serve.service import Service
 
         model, tok = build_policy(cfg)
+        # serve.seed made the adapter's initialisation reproducible; sampling draws from a fresh
+        # stream per process, so a restart or a --replica never repeats another process's samples
+        import torch
+
+        torch.manual_seed(int.from_bytes(os.urandom(8), "little") % 2**63)
         learner_model = copy.deepcopy(model) if learn and not cfg.replica else None  # a replica has no learner
         service = Service(model, tok, cfg, learner_model=learner_model)
     except (ConfigError, ModelLoadError, ValueError, KeyError) as e:
