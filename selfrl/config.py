@@ -34,6 +34,7 @@ TaskChoice = Literal["cycle", "signal"]  # task choice: a shuffled walk | skip t
 Constrain = Literal["none", "tool_call"]  # grammar-constrained rollouts (selfrl.constrain)
 SignalCheck = Literal["warn", "stop", "off"]  # the pre-flight signal check before the first update
 SamplerKind = Literal["selfrl", "vllm"]  # a remote sampler: selfrl sampler | a vLLM server (EXPERIMENTAL)
+WarmStartReference = Literal["warm_start", "initial"]  # RL's KL reference after a promoted warm start
 
 
 class ConfigError(ValueError):
@@ -271,6 +272,7 @@ class WarmStartConfig:
     epochs: int = 2  # passes over the kept trajectories
     learning_rate: float = 1e-4  # AdamW learning rate of the fine-tune (its own optimizer; RL's is untouched)
     batch_size: int = 8  # trajectories per optimizer step (micro-batched by train.micro_batch_size)
+    kl_reference: WarmStartReference = "warm_start"  # RL's KL reference once it is promoted: warm_start | initial (the base or lora.init_adapter)
 
     def check(self, where: str = "") -> None:
         require([
@@ -281,6 +283,7 @@ class WarmStartConfig:
             (self.epochs >= 1, "epochs must be >= 1"),
             (self.learning_rate > 0, "learning_rate must be > 0"),
             (self.batch_size >= 1, "batch_size must be >= 1"),
+            one_of(self.kl_reference, WarmStartReference, "kl_reference"),
         ], where)
 
 

@@ -35,6 +35,9 @@ Departures from the papers, on purpose:
   them, so the fine-tune raises the kept tokens' probability under the distribution RL
   samples from; constrained turns replay their grammar masks as the learner does.
 * Its own AdamW; RL's optimizer state is not touched.
+* Once promoted, the warm-started adapter is RL's KL reference (``kl_reference =
+  "warm_start"``, the default), as an SFT model is for the RL after it; "initial" keeps the
+  base model (or ``lora.init_adapter``), whose KL term then pulls back toward it.
 * Crash safety: a ``warm_start`` event with ``phase = "trained"`` names the candidate
   as soon as it is saved; a resumed run gates that candidate instead of training again,
   and a run whose warm start finished (``phase`` "done" or "no_successes") never repeats it.
@@ -344,6 +347,8 @@ def run_warm_start(runner: "Runner", start: int) -> WarmStartResult:
     if phase in (PHASE_DONE, PHASE_NONE):
         msg = f"warm start: already done in an earlier session ({data.get('outcome', phase)}); not repeated"
         runner.progress.log(msg)
+        if data.get("outcome") == "promoted":
+            adopt_reference(runner, data["version"])
         return WarmStartResult("already_done", msg, data.get("version"), data)
     if phase == PHASE_TRAINED:
         return gate_candidate(runner, data["version"], data, resumed=True)
@@ -418,6 +423,8 @@ def gate_candidate(runner: "Runner", version: int, data: dict[str, Any], resumed
         verdict = s.cycle.gate(0, version, res.success, res.degenerate, veto=veto)
         outcome, success = verdict.outcome, res.success
         runner.progress.log(f"warm start: {verdict.message} (champion before: {best})")
+    if outcome == VersionStatus.PROMOTED.value:
+        adopt_reference(runner, version)
     seconds = data.get("train_seconds", 0.0) + time.perf_counter() - t0
     out = {**data, "phase": PHASE_DONE, "outcome": outcome, "val_success": success, "seconds": seconds}
     msg = (f"warm start: {data.get('kept')} kept of {data.get('samples')} samples on {data.get('tasks')} training "
@@ -427,6 +434,15 @@ def gate_candidate(runner: "Runner", version: int, data: dict[str, Any], resumed
     s.ledger.event(EventKind.WARM_START, msg, out)
     runner.progress.log(msg)
     return WarmStartResult(outcome, msg, version, out)
+
+
+def adopt_reference(runner: "Runner", version: int) -> None:
+    """With ``warm_start.kl_reference = "warm_start"``, the promoted warm-started ``version``
+    becomes RL's KL reference (the learner's ``ref_state``; also on every resume), as an SFT
+    model is the reference of the RL that follows it; with "initial" the reference stays the
+    base model or ``lora.init_adapter``."""
+    if runner.cfg.warm_start.kl_reference == "warm_start":
+        runner.s.learner.ref_state = runner.s.ledger.load_state(version)
 
 
 def _fmt(x: float | None) -> str:

@@ -201,7 +201,8 @@ def test_config_table_is_validated():
     for key, value, msg in [("samples_per_task", 0, "samples_per_task"), ("num_tasks", 0, "num_tasks"),
                             ("temperature", 0.0, "temperature"), ("epochs", 0, "epochs"),
                             ("learning_rate", -1.0, "learning_rate"), ("max_per_task", -1, "max_per_task"),
-                            ("max_per_task", True, "max_per_task"), ("batch_size", 0, "batch_size")]:
+                            ("max_per_task", True, "max_per_task"), ("batch_size", 0, "batch_size"),
+                            ("kl_reference", "base", "kl_reference")]:
         with pytest.raises(ConfigError, match=f"warm_start.{msg}"):
             load_config(None, {f"warm_start.{key}": value})
     with pytest.raises(ConfigError, match="enabled must be bool"):
@@ -365,3 +366,26 @@ def test_warm_start_after_rl_iterations_is_refused(model_dir, patched, tmp_path)
     run(dataclasses.replace(cfg, warm_start=WarmStartConfig()))
     with pytest.raises(WarmStartError, match="already ran 1 RL iteration"):
         run(dataclasses.replace(cfg, iterations=2), resume=True)
+
+
+def test_a_promoted_warm_start_is_the_kl_reference_also_after_resume(model_dir, patched, tmp_path):
+    from selfrl import adapters
+    from selfrl.loop import Runner, build_run
+    from selfrl.progress import PlainProgress
+
+    def same(a, b):
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    cfg = make_cfg(model_dir, tmp_path / "r")
+    runner = Runner(build_run(cfg), PlainProgress())
+    runner.run()
+    warm = adapters.load_version_state(adapters.version_dir(tmp_path / "r", 1))
+    base = adapters.load_version_state(adapters.version_dir(tmp_path / "r", 0))
+    assert warm_events(tmp_path / "r")[0][-1]["data"]["outcome"] == "promoted"
+    assert same(runner.s.learner.ref_state, warm) and not same(warm, base)
+    resumed = Runner(build_run(dataclasses.replace(cfg, iterations=2), resume=True), PlainProgress())
+    resumed.run()
+    assert same(resumed.s.learner.ref_state, warm)
+    initial = Runner(build_run(make_cfg(model_dir, tmp_path / "i", kl_reference="initial")), PlainProgress())
+    initial.run()
+    assert initial.s.learner.ref_state is None  # the base model, by disabling the adapter
