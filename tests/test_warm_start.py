@@ -389,3 +389,34 @@ def test_a_promoted_warm_start_is_the_kl_reference_also_after_resume(model_dir, 
     initial = Runner(build_run(make_cfg(model_dir, tmp_path / "i", kl_reference="initial")), PlainProgress())
     initial.run()
     assert initial.s.learner.ref_state is None  # the base model, by disabling the adapter
+
+
+def test_constrained_successes_train_with_their_grammar_masks_replayed(tiny_model_factory, tiny_tokenizer):
+    """Turns sampled under rollout.constrain: before any step the NLL equals minus the sampled
+    log-probs (the masks replayed, at the sampling temperature), and the fine-tune lowers it."""
+    from selfrl.tools import Tool
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "enum": [17, 25, 42]}},
+              "required": ["a"], "additionalProperties": False}
+    tools = [Tool("pick", "Pick a number.", schema, lambda a: str(a))]
+    model = tiny_model_factory(lora=True)
+    torch.manual_seed(3)
+    task = Task("t1", "test", "Pick 42.", "42")
+    trajs = rollout_(model, tiny_tokenizer, [task] * 3, tools)
+    assert all(t.constraints for t in trajs)
+    learner = Learner(model, TrainConfig(micro_batch_size=2), 0.8, tiny_tokenizer.pad_token_id, 40,
+                      tokenizer=tiny_tokenizer)
+    sampled = -sum(sum(t.logprobs) for t in trajs) / sum(t.num_completion_tokens for t in trajs)
+    assert mean_nll(learner, trajs) == pytest.approx(sampled, rel=1e-4)
+    stats = fine_tune(learner, trajs, epochs=2, learning_rate=1e-2, batch_size=3)
+    assert stats.loss_after < stats.loss_before
+    no_tokenizer = Learner(model, TrainConfig(), 0.8, tiny_tokenizer.pad_token_id, 40)
+    with pytest.raises(ValueError, match="grammar masks"):
+        mean_nll(no_tokenizer, trajs)
+
+
+def rollout_(model, tok, tasks, tools):
+    from selfrl.rollout import rollout
+
+    cfg = RolloutConfig(max_turns=1, max_new_tokens=40, temperature=0.8, tools=[], constrain="tool_call")
+    return rollout(Engine(model, tok), tasks, ["g"] * len(tasks), tools, cfg)
