@@ -422,7 +422,7 @@ def gate_candidate(runner: "Runner", version: int, data: dict[str, Any], resumed
         veto = runner.agents_gate(0, res) if runner.cfg.agents else None
         verdict = s.cycle.gate(0, version, res.success, res.degenerate, veto=veto)
         outcome, success = verdict.outcome, res.success
-        runner.progress.log(f"warm start: {verdict.message} (champion before: {best})")
+        runner.progress.log(f"warm start: {verdict.message} (champion before: held-out {_fmt(best)})")
     if outcome == VersionStatus.PROMOTED.value:
         adopt_reference(runner, version)
     seconds = data.get("train_seconds", 0.0) + time.perf_counter() - t0

@@ -301,6 +301,10 @@ def test_run_warm_start_is_gated_recorded_and_reported(model_dir, patched, tmp_p
     assert set(held_out) == val_ids and set(tasks) <= train_ids and not set(tasks) & val_ids
     report = (result.run_dir / "report.md").read_text()
     assert "## Warm start" in report and "version 1 promoted" in report
+    from selfrl.report import rebuild_report
+
+    rebuilt = rebuild_report(result.run_dir, tmp_path / "rebuilt").read_text()  # selfrl report RUN_DIR
+    assert "## Warm start" in rebuilt and events[-1]["message"] in rebuilt
     # resume: the warm start is not repeated
     cfg2 = dataclasses.replace(cfg, iterations=2)
     run(cfg2, resume=True)
