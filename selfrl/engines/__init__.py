@@ -32,16 +32,18 @@ def _auto(model, tokenizer, version: int = 0) -> SamplingEngine:
 
 # name -> factory(model, tokenizer, version) for the in-process backends
 ENGINES: dict[str, Callable[..., SamplingEngine]] = {"auto": _auto, "reference": _reference, "slots": _slots}
-# selfrl run: the reference. The slot engine passes the conformance suite and sampled rollouts
-# 5.3x faster in bench_engines.py, but make demo-label-free did not learn with it once (7.0 % ->
-# 5.5 %; the reference: -> 89.8 % and more) and no end-to-end speed-up was measured on an idle
-# machine; it stays opt-in (--engine slots, or auto) until both are shown (issue 15).
+# selfrl run: the reference. The slot engine passes the conformance suite and samples one
+# iteration's rollouts about 2x faster when measured alone (bench_engines.py, idle, 2026-12-01),
+# but inside selfrl run, where the learner trains in the main thread, a whole make demo took
+# 541 s on slots against 491 s on the reference (docs/benchmarks.md section 7): no end-to-end
+# speed-up, so it stays opt-in (--engine slots, or auto).
 DEFAULT_ENGINE = "reference"
-# selfrl serve: the reference. Both backends honour constrained decoding, cancellation and top
-# logprobs (selfrl.constrain, the batcher's options; the serve tests run on both); with slots
-# each request joins the running batch (--engine slots). Which is the default is decided on
-# the numbers of benchmarks/bench_serve.py (issue 15).
-DEFAULT_SERVE_ENGINE = "reference"
+# selfrl serve: auto, i.e. slots on the CPU and the reference on a GPU. Measured on an idle
+# machine (benchmarks/bench_serve.py, 2026-12-01): median time to first token with 8 streaming
+# clients 0.71 s on slots against 4.35 s on the reference, 1.95 s against 8.04 s with 32,
+# tokens/s 1.53x and 0.96x; both honour constrained decoding, cancellation and top logprobs
+# (the serve tests run on both). --engine reference gives the previous behaviour.
+DEFAULT_SERVE_ENGINE = "auto"
 
 
 def make_engine(name: str, model, tokenizer, version: int = 0) -> SamplingEngine:
