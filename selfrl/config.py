@@ -1,4 +1,4 @@
-"""Configuration of ``selfrl run`` and ``selfrl serve``: every settings dataclass, in one place.
+"""Configuration of ``selfrl run`` and ``selfrl serve``: every settings dataclass, reachable from here.
 
 A config file has one table per concern, named as the fields of :class:`RunConfig`
 (``[model]``, ``[lora]``, ``[task]``, ``[rollout]``, ``[train]``, ``[gate]``,
@@ -10,19 +10,24 @@ Each dataclass checks its own fields in ``check(where)``, beside them; ``RunConf
 and ``ServeConfig`` both call those checks (:func:`check_sections`) and the registry
 names (:func:`check_names`), so a rule of ``run`` that applies to ``serve`` holds there
 too. Allowed values are ``Literal`` types, defined once; derived values are properties.
-Importing this module imports no torch.
+The rules every table uses (:class:`ConfigError`, ``require``, filling from TOML) live in
+:mod:`selfrl.config_base`; the tables for sampling outside one process (``[distributed]``,
+``[[agents]]``, ``[sampler]``, ``[swap_check]``) in :mod:`selfrl.config_remote`. Both are
+re-exported here. Importing this module imports no torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Callable
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
+from selfrl.config_base import ConfigError, check_finite, fill, one_of, require  # noqa: F401  (re-exported)
+from selfrl.config_remote import (  # noqa: F401  (re-exported: every settings table is reachable from here)
+    AgentAdapters, AgentConfig, DistributedConfig, SamplerConfig, SamplerKind, SwapCheckConfig,
+)
 from selfrl.engines import DEFAULT_ENGINE, ENGINES  # the backend registry (imports no torch)
 
 DEFAULT_MODEL = "embedded:smollm2-135m-instruct"
@@ -33,25 +38,7 @@ ToolsPrompt = Literal["compact", "json"]  # how tool schemas are shown to a temp
 TaskChoice = Literal["cycle", "signal"]  # task choice: a shuffled walk | skip tasks predicted to give constant groups
 Constrain = Literal["none", "tool_call"]  # grammar-constrained rollouts (selfrl.constrain)
 SignalCheck = Literal["warn", "stop", "off"]  # the pre-flight signal check before the first update
-SamplerKind = Literal["selfrl", "vllm"]  # a remote sampler: selfrl sampler | a vLLM server (EXPERIMENTAL)
 WarmStartReference = Literal["warm_start", "initial"]  # RL's KL reference after a promoted warm start
-
-
-class ConfigError(ValueError):
-    """An invalid configuration value or key; the message names it."""
-
-
-def require(rules: list[tuple[bool, str]], where: str = "") -> None:
-    """Raise :class:`ConfigError` with ``where + message`` for the first rule that does not hold."""
-    for ok, msg in rules:
-        if not ok:
-            raise ConfigError(where + msg)
-
-
-def one_of(value: Any, allowed: Any, name: str) -> tuple[bool, str]:
-    """A rule: ``value`` is one of the values of the ``Literal`` type ``allowed``."""
-    options = get_args(allowed)
-    return value in options, f"{name} must be one of {', '.join(map(repr, options))}, got {value!r}"
 
 
 @dataclass
@@ -302,21 +289,6 @@ def check_sections(cfg: Any, names: tuple[str, ...] = SHARED_SECTIONS) -> None:
         getattr(cfg, name).check(f"{name}.")
 
 
-def check_finite(obj: Any, where: str = "") -> None:
-    """Every float field of the dataclass ``obj``, nested sections included, is finite
-    (``inf`` passes a rule such as ``> 0``; ``nan`` fails it with a misleading message).
-
-    Raises:
-        ConfigError: the first field that holds ``inf``, ``-inf`` or ``nan``, named with its section.
-    """
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            check_finite(value, f"{where}{f.name}.")
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{where}{f.name} must be a finite number, got {value!r}")
-
-
 def check_engine(cfg: Any) -> None:
     """``cfg.engine`` is a registered sampling backend and fits ``cfg.model``'s placement.
 
@@ -347,99 +319,6 @@ def check_names(cfg: Any, weights: Callable[[], dict[str, float]]) -> None:
         check_detectors(cfg.detectors.names)
     except (KeyError, ValueError) as e:
         raise ConfigError(str(e).strip("'\"")) from e
-
-
-@dataclass
-class DistributedConfig:
-    """Rollouts on Ray workers (``selfrl.distributed``, docs/distributed.md); off unless ``address`` is set."""
-
-    address: str | None = None  # Ray cluster: auto | local (start one here) | host:port | ray://...; None: no Ray
-    num_workers: int = 2  # rollout worker actors, each with its own engine
-    max_staleness: int = 1  # versions a group may lag the learner and still be trained; older ones are dropped
-    in_flight: int = 1  # jobs queued per worker (more hides latency, makes samples staler)
-    worker_threads: int = 1  # torch threads per worker
-    worker_cpus: float = 0.5  # CPUs Ray reserves per worker (a fraction lets several share a core)
-    job_timeout_s: float = 600.0  # a busy worker silent this long is taken as lost: killed, replaced, jobs redone
-
-    def check(self, where: str = "") -> None:
-        require([
-            (self.address is None or (isinstance(self.address, str) and self.address != ""),
-             "address must be auto, local or host:port"),
-            (self.num_workers >= 1, "num_workers must be >= 1"),
-            (self.max_staleness >= 0, "max_staleness must be >= 0"),
-            (self.in_flight >= 1, "in_flight must be >= 1"),
-            (self.worker_threads >= 1, "worker_threads must be >= 1"),
-            (self.worker_cpus > 0, "worker_cpus must be > 0"),
-            (self.job_timeout_s > 0, "job_timeout_s must be > 0"),
-        ], where)
-
-
-AgentAdapters = Literal["shared"]  # many agents: one shared adapter ("per_agent" is refused, docs/distributed.md)
-
-
-@dataclass
-class AgentConfig:
-    """One agent of a run with several (``[[agents]]``; ``selfrl.distributed.agents``): its own
-    environment, held-out set and gate tolerance; unset fields take the run's value."""
-
-    name: str = ""  # the agent's name: unique, no "/" (it prefixes the agent's task ids)
-    source: str = "chain_sum"  # the agent's environment: a name (selfrl envs), rg:<dataset>, or package.module:Name
-    options: dict[str, Any] = field(default_factory=dict)  # the environment's options (as [task] options)
-    tolerance: float | None = None  # largest held-out drop this agent accepts (None: gate.tolerance)
-    val_size: int | None = None  # this agent's held-out tasks (None: gate.val_size)
-    num_train: int | None = None  # this agent's training tasks (None: task.num_train)
-    train_seed: int | None = None  # seed of its training tasks (None: task.train_seed)
-    val_seed: int | None = None  # seed of its held-out tasks (None: task.val_seed)
-
-    def check(self, where: str = "") -> None:
-        require([
-            (bool(self.name) and "/" not in self.name, "name must be a non-empty name without '/'"),
-            (bool(self.source), "source must not be empty"),
-            (isinstance(self.options, dict), "options must be a table"),
-            (self.tolerance is None or self.tolerance >= 0, "tolerance must be >= 0"),
-            (self.val_size is None or self.val_size >= 1, "val_size must be >= 1"),
-            (self.num_train is None or self.num_train >= 1, "num_train must be >= 1"),
-        ], where)
-
-
-@dataclass
-class SwapCheckConfig:
-    """Settings of the swap check (:mod:`selfrl.swap_check`; the ``[swap_check]`` table of ``selfrl run``,
-    used with ``sampler.url``)."""
-
-    enabled: bool = True  # check every swap into a separate sampling backend before promotion
-    deadline_s: float = 30.0  # seconds the backend has to acknowledge a swap, and to return the probe log-probs
-    tolerance: float | None = None  # mean |dlogp| per probe token allowed; None: by dtype (TOLERANCE)
-    probe_tokens: int = 48  # length of the probe sequence
-
-    def validate(self) -> None:
-        """Raise ValueError for a non-positive deadline or tolerance, or a probe under 2 tokens."""
-        if not self.deadline_s > 0:
-            raise ValueError(f"swap_check.deadline_s must be > 0, got {self.deadline_s}")
-        if self.tolerance is not None and not self.tolerance > 0:
-            raise ValueError(f"swap_check.tolerance must be > 0 (or unset), got {self.tolerance}")
-        if self.probe_tokens < 2:
-            raise ValueError(f"swap_check.probe_tokens must be >= 2, got {self.probe_tokens}")
-
-
-@dataclass
-class SamplerConfig:
-    """A sampling backend in a separate process, over HTTP (``selfrl.sampler_sync``, docs/engines.md);
-    off unless ``url`` is set. The learner stays in this process; every version that must serve is
-    pushed to the sampler by version and proved with the swap check (``[swap_check]``)."""
-
-    url: str | None = None  # e.g. http://127.0.0.1:8100 (selfrl sampler); None: sample in process
-    kind: SamplerKind = "selfrl"  # selfrl (selfrl sampler) | vllm (EXPERIMENTAL: never run against a real vLLM)
-    api_key_file: str | None = None  # the sampler's API key, first line of this file (else SELFRL_API_KEY)
-    timeout_s: float = 600.0  # seconds one generation call may take
-
-    def check(self, where: str = "") -> None:
-        require([
-            (self.url is None or (isinstance(self.url, str) and self.url.startswith(("http://", "https://"))),
-             f"url must start with http:// or https://, got {self.url!r}"),
-            one_of(self.kind, SamplerKind, "kind"),
-            (self.timeout_s > 0, "timeout_s must be > 0"),
-        ], where)
 
 
 def check_sampler(cfg: Any) -> None:
@@ -579,40 +458,6 @@ def check_placement(model: ModelConfig, engine: str | None = None) -> None:
         raise ConfigError(str(e)) from e
 
 
-def _apply(obj, values: dict[str, Any], where: str) -> None:
-    """Set dataclass fields from a dict, recursing into nested dataclasses."""
-    fields = {f.name: f for f in dataclasses.fields(obj)}
-    for key, value in values.items():
-        if key not in fields:
-            raise ConfigError(f"unknown key {where}{key!r}; valid: {', '.join(sorted(fields))}")
-        current = getattr(obj, key)
-        item = fields[key].metadata.get("table_of")
-        if item is not None:  # an array of tables ([[agents]]): each one a fresh dataclass
-            if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
-                raise ConfigError(f"{where}{key} must be an array of tables ([[{key}]])")
-            items = []
-            for i, v in enumerate(value):
-                items.append(item())
-                _apply(items[-1], v, f"{where}{key}[{i}].")
-            setattr(obj, key, items)
-            continue
-        if dataclasses.is_dataclass(current):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{where}{key} must be a table")
-            _apply(current, value, f"{where}{key}.")
-            continue
-        # the declared type, not the default's: "all-linear" must not forbid a list of modules
-        declared = fields[key].type if isinstance(fields[key].type, str) else getattr(fields[key].type, "__name__", "")
-        expected = {"int": int, "float": float, "str": str, "bool": bool}.get(declared)
-        if expected in (int, float) and isinstance(value, bool):
-            raise ConfigError(f"{where}{key} must be a number, got {value!r}")
-        if expected is float and isinstance(value, int):
-            value = float(value)
-        if expected in (int, float, str, bool) and not isinstance(value, expected):
-            raise ConfigError(f"{where}{key} must be {expected.__name__}, got {value!r}")
-        setattr(obj, key, value)
-
-
 def load_config(
     path: str | Path | None = None, overrides: dict[str, Any] | None = None, base: dict[str, Any] | None = None
 ) -> RunConfig:
@@ -627,31 +472,3 @@ def load_config(
         ConfigError: unreadable file, unknown key, wrong type or invalid value.
     """
     return fill(RunConfig(), path, overrides, base).validate()
-
-
-def fill(cfg, path: str | Path | None = None, overrides: dict[str, Any] | None = None,
-         base: dict[str, Any] | None = None):
-    """Set the fields of a config dataclass from ``base``, then a TOML file, then dotted
-    ``overrides`` (None values skipped); returns ``cfg``. Shared by ``selfrl run`` and
-    ``selfrl serve``.
-
-    Raises:
-        ConfigError: unreadable file, unknown key or wrong type.
-    """
-    if base is not None:
-        _apply(cfg, base, "")
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"cannot read config {path}: {e}") from e
-        _apply(cfg, data, "")
-    for dotted, value in (overrides or {}).items():
-        if value is None:
-            continue
-        *parents, leaf = dotted.split(".")
-        nested: dict[str, Any] = {leaf: value}
-        for p in reversed(parents):
-            nested = {p: nested}
-        _apply(cfg, nested, "")
-    return cfg
