@@ -262,6 +262,15 @@ def test_the_browser_reaches_only_the_site():
             got = web_browser._DRIVER.run(lambda: [page().evaluate(fetch, u) for u in [b.base + "/cart", *elsewhere]])
             assert got == ["reached"] + ["blocked"] * 4
             assert b.blocked == elsewhere
+            # a web socket (routes do not see them): to the other loopback port, never connected
+            ws = f"ws://127.0.0.1:{other.getsockname()[1]}/"
+            opened = "(u) => new Promise(r => { const s = new WebSocket(u); s.onopen = () => r('open'); " \
+                     "s.onclose = () => r('closed'); setTimeout(() => r('pending'), 3000); })"
+            assert web_browser._DRIVER.run(lambda: page().evaluate(opened, ws)) == "closed"
+            other.settimeout(0.5)
+            with pytest.raises(TimeoutError):
+                other.accept()
+            assert b.blocked == [*elsewhere, ws]
             # a link off the site, put in by a script: refused before the click
             web_browser._DRIVER.run(lambda: page().evaluate(
                 "document.body.insertAdjacentHTML('beforeend', '<a href=\"http://example.com/\">Out</a>')"))

@@ -36,9 +36,9 @@ garbage-collected, and any left at exit are closed then.
 
 **The site only.** Every request of a context goes through a route that lets through only
 the site's origin (``http://127.0.0.1:PORT``; another host, or another port on loopback, is
-aborted and recorded in ``blocked``), and Chromium is started
-behind a dead proxy (``127.0.0.1:9``, loopback bypassed) for what routes do not see, such as
-web sockets. Chromium runs without its own sandbox (Playwright's default; it cannot start
+aborted and recorded in ``blocked``), web sockets through a second route with the same rule,
+and Chromium is started
+behind a dead proxy (``127.0.0.1:9``, loopback bypassed) for anything the routes miss. Chromium runs without its own sandbox (Playwright's default; it cannot start
 as root with one); it only loads this site, and no model-written code runs in it.
 
 Chromium is Debian's (``apt-get install -y chromium``), never one Playwright downloads: its
@@ -50,6 +50,7 @@ from __future__ import annotations
 import atexit
 import os
 import queue
+import re
 import shutil
 import threading
 import urllib.parse
@@ -222,6 +223,16 @@ class _Driver:
                 route.abort("blockedbyclient")
 
         ctx.route("**/*", only_the_site)
+
+        def sockets_only_to_the_site(ws):  # web sockets bypass routes; they have their own
+            u = urllib.parse.urlsplit(ws.url)
+            if f"{'http' if u.scheme == 'ws' else u.scheme}://{u.netloc}" == origin:
+                ws.connect_to_server()
+            else:
+                blocked.append(ws.url)
+                ws.close()
+
+        ctx.route_web_socket(re.compile(".*"), sockets_only_to_the_site)
         return ctx
 
     def close_context(self, ctx) -> None:
