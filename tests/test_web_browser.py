@@ -281,3 +281,26 @@ def test_the_browser_reaches_only_the_site():
             assert b.path == "/"
         finally:
             b.close()
+
+
+@needs_chromium
+def test_a_crashed_chromium_costs_its_episode_errors_and_the_next_one_gets_a_new_browser():
+    env = get_env("web", browser="playwright")
+    b = web_browser.PlaywrightBrowser()
+    try:
+        b.goto("/product/3")
+        crashed = _chromium_pids()
+        for pid in crashed:  # the Chromium this test started
+            psutil.Process(pid).kill()
+        assert _alive(crashed) == set()
+        rec = _call(b.tools, '<tool_call>{"name": "goto", "arguments": {"path": "/cart"}}</tool_call>')
+        assert not rec.ok and rec.result.startswith("error: ")
+        c = web_browser.PlaywrightBrowser()  # opened while the crashed episode is still open: a new Chromium
+        assert c.goto("/cart").startswith("page: /cart") and _chromium_pids() - crashed
+        c.close()
+    finally:
+        b.close()
+    assert web_browser._DRIVER.open == 0 and web_browser._DRIVER.browser is None
+    task = next(t for t in env.sample(20, 4) if t.metadata["kind"] == "address")
+    [tr] = scripted_rollout(honest_policy, [task], [], RolloutConfig(max_turns=5), env_factory=env.make_env)
+    assert env.score(task, env.trajectory_answer(tr)) == 1.0 and _chromium_pids() == set()

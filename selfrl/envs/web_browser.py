@@ -198,6 +198,8 @@ class _Driver:
         are aborted and their URLs appended to ``blocked``."""
         from playwright.sync_api import sync_playwright
 
+        if self.browser is not None and not self.browser.is_connected():  # it crashed, or was killed
+            self.stop()
         if self.browser is None:
             self._pw = sync_playwright().start()
             try:
@@ -236,19 +238,26 @@ class _Driver:
         return ctx
 
     def close_context(self, ctx) -> None:
+        from playwright.sync_api import Error
+
         try:
             ctx.close()
-        finally:
-            self.open -= 1
-            if self.open == 0:
-                self.stop()
+        except Error:  # its browser is gone already (crashed, or stopped at exit): nothing left to close
+            pass
+        self.open = max(self.open - 1, 0)
+        if self.open == 0 and self.browser is not None:
+            self.stop()
 
     def stop(self) -> None:
-        """Close Chromium and Playwright's driver (also with contexts still open: at exit)."""
+        """Close Chromium and Playwright's driver (also with contexts still open: at exit, or after a crash)."""
+        from playwright.sync_api import Error
+
         browser, pw, self.browser, self._pw = self.browser, self._pw, None, None
         try:
             if browser is not None:
                 browser.close()
+        except Error:  # it had crashed
+            pass
         finally:
             if pw is not None:
                 pw.stop()
