@@ -71,9 +71,16 @@ def _call(tools, text: str):
 # ---------------------------------------------------------------- without a browser
 
 
-def test_an_unknown_backend_and_a_missing_browser_are_clear_errors(monkeypatch):
+def test_an_unknown_backend_and_a_missing_browser_are_clear_errors(monkeypatch, tmp_path):
+    from selfrl.envs.registry import load_run_config
+    from selfrl.loop import make_source
+
+    config = tmp_path / "web.toml"
+    config.write_text('[task]\nsource = "web"\noptions = { browser = "firefox" }\n')
     with pytest.raises(ValueError, match="unknown web browser backend 'firefox'; valid: 'http', 'playwright'"):
-        get_env("web", browser="firefox")
+        make_source(load_run_config(config))
+    config.write_text('[task]\nsource = "web"\noptions = { browser = "http" }\n')
+    assert make_source(load_run_config(config)).browser == "http"
     assert WebEnv().browser == "http" and isinstance(WebEnv().make_env(None), Browser)
     monkeypatch.delenv(web_browser.CHROMIUM_ENV, raising=False)
     monkeypatch.setattr(web_browser.shutil, "which", lambda name: None)
