@@ -311,3 +311,31 @@ def test_a_crashed_chromium_costs_its_episode_errors_and_the_next_one_gets_a_new
     task = next(t for t in env.sample(20, 4) if t.metadata["kind"] == "address")
     [tr] = scripted_rollout(honest_policy, [task], [], RolloutConfig(max_turns=5), env_factory=env.make_env)
     assert env.score(task, env.trajectory_answer(tr)) == 1.0 and _chromium_pids() == set()
+
+
+@needs_chromium
+def test_selfrl_run_takes_the_backend_from_the_config(tmp_path, tiny_tokenizer, capsys, monkeypatch):
+    from conftest import save_tiny_phi
+
+    from selfrl.cli import main
+    from selfrl.store import Store
+
+    model = save_tiny_phi(tmp_path / "model", tiny_tokenizer)
+    config = tmp_path / "web.toml"
+    config.write_text('[task]\nsource = "web"\noptions = { browser = "playwright" }\n')
+    made = []
+    real = web_browser.PlaywrightBrowser.__init__
+
+    def counted(self):
+        made.append(1)
+        real(self)
+
+    monkeypatch.setattr(web_browser.PlaywrightBrowser, "__init__", counted)
+    args = ["run", "--config", str(config), "--model", str(model), "--run-dir", str(tmp_path / "r"),
+            "--iterations", "1", "--num-prompts", "2", "--num-generations", "2", "--val-size", "2", "--lora-r", "4"]
+    assert main(args) == 0, capsys.readouterr().err
+    with Store(tmp_path / "r" / "selfrl.db") as store:
+        trajs = store.trajectories()
+    assert len(trajs) == 4 and all(set(t.env_state) >= {"orders", "account", "confirms"} for t in trajs)
+    assert len(made) >= 4  # every rollout's episode was a Chromium one
+    assert web_browser._DRIVER.open == 0 and _chromium_pids() == set()
