@@ -6,7 +6,9 @@ each done by the honest scripted agent; success read from the site's database.
 
 Each tool call is timed where the rollout calls it. An episode's first action also opens
 its page (for Chromium: a new context, and Chromium itself when no other episode has it
-open), so it is reported apart from the rest.
+open), so it is reported apart from the rest. The episodes run one after another, so
+Chromium is started for each; the last row holds one more episode open all along, so that
+one Chromium serves them all, as in a rollout whose episodes run together.
 """
 
 from __future__ import annotations
@@ -51,8 +53,11 @@ def main() -> None:
     print("| backend | episodes | actions | s/action (mean) | s/action (median) | first action (mean s) "
           "| database success | wall s |")
     print("|---|---|---|---|---|---|---|---|")
-    for backend in ("http", "playwright"):
+    for backend, shared in (("http", False), ("playwright", False), ("playwright", True)):
         env = get_env("web", browser=backend)
+        keeper = env.make_env(None) if shared else None  # an episode held open keeps one Chromium running
+        if keeper is not None:
+            keeper.goto("/")
         tasks = env.sample(args.n, 0)
         first: list[float] = []
         rest: list[float] = []
@@ -60,6 +65,9 @@ def main() -> None:
         trajs = scripted_rollout(honest_policy, tasks, [], RolloutConfig(max_turns=10),
                                  env_factory=timed_factory(env, first, rest))
         wall = time.perf_counter() - t0
+        if keeper is not None:
+            keeper.close()
+        backend += " (one Chromium for all)" if shared else " (Chromium per episode)" if backend != "http" else ""
         success = sum(env.score(t, env.trajectory_answer(tr)) for t, tr in zip(tasks, trajs)) / len(tasks)
         print(f"| {backend} | {len(tasks)} | {len(first) + len(rest)} | {statistics.mean(rest):.3f} | "
               f"{statistics.median(rest):.3f} | {statistics.mean(first):.3f} | {success:.2f} | {wall:.1f} |")
