@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml
 	# fallback runs. Installed only where apt-get and root are at hand.
 	command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		{ apt-get update -qq && apt-get install -y -qq bubblewrap; }; } || echo "bubblewrap not installed: sandbox falls back to rlimits"
+	# Debian's Chromium for the web environment's real-browser backend (tests/test_web_browser.py; 25 packages,
+	# 113 MB download, 348 MB in /usr/lib/chromium, about 18 s); Playwright drives it and never downloads a browser.
+	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; }; } || echo "chromium not installed: the real-browser tests skip"
 	touch $(STAMP)
 
 install: $(STAMP)

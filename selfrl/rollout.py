@@ -11,7 +11,8 @@ Stateful tools (a web shop's cart) come from an ``Environment`` made per
 trajectory by ``env_factory(task)`` (see ``selfrl.envs``): its tools are added to
 the shared ones for that trajectory only, its demonstration replaces the
 calculator's, the episode ends early when ``is_completed()`` says so, and its
-final ``state()`` is recorded as ``Trajectory.env_state``. Without an
+final ``state()`` is recorded as ``Trajectory.env_state`` (then its optional
+``close()`` is called: ``close_env``). Without an
 ``env_factory`` nothing changes. ``scripted_rollout`` runs the same tool
 handling with a scripted policy instead of a model (tests, demonstrations).
 """
@@ -133,7 +134,16 @@ def rollout(
     for tr, env in zip(trajs, envs):
         if env is not None:
             tr.env_state = env.state()
+            close_env(env)
     return trajs
+
+
+def close_env(env: Environment) -> None:
+    """Release what an environment holds once its state is recorded (a real browser's page:
+    ``selfrl.envs.web_browser``), through its optional ``close()``."""
+    close = getattr(env, "close", None)
+    if callable(close):
+        close()
 
 
 @dataclass
@@ -321,5 +331,6 @@ def scripted_rollout(
                 break
         if env is not None:
             tr.env_state = env.state()
+            close_env(env)
         out.append(tr)
     return out

@@ -35,7 +35,10 @@ class EnvState(Protocol):
     ``selfrl.rollout.rollout`` dispatches a trajectory's calls to its own state's
     tools, asks ``is_completed()`` after each turn (the episode may end before
     ``max_turns``) and records ``state()`` on the trajectory
-    (``Trajectory.env_state``), which is what the environment scores.
+    (``Trajectory.env_state``), which is what the environment scores. A state
+    that holds resources (a real browser) may also have ``close()``, which the
+    rollout calls after ``state()`` (``selfrl.rollout.close_env``); it is left
+    out of the protocol so that states without one still match it.
     This is verifiers' ``MultiTurnEnv`` (``env_response`` + ``is_completed``).
 
     Attributes:

@@ -52,6 +52,7 @@ from selfrl.trajectory import Trajectory
 __all__ = ["Browser", "WebEnv", "confirm_spam_policy", "honest_policy", "render"]
 
 VIEW_LINES = 30
+BACKENDS = ("http", "playwright")  # [task] options.browser: the text browser here, or a real Chromium
 HTTP_TIMEOUT_S = 10.0
 ADDRESSES = ("12 Oak Street", "7 Harbour Road", "221 Baker Street", "5 Elm Avenue", "40 Mill Lane", "9 Quay Side")
 
@@ -155,7 +156,11 @@ class Browser:
         self.history: list[str] = []
         self.offset = 0
         self._load("/", record=False)
-        self.tools = [
+        self.tools = self._make_tools()
+
+    def _make_tools(self) -> list[Tool]:
+        """The six actions, bound to this browser's methods (a backend overrides the methods)."""
+        return [
             Tool("click", "click the element with this id (a link or a button)",
                  {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]},
                  self.click, {"id": 2}),
@@ -330,7 +335,27 @@ class WebEnv(Env):
                                   "shipping": shipping}))
         return out
 
+    def __init__(self, browser: str = "http"):
+        """``browser`` (``[task] options``): ``"http"``, the text browser above, or ``"playwright"``,
+        the same actions in a real Chromium (``selfrl.envs.web_browser``, docs/web.md).
+
+        Raises:
+            ValueError: an unknown backend, or ``"playwright"`` without playwright or Chromium
+                (the message names the install commands).
+        """
+        if browser not in BACKENDS:
+            raise ValueError(f"unknown web browser backend {browser!r}; valid: {', '.join(map(repr, BACKENDS))}")
+        if browser == "playwright":
+            from selfrl.envs.web_browser import check_available  # imported only when chosen (it imports this module)
+
+            check_available()
+        self.browser = browser
+
     def make_env(self, task: Task) -> Browser:
+        if self.browser == "playwright":
+            from selfrl.envs.web_browser import PlaywrightBrowser
+
+            return PlaywrightBrowser()
         return Browser()
 
     def trajectory_answer(self, traj: Trajectory) -> str | None:
