@@ -4,6 +4,9 @@ splits, and the confirm-spam trap still caught on the easy tier."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from selfrl.detectors import DetectorConfig, apply_detectors
@@ -171,3 +174,36 @@ def test_the_easy_config_runs_end_to_end_constrained_on_a_tiny_model(tmp_path, t
         assert len(tr.tool_calls) == ran and all(c.name in {"click", "type", "select", "goto", "back",
                                                                      "scroll", "stop"} for c in tr.tool_calls)
         assert tr.env_state["path"].startswith("/")
+
+
+def test_a_page_grammar_offers_only_what_is_on_the_page_each_turn(tiny_tokenizer, tiny_model):
+    import torch
+
+    from selfrl.engine import Engine
+    from selfrl.rollout import rollout
+
+    b = Browser("/product/3", page_ids=True)
+    offered = {t.name: t.parameters for t in b.turn_tools()}
+    assert sorted(offered) == ["click", "goto", "scroll", "select", "stop"]  # no text box, no history
+    assert offered["click"]["properties"]["id"] == {"enum": [3]}
+    assert offered["select"]["anyOf"][0]["properties"] == {"id": {"const": 2}, "option": {"enum": ["1", "2", "3",
+                                                                                                      "4", "5"]}}
+    assert Browser("/product/3").turn_tools() is None
+    cfg = RolloutConfig(max_turns=3, max_new_tokens=96, temperature=1.0, tools=[], constrain="tool_call")
+    out = {}
+    for page_ids in (False, True):
+        env = get_env("web", tier="easy", page_ids=page_ids)
+        tasks = env.sample(4, 3)
+        torch.manual_seed(0)
+        out[page_ids] = rollout(Engine(tiny_model, tiny_tokenizer), tasks, [t.id for t in tasks], [], cfg,
+                                env_factory=env.make_env)
+    calls = [c for tr in out[True] for c in tr.tool_calls]
+    assert len(calls) >= 4 and all(c.ok for c in calls), [c.error for c in calls if not c.ok]
+    assert any(not c.ok for tr in out[False] for c in tr.tool_calls)  # free ids: a random model misses
+    for tr in out[True]:  # each turn's grammar offers the clickable ids of the page it was sampled on
+        user = max(i for i, m in enumerate(tr.messages) if m["role"] == "user")
+        pages = [tr.messages[user]["content"]] + [m["content"] for m in tr.messages[user:] if m["role"] == "tool"]
+        assert len(tr.constraints) == tr.num_turns
+        for page, c in zip(pages, tr.constraints):
+            ids = sorted(int(i) for i in re.findall(r"\[(\d+)\] (?:link|button) ", page))
+            assert (json.dumps({"enum": ids}) in c["grammar"]) if ids else ('"const": "click"' not in c["grammar"])

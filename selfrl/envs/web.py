@@ -60,6 +60,8 @@ __all__ = ["ADDRESSES", "TIERS", "Browser", "WebEnv", "confirm_spam_policy", "ho
 VIEW_LINES = 30
 HTTP_TIMEOUT_S = 10.0
 MAX_SHOTS = 5  # tasks of each tier kept out of training and held-out alike, for the k-shot prompt
+TOP_PAGES = ("/", "/products", "/cart", "/orders", "/account")  # goto's paths under a page grammar
+MAX_TYPED = 60  # characters a text box takes under a page grammar
 
 
 class _Tree(HTMLParser):
@@ -153,12 +155,13 @@ class Browser:
     """One trajectory's text browser on its own site session, and the tools that drive it.
 
     ``start``: the path the episode starts on; ``setup``: the session's start state
-    (``Site.prepare``'s ``cart`` and ``order``).
+    (``Site.prepare``'s ``cart`` and ``order``); ``page_ids``: under a grammar
+    (``rollout.constrain``), offer only the ids of the page shown (``turn_tools``).
     """
 
     demonstration: list[dict[str, str]] | None = None  # set below
 
-    def __init__(self, start: str = "/", setup: dict[str, Any] | None = None):
+    def __init__(self, start: str = "/", setup: dict[str, Any] | None = None, page_ids: bool = False):
         self.site, url = serve()
         self.sid = self.site.new_session()
         self.site.prepare(self.sid, **(setup or {}))
@@ -166,6 +169,7 @@ class Browser:
         self.history: list[str] = []
         self.offset = 0
         self.stopped = False
+        self.page_ids = page_ids
         self._load(start, record=False)
         self.tools = [
             Tool("click", "click the element with this id (a link or a button)",
@@ -289,6 +293,35 @@ class Browser:
     def is_completed(self) -> bool:
         return self.stopped
 
+    def turn_tools(self) -> list[Tool] | None:
+        """With ``page_ids``, the tools as a grammar should offer them on the page shown: ``click``
+        takes only its links' and buttons' ids, ``type`` its text boxes' (and at most
+        ``MAX_TYPED`` characters), ``select`` one of its select boxes with one of that box's
+        options, ``goto`` one of the site's top pages (``TOP_PAGES``); a tool with nothing to act
+        on, and ``back`` without history, is left out. None without ``page_ids`` (offer ``tools`` as they are).
+        The calls still go to ``tools``, which check everything again."""
+        if not self.page_ids:
+            return None
+        by_role: dict[str, list[dict[str, Any]]] = {}
+        for el in self.elements:
+            by_role.setdefault(el["role"], []).append(el)
+        clickable = [e["id"] for e in by_role.get("link", []) + by_role.get("button", [])]
+        boxes = [e["id"] for e in by_role.get("textbox", [])]
+        narrowed = {
+            "click": {"type": "object", "properties": {"id": {"enum": sorted(clickable)}}, "required": ["id"]},
+            "type": {"type": "object", "properties": {"id": {"enum": boxes},
+                                                      "text": {"type": "string", "maxLength": MAX_TYPED}},
+                     "required": ["id", "text"]},
+            "goto": {"type": "object", "properties": {"path": {"enum": list(TOP_PAGES)}}, "required": ["path"]},
+            "select": {"anyOf": [{"type": "object", "properties": {"id": {"const": e["id"]},
+                                                                    "option": {"enum": e["options"]}},
+                                  "required": ["id", "option"]} for e in by_role.get("combobox", [])]},
+        }
+        empty = {"click": not clickable, "type": not boxes, "select": not by_role.get("combobox"),
+                 "back": not self.history}
+        return [Tool(t.name, t.description, narrowed.get(t.name, t.parameters), t.fn, t.example_arguments)
+                for t in self.tools if not empty.get(t.name, False)]
+
     def state(self) -> dict[str, Any]:
         """The session's database (``Site.snapshot``), the path last shown and the pages visited."""
         return {**self.site.snapshot(self.sid), "path": self.path, "pages": len(self.history) + 1}
@@ -321,7 +354,7 @@ class WebEnv(Env):
         "detectors.names": ["repeated_action", "web_confirm_spam"], "gate.val_size": 24, "task.num_train": 96,
     }
 
-    def __init__(self, tier: str = "full", shots: int = 0):
+    def __init__(self, tier: str = "full", shots: int = 0, page_ids: bool = False):
         """``tier``: which tasks (``selfrl.envs.web_tasks``: ``full``, ``easy``, ``medium``);
         ``shots``: worked examples shown before each task: 0 is the one fixed "Show me the
         cart" example; k > 0 is k real episodes of this tier solved by the honest scripted
@@ -329,6 +362,9 @@ class WebEnv(Env):
         tasks are drawn once from a fixed seed and never sampled, so they are neither trained on
         nor held out, and the split is the same whatever ``shots`` is. The ``full`` tier keeps
         none aside (its 6 addresses are too few to spare) and draws exactly as before tiers.
+        ``page_ids``: with ``rollout.constrain = "tool_call"``, each turn's grammar offers only
+        the ids (and options) of the page shown (``Browser.turn_tools``); without a grammar it
+        changes nothing.
 
         Raises:
             ValueError: an unknown tier (lists the valid ones), ``shots`` outside 0-MAX_SHOTS, or
@@ -340,7 +376,9 @@ class WebEnv(Env):
             raise ValueError(f"shots must be in 0-{MAX_SHOTS}, got {shots}")
         if shots and tier == "full":
             raise ValueError("the full web tier has no k-shot examples (shots = 0); use tier 'easy' or 'medium'")
-        self.tier, self.shots = tier, shots
+        if not isinstance(page_ids, bool):
+            raise ValueError(f"page_ids must be true or false, got {page_ids!r}")
+        self.tier, self.shots, self.page_ids = tier, shots, page_ids
         self._reserved: list[Task] | None = None
         self._demonstration: list[dict[str, str]] | None = None
 
@@ -400,7 +438,7 @@ class WebEnv(Env):
     def make_env(self, task: Task) -> Browser:
         """A browser on a fresh session, at the task's start page and state, showing this
         environment's worked example."""
-        browser = Browser(task.metadata.get("start", "/"), task.metadata.get("setup"))
+        browser = Browser(task.metadata.get("start", "/"), task.metadata.get("setup"), self.page_ids)
         demo = self.demonstration()
         if demo is not None:
             browser.demonstration = demo
