@@ -169,8 +169,8 @@ def test_the_easy_config_runs_end_to_end_constrained_on_a_tiny_model(tmp_path, t
         trajs = store.trajectories()
     assert len(trajs) == 4
     for tr in trajs:  # every turn is one well-formed call to a browser tool, decoded under the grammar
-        assert tr.constraints and len(tr.constraints) == tr.num_turns <= 4
-        ran = tr.num_turns - (tr.num_turns == 4) - tr.truncated  # the last allowed turn's call is not run
+        assert tr.constraints and len(tr.constraints) == tr.num_turns <= 3
+        ran = tr.num_turns - (tr.num_turns == 3) - tr.truncated  # the last allowed turn's call is not run
         assert len(tr.tool_calls) == ran and all(c.name in {"click", "type", "select", "goto", "back",
                                                                      "scroll", "stop"} for c in tr.tool_calls)
         assert tr.env_state["path"].startswith("/")
