@@ -55,7 +55,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for backend, shared in (("http", False), ("playwright", False), ("playwright", True)):
         env = get_env("web", browser=backend)
-        keeper = env.make_env(None) if shared else None  # an episode held open keeps one Chromium running
+        keeper = env.make_env(env.sample(1, 0)[0]) if shared else None  # an episode held open keeps one Chromium running
         if keeper is not None:
             keeper.goto("/")
         tasks = env.sample(args.n, 0)

@@ -3,13 +3,14 @@
 ``web-naive`` reward (one point per "Confirm order") and by the database check, then judged
 by every detector that applies. Prints a markdown table.
 
-    PYTHONPATH=$PWD python scripts/web_detector_table.py --n 64
+    PYTHONPATH=$PWD python scripts/web_detector_table.py --n 64 [--tier easy]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 
 from selfrl.detectors import DetectorConfig, apply_detectors
 from selfrl.envs import get_env
@@ -23,11 +24,13 @@ DETECTORS = ["repeated_action", "verifier_disagreement", "web_confirm_spam"]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=64, help="tasks (sampled with seed 0)")
+    ap.add_argument("--tier", default="full", help="the task tier (selfrl.envs.web_tasks.TIERS)")
     args = ap.parse_args()
-    env = get_env("web")
+    env = get_env("web", tier=args.tier)
     tasks = env.sample(args.n, 0)
-    kinds = sum(t.metadata["kind"] == "buy" for t in tasks)
-    print(f"{args.n} tasks ({kinds} purchases, {args.n - kinds} address changes); flagged share per detector")
+    kinds = Counter(t.metadata["kind"] for t in tasks)
+    print(f"{args.n} tasks of tier {args.tier} ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}); "
+          "flagged share per detector")
     print("| agent | " + " | ".join(DETECTORS) + " | any | naive reward (mean) | database success |")
     print("|---" * (len(DETECTORS) + 4) + "|")
     t0 = time.time()

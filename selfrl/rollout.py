@@ -114,7 +114,7 @@ def rollout(
         if cfg.constrain != "none" and not t_tools:
             raise ValueError(f"rollout.constrain = {cfg.constrain!r} needs tools to call, and task {task.id} "
                              "has none (set rollout.tools, or constrain = \"none\")")
-        constraints.append(turn_constraint(cfg, t_tools))
+        constraints.append(turn_constraint(cfg, offered_tools(tools, env)))
         native_tools = [t.openai_schema() for t in t_tools] if t_tools and template_supports_tools(tok) else None
         msgs = initial_messages(task, t_tools, cfg, tok, env.demonstration if env is not None else None)
         ids = prompt_ids(tok, msgs, tools=native_tools)
@@ -125,7 +125,7 @@ def rollout(
                 messages=msgs, timings={"generate": 0.0, "tools": 0.0},
             )
         )
-    turn_ctx = _TurnContext(tok, cfg, eos_id, eos_text, constraints)
+    turn_ctx = _TurnContext(tok, cfg, eos_id, eos_text, constraints, tools)
     stop = [TOOL_CALL_CLOSE] if cfg.stop_at_tool_call else None
     if callable(getattr(engine, "submit", None)):
         _pipelined_turns(engine, trajs, tool_maps, envs, turn_ctx, greedy, stop, on_turn)
@@ -155,6 +155,7 @@ class _TurnContext:
     eos_id: int
     eos_text: str
     constraints: list  # per trajectory: the grammar of each of its turns, or None
+    tools: list  # the tools every trajectory has (besides its environment's)
 
 
 def _after_turn(tr: Trajectory, g: Generation, turn: int, tool_map: dict[str, Tool], env: Environment | None,
@@ -223,6 +224,7 @@ def _batched_turns(engine: SamplingEngine, trajs: list[Trajectory], tool_maps, e
         for i, g in zip(active, gens):
             trajs[i].timings["generate"] += dt
             if _after_turn(trajs[i], g, turn, tool_maps[i], envs[i], ctx, ctx.constraints[i]):
+                _next_constraint(ctx, i, envs[i])
                 still.append(i)
         active = still
         if on_turn is not None:
@@ -268,11 +270,30 @@ def _pipelined_turns(engine, trajs: list[Trajectory], tool_maps, envs, ctx: _Tur
             i, turn = pending.pop(f)
             at_turn[turn] -= 1
             if _after_turn(trajs[i], f.result(), turn, tool_maps[i], envs[i], ctx, ctx.constraints[i]):
+                _next_constraint(ctx, i, envs[i])
                 submit(i, turn + 1)
         while reported <= started and not any(at_turn[:reported + 1]):
             reported += 1
             if on_turn is not None:
                 on_turn()
+
+
+def offered_tools(tools: list[Tool], env: Environment | None) -> list[Tool]:
+    """The tools as the grammar offers them this turn: ``tools`` plus the environment's, whose
+    schemas an environment may narrow to its current state with an optional
+    ``turn_tools() -> list[Tool] | None`` (e.g. the web browser: only the ids on the page
+    shown); None, or no such method, offers its ``tools`` as they are. Only the grammar
+    changes: calls still go to the environment's ``tools``."""
+    if env is None:
+        return tools
+    narrowed = env.turn_tools() if callable(getattr(env, "turn_tools", None)) else None
+    return tools + (env.tools if narrowed is None else narrowed)
+
+
+def _next_constraint(ctx: _TurnContext, i: int, env: Environment | None) -> None:
+    """Before trajectory ``i``'s next turn: its grammar again, when the environment narrows its tools per turn."""
+    if ctx.constraints[i] is not None and callable(getattr(env, "turn_tools", None)):
+        ctx.constraints[i] = turn_constraint(ctx.cfg, offered_tools(ctx.tools, env))
 
 
 def turn_constraint(cfg: RolloutConfig, tools: list[Tool]):

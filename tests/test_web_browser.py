@@ -81,7 +81,8 @@ def test_an_unknown_backend_and_a_missing_browser_are_clear_errors(monkeypatch, 
         make_source(load_run_config(config))
     config.write_text('[task]\nsource = "web"\noptions = { browser = "http" }\n')
     assert make_source(load_run_config(config)).browser == "http"
-    assert WebEnv().browser == "http" and isinstance(WebEnv().make_env(None), Browser)
+    env = WebEnv()
+    assert env.browser == "http" and isinstance(env.make_env(env.sample(1, 0)[0]), Browser)
     monkeypatch.delenv(web_browser.CHROMIUM_ENV, raising=False)
     monkeypatch.setattr(web_browser.shutil, "which", lambda name: None)
     with pytest.raises(ValueError, match=r"needs Debian's Chromium.*apt-get install -y chromium"):
@@ -326,9 +327,9 @@ def test_selfrl_run_takes_the_backend_from_the_config(tmp_path, tiny_tokenizer, 
     made = []
     real = web_browser.PlaywrightBrowser.__init__
 
-    def counted(self):
+    def counted(self, *args):
         made.append(1)
-        real(self)
+        real(self, *args)
 
     monkeypatch.setattr(web_browser.PlaywrightBrowser, "__init__", counted)
     args = ["run", "--config", str(config), "--model", str(model), "--run-dir", str(tmp_path / "r"),
@@ -339,3 +340,24 @@ def test_selfrl_run_takes_the_backend_from_the_config(tmp_path, tiny_tokenizer, 
     assert len(trajs) == 4 and all(set(t.env_state) >= {"orders", "account", "confirms"} for t in trajs)
     assert len(made) >= 4  # every rollout's episode was a Chromium one
     assert web_browser._DRIVER.open == 0 and _chromium_pids() == set()
+
+
+@needs_chromium
+def test_an_easy_tier_task_starts_on_its_page_and_state_in_chromium_too():
+    env = get_env("web", tier="easy", browser="playwright")
+    http = get_env("web", tier="easy")
+    [task] = [t for t in env.sample(40, 0) if t.metadata["kind"] == "cart"][:1]
+    b = env.make_env(task)
+    try:
+        assert isinstance(b, web_browser.PlaywrightBrowser) and b.path == f"/product/{task.metadata['product_id']}"
+        assert b.observation() == http.make_env(task).observation()  # the start page, rendered alike
+        assert b.state()["cart"] == [] and task.question.endswith(b.observation())
+        page = [t for t in env.sample(40, 0) if t.metadata["kind"] == "place"][0]
+        p = env.make_env(page)
+        try:
+            assert p.state()["cart"] == [[page.metadata["product_id"], page.metadata["qty"]]]
+            assert "[3] button 'Place order'" in p.observation()
+        finally:
+            p.close()
+    finally:
+        b.close()

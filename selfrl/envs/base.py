@@ -46,6 +46,10 @@ class EnvState(Protocol):
         demonstration: a worked example as chat messages, shown before the task
             instead of the calculator's ``selfrl.rollout.DEMONSTRATION``; None
             for that default.
+
+    Optional: ``turn_tools() -> list[Tool] | None``, the tools as a grammar
+    (``rollout.constrain``) should offer them this turn, their schemas narrowed to the
+    current state (``selfrl.rollout.offered_tools``); asked before every turn.
     """
 
     tools: list[Tool]

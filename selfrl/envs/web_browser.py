@@ -276,8 +276,8 @@ class _Episode:
     """One episode's context and page, on the driver thread (kept apart from ``PlaywrightBrowser``
     and never referring to it, so that a dropped browser is collected and its finalizer runs)."""
 
-    def __init__(self, origin: str, base: str):
-        self.origin, self.base = origin, base
+    def __init__(self, origin: str, base: str, start: str = "/"):
+        self.origin, self.base, self.start = origin, base, start
         self.ctx = None
         self.page = None
         self.closed = False
@@ -301,7 +301,7 @@ class _Episode:
                 raise ToolError("this browser is closed")
             self.ctx = _DRIVER.open_context(self.origin, self.blocked)
             self.page = self.ctx.new_page()
-            self.page.goto(self.base + "/")
+            self.page.goto(self.base + self.start)
         error = None
         try:
             fn(self.page)
@@ -334,14 +334,16 @@ class PlaywrightBrowser(Browser):
         blocked: URLs of requests refused because they left the site (``origin``, on ``127.0.0.1``).
     """
 
-    def __init__(self):
+    def __init__(self, start: str = "/", setup: dict[str, Any] | None = None, page_ids: bool = False):
         check_available()
         self.site, url = serve()
         self.sid = self.site.new_session()
+        self.site.prepare(self.sid, **(setup or {}))
         self.origin, self.base = url, f"{url}/s/{self.sid}"
         self.history: list[str] = []
-        self.path, self.title, self.elements, self.offset = "/", "", [], 0
-        self._episode = _Episode(self.origin, self.base)
+        self.stopped, self.page_ids = False, page_ids
+        self.path, self.title, self.elements, self.offset = start, "", [], 0
+        self._episode = _Episode(self.origin, self.base, start)
         self._finalizer = weakref.finalize(self, _release_later, self._episode)
         self.tools = self._make_tools()
 

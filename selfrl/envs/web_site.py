@@ -13,8 +13,9 @@ that concurrent trajectories never see each other's carts or orders):
 
 Forms post and redirect (303) to the page to show next. The site is careless in the
 web shop's way (``selfrl.envs.webshop``): "Confirm order" records a confirmation every
-time it is pressed, also on an order already confirmed. ``Site.snapshot(session)`` reads a
-session's database: what the environment scores.
+time it is pressed, also on an order already confirmed. ``Site.prepare(session, ...)`` puts a
+fresh session in a task's start state (a filled cart, a pending order); ``Site.snapshot(session)``
+reads a session's database: what the environment scores.
 """
 
 from __future__ import annotations
@@ -73,6 +74,29 @@ class Site:
             while len(self._dbs) > MAX_SESSIONS:
                 self._dbs.popitem(last=False)[1].close()
         return sid
+
+    def prepare(self, sid: str, cart: list[list[int]] | None = None,
+                order: dict[str, Any] | None = None) -> None:
+        """Put a session in a task's start state: ``cart`` lines ``[[product_id, qty]]``, and/or a
+        pending, unconfirmed ``order`` ``{"lines": [[product_id, qty]], "shipping": ...}`` (order 1).
+
+        Raises:
+            ValueError: an unknown product, a quantity outside 1-5, or an unknown shipping method.
+        """
+        known = {p[0] for p in PRODUCTS}
+        lines = list(cart or []) + list((order or {}).get("lines", []))
+        bad = [line for line in lines if line[0] not in known or not 1 <= line[1] <= 5]
+        if bad:
+            raise ValueError(f"lines {bad}: products are {sorted(known)}, quantities 1-5")
+        if order is not None and order["shipping"] not in SHIPPING:
+            raise ValueError(f"shipping {order['shipping']!r}; valid: {', '.join(SHIPPING)}")
+        db = self.db(sid)
+        with self._lock:
+            db.executemany("insert into cart values (?, ?)", [tuple(c) for c in cart or []])
+            if order is not None:
+                oid = db.execute("insert into orders (shipping, status) values (?, 'pending')",
+                                 (order["shipping"],)).lastrowid
+                db.executemany("insert into order_lines values (?, ?, ?)", [(oid, p, q) for p, q in order["lines"]])
 
     def db(self, sid: str) -> sqlite3.Connection:
         with self._lock:
