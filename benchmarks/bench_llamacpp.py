@@ -33,6 +33,10 @@ What is measured (``--parts``, default all):
   learner's at 1 and at 0.7); the mismatch against the fp32 learner on 16 sampled
   completions (mean and max |dlogp| per token, the k3 mismatch KL and the TIS weights of
   :mod:`selfrl.rl.off_policy` at the default cap); and what its LoRA endpoints accept.
+* **lora** (with ``--llama-src``, a llama.cpp source tree): an adapter version saved by
+  selfrl, converted with llama.cpp's ``convert_lora_to_gguf.py`` and loaded at server start
+  (the only way llama-server takes a new adapter): conversion and start seconds, and the
+  served log-probs against the learner's with and without the adapter.
 
 The load average at start and end of each part is in the JSON.
 """
@@ -174,12 +178,17 @@ class LlamaServer:
         self._log.close()
 
 
-def parse_completion(body: dict) -> tuple[list[int], list[float], str]:
-    """(sampled ids, their log-probs, stop type) of a llama-server ``/completion`` answer
-    made with ``n_probs > 0`` and ``return_tokens``.
+def parse_completion(body: dict) -> tuple[list[int], list[float] | None, str]:
+    """(sampled ids, their log-probs or None, stop type) of a llama-server ``/completion``
+    answer made with ``n_probs > 0`` and ``return_tokens``.
+
+    The log-probs are None when ``completion_probabilities`` does not line up with
+    ``tokens``: measured here, llama-server leaves out the entries of some tokens (those
+    that end inside a multi-byte UTF-8 character, it seems), so the ids and log-probs of
+    such a row cannot be paired, and an RL learner cannot use the row.
 
     Raises:
-        ValueError: the answer has no per-token log-probs, or they disagree with ``tokens``.
+        ValueError: the answer has no per-token log-probs at all.
 
     >>> parse_completion({"tokens": [5, 7], "stop_type": "limit",
     ...                   "completion_probabilities": [{"id": 5, "logprob": -0.5}, {"id": 7, "logprob": -1.0}]})
@@ -189,9 +198,9 @@ def parse_completion(body: dict) -> tuple[list[int], list[float], str]:
     if probs is None:
         raise ValueError("no completion_probabilities in the answer (was n_probs > 0?)")
     ids = [int(p["id"]) for p in probs]
-    if body.get("tokens") and list(body["tokens"]) != ids:
-        raise ValueError(f"tokens {body['tokens'][:8]}... and the probabilities' ids {ids[:8]}... differ")
-    return ids, [float(p["logprob"]) for p in probs], str(body.get("stop_type", ""))
+    tokens = [int(t) for t in body.get("tokens") or ids]
+    logps = [float(p["logprob"]) for p in probs] if tokens == ids else None
+    return tokens, logps, str(body.get("stop_type", ""))
 
 
 def llama_generate(url: str, prompt: list[int], max_new_tokens: int, temperature: float, seed: int,
@@ -376,13 +385,15 @@ def part_rl(args, servers: dict[str, str], model, remote, prompts: list[list[int
     for v, u in servers.items():
         start = loadavg()
         outs = llama_batch(u, sub, args.new_tokens, 1.0, 7)
-        learner = [learner_logprobs(model, p, o["token_ids"], 1.0) for p, o in zip(sub, outs)]
-        stats = mismatch_stats([o["logprobs"] for o in outs], learner, cap)
+        pairs = [(p, o) for p, o in zip(sub, outs) if o["logprobs"] is not None]
+        learner = [learner_logprobs(model, p, o["token_ids"], 1.0) for p, o in pairs]
+        stats = mismatch_stats([o["logprobs"] for _, o in pairs], learner, cap)
+        stats["misaligned_rows"] = len(outs) - len(pairs)
         stats["stop_types"] = sorted({o["stop_type"] for o in outs})
         stats["samplers_in_effect"] = outs[0]["settings"].get("samplers")
         stats["loadavg"] = [start, loadavg()]
         rl[f"llama.cpp {v}"] = stats
-        rows.append([f"llama.cpp {v}", stats["tokens"], f"{stats['mean_abs_dlogp']:.2e}", f"{stats['max_abs_dlogp']:.2e}",
+        rows.append([f"llama.cpp {v}", f"{stats['tokens']} ({stats['misaligned_rows']} rows unpaired)", f"{stats['mean_abs_dlogp']:.2e}", f"{stats['max_abs_dlogp']:.2e}",
                      f"{stats['mean_k3_kl']:.2e}", f"{stats['mean_tis_weight']:.4f}", f"{stats['share_capped']:.2%}"])
     gens = remote.generate(sub, args.new_tokens, temperature=1.0)
     learner = [learner_logprobs(model, p, g.token_ids, 1.0) for p, g in zip(sub, gens)]
@@ -398,8 +409,9 @@ def part_rl(args, servers: dict[str, str], model, remote, prompts: list[list[int
     # Which distribution are the returned log-probs of? Sample at 0.7, compare with the learner at 1 and at 0.7.
     ref = next(iter(servers))
     hot = llama_batch(servers[ref], sub, args.new_tokens, 0.7, 11)
-    at = {t: mismatch_stats([o["logprobs"] for o in hot],
-                            [learner_logprobs(model, p, o["token_ids"], t) for p, o in zip(sub, hot)], cap)["mean_abs_dlogp"]
+    hot_pairs = [(p, o) for p, o in zip(sub, hot) if o["logprobs"] is not None]
+    at = {t: mismatch_stats([o["logprobs"] for _, o in hot_pairs],
+                            [learner_logprobs(model, p, o["token_ids"], t) for p, o in hot_pairs], cap)["mean_abs_dlogp"]
           for t in (1.0, 0.7)}
     rl["temperature_semantics"] = {"server": ref, "sampled_at": 0.7, "mean_abs_dlogp_vs_learner_at_1": at[1.0],
                                    "mean_abs_dlogp_vs_learner_at_0.7": at[0.7],
@@ -423,13 +435,88 @@ def part_rl(args, servers: dict[str, str], model, remote, prompts: list[list[int
     result["rl"] = rl
 
 
+def base_config_dir(model_dir: Path, dst: Path) -> Path:
+    """A copy of the base model's config (no ``quantization_config``) and tokenizer files for
+    llama.cpp's ``convert_lora_to_gguf.py``, which refuses a config that says ``quant_method: gguf``
+    (transformers writes that when the weights were dequantized from a GGUF). Returns ``dst``."""
+    dst.mkdir(parents=True, exist_ok=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(config, indent=1))
+    for f in model_dir.iterdir():
+        if f.name != "config.json" and f.suffix in (".json", ".jinja") and not (dst / f.name).exists():
+            (dst / f.name).symlink_to(f)
+    return dst
+
+
+def part_lora(args, gguf: Path, model, tok, prompts: list[list[int]], cap: float, result: dict) -> None:
+    """A trained-looking adapter version served by llama-server: convert the saved peft
+    folder to a GGUF adapter, start a server with it (llama-server loads adapters only at
+    start), and compare its log-probs with the learner's with and without the adapter, and
+    after ``POST /lora-adapters`` sets its scale to 0. Runs last: it changes the model's LoRA."""
+    import os
+
+    import torch
+
+    from selfrl.adapters import save_version
+    from selfrl.model import resolve_model_path
+
+    src = Path(args.llama_src)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # B = 0 at version 0; a small random B stands in for a trained one
+                param.copy_(torch.randn(param.shape, generator=g) * 0.01)
+    run_dir = Path(tempfile.mkdtemp(prefix="lora-", dir=args.work))
+    folder = save_version(model, run_dir, 1)
+    base = base_config_dir(Path(resolve_model_path("embedded:smollm2-135m-instruct")), args.work / "base-config")
+    out = run_dir / "v1-lora-f32.gguf"
+    t = time.perf_counter()
+    conv = subprocess.run([sys.executable, str(src / "convert_lora_to_gguf.py"), str(folder), "--base", str(base),
+                           "--outtype", "f32", "--outfile", str(out)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": f"{src / 'gguf-py'}{os.pathsep}{src}", "HF_HUB_OFFLINE": "1"})
+    convert_s = time.perf_counter() - t
+    if conv.returncode != 0:
+        result["lora"] = {"error": "convert_lora_to_gguf.py failed", "stderr": conv.stderr[-2000:]}
+        print(f"LoRA conversion failed:\n{conv.stderr[-2000:]}")
+        return
+    sub = prompts[: args.probe_rows]
+    lora: dict = {"convert_s": convert_s, "adapter_gguf_bytes": out.stat().st_size}
+    extra = VARIANTS["f32kv"][1] + ["--lora", str(out)]
+    with LlamaServer(args.server, gguf, args.threads, len(sub), extra, args.work / "llama-server-lora.log") as srv:
+        lora["start_with_lora_s"] = srv.start_s
+        pairs = [(p, o) for p, o in zip(sub, llama_batch(srv.url, sub, args.new_tokens, 1.0, 23)) if o["logprobs"]]
+        with_adapter = [learner_logprobs(model, p, o["token_ids"], 1.0) for p, o in pairs]
+        with model.disable_adapter():
+            without = [learner_logprobs(model, p, o["token_ids"], 1.0) for p, o in pairs]
+        served = [o["logprobs"] for _, o in pairs]
+        lora["vs_learner_with_adapter"] = mismatch_stats(served, with_adapter, cap)
+        lora["vs_learner_base"] = mismatch_stats(served, without, cap)
+        status, body = post(srv.url + "/lora-adapters", [{"id": 0, "scale": 0.0}])
+        lora["set_scale_0"] = [status, str(body)[:200]]
+        pairs0 = [(p, o) for p, o in zip(sub, llama_batch(srv.url, sub, args.new_tokens, 1.0, 29)) if o["logprobs"]]
+        with model.disable_adapter():
+            base0 = [learner_logprobs(model, p, o["token_ids"], 1.0) for p, o in pairs0]
+        adapter0 = [learner_logprobs(model, p, o["token_ids"], 1.0) for p, o in pairs0]
+        lora["scale_0_vs_learner_base"] = mismatch_stats([o["logprobs"] for _, o in pairs0], base0, cap)
+        lora["scale_0_vs_learner_with_adapter"] = mismatch_stats([o["logprobs"] for _, o in pairs0], adapter0, cap)
+    result["lora"] = lora
+    print(f"LoRA v1: converted in {convert_s:.1f} s, server start with it {lora['start_with_lora_s']:.1f} s; mean |dlogp| "
+          f"{lora['vs_learner_with_adapter']['mean_abs_dlogp']:.2e} against the learner with the adapter, "
+          f"{lora['vs_learner_base']['mean_abs_dlogp']:.2e} against the base; after scale 0: "
+          f"{lora['scale_0_vs_learner_base']['mean_abs_dlogp']:.2e} against the base, "
+          f"{lora['scale_0_vs_learner_with_adapter']['mean_abs_dlogp']:.2e} against the adapter")
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--server", default=None, help="path of a llama-server binary (none: the benchmark skips)")
     p.add_argument("--variants", default="q4_1,f32,f32kv", help=f"llama.cpp model variants: {', '.join(VARIANTS)}")
     p.add_argument("--serve-variants", default="q4_1,f32", help="the variants that take part in the serve levels")
     p.add_argument("--engines", default="reference,slots", help="selfrl's in-process engines to compare")
-    p.add_argument("--parts", default="serve,batch,rl", help="serve, batch, rl (comma-separated)")
+    p.add_argument("--parts", default="serve,batch,rl,lora", help="serve, batch, rl, lora (comma-separated)")
+    p.add_argument("--llama-src", default=None, help="a llama.cpp source tree (convert_lora_to_gguf.py, gguf-py): "
+                   "the lora part needs it, and is skipped without it")
     p.add_argument("--clients", default="1,8,32", help="serve levels: concurrent clients")
     p.add_argument("--requests", type=int, default=3, help="requests per client at each serve level")
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each serve request")
@@ -504,6 +591,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                 selfrl_urls[n] = url
                 with_stack.append((server, thread, service))
             part_serve(args, {v: servers[v] for v in args.serve_variants.split(",") if v in servers}, selfrl_urls, result)
+        if "lora" in parts and args.llama_src:
+            part_lora(args, ggufs["f32"], model, tok, prompts, cap, result)
         sampler_server.should_exit = True
         for e in engines.values():
             if callable(getattr(e, "close", None)):

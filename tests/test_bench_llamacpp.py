@@ -31,8 +31,10 @@ def test_parse_completion_takes_ids_and_logprobs():
             "completion_probabilities": [{"id": 5, "logprob": -0.25, "top_logprobs": []},
                                          {"id": 7, "logprob": -1.5}, {"id": 2, "logprob": -0.125}]}
     assert bench_llamacpp.parse_completion(body) == ([5, 7, 2], [-0.25, -1.5, -0.125], "eos")
-    with pytest.raises(ValueError, match="differ"):
-        bench_llamacpp.parse_completion({**body, "tokens": [5, 8, 2]})
+    # measured: llama-server can leave a token's entry out of completion_probabilities; the ids stay, the
+    # log-probs cannot be paired with them
+    unpaired = {**body, "tokens": [142, 5, 7, 2]}
+    assert bench_llamacpp.parse_completion(unpaired) == ([142, 5, 7, 2], None, "eos")
     with pytest.raises(ValueError, match="n_probs"):
         bench_llamacpp.parse_completion({"tokens": [5], "content": "x"})
 
@@ -90,3 +92,17 @@ def test_write_f32_gguf_dequantizes_every_tensor_and_keeps_the_metadata(tmp_path
     assert r.fields["llama.block_count"].contents() == 1
     assert r.fields["tokenizer.ggml.tokens"].contents() == ["a", "b", "<|im_end|>"]
     assert r.fields["tokenizer.chat_template"].contents() == "{{ messages }}"
+
+
+def test_base_config_dir_drops_the_gguf_quantization_config(tmp_path):
+    import json
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {"quant_method": "gguf"}}))
+    (model / "tokenizer.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    out = bench_llamacpp.base_config_dir(model, tmp_path / "base")
+    assert json.loads((out / "config.json").read_text()) == {"model_type": "llama"}
+    assert (out / "tokenizer.json").resolve() == (model / "tokenizer.json").resolve()
+    assert not (out / "model.safetensors").exists()  # the converter needs the config only
