@@ -582,8 +582,10 @@ def main(argv: list[str] | None = None) -> dict | None:
         remote = RemoteEngine(sampler_url, tok)
         if "rl" in parts:
             part_rl(args, servers, model, remote, prompts, cap, result)
+            finish(result, "llamacpp", args.out)  # a later part that fails or is stopped keeps this one
         if "batch" in parts:
             part_batch(args, servers, engines, remote, prompts, result)
+            finish(result, "llamacpp", args.out)  # a later part that fails or is stopped keeps this one
         if "serve" in parts:
             selfrl_urls = {}
             for n in args.engines.split(","):
@@ -591,6 +593,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 selfrl_urls[n] = url
                 with_stack.append((server, thread, service))
             part_serve(args, {v: servers[v] for v in args.serve_variants.split(",") if v in servers}, selfrl_urls, result)
+            finish(result, "llamacpp", args.out)
         if "lora" in parts and args.llama_src:
             part_lora(args, ggufs["f32"], model, tok, prompts, cap, result)
         sampler_server.should_exit = True
