@@ -75,13 +75,14 @@ def start_server(engine: str, model, tok, run_dir: Path, max_tokens: int):
     return f"http://127.0.0.1:{port}", server, thread, service
 
 
-def one_request(client, content: str, max_tokens: int) -> tuple[float, float, int]:
-    """(time to first content, latency, completion tokens) of one streamed request, in seconds."""
+def one_request(client, content: str, max_tokens: int, extra_body: dict | None = None) -> tuple[float, float, int]:
+    """(time to first content, latency, completion tokens) of one streamed request, in seconds;
+    ``extra_body`` adds server-specific fields (llama-server's sampler settings)."""
     t0 = time.perf_counter()
     first, tokens = None, 0
     stream = client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": content}],
                                             max_tokens=max_tokens, temperature=1.0, stream=True,
-                                            stream_options={"include_usage": True})
+                                            stream_options={"include_usage": True}, extra_body=extra_body)
     for chunk in stream:
         if first is None and chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].finish_reason):
             first = time.perf_counter()
@@ -91,8 +92,9 @@ def one_request(client, content: str, max_tokens: int) -> tuple[float, float, in
     return (first or t1) - t0, t1 - t0, tokens
 
 
-def serve_level(url: str, clients: int, requests: int, max_tokens: int) -> dict:
-    """TTFT, latency and tokens/s of ``clients`` concurrent streaming clients against ``url``."""
+def serve_level(url: str, clients: int, requests: int, max_tokens: int, extra_body: dict | None = None) -> dict:
+    """TTFT, latency and tokens/s of ``clients`` concurrent streaming clients against ``url``
+    (any OpenAI-compatible server; ``extra_body`` goes into every request)."""
     from openai import OpenAI
 
     ttft, latency, tokens, errors = [], [], [], []
@@ -102,7 +104,8 @@ def serve_level(url: str, clients: int, requests: int, max_tokens: int) -> dict:
         api = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1800)
         for k in range(requests):
             try:
-                f, lat, n = one_request(api, f"({c}.{k}) {QUESTIONS[(c + k) % len(QUESTIONS)]}", max_tokens)
+                f, lat, n = one_request(api, f"({c}.{k}) {QUESTIONS[(c + k) % len(QUESTIONS)]}", max_tokens,
+                                        extra_body)
             except Exception as e:  # noqa: BLE001 - counted and reported, never hidden
                 with lock:
                     errors.append(repr(e)[:200])
