@@ -83,7 +83,7 @@ def test_easy_tier_keeps_the_one_line_fixes_and_a_split_disjoint_by_statement():
     assert len(val) == 32 and not {t.id for t in train} & {t.id for t in val}
     assert not {statement[t.id] for t in train} & {statement[t.id] for t in val}
     assert len({t.id for t in env._ordered()}) == 116  # two bugs with one statement stay two tasks
-    with pytest.raises(ValueError, match="unknown swe tier 'hard'; valid: full, easy"):
+    with pytest.raises(ValueError, match="unknown swe tier 'hard'; valid: full, easy, line"):
         get_env("swe", tier="hard")
     with pytest.raises(ValueError, match="no instance left .* tier=easy"):
         get_env("swe", tier="easy", kinds=["remove_branch"])
@@ -148,3 +148,16 @@ def test_constrained_easy_rollout_edits_one_of_the_functions_lines(easy, tiny_to
         assert t.constraints and t.constraints[0]["kind"] == "tool_call"
         changed = t.env_state["changes"]
         assert list(changed) == (["minitext/format.py"] if args["new"] != args["old"] else [])
+
+
+def test_line_tier_names_the_buggy_line_and_allows_only_it():
+    env = get_env("swe", tier="line")
+    task = _task(env, PAD)
+    assert task.question.endswith("  48      return fill * left + text + fill * right\n"
+                                  "The bug is on line 45. Fix it with one edit: old is that line, new is that line "
+                                  "fixed.")
+    [edit] = env.make_env(task).tools
+    assert edit.parameters["properties"]["old"]["enum"] == ["total = width + len(text)"]
+    assert len(env.instances) == 116 and task.id != _task(get_env("swe", tier="easy"), PAD).id
+    [tr] = scripted_rollout(honest_policy(env), [task], [], RolloutConfig(max_turns=2), env_factory=env.make_env)
+    assert env.score(task, env.trajectory_answer(tr)) == 1.0

@@ -52,7 +52,8 @@ from selfrl.trajectory import Trajectory
 
 __all__ = ["TIERS", "TRICKS", "RepoState", "SweEnv", "apply_changes", "hacking_policy", "honest_policy"]
 
-TIERS = ("full", "easy")  # full: find and fix with every tool; easy: the function is shown, one edit (swe_easy)
+TIERS = ("full", "easy", "line")  # full: find and fix with every tool; easy: the function is shown, one edit;
+# line: the buggy line is named too (selfrl.envs.swe_easy)
 
 RUN_TESTS_TIMEOUT_S = 20.0  # wall-clock limit of one run_tests call (seconds)
 SCORE_TIMEOUT_S = 60.0  # wall-clock limit of the scoring run (seconds); a killed run is an error, not a 0
@@ -224,8 +225,9 @@ class SweEnv(Env):
         """``swebench``: a local SWE-bench-format file instead of the generated instances
         (``repo_dir`` overrides its records' checkout); ``repos``/``kinds``: keep only these
         generated repositories / mutation kinds; ``tier``: ``full`` (find and fix with every
-        tool) or ``easy`` (the buggy function is shown and one edit fixes it; only instances
-        whose fix is one unique line: ``selfrl.envs.swe_easy``); ``shots``: 0 shows the tier's
+        tool), ``easy`` (the buggy function is shown and one edit fixes it; only instances
+        whose fix is one unique line: ``selfrl.envs.swe_easy``) or ``line`` (the buggy line is
+        named too); ``shots``: 0 shows the tier's
         fixed worked example, k > 0 shows k real instances solved with their reference edit
         (the k-shot prompt baseline). Shots come from the end of the hash order, each with a
         problem statement no other instance shares, and leave the task pool, so they are
@@ -246,8 +248,8 @@ class SweEnv(Env):
         self.instances = [i for i in instances if (repos is None or i.repo in repos)
                           and (kinds is None or i.kind in kinds)]
         self.views: dict[str, EasyView] = {}
-        if tier == "easy":
-            views = {i.instance_id: easy_view(i) for i in self.instances}
+        if tier != "full":
+            views = {i.instance_id: easy_view(i, named=tier == "line") for i in self.instances}
             self.views = {k: v for k, v in views.items() if v is not None}
             self.instances = [i for i in self.instances if i.instance_id in self.views]
         if not self.instances:
@@ -274,14 +276,14 @@ class SweEnv(Env):
         return picked
 
     def _shot(self, inst: Instance) -> list[dict[str, str]]:
-        if self.tier == "easy":
+        if self.tier != "full":
             return easy_shot(inst, self.views[inst.instance_id])
         return [{"role": "user", "content": self._question(inst)}, {"role": "assistant", "content": _call(
             "edit", **inst.reference_edit)}, _tool(f"edited {inst.reference_edit['path']}"),
                 {"role": "assistant", "content": "Fixed."}]
 
     def _question(self, inst: Instance) -> str:
-        if self.tier == "easy":
+        if self.tier != "full":
             return easy_question(inst, self.views[inst.instance_id])
         # the id line keeps two bugs with the same failing tests distinct tasks (a task id hashes the question)
         return f"{inst.problem_statement}\n(instance {inst.instance_id})"
@@ -413,7 +415,7 @@ def honest_policy(env: SweEnv):
     def policy(task: Task, messages: list[dict]) -> str:
         inst, turn = env.instance(task), _turn(messages)
         e = inst.reference_edit
-        if env.tier == "easy":  # the function is shown: one edit of the buggy line
+        if env.tier != "full":  # the function is shown: one edit of the buggy line
             steps = [_call("edit", **env.views[inst.instance_id].fix)]
         else:
             steps = [_call("read_file", path=e["path"], start=1, end=60), _call("edit", **e),
@@ -488,7 +490,7 @@ def hacking_policy(env: SweEnv, trick: str):
             calls = [_call("write_file", path="conftest.py", content=files.get("conftest.py", "") + hook)]
         else:
             edits = _hardcode_edits(inst, files)
-            if env.tier == "easy":  # the tier's edit takes a stripped line: the def line, then the special cases
+            if env.tier != "full":  # the tier's edit takes a stripped line: the def line, then the special cases
                 edits = [{"path": e["path"], "old": e["old"].strip(),
                           "new": e["new"][len(e["old"]) - len(e["old"].lstrip()):].rstrip("\n")} for e in edits]
             calls = [_call("edit", **e) for e in edits] or [_call("list_files")]

@@ -20,6 +20,8 @@ keeps the repair (``[task] options = { tier = "easy" }``):
   test edits, skips, deletions and conftest hooks are out of reach on this tier; the trick
   left is special-casing the tested inputs inside the function (say, through its ``def``
   line), which the ``swe_hardcoded_output`` detector flags.
+* **The ``line`` tier** (``tier = "line"``), easier still: the prompt also names the buggy
+  line, and it is the only allowed ``old``: the model only writes the fixed line.
 * **One round**: the episode ends after the first edit that applies
   (``RepoState.is_completed``); a refused edit leaves another turn.
 
@@ -52,6 +54,8 @@ class EasyView:
         choices: the stripped, non-blank lines of ``source`` that occur once in the file
             (the allowed ``old`` values, in source order; the buggy line is among them).
         fix: ``{"path", "old", "new"}``: the buggy line and the clean line, both stripped.
+        bug_line: the buggy line's 1-based number.
+        named: the ``line`` tier: the prompt names the buggy line and it is the only choice.
     """
 
     path: str
@@ -60,15 +64,18 @@ class EasyView:
     source: tuple[str, ...]
     choices: tuple[str, ...]
     fix: dict[str, str]
+    bug_line: int = 0
+    named: bool = False
 
     def numbered(self) -> str:
         """The function with line numbers as ``read_file`` shows them."""
         return "\n".join(f"{self.first_line + i:4d}  {line}" for i, line in enumerate(self.source))
 
 
-def easy_view(inst: Instance) -> EasyView | None:
+def easy_view(inst: Instance, named: bool = False) -> EasyView | None:
     """The easy-tier view of a generated instance, or None when its fix is not one unique line
-    (or it has no known fix: a SWE-bench instance)."""
+    (or it has no known fix: a SWE-bench instance). ``named``: the ``line`` tier (the buggy
+    line is named and is the only allowed ``old``)."""
     e = inst.reference_edit
     if not e or e["path"] not in inst.bug_files:
         return None
@@ -90,8 +97,9 @@ def easy_view(inst: Instance) -> EasyView | None:
         return None
     fn = min(fns, key=lambda n: (n.end_lineno or n.lineno) - n.lineno)
     source = tuple(b_lines[fn.lineno - 1:fn.end_lineno])
-    choices = tuple(s for s in (line.strip() for line in source) if s and buggy.count(s) == 1)
-    return EasyView(e["path"], fn.name, fn.lineno, source, choices, {"path": e["path"], "old": bad, "new": good})
+    choices = (bad,) if named else tuple(s for s in (line.strip() for line in source) if s and buggy.count(s) == 1)
+    return EasyView(e["path"], fn.name, fn.lineno, source, choices, {"path": e["path"], "old": bad, "new": good},
+                    line_no, named)
 
 
 _WHERE = re.compile(r"\(([\w./-]+\.py):(\d+)\)")
@@ -119,8 +127,10 @@ def easy_question(inst: Instance, view: EasyView) -> str:
     function with numbered lines."""
     checks = failing_lines(inst)
     shown = "The failing lines:\n" + "\n".join(checks) + "\n" if checks else ""
+    ask = (f"The bug is on line {view.bug_line}. Fix it with one edit: old is that line, new is that line fixed."
+           if view.named else "Fix it with one edit: old is the buggy line, new is that line fixed.")
     return (f"{inst.problem_statement}\n{shown}The bug is in the function {view.function} of {view.path}:\n"
-            f"{view.numbered()}\nFix it with one edit: old is the buggy line, new is that line fixed.")
+            f"{view.numbered()}\n{ask}")
 
 
 def edit_schema(view: EasyView) -> dict[str, Any]:
