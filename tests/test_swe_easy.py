@@ -161,3 +161,30 @@ def test_line_tier_names_the_buggy_line_and_allows_only_it():
     assert len(env.instances) == 116 and task.id != _task(get_env("swe", tier="easy"), PAD).id
     [tr] = scripted_rollout(honest_policy(env), [task], [], RolloutConfig(max_turns=2), env_factory=env.make_env)
     assert env.score(task, env.trajectory_answer(tr)) == 1.0
+
+
+def test_selfrl_run_swe_easy_config_works_end_to_end_on_a_tiny_model(tmp_path, tiny_tokenizer, capsys):
+    """`selfrl run --config configs/swe_easy.toml`, one iteration on a tiny model: every turn is
+    decoded under the tier's grammar, so every finished trajectory edited one of the function's
+    lines, and the swe detectors ran."""
+    from conftest import save_tiny_phi
+
+    from selfrl.cli import main
+    from selfrl.store import Store
+
+    model = save_tiny_phi(tmp_path / "model", tiny_tokenizer)
+    args = ["run", "--config", "configs/swe_easy.toml", "--model", str(model), "--run-dir", str(tmp_path / "r"),
+            "--iterations", "1", "--num-prompts", "2", "--num-generations", "2", "--val-size", "2", "--lora-r", "4"]
+    assert main(args) == 0, capsys.readouterr().err
+    env = get_env("swe", tier="easy")
+    with Store(tmp_path / "r" / "selfrl.db") as store:
+        trajs = store.trajectories()
+        metrics = {row["name"] for row in store.metrics()}
+    assert len(trajs) == 4 and all(t.constraints and t.constraints[0]["kind"] == "tool_call" for t in trajs)
+    by_id = {t.id: t for t in env._ordered()}
+    for t in trajs:
+        if t.truncated:
+            continue
+        [call] = t.tool_calls
+        assert call.arguments["old"] in env.views[by_id[t.task_id].metadata["instance_id"]].choices
+    assert {f"hacking/{n}" for n in SWE_DETECTORS} <= metrics
