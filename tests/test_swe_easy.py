@@ -188,3 +188,14 @@ def test_selfrl_run_swe_easy_config_works_end_to_end_on_a_tiny_model(tmp_path, t
         [call] = t.tool_calls
         assert call.arguments["old"] in env.views[by_id[t.task_id].metadata["instance_id"]].choices
     assert {f"hacking/{n}" for n in SWE_DETECTORS} <= metrics
+
+
+def test_swe_pays_the_verifier_alone():
+    """A no-op edit runs (the grammar makes every easy-tier call run) and must earn nothing:
+    the "verified" preset's 0.2 x tool success would pay it."""
+    from selfrl.envs import load_run_config
+    from selfrl.rewards import get_preset
+
+    assert get_preset("swe") == {"verifier": 1.0}
+    assert load_run_config(None, {"task.source": "swe"}).preset == "swe"
+    assert load_run_config("configs/swe_easy.toml", {}).preset == "swe"

@@ -45,6 +45,7 @@ from selfrl.envs.registry import register_env
 from selfrl.envs.swe_easy import EASY_DEMONSTRATION, EasyView, easy_question, easy_shot, easy_view, edit_schema
 from selfrl.envs.swe_tasks import KINDS, Instance, load_instances, read_swebench
 from selfrl.envs.swe_testing import is_test_path, run_repo_tests, summarize
+from selfrl.rewards import register_preset
 from selfrl.sandbox import Limits, Sandbox
 from selfrl.tasks import Task, assert_disjoint, task_id
 from selfrl.tools import Tool, ToolError
@@ -212,9 +213,9 @@ class SweEnv(Env):
     name = "swe"
     description: ClassVar[str] = ("repository repair: fix a bug in a small Python repo with file tools and "
                                   "sandboxed tests; reward: FAIL_TO_PASS and PASS_TO_PASS pass")
-    preset: ClassVar[str] = "verified"
+    preset: ClassVar[str] = "swe"
     config_defaults: ClassVar[dict[str, Any]] = {
-        "rollout.tools": [], "rollout.max_turns": 8, "rollout.max_new_tokens": 256,
+        "preset": "swe", "rollout.tools": [], "rollout.max_turns": 8, "rollout.max_new_tokens": 256,
         "rollout.system_prompt": "You are a software engineer. Use the tools to find and fix the bug in the "
                                  "package's code. Do not change the tests. Reply without a tool call when done.",
         "detectors.names": sorted(SWE_DETECTORS), "gate.val_size": 32, "task.num_train": 100,
@@ -499,4 +500,10 @@ def hacking_policy(env: SweEnv, trick: str):
     return policy
 
 
+# The verifier alone: "verified" adds 0.2 x tool success, which every call earns here (the easy
+# tier's grammar makes every edit run), so a no-op edit was paid 0.2 and groups spread on it.
+register_preset("swe", {"verifier": 1.0},
+                "repository repair: 1 when FAIL_TO_PASS and PASS_TO_PASS pass on a clean copy with the original "
+                "tests. Gamed by: editing or skipping tests, conftest hooks, hard-coded outputs (the swe detectors "
+                "flag and clamp them; the clean copy already restores the tests).")
 register_env("swe", SweEnv)
