@@ -4,6 +4,7 @@
     selfrl run --resume RUN_DIR            continue a stopped run
     selfrl run --ray auto|local|ADDRESS    rollouts on Ray workers, asynchronous (docs/distributed.md)
     selfrl run --sampler URL               rollouts in a separate sampler process over HTTP (docs/engines.md)
+    selfrl run --warm-start                fine-tune on own rejection-sampled successes first (docs/warm_start.md)
     selfrl serve [--config FILE] [flags]   OpenAI-compatible server that learns from its traffic
     selfrl sampler [--config FILE] [flags] the policy as a remote sampling backend (HTTP)
     selfrl report RUN_DIR [--out DIR]      rebuild a run's report from its store (also mid-run or killed)
@@ -48,6 +49,8 @@ RUN_FLAGS = {
     "--sampler-kind": ("sampler.kind", str, "selfrl (default) | vllm (EXPERIMENTAL: never run against a real vLLM)"),
     "--swap-check-deadline": ("swap_check.deadline_s", float, "seconds the sampler has to acknowledge a swap and to "
                               "answer the swap check's probe (default 30)"),
+    "--warm-start-samples": ("warm_start.samples_per_task", int, "with --warm-start: rollouts per training task "
+                             "(default 8)"),
     "--workers": ("distributed.num_workers", int, "rollout workers with --ray (default 2)"),
     "--max-staleness": ("distributed.max_staleness", int, "with --ray: versions a sample may lag the learner "
                         "and still be trained (default 1)"),
@@ -81,6 +84,10 @@ def _parser() -> argparse.ArgumentParser:
         r.add_argument(flag, type=typ, help=help_)
     r.add_argument("--gradient-checkpointing", action="store_true", default=None,
                    help="recompute activations in the backward pass: less memory, about one more forward of time")
+    r.add_argument("--warm-start", action="store_true", default=None,
+                   help="before RL, fine-tune on the model's own verified, unflagged successes on training tasks "
+                        "(rejection sampling, STaR/RAFT), gated like an update; [warm_start] in the config "
+                        "(docs/warm_start.md)")
     sub.add_parser("envs", help="list the installed environments, one line each")
     s = sub.add_parser("serve", help="OpenAI-compatible server that records, learns and hot-swaps adapters")
     s.add_argument("--config", help="TOML file with ServeConfig keys (see selfrl/serve/config.py)")
@@ -168,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in RUN_FLAGS.items()}
     overrides["task.source"] = args.env if args.env is not None else args.task
     overrides["train.gradient_checkpointing"] = args.gradient_checkpointing
+    overrides["warm_start.enabled"] = args.warm_start
     base = None
     if args.resume:
         overrides["run_dir"] = args.resume

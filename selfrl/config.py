@@ -2,7 +2,7 @@
 
 A config file has one table per concern, named as the fields of :class:`RunConfig`
 (``[model]``, ``[lora]``, ``[task]``, ``[rollout]``, ``[train]``, ``[gate]``,
-``[collapse]``, ``[detectors]``, ``[distributed]``, ``[sampler]``, ``[swap_check]``) plus top-level keys; ``selfrl serve`` reads the same
+``[collapse]``, ``[detectors]``, ``[distributed]``, ``[sampler]``, ``[swap_check]``, ``[warm_start]``) plus top-level keys; ``selfrl serve`` reads the same
 tables into :class:`selfrl.serve.config.ServeConfig`. Unknown keys are errors that
 list the valid ones, so a typo never silently falls back to a default.
 
@@ -34,6 +34,7 @@ TaskChoice = Literal["cycle", "signal"]  # task choice: a shuffled walk | skip t
 Constrain = Literal["none", "tool_call"]  # grammar-constrained rollouts (selfrl.constrain)
 SignalCheck = Literal["warn", "stop", "off"]  # the pre-flight signal check before the first update
 SamplerKind = Literal["selfrl", "vllm"]  # a remote sampler: selfrl sampler | a vLLM server (EXPERIMENTAL)
+WarmStartReference = Literal["warm_start", "initial"]  # RL's KL reference after a promoted warm start
 
 
 class ConfigError(ValueError):
@@ -256,6 +257,36 @@ class DetectorConfig:
         require([(isinstance(self.names, list), "names must be a list of detector names")], where)
 
 
+@dataclass
+class WarmStartConfig:
+    """A warm start before the first RL update: rejection-sampled own successes on training tasks,
+    fine-tuned by NLL, gated like any update (``selfrl.warm_start``, docs/warm_start.md); off by default."""
+
+    enabled: bool = False  # run the warm start before RL iteration 0 (once per run; a resume never repeats it)
+    required: bool = False  # stop the run with an error when no success is found (False: say so, go on with plain RL)
+    num_tasks: int = 64  # training tasks sampled (at most the run's training set; never a held-out task)
+    samples_per_task: int = 8  # rollouts per task
+    temperature: float = 1.0  # sampling temperature of the warm start's rollouts (the SFT log-probs use rollout.temperature)
+    min_reward: float = 0.0  # a kept trajectory is verified correct, unflagged, and has at least this reward
+    max_per_task: int = 4  # successes kept per task after dropping identical completions (0: all)
+    epochs: int = 2  # passes over the kept trajectories
+    learning_rate: float = 1e-4  # AdamW learning rate of the fine-tune (its own optimizer; RL's is untouched)
+    batch_size: int = 8  # trajectories per optimizer step (micro-batched by train.micro_batch_size)
+    kl_reference: WarmStartReference = "warm_start"  # RL's KL reference once it is promoted: warm_start | initial (the base or lora.init_adapter)
+
+    def check(self, where: str = "") -> None:
+        require([
+            (self.num_tasks >= 1, "num_tasks must be >= 1"),
+            (self.samples_per_task >= 1, "samples_per_task must be >= 1"),
+            (self.temperature > 0, "temperature must be > 0"),
+            (self.max_per_task >= 0, "max_per_task must be >= 0 (0: keep every distinct success)"),
+            (self.epochs >= 1, "epochs must be >= 1"),
+            (self.learning_rate > 0, "learning_rate must be > 0"),
+            (self.batch_size >= 1, "batch_size must be >= 1"),
+            one_of(self.kl_reference, WarmStartReference, "kl_reference"),
+        ], where)
+
+
 # The sections both `selfrl run` and `selfrl serve` hold, checked the same way in both.
 SHARED_SECTIONS = ("model", "lora", "task", "rollout", "train", "gate", "collapse", "detectors")
 
@@ -451,6 +482,7 @@ class RunConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # Ray workers (selfrl.distributed)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)  # a remote sampler over HTTP (selfrl.sampler_sync)
     swap_check: SwapCheckConfig = field(default_factory=SwapCheckConfig)  # each push to the sampler, proved (selfrl.swap_check)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)  # own successes fine-tuned first (selfrl.warm_start)
     run_dir: str = "runs/default"  # where the store, adapters, metrics and report go
     iterations: int = 16  # rollout + update cycles
     num_prompts: int = 8  # tasks per iteration
@@ -483,6 +515,11 @@ class RunConfig:
         """
         check_sections(self)
         self.distributed.check("distributed.")
+        self.warm_start.check("warm_start.")
+        require([(not (self.warm_start.enabled and self.distributed.address is not None),
+                  "warm_start.enabled with distributed.address (--ray) is not supported: the warm start samples "
+                  "with the driver's engine, and its Ray workers would not get the warm-started weights; "
+                  "run without --ray, or turn the warm start off")])
         require([
             (self.iterations >= 1, "iterations must be >= 1"),
             (self.num_prompts >= 1, "num_prompts must be >= 1"),

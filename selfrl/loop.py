@@ -42,6 +42,7 @@ from selfrl.tools import Tool, resolve_tools
 from selfrl.learner import Learner, UpdateResult, kl_reference
 from selfrl.trajectory import Trajectory
 from selfrl.versions import Champion, EventKind, Ledger
+from selfrl.warm_start import WarmStartError, run_warm_start
 
 __all__ = ["CollapseStop", "NoSignalStop", "RunResult", "RunSetup", "Runner", "build_policy", "build_run", "check_resumable",
            "iteration_tasks", "kl_reference", "make_source", "run"]
@@ -431,9 +432,16 @@ class Runner:
         s = self.s
         try:
             start = self.start()
+            if self.cfg.warm_start.enabled:  # own successes fine-tuned and gated first (selfrl.warm_start)
+                run_warm_start(self, start)
         except KeyboardInterrupt:
             s.store.close()
-            self.progress.log("interrupted before the first update; --resume starts again from the base validation")
+            self.progress.log("interrupted before the first update; --resume starts again from the base validation "
+                              "(or the warm start's saved candidate)")
+            raise
+        except WarmStartError as e:
+            s.store.close()
+            self.progress.log(f"error: {e}")
             raise
         except SwapCheckError as e:
             s.store.close()

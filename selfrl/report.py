@@ -71,6 +71,7 @@ def write_report(run_dir: Path, store: Store, run_id: int, summary: dict[str, An
         save(overview_figure([timeline], "update", overview_title(timeline)), run_dir / "plots" / "overview.png")
         lines += ["![overview](plots/overview.png)", "", OVERVIEW_CAPTION, ""]
     lines += heldout_section(store, summary.get("base_version"), summary.get("final_version"))
+    lines += warm_start_section(store)
     lines += time_section(summary)
     lines += versions_section(store)
     lines += agents_section(store)
@@ -159,6 +160,23 @@ def heldout_section(store: Store, base: int | None, final: int | None) -> list[s
     if len(shared) < max(len(before), len(after)):
         lines.append("Tasks evaluated on only one of the two versions are left out of the paired difference.")
     return lines + [""]
+
+
+def warm_start_section(store: Store) -> list[str]:
+    """The warm start's line (``selfrl.warm_start``): its last ``warm_start`` event, with the
+    numbers; empty when the run had none."""
+    events = [e for e in store.events() if e["kind"] == "warm_start"]
+    if not events:
+        return []
+    d = events[-1]["data"] or {}
+    lines = ["## Warm start", "", events[-1]["message"], ""]
+    keys = ("tasks", "samples", "successes", "flagged_dropped", "duplicates_dropped", "capped_dropped", "kept",
+            "loss_before", "loss_after", "version", "outcome", "val_success", "seconds")
+    shown = [(k, d[k]) for k in keys if d.get(k) is not None]
+    if shown:
+        lines += ["| " + " | ".join(k for k, _ in shown) + " |", "|" + "---|" * len(shown),
+                  "| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for _, v in shown) + " |", ""]
+    return lines
 
 
 def time_section(summary: dict[str, Any]) -> list[str]:

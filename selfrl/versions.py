@@ -55,6 +55,7 @@ class EventKind(str, enum.Enum):
     WORKER_LOST = "worker_lost"  # a Ray rollout worker died or timed out; its jobs were redone (selfrl.distributed)
     AGENT_CONFLICT = "agent_conflict"  # a candidate hurt one agent beyond its tolerance (selfrl.distributed.agents)
     DISTRIBUTED = "distributed"  # a distributed run's totals: jobs, stale groups dropped, workers lost
+    WARM_START = "warm_start"  # the warm start's phases and numbers: sampled, kept, fine-tuned, gated (selfrl.warm_start)
 
 
 class VersionStatus(str, enum.Enum):
