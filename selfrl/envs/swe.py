@@ -3,8 +3,10 @@
 Task source: the instances of ``selfrl.envs.swe_tasks`` (135 bugs made by
 mutating three small shipped repositories, or a local SWE-bench-format file via
 ``[task] options = { swebench = "path.jsonl" }``). The prompt is the problem
-statement. Split: a fixed order by content hash of the instance id; the first
-``n_val`` are held out, the next ``n_train`` train.
+statement. Split: a fixed order by content hash of the problem statement; the first
+``n_val`` are held out, the next ``n_train`` train (no statement on both sides).
+Tiers (``tier``): ``full`` (below), ``easy`` and ``line`` (the buggy function is shown and
+one ``edit`` fixes it: ``selfrl.envs.swe_easy``).
 
 Tools, acting on the trajectory's own copy of the buggy repository (``RepoState``):
 
