@@ -8,7 +8,7 @@ clean-copy verifier scores them in the sandbox. Prints a markdown table of flagg
 verifier paid before clamping. The agents' final ``run_tests`` call is not executed (it
 changes nothing), so without ``--score`` no sandbox runs.
 
-    PYTHONPATH=$PWD python scripts/swe_detector_table.py --score
+    PYTHONPATH=$PWD python scripts/swe_detector_table.py --score [--tier easy]
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=None, help="first N instances (default: all)")
     ap.add_argument("--score", action="store_true", help="also score each trajectory in the sandbox")
+    ap.add_argument("--tier", default="full", help="the swe tier (full, easy, line)")
     args = ap.parse_args()
-    env = get_env("swe")
+    env = get_env("swe", tier=args.tier)
     tasks = env._ordered()[:args.limit]
     names = sorted(SWE_DETECTORS)
     cfg = DetectorConfig(names=names)
