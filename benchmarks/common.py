@@ -169,6 +169,17 @@ def tiny_model_dir(path: Path) -> str:
     return str(path)
 
 
+def save_phi(path: Path, hidden: int, layers: int, eos_bias: float = 3.0) -> str:
+    """A random Phi (``hidden`` wide, ``layers`` deep, 4 heads, output bias ``eos_bias`` at EOS, seed 0)
+    and the tests' tiny tokenizer, saved in ``path`` by :func:`selfrl.testing.save_tiny_phi`;
+    returns it as a model path (the learning benchmarks' model)."""
+    from selfrl.testing import build_tiny_tokenizer, save_tiny_phi
+
+    return str(save_tiny_phi(path, build_tiny_tokenizer(), 0, eos_bias, hidden_size=hidden,
+                             intermediate_size=4 * hidden, num_hidden_layers=layers, num_key_value_heads=4,
+                             max_position_embeddings=2048, initializer_range=0.02))
+
+
 def model_name(args: argparse.Namespace, workdir: Path) -> str:
     """The real embedded model, or a tiny one saved under ``workdir`` with ``--tiny``."""
     return tiny_model_dir(Path(workdir) / "tiny-model") if args.tiny else REAL_MODEL
