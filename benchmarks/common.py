@@ -203,24 +203,17 @@ def bench_config(args: argparse.Namespace, config: Path, prefix: str, tiny: dict
     return load_config(config, merged)
 
 
-def train_split(cfg) -> tuple[list, list]:
-    """(the training tasks, the tools) of run config ``cfg``, split as ``selfrl run`` splits them."""
+def first_batch(cfg) -> tuple[list, list]:
+    """(the tasks of ``selfrl run``'s first iteration, each ``cfg.num_generations`` times in a row, the tools)
+    of run config ``cfg``: one rollout batch of ``cfg.num_prompts * cfg.num_generations`` trajectories."""
+    from selfrl.loop import iteration_tasks
     from selfrl.tasks import get_task_source, split_tasks
     from selfrl.tools import resolve_tools
 
     source = get_task_source(cfg.task.source, **cfg.task.options)
     train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
-    return train, resolve_tools(cfg.rollout.tools)
-
-
-def first_batch(cfg) -> tuple[list, list]:
-    """(the tasks of ``selfrl run``'s first iteration, each ``cfg.num_generations`` times in a row, the tools):
-    one rollout batch of ``cfg.num_prompts * cfg.num_generations`` trajectories."""
-    from selfrl.loop import iteration_tasks
-
-    train, tools = train_split(cfg)
     batch = iteration_tasks(train, 0, cfg.num_prompts, cfg.task.train_seed)
-    return [t for t in batch for _ in range(cfg.num_generations)], tools
+    return [t for t in batch for _ in range(cfg.num_generations)], resolve_tools(cfg.rollout.tools)
 
 
 def run_clients(client: Callable[[int], None], clients: int) -> float:
