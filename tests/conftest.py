@@ -17,6 +17,7 @@ from selfrl.testing import (  # noqa: F401 (re-exported for the tests)
     build_tiny_tokenizer,
     save_tiny_phi,
 )
+from serving import SERVE_ENGINES, running_server, serve_config
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +48,21 @@ def tiny_model(tiny_model_factory):
 def tiny_peft_model(tiny_model_factory):
     """A fresh LoRA-wrapped tiny Llama per test."""
     return tiny_model_factory(lora=True)
+
+
+@pytest.fixture(scope="module", params=SERVE_ENGINES)
+def server(request, tiny_tokenizer, tiny_model_factory, tmp_path_factory):
+    """``(base_url, service)`` of a real server on loopback around a LoRA tiny model (EOS bias
+    3.0), one per test module and serve engine. A module may override it (its own ``server``)."""
+    model = tiny_model_factory(lora=True, eos_bias=3.0)
+    cfg = serve_config(tmp_path_factory.mktemp("serve"), request.param)
+    with running_server(model, tiny_tokenizer, cfg) as (url, service):
+        yield url, service
+
+
+@pytest.fixture
+def client(server):
+    """The real ``openai`` client against the module's ``server`` (no API key, no retries)."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)

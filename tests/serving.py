@@ -18,6 +18,9 @@ from selfrl.serve.config import ServeConfig
 from selfrl.serve.service import Service
 
 API_KEY = "test-key-0123456789abcdef"
+CALC = {"type": "function", "function": {  # an OpenAI tool definition, as clients send it
+    "name": "calculator", "description": "Evaluate arithmetic.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
 
 
 def tiny_serve_config(run_dir, **learner) -> ServeConfig:
