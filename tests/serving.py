@@ -83,6 +83,22 @@ def add_version(service: Service, state: dict, version: int, parent: int = 0, st
         service.store.add_version(version, parent, str(path), status, metrics or {})
 
 
+def rated_turns(service: Service, n: int = 4) -> list[tuple]:
+    """``n`` served turns of one group (``"arith"``), rated +1 / -1 in turn and stored as the
+    server stores them: the ``(trajectory, info)`` batch a learner update takes."""
+    from selfrl.serve import records
+    from selfrl.trajectory import Trajectory
+
+    batch = []
+    with service.store.lock:
+        for i in range(n):
+            t = Trajectory("arith", "arith", service.engine.version, prompt_len=3, token_ids=[5, 6, 7, 10 + i, 11],
+                           completion_mask=[0, 0, 0, 1, 1], logprobs=[0.0] * 5)
+            records.add_turn(service.store, service.run_id, t, t.id, 0, t.id, "arith", t.id)
+            batch.append((t, {"feedback": (-1.0) ** i, "group_key": "arith"}))
+    return batch
+
+
 def http(method: str, url: str, body=None, raw: bytes | None = None, key: str | None = None) -> tuple[int, dict]:
     """A plain HTTP call (stdlib): returns ``(status, decoded JSON body)``."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
