@@ -66,3 +66,27 @@ def client(server):
     from openai import OpenAI
 
     return OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def short(traj, ctx):
+    """Test reward: 1 for an immediate EOS, 0 at 24 completion tokens (the token limit of both
+    turns of ``tests/test_loop.py``'s run: ``max_new_tokens`` 12, ``max_turns`` 2)."""
+    return 1.0 - traj.num_completion_tokens / 24
+
+
+@pytest.fixture(scope="module")
+def short_reward():
+    """:func:`short` registered as the reward ``"short"`` for the test module."""
+    from selfrl.rewards import REWARD_FUNCS
+
+    mp = pytest.MonkeyPatch()
+    mp.setitem(REWARD_FUNCS, "short", short)
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny_tokenizer):
+    """A tiny Phi saved to disk (:func:`save_tiny_phi`), one per test module, loaded as a user's model.
+    A module may override it."""
+    return save_tiny_phi(tmp_path_factory.mktemp("model"), tiny_tokenizer)
