@@ -41,9 +41,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import loadavg, machine, write_result  # noqa: E402
+from common import loadavg, machine, save_phi, write_result  # noqa: E402
 
 from selfrl.envs.arithmetic import ReasoningGymEnv  # noqa: E402
 
@@ -74,30 +73,6 @@ def length_goal(traj, ctx) -> float:
     env = source.env(ctx.task)[0] if hasattr(source, "envs") else source
     share = min(traj.num_completion_tokens / LIMIT[0], 1.0)
     return share if env.direction == "long" else 1.0 - share
-
-
-def save_phi(path: Path, hidden: int, layers: int, eos_bias: float) -> str:
-    """A random Phi and the tests' tiny tokenizer, saved as a model folder (as bench_distributed's,
-    with the EOS bias as a parameter)."""
-    import torch
-    from conftest import build_tiny_tokenizer
-    from transformers import PhiConfig, PhiForCausalLM
-
-    tok = build_tiny_tokenizer()
-    eos = tok.eos_token_id
-    cfg = PhiConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048, eos_token_id=eos,
-                    pad_token_id=eos, bos_token_id=None, tie_word_embeddings=False, initializer_range=0.02)
-    torch.manual_seed(0)
-    model = PhiForCausalLM(cfg)
-    with torch.no_grad():
-        model.lm_head.bias.zero_()
-        model.lm_head.bias[eos] = eos_bias
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = eos
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
 
 
 def make_cfg(model: str, run_dir: Path, args, mode: str):

@@ -20,11 +20,10 @@
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Stats, base_parser, envelope, finish, model_name, print_table, timed  # noqa: E402
+from common import Stats, base_parser, bench_config, envelope, finish, first_batch, print_table, timed  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
 
@@ -69,30 +68,19 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     import torch
 
-    from selfrl.config import load_config
     from selfrl.engine import Engine
-    from selfrl.loop import build_policy, iteration_tasks
+    from selfrl.loop import build_policy
     from selfrl.rollout import rollout
-    from selfrl.tasks import get_task_source, split_tasks
-    from selfrl.tools import resolve_tools
     from selfrl.learner import Learner
 
     result = envelope(args, "python benchmarks/bench_ceiling.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-    overrides = {"model.name": model_name(args, Path(tempfile.mkdtemp(prefix="bench-ceiling-")))}
-    if args.tiny:
-        overrides.update({"num_prompts": 2, "num_generations": 2, "rollout.max_new_tokens": 8, "task.num_train": 8,
-                          "gate.val_size": 2})
-    cfg = load_config(CONFIG, overrides)
+    cfg = bench_config(args, CONFIG, "bench-ceiling-")
     n = 256 if args.tiny else 4096
     flops = matmul_flops(n, args.repeats)
 
     model, tok = build_policy(cfg)
     engine = Engine(model, tok)
-    source = get_task_source(cfg.task.source, **cfg.task.options)
-    train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
-    batch = iteration_tasks(train, 0, cfg.num_prompts, cfg.task.train_seed)
-    tasks = [t for t in batch for _ in range(cfg.num_generations)]
-    tools = resolve_tools(cfg.rollout.tools)
+    tasks, tools = first_batch(cfg)
     one_turn = type(cfg.rollout)(**{**cfg.rollout.__dict__, "max_turns": 1})
     trajs_box = []
 

@@ -21,10 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import loadavg, machine, print_table, write_result  # noqa: E402
+from common import loadavg, machine, print_table, save_phi, write_result  # noqa: E402
 
 
 def short(traj, ctx):
@@ -33,28 +31,6 @@ def short(traj, ctx):
 
 
 ctx_limit = [32]
-
-
-def save_phi(path: Path, hidden: int, layers: int) -> str:
-    import torch
-    from conftest import build_tiny_tokenizer
-    from transformers import PhiConfig, PhiForCausalLM
-
-    tok = build_tiny_tokenizer()
-    eos = tok.eos_token_id
-    cfg = PhiConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048, eos_token_id=eos,
-                    pad_token_id=eos, bos_token_id=None, tie_word_embeddings=False, initializer_range=0.02)
-    torch.manual_seed(0)
-    model = PhiForCausalLM(cfg)
-    with torch.no_grad():
-        model.lm_head.bias.zero_()
-        model.lm_head.bias[eos] = 3.0
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = eos
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
 
 
 def make_cfg(model: str, run_dir: Path, args):

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ceiling import CONFIG, matmul_flops, matmul_params  # noqa: E402
-from common import Stats, base_parser, envelope, finish, model_name, print_table  # noqa: E402
+from common import (  # noqa: E402
+    Stats, base_parser, bench_config, envelope, finish, first_batch, print_table, run_clients,
+)
 
 QUESTIONS = ["What is 17 + 25?", "Name three colours.", "Write one sentence about the sea.", "What is 9 * 8?",
              "Say hello in French.", "Count from one to five.", "What is the capital of Italy?", "Add 38 and 47."]
@@ -69,13 +70,7 @@ def serve_level(engine, tok, clients: int, requests: int, max_tokens: int, max_b
                 latency.append(t1 - t0)
                 tokens.append(len(gen.token_ids))
 
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-    t = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t
+    wall = run_clients(client, clients)
     batcher.close()
     return {"clients": clients, "requests": clients * requests, "ttft_s": Stats.of(ttft),
             "ttft_p50_s": statistics.median(ttft), "latency_s": Stats.of(latency),
@@ -93,18 +88,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     import torch
 
-    from selfrl.config import load_config
     from selfrl.engines import make_engine
-    from selfrl.loop import build_policy, iteration_tasks
-    from selfrl.tasks import get_task_source, split_tasks
-    from selfrl.tools import resolve_tools
+    from selfrl.loop import build_policy
 
     result = envelope(args, "python benchmarks/bench_engines.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-    overrides = {"model.name": model_name(args, Path(tempfile.mkdtemp(prefix="bench-engines-")))}
-    if args.tiny:
-        overrides.update({"num_prompts": 2, "num_generations": 2, "rollout.max_new_tokens": 8, "task.num_train": 8,
-                          "gate.val_size": 2})
-    cfg = load_config(CONFIG, overrides)
+    cfg = bench_config(args, CONFIG, "bench-engines-")
     names = args.engines.split(",")
     flops = matmul_flops(256 if args.tiny else 4096, max(1, args.repeats))
     model, tok = build_policy(cfg)
@@ -115,11 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "generation_bound_tokens_per_s": bound, "torch_threads": torch.get_num_threads()})
 
     if not args.skip_rollouts:
-        source = get_task_source(cfg.task.source, **cfg.task.options)
-        train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
-        batch = iteration_tasks(train, 0, cfg.num_prompts, cfg.task.train_seed)
-        tasks = [t for t in batch for _ in range(cfg.num_generations)]
-        tools = resolve_tools(cfg.rollout.tools)
+        tasks, tools = first_batch(cfg)
         times = {n: [] for n in names}
         toks = {n: [] for n in names}
         for n in names:  # warm-up (allocations, first prefix)

@@ -36,7 +36,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import base_parser, envelope, finish, model_name, print_table  # noqa: E402
+from common import base_parser, bench_config, envelope, finish, model_name, print_table  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
 
@@ -173,7 +173,6 @@ def main(argv: list[str] | None = None) -> Path:
 
     import torch
 
-    from selfrl.config import load_config
     from selfrl.engines import make_engine
     from selfrl.loop import build_policy, iteration_tasks
     from selfrl.rewards import get_preset, score_batch
@@ -181,11 +180,8 @@ def main(argv: list[str] | None = None) -> Path:
     from selfrl.tasks import get_task_source, split_tasks
     from selfrl.tools import resolve_tools
 
-    overrides = {"model.name": model_name(args, Path(tempfile.mkdtemp(prefix="bench-parity-"))), "preset": args.preset}
-    if args.tiny:
-        overrides.update({"num_prompts": 2, "num_generations": 4, "rollout.max_new_tokens": 8, "task.num_train": 16,
-                          "gate.val_size": 2})
-    cfg = load_config(CONFIG, overrides)
+    tiny = {"num_prompts": 2, "num_generations": 4, "rollout.max_new_tokens": 8, "task.num_train": 16, "gate.val_size": 2}
+    cfg = bench_config(args, CONFIG, "bench-parity-", tiny, preset=args.preset)
     names = args.engines.split(",")
     model, tok = build_policy(cfg)
     engines = {n: make_engine(n, model, tok) for n in names}

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Stats, base_parser, envelope, finish, loadavg, model_name, print_table  # noqa: E402
+from common import Stats, base_parser, envelope, finish, loadavg, model_name, print_table, run_clients  # noqa: E402
 
 QUESTIONS = ["What is 17 + 25?", "Name three colours.", "Write one sentence about the sea.", "What is 9 * 8?",
              "Say hello in French.", "Count from one to five.", "What is the capital of Italy?", "Add 38 and 47."]
@@ -115,13 +115,7 @@ def serve_level(url: str, clients: int, requests: int, max_tokens: int, extra_bo
                 latency.append(lat)
                 tokens.append(n)
 
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-    t = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t
+    wall = run_clients(client, clients)
     if not ttft:
         raise RuntimeError(f"every request failed: {errors[:3]}")
     return {"clients": clients, "requests": len(ttft), "errors": errors, "ttft_s": Stats.of(ttft),

@@ -17,6 +17,8 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -26,6 +28,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 REAL_MODEL = "embedded:smollm2-135m-instruct"
+# --tiny: a rollout batch of 2 prompts x 2 generations of at most 8 tokens, seconds on a CPU
+TINY_RUN = {"num_prompts": 2, "num_generations": 2, "rollout.max_new_tokens": 8, "task.num_train": 8,
+            "gate.val_size": 2}
 
 
 @dataclass
@@ -169,9 +174,58 @@ def tiny_model_dir(path: Path) -> str:
     return str(path)
 
 
+def save_phi(path: Path, hidden: int, layers: int, eos_bias: float = 3.0) -> str:
+    """A random Phi (``hidden`` wide, ``layers`` deep, 4 heads, output bias ``eos_bias`` at EOS, seed 0)
+    and the tests' tiny tokenizer, saved in ``path`` by :func:`selfrl.testing.save_tiny_phi`;
+    returns it as a model path (the learning benchmarks' model)."""
+    from selfrl.testing import build_tiny_tokenizer, save_tiny_phi
+
+    return str(save_tiny_phi(path, build_tiny_tokenizer(), 0, eos_bias, hidden_size=hidden,
+                             intermediate_size=4 * hidden, num_hidden_layers=layers, num_key_value_heads=4,
+                             max_position_embeddings=2048, initializer_range=0.02))
+
+
 def model_name(args: argparse.Namespace, workdir: Path) -> str:
     """The real embedded model, or a tiny one saved under ``workdir`` with ``--tiny``."""
     return tiny_model_dir(Path(workdir) / "tiny-model") if args.tiny else REAL_MODEL
+
+
+def bench_config(args: argparse.Namespace, config: Path, prefix: str, tiny: dict[str, Any] | None = None,
+                 **overrides: Any):
+    """The run config at ``config`` with ``model.name`` = :func:`model_name` (a tiny model saved in a
+    fresh temporary folder named ``prefix...`` with ``--tiny``), ``overrides`` (dotted keys) and, with
+    ``--tiny``, ``tiny`` (default :data:`TINY_RUN`) on top; a :class:`selfrl.config.RunConfig`."""
+    from selfrl.config import load_config
+
+    merged = {"model.name": model_name(args, Path(tempfile.mkdtemp(prefix=prefix))), **overrides}
+    if args.tiny:
+        merged.update(TINY_RUN if tiny is None else tiny)
+    return load_config(config, merged)
+
+
+def first_batch(cfg) -> tuple[list, list]:
+    """(the tasks of ``selfrl run``'s first iteration, each ``cfg.num_generations`` times in a row, the tools)
+    of run config ``cfg``: one rollout batch of ``cfg.num_prompts * cfg.num_generations`` trajectories."""
+    from selfrl.loop import iteration_tasks
+    from selfrl.tasks import get_task_source, split_tasks
+    from selfrl.tools import resolve_tools
+
+    source = get_task_source(cfg.task.source, **cfg.task.options)
+    train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
+    batch = iteration_tasks(train, 0, cfg.num_prompts, cfg.task.train_seed)
+    return [t for t in batch for _ in range(cfg.num_generations)], resolve_tools(cfg.rollout.tools)
+
+
+def run_clients(client: Callable[[int], None], clients: int) -> float:
+    """Run ``client(0)`` ... ``client(clients - 1)`` at once, each in its own thread; returns the
+    wall seconds from the first start to the last end."""
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return time.perf_counter() - t
 
 
 def run_child(argv: list[str], result_file: Path, timeout: float | None = None) -> dict[str, Any]:

@@ -128,17 +128,28 @@ def add_lora(model, seed: int = 0, r: int = 4, default_init: bool = False):
     return get_peft_model(model, cfg).eval()
 
 
-def save_tiny_phi(path, tokenizer, seed=0, eos_bias=2.0):
+def save_tiny_phi(path, tokenizer, seed=0, eos_bias=2.0, **config_overrides):
     """Save a random 2-layer Phi (output bias ``eos_bias`` at EOS, so turns end) and
-    ``tokenizer`` to ``path``, as a local model folder for ``selfrl run --model``; returns ``path``."""
+    ``tokenizer`` to ``path``, as a local model folder for ``selfrl run --model``; returns ``path``.
+
+    ``config_overrides`` replace the tiny defaults of the ``PhiConfig`` (``hidden_size``,
+    ``num_hidden_layers``, ...); the benchmarks use them for their larger sizes.
+
+    Raises:
+        TypeError: an override is not a ``PhiConfig`` field this function sets.
+    """
     from transformers import PhiConfig, PhiForCausalLM
 
     eos = tokenizer.eos_token_id
-    config = PhiConfig(
+    fields = dict(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         eos_token_id=eos, pad_token_id=eos, bos_token_id=None, tie_word_embeddings=False, initializer_range=0.1,
     )
+    unknown = sorted(set(config_overrides) - set(fields))
+    if unknown:
+        raise TypeError(f"save_tiny_phi: unknown config override(s) {unknown}; valid: {sorted(fields)}")
+    config = PhiConfig(**{**fields, **config_overrides})
     torch.manual_seed(seed)
     model = PhiForCausalLM(config)
     with torch.no_grad():

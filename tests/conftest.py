@@ -17,6 +17,7 @@ from selfrl.testing import (  # noqa: F401 (re-exported for the tests)
     build_tiny_tokenizer,
     save_tiny_phi,
 )
+from serving import SERVE_ENGINES, running_server, serve_config
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +48,45 @@ def tiny_model(tiny_model_factory):
 def tiny_peft_model(tiny_model_factory):
     """A fresh LoRA-wrapped tiny Llama per test."""
     return tiny_model_factory(lora=True)
+
+
+@pytest.fixture(scope="module", params=SERVE_ENGINES)
+def server(request, tiny_tokenizer, tiny_model_factory, tmp_path_factory):
+    """``(base_url, service)`` of a real server on loopback around a LoRA tiny model (EOS bias
+    3.0), one per test module and serve engine. A module may override it (its own ``server``)."""
+    model = tiny_model_factory(lora=True, eos_bias=3.0)
+    cfg = serve_config(tmp_path_factory.mktemp("serve"), request.param)
+    with running_server(model, tiny_tokenizer, cfg) as (url, service):
+        yield url, service
+
+
+@pytest.fixture
+def client(server):
+    """The real ``openai`` client against the module's ``server`` (no API key, no retries)."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def short(traj, ctx):
+    """Test reward: 1 for an immediate EOS, 0 at 24 completion tokens (the token limit of both
+    turns of ``tests/test_loop.py``'s run: ``max_new_tokens`` 12, ``max_turns`` 2)."""
+    return 1.0 - traj.num_completion_tokens / 24
+
+
+@pytest.fixture(scope="module")
+def short_reward():
+    """:func:`short` registered as the reward ``"short"`` for the test module."""
+    from selfrl.rewards import REWARD_FUNCS
+
+    mp = pytest.MonkeyPatch()
+    mp.setitem(REWARD_FUNCS, "short", short)
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny_tokenizer):
+    """A tiny Phi saved to disk (:func:`save_tiny_phi`), one per test module, loaded as a user's model.
+    A module may override it."""
+    return save_tiny_phi(tmp_path_factory.mktemp("model"), tiny_tokenizer)

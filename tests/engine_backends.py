@@ -7,16 +7,37 @@ backend against a second copy, so a backend may share the weights (in process) o
 load them elsewhere (a server in another process, on another device). A backend
 that needs hardware this machine lacks is listed with a skip reason in
 ``UNAVAILABLE`` instead of being left out silently.
+
+Also here: the chat prompts the engine tests sample from and the naive log-prob
+recomputation they check sampled log-probs against (``tests/test_engine.py`` too).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
+from selfrl.chat import prompt_ids
 from selfrl.engines import ENGINES
 from selfrl.engines.base import SamplingEngine
 
 BackendFactory = Callable[..., SamplingEngine]
+QUESTIONS = ["Hi", "What is 17+25? Use the calculator.", "Add 1, 2, 3, 4, 5, 6, 7, 8, 9 and 10, then say the total."]
+
+
+def chat_prompts(tok) -> list[list[int]]:
+    """Chat-template prompts of different lengths (each holds EOS = pad ids inside), sharing a > 16-token prefix."""
+    return [prompt_ids(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+def naive_logps(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+    """(n,) log-probs of ``completion`` after ``prompt`` from full-vocabulary logits of one unpadded row."""
+    ids = torch.tensor([prompt + completion])  # (1, T)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float() / temperature  # (T, V)
+    pred = logits[len(prompt) - 1:-1]  # (n, V): position t predicts token t+1
+    return torch.log_softmax(pred, dim=-1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)  # (n,)
 
 
 def _in_process(name: str) -> BackendFactory:

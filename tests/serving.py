@@ -18,6 +18,9 @@ from selfrl.serve.config import ServeConfig
 from selfrl.serve.service import Service
 
 API_KEY = "test-key-0123456789abcdef"
+CALC = {"type": "function", "function": {  # an OpenAI tool definition, as clients send it
+    "name": "calculator", "description": "Evaluate arithmetic.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
 
 
 def tiny_serve_config(run_dir, **learner) -> ServeConfig:
@@ -78,6 +81,22 @@ def add_version(service: Service, state: dict, version: int, parent: int = 0, st
     with service.store.lock:
         path = adapters.save_version(holder, service.run_dir, version)
         service.store.add_version(version, parent, str(path), status, metrics or {})
+
+
+def rated_turns(service: Service, n: int = 4) -> list[tuple]:
+    """``n`` served turns of one group (``"arith"``), rated +1 / -1 in turn and stored as the
+    server stores them: the ``(trajectory, info)`` batch a learner update takes."""
+    from selfrl.serve import records
+    from selfrl.trajectory import Trajectory
+
+    batch = []
+    with service.store.lock:
+        for i in range(n):
+            t = Trajectory("arith", "arith", service.engine.version, prompt_len=3, token_ids=[5, 6, 7, 10 + i, 11],
+                           completion_mask=[0, 0, 0, 1, 1], logprobs=[0.0] * 5)
+            records.add_turn(service.store, service.run_id, t, t.id, 0, t.id, "arith", t.id)
+            batch.append((t, {"feedback": (-1.0) ** i, "group_key": "arith"}))
+    return batch
 
 
 def http(method: str, url: str, body=None, raw: bytes | None = None, key: str | None = None) -> tuple[int, dict]:

@@ -2,26 +2,9 @@ import pytest
 import torch
 from peft import get_peft_model_state_dict
 
-from selfrl.chat import prompt_ids
 from selfrl.engine import Engine, Generation, eos_ids
 from selfrl.rl.logprobs import per_token_logps
-
-QUESTIONS = ["Hi", "What is 17+25? Use the calculator.", "Add 1, 2, 3, 4, 5, 6, 7, 8, 9 and 10, then say the total."]
-
-
-def chat_prompts(tok):
-    """Chat-template prompts of different lengths; each holds EOS (= pad) ids inside."""
-    return [prompt_ids(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
-
-
-def naive_logps(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
-    """(n,) log-probs of ``completion`` after ``prompt`` from full-vocabulary logits of one unpadded row."""
-    ids = torch.tensor([prompt + completion])  # (1, T)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0].float() / temperature  # (T, V)
-    pred = logits[len(prompt) - 1:-1]  # (n, V): position t predicts token t+1
-    return torch.log_softmax(pred, dim=-1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)  # (n,)
-
+from tests.engine_backends import chat_prompts, naive_logps
 
 def batched_logps(model, rows: list[tuple[list[int], list[int]]], temperature: float) -> list[torch.Tensor]:
     """``per_token_logps`` over right-padded (prompt, completion) rows; one (n_i,) tensor per row."""

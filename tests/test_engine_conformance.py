@@ -18,12 +18,10 @@ import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
 from selfrl import adapters
-from selfrl.chat import prompt_ids
 from selfrl.engines.base import EngineHealth, Generation, SamplingEngine
-from tests.engine_backends import BACKENDS, UNAVAILABLE
+from tests.engine_backends import BACKENDS, UNAVAILABLE, chat_prompts, naive_logps
 
 ATOL = 1e-5  # fp32: sampled logprobs equal the recomputed ones to this
-QUESTIONS = ["Hi", "What is 17+25? Use the calculator.", "Add 1, 2, 3, 4, 5, 6, 7, 8, 9 and 10, then say the total."]
 
 PARAMS = [pytest.param(name, id=name) for name in BACKENDS] + [
     pytest.param(name, id=name, marks=pytest.mark.skip(reason=why)) for name, why in UNAVAILABLE.items()
@@ -34,20 +32,6 @@ PARAMS = [pytest.param(name, id=name) for name in BACKENDS] + [
 def backend(request):
     """``make(model, tokenizer, version=0)`` for one backend."""
     return BACKENDS.get(request.param)
-
-
-def chat_prompts(tok) -> list[list[int]]:
-    """Chat prompts of different lengths (each holds EOS = pad ids), sharing a > 16-token prefix."""
-    return [prompt_ids(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
-
-
-def naive_logps(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
-    """(n,) log-probs of ``completion`` after ``prompt`` from one unpadded row's full logits."""
-    ids = torch.tensor([prompt + completion])  # (1, T)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0].float() / temperature  # (T, V)
-    pred = logits[len(prompt) - 1:-1]  # (n, V): position t predicts token t+1
-    return torch.log_softmax(pred, dim=-1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)  # (n,)
 
 
 def served(backend, model, tok, version: int = 0) -> SamplingEngine:

@@ -14,7 +14,6 @@ from typing import Annotated
 
 import pytest
 from pydantic import Field
-from openai import OpenAI
 
 from selfrl.serve import records
 from serving import API_KEY, SERVE_ENGINES, http, running_server, serve_config
@@ -38,11 +37,6 @@ def server(request, tiny_tokenizer, tiny_model_factory, tmp_path_factory):
     cfg.max_tokens_default = 200  # frameworks send no max_tokens; a call with random integers needs room
     with running_server(model, tiny_tokenizer, cfg) as (url, service):
         yield url, service
-
-
-@pytest.fixture
-def client(server):
-    return OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
 
 
 def served(service, response_id: str) -> dict:

@@ -11,34 +11,15 @@ import shutil
 
 import pytest
 import torch
-from conftest import save_tiny_phi
+from conftest import short
 from peft import set_peft_model_state_dict
 
 from selfrl import adapters
 from selfrl.cli import main
 from selfrl.config import RunConfig
 from selfrl.loop import build_policy, run
-from selfrl.rewards import REWARD_FUNCS
 from selfrl.rl.logprobs import per_token_logps
 from selfrl.store import Store
-
-
-def short(traj, ctx):
-    """Test reward: 1 for an immediate EOS, 0 at the token limit of both turns (24 tokens)."""
-    return 1.0 - traj.num_completion_tokens / 24
-
-
-@pytest.fixture(scope="module")
-def short_reward():
-    mp = pytest.MonkeyPatch()
-    mp.setitem(REWARD_FUNCS, "short", short)
-    yield
-    mp.undo()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tiny_tokenizer):
-    return save_tiny_phi(tmp_path_factory.mktemp("model"), tiny_tokenizer)
 
 
 def make_cfg(model_dir, run_dir, iterations=2, **train) -> RunConfig:

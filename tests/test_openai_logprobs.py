@@ -10,25 +10,9 @@ from openai import OpenAI
 
 from selfrl.engine import Generation
 from selfrl.serve.logprobs import LOGPROB_FLOOR, content_entries, slice_entries, token_bytes
-from serving import SERVE_ENGINES, http, patch_generate, running_server, serve_config
+from serving import CALC, SERVE_ENGINES, http, patch_generate, running_server, serve_config
 
-CALC = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate arithmetic.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
 MSGS = [{"role": "user", "content": "Say hello in Chinese."}]
-
-
-@pytest.fixture(scope="module", params=SERVE_ENGINES)
-def server(request, tiny_tokenizer, tiny_model_factory, tmp_path_factory):
-    model = tiny_model_factory(lora=True, eos_bias=3.0)
-    cfg = serve_config(tmp_path_factory.mktemp("serve"), request.param)
-    with running_server(model, tiny_tokenizer, cfg) as (url, service):
-        yield url, service
-
-
-@pytest.fixture
-def client(server):
-    return OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
 
 
 def full_logps(model, prompt: list[int], ids: list[int], temperature: float) -> torch.Tensor:

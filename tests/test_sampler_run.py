@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-from conftest import save_tiny_phi
 from peft import set_peft_model_state_dict
 
 from selfrl import adapters
@@ -16,30 +15,13 @@ from selfrl.config import ConfigError, RunConfig
 from selfrl.engine import Engine
 from selfrl.engines.sampler_app import create_sampler_app
 from selfrl.loop import build_policy, run
-from selfrl.rewards import REWARD_FUNCS
 from selfrl.rl.logprobs import per_token_logps
 from selfrl.sampler_sync import swap_within
 from selfrl.store import Store
 from selfrl.swap_check import SwapCheckError
 from tests.engine_backends import start_loopback
 
-
-def short(traj, ctx):
-    """Test reward: 1 for an immediate EOS, 0 at the token limit of both turns (24 tokens)."""
-    return 1.0 - traj.num_completion_tokens / 24
-
-
-@pytest.fixture(scope="module", autouse=True)
-def short_reward():
-    mp = pytest.MonkeyPatch()
-    mp.setitem(REWARD_FUNCS, "short", short)
-    yield
-    mp.undo()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tiny_tokenizer):
-    return save_tiny_phi(tmp_path_factory.mktemp("model"), tiny_tokenizer)
+pytestmark = pytest.mark.usefixtures("short_reward")
 
 
 def make_cfg(model_dir, run_dir, url=None, iterations=2) -> RunConfig:

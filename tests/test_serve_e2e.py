@@ -9,25 +9,8 @@ from openai import OpenAI
 
 from selfrl.engine import Generation
 from selfrl.serve import records
-from serving import (API_KEY, SERVE_ENGINES, add_version, http, patch_generate, recomputed_logps, running_server,
-                     serve_config, tiny_serve_config)
-
-CALC = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate arithmetic.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
-
-
-@pytest.fixture(scope="module", params=SERVE_ENGINES)
-def server(request, tiny_tokenizer, tiny_model_factory, tmp_path_factory):
-    model = tiny_model_factory(lora=True, eos_bias=3.0)
-    cfg = serve_config(tmp_path_factory.mktemp("serve"), request.param)
-    with running_server(model, tiny_tokenizer, cfg) as (url, service):
-        yield url, service
-
-
-@pytest.fixture
-def client(server):
-    return OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+from serving import (API_KEY, CALC, add_version, http, patch_generate, recomputed_logps, running_server,
+                     tiny_serve_config)
 
 
 def stored(service, response_id, choice=0):

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from serving import rated_turns
 
 ROOT = Path(__file__).resolve().parents[1]
 if "fault_suite" not in sys.modules:
@@ -85,21 +86,6 @@ def test_bad_served_names_each_kind_of_bad_version():
     assert suite.bad_served(named, versions, timeline, {"a": 0, "b": 1}) == []
     assert suite.bad_served(named, versions, timeline, {"a": 0, "b": 0}) == [
         "response 1: names version 1, its turn was sampled on 0"]
-
-
-def rated_turns(service, n=4):
-    """``n`` served turns of one group, rated +1 / -1 in turn, stored as the server stores them."""
-    from selfrl.serve import records
-    from selfrl.trajectory import Trajectory
-
-    batch = []
-    with service.store.lock:
-        for i in range(n):
-            t = Trajectory("arith", "arith", service.engine.version, prompt_len=3, token_ids=[5, 6, 7, 10 + i, 11],
-                           completion_mask=[0, 0, 0, 1, 1], logprobs=[0.0] * 5)
-            records.add_turn(service.store, service.run_id, t, t.id, 0, t.id, "arith", t.id)
-            batch.append((t, {"feedback": (-1.0) ** i, "group_key": "arith"}))
-    return batch
 
 
 def test_a_restart_keeps_the_collapse_budget_history_and_safer_setting(tiny_tokenizer, tiny_model_factory, tmp_path):

@@ -11,10 +11,7 @@ from selfrl.serve import records
 from selfrl.serve.protocol import ChatCompletionRequest, parse_completion, to_chat, client_tools
 from selfrl.store import Store
 from selfrl.trajectory import Trajectory
-
-CALC = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate arithmetic.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+from serving import CALC
 
 
 def req(**kw):

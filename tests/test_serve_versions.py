@@ -12,10 +12,8 @@ import torch
 
 from selfrl import adapters
 from selfrl.adapters import lora_state
-from selfrl.serve import records
 from selfrl.serve.service import ApiError, Service
-from selfrl.trajectory import Trajectory
-from serving import add_version, tiny_serve_config
+from serving import add_version, rated_turns, tiny_serve_config
 
 
 def new_state(model):
@@ -61,17 +59,6 @@ def test_concurrent_pins_and_rollbacks_are_serialised_and_consistent(tiny_tokeni
         service.close()
 
 
-def served_turns(service, n=4):
-    batch = []
-    with service.store.lock:
-        for i in range(n):
-            t = Trajectory("arith", "arith", service.engine.version, prompt_len=3, token_ids=[5, 6, 7, 10 + i, 11],
-                           completion_mask=[0, 0, 0, 1, 1], logprobs=[0.0] * 5)
-            records.add_turn(service.store, service.run_id, t, t.id, 0, t.id, "arith", t.id)
-            batch.append((t, {"feedback": (-1.0) ** i, "group_key": "arith"}))
-    return batch
-
-
 def test_a_rollback_during_a_learner_update_sticks(tiny_tokenizer, tiny_model_factory, tmp_path, monkeypatch):
     model = tiny_model_factory(lora=True, eos_bias=2.0)
     cfg = tiny_serve_config(tmp_path / "run", min_batch=4)
@@ -93,7 +80,7 @@ def test_a_rollback_during_a_learner_update_sticks(tiny_tokenizer, tiny_model_fa
             return real(version)
 
         monkeypatch.setattr(learner, "validate", validate_while_admin_rolls_back)
-        info = learner.update(served_turns(service))
+        info = learner.update(rated_turns(service))
         assert info["version"] == 3 and info["result"] == "rejected"
         statuses = {v.version: v.status.value for v in service.ledger.all()}
         assert statuses == {0: "base", 1: "promoted", 2: "rolled_back", 3: "rejected"}
@@ -123,7 +110,7 @@ def test_a_stray_adapter_folder_is_recovered_in_serve_as_in_run(tiny_tokenizer, 
         events = [e for e in service.store.events() if e["kind"] == "recover"]
         assert len(events) == 1 and "v000001 was left by an interrupted save" in events[0]["message"]
         assert not adapters.version_dir(run_dir, 1).exists() and list((run_dir / "adapters" / ".recovered").iterdir())
-        info = service.learner.update(served_turns(service))  # the learner saves version 1 as usual
+        info = service.learner.update(rated_turns(service))  # the learner saves version 1 as usual
         assert info["version"] == 1 and adapters.verify_version(adapters.version_dir(run_dir, 1)) is None
     finally:
         service.close()

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-from conftest import save_tiny_phi
-
 from selfrl.config import RunConfig
 from selfrl.signal import PassRates, ProbeReport, SignalChooser, diagnose, probe_report, spread_probability
 from selfrl.tasks import Task
@@ -62,11 +59,6 @@ def test_probe_report_and_diagnosis_name_the_cause():
     mixed = probe_report(_trajs("a", "g1", [True, False]) + _trajs("b", "g2", [False, False]))
     assert mixed.zero_signal == 0.5 and diagnose(mixed, 1.0, 2, False) is None
     assert diagnose(ProbeReport(0, 0, 0, 0, 0, 1.0, 0, 0), 1.0, 2, False).startswith("no signal: no scored group")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tiny_tokenizer):
-    return save_tiny_phi(tmp_path_factory.mktemp("model"), tiny_tokenizer)
 
 
 def _cfg(model_dir, run_dir, **task) -> RunConfig:

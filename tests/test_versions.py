@@ -9,9 +9,7 @@ Both ends must leave the same version rows, statuses, events and champion.
 
 import copy
 
-import pytest
 import torch
-from conftest import save_tiny_phi
 
 from selfrl import adapters
 from selfrl.config import RunConfig
@@ -53,11 +51,6 @@ def same_settings(cfg) -> None:
     cfg.collapse.max_kl = 1e9
     cfg.collapse.reward_rise = 1e9
     cfg.gate.tolerance = 0.02
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tiny_tokenizer):
-    return save_tiny_phi(tmp_path_factory.mktemp("model"), tiny_tokenizer)
 
 
 def own_logps(model, traj, temperature):

@@ -151,7 +151,7 @@ def test_rollout_runs_each_trajectory_against_its_own_shop(tiny_model, tiny_toke
 
 
 def test_selfrl_run_on_the_web_shop_records_shop_state_and_detector_metrics(tmp_path, tiny_tokenizer):
-    from test_loop import save_tiny_phi
+    from conftest import save_tiny_phi
 
     from selfrl.config import ConfigError, load_config
     from selfrl.loop import run
