@@ -150,7 +150,7 @@ def test_registry_and_presets():
                for name, w in PRESETS.items() if name.endswith("label-free"))
     assert all("format" not in w for w in PRESETS.values())
     with pytest.raises(ValueError, match="valid names: code, code-label-free, function_calling, "
-                       "function_calling-label-free, function_calling-partial, label-free, verified, web-naive, webshop-naive"):
+                       "function_calling-label-free, function_calling-partial, label-free, swe, verified, web-naive, webshop-naive"):
         get_preset("nope")
     assert set(PRESET_DOCS) == set(PRESETS) and all("Gamed by" in d for d in PRESET_DOCS.values())
     get_preset("verified")["verifier"] = 5.0  # a copy: the preset is unchanged
