@@ -57,7 +57,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Stats, base_parser, envelope, finish, loadavg, print_table  # noqa: E402
+from common import Stats, base_parser, envelope, finish, loadavg, print_table, serve_app  # noqa: E402
 
 QUESTIONS = ["What is 17 + 25?", "Name three colours.", "Write one sentence about the sea.", "What is 9 * 8?",
              "Say hello in French.", "Count from one to five.", "What is the capital of Italy?", "Add 38 and 47."]
@@ -293,21 +293,9 @@ def learner_logprobs(model, prompt: list[int], completion: list[int], temperatur
 
 def start_sampler(engine, model_name: str):
     """``selfrl sampler``'s app over ``engine`` on a free loopback port; returns (url, uvicorn server, thread)."""
-    import uvicorn
-
     from selfrl.engines.sampler_app import create_sampler_app
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_sampler_app(engine, None, model_name), host="127.0.0.1", port=port,
-                                          log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the selfrl sampler did not start")
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", server, thread
+    return serve_app(create_sampler_app(engine, None, model_name), "the selfrl sampler")
 
 
 def part_serve(args, servers: dict[str, str], selfrl_urls: dict[str, str], result: dict) -> None:

@@ -31,7 +31,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Stats, base_parser, envelope, finish, loadavg, model_name, print_table, run_clients  # noqa: E402
+from common import (  # noqa: E402
+    Stats, base_parser, envelope, finish, loadavg, model_name, print_table, run_clients, serve_app,
+)
 
 QUESTIONS = ["What is 17 + 25?", "Name three colours.", "Write one sentence about the sea.", "What is 9 * 8?",
              "Say hello in French.", "Count from one to five.", "What is the capital of Italy?", "Add 38 and 47."]
@@ -49,10 +51,6 @@ def p90(values: list[float]) -> float:
 
 def start_server(engine: str, model, tok, run_dir: Path, max_tokens: int):
     """``selfrl serve``'s app for ``engine`` on a free loopback port; returns (url, uvicorn server, thread, service)."""
-    import socket
-
-    import uvicorn
-
     from selfrl.serve.app import create_app
     from selfrl.serve.main import load_serve_config
     from selfrl.serve.service import Service
@@ -60,19 +58,8 @@ def start_server(engine: str, model, tok, run_dir: Path, max_tokens: int):
     cfg = load_serve_config(None, {"run_dir": str(run_dir), "engine": engine, "max_tokens_default": max_tokens,
                                    "learner.enabled": False})
     service = Service(model, tok, cfg)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(service, None, learn=False), host="127.0.0.1", port=port,
-                                          log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"the {engine} server did not start")
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", server, thread, service
+    url, server, thread = serve_app(create_app(service, None, learn=False), f"the {engine} server")
+    return url, server, thread, service
 
 
 def one_request(client, content: str, max_tokens: int, extra_body: dict | None = None) -> tuple[float, float, int]:

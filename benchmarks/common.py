@@ -239,3 +239,31 @@ def run_child(argv: list[str], result_file: Path, timeout: float | None = None) 
     if proc.returncode != 0 or not Path(result_file).exists():
         raise RuntimeError(f"{' '.join(argv[:3])} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(Path(result_file).read_text())
+
+
+def serve_app(app: Any, what: str, timeout_s: float = 60.0) -> tuple[str, Any, threading.Thread]:
+    """Run the ASGI ``app`` with uvicorn on a free loopback port, in a daemon thread.
+
+    Returns:
+        ``(url, server, thread)``: ``http://127.0.0.1:PORT``, the ``uvicorn.Server`` (set
+        ``should_exit`` to stop it) and its thread.
+
+    Raises:
+        RuntimeError: ``what`` (e.g. "the slots server") did not start within ``timeout_s`` seconds.
+    """
+    import socket
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start")
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}", server, thread
