@@ -89,6 +89,7 @@ class Engine:
         self.version = version
         self.eos_token_ids = eos_ids(model, tokenizer)
         self.pad_token_id = tokenizer.pad_token_id
+        self.num_embeddings = model.get_input_embeddings().weight.shape[0]  # prompt ids are < this
         self.lock = threading.RLock()
         self._lora_params: dict[str, torch.Tensor] | None = None
 
@@ -143,11 +144,12 @@ class Engine:
             B :class:`Generation`, in order.
 
         Raises:
-            ValueError: empty prompt list, an empty prompt, max_new_tokens < 1,
-                temperature <= 0, top_p outside (0, 1], or ``constraints`` not one per prompt.
+            ValueError: empty prompt list, an empty prompt, a prompt id that is not an
+                integer in ``[0, num_embeddings)``, max_new_tokens < 1, temperature <= 0,
+                top_p outside (0, 1], or ``constraints`` not one per prompt.
             selfrl.constrain.ConstraintError: a grammar that does not compile.
         """
-        check_generate_args(prompts, max_new_tokens, temperature, greedy, top_p)
+        check_generate_args(prompts, max_new_tokens, temperature, greedy, top_p, self.num_embeddings)
         if constraints is not None and len(constraints) != len(prompts):
             raise ValueError(f"constraints must be one per prompt ({len(prompts)}), got {len(constraints)}")
         if constraints is not None and all(c is None for c in constraints):

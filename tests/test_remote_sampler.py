@@ -98,3 +98,15 @@ def test_the_sampler_refuses_a_wrong_key_and_a_torn_folder(sampler_process, tiny
     with pytest.raises(ValueError, match="no completion marker"):
         remote.swap(folder, 7)
     assert remote.health().version == before
+
+
+def test_the_sampler_answers_400_for_ids_outside_the_vocabulary_and_goes_on(sampler_process, tiny_tokenizer):
+    from selfrl.engines import http
+
+    url, _ = sampler_process
+    remote = RemoteEngine(url, tiny_tokenizer, api_key=KEY, timeout_s=60)
+    with pytest.raises(ValueError, match=r"prompt 0 holds token id 1000000 at position 1; ids must be integers"):
+        remote.generate([[1, 10**6]], 2)
+    with pytest.raises(ValueError, match=r"token id -3 at position 0"):
+        http.call(url, "/sampler/logprobs", {"token_ids": [-3, 1]}, timeout_s=60, api_key=KEY)
+    assert len(remote.generate([[1, 2]], 2, greedy=True)[0].token_ids) >= 1  # still serves

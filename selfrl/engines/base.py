@@ -20,6 +20,8 @@ reference backend is :class:`selfrl.engine.Engine`.
 
 from __future__ import annotations
 
+import numbers
+
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,8 +164,19 @@ class SamplingEngine(Protocol):
 
 
 def check_generate_args(prompts: list[list[int]], max_new_tokens: int, temperature: float, greedy: bool,
-                        top_p: float) -> None:
-    """Raise ValueError for arguments every backend refuses (see :meth:`SamplingEngine.generate`)."""
+                        top_p: float, vocab_size: int | None = None) -> None:
+    """Raise ValueError for arguments every backend refuses (see :meth:`SamplingEngine.generate`).
+
+    ``vocab_size`` (rows of the model's input embedding), when given: every prompt id must
+    be an integer in ``[0, vocab_size)``. A backend that knows its model checks this in the
+    caller's thread, so a bad id is a clear error there and never a failure inside a batch
+    that other requests share.
+
+    >>> check_generate_args([[1, 2, 70]], 4, 1.0, False, 1.0, vocab_size=64)
+    Traceback (most recent call last):
+    ...
+    ValueError: prompt 0 holds token id 70 at position 2; ids must be integers in [0, 64)
+    """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and no prompt may be empty")
     if max_new_tokens < 1:
@@ -172,6 +185,24 @@ def check_generate_args(prompts: list[list[int]], max_new_tokens: int, temperatu
         raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if vocab_size is not None:
+        check_token_ids(prompts, vocab_size)
+
+
+def check_token_ids(prompts: list[list[int]], vocab_size: int) -> None:
+    """Raise ValueError unless every id of every prompt is an integer in ``[0, vocab_size)``
+    (``vocab_size``: rows of the model's input embedding).
+
+    >>> check_token_ids([[0, 63], [True]], 64)
+    Traceback (most recent call last):
+    ...
+    ValueError: prompt 1 holds token id True at position 0; ids must be integers in [0, 64)
+    """
+    for i, p in enumerate(prompts):
+        for j, t in enumerate(p):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size:
+                raise ValueError(f"prompt {i} holds token id {t!r} at position {j}; ids must be integers in "
+                                 f"[0, {vocab_size})")
 
 
 def adapter_state(adapter: AdapterSource) -> dict:

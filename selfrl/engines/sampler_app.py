@@ -29,7 +29,7 @@ import hmac
 from fastapi import Depends, FastAPI, HTTPException, Request
 from pydantic import BaseModel, Field
 
-from selfrl.engines.base import SamplingEngine
+from selfrl.engines.base import SamplingEngine, check_token_ids
 
 
 class GenerateRequest(BaseModel):
@@ -106,6 +106,10 @@ def create_sampler_app(engine: SamplingEngine, api_key: str | None = None, model
     def logprobs(req: LogprobsRequest) -> dict:
         from selfrl.swap_check import sequence_logprobs
 
+        try:
+            check_token_ids([req.token_ids], engine.model.get_input_embeddings().weight.shape[0])
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from e
         with engine.lock:  # one version from start to end, as a generation
             return {"logprobs": sequence_logprobs(engine.model, req.token_ids, req.temperature),
                     "version": engine.version}

@@ -57,60 +57,11 @@ from selfrl.engines.base import AdapterSource, EngineHealth, Generation, check_g
 from selfrl.engines.kvcache import SlotCache
 from selfrl.engines.rowgrammar import RowGrammar
 from selfrl.engines.sampling import choose_tokens, next_token_logps
+from selfrl.engines.versiongate import VersionGate
 from selfrl.prefix import MIN_SHARED_PREFIX, shared_prefix_len
 
 
 IDLE_CACHE_BYTES = 64 * 2**20  # an idle engine keeps a cache up to this size; a larger one is freed
-
-
-class VersionGate:
-    """A shared/exclusive lock: requests hold shared tickets (released from any thread),
-    a swap holds it exclusively. A waiting swap blocks new tickets (no starvation);
-    the thread that holds it exclusively may still take tickets (to sample on the
-    version it just loaded). ``with gate:`` takes it exclusively, reentrantly."""
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._tickets = 0
-        self._owner: int | None = None
-        self._depth = 0
-        self._waiting = 0
-
-    def acquire_shared(self) -> None:
-        with self._cond:
-            me = threading.get_ident()
-            while self._owner not in (None, me) or (self._waiting and self._owner != me):
-                self._cond.wait()
-            self._tickets += 1
-
-    def release_shared(self) -> None:
-        with self._cond:
-            self._tickets -= 1
-            self._cond.notify_all()
-
-    def __enter__(self):
-        with self._cond:
-            me = threading.get_ident()
-            if self._owner == me:
-                self._depth += 1
-                return self
-            self._waiting += 1
-            while self._owner is not None or self._tickets:
-                self._cond.wait()
-            self._waiting -= 1
-            self._owner, self._depth = me, 1
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with self._cond:
-            self._depth -= 1
-            if self._depth == 0:
-                self._owner = None
-                self._cond.notify_all()
-
-    @property
-    def in_flight(self) -> int:
-        return self._tickets
 
 
 @dataclass(eq=False)
@@ -138,6 +89,7 @@ class Request:
     version: int = 0
     length: int = 0  # tokens of this row in the cache
     call: "_Call | None" = None
+    settled: bool = False  # its future has its result or error and its ticket is released
 
     def result(self, finished: bool, stopped: bool = False, cancelled: bool = False) -> Generation:
         return Generation(self.token_ids, self.logprobs, finished, self.version, stopped=stopped,
@@ -229,6 +181,7 @@ class SlotEngine:
         self._stamp = self._weights_stamp()
         self._cond = threading.Condition()
         self._closed = False
+        self._stopped: str | None = None  # why the worker thread ended, if it did (requests are refused)
         self._error: str | None = None
         self.steps = 0  # decoding steps so far
         self.rows_done = 0  # requests completed so far
@@ -271,7 +224,7 @@ class SlotEngine:
             selfrl.constrain.ConstraintError: a grammar that does not compile.
             RuntimeError: the engine is closed.
         """
-        check_generate_args(prompts, max_new_tokens, temperature, greedy, top_p)
+        check_generate_args(prompts, max_new_tokens, temperature, greedy, top_p, self._ref.num_embeddings)
         for name, per_row in (("constraints", constraints), ("cancel", cancel)):
             if per_row is not None and len(per_row) != len(prompts):
                 raise ValueError(f"{name} must be one per prompt ({len(prompts)}), got {len(per_row)}")
@@ -306,7 +259,7 @@ class SlotEngine:
             selfrl.constrain.ConstraintError: a grammar that does not compile.
             RuntimeError: the engine is closed.
         """
-        check_generate_args([prompt], max_new_tokens, temperature, greedy, top_p)
+        check_generate_args([prompt], max_new_tokens, temperature, greedy, top_p, self._ref.num_embeddings)
         req = self._request(prompt, max_new_tokens, temperature, greedy, top_p, stop, on_tokens, seed, top_logprobs,
                             step_logprobs, constraint, cancel)
         self._enqueue([req])
@@ -366,6 +319,8 @@ class SlotEngine:
             with self._cond:
                 if self._closed:
                     raise RuntimeError("the slot engine is closed")
+                if self._stopped:
+                    raise RuntimeError(self._stopped)
                 for r in reqs:
                     r.version = self.version
                 self._queue.extend(reqs)
@@ -376,6 +331,16 @@ class SlotEngine:
             raise
 
     def _work(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # never leave a caller waiting on a worker that is gone
+            with self._cond:
+                self._stopped = f"the slot engine's worker stopped: {e!r}"
+            self._error = self._stopped
+            self._fail_all(RuntimeError(self._stopped))
+            raise
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 if not self._queue and not self._rows and self.cache.nbytes > IDLE_CACHE_BYTES:
@@ -400,6 +365,12 @@ class SlotEngine:
             self._finish(r, error=error)
 
     def _finish(self, r: Request, gen: Generation | None = None, error: BaseException | None = None) -> None:
+        """Settle ``r``: its result (or ``error``) and its version ticket back, exactly once (a
+        later call for the same request does nothing: a failure may reach a row that already
+        finished in the same step)."""
+        if r.settled:
+            return
+        r.settled = True
         try:
             if error is not None:
                 r.future.set_exception(error)
@@ -429,9 +400,16 @@ class SlotEngine:
             self.lock.release_shared()
         new = [r for r in new if r not in cancelled]
         if new:
-            logits = self._prefill(new)  # (b, V)
-            self._rows = self._rows + new
-            self._sample(new, logits)
+            try:
+                logits = self._prefill(new)  # (b, V)
+            except Exception as e:  # the admitted requests get the error; the running rows go on
+                self._error = f"last prefill failed: {e!r}"
+                for r in new:
+                    self._finish(r, error=e)
+                new = []
+            else:
+                self._rows = self._rows + new
+                self._sample(new, logits)
         rows = self._rows
         if rows:  # one decoding step for the active rows
             lens = torch.tensor([r.length for r in rows])  # (B,) the new token goes to column lens
@@ -475,7 +453,12 @@ class SlotEngine:
                     done.append(i)
                     self._finish(r, error=e)
                     continue
-            r.report()
+            try:
+                r.report()
+            except Exception as e:  # a streaming callback that raises fails its own row only
+                done.append(i)
+                self._finish(r, error=e)
+                continue
             if r.call is not None:
                 calls[id(r.call)] = r.call
             stopped = bool(r.stop) and t not in self._eos and any(
@@ -485,8 +468,23 @@ class SlotEngine:
                 self.rows_done += 1
                 self._finish(r, r.result(t in self._eos or stopped, stopped=stopped))
         for c in calls.values():
-            c.emit()
+            try:
+                c.emit()
+            except Exception as e:  # an on_step hook that raises fails its own generate call only
+                self._fail_call(c, e, rows, done)
         self._release([self._rows.index(rows[i]) for i in done])
+
+    def _fail_call(self, call: _Call, error: BaseException, rows: list[Request], done: list[int]) -> None:
+        """Fail every unsettled request of ``call`` with ``error``: queued ones leave the queue,
+        running ones among ``rows`` are added to ``done`` (their slots are freed by the caller)."""
+        with self._cond:
+            for r in call.requests:
+                if r in self._queue:
+                    self._queue.remove(r)
+        for r in call.requests:
+            if r in rows and rows.index(r) not in done:
+                done.append(rows.index(r))
+            self._finish(r, error=error)
 
     def _drop_cancelled(self) -> None:
         """Finish every queued or running request whose cancel event is set (``cancelled=True``,
