@@ -16,6 +16,11 @@ is handed to the engine as it arrives and joins the batch already decoding, with
 its own sampling settings, token limit, grammar, cancel event and top logprobs; the
 engine's version gate keeps each request on one version. Requests that name a version other than the served one
 still go through ``run_on_version`` one group at a time.
+
+Every job's future is settled, whatever fails: an engine call that raises, or returns a
+generation fewer than it was given rows, fails the jobs of that call only (the worker
+goes on with the next); a worker that dies all the same (a ``BaseException``) fails every
+job still queued, and :meth:`Batcher.submit` then refuses new ones with the reason.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from selfrl.engines.base import Generation, SamplingEngine
@@ -82,6 +87,15 @@ def _accepts(fn, name: str) -> bool:
         return False
 
 
+def _fail(jobs: list[Job], e: BaseException) -> None:
+    """Settle each of ``jobs`` not settled yet with ``e`` (a job is settled exactly once)."""
+    for j in jobs:
+        try:
+            j.future.set_exception(e)
+        except InvalidStateError:  # settled already (its result, an earlier error) or cancelled
+            pass
+
+
 def cut(gen: Generation, limit: int, eos_ids: list[int]) -> Generation:
     """``gen`` cut to ``limit`` tokens; ``finished`` only when an EOS lies within the limit.
 
@@ -117,18 +131,40 @@ class Batcher:
         self.batches = 0  # engine calls so far (requests handed over, with a continuous engine)
         self.rows = 0  # rows sampled so far
         self.continuous = callable(getattr(engine, "submit", None))
+        self.error: str | None = None  # why the worker stopped, once it has (closed, or died)
         self._thread = threading.Thread(target=self._work, name="selfrl-batcher", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> Future:
-        """Queue a job; returns its future."""
+        """Queue a job; returns its future.
+
+        Raises:
+            RuntimeError: the worker has stopped (closed, or died: the message says why).
+        """
+        if self.error is not None:
+            raise RuntimeError(f"the batcher takes no more requests: {self.error}")
         self.queue.put(job)
+        if self.error is not None:  # it stopped while this one was put: fail it, never leave it queued
+            self._fail_queued()
         return job.future
 
     def close(self) -> None:
         """Stop the worker after the jobs already queued."""
         self.queue.put(None)
         self._thread.join(timeout=60)
+        if not self._thread.is_alive():  # else it drains the queue itself when its batch ends
+            self.error = self.error or "it was closed"
+            self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        """Fail every job still in the queue with :attr:`error` (after the worker stopped)."""
+        while True:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None and job.future.set_running_or_notify_cancel():
+                job.future.set_exception(RuntimeError(f"the batcher stopped before this request ran: {self.error}"))
 
     @property
     def pending(self) -> int:
@@ -155,24 +191,50 @@ class Batcher:
         return jobs, stop
 
     def _work(self) -> None:
-        while True:
-            first = self.queue.get()
-            if first is None:
-                return
-            if self.continuous and not self._pinned(first):
-                self._hand_over(first)
-                continue
-            jobs, stop = self._collect(first)
-            groups: dict[tuple, list[Job]] = {}
-            for j in jobs:
-                if self.continuous and not self._pinned(j):
-                    self._hand_over(j)
-                    continue
-                groups.setdefault(j.key, []).append(j)
-            for group in groups.values():
-                self._run(group)
-            if stop:
-                return
+        try:
+            while True:
+                first = self.queue.get()
+                if first is None:
+                    return
+                jobs, stop = [first], False
+                try:
+                    if self.continuous and not self._pinned(first):
+                        self._guarded([first], self._hand_over, first)
+                        continue
+                    jobs, stop = self._collect(first)
+                    groups: dict[tuple, list[Job]] = {}
+                    for j in jobs:
+                        if self.continuous and not self._pinned(j):
+                            self._guarded([j], self._hand_over, j)
+                            continue
+                        groups.setdefault(j.key, []).append(j)
+                    for group in groups.values():
+                        self._guarded(group, self._run, group)
+                except Exception as e:  # these jobs get the error; the worker goes on
+                    _fail(jobs, e)
+                except BaseException as e:  # the worker dies: none of its jobs is left waiting
+                    _fail(jobs, e)
+                    raise
+                if stop:
+                    return
+        except BaseException as e:
+            self.error = f"its worker died: {type(e).__name__}: {e}"
+            raise
+        finally:
+            self.error = self.error or "it was closed"
+            self._fail_queued()
+
+    @staticmethod
+    def _guarded(jobs: list[Job], fn: Callable, *args) -> None:
+        """``fn(*args)``; an exception fails those of ``jobs`` not settled yet (then is raised
+        again if it is no ``Exception``: the worker dies, see :meth:`_work`)."""
+        try:
+            fn(*args)
+        except Exception as e:
+            _fail(jobs, e)
+        except BaseException as e:
+            _fail(jobs, e)
+            raise
 
     def _pinned(self, job: Job) -> bool:
         return job.version is not None and job.version != self.engine.version
@@ -263,12 +325,16 @@ class Batcher:
             else:
                 gens = self.run_on_version(head.version, call)
         except Exception as e:  # every waiting request gets the error; the worker goes on
-            for j in live:
-                j.future.set_exception(e)
+            _fail(live, e)
             return
+        if len(gens) != len(live):
+            raise RuntimeError(f"the engine returned {len(gens)} generation(s) for a batch of {len(live)} rows")
         self.batches += 1
         self.rows += len(live)
         for j, g in zip(live, gens):
-            if g.top_logprobs is not None:  # each job gets the k it asked for
-                g.top_logprobs = [alts[:j.top_logprobs] for alts in g.top_logprobs] if j.top_logprobs else None
-            j.future.set_result(cut(g, j.max_new_tokens, self.engine.eos_token_ids))
+            try:
+                if g.top_logprobs is not None:  # each job gets the k it asked for
+                    g.top_logprobs = [alts[:j.top_logprobs] for alts in g.top_logprobs] if j.top_logprobs else None
+                j.future.set_result(cut(g, j.max_new_tokens, self.engine.eos_token_ids))
+            except Exception as e:  # this row's error; the batch's other rows keep their results
+                _fail([j], e)
