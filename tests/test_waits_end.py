@@ -126,3 +126,107 @@ def test_jobs_submitted_after_close_are_refused_not_queued_forever():
     b.close()
     with pytest.raises(RuntimeError, match="the batcher takes no more requests: it was closed"):
         b.submit(Job([6], 1))
+
+
+# -- the server: a request whose generation fails gets the reason, and its other choices stop -------------
+
+LIMIT = 900  # the tiny model never samples EOS (bias -30): a row runs to its limit unless stopped
+
+
+@pytest.fixture(scope="module", params=["reference", "slots"])
+def server(request, tiny_tokenizer, tiny_model_factory, tmp_path_factory):
+    from serving import running_server, serve_config
+
+    model = tiny_model_factory(lora=True, eos_bias=-30.0)
+    with running_server(model, tiny_tokenizer, serve_config(tmp_path_factory.mktemp("waits"), request.param),
+                        api_key=None) as (url, service):
+        yield url, service
+
+
+def _fail_first_job(monkeypatch, service, after_tokens: int | None) -> list:
+    """Make the first job of the next request fail (at once, or from its streaming callback once
+    ``after_tokens`` tokens were streamed); returns the request's jobs once made."""
+    made: list = []
+    real_jobs = service.jobs
+
+    def jobs(p, on_tokens=None):
+        out = real_jobs(p, on_tokens)
+        if not made:
+            made.extend(out)
+            if after_tokens is not None:
+                inner = out[0].on_tokens
+
+                def on_tokens0(ids, *rest):
+                    if len(ids) >= after_tokens:
+                        raise RuntimeError("injected engine failure")
+                    return inner(ids, *rest)
+
+                out[0].on_tokens = on_tokens0
+        return out
+
+    real_submit = service.batcher.submit
+
+    def submit(job):
+        if after_tokens is None and made and job is made[0]:
+            job.future.set_exception(RuntimeError("injected engine failure"))
+            return job.future
+        return real_submit(job)
+
+    monkeypatch.setattr(service, "jobs", jobs)
+    monkeypatch.setattr(service.batcher, "submit", submit)
+    return made
+
+
+def _others_stopped(jobs: list) -> None:
+    """The request's jobs are all settled; those that did not fail were cancelled early."""
+    for j in jobs:
+        out = settle(j.future, BOUND_S * 3)
+        if not isinstance(out, BaseException):
+            assert out.cancelled and len(out.token_ids) < LIMIT  # it stopped: nobody decodes for an answered request
+
+
+def _next_request_is_served(url: str) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    out = client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": "again"}],
+                                         max_tokens=5)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 5
+
+
+def test_a_failed_generation_is_a_500_with_the_reason_and_the_other_choice_stops(server, monkeypatch):
+    import openai
+
+    url, service = server
+    made = _fail_first_job(monkeypatch, service, after_tokens=None)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    with pytest.raises(openai.InternalServerError) as info:
+        client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": "two please"}],
+                                       max_tokens=LIMIT, n=2)
+    assert info.value.status_code == 500
+    assert info.value.body == {"message": "generation failed: RuntimeError: injected engine failure",
+                               "type": "server_error", "param": None, "code": "generation_failed"}
+    assert len(made) == 2
+    _others_stopped(made)
+    monkeypatch.undo()
+    _next_request_is_served(url)
+
+
+def test_a_stream_whose_generation_fails_ends_with_an_error_event_not_a_cut_connection(server, monkeypatch):
+    import openai
+
+    url, service = server
+    made = _fail_first_job(monkeypatch, service, after_tokens=3)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    stream = client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": "stream two"}],
+                                            max_tokens=LIMIT, n=2, stream=True)
+    chunks = []
+    with pytest.raises(openai.APIError) as info:
+        for c in stream:
+            chunks.append(c)
+    assert info.value.message == "generation failed: RuntimeError: injected engine failure"
+    assert info.value.body["code"] == "generation_failed" and info.value.body["type"] == "server_error"
+    assert chunks and chunks[0].choices[0].delta.role == "assistant"  # it failed mid-stream
+    _others_stopped(made)
+    monkeypatch.undo()
+    _next_request_is_served(url)

@@ -13,6 +13,10 @@ non-streaming request whose connection closed while it waited), the server:
 
 Recording happens in a thread of its own (the event loop may be cancelling the
 request's task; the batcher's worker must not wait on the store).
+
+A request one of whose jobs fails (an engine error) is answered with that error at once
+(:func:`generation_failed`: a 500, or an error event in a stream), and its other jobs are
+cancelled the same way: nothing decodes on for a request already answered.
 """
 
 from __future__ import annotations
@@ -25,6 +29,18 @@ from collections.abc import Awaitable, Callable
 from selfrl.serve import records
 
 REASON = "client disconnected"
+
+
+def generation_failed(jobs: list, e: BaseException):
+    """Cancel ``jobs`` (a request's, one of which failed with ``e``) and return the
+    :class:`selfrl.serve.service.ApiError` its client gets: 500, ``server_error``, with the
+    engine's reason."""
+    from selfrl.serve.service import ApiError
+
+    for j in jobs:
+        j.cancel.set()
+    return ApiError(500, f"generation failed: {type(e).__name__}: {e}", code="generation_failed",
+                    type_="server_error")
 
 
 def cut_off(service, prepared, jobs: list, started: float) -> None:
@@ -73,11 +89,14 @@ async def await_jobs(service, prepared, jobs: list, started: float,
     Args:
         is_disconnected: ``Request.is_disconnected`` of the HTTP request, or None to just wait.
         poll_s: how often to ask it (seconds).
+
+    Raises:
+        ApiError: 500 when a job failed (:func:`generation_failed`; the others are cancelled).
     """
     gathered = asyncio.gather(*[asyncio.wrap_future(j.future) for j in jobs])
-    if is_disconnected is None:
-        return await gathered
     try:
+        if is_disconnected is None:
+            return await gathered
         while True:
             finished, _ = await asyncio.wait([gathered], timeout=poll_s)
             if finished:
@@ -89,3 +108,5 @@ async def await_jobs(service, prepared, jobs: list, started: float,
     except asyncio.CancelledError:
         cut_off(service, prepared, jobs, started)
         raise
+    except Exception as e:
+        raise generation_failed(jobs, e) from e

@@ -496,7 +496,8 @@ class Service:
                 before the end has its turn cut off (``selfrl.serve.disconnect``).
 
         Raises:
-            ApiError: as :meth:`prepare`; 499 when the client disconnected (nobody reads it).
+            ApiError: as :meth:`prepare`; 499 when the client disconnected (nobody reads it);
+                500 when the generation failed (its other choices are cancelled).
         """
         from selfrl.serve.disconnect import await_jobs
 

@@ -15,6 +15,9 @@ one ``reasoning_content`` delta. With ``logprobs: true`` each content chunk carr
 the ``logprobs.content`` entries of its own bytes (``Engine.generate``'s
 ``step_logprobs`` reports them as decoding goes; the same values as the final ones).
 A client that disconnects mid-stream has its turn cut off (``selfrl.serve.disconnect``).
+A generation that fails after the first chunk ends the stream with an OpenAI error event
+(``data: {"error": {...}}``, which the ``openai`` client raises as ``APIError``) and
+``[DONE]``; one that fails before is a 500 (``selfrl.serve.disconnect.generation_failed``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from selfrl.serve.disconnect import cut_off
+from selfrl.serve.disconnect import cut_off, generation_failed
 from selfrl.serve.logprobs import (
     bytes_text,
     char_offsets,
@@ -34,7 +37,7 @@ from selfrl.serve.logprobs import (
     slice_entries,
     token_bytes,
 )
-from selfrl.serve.protocol import ChatCompletionRequest, split_completion
+from selfrl.serve.protocol import ChatCompletionRequest, error_body, split_completion
 from selfrl.serve.service import Service
 from selfrl.toolcall import THINK_CLOSE, THINK_OPEN, TOOL_CALL_OPEN
 
@@ -84,7 +87,8 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest, client: st
     decoding has begun) and the SSE lines.
 
     Raises:
-        ApiError: as :meth:`Service.prepare` (before anything is streamed).
+        ApiError: as :meth:`Service.prepare`, or 500 when the generation failed before its
+            first token (before anything is streamed).
     """
     p = await asyncio.to_thread(service.prepare, req, client)
     loop = asyncio.get_running_loop()
@@ -109,7 +113,7 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest, client: st
         raise
     if done.done() and done.exception() is not None:
         first_tokens.cancel()
-        raise done.exception()
+        raise generation_failed(jobs, done.exception()) from done.exception()
     pending_first = first_tokens.result() if first_tokens.done() else None
     if not first_tokens.done():
         first_tokens.cancel()
@@ -169,8 +173,13 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest, client: st
                     yield line
             else:
                 getter.cancel()
-        gens = done.result()
         recorded.append(True)
+        if done.exception() is not None:  # the client gets the reason, not a cut connection
+            err = generation_failed(jobs, done.exception())
+            yield _sse(error_body(err.message, err.type, code=err.code))
+            yield "data: [DONE]\n\n"
+            return
+        gens = done.result()
         resp = await asyncio.to_thread(service.finish, p, gens, time.perf_counter() - t0)
         for ch in resp["choices"]:
             i, msg = ch["index"], ch["message"]
