@@ -19,6 +19,8 @@ handling with a scripted policy instead of a model (tests, demonstrations).
 
 from __future__ import annotations
 
+import inspect
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -95,6 +97,11 @@ def rollout(
         N trajectories with token ids, ``completion_mask``, sampling ``logprobs``,
         messages, tool calls, final answer, timings (seconds) and, with an
         environment, its final ``env_state``.
+
+    Raises:
+        Whatever the engine (a failed generation), an environment hook or ``on_turn`` raised;
+        the rollout's environments are closed first, and on the pipelined path its rows still
+        decoding are cancelled (nothing runs on for a rollout that failed).
     """
     tok = engine.tokenizer
     envs = [env_factory(task) if env_factory else None for task in tasks]
@@ -127,10 +134,19 @@ def rollout(
         )
     turn_ctx = _TurnContext(tok, cfg, eos_id, eos_text, constraints, tools)
     stop = [TOOL_CALL_CLOSE] if cfg.stop_at_tool_call else None
-    if callable(getattr(engine, "submit", None)):
-        _pipelined_turns(engine, trajs, tool_maps, envs, turn_ctx, greedy, stop, on_turn)
-    else:
-        _batched_turns(engine, trajs, tool_maps, envs, turn_ctx, greedy, stop, on_turn)
+    try:
+        if callable(getattr(engine, "submit", None)):
+            _pipelined_turns(engine, trajs, tool_maps, envs, turn_ctx, greedy, stop, on_turn)
+        else:
+            _batched_turns(engine, trajs, tool_maps, envs, turn_ctx, greedy, stop, on_turn)
+    except BaseException as e:  # nothing of the failed rollout is kept: release what its environments hold
+        for env in envs:
+            if env is not None:
+                try:
+                    close_env(env)
+                except Exception as c:
+                    e.add_note(f"closing an environment after that failed too: {type(c).__name__}: {c}")
+        raise
     for tr, env in zip(trajs, envs):
         if env is not None:
             tr.env_state = env.state()
@@ -245,6 +261,9 @@ def _pipelined_turns(engine, trajs: list[Trajectory], tool_maps, envs, ctx: _Tur
     started = 0  # highest turn index submitted so far
     import torch
 
+    cancels: dict[Future, threading.Event] = {}  # with an engine whose submit takes ``cancel``
+    takes_cancel = "cancel" in inspect.signature(engine.submit).parameters
+
     base = int(torch.randint(0, 2**62, (1,)))  # one draw: each (trajectory, turn) gets its own seed
 
 
@@ -254,28 +273,39 @@ def _pipelined_turns(engine, trajs: list[Trajectory], tool_maps, envs, ctx: _Tur
         at_turn[turn] += 1
         seed = (base + 1_000_003 * i + 7_919 * turn) % 2**62  # fixed whatever order turns finish in
         extra = {"constraint": ctx.constraints[i]} if ctx.constraints[i] is not None else {}
-        pending[engine.submit(trajs[i].token_ids, cfg.max_new_tokens, cfg.temperature, greedy=greedy,
-                              stop=stop, seed=seed, **extra)] = (i, turn)
+        if takes_cancel:
+            extra["cancel"] = threading.Event()
+        f = engine.submit(trajs[i].token_ids, cfg.max_new_tokens, cfg.temperature, greedy=greedy, stop=stop,
+                          seed=seed, **extra)
+        pending[f] = (i, turn)
+        if takes_cancel:
+            cancels[f] = extra["cancel"]
 
-    for i in range(len(trajs)):
-        submit(i, 0)
-    reported = 0
-    while pending:
-        t0 = time.perf_counter()
-        done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-        dt = (time.perf_counter() - t0) / len(pending)
-        for i, _ in pending.values():  # the wait's wall time, shared among the rows sampled in it
-            trajs[i].timings["generate"] += dt
-        for f in done:
-            i, turn = pending.pop(f)
-            at_turn[turn] -= 1
-            if _after_turn(trajs[i], f.result(), turn, tool_maps[i], envs[i], ctx, ctx.constraints[i]):
-                _next_constraint(ctx, i, envs[i])
-                submit(i, turn + 1)
-        while reported <= started and not any(at_turn[:reported + 1]):
-            reported += 1
-            if on_turn is not None:
-                on_turn()
+    try:
+        for i in range(len(trajs)):
+            submit(i, 0)
+        reported = 0
+        while pending:
+            t0 = time.perf_counter()
+            done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            dt = (time.perf_counter() - t0) / len(pending)
+            for i, _ in pending.values():  # the wait's wall time, shared among the rows sampled in it
+                trajs[i].timings["generate"] += dt
+            for f in done:
+                i, turn = pending.pop(f)
+                at_turn[turn] -= 1
+                if _after_turn(trajs[i], f.result(), turn, tool_maps[i], envs[i], ctx, ctx.constraints[i]):
+                    _next_constraint(ctx, i, envs[i])
+                    submit(i, turn + 1)
+            while reported <= started and not any(at_turn[:reported + 1]):
+                reported += 1
+                if on_turn is not None:
+                    on_turn()
+    except BaseException:  # a failed row, tool or hook: the rows still decoding stop, their slots free
+        for f in pending:
+            if f in cancels:
+                cancels[f].set()
+        raise
 
 
 def offered_tools(tools: list[Tool], env: Environment | None) -> list[Tool]:

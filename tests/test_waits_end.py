@@ -230,3 +230,70 @@ def test_a_stream_whose_generation_fails_ends_with_an_error_event_not_a_cut_conn
     _others_stopped(made)
     monkeypatch.undo()
     _next_request_is_served(url)
+
+
+# -- the pipelined rollout: a failed row stops its siblings and closes the environments ---------------------
+
+
+class ClosingEnv:
+    """An environment with no tools that records whether it was closed."""
+
+    tools: list = []
+    demonstration = None
+
+    def __init__(self):
+        self.closed = False
+
+    def is_completed(self) -> bool:
+        return False
+
+    def state(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_rollout_whose_row_fails_cancels_the_rows_still_decoding_and_closes_its_envs(tiny_tokenizer,
+                                                                                      tiny_model_factory):
+    from selfrl.config import RolloutConfig
+    from selfrl.engines.slots import SlotEngine
+    from selfrl.rollout import rollout
+    from selfrl.tasks import Task
+
+    engine = SlotEngine(tiny_model_factory(eos_bias=-30.0), tiny_tokenizer)  # no EOS: rows run to their limit
+    futures: list[Future] = []
+    real = engine.submit
+
+    def submit(*a, cancel=None, **k):
+        if not futures:  # the first row fails at once (as a failed prefill would)
+            f = Future()
+            f.set_exception(RuntimeError("injected row failure"))
+        else:
+            f = real(*a, cancel=cancel, **k)
+        futures.append(f)
+        return f
+
+    engine.submit = submit
+    envs: list[ClosingEnv] = []
+
+    def make_env(task):
+        envs.append(ClosingEnv())
+        return envs[-1]
+
+    tasks = [Task.make("test", f"What is {k}+{k}?", str(2 * k)) for k in range(3)]
+    with pytest.raises(RuntimeError, match="injected row failure"):
+        rollout(engine, tasks, ["a", "b", "c"], [], RolloutConfig(max_new_tokens=LIMIT, max_turns=1),
+                env_factory=make_env)
+    assert len(futures) == 3 and [e.closed for e in envs] == [True, True, True]
+    for f in futures[1:]:  # the others were cancelled, not left decoding to 900 tokens for nobody
+        g = settle(f)
+        assert g.cancelled and len(g.token_ids) < LIMIT
+    deadline = time.monotonic() + BOUND_S
+    while engine.lock.in_flight:  # their version-gate tickets are back
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    engine.submit = real
+    g = settle(engine.submit([1, 2, 3], 4, greedy=True))  # and the engine serves the next one in full
+    assert len(g.token_ids) == 4 and not g.cancelled
+    engine.close()
