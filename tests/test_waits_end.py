@@ -297,3 +297,82 @@ def test_a_rollout_whose_row_fails_cancels_the_rows_still_decoding_and_closes_it
     g = settle(engine.submit([1, 2, 3], 4, greedy=True))  # and the engine serves the next one in full
     assert len(g.token_ids) == 4 and not g.cancelled
     engine.close()
+
+
+# -- the browser's driver thread: a call stuck in Chromium ends with a TimeoutError, and Chromium is killed ---
+
+
+def _in_thread(fn, timeout: float = BOUND_S):
+    """``fn()`` run in a thread: its result or exception; fails the test when it is still running after
+    ``timeout`` s (on the old code the call waited forever)."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["out"] = fn()
+        except BaseException as e:
+            box["out"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"the call did not return within {timeout} s"
+    return box["out"]
+
+
+def test_a_stuck_driver_call_and_the_calls_behind_it_time_out_and_the_driver_then_serves(monkeypatch):
+    from selfrl.envs import web_browser
+
+    monkeypatch.setattr(web_browser, "CALL_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(web_browser, "POLL_S", 0.05)
+    killed: list[int] = []
+    monkeypatch.setattr(web_browser, "_chromium_pids", lambda: killed.append(1) or [])
+    driver = web_browser._Driver()
+    release, ran = threading.Event(), []
+    first = driver.submit(lambda: None)  # starts the thread
+    first.result(BOUND_S)
+
+    def stuck():  # a call that hangs (as page.evaluate in a hung Chromium)
+        release.wait(60)
+        return "late"
+
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("stuck", _in_thread(lambda: driver.run(stuck))), daemon=True)
+    t.start()
+    time.sleep(0.2)
+    behind = _in_thread(lambda: driver.run(lambda: ran.append(1)))  # queued behind the stuck call
+    assert isinstance(behind, TimeoutError)
+    assert str(behind) == ("the browser did not answer: one call has run for over 1 s (an earlier one); "
+                           "Chromium was killed")
+    t.join(BOUND_S)
+    assert isinstance(out["stuck"], TimeoutError) and "(this one)" in str(out["stuck"])
+    assert killed == [1]  # once for the one stuck call, not once per waiter
+    release.set()
+    assert _in_thread(lambda: driver.run(lambda: 7)) == 7  # the thread is free again and serves the next call
+    assert ran == []  # the call that timed out in the queue never ran later
+
+
+def test_a_page_that_never_answers_costs_one_timeout_and_the_next_episode_gets_a_new_chromium(monkeypatch):
+    from selfrl.envs import web_browser
+
+    try:
+        web_browser.check_available()
+    except ValueError as e:
+        pytest.skip(f"no real browser here: {e}")
+    monkeypatch.setattr(web_browser, "CALL_TIMEOUT_S", 4.0)
+    b = web_browser.PlaywrightBrowser()
+    try:
+        assert b.goto("/cart").startswith("page: /cart")
+        before = set(web_browser._chromium_pids())
+        assert before
+        e = _in_thread(lambda: b._do("spin", lambda p: p.evaluate("while (true) {}")), timeout=60)
+        assert isinstance(e, TimeoutError) and "(this one); Chromium was killed" in str(e)
+        c = web_browser.PlaywrightBrowser()
+        try:
+            assert _in_thread(lambda: c.goto("/cart"), timeout=90).startswith("page: /cart")
+            assert set(web_browser._chromium_pids()).isdisjoint(before)  # a new Chromium; the hung one is gone
+        finally:
+            c.close()
+    finally:
+        b.close()
+    assert web_browser._DRIVER.open == 0

@@ -34,6 +34,13 @@ the state; the Chromium process and Playwright's driver stop when no episode is 
 none outlives a rollout. A browser dropped without ``close()`` is closed when it is
 garbage-collected, and any left at exit are closed then.
 
+**No call waits forever.** Playwright bounds actions and page loads (``ACTION_TIMEOUT_S``),
+but not ``page.evaluate`` or a close, and a hung Chromium would hold the one thread every
+episode's calls go through. A caller waits while that thread makes progress; once it has
+been in one call for ``CALL_TIMEOUT_S`` (its own or an earlier caller's), the waiter gets a
+``TimeoutError`` and this process's Chromium is killed, which ends the stuck call (as a
+crash: the episodes open then get errors, the next one a new Chromium).
+
 **The site only.** Every request of a context goes through a route that lets through only
 the site's origin (``http://127.0.0.1:PORT``; another host, or another port on loopback, is
 aborted and recorded in ``blocked``), web sockets through a second route with the same rule,
@@ -52,11 +59,13 @@ import os
 import queue
 import re
 import shutil
+import signal
 import threading
+import time
 import urllib.parse
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any
 
 from selfrl.envs.web import VIEW_LINES, Browser
@@ -68,6 +77,8 @@ __all__ = ["CHROMIUM_ENV", "INSTALL_HINT", "PlaywrightBrowser", "check_available
 CHROMIUM_ENV = "SELFRL_CHROMIUM"
 INSTALL_HINT = "pip install 'selfrl[browser]' (the playwright package) and apt-get install -y chromium"
 ACTION_TIMEOUT_S = 30.0  # one click, fill or page load (Playwright's default; 10 s timed out on a loaded machine)
+CALL_TIMEOUT_S = 6 * ACTION_TIMEOUT_S  # one call on the driver thread (an action opens, acts, loads and reads)
+POLL_S = 0.5  # how often a waiter looks at the driver thread
 SCROLL_PX = 600
 DEAD_PROXY = "http://127.0.0.1:9"  # nothing listens on the discard port: non-loopback traffic fails
 
@@ -166,15 +177,20 @@ class _Driver:
         self._pw = None
         self.browser = None
         self.open = 0  # contexts open now
+        self.busy: tuple[Future, float] | None = None  # the call running now and when it started (monotonic s)
+        self._killed_for: Future | None = None  # the stuck call whose Chromium was killed
 
     def _loop(self) -> None:
         while True:
             fn, fut = self._jobs.get()
             if fut.set_running_or_notify_cancel():
+                self.busy = (fut, time.monotonic())
                 try:
                     fut.set_result(fn())
                 except BaseException as e:  # handed to the caller, who re-raises it
                     fut.set_exception(e)
+                finally:
+                    self.busy = None
             del fn, fut  # an idle thread must not keep the last job's browser alive (its finalizer)
 
     def submit(self, fn: Callable[[], Any]) -> Future:
@@ -187,9 +203,35 @@ class _Driver:
         return fut
 
     def run(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the driver thread: its result, or its exception.
+
+        Raises:
+            TimeoutError: the driver thread has been in one call (``fn``, or one queued before
+                it) for ``CALL_TIMEOUT_S``; ``fn`` does not run later, and Chromium is killed.
+        """
         if threading.current_thread() is self._thread:
             return fn()
-        return self.submit(fn).result()
+        fut = self.submit(fn)
+        while not wait([fut], timeout=POLL_S).done:
+            busy = self.busy
+            if busy is None or time.monotonic() - busy[1] < CALL_TIMEOUT_S:
+                continue
+            if busy[0] is fut or fut.cancel():  # else it has just started, the stuck call over: wait on
+                self._unstick(busy[0])
+                raise TimeoutError(f"the browser did not answer: one call has run for over {CALL_TIMEOUT_S:g} s "
+                                   f"({'this one' if busy[0] is fut else 'an earlier one'}); Chromium was killed")
+        return fut.result()
+
+    def _unstick(self, stuck: Future) -> None:
+        """Kill this process's Chromium once per stuck call: the call then fails as after a crash."""
+        if self._killed_for is stuck:
+            return
+        self._killed_for = stuck
+        for pid in _chromium_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:  # gone already
+                pass
 
     # -- on the driver thread ---------------------------------------------------------------
 
@@ -261,6 +303,31 @@ class _Driver:
         finally:
             if pw is not None:
                 pw.stop()
+
+
+def _chromium_pids() -> list[int]:
+    """Process ids of this process's descendants whose name has ``chrom`` in it (from ``/proc``;
+    none where there is no ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # it exited meanwhile
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        names[int(entry)] = name
+        children.setdefault(int(rest[1]), []).append(int(entry))
+    out, todo = [], [os.getpid()]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            todo.append(child)
+            if "chrom" in names[child]:
+                out.append(child)
+    return out
 
 
 _DRIVER = _Driver()
