@@ -450,6 +450,11 @@ class Sandbox:
             shutil.rmtree(workdir, ignore_errors=True)
 
     def _spawn(self, argv, cwd, env, data, uid, nproc, isolation, pass_fds) -> ExecResult:
+        """Start ``argv`` in a new session and collect it; it is killed at the wall-clock limit.
+
+        Raises:
+            whatever collecting its output raised (e.g. ``KeyboardInterrupt``), after the run was killed and reaped.
+        """
         ids = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
         argv, preexec = self._limited(argv, nproc)
         t0 = time.monotonic()
@@ -457,7 +462,14 @@ class Sandbox:
             argv, cwd=cwd, env=env if env is not None else {"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True, preexec_fn=preexec, pass_fds=pass_fds, close_fds=True, **ids)
-        out, err, killed = self._communicate(proc, data, t0 + self.limits.wall_seconds)
+        try:
+            out, err, killed = self._communicate(proc, data, t0 + self.limits.wall_seconds)
+        except BaseException:  # our side failed mid-run (an interrupt, a read error): the run must not outlive it
+            _kill_everything(proc, uid)
+            proc.wait()
+            for pipe in (proc.stdout, proc.stderr):
+                pipe.close()
+            raise
         if killed:
             _kill_everything(proc, uid)
         code = proc.wait()

@@ -376,3 +376,36 @@ def test_a_page_that_never_answers_costs_one_timeout_and_the_next_episode_gets_a
     finally:
         b.close()
     assert web_browser._DRIVER.open == 0
+
+
+# -- the sandbox: a run whose collection fails on our side is killed, not left running ----------------------
+
+
+@pytest.mark.parametrize("isolation", ["bwrap", "rlimit"])
+def test_a_sandboxed_run_is_killed_when_collecting_its_output_fails(isolation, monkeypatch):
+    import os
+    import shutil
+
+    from selfrl.sandbox import Limits, Sandbox, bwrap_problem
+
+    if isolation == "bwrap" and (shutil.which("bwrap") is None or bwrap_problem()):
+        pytest.skip("no usable bubblewrap here")
+    if isolation == "rlimit" and os.geteuid() != 0:
+        pytest.skip("the rlimit fallback's fresh uid needs root")
+    box = Sandbox(Limits(wall_seconds=60), isolation=isolation)
+    pids: list[int] = []
+
+    def communicate(self, proc, data, deadline):  # reading its output fails (as an interrupt would)
+        pids.append(proc.pid)
+        raise RuntimeError("the reader failed")
+
+    monkeypatch.setattr(Sandbox, "_communicate", communicate)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="the reader failed"):
+        box.run(["sleep", "30"])
+    assert time.monotonic() - t0 < BOUND_S
+    [pid] = pids
+    assert not os.path.exists(f"/proc/{pid}")  # killed and reaped: no sleep left running for 30 s
+    monkeypatch.undo()
+    out = box.run_python("print(6 * 7)")  # the sandbox runs the next one in full
+    assert out.stdout == "42\n" and out.exit_code == 0 and not out.timed_out
