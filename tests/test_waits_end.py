@@ -110,7 +110,9 @@ def test_a_worker_that_dies_fails_what_it_held_and_what_was_queued_and_refuses_n
     time.sleep(0.2)
     queued = b.submit(Job([2], 2, temperature=0.7))
     gate.set()
-    assert isinstance(settle(held), Stop)
+    e = settle(held)  # a waiter is never handed what ends threads: a RuntimeError caused by it
+    assert isinstance(e, RuntimeError) and isinstance(e.__cause__, Stop)
+    assert str(e) == "the batcher's worker died: Stop: the engine pulled the plug"
     e = settle(queued)
     assert isinstance(e, RuntimeError)
     assert str(e) == "the batcher stopped before this request ran: its worker died: Stop: the engine pulled the plug"
@@ -409,3 +411,27 @@ def test_a_sandboxed_run_is_killed_when_collecting_its_output_fails(isolation, m
     monkeypatch.undo()
     out = box.run_python("print(6 * 7)")  # the sandbox runs the next one in full
     assert out.stdout == "42\n" and out.exit_code == 0 and not out.timed_out
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point
+def test_a_server_whose_batcher_died_answers_500_with_the_reason_streamed_or_not(tiny_tokenizer, tiny_model_factory,
+                                                                                 tmp_path):
+    import openai
+    from serving import running_server, serve_config
+
+    with running_server(tiny_model_factory(lora=True), tiny_tokenizer, serve_config(tmp_path, "slots"),
+                        api_key=None) as (url, service):
+        def die():
+            raise Stop("out of the blue")
+
+        service.batcher._hand_over = lambda job: die()  # the worker dies at the next request it takes
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=20)
+        for stream in (False, True, False):
+            with pytest.raises(openai.InternalServerError) as info:
+                out = client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=4, stream=stream)
+                list(out) if stream else None
+            assert info.value.body["code"] == "generation_failed"
+            assert info.value.body["message"].startswith("generation failed: ")
+            assert "Stop: out of the blue" in info.value.body["message"]
+        assert service.engine.lock.in_flight == 0

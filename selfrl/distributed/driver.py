@@ -127,9 +127,14 @@ class WorkerPool:
             while self.load(i) < self.dist.in_flight:
                 self.submit(i, *next_job())
 
-    def pids(self) -> list[int]:
-        """Process ids of the live workers (for the fault tests)."""
-        return ray.get([w.pid.remote() for w in self.workers])
+    def pids(self, timeout_s: float = 300.0) -> list[int]:
+        """Process ids of the live workers (for the fault tests).
+
+        Raises:
+            ray.exceptions.GetTimeoutError: a worker did not answer within ``timeout_s`` (stopped, or still
+                being built).
+        """
+        return ray.get([w.pid.remote() for w in self.workers], timeout=timeout_s)
 
     def deadline(self, i: int) -> float:
         """When worker ``i``, busy, counts as lost: ``job_timeout_s`` after it last showed

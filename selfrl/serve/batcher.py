@@ -88,7 +88,11 @@ def _accepts(fn, name: str) -> bool:
 
 
 def _fail(jobs: list[Job], e: BaseException) -> None:
-    """Settle each of ``jobs`` not settled yet with ``e`` (a job is settled exactly once)."""
+    """Settle each of ``jobs`` not settled yet with ``e`` (a job is settled exactly once); an ``e`` that
+    is no ``Exception`` (it ends threads: ``SystemExit``) reaches them as a ``RuntimeError`` caused by it."""
+    if not isinstance(e, Exception):
+        cause, e = e, RuntimeError(f"the batcher's worker died: {type(e).__name__}: {e}")
+        e.__cause__ = cause
     for j in jobs:
         try:
             j.future.set_exception(e)

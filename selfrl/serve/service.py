@@ -499,15 +499,18 @@ class Service:
             ApiError: as :meth:`prepare`; 499 when the client disconnected (nobody reads it);
                 500 when the generation failed (its other choices are cancelled).
         """
-        from selfrl.serve.disconnect import await_jobs
+        from selfrl.serve.disconnect import await_jobs, generation_failed
 
         p = await asyncio.to_thread(self.prepare, req, client)  # tokenizing a long prompt must not block the loop
         if response_id is not None:
             p.response_id = response_id
         t0 = time.perf_counter()
         jobs = self.jobs(p)
-        for j in jobs:
-            self.batcher.submit(j)
+        try:
+            for j in jobs:
+                self.batcher.submit(j)
+        except RuntimeError as e:  # the batcher has stopped (the reason is in the message)
+            raise generation_failed(jobs, e) from e
         gens = await await_jobs(self, p, jobs, t0, is_disconnected)
         if gens is None:
             raise ApiError(499, "the client disconnected", code="client_disconnected")

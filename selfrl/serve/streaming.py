@@ -103,7 +103,10 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest, client: st
 
     t0 = time.perf_counter()
     jobs = service.jobs(p, on_tokens)
-    futures = [service.batcher.submit(j) for j in jobs]
+    try:
+        futures = [service.batcher.submit(j) for j in jobs]
+    except RuntimeError as e:  # the batcher has stopped (the reason is in the message)
+        raise generation_failed(jobs, e) from e
     done = asyncio.ensure_future(asyncio.gather(*[asyncio.wrap_future(f) for f in futures]))
     first_tokens = asyncio.ensure_future(queue.get())
     try:
