@@ -14,6 +14,10 @@ them alike.
 * **time to first token**: from sending the request to the first streamed chunk that
   carries content (what a user sees first); median and p90 (nearest rank) over requests.
 * **tokens/s**: every completion token (``usage`` of the stream) over the level's wall time.
+* **where the clients run** (``--client-process``): by default the client threads share
+  the server's Python process (and its GIL); with ``--client-process`` each level's clients
+  run in a child process, as a deployment's clients do. ``--client-process both`` measures
+  both ways at each level, side by side.
 
 The issue's target (issue 15): a median time to first token under 0.5 s at 8 clients on
 the embedded SmolLM2-135M. The load average at start and end is in the JSON and printed:
@@ -22,6 +26,7 @@ on a loaded machine every figure is slower, the ratios less so.
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 import sys
@@ -32,7 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    Stats, base_parser, envelope, finish, loadavg, model_name, print_table, run_clients, serve_app,
+    Stats, base_parser, envelope, finish, loadavg, model_name, print_table, run_child, run_clients, serve_app,
+    write_result,
 )
 
 QUESTIONS = ["What is 17 + 25?", "Name three colours.", "Write one sentence about the sea.", "What is 9 * 8?",
@@ -111,13 +117,32 @@ def serve_level(url: str, clients: int, requests: int, max_tokens: int, extra_bo
             "tokens_per_s": sum(tokens) / wall, "loadavg": loadavg()}
 
 
+def level_in_child(url: str, clients: int, requests: int, max_tokens: int, out: Path) -> dict:
+    """:func:`serve_level` run by a child process (``--against URL``): the clients do not share
+    the server's process. Returns the same dict (``ttft_s`` and ``latency_s`` as :class:`Stats`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    argv = [str(Path(__file__).resolve()), "--against", url, "--clients", str(clients), "--requests", str(requests),
+            "--max-tokens", str(max_tokens), "--out", str(out)]
+    lv = run_child(argv, out / "serve_level.json")
+    for key in ("ttft_s", "latency_s"):
+        lv[key] = Stats(**lv[key])
+    return lv
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--engines", default="reference,slots", help="backends, comma-separated (selfrl.engines)")
     p.add_argument("--clients", default="1,8,32", help="levels: concurrent clients, comma-separated")
     p.add_argument("--requests", type=int, default=3, help="requests per client at each level")
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each request")
+    p.add_argument("--client-process", choices=["no", "yes", "both"], default="no",
+                   help="run each level's clients in a child process (yes), in this one (no), or both ways")
+    p.add_argument("--against", default=None, help=argparse.SUPPRESS)  # child mode: one level against this URL
     args = p.parse_args(argv)
+    if args.against:  # the child of --client-process: one level, its dict as JSON, nothing else
+        lv = serve_level(args.against, int(args.clients), args.requests, args.max_tokens)
+        write_result("serve_level", lv, args.out)
+        return lv
     import torch
 
     from selfrl.loop import build_policy
@@ -137,13 +162,23 @@ def main(argv: list[str] | None = None) -> dict:
     for n, (url, *_) in servers.items():  # warm-up: first allocations, the grammar-free path, the prefix cache
         one_request(OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600), "Hi", 4)
     levels = [int(c) for c in args.clients.split(",")]
-    serve: dict[str, list[dict]] = {n: [] for n in names}
+    ways = {"no": ["thread"], "yes": ["process"], "both": ["thread", "process"]}[args.client_process]
+    result["clients_in"] = ways
+    rows_of = [f"{n}/{w}" if len(ways) > 1 else n for n in names for w in ways]  # the table's engine column
+    serve: dict[str, list[dict]] = {n: [] for n in rows_of}
     for i, c in enumerate(levels):
         for n in (names if i % 2 == 0 else names[::-1]):
-            lv = serve_level(servers[n][0], c, args.requests, max_tokens)
-            serve[n].append(lv)
-            print(f"{n} {c} clients: TTFT p50 {lv['ttft_p50_s']:.2f} s p90 {lv['ttft_p90_s']:.2f} s, "
-                  f"{lv['tokens_per_s']:.1f} tokens/s, load {lv['loadavg']:.1f}", flush=True)
+            for w in (ways if i % 2 == 0 else ways[::-1]):
+                if w == "process":
+                    lv = level_in_child(servers[n][0], c, args.requests, max_tokens, work / f"child-{n}-{c}")
+                else:
+                    lv = serve_level(servers[n][0], c, args.requests, max_tokens)
+                lv["clients_in"] = w
+                key = f"{n}/{w}" if len(ways) > 1 else n
+                serve[key].append(lv)
+                print(f"{key} {c} clients: TTFT p50 {lv['ttft_p50_s']:.2f} s p90 {lv['ttft_p90_s']:.2f} s, "
+                      f"{lv['tokens_per_s']:.1f} tokens/s, load {lv['loadavg']:.1f}", flush=True)
+    names = rows_of
     for n, (_, server, thread, service) in servers.items():
         server.should_exit = True
         thread.join(timeout=60)

@@ -167,3 +167,17 @@ def test_serve_tiny(tmp_path):
     for k, ratio in enumerate(r["ratios"]["levels"]):
         assert ratio["ttft_p50"] == r["serve"]["slots"][k]["ttft_p50_s"] / r["serve"]["reference"][k]["ttft_p50_s"]
     assert (tmp_path / "serve.json").exists()
+
+
+def test_serve_tiny_clients_in_a_child_process(tmp_path):
+    import bench_serve
+
+    r = bench_serve.main(TINY + ["--out", str(tmp_path), "--engines", "slots", "--clients", "2", "--requests", "1",
+                                 "--client-process", "both"])
+    assert r["clients_in"] == ["thread", "process"] and list(r["serve"]) == ["slots/thread", "slots/process"]
+    for key, way in (("slots/thread", "thread"), ("slots/process", "process")):
+        (lv,) = r["serve"][key]
+        assert lv["clients_in"] == way and lv["requests"] == 2 and lv["errors"] == []
+        assert 0 < lv["ttft_p50_s"] <= lv["latency_s"].max  # the child's Stats came back as Stats
+    ratio = r["ratios"]["levels"][0]
+    assert ratio["ttft_p50"] == r["serve"]["slots/process"][0]["ttft_p50_s"] / r["serve"]["slots/thread"][0]["ttft_p50_s"]
