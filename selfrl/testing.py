@@ -1,5 +1,5 @@
 """Tiny models and a tiny tokenizer built in memory from a config, for tests, benchmarks and
-the fault suite (``tests/conftest.py``, ``benchmarks/common.py``, ``scripts/fault_suite.py``).
+the fault suite (``tests/conftest.py``, ``benchmarks/common.py``, ``scripts/fault_runs.py``).
 
 Nothing here downloads anything. The tokenizer is a byte-level BPE trained on a
 small corpus with SmolLM2's special tokens and ChatML template (no tool

@@ -1,4 +1,5 @@
-"""The llama.cpp comparison's own pieces (benchmarks/bench_llamacpp.py): llama.cpp itself is
+"""The llama.cpp comparison's own pieces (benchmarks/bench_llamacpp.py and the GGUF writer and
+llama-server client beside it, llamacpp_gguf.py and llamacpp_server.py): llama.cpp itself is
 not installed here, so the benchmark skips without a binary; what it computes is tested on
 hand-made inputs."""
 
@@ -12,6 +13,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import bench_llamacpp  # noqa: E402
+import llamacpp_gguf  # noqa: E402
+import llamacpp_server  # noqa: E402
 
 
 def test_skips_cleanly_without_a_binary(capsys):
@@ -30,13 +33,13 @@ def test_parse_completion_takes_ids_and_logprobs():
     body = {"tokens": [5, 7, 2], "stop_type": "eos",
             "completion_probabilities": [{"id": 5, "logprob": -0.25, "top_logprobs": []},
                                          {"id": 7, "logprob": -1.5}, {"id": 2, "logprob": -0.125}]}
-    assert bench_llamacpp.parse_completion(body) == ([5, 7, 2], [-0.25, -1.5, -0.125], "eos")
+    assert llamacpp_server.parse_completion(body) == ([5, 7, 2], [-0.25, -1.5, -0.125], "eos")
     # measured: llama-server can leave a token's entry out of completion_probabilities; the ids stay, the
     # log-probs cannot be paired with them
     unpaired = {**body, "tokens": [142, 5, 7, 2]}
-    assert bench_llamacpp.parse_completion(unpaired) == ([142, 5, 7, 2], None, "eos")
+    assert llamacpp_server.parse_completion(unpaired) == ([142, 5, 7, 2], None, "eos")
     with pytest.raises(ValueError, match="n_probs"):
-        bench_llamacpp.parse_completion({"tokens": [5], "content": "x"})
+        llamacpp_server.parse_completion({"tokens": [5], "content": "x"})
 
 
 def test_mismatch_stats_hand_computed():
@@ -78,7 +81,7 @@ def test_write_f32_gguf_dequantizes_every_tensor_and_keeps_the_metadata(tmp_path
     w.write_tensors_to_file()
     w.close()
 
-    out = bench_llamacpp.write_f32_gguf(src, tmp_path / "m-f32.gguf")
+    out = llamacpp_gguf.write_f32_gguf(src, tmp_path / "m-f32.gguf")
     assert out == tmp_path / "m-f32.gguf" and not (tmp_path / "m-f32.part").exists()
     r = GGUFReader(out)
     tensors = {t.name: t for t in r.tensors}
@@ -102,7 +105,7 @@ def test_base_config_dir_drops_the_gguf_quantization_config(tmp_path):
     (model / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {"quant_method": "gguf"}}))
     (model / "tokenizer.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"weights")
-    out = bench_llamacpp.base_config_dir(model, tmp_path / "base")
+    out = llamacpp_gguf.base_config_dir(model, tmp_path / "base")
     assert json.loads((out / "config.json").read_text()) == {"model_type": "llama"}
     assert (out / "tokenizer.json").resolve() == (model / "tokenizer.json").resolve()
     assert not (out / "model.safetensors").exists()  # the converter needs the config only

@@ -285,10 +285,12 @@ def test_a_killed_driver_resumes_from_the_last_good_version_with_nothing_lost_or
     it), then ``--resume``: scripts/fault_suite.py's check (every trajectory stored before the
     kill unchanged, all iterations trained, no group id stored twice, resumed from the newest
     servable version, no corrupt version served). About 80 s on 2 shared cores."""
-    from test_faults import suite
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    from fault_distributed import run_distributed_fault
+    from fault_runs import save_tiny_model
 
-    model_dir = suite.save_tiny_model(tmp_path / "model")
-    out = suite.run_distributed_fault("ray:kill:after_store@1", model_dir, tmp_path)
+    model_dir = save_tiny_model(tmp_path / "model")
+    out = run_distributed_fault("ray:kill:after_store@1", model_dir, tmp_path)
     assert out.recovered, out
     assert out.trajectories_lost == 0 and out.corrupt_versions_served == 0
     assert "0 groups stored twice" in out.detail and "resumed at iteration 1 from version" in out.detail

@@ -4,12 +4,13 @@ with nothing lost, and no incomplete adapter version is ever served.
 The corrupting faults run in process (``selfrl.loop.run`` on a tiny Phi saved to disk,
 ``SELFRL_FAULT`` set); one kill runs ``selfrl run`` as a real subprocess that SIGKILLs
 itself, then resumes. The whole kill matrix (every point of ``selfrl.faults.POINTS``) is
-marked slow; ``scripts/fault_suite.py`` runs it and prints the table.
+marked slow; ``scripts/fault_suite.py`` runs it and prints the table (the faults and their
+checks are in ``scripts/fault_runs.py``).
 """
 
-import importlib.util
 import json
 import shutil
+import signal
 import sqlite3
 import sys
 from pathlib import Path
@@ -24,21 +25,19 @@ from selfrl.rewards import REWARD_FUNCS
 from selfrl.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("fault_suite", ROOT / "scripts" / "fault_suite.py")
-suite = importlib.util.module_from_spec(_spec)
-sys.modules["fault_suite"] = suite  # dataclasses look their module up there
-_spec.loader.exec_module(suite)
+sys.path.insert(0, str(ROOT / "scripts"))
+import fault_runs as runs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return suite.save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+    return runs.save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture(scope="module", autouse=True)
 def short_reward():
     mp = pytest.MonkeyPatch()
-    mp.setitem(REWARD_FUNCS, "short", suite.short)
+    mp.setitem(REWARD_FUNCS, "short", runs.short)
     yield
     mp.undo()
 
@@ -56,8 +55,8 @@ def inject(monkeypatch):
     faults.set_iteration(-1)
 
 
-def config(model_dir, run_dir, iterations=suite.ITERATIONS, **overrides):
-    path = suite.write_config(Path(run_dir).parent / f"{Path(run_dir).name}.toml", model_dir, iterations)
+def config(model_dir, run_dir, iterations=runs.ITERATIONS, **overrides):
+    path = runs.write_config(Path(run_dir).parent / f"{Path(run_dir).name}.toml", model_dir, iterations)
     return load_config(path, {"run_dir": str(run_dir), **overrides})
 
 
@@ -135,7 +134,7 @@ def collapse_event(run_dir):
 def test_corrupting_fault_is_recovered(fault, model_dir, tmp_path, inject):
     inject(fault)
     result = run(config(model_dir, tmp_path / "run", iterations=2))
-    out = suite.check_corrupting(fault, tmp_path / "run", result.final_version)
+    out = runs.check_corrupting(fault, tmp_path / "run", result.final_version)
     assert out.recovered, out.detail
     assert (out.trajectories_lost, out.corrupt_versions_served) == (0, 0)
     if fault.startswith("noise"):
@@ -146,7 +145,7 @@ def test_corrupting_fault_is_recovered(fault, model_dir, tmp_path, inject):
 def test_destructive_update_rolled_back_and_spent_budget_stops_cleanly(model_dir, tmp_path, inject):
     inject("lr_x1000@1")
     result = run(config(model_dir, tmp_path / "run", **{"collapse.max_rollbacks": 0}))
-    out = suite.check_corrupting("lr_x1000@1", tmp_path / "run", result.final_version)
+    out = runs.check_corrupting("lr_x1000@1", tmp_path / "run", result.final_version)
     assert out.recovered, out.detail
     event = collapse_event(tmp_path / "run")
     # rolled back in the iteration of the fault, with the safer setting from CollapseConfig's factors
@@ -195,7 +194,7 @@ def test_resume_skips_a_damaged_served_version_and_clears_strays(model_dir, tmp_
 
 
 def kill_and_resume(fault, model_dir, tmp_path):
-    out = suite.run_fault(fault, model_dir, tmp_path)
+    out = runs.run_fault(fault, model_dir, tmp_path)
     assert out.recovered, out.detail
     assert (out.trajectories_lost, out.corrupt_versions_served) == (0, 0)
     return out
@@ -205,14 +204,14 @@ def test_kill_during_save_then_resume_loses_nothing(model_dir, tmp_path):
     # the kill in a real subprocess; the resume in process (saves a second start-up)
     run_dir = tmp_path / "run"
     cfg = config(model_dir, run_dir)
-    killed = suite.run_child(["--config", str(run_dir.parent / "run.toml"), "--run-dir", str(run_dir)],
+    killed = runs.run_child(["--config", str(run_dir.parent / "run.toml"), "--run-dir", str(run_dir)],
                              "kill:during_save@1")
-    assert killed.returncode == -suite.signal.SIGKILL, killed.stderr[-2000:]
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert list((run_dir / "adapters").glob(".v000002-*"))  # the half-written save is there
-    before = suite.snapshot(run_dir)
+    before = runs.snapshot(run_dir)
     assert len(before) == 16  # iterations 0 and 1 were stored before the kill
     result = run(cfg, resume=True)
-    out = suite.check_kill("kill:during_save@1", run_dir, before, result.final_version)
+    out = runs.check_kill("kill:during_save@1", run_dir, before, result.final_version)
     assert out.recovered, out.detail
     assert (out.trajectories_lost, out.corrupt_versions_served) == (0, 0)
     assert out.notes and "left by an interrupted save" in out.notes[0]

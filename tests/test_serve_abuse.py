@@ -1,8 +1,8 @@
 """``selfrl serve`` under attack (issue 12 cases 4-6): limits on the bytes actually read,
 bounded parsing of every request value (no 5xx), and who may put an implicit reward
-on a turn. The hostile corpus and the attacks come from ``scripts/abuse_suite.py``."""
+on a turn. The hostile corpus and the attacks come from ``scripts/abuse_suite.py`` and the
+modules beside it (``abuse_corpus``, ``abuse_client``, ``abuse_attacks``)."""
 
-import importlib.util
 import json
 import sqlite3
 import sys
@@ -12,10 +12,11 @@ import pytest
 
 from serving import API_KEY, http, running_server, tiny_serve_config
 
-_SPEC = importlib.util.spec_from_file_location("abuse_suite", Path(__file__).parents[1] / "scripts" / "abuse_suite.py")
-abuse = importlib.util.module_from_spec(_SPEC)
-sys.modules["abuse_suite"] = abuse  # dataclasses look their module up there
-_SPEC.loader.exec_module(abuse)
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+import abuse_attacks as attacks  # noqa: E402
+import abuse_client as client  # noqa: E402
+import abuse_corpus  # noqa: E402
+import abuse_suite as abuse  # noqa: E402
 
 LIMIT = 256 * 1024
 
@@ -37,10 +38,10 @@ def test_a_chunked_body_is_cut_at_the_limit_and_the_connection_closed(server):
     url, service = server
     before = rows(service)
     total = 32 << 20  # 128 times the limit
-    status, sent, closed = abuse.send_chunked(url, total)
+    status, sent, closed = client.send_chunked(url, total)
     assert status == 413 and closed  # refused, and the connection closed: the rest is never read
     assert sent < total // 2  # the server stopped reading (what was sent lies in socket buffers)
-    status, sent, closed = abuse.send_chunked(url, total, content_length=total)
+    status, sent, closed = client.send_chunked(url, total, content_length=total)
     assert status == 413 and closed and sent < total // 2  # a declared length over the limit
     assert rows(service) == before
     assert abuse.serving(url)
@@ -72,11 +73,11 @@ def test_a_model_version_of_5000_digits_is_a_404_in_openais_shape(server):
 def test_no_request_of_the_hostile_corpus_gets_a_5xx_or_adds_a_row(server):
     url, service = server
     before = rows(service)
-    corpus = abuse.hostile_requests()
+    corpus = abuse_corpus.hostile_requests()
     assert len(corpus) > 1500  # every route, every field, every value
     failures = []
     for method, path, raw, key in corpus:
-        status, body = abuse.request(url, method, path, raw or None, API_KEY if key else None)
+        status, body = client.request(url, method, path, raw or None, API_KEY if key else None)
         if status >= 500 or status == 0:
             failures.append((status, path, raw[:120], body[:200]))
         elif status >= 400:  # every refusal has OpenAI's error shape
@@ -99,29 +100,29 @@ def feedback_of(service, response_id):
 def test_an_implicit_correction_attaches_only_to_the_same_clients_turn(server):
     url, service = server
     q = [{"role": "user", "content": "What is 6*7?"}]
-    status, victim = abuse.chat(url, q, "victim-token-0123456789", temperature=0, max_tokens=4)
+    status, victim = client.chat(url, q, "victim-token-0123456789", temperature=0, max_tokens=4)
     assert status == 200
     replay = q + [{"role": "assistant", "content": victim["choices"][0]["message"]["content"] or ""},
                   {"role": "user", "content": "No, that's wrong."}]
     for attacker in (None, "attacker-token-0123456789"):  # anonymous, or another client's token
-        status, forged = abuse.chat(url, replay, attacker, max_tokens=2)
+        status, forged = client.chat(url, replay, attacker, max_tokens=2)
         assert status == 200
         assert feedback_of(service, victim["id"]) == (None, None)
         with sqlite3.connect(service.run_dir / "selfrl.db") as conn:  # nor is the replay linked to the victim
             parent = conn.execute("SELECT parent_id FROM served WHERE response_id = ?", (forged["id"],)).fetchone()
         assert parent == (None,)
-    status, _ = abuse.chat(url, replay, "victim-token-0123456789", max_tokens=2)  # the victim itself
+    status, _ = client.chat(url, replay, "victim-token-0123456789", max_tokens=2)  # the victim itself
     assert status == 200 and feedback_of(service, victim["id"]) == (-1.0, "implicit")
 
 
 def test_the_abuse_suite_lists_the_ledger_races_as_entries():
-    names = {a.name: a for a in abuse.ATTACKS}
+    names = {a.name: a for a in attacks.ATTACKS}
     for race in ("concurrent_pins", "rollback_during_update", "stray_adapter_folder"):
         assert race in names and (names[race].run is not None or names[race].pending)
     assert names["concurrent_pins"].run is not None and names["concurrent_pins"].pending is None  # runs by default
     for race in ("rollback_during_update", "stray_adapter_folder"):  # need a learner or a restart
         assert "tests/test_serve_versions.py" in names[race].pending
-        outcome = abuse.run_attack(names[race], abuse.Target("http://127.0.0.1:9", Path("/nonexistent")))
+        outcome = abuse.run_attack(names[race], attacks.Target("http://127.0.0.1:9", Path("/nonexistent")))
         assert not outcome.tried  # a listed entry is reported, not run
 
 

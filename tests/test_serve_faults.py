@@ -2,13 +2,12 @@
 (``SELFRL_FAULT``, as in ``selfrl run``) is caught by the same collapse rules, with zero
 failed requests and no response naming a version that was not served.
 
-``scripts/fault_suite.py`` (``run_serve_fault``) runs the scenario: a tiny Phi served by
-uvicorn on loopback, three client threads sending rated chat requests (every third one
-streamed) until the learner has made three updates; these tests check its verdict and
-more of what it recorded.
+``scripts/fault_suite.py`` (``run_serve_fault``, in ``scripts/fault_serve.py``) runs the
+scenario: a tiny Phi served by uvicorn on loopback, three client threads sending rated chat
+requests (every third one streamed) until the learner has made three updates; these tests
+check its verdict and more of what it recorded.
 """
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -16,21 +15,18 @@ import pytest
 from serving import rated_turns
 
 ROOT = Path(__file__).resolve().parents[1]
-if "fault_suite" not in sys.modules:
-    _spec = importlib.util.spec_from_file_location("fault_suite", ROOT / "scripts" / "fault_suite.py")
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules["fault_suite"] = _module  # dataclasses look their module up there
-    _spec.loader.exec_module(_module)
-suite = sys.modules["fault_suite"]
+sys.path.insert(0, str(ROOT / "scripts"))
+import fault_runs  # noqa: E402
+import fault_serve  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return suite.save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+    return fault_runs.save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 def test_a_collapse_under_live_traffic_is_rolled_back_and_never_served(model_dir, tmp_path):
-    out = suite.run_serve_fault("noise@1", model_dir, tmp_path, timeout=300)
+    out = fault_serve.run_serve_fault("noise@1", model_dir, tmp_path, timeout=300)
     assert out.recovered, (out.detail, out.notes)
     assert (out.failed_requests, out.bad_versions_served) == (0, 0)
     responses = out.responses
@@ -58,7 +54,7 @@ def test_a_collapse_under_live_traffic_is_rolled_back_and_never_served(model_dir
 
 
 def test_a_nan_loss_under_live_traffic_is_skipped_and_makes_no_version(model_dir, tmp_path):
-    out = suite.run_serve_fault("nan_loss@1", model_dir, tmp_path, timeout=300)
+    out = fault_serve.run_serve_fault("nan_loss@1", model_dir, tmp_path, timeout=300)
     assert out.recovered, (out.detail, out.notes)
     assert (out.failed_requests, out.bad_versions_served) == (0, 0) and out.requests >= 20
     skip = next(e for e in out.events if e["kind"] == "skip")
@@ -69,22 +65,22 @@ def test_a_nan_loss_under_live_traffic_is_skipped_and_makes_no_version(model_dir
 
 
 def test_bad_served_names_each_kind_of_bad_version():
-    R = suite.Response
+    R = fault_serve.Response
     versions = {0: {"created_at": 0.0, "status": "base"}, 1: {"created_at": 10.0, "status": "promoted"},
                 2: {"created_at": 20.0, "status": "rolled_back"}, 3: {"created_at": 30.0, "status": "promoted"}}
     timeline = [(0.0, 0), (12.0, 1), (32.0, 3)]
     ok = [R(1.0, 2.0, 200, 0), R(11.0, 13.0, 200, 0), R(11.0, 13.0, 200, 1), R(33.0, 34.0, 200, 3)]
-    assert suite.bad_served(ok, versions, timeline) == []
+    assert fault_serve.bad_served(ok, versions, timeline) == []
     bad = [R(21.0, 22.0, 200, 2), R(5.0, 9.0, 200, 1), R(31.0, 31.5, 200, 3), R(13.0, 14.0, 200, 0),
            R(1.0, 2.0, 200, 7)]
-    assert suite.bad_served(bad, versions, timeline) == [
+    assert fault_serve.bad_served(bad, versions, timeline) == [
         "response 0: version 2 is rolled_back", "response 1: version 1 did not exist",
         "response 2: version 3 was not yet served",
         "response 3: sent while version 1 served, answered by version 0",
         "response 4: version 7 did not exist"]
     named = [R(1.0, 2.0, 200, 0, id="a"), R(13.0, 14.0, 200, 1, id="b")]
-    assert suite.bad_served(named, versions, timeline, {"a": 0, "b": 1}) == []
-    assert suite.bad_served(named, versions, timeline, {"a": 0, "b": 0}) == [
+    assert fault_serve.bad_served(named, versions, timeline, {"a": 0, "b": 1}) == []
+    assert fault_serve.bad_served(named, versions, timeline, {"a": 0, "b": 0}) == [
         "response 1: names version 1, its turn was sampled on 0"]
 
 
@@ -143,7 +139,8 @@ def test_an_admin_rollback_under_live_traffic(tiny_tokenizer, tiny_model_factory
     with running_server(model, tiny_tokenizer, cfg) as (url, service):
         add_version(service, v1, 1, metrics={"val/success": 0.0})
         service.publish(1, v1, "test")
-        users = [threading.Thread(target=suite.traffic, args=(url, API_KEY, k, stop, responses)) for k in range(3)]
+        users = [threading.Thread(target=fault_serve.traffic, args=(url, API_KEY, k, stop, responses))
+                 for k in range(3)]
         for u in users:
             u.start()
         time.sleep(1.0)
