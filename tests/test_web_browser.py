@@ -315,6 +315,25 @@ def test_a_crashed_chromium_costs_its_episode_errors_and_the_next_one_gets_a_new
 
 
 @needs_chromium
+def test_a_chromium_killed_before_playwright_noticed_is_replaced_for_the_next_episode(monkeypatch):
+    # the race seen under load: the next episode opens its context while is_connected() still says True
+    b = web_browser.PlaywrightBrowser()
+    try:
+        b.goto("/product/3")
+        crashed = _chromium_pids()
+        monkeypatch.setattr(web_browser._DRIVER.browser, "is_connected", lambda: True)
+        for pid in crashed:
+            psutil.Process(pid).kill()
+        assert _alive(crashed) == set()
+        c = web_browser.PlaywrightBrowser()
+        assert c.goto("/cart").startswith("page: /cart") and _chromium_pids() - set(crashed)
+        c.close()
+    finally:
+        b.close()
+    assert web_browser._DRIVER.open == 0 and web_browser._DRIVER.browser is None
+
+
+@needs_chromium
 def test_selfrl_run_takes_the_backend_from_the_config(tmp_path, tiny_tokenizer, capsys, monkeypatch):
     from conftest import save_tiny_phi
 

@@ -238,22 +238,29 @@ class _Driver:
     def open_context(self, origin: str, blocked: list[str]):
         """A new context whose requests reach only ``origin`` (``http://127.0.0.1:PORT``); the others
         are aborted and their URLs appended to ``blocked``."""
-        from playwright.sync_api import sync_playwright
+        from playwright.sync_api import Error, sync_playwright
 
-        if self.browser is not None and not self.browser.is_connected():  # it crashed, or was killed
-            self.stop()
-        if self.browser is None:
-            self._pw = sync_playwright().start()
+        for attempt in range(2):
+            if self.browser is not None and not self.browser.is_connected():  # it crashed, or was killed
+                self.stop()
+            if self.browser is None:
+                self._pw = sync_playwright().start()
+                try:
+                    self.browser = self._pw.chromium.launch(
+                        executable_path=chromium_path(), headless=True,
+                        proxy={"server": DEAD_PROXY, "bypass": "127.0.0.1"},
+                        args=["--disable-features=BackForwardCache", "--no-first-run", "--disable-extensions"])
+                except BaseException:
+                    self._pw.stop()
+                    self._pw = None
+                    raise
             try:
-                self.browser = self._pw.chromium.launch(
-                    executable_path=chromium_path(), headless=True,
-                    proxy={"server": DEAD_PROXY, "bypass": "127.0.0.1"},
-                    args=["--disable-features=BackForwardCache", "--no-first-run", "--disable-extensions"])
-            except BaseException:
-                self._pw.stop()
-                self._pw = None
-                raise
-        ctx = self.browser.new_context(service_workers="block")
+                ctx = self.browser.new_context(service_workers="block")
+                break
+            except Error:  # Chromium died before Playwright saw it go (is_connected was still true): once more
+                if attempt:
+                    raise
+                self.stop()
         self.open += 1
         ctx.set_default_timeout(ACTION_TIMEOUT_S * 1000)
         ctx.set_default_navigation_timeout(ACTION_TIMEOUT_S * 1000)
