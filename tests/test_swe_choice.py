@@ -158,3 +158,11 @@ def test_constrained_choice_rollout_picks_one_of_the_candidates(choice, tiny_tok
         assert call.arguments["old"] == view.fix["old"] and call.arguments["new"] in view.options
         after = t.env_state["changes"].get(view.path, {}).get("after")
         assert after is None if call.arguments["new"] == view.fix["old"] else call.arguments["new"] in after
+
+
+def test_swe_choice_config_is_the_choice_tier_under_the_grammar_paying_the_verifier_alone():
+    from selfrl.envs import load_run_config
+
+    cfg = load_run_config("configs/swe_choice.toml", {})
+    assert cfg.task.options == {"tier": "choice", "choices": 4} and cfg.rollout.constrain == "tool_call"
+    assert cfg.preset == "swe" and cfg.engine == "slots" and cfg.gate.val_size == 32
