@@ -10,7 +10,8 @@ is evaluated greedily exactly as the gate evaluates (``selfrl.gate.validate``), 
 held-out split of the config (the same tasks as the run's, by ``task.val_seed``). Prints
 success with its 95 % Wilson interval; with ``--run-dir``, also the paired difference of
 the run's final (latest promoted) version against each prompt on the tasks both were
-evaluated on (``selfrl.stats.paired_difference_ci``). Nothing is trained or stored.
+evaluated on (``selfrl.stats.paired_difference_ci``). Nothing is trained or stored;
+``--per-task FILE`` writes ``{k: {task id: solved}}`` as JSON, to pair with a run measured later.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def baseline() -> int:
     p.add_argument("--config", required=True)
     p.add_argument("--shots", type=int, nargs="+", default=[0, 3])
     p.add_argument("--run-dir")
+    p.add_argument("--per-task", help="write {shots: {task id: solved}} as JSON to this file")
     p.add_argument("--set", action="append", default=[], help="dotted config override KEY=JSON")
     a = p.parse_args()
 
@@ -72,6 +74,7 @@ def baseline() -> int:
         lo, hi = wilson_interval(sum(run.final.values()), n)
         print(f"RL run {a.run_dir}: version {run.final_version}: {sum(run.final.values())}/{n} "
               f"= {sum(run.final.values()) / max(n, 1):.1%} [{lo:.1%}, {hi:.1%}]")
+    per_task: dict[str, dict[str, bool]] = {}
     for k in a.shots:
         try:
             env = get_env(cfg.task.source, **{**cfg.task.options, "shots": k})
@@ -81,6 +84,9 @@ def baseline() -> int:
         t0 = time.perf_counter()
         res = validate(engine, val, env, tools, cfg.rollout)
         solved = {tid: ok for tid, ok, _ in res.results}
+        per_task[str(k)] = solved
+        if a.per_task:
+            Path(a.per_task).write_text(json.dumps(per_task, indent=1, sort_keys=True))
         s, n = sum(solved.values()), len(solved)
         lo, hi = wilson_interval(s, n)
         line = f"base model, {k}-shot prompt: {s}/{n} = {s / n:.1%} [{lo:.1%}, {hi:.1%}] ({time.perf_counter() - t0:.0f} s)"

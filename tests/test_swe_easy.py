@@ -83,7 +83,7 @@ def test_easy_tier_keeps_the_one_line_fixes_and_a_split_disjoint_by_statement():
     assert len(val) == 32 and not {t.id for t in train} & {t.id for t in val}
     assert not {statement[t.id] for t in train} & {statement[t.id] for t in val}
     assert len({t.id for t in env._ordered()}) == 116  # two bugs with one statement stay two tasks
-    with pytest.raises(ValueError, match="unknown swe tier 'hard'; valid: full, easy, line"):
+    with pytest.raises(ValueError, match="unknown swe tier 'hard'; valid: full, easy, line, choice"):
         get_env("swe", tier="hard")
     with pytest.raises(ValueError, match="no instance left .* tier=easy"):
         get_env("swe", tier="easy", kinds=["remove_branch"])

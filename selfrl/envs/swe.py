@@ -6,7 +6,8 @@ mutating three small shipped repositories, or a local SWE-bench-format file via
 statement. Split: a fixed order by content hash of the problem statement; the first
 ``n_val`` are held out, the next ``n_train`` train (no statement on both sides).
 Tiers (``tier``): ``full`` (below), ``easy`` and ``line`` (the buggy function is shown and
-one ``edit`` fixes it: ``selfrl.envs.swe_easy``).
+one ``edit`` fixes it: ``selfrl.envs.swe_easy``), ``choice`` (the fixed line is picked from k
+candidates).
 
 Tools, acting on the trajectory's own copy of the buggy repository (``RepoState``):
 
@@ -44,7 +45,8 @@ from typing import Any, ClassVar
 from selfrl.envs.swe_detectors import SWE_DETECTORS  # registers the detectors too
 from selfrl.envs.base import Env
 from selfrl.envs.registry import register_env
-from selfrl.envs.swe_easy import EASY_DEMONSTRATION, EasyView, easy_question, easy_shot, easy_view, edit_schema
+from selfrl.envs.swe_easy import (CHOICE_DEMONSTRATION, EASY_DEMONSTRATION, EasyView, choice_view, easy_question,
+                                  easy_shot, easy_view, edit_schema)
 from selfrl.envs.swe_tasks import KINDS, Instance, load_instances, read_swebench
 from selfrl.envs.swe_testing import is_test_path, run_repo_tests, summarize
 from selfrl.rewards import register_preset
@@ -55,8 +57,9 @@ from selfrl.trajectory import Trajectory
 
 __all__ = ["TIERS", "TRICKS", "RepoState", "SweEnv", "apply_changes", "hacking_policy", "honest_policy"]
 
-TIERS = ("full", "easy", "line")  # full: find and fix with every tool; easy: the function is shown, one edit;
-# line: the buggy line is named too (selfrl.envs.swe_easy)
+TIERS = ("full", "easy", "line", "choice")  # full: find and fix with every tool; easy: the function is shown, one
+# edit; line: the buggy line is named too; choice: and the fixed line is one of k candidates (selfrl.envs.swe_easy)
+DEFAULT_CHOICES = 4  # candidates per instance on the choice tier
 
 RUN_TESTS_TIMEOUT_S = 20.0  # wall-clock limit of one run_tests call (seconds)
 SCORE_TIMEOUT_S = 60.0  # wall-clock limit of the scoring run (seconds); a killed run is an error, not a 0
@@ -94,7 +97,7 @@ class RepoState:
         if demonstration is not None:
             self.demonstration = demonstration
         elif easy is not None:
-            self.demonstration = EASY_DEMONSTRATION
+            self.demonstration = CHOICE_DEMONSTRATION if easy.options else EASY_DEMONSTRATION
         self.tools = [
             Tool("list_files", "list the repository's files under a folder", _obj({"path": "string"}, []),
                  self.list_files, {"path": ""}),
@@ -224,26 +227,32 @@ class SweEnv(Env):
     }
 
     def __init__(self, swebench: str | None = None, repo_dir: str | None = None, repos: list[str] | None = None,
-                 kinds: list[str] | None = None, tier: str = "full", shots: int = 0):
+                 kinds: list[str] | None = None, tier: str = "full", shots: int = 0, choices: int | None = None):
         """``swebench``: a local SWE-bench-format file instead of the generated instances
         (``repo_dir`` overrides its records' checkout); ``repos``/``kinds``: keep only these
         generated repositories / mutation kinds; ``tier``: ``full`` (find and fix with every
         tool), ``easy`` (the buggy function is shown and one edit fixes it; only instances
         whose fix is one unique line: ``selfrl.envs.swe_easy``) or ``line`` (the buggy line is
-        named too); ``shots``: 0 shows the tier's
+        named too) or ``choice`` (and the fixed line is one of ``choices`` candidates, default 4: the
+        fix, the bug and other generated bugs of that line;
+        an instance with fewer than 2 is skipped and counted in ``skipped``); ``shots``: 0 shows the tier's
         fixed worked example, k > 0 shows k real instances solved with their reference edit
         (the k-shot prompt baseline). Shots come from the end of the hash order, each with a
         problem statement no other instance shares, and leave the task pool, so they are
         never trained on or held out.
 
         Raises:
-            ValueError: an unknown kind or tier, shots < 0 or more than can be spared, or
-                filters that leave no instance.
+            ValueError: an unknown kind or tier, shots < 0 or more than can be spared, ``choices``
+                < 2 or given for another tier than ``choice``, or filters that leave no instance.
         """
         if tier not in TIERS:
             raise ValueError(f"unknown swe tier {tier!r}; valid: {', '.join(TIERS)}")
         if shots < 0:
             raise ValueError(f"shots must be >= 0, got {shots}")
+        if choices is not None and tier != "choice":
+            raise ValueError(f"choices = {choices} is an option of tier = \"choice\", not of tier = {tier!r}")
+        if choices is not None and choices < 2:
+            raise ValueError(f"choices must be >= 2 (the fix and at least one other line), got {choices}")
         instances = read_swebench(swebench, repo_dir) if swebench else load_instances()
         if kinds is not None and set(kinds) - set(KINDS):
             raise ValueError(f"unknown mutation kinds {sorted(set(kinds) - set(KINDS))}; valid: {', '.join(KINDS)}")
@@ -251,8 +260,20 @@ class SweEnv(Env):
         self.instances = [i for i in instances if (repos is None or i.repo in repos)
                           and (kinds is None or i.kind in kinds)]
         self.views: dict[str, EasyView] = {}
+        self.skipped = 0  # choice tier: line-tier instances with fewer than 2 candidates
         if tier != "full":
-            views = {i.instance_id: easy_view(i, named=tier == "line") for i in self.instances}
+            views = {i.instance_id: easy_view(i, named=tier != "easy") for i in self.instances}
+            if tier == "choice":
+                line = {k for k, v in views.items() if v is not None}
+                failing: dict[tuple[str, str, int], set[str]] = {}  # the known bugs of each line
+                for i in instances:
+                    v = views.get(i.instance_id) or easy_view(i, named=True)
+                    if v is not None:
+                        failing.setdefault((i.repo, v.path, v.bug_line), set()).add(v.fix["old"])
+                views = {i.instance_id: choice_view(i, v, choices or DEFAULT_CHOICES,
+                                                    failing[(i.repo, v.path, v.bug_line)])
+                         for i in self.instances if (v := views[i.instance_id]) is not None}
+                self.skipped = len(line) - sum(v is not None for v in views.values())
             self.views = {k: v for k, v in views.items() if v is not None}
             self.instances = [i for i in self.instances if i.instance_id in self.views]
         if not self.instances:

@@ -22,6 +22,17 @@ keeps the repair (``[task] options = { tier = "easy" }``):
   line), which the ``swe_hardcoded_output`` detector flags.
 * **The ``line`` tier** (``tier = "line"``), easier still: the prompt also names the buggy
   line, and it is the only allowed ``old``: the model only writes the fixed line.
+* **The ``choice`` tier** (``tier = "choice"``, ``choices = k``, default 4), multiple choice:
+  as ``line``, and ``new`` is an ``enum`` too, of k candidate lines (``choice_options``):
+  the fix (the clean line), the buggy line itself, and other one-node mutants of the clean
+  line (``swe_tasks.candidate_mutations`` of the clean file whose span lies on the bug's
+  line) that the generator kept as bugs (``SweEnv`` passes each line's known buggy
+  versions), so every distractor is a real bug of that line and only the fix is paid.
+  Fewer than k when the line has fewer (116 instances: 69 with 4, 28 with 3, 19 with 2; one
+  with fewer than 2 would be skipped); the order is a shuffle seeded by the instance id, so
+  a position carries no signal. A pick at random fixes the bug with a chance of 1/k.
+  It measures choosing the right line among plausible variants given the failing tests,
+  not finding the bug or writing a fix.
 * **One round**: the episode ends after the first edit that applies
   (``RepoState.is_completed``); a refused edit leaves another turn.
 
@@ -32,14 +43,20 @@ PASS_TO_PASS run on a clean copy with the original tests restored.
 from __future__ import annotations
 
 import ast
+import functools
+import hashlib
+import json
+import random
 import re
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, replace
 from typing import Any
 
-from selfrl.envs.swe_tasks import Instance, load_repo
+from selfrl.envs.swe_tasks import Instance, candidate_mutations, load_repo
 from selfrl.envs.swe_testing import is_test_path
 
-__all__ = ["EASY_DEMONSTRATION", "EasyView", "easy_question", "easy_view", "edit_schema"]
+__all__ = ["CHOICE_DEMONSTRATION", "EASY_DEMONSTRATION", "EasyView", "choice_options", "choice_view",
+           "easy_question", "easy_view", "edit_schema"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,8 @@ class EasyView:
         fix: ``{"path", "old", "new"}``: the buggy line and the clean line, both stripped.
         bug_line: the buggy line's 1-based number.
         named: the ``line`` tier: the prompt names the buggy line and it is the only choice.
+        options: the ``choice`` tier: the allowed ``new`` values (stripped lines, the fix among
+            them, in the order shown); empty: ``new`` is free text.
     """
 
     path: str
@@ -66,6 +85,7 @@ class EasyView:
     fix: dict[str, str]
     bug_line: int = 0
     named: bool = False
+    options: tuple[str, ...] = ()
 
     def numbered(self) -> str:
         """The function with line numbers as ``read_file`` shows them."""
@@ -124,17 +144,24 @@ def failing_lines(inst: Instance, limit: int = 3) -> list[str]:
 
 def easy_question(inst: Instance, view: EasyView) -> str:
     """The easy-tier prompt: the problem statement, the failing test lines, then the buggy
-    function with numbered lines."""
+    function with numbered lines (and, on the ``choice`` tier, the numbered candidates)."""
     checks = failing_lines(inst)
     shown = "The failing lines:\n" + "\n".join(checks) + "\n" if checks else ""
-    ask = (f"The bug is on line {view.bug_line}. Fix it with one edit: old is that line, new is that line fixed."
-           if view.named else "Fix it with one edit: old is the buggy line, new is that line fixed.")
+    if view.options:
+        listed = "\n".join(f"{i}. {o}" for i, o in enumerate(view.options, 1))
+        ask = (f"The bug is on line {view.bug_line}. Fix it with one edit: old is that line, new is the fixed line, "
+               f"one of these {len(view.options)}:\n{listed}\nPick the one that makes the failing tests pass.")
+    elif view.named:
+        ask = f"The bug is on line {view.bug_line}. Fix it with one edit: old is that line, new is that line fixed."
+    else:
+        ask = "Fix it with one edit: old is the buggy line, new is that line fixed."
     return (f"{inst.problem_statement}\n{shown}The bug is in the function {view.function} of {view.path}:\n"
             f"{view.numbered()}\n{ask}")
 
 
 def edit_schema(view: EasyView) -> dict[str, Any]:
-    """The JSON schema of the easy tier's ``edit`` arguments: this file, one of the allowed lines, any text.
+    """The JSON schema of the easy tier's ``edit`` arguments: this file, one of the allowed lines, any
+    text (the ``choice`` tier: one of the candidates).
 
     >>> v = EasyView("p/m.py", "f", 1, ("def f(x):", "    return x + 1"), ("def f(x):", "return x + 1"),
     ...              {"path": "p/m.py", "old": "return x + 1", "new": "return x - 1"})
@@ -144,13 +171,63 @@ def edit_schema(view: EasyView) -> dict[str, Any]:
     return {"type": "object", "properties": {
         "path": {"type": "string", "enum": [view.path]},
         "old": {"type": "string", "enum": list(view.choices)},
-        "new": {"type": "string"},
+        "new": {"type": "string", "enum": list(view.options)} if view.options else {"type": "string"},
     }, "required": ["path", "old", "new"]}
 
 
-def _call(path: str, old: str, new: str) -> str:
-    import json
+@functools.lru_cache(maxsize=64)
+def _line_mutants(repo: str, path: str) -> dict[int, list[str]]:
+    """``{line number: [the line, stripped, after each mutation of the clean file that lies on it alone]}``."""
+    clean = load_repo(repo)[path]
+    lines = clean.splitlines(keepends=True)
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+    out: dict[int, list[str]] = {}
+    for m in candidate_mutations(path, clean):
+        end_of_line = starts[m.line - 1] + len(lines[m.line - 1].rstrip("\n"))
+        if m.end <= end_of_line:
+            out.setdefault(m.line, []).append(m.apply(clean).splitlines()[m.line - 1].strip())
+    return out
 
+
+def choice_options(inst: Instance, view: EasyView, k: int, failing: Collection[str] | None = None) -> tuple[str, ...]:
+    """At most ``k`` candidate lines for the named buggy line, stripped and distinct, in a
+    shuffled order seeded by ``inst.instance_id``: the fix (the clean line), the buggy line,
+    then other mutants of the clean line (each ``candidate_mutations`` of the clean file whose
+    span lies on the bug's line, applied alone), as many as fit, drawn by the same seed.
+    ``failing``: the variants of this line known to fail some test (the buggy lines of the
+    generated instances at this spot); when given, other mutants are left out: one that breaks
+    no test would be a second right answer, and one that loops forever gets no verdict.
+
+    Raises:
+        ValueError: ``k < 2``.
+    """
+    if k < 2:
+        raise ValueError(f"choices must be >= 2 (the fix and at least one other line), got {k}")
+    mutants = _line_mutants(inst.repo, view.path).get(view.bug_line, [])
+    fix, bad = view.fix["new"], view.fix["old"]
+    others = [m for m in dict.fromkeys(mutants) if m not in (fix, bad) and (failing is None or m in failing)]
+    rng = random.Random(int(hashlib.sha256(inst.instance_id.encode()).hexdigest()[:16], 16))
+    rng.shuffle(others)
+    options = [fix, bad] + others[:k - 2]
+    rng.shuffle(options)
+    return tuple(options)
+
+
+def choice_view(inst: Instance, view: EasyView, k: int, failing: Collection[str] | None = None) -> EasyView | None:
+    """The ``choice``-tier view: the ``line`` tier's ``view`` (``easy_view(inst, named=True)``) with
+    ``choice_options(inst, view, k, failing)`` as the allowed ``new``; None when there are fewer
+    than 2 candidates.
+
+    Raises:
+        ValueError: ``k < 2``.
+    """
+    options = choice_options(inst, view, k, failing)
+    return replace(view, options=options) if len(options) >= 2 else None
+
+
+def _call(path: str, old: str, new: str) -> str:
     return f'<tool_call>{json.dumps({"name": "edit", "arguments": {"path": path, "old": old, "new": new}})}</tool_call>'
 
 
@@ -162,6 +239,21 @@ EASY_DEMONSTRATION: list[dict[str, str]] = [
                                 "The bug is in the function double of calc/ops.py:\n"
                                 "   4  def double(x):\n   5      \"\"\"Twice x.\"\"\"\n   6      return x + 2\n"
                                 "Fix it with one edit: old is the buggy line, new is that line fixed."},
+    {"role": "assistant", "content": _call("calc/ops.py", "return x + 2", "return x * 2")},
+    {"role": "tool", "content": "<tool_response>\nedited calc/ops.py\n</tool_response>"},
+]
+
+
+# The worked example shown before a choice-tier task (``shots = 0``): one pick among candidates.
+CHOICE_DEMONSTRATION: list[dict[str, str]] = [
+    {"role": "user", "content": "The repository calc has a bug: these tests fail.\n"
+                                "- tests/test_calc.py::test_double: AssertionError: assert 5 == 6\n"
+                                "Find the bug in the package's code and fix it. Do not change the tests.\n"
+                                "The bug is in the function double of calc/ops.py:\n"
+                                "   4  def double(x):\n   5      \"\"\"Twice x.\"\"\"\n   6      return x + 2\n"
+                                "The bug is on line 6. Fix it with one edit: old is that line, new is the fixed line, "
+                                "one of these 4:\n1. return x - 2\n2. return x + 2\n3. return x * 2\n4. return x + 3\n"
+                                "Pick the one that makes the failing tests pass."},
     {"role": "assistant", "content": _call("calc/ops.py", "return x + 2", "return x * 2")},
     {"role": "tool", "content": "<tool_response>\nedited calc/ops.py\n</tool_response>"},
 ]
