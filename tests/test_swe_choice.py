@@ -166,3 +166,17 @@ def test_swe_choice_config_is_the_choice_tier_under_the_grammar_paying_the_verif
     cfg = load_run_config("configs/swe_choice.toml", {})
     assert cfg.task.options == {"tier": "choice", "choices": 4} and cfg.rollout.constrain == "tool_call"
     assert cfg.preset == "swe" and cfg.engine == "slots" and cfg.gate.val_size == 32
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"tier": "choice", "choices": "4"}, "choices must be an integer, got '4'"),
+    ({"tier": "choice", "choices": 2.5}, "choices must be an integer, got 2.5"),
+    ({"tier": "choice", "choices": True}, "choices must be an integer, got True"),
+    ({"tier": "easy", "shots": "2"}, "shots must be an integer, got '2'"),
+    ({"tier": "choice", "choise": 4}, "environment 'swe' has no option 'choise'; valid: .*choices"),
+])
+def test_an_option_of_the_wrong_type_or_name_is_a_clear_error(options, message):
+    from selfrl.envs import get_env
+
+    with pytest.raises(ValueError, match=message):
+        get_env("swe", **options)

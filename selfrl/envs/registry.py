@@ -140,7 +140,9 @@ def get_env(name: str, **options: Any) -> Env:
         ValueError: unknown name (lists the valid ones), bad options, or a factory
             that returns something other than an ``Env``.
     """
-    env = _resolve_factory(name)(**options)
+    factory = _resolve_factory(name)
+    _check_option_names(name, factory, options)
+    env = factory(**options)
     if not isinstance(env, Env):
         raise ValueError(f"environment {name!r} built a {type(env).__name__}, not a selfrl.envs.Env")
     return env
@@ -187,3 +189,22 @@ def load_run_config(path=None, overrides: dict[str, Any] | None = None, base: di
     except ValueError as e:
         raise ConfigError(str(e)) from e
     return load_config(path, overrides, _nest(defaults)) if defaults else cfg
+
+
+def _check_option_names(name: str, factory, options: dict) -> None:
+    """Raise ValueError for an option ``factory`` does not take (a misspelled key would
+    otherwise be a bare TypeError), naming the valid ones; a factory taking ``**kwargs`` or
+    without a readable signature is left to check its own options."""
+    import inspect
+
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    valid = [k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and k != "self"]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(f"environment {name!r} has no option {', '.join(map(repr, unknown))}; "
+                         f"valid: {', '.join(valid) or '(none)'}")

@@ -247,6 +247,9 @@ class SweEnv(Env):
         """
         if tier not in TIERS:
             raise ValueError(f"unknown swe tier {tier!r}; valid: {', '.join(TIERS)}")
+        for key, value in (("shots", shots), ("choices", choices)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{key} must be an integer, got {value!r}")
         if shots < 0:
             raise ValueError(f"shots must be >= 0, got {shots}")
         if choices is not None and tier != "choice":
