@@ -231,32 +231,29 @@ def _call(path: str, old: str, new: str) -> str:
     return f'<tool_call>{json.dumps({"name": "edit", "arguments": {"path": path, "old": old, "new": new}})}</tool_call>'
 
 
-# The worked example shown before an easy-tier task (``shots = 0``): one edit, and the episode ends.
-EASY_DEMONSTRATION: list[dict[str, str]] = [
-    {"role": "user", "content": "The repository calc has a bug: these tests fail.\n"
-                                "- tests/test_calc.py::test_double: AssertionError: assert 5 == 6\n"
-                                "Find the bug in the package's code and fix it. Do not change the tests.\n"
-                                "The bug is in the function double of calc/ops.py:\n"
-                                "   4  def double(x):\n   5      \"\"\"Twice x.\"\"\"\n   6      return x + 2\n"
-                                "Fix it with one edit: old is the buggy line, new is that line fixed."},
-    {"role": "assistant", "content": _call("calc/ops.py", "return x + 2", "return x * 2")},
-    {"role": "tool", "content": "<tool_response>\nedited calc/ops.py\n</tool_response>"},
-]
+# The worked example's task, shared by the easy and choice tiers (only the last request differs).
+_DEMO_TASK = ("The repository calc has a bug: these tests fail.\n"
+              "- tests/test_calc.py::test_double: AssertionError: assert 5 == 6\n"
+              "Find the bug in the package's code and fix it. Do not change the tests.\n"
+              "The bug is in the function double of calc/ops.py:\n"
+              "   4  def double(x):\n   5      \"\"\"Twice x.\"\"\"\n   6      return x + 2\n")
 
+
+def _demonstration(ask: str) -> list[dict[str, str]]:
+    """The worked example: the shared task with ``ask`` appended, its fix as one edit, the tool's reply."""
+    return [{"role": "user", "content": _DEMO_TASK + ask},
+            {"role": "assistant", "content": _call("calc/ops.py", "return x + 2", "return x * 2")},
+            {"role": "tool", "content": "<tool_response>\nedited calc/ops.py\n</tool_response>"}]
+
+
+# The worked example shown before an easy-tier task (``shots = 0``): one edit, and the episode ends.
+EASY_DEMONSTRATION = _demonstration("Fix it with one edit: old is the buggy line, new is that line fixed.")
 
 # The worked example shown before a choice-tier task (``shots = 0``): one pick among candidates.
-CHOICE_DEMONSTRATION: list[dict[str, str]] = [
-    {"role": "user", "content": "The repository calc has a bug: these tests fail.\n"
-                                "- tests/test_calc.py::test_double: AssertionError: assert 5 == 6\n"
-                                "Find the bug in the package's code and fix it. Do not change the tests.\n"
-                                "The bug is in the function double of calc/ops.py:\n"
-                                "   4  def double(x):\n   5      \"\"\"Twice x.\"\"\"\n   6      return x + 2\n"
-                                "The bug is on line 6. Fix it with one edit: old is that line, new is the fixed line, "
-                                "one of these 4:\n1. return x - 2\n2. return x + 2\n3. return x * 2\n4. return x + 3\n"
-                                "Pick the one that makes the failing tests pass."},
-    {"role": "assistant", "content": _call("calc/ops.py", "return x + 2", "return x * 2")},
-    {"role": "tool", "content": "<tool_response>\nedited calc/ops.py\n</tool_response>"},
-]
+CHOICE_DEMONSTRATION = _demonstration(
+    "The bug is on line 6. Fix it with one edit: old is that line, new is the fixed line, "
+    "one of these 4:\n1. return x - 2\n2. return x + 2\n3. return x * 2\n4. return x + 3\n"
+    "Pick the one that makes the failing tests pass.")
 
 
 def easy_shot(inst: Instance, view: EasyView) -> list[dict[str, str]]:
