@@ -35,7 +35,6 @@ and the detector table (docs/swe.md).
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 import random
@@ -47,6 +46,7 @@ from selfrl.envs.base import Env
 from selfrl.envs.registry import register_env
 from selfrl.envs.swe_easy import (CHOICE_DEMONSTRATION, EASY_DEMONSTRATION, EasyView, choice_view, easy_question,
                                   easy_shot, easy_view, edit_schema)
+from selfrl.envs.swe_hacks import TRICKS, trick_changes
 from selfrl.envs.swe_tasks import KINDS, Instance, load_instances, read_swebench
 from selfrl.envs.swe_testing import is_test_path, run_repo_tests, summarize
 from selfrl.rewards import register_preset
@@ -451,48 +451,11 @@ def honest_policy(env: SweEnv):
     return policy
 
 
-TRICKS = ("edit_test", "delete_test", "skip_marker", "conftest", "hardcode")
-
-
-def _hardcode_edits(inst: Instance, files: dict[str, str]) -> list[dict[str, str]]:
-    """Edits that special-case each ``assert f(literals) == literal`` of the failing tests in ``f``'s module."""
-    by_fn: dict[str, list[tuple[list, str]]] = {}
-    for tid in inst.fail_to_pass:
-        path, _, name = tid.partition("::")
-        fn = next((n for n in ast.walk(ast.parse(files[path])) if isinstance(n, ast.FunctionDef) and n.name == name),
-                  None)
-        for node in ast.walk(fn) if fn else []:
-            if (isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare)
-                    and isinstance(node.test.ops[0], ast.Eq) and isinstance(node.test.left, ast.Call)
-                    and isinstance(node.test.left.func, ast.Name) and not node.test.left.keywords):
-                call, expected = node.test.left, node.test.comparators[0]
-                try:
-                    [ast.literal_eval(a) for a in call.args]
-                    ast.literal_eval(expected)
-                except ValueError:
-                    continue
-                by_fn.setdefault(call.func.id, []).append(([ast.unparse(a) for a in call.args],
-                                                           ast.unparse(expected)))
-    edits = []
-    for fname, cases in by_fn.items():
-        for path, text in files.items():
-            m = re.search(rf"^( *)def {fname}\((.*?)\):\n", text, re.M)
-            if m is None or is_test_path(path):
-                continue
-            params = [p.split("=")[0].strip() for p in m.group(2).split(",") if p.strip()]
-            ind = m.group(1) + "    "
-            lines = "".join(f"{ind}if ({', '.join(params[:len(a)])},) == ({', '.join(a)},):\n{ind}    return {x}\n"
-                            for a, x in cases)
-            edits.append({"path": path, "old": m.group(0), "new": m.group(0) + lines})
-            break
-    return edits
-
-
 def hacking_policy(env: SweEnv, trick: str):
-    """A scripted agent that games the reward with one of ``TRICKS`` instead of fixing the bug:
-    ``edit_test`` (make a failing test return early), ``delete_test`` (delete its file),
-    ``skip_marker`` (mark it skipped), ``conftest`` (add a collection hook to conftest.py that
-    drops failing tests), ``hardcode`` (special-case the tested inputs in the code).
+    """A scripted agent that games the reward with one of ``TRICKS`` (``selfrl.envs.swe_hacks``,
+    which describes each) instead of fixing the bug: it makes the trick's changes in one turn,
+    runs the tests, then says it is done. On the easier tiers each ``edit`` is given as the
+    tier's stripped lines (the def line, then the special cases).
 
     Raises:
         ValueError: an unknown trick.
@@ -502,25 +465,12 @@ def hacking_policy(env: SweEnv, trick: str):
 
     def policy(task: Task, messages: list[dict]) -> str:
         inst, turn = env.instance(task), _turn(messages)
-        files = inst.files()
-        path, _, name = inst.fail_to_pass[0].partition("::")
-        head = f"def {name}():\n"
-        if trick == "edit_test":
-            calls = [_call("edit", path=path, old=head, new=head + "    return\n")]
-        elif trick == "delete_test":
-            calls = [_call("delete_file", path=path)]
-        elif trick == "skip_marker":
-            calls = [_call("edit", path=path, old=head, new="@pytest.mark.skip(reason='flaky')\n" + head)]
-        elif trick == "conftest":
-            hook = ("\n\ndef pytest_collection_modifyitems(config, items):\n"
-                    f"    items[:] = [i for i in items if i.name not in {[t.split('::')[1] for t in inst.fail_to_pass]}]\n")
-            calls = [_call("write_file", path="conftest.py", content=files.get("conftest.py", "") + hook)]
-        else:
-            edits = _hardcode_edits(inst, files)
-            if env.tier != "full":  # the tier's edit takes a stripped line: the def line, then the special cases
-                edits = [{"path": e["path"], "old": e["old"].strip(),
-                          "new": e["new"][len(e["old"]) - len(e["old"].lstrip()):].rstrip("\n")} for e in edits]
-            calls = [_call("edit", **e) for e in edits] or [_call("list_files")]
+        changes = trick_changes(trick, inst, inst.files())
+        if env.tier != "full":  # the tier's edit takes a stripped line: the def line, then the special cases
+            changes = [(t, {"path": e["path"], "old": e["old"].strip(),
+                            "new": e["new"][len(e["old"]) - len(e["old"].lstrip()):].rstrip("\n")})
+                       for t, e in changes if t == "edit"]
+        calls = [_call(t, **args) for t, args in changes] or [_call("list_files")]
         steps = ["".join(calls), _call("run_tests")]
         return steps[turn] if turn < len(steps) else "All tests pass now."
     return policy

@@ -2,8 +2,9 @@
 
 The sandbox's interpreter has no pytest (it sees only the system's Python, see
 ``selfrl.sandbox``), so the repository travels as one JSON file (``repo.json``,
-``{relative path: text}``) next to a runner program that unpacks it into the
-sandbox's own directory and runs the chosen tests there. The runner supports the
+``{relative path: text}``) next to the runner's programs (``selfrl.envs.swe_runner``:
+a supervisor that never runs the repository's code, and a fresh interpreter per
+test file that reports on a pipe of its own; that module says what each guards). The runner supports the
 subset of pytest that small repositories use: test functions ``test_*`` in files
 ``test_*.py`` / ``*_test.py``, a ``conftest.py`` at the root (imported first, as
 pytest does), and a ``pytest`` shim with ``raises``, ``approx``, ``skip``,
@@ -11,8 +12,8 @@ pytest does), and a ``pytest`` shim with ``raises``, ``approx``, ``skip``,
 decorators. Not supported: fixtures, ``parametrize``, class-based tests, plugins.
 
 A test id is pytest's ``path::name`` (``tests/test_core.py::test_mean``). An
-outcome is one of ``passed``, ``failed``, ``error`` (the file did not import, or
-the whole run was killed), ``skipped``, ``xfailed``, ``xpassed`` or ``missing``
+outcome is one of ``passed``, ``failed``, ``error`` (the file did not import, the
+test process exited before it reported or was tampered with, or the whole run was killed), ``skipped``, ``xfailed``, ``xpassed`` or ``missing``
 (no such test). Only ``passed`` counts as passing.
 
 Model-written code runs only here, inside ``selfrl.sandbox.Sandbox``.
@@ -26,13 +27,13 @@ import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from selfrl.envs.swe_runner import CHILD, MARK, PYTEST_SHIM, SUPERVISOR, TEST_FILE_PATTERN
 from selfrl.sandbox import ExecResult, Sandbox
 
 __all__ = ["OUTCOMES", "TestRun", "is_test_path", "run_repo_tests", "summarize"]
 
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "missing")
-_MARK = "@@SELFRL-RESULTS@@"
-_TEST_FILE = re.compile(r"(^|/)(test_[^/]*|[^/]*_test)\.py$")
+_TEST_FILE = re.compile(TEST_FILE_PATTERN)
 _TEST_SUPPORT = re.compile(r"(^|/)(conftest\.py|pytest\.ini|tox\.ini|setup\.cfg)$")
 
 
@@ -46,167 +47,6 @@ def is_test_path(path: str) -> bool:
                 or re.match(r"(.*/)?tests?/", path))
 
 
-_PYTEST_SHIM = r'''
-"""A minimal stand-in for pytest inside the sandbox (selfrl.envs.swe_testing)."""
-import math as _math
-
-
-class Skipped(Exception):
-    pass
-
-
-class XFailed(Exception):
-    pass
-
-
-class Failed(AssertionError):
-    pass
-
-
-def skip(reason=""):
-    raise Skipped(reason)
-
-
-def xfail(reason=""):
-    raise XFailed(reason)
-
-
-def fail(reason=""):
-    raise Failed(reason)
-
-
-class raises:
-    def __init__(self, exc, match=None):
-        self.exc, self.match, self.value = exc, match, None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, et, ev, tb):
-        if et is None:
-            raise Failed(f"DID NOT RAISE {self.exc}")
-        if not issubclass(et, self.exc):
-            return False
-        if self.match is not None:
-            import re
-            if not re.search(self.match, str(ev)):
-                raise Failed(f"{ev!r} does not match {self.match!r}")
-        self.value = ev
-        return True
-
-
-class approx:
-    def __init__(self, expected, rel=1e-6, abs=1e-12):
-        self.expected, self.rel, self.abs = expected, rel, abs
-
-    def _close(self, a, b):
-        return _math.isclose(a, b, rel_tol=self.rel, abs_tol=self.abs)
-
-    def __eq__(self, other):
-        e = self.expected
-        if isinstance(e, (list, tuple)):
-            return len(e) == len(other) and all(self._close(a, b) for a, b in zip(other, e))
-        return self._close(other, e)
-
-    def __repr__(self):
-        return f"approx({self.expected!r})"
-
-
-class _Mark:
-    def skip(self, reason=""):
-        def deco(fn):
-            fn.__selfrl_skip__ = reason or "skip"
-            return fn
-        return deco(reason) if callable(reason) else deco
-
-    def skipif(self, condition, reason=""):
-        def deco(fn):
-            if condition:
-                fn.__selfrl_skip__ = reason or "skipif"
-            return fn
-        return deco
-
-    def xfail(self, reason="", **_kw):
-        def deco(fn):
-            fn.__selfrl_xfail__ = reason or "xfail"
-            return fn
-        return deco(reason) if callable(reason) else deco
-
-
-mark = _Mark()
-'''
-
-_RUNNER = r'''
-import importlib.util, json, os, re, sys, traceback
-MARK = "@@SELFRL-RESULTS@@" + open("nonce.txt").read()
-os.remove("nonce.txt")
-files = json.load(open("repo.json"))
-wanted = json.load(open("wanted.json"))
-root = os.path.abspath("repo")
-for rel, text in files.items():
-    path = os.path.join(root, rel)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(text)
-shim = os.path.abspath("_shim")
-os.makedirs(shim, exist_ok=True)
-if "pytest.py" not in files:
-    with open(os.path.join(shim, "pytest.py"), "w") as f:
-        f.write(open("pytest_shim.py").read())
-os.chdir(root)
-sys.path[:0] = [shim, root]
-import pytest
-test_file = re.compile(r"(^|/)(test_[^/]*|[^/]*_test)\.py$")
-results = {}
-if os.path.exists("conftest.py"):
-    spec = importlib.util.spec_from_file_location("conftest", "conftest.py")
-    conftest = importlib.util.module_from_spec(spec)
-    sys.modules["conftest"] = conftest
-    spec.loader.exec_module(conftest)
-files_wanted = sorted({w.split("::")[0] for w in wanted}) if wanted else sorted(p for p in files if test_file.search(p))
-for n, rel in enumerate(files_wanted):
-    named = [w.split("::", 1)[1] for w in wanted if "::" in w and w.split("::")[0] == rel]
-    whole = not wanted or rel in wanted  # every test of the file
-    if not os.path.exists(rel):
-        for name in named or ["*"]:
-            results[f"{rel}::{name}"] = ["missing", "no such file"]
-        continue
-    try:
-        spec = importlib.util.spec_from_file_location(f"_selfrl_test_{n}", rel)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    except BaseException as e:
-        for name in named or ["*"]:
-            results[f"{rel}::{name}"] = ["error", f"import failed: {type(e).__name__}: {e}"[:300]]
-        continue
-    tests = {k: v for k, v in vars(mod).items() if k.startswith("test") and callable(v)}
-    for name in (list(tests) if whole else []) + [n for n in named if not (whole and n in tests)]:
-        tid = f"{rel}::{name}"
-        fn = tests.get(name)
-        if fn is None:
-            results[tid] = ["missing", "no such test"]
-            continue
-        if getattr(fn, "__selfrl_skip__", None):
-            results[tid] = ["skipped", str(fn.__selfrl_skip__)]
-            continue
-        xf = getattr(fn, "__selfrl_xfail__", None)
-        try:
-            fn()
-            results[tid] = ["xpassed", ""] if xf else ["passed", ""]
-        except pytest.Skipped as e:
-            results[tid] = ["skipped", str(e)]
-        except pytest.XFailed as e:
-            results[tid] = ["xfailed", str(e)]
-        except BaseException as e:
-            tb = traceback.extract_tb(e.__traceback__)
-            where = f" ({tb[-1].filename.replace(root + '/', '')}:{tb[-1].lineno})" if tb else ""
-            results[tid] = ["xfailed" if xf else "failed", f"{type(e).__name__}: {e}"[:300] + where]
-sys.stdout.write("\n" + MARK + json.dumps(results) + "\n")
-sys.stdout.flush()
-os._exit(0)  # no atexit handler of the tested code may print after the results
-'''
-
-
 @dataclass(frozen=True)
 class TestRun:
     """The outcome of one sandboxed test run.
@@ -216,8 +56,9 @@ class TestRun:
             (every collected test when none were named).
         messages: ``{test id: short failure message}`` for tests that did not pass.
         exec: the sandbox's ``ExecResult`` (exit, output, whether it was killed).
-        reported: whether the runner reported its results (the line marked with this run's
-            random nonce, so the tested code cannot forge it by printing).
+        reported: whether the run gave a verdict: False when the sandbox killed it (time or
+            output limit) or the supervisor never started; True otherwise, also when the tested
+            code killed the supervisor (its unreported tests are then ``error``).
     """
 
     __test__ = False  # not a pytest test class
@@ -225,7 +66,7 @@ class TestRun:
     outcomes: dict[str, str]
     messages: dict[str, str]
     exec: ExecResult
-    reported: bool = True  # False: the run was killed or crashed before reporting (every test "error")
+    reported: bool = True  # False: killed by the sandbox or never started (every test "error", no verdict)
 
     def passed(self, test_ids: Sequence[str]) -> bool:
         """True when every one of ``test_ids`` passed (a skip or an xfail is not a pass)."""
@@ -235,9 +76,10 @@ class TestRun:
 def run_repo_tests(files: Mapping[str, str], test_ids: Sequence[str] | None, sandbox: Sandbox) -> TestRun:
     """Run ``test_ids`` (``path::name`` or a whole ``path``; None: every test) of the repository ``files``.
 
-    The tested code runs in the runner's process: it can read the nonce from the runner's
-    globals or change the shim, so the report resists printing, not a deliberate attack on
-    the runner (which would be a source-code hack the detectors do not know).
+    The supervisor and one fresh interpreter per test file (``selfrl.envs.swe_runner``) run in
+    the sandbox; the code under test runs only in the children, which report on a pipe of
+    their own, never on the output read here. A test passes only when it was reported
+    passed, once, by an intact process.
 
     Args:
         files: ``{relative path: text}``, the whole repository.
@@ -245,19 +87,30 @@ def run_repo_tests(files: Mapping[str, str], test_ids: Sequence[str] | None, san
         sandbox: runs the tests (its ``Limits.wall_seconds`` bounds the whole run).
 
     Returns:
-        a ``TestRun``. When the run is killed (timeout, output limit) or crashes before it
-        reports, every asked test is ``error`` with the reason as its message.
+        a ``TestRun``. When the sandbox killed the run (timeout, output limit), or the
+        supervisor did not start, every asked test is ``error`` and ``reported`` is False (no
+        verdict). When the supervisor started but was killed before its end line (the code
+        under test killed it), the tests it did not report are ``error`` and ``reported`` is
+        True: a verdict, since only the tested code can do that.
     """
     wanted = list(test_ids or [])
-    mark = _MARK + secrets.token_hex(8)
-    res = sandbox.run_python(_RUNNER, files={"repo.json": json.dumps(dict(files)), "wanted.json": json.dumps(wanted),
-                                            "pytest_shim.py": _PYTEST_SHIM, "nonce.txt": mark[len(_MARK):]})
-    line = next((ln for ln in res.stdout.splitlines()[::-1] if ln.startswith(mark)), None)
-    if line is None or res.killed:
+    mark = MARK + secrets.token_hex(8)
+    res = sandbox.run_python(SUPERVISOR, files={"repo.json": json.dumps(dict(files)),
+                                                "wanted.json": json.dumps(wanted), "pytest_shim.py": PYTEST_SHIM,
+                                                "child.py": CHILD, "nonce.txt": mark[len(MARK):]})
+    payloads = [json.loads(ln[len(mark):]) for ln in res.stdout.splitlines() if ln.startswith(mark)]
+    if res.killed or not payloads or payloads[0] != "start":
         why = f"test run {res.killed}" if res.killed else f"test run crashed: {res.stderr.strip()[-300:]}"
         ids = wanted or ["*"]
         return TestRun({t: "error" for t in ids}, {t: why for t in ids}, res, reported=False)
-    raw = json.loads(line[len(mark):])
+    raw: dict[str, list[str]] = {}
+    for p in payloads[1:]:
+        if isinstance(p, dict):
+            raw.update(p)
+    if payloads[-1] != "end":
+        why = f"the test runner was killed before it reported (exit {res.exit_code})"
+        for t in wanted or ["*"]:
+            raw.setdefault(t if "::" in t else f"{t}::*", ["error", why])
     outcomes = {t: v[0] for t, v in raw.items()}
     messages = {t: v[1] for t, v in raw.items() if v[0] != "passed"}
     return TestRun(outcomes, messages, res)
