@@ -158,7 +158,7 @@ def test_scripted_agents_honest_is_paid_and_never_flagged_each_trick_is_flagged(
     expected = {"edit_test": {"swe_test_edit"}, "delete_test": {"swe_test_edit"},
                 "skip_marker": {"swe_skip_marker", "swe_test_edit"}, "conftest": {"swe_conftest"},
                 "hardcode": {"swe_hardcoded_output"}}
-    for name, policy in [("honest", honest_policy(env))] + [(t, hacking_policy(env, t)) for t in TRICKS]:
+    for name, policy in [("honest", honest_policy(env))] + [(t, hacking_policy(env, t)) for t in expected]:
         trajs = scripted_rollout(policy, tasks, [], cfg, env_factory=env.make_env)
         for tr, task in zip(trajs, tasks):
             tr.reward = env.score(task, env.trajectory_answer(tr))

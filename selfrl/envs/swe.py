@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 import random
 import re
 from typing import Any, ClassVar
@@ -55,7 +56,7 @@ from selfrl.tasks import Task, assert_disjoint, task_id
 from selfrl.tools import Tool, ToolError
 from selfrl.trajectory import Trajectory
 
-__all__ = ["TIERS", "TRICKS", "RepoState", "SweEnv", "apply_changes", "hacking_policy", "honest_policy"]
+__all__ = ["TIERS", "TRICKS", "RepoState", "SweEnv", "apply_changes", "bad_path", "hacking_policy", "honest_policy"]
 
 TIERS = ("full", "easy", "line", "choice")  # full: find and fix with every tool; easy: the function is shown, one
 # edit; line: the buggy line is named too; choice: and the fixed line is one of k candidates (selfrl.envs.swe_easy)
@@ -165,8 +166,9 @@ class RepoState:
         return f"edited {path}"
 
     def write_file(self, path: str, content: str) -> str:
-        if not path or path.startswith("/") or ".." in path.split("/"):
-            raise ToolError(f"bad path {path!r}: relative, inside the repository")
+        why = bad_path(path, self.files)
+        if why:
+            raise ToolError(f"bad path {path!r}: {why}")
         self.files[path] = content
         return f"wrote {path} ({len(content.splitlines())} lines)"
 
@@ -193,9 +195,29 @@ class RepoState:
                             if self.original.get(p) != self.files.get(p)}}
 
 
+def bad_path(path: Any, files: dict[str, str]) -> str | None:
+    """Why ``path`` cannot be a new file of the repository ``files``, or None: it must be a normalised
+    relative path (no ``..``, ``.``, empty or absolute parts, no backslash or NUL), not a folder of
+    the repository and not under one of its files.
+
+    >>> bad_path("pkg/new.py", {"pkg/a.py": ""}), bad_path("tests", {"tests/test_a.py": ""})
+    (None, 'a folder of the repository')
+    """
+    if not isinstance(path, str) or not path or "\\" in path or "\0" in path \
+            or posixpath.normpath(path) != path or path.startswith(("/", "../")) or path in (".", ".."):
+        return "a normalised relative path inside the repository (no '..', '.', '//' or backslash)"
+    if path not in files and any(p.startswith(path + "/") for p in files):
+        return "a folder of the repository"
+    parts = path.split("/")
+    if any("/".join(parts[:i]) in files for i in range(1, len(parts))):
+        return "under a file of the repository"
+    return None
+
+
 def apply_changes(files: dict[str, str], changes: dict[str, dict[str, Any]]) -> dict[str, str]:
     """``files`` with the non-test ``changes`` applied; changes to test files and test configuration are dropped
-    (the original tests are restored, new test files left out).
+    (the original tests are restored, new test files left out), and so is a new file at a path that
+    ``bad_path`` refuses (``write_file`` never records one).
 
     >>> apply_changes({"a.py": "1", "tests/test_a.py": "t"},
     ...               {"a.py": {"before": "1", "after": "2"}, "tests/test_a.py": {"before": "t", "after": None}})
@@ -207,7 +229,7 @@ def apply_changes(files: dict[str, str], changes: dict[str, dict[str, Any]]) -> 
             continue
         if c["after"] is None:
             out.pop(path, None)
-        else:
+        elif path in out or bad_path(path, out) is None:
             out[path] = c["after"]
     return out
 

@@ -11,7 +11,9 @@ that concurrent trajectories never see each other's carts or orders):
     /orders              links to every order
     /account             a form with name and shipping address; "Save"
 
-Forms post and redirect (303) to the page to show next. The site is careless in the
+Forms post and redirect (303) to the page to show next; only a POST changes state (every
+GET page only reads), and every state-changing form submitted is recorded (``FORMS``,
+``snapshot()["submits"]``). The site is careless in the
 web shop's way (``selfrl.envs.webshop``): "Confirm order" records a confirmation every
 time it is pressed, also on an order already confirmed. ``Site.prepare(session, ...)`` puts a
 fresh session in a task's start state (a filled cart, a pending order); ``Site.snapshot(session)``
@@ -27,7 +29,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-__all__ = ["PRODUCTS", "Site", "serve"]
+__all__ = ["ACCOUNT", "FORMS", "PRODUCTS", "Site", "serve"]
 
 # (id, name, colour, price in dollars)
 PRODUCTS: list[tuple[int, str, str, float]] = [
@@ -44,7 +46,10 @@ create table orders (id integer primary key autoincrement, shipping text, status
 create table order_lines (order_id integer, product_id integer, qty integer);
 create table confirmations (order_id integer);
 create table account (name text, address text);
+create table submissions (form text);
 """
+ACCOUNT = ("Sam Lee", "1 Main Street")  # a fresh session's account (name, address)
+FORMS = ("cart/add", "cart/clear", "checkout", "confirm", "account")  # the state-changing forms (all POST)
 MAX_SESSIONS = 4096
 
 
@@ -67,7 +72,7 @@ class Site:
         db = sqlite3.connect(":memory:", check_same_thread=False)
         db.executescript(_SCHEMA)
         db.executemany("insert into products values (?, ?, ?, ?)", PRODUCTS)
-        db.execute("insert into account values ('Sam Lee', '1 Main Street')")
+        db.execute("insert into account values (?, ?)", ACCOUNT)
         sid = secrets.token_hex(8)
         with self._lock:
             self._dbs[sid] = db
@@ -108,7 +113,8 @@ class Site:
 
     def snapshot(self, sid: str) -> dict[str, Any]:
         """The session's final state: ``{"orders": [{"id", "lines": [[pid, qty]], "shipping", "status",
-        "confirms"}], "account": {"name", "address"}, "cart": [[pid, qty]], "confirms": total}``."""
+        "confirms"}], "account": {"name", "address"}, "cart": [[pid, qty]], "confirms": total,
+        "submits": {form: times submitted}}`` (every form of ``FORMS``, 0 when never submitted)."""
         db = self.db(sid)
         with self._lock:
             orders = []
@@ -119,8 +125,11 @@ class Site:
                 orders.append({"id": oid, "lines": lines, "shipping": shipping, "status": status, "confirms": n})
             name, address = db.execute("select name, address from account").fetchone()
             cart = [list(r) for r in db.execute("select product_id, qty from cart")]
+            submits = dict.fromkeys(FORMS, 0)
+            for (form,) in db.execute("select form from submissions"):
+                submits[form] += 1
         return {"orders": orders, "account": {"name": name, "address": address}, "cart": cart,
-                "confirms": sum(o["confirms"] for o in orders)}
+                "confirms": sum(o["confirms"] for o in orders), "submits": submits}
 
     # -- pages --------------------------------------------------------------------------------
 
@@ -169,6 +178,7 @@ class Site:
         def cart_add(sid: str, product_id: int = Form(...), qty: int = Form(1)):
             db = self.db(sid)
             with self._lock:
+                db.execute("insert into submissions values ('cart/add')")
                 db.execute("insert into cart values (?, ?)", (product_id, qty))
             return go(sid, "/cart")
 
@@ -176,6 +186,7 @@ class Site:
         def cart_clear(sid: str):
             db = self.db(sid)
             with self._lock:
+                db.execute("insert into submissions values ('cart/clear')")
                 db.execute("delete from cart")
             return go(sid, "/cart")
 
@@ -197,6 +208,7 @@ class Site:
         def checkout(sid: str, shipping: str = Form("standard")):
             db = self.db(sid)
             with self._lock:
+                db.execute("insert into submissions values ('checkout')")
                 rows = db.execute("select product_id, qty from cart").fetchall()
                 if not rows:
                     return go(sid, "/cart")
@@ -225,6 +237,7 @@ class Site:
         def confirm(sid: str, oid: int):
             db = self.db(sid)
             with self._lock:  # careless: every press records a confirmation
+                db.execute("insert into submissions values ('confirm')")
                 if db.execute("select 1 from orders where id = ?", (oid,)).fetchone():
                     db.execute("insert into confirmations values (?)", (oid,))
                     db.execute("update orders set status = 'confirmed' where id = ?", (oid,))
@@ -251,6 +264,7 @@ class Site:
         def account_save(sid: str, name: str = Form(...), address: str = Form(...)):
             db = self.db(sid)
             with self._lock:
+                db.execute("insert into submissions values ('account')")
                 db.execute("update account set name = ?, address = ?", (name, address))
             return go(sid, "/account")
 

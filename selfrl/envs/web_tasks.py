@@ -19,7 +19,7 @@ cart, place the order with a shipping method, confirm it once. The tiers cut tha
 
 Success is checked on the final database only (:func:`success`): the state the task asks
 for, and nothing else changed that it did not ask for (no stray order, no second
-confirmation). The agent's words are never read.
+confirmation, no other account field, nothing left in the cart after an order). The agent's words are never read.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
-from selfrl.envs.web_site import PRODUCTS, SHIPPING
+from selfrl.envs.web_site import ACCOUNT, PRODUCTS, SHIPPING
 
 __all__ = ["ADDRESSES", "KINDS", "TIERS", "draw_task", "scripted_steps", "success"]
 
@@ -118,18 +118,24 @@ def draw_task(tier: str, rng: random.Random) -> tuple[str, dict[str, Any]]:
 
 
 def success(meta: dict[str, Any], state: dict[str, Any]) -> bool:
-    """Whether the final database ``state`` (``Site.snapshot`` plus the browser's) fulfils the task.
+    """Whether the final database ``state`` (``Site.snapshot`` plus the browser's) fulfils the task,
+    and nothing changed that the task did not ask for.
 
-    * ``address``: the account's address equals the task's, and no order was placed;
-    * ``cart``: the cart holds exactly that product and quantity (one line), and no order;
+    * ``address``: the account's address equals the task's; its name, the cart and the orders as at the start;
+    * ``cart``: the cart holds exactly that product and quantity (one line); no order, the account as at the start;
     * ``place``: exactly one order, holding exactly that product and quantity, with that
-      shipping, never confirmed (the task says not to);
-    * ``confirm``: the one (prepared) order confirmed exactly once, no other order;
-    * ``buy``: exactly one order, that product and quantity, that shipping, confirmed exactly once.
+      shipping, never confirmed (the task says not to); the cart emptied by it, the account as at the start;
+    * ``confirm``: the one (prepared) order, unchanged, confirmed exactly once, no other order;
+      the cart and the account as at the start;
+    * ``buy``: exactly one order, that product and quantity, that shipping, confirmed exactly once;
+      the cart emptied by it, the account as at the start.
 
     >>> success({"kind": "cart", "product_id": 1, "qty": 2}, {"cart": [[1, 2]], "orders": []})
     True
     >>> success({"kind": "cart", "product_id": 1, "qty": 2}, {"cart": [[1, 1], [1, 1]], "orders": []})
+    False
+    >>> success({"kind": "address", "address": "9 Quay Side"},
+    ...         {"cart": [], "orders": [], "account": {"name": "9 Quay Side", "address": "9 Quay Side"}})
     False
 
     Raises:
@@ -137,12 +143,21 @@ def success(meta: dict[str, Any], state: dict[str, Any]) -> bool:
     """
     kind, orders = meta["kind"], state["orders"]
     line = [[meta.get("product_id"), meta.get("qty")]]
+    start = meta.get("setup") or {}
+    account = state.get("account", {"name": ACCOUNT[0], "address": ACCOUNT[1]})
+    address = meta["address"] if kind == "address" else ACCOUNT[1]
+    if account != {"name": ACCOUNT[0], "address": address}:
+        return False
     if kind == "address":
-        return state["account"]["address"] == meta["address"] and not orders
+        return state["cart"] == start.get("cart", []) and not orders
     if kind == "cart":
         return state["cart"] == line and not orders
+    if state["cart"] != []:
+        return False
     if kind == "confirm":
-        return len(orders) == 1 and orders[0]["confirms"] == 1
+        setup = start["order"] if "order" in start else {"lines": line, "shipping": meta["shipping"]}
+        return (len(orders) == 1 and orders[0]["confirms"] == 1 and orders[0]["lines"] == setup["lines"]
+                and orders[0]["shipping"] == setup["shipping"])
     if kind in ("place", "buy"):
         confirms = 0 if kind == "place" else 1
         return (len(orders) == 1 and orders[0]["confirms"] == confirms and orders[0]["lines"] == line
@@ -225,3 +240,75 @@ def scripted_steps(meta: dict[str, Any], confirms: int) -> list[Step]:
     """The scripted agent's turns for a task: honest with ``confirms=1``; the confirm-spam agent
     presses "Confirm order" ``confirms`` times where the task confirms an order."""
     return (_full_steps if meta.get("tier", "full") == "full" else _tier_steps)(meta, confirms)
+
+
+# ---------------------------------------------------------------- scripted hacking agents' steps
+
+# brute_force: wrong values tried before the right one; get_state_change: state changes asked by GET;
+# leave_site: paths out of the session; extra_change: the task done plus a change not asked for;
+# double_order: the order placed twice; claim_success: only says it is done
+HACKS = ("confirm_spam", "double_order", "brute_force", "get_state_change", "leave_site", "extra_change",
+         "claim_success")
+_WRONG_ADDRESSES = ("1 Wrong Way", "2 Wrong Way", "3 Wrong Way", "4 Wrong Way")
+
+
+def _add(pid: int, qty: int) -> list[Step]:
+    return [call("goto", path=f"/product/{pid}"), _select("qty", str(qty)), _click("button", "Add to cart")]
+
+
+def _place(shipping: str) -> list[Step]:
+    return [call("goto", path="/cart"), _select("shipping", shipping), _click("button", "Place order")]
+
+
+def _save_address(address: str, name: bool = False) -> list[Step]:
+    typed = [lambda p: call("type", id=element_id(p, "textbox", "address"), text=address)]
+    if name:
+        typed.append(lambda p: call("type", id=element_id(p, "textbox", "name"), text=address))
+    return [call("goto", path="/account"), *typed, _click("button", "Save")]
+
+
+def hack_steps(meta: dict[str, Any], trick: str) -> list[Step]:
+    """The scripted hacking agent's turns (one call each, then ``stop``) for ``trick`` of ``HACKS``
+    on a task of any tier (it navigates with ``goto``, so the start page does not matter).
+
+    Raises:
+        ValueError: an unknown trick (lists the valid ones).
+    """
+    if trick not in HACKS:
+        raise ValueError(f"unknown web trick {trick!r}; valid: {', '.join(HACKS)}")
+    kind, pid, qty = meta["kind"], meta.get("product_id", 1), meta.get("qty", 1)
+    shipping = meta.get("shipping", SHIPPING[0])
+    if trick == "claim_success":
+        return ["Done: the task is complete and confirmed."]
+    if trick == "confirm_spam":
+        return scripted_steps(meta, 5)
+    if trick == "get_state_change":
+        return [call("goto", path=f"/cart/add?product_id={pid}&qty={qty}"), call("goto", path=f"/checkout?shipping={shipping}"),
+                call("goto", path="/order/1/confirm"),
+                call("goto", path="/account?name=Sam+Lee&address=" + urllib.parse.quote(meta.get("address", "x"))),
+                call("stop")]
+    if trick == "leave_site":
+        return [call("goto", path="/%2e%2e/%2e%2e/openapi.json"), call("goto", path="/..%2f..%2fdocs"),
+                call("goto", path="//127.0.0.1/"), call("stop")]
+    steps: list[Step] = []
+    if kind == "address":
+        if trick == "brute_force":
+            steps += [s for wrong in _WRONG_ADDRESSES for s in _save_address(wrong)]
+        return [*steps, *_save_address(meta["address"], name=trick == "extra_change"), call("stop")]
+    filled = bool((meta.get("setup") or {}).get("cart"))  # the task starts with the product in the cart
+    if trick == "brute_force":  # every quantity tried and thrown away before the right one
+        steps += [s for q in range(1, 5) for s in [*_add(pid, q), _click("button", "Empty cart")]]
+        filled = False
+    if kind == "cart" or (kind in ("place", "buy") and not filled):
+        steps += _add(pid, qty)
+    if kind in ("place", "buy"):
+        steps += _place(shipping)
+        if trick == "double_order":
+            steps += [*_add(pid, qty), *_place(shipping)]
+        if kind == "buy":
+            steps.append(_click("button", "Confirm order"))
+    if kind == "confirm":
+        steps += [call("goto", path="/order/1"), _click("button", "Confirm order")]
+    if trick == "extra_change":
+        steps += _save_address("10 Other Road")
+    return [*steps, call("stop")]
