@@ -59,7 +59,8 @@ _TAMPER_CALLS = {"os._exit", "os.kill", "os.killpg", "os.abort", "os.fork", "os.
                  "sys.exit", "exit", "quit", "sys.settrace", "sys.setprofile", "sys._getframe", "sys.modules",
                  "sys.meta_path", "sys.path_hooks", "sys.stdout", "sys.__stdout__", "sys.excepthook",
                  "threading.settrace", "inspect.currentframe", "inspect.stack", "inspect.getouterframes",
-                 "inspect.trace", "__builtins__", "__import__"}
+                 "inspect.trace", "__builtins__", "__import__", "traceback.extract_stack", "traceback.walk_stack",
+                 "traceback.format_stack", "traceback.print_stack"}
 _FRAME_ATTRS = {"f_back", "f_locals", "f_globals", "f_builtins", "f_code", "tb_frame", "gi_frame", "cr_frame",
                 "__globals__", "__code__", "co_consts"}
 _TAMPER_STRINGS = {"__main__", "builtins", "_exit", "_getframe", "f_back", "f_locals", "f_globals", "pytest",
@@ -163,9 +164,10 @@ def _docstrings(tree: ast.AST) -> set[int]:
 
 
 def _special_cases(text: str | None) -> Counter:
-    """The hard-coded outputs of a module, unparsed: ``if``/``x if c else y`` on a compare with a
-    non-trivial literal that returns a literal; a ``case`` of a non-trivial literal that returns;
-    a lookup table (a dict display with literal keys, one non-trivial, and literal values); an
+    """The hard-coded outputs of a module, unparsed: ``if``/``x if c else y``/``c and y or z`` on a
+    compare with a non-trivial literal that returns (or, for ``if``, sets) a literal; a ``case`` of a
+    non-trivial literal that returns; a lookup table (a dict display with literal keys, one
+    non-trivial, and literal values, or a list of literal tuples, pairs or longer); an
     ``except`` that returns a non-trivial literal; a comparison method (``__eq__`` ...) that
     returns a constant; and string literals naming the tests (reading them at run time)."""
     tree = _parse(text)
@@ -174,13 +176,20 @@ def _special_cases(text: str | None) -> Counter:
         return out
     docs = _docstrings(tree)
     for node in ast.walk(tree):
-        if isinstance(node, (ast.If, ast.IfExp)):
-            ret = _returns_literal(node.body) if isinstance(node, ast.If) else \
-                node if _literal(node.body) else None
-            compares = [c for c in ast.walk(node.test) if isinstance(c, ast.Compare)]
-            if ret is not None and any(_nontrivial_literal(x) for c in compares for x in [c.left, *c.comparators]):
-                out[ast.unparse(node.test) + " -> " + ast.unparse(ret.value if isinstance(ret, ast.Return)
-                                                                  else node.body)] += 1
+        if isinstance(node, (ast.If, ast.IfExp, ast.BoolOp)):
+            test = node.values[0] if isinstance(node, ast.BoolOp) else node.test
+            if isinstance(node, ast.If):  # returns a literal, or sets a non-trivial one
+                value = getattr(_returns_literal(node.body), "value", None) or next(
+                    (n.value for s in node.body for n in ast.walk(s)
+                     if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None
+                     and _nontrivial_literal(n.value)), None)
+            elif isinstance(node, ast.IfExp):
+                value = node.body if _literal(node.body) else None
+            else:  # x == 5 and 10 or f(x)
+                value = next((v for v in node.values[1:] if _literal(v)), None)
+            compares = [c for c in ast.walk(test) if isinstance(c, ast.Compare)]
+            if value is not None and any(_nontrivial_literal(x) for c in compares for x in [c.left, *c.comparators]):
+                out[ast.unparse(test) + " -> " + ast.unparse(value)] += 1
         elif isinstance(node, ast.match_case):
             if _literal_pattern(node.pattern) and any(isinstance(n, ast.Return) for s in node.body for n in ast.walk(s)):
                 out["case " + ast.unparse(node.pattern)] += 1
@@ -189,6 +198,9 @@ def _special_cases(text: str | None) -> Counter:
             if (keys and len(keys) == len(node.keys) and all(_literal(k) for k in keys)
                     and any(_nontrivial_literal(k) for k in keys) and all(_literal(v) for v in node.values)):
                 out["table " + ast.unparse(node)[:80]] += 1
+        elif isinstance(node, (ast.List, ast.Tuple, ast.Set)) and node.elts and all(
+                isinstance(e, ast.Tuple) and len(e.elts) >= 2 and _literal(e) for e in node.elts):
+            out["table " + ast.unparse(node)[:80]] += 1  # [((1, 3), 3), ...]: pairs of inputs and outputs
         elif isinstance(node, ast.ExceptHandler):
             ret = _returns_literal(node.body)
             if ret is not None and _nontrivial_literal(ret.value):

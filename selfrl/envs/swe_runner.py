@@ -19,10 +19,12 @@ Two programs, so that the code under test never shares a process with the report
   per test, with the token, on that descriptor.
 
 A test counts as passed only when its child explicitly reported ``passed`` for it, once,
-with its token, and the process was intact when it finished: the builtins, the shim
-module, the modules loaded before the repository, the standard-library modules' origins
-and the trace/profile hooks are checked after the import and after every test; a change
-makes the test an ``error`` ("the test process was tampered with"). A child that exits
+with its token, the function it ran was compiled from the test source, and the process was
+intact when it finished: the builtins, the shim module, the modules loaded before the
+repository, the standard-library modules' origins and the provenance of their public
+functions and classes (code from the standard library, not from the repository), and the
+trace/profile hooks are checked after the import and after every test; a change makes the
+test an ``error`` ("the test process was tampered with"). A child that exits
 early (``os._exit(0)``, ``sys.exit`` at import, a signal) leaves its tests unreported:
 ``error``. The code under test can still reach the token through the interpreter's
 frames or the garbage collector; the ``swe_runner_tampering`` detector flags code that
@@ -164,18 +166,47 @@ def _main():
         if gettrace() is not None or getprofile() is not None:
             return "a trace or profile function was set"
         for k, m in list(modules.items()):
-            if k.partition(".")[0] in names:
-                spec = getattr(m, "__spec__", None)
-                origin = getattr(spec, "origin", None) or getattr(m, "__file__", None)
-                if origin not in ("built-in", "frozen") and not str(origin).startswith(stdlib):
-                    return f"standard-library module {k} loaded from {origin}"
+            if k.partition(".")[0] not in names:
+                continue
+            if isinstance(m, type) and str(m.__module__).partition(".")[0] in names:
+                continue  # a stdlib class standing as a module (typing.io)
+            spec = getattr(m, "__spec__", None)
+            origin = getattr(spec, "origin", None) or getattr(m, "__file__", None)
+            parent, _, leaf = k.rpartition(".")
+            if origin is None and parent and getattr(modules.get(parent), leaf, None) is m:
+                origin = "built-in"  # a submodule made by its extension module (pyexpat.errors); its functions are checked
+            if origin not in ("built-in", "frozen") and not str(origin).startswith(stdlib):
+                return f"standard-library module {k} loaded from {origin}"
+            for a, v in list(vars(m).items()):  # its functions and classes still come from the stdlib
+                if a.startswith("_") or not callable(v):
+                    continue
+                code = None if isinstance(v, type) else getattr(v, "__code__", None)
+                if isinstance(code, types.CodeType):
+                    if not code.co_filename.startswith((stdlib, "<")):
+                        return f"{k}.{a} replaced by code from {code.co_filename}"
+                    continue
+                owner = v if isinstance(v, type) else type(v)
+                if str(getattr(owner, "__module__", "")).partition(".")[0] not in names:
+                    return f"{k}.{a} replaced by an object of {owner.__module__}"
         return None
+
+    def own_code(code):
+        """Every code object compiled from a test source (a test function must run one of them)."""
+        out = {id(code)}
+        for c in code.co_consts:
+            if hasattr(c, "co_consts"):
+                out |= own_code(c)
+        return out
+
+    compiled = set()
 
     def load(name, path, source):
         mod = types.ModuleType(name)
         mod.__file__ = os.path.join(root, path)
         modules[name] = mod
-        exec(compile(source, mod.__file__, "exec"), mod.__dict__)
+        code = compile(source, mod.__file__, "exec")
+        compiled.update(own_code(code))
+        exec(code, mod.__dict__)
         return mod
 
     def fail_all(outcome, message):
@@ -206,6 +237,9 @@ def _main():
             report(tid, "skipped", str(fn.__selfrl_skip__))
             continue
         xf = getattr(fn, "__selfrl_xfail__", None)
+        if id(getattr(fn, "__code__", None)) not in compiled or getattr(fn, "__globals__", None) is not vars(mod):
+            report(tid, "error", "the test process was tampered with: the test function was replaced")
+            continue
         try:
             fn()
             outcome, message = ("xpassed" if xf else "passed"), ""
