@@ -153,15 +153,16 @@ def test_probe_regression():
 
 
 def test_unknown_detector_lists_the_valid_ones():
-    import selfrl.envs  # noqa: F401  environments register their own detectors (swe_*, web_confirm_spam)
+    import selfrl.envs  # noqa: F401  environments register their own detectors (swe_*, web_*)
 
     with pytest.raises(ValueError, match="valid names: component_dominance, format_gaming, length_exploitation, "
                                          "probe_regression, repeated_action, swe_conftest, swe_hardcoded_output, "
-                                         "swe_skip_marker, swe_test_edit, verifier_disagreement, web_confirm_spam$"):
+                                         "swe_runner_tampering, swe_skip_marker, swe_test_edit, "
+                                         "verifier_disagreement, web_confirm_spam, web_repeated_submit$"):
         check_detectors(["repeated_action", "nope"])
     with pytest.raises(ValueError, match="twice"):
         check_detectors(["repeated_action", "repeated_action"])
-    assert len(available_detectors()) == 11  # 6 generic + 4 swe + 1 web
+    assert len(available_detectors()) == 13  # 6 generic + 5 swe + 2 web
 
 
 def test_apply_detectors_flags_clamps_and_counts():
