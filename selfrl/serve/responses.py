@@ -36,9 +36,9 @@ import json
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from selfrl.serve.protocol import ChatCompletionRequest
+from selfrl.serve.protocol import ChatCompletionRequest, check_depth, finite_fields
 
 RESPONSE_LOG_SIZE = 10_000  # responses whose conversation previous_response_id can continue
 RESPONSE_LOG_BYTES = 256 * 2**20  # and at most this much of their JSON, in the run's store
@@ -48,6 +48,7 @@ class ResponsesRequest(BaseModel):
     """``POST /v1/responses`` body. Unknown fields are rejected (400)."""
 
     model_config = ConfigDict(extra="forbid")
+    _depth = model_validator(mode="before")(check_depth)
 
     model: str
     input: str | list[dict[str, Any]] = Field(default_factory=list)
@@ -77,6 +78,8 @@ class ResponsesRequest(BaseModel):
     task_key: str | None = Field(default=None, max_length=200)
     record: bool = True
 
+    _finite = finite_fields("temperature", "top_p", "max_output_tokens", "top_logprobs")
+
 
 class ResponsesError(ValueError):
     """A Responses request selfrl cannot honour; ``param`` names the field."""
@@ -87,13 +90,28 @@ class ResponsesError(ValueError):
 
 
 def _text(content: Any, where: str) -> str:
-    """A message's content as text (``input_text``/``output_text``/``text`` parts)."""
+    """A message's content as text (``input_text``/``output_text``/``text`` parts).
+
+    Raises:
+        ResponsesError: content of another type, or a part that is not a text part or has no
+            ``text`` string; ``param`` is the item (``where``), the message names the part.
+    """
     if content is None or isinstance(content, str):
         return content or ""
+    if not isinstance(content, list):
+        raise ResponsesError(f"{where}: content must be a string or an array of content parts, got "
+                             f"{type(content).__name__}", where)
     parts = []
-    for part in content:
-        if part.get("type") not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise ResponsesError(f"only text content parts are supported, got {part.get('type')!r}", where)
+    for k, part in enumerate(content):
+        at = f"{where}: content[{k}]"
+        if not isinstance(part, dict):
+            raise ResponsesError(f"{at} must be an object, got {type(part).__name__}", where)
+        if part.get("type") not in ("input_text", "output_text", "text"):
+            raise ResponsesError(f"{at}: content parts of type {part.get('type')!r} are not supported; only "
+                                 "input_text, output_text and text parts are accepted", where)
+        if not isinstance(part.get("text"), str):
+            said = "has no \"text\" key" if "text" not in part else f"has a {type(part['text']).__name__} \"text\""
+            raise ResponsesError(f"{at}: a {part['type']} part needs a \"text\" string; this one {said}", where)
         parts.append(part["text"])
     return "".join(parts)
 
@@ -356,9 +374,11 @@ async def create_response(service, log: ResponseLog, req: ResponsesRequest, clie
     except ResponsesError as e:
         raise ApiError(400, str(e), e.param) from e
     except ValidationError as e:
+        from selfrl.serve.protocol import error_param
+
         first = e.errors()[0]
-        where = ".".join(map(str, first.get("loc", ()))) or None
-        raise ApiError(400, first.get("msg", "invalid request"), where) from e
+        where = error_param(first.get("loc", ()), first.get("ctx"))
+        raise ApiError(400, str(first.get("msg", "invalid request")).removeprefix("Value error, "), where) from e
     response_id = new_response_id()
     chat = await service.complete(chat_req, client, response_id=response_id, is_disconnected=is_disconnected)
     if req.store is not False:  # store: false, as OpenAI: the response cannot be continued
