@@ -39,7 +39,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from selfrl.serve.feedback import client_identity
 from selfrl.serve.limits import BodyLimit
-from selfrl.serve.protocol import ChatCompletionRequest, FeedbackRequest, VersionRequest, error_body, error_param
+from selfrl.http_errors import add_server_error_handler, error_body, validation_message
+from selfrl.serve.protocol import ChatCompletionRequest, FeedbackRequest, VersionRequest
 from selfrl.serve.responses import ResponseLog, ResponsesRequest, create_response, sse, stream_events
 from selfrl.serve.service import ApiError, Service, start_learning
 from selfrl.serve.streaming import stream_chunks
@@ -72,28 +73,6 @@ def load_api_key(key_file: str | None = None) -> str | None:
 
 def _error(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
     return JSONResponse(error_body(message, type_, param, code), status_code=status)
-
-
-def validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """``(message, param)`` for the first of FastAPI's request validation errors: the field
-    in OpenAI's notation (``messages[2].content[0].text``, :func:`error_param`), and a
-    message that says what is wrong there."""
-    first = errors[0] if errors else {}
-    where = error_param(first.get("loc", ())[1:], first.get("ctx"))  # loc[0] is "body"
-    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-    if first.get("type") == "json_invalid":
-        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', msg)}", None
-    if first.get("type") == "extra_forbidden":
-        return f"unrecognized request argument supplied: {where}", where
-    return msg + (f" (at {where})" if where else ""), where
-
-
-def server_error(request: Request, e: Exception) -> JSONResponse:
-    """A 500 in OpenAI's shape for an exception nothing else handled: its class and text go
-    to the client, its traceback to the server log (``selfrl.serve``), never to the client."""
-    log.error("%s %s failed", request.method, request.url.path, exc_info=e)
-    return _error(500, f"internal server error: {type(e).__name__}: {e}"[:2000], "server_error",
-                  code="internal_error")
 
 
 def create_app(service: Service, api_key: str | None, protect_completions: bool = False,
@@ -145,9 +124,7 @@ def create_app(service: Service, api_key: str | None, protect_completions: bool 
         message, where = validation_message(e.errors())
         return _error(400, message, param=where)
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, e: Exception):
-        return server_error(request, e)
+    add_server_error_handler(app, log)
 
     @app.post("/v1/chat/completions", dependencies=open_or_key)
     async def chat_completions(req: ChatCompletionRequest, request: Request):

@@ -33,6 +33,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from selfrl.http_errors import _json_type, error_body, error_param, finite, finite_fields, refuse  # noqa: F401
 from selfrl.serve.limits import MAX_DEPTH, check_text, too_deep
 from selfrl.toolcall import (
     TOOL_CALL_CLOSE,
@@ -51,75 +52,6 @@ from selfrl.trajectory import ToolCallRecord
 def _valid_text(data: Any) -> Any:
     check_text(data)
     return data
-
-
-def refuse(message: str, at: str = "") -> PydanticCustomError:
-    """A validation error whose message is ``message`` as written (no "Value error, "
-    prefix) and whose field is the validated one followed by ``at`` (``"[0].text"``), so
-    that :func:`error_param` names the exact place: ``messages[2].content[0].text``."""
-    return PydanticCustomError("invalid_value", "{detail}", {"detail": message, "at": at})
-
-
-def error_param(loc: tuple | list, ctx: dict | None = None) -> str | None:
-    """A pydantic error location in OpenAI's notation (``messages[2].content``), with the
-    ``at`` a :func:`refuse` error adds; None for the whole body.
-
-    Pydantic's tags for the member of a union it tried (``str``, ``list[...]``,
-    ``function-after[...]``) are left out.
-
-    >>> error_param(("messages", 2, "content"), {"at": "[0].text"})
-    'messages[2].content[0].text'
-    >>> error_param(("tools", 0, "function-after[_valid_text(), ToolDef]", "function", "parameters"))
-    'tools[0].function.parameters'
-    """
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif "[" in part or part in _UNION_TAGS:
-            continue
-        else:
-            out += ("." if out else "") + part
-    out += (ctx or {}).get("at", "")
-    return out or None
-
-
-_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "tagged-union"}
-
-
-def _json_type(v: Any) -> str:
-    """The JSON name of a decoded value's type (for error messages)."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "a boolean"
-    if isinstance(v, (int, float)):
-        return "a number"
-    return {str: "a string", list: "an array", dict: "an object"}.get(type(v), type(v).__name__)
-
-
-def finite(name: str, v: Any) -> Any:
-    """``v`` unchanged unless it is NaN or an infinity (JSON ``NaN``/``Infinity``, which
-    Python's json accepts, a float beyond 1e308, or such a string): then a :func:`refuse`
-    error saying so, before any bound is checked (a bound's message would mislead)."""
-    x = None
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        x = float(v) if isinstance(v, float) else None
-    elif isinstance(v, str):
-        try:
-            x = float(v)
-        except ValueError:
-            return v  # not a number at all: pydantic's own message says so
-    if x is not None and not math.isfinite(x):
-        raise refuse(f"{name} must be a finite number, got {v!r}")
-    return v
-
-
-def finite_fields(*names: str):
-    """A before-validator that applies :func:`finite` to each of ``names``."""
-    def check(cls, v, info):
-        return finite(info.field_name, v)
-    return field_validator(*names, mode="before")(check)
 
 
 def check_depth(data: Any) -> Any:
@@ -438,12 +370,6 @@ class VersionRequest(_Strict):
     """Admin body naming an adapter version."""
 
     version: int = Field(ge=0, le=999_999_999)  # bounded like a model name's @v<N>
-
-
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 # ------------------------------------------------------------------ conversion

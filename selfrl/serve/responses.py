@@ -374,7 +374,7 @@ async def create_response(service, log: ResponseLog, req: ResponsesRequest, clie
     except ResponsesError as e:
         raise ApiError(400, str(e), e.param) from e
     except ValidationError as e:
-        from selfrl.serve.protocol import error_param
+        from selfrl.http_errors import error_param
 
         first = e.errors()[0]
         where = error_param(first.get("loc", ()), first.get("ctx"))
