@@ -241,6 +241,25 @@ def test_the_responses_api_names_finite_numbers_and_content_parts_too(server):
             "key", code=None)
 
 
+@pytest.mark.parametrize("extra, param, phrase", [  # old code: a plain-text 500 (KeyError, AttributeError)
+    ({"tools": [{"type": "function"}]}, "tools.0", "a function tool needs a 'name' string; this one has none"),
+    ({"input": [{"type": "function_call_output", "output": "4"}]}, "input.0",
+     "a function_call_output item needs a 'call_id' string"),
+    ({"text": {"format": "json"}}, "text.format", "text.format must be an object"),
+    ({"input": [5]}, "input[0]", "an input item must be an object"),
+    # the chat completion's checks, named as the Responses request's own fields
+    ({"tools": [{"type": "function", "name": "f", "parameters": SELF}], "tool_choice": "required"},
+     "tools[0].parameters", "the schema admits no JSON value"),
+    ({"text": {"format": {"type": "json_schema", "name": "a", "schema": ENDLESS}}}, "text.format.schema",
+     "the schema has no finite value"),
+])
+def test_the_responses_api_refuses_malformed_items_by_name(server, extra, param, phrase):
+    url, _ = server
+    status, body = http("POST", url + "/v1/responses", {"model": "selfrl", "input": "hi", "max_output_tokens": 4,
+                                                        **extra})
+    assert status == 400 and body["error"]["param"] == param and phrase in body["error"]["message"], body
+
+
 def test_a_body_nested_too_deep_to_parse_is_a_400_that_says_so(server):
     url, _ = server
     raw = '{"model": "selfrl", "messages": [{"role": "user", "content": "hi"}], "metadata": ' + "[" * 5000 + \

@@ -36,9 +36,9 @@ import json
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from selfrl.serve.protocol import ChatCompletionRequest, check_depth, finite_fields
+from selfrl.serve.protocol import ChatCompletionRequest, check_depth, finite_fields, refuse
 
 RESPONSE_LOG_SIZE = 10_000  # responses whose conversation previous_response_id can continue
 RESPONSE_LOG_BYTES = 256 * 2**20  # and at most this much of their JSON, in the run's store
@@ -79,6 +79,19 @@ class ResponsesRequest(BaseModel):
     record: bool = True
 
     _finite = finite_fields("temperature", "top_p", "max_output_tokens", "top_logprobs")
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, v):
+        if isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise refuse(f"input must be a string or an array of input items, got {type(v).__name__}")
+        for k, item in enumerate(v):
+            if not isinstance(item, dict):
+                raise refuse(f"an input item must be an object (a message, function_call or function_call_output), "
+                             f"got {type(item).__name__}", f"[{k}]")
+        return v
 
 
 class ResponsesError(ValueError):
@@ -144,6 +157,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise ResponsesError(f"unknown message role {role!r}", where)
             out.append({"role": role, "content": _text(item.get("content"), where)})
         elif kind == "function_call":
+            _require(item, ("call_id", "name"), f"{kind} item", where)
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
             last = out[-1] if out else None
@@ -153,6 +167,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
+            _require(item, ("call_id",), f"{kind} item", where)
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": output if isinstance(output, str) else _text(output, where)})
@@ -162,8 +177,19 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _require(item: dict[str, Any], keys: tuple[str, ...], kind: str, where: str) -> None:
+    """Raise ResponsesError unless ``item`` has a string at each of ``keys``."""
+    for key in keys:
+        if not isinstance(item.get(key), str):
+            said = "has none" if key not in item else f"has a {type(item[key]).__name__}"
+            raise ResponsesError(f"a {kind} needs a {key!r} string; this one {said}", where)
+
+
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise ResponsesError(f"text.format must be an object such as {{\"type\": \"json_schema\", ...}}, got "
+                             f"{type(fmt).__name__}", "text.format")
     if not fmt or fmt.get("type") in ("text", "json_object"):
         return fmt
     if fmt.get("type") == "json_schema":
@@ -179,6 +205,7 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     for k, t in enumerate(tools):
         if t.get("type") != "function":
             raise ResponsesError(f"only function tools are supported, got {t.get('type')!r}", f"tools.{k}")
+        _require(t, ("name",), "function tool", f"tools.{k}")
         fn = {"name": t["name"], "description": t.get("description") or "",
               "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
         if t.get("strict") is not None:
@@ -224,6 +251,26 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> Cha
         metadata=req.metadata, user=req.user, store=req.store, task_key=req.task_key, record=req.record,
         logprobs=bool(req.include),
     )
+
+
+def responses_param(param: str | None) -> str | None:
+    """A chat-completions field named as the Responses request's own (the request is served
+    as a chat completion, whose checks name chat fields).
+
+    >>> responses_param("tools[1].function.parameters"), responses_param("response_format.json_schema.schema")
+    ('tools[1].parameters', 'text.format.schema')
+    >>> responses_param("messages[3].content[0].text"), responses_param("max_completion_tokens")
+    ('input', 'max_output_tokens')
+    """
+    if param is None:
+        return None
+    if param.startswith("tools[") and ".function" in param:
+        return param.replace(".function", "", 1)
+    if param.startswith("response_format"):
+        return "text.format" + param.removeprefix("response_format").replace(".json_schema", "", 1)
+    if param.startswith("messages"):
+        return "input"  # with instructions and history, the chat index is not the input's
+    return {"max_completion_tokens": "max_output_tokens"}.get(param, param)
 
 
 def new_response_id() -> str:
@@ -377,10 +424,14 @@ async def create_response(service, log: ResponseLog, req: ResponsesRequest, clie
         from selfrl.http_errors import error_param
 
         first = e.errors()[0]
-        where = error_param(first.get("loc", ()), first.get("ctx"))
+        where = responses_param(error_param(first.get("loc", ()), first.get("ctx")))
         raise ApiError(400, str(first.get("msg", "invalid request")).removeprefix("Value error, "), where) from e
     response_id = new_response_id()
-    chat = await service.complete(chat_req, client, response_id=response_id, is_disconnected=is_disconnected)
+    try:
+        chat = await service.complete(chat_req, client, response_id=response_id, is_disconnected=is_disconnected)
+    except ApiError as e:
+        e.param = responses_param(e.param)
+        raise
     if req.store is not False:  # store: false, as OpenAI: the response cannot be continued
         log.add(response_id, [m.model_dump(exclude_none=True) for m in chat_req.messages],
                 chat["choices"][0]["message"], client)
