@@ -88,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="before RL, fine-tune on the model's own verified, unflagged successes on training tasks "
                         "(rejection sampling, STaR/RAFT), gated like an update; [warm_start] in the config "
                         "(docs/warm_start.md)")
+    r.add_argument("--async-rollouts", action="store_true", default=None,
+                   help="sample the next iteration's rollouts while the update trains (one batch ahead: staleness "
+                        "<= 1, importance-corrected; every version the sampler copy serves is swap-checked)")
     sub.add_parser("envs", help="list the installed environments, one line each")
     s = sub.add_parser("serve", help="OpenAI-compatible server that records, learns and hot-swaps adapters")
     s.add_argument("--config", help="TOML file with ServeConfig keys (see selfrl/serve/config.py)")
@@ -176,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides["task.source"] = args.env if args.env is not None else args.task
     overrides["train.gradient_checkpointing"] = args.gradient_checkpointing
     overrides["warm_start.enabled"] = args.warm_start
+    overrides["async_rollouts"] = args.async_rollouts
     base = None
     if args.resume:
         overrides["run_dir"] = args.resume

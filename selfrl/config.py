@@ -370,6 +370,9 @@ class RunConfig:
     reward_weights: dict[str, float] | None = None  # explicit weights; overrides the preset
     seed: int = 0  # torch seed for sampling and LoRA init
     engine: str = DEFAULT_ENGINE  # sampling backend: reference | slots | auto (slots on the CPU, reference on a GPU)
+    # sample the next iteration's rollouts while the update trains (one batch ahead, staleness <= 1, TIS-corrected);
+    # a copy of the LoRA samples, checked by the swap check after every push (selfrl.async_rollouts)
+    async_rollouts: bool = False
     # several agents into one learner ([[agents]] tables; empty: one agent, [task]); selfrl.distributed.agents
     agents: list[AgentConfig] = field(default_factory=list, metadata={"table_of": AgentConfig})
     agent_adapters: AgentAdapters = "shared"  # with [[agents]]: shared (one adapter, per-agent advantage normalisation)
@@ -399,6 +402,9 @@ class RunConfig:
                   "warm_start.enabled with distributed.address (--ray) is not supported: the warm start samples "
                   "with the driver's engine, and its Ray workers would not get the warm-started weights; "
                   "run without --ray, or turn the warm start off")])
+        require([(not (self.async_rollouts and self.distributed.address is not None),
+                  "async_rollouts (--async-rollouts) with distributed.address (--ray): --ray already samples "
+                  "asynchronously, bounded by distributed.max_staleness; drop one")])
         require([
             (self.iterations >= 1, "iterations must be >= 1"),
             (self.num_prompts >= 1, "num_prompts must be >= 1"),
@@ -435,6 +441,31 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# Settings a resumed run must share with the run it continues: the same policy, tasks,
+# held-out set and agent. Anything else (iterations, learning rate, ...) may change.
+RESUME_FIXED = ("model", "lora", "task", "rollout", "preset", "reward_weights", "agents")
+
+
+def check_resumable(stored: dict, new: dict) -> None:
+    """Raise ConfigError naming the settings that differ from the stored run's.
+
+    Raises:
+        ConfigError: a key of ``RESUME_FIXED`` or ``gate.val_size`` differs.
+    """
+    def same(a, b) -> bool:  # a table compares on the stored keys: fields added since then keep their defaults
+        if isinstance(a, dict) and isinstance(b, dict):
+            return all(k in b and same(v, b[k]) for k, v in a.items())
+        return a == b
+
+    changed = [k for k in RESUME_FIXED if not same(stored.get(k), new.get(k))]
+    if stored.get("gate", {}).get("val_size") != new.get("gate", {}).get("val_size"):
+        changed.append("gate.val_size")
+    if changed:
+        raise ConfigError(f"--resume cannot change {', '.join(changed)} of the stored run; "
+                          "start a new run (another --run-dir) for that")
+
 
 
 # Sampling backends that keep their tensors on the CPU (the slot engine's cache and batches).

@@ -20,9 +20,10 @@ from itertools import zip_longest
 from pathlib import Path
 
 from selfrl import adapters, collapse, faults
+from selfrl.async_rollouts import LocalSampler, Prefetch, shadow_policy, staleness
 from selfrl.atomic import write_atomic
 from selfrl.collapse import CollapseGuard, CollapseStop
-from selfrl.config import ConfigError, RunConfig
+from selfrl.config import ConfigError, RunConfig, check_resumable
 from selfrl.cycle import UpdateCycle
 from selfrl.detectors import HackingMonitor
 from selfrl.engines import make_engine
@@ -142,7 +143,8 @@ class RunSetup:
     run_id: int
     ledger: Ledger
     cycle: UpdateCycle
-    sampler: SamplerSync | None = None  # a remote sampler kept in step (--sampler); None: the engine shares the model
+    # the sampler kept in step: remote (--sampler) or the local copy (--async-rollouts); None: the engine shares the model
+    sampler: SamplerSync | None = None
 
 
 def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
@@ -169,8 +171,8 @@ def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
     weights = cfg.reward_weights or get_preset(cfg.preset)
     monitor = HackingMonitor(cfg.detectors, weights)
     model, tok = build_policy(cfg)
-    if cfg.sampler.url is None:
-        engine = make_engine(cfg.engine, model, tok)
+    if cfg.sampler.url is None:  # --async-rollouts: the sampler has its own LoRA copy (selfrl.async_rollouts)
+        engine = make_engine(cfg.engine, shadow_policy(model) if cfg.async_rollouts else model, tok)
     else:  # rollouts in another process; the learner keeps its model here (selfrl.sampler_sync)
         from selfrl.sampler_sync import connect
 
@@ -183,7 +185,11 @@ def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
     run_id = store.start_run(cfg.to_dict())
     ledger = Ledger(store, run_id, run_dir)
     guard = CollapseGuard(cfg.collapse)
-    sync = None if cfg.sampler.url is None else sampler_sync(cfg, engine, model, tok, ledger)
+    sync = None
+    if cfg.sampler.url is not None:
+        sync = sampler_sync(cfg, engine, model, tok, ledger)
+    elif cfg.async_rollouts:  # the local sampler copy is kept in step and checked like a remote one
+        sync = sampler_sync(cfg, LocalSampler(engine), model, tok, ledger)
     cycle = UpdateCycle(ledger, learner, guard, monitor, cfg.collapse, cfg.gate.tolerance, cfg.train.scale_rewards,
                         load=engine.swap if sync is None else sync.load, verify=None if sync is None else sync.verify,
                         agent_of=_agent_of() if cfg.agents else None)
@@ -235,6 +241,7 @@ class Runner:
         self.chooser = (SignalChooser(setup.cfg.num_generations, task.min_spread, task.retry_after)
                         if task.choice == "signal" else None)  # signal-aware task choice (selfrl.signal)
         self.checked_signal = False  # the pre-flight signal check runs on this session's first batch
+        self.pending: Prefetch | None = None  # --async-rollouts: the next batch, sampling during the update
 
     @property
     def champion(self) -> Champion:
@@ -303,7 +310,7 @@ class Runner:
         """Rollouts, rewards, advantages, one update, the collapse rules; returns the logged metrics."""
         s, cfg = self.s, self.cfg
         faults.set_iteration(it)
-        trajs, t_roll = self.rollouts(it)
+        trajs, t_roll, sampled, lag = self.batch(it)
         score_batch(trajs, self.tasks_by_id, s.source, s.weights)
         adv, hacking = s.cycle.advantages(it, trajs)
         s.store.add_trajectories(s.run_id, it, trajs)
@@ -316,10 +323,13 @@ class Runner:
             self.chooser.observe(trajs)
         if not self.checked_signal and cfg.task.signal_check != "off":
             self.preflight(it, probe.line(), cause)
-        sampled = s.engine.version
+        parent = s.engine.version  # the learner's (the sampler is kept at it between updates)
+        self.prefetch(it + 1)
         signal = sum(1 for t in trajs if t.advantage)
         self.progress.phase(f"iteration {it}: update (micro-batches)", max(1, -(-signal // cfg.train.micro_batch_size)))
-        step = s.cycle.update(it, trajs, sampled, on_micro_batch=self.progress.advance)
+        step = s.cycle.update(it, trajs, parent, on_micro_batch=self.progress.advance)
+        if self.pending is not None:  # the sampler's weights change only once its batch is back
+            self.pending.wait()
         if step.candidate is not None and s.sampler is not None:  # it samples the next rollouts: pushed, checked
             s.sampler.push(step.candidate.version, "candidate")
         elif step.candidate is not None:
@@ -331,6 +341,7 @@ class Runner:
             metrics["candidate_kl"] = step.candidate_kl
         metrics.update(rollout_metrics(trajs))
         metrics.update(hacking)
+        metrics.update(lag)
         metrics.update({"frac_reward_zero_std": adv.frac_no_signal, "version": float(s.engine.version),
                         "time/rollout_s": t_roll, "sampled_version": float(sampled),
                         "train/entropy": collapse.entropy_estimate(trajs),
@@ -352,21 +363,58 @@ class Runner:
             self.progress.log(rolled_back)
         return metrics
 
-    def rollouts(self, it: int) -> tuple[list[Trajectory], float]:
-        """The iteration's group of ``num_generations`` rollouts per task; returns them and the seconds."""
-        cfg, t0 = self.cfg, time.perf_counter()
+    def choose(self, it: int) -> list[Task]:
+        """The iteration's ``num_prompts`` tasks."""
+        cfg = self.cfg
         if self.chooser is not None:  # signal-aware choice (selfrl.signal)
-            batch = self.chooser.choose(shuffled(self.s.train, cfg.task.train_seed), it, cfg.num_prompts)
-        else:
-            batch = iteration_tasks(self.s.train, it, cfg.num_prompts, cfg.task.train_seed)
+            return self.chooser.choose(shuffled(self.s.train, cfg.task.train_seed), it, cfg.num_prompts)
+        return iteration_tasks(self.s.train, it, cfg.num_prompts, cfg.task.train_seed)
+
+    def rollouts(self, it: int, batch: list[Task] | None = None, quiet: bool = False) -> tuple[list[Trajectory], float]:
+        """The group of ``num_generations`` rollouts of each task of ``batch`` (None: :meth:`choose`);
+        returns them and the seconds. ``quiet``: no progress bar (a batch sampled during the update)."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        batch = self.choose(it) if batch is None else batch
         tasks = [t for t in batch for _ in range(cfg.num_generations)]
         groups = [f"{it}-{j}" for j, t in enumerate(batch) for _ in range(cfg.num_generations)]
-        self.progress.phase(f"iteration {it}: rollouts (turns)", cfg.rollout.max_turns)
-        trajs = rollout(self.s.engine, tasks, groups, self.s.tools, cfg.rollout, on_turn=self.progress.advance,
-                        env_factory=self.s.source.make_env)
+        if not quiet:
+            self.progress.phase(f"iteration {it}: rollouts (turns)", cfg.rollout.max_turns)
+        trajs = rollout(self.s.engine, tasks, groups, self.s.tools, cfg.rollout,
+                        on_turn=None if quiet else self.progress.advance, env_factory=self.s.source.make_env)
         t_roll = time.perf_counter() - t0
         faults.point("after_rollout")
         return trajs, t_roll
+
+    def prefetch(self, it: int) -> None:
+        """With ``async_rollouts``: start sampling iteration ``it``'s batch in a thread, by the
+        version serving now, while the update trains (:mod:`selfrl.async_rollouts`)."""
+        if not self.cfg.async_rollouts or it >= self.cfg.iterations:
+            return
+        batch = self.choose(it)
+        self.pending = Prefetch(it, self.s.engine.version, lambda: self.rollouts(it, batch, quiet=True), batch)
+
+    def batch(self, it: int) -> tuple[list[Trajectory], float, int, dict[str, float]]:
+        """The iteration's rollouts, the seconds they took, the version that sampled them, and
+        (``async_rollouts``) the staleness metrics: the batch sampled during the last update when
+        its staleness is at most 1, else (the champion came back since) the same tasks sampled
+        again now by the version serving, the stale batch dropped whole."""
+        p, self.pending = self.pending, None
+        if p is None or p.iteration != it:
+            trajs, t_roll = self.rollouts(it)
+            return trajs, t_roll, self.s.engine.version, ({"async/dropped_stale": 0.0, "async/mean_staleness": 0.0}
+                                                          if self.cfg.async_rollouts else {})
+        trajs, t_roll = p.result()
+        lag = staleness(p.version, self.s.sampler.served)
+        if lag <= 1:
+            self.progress.log(f"iteration {it}: rollouts sampled by version {p.version} during the last update "
+                              f"({t_roll:.0f} s; staleness {lag})")
+            return trajs, t_roll, p.version, {"async/dropped_stale": 0.0, "async/mean_staleness": float(lag)}
+        self.progress.log(f"iteration {it}: the rollouts sampled by version {p.version} during the last update are "
+                          f"dropped (staleness {lag} > 1: version {self.s.engine.version} serves again); "
+                          "sampling them again")
+        again, t_again = self.rollouts(it, p.tasks)
+        return again, t_roll + t_again, self.s.engine.version, {"async/dropped_stale": float(len(p.tasks)),
+                                                                "async/mean_staleness": 0.0}
 
     def log_iteration(self, it: int, metrics: dict[str, float], result: UpdateResult, t_roll: float,
                       cause: str | None = None) -> None:
@@ -479,6 +527,9 @@ class Runner:
                               "trained weights; fix it and continue with --resume")
         finally:
             log.close()
+            if self.pending is not None:  # never swap the sampler under a batch still sampling
+                self.pending.wait()
+                self.pending = None
         result = self.finish(stopped)
         if failure is not None:
             raise failure
@@ -518,32 +569,6 @@ class Runner:
         s.store.close()
         return RunResult(s.run_dir, _rate(base), _rate(final), 0, champ.version, stopped,
                          {**summary, "report": str(report)})
-
-
-# Settings a resumed run must share with the run it continues: the same policy, tasks,
-# held-out set and agent. Anything else (iterations, learning rate, ...) may change.
-RESUME_FIXED = ("model", "lora", "task", "rollout", "preset", "reward_weights", "agents")
-
-
-def check_resumable(stored: dict, new: dict) -> None:
-    """Raise ConfigError naming the settings that differ from the stored run's.
-
-    Raises:
-        ConfigError: a key of ``RESUME_FIXED`` or ``gate.val_size`` differs.
-    """
-    from selfrl.config import ConfigError
-
-    def same(a, b) -> bool:  # a table compares on the stored keys: fields added since then keep their defaults
-        if isinstance(a, dict) and isinstance(b, dict):
-            return all(k in b and same(v, b[k]) for k, v in a.items())
-        return a == b
-
-    changed = [k for k in RESUME_FIXED if not same(stored.get(k), new.get(k))]
-    if stored.get("gate", {}).get("val_size") != new.get("gate", {}).get("val_size"):
-        changed.append("gate.val_size")
-    if changed:
-        raise ConfigError(f"--resume cannot change {', '.join(changed)} of the stored run; "
-                          "start a new run (another --run-dir) for that")
 
 
 def _rate(evaluation: dict[str, bool]) -> float:

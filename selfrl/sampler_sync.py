@@ -1,4 +1,5 @@
-"""A remote sampler kept in step with the in-process learner (``selfrl run --sampler URL``).
+"""A remote sampler kept in step with the in-process learner (``selfrl run --sampler URL``), or
+the sampler's own copy of the adapter in this process (``selfrl run --async-rollouts``).
 
 The learner trains its own copy of the policy in this process; a sampler in another
 process (``selfrl sampler``, or the EXPERIMENTAL vLLM client) does every rollout and
@@ -65,7 +66,8 @@ class SamplerSync:
     """Pushes the learner's versions into a remote sampler and proves each with the swap check.
 
     Args:
-        engine: the remote engine (``swap``, ``prompt_logprobs``, ``version``).
+        engine: the remote engine (``swap``, ``prompt_logprobs``, ``version``), or the local
+            sampler copy of ``--async-rollouts`` (:class:`selfrl.async_rollouts.LocalSampler`).
         model: the learner's peft model (its LoRA weights are the version being pushed).
         ledger: the run's versions (events, and a failed candidate marked rejected).
         checker: the swap check, or None when ``swap_check.enabled = false`` (swaps are then
@@ -76,6 +78,7 @@ class SamplerSync:
 
     def __init__(self, engine, model, ledger: Ledger, checker: SwapChecker | None, by_folder: bool = False):
         self.engine, self.model, self.ledger, self.checker, self.by_folder = engine, model, ledger, checker, by_folder
+        self.served: list[int] = []  # versions pushed (and passed), oldest first: the learner's weights in turn
 
     def push(self, version: int, stage: str) -> SwapCheckResult | None:
         """Swap the learner's current weights into the sampler as ``version``, then check them.
@@ -93,10 +96,17 @@ class SamplerSync:
             adapter = adapters.lora_state(self.model)
         if self.checker is None:
             self.engine.swap(adapter, version)
+            self._served(version)
             return None
         failed = swap_within(self.engine, adapter, version, self.checker.deadline_s, self.checker.tolerance)
         res = failed or self.checker.check(self.engine, self.model, version)
-        return self._record(res, stage)
+        res = self._record(res, stage)
+        self._served(version)
+        return res
+
+    def _served(self, version: int) -> None:
+        if not self.served or self.served[-1] != version:  # a change of weights, as staleness counts them
+            self.served.append(version)
 
     def verify(self, version: int) -> SwapCheckResult | None:
         """The promote step's check: the sampler still serves ``version`` = the learner's weights.

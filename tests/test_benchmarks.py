@@ -124,6 +124,21 @@ def test_trl_tiny(tmp_path):
     assert 0.0 <= r["rows"]["held-out success, equal rollouts"]["trl"] <= 1.0
 
 
+def test_overlap_tiny(tmp_path):
+    import bench_overlap
+
+    r = bench_overlap.main(TINY + ["--out", str(tmp_path)])
+    assert set(r["engines"]) == {"reference", "slots"}
+    for e in r["engines"].values():
+        sec = e["seconds"]
+        assert sec["serial"].median == pytest.approx(sec["rollouts"].median + sec["update"].median)
+        assert e["serial_over_overlapped"].median == pytest.approx(sec["serial"].median / sec["overlapped"].median)
+        # the overlapped pair ends with the later of its two halves
+        assert sec["overlapped"].median >= max(sec["rollouts_overlapped"].median, sec["update_overlapped"].median)
+        assert e["sampled_tokens"][0] >= 4
+    assert (tmp_path / "overlap.json").exists()
+
+
 def test_engines_tiny(tmp_path):
     import bench_engines
 

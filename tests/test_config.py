@@ -39,7 +39,7 @@ def test_unknown_keys_list_the_valid_ones(tmp_path):
         load_config(overrides={"train.lr": 1e-4})
     path = tmp_path / "run.toml"
     path.write_text("[trian]\nbeta = 0.1\n")
-    with pytest.raises(ConfigError, match=r"unknown key 'trian'; valid: agent_adapters, agents, collapse, detectors, distributed, engine, gate, iterations, lora, model"):
+    with pytest.raises(ConfigError, match=r"unknown key 'trian'; valid: agent_adapters, agents, async_rollouts, collapse, detectors, distributed, engine, gate, iterations, lora, model"):
         load_config(path)
 
 

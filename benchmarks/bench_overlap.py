@@ -1,0 +1,106 @@
+"""Rollouts overlapped with the update (``selfrl run --async-rollouts``) against one after the other.
+
+    nice -n -10 .venv/bin/python benchmarks/bench_overlap.py --repeats 2   # real model, ~8 min per engine
+    .venv/bin/python benchmarks/bench_overlap.py --tiny                      # seconds
+
+One ``selfrl run`` iteration's work, on the demo's config (``configs/demo.toml``): the 64
+rollouts of its first batch (8 chain_sum tasks x 8, up to 3 turns with the calculator) and one
+GRPO update on 64 rollouts (every one given a non-zero advantage, so the whole batch trains).
+Each repeat times, side by side in one process:
+
+* **serial**: the rollouts, then the update (what ``selfrl run`` does by default);
+* **overlapped**: the rollouts sampled in a thread by a :func:`selfrl.async_rollouts.shadow_policy`
+  copy while the update trains the policy (what ``--async-rollouts`` does in every iteration
+  but the last).
+
+The ratio serial / overlapped is what overlap gains per iteration on this machine; the
+update's own seconds inside the overlapped pair say what sharing the cores costs it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ceiling import CONFIG  # noqa: E402
+from common import Stats, base_parser, bench_config, envelope, finish, first_batch, print_table  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--engines", default="reference,slots", help="comma-separated sampling backends")
+    args = p.parse_args(argv)
+    import torch
+
+    from selfrl.async_rollouts import shadow_policy
+    from selfrl.engines import make_engine
+    from selfrl.learner import Learner
+    from selfrl.loop import build_policy
+    from selfrl.rollout import rollout
+
+    result = envelope(args, "python benchmarks/bench_overlap.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    cfg = bench_config(args, CONFIG, "bench-overlap-")
+    model, tok = build_policy(cfg)
+    tasks, tools = first_batch(cfg)
+    groups = [f"g{i // cfg.num_generations}" for i in range(len(tasks))]
+    learner = Learner(model, cfg.train, cfg.rollout.temperature, tok.pad_token_id, cfg.max_completion_length)
+    rows, per_engine = [], {}
+    for name in args.engines.split(","):
+        engine = make_engine(name, shadow_policy(model), tok)
+
+        def sample(seed: int):
+            torch.manual_seed(seed)
+            t = time.perf_counter()
+            trajs = rollout(engine, tasks, groups, tools, cfg.rollout)
+            return trajs, time.perf_counter() - t
+
+        batch, _ = sample(0)  # the batch every update trains on, and a warm-up
+        for i, t in enumerate(batch):
+            t.reward, t.advantage = float(i % 2), 1.0 if i % 2 else -1.0
+
+        def update() -> float:
+            t = time.perf_counter()
+            learner.step(batch)
+            return time.perf_counter() - t
+
+        times: dict[str, list[float]] = {k: [] for k in ("rollouts", "update", "serial", "overlapped",
+                                                         "rollouts_overlapped", "update_overlapped")}
+        tokens = []
+        for rep in range(args.repeats):
+            trajs, t_roll = sample(1 + rep)
+            t_upd = update()
+            box = {}
+            t0 = time.perf_counter()
+            th = threading.Thread(target=lambda: box.update(zip(("trajs", "s"), sample(1 + rep))))
+            th.start()
+            t_upd2 = update()
+            th.join()
+            both = time.perf_counter() - t0
+            times["rollouts"].append(t_roll)
+            times["update"].append(t_upd)
+            times["serial"].append(t_roll + t_upd)
+            times["overlapped"].append(both)
+            times["rollouts_overlapped"].append(box["s"])
+            times["update_overlapped"].append(t_upd2)
+            tokens.append(sum(t.num_completion_tokens for t in trajs))
+        if hasattr(engine, "close"):
+            engine.close()
+        stats = {k: Stats.of(v) for k, v in times.items()}
+        ratios = Stats.of([s / o for s, o in zip(times["serial"], times["overlapped"])])
+        per_engine[name] = {"seconds": stats, "serial_over_overlapped": ratios, "sampled_tokens": tokens}
+        rows.append([name, stats["rollouts"].fmt(".1f"), stats["update"].fmt(".1f"), stats["serial"].fmt(".1f"),
+                     stats["overlapped"].fmt(".1f"), stats["rollouts_overlapped"].fmt(".1f"),
+                     stats["update_overlapped"].fmt(".1f"), ratios.fmt(".2f")])
+    result.update({"model": cfg.model.name, "batch": len(tasks), "engines": per_engine})
+    print_table(f"one iteration ({len(tasks)} rollouts + one update), seconds: median [min, max] of {args.repeats}",
+                ["engine", "rollouts", "update", "serial", "overlapped", "rollouts (in overlap)",
+                 "update (in overlap)", "serial / overlapped"], rows)
+    print(f"wrote {finish(result, 'overlap', args.out)}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
