@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -107,13 +108,41 @@ def _compact(schema: dict[str, Any]) -> dict[str, Any]:
     return {**schema, "x-guidance": {**_COMPACT, **schema.get("x-guidance", {})}}
 
 
+def rebase_refs(schema: Any, base: str) -> Any:
+    """``schema`` with every local ``$ref`` (``#``, ``#/$defs/X``) pointing below ``base``,
+    a JSON pointer to where ``schema`` sits inside a larger document.
+
+    A tool's ``parameters`` are a schema document of their own: its ``#`` is its own root.
+    Embedded in the call grammar's schema (``{"name": ..., "arguments": <parameters>}``) a
+    ``$ref`` would otherwise resolve against the call's root: ``{"$ref": "#"}`` would mean
+    "another whole call", and ``#/$defs/X`` a definition the call schema does not have.
+
+    >>> rebase_refs({"items": {"$ref": "#/$defs/n"}, "$defs": {"n": {"$ref": "#"}}}, "#/$defs/t0")
+    {'items': {'$ref': '#/$defs/t0/$defs/n'}, '$defs': {'n': {'$ref': '#/$defs/t0'}}}
+    """
+    if isinstance(schema, list):
+        return [rebase_refs(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: rebase_refs(v, base) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = base + ref[1:]
+    return out
+
+
 def _call_schema(tools: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One call of one of ``tools``; each tool's parameters sit in ``$defs`` under
+    ``selfrl_tool_<i>``, their own ``$ref`` rebased there (:func:`rebase_refs`)."""
+    defs = {f"selfrl_tool_{i}": rebase_refs(params or {"type": "object"}, f"#/$defs/selfrl_tool_{i}")
+            for i, (_, params) in enumerate(tools)}
     alternatives = [{
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": params or {"type": "object"}},
+        "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/selfrl_tool_{i}"}},
         "required": ["name", "arguments"], "additionalProperties": False,
-    } for name, params in tools]
-    return _compact(alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives})
+    } for i, (name, _) in enumerate(tools)]
+    root = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+    return _compact({**root, "$defs": defs})
 
 
 def _lark(rules: list[str]) -> str:
@@ -188,15 +217,92 @@ def grammar_tokenizer(tokenizer, vocab_size: int, eos_token_ids: list[int]):
         return _TOKENIZERS[key][1]
 
 
+_CHECKED: OrderedDict[tuple, str | None] = OrderedDict()  # check_constraint's verdicts (error or None), LRU
+_CHECKED_SIZE = 512
+_CHECKED_MAX_CHARS = 65536  # longer grammars are checked every time, never held
+_CHECKED_LOCK = threading.Lock()
+PREFLIGHT_STEPS = 8  # choices a preflight walk makes on a fresh matcher (check_constraint)
+PREFLIGHT_FORCED = 4096  # the most forced tokens in a row it accepts (a schema's consts and keys)
+
+
 def check_constraint(constraint: Constraint, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
-    """Compile ``constraint`` once; raise :class:`ConstraintError` with llguidance's message
-    when it does not compile (an unsupported JSON-schema keyword, say)."""
+    """Compile ``constraint`` and take its first steps, so that a grammar that cannot be
+    decoded is refused before any generation starts.
+
+    Two kinds of failure: it does not compile (an unsupported JSON-schema keyword, an
+    invalid ``pattern``, a ``$ref`` to nothing, ``minItems`` over ``maxItems``), or it
+    compiles but fails as soon as decoding starts. The second is a schema with no finite
+    value: ``{"$ref": "#"}`` as a tool's arguments, or a ``$ref`` cycle through required
+    properties, forces an endless prefix, and llguidance stops at its item limit ("Too many
+    items") on the first sampled token. So a fresh matcher is walked as decoding would:
+    :data:`PREFLIGHT_STEPS` choices (the lowest allowed non-EOS id each), each followed by
+    the tokens it then forces (at most :data:`PREFLIGHT_FORCED` in a row).
+
+    A verdict is remembered for the last :data:`_CHECKED_SIZE` grammars of up to
+    :data:`_CHECKED_MAX_CHARS` characters (a client sends the same tools with every request).
+
+    Raises:
+        ConstraintError: either failure, with llguidance's reason (its first line).
+    """
+    key = (constraint.grammar, id(tokenizer), vocab_size, tuple(eos_token_ids))
+    with _CHECKED_LOCK:
+        known = _CHECKED.get(key, ...)
+        if known is not ...:
+            _CHECKED.move_to_end(key)
+    if known is ...:
+        try:
+            _check_constraint(constraint, tokenizer, vocab_size, eos_token_ids)
+            known = None
+        except ConstraintError as e:
+            known = str(e)
+        if len(constraint.grammar) <= _CHECKED_MAX_CHARS:
+            with _CHECKED_LOCK:
+                _CHECKED[key] = known
+                while len(_CHECKED) > _CHECKED_SIZE:
+                    _CHECKED.popitem(last=False)
+    if known is not None:
+        raise ConstraintError(known)
+
+
+def _check_constraint(constraint: Constraint, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+    """:func:`check_constraint` without its memory."""
     import llguidance
 
-    bad, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        constraint.grammar, grammar_tokenizer(tokenizer, vocab_size, eos_token_ids))
-    if bad:
-        raise ConstraintError(f"the {constraint.kind} grammar cannot be compiled: {'; '.join(messages)}")
+    llt = grammar_tokenizer(tokenizer, vocab_size, eos_token_ids)
+    bad, messages = llguidance.LLMatcher.validate_grammar_with_warnings(constraint.grammar, llt)
+    if bad:  # llguidance's message quotes the whole grammar after its first line: a huge enum's, say
+        reasons = "; ".join(m.strip().splitlines()[0].split(": ", 1)[-1] for m in messages if m.strip())
+        raise ConstraintError(f"the {constraint.kind} grammar cannot be compiled: {reasons}")
+    matcher = llguidance.LLMatcher(llt, constraint.grammar, log_level=0)
+    eos = set(eos_token_ids)
+    for _ in range(PREFLIGHT_STEPS):
+        if matcher.is_error():
+            break
+        allowed = unpack_mask(matcher.compute_bitmask(), vocab_size).nonzero().flatten().tolist()
+        if matcher.is_error():
+            break
+        ids = [t for t in allowed if t not in eos]
+        if not ids:
+            if allowed:
+                return  # complete: only an end of turn is left
+            raise ConstraintError(f"the {constraint.kind} grammar allows no token at all")
+        matcher.consume_token(ids[0])
+        forced = [] if matcher.is_error() else matcher.compute_ff_tokens()  # the text no choice is left in
+        if len(forced) > PREFLIGHT_FORCED:
+            raise ConstraintError(f"the {constraint.kind} grammar forces more than {PREFLIGHT_FORCED} tokens in a "
+                                  "row: the schema has no finite value (it requires itself: a \"$ref\" cycle "
+                                  "through required properties, or {\"$ref\": \"#\"})")
+        if forced:
+            matcher.consume_tokens(forced)
+    if matcher.is_error():
+        reason = matcher.get_error().strip().splitlines()[0]
+        hint = ""
+        if "Too many items" in reason:
+            hint = ("; the schema has no finite value (it requires itself: a \"$ref\" cycle through required "
+                    "properties, or {\"$ref\": \"#\"})")
+        elif "NoExtension" in reason:
+            hint = "; the schema admits no JSON value (a \"$ref\" that only refers to itself)"
+        raise ConstraintError(f"the {constraint.kind} grammar fails when decoding starts: {reason}{hint}")
 
 
 def unpack_mask(bitmask: bytes | np.ndarray, vocab_size: int) -> torch.Tensor:
@@ -257,6 +363,8 @@ class GrammarMasks:
                 if not m.consume_token(last):
                     raise ConstraintError(f"row {i}: sampled id {last} broke the grammar: {m.get_error()}")
             packed = m.compute_bitmask()
+            if m.is_error():  # never sample from an error's mask: it may allow only an end of turn
+                raise ConstraintError(f"row {i}: the grammar failed at step {step}: {m.get_error()}")
             self.masks[i].append(packed)
             allowed = unpack_mask(packed, scores.shape[-1])  # (V,)
             scores[i] = scores[i].masked_fill(~allowed.to(scores.device), float("-inf"))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from selfrl.collapse import degenerate_share
 from selfrl.config import CollapseConfig, GateConfig, RolloutConfig
@@ -33,12 +33,16 @@ class EvalResult:
         seconds: wall time of the evaluation.
         degenerate: share (0..1) of the held-out rollouts that were degenerate
             (``selfrl.collapse.degenerate_reasons``).
+        errors: task id -> why its rollout or its verdict failed (an environment hook or the
+            verifier raised); such a task counts as not solved: a candidate is never
+            promoted on a failure.
     """
 
     version: int
     results: list[tuple[str, bool, str | None]]
     seconds: float
     degenerate: float = math.nan
+    errors: dict[str, str] = field(default_factory=dict)
 
     @property
     def success(self) -> float:
@@ -52,20 +56,28 @@ def validate(
 ) -> EvalResult:
     """Greedy pass@1 of the engine's current version on ``tasks``; ``on_batch(n)`` is
     called after each batch of n tasks (progress display); ``collapse`` sets what
-    counts as degenerate (default :class:`CollapseConfig`)."""
+    counts as degenerate (default :class:`CollapseConfig`). A task whose environment or
+    verifier raises is not solved, and its error is kept in ``EvalResult.errors``."""
     t0 = time.perf_counter()
-    results, degenerate = [], 0.0
+    results, degenerate, errors = [], 0.0, {}
     for s in range(0, len(tasks), batch_size):
         chunk = tasks[s:s + batch_size]
         trajs = rollout(engine, chunk, [f"val-{t.id}" for t in chunk], tools, cfg, greedy=True,
                         env_factory=source.make_env)
         for task, tr in zip(chunk, trajs):
-            answer = source.trajectory_answer(tr)
-            results.append((task.id, bool(source.correct(task, answer)), answer))
+            answer, correct = None, False
+            try:
+                answer = source.trajectory_answer(tr)
+                correct = tr.error is None and bool(source.correct(task, answer))
+            except Exception as e:  # this task fails; the validation goes on
+                tr.error = tr.error or f"verifier failed: {type(e).__name__}: {e}"
+            if tr.error is not None:
+                errors[task.id] = tr.error
+            results.append((task.id, correct, answer))
         degenerate += degenerate_share(trajs, collapse or CollapseConfig()) * len(chunk)
         if on_batch is not None:
             on_batch(len(chunk))
-    return EvalResult(engine.version, results, time.perf_counter() - t0, degenerate / max(len(results), 1))
+    return EvalResult(engine.version, results, time.perf_counter() - t0, degenerate / max(len(results), 1), errors)
 
 
 def passes_gate(candidate: float, best: float, tolerance: float) -> bool:

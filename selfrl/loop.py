@@ -32,7 +32,7 @@ from selfrl.metrics import MetricsLog, rollout_metrics
 from selfrl.model import build_policy
 from selfrl.progress import PlainProgress, Progress
 from selfrl.rewards import get_preset, score_batch
-from selfrl.rollout import rollout
+from selfrl.rollout import env_offers_tools, rollout
 from selfrl.sampler_sync import SamplerSync
 from selfrl.signal import SignalChooser, diagnose, probe_report
 from selfrl.store import Store
@@ -256,6 +256,10 @@ class Runner:
         res = validate(s.engine, s.val, s.source, s.tools, self.cfg.rollout, self.cfg.gate.batch_size,
                        on_batch=self.progress.advance, collapse=self.cfg.collapse)
         faults.point("during_validation")
+        if res.errors:  # counted as not solved; said, never hidden
+            first = next(iter(res.errors.items()))
+            self.progress.log(f"validation of version {res.version}: {len(res.errors)} task(s) failed in their "
+                              f"environment or verifier (counted as not solved), e.g. {first[0]}: {first[1]}")
         s.ledger.record_validation(res.version, res.success, res.degenerate, res.results)
         s.store.log_metrics(s.run_id, self.step, {"time/validation_s": res.seconds})
         probes = s.cycle.probe(res.version, s.engine, s.source, s.tools, self.cfg.rollout)  # selfrl.detectors
@@ -313,7 +317,7 @@ class Runner:
         faults.point("after_store")
         probe = probe_report(trajs)
         cause = diagnose(probe, cfg.rollout.temperature, cfg.num_generations, bool(s.tools) or
-                         bool(getattr(s.source.make_env(self.tasks_by_id[trajs[0].task_id]), "tools", None)),
+                         env_offers_tools(s.source.make_env, self.tasks_by_id[trajs[0].task_id]),
                          cfg.rollout.demonstration, cfg.rollout.tools_prompt, cfg.rollout.constrain)
         if self.chooser is not None:
             self.chooser.observe(trajs)

@@ -15,6 +15,13 @@ final ``state()`` is recorded as ``Trajectory.env_state`` (then its optional
 ``close()`` is called: ``close_env``). Without an
 ``env_factory`` nothing changes. ``scripted_rollout`` runs the same tool
 handling with a scripted policy instead of a model (tests, demonstrations).
+
+A failing environment fails only its own trajectory: when ``env_factory(task)`` (the
+reset), ``is_completed()``, ``turn_tools()``, ``state()`` or ``close()`` raises, the
+exception is recorded as that trajectory's ``error`` (it is left out of the update, as a
+failed reward is: ``selfrl.rewards.score_group``), the trajectory ends there, and the other
+rows of the batch go on. A tool that raises is an error message to the model
+(``selfrl.toolcall.execute_call``). Every environment made is closed exactly once.
 """
 
 from __future__ import annotations
@@ -99,12 +106,14 @@ def rollout(
         environment, its final ``env_state``.
 
     Raises:
-        Whatever the engine (a failed generation), an environment hook or ``on_turn`` raised;
-        the rollout's environments are closed first, and on the pipelined path its rows still
-        decoding are cancelled (nothing runs on for a rollout that failed).
+        Whatever the engine (a failed generation) or ``on_turn`` raised; the rollout's
+        environments are closed first, and on the pipelined path its rows still decoding are
+        cancelled (nothing runs on for a rollout that failed). An environment that raises
+        fails only its own trajectory (see the module docstring).
     """
     tok = engine.tokenizer
-    envs = [env_factory(task) if env_factory else None for task in tasks]
+    made = [make_env(env_factory, task) for task in tasks]
+    envs = [env for env, _ in made]
     tool_maps = []
     # the template's end of turn is the tokenizer's EOS; the engine's ids are sorted, and the
     # lowest may be one the template never writes (Qwen2.5, Llama-3 list several).
@@ -115,21 +124,29 @@ def rollout(
     if cfg.constrain != "none" and not getattr(engine, "supports_constraints", False):
         raise ValueError(f"rollout.constrain = {cfg.constrain!r} needs an engine with grammar constraints; "
                          f"{type(engine).__name__} has none (use the reference engine)")
-    for task, gid, env in zip(tasks, group_ids, envs):
-        t_tools = tools + env.tools if env is not None else tools
+    for i, (task, gid) in enumerate(zip(tasks, group_ids)):
+        error = made[i][1]
+        try:  # the environment's tools, worked example and first grammar: its own failure, if any
+            env_tools = envs[i].tools if envs[i] is not None else []
+            demonstration = envs[i].demonstration if envs[i] is not None else None
+            offered = offered_tools(tools, envs[i])
+        except Exception as e:
+            error = env_failure("setup (tools, demonstration, turn_tools())", e)
+            env_tools, demonstration, offered = [], None, tools
+        t_tools = tools + env_tools
         tool_maps.append({t.name: t for t in t_tools})
-        if cfg.constrain != "none" and not t_tools:
+        if cfg.constrain != "none" and not t_tools and error is None:
             raise ValueError(f"rollout.constrain = {cfg.constrain!r} needs tools to call, and task {task.id} "
                              "has none (set rollout.tools, or constrain = \"none\")")
-        constraints.append(turn_constraint(cfg, offered_tools(tools, env)))
+        constraints.append(turn_constraint(cfg, offered))
         native_tools = [t.openai_schema() for t in t_tools] if t_tools and template_supports_tools(tok) else None
-        msgs = initial_messages(task, t_tools, cfg, tok, env.demonstration if env is not None else None)
+        msgs = initial_messages(task, t_tools, cfg, tok, demonstration)
         ids = prompt_ids(tok, msgs, tools=native_tools)
         trajs.append(
             Trajectory(
                 task_id=task.id, group_id=gid, adapter_version=engine.version, prompt_len=len(ids),
                 token_ids=list(ids), completion_mask=[0] * len(ids), logprobs=[0.0] * len(ids),
-                messages=msgs, timings={"generate": 0.0, "tools": 0.0},
+                messages=msgs, timings={"generate": 0.0, "tools": 0.0}, error=error,
             )
         )
     turn_ctx = _TurnContext(tok, cfg, eos_id, eos_text, constraints, tools)
@@ -148,10 +165,57 @@ def rollout(
                     e.add_note(f"closing an environment after that failed too: {type(c).__name__}: {c}")
         raise
     for tr, env in zip(trajs, envs):
-        if env is not None:
-            tr.env_state = env.state()
-            close_env(env)
+        finish_env(tr, env)
     return trajs
+
+
+def env_failure(hook: str, e: BaseException) -> str:
+    """The ``Trajectory.error`` of an environment hook that raised ``e``."""
+    return f"environment {hook} failed: {type(e).__name__}: {e}"
+
+
+def make_env(env_factory: EnvFactory | None, task: Task) -> tuple[Environment | None, str | None]:
+    """``(env_factory(task), None)``, or ``(None, error)`` when it raised (the reset failed:
+    the trajectory is recorded with that error and never sampled)."""
+    if env_factory is None:
+        return None, None
+    try:
+        return env_factory(task), None
+    except Exception as e:
+        return None, env_failure("reset (make_env)", e)
+
+
+def finish_env(tr: Trajectory, env: Environment | None) -> None:
+    """Record ``env``'s final ``state()`` on ``tr`` (unless ``tr`` already failed) and close it,
+    once; a hook that raises becomes ``tr.error`` (the first failure is kept)."""
+    if env is None:
+        return
+    if tr.error is None:
+        try:
+            tr.env_state = env.state()
+        except Exception as e:
+            tr.error = env_failure("state()", e)
+    try:
+        close_env(env)
+    except Exception as e:
+        tr.error = tr.error or env_failure("close()", e)
+
+
+def env_offers_tools(env_factory: EnvFactory, task: Task) -> bool:
+    """Whether the environment made for ``task`` has tools of its own (the loop's diagnosis of
+    a run without signal); the environment is closed again, and one that fails says False."""
+    env, _ = make_env(env_factory, task)
+    if env is None:
+        return False
+    try:
+        return bool(getattr(env, "tools", None))
+    except Exception:
+        return False
+    finally:
+        try:
+            close_env(env)
+        except Exception:  # noqa: S110 (a diagnosis only; the rollouts record their own close() failures)
+            pass
 
 
 def close_env(env: Environment) -> None:
@@ -202,7 +266,12 @@ def _after_turn(tr: Trajectory, g: Generation, turn: int, tool_map: dict[str, To
         return False
     t1 = time.perf_counter()
     contents = run_tool_calls(tr, calls, tool_map, wrap=not template_wraps_tool_responses(tok))
-    if env is not None and env.is_completed():
+    try:
+        completed = env is not None and env.is_completed()
+    except Exception as e:  # this trajectory ends, failed; the batch goes on
+        tr.error = env_failure(f"is_completed() after turn {turn + 1}", e)
+        completed = True
+    if completed:
         tr.final_answer = rest
         tr.timings["tools"] += time.perf_counter() - t1
         return False
@@ -225,7 +294,7 @@ def _batched_turns(engine: SamplingEngine, trajs: list[Trajectory], tool_maps, e
                    greedy: bool, stop: list[str] | None, on_turn: Callable[[], None] | None) -> None:
     """Turn by turn: one ``generate`` call per turn over every unfinished trajectory."""
     cfg = ctx.cfg
-    active = list(range(len(trajs)))
+    active = [i for i, tr in enumerate(trajs) if tr.error is None]  # a failed reset is never sampled
     for turn in range(cfg.max_turns):
         if not active:
             break
@@ -239,8 +308,8 @@ def _batched_turns(engine: SamplingEngine, trajs: list[Trajectory], tool_maps, e
         still = []
         for i, g in zip(active, gens):
             trajs[i].timings["generate"] += dt
-            if _after_turn(trajs[i], g, turn, tool_maps[i], envs[i], ctx, ctx.constraints[i]):
-                _next_constraint(ctx, i, envs[i])
+            if _after_turn(trajs[i], g, turn, tool_maps[i], envs[i], ctx, ctx.constraints[i]) and \
+                    _next_constraint(ctx, i, envs[i], trajs[i]):
                 still.append(i)
         active = still
         if on_turn is not None:
@@ -283,7 +352,8 @@ def _pipelined_turns(engine, trajs: list[Trajectory], tool_maps, envs, ctx: _Tur
 
     try:
         for i in range(len(trajs)):
-            submit(i, 0)
+            if trajs[i].error is None:  # a failed reset is never sampled
+                submit(i, 0)
         reported = 0
         while pending:
             t0 = time.perf_counter()
@@ -294,8 +364,8 @@ def _pipelined_turns(engine, trajs: list[Trajectory], tool_maps, envs, ctx: _Tur
             for f in done:
                 i, turn = pending.pop(f)
                 at_turn[turn] -= 1
-                if _after_turn(trajs[i], f.result(), turn, tool_maps[i], envs[i], ctx, ctx.constraints[i]):
-                    _next_constraint(ctx, i, envs[i])
+                if _after_turn(trajs[i], f.result(), turn, tool_maps[i], envs[i], ctx, ctx.constraints[i]) and \
+                        _next_constraint(ctx, i, envs[i], trajs[i]):
                     submit(i, turn + 1)
             while reported <= started and not any(at_turn[:reported + 1]):
                 reported += 1
@@ -320,10 +390,16 @@ def offered_tools(tools: list[Tool], env: Environment | None) -> list[Tool]:
     return tools + (env.tools if narrowed is None else narrowed)
 
 
-def _next_constraint(ctx: _TurnContext, i: int, env: Environment | None) -> None:
-    """Before trajectory ``i``'s next turn: its grammar again, when the environment narrows its tools per turn."""
+def _next_constraint(ctx: _TurnContext, i: int, env: Environment | None, tr: Trajectory) -> bool:
+    """Before trajectory ``i``'s next turn: its grammar again, when the environment narrows its
+    tools per turn. False when ``turn_tools()`` raised (recorded as ``tr.error``: it ends)."""
     if ctx.constraints[i] is not None and callable(getattr(env, "turn_tools", None)):
-        ctx.constraints[i] = turn_constraint(ctx.cfg, offered_tools(ctx.tools, env))
+        try:
+            ctx.constraints[i] = turn_constraint(ctx.cfg, offered_tools(ctx.tools, env))
+        except Exception as e:
+            tr.error = env_failure("turn_tools()", e)
+            return False
+    return True
 
 
 def turn_constraint(cfg: RolloutConfig, tools: list[Tool]):
@@ -363,13 +439,18 @@ def scripted_rollout(
     """
     out = []
     for j, task in enumerate(tasks):
-        env = env_factory(task) if env_factory else None
-        t_tools = tools + env.tools if env is not None else tools
+        env, error = make_env(env_factory, task)
+        try:
+            env_tools = env.tools if env is not None else []
+            demonstration = env.demonstration if env is not None else None
+        except Exception as e:
+            error, env_tools, demonstration = env_failure("setup (tools, demonstration)", e), [], None
+        t_tools = tools + env_tools
         tool_map = {t.name: t for t in t_tools}
-        msgs = initial_messages(task, t_tools, cfg, None, env.demonstration if env is not None else None)
+        msgs = initial_messages(task, t_tools, cfg, None, demonstration)
         tr = Trajectory(task_id=task.id, group_id=group_ids[j] if group_ids else task.id, adapter_version=0,
-                        messages=msgs, timings={"generate": 0.0, "tools": 0.0})
-        for turn in range(cfg.max_turns):
+                        messages=msgs, timings={"generate": 0.0, "tools": 0.0}, error=error)
+        for turn in range(cfg.max_turns if error is None else 0):
             text = policy(task, tr.messages)
             tr.messages.append({"role": "assistant", "content": text})
             tr.num_turns += 1
@@ -378,10 +459,12 @@ def scripted_rollout(
             if not calls or turn == cfg.max_turns - 1:
                 break
             run_tool_calls(tr, calls, tool_map)
-            if env is not None and env.is_completed():
+            try:
+                if env is not None and env.is_completed():
+                    break
+            except Exception as e:
+                tr.error = env_failure(f"is_completed() after turn {turn + 1}", e)
                 break
-        if env is not None:
-            tr.env_state = env.state()
-            close_env(env)
+        finish_env(tr, env)
         out.append(tr)
     return out

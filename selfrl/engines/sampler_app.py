@@ -6,8 +6,9 @@ It is the CPU inference server of issue 15: it runs wherever selfrl runs, return
 exact token ids and logprobs (the engine's own), and loads adapters by version.
 
 Endpoints (JSON unless said otherwise; a refused request is a 400 whose ``detail``
-says why; with an API key every endpoint but ``/sampler/health`` needs
-``Authorization: Bearer <key>``):
+says why and names the field, NaN and infinities included; an unexpected failure a 500
+in OpenAI's error shape, its traceback in the server log; with an API key every
+endpoint but ``/sampler/health`` needs ``Authorization: Bearer <key>``):
 
 =====================================  ==============================================
 ``GET  /sampler/health``               ``{ok, version, backend, detail}``
@@ -25,11 +26,17 @@ says why; with an API key every endpoint but ``/sampler/health`` needs
 """
 
 import hmac
+import logging
 
 from fastapi import Depends, FastAPI, HTTPException, Request
-from pydantic import BaseModel, Field
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field, field_validator
 
 from selfrl.engines.base import SamplingEngine, check_token_ids
+from selfrl.http_errors import add_server_error_handler, finite_fields, validation_message
+
+log = logging.getLogger("selfrl.sampler")
 
 
 class GenerateRequest(BaseModel):
@@ -40,6 +47,15 @@ class GenerateRequest(BaseModel):
     top_p: float = 1.0
     stop: list[str] | None = None
 
+    _finite = finite_fields("max_new_tokens", "temperature", "top_p")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if v and any(not s for s in v):
+            raise ValueError("stop strings must be non-empty (an empty one would stop every row at once)")
+        return v
+
 
 class LoadRequest(BaseModel):
     path: str
@@ -48,6 +64,8 @@ class LoadRequest(BaseModel):
 class LogprobsRequest(BaseModel):
     token_ids: list[int] = Field(min_length=2)
     temperature: float = Field(default=1.0, gt=0)
+
+    _finite = finite_fields("temperature")
 
 
 def create_sampler_app(engine: SamplingEngine, api_key: str | None = None, model_name: str = ""):
@@ -60,6 +78,12 @@ def create_sampler_app(engine: SamplingEngine, api_key: str | None = None, model
             raise HTTPException(401, "missing or wrong API key")
 
     app = FastAPI(title="selfrl sampler")
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_: Request, e: RequestValidationError):
+        return JSONResponse({"detail": validation_message(e.errors())[0]}, status_code=400)
+
+    add_server_error_handler(app, log)
 
     @app.get("/sampler/health")
     def health() -> dict:

@@ -19,12 +19,16 @@ routes need ``Authorization: Bearer <key>``; the key comes from ``SELFRL_API_KEY
 a file (``--api-key-file``), is compared in constant time (``hmac.compare_digest``),
 and without a configured key those routes answer 403. Completions are open unless
 ``protect_completions`` is set (they only ever add trajectories; rewards come from
-feedback). Errors have OpenAI's shape ``{"error": {message, type, param, code}}``.
+feedback). Errors have OpenAI's shape ``{"error": {message, type, param, code}}``: a
+bad request is a 400 naming its field (``param``, as ``messages[2].content[0].text``), an
+exception nothing else handles a 500 ``server_error`` with its class and text (the
+traceback goes to the server log only).
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 from pathlib import Path
 
@@ -35,12 +39,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from selfrl.serve.feedback import client_identity
 from selfrl.serve.limits import BodyLimit
-from selfrl.serve.protocol import ChatCompletionRequest, FeedbackRequest, VersionRequest, error_body
+from selfrl.http_errors import add_server_error_handler, error_body, validation_message
+from selfrl.serve.protocol import ChatCompletionRequest, FeedbackRequest, VersionRequest
 from selfrl.serve.responses import ResponseLog, ResponsesRequest, create_response, sse, stream_events
 from selfrl.serve.service import ApiError, Service, start_learning
 from selfrl.serve.streaming import stream_chunks
 
 VERSION_HEADER = "X-Selfrl-Adapter-Version"
+log = logging.getLogger("selfrl.serve")
 
 
 def load_api_key(key_file: str | None = None) -> str | None:
@@ -109,19 +115,16 @@ def create_app(service: Service, api_key: str | None, protect_completions: bool 
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException):
+        if isinstance(e.__cause__, RecursionError):  # FastAPI's "There was an error parsing the body"
+            return _error(400, "the body nests objects and arrays too deeply to parse", code="body_too_deep")
         return _error(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_: Request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        msg = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            msg, where = f"the body is not valid JSON: {first.get('ctx', {}).get('error', msg)}", None
-        elif first.get("type") == "extra_forbidden":
-            msg = f"unrecognized request argument supplied: {where}"
-        return _error(400, f"{msg}" + (f" (at {where})" if where and first.get("type") != "extra_forbidden" else ""),
-                      param=where)
+        message, where = validation_message(e.errors())
+        return _error(400, message, param=where)
+
+    add_server_error_handler(app, log)
 
     @app.post("/v1/chat/completions", dependencies=open_or_key)
     async def chat_completions(req: ChatCompletionRequest, request: Request):

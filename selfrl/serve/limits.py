@@ -12,6 +12,9 @@
 * :func:`check_text`: every string of a request body is valid Unicode that UTF-8 can
   encode (JSON may carry a lone surrogate, ``"\\ud800"``, that the tokenizer, the
   hash of a conversation and SQLite all refuse).
+* :func:`too_deep`: a request body nests objects and arrays at most :data:`MAX_DEPTH`
+  deep (a JSON schema 500 levels deep would exhaust Python's recursion in the schema
+  code, the conversation hash and the grammar compiler).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import re
 from typing import Any
 
 MAX_VERSION_DIGITS = 9
+MAX_DEPTH = 100  # objects and arrays nested in one request body
 VERSION_RE = re.compile(r"@v(\d+)$")
 
 
@@ -58,6 +62,27 @@ def check_text(value: Any, where: str = "body") -> None:
             stack.extend(v.values())
         elif isinstance(v, (list, tuple)):
             stack.extend(v)
+
+
+def too_deep(value: Any, limit: int = MAX_DEPTH) -> list[str | int] | None:
+    """The path (keys and indices) to the first container nested deeper than ``limit``
+    in ``value``, or None. Walks iteratively, so any depth is safe.
+
+    >>> too_deep({"a": [[1]]}, 2)
+    ['a', 0]
+    >>> too_deep({"a": [1]}, 2) is None
+    True
+    """
+    stack: list[tuple[Any, list[str | int]]] = [(value, [])]
+    while stack:
+        v, path = stack.pop()
+        if not isinstance(v, (dict, list)):
+            continue
+        if len(path) >= limit:
+            return path
+        items = v.items() if isinstance(v, dict) else enumerate(v)
+        stack.extend((child, [*path, k]) for k, child in items)
+    return None
 
 
 class BodyLimit:

@@ -31,8 +31,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from selfrl.serve.limits import check_text
+from selfrl.http_errors import _json_type, error_body, error_param, finite, finite_fields, refuse  # noqa: F401
+from selfrl.serve.limits import MAX_DEPTH, check_text, too_deep
 from selfrl.toolcall import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
@@ -52,6 +54,16 @@ def _valid_text(data: Any) -> Any:
     return data
 
 
+def check_depth(data: Any) -> Any:
+    """Refuse a body nested deeper than ``MAX_DEPTH``, naming the field it is in."""
+    path = too_deep(data, MAX_DEPTH)
+    if path is not None:
+        head = path[:4] if path[0] == "tools" else path[:3] if path[0] == "response_format" else path[:1]
+        raise refuse(f"this value nests objects and arrays more than {MAX_DEPTH} deep (the limit of a request)",
+                     error_param(head))
+    return data
+
+
 class _Strict(BaseModel):
     """A request body part: unknown fields refused, every string valid Unicode."""
 
@@ -62,6 +74,20 @@ class _Strict(BaseModel):
 class FunctionCall(_Strict):
     name: str
     arguments: str = "{}"
+
+    @field_validator("arguments")
+    @classmethod
+    def _arguments(cls, v: str) -> str:
+        """A JSON object as a string (what a call returned by the server holds); empty means ``{}``."""
+        if not v:
+            return v
+        try:
+            args = json.loads(v)
+        except ValueError as e:
+            raise refuse(f"arguments must be a JSON object encoded as a string; this is not JSON ({e})") from None
+        if not isinstance(args, dict):
+            raise refuse(f"arguments must be a JSON object encoded as a string, got {_json_type(args)}")
+        return v
 
 
 class ToolCall(_Strict):
@@ -81,22 +107,56 @@ class Message(_Strict):
     refusal: str | None = None
     reasoning_content: str | None = None  # what we returned; accepted back, not shown to the model again
 
-    def text(self) -> str:
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v: Any) -> Any:
+        """A string, null, or a list of typed parts, each text part with its ``text`` string;
+        anything else is refused naming the part and saying what is wrong with it. (A part of
+        another type, an image say, is well formed: :func:`to_chat` refuses it as unsupported.)"""
+        if v is None or isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise refuse(f"content must be a string, an array of content parts or null, got {_json_type(v)}")
+        for k, part in enumerate(v):
+            if not isinstance(part, dict):
+                raise refuse(f'a content part must be an object such as {{"type": "text", "text": "..."}}, '
+                             f"got {_json_type(part)}", f"[{k}]")
+            if "type" not in part:
+                raise refuse('a content part needs a "type" (only "text" parts are supported)', f"[{k}].type")
+            if part["type"] != "text":
+                continue
+            if "text" not in part:
+                raise refuse('a "text" content part needs a "text" string; this one has no "text" key',
+                             f"[{k}].text")
+            if not isinstance(part["text"], str):
+                raise refuse(f'"text" must be a string, got {_json_type(part["text"])}', f"[{k}].text")
+        return v
+
+    def text(self, where: str = "messages[?]") -> str:
         """The content as text; list content must be ``{"type": "text"}`` parts.
 
         Raises:
-            ValueError: a non-text part (image, audio, file).
+            ContentError: a non-text part (image, audio, file), at ``<where>.content[k]``.
         """
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
-        for part in self.content:
+        for k, part in enumerate(self.content):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
+                raise ContentError(f"only text content parts are supported, got type {part.get('type')!r} "
+                                   "(selfrl serves text models)", f"{where}.content[{k}].type")
             parts.append(part["text"])
         return "".join(parts)
+
+
+class ContentError(ValueError):
+    """Message content selfrl cannot show the model; ``param`` names the part."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 def check_messages(messages: list[Message]) -> None:
@@ -105,20 +165,22 @@ def check_messages(messages: list[Message]) -> None:
     tool message's ``tool_call_id`` answers a call of an earlier assistant message.
 
     Raises:
-        ValueError: the first message that breaks one, named by index and role.
+        pydantic_core.PydanticCustomError: the first message that breaks one (:func:`refuse`,
+            at ``[i].content`` or ``[i].tool_call_id``), its index and role in the message.
     """
     calls: set[str] = set()
     for i, m in enumerate(messages):
         if m.role == "assistant":
             if m.content is None and not m.tool_calls and m.refusal is None:
-                raise ValueError(f"messages[{i}]: an assistant message needs content or tool_calls (both are null)")
+                raise refuse(f"messages[{i}]: an assistant message needs content or tool_calls (both are null)",
+                             f"[{i}].content")
             calls.update(c.id for c in m.tool_calls or [])
         elif m.content is None:
-            raise ValueError(f"messages[{i}]: content of a {m.role!r} message must not be null")
+            raise refuse(f"messages[{i}]: content of a {m.role!r} message must not be null", f"[{i}].content")
         if m.role == "tool" and m.tool_call_id not in calls:
             said = "has no tool_call_id" if m.tool_call_id is None else f"answers tool_call_id {m.tool_call_id!r}"
-            raise ValueError(f"messages[{i}]: the tool message {said}, which is no tool call of an earlier "
-                             "assistant message")
+            raise refuse(f"messages[{i}]: the tool message {said}, which is no tool call of an earlier "
+                         "assistant message", f"[{i}].tool_call_id")
 
 
 def check_parameters_schema(schema: dict[str, Any]) -> dict[str, Any]:
@@ -170,6 +232,7 @@ class ChatCompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     _text = model_validator(mode="before")(_valid_text)
+    _depth = model_validator(mode="before")(check_depth)
 
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -183,7 +246,7 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-2**63, le=2**63 - 1)  # accepted and ignored, but bounded (int64)
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -198,7 +261,20 @@ class ChatCompletionRequest(BaseModel):
     task_key: str | None = Field(default=None, max_length=200)
     record: bool = True
 
-    @field_validator("tool_choice")
+    _finite = finite_fields("temperature", "top_p", "max_tokens", "max_completion_tokens", "n", "seed",
+                            "top_logprobs", "frequency_penalty", "presence_penalty")
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, v):
+        for k, bias in (v.items() if isinstance(v, dict) else ()):
+            try:
+                finite("a logit_bias value", bias)
+            except PydanticCustomError:
+                raise refuse(f"logit_bias[{k!r}] must be a finite number, got {bias!r}", f".{k}") from None
+        return v
+
+    @field_validator("tool_choice", mode="before")
     @classmethod
     def _tool_choice(cls, v):
         if v is None or v in ("none", "auto", "required"):
@@ -213,11 +289,18 @@ class ChatCompletionRequest(BaseModel):
     def _response_format(cls, v):
         if v is None or v.get("type") in ("text", "json_object"):
             return v
+        if v.get("type") != "json_schema":
+            raise refuse('response_format must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                         f'"json_schema", "json_schema": {{"name": ..., "schema": {{...}}}}}}; got type '
+                         f"{v.get('type')!r}", ".type")
         spec = v.get("json_schema")
-        if v.get("type") == "json_schema" and isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict):
-            return v
-        raise ValueError('response_format must be {"type": "text"}, {"type": "json_object"} or '
-                         '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}')
+        if not isinstance(spec, dict):
+            raise refuse('a json_schema response_format needs "json_schema": {"name": ..., "schema": {...}}, '
+                         f"got {_json_type(spec)}", ".json_schema")
+        if not isinstance(spec.get("schema", {}), dict):
+            raise refuse(f"the schema must be a JSON schema object, got {_json_type(spec['schema'])}",
+                         ".json_schema.schema")
+        return v
 
     @field_validator("messages")
     @classmethod
@@ -289,12 +372,6 @@ class VersionRequest(_Strict):
     version: int = Field(ge=0, le=999_999_999)  # bounded like a model name's @v<N>
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 # ------------------------------------------------------------------ conversion
 
 
@@ -309,10 +386,7 @@ def client_tools(tools: list[ToolDef] | None) -> list[Tool]:
 
 
 def _call_text(call: ToolCall) -> str:
-    try:
-        args = json.loads(call.function.arguments or "{}")
-    except json.JSONDecodeError:
-        args = call.function.arguments  # kept as the client sent it
+    args = json.loads(call.function.arguments or "{}")  # a JSON object: FunctionCall checked it
     return TOOL_CALL_OPEN + json.dumps({"name": call.function.name, "arguments": args}) + TOOL_CALL_CLOSE
 
 
@@ -328,20 +402,20 @@ def to_chat(req: ChatCompletionRequest, native_tools: bool, tools_prompt: str = 
             when the template adds them itself, see ``selfrl.chat``).
 
     Raises:
-        ValueError: non-text content parts.
+        ContentError: non-text content parts (a ValueError naming the part in ``param``).
     """
     msgs: list[dict[str, str]] = []
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
         role = "system" if m.role == "developer" else m.role
         if role == "assistant":
-            text = m.text() + "".join(_call_text(c) for c in m.tool_calls or [])
+            text = m.text(f"messages[{i}]") + "".join(_call_text(c) for c in m.tool_calls or [])
             msgs.append({"role": "assistant", "content": text})
         elif role == "tool":
-            text = m.text()
+            text = m.text(f"messages[{i}]")
             msgs.append({"role": "tool", "content": f"{TOOL_RESPONSE_OPEN}\n{text}\n{TOOL_RESPONSE_CLOSE}"
                          if wrap_tool_responses else text})
         else:
-            msgs.append({"role": role, "content": m.text()})
+            msgs.append({"role": role, "content": m.text(f"messages[{i}]")})
     use_tools = bool(req.tools) and req.tool_choice != "none"
     section = ""
     if use_tools and not native_tools:

@@ -36,9 +36,9 @@ import json
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from selfrl.serve.protocol import ChatCompletionRequest
+from selfrl.serve.protocol import ChatCompletionRequest, check_depth, finite_fields, refuse
 
 RESPONSE_LOG_SIZE = 10_000  # responses whose conversation previous_response_id can continue
 RESPONSE_LOG_BYTES = 256 * 2**20  # and at most this much of their JSON, in the run's store
@@ -48,6 +48,7 @@ class ResponsesRequest(BaseModel):
     """``POST /v1/responses`` body. Unknown fields are rejected (400)."""
 
     model_config = ConfigDict(extra="forbid")
+    _depth = model_validator(mode="before")(check_depth)
 
     model: str
     input: str | list[dict[str, Any]] = Field(default_factory=list)
@@ -77,6 +78,21 @@ class ResponsesRequest(BaseModel):
     task_key: str | None = Field(default=None, max_length=200)
     record: bool = True
 
+    _finite = finite_fields("temperature", "top_p", "max_output_tokens", "top_logprobs")
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, v):
+        if isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise refuse(f"input must be a string or an array of input items, got {type(v).__name__}")
+        for k, item in enumerate(v):
+            if not isinstance(item, dict):
+                raise refuse(f"an input item must be an object (a message, function_call or function_call_output), "
+                             f"got {type(item).__name__}", f"[{k}]")
+        return v
+
 
 class ResponsesError(ValueError):
     """A Responses request selfrl cannot honour; ``param`` names the field."""
@@ -87,13 +103,28 @@ class ResponsesError(ValueError):
 
 
 def _text(content: Any, where: str) -> str:
-    """A message's content as text (``input_text``/``output_text``/``text`` parts)."""
+    """A message's content as text (``input_text``/``output_text``/``text`` parts).
+
+    Raises:
+        ResponsesError: content of another type, or a part that is not a text part or has no
+            ``text`` string; ``param`` is the item (``where``), the message names the part.
+    """
     if content is None or isinstance(content, str):
         return content or ""
+    if not isinstance(content, list):
+        raise ResponsesError(f"{where}: content must be a string or an array of content parts, got "
+                             f"{type(content).__name__}", where)
     parts = []
-    for part in content:
-        if part.get("type") not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise ResponsesError(f"only text content parts are supported, got {part.get('type')!r}", where)
+    for k, part in enumerate(content):
+        at = f"{where}: content[{k}]"
+        if not isinstance(part, dict):
+            raise ResponsesError(f"{at} must be an object, got {type(part).__name__}", where)
+        if part.get("type") not in ("input_text", "output_text", "text"):
+            raise ResponsesError(f"{at}: content parts of type {part.get('type')!r} are not supported; only "
+                                 "input_text, output_text and text parts are accepted", where)
+        if not isinstance(part.get("text"), str):
+            said = "has no \"text\" key" if "text" not in part else f"has a {type(part['text']).__name__} \"text\""
+            raise ResponsesError(f"{at}: a {part['type']} part needs a \"text\" string; this one {said}", where)
         parts.append(part["text"])
     return "".join(parts)
 
@@ -126,6 +157,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise ResponsesError(f"unknown message role {role!r}", where)
             out.append({"role": role, "content": _text(item.get("content"), where)})
         elif kind == "function_call":
+            _require(item, ("call_id", "name"), f"{kind} item", where)
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
             last = out[-1] if out else None
@@ -135,6 +167,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
+            _require(item, ("call_id",), f"{kind} item", where)
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": output if isinstance(output, str) else _text(output, where)})
@@ -144,8 +177,19 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _require(item: dict[str, Any], keys: tuple[str, ...], kind: str, where: str) -> None:
+    """Raise ResponsesError unless ``item`` has a string at each of ``keys``."""
+    for key in keys:
+        if not isinstance(item.get(key), str):
+            said = "has none" if key not in item else f"has a {type(item[key]).__name__}"
+            raise ResponsesError(f"a {kind} needs a {key!r} string; this one {said}", where)
+
+
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise ResponsesError(f"text.format must be an object such as {{\"type\": \"json_schema\", ...}}, got "
+                             f"{type(fmt).__name__}", "text.format")
     if not fmt or fmt.get("type") in ("text", "json_object"):
         return fmt
     if fmt.get("type") == "json_schema":
@@ -161,6 +205,7 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     for k, t in enumerate(tools):
         if t.get("type") != "function":
             raise ResponsesError(f"only function tools are supported, got {t.get('type')!r}", f"tools.{k}")
+        _require(t, ("name",), "function tool", f"tools.{k}")
         fn = {"name": t["name"], "description": t.get("description") or "",
               "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
         if t.get("strict") is not None:
@@ -206,6 +251,26 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> Cha
         metadata=req.metadata, user=req.user, store=req.store, task_key=req.task_key, record=req.record,
         logprobs=bool(req.include),
     )
+
+
+def responses_param(param: str | None) -> str | None:
+    """A chat-completions field named as the Responses request's own (the request is served
+    as a chat completion, whose checks name chat fields).
+
+    >>> responses_param("tools[1].function.parameters"), responses_param("response_format.json_schema.schema")
+    ('tools[1].parameters', 'text.format.schema')
+    >>> responses_param("messages[3].content[0].text"), responses_param("max_completion_tokens")
+    ('input', 'max_output_tokens')
+    """
+    if param is None:
+        return None
+    if param.startswith("tools[") and ".function" in param:
+        return param.replace(".function", "", 1)
+    if param.startswith("response_format"):
+        return "text.format" + param.removeprefix("response_format").replace(".json_schema", "", 1)
+    if param.startswith("messages"):
+        return "input"  # with instructions and history, the chat index is not the input's
+    return {"max_completion_tokens": "max_output_tokens"}.get(param, param)
 
 
 def new_response_id() -> str:
@@ -356,11 +421,17 @@ async def create_response(service, log: ResponseLog, req: ResponsesRequest, clie
     except ResponsesError as e:
         raise ApiError(400, str(e), e.param) from e
     except ValidationError as e:
+        from selfrl.http_errors import error_param
+
         first = e.errors()[0]
-        where = ".".join(map(str, first.get("loc", ()))) or None
-        raise ApiError(400, first.get("msg", "invalid request"), where) from e
+        where = responses_param(error_param(first.get("loc", ()), first.get("ctx")))
+        raise ApiError(400, str(first.get("msg", "invalid request")).removeprefix("Value error, "), where) from e
     response_id = new_response_id()
-    chat = await service.complete(chat_req, client, response_id=response_id, is_disconnected=is_disconnected)
+    try:
+        chat = await service.complete(chat_req, client, response_id=response_id, is_disconnected=is_disconnected)
+    except ApiError as e:
+        e.param = responses_param(e.param)
+        raise
     if req.store is not False:  # store: false, as OpenAI: the response cannot be continued
         log.add(response_id, [m.model_dump(exclude_none=True) for m in chat_req.messages],
                 chat["choices"][0]["message"], client)

@@ -351,7 +351,7 @@ class Service:
         try:
             chat = to_chat(req, self.native_tools, self.cfg.tools_prompt, not template_wraps_tool_responses(self.tok))
         except ValueError as e:
-            raise ApiError(400, str(e), "messages") from e
+            raise ApiError(400, str(e), getattr(e, "param", "messages")) from e
         tools = [t.model_dump() for t in req.tools] if (req.tools and self.native_tools) else None
         try:
             prompt = prompt_ids(self.tok, chat, tools=tools)
@@ -376,11 +376,12 @@ class Service:
         """The grammar ``req``'s decoding must follow (``selfrl.serve.structured``), or None.
 
         Raises:
-            ApiError: 400 when the grammar does not compile (an unsupported schema);
+            ApiError: 400 ``invalid_schema`` naming the schema's field when the grammar does not
+                compile or fails on its first steps (``selfrl.serve.structured.checked_constraint``);
                 501 when the engine cannot constrain decoding (never ignored).
         """
-        from selfrl.constrain import ConstraintError, check_constraint
-        from selfrl.serve.structured import request_constraint
+        from selfrl.constrain import check_constraint
+        from selfrl.serve.structured import SchemaError, checked_constraint, request_constraint
 
         tools = [(t.function.name, t.function.parameters) for t in req.tools or []]
         constraint = request_constraint(tools, req.tool_choice, req.response_format)
@@ -392,11 +393,11 @@ class Service:
                            f"constrain decoding, which this request's {param} needs; serve with the reference "
                            "engine", param, "constraints_unsupported")
         vocab = self.engine.model.get_output_embeddings().weight.shape[0]
-        try:
-            check_constraint(constraint, self.tok, vocab, self.engine.eos_token_ids)
-        except ConstraintError as e:
-            raise ApiError(400, str(e), param, "invalid_schema") from e
-        return constraint
+        try:  # compiled and walked here, so a schema that cannot be decoded never reaches a batch or a stream
+            return checked_constraint(tools, req.tool_choice, req.response_format,
+                                      lambda c: check_constraint(c, self.tok, vocab, self.engine.eos_token_ids))
+        except SchemaError as e:
+            raise ApiError(400, str(e), e.param, "invalid_schema") from e
 
     def _link(self, messages: list[dict[str, Any]], client: str) -> dict[str, Any] | None:
         """The turn served to ``client`` this request continues (and an implicit correction of it), or None."""

@@ -10,13 +10,27 @@
 
 A ``json_schema`` without ``schema`` means any JSON object. The schema is enforced
 whether or not the request says ``strict`` (OpenAI only guarantees it with ``strict``).
+
+:func:`checked_constraint` compiles the grammar and takes its first steps before any
+generation (``selfrl.constrain.check_constraint``); a grammar that fails is refused with
+the request field it came from (``tools[i].function.parameters``,
+``response_format.json_schema.schema``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from selfrl.constrain import Constraint, json_constraint, tool_call_constraint
+from selfrl.constrain import Constraint, ConstraintError, json_constraint, tool_call_constraint
+
+
+class SchemaError(ValueError):
+    """A request's grammar cannot be decoded; ``param`` is the field whose schema is at fault."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 def answer_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -63,3 +77,45 @@ def request_constraint(tools: list[tuple[str, dict[str, Any]]], tool_choice: str
     if tools and tool_choice in (None, "auto"):
         return tool_call_constraint(tools, answer_schema=schema)
     return json_constraint(schema)
+
+
+def checked_constraint(tools: list[tuple[str, dict[str, Any]]], tool_choice: str | dict | None,
+                       response_format: dict[str, Any] | None,
+                       check: Callable[[Constraint], None]) -> Constraint | None:
+    """:func:`request_constraint`, refused before any generation when ``check`` (for the
+    serving tokenizer: ``selfrl.constrain.check_constraint``) finds it cannot be decoded.
+
+    Each schema the grammar holds is checked on its own first (the tools it may call, in
+    order, then the answer schema), so the error names the field at fault and a broken
+    alternative is found even where the walk of the whole grammar would take another
+    branch; then the whole grammar.
+
+    Raises:
+        SchemaError: naming ``tools[i].function.parameters`` or
+            ``response_format.json_schema.schema`` (``tools`` or ``response_format`` when
+            each schema passes alone and only their combination fails).
+    """
+    constraint = request_constraint(tools, tool_choice, response_format)
+    if constraint is None:
+        return None
+    parts: list[tuple[str, str, dict[str, Any]]] = []  # (param, label, schema)
+    if constraint.kind != "json":
+        only = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+        parts += [(f"tools[{i}].function.parameters", f" (tool {name!r})", params or {"type": "object"})
+                  for i, (name, params) in enumerate(tools) if only is None or name == only]
+    schema = answer_schema(response_format)
+    if schema is not None and constraint.kind != "tool_call":
+        param = "response_format.json_schema.schema" if response_format.get("type") == "json_schema" \
+            else "response_format"
+        parts.append((param, "", schema))
+    for param, label, part in parts:
+        try:
+            check(json_constraint(part))
+        except ConstraintError as e:
+            raise SchemaError(f"{param}{label}: {str(e).replace('the json grammar', 'the schema', 1)}", param) from e
+    try:
+        check(constraint)
+    except ConstraintError as e:
+        param = "response_format" if constraint.kind == "json" else "tools"
+        raise SchemaError(f"{param}: {e}", param) from e
+    return constraint

@@ -1,0 +1,129 @@
+"""Errors of selfrl's HTTP servers (``selfrl serve``, ``selfrl sampler``): OpenAI's error
+shape, the field a validation error is about, finite numbers, and the 500 for an exception
+nothing else handled.
+
+* :func:`refuse` / :func:`error_param`: a validator's error that names the exact place
+  (``messages[2].content[0].text``, OpenAI's notation), and pydantic's locations written so.
+* :func:`finite` / :func:`finite_fields`: Python's json accepts ``NaN`` and ``Infinity``
+  (and a float beyond 1e308 is an infinity); such a value is refused as "must be a finite
+  number", never by a bound whose message would mislead ("less than or equal to 2").
+* :func:`add_server_error_handler`: an exception nothing else handled becomes a JSON 500
+  ``server_error`` with the exception's class and text; the traceback goes to the server
+  log, never to the client (Starlette's default is a plain-text "Internal Server Error").
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from pydantic import field_validator
+from pydantic_core import PydanticCustomError
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def refuse(message: str, at: str = "") -> PydanticCustomError:
+    """A validation error whose message is ``message`` as written (no "Value error, "
+    prefix) and whose field is the validated one followed by ``at`` (``"[0].text"``), so
+    that :func:`error_param` names the exact place: ``messages[2].content[0].text``."""
+    return PydanticCustomError("invalid_value", "{detail}", {"detail": message, "at": at})
+
+
+def error_param(loc: tuple | list, ctx: dict | None = None) -> str | None:
+    """A pydantic error location in OpenAI's notation (``messages[2].content``), with the
+    ``at`` a :func:`refuse` error adds; None for the whole body.
+
+    Pydantic's tags for the member of a union it tried (``str``, ``list[...]``,
+    ``function-after[...]``) are left out.
+
+    >>> error_param(("messages", 2, "content"), {"at": "[0].text"})
+    'messages[2].content[0].text'
+    >>> error_param(("tools", 0, "function-after[_valid_text(), ToolDef]", "function", "parameters"))
+    'tools[0].function.parameters'
+    """
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in _UNION_TAGS:
+            continue
+        else:
+            out += ("." if out else "") + part
+    out += (ctx or {}).get("at", "")
+    return out or None
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "tagged-union"}
+
+
+def _json_type(v: Any) -> str:
+    """The JSON name of a decoded value's type (for error messages)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    return {str: "a string", list: "an array", dict: "an object"}.get(type(v), type(v).__name__)
+
+
+def finite(name: str, v: Any) -> Any:
+    """``v`` unchanged unless it is NaN or an infinity (JSON ``NaN``/``Infinity``, which
+    Python's json accepts, a float beyond 1e308, or such a string): then a :func:`refuse`
+    error saying so, before any bound is checked (a bound's message would mislead)."""
+    x = None
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        x = float(v) if isinstance(v, float) else None
+    elif isinstance(v, str):
+        try:
+            x = float(v)
+        except ValueError:
+            return v  # not a number at all: pydantic's own message says so
+    if x is not None and not math.isfinite(x):
+        raise refuse(f"{name} must be a finite number, got {v!r}")
+    return v
+
+
+def finite_fields(*names: str):
+    """A before-validator that applies :func:`finite` to each of ``names``."""
+    def check(cls, v, info):
+        return finite(info.field_name, v)
+    return field_validator(*names, mode="before")(check)
+
+
+
+def validation_message(errors: list[dict], skip: int = 1) -> tuple[str, str | None]:
+    """``(message, param)`` for the first of FastAPI's request validation errors: the field in
+    OpenAI's notation (:func:`error_param`; the first ``skip`` parts of its location, FastAPI's
+    ``"body"``, are left out) and a message that says what is wrong there. The input value is
+    never echoed (it may be NaN, which JSON cannot carry back)."""
+    first = errors[0] if errors else {}
+    where = error_param(first.get("loc", ())[skip:], first.get("ctx"))
+    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', msg)}", None
+    if first.get("type") == "missing" and where is None:
+        return "the request needs a JSON object as its body", None
+    if first.get("type") == "extra_forbidden":
+        return f"unrecognized request argument supplied: {where}", where
+    return msg + (f" (at {where})" if where else ""), where
+
+
+def add_server_error_handler(app, log: logging.Logger) -> None:
+    """Answer an exception no other handler took with a JSON 500 in OpenAI's shape
+    (``type: "server_error"``, ``code: "internal_error"``, the exception's class and text),
+    and log its traceback to ``log``."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):
+        log.error("%s %s failed", request.method, request.url.path, exc_info=e)
+        message = f"internal server error: {type(e).__name__}: {e}"[:2000]
+        return JSONResponse(error_body(message, "server_error", None, "internal_error"), status_code=500)
