@@ -216,6 +216,50 @@ def first_batch(cfg) -> tuple[list, list]:
     return [t for t in batch for _ in range(cfg.num_generations)], resolve_tools(cfg.rollout.tools)
 
 
+@dataclass
+class IterationWork:
+    """What one ``selfrl run`` iteration works on, built from a benchmark's run config.
+
+    Attributes:
+        cfg: the :class:`selfrl.config.RunConfig`.
+        model: the policy (base model with its LoRA adapter).
+        tokenizer: its tokenizer.
+        tasks: the first batch's tasks, each ``cfg.num_generations`` times in a row.
+        tools: the rollout's tools.
+        groups: one group id per task (``"g0"``, ``"g0"``, ..., ``"g1"``, ...).
+        learner: a :class:`selfrl.learner.Learner` on ``model`` with the config's update settings.
+    """
+
+    cfg: Any
+    model: Any
+    tokenizer: Any
+    tasks: list
+    tools: list
+    groups: list[str]
+    learner: Any
+
+
+def iteration_work(args: argparse.Namespace, config: Path, prefix: str) -> IterationWork:
+    """The policy, first batch and learner of ``selfrl run`` on the config at ``config``
+    (:func:`bench_config`: a tiny model in a temporary folder named ``prefix...`` with ``--tiny``)."""
+    from selfrl.learner import Learner
+    from selfrl.loop import build_policy
+
+    cfg = bench_config(args, config, prefix)
+    model, tok = build_policy(cfg)
+    tasks, tools = first_batch(cfg)
+    groups = [f"g{i // cfg.num_generations}" for i in range(len(tasks))]
+    learner = Learner(model, cfg.train, cfg.rollout.temperature, tok.pad_token_id, cfg.max_completion_length)
+    return IterationWork(cfg, model, tok, tasks, tools, groups, learner)
+
+
+def give_signal(trajs: list) -> None:
+    """Set every trajectory's reward (0, 1, 0, ...) and a non-zero advantage (-1, +1, -1, ...),
+    so that an update trains on all of them (a benchmark times the whole batch)."""
+    for i, t in enumerate(trajs):
+        t.reward, t.advantage = float(i % 2), 1.0 if i % 2 else -1.0
+
+
 def run_clients(client: Callable[[int], None], clients: int) -> float:
     """Run ``client(0)`` ... ``client(clients - 1)`` at once, each in its own thread; returns the
     wall seconds from the first start to the last end."""
