@@ -246,7 +246,9 @@ def test_the_responses_api_names_finite_numbers_and_content_parts_too(server):
     ({"input": [{"type": "function_call_output", "output": "4"}]}, "input.0",
      "a function_call_output item needs a 'call_id' string"),
     ({"text": {"format": "json"}}, "text.format", "text.format must be an object"),
-    ({"input": [5]}, "input[0]", "an input item must be an object"),
+    ({"input": [5]}, "input[0]", "an input item must be an object (a message, function_call or "
+     "function_call_output), got a number"),
+    ({"input": {"role": "user"}}, "input", "input must be a string or an array of input items, got an object"),
     # the chat completion's checks, named as the Responses request's own fields
     ({"tools": [{"type": "function", "name": "f", "parameters": SELF}], "tool_choice": "required"},
      "tools[0].parameters", "the schema admits no JSON value"),

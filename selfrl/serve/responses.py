@@ -38,7 +38,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from selfrl.serve.protocol import ChatCompletionRequest, check_depth, finite_fields, refuse
+from selfrl.http_errors import array_of_objects
+from selfrl.serve.protocol import ChatCompletionRequest, check_depth, finite_fields
 
 RESPONSE_LOG_SIZE = 10_000  # responses whose conversation previous_response_id can continue
 RESPONSE_LOG_BYTES = 256 * 2**20  # and at most this much of their JSON, in the run's store
@@ -85,13 +86,8 @@ class ResponsesRequest(BaseModel):
     def _input(cls, v):
         if isinstance(v, str):
             return v
-        if not isinstance(v, list):
-            raise refuse(f"input must be a string or an array of input items, got {type(v).__name__}")
-        for k, item in enumerate(v):
-            if not isinstance(item, dict):
-                raise refuse(f"an input item must be an object (a message, function_call or function_call_output), "
-                             f"got {type(item).__name__}", f"[{k}]")
-        return v
+        return array_of_objects(v, "input must be a string or an array of input items",
+                                "an input item must be an object (a message, function_call or function_call_output)")
 
 
 class ResponsesError(ValueError):
