@@ -257,6 +257,10 @@ def _after_turn(tr: Trajectory, g: Generation, turn: int, tool_map: dict[str, To
     text = tok.decode(g.token_ids, skip_special_tokens=True)
     tr.messages.append({"role": "assistant", "content": text})
     rest, calls = parse_tool_calls(text)
+    if g.grammar_error is not None:  # the turn's grammar failed mid-generation: the trajectory ends, failed
+        tr.error = f"turn {turn + 1}: the grammar failed: {g.grammar_error}"
+        tr.truncated = True
+        return False
     if not g.finished:
         tr.truncated = True
         tr.final_answer = rest or None

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import urllib.request
 
 import pytest
 
 from serving import CALC, http, start_uvicorn
+from test_constrain import LATE_ENDLESS
 
 URL = "/v1/chat/completions"
 USER = [{"role": "user", "content": "What is 6*7?"}]
@@ -69,9 +71,17 @@ BAD_SCHEMAS = [  # (schema, what the message says)
     ({"type": "array", "minItems": 5, "maxItems": 2}, "minItems (5) is greater than maxItems (2)"),
     ({"type": "string", "minLength": "3"}, "Expected positive integer for 'minLength', got \"3\""),
     ({"type": "string", "enum": [f"v{i}" for i in range(50_000)]}, "schema too large"),
+    # schemas that compile to no value at all
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength (5) is greater than maxLength (2)"),
+    ({"enum": []}, "Unsatisfiable schema: anyOf is empty"),
+    ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum (5) is greater than maximum (1)"),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "Unsatisfiable schema: incompatible types"),
+    ({"not": {}}, 'Unimplemented keys: ["not"]'),
+    ({"type": "object", "properties": {"a": {"enum": []}}, "required": ["a"]}, "required property 'a' is unsatisfiable"),
 ]
 IDS = ["self-ref", "endless-ref", "nonsense-type", "bad-regex", "missing-ref", "min-over-max", "number-as-string",
-       "huge-enum"]
+       "huge-enum", "short-over-long", "empty-enum", "low-over-high", "string-and-integer", "not-anything",
+       "required-nothing"]
 
 
 @pytest.mark.parametrize("schema, phrase", BAD_SCHEMAS, ids=IDS)
@@ -89,6 +99,28 @@ def test_a_response_format_schema_that_cannot_be_decoded_is_a_400_naming_it(serv
     for tools in (None, [CALC]):  # alone, and as the answer beside a tool call (tool_choice "auto")
         status, body = chat(url, response_format=json_schema(schema), tools=tools)
         refused(status, body, "response_format.json_schema.schema", phrase)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [tool(LATE_ENDLESS)], "tool_choice": "required"}, "tools"),
+    ({"response_format": json_schema(LATE_ENDLESS)}, "response_format"),
+], ids=["tool", "response_format"])
+def test_a_schema_that_fails_mid_generation_is_a_400_and_the_rest_goes_on(server, body, param):
+    """Old code: a 500 "generation failed: ConstraintError ... Too many items" (and, on the
+    reference engine, a 500 for every request batched with it)."""
+    url, _ = server
+    out = {}
+    threads = [threading.Thread(target=lambda k=k, b=b: out.__setitem__(k, chat(url, max_tokens=64, **b)))
+               for k, b in (("bad", body), ("plain", {}))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    refused(*out["bad"], param, f"{param}: the schema failed during generation: ")
+    assert "Too many items" in out["bad"][1]["error"]["message"]
+    assert out["plain"][0] == 200, out["plain"]
+    status, body = chat(url)
+    assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"  # the server goes on
 
 
 def test_the_tool_at_fault_is_named_among_several(server):

@@ -46,6 +46,9 @@ class Generation:
         constrained: (n,) per id, True where a grammar removed ids from its distribution
             (its logprob is then the masked distribution's); None when the row had no
             constraint (see :mod:`selfrl.constrain`).
+        grammar_error: why the row's grammar failed mid-generation (a schema with no
+            finite value that no preflight caught, say); the row ended there, ``finished`` is
+            False and ``token_ids`` end before the failure's end of turn. None otherwise.
         top_logprobs: (n, k) the k most likely ids at each position and their logprobs
             (same distribution as ``logprobs``), most likely first; None unless asked for
             (``generate(top_logprobs=k)``, a backend that supports it).
@@ -59,6 +62,7 @@ class Generation:
     constrained: list[bool] | None = None
     cancelled: bool = False  # the caller cancelled the row mid-generation (then ``finished`` is False)
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    grammar_error: str | None = None
 
     @property
     def finish_reason(self) -> FinishReason:
