@@ -123,6 +123,21 @@ def test_a_schema_that_fails_mid_generation_is_a_400_and_the_rest_goes_on(server
     assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"  # the server goes on
 
 
+def test_a_schema_that_fails_mid_stream_ends_the_stream_with_an_error_naming_it(server):
+    """Old code: the error event of a started stream had no ``param`` (and was a 500's)."""
+    url, _ = server
+    data = json.dumps({"model": "selfrl", "messages": USER, "max_tokens": 64, "record": False, "stream": True,
+                       "response_format": json_schema(LATE_ENDLESS)}).encode()
+    req = urllib.request.Request(url + URL, data=data, method="POST", headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as f:
+        assert f.status == 200
+        events = [line[len(b"data: "):] for line in f.read().splitlines() if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]" and len(events) > 2  # tokens were streamed before the grammar failed
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == "invalid_schema" and err["param"] == "response_format", err
+    assert err["message"].startswith("response_format: the schema failed during generation: ")
+
+
 def test_the_tool_at_fault_is_named_among_several(server):
     url, _ = server
     status, body = chat(url, tools=[CALC, tool(SELF, "g")], tool_choice="required")
@@ -294,6 +309,19 @@ def test_the_responses_api_refuses_malformed_items_by_name(server, extra, param,
     assert status == 400 and body["error"]["param"] == param and phrase in body["error"]["message"], body
 
 
+@pytest.mark.parametrize("path, body, param", [  # old code: param "max_tokens" whatever the field
+    (URL, {"max_tokens": 10**9}, "max_tokens"),
+    (URL, {"max_tokens": None, "max_completion_tokens": 10**9}, "max_completion_tokens"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 10**9}, "max_output_tokens"),
+])
+def test_a_token_limit_beyond_the_context_is_a_400_naming_the_field_set(server, path, body, param):
+    url, _ = server
+    full = {"model": "selfrl", "record": False, **({"messages": USER, "max_tokens": 4} if path == URL else {}), **body}
+    status, out = http("POST", url + path, full)
+    refused(status, out, param, f"{param} 1000000000 + prompt ", code="context_length_exceeded")
+    assert out["error"]["message"].endswith(" tokens exceeds the context of 1024 tokens")
+
+
 def test_a_body_nested_too_deep_to_parse_is_a_400_that_says_so(server):
     url, _ = server
     raw = '{"model": "selfrl", "messages": [{"role": "user", "content": "hi"}], "metadata": ' + "[" * 5000 + \
@@ -353,6 +381,20 @@ def test_the_sampler_refuses_nan_and_infinity_naming_the_field(sampler, path, fi
     status, out = http("POST", url + path, raw=raw.encode())
     shown = {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}[literal]
     assert status == 400 and out == {"detail": f"{field} must be a finite number, got {shown} (at {field})"}
+
+
+def test_the_sampler_refuses_a_token_limit_beyond_the_context_as_serve_does(sampler):
+    """Old code: ``max_new_tokens`` 10**9 was sampled (a model that never ends a turn ran on
+    past its context, for as long as memory lasted)."""
+    url, _ = sampler
+    status, out = http("POST", url + "/sampler/generate", {"prompts": [[1, 2]], "max_new_tokens": 10**9})
+    assert status == 400 and out == {"detail": "max_new_tokens 1000000000 + prompt 2 tokens exceeds the context of "
+                                               "1024 tokens (at max_new_tokens)"}
+    status, out = http("POST", url + "/sampler/generate", {"prompts": [[1, 2], [3] * 1024], "max_new_tokens": 2})
+    assert status == 400 and out == {"detail": "the prompt is 1024 tokens; this model's context is 1024 tokens "
+                                               "(at prompts[1])"}
+    status, out = http("POST", url + "/sampler/generate", {"prompts": [[1, 2]], "max_new_tokens": 1022})
+    assert status == 200 and len(out["generations"]) == 1  # exactly the context: served
 
 
 def test_the_sampler_names_a_field_of_the_wrong_type_and_an_empty_stop(sampler):

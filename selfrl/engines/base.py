@@ -193,6 +193,32 @@ def check_generate_args(prompts: list[list[int]], max_new_tokens: int, temperatu
         check_token_ids(prompts, vocab_size)
 
 
+def model_context(model, tokenizer) -> int:
+    """Tokens ``model`` attends to, prompt and completion together: its config's
+    ``max_position_embeddings``, else the tokenizer's ``model_max_length``."""
+    return int(getattr(model.config, "max_position_embeddings", 0) or tokenizer.model_max_length)
+
+
+def context_overflow(prompt_len: int, max_new_tokens: int | None, context: int, prompt_field: str,
+                     limit_field: str) -> tuple[str, str] | None:
+    """Why a prompt of ``prompt_len`` tokens and a token limit of ``max_new_tokens`` (None:
+    the server picks one that fits) do not fit in a context of ``context`` tokens, as
+    ``(message, field)`` (``prompt_field`` or ``limit_field``); None when they fit. Both
+    servers refuse such a request with a 400 naming the field; neither clamps it.
+
+    >>> context_overflow(10, 10**9, 1024, "messages", "max_tokens")
+    ('max_tokens 1000000000 + prompt 10 tokens exceeds the context of 1024 tokens', 'max_tokens')
+    >>> context_overflow(10, 1014, 1024, "messages", "max_tokens") is None
+    True
+    """
+    if prompt_len >= context:
+        return f"the prompt is {prompt_len} tokens; this model's context is {context} tokens", prompt_field
+    if max_new_tokens is not None and prompt_len + max_new_tokens > context:
+        return (f"{limit_field} {max_new_tokens} + prompt {prompt_len} tokens exceeds the context of {context} "
+                "tokens", limit_field)
+    return None
+
+
 def check_token_ids(prompts: list[list[int]], vocab_size: int) -> None:
     """Raise ValueError unless every id of every prompt is an integer in ``[0, vocab_size)``
     (``vocab_size``: rows of the model's input embedding).

@@ -426,7 +426,9 @@ async def create_response(service, log: ResponseLog, req: ResponsesRequest, clie
     try:
         chat = await service.complete(chat_req, client, response_id=response_id, is_disconnected=is_disconnected)
     except ApiError as e:
-        e.param = responses_param(e.param)
+        chat_param, e.param = e.param, responses_param(e.param)
+        if chat_param and e.message.startswith(chat_param):  # "max_completion_tokens 10 + prompt ..."
+            e.message = e.param + e.message[len(chat_param):]
         raise
     if req.store is not False:  # store: false, as OpenAI: the response cannot be continued
         log.add(response_id, [m.model_dump(exclude_none=True) for m in chat_req.messages],

@@ -179,7 +179,7 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest, client: st
         recorded.append(True)
         if done.exception() is not None:  # the client gets the reason, not a cut connection
             err = generation_failed(jobs, done.exception())
-            yield _sse(error_body(err.message, err.type, code=err.code))
+            yield _sse(error_body(err.message, err.type, err.param, err.code))
             yield "data: [DONE]\n\n"
             return
         gens = done.result()
