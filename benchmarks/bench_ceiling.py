@@ -23,7 +23,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Stats, base_parser, envelope, finish, give_signal, iteration_work, print_table, timed  # noqa: E402
+from common import (  # noqa: E402
+    Stats, base_parser, command_line, envelope, finish, give_signal, iteration_work, print_table, timed,
+)
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
 
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     from selfrl.engine import Engine
     from selfrl.rollout import rollout
 
-    result = envelope(args, "python benchmarks/bench_ceiling.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    result = envelope(args, command_line("bench_ceiling.py", argv))
     work = iteration_work(args, CONFIG, "bench-ceiling-")
     cfg, model, tasks, learner = work.cfg, work.model, work.tasks, work.learner
     n = 256 if args.tiny else 4096

@@ -26,7 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ceiling import CONFIG  # noqa: E402
-from common import Stats, base_parser, envelope, finish, give_signal, iteration_work, print_table  # noqa: E402
+from common import (  # noqa: E402
+    Stats, base_parser, command_line, envelope, finish, give_signal, iteration_work, print_table,
+)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
     from selfrl.engines import make_engine
     from selfrl.rollout import rollout
 
-    result = envelope(args, "python benchmarks/bench_overlap.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    result = envelope(args, command_line("bench_overlap.py", argv))
     work = iteration_work(args, CONFIG, "bench-overlap-")
     cfg, tasks, learner = work.cfg, work.tasks, work.learner
     rows, per_engine = [], {}

@@ -146,6 +146,15 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def command_line(script: str, argv: list[str] | None) -> str:
+    """The command that ran ``benchmarks/<script>`` with ``argv`` (None: this process's own arguments).
+
+    >>> command_line("bench_x.py", ["--tiny"])
+    'python benchmarks/bench_x.py --tiny'
+    """
+    return f"python benchmarks/{script} " + " ".join(argv if argv is not None else sys.argv[1:])
+
+
 def envelope(args: argparse.Namespace, command: str) -> dict[str, Any]:
     """What every result starts with: the command, the machine, the time and the load."""
     return {"command": command, "tiny": bool(args.tiny), "repeats": args.repeats, "machine": machine(),
