@@ -123,6 +123,22 @@ def test_a_schema_that_fails_mid_generation_is_a_400_and_the_rest_goes_on(server
     assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"  # the server goes on
 
 
+@pytest.mark.parametrize("text, param", [("<tool_call>{\"name\": \"f\", \"arg", "tools"), ('{"a": "xy', "response_format")])
+def test_where_a_call_or_an_answer_was_allowed_the_error_names_the_one_begun(tiny_tokenizer, text, param):
+    from selfrl.constrain import Constraint, ConstraintError
+    from selfrl.engines.base import Generation
+    from selfrl.serve.batcher import Job, _grammar_failed
+    from selfrl.serve.disconnect import generation_failed
+
+    ids = tiny_tokenizer.encode(text)
+    job = Job([1, 2], 8, 1.0, 1.0, False, None, (), None, constraint=Constraint("tool_call_or_json", "start: x"))
+    e = _grammar_failed(Generation(ids, [0.0] * len(ids), False, 0, grammar_error="Too many items"), job,
+                        tiny_tokenizer)
+    assert isinstance(e, ConstraintError) and e.param == param
+    err = generation_failed([job], e)
+    assert (err.status, err.param, err.code) == (400, param, "invalid_schema") and job.cancel.is_set()
+
+
 def test_a_schema_that_fails_mid_stream_ends_the_stream_with_an_error_naming_it(server):
     """Old code: the error event of a started stream had no ``param`` (and was a 500's)."""
     url, _ = server

@@ -100,11 +100,22 @@ def _fail(jobs: list[Job], e: BaseException) -> None:
             pass
 
 
-def _grammar_failed(gen: Generation) -> Exception:
-    """The error a job whose grammar failed mid-generation (``gen.grammar_error``) settles with."""
+def _grammar_failed(gen: Generation, job: Job, tokenizer) -> Exception:
+    """The error a job whose grammar failed mid-generation (``gen.grammar_error``) settles
+    with: a :class:`selfrl.constrain.ConstraintError` whose ``param`` names the request field
+    whose schema failed: ``response_format`` for a JSON answer, ``tools`` for a tool call
+    (where either was allowed, the one the sampled text had begun)."""
     from selfrl.constrain import ConstraintError
+    from selfrl.toolcall import TOOL_CALL_OPEN
 
-    return ConstraintError(gen.grammar_error)
+    e = ConstraintError(gen.grammar_error)
+    kind = getattr(job.constraint, "kind", "json")
+    if kind == "tool_call_or_json":
+        called = tokenizer.decode(gen.token_ids, skip_special_tokens=False).lstrip().startswith(TOOL_CALL_OPEN)
+        e.param = "tools" if called else "response_format"
+    else:
+        e.param = "response_format" if kind == "json" else "tools"
+    return e
 
 
 def cut(gen: Generation, limit: int, eos_ids: list[int]) -> Generation:
@@ -285,7 +296,7 @@ class Batcher:
             if f.exception() is not None:
                 job.future.set_exception(f.exception())
             elif f.result().grammar_error is not None:  # the row's grammar failed mid-generation
-                job.future.set_exception(_grammar_failed(f.result()))
+                job.future.set_exception(_grammar_failed(f.result(), job, self.engine.tokenizer))
             else:
                 job.future.set_result(f.result())
 
@@ -346,7 +357,7 @@ class Batcher:
         self.rows += len(live)
         for j, g in zip(live, gens):
             if g.grammar_error is not None:  # this row's grammar failed; the batch's other rows keep theirs
-                _fail([j], _grammar_failed(g))
+                _fail([j], _grammar_failed(g, j, self.engine.tokenizer))
                 continue
             try:
                 if g.top_logprobs is not None:  # each job gets the k it asked for

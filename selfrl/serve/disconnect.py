@@ -45,7 +45,7 @@ def generation_failed(jobs: list, e: BaseException):
         j.cancel.set()
     if isinstance(e, ConstraintError):
         kind = next((j.constraint.kind for j in jobs if j.constraint is not None), "json")
-        param = "response_format" if kind == "json" else "tools"
+        param = getattr(e, "param", None) or ("response_format" if kind == "json" else "tools")
         return ApiError(400, f"{param}: the schema failed during generation: {e} (a schema with no finite "
                              "value: a \"$ref\" cycle through required properties, say)", param, "invalid_schema")
     return ApiError(500, f"generation failed: {type(e).__name__}: {e}", code="generation_failed",
