@@ -15,7 +15,8 @@ Recording happens in a thread of its own (the event loop may be cancelling the
 request's task; the batcher's worker must not wait on the store).
 
 A request one of whose jobs fails (an engine error) is answered with that error at once
-(:func:`generation_failed`: a 500, or an error event in a stream), and its other jobs are
+(:func:`generation_failed`: a 500, or a 400 ``invalid_schema`` when its own grammar failed;
+an error event in a stream that has started), and its other jobs are
 cancelled the same way: nothing decodes on for a request already answered.
 """
 

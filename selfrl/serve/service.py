@@ -496,7 +496,8 @@ class Service:
 
         Raises:
             ApiError: as :meth:`prepare`; 499 when the client disconnected (nobody reads it);
-                500 when the generation failed (its other choices are cancelled).
+                500 when the generation failed (its other choices are cancelled), 400
+                ``invalid_schema`` when the request's grammar failed during generation.
         """
         from selfrl.serve.disconnect import await_jobs, generation_failed
 
