@@ -199,6 +199,17 @@ def model_context(model, tokenizer) -> int:
     return int(getattr(model.config, "max_position_embeddings", 0) or tokenizer.model_max_length)
 
 
+def engine_context(engine) -> int | None:
+    """Tokens ``engine`` can attend to (prompt and completion), or None when it does not say:
+    its ``context`` attribute (a remote sampler reports it in ``/sampler/info``), else its local
+    ``model``'s :func:`model_context`."""
+    context = getattr(engine, "context", None)
+    if context is not None:
+        return int(context)
+    model = getattr(engine, "model", None)
+    return None if model is None else model_context(model, engine.tokenizer)
+
+
 def context_overflow(prompt_len: int, max_new_tokens: int | None, context: int, prompt_field: str,
                      limit_field: str) -> tuple[str, str] | None:
     """Why a prompt of ``prompt_len`` tokens and a token limit of ``max_new_tokens`` (None:

@@ -12,7 +12,7 @@ endpoint but ``/sampler/health`` needs ``Authorization: Bearer <key>``):
 
 =====================================  ==============================================
 ``GET  /sampler/health``               ``{ok, version, backend, detail}``
-``GET  /sampler/info``                 ``{version, eos_token_ids, model}``
+``GET  /sampler/info``                 ``{version, eos_token_ids, model, context}``
 ``POST /sampler/generate``             ``{prompts, max_new_tokens, temperature, greedy,
                                        top_p, stop}`` -> ``{generations: [{token_ids,
                                        logprobs, finished, stopped, adapter_version}]}``;
@@ -36,7 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, field_validator
 
-from selfrl.engines.base import SamplingEngine, check_token_ids, context_overflow, model_context
+from selfrl.engines.base import SamplingEngine, check_token_ids, context_overflow, engine_context
 from selfrl.http_errors import add_server_error_handler, finite_fields, validation_message
 
 log = logging.getLogger("selfrl.sampler")
@@ -93,12 +93,12 @@ def create_sampler_app(engine: SamplingEngine, api_key: str | None = None, model
         h = engine.health()
         return {"ok": h.ok, "version": h.version, "backend": h.backend, "detail": h.detail}
 
+    context = engine_context(engine)
+
     @app.get("/sampler/info", dependencies=[Depends(auth)])
     def info() -> dict:
-        return {"version": engine.version, "eos_token_ids": list(engine.eos_token_ids), "model": model_name}
-
-    model = getattr(engine, "model", None)
-    context = None if model is None else model_context(model, engine.tokenizer)
+        return {"version": engine.version, "eos_token_ids": list(engine.eos_token_ids), "model": model_name,
+                "context": context}
 
     @app.post("/sampler/generate", dependencies=[Depends(auth)])
     def generate(req: GenerateRequest) -> dict:
