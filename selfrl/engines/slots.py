@@ -464,9 +464,10 @@ class SlotEngine:
                 r.constrained.append(bool((~allowed[i]).any()))
                 try:
                     r.grammar.advance(t)
-                except ConstraintError as e:  # this row ends here (Generation.grammar_error); the others go on
+                except Exception as e:  # this row ends (a schema's failure: grammar_error; a bug: its future raises)
                     done.append(i)
-                    self._finish(r, r.result(False, grammar_error=str(e)))
+                    self._finish(r, r.result(False, grammar_error=str(e))) if isinstance(e, ConstraintError) \
+                        else self._finish(r, error=e)
                     continue
             try:
                 r.report()
