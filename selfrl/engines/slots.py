@@ -466,8 +466,10 @@ class SlotEngine:
                     r.grammar.advance(t)
                 except Exception as e:  # this row ends (a schema's failure: grammar_error; a bug: its future raises)
                     done.append(i)
-                    self._finish(r, r.result(False, grammar_error=str(e))) if isinstance(e, ConstraintError) \
-                        else self._finish(r, error=e)
+                    if isinstance(e, ConstraintError):
+                        self._finish(r, r.result(False, grammar_error=str(e)))
+                    else:
+                        self._finish(r, error=e)
                     continue
             try:
                 r.report()
