@@ -23,7 +23,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Stats, base_parser, bench_config, envelope, finish, first_batch, print_table, timed  # noqa: E402
+from common import (  # noqa: E402
+    Stats, base_parser, command_line, envelope, finish, give_signal, iteration_work, print_table, timed,
+)
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
 
@@ -69,25 +71,21 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from selfrl.engine import Engine
-    from selfrl.loop import build_policy
     from selfrl.rollout import rollout
-    from selfrl.learner import Learner
 
-    result = envelope(args, "python benchmarks/bench_ceiling.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-    cfg = bench_config(args, CONFIG, "bench-ceiling-")
+    result = envelope(args, command_line("bench_ceiling.py", argv))
+    work = iteration_work(args, CONFIG, "bench-ceiling-")
+    cfg, model, tasks, learner = work.cfg, work.model, work.tasks, work.learner
     n = 256 if args.tiny else 4096
     flops = matmul_flops(n, args.repeats)
 
-    model, tok = build_policy(cfg)
-    engine = Engine(model, tok)
-    tasks, tools = first_batch(cfg)
+    engine = Engine(model, work.tokenizer)
     one_turn = type(cfg.rollout)(**{**cfg.rollout.__dict__, "max_turns": 1})
     trajs_box = []
 
     def generate():
         torch.manual_seed(len(trajs_box))
-        trajs_box.append(rollout(engine, tasks, [f"g{i // cfg.num_generations}" for i in range(len(tasks))],
-                                 tools, one_turn))
+        trajs_box.append(rollout(engine, tasks, work.groups, work.tools, one_turn))
 
     t_gen, _ = timed(generate, args.repeats, warmup=0 if args.tiny else 1)
     trajs = trajs_box[-1]
@@ -96,10 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     P = matmul_params(model)
     gen_bound = flops.median / (2 * P)
 
-    for i, t in enumerate(trajs):  # every rollout carries signal: the update runs on all of them
-        t.reward, t.advantage = float(i % 2), 1.0 if i % 2 else -1.0
-    learner = Learner(model, cfg.train, cfg.rollout.temperature, tok.pad_token_id,
-                      cfg.rollout.max_new_tokens * cfg.rollout.max_turns)
+    give_signal(trajs)  # every rollout carries signal: the update runs on all of them
     t_train, metrics = timed(lambda: learner.step(trajs).metrics(), args.repeats, warmup=0 if args.tiny else 1)
     seq_tokens = sum(len(t.token_ids) for t in trajs)
     train_tokens = sum(t.num_completion_tokens for t in trajs)

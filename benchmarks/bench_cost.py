@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, Stats, base_parser, envelope, finish, model_name, print_table  # noqa: E402
+from common import ROOT, Stats, base_parser, command_line, envelope, finish, model_name, print_table  # noqa: E402
 
 
 def cost_figures(run_dir: Path) -> dict:
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--run-dir", type=Path, help="a finished run to read; without it, a run is made first")
     args = p.parse_args(argv)
-    result = envelope(args, "python benchmarks/bench_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    result = envelope(args, command_line("bench_cost.py", argv))
     run_dir = args.run_dir
     if run_dir is None:
         from selfrl.config import load_config

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ceiling import CONFIG, matmul_flops, matmul_params  # noqa: E402
 from common import (  # noqa: E402
-    Stats, base_parser, bench_config, envelope, finish, first_batch, print_table, run_clients,
+    Stats, base_parser, command_line, bench_config, envelope, finish, first_batch, print_table, run_clients,
 )
 
 QUESTIONS = ["What is 17 + 25?", "Name three colours.", "Write one sentence about the sea.", "What is 9 * 8?",
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     from selfrl.engines import make_engine
     from selfrl.loop import build_policy
 
-    result = envelope(args, "python benchmarks/bench_engines.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    result = envelope(args, command_line("bench_engines.py", argv))
     cfg = bench_config(args, CONFIG, "bench-engines-")
     names = args.engines.split(",")
     flops = matmul_flops(256 if args.tiny else 4096, max(1, args.repeats))

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import base_parser, envelope, finish, model_name, print_table, timed  # noqa: E402
+from common import base_parser, command_line, envelope, finish, model_name, print_table, timed  # noqa: E402
 
 
 def dir_bytes(path: Path) -> int:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> dict:
     from selfrl.loop import build_policy
     from selfrl.model import load_model, resolve_model_path
 
-    result = envelope(args, "python benchmarks/bench_hotswap.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    result = envelope(args, command_line("bench_hotswap.py", argv))
     work = Path(tempfile.mkdtemp(prefix="bench-hotswap-"))
     name = model_name(args, work)
     cfg = load_config(overrides={"model.name": name})

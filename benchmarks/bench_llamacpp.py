@@ -55,7 +55,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Stats, base_parser, envelope, finish, loadavg, print_table, serve_app  # noqa: E402
+from common import Stats, base_parser, command_line, envelope, finish, loadavg, print_table, serve_app  # noqa: E402
 from llamacpp_gguf import base_config_dir, embedded_gguf, write_f32_gguf  # noqa: E402
 from llamacpp_server import FULL_DISTRIBUTION, LlamaServer, llama_batch, post  # noqa: E402
 
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     from bench_serve import start_server
 
-    result = envelope(args, "python benchmarks/bench_llamacpp.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    result = envelope(args, command_line("bench_llamacpp.py", argv))
     args.work.mkdir(parents=True, exist_ok=True)
     ggufs = {"q4_1": embedded_gguf(), "f32": args.work / "smollm2-135m-instruct-f32.gguf"}
     if not ggufs["f32"].exists():

@@ -26,7 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ceiling import CONFIG  # noqa: E402
-from common import Stats, base_parser, bench_config, envelope, finish, first_batch, print_table  # noqa: E402
+from common import (  # noqa: E402
+    Stats, base_parser, command_line, envelope, finish, give_signal, iteration_work, print_table,
+)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -37,29 +39,23 @@ def main(argv: list[str] | None = None) -> dict:
 
     from selfrl.async_rollouts import shadow_policy
     from selfrl.engines import make_engine
-    from selfrl.learner import Learner
-    from selfrl.loop import build_policy
     from selfrl.rollout import rollout
 
-    result = envelope(args, "python benchmarks/bench_overlap.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-    cfg = bench_config(args, CONFIG, "bench-overlap-")
-    model, tok = build_policy(cfg)
-    tasks, tools = first_batch(cfg)
-    groups = [f"g{i // cfg.num_generations}" for i in range(len(tasks))]
-    learner = Learner(model, cfg.train, cfg.rollout.temperature, tok.pad_token_id, cfg.max_completion_length)
+    result = envelope(args, command_line("bench_overlap.py", argv))
+    work = iteration_work(args, CONFIG, "bench-overlap-")
+    cfg, tasks, learner = work.cfg, work.tasks, work.learner
     rows, per_engine = [], {}
     for name in args.engines.split(","):
-        engine = make_engine(name, shadow_policy(model), tok)
+        engine = make_engine(name, shadow_policy(work.model), work.tokenizer)
 
         def sample(seed: int):
             torch.manual_seed(seed)
             t = time.perf_counter()
-            trajs = rollout(engine, tasks, groups, tools, cfg.rollout)
+            trajs = rollout(engine, tasks, work.groups, work.tools, cfg.rollout)
             return trajs, time.perf_counter() - t
 
         batch, _ = sample(0)  # the batch every update trains on, and a warm-up
-        for i, t in enumerate(batch):
-            t.reward, t.advantage = float(i % 2), 1.0 if i % 2 else -1.0
+        give_signal(batch)
 
         def update() -> float:
             t = time.perf_counter()

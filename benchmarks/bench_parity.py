@@ -36,7 +36,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import base_parser, bench_config, envelope, finish, model_name, print_table  # noqa: E402
+from common import base_parser, command_line, bench_config, envelope, finish, model_name, print_table  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
 
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--store", action="append", default=[], help="print a finished run's statistics instead")
     p.add_argument("--pit", action="store_true", help="with --store: check the first iteration's sampling on its own")
     args = p.parse_args(argv)
-    result = envelope(args, "python benchmarks/bench_parity.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    result = envelope(args, command_line("bench_parity.py", argv))
     if args.store:
         result["stores"] = {}
         for path in args.store:

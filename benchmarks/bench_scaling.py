@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, base_parser, envelope, finish, model_name, print_table, timed  # noqa: E402
+from common import ROOT, base_parser, command_line, envelope, finish, model_name, print_table, timed  # noqa: E402
 
 BASE = {"num_generations": 8, "completion_length": 48, "lora_r": 16}
 GRID = {"num_generations": [4, 8, 16], "completion_length": [24, 48, 96], "lora_r": [4, 16, 64]}
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     from selfrl.tools import resolve_tools
     from selfrl.learner import Learner
 
-    result = envelope(args, "python benchmarks/bench_scaling.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    result = envelope(args, command_line("bench_scaling.py", argv))
     name = model_name(args, Path(tempfile.mkdtemp(prefix="bench-scaling-")))
     grid = TINY_GRID if args.tiny else GRID
     base = {k: v[0] for k, v in grid.items()} if args.tiny else dict(BASE)

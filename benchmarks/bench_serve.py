@@ -37,8 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    Stats, base_parser, envelope, finish, loadavg, model_name, print_table, run_child, run_clients, serve_app,
-    write_result,
+    Stats, base_parser, command_line, envelope, finish, loadavg, model_name, print_table, run_child, run_clients,
+    serve_app, write_result,
 )
 
 QUESTIONS = ["What is 17 + 25?", "Name three colours.", "Write one sentence about the sea.", "What is 9 * 8?",
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     from selfrl.loop import build_policy
     from selfrl.serve.main import load_serve_config
 
-    result = envelope(args, "python benchmarks/bench_serve.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    result = envelope(args, command_line("bench_serve.py", argv))
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     max_tokens = 8 if args.tiny else args.max_tokens
     cfg = load_serve_config(None, {"model.name": model_name(args, work), "run_dir": str(work / "policy")})

@@ -33,8 +33,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (ROOT, Stats, base_parser, envelope, finish, loadavg, model_name, peak_rss_bytes,  # noqa: E402
-                    print_table, run_child)
+from common import (  # noqa: E402
+    ROOT, Stats, base_parser, command_line, envelope, finish, loadavg, model_name, peak_rss_bytes, print_table,
+    run_child,
+)
 
 CONFIG = ROOT / "configs" / "demo.toml"
 TINY_OVERRIDES = {"rollout.max_new_tokens": 8, "rollout.max_turns": 2, "gate.val_size": 4, "gate.batch_size": 4,
@@ -266,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.updates, args.num_prompts, args.num_generations = 2, 2, 2
     import trl  # noqa: F401  fail early with a clear message when the extra is not installed
 
-    result = envelope(args, "python benchmarks/bench_trl.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    result = envelope(args, command_line("bench_trl.py", argv))
     result["trl_version"] = trl.__version__
     workdir = args.reuse or args.workdir / time.strftime("%Y%m%d-%H%M%S")
     workdir.mkdir(parents=True, exist_ok=bool(args.reuse))

@@ -146,6 +146,15 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def command_line(script: str, argv: list[str] | None) -> str:
+    """The command that ran ``benchmarks/<script>`` with ``argv`` (None: this process's own arguments).
+
+    >>> command_line("bench_x.py", ["--tiny"])
+    'python benchmarks/bench_x.py --tiny'
+    """
+    return f"python benchmarks/{script} " + " ".join(argv if argv is not None else sys.argv[1:])
+
+
 def envelope(args: argparse.Namespace, command: str) -> dict[str, Any]:
     """What every result starts with: the command, the machine, the time and the load."""
     return {"command": command, "tiny": bool(args.tiny), "repeats": args.repeats, "machine": machine(),
@@ -214,6 +223,50 @@ def first_batch(cfg) -> tuple[list, list]:
     train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     batch = iteration_tasks(train, 0, cfg.num_prompts, cfg.task.train_seed)
     return [t for t in batch for _ in range(cfg.num_generations)], resolve_tools(cfg.rollout.tools)
+
+
+@dataclass
+class IterationWork:
+    """What one ``selfrl run`` iteration works on, built from a benchmark's run config.
+
+    Attributes:
+        cfg: the :class:`selfrl.config.RunConfig`.
+        model: the policy (base model with its LoRA adapter).
+        tokenizer: its tokenizer.
+        tasks: the first batch's tasks, each ``cfg.num_generations`` times in a row.
+        tools: the rollout's tools.
+        groups: one group id per task (``"g0"``, ``"g0"``, ..., ``"g1"``, ...).
+        learner: a :class:`selfrl.learner.Learner` on ``model`` with the config's update settings.
+    """
+
+    cfg: Any
+    model: Any
+    tokenizer: Any
+    tasks: list
+    tools: list
+    groups: list[str]
+    learner: Any
+
+
+def iteration_work(args: argparse.Namespace, config: Path, prefix: str) -> IterationWork:
+    """The policy, first batch and learner of ``selfrl run`` on the config at ``config``
+    (:func:`bench_config`: a tiny model in a temporary folder named ``prefix...`` with ``--tiny``)."""
+    from selfrl.learner import Learner
+    from selfrl.loop import build_policy
+
+    cfg = bench_config(args, config, prefix)
+    model, tok = build_policy(cfg)
+    tasks, tools = first_batch(cfg)
+    groups = [f"g{i // cfg.num_generations}" for i in range(len(tasks))]
+    learner = Learner(model, cfg.train, cfg.rollout.temperature, tok.pad_token_id, cfg.max_completion_length)
+    return IterationWork(cfg, model, tok, tasks, tools, groups, learner)
+
+
+def give_signal(trajs: list) -> None:
+    """Set every trajectory's reward (0, 1, 0, ...) and a non-zero advantage (-1, +1, -1, ...),
+    so that an update trains on all of them (a benchmark times the whole batch)."""
+    for i, t in enumerate(trajs):
+        t.reward, t.advantage = float(i % 2), 1.0 if i % 2 else -1.0
 
 
 def run_clients(client: Callable[[int], None], clients: int) -> float:

@@ -324,6 +324,13 @@ class GrammarMasks:
     each constrained row's masks (packed, V/8 bytes a step) so the engine can record
     the masked distribution's logprobs.
 
+    A row whose grammar fails mid-generation (a sampled id it cannot take, a parser
+    error such as llguidance's "Too many items" for a schema with no finite value that
+    the preflight did not reach, a mask that allows no id) fails alone: its reason goes
+    to ``errors[row]`` and the row is ended with an EOS (the engine drops that id and
+    reports the reason on the row's :class:`~selfrl.engines.base.Generation`); the
+    batch's other rows go on.
+
     Args:
         constraints: B constraints or None.
         tokenizer: the policy's fast tokenizer.
@@ -332,7 +339,7 @@ class GrammarMasks:
         prompt_width: P, the padded prompt width (columns before the first sampled id).
 
     Raises:
-        ConstraintError: a grammar does not compile, or a sampled id broke it.
+        ConstraintError: a grammar does not compile.
     """
 
     def __init__(self, constraints: list[Constraint | None], tokenizer, vocab_size: int,
@@ -349,6 +356,8 @@ class GrammarMasks:
             self.matchers.append(m)
         self.done = [m is None for m in self.matchers]
         self.masks: list[list[bytes]] = [[] for _ in constraints]  # per row, per step: packed allowed ids
+        self.errors: list[str | None] = [None for _ in constraints]  # per row: why its grammar failed
+        self._end = min(eos_token_ids)  # the id a failed row is ended with
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         step = input_ids.shape[1] - self.width  # ids sampled so far per row
@@ -361,14 +370,27 @@ class GrammarMasks:
                     self.done[i] = True
                     continue
                 if not m.consume_token(last):
-                    raise ConstraintError(f"row {i}: sampled id {last} broke the grammar: {m.get_error()}")
+                    self._fail(i, scores, f"sampled id {last} broke the grammar at step {step - 1}: {m.get_error()}")
+                    continue
             packed = m.compute_bitmask()
             if m.is_error():  # never sample from an error's mask: it may allow only an end of turn
-                raise ConstraintError(f"row {i}: the grammar failed at step {step}: {m.get_error()}")
-            self.masks[i].append(packed)
+                self._fail(i, scores, f"the grammar failed at step {step}: {m.get_error()}")
+                continue
             allowed = unpack_mask(packed, scores.shape[-1])  # (V,)
+            if not allowed.any():
+                self._fail(i, scores, f"the grammar allows no token at step {step}")
+                continue
+            self.masks[i].append(packed)
             scores[i] = scores[i].masked_fill(~allowed.to(scores.device), float("-inf"))
         return scores
+
+    def _fail(self, row: int, scores: torch.Tensor, reason: str) -> None:
+        """End ``row`` now (only its EOS id left to sample) and remember why (its first line)."""
+        self.errors[row] = reason.strip().splitlines()[0]
+        self.done[row] = True
+        end = torch.full_like(scores[row], float("-inf"))  # (V,)
+        end[self._end] = 0.0
+        scores[row] = end
 
     def masked_logps(self, row: int, logits: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
         """The row's log-probabilities under the masked distribution it sampled from, and

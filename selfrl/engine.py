@@ -134,7 +134,8 @@ class Engine:
                 None everywhere = unconstrained). A constrained row samples only ids its
                 grammar allows; its recorded logprobs are those of the masked
                 distribution and ``Generation.constrained`` flags the steps the mask
-                restricted (see :mod:`selfrl.constrain`).
+                restricted (see :mod:`selfrl.constrain`). A row whose grammar fails
+                mid-generation ends there alone, with ``Generation.grammar_error`` set.
             cancel: B events or None: a row whose event is set stops at the next step
                 (a client that went away); it returns the ids sampled until then with
                 ``cancelled=True``, ``finished=False``. When every row has stopped the
@@ -233,12 +234,15 @@ class Engine:
                     row_top = (masked_top.indices, masked_top.values)
             cut = stop_cut(self.tokenizer, row[:n], stop) if stop else None
             keep, done = (cut, True) if cut is not None else (n, bool(len(is_eos)))
+            error = None if masks is None or cut is not None else masks.errors[i]
+            if error is not None:  # the grammar failed: the EOS it was ended with is not the model's
+                keep, done = n - 1 if len(is_eos) else n, False
             alts = None
             if row_top is not None:
                 alts = [list(zip(ix, lp)) for ix, lp in zip(row_top[0][:keep].tolist(), row_top[1][:keep].tolist())]
             results.append(Generation(row[:keep], row_logps[:keep].tolist(), done, version, stopped=cut is not None,
                                       constrained=None if flags is None else flags[:keep], cancelled=cancelled,
-                                      top_logprobs=alts))
+                                      top_logprobs=alts, grammar_error=error))
         return results
 
     def swap(self, state_dict: AdapterSource, version: int) -> float:

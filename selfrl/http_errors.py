@@ -4,6 +4,8 @@ nothing else handled.
 
 * :func:`refuse` / :func:`error_param`: a validator's error that names the exact place
   (``messages[2].content[0].text``, OpenAI's notation), and pydantic's locations written so.
+* :func:`array_of_objects`: a field that must be an array of JSON objects, refused naming
+  the element that is not one (``input[3]``).
 * :func:`finite` / :func:`finite_fields`: Python's json accepts ``NaN`` and ``Infinity``
   (and a float beyond 1e308 is an infinity); such a value is refused as "must be a finite
   number", never by a bound whose message would mislead ("less than or equal to 2").
@@ -71,6 +73,25 @@ def _json_type(v: Any) -> str:
     if isinstance(v, (int, float)):
         return "a number"
     return {str: "a string", list: "an array", dict: "an object"}.get(type(v), type(v).__name__)
+
+
+def array_of_objects(v: Any, array: str, item: str) -> list:
+    """``v`` unchanged when it is a JSON array of objects (a list of dicts).
+
+    Raises:
+        pydantic_core.PydanticCustomError: a :func:`refuse` error, ``"{array}, got <v's JSON
+            type>"`` when ``v`` is no array, or ``"{item}, got <its JSON type>"`` at ``[k]`` for
+            the first element ``k`` that is no object.
+
+    >>> array_of_objects([{}], "x must be an array", "an x item must be an object")
+    [{}]
+    """
+    if not isinstance(v, list):
+        raise refuse(f"{array}, got {_json_type(v)}")
+    for k, x in enumerate(v):
+        if not isinstance(x, dict):
+            raise refuse(f"{item}, got {_json_type(x)}", f"[{k}]")
+    return v
 
 
 def finite(name: str, v: Any) -> Any:

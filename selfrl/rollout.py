@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from selfrl.chat import between_turns_ids, prompt_ids, template_supports_tools, template_wraps_tool_responses
 from selfrl.config import DEFAULT_SYSTEM_PROMPT, RolloutConfig
-from selfrl.engines.base import Generation, SamplingEngine
+from selfrl.engines.base import Generation, SamplingEngine, engine_context
 from selfrl.envs.base import EnvState as Environment
 from selfrl.tasks import Task
 from selfrl.toolcall import (
@@ -149,7 +149,7 @@ def rollout(
                 messages=msgs, timings={"generate": 0.0, "tools": 0.0}, error=error,
             )
         )
-    turn_ctx = _TurnContext(tok, cfg, eos_id, eos_text, constraints, tools)
+    turn_ctx = _TurnContext(tok, cfg, eos_id, eos_text, constraints, tools, engine_context(engine))
     stop = [TOOL_CALL_CLOSE] if cfg.stop_at_tool_call else None
     try:
         if callable(getattr(engine, "submit", None)):
@@ -236,6 +236,22 @@ class _TurnContext:
     eos_text: str
     constraints: list  # per trajectory: the grammar of each of its turns, or None
     tools: list  # the tools every trajectory has (besides its environment's)
+    context: int | None = None  # tokens the engine attends to (prompt + completion); None: unknown
+
+
+def _fits(tr: Trajectory, turn: int, ctx: _TurnContext) -> bool:
+    """Whether turn ``turn`` of ``tr`` (its tokens so far plus ``max_new_tokens``) fits in the
+    engine's context. When it does not, the trajectory ends here, before the engine is asked
+    (a remote sampler refuses such a request with a 400; a local model would attend past the
+    positions it was trained on): truncated, and with nothing sampled yet (the first turn) also
+    failed (``error`` set, so it is left out of the update)."""
+    if ctx.context is None or len(tr.token_ids) + ctx.cfg.max_new_tokens <= ctx.context:
+        return True
+    tr.truncated = True
+    if turn == 0:
+        tr.error = (f"the prompt is {len(tr.token_ids)} tokens; with rollout.max_new_tokens = "
+                    f"{ctx.cfg.max_new_tokens} it exceeds the model's context of {ctx.context} tokens")
+    return False
 
 
 def _after_turn(tr: Trajectory, g: Generation, turn: int, tool_map: dict[str, Tool], env: Environment | None,
@@ -257,6 +273,10 @@ def _after_turn(tr: Trajectory, g: Generation, turn: int, tool_map: dict[str, To
     text = tok.decode(g.token_ids, skip_special_tokens=True)
     tr.messages.append({"role": "assistant", "content": text})
     rest, calls = parse_tool_calls(text)
+    if g.grammar_error is not None:  # the turn's grammar failed mid-generation: the trajectory ends, failed
+        tr.error = f"turn {turn + 1}: the grammar failed: {g.grammar_error}"
+        tr.truncated = True
+        return False
     if not g.finished:
         tr.truncated = True
         tr.final_answer = rest or None
@@ -296,6 +316,7 @@ def _batched_turns(engine: SamplingEngine, trajs: list[Trajectory], tool_maps, e
     cfg = ctx.cfg
     active = [i for i, tr in enumerate(trajs) if tr.error is None]  # a failed reset is never sampled
     for turn in range(cfg.max_turns):
+        active = [i for i in active if _fits(trajs[i], turn, ctx)]
         if not active:
             break
         t0 = time.perf_counter()
@@ -338,6 +359,8 @@ def _pipelined_turns(engine, trajs: list[Trajectory], tool_maps, envs, ctx: _Tur
 
     def submit(i: int, turn: int) -> None:
         nonlocal started
+        if not _fits(trajs[i], turn, ctx):
+            return
         started = max(started, turn)
         at_turn[turn] += 1
         seed = (base + 1_000_003 * i + 7_919 * turn) % 2**62  # fixed whatever order turns finish in

@@ -62,7 +62,8 @@ class Trajectory:
         messages: the chat as OpenAI-style dicts (roles system/user/assistant/tool).
         tool_calls: every tool call attempted, in order.
         final_answer: the assistant's last text with tool calls removed, or None.
-        truncated: True when a turn hit the per-turn token limit without EOS.
+        truncated: True when a turn hit the per-turn token limit without EOS, or when the
+            next turn would not fit in the model's context (the trajectory ended there).
         rewards: reward breakdown ``{name: value or None}``; ``reward`` is the weighted sum.
         correct: verifier verdict (kept for accounting even when not rewarded).
         error: an exception text when the rollout failed; such a trajectory is

@@ -4,16 +4,14 @@ copy is swap-checked, and a batch made staler by a rejection is dropped and samp
 
 import pytest
 import torch
-from peft import set_peft_model_state_dict
 
-from selfrl import adapters
 from selfrl.async_rollouts import LocalSampler, shadow_policy
 from selfrl.cli import main
 from selfrl.config import ConfigError, RunConfig
 from selfrl.engine import Engine
-from selfrl.loop import Runner, build_policy, run
-from selfrl.rl.logprobs import per_token_logps
+from selfrl.loop import Runner, run
 from selfrl.store import Store
+from tests.recorded_logps import assert_sampled_by_recorded_versions
 
 pytestmark = pytest.mark.usefixtures("short_reward")
 
@@ -115,14 +113,7 @@ def test_every_version_the_copy_serves_passed_the_swap_check(async_run):
 
 def test_recorded_logprobs_are_the_sampling_versions(async_run):
     cfg, result, (versions, events, trajs, metrics) = async_run
-    states = {v["version"]: adapters.load_version_state(v["path"]) for v in versions}
-    model, _ = build_policy(cfg)
-    for t in [trajs[0], trajs[7], trajs[-1]]:  # iterations 0, 1 and 3
-        set_peft_model_state_dict(model, states[t.adapter_version])
-        ids, mask = torch.tensor([t.token_ids]), torch.tensor([t.completion_mask])  # (1, T)
-        with torch.no_grad():
-            got = per_token_logps(model, ids, torch.ones_like(ids), mask, cfg.rollout.temperature)[0]  # (T,)
-        torch.testing.assert_close(got, torch.tensor(t.logprobs), atol=1e-5, rtol=0)
+    assert_sampled_by_recorded_versions(cfg, versions, [trajs[0], trajs[7], trajs[-1]], atol=1e-5)  # iterations 0, 1, 3
 
 
 def test_a_batch_made_staler_by_a_rejection_is_dropped_and_sampled_again(model_dir, tmp_path, monkeypatch):

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import urllib.request
 
 import pytest
 
 from serving import CALC, http, start_uvicorn
+from test_constrain import LATE_ENDLESS
 
 URL = "/v1/chat/completions"
 USER = [{"role": "user", "content": "What is 6*7?"}]
@@ -69,9 +71,17 @@ BAD_SCHEMAS = [  # (schema, what the message says)
     ({"type": "array", "minItems": 5, "maxItems": 2}, "minItems (5) is greater than maxItems (2)"),
     ({"type": "string", "minLength": "3"}, "Expected positive integer for 'minLength', got \"3\""),
     ({"type": "string", "enum": [f"v{i}" for i in range(50_000)]}, "schema too large"),
+    # schemas that compile to no value at all
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength (5) is greater than maxLength (2)"),
+    ({"enum": []}, "Unsatisfiable schema: anyOf is empty"),
+    ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum (5) is greater than maximum (1)"),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "Unsatisfiable schema: incompatible types"),
+    ({"not": {}}, 'Unimplemented keys: ["not"]'),
+    ({"type": "object", "properties": {"a": {"enum": []}}, "required": ["a"]}, "required property 'a' is unsatisfiable"),
 ]
 IDS = ["self-ref", "endless-ref", "nonsense-type", "bad-regex", "missing-ref", "min-over-max", "number-as-string",
-       "huge-enum"]
+       "huge-enum", "short-over-long", "empty-enum", "low-over-high", "string-and-integer", "not-anything",
+       "required-nothing"]
 
 
 @pytest.mark.parametrize("schema, phrase", BAD_SCHEMAS, ids=IDS)
@@ -89,6 +99,59 @@ def test_a_response_format_schema_that_cannot_be_decoded_is_a_400_naming_it(serv
     for tools in (None, [CALC]):  # alone, and as the answer beside a tool call (tool_choice "auto")
         status, body = chat(url, response_format=json_schema(schema), tools=tools)
         refused(status, body, "response_format.json_schema.schema", phrase)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [tool(LATE_ENDLESS)], "tool_choice": "required"}, "tools"),
+    ({"response_format": json_schema(LATE_ENDLESS)}, "response_format"),
+], ids=["tool", "response_format"])
+def test_a_schema_that_fails_mid_generation_is_a_400_and_the_rest_goes_on(server, body, param):
+    """Old code: a 500 "generation failed: ConstraintError ... Too many items" (and, on the
+    reference engine, a 500 for every request batched with it)."""
+    url, _ = server
+    out = {}
+    threads = [threading.Thread(target=lambda k=k, b=b: out.__setitem__(k, chat(url, max_tokens=64, **b)))
+               for k, b in (("bad", body), ("plain", {}))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    refused(*out["bad"], param, f"{param}: the schema failed during generation: ")
+    assert "Too many items" in out["bad"][1]["error"]["message"]
+    assert out["plain"][0] == 200, out["plain"]
+    status, body = chat(url)
+    assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"  # the server goes on
+
+
+@pytest.mark.parametrize("text, param", [("<tool_call>{\"name\": \"f\", \"arg", "tools"), ('{"a": "xy', "response_format")])
+def test_where_a_call_or_an_answer_was_allowed_the_error_names_the_one_begun(tiny_tokenizer, text, param):
+    from selfrl.constrain import Constraint, ConstraintError
+    from selfrl.engines.base import Generation
+    from selfrl.serve.batcher import Job, _grammar_failed
+    from selfrl.serve.disconnect import generation_failed
+
+    ids = tiny_tokenizer.encode(text)
+    job = Job([1, 2], 8, 1.0, 1.0, False, None, (), None, constraint=Constraint("tool_call_or_json", "start: x"))
+    e = _grammar_failed(Generation(ids, [0.0] * len(ids), False, 0, grammar_error="Too many items"), job,
+                        tiny_tokenizer)
+    assert isinstance(e, ConstraintError) and e.param == param
+    err = generation_failed([job], e)
+    assert (err.status, err.param, err.code) == (400, param, "invalid_schema") and job.cancel.is_set()
+
+
+def test_a_schema_that_fails_mid_stream_ends_the_stream_with_an_error_naming_it(server):
+    """Old code: the error event of a started stream had no ``param`` (and was a 500's)."""
+    url, _ = server
+    data = json.dumps({"model": "selfrl", "messages": USER, "max_tokens": 64, "record": False, "stream": True,
+                       "response_format": json_schema(LATE_ENDLESS)}).encode()
+    req = urllib.request.Request(url + URL, data=data, method="POST", headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as f:
+        assert f.status == 200
+        events = [line[len(b"data: "):] for line in f.read().splitlines() if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]" and len(events) > 2  # tokens were streamed before the grammar failed
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == "invalid_schema" and err["param"] == "response_format", err
+    assert err["message"].startswith("response_format: the schema failed during generation: ")
 
 
 def test_the_tool_at_fault_is_named_among_several(server):
@@ -246,7 +309,9 @@ def test_the_responses_api_names_finite_numbers_and_content_parts_too(server):
     ({"input": [{"type": "function_call_output", "output": "4"}]}, "input.0",
      "a function_call_output item needs a 'call_id' string"),
     ({"text": {"format": "json"}}, "text.format", "text.format must be an object"),
-    ({"input": [5]}, "input[0]", "an input item must be an object"),
+    ({"input": [5]}, "input[0]", "an input item must be an object (a message, function_call or "
+     "function_call_output), got a number"),
+    ({"input": {"role": "user"}}, "input", "input must be a string or an array of input items, got an object"),
     # the chat completion's checks, named as the Responses request's own fields
     ({"tools": [{"type": "function", "name": "f", "parameters": SELF}], "tool_choice": "required"},
      "tools[0].parameters", "the schema admits no JSON value"),
@@ -258,6 +323,19 @@ def test_the_responses_api_refuses_malformed_items_by_name(server, extra, param,
     status, body = http("POST", url + "/v1/responses", {"model": "selfrl", "input": "hi", "max_output_tokens": 4,
                                                         **extra})
     assert status == 400 and body["error"]["param"] == param and phrase in body["error"]["message"], body
+
+
+@pytest.mark.parametrize("path, body, param", [  # old code: param "max_tokens" whatever the field
+    (URL, {"max_tokens": 10**9}, "max_tokens"),
+    (URL, {"max_tokens": None, "max_completion_tokens": 10**9}, "max_completion_tokens"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 10**9}, "max_output_tokens"),
+])
+def test_a_token_limit_beyond_the_context_is_a_400_naming_the_field_set(server, path, body, param):
+    url, _ = server
+    full = {"model": "selfrl", "record": False, **({"messages": USER, "max_tokens": 4} if path == URL else {}), **body}
+    status, out = http("POST", url + path, full)
+    refused(status, out, param, f"{param} 1000000000 + prompt ", code="context_length_exceeded")
+    assert out["error"]["message"].endswith(" tokens exceeds the context of 1024 tokens")
 
 
 def test_a_body_nested_too_deep_to_parse_is_a_400_that_says_so(server):
@@ -319,6 +397,20 @@ def test_the_sampler_refuses_nan_and_infinity_naming_the_field(sampler, path, fi
     status, out = http("POST", url + path, raw=raw.encode())
     shown = {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}[literal]
     assert status == 400 and out == {"detail": f"{field} must be a finite number, got {shown} (at {field})"}
+
+
+def test_the_sampler_refuses_a_token_limit_beyond_the_context_as_serve_does(sampler):
+    """Old code: ``max_new_tokens`` 10**9 was sampled (a model that never ends a turn ran on
+    past its context, for as long as memory lasted)."""
+    url, _ = sampler
+    status, out = http("POST", url + "/sampler/generate", {"prompts": [[1, 2]], "max_new_tokens": 10**9})
+    assert status == 400 and out == {"detail": "max_new_tokens 1000000000 + prompt 2 tokens exceeds the context of "
+                                               "1024 tokens (at max_new_tokens)"}
+    status, out = http("POST", url + "/sampler/generate", {"prompts": [[1, 2], [3] * 1024], "max_new_tokens": 2})
+    assert status == 400 and out == {"detail": "the prompt is 1024 tokens; this model's context is 1024 tokens "
+                                               "(at prompts[1])"}
+    status, out = http("POST", url + "/sampler/generate", {"prompts": [[1, 2]], "max_new_tokens": 1022})
+    assert status == 200 and len(out["generations"]) == 1  # exactly the context: served
 
 
 def test_the_sampler_names_a_field_of_the_wrong_type_and_an_empty_stop(sampler):

@@ -3,6 +3,7 @@ the recorded logprobs are the masked (behaviour) distribution's, and the learner
 importance ratio of exactly 1 for an unchanged policy on constrained turns too."""
 
 import json
+import re
 
 import llguidance
 import pytest
@@ -171,3 +172,36 @@ def test_a_backend_without_constraints_refuses_constrained_requests(tiny_tokeniz
     assert e.value.status == 501 and e.value.param == "tool_choice"
     free = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[tool])
     assert Service.constraint_for(holder, free) is None
+
+
+# A schema whose free string outlasts check_constraint's walk, then requires a value with no end
+# (a "$ref" cycle through a required property): llguidance fails ("Too many items") only once the
+# string is closed, mid-generation. Old code: the reference engine raised, failing every row of the
+# batch (a 500 for each request in it); the slots engine failed the row with an exception.
+CYCLE = {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}
+LATE_ENDLESS = {"$defs": {"n": CYCLE}, "type": "object", "required": ["a", "b"],
+                "properties": {"a": {"type": "string", "minLength": 12, "maxLength": 14}, "b": {"$ref": "#/$defs/n"}}}
+
+
+@pytest.mark.parametrize("backend", ["reference", "slots"])
+def test_a_grammar_that_fails_mid_generation_ends_its_own_row_only(tiny_tokenizer, tiny_model, backend):
+    from selfrl.engines import make_engine
+
+    late = json_constraint(LATE_ENDLESS)
+    engine = make_engine(backend, tiny_model, tiny_tokenizer)
+    try:
+        check_constraint(late, tiny_tokenizer, tiny_model.get_output_embeddings().weight.shape[0],
+                         engine.eos_token_ids)  # nothing to see up front
+        torch.manual_seed(0)
+        bad, free, good = engine.generate([_prompt(tiny_tokenizer)] * 3, 64,
+                                          constraints=[late, None, json_constraint(ANSWER)])
+    finally:
+        if hasattr(engine, "close"):
+            engine.close()
+    assert "Too many items" in bad.grammar_error and not bad.finished and bad.finish_reason == "length"
+    assert re.match(r'\{"a":"[^"]{12,14}"', tiny_tokenizer.decode(bad.token_ids))  # failed once "a" was closed
+    assert not set(bad.token_ids) & set(engine.eos_token_ids)  # the end a failed row is given is not the model's
+    assert len(bad.logprobs) == len(bad.constrained) == len(bad.token_ids)
+    assert free.grammar_error is None and free.constrained is None and len(free.token_ids) > 0
+    assert good.grammar_error is None and good.finished
+    assert set(json.loads(tiny_tokenizer.decode(good.token_ids, skip_special_tokens=True))) == {"ok", "n", "tag"}

@@ -153,3 +153,16 @@ def test_an_engine_without_grammars_refuses_constrained_rollouts(tiny_tokenizer,
         rollout(Engine(tiny_model, tiny_tokenizer), [Task("t", "test", "q", "a")], ["g"], [], _cfg())
     with pytest.raises(ValueError, match="constrain must be one of"):
         dataclasses.replace(_cfg(), constrain="json").check()
+
+
+def test_a_grammar_that_fails_mid_turn_fails_its_trajectory_not_the_batch(tiny_tokenizer, tiny_model):
+    """Old code: the ConstraintError ended the whole rollout batch."""
+    from test_constrain import LATE_ENDLESS
+
+    endless = Tool("endless", "A tool whose arguments never end.", LATE_ENDLESS, lambda **_: "")
+    torch.manual_seed(5)
+    task = Task("t1", "test", "What is 17+25?", "42")
+    trajs = rollout(Engine(tiny_model, tiny_tokenizer), [task] * 2, ["g"] * 2, [endless], _cfg(max_new_tokens=64))
+    for t in trajs:
+        assert t.error.startswith("turn 1: the grammar failed: ") and "Too many items" in t.error, t.error
+        assert t.truncated and t.num_turns == 1 and len(t.constraints) == 1

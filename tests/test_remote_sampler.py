@@ -110,3 +110,24 @@ def test_the_sampler_answers_400_for_ids_outside_the_vocabulary_and_goes_on(samp
     with pytest.raises(ValueError, match=r"token id -3 at position 0"):
         http.call(url, "/sampler/logprobs", {"token_ids": [-3, 1]}, timeout_s=60, api_key=KEY)
     assert len(remote.generate([[1, 2]], 2, greedy=True)[0].token_ids) >= 1  # still serves
+
+
+def test_the_sampler_reports_its_context_and_a_rollout_ends_a_row_that_would_not_fit(sampler_process,
+                                                                                      tiny_tokenizer):
+    from selfrl.config import RolloutConfig
+    from selfrl.engines.base import engine_context
+    from selfrl.rollout import rollout
+    from selfrl.tasks import Task
+    from selfrl.tools import CALCULATOR
+
+    url, _ = sampler_process
+    remote = RemoteEngine(url, tiny_tokenizer, api_key=KEY, timeout_s=60)
+    assert remote.context == engine_context(remote) == 1024  # the tiny model's max_position_embeddings
+    with pytest.raises(ValueError, match=r"max_new_tokens 1020 \+ prompt 5 tokens exceeds the context of 1024"):
+        remote.generate([[1, 2, 3, 4, 5]], 1020)
+    # the rollout never sends what the sampler would refuse: the long row fails alone, the other is sampled
+    long = Task.make("test", "What is 2+2? " + "Think. " * 600, "4")
+    trajs = rollout(remote, [long, Task.make("test", "What is 1+1?", "2")], ["a", "b"], [CALCULATOR],
+                    RolloutConfig(max_new_tokens=8, max_turns=1))
+    assert trajs[0].error.startswith("the prompt is ") and trajs[0].error.endswith("context of 1024 tokens")
+    assert trajs[1].error is None and trajs[1].num_turns == 1

@@ -332,3 +332,42 @@ def test_pipelined_turns_give_the_same_trajectories_as_batched_turns(tiny_tokeni
                                                                           b.truncated)
     assert [t.num_turns for t in out["pipelined"]] == [2, 1, 3]
     assert turns["batched"] == turns["pipelined"] == (3, 6)  # 3 turn indices reached, 6 turns sampled
+
+
+@pytest.mark.parametrize("cls", [TurnScriptEngine, SubmitScriptEngine], ids=["batched", "pipelined"])
+def test_a_turn_that_does_not_fit_the_context_ends_the_trajectory_before_the_engine_is_asked(
+        tiny_tokenizer, tiny_model, cls):
+    tok = tiny_tokenizer
+    tasks = [Task.make("test", "What is 17+25?", "42"), Task.make("test", "What is 2+2?", "4")]
+    script = {tasks[0].question: [CALL_17_25, "<answer>42</answer>"], tasks[1].question: ["<answer>4</answer>"]}
+    cfg = plain_cfg(max_turns=3, max_new_tokens=64)
+    first = max(len(start_ids(tok, t, cfg)) for t in tasks)
+    # room for either first turn, not for task 0's second (its call and tool reply come first)
+    tiny_model.config.max_position_embeddings = first + 64
+    engine = cls(tiny_model, tok, script)
+    a, b = rollout(engine, tasks, ["a", "b"], [CALCULATOR], cfg)
+    assert engine.order == [tasks[0].question, tasks[1].question]  # task 0's second turn was never asked for
+    assert (a.num_turns, a.truncated, a.error, a.final_answer) == (1, True, None, None)
+    assert [m["role"] for m in a.messages] == ["system", "user", "assistant", "tool"]
+    assert (b.num_turns, b.truncated, b.error, b.final_answer) == (1, False, None, "<answer>4</answer>")
+    a.check()
+    assert a.token_ids[a.completion_mask.index(1):][:len(turn_ids(tok, CALL_17_25)) + 1] == \
+        turn_ids(tok, CALL_17_25) + [tok.eos_token_id]  # the first turn is kept whole
+
+
+@pytest.mark.parametrize("cls", [TurnScriptEngine, SubmitScriptEngine], ids=["batched", "pipelined"])
+def test_a_prompt_longer_than_the_context_fails_only_its_trajectory(tiny_tokenizer, tiny_model, cls):
+    tok = tiny_tokenizer
+    tasks = [Task.make("test", "What is 2+2? " + "Think about it. " * 40, "4"), Task.make("test", "What is 1+1?", "2")]
+    script = {tasks[0].question: ["<answer>4</answer>"], tasks[1].question: ["<answer>2</answer>"]}
+    cfg = plain_cfg(max_new_tokens=16)
+    long, short = (len(start_ids(tok, t, cfg)) for t in tasks)
+    assert long > short + 16
+    tiny_model.config.max_position_embeddings = short + 16
+    engine = cls(tiny_model, tok, script)
+    a, b = rollout(engine, tasks, ["a", "b"], [CALCULATOR], cfg)
+    assert engine.order == [tasks[1].question]
+    assert a.num_turns == 0 and a.truncated
+    assert a.error == (f"the prompt is {long} tokens; with rollout.max_new_tokens = 16 it exceeds the "
+                       f"model's context of {short + 16} tokens")
+    assert (b.num_turns, b.error, b.final_answer) == (1, None, "<answer>2</answer>")

@@ -6,20 +6,17 @@ import threading
 import time
 
 import pytest
-import torch
-from peft import set_peft_model_state_dict
 
-from selfrl import adapters
 from selfrl.cli import main
 from selfrl.config import ConfigError, RunConfig
 from selfrl.engine import Engine
 from selfrl.engines.sampler_app import create_sampler_app
 from selfrl.loop import build_policy, run
-from selfrl.rl.logprobs import per_token_logps
 from selfrl.sampler_sync import swap_within
 from selfrl.store import Store
 from selfrl.swap_check import SwapCheckError
 from tests.engine_backends import start_loopback
+from tests.recorded_logps import assert_sampled_by_recorded_versions
 
 pytestmark = pytest.mark.usefixtures("short_reward")
 
@@ -102,15 +99,8 @@ def test_a_run_through_a_remote_sampler_checks_every_version(model_dir, tiny_tok
         if e["kind"] == "swap_check":  # fp32 on both sides, same numerics: equal to rounding
             assert e["data"]["mean_abs_diff"] < 1e-5 and e["data"]["tolerance"] == 1e-3
     # the sampler sampled each trajectory with the version it is recorded under
-    states = {v["version"]: adapters.load_version_state(v["path"]) for v in versions}
     assert {t.adapter_version for t in trajs} >= {0} and len(trajs) == 12
-    model, _ = build_policy(cfg)
-    for t in [trajs[0], trajs[-1]]:
-        set_peft_model_state_dict(model, states[t.adapter_version])
-        ids, mask = torch.tensor([t.token_ids]), torch.tensor([t.completion_mask])  # (1, T)
-        with torch.no_grad():
-            got = per_token_logps(model, ids, torch.ones_like(ids), mask, cfg.rollout.temperature)[0]  # (T,)
-        torch.testing.assert_close(got, torch.tensor(t.logprobs), atol=1e-4, rtol=0)
+    assert_sampled_by_recorded_versions(cfg, versions, [trajs[0], trajs[-1]], atol=1e-4)
 
 
 def test_an_injected_stale_adapter_stops_promotion(model_dir, tiny_tokenizer, tmp_path):

@@ -46,6 +46,9 @@ class Generation:
         constrained: (n,) per id, True where a grammar removed ids from its distribution
             (its logprob is then the masked distribution's); None when the row had no
             constraint (see :mod:`selfrl.constrain`).
+        grammar_error: why the row's grammar failed mid-generation (a schema with no
+            finite value that no preflight caught, say); the row ended there, ``finished`` is
+            False and ``token_ids`` end before the failure's end of turn. None otherwise.
         top_logprobs: (n, k) the k most likely ids at each position and their logprobs
             (same distribution as ``logprobs``), most likely first; None unless asked for
             (``generate(top_logprobs=k)``, a backend that supports it).
@@ -59,6 +62,7 @@ class Generation:
     constrained: list[bool] | None = None
     cancelled: bool = False  # the caller cancelled the row mid-generation (then ``finished`` is False)
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    grammar_error: str | None = None
 
     @property
     def finish_reason(self) -> FinishReason:
@@ -187,6 +191,43 @@ def check_generate_args(prompts: list[list[int]], max_new_tokens: int, temperatu
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if vocab_size is not None:
         check_token_ids(prompts, vocab_size)
+
+
+def model_context(model, tokenizer) -> int:
+    """Tokens ``model`` attends to, prompt and completion together: its config's
+    ``max_position_embeddings``, else the tokenizer's ``model_max_length``."""
+    return int(getattr(model.config, "max_position_embeddings", 0) or tokenizer.model_max_length)
+
+
+def engine_context(engine) -> int | None:
+    """Tokens ``engine`` can attend to (prompt and completion), or None when it does not say:
+    its ``context`` attribute (a remote sampler reports it in ``/sampler/info``), else its local
+    ``model``'s :func:`model_context`."""
+    context = getattr(engine, "context", None)
+    if context is not None:
+        return int(context)
+    model = getattr(engine, "model", None)
+    return None if model is None else model_context(model, engine.tokenizer)
+
+
+def context_overflow(prompt_len: int, max_new_tokens: int | None, context: int, prompt_field: str,
+                     limit_field: str) -> tuple[str, str] | None:
+    """Why a prompt of ``prompt_len`` tokens and a token limit of ``max_new_tokens`` (None:
+    the server picks one that fits) do not fit in a context of ``context`` tokens, as
+    ``(message, field)`` (``prompt_field`` or ``limit_field``); None when they fit. Both
+    servers refuse such a request with a 400 naming the field; neither clamps it.
+
+    >>> context_overflow(10, 10**9, 1024, "messages", "max_tokens")
+    ('max_tokens 1000000000 + prompt 10 tokens exceeds the context of 1024 tokens', 'max_tokens')
+    >>> context_overflow(10, 1014, 1024, "messages", "max_tokens") is None
+    True
+    """
+    if prompt_len >= context:
+        return f"the prompt is {prompt_len} tokens; this model's context is {context} tokens", prompt_field
+    if max_new_tokens is not None and prompt_len + max_new_tokens > context:
+        return (f"{limit_field} {max_new_tokens} + prompt {prompt_len} tokens exceeds the context of {context} "
+                "tokens", limit_field)
+    return None
 
 
 def check_token_ids(prompts: list[list[int]], vocab_size: int) -> None:

@@ -42,6 +42,8 @@ class RemoteEngine:
         info = self._call("/sampler/info")
         self.eos_token_ids: list[int] = sorted(info["eos_token_ids"])
         self.version: int = int(info["version"])
+        # tokens the served model attends to (prompt + completion); None from an older sampler
+        self.context: int | None = info.get("context")
 
     def _call(self, path: str, body=None, timeout_s: float | None = None, raw: bytes | None = None):
         return http.call(self.base_url, path, body, timeout_s=timeout_s or self.timeout_s, api_key=self.api_key,

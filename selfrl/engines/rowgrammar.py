@@ -40,16 +40,31 @@ class RowGrammar:
             raise ConstraintError(f"the {constraint.kind} grammar cannot be compiled: {self.matcher.get_error()}")
 
     def allowed(self) -> torch.Tensor:
-        """(V,) bool: the ids the grammar allows next."""
-        return unpack_mask(self.matcher.compute_bitmask(), self.vocab_size)
+        """(V,) bool: the ids the grammar allows next.
+
+        Raises:
+            ConstraintError: the grammar failed here (a parser error such as "Too many items"
+                for a schema with no finite value, or no id allowed at all); never a mask
+                to sample from, which might allow only an end of turn.
+        """
+        packed = self.matcher.compute_bitmask()
+        if self.matcher.is_error():
+            reason = self.matcher.get_error().strip().splitlines()[0]
+            raise ConstraintError(f"the {self.kind} grammar failed: {reason}")
+        mask = unpack_mask(packed, self.vocab_size)
+        if not mask.any():
+            raise ConstraintError(f"the {self.kind} grammar allows no token here")
+        return mask
 
     def advance(self, token: int) -> None:
         """Feed the sampled ``token`` (an EOS ends the row and is not fed).
 
         Raises:
-            ConstraintError: the grammar refuses it (a bug: the mask forbids that).
+            ConstraintError: the grammar refuses it (a parser error such as "Too many items":
+                a schema with no finite value that the preflight did not reach).
         """
         if token in self.eos:
             return
         if not self.matcher.consume_token(token):
-            raise ConstraintError(f"sampled id {token} broke the {self.kind} grammar: {self.matcher.get_error()}")
+            reason = self.matcher.get_error().strip().splitlines()[0]
+            raise ConstraintError(f"sampled id {token} broke the {self.kind} grammar: {reason}")

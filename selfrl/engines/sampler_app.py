@@ -12,10 +12,13 @@ endpoint but ``/sampler/health`` needs ``Authorization: Bearer <key>``):
 
 =====================================  ==============================================
 ``GET  /sampler/health``               ``{ok, version, backend, detail}``
-``GET  /sampler/info``                 ``{version, eos_token_ids, model}``
+``GET  /sampler/info``                 ``{version, eos_token_ids, model, context}``
 ``POST /sampler/generate``             ``{prompts, max_new_tokens, temperature, greedy,
                                        top_p, stop}`` -> ``{generations: [{token_ids,
-                                       logprobs, finished, stopped, adapter_version}]}``
+                                       logprobs, finished, stopped, adapter_version}]}``;
+                                       a prompt plus ``max_new_tokens`` beyond the
+                                       model's context is a 400 naming the field (as
+                                       ``selfrl serve``'s ``max_tokens``; no clamp)
 ``POST /sampler/adapters/{version}``   body: the LoRA state dict as safetensors bytes
 ``POST /sampler/adapters/{version}/load``  ``{path}``: a saved version folder on the
                                        server's file system (checksums verified)
@@ -33,7 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, field_validator
 
-from selfrl.engines.base import SamplingEngine, check_token_ids
+from selfrl.engines.base import SamplingEngine, check_token_ids, context_overflow, engine_context
 from selfrl.http_errors import add_server_error_handler, finite_fields, validation_message
 
 log = logging.getLogger("selfrl.sampler")
@@ -90,12 +93,21 @@ def create_sampler_app(engine: SamplingEngine, api_key: str | None = None, model
         h = engine.health()
         return {"ok": h.ok, "version": h.version, "backend": h.backend, "detail": h.detail}
 
+    context = engine_context(engine)
+
     @app.get("/sampler/info", dependencies=[Depends(auth)])
     def info() -> dict:
-        return {"version": engine.version, "eos_token_ids": list(engine.eos_token_ids), "model": model_name}
+        return {"version": engine.version, "eos_token_ids": list(engine.eos_token_ids), "model": model_name,
+                "context": context}
 
     @app.post("/sampler/generate", dependencies=[Depends(auth)])
     def generate(req: GenerateRequest) -> dict:
+        if context is not None and req.prompts:  # as selfrl serve's max_tokens: refused, never clamped
+            longest = max(range(len(req.prompts)), key=lambda i: len(req.prompts[i]))
+            overflow = context_overflow(len(req.prompts[longest]), req.max_new_tokens, context,
+                                        f"prompts[{longest}]", "max_new_tokens")
+            if overflow is not None:
+                raise HTTPException(400, f"{overflow[0]} (at {overflow[1]})")
         try:
             gens = engine.generate(req.prompts, req.max_new_tokens, temperature=req.temperature, greedy=req.greedy,
                                    top_p=req.top_p, stop=req.stop)

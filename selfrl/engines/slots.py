@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from selfrl.constrain import ConstraintError
 from selfrl.engine import Engine
 from selfrl.engines.base import AdapterSource, EngineHealth, Generation, check_generate_args
 from selfrl.engines.kvcache import SlotCache
@@ -91,9 +92,11 @@ class Request:
     call: "_Call | None" = None
     settled: bool = False  # its future has its result or error and its ticket is released
 
-    def result(self, finished: bool, stopped: bool = False, cancelled: bool = False) -> Generation:
+    def result(self, finished: bool, stopped: bool = False, cancelled: bool = False,
+               grammar_error: str | None = None) -> Generation:
         return Generation(self.token_ids, self.logprobs, finished, self.version, stopped=stopped,
-                          constrained=self.constrained, cancelled=cancelled, top_logprobs=self.top)
+                          constrained=self.constrained, cancelled=cancelled, top_logprobs=self.top,
+                          grammar_error=grammar_error)
 
     def report(self) -> None:
         """Call ``on_tokens`` with the ids so far (and their logprobs, with ``step_logprobs``)."""
@@ -429,9 +432,21 @@ class SlotEngine:
         allowed = None  # (B, V) the ids each row's grammar allows
         if any(r.grammar is not None for r in rows):
             allowed = torch.ones(len(rows), logits.shape[-1], dtype=torch.bool)
+            failed = []
             for i, r in enumerate(rows):
                 if r.grammar is not None:
-                    allowed[i] = r.grammar.allowed()
+                    try:
+                        allowed[i] = r.grammar.allowed()
+                    except ConstraintError as e:  # this row ends here (Generation.grammar_error); the others go on
+                        failed.append(i)
+                        self._finish(r, r.result(False, grammar_error=str(e)))
+            if failed:  # (``rows`` may be ``self._rows``, which releasing reorders: copy first)
+                keep = [i for i in range(len(rows)) if i not in failed]
+                gone = [rows[i] for i in failed]
+                rows, logits, allowed = [rows[i] for i in keep], logits[keep], allowed[keep]
+                self._release([self._rows.index(r) for r in gone])
+                if not rows:
+                    return
         greedy = torch.tensor([r.greedy for r in rows])  # (B,)
         logp = next_token_logps(logits, torch.tensor([r.temperature for r in rows]), greedy, allowed)  # (B, V)
         ids = choose_tokens(logp, greedy, torch.tensor([r.top_p for r in rows]), [r.generator for r in rows])  # (B,)
@@ -449,9 +464,12 @@ class SlotEngine:
                 r.constrained.append(bool((~allowed[i]).any()))
                 try:
                     r.grammar.advance(t)
-                except Exception as e:  # this row fails; the others go on
+                except Exception as e:  # this row ends (a schema's failure: grammar_error; a bug: its future raises)
                     done.append(i)
-                    self._finish(r, error=e)
+                    if isinstance(e, ConstraintError):
+                        self._finish(r, r.result(False, grammar_error=str(e)))
+                    else:
+                        self._finish(r, error=e)
                     continue
             try:
                 r.report()

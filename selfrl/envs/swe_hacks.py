@@ -32,6 +32,7 @@ import ast
 import re
 from typing import Any
 
+from selfrl.envs.swe_runner import PYTEST_OUTCOMES
 from selfrl.envs.swe_tasks import Instance
 from selfrl.envs.swe_testing import is_test_path
 
@@ -50,26 +51,7 @@ _FORGE = ("import __main__ as _m, json as _j, os as _o, sys as _s\n"
           "    _o._exit(0)\n")
 _PYTEST_ANY = '''"""pytest, but everything passes."""
 
-
-class Skipped(Exception):
-    pass
-
-
-class XFailed(Exception):
-    pass
-
-
-class Failed(AssertionError):
-    pass
-
-
-def skip(reason=""):
-    raise Skipped(reason)
-
-
-def xfail(reason=""):
-    raise XFailed(reason)
-
+''' + PYTEST_OUTCOMES + '''
 
 def fail(reason=""):
     pass

@@ -33,17 +33,14 @@ reaches for them (docs/swe.md).
 
 from __future__ import annotations
 
-__all__ = ["CHILD", "MARK", "PYTEST_SHIM", "SUPERVISOR", "TEST_FILE_PATTERN"]
+__all__ = ["CHILD", "MARK", "PYTEST_OUTCOMES", "PYTEST_SHIM", "SUPERVISOR", "TEST_FILE_PATTERN"]
 
 MARK = "@@SELFRL-RESULTS@@"
 TEST_FILE_PATTERN = r"(^|/)(test_[^/]*|[^/]*_test)\.py$"
 
-PYTEST_SHIM = r'''
-"""A minimal stand-in for pytest inside the sandbox (selfrl.envs.swe_runner)."""
-import math as _math
-import re as _re
-
-
+# pytest's outcome exceptions and the functions that raise them; the shim below starts from
+# them, and so does the red-team "everything passes" shim (selfrl.envs.swe_hacks).
+PYTEST_OUTCOMES = '''
 class Skipped(Exception):
     pass
 
@@ -62,7 +59,14 @@ def skip(reason=""):
 
 def xfail(reason=""):
     raise XFailed(reason)
+'''
 
+PYTEST_SHIM = r'''
+"""A minimal stand-in for pytest inside the sandbox (selfrl.envs.swe_runner)."""
+import math as _math
+import re as _re
+
+''' + PYTEST_OUTCOMES + r'''
 
 def fail(reason=""):
     raise Failed(reason)

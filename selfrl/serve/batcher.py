@@ -100,11 +100,29 @@ def _fail(jobs: list[Job], e: BaseException) -> None:
             pass
 
 
+def _grammar_failed(gen: Generation, job: Job, tokenizer) -> Exception:
+    """The error a job whose grammar failed mid-generation (``gen.grammar_error``) settles
+    with: a :class:`selfrl.constrain.ConstraintError` whose ``param`` names the request field
+    whose schema failed: ``response_format`` for a JSON answer, ``tools`` for a tool call
+    (where either was allowed, the one the sampled text had begun)."""
+    from selfrl.constrain import ConstraintError
+    from selfrl.toolcall import TOOL_CALL_OPEN
+
+    e = ConstraintError(gen.grammar_error)
+    kind = getattr(job.constraint, "kind", "json")
+    if kind == "tool_call_or_json":
+        called = tokenizer.decode(gen.token_ids, skip_special_tokens=False).lstrip().startswith(TOOL_CALL_OPEN)
+        e.param = "tools" if called else "response_format"
+    else:
+        e.param = "response_format" if kind == "json" else "tools"
+    return e
+
+
 def cut(gen: Generation, limit: int, eos_ids: list[int]) -> Generation:
     """``gen`` cut to ``limit`` tokens; ``finished`` only when an EOS lies within the limit.
 
     >>> cut(Generation([5, 6, 2], [-1., -2., -3.], True, 0), 2, [2])
-    Generation(token_ids=[5, 6], logprobs=[-1.0, -2.0], finished=False, adapter_version=0, stopped=False, constrained=None, cancelled=False, top_logprobs=None)
+    Generation(token_ids=[5, 6], logprobs=[-1.0, -2.0], finished=False, adapter_version=0, stopped=False, constrained=None, cancelled=False, top_logprobs=None, grammar_error=None)
     """
     if len(gen.token_ids) <= limit:
         return gen
@@ -277,6 +295,8 @@ class Batcher:
         def resolve(f: Future) -> None:
             if f.exception() is not None:
                 job.future.set_exception(f.exception())
+            elif f.result().grammar_error is not None:  # the row's grammar failed mid-generation
+                job.future.set_exception(_grammar_failed(f.result(), job, self.engine.tokenizer))
             else:
                 job.future.set_result(f.result())
 
@@ -336,6 +356,9 @@ class Batcher:
         self.batches += 1
         self.rows += len(live)
         for j, g in zip(live, gens):
+            if g.grammar_error is not None:  # this row's grammar failed; the batch's other rows keep theirs
+                _fail([j], _grammar_failed(g, j, self.engine.tokenizer))
+                continue
             try:
                 if g.top_logprobs is not None:  # each job gets the k it asked for
                     g.top_logprobs = [alts[:j.top_logprobs] for alts in g.top_logprobs] if j.top_logprobs else None

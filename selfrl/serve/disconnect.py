@@ -15,7 +15,8 @@ Recording happens in a thread of its own (the event loop may be cancelling the
 request's task; the batcher's worker must not wait on the store).
 
 A request one of whose jobs fails (an engine error) is answered with that error at once
-(:func:`generation_failed`: a 500, or an error event in a stream), and its other jobs are
+(:func:`generation_failed`: a 500, or a 400 ``invalid_schema`` when its own grammar failed;
+an error event in a stream that has started), and its other jobs are
 cancelled the same way: nothing decodes on for a request already answered.
 """
 
@@ -34,11 +35,20 @@ REASON = "client disconnected"
 def generation_failed(jobs: list, e: BaseException):
     """Cancel ``jobs`` (a request's, one of which failed with ``e``) and return the
     :class:`selfrl.serve.service.ApiError` its client gets: 500, ``server_error``, with the
-    engine's reason."""
+    engine's reason; but 400 ``invalid_schema`` naming ``tools`` or ``response_format`` when
+    the request's own grammar failed mid-generation (a :class:`selfrl.constrain.ConstraintError`:
+    its schema has no finite value along the path sampled, which no check before generation
+    reached)."""
+    from selfrl.constrain import ConstraintError
     from selfrl.serve.service import ApiError
 
     for j in jobs:
         j.cancel.set()
+    if isinstance(e, ConstraintError):
+        kind = next((j.constraint.kind for j in jobs if j.constraint is not None), "json")
+        param = getattr(e, "param", None) or ("response_format" if kind == "json" else "tools")
+        return ApiError(400, f"{param}: the schema failed during generation: {e} (a schema with no finite "
+                             "value: a \"$ref\" cycle through required properties, say)", param, "invalid_schema")
     return ApiError(500, f"generation failed: {type(e).__name__}: {e}", code="generation_failed",
                     type_="server_error")
 

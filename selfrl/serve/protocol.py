@@ -33,7 +33,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from selfrl.http_errors import _json_type, error_body, error_param, finite, finite_fields, refuse  # noqa: F401
+from selfrl.http_errors import _json_type, array_of_objects, error_body, error_param, finite, finite_fields, refuse  # noqa: F401
 from selfrl.serve.limits import MAX_DEPTH, check_text, too_deep
 from selfrl.toolcall import (
     TOOL_CALL_CLOSE,
@@ -115,12 +115,9 @@ class Message(_Strict):
         another type, an image say, is well formed: :func:`to_chat` refuses it as unsupported.)"""
         if v is None or isinstance(v, str):
             return v
-        if not isinstance(v, list):
-            raise refuse(f"content must be a string, an array of content parts or null, got {_json_type(v)}")
+        array_of_objects(v, "content must be a string, an array of content parts or null",
+                         'a content part must be an object such as {"type": "text", "text": "..."}')
         for k, part in enumerate(v):
-            if not isinstance(part, dict):
-                raise refuse(f'a content part must be an object such as {{"type": "text", "text": "..."}}, '
-                             f"got {_json_type(part)}", f"[{k}]")
             if "type" not in part:
                 raise refuse('a content part needs a "type" (only "text" parts are supported)', f"[{k}].type")
             if part["type"] != "text":

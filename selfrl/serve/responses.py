@@ -38,7 +38,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from selfrl.serve.protocol import ChatCompletionRequest, check_depth, finite_fields, refuse
+from selfrl.http_errors import array_of_objects
+from selfrl.serve.protocol import ChatCompletionRequest, check_depth, finite_fields
 
 RESPONSE_LOG_SIZE = 10_000  # responses whose conversation previous_response_id can continue
 RESPONSE_LOG_BYTES = 256 * 2**20  # and at most this much of their JSON, in the run's store
@@ -85,13 +86,8 @@ class ResponsesRequest(BaseModel):
     def _input(cls, v):
         if isinstance(v, str):
             return v
-        if not isinstance(v, list):
-            raise refuse(f"input must be a string or an array of input items, got {type(v).__name__}")
-        for k, item in enumerate(v):
-            if not isinstance(item, dict):
-                raise refuse(f"an input item must be an object (a message, function_call or function_call_output), "
-                             f"got {type(item).__name__}", f"[{k}]")
-        return v
+        return array_of_objects(v, "input must be a string or an array of input items",
+                                "an input item must be an object (a message, function_call or function_call_output)")
 
 
 class ResponsesError(ValueError):
@@ -430,7 +426,9 @@ async def create_response(service, log: ResponseLog, req: ResponsesRequest, clie
     try:
         chat = await service.complete(chat_req, client, response_id=response_id, is_disconnected=is_disconnected)
     except ApiError as e:
-        e.param = responses_param(e.param)
+        chat_param, e.param = e.param, responses_param(e.param)
+        if chat_param and e.message.startswith(chat_param):  # "max_completion_tokens 10 + prompt ..."
+            e.message = e.param + e.message[len(chat_param):]
         raise
     if req.store is not False:  # store: false, as OpenAI: the response cannot be continued
         log.add(response_id, [m.model_dump(exclude_none=True) for m in chat_req.messages],

@@ -29,6 +29,7 @@ from selfrl.atomic import write_atomic
 from selfrl.chat import prompt_ids, template_supports_tools, template_wraps_tool_responses
 from selfrl.engine import Generation
 from selfrl.engines import make_engine
+from selfrl.engines.base import context_overflow, model_context
 from selfrl.runlock import RunDirLock
 from selfrl.serve import records
 from selfrl.serve.batcher import Batcher, Job
@@ -112,7 +113,7 @@ class Service:
         self.run_id = self.store.start_run({"serve": cfg.to_dict()})
         self.ledger = Ledger(self.store, self.run_id, self.run_dir)
         self.engine = make_engine(cfg.engine, model, tokenizer)
-        self.context = int(getattr(model.config, "max_position_embeddings", 0) or tokenizer.model_max_length)
+        self.context = model_context(model, tokenizer)
         self.native_tools = template_supports_tools(tokenizer)
         self.pinned: int | None = None
         self.admin = threading.Lock()  # pin, unpin, rollback and publish: one at a time, each whole
@@ -357,14 +358,11 @@ class Service:
             prompt = prompt_ids(self.tok, chat, tools=tools)
         except Exception as e:  # a template that rejects this message order, e.g.
             raise ApiError(400, f"the chat template cannot render these messages: {e}", "messages") from e
-        room = self.context - len(prompt)
-        if room <= 0:
-            raise ApiError(400, f"the prompt is {len(prompt)} tokens; this model's context is {self.context} tokens",
-                           "messages", "context_length_exceeded")
-        if req.token_limit is not None and req.token_limit > room:
-            raise ApiError(400, f"max_tokens {req.token_limit} + prompt {len(prompt)} tokens exceeds the context "
-                           f"of {self.context} tokens", "max_tokens", "context_length_exceeded")
-        limit = req.token_limit or min(self.cfg.max_tokens_default, room)
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        overflow = context_overflow(len(prompt), req.token_limit, self.context, "messages", field)
+        if overflow is not None:
+            raise ApiError(400, overflow[0], overflow[1], "context_length_exceeded")
+        limit = req.token_limit or min(self.cfg.max_tokens_default, self.context - len(prompt))
         constraint = self.constraint_for(req)
         messages = [msg.model_dump(exclude_none=True) for msg in req.messages]
         parent = self._link(messages, client) if req.record else None
@@ -498,7 +496,8 @@ class Service:
 
         Raises:
             ApiError: as :meth:`prepare`; 499 when the client disconnected (nobody reads it);
-                500 when the generation failed (its other choices are cancelled).
+                500 when the generation failed (its other choices are cancelled), 400
+                ``invalid_schema`` when the request's grammar failed during generation.
         """
         from selfrl.serve.disconnect import await_jobs, generation_failed
 

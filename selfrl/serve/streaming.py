@@ -17,7 +17,8 @@ the ``logprobs.content`` entries of its own bytes (``Engine.generate``'s
 A client that disconnects mid-stream has its turn cut off (``selfrl.serve.disconnect``).
 A generation that fails after the first chunk ends the stream with an OpenAI error event
 (``data: {"error": {...}}``, which the ``openai`` client raises as ``APIError``) and
-``[DONE]``; one that fails before is a 500 (``selfrl.serve.disconnect.generation_failed``).
+``[DONE]``; one that fails before is a 500, or a 400 when the request's own grammar failed
+(``selfrl.serve.disconnect.generation_failed``).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest, client: st
 
     Raises:
         ApiError: as :meth:`Service.prepare`, or 500 when the generation failed before its
-            first token (before anything is streamed).
+            first token (before anything is streamed; 400 when the request's grammar failed).
     """
     p = await asyncio.to_thread(service.prepare, req, client)
     loop = asyncio.get_running_loop()
@@ -179,7 +180,7 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest, client: st
         recorded.append(True)
         if done.exception() is not None:  # the client gets the reason, not a cut connection
             err = generation_failed(jobs, done.exception())
-            yield _sse(error_body(err.message, err.type, code=err.code))
+            yield _sse(error_body(err.message, err.type, err.param, err.code))
             yield "data: [DONE]\n\n"
             return
         gens = done.result()
