@@ -37,6 +37,7 @@ HOSTILE_SCHEMAS: list[dict] = [
     {"type": "object", "properties": {"a": {"enum": []}}, "required": ["a"]},
     {"type": "array", "items": {"enum": []}, "minItems": 1}, {"type": "string", "pattern": "^a$", "minLength": 3},
     {"type": "integer", "minimum": 1, "maximum": 2, "multipleOf": 5}, {"$ref": "#"},
+    {"type": "integer", "minimum": 10**20, "maximum": 10**20 + 3},  # beyond int64: llguidance would clamp it
     {"$defs": {"n": _CYCLE}, "$ref": "#/$defs/n"},
     {"$defs": {"n": _CYCLE}, "type": "object", "required": ["a", "b"],
      "properties": {"a": {"type": "string", "minLength": 12, "maxLength": 14}, "b": {"$ref": "#/$defs/n"}}},

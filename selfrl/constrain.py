@@ -100,6 +100,44 @@ def closed(schema: Any) -> Any:
     return out
 
 
+INT64_MAX = 2**63 - 1
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def check_integer_bounds(schema: Any) -> None:
+    """Refuse an integer schema (anywhere in ``schema``) whose bound lies beyond int64.
+
+    llguidance clamps such bounds to +-(2**63 - 1): ``{"type": "integer", "minimum":
+    10**20, "maximum": 10**20 + 3}`` compiles and then yields 9223372036854775807, a value
+    the schema rejects. A bound beyond int64 is therefore refused before generation.
+
+    Raises:
+        ConstraintError: naming the keyword and its value.
+
+    >>> check_integer_bounds({"type": "object", "properties": {"n": {"type": "integer", "maximum": 10}}})
+    >>> check_integer_bounds({"items": {"type": ["integer", "null"], "minimum": -2**64}})
+    Traceback (most recent call last):
+    ...
+    selfrl.constrain.ConstraintError: the schema bounds an integer beyond int64 (minimum = -18446744073709551616); the grammar engine clamps such bounds to +-(2**63 - 1) and would produce values the schema rejects
+    """
+    if isinstance(schema, list):
+        for sub in schema:
+            check_integer_bounds(sub)
+        return
+    if not isinstance(schema, dict):
+        return
+    types = schema.get("type")
+    if types == "integer" or (isinstance(types, list) and "integer" in types):
+        for key in _BOUNDS:
+            v = schema.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) > INT64_MAX:
+                raise ConstraintError(f"the schema bounds an integer beyond int64 ({key} = {v}); the grammar engine "
+                                      "clamps such bounds to +-(2**63 - 1) and would produce values the schema rejects")
+    for v in schema.values():
+        if isinstance(v, (dict, list)):
+            check_integer_bounds(v)
+
+
 _SUBSCHEMAS = ("items", "anyOf", "oneOf", "allOf", "prefixItems", "additionalProperties", "not", "then", "else", "if")
 
 

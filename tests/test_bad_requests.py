@@ -78,10 +78,12 @@ BAD_SCHEMAS = [  # (schema, what the message says)
     ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "Unsatisfiable schema: incompatible types"),
     ({"not": {}}, 'Unimplemented keys: ["not"]'),
     ({"type": "object", "properties": {"a": {"enum": []}}, "required": ["a"]}, "required property 'a' is unsatisfiable"),
+    # llguidance clamps integer bounds to int64: it would answer 9223372036854775807 here
+    ({"type": "integer", "minimum": 10**20, "maximum": 10**20 + 3}, "bounds an integer beyond int64 (minimum = "),
 ]
 IDS = ["self-ref", "endless-ref", "nonsense-type", "bad-regex", "missing-ref", "min-over-max", "number-as-string",
        "huge-enum", "short-over-long", "empty-enum", "low-over-high", "string-and-integer", "not-anything",
-       "required-nothing"]
+       "required-nothing", "beyond-int64"]
 
 
 @pytest.mark.parametrize("schema, phrase", BAD_SCHEMAS, ids=IDS)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from selfrl.constrain import Constraint, ConstraintError, json_constraint, tool_call_constraint
+from selfrl.constrain import Constraint, ConstraintError, check_integer_bounds, json_constraint, tool_call_constraint
 
 
 class SchemaError(ValueError):
@@ -110,6 +110,7 @@ def checked_constraint(tools: list[tuple[str, dict[str, Any]]], tool_choice: str
         parts.append((param, "", schema))
     for param, label, part in parts:
         try:
+            check_integer_bounds(part)
             check(json_constraint(part))
         except ConstraintError as e:
             raise SchemaError(f"{param}{label}: {str(e).replace('the json grammar', 'the schema', 1)}", param) from e
