@@ -165,6 +165,7 @@ class ProbeReport:
         tool_use: share of samples that called a tool (or wrote a call on their last turn).
         zero_signal: share of groups whose rewards are all equal (no gradient).
         all_fail, all_pass: share of groups where every sample failed / passed.
+        first_error: the first failed trajectory's ``error`` (None when none failed).
     """
 
     groups: int
@@ -175,6 +176,7 @@ class ProbeReport:
     zero_signal: float
     all_fail: float
     all_pass: float
+    first_error: str | None = None
 
     def line(self) -> str:
         return (f"pass@1 {self.pass_at_1:.2f}, pass@k {self.pass_at_k:.2f}, tool use {self.tool_use:.2f}, "
@@ -204,6 +206,7 @@ def probe_report(trajs: list[Trajectory]) -> ProbeReport:
         zero_signal=len(constant) / g if groups else 1.0,
         all_fail=sum(not any(t.correct for t in grp) for grp in groups.values()) / g,
         all_pass=sum(all(t.correct for t in grp) for grp in groups.values()) / g,
+        first_error=next((t.error for t in trajs if t.error), None),
     )
 
 
@@ -220,7 +223,8 @@ def diagnose(report: ProbeReport, temperature: float, group_size: int, tools: bo
     'no signal: every group failed every samp'
     """
     if report.groups == 0:
-        return "no signal: no scored group (every rollout failed; see the trajectories' error)"
+        first = f": the first: {report.first_error[:300]}" if report.first_error else ""
+        return f"no signal: no scored group (every rollout failed{first})"
     if report.zero_signal < 0.75:
         return None
     hints = []

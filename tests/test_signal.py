@@ -58,7 +58,12 @@ def test_probe_report_and_diagnosis_name_the_cause():
     assert probe_report([one_turn] + _trajs("a", "g1", [False])).tool_use == 0.5  # written, never dispatched
     mixed = probe_report(_trajs("a", "g1", [True, False]) + _trajs("b", "g2", [False, False]))
     assert mixed.zero_signal == 0.5 and diagnose(mixed, 1.0, 2, False) is None
-    assert diagnose(ProbeReport(0, 0, 0, 0, 0, 1.0, 0, 0), 1.0, 2, False).startswith("no signal: no scored group")
+    assert diagnose(ProbeReport(0, 0, 0, 0, 0, 1.0, 0, 0), 1.0, 2, False) == \
+        "no signal: no scored group (every rollout failed)"
+    failed = [Trajectory("t", "g", 0, error="the prompt is 1200 tokens; ... context of 1024 tokens"),
+              Trajectory("t", "g", 0, error="later")]
+    assert diagnose(probe_report(failed), 1.0, 2, False) == \
+        "no signal: no scored group (every rollout failed: the first: the prompt is 1200 tokens; ... context of 1024 tokens)"
 
 
 def _cfg(model_dir, run_dir, **task) -> RunConfig:
