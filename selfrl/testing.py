@@ -90,7 +90,7 @@ def build_tiny_model(tokenizer, seed: int = 0, eos_bias: float | None = None):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=8192,
         eos_token_id=eos,
         pad_token_id=eos,
         bos_token_id=None,
@@ -143,7 +143,7 @@ def save_tiny_phi(path, tokenizer, seed=0, eos_bias=2.0, **config_overrides):
     eos = tokenizer.eos_token_id
     fields = dict(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
         eos_token_id=eos, pad_token_id=eos, bos_token_id=None, tie_word_embeddings=False, initializer_range=0.1,
     )
     unknown = sorted(set(config_overrides) - set(fields))

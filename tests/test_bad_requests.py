@@ -337,7 +337,7 @@ def test_a_token_limit_beyond_the_context_is_a_400_naming_the_field_set(server, 
     full = {"model": "selfrl", "record": False, **({"messages": USER, "max_tokens": 4} if path == URL else {}), **body}
     status, out = http("POST", url + path, full)
     refused(status, out, param, f"{param} 1000000000 + prompt ", code="context_length_exceeded")
-    assert out["error"]["message"].endswith(" tokens exceeds the context of 1024 tokens")
+    assert out["error"]["message"].endswith(" tokens exceeds the context of 8192 tokens")  # the tiny model's
 
 
 def test_a_body_nested_too_deep_to_parse_is_a_400_that_says_so(server):
@@ -379,7 +379,9 @@ def sampler(tiny_tokenizer, tiny_model_factory):
     from selfrl.engine import Engine
     from selfrl.engines.sampler_app import create_sampler_app
 
-    engine = Engine(tiny_model_factory(lora=True, eos_bias=3.0), tiny_tokenizer)
+    model = tiny_model_factory(lora=True, eos_bias=3.0)
+    model.config.max_position_embeddings = 1024  # a short context, so that "exactly the context" is cheap to sample
+    engine = Engine(model, tiny_tokenizer)
     url, srv, thread = start_uvicorn(create_sampler_app(engine))
     yield url, engine
     srv.should_exit = True

@@ -122,12 +122,12 @@ def test_the_sampler_reports_its_context_and_a_rollout_ends_a_row_that_would_not
 
     url, _ = sampler_process
     remote = RemoteEngine(url, tiny_tokenizer, api_key=KEY, timeout_s=60)
-    assert remote.context == engine_context(remote) == 1024  # the tiny model's max_position_embeddings
-    with pytest.raises(ValueError, match=r"max_new_tokens 1020 \+ prompt 5 tokens exceeds the context of 1024"):
-        remote.generate([[1, 2, 3, 4, 5]], 1020)
+    assert remote.context == engine_context(remote) == 8192  # the tiny model's max_position_embeddings
+    with pytest.raises(ValueError, match=r"max_new_tokens 8188 \+ prompt 5 tokens exceeds the context of 8192"):
+        remote.generate([[1, 2, 3, 4, 5]], 8188)
     # the rollout never sends what the sampler would refuse: the long row fails alone, the other is sampled
-    long = Task.make("test", "What is 2+2? " + "Think. " * 600, "4")
+    long = Task.make("test", "What is 2+2? " + "Think. " * 3000, "4")
     trajs = rollout(remote, [long, Task.make("test", "What is 1+1?", "2")], ["a", "b"], [CALCULATOR],
                     RolloutConfig(max_new_tokens=8, max_turns=1))
-    assert trajs[0].error.startswith("the prompt is ") and trajs[0].error.endswith("context of 1024 tokens")
+    assert trajs[0].error.startswith("the prompt is ") and trajs[0].error.endswith("context of 8192 tokens")
     assert trajs[1].error is None and trajs[1].num_turns == 1
