@@ -415,6 +415,13 @@ def test_the_sampler_refuses_a_token_limit_beyond_the_context_as_serve_does(samp
                                                "(at prompts[1])"}
     status, out = http("POST", url + "/sampler/generate", {"prompts": [[1, 2]], "max_new_tokens": 1022})
     assert status == 200 and len(out["generations"]) == 1  # exactly the context: served
+    # the swap check's probe: old code scored 5000 ids against a 1024-position model (a model with
+    # learned positions would fail with a 500)
+    status, out = http("POST", url + "/sampler/logprobs", {"token_ids": [3] * 1025})
+    assert status == 400 and out == {"detail": "token_ids holds 1025 tokens; this model's context is 1024 tokens "
+                                               "(at token_ids)"}
+    status, out = http("POST", url + "/sampler/logprobs", {"token_ids": [3] * 1024})
+    assert status == 200 and len(out["logprobs"]) == 1023  # each id after the first, given its prefix
 
 
 def test_the_sampler_names_a_field_of_the_wrong_type_and_an_empty_stop(sampler):

@@ -24,7 +24,8 @@ endpoint but ``/sampler/health`` needs ``Authorization: Bearer <key>``):
                                        server's file system (checksums verified)
 ``POST /sampler/logprobs``             ``{token_ids, temperature}`` -> ``{logprobs,
                                        version}``: each token given its prefix (the
-                                       swap check's probe, :mod:`selfrl.swap_check`)
+                                       swap check's probe, :mod:`selfrl.swap_check`);
+                                       more ids than the context is a 400
 =====================================  ==============================================
 """
 
@@ -146,6 +147,9 @@ def create_sampler_app(engine: SamplingEngine, api_key: str | None = None, model
             check_token_ids([req.token_ids], engine.model.get_input_embeddings().weight.shape[0])
         except ValueError as e:
             raise HTTPException(400, str(e)) from e
+        if context is not None and len(req.token_ids) > context:  # as a prompt: a model with learned
+            raise HTTPException(400, f"token_ids holds {len(req.token_ids)} tokens; this model's context is "
+                                     f"{context} tokens (at token_ids)")  # positions would fail on it
         with engine.lock:  # one version from start to end, as a generation
             return {"logprobs": sequence_logprobs(engine.model, req.token_ids, req.temperature),
                     "version": engine.version}
