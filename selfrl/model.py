@@ -57,10 +57,7 @@ def embedded_model_dir() -> Path:
 
     # checked before the ~30 s conversion, not after it
     if target.exists() and not (target.is_dir() and not any(target.iterdir())):
-        raise ModelLoadError(
-            f"cannot cache the converted model at {target}: the path exists and is not a converted model; "
-            f"remove it (or set SELFRL_CACHE) and run again"
-        )
+        raise _taken(target)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
@@ -91,10 +88,12 @@ def _rename_into_place(tmp: Path, target: Path) -> None:
     except OSError:
         if (target / "config.json").exists():
             return  # another process renamed its finished copy first
-        raise ModelLoadError(
-            f"cannot cache the converted model at {target}: the path exists and is not a "
-            f"converted model; remove it (or set SELFRL_CACHE) and run again"
-        ) from None
+        raise _taken(target) from None
+
+
+def _taken(target: Path) -> ModelLoadError:
+    return ModelLoadError(f"cannot cache the converted model at {target}: the path exists and is not a converted "
+                          "model; remove it (or set SELFRL_CACHE) and run again")
 
 
 def resolve_model_path(name_or_path: str) -> str:
