@@ -172,7 +172,9 @@ def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
     monitor = HackingMonitor(cfg.detectors, weights)
     model, tok = build_policy(cfg)
     if cfg.sampler.url is None:  # --async-rollouts: the sampler has its own LoRA copy (selfrl.async_rollouts)
-        engine = make_engine(cfg.engine, shadow_policy(model) if cfg.async_rollouts else model, tok)
+        # driver "caller": sampling runs in the thread that waits for it, so that with the learner
+        # in the main thread torch runs in one thread (one OpenMP team; SlotEngine's ``driver``)
+        engine = make_engine(cfg.engine, shadow_policy(model) if cfg.async_rollouts else model, tok, driver="caller")
     else:  # rollouts in another process; the learner keeps its model here (selfrl.sampler_sync)
         from selfrl.sampler_sync import connect
 

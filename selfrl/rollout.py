@@ -358,6 +358,8 @@ def _pipelined_turns(engine, trajs: list[Trajectory], tool_maps, envs, ctx: _Tur
     takes_cancel = "cancel" in inspect.signature(engine.submit).parameters
 
     base = int(torch.randint(0, 2**62, (1,)))  # one draw: each (trajectory, turn) gets its own seed
+    # an engine whose steps run in the waiting thread (SlotEngine with driver "caller") waits itself
+    waiter = engine.wait if callable(getattr(engine, "wait", None)) else wait
 
 
     def submit(i: int, turn: int) -> None:
@@ -383,7 +385,7 @@ def _pipelined_turns(engine, trajs: list[Trajectory], tool_maps, envs, ctx: _Tur
         reported = 0
         while pending:
             t0 = time.perf_counter()
-            done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            done, _ = waiter(list(pending), return_when=FIRST_COMPLETED)
             dt = (time.perf_counter() - t0) / len(pending)
             for i, _ in pending.values():  # the wait's wall time, shared among the rows sampled in it
                 trajs[i].timings["generate"] += dt

@@ -50,6 +50,15 @@ def _in_process(name: str) -> BackendFactory:
 # every in-process backend registered in selfrl.engines is tested; other backends add themselves here
 BACKENDS: dict[str, BackendFactory] = {name: _in_process(name) for name in ENGINES}
 
+
+
+def _slots_caller(model, tokenizer, version: int = 0) -> SamplingEngine:
+    """The slot engine with no worker thread: the waiting threads run its steps (``selfrl run``'s)."""
+    return ENGINES["slots"](model, tokenizer, version=version, driver="caller")
+
+
+BACKENDS["slots-caller"] = _slots_caller
+
 # name -> why it cannot run here (reported as a skip)
 UNAVAILABLE: dict[str, str] = {}
 

@@ -100,7 +100,7 @@ class RolloutWorker:
         self.cfg = cfg
         model, tok = build_policy(cfg)
         torch.manual_seed(seed)
-        self.engine = make_engine(cfg.engine, model, tok, version=-1)
+        self.engine = make_engine(cfg.engine, model, tok, version=-1, driver="caller")
         self.source = make_source(cfg)  # the run's environment, or its agents' ([[agents]])
         self.tools = resolve_tools(cfg.rollout.tools)
         self.fault, self.fault_mark = parse_worker_fault(fault), fault_mark

@@ -11,32 +11,35 @@ from collections.abc import Callable
 from selfrl.engines.base import EngineHealth, Generation, SamplingEngine
 
 
-def _reference(model, tokenizer, version: int = 0) -> SamplingEngine:
+def _reference(model, tokenizer, version: int = 0, driver: str | None = None) -> SamplingEngine:
     from selfrl.engine import Engine
 
+    if driver not in (None, "caller"):  # it samples in the calling thread, always
+        raise ValueError(f"the reference engine samples in the caller's thread; driver {driver!r} is not possible")
     return Engine(model, tokenizer, version=version)
 
 
-def _slots(model, tokenizer, version: int = 0) -> SamplingEngine:
+def _slots(model, tokenizer, version: int = 0, driver: str | None = None) -> SamplingEngine:
     from selfrl.engines.slots import SlotEngine
 
-    return SlotEngine(model, tokenizer, version=version)
+    return SlotEngine(model, tokenizer, version=version, driver=driver or "thread")
 
 
-def _auto(model, tokenizer, version: int = 0) -> SamplingEngine:
+def _auto(model, tokenizer, version: int = 0, driver: str | None = None) -> SamplingEngine:
     """``slots`` for a policy on the CPU (measured faster there, docs/benchmarks.md section 7),
     ``reference`` on a GPU (the slot engine keeps its cache on the CPU)."""
     on_cpu = next(model.parameters()).device.type == "cpu"
-    return (_slots if on_cpu else _reference)(model, tokenizer, version=version)
+    return (_slots if on_cpu else _reference)(model, tokenizer, version=version, driver=driver)
 
 
 # name -> factory(model, tokenizer, version) for the in-process backends
 ENGINES: dict[str, Callable[..., SamplingEngine]] = {"auto": _auto, "reference": _reference, "slots": _slots}
-# selfrl run: the reference. The slot engine passes the conformance suite and samples one
-# iteration's rollouts about 2x faster when measured alone (bench_engines.py, idle, 2026-12-01),
-# but inside selfrl run, where the learner trains in the main thread, a whole make demo took
-# 541 s on slots against 491 s on the reference (docs/benchmarks.md section 7): no end-to-end
-# speed-up, so it stays opt-in (--engine slots, or auto).
+# selfrl run: the reference. The slot engine passes the conformance suite, and since selfrl run
+# steps it in the waiting thread (driver "caller": one OpenMP team) a make demo on it took
+# 363-387 s against 412-514 s for the reference runs next to it, the same held-out result
+# (docs/benchmarks.md section 7, "One thread for torch"). It stays opt-in (--engine slots, or
+# auto) because the label-free preset's seeded demo learns with the reference's samples and not
+# with the slot engine's (README).
 DEFAULT_ENGINE = "reference"
 # selfrl serve: auto, i.e. slots on the CPU and the reference on a GPU. Measured on an idle
 # machine (benchmarks/bench_serve.py, 2026-12-01): median time to first token with 8 streaming
@@ -46,16 +49,23 @@ DEFAULT_ENGINE = "reference"
 DEFAULT_SERVE_ENGINE = "auto"
 
 
-def make_engine(name: str, model, tokenizer, version: int = 0) -> SamplingEngine:
+def make_engine(name: str, model, tokenizer, version: int = 0, driver: str | None = None) -> SamplingEngine:
     """The in-process backend registered as ``name``, over ``model`` (a peft model shared
     with the learner) with ``version`` in its weights.
 
+    ``driver`` says which thread runs the decoding steps: None, the backend's own choice (the
+    slot engine's worker thread, so that a server streams while nobody waits); ``"caller"``,
+    the threads that wait for results, so that a process that also trains runs all its torch
+    work in one thread (:class:`selfrl.engines.slots.SlotEngine`, ``driver``); ``"thread"``,
+    a worker thread (the slot engine only).
+
     Raises:
-        ValueError: an unknown name (the message lists the valid ones).
+        ValueError: an unknown name (the message lists the valid ones), or a ``driver`` the
+            backend cannot honour.
     """
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r}; valid: {', '.join(sorted(ENGINES))}")
-    return ENGINES[name](model, tokenizer, version=version)
+    return ENGINES[name](model, tokenizer, version=version, driver=driver)
 
 
 __all__ = ["DEFAULT_ENGINE", "DEFAULT_SERVE_ENGINE", "ENGINES", "EngineHealth", "Generation", "SamplingEngine", "make_engine"]

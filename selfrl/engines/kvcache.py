@@ -114,3 +114,38 @@ class SlotCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class PrefixStore:
+    """Encoded prefixes for the slot engine: token ids with each layer's keys and values
+    (:meth:`SlotCache.read_prefix`), most recently used first, ``entries`` at most (the least
+    recently used is dropped). A prefix counts only from ``min_len`` shared tokens on."""
+
+    def __init__(self, entries: int, min_len: int):
+        self.entries, self.min_len = entries, min_len
+        self.items: list[tuple[tuple[int, ...], list[torch.Tensor], list[torch.Tensor]]] = []
+
+    def clear(self) -> None:
+        """Forget every prefix (the weights changed)."""
+        self.items = []
+
+    def match(self, prompt: list[int]) -> tuple[int, int]:
+        """(entry index, length) of the longest stored prefix of ``prompt`` (at most len - 1), or (-1, 0)."""
+        best, best_n = -1, 0
+        for j, (tokens, _, _) in enumerate(self.items):
+            n, limit = 0, min(len(tokens), len(prompt) - 1)
+            while n < limit and tokens[n] == prompt[n]:
+                n += 1
+            if n > best_n:
+                best, best_n = j, n
+        return (best, best_n) if best_n >= self.min_len else (-1, 0)
+
+    def add(self, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Keep ``tokens``' keys and values as the most recently used entry."""
+        self.items.insert(0, (tuple(tokens), keys, values))
+        del self.items[self.entries:]
+
+    def use(self, j: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Entry ``j``'s keys and values; it becomes the most recently used."""
+        self.items.insert(0, self.items.pop(j))
+        return self.items[0][1], self.items[0][2]

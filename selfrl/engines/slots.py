@@ -3,7 +3,9 @@ with a preallocated key/value cache and shared prefixes encoded once.
 
 How it departs from :class:`selfrl.engine.Engine` (the reference backend):
 
-- **Continuous batching.** One worker thread owns the model. Every request takes a
+- **Continuous batching.** One thread at a time runs the steps: the engine's worker
+  thread (``driver="thread"``, a server's), or whichever thread waits for results
+  (``driver="caller"``, ``selfrl run``'s: all torch work in one thread). Every request takes a
   slot (a row of :class:`~selfrl.engines.kvcache.SlotCache`); at each step the
   worker decodes one token for every active row, and a row that ends (EOS, a stop
   string, its own token limit) frees its slot at once for a queued request, which is
@@ -43,108 +45,30 @@ one version, as in the reference.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future
 
 import torch
 
 from selfrl.constrain import ConstraintError
 from selfrl.engine import Engine
 from selfrl.engines.base import AdapterSource, EngineHealth, Generation, check_generate_args
-from selfrl.engines.kvcache import SlotCache
+from selfrl.engines.kvcache import PrefixStore, SlotCache
 from selfrl.engines.rowgrammar import RowGrammar
 from selfrl.engines.sampling import choose_tokens, next_token_logps
+from selfrl.engines.slotrequest import Call, DrivenFuture, Request, row_generator
 from selfrl.engines.versiongate import VersionGate
 from selfrl.prefix import MIN_SHARED_PREFIX, shared_prefix_len
 
+__all__ = ["DrivenFuture", "Request", "SlotEngine", "VersionGate", "row_generator"]
 
 IDLE_CACHE_BYTES = 64 * 2**20  # an idle engine keeps a cache up to this size; a larger one is freed
-
-
-@dataclass(eq=False)
-class Request:
-    """One continuation to sample (see :meth:`SlotEngine.submit`)."""
-
-    prompt: list[int]
-    max_new_tokens: int
-    temperature: float = 1.0
-    greedy: bool = False
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    on_tokens: Callable[[list[int]], None] | None = None  # called from the worker with the ids so far
-    prefix_hint: int = 0  # leading tokens shared with other queued requests (encode once)
-    generator: torch.Generator | None = None  # this row's own sampling generator
-    top_logprobs: int = 0  # most likely ids kept per position (0 = none)
-    step_logprobs: bool = False  # on_tokens(ids, logprobs, top) instead of on_tokens(ids)
-    grammar: RowGrammar | None = None  # this row's grammar (constrained decoding)
-    cancel: threading.Event | None = None  # set: the row stops before the next step
-    future: Future = field(default_factory=Future)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    constrained: list[bool] | None = None  # per id, the grammar removed ids from its distribution
-    top: list[list[tuple[int, float]]] | None = None  # per id, the top_logprobs most likely (id, logprob)
-    version: int = 0
-    length: int = 0  # tokens of this row in the cache
-    call: "_Call | None" = None
-    settled: bool = False  # its future has its result or error and its ticket is released
-
-    def result(self, finished: bool, stopped: bool = False, cancelled: bool = False,
-               grammar_error: str | None = None) -> Generation:
-        return Generation(self.token_ids, self.logprobs, finished, self.version, stopped=stopped,
-                          constrained=self.constrained, cancelled=cancelled, top_logprobs=self.top,
-                          grammar_error=grammar_error)
-
-    def report(self) -> None:
-        """Call ``on_tokens`` with the ids so far (and their logprobs, with ``step_logprobs``)."""
-        if self.on_tokens is None:
-            return
-        if self.step_logprobs:
-            self.on_tokens(list(self.token_ids), list(self.logprobs), None if self.top is None else list(self.top))
-        else:
-            self.on_tokens(list(self.token_ids))
-
-
-def row_generator(seed: int | None) -> torch.Generator:
-    """A generator for one row: seeded with ``seed``, or with a draw from the global one."""
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)))
-    return torch.Generator().manual_seed(seed)
-
-
-class _Call:
-    """The rows of one ``generate`` call, for its ``on_step`` hook."""
-
-    def __init__(self, requests: list[Request], on_step: Callable[..., None], pad: int, step_logprobs: bool = False):
-        self.requests, self.on_step, self.pad, self.step_logprobs = requests, on_step, pad, step_logprobs
-
-    def emit(self) -> None:
-        """``on_step(ids)`` (B, k), or with ``step_logprobs`` ``on_step(ids, logprobs, top)``:
-        (B, k) logprobs and a pair of (B, k, n) tensors (ids, logprobs) or None; rows that
-        ended hold padding (id ``pad``, logprob 0) after their end."""
-        k = max(len(r.token_ids) for r in self.requests)
-        if k == 0:
-            return
-        B = len(self.requests)
-        ids = torch.full((B, k), self.pad, dtype=torch.long)  # (B, k)
-        logps = torch.zeros(B, k)  # (B, k)
-        n = max(r.top_logprobs for r in self.requests)
-        top = (torch.full((B, k, n), self.pad, dtype=torch.long), torch.zeros(B, k, n)) if n else None  # (B, k, n)
-        for i, r in enumerate(self.requests):
-            if r.token_ids:
-                ids[i, :len(r.token_ids)] = torch.tensor(r.token_ids)
-                logps[i, :len(r.logprobs)] = torch.tensor(r.logprobs)
-            if top is not None and r.top:
-                top[0][i, :len(r.top)] = torch.tensor([[t for t, _ in alts] for alts in r.top])
-                top[1][i, :len(r.top)] = torch.tensor([[lp for _, lp in alts] for alts in r.top])
-        if self.step_logprobs:
-            self.on_step(ids, logps, top)
-        else:
-            self.on_step(ids)
-
+DRIVERS = ("thread", "caller")  # who runs the decoding steps (SlotEngine's ``driver``)
+WAIT_POLL_S = 0.05  # driver "caller": how often a thread waiting for another's steps looks again
 
 class SlotEngine:
     """Continuous-batching backend of :class:`selfrl.engines.base.SamplingEngine`.
@@ -158,6 +82,20 @@ class SlotEngine:
         max_slots: rows decoded together at most (requests beyond wait for a slot).
         share_prefix: encode common prefixes once (see the module docstring).
         prefix_entries: how many encoded prefixes are kept (least recently used dropped).
+        driver: who runs the decoding steps. ``"thread"``: a worker thread of the engine's
+            own, which decodes while nobody waits (a server's streams). ``"caller"``: the
+            threads that wait on results (``generate``, :meth:`wait`, a future's
+            ``result()``), one at a time, so that a process that also trains (``selfrl run``)
+            runs all its torch work in one thread. This matters on the CPU: each thread that
+            runs torch operators gets its own OpenMP team, and with more OpenMP threads than
+            cores libgomp stops spinning at its barriers and sleeps in the kernel instead;
+            a slot engine's worker beside a learner in the main thread then decoded 20-40 %
+            slower (docs/benchmarks.md, "One thread for torch"). With ``"caller"``, a future
+            from :meth:`submit` makes progress only while someone waits on it: wait with
+            :meth:`wait` or its ``result()``, never ``concurrent.futures.wait`` alone.
+
+    Raises:
+        ValueError: ``max_slots`` < 1, or an unknown ``driver``.
     """
 
     name = "slots"
@@ -165,9 +103,11 @@ class SlotEngine:
     supports_cancel = True  # honours cancel events: a cancelled row frees its slot before the next step
 
     def __init__(self, model, tokenizer, version: int = 0, max_slots: int = 64, share_prefix: bool = True,
-                 prefix_entries: int = 4):
+                 prefix_entries: int = 4, driver: str = "thread"):
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        if driver not in DRIVERS:
+            raise ValueError(f"driver must be one of {', '.join(DRIVERS)}, got {driver!r}")
         self._ref = Engine(model, tokenizer, version=version, share_prefix=share_prefix)  # swap and checks
         self.model, self.tokenizer = model, tokenizer
         self.eos_token_ids = self._ref.eos_token_ids
@@ -179,7 +119,7 @@ class SlotEngine:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self._queue: deque[Request] = deque()
         self._rows: list[Request] = []  # active rows; index = slot
-        self._prefixes: list[tuple[tuple[int, ...], list[torch.Tensor], list[torch.Tensor]]] = []
+        self._prefixes = PrefixStore(prefix_entries, MIN_SHARED_PREFIX)
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         self._stamp = self._weights_stamp()
         self._cond = threading.Condition()
@@ -189,8 +129,12 @@ class SlotEngine:
         self.steps = 0  # decoding steps so far
         self.rows_done = 0  # requests completed so far
         self.rows_cancelled = 0  # requests cancelled (queued or running) so far
-        self._worker = threading.Thread(target=self._work, name="selfrl-slot-engine", daemon=True)
-        self._worker.start()
+        self.driver = driver
+        self._driving = threading.Lock()  # held by the thread running steps (driver "caller")
+        self._worker = None
+        if driver == "thread":
+            self._worker = threading.Thread(target=self._work, name="selfrl-slot-engine", daemon=True)
+            self._worker.start()
 
     # ------------------------------------------------------------------ the interface
 
@@ -201,7 +145,7 @@ class SlotEngine:
     @version.setter
     def version(self, value: int) -> None:
         self._ref.version = value
-        self._prefixes = []
+        self._prefixes.clear()
 
     def _weights_stamp(self) -> int:
         """Changes whenever a trainable parameter is modified in place (torch's per-tensor
@@ -236,10 +180,11 @@ class SlotEngine:
                               step_logprobs, None if constraints is None else constraints[i],
                               None if cancel is None else cancel[i], prefix_hint=hint)
                 for i, p in enumerate(prompts)]
-        call = _Call(reqs, on_step, self.pad_token_id, step_logprobs) if on_step is not None else None
+        call = Call(reqs, on_step, self.pad_token_id, step_logprobs) if on_step is not None else None
         for r in reqs:
             r.call = call
         self._enqueue(reqs)
+        self._drive(lambda: all(r.future.done() for r in reqs))
         return [r.future.result() for r in reqs]
 
     def submit(self, prompt: list[int], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False,
@@ -255,7 +200,9 @@ class SlotEngine:
         the calling thread), so what it samples does not depend on which rows share its
         batch. ``constraint`` (a :class:`selfrl.constrain.Constraint`) masks its logits;
         setting ``cancel`` stops it before the next step (its slot is freed, the result
-        has ``cancelled=True``). Blocks only while a swap is waiting or running.
+        has ``cancelled=True``). Blocks only while a swap is waiting or running. With
+        ``driver="caller"`` the row is sampled only while some thread waits: use
+        :meth:`wait` or the future's ``result()`` (both drive the engine).
 
         Raises:
             ValueError: bad arguments.
@@ -268,6 +215,24 @@ class SlotEngine:
         self._enqueue([req])
         return req.future
 
+    def wait(self, futures: Iterable[Future], timeout: float | None = None,
+             return_when: str = FIRST_COMPLETED) -> tuple[set[Future], set[Future]]:
+        """:func:`concurrent.futures.wait` for futures of :meth:`submit`; with ``driver="caller"``
+        the calling thread runs decoding steps meanwhile (for every queued row, not only these),
+        so that the futures finish. ``timeout`` (seconds) is honoured between steps.
+
+        Raises:
+            ValueError: an unknown ``return_when``.
+        """
+        futures = list(futures)
+        if self.driver == "caller":
+            if return_when not in (FIRST_COMPLETED, concurrent.futures.ALL_COMPLETED):
+                raise ValueError(f"return_when must be FIRST_COMPLETED or ALL_COMPLETED, got {return_when!r}")
+            test = any if return_when == FIRST_COMPLETED else all
+            self._drive(lambda: not futures or test(f.done() for f in futures), timeout)
+        return concurrent.futures.wait(futures, timeout=0 if self.driver == "caller" else timeout,
+                                       return_when=return_when)
+
     def _request(self, prompt, max_new_tokens, temperature, greedy, top_p, stop, on_tokens, seed, top_logprobs,
                  step_logprobs, constraint, cancel, prefix_hint: int = 0) -> Request:
         if not 0 <= top_logprobs <= self.vocab_size:
@@ -275,6 +240,7 @@ class SlotEngine:
         grammar = None if constraint is None else RowGrammar(constraint, self.tokenizer, self.vocab_size,
                                                             self.eos_token_ids)
         return Request(list(prompt), max_new_tokens, temperature, greedy, top_p, tuple(stop or ()), on_tokens,
+                       future=DrivenFuture(self._drive) if self.driver == "caller" else Future(),
                        prefix_hint=prefix_hint, generator=row_generator(seed), top_logprobs=top_logprobs,
                        step_logprobs=step_logprobs, grammar=grammar, cancel=cancel,
                        constrained=None if grammar is None else [], top=[] if top_logprobs else None)
@@ -286,14 +252,17 @@ class SlotEngine:
         Raises:
             ValueError: the adapter does not fit the model (nothing changes).
         """
+        if self.driver == "caller":  # the requests in flight need a thread to finish them
+            self._drive(lambda: not self._queue and not self._rows)
         with self.lock:
             seconds = self._ref.swap(adapter, version)
-            self._prefixes = []
+            self._prefixes.clear()
             return seconds
 
     def health(self) -> EngineHealth:
-        """Ok while the worker thread runs; the detail gives rows, queue and cache size."""
-        ok = self._worker.is_alive() and not self._closed
+        """Ok while the engine is open (and its worker thread, if it has one, runs); the detail
+        gives rows, queue and cache size."""
+        ok = not self._closed and (self._worker is None or self._worker.is_alive())
         state = "busy" if self._rows or self._queue else "idle"  # the reference engine's words first
         detail = (self._error or "closed") if not ok else (
             f"{state}: {len(self._rows)} active rows, {len(self._queue)} queued, "
@@ -305,7 +274,11 @@ class SlotEngine:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._worker.join(timeout=60)
+        if self._worker is not None:
+            self._worker.join(timeout=60)
+        else:
+            with self._driving:  # after the step in progress, if any
+                self._fail_all(RuntimeError("the slot engine is closed"))
         self.cache = SlotCache(slots=1, capacity=1)
 
     def lora_parameters(self) -> dict[str, torch.Tensor]:
@@ -353,12 +326,53 @@ class SlotEngine:
                 if self._closed:
                     self._fail_all(RuntimeError("the slot engine is closed"))
                     return
+            self._guarded_step()
+
+    def _guarded_step(self) -> None:
+        """One :meth:`_step`; a failure goes to every request in flight, and the engine goes on."""
+        try:
+            with torch.no_grad():
+                self._step()
+        except Exception as e:
+            self._error = f"last step failed: {e!r}"
+            self._fail_all(e)
+
+    def _drive(self, done: Callable[[], bool], timeout: float | None = None) -> None:
+        """With ``driver="caller"``: run steps in this thread until ``done()`` (or ``timeout``
+        seconds), one driving thread at a time; a thread that finds another driving waits for
+        it and takes over if its own rows are still unfinished when that one leaves. With a
+        worker thread: nothing (the worker steps).
+
+        Raises:
+            BaseException: an interrupt (KeyboardInterrupt) while stepping, after every request
+                in flight has failed with a RuntimeError (the engine stays usable).
+        """
+        if self.driver != "caller":
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done() and (deadline is None or time.monotonic() < deadline):
+            if not self._driving.acquire(timeout=WAIT_POLL_S):
+                continue  # another thread steps (our rows too); look again
             try:
-                with torch.no_grad():
-                    self._step()
-            except Exception as e:  # every request in flight gets the error; the worker goes on
-                self._error = f"last step failed: {e!r}"
-                self._fail_all(e)
+                while not done() and (deadline is None or time.monotonic() < deadline):
+                    with self._cond:
+                        if self._closed:
+                            break
+                        if not self._queue and not self._rows:
+                            break
+                    self._guarded_step()
+                with self._cond:
+                    if not self._queue and not self._rows and self.cache.nbytes > IDLE_CACHE_BYTES:
+                        self.cache = SlotCache(slots=min(8, self.max_slots))  # idle: give the memory back
+            except BaseException:  # an interrupt mid-step: the cache rows are forgotten with the requests
+                self._error = "interrupted while stepping"
+                self._fail_all(RuntimeError("the slot engine was interrupted while stepping"))
+                raise
+            finally:
+                self._driving.release()
+            with self._cond:
+                if self._closed or (not self._queue and not self._rows):
+                    return
 
     def _fail_all(self, error: BaseException) -> None:
         with self._cond:
@@ -492,7 +506,7 @@ class SlotEngine:
                 self._fail_call(c, e, rows, done)
         self._release([self._rows.index(rows[i]) for i in done])
 
-    def _fail_call(self, call: _Call, error: BaseException, rows: list[Request], done: list[int]) -> None:
+    def _fail_call(self, call: Call, error: BaseException, rows: list[Request], done: list[int]) -> None:
         """Fail every unsettled request of ``call`` with ``error``: queued ones leave the queue,
         running ones among ``rows`` are added to ``done`` (their slots are freed by the caller)."""
         with self._cond:
@@ -532,21 +546,8 @@ class SlotEngine:
                 rows[i] = rows[last]
             rows.pop()
 
-    def _match(self, prompt: list[int]) -> tuple[int, int]:
-        """(entry index, length) of the longest stored prefix of ``prompt`` (at most len - 1), or (-1, 0)."""
-        best, best_n = -1, 0
-        for j, (tokens, _, _) in enumerate(self._prefixes):
-            n, limit = 0, min(len(tokens), len(prompt) - 1)
-            while n < limit and tokens[n] == prompt[n]:
-                n += 1
-            if n > best_n:
-                best, best_n = j, n
-        return (best, best_n) if best_n >= MIN_SHARED_PREFIX else (-1, 0)
-
     def _store_prefix(self, tokens: list[int], slot: int) -> None:
-        keys, values = self.cache.read_prefix(slot, len(tokens))
-        self._prefixes.insert(0, (tuple(tokens), keys, values))
-        del self._prefixes[self.prefix_entries:]
+        self._prefixes.add(tokens, *self.cache.read_prefix(slot, len(tokens)))
 
     def _prefill(self, new: list[Request]) -> torch.Tensor:
         """Encode the prompts of ``new`` rows into the slots after the active ones; returns
@@ -554,21 +555,20 @@ class SlotEngine:
         first = len(self._rows)
         self.cache.ensure(first + len(new), max(len(r.prompt) + r.max_new_tokens for r in new))
         if self.share_prefix and self._stamp != (stamp := self._weights_stamp()):
-            self._prefixes, self._stamp = [], stamp  # the weights moved (a swap, an update in place)
+            self._prefixes.clear()  # the weights moved (a swap, an update in place)
+            self._stamp = stamp
         if self.share_prefix:
             # a prefix common to the rows admitted now, or to a generate call: encoded once
             common = shared_prefix_len([r.prompt for r in new])
             for r in new:
                 hint = max(common, r.prefix_hint)
-                if hint >= MIN_SHARED_PREFIX and self._match(r.prompt)[1] < hint:
+                if hint >= MIN_SHARED_PREFIX and self._prefixes.match(r.prompt)[1] < hint:
                     self._encode(r.prompt[:hint], first)
         starts = []
         for k, r in enumerate(new):
-            j, m = self._match(r.prompt) if self.share_prefix else (-1, 0)
+            j, m = self._prefixes.match(r.prompt) if self.share_prefix else (-1, 0)
             if j >= 0:
-                _, keys, values = self._prefixes[j]
-                self.cache.load_prefix(first + k, keys, values, m)
-                self._prefixes.insert(0, self._prefixes.pop(j))
+                self.cache.load_prefix(first + k, *self._prefixes.use(j), m)
             starts.append(m)
         T = max(len(r.prompt) - m for r, m in zip(new, starts))
         b = len(new)

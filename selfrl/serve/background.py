@@ -101,7 +101,8 @@ class BackgroundLearner(threading.Thread):
             cfg, model, tokenizer, store, ledger, publish)
         ref_state = kl_reference(model, cfg.lora.init_adapter)  # before any other version is loaded (same rule as run)
         champ = ledger.champion
-        self.engine = make_engine(cfg.engine, model, tokenizer, version=champ.version)  # validation runs here, not on the server
+        # validation runs here (in the learner's thread, driver "caller"), not on the server
+        self.engine = make_engine(cfg.engine, model, tokenizer, version=champ.version, driver="caller")
         if champ.version != 0:
             from peft import set_peft_model_state_dict
 
