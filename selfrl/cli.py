@@ -88,9 +88,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="before RL, fine-tune on the model's own verified, unflagged successes on training tasks "
                         "(rejection sampling, STaR/RAFT), gated like an update; [warm_start] in the config "
                         "(docs/warm_start.md)")
-    r.add_argument("--async-rollouts", action="store_true", default=None,
+    r.add_argument("--async-rollouts", action=argparse.BooleanOptionalAction, default=None,
                    help="sample the next iteration's rollouts while the update trains (one batch ahead: staleness "
-                        "<= 1, importance-corrected; every version the sampler copy serves is swap-checked)")
+                        "<= 1, importance-corrected; every version the sampler copy serves is swap-checked); "
+                        "--no-async-rollouts samples and trains in turn")
     sub.add_parser("envs", help="list the installed environments, one line each")
     s = sub.add_parser("serve", help="OpenAI-compatible server that records, learns and hot-swaps adapters")
     s.add_argument("--config", help="TOML file with ServeConfig keys (see selfrl/serve/config.py)")

@@ -152,6 +152,13 @@ def test_async_rollouts_is_refused_with_ray_and_set_by_the_flag(model_dir, tmp_p
         with pytest.raises(SystemExit):
             main(["run", "--model", str(model_dir), "--run-dir", str(tmp_path / "c"), *flags])
     assert seen == [True, False]
+    # a config that turns it on can be overridden from the command line, both ways
+    on = tmp_path / "on.toml"
+    on.write_text("async_rollouts = true\n")
+    for flags in (["--no-async-rollouts"], [], ["--async-rollouts"]):
+        with pytest.raises(SystemExit):
+            main(["run", "--config", str(on), "--model", str(model_dir), "--run-dir", str(tmp_path / "d"), *flags])
+    assert seen == [True, False, False, True, True]
 
 
 def test_an_async_run_on_the_slot_engine(model_dir, tmp_path):
