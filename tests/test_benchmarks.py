@@ -139,6 +139,17 @@ def test_overlap_tiny(tmp_path):
     assert (tmp_path / "overlap.json").exists()
 
 
+def test_driver_tiny(tmp_path):
+    import bench_driver
+
+    r = bench_driver.main(TINY + ["--out", str(tmp_path)])
+    thread, caller = r["runs"]["thread"][0], r["runs"]["caller"][0]
+    assert (thread["driver"], caller["driver"]) == ("thread", "caller")  # each child ran the driver it was given
+    assert thread["tasks"] == caller["tasks"] == 2 and thread["success"] == caller["success"]  # same greedy answers
+    assert r["thread_over_caller"].median == pytest.approx(thread["validate_s"] / caller["validate_s"])
+    assert (tmp_path / "driver.json").exists()
+
+
 def test_engines_tiny(tmp_path):
     import bench_engines
 
