@@ -129,6 +129,9 @@ class PrefixStore:
         """Forget every prefix (the weights changed)."""
         self.items = []
 
+    def __len__(self) -> int:
+        return len(self.items)
+
     def match(self, prompt: list[int]) -> tuple[int, int]:
         """(entry index, length) of the longest stored prefix of ``prompt`` (at most len - 1), or (-1, 0)."""
         best, best_n = -1, 0
