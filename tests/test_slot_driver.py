@@ -9,6 +9,7 @@ waiting, several waiting threads, swap and close with rows nobody waits for.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ALL_COMPLETED
 
 import pytest
@@ -149,3 +150,144 @@ def test_driver_choice_is_honoured_or_refused(tiny_tokenizer, tiny_model_factory
         make_engine("reference", model, tiny_tokenizer, driver="thread")
     with pytest.raises(ValueError, match="driver must be one of thread, caller"):
         SlotEngine(model, tiny_tokenizer, driver="fiber")
+
+
+# ---------------------------------------------------------------- found by a fresh user trying to break it
+
+
+def test_an_interrupt_during_a_prefill_gives_every_ticket_back(tiny_tokenizer, tiny_model_factory):
+    # the rows being admitted are neither queued nor active while prefilled; a Ctrl-C there left
+    # their version tickets out, and selfrl run's finish() then waited in swap() forever
+    engine = SlotEngine(tiny_model_factory(eos_bias=-50.0, lora=True), tiny_tokenizer, driver="caller")
+    fired = []
+
+    def interrupt_prefill(module, args, kwargs):
+        if kwargs.get("input_ids") is not None and kwargs["input_ids"].shape[1] > 1 and not fired:
+            fired.append(1)
+            raise KeyboardInterrupt
+
+    hook = engine.model.register_forward_pre_hook(interrupt_prefill, with_kwargs=True)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts_with_system(tiny_tokenizer, QUESTIONS), 5, greedy=True)
+    hook.remove()
+    assert fired and engine.lock.in_flight == 0
+    swapped = threading.Thread(target=engine.swap, args=(engine.lora_parameters(), 1), daemon=True)
+    swapped.start()
+    swapped.join(timeout=30)
+    assert not swapped.is_alive() and engine.version == 1
+    engine.close()
+
+
+@pytest.mark.parametrize("driver", ["thread", "caller"])
+def test_close_while_another_thread_generates_says_closed(tiny_tokenizer, tiny_model_factory, driver):
+    for _ in range(5):  # the race was lost most of the time (an empty TimeoutError instead)
+        engine = SlotEngine(tiny_model_factory(eos_bias=-50.0, lora=True), tiny_tokenizer, driver=driver)
+        started, out = threading.Event(), {}
+
+        def slow(ids):
+            started.set()
+            time.sleep(0.01)
+
+        def call():
+            try:
+                engine.generate(prompts_with_system(tiny_tokenizer, QUESTIONS), 200, greedy=True, on_step=slow)
+            except Exception as e:
+                out["error"] = e
+
+        t = threading.Thread(target=call)
+        t.start()
+        assert started.wait(30)
+        engine.close()
+        t.join(timeout=30)
+        assert isinstance(out.get("error"), RuntimeError) and "closed" in str(out["error"])
+
+
+@pytest.mark.parametrize("driver", ["thread", "caller"])
+def test_a_swap_that_waits_finishes_rows_submitted_meanwhile(tiny_tokenizer, tiny_model_factory, monkeypatch, driver):
+    # a row submitted while a swap is about to wait holds a ticket; its thread then submits again
+    # (as the pipelined rollout does) and waits behind the swap: the swap must step that row itself
+    from selfrl.engines.versiongate import VersionGate
+
+    late = VersionGate.acquire_exclusive
+
+    def acquire_late(self, *args):
+        time.sleep(0.2)  # the window a preemption opens between deciding to swap and waiting
+        return late(self, *args)
+
+    monkeypatch.setattr(VersionGate, "acquire_exclusive", acquire_late)
+    engine = SlotEngine(tiny_model_factory(eos_bias=-50.0, lora=True), tiny_tokenizer, driver=driver)
+    prompt = prompts_with_system(tiny_tokenizer, ["Hi"])[0]
+    out = {}
+
+    def user():
+        time.sleep(0.1)
+        first = engine.submit(prompt, 3, greedy=True)
+        time.sleep(0.3)  # the swap waits now, for first's ticket
+        second = engine.submit(prompt, 3, greedy=True)  # waits behind the swap
+        out["versions"] = sorted(f.result(timeout=30).adapter_version for f in (first, second))
+
+    threads = [threading.Thread(target=user, daemon=True),
+               threading.Thread(target=engine.swap, args=(engine.lora_parameters(), 1), daemon=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads) and out["versions"] == [0, 1]
+    engine.close()
+
+
+def test_a_future_cancelled_by_its_owner_does_not_break_close(tiny_tokenizer, tiny_model_factory):
+    # Future.cancel() on a queued row made close() raise InvalidStateError, leaving the next row
+    # unsettled and its ticket out (with a worker thread, the worker died of it)
+    engine = SlotEngine(tiny_model_factory(lora=True), tiny_tokenizer, driver="caller", max_slots=1)
+    prompt = prompts_with_system(tiny_tokenizer, ["Hi"])[0]
+    a, b = engine.submit(prompt, 3, greedy=True), engine.submit(prompt, 3, greedy=True)
+    assert a.cancel()  # queued: nobody steps a caller-driven engine until someone waits
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        b.result(timeout=5)
+    assert engine.lock.in_flight == 0
+
+
+def test_tickets_of_a_batch_are_taken_at_once():
+    from selfrl.engines.versiongate import VersionGate
+
+    gate = VersionGate()
+    gate.acquire_shared(3)
+    assert gate.in_flight == 3
+    for _ in range(3):
+        gate.release_shared()
+    with gate:
+        assert gate.in_flight == 0
+
+
+@pytest.mark.parametrize("driver", ["thread", "caller"])
+def test_a_callback_cannot_wait_for_its_own_engine(tiny_tokenizer, tiny_model_factory, driver):
+    engine = SlotEngine(tiny_model_factory(eos_bias=-50.0, lora=True), tiny_tokenizer, driver=driver)
+    prompt = prompts_with_system(tiny_tokenizer, ["Hi"])[0]
+
+    def nested(ids):
+        engine.generate([prompt], 2)  # would wait for the step it runs in
+
+    with pytest.raises(RuntimeError, match="callback .* cannot wait for the same engine"):
+        engine.submit(prompt, 4, on_tokens=nested).result(timeout=30)
+    assert len(engine.generate([prompt], 3, greedy=True)[0].token_ids) == 3  # the engine goes on
+    engine.close()
+
+
+def test_wait_honours_its_timeout_for_futures_of_others(tiny_tokenizer, tiny_model_factory):
+    from concurrent.futures import Future
+
+    engine = SlotEngine(tiny_model_factory(lora=True), tiny_tokenizer, driver="caller")
+    t = time.monotonic()
+    done, not_done = engine.wait([Future()], timeout=0.3)
+    assert not done and len(not_done) == 1 and time.monotonic() - t >= 0.3
+    engine.close()
+
+
+@pytest.mark.parametrize("bad", ["", 0, "fiber"])
+def test_make_engine_refuses_a_driver_it_does_not_know(tiny_tokenizer, tiny_model_factory, bad):
+    model = tiny_model_factory(lora=True)
+    for name in ("slots", "reference"):
+        with pytest.raises(ValueError, match="driver must be one of thread, caller"):
+            make_engine(name, model, tiny_tokenizer, driver=bad)

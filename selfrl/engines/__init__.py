@@ -11,18 +11,28 @@ from collections.abc import Callable
 from selfrl.engines.base import EngineHealth, Generation, SamplingEngine
 
 
+DRIVERS = ("thread", "caller")  # which thread runs the decoding steps (make_engine's ``driver``)
+
+
+def _check_driver(driver: str | None) -> None:
+    if driver is not None and driver not in DRIVERS:
+        raise ValueError(f"driver must be one of {', '.join(DRIVERS)} (or None: the backend's own), got {driver!r}")
+
+
 def _reference(model, tokenizer, version: int = 0, driver: str | None = None) -> SamplingEngine:
     from selfrl.engine import Engine
 
-    if driver not in (None, "caller"):  # it samples in the calling thread, always
-        raise ValueError(f"the reference engine samples in the caller's thread; driver {driver!r} is not possible")
+    _check_driver(driver)
+    if driver == "thread":  # it samples in the calling thread, always
+        raise ValueError("the reference engine samples in the caller's thread; driver 'thread' is not possible")
     return Engine(model, tokenizer, version=version)
 
 
 def _slots(model, tokenizer, version: int = 0, driver: str | None = None) -> SamplingEngine:
     from selfrl.engines.slots import SlotEngine
 
-    return SlotEngine(model, tokenizer, version=version, driver=driver or "thread")
+    _check_driver(driver)
+    return SlotEngine(model, tokenizer, version=version, driver="thread" if driver is None else driver)
 
 
 def _auto(model, tokenizer, version: int = 0, driver: str | None = None) -> SamplingEngine:

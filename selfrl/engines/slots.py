@@ -50,11 +50,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError
 
 import torch
 
 from selfrl.constrain import ConstraintError
+from selfrl.engines import DRIVERS
 from selfrl.engine import Engine
 from selfrl.engines.base import AdapterSource, EngineHealth, Generation, check_generate_args
 from selfrl.engines.kvcache import PrefixStore, SlotCache
@@ -67,7 +68,6 @@ from selfrl.prefix import MIN_SHARED_PREFIX, shared_prefix_len
 __all__ = ["DrivenFuture", "Request", "SlotEngine", "VersionGate", "row_generator"]
 
 IDLE_CACHE_BYTES = 64 * 2**20  # an idle engine keeps a cache up to this size; a larger one is freed
-DRIVERS = ("thread", "caller")  # who runs the decoding steps (SlotEngine's ``driver``)
 WAIT_POLL_S = 0.05  # driver "caller": how often a thread waiting for another's steps looks again
 
 class SlotEngine:
@@ -131,6 +131,8 @@ class SlotEngine:
         self.rows_cancelled = 0  # requests cancelled (queued or running) so far
         self.driver = driver
         self._driving = threading.Lock()  # held by the thread running steps (driver "caller")
+        self._stepping: int | None = None  # that thread's ident while it steps
+        self._admitting: list[Request] = []  # rows taken from the queue and being prefilled
         self._worker = None
         if driver == "thread":
             self._worker = threading.Thread(target=self._work, name="selfrl-slot-engine", daemon=True)
@@ -172,6 +174,7 @@ class SlotEngine:
             RuntimeError: the engine is closed.
         """
         check_generate_args(prompts, max_new_tokens, temperature, greedy, top_p, self._ref.num_embeddings)
+        self._refuse_in_step()
         for name, per_row in (("constraints", constraints), ("cancel", cancel)):
             if per_row is not None and len(per_row) != len(prompts):
                 raise ValueError(f"{name} must be one per prompt ({len(prompts)}), got {len(per_row)}")
@@ -222,16 +225,19 @@ class SlotEngine:
         so that the futures finish. ``timeout`` (seconds) is honoured between steps.
 
         Raises:
-            ValueError: an unknown ``return_when``.
+            ValueError: ``return_when`` is not FIRST_COMPLETED or ALL_COMPLETED (FIRST_EXCEPTION
+                is not offered).
+            RuntimeError: called from inside a step (a callback of this engine).
         """
         futures = list(futures)
+        if return_when not in (FIRST_COMPLETED, concurrent.futures.ALL_COMPLETED):
+            raise ValueError(f"return_when must be FIRST_COMPLETED or ALL_COMPLETED, got {return_when!r}")
+        start = time.monotonic()
         if self.driver == "caller":
-            if return_when not in (FIRST_COMPLETED, concurrent.futures.ALL_COMPLETED):
-                raise ValueError(f"return_when must be FIRST_COMPLETED or ALL_COMPLETED, got {return_when!r}")
             test = any if return_when == FIRST_COMPLETED else all
             self._drive(lambda: not futures or test(f.done() for f in futures), timeout)
-        return concurrent.futures.wait(futures, timeout=0 if self.driver == "caller" else timeout,
-                                       return_when=return_when)
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+        return concurrent.futures.wait(futures, timeout=left, return_when=return_when)
 
     def _request(self, prompt, max_new_tokens, temperature, greedy, top_p, stop, on_tokens, seed, top_logprobs,
                  step_logprobs, constraint, cancel, prefix_hint: int = 0) -> Request:
@@ -252,12 +258,16 @@ class SlotEngine:
         Raises:
             ValueError: the adapter does not fit the model (nothing changes).
         """
-        if self.driver == "caller":  # the requests in flight need a thread to finish them
-            self._drive(lambda: not self._queue and not self._rows)
-        with self.lock:
+        # with driver "caller", the requests in flight need a thread to finish them: this one steps
+        # while the swap waits (and new requests wait behind it)
+        self._refuse_in_step()
+        self.lock.acquire_exclusive(self._progress if self.driver == "caller" else None)
+        try:
             seconds = self._ref.swap(adapter, version)
             self._prefixes.clear()
             return seconds
+        finally:
+            self.lock.__exit__(None, None, None)
 
     def health(self) -> EngineHealth:
         """Ok while the engine is open (and its worker thread, if it has one, runs); the detail
@@ -275,7 +285,10 @@ class SlotEngine:
             self._closed = True
             self._cond.notify_all()
         if self._worker is not None:
-            self._worker.join(timeout=60)
+            if self._worker.ident != threading.get_ident():  # (from a callback: the worker ends after this step)
+                self._worker.join(timeout=60)
+        elif self._stepping == threading.get_ident():  # from a callback inside a step
+            self._fail_all(RuntimeError("the slot engine is closed"))
         else:
             with self._driving:  # after the step in progress, if any
                 self._fail_all(RuntimeError("the slot engine is closed"))
@@ -287,11 +300,8 @@ class SlotEngine:
     # ------------------------------------------------------------------ the worker
 
     def _enqueue(self, reqs: list[Request]) -> None:
-        taken = 0
+        self.lock.acquire_shared(len(reqs))  # at once: a swap never waits between two of them
         try:
-            for _ in reqs:
-                self.lock.acquire_shared()
-                taken += 1
             with self._cond:
                 if self._closed:
                     raise RuntimeError("the slot engine is closed")
@@ -302,7 +312,7 @@ class SlotEngine:
                 self._queue.extend(reqs)
                 self._cond.notify_all()
         except BaseException:
-            for _ in range(taken):
+            for _ in reqs:
                 self.lock.release_shared()
             raise
 
@@ -340,44 +350,72 @@ class SlotEngine:
     def _drive(self, done: Callable[[], bool], timeout: float | None = None) -> None:
         """With ``driver="caller"``: run steps in this thread until ``done()`` (or ``timeout``
         seconds), one driving thread at a time; a thread that finds another driving waits for
-        it and takes over if its own rows are still unfinished when that one leaves. With a
-        worker thread: nothing (the worker steps).
+        it (woken after each of its steps) and takes over if its own rows are still unfinished
+        when that one leaves. With a worker thread: nothing (the worker steps).
 
         Raises:
+            RuntimeError: called from inside a step (an ``on_tokens`` or ``on_step`` callback),
+                where waiting for the engine would wait for itself.
             BaseException: an interrupt (KeyboardInterrupt) while stepping, after every request
                 in flight has failed with a RuntimeError (the engine stays usable).
         """
         if self.driver != "caller":
             return
+        self._refuse_in_step()
         deadline = None if timeout is None else time.monotonic() + timeout
         while not done() and (deadline is None or time.monotonic() < deadline):
-            if not self._driving.acquire(timeout=WAIT_POLL_S):
-                continue  # another thread steps (our rows too); look again
+            if not self._driving.acquire(blocking=False):
+                with self._cond:  # another thread steps (our rows too): woken after its next step
+                    self._cond.wait(timeout=WAIT_POLL_S)
+                continue
+            self._stepping = threading.get_ident()
             try:
                 while not done() and (deadline is None or time.monotonic() < deadline):
                     with self._cond:
-                        if self._closed:
-                            break
-                        if not self._queue and not self._rows:
+                        if self._closed or (not self._queue and not self._rows):
                             break
                     self._guarded_step()
+                    with self._cond:
+                        self._cond.notify_all()
                 with self._cond:
-                    if not self._queue and not self._rows and self.cache.nbytes > IDLE_CACHE_BYTES:
+                    closed, idle = self._closed, not self._queue and not self._rows
+                    if idle and self.cache.nbytes > IDLE_CACHE_BYTES:
                         self.cache = SlotCache(slots=min(8, self.max_slots))  # idle: give the memory back
+                if closed:
+                    self._fail_all(RuntimeError("the slot engine is closed"))
             except BaseException:  # an interrupt mid-step: the cache rows are forgotten with the requests
                 self._error = "interrupted while stepping"
                 self._fail_all(RuntimeError("the slot engine was interrupted while stepping"))
                 raise
             finally:
+                self._stepping = None
                 self._driving.release()
-            with self._cond:
-                if self._closed or (not self._queue and not self._rows):
-                    return
+                with self._cond:
+                    self._cond.notify_all()
+            if closed or idle:
+                return
+
+    def _refuse_in_step(self) -> None:
+        """Raise RuntimeError in a thread that is inside a step (a callback of this engine)."""
+        me = threading.get_ident()
+        if me == self._stepping or (self._worker is not None and self._worker.ident == me):
+            raise RuntimeError("a slot engine callback (on_tokens, on_step) cannot wait for the same engine: it runs "
+                               "inside a step; submit() and return, or wait from another thread")
+
+    def _progress(self) -> None:
+        """What a swap does while requests are in flight (driver "caller"): step them, or, when
+        another thread is admitting them or they are being queued, wait a moment."""
+        with self._cond:
+            idle = not self._queue and not self._rows
+        if idle:
+            time.sleep(0.002)
+        else:
+            self._drive(lambda: not self._queue and not self._rows, WAIT_POLL_S)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._cond:
-            pending = self._rows + list(self._queue)
-            self._rows, self._queue = [], deque()
+            pending = self._rows + self._admitting + list(self._queue)
+            self._rows, self._admitting, self._queue = [], [], deque()
         for r in pending:
             self._finish(r, error=error)
 
@@ -393,6 +431,8 @@ class SlotEngine:
                 r.future.set_exception(error)
             else:
                 r.future.set_result(gen)
+        except InvalidStateError:  # cancelled by its owner (Future.cancel) while queued: nothing to deliver
+            pass
         finally:
             self.lock.release_shared()
 
@@ -416,6 +456,7 @@ class SlotEngine:
         for _ in cancelled:
             self.lock.release_shared()
         new = [r for r in new if r not in cancelled]
+        self._admitting = new  # neither queued nor active while prefilled: an interrupt must still fail them
         if new:
             try:
                 logits = self._prefill(new)  # (b, V)
@@ -427,6 +468,7 @@ class SlotEngine:
             else:
                 self._rows = self._rows + new
                 self._sample(new, logits)
+        self._admitting = []
         rows = self._rows
         if rows:  # one decoding step for the active rows
             lens = torch.tensor([r.length for r in rows])  # (B,) the new token goes to column lens

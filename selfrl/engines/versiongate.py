@@ -12,6 +12,7 @@ the gate exclusively, so that each generation runs on exactly one version.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 __all__ = ["VersionGate"]
 
@@ -29,12 +30,14 @@ class VersionGate:
         self._depth = 0
         self._waiting = 0
 
-    def acquire_shared(self) -> None:
+    def acquire_shared(self, n: int = 1) -> None:
+        """Take ``n`` tickets at once (one per request of a batch: taken one by one, a swap that
+        starts waiting between two of them would wait for the first while the second waits for it)."""
         with self._cond:
             me = threading.get_ident()
             while self._owner not in (None, me) or (self._waiting and self._owner != me):
                 self._cond.wait()
-            self._tickets += 1
+            self._tickets += n
 
     def release_shared(self) -> None:
         with self._cond:
@@ -42,17 +45,35 @@ class VersionGate:
             self._cond.notify_all()
 
     def __enter__(self):
+        self.acquire_exclusive()
+        return self
+
+    def acquire_exclusive(self, progress: Callable[[], None] | None = None) -> None:
+        """Take the gate exclusively (what ``with gate:`` does; release with ``__exit__``). New
+        tickets wait from the moment this call starts. While tickets are in flight,
+        ``progress()`` is called again and again outside the gate's lock, if given: an engine
+        whose requests finish only while someone steps it (a caller-driven slot engine) steps
+        there; without it, the call sleeps until the last ticket is released."""
         with self._cond:
             me = threading.get_ident()
             if self._owner == me:
                 self._depth += 1
-                return self
+                return
             self._waiting += 1
-            while self._owner is not None or self._tickets:
-                self._cond.wait()
-            self._waiting -= 1
+            try:
+                while self._owner is not None or self._tickets:
+                    if progress is None:
+                        self._cond.wait()
+                        continue
+                    self._cond.release()
+                    try:
+                        progress()
+                    finally:
+                        self._cond.acquire()
+            finally:
+                self._waiting -= 1
+                self._cond.notify_all()  # tickets waiting behind a swap that gave up may go on
             self._owner, self._depth = me, 1
-        return self
 
     def __exit__(self, *exc) -> None:
         with self._cond:
