@@ -17,6 +17,7 @@ Prints the seconds per driver and the ratio thread / caller of each adjacent pai
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 import sys
@@ -69,8 +70,8 @@ def child(args) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--child", choices=DRIVERS, help=argparse_hidden())
-    p.add_argument("--result", help=argparse_hidden())
+    p.add_argument("--child", choices=DRIVERS, help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         child(args)
@@ -98,12 +99,6 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"thread / caller, each adjacent pair: {', '.join(f'{x:.2f}' for x in ratios)}")
     print(f"wrote {finish(result, 'driver', args.out)}")
     return result
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":
