@@ -31,7 +31,6 @@ def _reference(model, tokenizer, version: int = 0, driver: str | None = None) ->
 def _slots(model, tokenizer, version: int = 0, driver: str | None = None) -> SamplingEngine:
     from selfrl.engines.slots import SlotEngine
 
-    _check_driver(driver)
     return SlotEngine(model, tokenizer, version=version, driver="thread" if driver is None else driver)
 
 

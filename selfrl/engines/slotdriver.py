@@ -2,7 +2,7 @@
 the threads that wait for results, one at a time (docs/engines.md, "Which thread steps").
 
 :class:`CallerDriven` is a part of :class:`selfrl.engines.slots.SlotEngine`; it uses the
-engine's queue, rows, lock, condition and ``_guarded_step``.
+engine's queue, rows, lock, condition, ``_guarded_step`` and ``_give_back_idle_cache``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,6 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future
 
-from selfrl.engines.kvcache import SlotCache
-
-IDLE_CACHE_BYTES = 64 * 2**20  # an idle engine keeps a cache up to this size; a larger one is freed
 WAIT_POLL_S = 0.05  # driver "caller": the longest a thread waiting for another's steps sleeps before looking again
 
 
@@ -76,8 +73,7 @@ class CallerDriven:
                         self._cond.notify_all()
                 with self._cond:
                     closed, idle = self._closed, not self._queue and not self._rows
-                    if idle and self.cache.nbytes > IDLE_CACHE_BYTES:
-                        self.cache = SlotCache(slots=min(8, self.max_slots))  # idle: give the memory back
+                    self._give_back_idle_cache()
                 if closed:
                     self._fail_all(RuntimeError("the slot engine is closed"))
             except BaseException:  # an interrupt mid-step: the cache rows are forgotten with the requests

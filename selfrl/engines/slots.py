@@ -59,12 +59,14 @@ from selfrl.engines.base import AdapterSource, EngineHealth, Generation, check_g
 from selfrl.engines.kvcache import PrefixStore, SlotCache
 from selfrl.engines.rowgrammar import RowGrammar
 from selfrl.engines.sampling import choose_tokens, next_token_logps
-from selfrl.engines.slotdriver import IDLE_CACHE_BYTES, CallerDriven
+from selfrl.engines.slotdriver import CallerDriven
 from selfrl.engines.slotrequest import Call, DrivenFuture, Request, row_generator
 from selfrl.engines.versiongate import VersionGate
 from selfrl.prefix import MIN_SHARED_PREFIX, shared_prefix_len
 
 __all__ = ["DrivenFuture", "Request", "SlotEngine", "VersionGate", "row_generator"]
+
+IDLE_CACHE_BYTES = 64 * 2**20  # an idle engine keeps a cache up to this size; a larger one is freed
 
 
 class SlotEngine(CallerDriven):
@@ -305,14 +307,18 @@ class SlotEngine(CallerDriven):
     def _loop(self) -> None:
         while True:
             with self._cond:
-                if not self._queue and not self._rows and self.cache.nbytes > IDLE_CACHE_BYTES:
-                    self.cache = SlotCache(slots=min(8, self.max_slots))  # idle: give the memory back
+                self._give_back_idle_cache()
                 while not self._queue and not self._rows and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     self._fail_all(RuntimeError("the slot engine is closed"))
                     return
             self._guarded_step()
+
+    def _give_back_idle_cache(self) -> None:
+        """With no row queued or active, replace a cache over IDLE_CACHE_BYTES by a small one (hold ``_cond``)."""
+        if not self._queue and not self._rows and self.cache.nbytes > IDLE_CACHE_BYTES:
+            self.cache = SlotCache(slots=min(8, self.max_slots))
 
     def _guarded_step(self) -> None:
         """One :meth:`_step`; a failure goes to every request in flight, and the engine goes on."""
