@@ -113,3 +113,13 @@ def _fake_vllm(model, tokenizer, version: int = 0) -> SamplingEngine:
 
 BACKENDS["vllm-client-on-fake-vllm"] = _fake_vllm
 UNAVAILABLE["vllm"] = "a real vLLM server needs a GPU and the vllm wheel (336 MB); none here"
+
+
+def _slots_unmerged(model, tokenizer, version: int = 0) -> SamplingEngine:
+    """The slot engine on the peft model's own forward pass (``merge_lora=False``)."""
+    from selfrl.engines.slots import SlotEngine
+
+    return SlotEngine(model, tokenizer, version=version, merge_lora=False)
+
+
+BACKENDS["slots-unmerged"] = _slots_unmerged

@@ -207,3 +207,18 @@ def test_serve_tiny_clients_in_a_child_process(tmp_path):
         assert 0 < lv["ttft_p50_s"] <= lv["latency_s"].max  # the child's Stats came back as Stats
     ratio = r["ratios"]["levels"][0]
     assert ratio["ttft_p50"] == r["serve"]["slots/process"][0]["ttft_p50_s"] / r["serve"]["slots/thread"][0]["ttft_p50_s"]
+
+
+def test_merged_tiny(tmp_path):
+    import bench_merged
+
+    r = bench_merged.main(TINY + ["--rows", "1,3", "--out", str(tmp_path)])
+    # tiny Llama, LoRA on its 2 x 7 linear layers: q 32x32, k 16x32, v 16x32, o 32x32, gate and up
+    # 64x32, down 32x64 = 9,216 weights a layer, merged copies in fp32
+    assert (r["merged_layers"], r["merged_extra_bytes"]) == (14, 2 * 9216 * 4)
+    for rows in (1, 3):
+        s = r["steps_ms"][rows]
+        assert s["unmerged_over_merged"] == pytest.approx(s["unmerged"].median / s["merged"].median)
+    assert r["rollouts"]["merged"]["tokens"][0] > 0 and r["rollouts"]["unmerged"]["tokens"][0] > 0
+    assert max(r["max_abs_logprob_gap"].values()) < 1e-4  # both engines sample the policy's own logprobs
+    assert (tmp_path / "merged.json").exists()

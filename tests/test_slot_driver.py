@@ -166,7 +166,7 @@ def test_an_interrupt_during_a_prefill_gives_every_ticket_back(tiny_tokenizer, t
             fired.append(1)
             raise KeyboardInterrupt
 
-    hook = engine.model.register_forward_pre_hook(interrupt_prefill, with_kwargs=True)
+    hook = engine.sampling_model.register_forward_pre_hook(interrupt_prefill, with_kwargs=True)
     with pytest.raises(KeyboardInterrupt):
         engine.generate(prompts_with_system(tiny_tokenizer, QUESTIONS), 5, greedy=True)
     hook.remove()
