@@ -132,6 +132,7 @@ class MergedPolicy:
             elif type(orig) is nn.Linear:
                 self._replace(name, SamplingLinear(orig.weight, orig.bias))
                 done.append(name)
+        self._watched = [m for mod, a, _ in self._pairs for m in (mod.lora_A[a], mod.lora_B[a], mod.base_layer)]
         self._stamp: tuple | None = None
         self.refresh()
 
@@ -142,8 +143,11 @@ class MergedPolicy:
     def stamp(self) -> tuple:
         """Changes whenever a LoRA tensor is modified in place or replaced (torch's version
         counters and storage addresses) or a LoRA scaling changes."""
-        return tuple((t._version, t.data_ptr(), mod.scaling[a]) for mod, a, _ in self._pairs
-                     for t in (mod.lora_A[a].weight, mod.lora_B[a].weight, mod.base_layer.weight))
+        stamp = [(mod.scaling[a],) for mod, a, _ in self._pairs]
+        for layer in self._watched:  # the Linear modules of each merged layer: lora_A, lora_B, base
+            w = layer._parameters["weight"]  # read past nn.Module.__getattr__: this runs at every step
+            stamp.append((w._version, w.data_ptr()))
+        return tuple(stamp)
 
     @torch.no_grad()
     def refresh(self) -> bool:
