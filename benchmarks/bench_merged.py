@@ -2,6 +2,9 @@
 forward pass, side by side in one process: decoding steps by active rows, the demo's first rollout
 batch, and how far the sampled logprobs are from the learner's recomputation.
 
+- **products**: every linear weight of the model (the output layer too) applied to ``rows`` input
+  rows, ``F.linear`` against :func:`selfrl.engines.mergedpolicy.small_batch_linear`, as the
+  weights' bytes streamed per second (the pair alternating, best of the repeats).
 - **steps**: greedy decoding of ``rows`` copies of one prompt (the rows never finish before the
   token limit), milliseconds per decoding step; the two engines alternate repeat by repeat.
 - **rollouts**: one ``selfrl run`` iteration of ``configs/demo.toml`` (8 tasks x 8, multi-turn
@@ -36,6 +39,21 @@ from common import (  # noqa: E402
 )
 
 VARIANTS = {"unmerged": False, "merged": True}  # name -> SlotEngine(merge_lora=...)
+
+
+def products_gb_s(weights: list, rows: int, fn, repeats: int) -> float:
+    """GB/s of weight bytes streamed by ``fn(x, w)`` over ``weights``, ``rows`` inputs each (best of ``repeats``)."""
+    import torch
+
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for w in weights:
+            fn(xs[w.shape[1]], w)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
 
 
 def step_ms(engine, prompt: list[int], rows: int, max_new_tokens: int) -> float:
@@ -84,6 +102,23 @@ def main(argv: list[str] | None = None) -> dict:
                    "merged_layers": merged.merged_layers, "merged_extra_bytes": merged.extra_bytes})
     prompt = prompt_ids(tok, [{"role": "user", "content": "Write a long story about a cat who learns to count."}])
     new_tokens = 6 if args.tiny else 24
+
+    import torch.nn.functional as F
+
+    from selfrl.engines.mergedpolicy import small_batch_linear
+
+    weights = [m.weight for m in merged.view.modules() if hasattr(m, "weight") and m.weight.dim() == 2
+               and m is not merged.view.get_input_embeddings()]
+    products, rows_out = {}, []
+    with torch.no_grad():
+        for r in range(1, 5 if args.tiny else 17):
+            lin = products_gb_s(weights, r, F.linear, max(3, args.repeats))
+            small = products_gb_s(weights, r, small_batch_linear, max(3, args.repeats))
+            products[r] = {"linear_gb_s": lin, "small_batch_gb_s": small}
+            rows_out.append([r, f"{lin:.1f}", f"{small:.1f}", f"{small / lin:.2f}x"])
+    result["products"] = products
+    print_table(f"every linear weight ({sum(w.numel() for w in weights) * 4 / 1e6:.0f} MB) times `rows` inputs, "
+                "GB/s of weights, best of the repeats", ["rows", "F.linear", "small_batch_linear", "ratio"], rows_out)
 
     levels = [int(r) for r in args.rows.split(",")]
     steps, rows_out = {}, []

@@ -216,6 +216,7 @@ def test_merged_tiny(tmp_path):
     # tiny Llama, LoRA on its 2 x 7 linear layers: q 32x32, k 16x32, v 16x32, o 32x32, gate and up
     # 64x32, down 32x64 = 9,216 weights a layer, merged copies in fp32
     assert (r["merged_layers"], r["merged_extra_bytes"]) == (14, 2 * 9216 * 4)
+    assert sorted(r["products"]) == [1, 2, 3, 4] and all(v > 0 for p in r["products"].values() for v in p.values())
     for rows in (1, 3):
         s = r["steps_ms"][rows]
         assert s["unmerged_over_merged"] == pytest.approx(s["unmerged"].median / s["merged"].median)
