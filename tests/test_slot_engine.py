@@ -4,6 +4,7 @@ the version gate, the sampling function, and the cache."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -331,3 +332,41 @@ def test_prefix_store_keeps_the_most_recent_entries_and_matches_the_longest():
     assert [e[0] for e in store.items] == [(7, 8, 9, 10), (1, 2, 3, 4)]
     store.clear()
     assert not store and store.match([7, 8, 9, 10, 11]) == (-1, 0)
+
+
+def test_a_prompt_repeated_in_one_admission_is_encoded_once(tiny_tokenizer, tiny_model_factory):
+    # a GRPO batch: each task's prompt num_generations times; only the first of each is prefilled,
+    # the others copy its keys, values and logits, and every row still samples the model exactly
+    model = tiny_model_factory(eos_bias=1.0, lora=True)
+    engine = SlotEngine(model, tiny_tokenizer, driver="caller")
+    a, b = prompts_with_system(tiny_tokenizer, ["What is 17+25?", "Add 1, 2, 3 and 4, then say the total."])
+    prompts = [a, b, a, a, b, a]
+    encoded = []
+    hook = engine.sampling_model.register_forward_pre_hook(
+        lambda mod, args, kw: encoded.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    torch.manual_seed(3)
+    gens = engine.generate(prompts, 6, temperature=1.0)
+    hook.remove()
+    common = len(os.path.commonprefix([a, b]))
+    # one pass for the shared system prompt, then one prefill of the 2 distinct prompts' own tokens
+    # (left-padded to the longer), then 1-token decoding steps
+    assert encoded[:2] == [(1, common), (2, max(len(a), len(b)) - common)]
+    assert all(s[1] == 1 for s in encoded[2:])
+    assert_matches_model(gens, prompts, model, 1.0, tiny_tokenizer.eos_token_id, 6)
+    assert len({tuple(g.token_ids) for g, p in zip(gens, prompts) if p == a}) > 1  # each row its own draws
+    engine.close()
+
+
+def test_repeated_prompts_sample_what_unshared_rows_sample(tiny_tokenizer, tiny_model_factory):
+    # the copy is exact: rows with their own seeds draw the same tokens as with nothing shared
+    model = tiny_model_factory(eos_bias=1.0, lora=True)
+    prompts = prompts_with_system(tiny_tokenizer, ["Hi", "Go"]) * 3
+    out = []
+    for share in (True, False):
+        engine = SlotEngine(model, tiny_tokenizer, share_prefix=share, driver="caller")
+        futures = [engine.submit(p, 6, temperature=1.0, seed=100 + i) for i, p in enumerate(prompts)]
+        out.append([f.result(timeout=60) for f in futures])  # the caller's wait steps all six together
+        engine.close()
+    for x, y in zip(*out):
+        assert x.token_ids == y.token_ids
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)

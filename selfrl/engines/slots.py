@@ -523,12 +523,38 @@ class SlotEngine(CallerDriven):
 
     def _prefill(self, new: list[Request]) -> torch.Tensor:
         """Encode the prompts of ``new`` rows into the slots after the active ones; returns
-        their (b, V) next-token logits."""
+        their (b, V) next-token logits.
+
+        With ``share_prefix``, a prompt that repeats an earlier one of ``new`` (the
+        ``num_generations`` samples of one task) is encoded once: its row's keys and values are
+        copied from the first row with that prompt, and so are its logits. Such rows are moved
+        to the end of ``new`` (in place), so the rows encoded are a contiguous window."""
         first = len(self._rows)
         self.cache.ensure(first + len(new), max(len(r.prompt) + r.max_new_tokens for r in new))
         if self.share_prefix and self._stamp != (stamp := self._weights_stamp()):
             self._prefixes.clear()  # the weights moved (a swap, an update in place)
             self._stamp = stamp
+        copies: list[int] = []  # for each row after the encoded ones: the index of the row it repeats
+        if self.share_prefix:
+            seen: dict[tuple[int, ...], int] = {}
+            unique, repeats = [], []
+            for r in new:
+                k = seen.setdefault(tuple(r.prompt), len(unique))
+                if k == len(unique):
+                    unique.append(r)
+                else:
+                    repeats.append(r)
+                    copies.append(k)
+            new[:] = unique + repeats
+        logits = self._encode_prompts(first, new[:len(new) - len(copies)])
+        for j, k in enumerate(copies):  # (column = position: the prompt fills columns [0, len))
+            r = new[len(new) - len(copies) + j]
+            self.cache.move_row(first + k, first + len(new) - len(copies) + j, len(r.prompt))
+            r.length = len(r.prompt)
+        return torch.cat([logits, logits[copies]]) if copies else logits
+
+    def _encode_prompts(self, first: int, new: list[Request]) -> torch.Tensor:
+        """Prefill ``new`` rows into slots ``first``, ``first + 1``, ...; their (b, V) logits."""
         if self.share_prefix:
             # a prefix common to the rows admitted now, or to a generate call: encoded once
             common = shared_prefix_len([r.prompt for r in new])
