@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from selfrl.engines.mergedpolicy import SMALL_BATCH_ROWS, MergedPolicy, small_batch_linear
 from selfrl.engines.slots import SlotEngine
 from tests.engine_backends import chat_prompts
+from tests.test_engine_conformance import assert_matches_model
 
 ATOL = 1e-5
 
@@ -62,14 +63,20 @@ def test_every_change_of_the_lora_is_merged_before_the_next_pass(tiny_tokenizer,
         lora[0].add_(0.5 * torch.randn_like(lora[0]))  # an optimizer step, in place
         torch.testing.assert_close(view(input_ids=ids).logits, _logits(model, ids), atol=ATOL, rtol=0)
         assert view.merges == 2
-        # a tensor replaced rather than written (load_state_dict(assign=True), a new Parameter)
         q = model.get_base_model().model.layers[1].self_attn.q_proj
+        q.scaling["default"] *= 3.0  # peft's set_scale: seen at the next step
+        torch.testing.assert_close(view(input_ids=ids).logits, _logits(model, ids), atol=ATOL, rtol=0)
+        assert (view.merges, view.builds) == (3, 1)
+        # what no version counter sees, seen by the deep look the engine takes at each admission:
+        # a write through .data (a fused optimizer's kind), and a tensor replaced
+        lora[1].data.add_(0.5)
+        view.sync(deep=True)
+        torch.testing.assert_close(view(input_ids=ids).logits, _logits(model, ids), atol=ATOL, rtol=0)
+        assert (view.merges, view.builds) == (4, 1)
         q.lora_A["default"].weight = torch.nn.Parameter(torch.randn_like(q.lora_A["default"].weight))
+        view.sync(deep=True)
         torch.testing.assert_close(view(input_ids=ids).logits, _logits(model, ids), atol=ATOL, rtol=0)
-        assert view.merges == 3
-        q.scaling["default"] *= 3.0  # peft's set_scale
-        torch.testing.assert_close(view(input_ids=ids).logits, _logits(model, ids), atol=ATOL, rtol=0)
-        assert view.merges == 4
+        assert (view.merges, view.builds) == (5, 2)  # a rebuild merges too
 
 
 def test_layers_that_cannot_be_merged_stay_peft_layers(tiny_tokenizer, tiny_model_factory):
@@ -98,3 +105,125 @@ def test_the_engine_samples_from_the_view_unless_told_not_to(tiny_tokenizer, tin
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=ATOL, rtol=0)
     merged.close()
     unmerged.close()
+
+
+# ---------------------------------------------------------------- found by a fresh user trying to break it
+# Every way a policy can change after the engine was built: the engine must sample what the
+# policy now computes (its stored prefixes and its merged view both follow), merged or not.
+
+
+def _lora(model):
+    return [p for n, p in model.named_parameters() if "lora_" in n]
+
+
+def _fused_adamw_step(model, tok):
+    ids = torch.tensor([chat_prompts(tok)[2]])
+    opt = torch.optim.AdamW(_lora(model), lr=0.05, fused=True)  # fused: no version counter moves
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+
+
+def _replace_norm(model, tok):
+    base = model.get_base_model()
+    base.model.norm.weight = torch.nn.Parameter(base.model.norm.weight * 3)
+
+
+def _add_and_set_adapter(model, tok):
+    from peft import LoraConfig
+
+    torch.manual_seed(5)
+    model.add_adapter("other", LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    model.set_adapter("other")
+
+
+def _hook_after(model, tok):
+    model.get_base_model().model.layers[0].register_forward_hook(lambda mod, args, out: (out[0] + 1, *out[1:])
+                                                                 if isinstance(out, tuple) else out + 1)
+
+
+def _merge_then_unmerge(model, tok):
+    model.base_model.merge_adapter(safe_merge=True)
+    model.base_model.unmerge_adapter()
+
+
+MUTATIONS = {
+    "fused optimizer step": _fused_adamw_step,
+    "write through .data": lambda m, tok: [p.data.add_(0.5) for p in _lora(m)],
+    "LoRA scaling": lambda m, tok: [l.scaling.update(default=3.0) for l in m.modules() if hasattr(l, "lora_A")],
+    "replaced norm": _replace_norm,
+    "another adapter": _add_and_set_adapter,
+    "hook added": _hook_after,
+    "merge then unmerge": _merge_then_unmerge,
+}
+
+
+@pytest.mark.parametrize("merge_lora", [True, False], ids=["merged", "unmerged"])
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_every_change_after_the_engine_was_built_is_sampled(tiny_tokenizer, tiny_model_factory, mutation, merge_lora):
+    model = tiny_model_factory(eos_bias=2.0, lora=True)
+    engine = SlotEngine(model, tiny_tokenizer, driver="caller", merge_lora=merge_lora)
+    prompts = chat_prompts(tiny_tokenizer)
+    engine.generate(prompts, 3, greedy=True)  # prefixes stored, weights merged
+    model.train()
+    MUTATIONS[mutation](model, tiny_tokenizer)
+    model.eval()
+    gens = engine.generate(prompts, 6, temperature=1.0)
+    assert_matches_model(gens, prompts, model, 1.0, tiny_tokenizer.eos_token_id, 6)
+    engine.close()
+
+
+@pytest.mark.parametrize("merge_lora", [True, False], ids=["merged", "unmerged"])
+def test_adapters_disabled_or_merged_are_followed(tiny_tokenizer, tiny_model_factory, merge_lora):
+    model = tiny_model_factory(eos_bias=2.0, lora=True)
+    prompts = chat_prompts(tiny_tokenizer)
+    with model.disable_adapter():  # built while the base model answers, used after
+        engine = SlotEngine(model, tiny_tokenizer, driver="caller", merge_lora=merge_lora)
+        assert_matches_model(engine.generate(prompts, 5, temperature=1.0), prompts, model, 1.0,
+                             tiny_tokenizer.eos_token_id, 5)
+    assert_matches_model(engine.generate(prompts, 5, temperature=1.0), prompts, model, 1.0,
+                         tiny_tokenizer.eos_token_id, 5)
+    model.base_model.merge_adapter()  # peft's merge into the base weights: the LoRA must count once
+    assert_matches_model(engine.generate(prompts, 5, temperature=1.0), prompts, model, 1.0,
+                         tiny_tokenizer.eos_token_id, 5)
+    if merge_lora:
+        assert engine.merged.kept_layers == 14 and engine.merged.merged_layers == 0
+    engine.close()
+
+
+def test_bf16_layers_are_not_merged_and_odd_hooks_do_not_stop_the_engine(tiny_tokenizer, tiny_model_factory):
+    import threading
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    model = get_peft_model(tiny_model_factory(eos_bias=2.0).to(torch.bfloat16), LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)).eval()
+
+    class Monitor:  # a hook holding a lock: cannot be deep-copied, must be shared
+        def __init__(self):
+            self.lock, self.calls = threading.Lock(), 0
+
+        def __call__(self, mod, args, out):
+            self.calls += 1
+
+    monitor = Monitor()
+    model.get_base_model().model.layers[0].register_forward_hook(monitor)
+    engine = SlotEngine(model, tiny_tokenizer, driver="caller")
+    # a merged bf16 weight rounds most small LoRA updates away: bf16 layers stay peft's
+    assert (engine.merged.merged_layers, engine.merged.kept_layers) == (0, 14)
+    engine.generate(chat_prompts(tiny_tokenizer), 3, greedy=True)
+    assert monitor.calls > 0  # the policy's own hook object ran in the view
+    engine.close()
+
+
+def test_an_engine_built_under_inference_mode_merges_again_outside_it(tiny_tokenizer, tiny_model_factory):
+    from peft import get_peft_model_state_dict
+
+    model = tiny_model_factory(eos_bias=2.0, lora=True)
+    with torch.inference_mode():
+        engine = SlotEngine(model, tiny_tokenizer, driver="caller")
+    engine.swap({k: v + 0.5 for k, v in get_peft_model_state_dict(model).items()}, 1)
+    prompts = chat_prompts(tiny_tokenizer)
+    assert_matches_model(engine.generate(prompts, 5, temperature=1.0), prompts, model, 1.0,
+                         tiny_tokenizer.eos_token_id, 5)
+    engine.close()

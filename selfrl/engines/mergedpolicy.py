@@ -7,25 +7,30 @@ that read:
 
 - **The unmerged LoRA.** peft computes ``W x + s B (A x)`` in every targeted layer: about 1,000
   of a step's 1,500 operator calls are the LoRA's two small products, its scaling and its sum.
-  :class:`MergedPolicy` keeps ``W' = W + s B A`` per layer instead, one product per layer, and
-  merges again whenever the LoRA's tensors change (an update in place, a swap): the check is
-  torch's per-tensor version counter, read before every forward pass, so an update is sampled
-  from at the next step, as with the unmerged model.
-- **The orientation of the product.** For 2 to 10 rows, MKL (torch's CPU BLAS) computes
-  ``(W @ x.T).T`` 1.5 to 3.5 times faster than ``x @ W.T`` (``F.linear``) on this CPU: the
-  weights stream at about 35 GB/s instead of 10 to 15. One row is a matrix-vector product,
-  as slow either way, unless the row is doubled into a two-row product (2.2 times faster).
-  :func:`small_batch_linear` does that for 1 to 10 rows and calls ``F.linear`` otherwise. The rule is fixed, not tuned per run, so that a seeded
-  run samples the same tokens every time.
+  :class:`MergedPolicy` keeps ``W' = W + s B A`` per layer instead, one product per layer. A
+  :class:`~selfrl.engines.weightwatch.WeightWatch` tells it when to merge again (an update in
+  place, a swap: seen at the next decoding step) and when to rebuild the view (adapters disabled
+  or switched, a tensor replaced, a hook added: seen when rows next join an idle engine).
+- **The orientation of the product.** For 2 to 5 rows, MKL (torch's CPU BLAS) computes
+  ``(W @ x.T).T`` 1.5 to 3 times faster than ``x @ W.T`` (``F.linear``) on this CPU: the
+  weights stream at 17-28 GB/s instead of 7.5 to 12. One row is a matrix-vector product, as
+  slow either way, unless the row is doubled into a two-row product (1.8 times faster).
+  :func:`small_batch_linear` does that for 1 to 10 rows (6 to 10 rows: neutral to 1.3 times)
+  and calls ``F.linear`` otherwise. The rule is fixed, not tuned per run, so that a seeded run
+  samples the same tokens every time.
 
-Both change only the order of fp32 sums: logprobs stay within the conformance suite's 1e-5 of
-a full recomputation by the learner (``tests/test_engine_conformance.py``).
+Neither changes more than the rounding of fp32 sums: on the tests' tiny models the sampled
+logprobs stay within the conformance suite's 1e-5 of a full recomputation by the learner
+(``tests/test_engine_conformance.py``); on the embedded model with a perturbed adapter the
+largest gap measured was 2.9e-5 nats (1.1e-5 unmerged; ``benchmarks/bench_merged.py``). Only
+fp32 layers are merged: a merged bf16 weight would round most small updates away.
 
-The view is a copy of the model's module tree whose parameters and buffers *are* the
-policy's (no copy), except that each merged layer holds its own merged weight (extra memory:
-the targeted layers' weights once more, 424 MB for the embedded model in fp32). A layer that
-cannot be merged exactly (DoRA, a LoRA bias, several active adapters, a non-``Linear`` base) is
-kept as peft's module, so the view always computes the policy.
+The view is a copy of the model's module tree whose parameters, buffers, configurations and
+hook registries *are* the policy's, except that each merged layer holds its own merged weight
+(extra memory: the targeted layers' weights once more, 405 MiB for the embedded model in fp32).
+A layer that cannot be merged exactly (DoRA, a LoRA bias, several active adapters, adapters
+disabled or merged, a bf16 base, a non-``Linear`` base, hooks inside it) stays peft's layer,
+so the view computes what the policy computes.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ import copy
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from selfrl.engines.weightwatch import WeightWatch, hook_dicts
 
 SMALL_BATCH_ROWS = (1, 10)  # rows for which (W @ x.T).T is used on the CPU (docs/benchmarks.md)
 
@@ -77,15 +84,19 @@ class SamplingLinear(nn.Module):
 
 
 def _mergeable(mod) -> str | None:
-    """The adapter name whose delta merges exactly into ``mod``, or None."""
+    """The adapter name whose delta merges exactly into ``mod``, or None: fp32 base weights only (a
+    merged bf16 weight would round most small LoRA updates away), no hooks inside the layer (the
+    merged layer has no submodules to run them)."""
     from peft.tuners.lora import Linear as LoraLinear
 
     if not isinstance(mod, LoraLinear) or not isinstance(mod.base_layer, nn.Linear) or mod.merged:
         return None
-    if mod.disable_adapters or len(mod.active_adapters) != 1:
+    if mod.base_layer.weight.dtype != torch.float32 or mod.disable_adapters or len(mod.active_adapters) != 1:
         return None
     name = mod.active_adapters[0]
     if name not in mod.lora_A or mod.use_dora.get(name, False) or getattr(mod, "lora_bias", {}).get(name, False):
+        return None
+    if any(d for sub in mod.modules() if sub is not mod for d in hook_dicts(sub)):
         return None
     return name
 
@@ -94,24 +105,45 @@ class MergedPolicy:
     """A sampling view of ``model`` (a peft model or a plain Hugging Face causal LM) with its
     LoRA merged; call it like the model, under ``torch.no_grad()``.
 
+    The view is a copy of the module tree that shares every tensor, configuration object and
+    hook registry with ``model`` (a hook added to the policy later runs in the view too), except
+    that each mergeable LoRA layer is a :class:`SamplingLinear` over a merged weight of its own.
+    A :class:`~selfrl.engines.weightwatch.WeightWatch` decides when to merge again (a weight
+    moved) or rebuild the view (a tensor, module, adapter flag or hook changed): each call looks
+    fast (version counters), and :meth:`sync` with ``deep=True`` looks at everything (the slot
+    engine's watch does when rows join an idle engine).
+
     Args:
         model: the policy. Its tensors are shared, never modified.
+        watch: the watch over ``model`` to follow (the slot engine shares its own); None: a new one.
 
     Attributes:
         merged_layers: how many LoRA layers are merged (0 for a model without LoRA).
-        kept_layers: LoRA layers left unmerged (computed by peft, as in the policy).
-        merges: how many times the merged weights were computed (1 at construction, then one
-            per change of the LoRA tensors).
+        kept_layers: LoRA layers left as peft computes them (DoRA, a LoRA bias, several active
+            adapters, adapters disabled or merged into the base, bf16 base weights, hooks inside).
+        merges: how many times the merged weights were computed.
+        builds: how many times the view was built (1, then one per structural change).
         extra_bytes: memory of the merged weights.
     """
 
-    def __init__(self, model):
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    def __init__(self, model, watch: WeightWatch | None = None):
+        self.model = model
+        self.watch = watch if watch is not None else WeightWatch(model)
+        self.merges = self.builds = 0
+        self._build()
+
+    def _build(self) -> None:
+        base = self.watch.base
         memo = {id(t): t for t in base.parameters()}
         memo.update({id(t): t for t in base.buffers()})
+        for m in base.modules():  # shared, not copied: hooks (and their state) and configurations
+            memo.update({id(d): d for d in hook_dicts(m)})
+            cfg = getattr(m, "config", None)
+            if cfg is not None:
+                memo[id(cfg)] = cfg
         self.view = copy.deepcopy(base, memo)  # the module tree; every tensor shared
         self.view.eval()
-        self.merged_layers = self.kept_layers = self.merges = self.extra_bytes = 0
+        self.merged_layers = self.kept_layers = self.extra_bytes = 0
         self._pairs: list[tuple[nn.Module, str, torch.Tensor]] = []  # (peft layer, adapter, merged weight)
         done: list[str] = []  # replaced or kept peft layers: their submodules are theirs
         for name, orig in base.named_modules():
@@ -120,9 +152,10 @@ class MergedPolicy:
             adapter = _mergeable(orig)
             if adapter is not None:
                 w = orig.base_layer.weight
-                merged = torch.empty_like(w, requires_grad=False)
+                with torch.inference_mode(False):  # re-merged outside inference mode too
+                    merged = torch.empty_like(w, requires_grad=False)
                 self._pairs.append((orig, adapter, merged))
-                self._replace(name, SamplingLinear(merged, orig.base_layer.bias))
+                self._replace(name, SamplingLinear(merged, orig.base_layer.bias), orig)
                 self.merged_layers += 1
                 self.extra_bytes += merged.numel() * merged.element_size()
                 done.append(name)
@@ -130,40 +163,38 @@ class MergedPolicy:
                 self.kept_layers += 1
                 done.append(name)
             elif type(orig) is nn.Linear:
-                self._replace(name, SamplingLinear(orig.weight, orig.bias))
+                self._replace(name, SamplingLinear(orig.weight, orig.bias), orig)
                 done.append(name)
-        self._watched = [m for mod, a, _ in self._pairs for m in (mod.lora_A[a], mod.lora_B[a], mod.base_layer)]
-        self._stamp: tuple | None = None
-        self.refresh()
+        self.builds += 1
+        self._built_at = self.watch.structure_generation
+        self._merge()
 
-    def _replace(self, name: str, new: nn.Module) -> None:
+    def _replace(self, name: str, new: nn.Module, orig: nn.Module) -> None:
+        for key, value in vars(orig).items():  # the layer's own hooks run on the replacement
+            if "hook" in key and isinstance(value, dict):
+                object.__setattr__(new, key, value)
         parent, _, leaf = name.rpartition(".")
         setattr(self.view.get_submodule(parent) if parent else self.view, leaf, new)
 
-    def stamp(self) -> tuple:
-        """Changes whenever a LoRA tensor is modified in place or replaced (torch's version
-        counters and storage addresses) or a LoRA scaling changes."""
-        stamp = [(mod.scaling[a],) for mod, a, _ in self._pairs]
-        for layer in self._watched:  # the Linear modules of each merged layer: lora_A, lora_B, base
-            w = layer._parameters["weight"]  # read past nn.Module.__getattr__: this runs at every step
-            stamp.append((w._version, w.data_ptr()))
-        return tuple(stamp)
-
     @torch.no_grad()
-    def refresh(self) -> bool:
-        """Merge again if the LoRA changed since the last merge; True if it merged. Cost: one
-        (out, r) x (r, in) product and a sum per layer (0.18 s for the embedded model)."""
-        stamp = self.stamp()
-        if stamp == self._stamp:
-            return False
-        for mod, adapter, merged in self._pairs:
-            merged.copy_(mod.base_layer.weight)
-            merged.add_(mod.get_delta_weight(adapter).to(merged.dtype))
-        self._stamp = stamp
+    def _merge(self) -> None:
+        with torch.inference_mode(False):
+            for mod, adapter, merged in self._pairs:
+                merged.copy_(mod.base_layer.weight)
+                merged.add_(mod.get_delta_weight(adapter).to(merged.dtype))
         self.merges += 1
-        return True
+        self._merged_at = self.watch.generation
+
+    def sync(self, deep: bool = False) -> None:
+        """Look for changes (``deep``: everything, see :class:`~selfrl.engines.weightwatch.WeightWatch`)
+        and rebuild or merge again as needed. Cost: a merge takes 0.18 s for the embedded model."""
+        self.watch.poll(deep)
+        if self.watch.structure_generation != self._built_at:
+            self._build()
+        elif self.watch.generation != self._merged_at:
+            self._merge()
 
     def __call__(self, **kwargs):
-        """The view's forward pass (merged first if the LoRA changed)."""
-        self.refresh()
+        """The view's forward pass, after a fast :meth:`sync`."""
+        self.sync()
         return self.view(**kwargs)
