@@ -90,11 +90,8 @@ class LocalSampler:
         its version. ``timeout_s`` is not needed in process (the check's deadline still applies)."""
         from selfrl.swap_check import sequence_logprobs
 
-        merged = getattr(self.engine, "merged", None)  # the slot engine's merged view: what it samples with
-        if merged is not None:
-            merged.sync(deep=True)
-            return sequence_logprobs(merged.view, token_ids), self.engine.version
-        return sequence_logprobs(self.engine.model, token_ids), self.engine.version
+        synced = getattr(self.engine, "synced_model", None)  # the slot engine's merged view: what it samples with
+        return sequence_logprobs(synced() if synced else self.engine.model, token_ids), self.engine.version
 
 
 class Prefetch:

@@ -151,7 +151,9 @@ def create_sampler_app(engine: SamplingEngine, api_key: str | None = None, model
             raise HTTPException(400, f"token_ids holds {len(req.token_ids)} tokens; this model's context is "
                                      f"{context} tokens (at token_ids)")  # positions would fail on it
         with engine.lock:  # one version from start to end, as a generation
-            return {"logprobs": sequence_logprobs(engine.model, req.token_ids, req.temperature),
+            synced = getattr(engine, "synced_model", None)  # a slot engine scores with the view it samples with
+            model = synced() if synced else engine.model
+            return {"logprobs": sequence_logprobs(model, req.token_ids, req.temperature),
                     "version": engine.version}
 
     return app

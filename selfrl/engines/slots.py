@@ -163,6 +163,13 @@ class SlotEngine(CallerDriven):
         view shares the policy's hook registries: a hook registered on it is the policy's too."""
         return self.merged.view if self.merged is not None else self.model
 
+    def synced_model(self):
+        """:attr:`sampling_model` brought up to date with the policy (a deep look of
+        :attr:`watch`): what a swap check should score, the weights this engine samples with."""
+        if self.merged is not None:
+            self.merged.sync(deep=True)
+        return self.sampling_model
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
                  greedy: bool = False, top_p: float = 1.0, on_step: Callable[..., None] | None = None,
                  stop: list[str] | None = None, top_logprobs: int = 0, step_logprobs: bool = False,
