@@ -48,7 +48,7 @@ SMALL_BATCH_ROWS = (1, 10)  # rows for which (W @ x.T).T is used on the CPU (doc
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, computed as ``(weight @ x.T).T`` when ``x`` holds 1 to 10
-    rows on the CPU (one row doubled) (see the module docstring; measured in ``benchmarks/bench_merged.py``).
+    rows on the CPU, one row being doubled (the module docstring; ``benchmarks/bench_merged.py``).
 
     Args:
         x: (..., in_features) inputs; the rows are all leading dimensions together.

@@ -85,7 +85,7 @@ class SlotEngine(CallerDriven):
         prefix_entries: how many encoded prefixes are kept (least recently used dropped).
         merge_lora: sample from :class:`~selfrl.engines.mergedpolicy.MergedPolicy`, a view of
             ``model`` with each LoRA merged into its weight (merged again whenever the LoRA
-            changes) and small batches' products arranged for the CPU: 1.3-2.3x faster decoding
+            changes) and small batches' products arranged for the CPU: 1.2-2.0x faster decoding
             steps at 1-8 rows on this machine, for a second copy of the targeted weights
             (docs/benchmarks.md, "Merged LoRA and the small-batch product"). False: the peft
             model's own forward pass.
@@ -373,8 +373,8 @@ class SlotEngine(CallerDriven):
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(b, V) fp32 logits of the last input position of every row."""
-        out = (self.merged or self.model)(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=self.cache,
-                         use_cache=True, logits_to_keep=1)
+        out = (self.merged or self.model)(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                          cache=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
 
     def _step(self) -> None:
