@@ -146,7 +146,29 @@ def _merge_then_unmerge(model, tok):
     model.base_model.unmerge_adapter()
 
 
+def _load_into_frozen_base(model, tok):
+    model.load_state_dict({k: v + 0.3 * torch.randn_like(v) for k, v in model.state_dict().items()
+                           if "base_layer.weight" in k}, strict=False)
+
+
+def _unfreeze_and_train_a_base_weight(model, tok):
+    w = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
+    w.requires_grad_(True)
+    ids = torch.tensor([chat_prompts(tok)[2]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    torch.optim.SGD([w], lr=1.0).step()
+
+
+def _hook_on_the_peft_wrapper(model, tok):
+    model.register_forward_hook(lambda mod, args, out: setattr(out, "logits", out.logits * 0.5) or out)
+
+
 MUTATIONS = {
+    "load_state_dict into frozen base weights": _load_into_frozen_base,
+    "in-place op on the frozen embedding": lambda m, tok: torch.no_grad()(
+        m.get_base_model().model.embed_tokens.weight.mul_)(2.0),
+    "a base weight unfrozen and trained": _unfreeze_and_train_a_base_weight,
+    "hook on the PeftModel wrapper": _hook_on_the_peft_wrapper,
     "fused optimizer step": _fused_adamw_step,
     "write through .data": lambda m, tok: [p.data.add_(0.5) for p in _lora(m)],
     "LoRA scaling": lambda m, tok: [l.scaling.update(default=3.0) for l in m.modules() if hasattr(l, "lora_A")],
@@ -227,3 +249,56 @@ def test_an_engine_built_under_inference_mode_merges_again_outside_it(tiny_token
     assert_matches_model(engine.generate(prompts, 5, temperature=1.0), prompts, model, 1.0,
                          tiny_tokenizer.eos_token_id, 5)
     engine.close()
+
+
+@pytest.mark.parametrize("merge_lora", [True, False], ids=["merged", "unmerged"])
+def test_a_swap_into_a_frozen_adapter_is_sampled(tiny_tokenizer, tiny_model_factory, tmp_path, merge_lora):
+    # PeftModel.from_pretrained freezes the adapter (is_trainable=False): a server's usual policy
+    from peft import PeftModel, get_peft_model_state_dict
+
+    tiny_model_factory(eos_bias=2.0, lora=True, seed=1).save_pretrained(tmp_path)
+    model = PeftModel.from_pretrained(tiny_model_factory(eos_bias=2.0), tmp_path).eval()
+    engine = SlotEngine(model, tiny_tokenizer, driver="caller", merge_lora=merge_lora)
+    prompts = chat_prompts(tiny_tokenizer)
+    engine.generate(prompts, 3, greedy=True)
+    engine.swap({k: v + 0.3 * torch.randn_like(v) for k, v in get_peft_model_state_dict(model).items()}, 1)
+    gens = engine.generate(prompts, 6, temperature=1.0)
+    assert all(g.adapter_version == 1 for g in gens)
+    assert_matches_model(gens, prompts, model, 1.0, tiny_tokenizer.eos_token_id, 6)
+    engine.close()
+
+
+def test_a_scaling_change_reaches_layers_kept_as_peft_layers(tiny_tokenizer, tiny_model_factory):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    model = get_peft_model(tiny_model_factory(eos_bias=2.0), LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", use_dora=True, init_lora_weights=False)).eval()
+    engine = SlotEngine(model, tiny_tokenizer, driver="caller")
+    assert engine.merged.kept_layers == 14
+    prompts = chat_prompts(tiny_tokenizer)
+    engine.generate(prompts, 3, greedy=True)
+    for layer in model.modules():
+        if hasattr(layer, "set_scale"):
+            layer.set_scale("default", 3.0)
+    assert_matches_model(engine.generate(prompts, 6, temperature=1.0), prompts, model, 1.0,
+                         tiny_tokenizer.eos_token_id, 6)
+    engine.close()
+
+
+def test_no_change_means_no_merge_even_with_a_nan(tiny_tokenizer, tiny_model_factory):
+    model = tiny_model_factory(eos_bias=2.0, lora=True)
+    with torch.no_grad():
+        _lora(model)[1][0, 0] = float("nan")  # torch.equal(nan, nan) is False: compared bit for bit
+    engine = SlotEngine(model, tiny_tokenizer, driver="caller")
+    for _ in range(3):
+        engine.generate(chat_prompts(tiny_tokenizer), 2, greedy=True)
+    assert (engine.merged.merges, engine.merged.builds, engine.watch.generation) == (1, 1, 0)
+    engine.close()
+
+
+def test_a_model_made_under_inference_mode_is_refused_with_the_reason(tiny_tokenizer, tiny_model_factory):
+    with torch.inference_mode():
+        model = tiny_model_factory(eos_bias=2.0, lora=True)
+    with pytest.raises(ValueError, match="inference_mode.*outside inference mode"):
+        SlotEngine(model, tiny_tokenizer, driver="caller")

@@ -36,6 +36,7 @@ so the view computes what the policy computes.
 from __future__ import annotations
 
 import copy
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -124,23 +125,30 @@ class MergedPolicy:
         merges: how many times the merged weights were computed.
         builds: how many times the view was built (1, then one per structural change).
         extra_bytes: memory of the merged weights.
+        passthrough: True while a hook on a peft wrapper (``PeftModel``, ``LoraModel``) makes the
+            view run the policy's own forward pass instead.
     """
 
     def __init__(self, model, watch: WeightWatch | None = None):
         self.model = model
         self.watch = watch if watch is not None else WeightWatch(model)
         self.merges = self.builds = 0
+        self._lock = threading.RLock()  # one merge at a time, never during a forward pass of the view
         self._build()
 
     def _build(self) -> None:
         base = self.watch.base
         memo = {id(t): t for t in base.parameters()}
         memo.update({id(t): t for t in base.buffers()})
-        for m in base.modules():  # shared, not copied: hooks (and their state) and configurations
+        for m in base.modules():  # shared, not copied: hooks (and their state), configurations, scalings
             memo.update({id(d): d for d in hook_dicts(m)})
             cfg = getattr(m, "config", None)
             if cfg is not None:
                 memo[id(cfg)] = cfg
+            if isinstance(getattr(m, "scaling", None), dict):  # a layer kept as peft's reads set_scale live
+                memo[id(m.scaling)] = m.scaling
+        # a hook on a peft model's wrapper runs around the whole forward pass: the view cannot run it
+        self.passthrough = any(len(w._forward_hooks) + len(w._forward_pre_hooks) for w in self.watch.wrappers)
         self.view = copy.deepcopy(base, memo)  # the module tree; every tensor shared
         self.view.eval()
         self.merged_layers = self.kept_layers = self.extra_bytes = 0
@@ -187,14 +195,19 @@ class MergedPolicy:
 
     def sync(self, deep: bool = False) -> None:
         """Look for changes (``deep``: everything, see :class:`~selfrl.engines.weightwatch.WeightWatch`)
-        and rebuild or merge again as needed. Cost: a merge takes 0.18 s for the embedded model."""
-        self.watch.poll(deep)
-        if self.watch.structure_generation != self._built_at:
-            self._build()
-        elif self.watch.generation != self._merged_at:
-            self._merge()
+        and rebuild or merge again as needed. Cost: a merge takes 0.18 s for the embedded model on
+        an idle machine. Thread-safe: one look and merge at a time, never during :meth:`__call__`'s
+        forward pass."""
+        with self._lock:
+            self.watch.poll(deep)
+            if self.watch.structure_generation != self._built_at:
+                self._build()
+            elif self.watch.generation != self._merged_at:
+                self._merge()
 
     def __call__(self, **kwargs):
-        """The view's forward pass, after a fast :meth:`sync`."""
-        self.sync()
-        return self.view(**kwargs)
+        """The view's forward pass, after a fast :meth:`sync`; the policy's own forward pass while
+        a peft wrapper carries forward hooks (:attr:`passthrough`)."""
+        with self._lock:
+            self.sync()
+            return (self.model if self.passthrough else self.view)(**kwargs)

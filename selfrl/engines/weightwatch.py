@@ -6,16 +6,19 @@ weights moved would sample from stale weights with no error, the failure this fi
 report most. :class:`WeightWatch` counts changes at two depths:
 
 - **fast** (every decoding step, about 0.2 ms for the embedded model): torch's version counter
-  and storage address of every trainable tensor, and peft's LoRA scalings. An optimizer step
+  and storage address of every trainable tensor and every LoRA tensor (trainable or frozen: a
+  served adapter often is), and peft's LoRA scalings. An optimizer step
   (``torch.optim`` without ``fused=True``), ``load_state_dict`` and ``copy_`` bump the counters.
-- **deep** (when rows join an idle engine, 13 ms for the embedded model): also the identity, storage, dtype and device
-  of every parameter and buffer, the modules themselves, peft's adapter flags (disabled, merged,
-  active adapter) and the number of forward hooks on each module, and the trainable tensors' *contents*
-  compared with a copy of their values at the last look. This catches what leaves the counters
-  alone: fused optimizers, writes through ``.data``, ``merge_adapter`` and ``unmerge_adapter``,
+- **deep** (when rows join an idle engine, about 20 ms for the embedded model on an idle machine):
+  also the identity, storage, dtype, device and ``requires_grad`` of every parameter and buffer,
+  the version counters of the frozen ones (a ``load_state_dict`` into the base weights), the
+  modules themselves, the forward hooks on each module and on a peft model's wrappers, peft's
+  adapter flags (disabled, merged, active adapter), and the watched tensors' *contents*, compared
+  bit for bit with a copy taken at the last look. This catches what leaves the counters alone:
+  fused optimizers, writes through ``.data``, ``merge_adapter`` and ``unmerge_adapter``,
   ``disable_adapter()``, ``set_adapter``, a replaced norm or embedding, ``model.to(dtype)``.
 
-The content copy is kept only while the trainable tensors total at most ``CONTENT_CHECK_BYTES``
+The content copy is kept only while the watched tensors total at most ``CONTENT_CHECK_BYTES``
 (a LoRA: 20 MB for the embedded model at rank 16); for larger trainable sets (a fully trainable
 model) the deep check relies on the counters, addresses and structure.
 """
@@ -38,6 +41,13 @@ def adapter_layers(base) -> list:
     return [m for m in base.modules() if hasattr(m, "lora_A") and hasattr(m, "active_adapters")]
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (a NaN equals itself, 0.0 differs from -0.0), unlike ``torch.equal``."""
+    if a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype and a.shape == b.shape:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
+
+
 class WeightWatch:
     """Counts changes of ``model``'s weights and adapter state (see the module docstring).
 
@@ -50,11 +60,21 @@ class WeightWatch:
 
     def __init__(self, model):
         self.base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        # a peft model's wrappers around the base: their hooks run in the policy's forward pass
+        self.wrappers = [w for w in (model, getattr(model, "base_model", None)) if w is not None and w is not self.base]
         self.generation = self.structure_generation = 0
-        self._take_structure()
+        try:
+            self._take_structure()
+        except RuntimeError as e:
+            if "Inference tensors" not in str(e):
+                raise
+            raise ValueError("the policy's tensors were created under torch.inference_mode(), which keeps no "
+                             "version counters, so an engine cannot tell when they change; create the model "
+                             "outside inference mode (torch.no_grad() is enough), or use the reference engine") from e
 
     def _take_structure(self) -> None:
-        self._trainable = [p for p in self.base.parameters() if p.requires_grad]
+        # the adapter's tensors, trainable or frozen (a served adapter is often frozen), and anything trainable
+        self._trainable = [p for n, p in self.base.named_parameters() if p.requires_grad or "lora_" in n]
         self._layers = adapter_layers(self.base)
         self._structure = self._structure_stamp()
         self._fast = self._fast_stamp()
@@ -67,15 +87,17 @@ class WeightWatch:
                 tuple(tuple(m.scaling.items()) for m in self._layers))
 
     def _structure_stamp(self) -> tuple:
-        stamp: list = []
+        watched = {id(p) for p in self._trainable}  # their versions are the fast stamp's
+        stamp: list = [len(w._forward_hooks) + len(w._forward_pre_hooks) for w in self.wrappers]
         for m in self.base.modules():  # one pass, reading the registries directly (2,500 modules: a few ms)
             stamp.append((id(m), len(m._forward_hooks) + len(m._forward_pre_hooks)))
-            for t in m._parameters.values():
+            for t in m._parameters.values():  # frozen tensors too: a load_state_dict, an in-place op
                 if t is not None:
-                    stamp.append((id(t), t.data_ptr(), t.dtype, t.device))
+                    stamp.append((id(t), t.data_ptr(), t.dtype, t.device, t.requires_grad,
+                                  None if id(t) in watched else t._version))
             for t in m._buffers.values():
                 if t is not None:
-                    stamp.append((id(t), t.data_ptr(), t.dtype, t.device))
+                    stamp.append((id(t), t.data_ptr(), t.dtype, t.device, t._version))
         stamp.extend((m.disable_adapters, m.merged, tuple(m.active_adapters)) for m in self._layers)
         return tuple(stamp)
 
@@ -89,7 +111,7 @@ class WeightWatch:
                 self._take_structure()
                 return self.generation
             if not changed and self._snapshot is not None:
-                changed = any(not torch.equal(p, s) for p, s in zip(self._trainable, self._snapshot))
+                changed = any(not _same_bits(p, s) for p, s in zip(self._trainable, self._snapshot))
         if changed:
             self.generation += 1
             self._fast = self._fast_stamp()
