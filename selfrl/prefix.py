@@ -34,3 +34,24 @@ def shared_prefix_len(prompts: list[list[int]], limit: int | None = None) -> int
     return n if n >= MIN_SHARED_PREFIX else 0
 
 
+def group_repeats(prompts: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Order ``prompts`` so that each distinct prompt's first occurrence comes first (in order),
+    then the repeats; returns ``(order, copies)``, ``order`` the indices of ``prompts`` in that
+    order and ``copies[j]`` the position in ``order`` of the first occurrence that the j-th repeat
+    repeats (the slot engine prefills the first occurrences and copies the rest).
+
+    >>> group_repeats([[1, 2], [3], [1, 2], [3], [1, 2]])
+    ([0, 1, 2, 3, 4], [0, 1, 0])
+    >>> group_repeats([[5], [5], [6]])
+    ([0, 2, 1], [0])
+    """
+    seen: dict[tuple[int, ...], int] = {}
+    unique, repeats, copies = [], [], []
+    for i, p in enumerate(prompts):
+        k = seen.setdefault(tuple(p), len(unique))
+        if k == len(unique):
+            unique.append(i)
+        else:
+            repeats.append(i)
+            copies.append(k)
+    return unique + repeats, copies

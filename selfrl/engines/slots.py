@@ -64,7 +64,7 @@ from selfrl.engines.slotdriver import CallerDriven
 from selfrl.engines.slotrequest import Call, DrivenFuture, Request, row_generator
 from selfrl.engines.versiongate import VersionGate
 from selfrl.engines.weightwatch import WeightWatch
-from selfrl.prefix import MIN_SHARED_PREFIX, shared_prefix_len
+from selfrl.prefix import MIN_SHARED_PREFIX, group_repeats, shared_prefix_len
 
 __all__ = ["DrivenFuture", "Request", "SlotEngine", "VersionGate", "row_generator"]
 
@@ -527,17 +527,14 @@ class SlotEngine(CallerDriven):
         self._prefixes.add(tokens, *self.cache.read_prefix(slot, len(tokens)))
 
     def _prefill(self, new: list[Request]) -> torch.Tensor:
-        """Encode the prompts of ``new`` rows into the slots after the active ones; returns
-        their (b, V) next-token logits.
-
-        With ``share_prefix``, a prompt that repeats an earlier one of ``new`` (the
-        ``num_generations`` samples of one task) is encoded once: its row's keys and values are
-        copied from the first row with that prompt, and so are its logits. Such rows are moved
-        to the end of ``new`` (in place), so the rows encoded are a contiguous window."""
+        """Encode the prompts of ``new`` rows into the slots after the active ones; returns their
+        (b, V) next-token logits. With ``share_prefix``, a prompt repeated in ``new`` (a group's
+        ``num_generations`` samples) is encoded once and its keys, values and logits copied: such
+        rows move to the end of ``new`` (in place), so the rows encoded are a contiguous window."""
         first = len(self._rows)
         self.cache.ensure(first + len(new), max(len(r.prompt) + r.max_new_tokens for r in new))
-        # Every kind of change (about 20 ms for the embedded model) when rows join an idle engine: where
-        # a learner or a swap changes the weights. Joining running rows: the fast look (0.1 ms).
+        # every kind of change (about 20 ms) when rows join an idle engine, where a learner or a swap
+        # changes the weights; the fast look (0.1 ms) when they join running rows
         generation = self.watch.poll(deep=not self._rows)
         if self.merged is not None:
             self.merged.sync()
@@ -546,16 +543,8 @@ class SlotEngine(CallerDriven):
             self._prefix_generation = generation
         copies: list[int] = []  # for each row after the encoded ones: the index of the row it repeats
         if self.share_prefix:
-            seen: dict[tuple[int, ...], int] = {}
-            unique, repeats = [], []
-            for r in new:
-                k = seen.setdefault(tuple(r.prompt), len(unique))
-                if k == len(unique):
-                    unique.append(r)
-                else:
-                    repeats.append(r)
-                    copies.append(k)
-            new[:] = unique + repeats
+            order, copies = group_repeats([r.prompt for r in new])
+            new[:] = [new[i] for i in order]
         logits = self._encode_prompts(first, new[:len(new) - len(copies)])
         for j, k in enumerate(copies):  # (column = position: the prompt fills columns [0, len))
             r = new[len(new) - len(copies) + j]
