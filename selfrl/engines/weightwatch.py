@@ -103,7 +103,8 @@ class WeightWatch:
 
     def poll(self, deep: bool = False) -> int:
         """Look for changes (fast, or ``deep``); returns :attr:`generation`."""
-        changed = self._fast_stamp() != self._fast
+        fast = self._fast_stamp()
+        changed = fast != self._fast
         if deep:
             if self._structure_stamp() != self._structure:
                 self.structure_generation += 1
@@ -114,7 +115,7 @@ class WeightWatch:
                 changed = any(not _same_bits(p, s) for p, s in zip(self._trainable, self._snapshot))
         if changed:
             self.generation += 1
-            self._fast = self._fast_stamp()
+            self._fast = fast
             if self._snapshot is not None:
                 with torch.no_grad(), torch.inference_mode(False):
                     for p, s in zip(self._trainable, self._snapshot):
