@@ -535,9 +535,7 @@ class SlotEngine(CallerDriven):
         self.cache.ensure(first + len(new), max(len(r.prompt) + r.max_new_tokens for r in new))
         # every kind of change (about 20 ms) when rows join an idle engine, where a learner or a swap
         # changes the weights; the fast look (0.1 ms) when they join running rows
-        generation = self.watch.poll(deep=not self._rows)
-        if self.merged is not None:
-            self.merged.sync()
+        generation = self.watch.poll(deep=not self._rows)  # (the merged view follows at its next call)
         if self.share_prefix and generation != self._prefix_generation:
             self._prefixes.clear()  # the weights moved (a swap, an update in place, adapters switched)
             self._prefix_generation = generation
@@ -545,10 +543,11 @@ class SlotEngine(CallerDriven):
         if self.share_prefix:
             order, copies = group_repeats([r.prompt for r in new])
             new[:] = [new[i] for i in order]
-        logits = self._encode_prompts(first, new[:len(new) - len(copies)])
+        n = len(new) - len(copies)  # rows encoded
+        logits = self._encode_prompts(first, new[:n])
         for j, k in enumerate(copies):  # (column = position: the prompt fills columns [0, len))
-            r = new[len(new) - len(copies) + j]
-            self.cache.move_row(first + k, first + len(new) - len(copies) + j, len(r.prompt))
+            r = new[n + j]
+            self.cache.move_row(first + k, first + n + j, len(r.prompt))
             r.length = len(r.prompt)
         return torch.cat([logits, logits[copies]]) if copies else logits
 
