@@ -307,7 +307,9 @@ class Learner:
             lonely = bool(scored) and max(scored.values()) < 2  # no group to compare a sample with
             reason = SkipReason.NO_TOKENS if signal else SkipReason.NO_GROUP if lonely else SkipReason.NO_SIGNAL
             return UpdateResult.skip(reason, num_sequences=0.0, **{"time/update_s": time.perf_counter() - t0})
-        usable.sort(key=lambda t: len(t.token_ids))  # similar lengths per micro-batch: less padding
+        # in token order: sequences that share prefixes (a group's prompt, its common first turns) fall in one
+        # micro-batch, whose prefix tree then encodes each shared prefix once (selfrl.rl.tree)
+        usable.sort(key=lambda t: t.token_ids)
         peak = PeakMemory(self.device)
         micro = [self._collate(usable[i:i + self.cfg.micro_batch_size])
                  for i in range(0, len(usable), self.cfg.micro_batch_size)]
@@ -329,10 +331,8 @@ class Learner:
             self.optimizer.zero_grad(set_to_none=True)
             totals = dict.fromkeys(totals, 0.0)
             for k, (mb, ref) in enumerate(zip(micro, refs)):
-                # gradient checkpointing drops the KV cache in a training forward, so no shared-prefix cache then
                 logps = per_token_logps(self.model, mb.input_ids, mb.attention_mask, mb.completion_mask,
-                                        self.temperature, share_prefix=not self.checkpointing,
-                                        vocab_masks=mb.vocab_masks)
+                                        self.temperature, vocab_masks=mb.vocab_masks)
                 if olds[k] is None:
                     olds[k] = logps.detach()  # (B, T): the weights have not moved yet in the first pass
                     gap = mismatch_kl(olds[k], mb.old_per_token_logps)  # (B, T)

@@ -237,7 +237,7 @@ def _batches(learner: "Learner", trajs: list[Trajectory]):
 def _logps(learner: "Learner", mb) -> torch.Tensor:
     """(B, T) log-probs of ``mb``'s completion tokens under the learner's model and temperature."""
     return per_token_logps(learner.model, mb.input_ids, mb.attention_mask, mb.completion_mask, learner.temperature,
-                           share_prefix=not learner.checkpointing, vocab_masks=mb.vocab_masks)
+                           vocab_masks=mb.vocab_masks)
 
 
 def mean_nll(learner: "Learner", trajs: list[Trajectory]) -> float:

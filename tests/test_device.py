@@ -14,7 +14,7 @@ from selfrl.config import ConfigError, RunConfig
 from selfrl.engine import Engine
 from selfrl.model import build_policy
 from selfrl.rl.batch import collate
-from selfrl.rl.logprobs import per_token_logps
+from selfrl.rl.logprobs import per_token_logps, tree_supported
 from selfrl.rollout import RolloutConfig, rollout
 from selfrl.tasks import Task
 from selfrl.tools import CALCULATOR
@@ -196,6 +196,8 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_update(tiny_tokeni
     trajs = sample(plain, tiny_tokenizer)
     shapes = {"plain": [], "ckpt": []}  # (rows, positions) of each pass through the first decoder layer's MLP
     for name, model in (("plain", plain), ("ckpt", ckpt)):
+        # the packed tree's one-time check of this decoder (two short passes) done before counting
+        assert tree_supported(model.get_base_model().model, torch.ones((2, 4), dtype=torch.long))
         mlp = model.get_base_model().model.layers[0].mlp
 
         def counted(x, forward=mlp.forward, name=name):  # not a hook: the recomputation runs no module hooks
@@ -207,8 +209,9 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_update(tiny_tokeni
     lr = learner(ckpt, tiny_tokenizer, gradient_checkpointing=True)
     assert dev.gradient_checkpointing_on(ckpt)
     m_ckpt = lr.step(trajs).metrics()
-    # 6 sequences in micro-batches of 4 and 2. Without checkpointing: a shared-prefix pass (1 row)
-    # and a suffix pass per micro-batch. With it: the whole micro-batch, run again in the backward pass.
+    # 6 sequences in micro-batches of 4 and 2; for this tiny model (hidden size 32) a packed tree's dense
+    # attention costs more than it saves (selfrl.rl.tree.tree_pays). Without checkpointing: a shared-prefix
+    # pass (1 row) and a suffix pass per micro-batch. With it: the whole micro-batch, run again in the backward pass.
     assert [rows for rows, _ in shapes["plain"]] == [1, 4, 1, 2]
     a, b = shapes["ckpt"][0], shapes["ckpt"][2]
     assert shapes["ckpt"] == [a, a, b, b] and (a[0], b[0]) == (4, 2)

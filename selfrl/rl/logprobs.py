@@ -11,10 +11,16 @@ memory grows with the number of completion tokens times the chunk, not T x V.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from selfrl.device import gradient_checkpointing_on
 from selfrl.prefix import shared_prefix_len
+from selfrl.rl.tree import PrefixTree, build_tree, layout_cost, tree_pays
+
+LAYOUTS = ("auto", "tree", "prefix", "rows")
 
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -48,6 +54,7 @@ def per_token_logps(
     chunk_size: int = 512,
     share_prefix: bool = True,
     vocab_masks: "VocabMasks | None" = None,
+    layout: str = "auto",
 ) -> torch.Tensor:
     """Log-prob of each token given its prefix, at completion positions only.
 
@@ -59,8 +66,13 @@ def per_token_logps(
             is never a completion token.
         temperature: logits are divided by it, as at sampling time.
         chunk_size: rows of the output layer computed at once.
-        share_prefix: encode the rows' common prefix once (``selfrl.prefix``); exact,
-            gradients included.
+        share_prefix: encode shared prefixes once; exact, gradients included. False: every
+            row on its own (``layout`` "rows").
+        layout: how the rows are encoded. "tree": all rows as one prefix tree, every shared
+            prefix once (:mod:`selfrl.rl.tree`); "prefix": the rows' common prefix once, in a
+            key/value cache repeated over the rows (``selfrl.prefix``); "rows": the padded
+            batch as it is; "auto": the tree when :func:`selfrl.rl.tree.tree_pays`, else
+            "prefix" (or "rows" when the model checkpoints its gradients, which drops a cache).
         vocab_masks: the grammar masks of constrained tokens (:class:`VocabMasks`): at
             those positions the log-softmax runs over the allowed ids only, as when they
             were sampled; None: every position over the whole vocabulary.
@@ -71,13 +83,35 @@ def per_token_logps(
         gives zero gradients instead of an error).
 
     Raises:
-        ValueError: ``temperature`` not > 0 (the logits are divided by it).
+        ValueError: ``temperature`` not > 0 (the logits are divided by it), an unknown ``layout``,
+            or ``layout`` "tree" where :func:`tree_supported` says no.
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (the logits are divided by it), got {temperature}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     decoder, head = _decoder_and_head(model)
     B, T = input_ids.shape
-    start = _prefix_len(input_ids, attention_mask, completion_mask) if share_prefix and B > 1 else 0
+    if not share_prefix:
+        layout = "rows"
+    cache_ok = not gradient_checkpointing_on(model)  # a checkpointed training forward drops the cache
+    start = _prefix_len(input_ids, attention_mask, completion_mask) if layout in ("auto", "prefix") and B > 1 else 0
+    tree = None
+    if layout == "tree" and not tree_supported(decoder, attention_mask):
+        raise ValueError("layout 'tree' needs right-padded rows and a decoder that takes a custom 4D attention mask "
+                         "(sdpa or eager, no sliding window shorter than the rows); use layout 'auto'")
+    if layout == "tree" or (layout == "auto" and B > 1 and tree_supported(decoder, attention_mask)):
+        lengths = attention_mask.sum(dim=1).tolist()
+        tree = build_tree([input_ids[i, :n].tolist() for i, n in enumerate(lengths)], input_ids.device)
+        if layout == "auto":
+            hidden_size = head.weight.shape[1]
+            rows_cost = layout_cost(B, T, start if cache_ok else 0, hidden_size)
+            if not tree_pays(tree.num_nodes, rows_cost, hidden_size):
+                tree = None
+    if tree is not None:
+        return _tree_logps(decoder, head, tree, input_ids, completion_mask, temperature, chunk_size, vocab_masks)
+    if not cache_ok:
+        start = 0
     if start:
         cache = decoder(input_ids=input_ids[:1, :start], use_cache=True).cache
         cache.batch_repeat_interleave(B)
@@ -92,6 +126,101 @@ def per_token_logps(
     rows = hidden[:, :-1][mask]  # (M, H)
     targets = input_ids[:, start + 1:][mask]  # (M,)
     which = vocab_masks.index[:, start + 1:][mask] if vocab_masks is not None else None  # (M,) -1 or mask row
+    flat = _head_logps(rows, head, targets, temperature, chunk_size, which, vocab_masks)  # (M,)
+    out = torch.zeros((B, T), dtype=torch.float32, device=input_ids.device)  # (B, T)
+    tail = torch.zeros(mask.shape, dtype=torch.float32, device=input_ids.device)  # (B, T-S-1)
+    tail = tail.masked_scatter(mask, flat.float())
+    return torch.cat([out[:, :start + 1], tail], dim=1)  # (B, T)
+
+
+_TREE_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, bool]]" = weakref.WeakKeyDictionary()
+
+
+def tree_supported(decoder: torch.nn.Module, attention_mask: torch.Tensor) -> bool:
+    """Whether ``decoder`` (a causal LM's decoder stack) gives a packed prefix tree the same
+    hidden states as the rows one by one, for right-padded rows of ``attention_mask`` (B, T).
+
+    The tree needs an attention that takes a custom 4D mask (``sdpa`` or ``eager``; FlashAttention
+    ignores one), no sliding window shorter than the rows, and right padding. For each decoder the
+    first call also compares the two on two short rows, with no gradient and in eval mode (an
+    architecture that builds its own mask would fail it); the answer is kept for the decoder's life
+    and attention implementation.
+    """
+    config = getattr(decoder, "config", None)
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return False
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and attention_mask.shape[1] > window:
+        return False
+    lengths = attention_mask.sum(dim=1, keepdim=True)  # (B, 1)
+    if not bool((attention_mask == (torch.arange(attention_mask.shape[1], device=lengths.device) < lengths)).all()):
+        return False  # not right-padded
+    checked = _TREE_CHECKED.setdefault(decoder, {})  # by attention implementation, which can be changed
+    if config._attn_implementation not in checked:
+        checked[config._attn_implementation] = _tree_matches_rows(decoder)
+    return checked[config._attn_implementation]
+
+
+def _tree_matches_rows(decoder: torch.nn.Module) -> bool:
+    """Two 12-token rows sharing their first 8 tokens, through the tree and one by one:
+    the same hidden states within 1 % of their scale (a mask that is ignored or replaced gives
+    differences of the order of the values themselves)."""
+    device = next(decoder.parameters()).device
+    g = torch.Generator().manual_seed(0)
+    vocab = int(getattr(decoder.config, "vocab_size", 100))
+    ids = torch.randint(0, vocab, (2, 12), generator=g)
+    ids[1, :8] = ids[0, :8]
+    ids = ids.to(device)
+    tree = build_tree(ids.tolist(), device)
+    flags = [(m, m.training) for m in decoder.modules()]
+    decoder.eval()
+    try:
+        with torch.no_grad():
+            packed = _tree_forward(decoder, tree)  # (N, H)
+            rows = decoder(input_ids=ids, use_cache=False).last_hidden_state  # (2, 12, H)
+    finally:
+        for m, training in flags:
+            m.training = training
+    got = packed[tree.node_of.flatten()].view_as(rows).float()
+    scale = rows.float().abs().max().clamp(min=1e-6)
+    return bool(((got - rows.float()).abs().max() / scale) < 1e-2)
+
+
+def _tree_forward(decoder: torch.nn.Module, tree: PrefixTree) -> torch.Tensor:
+    """(N, H) last hidden states of the tree's nodes: one sequence of N tokens, each attending to
+    its ancestors, at its depth. ``sdpa`` takes the boolean mask; ``eager`` adds it to the scores,
+    so it gets 0 and the dtype's lowest value instead."""
+    mask = tree.attention_mask()  # (1, 1, N, N) bool
+    if getattr(decoder.config, "_attn_implementation", None) == "eager":
+        dtype = next(decoder.parameters()).dtype
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return decoder(input_ids=tree.token_ids[None], attention_mask=mask, position_ids=tree.position_ids[None],
+                   use_cache=False).last_hidden_state[0]
+
+
+def _tree_logps(decoder, head, tree: PrefixTree, input_ids, completion_mask, temperature, chunk_size,
+                vocab_masks) -> torch.Tensor:
+    """:func:`per_token_logps` through one pass over the rows' prefix tree; (B, T)."""
+    B, T = input_ids.shape
+    hidden = _tree_forward(decoder, tree)  # (N, H)
+    mask = completion_mask[:, 1:].bool()  # (B, T-1): token t+1 is predicted from the node of token t
+    nodes = tree.node_of[:, :-1][mask]  # (M,)
+    targets = input_ids[:, 1:][mask]  # (M,)
+    which = vocab_masks.index[:, 1:][mask] if vocab_masks is not None else None  # (M,)
+    if which is None:  # rows that share a node and a next token share its log-prob: computed once
+        pairs, inverse = torch.unique(nodes * head.weight.shape[0] + targets, return_inverse=True)  # (U,), (M,)
+        flat = _head_logps(hidden[pairs // head.weight.shape[0]], head, pairs % head.weight.shape[0], temperature,
+                           chunk_size, None, None)[inverse]  # (M,)
+    else:
+        flat = _head_logps(hidden[nodes], head, targets, temperature, chunk_size, which, vocab_masks)  # (M,)
+    out = torch.zeros((B, T - 1), dtype=torch.float32, device=input_ids.device).masked_scatter(mask, flat.float())
+    return torch.cat([torch.zeros((B, 1), dtype=torch.float32, device=input_ids.device), out], dim=1)  # (B, T)
+
+
+def _head_logps(rows: torch.Tensor, head, targets: torch.Tensor, temperature: float, chunk_size: int,
+                which: torch.Tensor | None, vocab_masks: "VocabMasks | None") -> torch.Tensor:
+    """(M,) log-probs of ``targets`` from (M, H) hidden ``rows`` through the output layer, in
+    chunks recomputed in the backward pass; still in the graph when M == 0."""
     parts = []
     for s in range(0, rows.shape[0], chunk_size):
         allowed = None
@@ -102,11 +231,7 @@ def per_token_logps(
             parts.append(checkpoint(_chunk_logps, *args, use_reentrant=False))
         else:
             parts.append(_chunk_logps(*args))
-    flat = torch.cat(parts) if parts else rows.sum(dim=-1)  # (M,); (0,) in the graph when M == 0
-    out = torch.zeros((B, T), dtype=torch.float32, device=input_ids.device)  # (B, T)
-    tail = torch.zeros(mask.shape, dtype=torch.float32, device=input_ids.device)  # (B, T-S-1)
-    tail = tail.masked_scatter(mask, flat.float())
-    return torch.cat([out[:, :start + 1], tail], dim=1)  # (B, T)
+    return torch.cat(parts) if parts else rows.sum(dim=-1)  # (M,); (0,) in the graph when M == 0
 
 
 class VocabMasks:
