@@ -223,3 +223,16 @@ def test_merged_tiny(tmp_path):
     assert r["rollouts"]["merged"]["tokens"][0] > 0 and r["rollouts"]["unmerged"]["tokens"][0] > 0
     assert max(r["max_abs_logprob_gap"].values()) < 1e-4  # both engines sample the policy's own logprobs
     assert (tmp_path / "merged.json").exists()
+
+
+def test_update_tiny(tmp_path):
+    import bench_update
+
+    r = bench_update.main(TINY + ["--repeats", "1", "--out", str(tmp_path)])
+    tokens = r["encoded_tokens"]
+    # the tree never encodes more than the rows' common prefix once, which never encodes more than the rows
+    assert 0 < tokens["tree"] <= tokens["prefix"] <= tokens["rows"]
+    assert tokens["tree"] < tokens["rows"]  # the batch's samples share at least their prompt
+    assert r["max_abs_loss_gap"] < 1e-5  # the same update whichever way it is encoded
+    assert r["over_tree"]["tree"] == 1.0 and r["seconds"]["rows"].n == 1
+    assert (tmp_path / "update.json").exists()
