@@ -370,3 +370,73 @@ def test_repeated_prompts_sample_what_unshared_rows_sample(tiny_tokenizer, tiny_
     for x, y in zip(*out):
         assert x.token_ids == y.token_ids
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+
+
+def test_continuation_store_matches_the_longest_stored_prefix_within_its_bytes():
+    from selfrl.engines.kvcache import ContinuationStore
+
+    def kv(n):  # one layer, 1 kv head, n positions of size 2: 4 * 2 * n bytes per tensor
+        return [torch.full((1, n, 2), float(n))], [torch.full((1, n, 2), -float(n))]
+
+    store = ContinuationStore(max_bytes=2 * 8 * 40, min_len=3)  # room for 40 positions
+    a = list(range(10, 30))  # 20 tokens
+    store.add(a, *kv(20))
+    store.add(a[:12], *kv(12))
+    assert store.nbytes == 2 * 8 * 32 and len(store) == 2
+    keys, values, n = store.match(a + [7, 8])
+    assert n == 20 and keys[0][0, 0, 0] == 20.0 and values[0][0, 0, 0] == -20.0
+    assert store.match(a)[2] == 12  # an entry must leave the prompt a token of its own
+    assert store.match(a[:12] + [99])[2] == 12 and store.match([1, 2, 3, 4]) is None
+    store.add(list(range(50, 60)), *kv(10))  # 42 positions: the least recently used (a, 20) goes
+    assert store.match(a + [7])[2] == 12 and store.nbytes == 2 * 8 * 22
+    store.add([1, 2], *kv(2))  # under min_len: not kept
+    store.add(list(range(100)), *kv(100))  # larger than the whole store: not kept
+    assert len(store) == 2 and store.lengths == {12: 1, 10: 1}
+    store.clear()
+    assert len(store) == 0 and store.nbytes == 0 and store.match(a + [7]) is None
+
+
+def test_a_next_turn_prefills_only_what_was_appended_to_the_finished_row(tiny_tokenizer, tiny_model_factory):
+    # a multi-turn rollout: the second turn's prompt is the first's, its sampled ids and a tool reply;
+    # the finished row's keys and values (all but its last sampled id) are kept, so only that last id
+    # and the reply are prefilled, and the second turn samples what an engine without the store samples
+    model = tiny_model_factory(eos_bias=1.0, lora=True)
+    prompt = prompts_with_system(tiny_tokenizer, ["What is 17+25?"])[0]
+    reply = tiny_tokenizer.encode("<tool_response>42</tool_response>", add_special_tokens=False)
+    out = {}
+    for kept in (2**30, 0):
+        engine = SlotEngine(model, tiny_tokenizer, driver="caller", continuation_bytes=kept)
+        encoded = []  # (a hook added later would count as a change of the model: everything kept forgotten)
+        hook = engine.sampling_model.register_forward_pre_hook(
+            lambda mod, args, kw: encoded.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+        first = engine.submit(prompt, 6, temperature=1.0, seed=5).result(timeout=60)
+        second_prompt = prompt + first.token_ids + reply
+        encoded.clear()
+        second = engine.submit(second_prompt, 6, temperature=1.0, seed=6).result(timeout=60)
+        hook.remove()
+        out[kept] = (first, second, encoded[0], engine._continuations.hits)
+        engine.close()
+    (first, second, prefill, hits), (first0, second0, prefill0, hits0) = out[2**30], out[0]
+    assert first.token_ids == first0.token_ids and second.token_ids == second0.token_ids
+    torch.testing.assert_close(torch.tensor(second.logprobs), torch.tensor(second0.logprobs), atol=1e-5, rtol=0)
+    assert prefill == (1, 1 + len(reply)) and hits == 1  # the last sampled id and the reply
+    assert prefill0[1] > 1 + len(reply) and hits0 == 0  # without the store: from the stored system prompt on
+    second_prompt = prompt + first.token_ids + reply
+    assert_matches_model([second], [second_prompt], model, 1.0, tiny_tokenizer.eos_token_id, 6)
+
+
+def test_kept_rows_are_forgotten_when_the_weights_change(tiny_tokenizer, tiny_model_factory):
+    model = tiny_model_factory(eos_bias=1.0, lora=True)
+    engine = SlotEngine(model, tiny_tokenizer, driver="caller")
+    prompt = prompts_with_system(tiny_tokenizer, ["Hi"])[0]
+    first = engine.submit(prompt, 5, temperature=1.0, seed=1).result(timeout=60)
+    assert len(engine._continuations) == 1
+    with torch.no_grad():  # an update in place, as the learner makes
+        next(p for n, p in model.named_parameters() if "lora_B" in n).add_(0.5)
+    second_prompt = prompt + first.token_ids + [5, 6, 7]
+    g = engine.submit(second_prompt, 5, temperature=1.0, seed=2).result(timeout=60)
+    assert engine._continuations.hits == 0  # the kept row was of the old weights
+    assert_matches_model([g], [second_prompt], model, 1.0, tiny_tokenizer.eos_token_id, 5)
+    with pytest.raises(ValueError, match="continuation_bytes"):
+        SlotEngine(model, tiny_tokenizer, continuation_bytes=-1)
+    engine.close()

@@ -18,6 +18,8 @@ keys and values handed to attention are views, never copies.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 
@@ -152,3 +154,72 @@ class PrefixStore:
         """Entry ``j``'s keys and values; it becomes the most recently used."""
         self.items.insert(0, self.items.pop(j))
         return self.items[0][1], self.items[0][2]
+
+
+class ContinuationStore:
+    """The keys and values of finished rows, kept for the request that continues them.
+
+    A multi-turn rollout's next turn is the last one's prompt, its sampled ids, the tool's
+    reply and the next turn's header, token for token. A finished row's slot already holds the
+    keys and values of its prompt and of every sampled id but the last (the last was sampled,
+    never fed back), so keeping them lets the next turn prefill only what was appended. Entries
+    are keyed by their exact token ids and looked up by the prompt's prefixes of each stored
+    length (a dictionary lookup per length, not a scan); least recently used first out, within
+    ``max_bytes``. Vendors call this prefix caching (vLLM's automatic prefix caching, SGLang's
+    radix cache); here it is exact-prefix only, one entry per finished row.
+
+    Args:
+        max_bytes: the most key/value bytes kept (0: nothing is kept).
+        min_len: a match shorter than this many tokens is not used.
+    """
+
+    def __init__(self, max_bytes: int, min_len: int):
+        self.max_bytes, self.min_len = max_bytes, min_len
+        self.items: "OrderedDict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor], int]]" = OrderedDict()
+        self.lengths: dict[int, int] = {}  # stored length -> how many entries have it
+        self.nbytes = 0
+        self.hits = 0  # prompts that continued a stored row
+        self.hit_tokens = 0  # prompt tokens those hits did not prefill
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def clear(self) -> None:
+        """Forget every entry (the weights changed)."""
+        self.items.clear()
+        self.lengths.clear()
+        self.nbytes = 0
+
+    def add(self, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Keep ``tokens``' keys and values (per layer (kv_heads, len(tokens), head_dim)), dropping the
+        least recently used entries beyond ``max_bytes``; an entry larger than that is not kept."""
+        size = sum(t.numel() * t.element_size() for t in keys + values)
+        key = tuple(tokens)
+        if size > self.max_bytes or len(key) < self.min_len:
+            return
+        self._drop(key)
+        self.items[key] = (keys, values, size)
+        self.lengths[len(key)] = self.lengths.get(len(key), 0) + 1
+        self.nbytes += size
+        while self.nbytes > self.max_bytes:
+            self._drop(next(iter(self.items)))
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        item = self.items.pop(key, None)
+        if item is not None:
+            self.nbytes -= item[2]
+            self.lengths[len(key)] -= 1
+            if not self.lengths[len(key)]:
+                del self.lengths[len(key)]
+
+    def match(self, prompt: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], int] | None:
+        """(keys, values, length) of the longest stored entry that is a prefix of ``prompt`` and leaves
+        it at least one token, or None; the entry becomes the most recently used."""
+        for n in sorted(self.lengths, reverse=True):
+            if self.min_len <= n < len(prompt):
+                key = tuple(prompt[:n])
+                item = self.items.get(key)
+                if item is not None:
+                    self.items.move_to_end(key)
+                    return item[0], item[1], n
+        return None

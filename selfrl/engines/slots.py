@@ -56,7 +56,7 @@ from selfrl.constrain import ConstraintError
 from selfrl.engines import DRIVERS
 from selfrl.engine import Engine
 from selfrl.engines.base import AdapterSource, EngineHealth, Generation, check_generate_args
-from selfrl.engines.kvcache import PrefixStore, SlotCache
+from selfrl.engines.kvcache import ContinuationStore, PrefixStore, SlotCache
 from selfrl.engines.mergedpolicy import MergedPolicy
 from selfrl.engines.rowgrammar import RowGrammar
 from selfrl.engines.sampling import choose_tokens, next_token_logps
@@ -69,6 +69,7 @@ from selfrl.prefix import MIN_SHARED_PREFIX, group_repeats, shared_prefix_len
 __all__ = ["DrivenFuture", "Request", "SlotEngine", "VersionGate", "row_generator"]
 
 IDLE_CACHE_BYTES = 64 * 2**20  # an idle engine keeps a cache up to this size; a larger one is freed
+CONTINUATION_BYTES = 2**30  # finished rows' keys and values kept for their next turn (a 64-row demo batch: ~0.85 GB)
 
 
 class SlotEngine(CallerDriven):
@@ -83,6 +84,10 @@ class SlotEngine(CallerDriven):
         max_slots: rows decoded together at most (requests beyond wait for a slot).
         share_prefix: encode common prefixes once (see the module docstring).
         prefix_entries: how many encoded prefixes are kept (least recently used dropped).
+        continuation_bytes: with ``share_prefix``, the keys and values of finished rows kept for
+            the requests that continue them (a multi-turn rollout's next turn: only the tool's
+            reply and the next header are prefilled), at most this many bytes, least recently
+            used dropped (:class:`~selfrl.engines.kvcache.ContinuationStore`); 0: none kept.
         merge_lora: sample from :class:`~selfrl.engines.mergedpolicy.MergedPolicy`, a view of
             ``model`` with each LoRA merged into its weight (merged again whenever the LoRA
             changes) and small batches' products arranged for the CPU: 1.2-2.0x faster decoding
@@ -110,9 +115,12 @@ class SlotEngine(CallerDriven):
     supports_cancel = True  # honours cancel events: a cancelled row frees its slot before the next step
 
     def __init__(self, model, tokenizer, version: int = 0, max_slots: int = 64, share_prefix: bool = True,
-                 prefix_entries: int = 4, driver: str = "thread", merge_lora: bool = True):
+                 prefix_entries: int = 4, driver: str = "thread", merge_lora: bool = True,
+                 continuation_bytes: int = CONTINUATION_BYTES):
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        if continuation_bytes < 0:
+            raise ValueError(f"continuation_bytes must be >= 0, got {continuation_bytes}")
         if driver not in DRIVERS:
             raise ValueError(f"driver must be one of {', '.join(DRIVERS)}, got {driver!r}")
         self._ref = Engine(model, tokenizer, version=version, share_prefix=share_prefix)  # swap and checks
@@ -129,6 +137,7 @@ class SlotEngine(CallerDriven):
         self._queue: deque[Request] = deque()
         self._rows: list[Request] = []  # active rows; index = slot
         self._prefixes = PrefixStore(prefix_entries, MIN_SHARED_PREFIX)
+        self._continuations = ContinuationStore(continuation_bytes if share_prefix else 0, MIN_SHARED_PREFIX)
         self._prefix_generation = self.watch.generation  # the weights' generation the stored prefixes are of
         self._cond = threading.Condition()
         self._closed = False
@@ -475,6 +484,7 @@ class SlotEngine(CallerDriven):
             if t in self._eos or stopped or len(r.token_ids) >= r.max_new_tokens:
                 done.append(i)
                 self.rows_done += 1
+                self._keep_continuation(r)
                 self._finish(r, r.result(t in self._eos or stopped, stopped=stopped))
         for c in calls.values():
             try:
@@ -523,6 +533,13 @@ class SlotEngine(CallerDriven):
                 rows[i] = rows[last]
             rows.pop()
 
+    def _keep_continuation(self, r: Request) -> None:
+        """Keep finished row ``r``'s keys and values (its prompt and every sampled id but the last,
+        which was never fed back) for a request that continues it."""
+        if self._continuations.max_bytes and r.length >= self._continuations.min_len:
+            tokens = (r.prompt + r.token_ids)[:r.length]
+            self._continuations.add(tokens, *self.cache.read_prefix(self._rows.index(r), r.length))
+
     def _store_prefix(self, tokens: list[int], slot: int) -> None:
         self._prefixes.add(tokens, *self.cache.read_prefix(slot, len(tokens)))
 
@@ -538,6 +555,7 @@ class SlotEngine(CallerDriven):
         generation = self.watch.poll(deep=not self._rows)  # (the merged view follows at its next call)
         if self.share_prefix and generation != self._prefix_generation:
             self._prefixes.clear()  # the weights moved (a swap, an update in place, adapters switched)
+            self._continuations.clear()
             self._prefix_generation = generation
         copies: list[int] = []  # for each row after the encoded ones: the index of the row it repeats
         if self.share_prefix:
@@ -563,7 +581,13 @@ class SlotEngine(CallerDriven):
         starts = []
         for k, r in enumerate(new):
             j, m = self._prefixes.match(r.prompt) if self.share_prefix else (-1, 0)
-            if j >= 0:
+            c = self._continuations.match(r.prompt)  # (None when nothing is kept)
+            if c is not None and c[2] > m:  # the row this prompt continues (a rollout's last turn)
+                self.cache.load_prefix(first + k, c[0], c[1], c[2])
+                m = c[2]
+                self._continuations.hits += 1
+                self._continuations.hit_tokens += m
+            elif j >= 0:
                 self.cache.load_prefix(first + k, *self._prefixes.use(j), m)
             starts.append(m)
         T = max(len(r.prompt) - m for r, m in zip(new, starts))
