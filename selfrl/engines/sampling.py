@@ -56,11 +56,33 @@ def choose_tokens(logp: torch.Tensor, greedy: torch.Tensor, top_p: torch.Tensor,
             probs = probs.masked_fill(nucleus_mask(probs, p), 0.0)
         rows = sampled.nonzero().squeeze(-1).tolist()
         if generators is None or all(generators[i] is None for i in rows):
-            ids[sampled] = torch.multinomial(probs, 1).squeeze(-1)
+            u = torch.rand(len(rows))  # (b,) from torch's global generator
         else:
-            ids[sampled] = torch.cat([torch.multinomial(probs[j], 1, generator=generators[i])
-                                      for j, i in enumerate(rows)])
+            u = torch.cat([torch.rand(1, generator=generators[i]) for i in rows])  # (b,) one draw per row
+        ids[sampled] = inverse_cdf(probs, u)
     return ids
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(b,) long: for each row of ``probs`` (b, V) >= 0 (unnormalised), the id whose cumulative
+    mass first exceeds ``u`` (b,) in [0, 1) times the row's total: a draw from the row's
+    distribution (inverse transform sampling) for one uniform number a row.
+
+    ``torch.multinomial`` drew the same distribution at about 0.9 ms a row for SmolLM2's 49,152
+    ids on this CPU, 15 % of a rollout batch's time; one cumulative sum of the batch and a binary
+    search per row cost a few ms a step in all. An id of zero mass is never drawn: its cumulative
+    sum equals its predecessor's, so no point falls in it; a point that float rounding puts at the
+    total goes to the last id with mass.
+
+    >>> inverse_cdf(torch.tensor([[0.2, 0.0, 0.8], [0.5, 0.5, 0.0]]), torch.tensor([0.1, 0.9])).tolist()
+    [0, 1]
+    >>> inverse_cdf(torch.tensor([[0.2, 0.0, 0.8, 0.0]]), torch.tensor([0.99999999])).tolist()
+    [2]
+    """
+    cdf = probs.cumsum(dim=-1)  # (b, V)
+    ids = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)  # (b,)
+    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)  # (b,) the last id with mass
+    return torch.minimum(ids, last)
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
