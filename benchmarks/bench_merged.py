@@ -15,6 +15,7 @@ batch, and how far the sampled logprobs are from the learner's recomputation.
   full forward pass of the peft model on one unpadded row (what the learner computes).
 
     python benchmarks/bench_merged.py --repeats 3
+    python benchmarks/bench_merged.py --repeats 3 --adapter runs/demo/adapters/v000002   # a trained policy
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ def main(argv: list[str] | None = None) -> dict:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,2,4,8,16,32,64", help="active rows of the step table, comma-separated")
     p.add_argument("--skip-rollouts", action="store_true", help="the step table and exactness only")
+    p.add_argument("--adapter", type=Path, default=None,
+                   help="a saved adapter version (a run's adapters/vNNNNNN) to sample with instead of the starting "
+                        "LoRA: a trained policy's rollouts (more tool calls, longer turns); writes merged_trained.json")
     args = p.parse_args(argv)
     import torch
 
@@ -93,6 +97,13 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = bench_config(args, CONFIG, "bench-merged-")
     flops = matmul_flops(256 if args.tiny else 4096, max(1, args.repeats))
     model, tok = build_policy(cfg)
+    if args.adapter is not None:
+        from peft import set_peft_model_state_dict
+
+        from selfrl.adapters import load_version_state
+
+        set_peft_model_state_dict(model, load_version_state(args.adapter))
+        result["adapter"] = str(args.adapter)
     engines = {n: SlotEngine(model, tok, driver="caller", merge_lora=m) for n, m in VARIANTS.items()}
     merged = engines["merged"].merged
     P = matmul_params(model)
@@ -174,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
     print("largest |sampled - recomputed| logprob: " + ", ".join(f"{n} {g:.2e}" for n, g in gaps.items()))
     for e in engines.values():
         e.close()
-    print(f"wrote {finish(result, 'merged', args.out)}")
+    print(f"wrote {finish(result, 'merged' if args.adapter is None else 'merged_trained', args.out)}")
     return result
 
 

@@ -41,7 +41,7 @@ RUN_FLAGS = {
     "--seed": ("seed", int, "random seed"),
     "--device": ("model.device", str, "auto | cpu | cuda: where the policy, learner and reference pass run"),
     "--dtype": ("model.dtype", str, "auto | float32 | bfloat16 (auto: bf16 on a GPU that has it, else fp32)"),
-    "--engine": ("engine", str, "sampling backend: reference | slots (selfrl.engines)"),
+    "--engine": ("engine", str, "sampling backend: auto (slots on the CPU, reference on a GPU) | reference | slots"),
     "--ray": ("distributed.address", str, "rollouts on Ray workers: auto (a running cluster), local (start one "
               "here) or host:port; needs the ray extra (docs/distributed.md)"),
     "--sampler": ("sampler.url", str, "sample in a separate process over HTTP, e.g. http://127.0.0.1:8100 "
@@ -70,7 +70,7 @@ SERVE_FLAGS = {
     "--task": ("task.source", str, "task source of the validation gate (see selfrl run --task)"),
     "--device": ("model.device", str, "auto | cpu | cuda: where the served policy and its learner run"),
     "--dtype": ("model.dtype", str, "auto | float32 | bfloat16 (auto: bf16 on a GPU that has it, else fp32)"),
-    "--engine": ("engine", str, "sampling backend: reference | slots (selfrl.engines)"),
+    "--engine": ("engine", str, "sampling backend: auto (slots on the CPU, reference on a GPU) | reference | slots"),
 }
 
 

@@ -43,13 +43,12 @@ def _auto(model, tokenizer, version: int = 0, driver: str | None = None) -> Samp
 
 # name -> factory(model, tokenizer, version) for the in-process backends
 ENGINES: dict[str, Callable[..., SamplingEngine]] = {"auto": _auto, "reference": _reference, "slots": _slots}
-# selfrl run: the reference. The slot engine passes the conformance suite, and since selfrl run
-# steps it in the waiting thread (driver "caller": one OpenMP team) a make demo on it took
-# 363-387 s against 412-514 s for the reference runs next to it, the same held-out result
-# (docs/benchmarks.md section 7, "One thread for torch"). It stays opt-in (--engine slots, or
-# auto) because the label-free preset's seeded demo learns with the reference's samples and not
-# with the slot engine's (README).
-DEFAULT_ENGINE = "reference"
+# selfrl run: auto, i.e. slots on the CPU and the reference on a GPU. On an idle machine
+# (2026-12-02, docs/benchmarks.md section 7, "The update as a prefix tree"), make demo's session
+# took 217 s on slots against 340 s on the reference next to it (407 s for the reference before
+# the packed update), the same held-out result, and the label-free preset learned on slots too
+# (7 % -> 100 %; it had not in one earlier run, README). --engine reference gives the previous default.
+DEFAULT_ENGINE = "auto"
 # selfrl serve: auto, i.e. slots on the CPU and the reference on a GPU. Measured on an idle
 # machine (benchmarks/bench_serve.py, 2026-12-01): median time to first token with 8 streaming
 # clients 0.71 s on slots against 4.35 s on the reference, 1.95 s against 8.04 s with 32,
