@@ -504,3 +504,30 @@ def test_update_through_the_packed_tree_equals_the_update_through_the_rows(tiny_
         assert out["tree"][1]["kl"] > 0
     for k, v in out["rows"][2].items():
         torch.testing.assert_close(out["tree"][2][k], v, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("takes_tree", [True, False])
+def test_micro_batches_follow_token_order_for_a_tree_and_length_order_otherwise(policy, tiny_tokenizer, monkeypatch,
+                                                                               takes_tree):
+    import selfrl.learner as learner_module
+    from selfrl.rl.logprobs import per_token_logps
+
+    trajs = sample(policy, tiny_tokenizer)
+    seen = []
+
+    def recording(model, input_ids, attention_mask, *a, **k):
+        seen.append([input_ids[i, :n].tolist() for i, n in enumerate(attention_mask.sum(dim=1).tolist())])
+        return per_token_logps(model, input_ids, attention_mask, *a, **k)
+
+    monkeypatch.setattr(learner_module, "decoder_takes_tree", lambda decoder: takes_tree)
+    monkeypatch.setattr(learner_module, "per_token_logps", recording)
+    learner(policy, tiny_tokenizer).step(trajs)
+    rows = [r for mb in seen for r in mb]  # beta 0: one pass, micro-batches of 4 then 2
+    ids = [t.token_ids for t in trajs]
+    assert [len(r) for r in sorted(ids)] != sorted(map(len, ids))  # the two orders differ on this sample
+    expected = sorted(ids, key=None if takes_tree else len)
+    assert [len(mb) for mb in seen] == [4, 2]
+    if takes_tree:
+        assert rows == expected
+    else:
+        assert [len(r) for r in rows] == [len(r) for r in expected]

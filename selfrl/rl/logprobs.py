@@ -39,7 +39,7 @@ def _chunk_logps(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torc
     return selective_log_softmax(logits, targets)  # (C,)
 
 
-def _decoder_and_head(model):
+def decoder_and_head(model):
     """(decoder, lm_head) of a causal LM, through peft's wrapper when there is one."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return base.get_decoder(), base.get_output_embeddings()
@@ -90,7 +90,7 @@ def per_token_logps(
         raise ValueError(f"temperature must be > 0 (the logits are divided by it), got {temperature}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    decoder, head = _decoder_and_head(model)
+    decoder, head = decoder_and_head(model)
     B, T = input_ids.shape
     if not share_prefix:
         layout = "rows"
@@ -136,29 +136,33 @@ def per_token_logps(
 _TREE_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, bool]]" = weakref.WeakKeyDictionary()
 
 
-def tree_supported(decoder: torch.nn.Module, attention_mask: torch.Tensor) -> bool:
-    """Whether ``decoder`` (a causal LM's decoder stack) gives a packed prefix tree the same
-    hidden states as the rows one by one, for right-padded rows of ``attention_mask`` (B, T).
-
-    The tree needs an attention that takes a custom 4D mask (``sdpa`` or ``eager``; FlashAttention
-    ignores one), no sliding window shorter than the rows, and right padding. For each decoder the
-    first call also compares the two on two short rows, with no gradient and in eval mode (an
-    architecture that builds its own mask would fail it); the answer is kept for the decoder's life
-    and attention implementation.
-    """
+def decoder_takes_tree(decoder: torch.nn.Module) -> bool:
+    """Whether ``decoder`` (a causal LM's decoder stack) encodes a packed prefix tree exactly: an
+    attention that takes a custom 4D mask (``sdpa`` or ``eager``; FlashAttention ignores one), and a
+    numerical check on its first call, two short rows through the tree and one by one with no
+    gradient and in eval mode (an architecture that builds its own mask fails it). The answer is kept
+    for the decoder's life and attention implementation."""
     config = getattr(decoder, "config", None)
-    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager"):
         return False
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True) and attention_mask.shape[1] > window:
+    checked = _TREE_CHECKED.setdefault(decoder, {})  # by attention implementation, which can be changed
+    if implementation not in checked:
+        checked[implementation] = _tree_matches_rows(decoder)
+    return checked[implementation]
+
+
+def tree_supported(decoder: torch.nn.Module, attention_mask: torch.Tensor) -> bool:
+    """Whether ``decoder`` gives a packed prefix tree the same hidden states as the rows one by one,
+    for the rows of ``attention_mask`` (B, T): :func:`decoder_takes_tree`, right padding, and no
+    sliding window shorter than the rows (the packed mask would not apply it)."""
+    if not decoder_takes_tree(decoder):
+        return False
+    window = getattr(decoder.config, "sliding_window", None)
+    if window and getattr(decoder.config, "use_sliding_window", True) and attention_mask.shape[1] > window:
         return False
     lengths = attention_mask.sum(dim=1, keepdim=True)  # (B, 1)
-    if not bool((attention_mask == (torch.arange(attention_mask.shape[1], device=lengths.device) < lengths)).all()):
-        return False  # not right-padded
-    checked = _TREE_CHECKED.setdefault(decoder, {})  # by attention implementation, which can be changed
-    if config._attn_implementation not in checked:
-        checked[config._attn_implementation] = _tree_matches_rows(decoder)
-    return checked[config._attn_implementation]
+    return bool((attention_mask == (torch.arange(attention_mask.shape[1], device=lengths.device) < lengths)).all())
 
 
 def _tree_matches_rows(decoder: torch.nn.Module) -> bool:
