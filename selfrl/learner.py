@@ -49,7 +49,7 @@ from selfrl import faults
 from selfrl.config import TrainConfig
 from selfrl.device import PeakMemory, enable_gradient_checkpointing, gradient_checkpointing_on, model_device
 from selfrl.rl.batch import TensorBatch, collate
-from selfrl.rl.logprobs import decoder_and_head, decoder_takes_tree, per_token_logps
+from selfrl.rl.logprobs import decoder_and_head, per_token_logps, tree_by_default
 from selfrl.rl.losses import Normalizer, get_loss_aggregation, k3_kl, per_token_loss
 from selfrl.rl.off_policy import mismatch_kl, tis_weights
 from selfrl.trajectory import Trajectory
@@ -307,10 +307,10 @@ class Learner:
             lonely = bool(scored) and max(scored.values()) < 2  # no group to compare a sample with
             reason = SkipReason.NO_TOKENS if signal else SkipReason.NO_GROUP if lonely else SkipReason.NO_SIGNAL
             return UpdateResult.skip(reason, num_sequences=0.0, **{"time/update_s": time.perf_counter() - t0})
-        # in token order where the decoder takes a packed prefix tree: sequences that share prefixes (a
+        # in token order where the learner takes a packed prefix tree: sequences that share prefixes (a
         # group's prompt, its first turns) fall in one micro-batch, whose tree encodes each once
         # (selfrl.rl.tree); else by length, for less padding
-        tree = decoder_takes_tree(decoder_and_head(self.model)[0])
+        tree = tree_by_default(decoder_and_head(self.model)[0])
         usable.sort(key=(lambda t: t.token_ids) if tree else (lambda t: len(t.token_ids)))
         peak = PeakMemory(self.device)
         micro = [self._collate(usable[i:i + self.cfg.micro_batch_size])

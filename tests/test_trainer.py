@@ -519,7 +519,7 @@ def test_micro_batches_follow_token_order_for_a_tree_and_length_order_otherwise(
         seen.append([input_ids[i, :n].tolist() for i, n in enumerate(attention_mask.sum(dim=1).tolist())])
         return per_token_logps(model, input_ids, attention_mask, *a, **k)
 
-    monkeypatch.setattr(learner_module, "decoder_takes_tree", lambda decoder: takes_tree)
+    monkeypatch.setattr(learner_module, "tree_by_default", lambda decoder: takes_tree)
     monkeypatch.setattr(learner_module, "per_token_logps", recording)
     learner(policy, tiny_tokenizer).step(trajs)
     rows = [r for mb in seen for r in mb]  # beta 0: one pass, micro-batches of 4 then 2

@@ -136,6 +136,12 @@ def test_auto_takes_the_tree_only_where_it_encodes_fewer_tokens(tiny_peft_model,
     per_token_logps(tiny_peft_model, ids, att, comp, TEMPERATURE)
     per_token_logps(tiny_peft_model, ids[:1], att[:1], comp[:1], TEMPERATURE)  # one row: nothing to share
     assert used == [True]
+    monkeypatch.setattr(lp, "TREE_DEVICES", ())  # a device where the tree has not run (a GPU): not by default
+    ids, att, comp = batch(*shared_rows())
+    per_token_logps(tiny_peft_model, ids, att, comp, TEMPERATURE)
+    assert used == [True]
+    per_token_logps(tiny_peft_model, ids, att, comp, TEMPERATURE, layout="tree")  # asked for: still given
+    assert used == [True, True]
 
 
 def test_tree_cost_rule_by_hand():

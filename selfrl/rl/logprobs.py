@@ -71,8 +71,9 @@ def per_token_logps(
         layout: how the rows are encoded. "tree": all rows as one prefix tree, every shared
             prefix once (:mod:`selfrl.rl.tree`); "prefix": the rows' common prefix once, in a
             key/value cache repeated over the rows (``selfrl.prefix``); "rows": the padded
-            batch as it is; "auto": the tree when :func:`selfrl.rl.tree.tree_pays`, else
-            "prefix" (or "rows" when the model checkpoints its gradients, which drops a cache).
+            batch as it is; "auto": the tree on the CPU (:func:`tree_by_default`) when
+            :func:`selfrl.rl.tree.tree_pays`, else "prefix" (or "rows" when the model checkpoints
+            its gradients, which drops a cache).
         vocab_masks: the grammar masks of constrained tokens (:class:`VocabMasks`): at
             those positions the log-softmax runs over the allowed ids only, as when they
             were sampled; None: every position over the whole vocabulary.
@@ -100,7 +101,8 @@ def per_token_logps(
     if layout == "tree" and not tree_supported(decoder, attention_mask):
         raise ValueError("layout 'tree' needs right-padded rows and a decoder that takes a custom 4D attention mask "
                          "(sdpa or eager, no sliding window shorter than the rows); use layout 'auto'")
-    if layout == "tree" or (layout == "auto" and B > 1 and tree_supported(decoder, attention_mask)):
+    if layout == "tree" or (layout == "auto" and B > 1 and tree_by_default(decoder)
+                            and tree_supported(decoder, attention_mask)):
         lengths = attention_mask.sum(dim=1).tolist()
         tree = build_tree([input_ids[i, :n].tolist() for i, n in enumerate(lengths)], input_ids.device)
         if layout == "auto":
@@ -150,6 +152,15 @@ def decoder_takes_tree(decoder: torch.nn.Module) -> bool:
     if implementation not in checked:
         checked[implementation] = _tree_matches_rows(decoder)
     return checked[implementation]
+
+
+TREE_DEVICES = ("cpu",)  # where "auto" takes the tree: it has not run on a GPU yet (the shared prefix there)
+
+
+def tree_by_default(decoder: torch.nn.Module) -> bool:
+    """Whether layout "auto" may take the packed tree for ``decoder``: on a device of
+    :data:`TREE_DEVICES` and :func:`decoder_takes_tree`."""
+    return next(decoder.parameters()).device.type in TREE_DEVICES and decoder_takes_tree(decoder)
 
 
 def tree_supported(decoder: torch.nn.Module, attention_mask: torch.Tensor) -> bool:
