@@ -164,6 +164,7 @@ def test_a_swap_the_sampler_never_acknowledges_fails_at_the_deadline():
 
 @pytest.mark.parametrize("change, message", [
     (lambda c: setattr(c, "engine", "slots"), "engine = 'slots' picks an in-process backend"),
+    (lambda c: setattr(c, "engine", "reference"), "engine = 'reference' picks an in-process backend"),
     (lambda c: setattr(c.distributed, "address", "local"), "distributed.address"),
     (lambda c: setattr(c.rollout, "constrain", "tool_call"), "rollout.constrain = 'tool_call'"),
     (lambda c: setattr(c.sampler, "url", "127.0.0.1:8100"), "sampler.url must start with http://"),
@@ -190,7 +191,7 @@ def test_cli_an_unreachable_sampler_is_a_clear_error(model_dir, tmp_path, capsys
 def test_cli_a_stale_sampler_exits_1_and_resume_on_a_fixed_one_goes_on(model_dir, tiny_tokenizer, tmp_path, capsys):
     cfg = make_cfg(model_dir, tmp_path / "x")
     conf = tmp_path / "c.toml"
-    conf.write_text('reward_weights = { short = 1.0 }\nengine = "reference"\n[rollout]\nmax_new_tokens = 12\n'
+    conf.write_text('reward_weights = { short = 1.0 }\n[rollout]\nmax_new_tokens = 12\n'
                     'max_turns = 2\n[gate]\nval_size = 6\n[train]\nmicro_batch_size = 4\n')
     args = ["run", "--config", str(conf), "--model", str(model_dir), "--device", "cpu", "--lora-r", "4", "--task",
             "chain_sum", "--iterations", "2", "--num-prompts", "2", "--num-generations", "3", "--eval-every", "1",
