@@ -275,6 +275,9 @@ class Runner:
         s = self.s
         if s.resume:
             self.recover()
+        backend = getattr(s.engine, "name", type(s.engine).__name__)
+        s.ledger.event(EventKind.ENGINE, f"sampling on the {backend} engine (engine = {self.cfg.engine!r})",
+                       {"engine": backend, "configured": self.cfg.engine})
         fresh = s.ledger.get(0) is None
         if fresh:
             s.store.add_tasks([_task_row(t) for t in s.train], "train")

@@ -56,6 +56,7 @@ class EventKind(str, enum.Enum):
     AGENT_CONFLICT = "agent_conflict"  # a candidate hurt one agent beyond its tolerance (selfrl.distributed.agents)
     DISTRIBUTED = "distributed"  # a distributed run's totals: jobs, stale groups dropped, workers lost
     WARM_START = "warm_start"  # the warm start's phases and numbers: sampled, kept, fine-tuned, gated (selfrl.warm_start)
+    ENGINE = "engine"  # the sampling backend a session runs on (engine = "auto" resolves by device)
 
 
 class VersionStatus(str, enum.Enum):

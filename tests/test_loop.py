@@ -176,15 +176,17 @@ def test_cli_unknown_model_path(capsys, tmp_path):
 
 
 def test_slot_engine_run_samples_each_version_exactly(model_dir, short_reward, tmp_path):
-    # the default (slot) engine in the loop: after each update in place, the next rollouts
+    # the default engine (auto: slots on the CPU) in the loop: after each update in place, the next rollouts
     # sample the new weights (no stale cached prefix), and every stored logprob is the one
     # the version that generated it gives
     cfg = make_cfg(model_dir, tmp_path / "slots", learning_rate=1e-3)
-    cfg.engine = "slots"
+    cfg.engine = "auto"  # the default: slots on the CPU
     result = run(cfg)
     with Store(result.run_dir / "selfrl.db") as store:
         trajs = store.trajectories()
         paths = {v["version"]: v["path"] for v in store.versions()}
+        engine = [e for e in store.events() if e["kind"] == "engine"]
+    assert [(e["data"]["engine"], e["data"]["configured"]) for e in engine] == [("slots", "auto")]  # what sampled
     states = {v: adapters.load_version_state(p) for v, p in paths.items()}
     assert len(trajs) == 2 * 2 * 3 and {t.adapter_version for t in trajs} >= {0}
     for traj in trajs:

@@ -440,3 +440,58 @@ def test_kept_rows_are_forgotten_when_the_weights_change(tiny_tokenizer, tiny_mo
     with pytest.raises(ValueError, match="continuation_bytes"):
         SlotEngine(model, tiny_tokenizer, continuation_bytes=-1)
     engine.close()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_non_finite_logits_are_an_error_not_a_token(bad, greedy):
+    logits = torch.zeros(2, 6)
+    logits[1] = bad  # NaN or +inf everywhere, or -inf everywhere: nothing to draw from
+    if bad == float("inf"):
+        logits[1, 0] = bad  # one +inf logit: log_softmax gives NaN
+    with pytest.raises(ValueError, match="NaN"):
+        sample_tokens(logits, torch.tensor([0.7, 0.7]), torch.tensor([greedy, greedy]), torch.ones(2))
+    ids, logps = sample_tokens(logits[:1], torch.tensor([0.7]), torch.tensor([greedy]), torch.ones(1))
+    assert torch.isfinite(logps).all()  # the finite row alone is fine
+
+
+def test_a_diverged_adapter_fails_the_request_instead_of_sampling_garbage(tiny_tokenizer, tiny_model_factory):
+    model = tiny_model_factory(eos_bias=1.0, lora=True)
+    engine = SlotEngine(model, tiny_tokenizer, driver="caller")
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "lora_B" in n).fill_(float("nan"))
+    prompt = prompts_with_system(tiny_tokenizer, ["Hi"])[0]
+    for greedy in (False, True):
+        with pytest.raises(ValueError, match="NaN"):
+            engine.generate([prompt], 4, temperature=1.0, greedy=greedy)
+    engine.close()
+
+
+@pytest.mark.parametrize("merge_lora", [True, False])
+def test_a_row_that_spans_a_weight_change_is_not_kept_for_its_next_turn(tiny_tokenizer, tiny_model_factory,
+                                                                         merge_lora):
+    # the LoRA moves in place while a row decodes (a learner on the shared model) and another request
+    # joins (the engine sees the change and forgets what it kept); the row's keys and values mix both
+    # versions, so its next turn must be prefilled again, and samples what the model now gives
+    model = tiny_model_factory(lora=True)
+    engine = SlotEngine(model, tiny_tokenizer, driver="thread", merge_lora=merge_lora)
+    prompt = prompts_with_system(tiny_tokenizer, ["What is 17+25?"])[0]
+    other = prompts_with_system(tiny_tokenizer, ["Hi"])[0]
+    joined = {}
+
+    def on_tokens(ids):  # in the worker, between two steps
+        if len(ids) == 3 and "r" not in joined:
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if "lora_" in n:
+                        p.add_(0.5 * torch.randn_like(p))
+            joined["r"] = engine.submit(other, 1, greedy=True)
+
+    first = engine.submit(prompt, 10, greedy=True, on_tokens=on_tokens).result(timeout=60)
+    joined["r"].result(timeout=60)
+    assert len(first.token_ids) == 10  # (no EOS bias: the row ran past the change)
+    second_prompt = prompt + first.token_ids + [5, 6, 7]
+    second = engine.generate([second_prompt], 6, greedy=True)[0]
+    assert engine._continuations.hits == 0
+    assert_matches_model([second], [second_prompt], model, 1.0, tiny_tokenizer.eos_token_id, 6)
+    engine.close()

@@ -185,3 +185,35 @@ def test_an_architecture_whose_mask_does_not_reach_attention_fails_the_check(tin
     other = tiny_model_factory(seed=1).get_decoder().train()
     assert not tree_supported(other, torch.ones((2, 4), dtype=torch.long))
     assert all(m.training for m in other.modules())  # the check ran in eval mode and put the modes back
+
+
+def test_an_architecture_that_raises_on_the_mask_falls_back_to_the_rows(tiny_tokenizer):
+    from transformers import BloomConfig, BloomForCausalLM
+
+    # ALiBi builds its bias from a 2D mask: a 4D one raises inside the model, so no tree, and no error
+    model = BloomForCausalLM(BloomConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, n_layer=2, n_head=4)).eval()
+    rows, completion = shared_rows()
+    ids, att, comp = batch(rows, completion)
+    assert not tree_supported(model.get_decoder() if hasattr(model, "get_decoder") else model.transformer, att)
+    auto = per_token_logps(model, ids, att, comp, TEMPERATURE)
+    torch.testing.assert_close(auto, per_token_logps(model, ids, att, comp, TEMPERATURE, layout="rows"),
+                               atol=1e-5, rtol=0)
+
+
+def test_a_row_of_padding_only_is_left_to_the_rows(tiny_peft_model):
+    rows, completion = shared_rows()
+    ids, att, comp = batch(rows, completion)
+    att[2], ids[2], comp[2] = 0, PAD, 0  # an empty row
+    assert not tree_supported(lp.decoder_and_head(tiny_peft_model)[0], att)
+    out = per_token_logps(tiny_peft_model, ids, att, comp, TEMPERATURE)  # auto: no error
+    assert bool((out[2] == 0).all())
+
+
+def test_the_check_is_made_again_for_another_dtype(tiny_model_factory):
+    model = tiny_model_factory()
+    decoder = model.get_decoder()
+    att = torch.ones((2, 4), dtype=torch.long)
+    assert tree_supported(decoder, att)
+    model.to(torch.bfloat16)
+    assert tree_supported(decoder, att)  # bf16 rounding is within the 16-bit tolerance
+    assert set(lp._TREE_CHECKED[decoder]) == {("sdpa", torch.float32), ("sdpa", torch.bfloat16)}

@@ -46,8 +46,15 @@ def next_token_logps(logits: torch.Tensor, temperature: torch.Tensor, greedy: to
 def choose_tokens(logp: torch.Tensor, greedy: torch.Tensor, top_p: torch.Tensor,
                   generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
     """(B,) long: the argmax of ``logp`` (B, V) for greedy rows, a draw from it (within the
-    row's nucleus ``top_p``) for the others, from the row's own generator when it has one."""
-    ids = logp.argmax(dim=-1)  # (B,)
+    row's nucleus ``top_p``) for the others, from the row's own generator when it has one.
+
+    Raises:
+        ValueError: a row of ``logp`` that is NaN (NaN or infinite logits: a diverged adapter), greedy
+            or sampled; such a row would otherwise yield an arbitrary id with a NaN logprob.
+    """
+    ids = logp.argmax(dim=-1)  # (B,); a NaN row's argmax is a NaN entry
+    if bool(torch.isnan(logp.gather(-1, ids[:, None])).any()):
+        raise ValueError("cannot choose a token: a row's log-probabilities are NaN (its logits are NaN or infinite)")
     sampled = ~greedy
     if bool(sampled.any()):
         probs = logp[sampled].exp()  # (b, V)
@@ -74,13 +81,21 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     sum equals its predecessor's, so no point falls in it; a point that float rounding puts at the
     total goes to the last id with mass.
 
+    Raises:
+        ValueError: a row whose mass is NaN, infinite or zero (NaN or infinite logits), as
+            ``torch.multinomial`` refused it.
+
     >>> inverse_cdf(torch.tensor([[0.2, 0.0, 0.8], [0.5, 0.5, 0.0]]), torch.tensor([0.1, 0.9])).tolist()
     [0, 1]
     >>> inverse_cdf(torch.tensor([[0.2, 0.0, 0.8, 0.0]]), torch.tensor([0.99999999])).tolist()
     [2]
     """
     cdf = probs.cumsum(dim=-1)  # (b, V)
-    ids = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)  # (b,)
+    total = cdf[:, -1]  # (b,)
+    if not bool((torch.isfinite(total) & (total > 0)).all()):  # NaN or inf logits (a diverged adapter)
+        raise ValueError("cannot sample: a row's probabilities contain NaN or inf, or are all zero "
+                         "(its logits are not finite)")
+    ids = torch.searchsorted(cdf, (u * total)[:, None], right=True).squeeze(-1)  # (b,)
     last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)  # (b,) the last id with mass
     return torch.minimum(ids, last)
 

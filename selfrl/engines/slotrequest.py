@@ -40,6 +40,7 @@ class Request:
     top: list[list[tuple[int, float]]] | None = None  # per id, the top_logprobs most likely (id, logprob)
     version: int = 0
     length: int = 0  # tokens of this row in the cache
+    generation: int = -1  # the weights' generation (WeightWatch) when the row was prefilled
     call: "Call | None" = None
     settled: bool = False  # its future has its result or error and its ticket is released
 

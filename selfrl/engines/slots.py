@@ -535,8 +535,11 @@ class SlotEngine(CallerDriven):
 
     def _keep_continuation(self, r: Request) -> None:
         """Keep finished row ``r``'s keys and values (its prompt and every sampled id but the last,
-        which was never fed back) for a request that continues it."""
-        if self._continuations.max_bytes and r.length >= self._continuations.min_len:
+        which was never fed back) for a request that continues it; not when the weights changed
+        since the row was prefilled (its keys and values mix two versions)."""
+        if not self._continuations.max_bytes or r.length < self._continuations.min_len:
+            return
+        if self.watch.poll() == r.generation:  # (the fast look, 0.1 ms)
             tokens = (r.prompt + r.token_ids)[:r.length]
             self._continuations.add(tokens, *self.cache.read_prefix(self._rows.index(r), r.length))
 
@@ -557,6 +560,8 @@ class SlotEngine(CallerDriven):
             self._prefixes.clear()  # the weights moved (a swap, an update in place, adapters switched)
             self._continuations.clear()
             self._prefix_generation = generation
+        for r in new:
+            r.generation = generation
         copies: list[int] = []  # for each row after the encoded ones: the index of the row it repeats
         if self.share_prefix:
             order, copies = group_repeats([r.prompt for r in new])
