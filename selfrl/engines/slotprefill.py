@@ -1,0 +1,115 @@
+"""Admission into the slot engine: new rows' prompts prefilled into their slots.
+
+What is encoded is only what nothing stored already holds: a prefix common to the rows admitted
+together, or stored from an earlier request (:class:`~selfrl.engines.kvcache.PrefixStore`); the
+finished row a prompt continues (:class:`~selfrl.engines.kvcache.ContinuationStore`); and a prompt
+repeated among the rows admitted together, encoded once and copied. Both stores are dropped when
+the weights change (:class:`~selfrl.engines.weightwatch.WeightWatch`). A mixin of
+:class:`selfrl.engines.slots.SlotEngine`, whose attributes it uses (``cache``, ``watch``,
+``_prefixes``, ``_continuations``, ``_forward``, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfrl.engines.slotrequest import Request
+from selfrl.prefix import MIN_SHARED_PREFIX, group_repeats, shared_prefix_len
+
+
+class SlotPrefill:
+    """The admission half of :class:`~selfrl.engines.slots.SlotEngine` (see the module docstring)."""
+
+    def _keep_continuation(self, r: Request) -> None:
+        """Keep finished row ``r``'s keys and values (its prompt and every sampled id but the last,
+        which was never fed back) for a request that continues it; not when the weights changed
+        since the row was prefilled (its keys and values mix two versions)."""
+        if not self._continuations.max_bytes or r.length < self._continuations.min_len:
+            return
+        if self.watch.poll() == r.generation:  # (the fast look, 0.1 ms)
+            tokens = (r.prompt + r.token_ids)[:r.length]
+            self._continuations.add(tokens, *self.cache.read_prefix(self._rows.index(r), r.length))
+
+    def _store_prefix(self, tokens: list[int], slot: int) -> None:
+        self._prefixes.add(tokens, *self.cache.read_prefix(slot, len(tokens)))
+
+    def _prefill(self, new: list[Request]) -> torch.Tensor:
+        """Encode the prompts of ``new`` rows into the slots after the active ones; returns their
+        (b, V) next-token logits. With ``share_prefix``, a prompt repeated in ``new`` (a group's
+        ``num_generations`` samples) is encoded once and its keys, values and logits copied: such
+        rows move to the end of ``new`` (in place), so the rows encoded are a contiguous window."""
+        first = len(self._rows)
+        self.cache.ensure(first + len(new), max(len(r.prompt) + r.max_new_tokens for r in new))
+        # every kind of change (about 20 ms) when rows join an idle engine, where a learner or a swap
+        # changes the weights; the fast look (0.1 ms) when they join running rows
+        generation = self.watch.poll(deep=not self._rows)  # (the merged view follows at its next call)
+        if self.share_prefix and generation != self._prefix_generation:
+            self._prefixes.clear()  # the weights moved (a swap, an update in place, adapters switched)
+            self._continuations.clear()
+            self._prefix_generation = generation
+        for r in new:
+            r.generation = generation
+        copies: list[int] = []  # for each row after the encoded ones: the index of the row it repeats
+        if self.share_prefix:
+            order, copies = group_repeats([r.prompt for r in new])
+            new[:] = [new[i] for i in order]
+        n = len(new) - len(copies)  # rows encoded
+        logits = self._encode_prompts(first, new[:n])
+        for j, k in enumerate(copies):  # (column = position: the prompt fills columns [0, len))
+            r = new[n + j]
+            self.cache.move_row(first + k, first + n + j, len(r.prompt))
+            r.length = len(r.prompt)
+        return torch.cat([logits, logits[copies]]) if copies else logits
+
+    def _encode_prompts(self, first: int, new: list[Request]) -> torch.Tensor:
+        """Prefill ``new`` rows into slots ``first``, ``first + 1``, ...; their (b, V) logits."""
+        if self.share_prefix:
+            # a prefix common to the rows admitted now, or to a generate call: encoded once
+            common = shared_prefix_len([r.prompt for r in new])
+            for r in new:
+                hint = max(common, r.prefix_hint)
+                if hint >= MIN_SHARED_PREFIX and self._prefixes.match(r.prompt)[1] < hint:
+                    self._encode(r.prompt[:hint], first)
+        starts = []
+        for k, r in enumerate(new):
+            j, m = self._prefixes.match(r.prompt) if self.share_prefix else (-1, 0)
+            c = self._continuations.match(r.prompt)  # (None when nothing is kept)
+            if c is not None and c[2] > m:  # the row this prompt continues (a rollout's last turn)
+                self.cache.load_prefix(first + k, c[0], c[1], c[2])
+                m = c[2]
+                self._continuations.hits += 1
+                self._continuations.hit_tokens += m
+            elif j >= 0:
+                self.cache.load_prefix(first + k, *self._prefixes.use(j), m)
+            starts.append(m)
+        T = max(len(r.prompt) - m for r, m in zip(new, starts))
+        b = len(new)
+        input_ids = torch.full((b, T), self.pad_token_id, dtype=torch.long)  # (b, T) left-padded suffixes
+        pos = torch.zeros(b, T, dtype=torch.long)  # (b, T)
+        cols = torch.full((b, T), self.cache.scratch, dtype=torch.long)  # (b, T) padding -> scratch column
+        for i, (r, m) in enumerate(zip(new, starts)):
+            n = len(r.prompt) - m
+            input_ids[i, T - n:] = torch.tensor(r.prompt[m:])
+            pos[i, T - n:] = torch.arange(m, len(r.prompt))
+            cols[i, T - n:] = pos[i, T - n:]
+            r.length = len(r.prompt)
+        width = max(len(r.prompt) for r in new)
+        slots = torch.arange(first, first + b)[:, None].expand(b, T)
+        self.cache.set_pass(slice(first, first + b), width, slots, cols)
+        mask = (torch.arange(width)[None, None, :] <= pos[:, :, None])[:, None]  # (b, 1, T, W)
+        logits = self._forward(input_ids, pos, mask)
+        if self.share_prefix:  # an unshared prompt may start later ones (a chat's system prompt)
+            k = next((k for k, (r, m) in enumerate(zip(new, starts)) if m == 0 and len(r.prompt) > 2 * MIN_SHARED_PREFIX),
+                     None)
+            if k is not None:
+                self._store_prefix(new[k].prompt[:-1], first + k)
+        return logits
+
+    def _encode(self, tokens: list[int], slot: int) -> None:
+        """Encode ``tokens`` alone into ``slot`` and keep them as a stored prefix."""
+        n = len(tokens)
+        pos = torch.arange(n)[None, :]  # (1, n)
+        self.cache.set_pass(slice(slot, slot + 1), n, torch.full((1, n), slot), pos)
+        mask = (torch.arange(n)[None, :] <= torch.arange(n)[:, None])[None, None]  # (1, 1, n, n)
+        self._forward(torch.tensor([tokens]), pos, mask)
+        self._store_prefix(tokens, slot)
