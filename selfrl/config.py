@@ -29,6 +29,7 @@ from selfrl.config_remote import (  # noqa: F401  (re-exported: every settings t
     AgentAdapters, AgentConfig, DistributedConfig, SamplerConfig, SamplerKind, SwapCheckConfig,
 )
 from selfrl.engines import DEFAULT_ENGINE, ENGINES  # the backend registry (imports no torch)
+from selfrl.engines.base import MIN_TEMPERATURE
 
 DEFAULT_MODEL = "embedded:smollm2-135m-instruct"
 DEFAULT_SYSTEM_PROMPT = "You are a careful assistant. Give the final answer as <answer>NUMBER</answer>."
@@ -119,7 +120,7 @@ class RolloutConfig:
 
     def check(self, where: str = "") -> None:
         require([
-            (self.temperature > 0, "temperature must be > 0"),
+            (self.temperature >= MIN_TEMPERATURE, f"temperature must be >= {MIN_TEMPERATURE}"),
             (self.max_turns >= 1, "max_turns must be >= 1"),
             (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
             one_of(self.tools_prompt, ToolsPrompt, "tools_prompt"),
@@ -265,7 +266,7 @@ class WarmStartConfig:
         require([
             (self.num_tasks >= 1, "num_tasks must be >= 1"),
             (self.samples_per_task >= 1, "samples_per_task must be >= 1"),
-            (self.temperature > 0, "temperature must be > 0"),
+            (self.temperature >= MIN_TEMPERATURE, f"temperature must be >= {MIN_TEMPERATURE}"),
             (self.max_per_task >= 0, "max_per_task must be >= 0 (0: keep every distinct success)"),
             (self.epochs >= 1, "epochs must be >= 1"),
             (self.learning_rate > 0, "learning_rate must be > 0"),
@@ -340,7 +341,9 @@ def check_sampler(cfg: Any) -> None:
         (cfg.distributed.address is None, "sampler.url (--sampler) and distributed.address (--ray) are two ways "
          "to sample outside this process; set one"),
         (cfg.engine == DEFAULT_ENGINE, f"engine = {cfg.engine!r} picks an in-process backend, and sampler.url "
-         "(--sampler) samples in another process (selfrl sampler serves the reference engine); drop one"),
+         "(--sampler) samples in another process (selfrl sampler serves the reference engine); drop one "
+         f"(a run resumed from before {DEFAULT_ENGINE!r} was the default stored 'reference': add "
+         f"--engine {DEFAULT_ENGINE})"),
         (cfg.rollout.constrain == "none", f"rollout.constrain = {cfg.rollout.constrain!r} needs the in-process "
          "engine's grammar constraints; a remote sampler (--sampler) has none"),
     ])

@@ -77,7 +77,7 @@ def test_modules_to_save_is_rejected_with_the_reason():
     [
         ({"num_generations": 1}, r"num_generations must be >= 2 \(a group of one has no advantage\)"),
         ({"train.epsilon": 1.0}, r"train\.epsilon must be in \(0, 1\)"),
-        ({"rollout.temperature": 0.0}, r"rollout\.temperature must be > 0"),
+        ({"rollout.temperature": 0.0}, r"rollout\.temperature must be >= 0\.0001"),
         ({"gate.val_size": 0}, r"gate\.val_size must be >= 1"),
         ({"train.tis_cap": -1.0}, r"train\.tis_cap must be >= 0 \(0 turns the off-policy correction off\)"),
     ],
@@ -136,7 +136,7 @@ SHARED_RULES = [
     ("task.min_spread", 1.0, "task.min_spread must be in [0, 1)"),
     ("task.retry_after", 0, "task.retry_after must be >= 1"),
     ("task.signal_check", "loud", "task.signal_check must be one of 'warn', 'stop', 'off'"),
-    ("rollout.temperature", 0.0, "rollout.temperature must be > 0"),
+    ("rollout.temperature", 0.0, "rollout.temperature must be >= 0.0001"),
     ("rollout.max_turns", 0, "rollout.max_turns must be >= 1"),
     ("rollout.max_new_tokens", 0, "rollout.max_new_tokens must be >= 1"),
     ("rollout.tools_prompt", "xml", "rollout.tools_prompt must be one of 'compact', 'json'"),

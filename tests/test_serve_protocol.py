@@ -75,13 +75,21 @@ def test_parse_completion_returns_openai_tool_calls():
 
 
 @pytest.mark.parametrize("bad", [
-    {"temperature": 3}, {"n": 0}, {"top_p": 0}, {"stop": ["a", "b", "c", "d", "e"]}, {"tool_choice": "always"},
+    {"temperature": 3}, {"temperature": 1e-300}, {"temperature": 5e-5}, {"n": 0}, {"top_p": 0}, {"stop": ["a", "b", "c", "d", "e"]}, {"tool_choice": "always"},
     {"unknown_field": 1}, {"messages": []},
 ])
 def test_request_validation(bad):
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **bad}
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate(body)
+
+
+def test_temperature_zero_is_greedy_and_the_smallest_sampling_one_is_allowed():
+    for t in (0, 1e-4, 2):
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": t}
+        assert ChatCompletionRequest.model_validate(body).temperature == t
+    with pytest.raises(ValidationError, match="temperature must be 0 \\(greedy\\) or at least 0.0001"):
+        ChatCompletionRequest.model_validate({**body, "temperature": 1e-300})
 
 
 def turn(store, run_id, tid, response_id, parent=None, key="k"):

@@ -4,6 +4,7 @@ the version gate, the sampling function, and the cache."""
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -495,3 +496,68 @@ def test_a_row_that_spans_a_weight_change_is_not_kept_for_its_next_turn(tiny_tok
     assert engine._continuations.hits == 0
     assert_matches_model([second], [second_prompt], model, 1.0, tiny_tokenizer.eos_token_id, 6)
     engine.close()
+
+
+@pytest.mark.parametrize("when", ["mid-row", "between turns"])
+def test_a_frozen_base_weight_changed_in_place_is_seen_before_a_kept_row_is_used(tiny_tokenizer, tiny_model_factory,
+                                                                                 when):
+    # the fast look (every step, every finished row) reads every parameter's version counter, frozen
+    # ones too: a next turn that joins a busy batch never loads keys and values of the old weights
+    model = tiny_model_factory(lora=True)
+    engine = SlotEngine(model, tiny_tokenizer, driver="thread")
+    norm = model.get_base_model().model.layers[0].input_layernorm.weight  # frozen, feeds the keys and values
+    prompt = prompts_with_system(tiny_tokenizer, ["What is 17+25?"])[0]
+    busy = prompts_with_system(tiny_tokenizer, ["Count to a thousand."])[0]
+
+    def on_tokens(ids):
+        if when == "mid-row" and len(ids) == 3:
+            with torch.no_grad():
+                norm.mul_(1.7)
+
+    first = engine.submit(prompt, 8, greedy=True, on_tokens=on_tokens).result(timeout=60)
+    running = engine.submit(busy, 60, greedy=True)  # keeps the engine busy: the next admission's look is fast
+    if when == "between turns":
+        with torch.no_grad():
+            norm.mul_(1.7)
+    second_prompt = prompt + first.token_ids + [5, 6, 7]
+    second = engine.submit(second_prompt, 6, greedy=True).result(timeout=60)
+    running.result(timeout=60)
+    assert engine._continuations.hits == 0
+    assert_matches_model([second], [second_prompt], model, 1.0, tiny_tokenizer.eos_token_id, 6)
+    engine.close()
+
+
+def test_a_row_whose_logits_break_fails_alone(tiny_tokenizer, tiny_model_factory, monkeypatch):
+    import selfrl.engines.slots as slots_module
+
+    real = slots_module.next_token_logps
+
+    def breaking(logits, temperature, greedy, allowed=None):  # the row sampled at 0.123 gets NaN logits
+        out = real(logits, temperature, greedy, allowed)
+        out[temperature == 0.123] = float("nan")
+        return out
+
+    monkeypatch.setattr(slots_module, "next_token_logps", breaking)
+    model = tiny_model_factory(eos_bias=-5.0, lora=True)
+    engine = SlotEngine(model, tiny_tokenizer, driver="caller")
+    prompt = prompts_with_system(tiny_tokenizer, ["Hi"])[0]
+    good = engine.submit(prompt, 12, temperature=1.0, seed=1)
+    bad = engine.submit(prompt, 12, temperature=0.123, seed=2)
+    with pytest.raises(ValueError, match="NaN"):
+        bad.result(timeout=60)
+    g = good.result(timeout=60)
+    assert len(g.token_ids) == 12 and all(math.isfinite(x) for x in g.logprobs)
+    engine.close()
+
+
+def test_a_temperature_too_small_for_fp32_is_refused_before_it_joins_a_batch(tiny_tokenizer, tiny_model_factory):
+    from selfrl.config import ConfigError, load_config
+
+    engine = SlotEngine(tiny_model_factory(lora=True), tiny_tokenizer, driver="caller")
+    for t in (1e-300, 1e-40, 5e-5):
+        with pytest.raises(ValueError, match="temperature must be >= 0.0001"):
+            engine.submit([1, 2, 3], 4, temperature=t)
+    assert engine.generate([[1, 2, 3]], 2, temperature=1e-4)[0].token_ids  # the smallest allowed
+    engine.close()
+    with pytest.raises(ConfigError, match="temperature must be >= 0.0001"):
+        load_config(None, {"rollout.temperature": 1e-5})

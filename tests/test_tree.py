@@ -209,11 +209,15 @@ def test_a_row_of_padding_only_is_left_to_the_rows(tiny_peft_model):
     assert bool((out[2] == 0).all())
 
 
-def test_the_check_is_made_again_for_another_dtype(tiny_model_factory):
+def test_no_tree_in_16_bits_and_the_answer_follows_the_dtype(tiny_model_factory):
+    # in bf16 the check cannot tell rounding from a slightly wrong position bias (an ALiBi model in
+    # bf16 passed a 10 % tolerance with log-probs 0.036 off), so 16-bit weights take the rows
     model = tiny_model_factory()
     decoder = model.get_decoder()
     att = torch.ones((2, 4), dtype=torch.long)
     assert tree_supported(decoder, att)
     model.to(torch.bfloat16)
-    assert tree_supported(decoder, att)  # bf16 rounding is within the 16-bit tolerance
-    assert set(lp._TREE_CHECKED[decoder]) == {("sdpa", torch.float32), ("sdpa", torch.bfloat16)}
+    assert not tree_supported(decoder, att)
+    model.to(torch.float32)
+    assert tree_supported(decoder, att)
+    assert set(lp._TREE_CHECKED[decoder]) == {("sdpa", torch.float32)}

@@ -167,6 +167,11 @@ class SamplingEngine(Protocol):
         ...
 
 
+# The lowest sampling temperature: logits / t must stay finite in fp32 (|logits| of a few hundred at
+# most), and below it sampling is greedy decoding in all but name.
+MIN_TEMPERATURE = 1e-4
+
+
 def check_generate_args(prompts: list[list[int]], max_new_tokens: int, temperature: float, greedy: bool,
                         top_p: float, vocab_size: int | None = None) -> None:
     """Raise ValueError for arguments every backend refuses (see :meth:`SamplingEngine.generate`).
@@ -185,8 +190,9 @@ def check_generate_args(prompts: list[list[int]], max_new_tokens: int, temperatu
         raise ValueError("generate needs at least one prompt, and no prompt may be empty")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not greedy and temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+    if not greedy and not temperature >= MIN_TEMPERATURE:
+        raise ValueError(f"temperature must be >= {MIN_TEMPERATURE} for sampling (below it the logits divided by it "
+                         f"overflow fp32; greedy decoding gives the most likely id), got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if vocab_size is not None:

@@ -166,6 +166,7 @@ class SlotEngine(CallerDriven, SlotPrefill):
     def version(self, value: int) -> None:
         self._ref.version = value
         self._prefixes.clear()
+        self._continuations.clear()
 
     @property
     def sampling_model(self):
@@ -270,6 +271,7 @@ class SlotEngine(CallerDriven, SlotPrefill):
         try:
             seconds = self._ref.swap(adapter, version)
             self._prefixes.clear()
+            self._continuations.clear()
             return seconds
         finally:
             self.lock.__exit__(None, None, None)
@@ -441,15 +443,20 @@ class SlotEngine(CallerDriven, SlotPrefill):
                     except ConstraintError as e:  # this row ends here (Generation.grammar_error); the others go on
                         failed.append(i)
                         self._finish(r, r.result(False, grammar_error=str(e)))
-            if failed:  # (``rows`` may be ``self._rows``, which releasing reorders: copy first)
-                keep = [i for i in range(len(rows)) if i not in failed]
-                gone = [rows[i] for i in failed]
-                rows, logits, allowed = [rows[i] for i in keep], logits[keep], allowed[keep]
-                self._release([self._rows.index(r) for r in gone])
+            if failed:
+                rows, logits, allowed = self._without(rows, failed, logits, allowed)
                 if not rows:
                     return
         greedy = torch.tensor([r.greedy for r in rows])  # (B,)
         logp = next_token_logps(logits, torch.tensor([r.temperature for r in rows]), greedy, allowed)  # (B, V)
+        broken = torch.isnan(logp.amax(dim=-1)).nonzero().squeeze(-1).tolist()  # NaN or infinite logits
+        if broken:  # those rows fail alone (a diverged adapter fails them all); the others go on
+            for i in broken:
+                self._finish(rows[i], error=ValueError("cannot choose a token: the row's log-probabilities are NaN "
+                                                       "(its logits are NaN or infinite)"))
+            rows, logp, greedy = self._without(rows, broken, logp, greedy)
+            if not rows:
+                return
         ids = choose_tokens(logp, greedy, torch.tensor([r.top_p for r in rows]), [r.generator for r in rows])  # (B,)
         logps = logp.gather(-1, ids[:, None]).squeeze(-1)  # (B,)
         k = max(r.top_logprobs for r in rows)
@@ -493,6 +500,15 @@ class SlotEngine(CallerDriven, SlotPrefill):
             except Exception as e:  # an on_step hook that raises fails its own generate call only
                 self._fail_call(c, e, rows, done)
         self._release([self._rows.index(rows[i]) for i in done])
+
+    def _without(self, rows: list[Request], failed: list[int], *tensors: torch.Tensor | None) -> tuple:
+        """``rows`` and each (B, ...) tensor without the indices ``failed``, whose slots are freed
+        (``rows`` may be ``self._rows``, which releasing reorders: the survivors are taken first)."""
+        keep = [i for i in range(len(rows)) if i not in failed]
+        gone = [rows[i] for i in failed]
+        out = ([rows[i] for i in keep], *[None if t is None else t[keep] for t in tensors])
+        self._release([self._rows.index(r) for r in gone])
+        return out
 
     def _fail_call(self, call: Call, error: BaseException, rows: list[Request], done: list[int]) -> None:
         """Fail every unsettled request of ``call`` with ``error``: queued ones leave the queue,

@@ -140,7 +140,8 @@ _TREE_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, bool]]" =
 
 def decoder_takes_tree(decoder: torch.nn.Module) -> bool:
     """Whether ``decoder`` (a causal LM's decoder stack) encodes a packed prefix tree exactly: an
-    attention that takes a custom 4D mask (``sdpa`` or ``eager``; FlashAttention ignores one), and a
+    attention that takes a custom 4D mask (``sdpa`` or ``eager``; FlashAttention ignores one), fp32
+    or fp64 weights (in 16 bits the check below cannot tell rounding from a wrong bias), and a
     numerical check on its first call, two short rows through the tree and one by one with no
     gradient and in eval mode (an architecture that builds its own mask fails it, or raises: no). The
     answer is kept for the decoder's life, attention implementation and dtype."""
@@ -148,8 +149,11 @@ def decoder_takes_tree(decoder: torch.nn.Module) -> bool:
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in ("sdpa", "eager"):
         return False
+    dtype = next(decoder.parameters()).dtype
+    if dtype not in (torch.float32, torch.float64):
+        return False  # in 16 bits the check cannot tell rounding from a slightly wrong bias (ALiBi's, in bf16)
     checked = _TREE_CHECKED.setdefault(decoder, {})  # by attention implementation and dtype, which can change
-    key = (implementation, next(decoder.parameters()).dtype)
+    key = (implementation, dtype)
     if key not in checked:
         try:
             checked[key] = _tree_matches_rows(decoder)
@@ -183,10 +187,9 @@ def tree_supported(decoder: torch.nn.Module, attention_mask: torch.Tensor) -> bo
 
 
 def _tree_matches_rows(decoder: torch.nn.Module) -> bool:
-    """Two 12-token rows sharing their first 8 tokens, through the tree and one by one:
-    the same hidden states within 1 % of their scale in fp32, 10 % in a 16-bit dtype, whose
-    rounding alone reaches a few % (a mask that is ignored or replaced gives differences of the
-    order of the values themselves)."""
+    """Two 12-token rows sharing their first 8 tokens, through the tree and one by one: the same
+    hidden states within 1 % of their scale in fp32 (a mask that is ignored or replaced gives
+    differences of the order of the values themselves)."""
     device = next(decoder.parameters()).device
     g = torch.Generator().manual_seed(0)
     vocab = int(getattr(decoder.config, "vocab_size", 100))
@@ -205,8 +208,7 @@ def _tree_matches_rows(decoder: torch.nn.Module) -> bool:
             m.training = training
     got = packed[tree.node_of.flatten()].view_as(rows).float()
     scale = rows.float().abs().max().clamp(min=1e-6)
-    tolerance = 1e-2 if rows.dtype in (torch.float32, torch.float64) else 1e-1
-    return bool(((got - rows.float()).abs().max() / scale) < tolerance)
+    return bool(((got - rows.float()).abs().max() / scale) < 1e-2)
 
 
 def _tree_forward(decoder: torch.nn.Module, tree: PrefixTree) -> torch.Tensor:

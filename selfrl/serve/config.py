@@ -24,6 +24,7 @@ from selfrl.config import (
     require,
 )
 from selfrl.engines import DEFAULT_SERVE_ENGINE
+from selfrl.engines.base import MIN_TEMPERATURE
 
 
 @dataclass
@@ -44,7 +45,7 @@ class LearnerSettings:
             (self.min_batch >= 2 and self.max_batch >= self.min_batch, "min_batch must be >= 2 and <= learner.max_batch"),
             (self.feedback_wait_s >= 0, "feedback_wait_s must be >= 0"),
             (self.poll_s > 0, "poll_s must be > 0"),
-            (self.temperature > 0, "temperature must be > 0"),
+            (self.temperature >= MIN_TEMPERATURE, f"temperature must be >= {MIN_TEMPERATURE}"),
             (isinstance(self.reward_weights, dict), "reward_weights must be a table of name = weight"),
         ], where)
 

@@ -33,6 +33,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from selfrl.engines.base import MIN_TEMPERATURE
 from selfrl.http_errors import _json_type, array_of_objects, error_body, error_param, finite, finite_fields, refuse  # noqa: F401
 from selfrl.serve.limits import MAX_DEPTH, check_text, too_deep
 from selfrl.toolcall import (
@@ -260,6 +261,13 @@ class ChatCompletionRequest(BaseModel):
 
     _finite = finite_fields("temperature", "top_p", "max_tokens", "max_completion_tokens", "n", "seed",
                             "top_logprobs", "frequency_penalty", "presence_penalty")
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v):
+        if v is not None and 0 < v < MIN_TEMPERATURE:  # 0 is greedy decoding
+            raise refuse(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {v!r}", "")
+        return v
 
     @field_validator("logit_bias", mode="before")
     @classmethod
