@@ -99,8 +99,9 @@ def per_token_logps(
     start = _prefix_len(input_ids, attention_mask, completion_mask) if layout in ("auto", "prefix") and B > 1 else 0
     tree = None
     if layout == "tree" and not tree_supported(decoder, attention_mask):
-        raise ValueError("layout 'tree' needs right-padded rows and a decoder that takes a custom 4D attention mask "
-                         "(sdpa or eager, no sliding window shorter than the rows); use layout 'auto'")
+        raise ValueError("layout 'tree' needs right-padded, non-empty rows and a decoder that takes a custom 4D "
+                         "attention mask exactly (sdpa or eager, fp32 or fp64 weights, no sliding window shorter "
+                         "than the rows); use layout 'auto'")
     if layout == "tree" or (layout == "auto" and B > 1 and tree_by_default(decoder)
                             and tree_supported(decoder, attention_mask)):
         lengths = attention_mask.sum(dim=1).tolist()
