@@ -561,3 +561,29 @@ def test_a_temperature_too_small_for_fp32_is_refused_before_it_joins_a_batch(tin
     engine.close()
     with pytest.raises(ConfigError, match="temperature must be >= 0.0001"):
         load_config(None, {"rollout.temperature": 1e-5})
+
+
+def test_a_longer_common_prefix_is_encoded_from_the_stored_one(tiny_tokenizer, tiny_model_factory):
+    # rows admitted together share more than the stored prefix (the system prompt): the longer common
+    # prefix is stored too, encoded from the stored one on (its own tokens only), never from scratch
+    model = tiny_model_factory(eos_bias=1.0, lora=True)
+    engine = SlotEngine(model, tiny_tokenizer, driver="caller")
+    a, b = prompts_with_system(tiny_tokenizer, ["What is 17+25?", "Add 1, 2, 3 and 4, then say the total."])
+    shapes = []  # (a hook changes the weights' structure, which drops stored prefixes: added first)
+    hook = engine.sampling_model.register_forward_pre_hook(
+        lambda mod, args, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    torch.manual_seed(0)
+    engine.generate([a, b], 3, temperature=1.0)
+    stored = engine._prefixes.match(a)[1]  # the system prompt's part
+    shared = tiny_tokenizer(" Now think step by step and check every sum twice.", add_special_tokens=False)["input_ids"]
+    second = [a + shared + [5], a + shared + [6, 7]]
+    hint = len(a) + len(shared)
+    assert hint - stored >= 16
+    shapes.clear()
+    gens = engine.generate(second, 3, temperature=1.0)
+    hook.remove()
+    assert shapes[0] == (1, hint - stored)  # the common prefix past the stored one
+    assert shapes[1] == (2, 2)  # then each row's own tokens (left-padded)
+    assert engine._prefixes.match(second[0])[1] == hint
+    assert_matches_model(gens, second, model, 1.0, tiny_tokenizer.eos_token_id, 3)
+    engine.close()

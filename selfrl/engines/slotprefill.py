@@ -68,7 +68,10 @@ class SlotPrefill:
             common = shared_prefix_len([r.prompt for r in new])
             for r in new:
                 hint = max(common, r.prefix_hint)
-                if hint >= MIN_SHARED_PREFIX and self._prefixes.match(r.prompt)[1] < hint:
+                if hint - self._prefixes.match(r.prompt)[1] < MIN_SHARED_PREFIX:
+                    continue  # too short, or (nearly) all of it stored: the row prefills the rest itself
+                kept = self._continuations.match(r.prompt)
+                if kept is None or kept[2] < hint:  # (a row that continues a kept one needs no prefix)
                     self._encode(r.prompt[:hint], first)
         starts = []
         for k, r in enumerate(new):
@@ -106,10 +109,14 @@ class SlotPrefill:
         return logits
 
     def _encode(self, tokens: list[int], slot: int) -> None:
-        """Encode ``tokens`` alone into ``slot`` and keep them as a stored prefix."""
+        """Encode ``tokens`` alone into ``slot`` and keep them as a stored prefix; a stored prefix of
+        them is loaded, and only the rest encoded."""
+        j, m = self._prefixes.match(tokens)
+        if j >= 0:
+            self.cache.load_prefix(slot, *self._prefixes.use(j), m)
         n = len(tokens)
-        pos = torch.arange(n)[None, :]  # (1, n)
-        self.cache.set_pass(slice(slot, slot + 1), n, torch.full((1, n), slot), pos)
-        mask = (torch.arange(n)[None, :] <= torch.arange(n)[:, None])[None, None]  # (1, 1, n, n)
-        self._forward(torch.tensor([tokens]), pos, mask)
+        pos = torch.arange(m, n)[None, :]  # (1, n - m)
+        self.cache.set_pass(slice(slot, slot + 1), n, torch.full((1, n - m), slot), pos)
+        mask = (torch.arange(n)[None, :] <= pos[0][:, None])[None, None]  # (1, 1, n - m, n)
+        self._forward(torch.tensor([tokens[m:]]), pos, mask)
         self._store_prefix(tokens, slot)
