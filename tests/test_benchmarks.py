@@ -236,3 +236,16 @@ def test_update_tiny(tmp_path):
     assert r["max_abs_loss_gap"] < 1e-5  # the same update whichever way it is encoded
     assert r["over_tree"]["tree"] == 1.0 and r["seconds"]["rows"].n == 1
     assert (tmp_path / "update.json").exists()
+
+
+def test_shared_attention_tiny(tmp_path):
+    import bench_shared_attention
+
+    r = bench_shared_attention.main(TINY + ["--repeats", "1", "--rows", "8,2", "--out", str(tmp_path)])
+    assert r["shared_prefix_layers"] == 2  # the tiny Llama's two attention layers take the shared prefix
+    assert r["same_rollout_tokens"] and r["rollouts"]["shared prefix once"]["tokens"][0] > 0
+    for rows in (8, 2):  # the same greedy ids either way
+        lv = r["long_system_prompt"][rows]
+        assert lv["same_ids"] and lv["tokens"] > 0 and lv["prompt_tokens"] > 64
+        assert lv["speed_up"] == pytest.approx(lv["own copies"].median / lv["shared prefix once"].median)
+    assert (tmp_path / "shared_attention.json").exists()

@@ -22,6 +22,8 @@ from collections import OrderedDict
 
 import torch
 
+from selfrl.engines.sharedattention import SharedPrefix
+
 
 class SlotCache:
     """Per-layer key/value storage for ``slots`` sequences of up to ``capacity`` positions.
@@ -38,6 +40,7 @@ class SlotCache:
         self.width = 0  # columns visible to attention in the current pass
         self.write_rows: torch.Tensor | None = None  # (b, T) slot of each input token
         self.write_cols: torch.Tensor | None = None  # (b, T) column of each input token
+        self.shared: SharedPrefix | None = None  # a prefix all rows of the pass share, attended apart
 
     # ------------------------------------------------------------------ the transformers side
 
@@ -54,17 +57,24 @@ class SlotCache:
         k, v = self.k[layer_idx], self.v[layer_idx]
         k[self.write_rows, :, self.write_cols] = key_states.transpose(1, 2)  # (b, T, kv_heads, head_dim)
         v[self.write_rows, :, self.write_cols] = value_states.transpose(1, 2)
-        return k[self.rows, :, :self.width], v[self.rows, :, :self.width]
+        start = self.shared.length if self.shared is not None else 0  # the shared prefix is attended apart
+        return k[self.rows, :, start:self.width], v[self.rows, :, start:self.width]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.width
 
     # ------------------------------------------------------------------ the scheduler side
 
-    def set_pass(self, rows: slice, width: int, write_rows: torch.Tensor, write_cols: torch.Tensor) -> None:
+    def set_pass(self, rows: slice, width: int, write_rows: torch.Tensor, write_cols: torch.Tensor,
+                 shared: SharedPrefix | None = None) -> None:
         """Set what the next forward pass reads (``rows``, first ``width`` columns) and where
-        each of its (b, T) input tokens is written."""
+        each of its (b, T) input tokens is written. With ``shared``, a prefix every row of the pass
+        starts with (its first ``shared.length`` columns hold it) and every query of the pass comes
+        after: ``update`` hands attention only the columns after it, and the model's attention
+        reads the prefix from ``shared`` (:mod:`selfrl.engines.sharedattention`); the forward pass
+        unsets it where the attention cannot (``MergedPolicy.__call__``)."""
         self.rows, self.width, self.write_rows, self.write_cols = rows, width, write_rows, write_cols
+        self.shared = shared
 
     @property
     def scratch(self) -> int:

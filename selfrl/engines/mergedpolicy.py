@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selfrl.engines.sharedattention import ATTENTION_NAME, takes_shared_prefix
 from selfrl.engines.weightwatch import WeightWatch, hook_dicts
 
 SMALL_BATCH_ROWS = (1, 10)  # rows for which (W @ x.T).T is used on the CPU (docs/benchmarks.md)
@@ -125,6 +126,8 @@ class MergedPolicy:
         merges: how many times the merged weights were computed.
         builds: how many times the view was built (1, then one per structural change).
         extra_bytes: memory of the merged weights.
+        shared_prefix_layers: attention layers of the view that take a shared prefix's keys and values
+            (:mod:`selfrl.engines.sharedattention`; all of them, or 0 where any cannot).
         passthrough: True while a hook on a peft wrapper (``PeftModel``, ``LoraModel``) makes the
             view run the policy's own forward pass instead.
     """
@@ -173,9 +176,26 @@ class MergedPolicy:
             elif type(orig) is nn.Linear:
                 self._replace(name, SamplingLinear(orig.weight, orig.bias), orig)
                 done.append(name)
+        self.shared_prefix_layers = self._point_attention()
         self.builds += 1
         self._built_at = self.watch.structure_generation
         self._merge()
+
+    def _point_attention(self) -> int:
+        """Point every attention layer of the view at :func:`~selfrl.engines.sharedattention.shared_prefix_attention`
+        (through a copy of its configuration: the policy's own stays as it is) when all of them can
+        take it; returns how many were (0: none, the view attends as the policy does)."""
+        layers = [m for m in self.view.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")]
+        if not layers or not all(takes_shared_prefix(m) for m in layers):
+            return 0
+        copies: dict[int, object] = {}
+        for m in layers:
+            if id(m.config) not in copies:
+                cfg = copy.copy(m.config)
+                cfg._attn_implementation = ATTENTION_NAME
+                copies[id(m.config)] = cfg
+            m.config = copies[id(m.config)]
+        return len(layers)
 
     def _replace(self, name: str, new: nn.Module, orig: nn.Module) -> None:
         for key, value in vars(orig).items():  # the layer's own hooks run on the replacement
@@ -207,7 +227,17 @@ class MergedPolicy:
 
     def __call__(self, **kwargs):
         """The view's forward pass, after a fast :meth:`sync`; the policy's own forward pass while
-        a peft wrapper carries forward hooks (:attr:`passthrough`)."""
+        a peft wrapper carries forward hooks (:attr:`passthrough`). A ``cache`` whose ``shared``
+        prefix is set (:class:`~selfrl.engines.kvcache.SlotCache`) has it attended once for all rows
+        (:mod:`selfrl.engines.sharedattention`) where every attention layer takes it, and has it
+        unset otherwise (the cache then hands attention whole rows)."""
         with self._lock:
             self.sync()
+            cache = kwargs.get("cache")
+            shared = getattr(cache, "shared", None)  # a SlotCache's prefix shared by the pass's rows
+            if shared is not None:
+                if self.passthrough or not self.shared_prefix_layers:
+                    cache.shared = None  # attention over each row's own columns, the prefix included
+                else:
+                    kwargs["shared_prefix_kv"] = shared
             return (self.model if self.passthrough else self.view)(**kwargs)

@@ -59,6 +59,7 @@ class SlotPrefill:
             r = new[n + j]
             self.cache.move_row(first + k, first + n + j, len(r.prompt))
             r.length = len(r.prompt)
+            r.shared = new[k].shared
         return torch.cat([logits, logits[copies]]) if copies else logits
 
     def _encode_prompts(self, first: int, new: list[Request]) -> torch.Tensor:
@@ -76,6 +77,8 @@ class SlotPrefill:
         starts = []
         for k, r in enumerate(new):
             j, m = self._prefixes.match(r.prompt) if self.share_prefix else (-1, 0)
+            # the stored prefix the row starts with, for attention over it once a pass (whatever fills its slot)
+            r.shared = (self._prefixes.items[j][1], self._prefixes.items[j][2], m) if j >= 0 else None
             c = self._continuations.match(r.prompt)  # (None when nothing is kept)
             if c is not None and c[2] > m:  # the row this prompt continues (a rollout's last turn)
                 self.cache.load_prefix(first + k, c[0], c[1], c[2])
@@ -98,7 +101,9 @@ class SlotPrefill:
             r.length = len(r.prompt)
         width = max(len(r.prompt) for r in new)
         slots = torch.arange(first, first + b)[:, None].expand(b, T)
-        self.cache.set_pass(slice(first, first + b), width, slots, cols)
+        shared = self._shared_prefix(new)  # attended once for all rows, when every query comes after it
+        self.cache.set_pass(slice(first, first + b), width, slots, cols,
+                            shared=shared if shared is not None and min(starts) >= shared.length else None)
         mask = (torch.arange(width)[None, None, :] <= pos[:, :, None])[:, None]  # (b, 1, T, W)
         logits = self._forward(input_ids, pos, mask)
         if self.share_prefix:  # an unshared prompt may start later ones (a chat's system prompt)

@@ -43,6 +43,7 @@ class Request:
     generation: int = -1  # the weights' generation (WeightWatch) when the row was prefilled
     call: "Call | None" = None
     settled: bool = False  # its future has its result or error and its ticket is released
+    shared: tuple | None = None  # (keys, values, length): the stored prefix its prompt starts with, when admitted
 
     def result(self, finished: bool, stopped: bool = False, cancelled: bool = False,
                grammar_error: str | None = None) -> Generation:

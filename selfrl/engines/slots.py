@@ -62,6 +62,7 @@ from selfrl.engines.rowgrammar import RowGrammar
 from selfrl.engines.sampling import choose_tokens, next_token_logps
 from selfrl.engines.slotdriver import CallerDriven
 from selfrl.engines.slotprefill import SlotPrefill
+from selfrl.engines.sharedattention import SharedPrefix
 from selfrl.engines.slotrequest import Call, DrivenFuture, Request, row_generator
 from selfrl.engines.versiongate import VersionGate
 from selfrl.engines.weightwatch import WeightWatch
@@ -95,6 +96,12 @@ class SlotEngine(CallerDriven, SlotPrefill):
             steps at 1-8 rows on this machine, for a second copy of the targeted weights
             (docs/benchmarks.md, "Merged LoRA and the small-batch product"). False: the peft
             model's own forward pass.
+        shared_prefix_attention: with ``share_prefix`` and ``merge_lora``, a decoding pass whose rows all
+            start with one stored prefix (a batch's system prompt) attends to that prefix's keys and
+            values once for all rows, instead of each row reading its own copy
+            (:mod:`selfrl.engines.sharedattention`; models whose attention layers all take it: Llama,
+            Mistral without a sliding window, Qwen2, Qwen3 on SDPA in fp32 or fp64). False: every row
+            attends to its own columns.
         driver: who runs the decoding steps. ``"thread"``: a worker thread of the engine's
             own, which decodes while nobody waits (a server's streams). ``"caller"``: the
             threads that wait on results (``generate``, :meth:`wait`, a future's
@@ -117,7 +124,7 @@ class SlotEngine(CallerDriven, SlotPrefill):
 
     def __init__(self, model, tokenizer, version: int = 0, max_slots: int = 64, share_prefix: bool = True,
                  prefix_entries: int = 4, driver: str = "thread", merge_lora: bool = True,
-                 continuation_bytes: int = CONTINUATION_BYTES):
+                 continuation_bytes: int = CONTINUATION_BYTES, shared_prefix_attention: bool = True):
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         if continuation_bytes < 0:
@@ -131,6 +138,7 @@ class SlotEngine(CallerDriven, SlotPrefill):
         self.eos_token_ids = self._ref.eos_token_ids
         self.pad_token_id = tokenizer.pad_token_id
         self.max_slots, self.share_prefix, self.prefix_entries = max_slots, share_prefix, prefix_entries
+        self.shared_prefix_attention = shared_prefix_attention
         self.lock = VersionGate()
         self.cache = SlotCache(slots=min(8, max_slots))
         self._eos = set(self.eos_token_ids)
@@ -145,6 +153,7 @@ class SlotEngine(CallerDriven, SlotPrefill):
         self._stopped: str | None = None  # why the worker thread ended, if it did (requests are refused)
         self._error: str | None = None
         self.steps = 0  # decoding steps so far
+        self.shared_prefix_passes = 0  # forward passes that attended to a shared prefix once for all rows
         self.rows_done = 0  # requests completed so far
         self.rows_cancelled = 0  # requests cancelled (queued or running) so far
         self.driver = driver
@@ -387,6 +396,8 @@ class SlotEngine(CallerDriven, SlotPrefill):
         """(b, V) fp32 logits of the last input position of every row."""
         out = (self.merged or self.model)(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                                           cache=self.cache, use_cache=True, logits_to_keep=1)
+        if self.cache.shared is not None:  # (still set: the view attended to it once for all rows)
+            self.shared_prefix_passes += 1
         return out.logits[:, -1].float()
 
     def _step(self) -> None:
@@ -420,7 +431,8 @@ class SlotEngine(CallerDriven, SlotPrefill):
         if rows:  # one decoding step for the active rows
             lens = torch.tensor([r.length for r in rows])  # (B,) the new token goes to column lens
             width = int(lens.max()) + 1
-            self.cache.set_pass(slice(0, len(rows)), width, torch.arange(len(rows))[:, None], lens[:, None])
+            self.cache.set_pass(slice(0, len(rows)), width, torch.arange(len(rows))[:, None], lens[:, None],
+                                shared=self._shared_prefix(rows))
             mask = (torch.arange(width)[None, :] <= lens[:, None])[:, None, None, :]  # (B, 1, 1, W)
             ids = torch.tensor([[r.token_ids[-1]] for r in rows])  # (B, 1)
             logits = self._forward(ids, lens[:, None], mask)  # (B, V)
@@ -428,6 +440,18 @@ class SlotEngine(CallerDriven, SlotPrefill):
                 r.length += 1
             self.steps += 1
             self._sample(rows, logits)
+
+    def _shared_prefix(self, rows: list[Request]) -> SharedPrefix | None:
+        """The stored prefix every row of a decoding pass starts with, to be attended once for all of
+        them (:mod:`selfrl.engines.sharedattention`), or None: fewer than two rows, a row without one,
+        rows of different prefixes (other prompts, or prefilled before the weights changed), or no
+        merged view whose attention takes it (``shared_prefix_attention`` off, an unsupported model)."""
+        if not self.shared_prefix_attention or self.merged is None or not self.merged.shared_prefix_layers:
+            return None
+        first = rows[0].shared
+        if len(rows) < 2 or first is None or any(r.shared is None or r.shared[0] is not first[0] for r in rows):
+            return None
+        return SharedPrefix(min(r.shared[2] for r in rows), first[0], first[1])
 
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> None:
         """Choose the next id of each of ``rows`` from its (B, V) ``logits``, record it, stream

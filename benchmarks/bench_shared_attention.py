@@ -1,0 +1,123 @@
+"""The slot engine with a shared prefix attended once for all rows against every row attending to its
+own copy, side by side in one process (two engines on one model, alternating repeat by repeat).
+
+- **rollouts**: one ``selfrl run`` iteration of ``configs/demo.toml`` (8 tasks x 8, multi-turn with
+  the calculator; a 211-token system prompt), seconds and useful tokens/s, and the share of the 2P
+  bound (the matmul FLOP/s measured at the start over 2P; see ``bench_ceiling.py``).
+- **long system prompt**: ``rows`` greedy rows of 24 new tokens after a system prompt of about
+  ``--system-tokens`` tokens (an agent with many tool descriptions) and a short question each.
+- **same ids**: whether both engines sampled the same ids (they should, rounding aside).
+
+    python benchmarks/bench_shared_attention.py --repeats 3
+    python benchmarks/bench_shared_attention.py --repeats 3 --adapter runs/demo/adapters/v000002
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ceiling import CONFIG, matmul_flops, matmul_params  # noqa: E402
+from bench_engines import rollout_once  # noqa: E402
+from common import Stats, base_parser, bench_config, command_line, envelope, finish, first_batch, print_table  # noqa: E402
+
+VARIANTS = {"own copies": False, "shared prefix once": True}  # name -> SlotEngine(shared_prefix_attention=...)
+
+
+def long_prompts(tok, rows: int, system_tokens: int) -> list[list[int]]:
+    """``rows`` chat prompts: one system prompt of about ``system_tokens`` tokens (tool descriptions),
+    a different question each."""
+    from selfrl.chat import prompt_ids
+
+    tools, i = "You are an agent with tools.", 0
+    while len(tok(tools)["input_ids"]) < system_tokens:
+        tools += f" Tool {i}: lookup_{i}(query: string) returns record {i} of the catalogue."
+        i += 1
+    return [prompt_ids(tok, [{"role": "system", "content": tools},
+                             {"role": "user", "content": f"Question {r}: tell me a story about the number {r}."}])
+            for r in range(rows)]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--rows", default="64,16", help="rows of the long-system-prompt table, comma-separated")
+    p.add_argument("--system-tokens", type=int, default=1000, help="tokens of the long system prompt")
+    p.add_argument("--adapter", type=Path, default=None,
+                   help="a saved adapter version (a run's adapters/vNNNNNN) to sample with: a trained policy")
+    args = p.parse_args(argv)
+    import torch
+
+    from selfrl.engines.slots import SlotEngine
+    from selfrl.loop import build_policy
+
+    result = envelope(args, command_line("bench_shared_attention.py", argv))
+    cfg = bench_config(args, CONFIG, "bench-shared-")
+    flops = matmul_flops(256 if args.tiny else 4096, max(1, args.repeats))
+    model, tok = build_policy(cfg)
+    if args.adapter is not None:
+        from peft import set_peft_model_state_dict
+
+        from selfrl.adapters import load_version_state
+
+        set_peft_model_state_dict(model, load_version_state(args.adapter))
+        result["adapter"] = str(args.adapter)
+    engines = {n: SlotEngine(model, tok, driver="caller", shared_prefix_attention=v) for n, v in VARIANTS.items()}
+    bound = flops.median / (2 * matmul_params(model))
+    result.update({"model": cfg.model.name, "matmul_flops_per_s": flops, "generation_bound_tokens_per_s": bound,
+                   "shared_prefix_layers": engines["shared prefix once"].merged.shared_prefix_layers})
+
+    tasks, tools = first_batch(cfg)
+    for e in engines.values():  # warm-up: allocations, the first stored prefix
+        rollout_once(e, tasks[: max(2, len(tasks) // 8)], tools, cfg.rollout, cfg.num_generations, 99)
+    times, toks = {n: [] for n in engines}, {n: [] for n in engines}
+    for rep in range(args.repeats):
+        for n, e in engines.items():
+            s, k = rollout_once(e, tasks, tools, cfg.rollout, cfg.num_generations, rep)
+            times[n].append(s)
+            toks[n].append(k)
+            print(f"rollouts, {n}, repeat {rep}: {k} tokens in {s:.1f} s", flush=True)
+    roll, rows_out = {}, []
+    base = Stats.of(times["own copies"]).median
+    for n in engines:
+        tps = Stats.of([k / s for k, s in zip(toks[n], times[n])])
+        roll[n] = {"seconds": Stats.of(times[n]), "tokens": toks[n], "tokens_per_s": tps,
+                   "fraction_of_bound": tps.median / bound}
+        rows_out.append([n, Stats.of(times[n]).fmt(".1f"), ", ".join(map(str, toks[n])), tps.fmt(".1f"),
+                         f"{tps.median / bound:.1%}", f"{base / Stats.of(times[n]).median:.2f}x"])
+    result["rollouts"] = roll
+    result["same_rollout_tokens"] = toks["own copies"] == toks["shared prefix once"]
+    print_table(f"one iteration's rollouts ({len(tasks)}), median [min, max] of {args.repeats}, bound {bound:.0f} "
+                "tokens/s", ["attention", "seconds", "useful tokens", "tokens/s", "of the 2P bound", "speed-up"],
+                rows_out)
+
+    long, rows_out = {}, []
+    for rows in [int(r) for r in args.rows.split(",")]:
+        prompts = long_prompts(tok, rows, 64 if args.tiny else args.system_tokens)
+        secs, ids = {n: [] for n in engines}, {}
+        for e in engines.values():
+            e.generate(prompts[:2], 2, greedy=True)  # the system prompt encoded and stored
+        for _ in range(args.repeats):
+            for n, e in engines.items():
+                t = time.perf_counter()
+                gens = e.generate(prompts, 24, greedy=True)
+                secs[n].append(time.perf_counter() - t)
+                ids[n] = [g.token_ids for g in gens]
+        tokens = sum(len(g) for g in ids["own copies"])
+        ratio = Stats.of(secs["own copies"]).median / Stats.of(secs["shared prefix once"]).median
+        long[rows] = {"prompt_tokens": len(prompts[0]), "tokens": tokens, "same_ids": ids["own copies"] ==
+                      ids["shared prefix once"], **{n: Stats.of(v) for n, v in secs.items()}, "speed_up": ratio}
+        rows_out.append([rows, len(prompts[0]), Stats.of(secs["own copies"]).fmt(".2f"),
+                         Stats.of(secs["shared prefix once"]).fmt(".2f"), f"{ratio:.2f}x", long[rows]["same_ids"]])
+    result["long_system_prompt"] = long
+    print_table(f"greedy rows after a long system prompt, 24 new tokens, seconds, median [min, max] of {args.repeats}",
+                ["rows", "prompt tokens", "own copies", "shared prefix once", "speed-up", "same ids"], rows_out)
+    for e in engines.values():
+        e.close()
+    print(f"wrote {finish(result, 'shared_attention' if args.adapter is None else 'shared_attention_trained', args.out)}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Attention over a prefix that every row of a decoding pass shares, read once for the batch.
+
+Every rollout of a ``selfrl run`` batch, and every request of a server whose clients send one
+system prompt, starts with the same system prompt (with tool descriptions). The slot engine
+encodes that prefix once (:class:`~selfrl.engines.kvcache.PrefixStore`), but attention then
+read each row's own copy of its keys and values at every decoding step: on the embedded model,
+64 rows of about 400 positions read 1.2 GB of keys and values per step, twice the weights, and
+attention took a quarter of the step (docs/benchmarks.md, "Attention over the shared prefix").
+
+:func:`attend_with_shared_prefix` splits each row's attention in two: its queries against the
+shared prefix's keys, computed for all rows at once (one product per key/value head, the prefix
+read once), and against the row's own columns after the prefix (a batched product); one softmax
+over both parts, so the result is the attention over the whole row, rounding aside. This is the
+idea of cascade attention (FlashInfer's shared-prefix batch decoding, vLLM's
+``use_cascade_attn``); here in plain torch products, with one exact softmax instead of merging
+two partial softmaxes by their log-sum-exp.
+
+:func:`shared_prefix_attention` is that computation behind transformers' attention interface
+(registered as ``ATTENTION_NAME``): the slot engine's sampling view
+(:class:`~selfrl.engines.mergedpolicy.MergedPolicy`) points its attention layers at it, and the
+engine passes the shared prefix's keys and values as the forward pass's ``shared_prefix_kv``
+keyword (:class:`SharedPrefix`) while its cache returns only the columns after the prefix. A pass
+without that keyword is plain SDPA: the learner, and every pass the engine runs without a
+shared prefix, compute what they computed before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTENTION_NAME = "selfrl_shared_prefix"  # the name registered with transformers' AttentionInterface
+
+# attention classes whose forward pass is known to hand the attention function plain queries,
+# keys and values (rotary applied, no sliding window, softcap or sink logits passed): the view
+# points only these at :func:`shared_prefix_attention`
+SUPPORTED_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
+
+
+@dataclass
+class SharedPrefix:
+    """The prefix every row of a pass starts with: per layer (kv_heads, >= length, head_dim)
+    keys and values (a stored prefix's tensors), of which the first ``length`` columns are used."""
+
+    length: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+def attend_with_shared_prefix(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
+                              key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                              scaling: float) -> torch.Tensor:
+    """Softmax attention of each row over a shared prefix and then its own columns.
+
+    Args:
+        query: (B, H, T, D) the pass's queries, ``H = G x kv_heads`` (grouped-query attention:
+            query head ``h`` reads key/value head ``h // G``).
+        prefix_key, prefix_value: (kv_heads, P, D) the shared prefix, visible to every query.
+        key, value: (B, kv_heads, S, D) each row's columns after the prefix.
+        mask: (B, 1, T, S) bool, True where a query may see the column; every query must see at
+            least one (its own position), else its row of the result is NaN.
+        scaling: the factor on the scores (usually ``D ** -0.5``).
+
+    Returns:
+        (B, T, H, D), the layout of transformers' attention functions: what softmax attention
+        over ``[prefix | key]`` with mask ``[True | mask]`` gives (the same up to float rounding).
+
+    >>> q, pk, pv = torch.randn(2, 4, 3, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    >>> k, v, m = torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8), torch.rand(2, 1, 3, 6) < 0.5
+    >>> m[..., 0] = True
+    >>> full_k = torch.cat([pk.expand(2, -1, -1, -1), k], 2).repeat_interleave(2, 1)
+    >>> full_v = torch.cat([pv.expand(2, -1, -1, -1), v], 2).repeat_interleave(2, 1)
+    >>> full_m = torch.cat([torch.ones(2, 1, 3, 5, dtype=torch.bool), m], -1)
+    >>> ref = torch.nn.functional.scaled_dot_product_attention(q, full_k, full_v, attn_mask=full_m)
+    >>> torch.allclose(attend_with_shared_prefix(q, pk, pv, k, v, m, 8 ** -0.5), ref.transpose(1, 2), atol=1e-6)
+    True
+    """
+    B, H, T, D = query.shape
+    KV, P, S = prefix_key.shape[0], prefix_key.shape[1], key.shape[2]
+    G = H // KV
+    q = query.reshape(B, KV, G * T, D)  # (B, KV, GT, D): head h = kv * G + g
+    # the prefix: one product per key/value head for every row's queries
+    qp = q.transpose(0, 1).reshape(KV, B * G * T, D)  # (KV, B GT, D)
+    s_prefix = torch.matmul(qp, prefix_key.transpose(1, 2)).mul_(scaling)  # (KV, B GT, P)
+    s_prefix = s_prefix.view(KV, B, G * T, P).transpose(0, 1)  # (B, KV, GT, P)
+    # each row's own columns
+    s_own = torch.matmul(q, key.transpose(2, 3)).mul_(scaling)  # (B, KV, GT, S)
+    visible = mask.unsqueeze(2).expand(B, 1, G, T, S).reshape(B, 1, G * T, S)  # (B, 1, GT, S)
+    s_own = s_own.masked_fill_(~visible, float("-inf"))
+    top = torch.maximum(s_prefix.amax(-1, keepdim=True), s_own.amax(-1, keepdim=True))  # (B, KV, GT, 1)
+    e_prefix, e_own = (s_prefix - top).exp_(), (s_own - top).exp_()
+    total = e_prefix.sum(-1, keepdim=True) + e_own.sum(-1, keepdim=True)  # (B, KV, GT, 1)
+    out_prefix = torch.matmul(e_prefix.transpose(0, 1).reshape(KV, B * G * T, P), prefix_value)  # (KV, B GT, D)
+    out = torch.matmul(e_own, value).add_(out_prefix.view(KV, B, G * T, D).transpose(0, 1))  # (B, KV, GT, D)
+    out = out.div_(total).view(B, H, T, D)
+    return out.transpose(1, 2)
+
+
+def shared_prefix_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None,
+                            dropout: float = 0.0, shared_prefix_kv: SharedPrefix | None = None, **kwargs):
+    """transformers' attention interface: :func:`attend_with_shared_prefix` when the forward pass
+    carries ``shared_prefix_kv`` (then ``key`` and ``value`` are the columns after the prefix and
+    ``attention_mask`` covers all columns, (B, 1, T, P + S) bool), else transformers' SDPA.
+
+    Returns:
+        ((B, T, H, D) output, None), as transformers' attention functions.
+
+    Raises:
+        ValueError: a shared prefix with dropout, or without a boolean 4-D mask.
+    """
+    if shared_prefix_kv is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    if dropout or attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
+        raise ValueError("attention over a shared prefix needs no dropout and a boolean (B, 1, T, W) mask")
+    p, i = shared_prefix_kv.length, module.layer_idx
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = attend_with_shared_prefix(query, shared_prefix_kv.keys[i][:, :p], shared_prefix_kv.values[i][:, :p],
+                                    key, value, attention_mask[..., p:], scale)
+    return out, None
+
+
+AttentionInterface.register(ATTENTION_NAME, shared_prefix_attention)
+
+
+def takes_shared_prefix(module) -> bool:
+    """Whether an attention module can be pointed at :func:`shared_prefix_attention`: a supported
+    class (``SUPPORTED_ATTENTION``) on SDPA, with no sliding window, in fp32 or fp64."""
+    cfg = getattr(module, "config", None)
+    if type(module).__name__ not in SUPPORTED_ATTENTION or cfg is None or not hasattr(module, "layer_idx"):
+        return False
+    if getattr(cfg, "_attn_implementation", None) != "sdpa" or getattr(module, "sliding_window", None):
+        return False
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return False
+    weight = getattr(getattr(module, "q_proj", None), "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dtype in (torch.float32, torch.float64)

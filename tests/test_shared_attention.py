@@ -1,0 +1,110 @@
+"""Attention over a shared prefix read once for all rows (selfrl.engines.sharedattention): the same
+attention as over each row's own copy, the slot engine sampling the same ids with it as without
+it, and the policy (what the learner runs) left as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from selfrl.engines.sharedattention import ATTENTION_NAME, attend_with_shared_prefix, takes_shared_prefix
+from selfrl.engines.slots import SlotEngine
+from tests.test_engine_conformance import assert_matches_model
+from tests.test_slot_engine import prompts_with_system
+
+
+@pytest.mark.parametrize("groups,T", [(1, 1), (3, 1), (3, 4)])
+def test_attention_equals_attention_over_the_whole_rows(groups, T):
+    # 3 rows, 2 key/value heads, a 7-column prefix and 5 own columns, causal-like masks
+    torch.manual_seed(0)
+    B, KV, P, S, D = 3, 2, 7, 5, 8
+    H = KV * groups
+    q = torch.randn(B, H, T, D, dtype=torch.float64)
+    pk, pv = torch.randn(KV, P, D, dtype=torch.float64), torch.randn(KV, P, D, dtype=torch.float64)
+    k, v = torch.randn(B, KV, S, D, dtype=torch.float64), torch.randn(B, KV, S, D, dtype=torch.float64)
+    lengths = torch.tensor([5, 3, 4])  # own columns in use per row; query t sees own columns < length - T + t + 1
+    cols = torch.arange(S)
+    mask = cols[None, None, :] < (lengths[:, None, None] - T + 1 + torch.arange(T)[None, :, None])  # (B, T, S)
+    mask = mask[:, None]  # (B, 1, T, S)
+    full_k = torch.cat([pk.expand(B, -1, -1, -1), k], 2).repeat_interleave(groups, 1)  # (B, H, P + S, D)
+    full_v = torch.cat([pv.expand(B, -1, -1, -1), v], 2).repeat_interleave(groups, 1)
+    full_mask = torch.cat([torch.ones(B, 1, T, P, dtype=torch.bool), mask], -1)
+    ref = F.scaled_dot_product_attention(q, full_k, full_v, attn_mask=full_mask).transpose(1, 2)  # (B, T, H, D)
+    out = attend_with_shared_prefix(q, pk, pv, k, v, mask, D ** -0.5)
+    assert out.shape == (B, T, H, D)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    # a column masked out changes nothing; a prefix column does (every query sees the prefix)
+    k2 = k.clone()
+    k2[1, :, 4] += 100.0  # row 1 uses 3 own columns: column 4 is never seen
+    torch.testing.assert_close(attend_with_shared_prefix(q, pk, pv, k2, v, mask, D ** -0.5), out, atol=1e-12, rtol=0)
+    pk2 = pk.clone()
+    pk2[:, 0] += 1.0
+    assert not torch.allclose(attend_with_shared_prefix(q, pk2, pv, k, v, mask, D ** -0.5), out)
+
+
+def _two_turns(engine, tok, seed):
+    """A batch with one system prompt, then each row's next turn (its prompt, its ids and a reply)."""
+    first = prompts_with_system(tok, ["What is 17+25?", "Add 1, 2, 3 and 4.", "Hi", "What is 2*21?"])
+    torch.manual_seed(seed)
+    gens = engine.generate(first, 6, temperature=0.9)
+    reply = tok("<tool_response>42</tool_response>", add_special_tokens=False)["input_ids"]
+    second = [p + g.token_ids + reply for p, g in zip(first, gens)]
+    torch.manual_seed(seed + 1)
+    return first + second, gens + engine.generate(second, 6, temperature=0.9)
+
+
+def test_the_slot_engine_samples_the_same_ids_with_it_as_without(tiny_tokenizer, tiny_model_factory):
+    # fp64, so that rounding cannot flip a draw: the same seeds give the same ids and logprobs, with
+    # the prefix attended once (decoding and the next turn's prefill) or by every row
+    model = tiny_model_factory(eos_bias=1.0, lora=True).double()
+    on = SlotEngine(model, tiny_tokenizer, driver="caller")
+    off = SlotEngine(model, tiny_tokenizer, driver="caller", shared_prefix_attention=False)
+    assert on.merged.shared_prefix_layers == 2  # both layers of the tiny Llama
+    prompts, with_it = _two_turns(on, tiny_tokenizer, 5)
+    _, without = _two_turns(off, tiny_tokenizer, 5)
+    assert on.shared_prefix_passes >= 6 and off.shared_prefix_passes == 0
+    assert [g.token_ids for g in with_it] == [g.token_ids for g in without]
+    for a, b in zip(with_it, without):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-10, rtol=0)
+    assert_matches_model(with_it, prompts, model, 0.9, tiny_tokenizer.eos_token_id, 6)
+    on.close()
+    off.close()
+
+
+def test_fp32_logprobs_stay_exact_and_the_policy_keeps_its_attention(tiny_tokenizer, tiny_model_factory):
+    model = tiny_model_factory(eos_bias=1.0, lora=True)
+    engine = SlotEngine(model, tiny_tokenizer, driver="caller")
+    prompts, gens = _two_turns(engine, tiny_tokenizer, 7)
+    assert engine.shared_prefix_passes > 0
+    assert_matches_model(gens, prompts, model, 0.9, tiny_tokenizer.eos_token_id, 6)
+    # only the sampling view's attention layers were pointed elsewhere: the learner's model is untouched
+    assert model.config._attn_implementation == "sdpa"
+    assert all(m.config._attn_implementation == "sdpa" for m in model.modules() if hasattr(m, "layer_idx"))
+    view_layers = [m for m in engine.merged.view.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")]
+    assert [m.config._attn_implementation for m in view_layers] == [ATTENTION_NAME] * 2
+    engine.close()
+
+
+def test_a_pass_the_view_cannot_take_it_in_attends_over_whole_rows(tiny_tokenizer, tiny_model_factory):
+    # a hook on the peft wrapper makes the view run the policy's own forward pass (attention over the
+    # rows' own columns): the cache's shared prefix is unset for such passes and sampling stays exact
+    model = tiny_model_factory(eos_bias=1.0, lora=True)
+    model.register_forward_hook(lambda mod, args, out: None)
+    engine = SlotEngine(model, tiny_tokenizer, driver="caller")
+    prompts, gens = _two_turns(engine, tiny_tokenizer, 9)
+    assert engine.merged.passthrough and engine.shared_prefix_passes == 0
+    assert_matches_model(gens, prompts, model, 0.9, tiny_tokenizer.eos_token_id, 6)
+    engine.close()
+
+
+def test_only_supported_attention_takes_a_shared_prefix(tiny_model_factory):
+    layer = tiny_model_factory().model.layers[0].self_attn
+    assert takes_shared_prefix(layer)
+    layer.config._attn_implementation = "eager"  # (a config of its own would be the model's too: rebuild)
+    assert not takes_shared_prefix(layer)
+    layer = tiny_model_factory().model.layers[0].self_attn
+    layer.sliding_window = 16
+    assert not takes_shared_prefix(layer)
+    assert not takes_shared_prefix(tiny_model_factory().bfloat16().model.layers[0].self_attn)
+    assert not takes_shared_prefix(tiny_model_factory().model.layers[0].mlp)
