@@ -46,6 +46,46 @@ def rollout_once(engine, tasks, tools, rollout_cfg, num_generations: int, seed: 
     return time.perf_counter() - t, sum(tr.num_completion_tokens for tr in trajs)
 
 
+def policy_with_adapter(cfg, adapter: Path | None, result: dict):
+    """``(model, tokenizer)`` of run config ``cfg``, with the saved adapter version ``adapter`` (a
+    run's ``adapters/vNNNNNN``: a trained policy) loaded when given (recorded in ``result``)."""
+    from selfrl.loop import build_policy
+
+    model, tok = build_policy(cfg)
+    if adapter is not None:
+        from peft import set_peft_model_state_dict
+
+        from selfrl.adapters import load_version_state
+
+        set_peft_model_state_dict(model, load_version_state(adapter))
+        result["adapter"] = str(adapter)
+    return model, tok
+
+
+def alternating_rollouts(engines: dict, cfg, repeats: int, bound: float) -> tuple[dict, list, dict, dict]:
+    """One iteration's rollouts of run config ``cfg`` on each of ``engines`` (name -> engine),
+    alternating repeat by repeat after a small warm-up; returns (per engine: seconds, tokens,
+    tokens/s, share of ``bound`` tokens/s; table rows; the seconds; the tokens)."""
+    tasks, tools = first_batch(cfg)
+    times, toks = {n: [] for n in engines}, {n: [] for n in engines}
+    for e in engines.values():  # warm-up: allocations, the first stored prefix
+        rollout_once(e, tasks[: max(2, len(tasks) // 8)], tools, cfg.rollout, cfg.num_generations, 99)
+    for rep in range(repeats):
+        for n, e in engines.items():
+            s, k = rollout_once(e, tasks, tools, cfg.rollout, cfg.num_generations, rep)
+            times[n].append(s)
+            toks[n].append(k)
+            print(f"rollouts {n} repeat {rep}: {k} tokens in {s:.1f} s", flush=True)
+    roll, rows = {}, []
+    for n in engines:
+        tps = Stats.of([k / s for k, s in zip(toks[n], times[n])])
+        roll[n] = {"seconds": Stats.of(times[n]), "tokens": toks[n], "tokens_per_s": tps,
+                   "fraction_of_bound": tps.median / bound}
+        rows.append([n, Stats.of(times[n]).fmt(".1f"), ", ".join(map(str, toks[n])), tps.fmt(".1f"),
+                     f"{tps.median / bound:.1%}"])
+    return roll, rows, times, toks
+
+
 def serve_level(engine, tok, clients: int, requests: int, max_tokens: int, max_batch: int) -> dict:
     """TTFT (s) and tokens/s of ``clients`` concurrent streaming clients through a Batcher."""
     from selfrl.chat import prompt_ids

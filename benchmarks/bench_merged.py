@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ceiling import CONFIG, matmul_flops, matmul_params  # noqa: E402
-from bench_engines import rollout_once  # noqa: E402
+from bench_engines import alternating_rollouts, policy_with_adapter  # noqa: E402
 from common import (  # noqa: E402
     Stats,
     base_parser,
@@ -91,19 +91,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     from selfrl.chat import prompt_ids
     from selfrl.engines.slots import SlotEngine
-    from selfrl.loop import build_policy
 
     result = envelope(args, command_line("bench_merged.py", argv))
     cfg = bench_config(args, CONFIG, "bench-merged-")
     flops = matmul_flops(256 if args.tiny else 4096, max(1, args.repeats))
-    model, tok = build_policy(cfg)
-    if args.adapter is not None:
-        from peft import set_peft_model_state_dict
-
-        from selfrl.adapters import load_version_state
-
-        set_peft_model_state_dict(model, load_version_state(args.adapter))
-        result["adapter"] = str(args.adapter)
+    model, tok = policy_with_adapter(cfg, args.adapter, result)
     engines = {n: SlotEngine(model, tok, driver="caller", merge_lora=m) for n, m in VARIANTS.items()}
     merged = engines["merged"].merged
     P = matmul_params(model)
@@ -152,23 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
                 ["rows", "unmerged", "merged", "unmerged / merged", "merged tokens/s", "of the 2P bound"], rows_out)
 
     if not args.skip_rollouts:
-        tasks, tools = first_batch(cfg)
-        times, toks = {n: [] for n in engines}, {n: [] for n in engines}
-        for e in engines.values():  # warm-up: allocations, the first stored prefix
-            rollout_once(e, tasks[: max(2, len(tasks) // 8)], tools, cfg.rollout, cfg.num_generations, 99)
-        for rep in range(args.repeats):
-            for n, e in engines.items():
-                s, k = rollout_once(e, tasks, tools, cfg.rollout, cfg.num_generations, rep)
-                times[n].append(s)
-                toks[n].append(k)
-                print(f"rollouts {n} repeat {rep}: {k} tokens in {s:.1f} s", flush=True)
-        roll, rows_out = {}, []
-        for n in engines:
-            tps = Stats.of([k / s for k, s in zip(toks[n], times[n])])
-            roll[n] = {"seconds": Stats.of(times[n]), "tokens": toks[n], "tokens_per_s": tps,
-                       "fraction_of_bound": tps.median / bound}
-            rows_out.append([n, Stats.of(times[n]).fmt(".1f"), ", ".join(map(str, toks[n])), tps.fmt(".1f"),
-                             f"{tps.median / bound:.1%}"])
+        tasks, _ = first_batch(cfg)
+        roll, rows_out, times, _ = alternating_rollouts(engines, cfg, args.repeats, bound)
         roll["unmerged_over_merged_seconds"] = [u / m for u, m in zip(times["unmerged"], times["merged"])]
         result["rollouts"] = roll
         print_table(f"one iteration's rollouts ({len(tasks)}), median [min, max] of {args.repeats}, bound "

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ceiling import CONFIG, matmul_flops, matmul_params  # noqa: E402
-from bench_engines import rollout_once  # noqa: E402
+from bench_engines import alternating_rollouts, policy_with_adapter  # noqa: E402
 from common import Stats, base_parser, bench_config, command_line, envelope, finish, first_batch, print_table  # noqa: E402
 
 VARIANTS = {"own copies": False, "shared prefix once": True}  # name -> SlotEngine(shared_prefix_attention=...)
@@ -50,42 +50,21 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from selfrl.engines.slots import SlotEngine
-    from selfrl.loop import build_policy
 
     result = envelope(args, command_line("bench_shared_attention.py", argv))
     cfg = bench_config(args, CONFIG, "bench-shared-")
     flops = matmul_flops(256 if args.tiny else 4096, max(1, args.repeats))
-    model, tok = build_policy(cfg)
-    if args.adapter is not None:
-        from peft import set_peft_model_state_dict
-
-        from selfrl.adapters import load_version_state
-
-        set_peft_model_state_dict(model, load_version_state(args.adapter))
-        result["adapter"] = str(args.adapter)
+    model, tok = policy_with_adapter(cfg, args.adapter, result)
     engines = {n: SlotEngine(model, tok, driver="caller", shared_prefix_attention=v) for n, v in VARIANTS.items()}
     bound = flops.median / (2 * matmul_params(model))
     result.update({"model": cfg.model.name, "matmul_flops_per_s": flops, "generation_bound_tokens_per_s": bound,
                    "shared_prefix_layers": engines["shared prefix once"].merged.shared_prefix_layers})
 
-    tasks, tools = first_batch(cfg)
-    for e in engines.values():  # warm-up: allocations, the first stored prefix
-        rollout_once(e, tasks[: max(2, len(tasks) // 8)], tools, cfg.rollout, cfg.num_generations, 99)
-    times, toks = {n: [] for n in engines}, {n: [] for n in engines}
-    for rep in range(args.repeats):
-        for n, e in engines.items():
-            s, k = rollout_once(e, tasks, tools, cfg.rollout, cfg.num_generations, rep)
-            times[n].append(s)
-            toks[n].append(k)
-            print(f"rollouts, {n}, repeat {rep}: {k} tokens in {s:.1f} s", flush=True)
-    roll, rows_out = {}, []
+    tasks, _ = first_batch(cfg)
+    roll, rows_out, times, toks = alternating_rollouts(engines, cfg, args.repeats, bound)
     base = Stats.of(times["own copies"]).median
-    for n in engines:
-        tps = Stats.of([k / s for k, s in zip(toks[n], times[n])])
-        roll[n] = {"seconds": Stats.of(times[n]), "tokens": toks[n], "tokens_per_s": tps,
-                   "fraction_of_bound": tps.median / bound}
-        rows_out.append([n, Stats.of(times[n]).fmt(".1f"), ", ".join(map(str, toks[n])), tps.fmt(".1f"),
-                         f"{tps.median / bound:.1%}", f"{base / Stats.of(times[n]).median:.2f}x"])
+    for row, n in zip(rows_out, engines):
+        row.append(f"{base / Stats.of(times[n]).median:.2f}x")
     result["rollouts"] = roll
     result["same_rollout_tokens"] = toks["own copies"] == toks["shared prefix once"]
     print_table(f"one iteration's rollouts ({len(tasks)}), median [min, max] of {args.repeats}, bound {bound:.0f} "
