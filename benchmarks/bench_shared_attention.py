@@ -47,8 +47,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--adapter", type=Path, default=None,
                    help="a saved adapter version (a run's adapters/vNNNNNN) to sample with: a trained policy")
     args = p.parse_args(argv)
-    import torch
-
     from selfrl.engines.slots import SlotEngine
 
     result = envelope(args, command_line("bench_shared_attention.py", argv))
@@ -60,14 +58,14 @@ def main(argv: list[str] | None = None) -> dict:
     result.update({"model": cfg.model.name, "matmul_flops_per_s": flops, "generation_bound_tokens_per_s": bound,
                    "shared_prefix_layers": engines["shared prefix once"].merged.shared_prefix_layers})
 
-    tasks, _ = first_batch(cfg)
+    batch = len(first_batch(cfg)[0])
     roll, rows_out, times, toks = alternating_rollouts(engines, cfg, args.repeats, bound)
     base = Stats.of(times["own copies"]).median
     for row, n in zip(rows_out, engines):
         row.append(f"{base / Stats.of(times[n]).median:.2f}x")
     result["rollouts"] = roll
     result["same_rollout_tokens"] = toks["own copies"] == toks["shared prefix once"]
-    print_table(f"one iteration's rollouts ({len(tasks)}), median [min, max] of {args.repeats}, bound {bound:.0f} "
+    print_table(f"one iteration's rollouts ({batch}), median [min, max] of {args.repeats}, bound {bound:.0f} "
                 "tokens/s", ["attention", "seconds", "useful tokens", "tokens/s", "of the 2P bound", "speed-up"],
                 rows_out)
 
