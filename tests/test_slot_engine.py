@@ -587,3 +587,50 @@ def test_a_longer_common_prefix_is_encoded_from_the_stored_one(tiny_tokenizer, t
     assert engine._prefixes.match(second[0])[1] == hint
     assert_matches_model(gens, second, model, 1.0, tiny_tokenizer.eos_token_id, 3)
     engine.close()
+
+
+def test_eager_attention_samples_exactly(tiny_tokenizer):
+    # eager attention adds its mask to the scores: the engine hands it 0 / -inf, not True / False
+    from selfrl.testing import add_lora, build_tiny_model
+
+    model = build_tiny_model(tiny_tokenizer, eos_bias=1.0)
+    model.config._attn_implementation = "eager"
+    model = add_lora(model, seed=1)
+    engine = SlotEngine(model, tiny_tokenizer, driver="caller")
+    assert (engine.attention, engine.sliding_window) == ("eager", None)
+    prompts = prompts_with_system(tiny_tokenizer, ["What is 17+25?", "Hi"])
+    torch.manual_seed(1)
+    gens = engine.generate(prompts, 8, temperature=0.9)
+    assert engine.merged.shared_prefix_layers == 0  # (the shared-prefix attention is for SDPA)
+    assert_matches_model(gens, prompts, model, 0.9, tiny_tokenizer.eos_token_id, 8)
+    engine.close()
+
+
+def test_attention_the_masks_cannot_express_is_refused(tiny_tokenizer):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from selfrl.engines import make_engine
+    from selfrl.testing import build_tiny_model
+
+    # a sliding window: requests that could outgrow it are refused; auto samples with the reference engine
+    cfg = MistralConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=40,
+                        eos_token_id=tiny_tokenizer.eos_token_id, pad_token_id=tiny_tokenizer.eos_token_id)
+    cfg._attn_implementation = "sdpa"
+    windowed = MistralForCausalLM(cfg).eval()
+    engine = SlotEngine(windowed, tiny_tokenizer, driver="caller")
+    assert engine.sliding_window == 40
+    with pytest.raises(ValueError, match="sliding window"):
+        engine.generate([[5] * 35], 6)
+    with pytest.raises(ValueError, match="sliding window"):
+        engine.submit([5] * 30, 11)
+    assert len(engine.generate([[5] * 30], 10, greedy=True)[0].token_ids) <= 10  # within the window: sampled
+    engine.close()
+    assert make_engine("auto", windowed, tiny_tokenizer).name == "reference"
+    # an attention implementation other than SDPA or eager
+    other = build_tiny_model(tiny_tokenizer)
+    other.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="SDPA or eager"):
+        SlotEngine(other, tiny_tokenizer)
+    assert make_engine("auto", other, tiny_tokenizer).name == "reference"
+    assert make_engine("auto", build_tiny_model(tiny_tokenizer), tiny_tokenizer, driver="caller").name == "slots"

@@ -36,9 +36,17 @@ def _slots(model, tokenizer, version: int = 0, driver: str | None = None) -> Sam
 
 def _auto(model, tokenizer, version: int = 0, driver: str | None = None) -> SamplingEngine:
     """``slots`` for a policy on the CPU (measured faster there, docs/benchmarks.md section 7),
-    ``reference`` on a GPU (the slot engine keeps its cache on the CPU)."""
+    ``reference`` on a GPU (the slot engine keeps its cache on the CPU) and for a model whose
+    attention the slot engine's masks do not express (not SDPA or eager, or a sliding window:
+    :func:`selfrl.engines.slots.slot_attention`)."""
+    from selfrl.engines.slots import slot_attention
+
     on_cpu = next(model.parameters()).device.type == "cpu"
-    return (_slots if on_cpu else _reference)(model, tokenizer, version=version, driver=driver)
+    try:
+        slots_can = on_cpu and slot_attention(model)[1] is None
+    except ValueError:
+        slots_can = False
+    return (_slots if slots_can else _reference)(model, tokenizer, version=version, driver=driver)
 
 
 # name -> factory(model, tokenizer, version) for the in-process backends

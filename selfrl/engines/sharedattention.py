@@ -58,10 +58,10 @@ def attend_with_shared_prefix(query: torch.Tensor, prefix_key: torch.Tensor, pre
     Args:
         query: (B, H, T, D) the pass's queries, ``H = G x kv_heads`` (grouped-query attention:
             query head ``h`` reads key/value head ``h // G``).
-        prefix_key, prefix_value: (kv_heads, P, D) the shared prefix, visible to every query.
+        prefix_key, prefix_value: (kv_heads, P, D) the shared prefix, P >= 1, visible to every query.
         key, value: (B, kv_heads, S, D) each row's columns after the prefix.
-        mask: (B, 1, T, S) bool, True where a query may see the column; every query must see at
-            least one (its own position), else its row of the result is NaN.
+        mask: (B, 1, T, S) bool, True where a query may see the column (a query that sees none
+            attends to the prefix alone).
         scaling: the factor on the scores (usually ``D ** -0.5``).
 
     Returns:
@@ -127,15 +127,29 @@ def shared_prefix_attention(module, query: torch.Tensor, key: torch.Tensor, valu
 AttentionInterface.register(ATTENTION_NAME, shared_prefix_attention)
 
 
+def attention_window(module) -> int | None:
+    """The sliding window (tokens) of an attention layer, or None: the layer's own ``sliding_window``
+    (Qwen2, Qwen3: set per layer type), else its configuration's (Mistral), unless
+    ``use_sliding_window`` is off or ``layer_types`` says the layer attends fully."""
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window or None
+    cfg = getattr(module, "config", None)
+    window = getattr(cfg, "sliding_window", None)
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and types[module.layer_idx] != "sliding_attention":
+        return None
+    return window
+
+
 def takes_shared_prefix(module) -> bool:
     """Whether an attention module can be pointed at :func:`shared_prefix_attention`: a supported
     class (``SUPPORTED_ATTENTION``) on SDPA, with no sliding window, in fp32 or fp64."""
     cfg = getattr(module, "config", None)
     if type(module).__name__ not in SUPPORTED_ATTENTION or cfg is None or not hasattr(module, "layer_idx"):
         return False
-    if getattr(cfg, "_attn_implementation", None) != "sdpa" or getattr(module, "sliding_window", None):
-        return False
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+    if getattr(cfg, "_attn_implementation", None) != "sdpa" or attention_window(module) is not None:
         return False
     weight = getattr(getattr(module, "q_proj", None), "weight", None)
     return isinstance(weight, torch.Tensor) and weight.dtype in (torch.float32, torch.float64)

@@ -62,7 +62,7 @@ from selfrl.engines.rowgrammar import RowGrammar
 from selfrl.engines.sampling import choose_tokens, next_token_logps
 from selfrl.engines.slotdriver import CallerDriven
 from selfrl.engines.slotprefill import SlotPrefill
-from selfrl.engines.sharedattention import SharedPrefix
+from selfrl.engines.sharedattention import SharedPrefix, attention_window
 from selfrl.engines.slotrequest import Call, DrivenFuture, Request, row_generator
 from selfrl.engines.versiongate import VersionGate
 from selfrl.engines.weightwatch import WeightWatch
@@ -72,6 +72,29 @@ __all__ = ["DrivenFuture", "Request", "SlotEngine", "VersionGate", "row_generato
 
 IDLE_CACHE_BYTES = 64 * 2**20  # an idle engine keeps a cache up to this size; a larger one is freed
 CONTINUATION_BYTES = 2**30  # finished rows' keys and values kept for their next turn (a 64-row demo batch: ~0.85 GB)
+
+
+SLOT_ATTENTION = ("sdpa", "eager")  # attention implementations the slot engine's own masks are right for
+
+
+def slot_attention(model) -> tuple[str, int | None]:
+    """``(implementation, sliding window or None)`` of ``model``'s attention layers, as the slot engine
+    needs them: it builds its own 4-D masks (``column <= position``), boolean for SDPA and additive
+    for eager attention, and no other kind; a sliding window (the smallest, where layers differ) is
+    not in its masks, so it refuses requests longer than the window.
+
+    Raises:
+        ValueError: an attention implementation other than SDPA or eager (the reason, and what to use).
+    """
+    layers = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(getattr(m, "config", None),
+                                                                                   "_attn_implementation")]
+    kinds = {m.config._attn_implementation for m in layers} or {model.config._attn_implementation}
+    if not kinds <= set(SLOT_ATTENTION) or len(kinds) > 1:
+        raise ValueError(f"the slot engine builds masks for SDPA or eager attention only, and this model's attention "
+                         f"is {', '.join(sorted(map(str, kinds)))}: load it with attn_implementation='sdpa', or use "
+                         "the reference engine (--engine reference)")
+    windows = [w for m in layers if (w := attention_window(m)) is not None]
+    return kinds.pop(), min(windows) if windows else None
 
 
 class SlotEngine(CallerDriven, SlotPrefill):
@@ -115,7 +138,9 @@ class SlotEngine(CallerDriven, SlotPrefill):
             :meth:`wait` or its ``result()``, never ``concurrent.futures.wait`` alone.
 
     Raises:
-        ValueError: ``max_slots`` < 1, or an unknown ``driver``.
+        ValueError: ``max_slots`` < 1, an unknown ``driver``, or attention other than SDPA or eager
+            (:func:`slot_attention`); :meth:`generate` and :meth:`submit` refuse a request longer
+            than the model's sliding window, which the engine's masks do not apply.
     """
 
     name = "slots"
@@ -131,6 +156,7 @@ class SlotEngine(CallerDriven, SlotPrefill):
             raise ValueError(f"continuation_bytes must be >= 0, got {continuation_bytes}")
         if driver not in DRIVERS:
             raise ValueError(f"driver must be one of {', '.join(DRIVERS)}, got {driver!r}")
+        self.attention, self.sliding_window = slot_attention(model)  # (refuses what its masks cannot express)
         self._ref = Engine(model, tokenizer, version=version, share_prefix=share_prefix)  # swap and checks
         self.model, self.tokenizer = model, tokenizer
         self.watch = WeightWatch(model)  # what changed in the weights since stored prefixes, merges
@@ -210,6 +236,7 @@ class SlotEngine(CallerDriven, SlotPrefill):
             RuntimeError: the engine is closed.
         """
         check_generate_args(prompts, max_new_tokens, temperature, greedy, top_p, self._ref.num_embeddings)
+        self._check_window(prompts, max_new_tokens)
         self._refuse_in_step()
         for name, per_row in (("constraints", constraints), ("cancel", cancel)):
             if per_row is not None and len(per_row) != len(prompts):
@@ -249,10 +276,18 @@ class SlotEngine(CallerDriven, SlotPrefill):
             RuntimeError: the engine is closed.
         """
         check_generate_args([prompt], max_new_tokens, temperature, greedy, top_p, self._ref.num_embeddings)
+        self._check_window([prompt], max_new_tokens)
         req = self._request(prompt, max_new_tokens, temperature, greedy, top_p, stop, on_tokens, seed, top_logprobs,
                             step_logprobs, constraint, cancel)
         self._enqueue([req])
         return req.future
+
+    def _check_window(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        """Refuse a request that could outgrow the model's sliding window (the engine's masks have none)."""
+        if self.sliding_window is not None and max(len(p) for p in prompts) + max_new_tokens > self.sliding_window:
+            raise ValueError(f"prompt ({max(len(p) for p in prompts)} tokens) + max_new_tokens ({max_new_tokens}) "
+                             f"exceeds the model's sliding window ({self.sliding_window} tokens), which the slot "
+                             "engine does not apply; use the reference engine (--engine reference)")
 
     def _request(self, prompt, max_new_tokens, temperature, greedy, top_p, stop, on_tokens, seed, top_logprobs,
                  step_logprobs, constraint, cancel, prefix_hint: int = 0) -> Request:
@@ -394,6 +429,9 @@ class SlotEngine(CallerDriven, SlotPrefill):
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(b, V) fp32 logits of the last input position of every row."""
+        if self.attention == "eager":  # eager attention adds its mask to the scores
+            dtype = self.model.get_input_embeddings().weight.dtype
+            mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
         out = (self.merged or self.model)(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                                           cache=self.cache, use_cache=True, logits_to_keep=1)
         if self.cache.shared is not None:  # (still set: the view attended to it once for all rows)
