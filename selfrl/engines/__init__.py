@@ -38,8 +38,8 @@ def _auto(model, tokenizer, version: int = 0, driver: str | None = None) -> Samp
     """``slots`` for a policy on the CPU (measured faster there, docs/benchmarks.md section 7),
     ``reference`` on a GPU (the slot engine keeps its cache on the CPU) and for a model whose
     attention the slot engine's masks do not express (not SDPA or eager, or a sliding window:
-    :func:`selfrl.engines.slots.slot_attention`)."""
-    from selfrl.engines.slots import slot_attention
+    :func:`selfrl.engines.slotattention.slot_attention`)."""
+    from selfrl.engines.slotattention import slot_attention
 
     on_cpu = next(model.parameters()).device.type == "cpu"
     try:

@@ -62,7 +62,8 @@ from selfrl.engines.rowgrammar import RowGrammar
 from selfrl.engines.sampling import choose_tokens, next_token_logps
 from selfrl.engines.slotdriver import CallerDriven
 from selfrl.engines.slotprefill import SlotPrefill
-from selfrl.engines.sharedattention import SharedPrefix, attention_window
+from selfrl.engines.sharedattention import SharedPrefix
+from selfrl.engines.slotattention import additive_mask, slot_attention
 from selfrl.engines.slotrequest import Call, DrivenFuture, Request, row_generator
 from selfrl.engines.versiongate import VersionGate
 from selfrl.engines.weightwatch import WeightWatch
@@ -72,29 +73,6 @@ __all__ = ["DrivenFuture", "Request", "SlotEngine", "VersionGate", "row_generato
 
 IDLE_CACHE_BYTES = 64 * 2**20  # an idle engine keeps a cache up to this size; a larger one is freed
 CONTINUATION_BYTES = 2**30  # finished rows' keys and values kept for their next turn (a 64-row demo batch: ~0.85 GB)
-
-
-SLOT_ATTENTION = ("sdpa", "eager")  # attention implementations the slot engine's own masks are right for
-
-
-def slot_attention(model) -> tuple[str, int | None]:
-    """``(implementation, sliding window or None)`` of ``model``'s attention layers, as the slot engine
-    needs them: it builds its own 4-D masks (``column <= position``), boolean for SDPA and additive
-    for eager attention, and no other kind; a sliding window (the smallest, where layers differ) is
-    not in its masks, so it refuses requests longer than the window.
-
-    Raises:
-        ValueError: an attention implementation other than SDPA or eager (the reason, and what to use).
-    """
-    layers = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(getattr(m, "config", None),
-                                                                                   "_attn_implementation")]
-    kinds = {m.config._attn_implementation for m in layers} or {model.config._attn_implementation}
-    if not kinds <= set(SLOT_ATTENTION) or len(kinds) > 1:
-        raise ValueError(f"the slot engine builds masks for SDPA or eager attention only, and this model's attention "
-                         f"is {', '.join(sorted(map(str, kinds)))}: load it with attn_implementation='sdpa', or use "
-                         "the reference engine (--engine reference)")
-    windows = [w for m in layers if (w := attention_window(m)) is not None]
-    return kinds.pop(), min(windows) if windows else None
 
 
 class SlotEngine(CallerDriven, SlotPrefill):
@@ -139,7 +117,7 @@ class SlotEngine(CallerDriven, SlotPrefill):
 
     Raises:
         ValueError: ``max_slots`` < 1, an unknown ``driver``, or attention other than SDPA or eager
-            (:func:`slot_attention`); :meth:`generate` and :meth:`submit` refuse a request longer
+            (:func:`~selfrl.engines.slotattention.slot_attention`); :meth:`generate` and :meth:`submit` refuse a request longer
             than the model's sliding window, which the engine's masks do not apply.
     """
 
@@ -430,8 +408,7 @@ class SlotEngine(CallerDriven, SlotPrefill):
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(b, V) fp32 logits of the last input position of every row."""
         if self.attention == "eager":  # eager attention adds its mask to the scores
-            dtype = self.model.get_input_embeddings().weight.dtype
-            mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
+            mask = additive_mask(mask, self.model.get_input_embeddings().weight.dtype)
         out = (self.merged or self.model)(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                                           cache=self.cache, use_cache=True, logits_to_keep=1)
         if self.cache.shared is not None:  # (still set: the view attended to it once for all rows)
