@@ -291,3 +291,35 @@ def test_make_engine_refuses_a_driver_it_does_not_know(tiny_tokenizer, tiny_mode
     for name in ("slots", "reference"):
         with pytest.raises(ValueError, match="driver must be one of thread, caller"):
             make_engine(name, model, tiny_tokenizer, driver=bad)
+
+
+@pytest.mark.parametrize("driver", ["thread", "caller"])
+def test_a_callback_that_submits_while_a_swap_waits_does_not_hang(tiny_tokenizer, tiny_model_factory, driver):
+    # a streaming callback submits a follow-up while a swap waits for the callback's own row: queued
+    # behind the swap it waited for a swap that waited for it (a hang with no error); now the
+    # follow-up runs on the version in place, then the swap goes through
+    engine = SlotEngine(tiny_model_factory(eos_bias=-50.0, lora=True), tiny_tokenizer, driver=driver)
+    prompt = prompts_with_system(tiny_tokenizer, ["Hi"])[0]
+    follow: list = []
+
+    def on_tokens(ids):
+        if len(ids) == 3 and not follow:
+            deadline = time.monotonic() + 10
+            while not engine.lock._waiting and time.monotonic() < deadline:  # the swap waits for this row
+                time.sleep(0.01)
+            follow.append(engine.submit(prompt, 4, greedy=True))
+
+    first = engine.submit(prompt, 8, greedy=True, on_tokens=on_tokens)
+    swapper = threading.Thread(target=engine.swap, args=(engine.lora_parameters(), 1), daemon=True)
+    if driver == "caller":  # the swap steps the rows in flight itself
+        swapper.start()
+    else:
+        while engine.steps < 1:
+            time.sleep(0.01)
+        swapper.start()
+    swapper.join(timeout=30)
+    assert not swapper.is_alive() and engine.version == 1
+    assert first.result(timeout=10).adapter_version == 0 and len(first.result().token_ids) == 8
+    assert follow and follow[0].result(timeout=10).adapter_version == 0  # it ran before the swap
+    assert engine.submit(prompt, 2, greedy=True).result(timeout=30).adapter_version == 1
+    engine.close()

@@ -330,7 +330,11 @@ class SlotEngine(CallerDriven, SlotPrefill):
     # ------------------------------------------------------------------ the worker
 
     def _enqueue(self, reqs: list[Request]) -> None:
-        self.lock.acquire_shared(len(reqs))  # at once: a swap never waits between two of them
+        me = threading.get_ident()
+        in_step = me == self._stepping or (self._worker is not None and self._worker.ident == me)
+        # at once: a swap never waits between two of them; from inside a step (a callback submitting a
+        # follow-up) not behind a waiting swap, which waits for this step's own requests
+        self.lock.acquire_shared(len(reqs), behind_swap=not in_step)
         try:
             with self._cond:
                 if self._closed:

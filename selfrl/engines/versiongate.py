@@ -30,12 +30,17 @@ class VersionGate:
         self._depth = 0
         self._waiting = 0
 
-    def acquire_shared(self, n: int = 1) -> None:
+    def acquire_shared(self, n: int = 1, behind_swap: bool = True) -> None:
         """Take ``n`` tickets at once (one per request of a batch: taken one by one, a swap that
-        starts waiting between two of them would wait for the first while the second waits for it)."""
+        starts waiting between two of them would wait for the first while the second waits for it).
+
+        ``behind_swap=False``: do not queue behind a swap that waits, only behind one that holds the
+        gate. For a request made while the caller's own tickets keep that swap waiting (a streaming
+        callback of an engine step that submits a follow-up): queued behind it, it would wait for a
+        swap that waits for it. It runs on the version in place, and the swap waits for it too."""
         with self._cond:
             me = threading.get_ident()
-            while self._owner not in (None, me) or (self._waiting and self._owner != me):
+            while self._owner not in (None, me) or (behind_swap and self._waiting and self._owner != me):
                 self._cond.wait()
             self._tickets += n
 
