@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from selfrl.engines.base import AdapterSource, EngineHealth, Generation, adapter_state, check_generate_args
+from selfrl.engines.sharedattention import model_window
 from selfrl.prefix import shared_prefix_len
 
 __all__ = ["Engine", "Generation", "eos_ids", "pack_prompts", "stop_cut", "check_adapter_state"]
@@ -72,7 +73,9 @@ class Engine:
             ``selfrl run`` (one copy of the weights in memory).
         tokenizer: its tokenizer; ``pad_token_id`` must be set.
         version: the adapter version currently in the weights.
-        share_prefix: encode the prompts' common prefix once per batch (see :func:`pack_prompts`).
+        share_prefix: encode the prompts' common prefix once per batch (see :func:`pack_prompts`);
+            not for a model with a sliding window, which would count the padding between the
+            prefix and each row's own ids.
 
     Thread safety: ``generate`` and ``swap`` take the same lock, so a generation
     always runs on exactly one version from start to end.
@@ -84,7 +87,8 @@ class Engine:
 
     def __init__(self, model, tokenizer, version: int = 0, share_prefix: bool = True):
         self.model = model
-        self.share_prefix = share_prefix
+        # a sliding window counts the padding packing puts between a shared prefix and a row's own ids
+        self.share_prefix = share_prefix and model_window(model) is None
         self.tokenizer = tokenizer
         self.version = version
         self.eos_token_ids = eos_ids(model, tokenizer)

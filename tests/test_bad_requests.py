@@ -446,3 +446,26 @@ def test_the_sampler_answers_an_unexpected_exception_with_a_json_500(sampler, mo
     monkeypatch.undo()
     status, out = http("POST", url + "/sampler/generate", {"prompts": [[1, 2]], "max_new_tokens": 2})
     assert status == 200 and len(out["generations"]) == 1
+
+
+def test_a_request_beyond_a_sliding_window_the_engine_cannot_apply_is_a_400(tmp_path, tiny_tokenizer):
+    # the slot engine's masks have no sliding window: it serves prompt + max_tokens up to window + 1,
+    # and the server refuses more as any context overflow (it answered 500, which clients retry)
+    from serving import API_KEY, running_server, serve_config
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from selfrl.testing import add_lora
+
+    cfg = MistralConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=64,
+                        eos_token_id=tiny_tokenizer.eos_token_id, pad_token_id=tiny_tokenizer.eos_token_id)
+    cfg._attn_implementation = "sdpa"
+    model = add_lora(MistralForCausalLM(cfg).eval(), seed=1)
+    with running_server(model, tiny_tokenizer, serve_config(tmp_path, "slots")) as (url, service):
+        assert service.context == 65
+        long = [{"role": "user", "content": "Add up all of these numbers for me please: " + " ".join(map(str, range(40)))}]
+        status, out = http("POST", url + URL, {"model": "selfrl", "messages": long, "max_tokens": 4}, key=API_KEY)
+        assert status == 400 and out["error"]["code"] == "context_length_exceeded", out
+        assert "context is 65 tokens" in out["error"]["message"]
+        status, out = http("POST", url + URL, {"model": "selfrl", "messages": USER}, key=API_KEY)  # no limit set
+        assert status == 200 and out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"] <= 65, out

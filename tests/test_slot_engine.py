@@ -619,14 +619,25 @@ def test_attention_the_masks_cannot_express_is_refused(tiny_tokenizer):
     cfg._attn_implementation = "sdpa"
     windowed = MistralForCausalLM(cfg).eval()
     engine = SlotEngine(windowed, tiny_tokenizer, driver="caller")
-    assert engine.sliding_window == 40
+    assert engine.sliding_window == 40 and engine.context == 41  # (the last id is never fed back)
     with pytest.raises(ValueError, match="sliding window"):
-        engine.generate([[5] * 35], 6)
+        engine.generate([[5] * 35], 7)
     with pytest.raises(ValueError, match="sliding window"):
-        engine.submit([5] * 30, 11)
-    assert len(engine.generate([[5] * 30], 10, greedy=True)[0].token_ids) <= 10  # within the window: sampled
+        engine.submit([5] * 30, 12)
+    torch.manual_seed(0)
+    prompts = [[5 + i for i in range(30)], [7] * 35]
+    gens = engine.generate(prompts, 6, temperature=1.0)  # within window + 1: sampled exactly
+    assert_matches_model(gens, prompts, windowed, 1.0, tiny_tokenizer.eos_token_id, 6)
     engine.close()
-    assert make_engine("auto", windowed, tiny_tokenizer).name == "reference"
+    # auto: the reference engine, exact also for rows that share a prefix and outgrow the window
+    # (it packs no shared prefix for a windowed model: the padding would count in the window)
+    reference = make_engine("auto", windowed, tiny_tokenizer)
+    assert reference.name == "reference" and not reference.share_prefix
+    shared = [9 + (i % 50) for i in range(32)]
+    prompts = [shared + [3, 4], shared + [11 + i for i in range(36)]]
+    torch.manual_seed(1)
+    assert_matches_model(reference.generate(prompts, 6, temperature=1.0), prompts, windowed, 1.0,
+                         tiny_tokenizer.eos_token_id, 6)
     # an attention implementation other than SDPA or eager
     other = build_tiny_model(tiny_tokenizer)
     other.config._attn_implementation = "flex_attention"
@@ -634,3 +645,25 @@ def test_attention_the_masks_cannot_express_is_refused(tiny_tokenizer):
         SlotEngine(other, tiny_tokenizer)
     assert make_engine("auto", other, tiny_tokenizer).name == "reference"
     assert make_engine("auto", build_tiny_model(tiny_tokenizer), tiny_tokenizer, driver="caller").name == "slots"
+
+
+def test_waiting_from_a_callback_raises_on_the_worker_too(tiny_tokenizer, tiny_model_factory):
+    # a callback runs on the worker: waiting there for the engine waited for itself, for good
+    engine = SlotEngine(tiny_model_factory(eos_bias=-50.0, lora=True), tiny_tokenizer)
+    prompt = prompts_with_system(tiny_tokenizer, ["Hi"])[0]
+    other = engine.submit(prompt, 30, greedy=True)
+    seen: list = []
+
+    def on_tokens(ids):
+        if len(ids) == 2:
+            for wait in (lambda: engine.wait([other], timeout=5), lambda: other.result(timeout=5),
+                         lambda: other.exception(timeout=5)):
+                try:
+                    wait()
+                except RuntimeError as e:
+                    seen.append(str(e))
+
+    first = engine.submit(prompt, 4, greedy=True, on_tokens=on_tokens)
+    assert len(first.result(timeout=30).token_ids) == 4 and len(other.result(timeout=30).token_ids) == 30
+    assert len(seen) == 3 and all("cannot wait for the same engine" in m for m in seen)
+    engine.close()

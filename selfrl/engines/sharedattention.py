@@ -143,6 +143,19 @@ def attention_window(module) -> int | None:
     return window
 
 
+def attention_layers(model) -> list:
+    """The attention layers of ``model``: its modules with a ``layer_idx`` and a configuration that
+    names an attention implementation."""
+    return [m for m in model.modules()
+            if hasattr(m, "layer_idx") and hasattr(getattr(m, "config", None), "_attn_implementation")]
+
+
+def model_window(model) -> int | None:
+    """The smallest sliding window of ``model``'s attention layers (:func:`attention_window`), or None."""
+    windows = [w for m in attention_layers(model) if (w := attention_window(m)) is not None]
+    return min(windows) if windows else None
+
+
 def takes_shared_prefix(module) -> bool:
     """Whether an attention module can be pointed at :func:`shared_prefix_attention`: a supported
     class (``SUPPORTED_ATTENTION``) on SDPA, with no sliding window, in fp32 or fp64."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from selfrl.engines.sharedattention import attention_window
+from selfrl.engines.sharedattention import attention_layers, model_window
 
 SLOT_ATTENTION = ("sdpa", "eager")  # attention implementations the slot engine's own masks are right for
 
@@ -20,15 +20,13 @@ def slot_attention(model) -> tuple[str, int | None]:
     Raises:
         ValueError: an attention implementation other than SDPA or eager (the reason, and what to use).
     """
-    layers = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(getattr(m, "config", None),
-                                                                                   "_attn_implementation")]
+    layers = attention_layers(model)
     kinds = {m.config._attn_implementation for m in layers} or {model.config._attn_implementation}
     if not kinds <= set(SLOT_ATTENTION) or len(kinds) > 1:
         raise ValueError(f"the slot engine builds masks for SDPA or eager attention only, and this model's attention "
                          f"is {', '.join(sorted(map(str, kinds)))}: load it with attn_implementation='sdpa', or use "
                          "the reference engine (--engine reference)")
-    windows = [w for m in layers if (w := attention_window(m)) is not None]
-    return kinds.pop(), min(windows) if windows else None
+    return kinds.pop(), model_window(model)
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -34,6 +34,8 @@ class CallerDriven:
         futures = list(futures)
         if return_when not in (FIRST_COMPLETED, concurrent.futures.ALL_COMPLETED):
             raise ValueError(f"return_when must be FIRST_COMPLETED or ALL_COMPLETED, got {return_when!r}")
+        if not all(f.done() for f in futures):  # (from a callback it would wait for itself)
+            self._refuse_in_step()
         start = time.monotonic()
         if self.driver == "caller":
             test = any if return_when == FIRST_COMPLETED else all

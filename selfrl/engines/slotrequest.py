@@ -99,6 +99,26 @@ class Call:
             self.on_step(ids)
 
 
+class WorkerFuture(Future):
+    """A future of a slot engine stepped by its own worker thread: waiting on it from inside a step
+    (a callback, which runs on the worker) raises RuntimeError (``refuse``) instead of waiting for a
+    worker that waits for it."""
+
+    def __init__(self, refuse: Callable[[], None]):
+        super().__init__()
+        self._refuse = refuse
+
+    def result(self, timeout: float | None = None):
+        if not self.done():
+            self._refuse()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None):
+        if not self.done():
+            self._refuse()
+        return super().exception(timeout)
+
+
 class DrivenFuture(Future):
     """A future of a caller-driven :class:`selfrl.engines.slots.SlotEngine`: ``result()`` and ``exception()`` run
     the engine's steps in the waiting thread until it is done (or ``timeout`` seconds)."""

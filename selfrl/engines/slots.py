@@ -55,7 +55,7 @@ import torch
 from selfrl.constrain import ConstraintError
 from selfrl.engines import DRIVERS
 from selfrl.engine import Engine
-from selfrl.engines.base import AdapterSource, EngineHealth, Generation, check_generate_args
+from selfrl.engines.base import AdapterSource, EngineHealth, Generation, check_generate_args, model_context
 from selfrl.engines.kvcache import ContinuationStore, PrefixStore, SlotCache
 from selfrl.engines.mergedpolicy import MergedPolicy
 from selfrl.engines.rowgrammar import RowGrammar
@@ -64,7 +64,7 @@ from selfrl.engines.slotdriver import CallerDriven
 from selfrl.engines.slotprefill import SlotPrefill
 from selfrl.engines.sharedattention import SharedPrefix
 from selfrl.engines.slotattention import additive_mask, slot_attention
-from selfrl.engines.slotrequest import Call, DrivenFuture, Request, row_generator
+from selfrl.engines.slotrequest import Call, DrivenFuture, Request, WorkerFuture, row_generator
 from selfrl.engines.versiongate import VersionGate
 from selfrl.engines.weightwatch import WeightWatch
 from selfrl.prefix import MIN_SHARED_PREFIX, shared_prefix_len
@@ -260,12 +260,21 @@ class SlotEngine(CallerDriven, SlotPrefill):
         self._enqueue([req])
         return req.future
 
+    @property
+    def context(self) -> int:
+        """Tokens a request may hold, prompt and completion together: the model's context
+        (:func:`~selfrl.engines.base.model_context`), or with a sliding window the window plus one
+        (the last id is never fed back), which the engine's masks do not apply beyond. A server
+        refuses longer requests with a 400 (:func:`~selfrl.engines.base.engine_context`)."""
+        context = model_context(self.model, self.tokenizer)
+        return context if self.sliding_window is None else min(context, self.sliding_window + 1)
+
     def _check_window(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         """Refuse a request that could outgrow the model's sliding window (the engine's masks have none)."""
-        if self.sliding_window is not None and max(len(p) for p in prompts) + max_new_tokens > self.sliding_window:
+        if self.sliding_window is not None and max(len(p) for p in prompts) + max_new_tokens > self.context:
             raise ValueError(f"prompt ({max(len(p) for p in prompts)} tokens) + max_new_tokens ({max_new_tokens}) "
-                             f"exceeds the model's sliding window ({self.sliding_window} tokens), which the slot "
-                             "engine does not apply; use the reference engine (--engine reference)")
+                             f"exceeds the model's sliding window ({self.sliding_window} tokens) plus one, which the "
+                             "slot engine does not apply; use the reference engine (--engine reference)")
 
     def _request(self, prompt, max_new_tokens, temperature, greedy, top_p, stop, on_tokens, seed, top_logprobs,
                  step_logprobs, constraint, cancel, prefix_hint: int = 0) -> Request:
@@ -274,7 +283,7 @@ class SlotEngine(CallerDriven, SlotPrefill):
         grammar = None if constraint is None else RowGrammar(constraint, self.tokenizer, self.vocab_size,
                                                             self.eos_token_ids)
         return Request(list(prompt), max_new_tokens, temperature, greedy, top_p, tuple(stop or ()), on_tokens,
-                       future=DrivenFuture(self._drive) if self.driver == "caller" else Future(),
+                       future=DrivenFuture(self._drive) if self.driver == "caller" else WorkerFuture(self._refuse_in_step),
                        prefix_hint=prefix_hint, generator=row_generator(seed), top_logprobs=top_logprobs,
                        step_logprobs=step_logprobs, grammar=grammar, cancel=cancel,
                        constrained=None if grammar is None else [], top=[] if top_logprobs else None)

@@ -29,7 +29,7 @@ from selfrl.atomic import write_atomic
 from selfrl.chat import prompt_ids, template_supports_tools, template_wraps_tool_responses
 from selfrl.engine import Generation
 from selfrl.engines import make_engine
-from selfrl.engines.base import context_overflow, model_context
+from selfrl.engines.base import context_overflow, engine_context, model_context
 from selfrl.runlock import RunDirLock
 from selfrl.serve import records
 from selfrl.serve.batcher import Batcher, Job
@@ -113,7 +113,7 @@ class Service:
         self.run_id = self.store.start_run({"serve": cfg.to_dict()})
         self.ledger = Ledger(self.store, self.run_id, self.run_dir)
         self.engine = make_engine(cfg.engine, model, tokenizer)
-        self.context = model_context(model, tokenizer)
+        self.context = engine_context(self.engine) or model_context(model, tokenizer)  # (a slot engine: a window)
         self.native_tools = template_supports_tools(tokenizer)
         self.pinned: int | None = None
         self.admin = threading.Lock()  # pin, unpin, rollback and publish: one at a time, each whole
