@@ -21,7 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ceiling import CONFIG, matmul_flops, matmul_params  # noqa: E402
 from bench_engines import alternating_rollouts, policy_with_adapter  # noqa: E402
-from common import Stats, base_parser, bench_config, command_line, envelope, finish, first_batch, print_table  # noqa: E402
+from common import (  # noqa: E402
+    Stats, base_parser, bench_config, command_line, envelope, finish, first_batch, print_table,
+)
 
 VARIANTS = {"own copies": False, "shared prefix once": True}  # name -> SlotEngine(shared_prefix_attention=...)
 

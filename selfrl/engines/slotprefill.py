@@ -77,7 +77,7 @@ class SlotPrefill:
         starts = []
         for k, r in enumerate(new):
             j, m = self._prefixes.match(r.prompt) if self.share_prefix else (-1, 0)
-            # the stored prefix the row starts with, for attention over it once a pass (whatever fills its slot)
+            # the stored prefix the row starts with, attended once a pass for all rows (whatever fills its slot)
             r.shared = (self._prefixes.items[j][1], self._prefixes.items[j][2], m) if j >= 0 else None
             c = self._continuations.match(r.prompt)  # (None when nothing is kept)
             if c is not None and c[2] > m:  # the row this prompt continues (a rollout's last turn)

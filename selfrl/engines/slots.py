@@ -117,8 +117,9 @@ class SlotEngine(CallerDriven, SlotPrefill):
 
     Raises:
         ValueError: ``max_slots`` < 1, an unknown ``driver``, or attention other than SDPA or eager
-            (:func:`~selfrl.engines.slotattention.slot_attention`); :meth:`generate` and :meth:`submit` refuse a request longer
-            than the model's sliding window, which the engine's masks do not apply.
+            (:func:`~selfrl.engines.slotattention.slot_attention`); :meth:`generate` and :meth:`submit`
+            refuse a request longer than the model's sliding window plus one (:attr:`context`),
+            which the engine's masks do not apply.
     """
 
     name = "slots"
@@ -283,7 +284,8 @@ class SlotEngine(CallerDriven, SlotPrefill):
         grammar = None if constraint is None else RowGrammar(constraint, self.tokenizer, self.vocab_size,
                                                             self.eos_token_ids)
         return Request(list(prompt), max_new_tokens, temperature, greedy, top_p, tuple(stop or ()), on_tokens,
-                       future=DrivenFuture(self._drive) if self.driver == "caller" else WorkerFuture(self._refuse_in_step),
+                       future=(DrivenFuture(self._drive) if self.driver == "caller"
+                               else WorkerFuture(self._refuse_in_step)),
                        prefix_hint=prefix_hint, generator=row_generator(seed), top_logprobs=top_logprobs,
                        step_logprobs=step_logprobs, grammar=grammar, cancel=cancel,
                        constrained=None if grammar is None else [], top=[] if top_logprobs else None)
