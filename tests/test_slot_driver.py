@@ -323,3 +323,25 @@ def test_a_callback_that_submits_while_a_swap_waits_does_not_hang(tiny_tokenizer
     assert follow and follow[0].result(timeout=10).adapter_version == 0  # it ran before the swap
     assert engine.submit(prompt, 2, greedy=True).result(timeout=30).adapter_version == 1
     engine.close()
+
+
+def test_waiting_from_a_callback_raises_on_the_worker_too(tiny_tokenizer, tiny_model_factory):
+    # a callback runs on the worker: waiting there for the engine waited for itself, for good
+    engine = SlotEngine(tiny_model_factory(eos_bias=-50.0, lora=True), tiny_tokenizer)
+    prompt = prompts_with_system(tiny_tokenizer, ["Hi"])[0]
+    other = engine.submit(prompt, 30, greedy=True)
+    seen: list = []
+
+    def on_tokens(ids):
+        if len(ids) == 2:
+            for wait in (lambda: engine.wait([other], timeout=5), lambda: other.result(timeout=5),
+                         lambda: other.exception(timeout=5)):
+                try:
+                    wait()
+                except RuntimeError as e:
+                    seen.append(str(e))
+
+    first = engine.submit(prompt, 4, greedy=True, on_tokens=on_tokens)
+    assert len(first.result(timeout=30).token_ids) == 4 and len(other.result(timeout=30).token_ids) == 30
+    assert len(seen) == 3 and all("cannot wait for the same engine" in m for m in seen)
+    engine.close()

@@ -3,7 +3,9 @@
 What is encoded is only what nothing stored already holds: a prefix common to the rows admitted
 together, or stored from an earlier request (:class:`~selfrl.engines.kvcache.PrefixStore`); the
 finished row a prompt continues (:class:`~selfrl.engines.kvcache.ContinuationStore`); and a prompt
-repeated among the rows admitted together, encoded once and copied. Both stores are dropped when
+repeated among the rows admitted together, encoded once and copied. Each row remembers the stored
+prefix it starts with, so that a pass whose rows all share one attends to it once
+(:mod:`selfrl.engines.sharedattention`). Both stores are dropped when
 the weights change (:class:`~selfrl.engines.weightwatch.WeightWatch`). A mixin of
 :class:`selfrl.engines.slots.SlotEngine`, whose attributes it uses (``cache``, ``watch``,
 ``_prefixes``, ``_continuations``, ``_forward``, ...).
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from selfrl.engines.sharedattention import SharedPrefix
 from selfrl.engines.slotrequest import Request
 from selfrl.prefix import MIN_SHARED_PREFIX, group_repeats, shared_prefix_len
 
@@ -29,6 +32,18 @@ class SlotPrefill:
         if self.watch.poll() == r.generation:  # (the fast look, 0.3 ms)
             tokens = (r.prompt + r.token_ids)[:r.length]
             self._continuations.add(tokens, *self.cache.read_prefix(self._rows.index(r), r.length))
+
+    def _shared_prefix(self, rows: list[Request]) -> SharedPrefix | None:
+        """The stored prefix every row of a pass (decoding, or a prefill) starts with, to be attended once
+        for all of them (:mod:`selfrl.engines.sharedattention`), or None: fewer than two rows, a row without one,
+        rows of different prefixes (other prompts, or prefilled before the weights changed), or no
+        merged view whose attention takes it (``shared_prefix_attention`` off, an unsupported model)."""
+        if not self.shared_prefix_attention or self.merged is None or not self.merged.shared_prefix_layers:
+            return None
+        first = rows[0].shared
+        if len(rows) < 2 or first is None or any(r.shared is None or r.shared[0] is not first[0] for r in rows):
+            return None
+        return SharedPrefix(min(r.shared[2] for r in rows), first[0], first[1])
 
     def _store_prefix(self, tokens: list[int], slot: int) -> None:
         self._prefixes.add(tokens, *self.cache.read_prefix(slot, len(tokens)))
@@ -101,9 +116,8 @@ class SlotPrefill:
             r.length = len(r.prompt)
         width = max(len(r.prompt) for r in new)
         slots = torch.arange(first, first + b)[:, None].expand(b, T)
-        shared = self._shared_prefix(new)  # attended once for all rows, when every query comes after it
-        self.cache.set_pass(slice(first, first + b), width, slots, cols,
-                            shared=shared if shared is not None and min(starts) >= shared.length else None)
+        # every row starts at or after the stored prefix it matched: every query comes after the shared one
+        self.cache.set_pass(slice(first, first + b), width, slots, cols, shared=self._shared_prefix(new))
         mask = (torch.arange(width)[None, None, :] <= pos[:, :, None])[:, None]  # (b, 1, T, W)
         logits = self._forward(input_ids, pos, mask)
         if self.share_prefix:  # an unshared prompt may start later ones (a chat's system prompt)

@@ -62,7 +62,6 @@ from selfrl.engines.rowgrammar import RowGrammar
 from selfrl.engines.sampling import choose_tokens, next_token_logps
 from selfrl.engines.slotdriver import CallerDriven
 from selfrl.engines.slotprefill import SlotPrefill
-from selfrl.engines.sharedattention import SharedPrefix
 from selfrl.engines.slotattention import additive_mask, slot_attention
 from selfrl.engines.slotrequest import Call, DrivenFuture, Request, WorkerFuture, row_generator
 from selfrl.engines.versiongate import VersionGate
@@ -470,18 +469,6 @@ class SlotEngine(CallerDriven, SlotPrefill):
                 r.length += 1
             self.steps += 1
             self._sample(rows, logits)
-
-    def _shared_prefix(self, rows: list[Request]) -> SharedPrefix | None:
-        """The stored prefix every row of a decoding pass starts with, to be attended once for all of
-        them (:mod:`selfrl.engines.sharedattention`), or None: fewer than two rows, a row without one,
-        rows of different prefixes (other prompts, or prefilled before the weights changed), or no
-        merged view whose attention takes it (``shared_prefix_attention`` off, an unsupported model)."""
-        if not self.shared_prefix_attention or self.merged is None or not self.merged.shared_prefix_layers:
-            return None
-        first = rows[0].shared
-        if len(rows) < 2 or first is None or any(r.shared is None or r.shared[0] is not first[0] for r in rows):
-            return None
-        return SharedPrefix(min(r.shared[2] for r in rows), first[0], first[1])
 
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> None:
         """Choose the next id of each of ``rows`` from its (B, V) ``logits``, record it, stream
