@@ -49,9 +49,13 @@ class ModelConfig:
     name: str = DEFAULT_MODEL  # Hugging Face id, local path, or embedded:smollm2-135m-instruct
     device: str = "auto"  # auto | cpu | cuda: where the policy, learner and reference pass run (auto: cuda if present)
     dtype: str = "auto"  # auto | float32 | bfloat16: base weights' dtype (auto: bf16 on a GPU that has it, else fp32)
+    cpu_matmul: str = "auto"  # auto | onednn | torch: frozen fp32 products on the CPU through oneDNN (selfrl.matmul)
 
     def check(self, where: str = "") -> None:
-        require([(bool(self.name), "name must not be empty")], where)
+        from selfrl.device import CPU_MATMULS
+
+        require([(bool(self.name), "name must not be empty"),
+                 (self.cpu_matmul in CPU_MATMULS, f"cpu_matmul must be one of {', '.join(CPU_MATMULS)}")], where)
 
 
 @dataclass
@@ -488,6 +492,11 @@ def check_placement(model: ModelConfig, engine: str | None = None) -> None:
             if engine in CPU_ONLY_ENGINES and placement.device != "cpu":
                 raise DeviceError(f"engine {engine!r} runs on the CPU only, and model.device resolves to "
                                   f"{placement.device!r}; use --engine reference, or --device cpu")
+        if model.cpu_matmul == "onednn":  # it applies to fp32 on the CPU only: refused where nothing would take it
+            placement = resolve(model.device, model.dtype)
+            if (placement.device, placement.dtype) != ("cpu", "float32"):
+                raise DeviceError(f"model.cpu_matmul = 'onednn' applies to a float32 policy on the CPU, and the "
+                                  f"policy resolves to {placement.dtype} on {placement.device}; use 'auto' or 'torch'")
     except DeviceError as e:
         raise ConfigError(str(e)) from e
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16")
+CPU_MATMULS = ("auto", "onednn", "torch")  # model.cpu_matmul: selfrl.matmul
 
 
 class DeviceError(ValueError):

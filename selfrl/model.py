@@ -134,14 +134,18 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
 def build_policy(cfg):
     """Load the model and attach a LoRA adapter; returns ``(peft_model, tokenizer)``.
 
-    ``cfg`` has ``model`` (name, device, dtype), ``lora`` (``selfrl.config.LoraSettings``)
+    ``cfg`` has ``model`` (name, device, dtype, cpu_matmul), ``lora`` (``selfrl.config.LoraSettings``)
     and ``seed``: a ``RunConfig`` or a ``ServeConfig``.
     The base weights are loaded in the resolved dtype and the whole model moved to the
-    resolved device (``selfrl.device.resolve``); the LoRA weights stay float32.
+    resolved device (``selfrl.device.resolve``); the LoRA weights stay float32. On the CPU in
+    fp32 the frozen linear layers then compute through oneDNN (``model.cpu_matmul``,
+    :func:`selfrl.matmul.route_frozen_linears`).
 
     Raises:
         selfrl.model.ModelLoadError: the model cannot be loaded.
         selfrl.device.DeviceError: an impossible device or dtype (cuda with no GPU).
+        selfrl.matmul.MatmulError: ``cpu_matmul = "onednn"`` where oneDNN is not available, or
+            with the policy on a GPU or in bfloat16 (nothing would take it).
         ValueError: the LoRA settings do not fit the model (peft's message).
     """
     from peft import LoraConfig, PeftModel, get_peft_model
@@ -162,5 +166,12 @@ def build_policy(cfg):
     # The LoRA init above ran on the CPU generator, so a seeded adapter is the same on every device.
     if placement.device != "cpu":
         model.to(placement.device)
+    from selfrl.matmul import MatmulError, route_frozen_linears
+
+    choice = getattr(cfg.model, "cpu_matmul", "auto")
+    if choice == "onednn" and (placement.device, placement.dtype) != ("cpu", "float32"):
+        raise MatmulError(f"cpu_matmul = 'onednn' applies to a float32 policy on the CPU, not "
+                          f"{placement.dtype} on {placement.device}; use 'auto' or 'torch'")
+    route_frozen_linears(model, choice)
     model.eval()
     return model, tok

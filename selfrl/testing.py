@@ -112,20 +112,25 @@ def build_tiny_model(tokenizer, seed: int = 0, eos_bias: float | None = None):
     return model.eval()
 
 
-def add_lora(model, seed: int = 0, r: int = 4, default_init: bool = False):
+def add_lora(model, seed: int = 0, r: int = 4, default_init: bool = False, cpu_matmul: str = "auto"):
     """Wrap ``model`` with a rank-``r`` LoRA on every linear layer but the output one.
 
     ``init_lora_weights=False`` makes both A and B random, so the adapter is not a
     no-op: the LoRA path contributes to every logit from the start. With
     ``default_init`` peft's own initialisation is used instead (A random, B = 0:
-    the adapter starts as a no-op), as in ``selfrl run``.
+    the adapter starts as a no-op), as in ``selfrl run``. The frozen layers then compute as
+    ``selfrl run``'s do on the CPU (``cpu_matmul``: :func:`selfrl.matmul.route_frozen_linears`).
     """
     from peft import LoraConfig, get_peft_model
+
+    from selfrl.matmul import route_frozen_linears
 
     torch.manual_seed(seed)
     cfg = LoraConfig(r=r, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
                      init_lora_weights=True if default_init else False)
-    return get_peft_model(model, cfg).eval()
+    model = get_peft_model(model, cfg)
+    route_frozen_linears(model, cpu_matmul)
+    return model.eval()
 
 
 def save_tiny_phi(path, tokenizer, seed=0, eos_bias=2.0, **config_overrides):

@@ -2,7 +2,7 @@
 and the products of small batches arranged for the CPU's matrix library.
 
 A decoding step of the embedded model on this machine's CPU is bound by reading the weights
-(docs/benchmarks.md, "Merged LoRA and the small-batch product"). Two things made it slower than
+(docs/benchmarks.md, "Merged LoRA and the small-batch product"). Three things made it slower than
 that read:
 
 - **The unmerged LoRA.** peft computes ``W x + s B (A x)`` in every targeted layer: about 1,000
@@ -11,16 +11,19 @@ that read:
   :class:`~selfrl.engines.weightwatch.WeightWatch` tells it when to merge again (an update in
   place, a swap: seen at the next decoding step) and when to rebuild the view (adapters disabled
   or switched, a tensor replaced, a hook added: seen when rows next join an idle engine).
-- **The orientation of the product.** For 2 to 5 rows, MKL (torch's CPU BLAS) computes
-  ``(W @ x.T).T`` 1.5 to 3 times faster than ``x @ W.T`` (``F.linear``) on this CPU: the
+- **The matrix library.** Where the policy's layers compute through oneDNN
+  (``model.cpu_matmul``, :mod:`selfrl.matmul`: the CPU default), so do the view's, merged
+  weights included: 2 to 3 times faster products than MKL's on this machine's AMD CPU.
+- **The orientation of the product** (with ``cpu_matmul = "torch"``). For 2 to 5 rows, MKL
+  (torch's CPU BLAS) computes ``(W @ x.T).T`` 1.5 to 3 times faster than ``x @ W.T`` (``F.linear``) on this CPU: the
   weights stream at 17-28 GB/s instead of 7.5 to 12. One row is a matrix-vector product, as
   slow either way, unless the row is doubled into a two-row product (1.8 times faster).
   :func:`small_batch_linear` does that for 1 to 10 rows (6 to 10 rows: neutral to 1.3 times)
   and calls ``F.linear`` otherwise. The rule is fixed, not tuned per run, so that a seeded run
   samples the same tokens every time.
 
-Neither changes more than the rounding of fp32 sums: on the tests' tiny models the sampled
-logprobs stay within the conformance suite's 1e-5 of a full recomputation by the learner
+None changes more than the rounding of fp32 sums: on the tests' tiny models the sampled
+logprobs stay within the conformance suite's 1e-5 (plus 2e-6 of their size) of a full recomputation by the learner
 (``tests/test_engine_conformance.py``); on the embedded model with a perturbed adapter the
 largest gap measured was 2.9e-5 nats (1.1e-5 unmerged; ``benchmarks/bench_merged.py``). Only
 fp32 layers are merged: a merged bf16 weight would round most small updates away.
@@ -44,6 +47,7 @@ from torch import nn
 
 from selfrl.engines.sharedattention import ATTENTION_NAME, takes_shared_prefix
 from selfrl.engines.weightwatch import WeightWatch, hook_dicts
+from selfrl.matmul import is_routed, linear
 
 SMALL_BATCH_ROWS = (1, 10)  # rows for which (W @ x.T).T is used on the CPU (docs/benchmarks.md)
 
@@ -75,13 +79,18 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 class SamplingLinear(nn.Module):
     """A linear layer of the sampling view: ``weight`` (out, in) is either the policy's own
-    tensor (a layer without LoRA) or a merged copy owned by :class:`MergedPolicy`."""
+    tensor (a layer without LoRA) or a merged copy owned by :class:`MergedPolicy`. With
+    ``onednn`` (the policy's layer computes through :func:`selfrl.matmul.linear`) it does too;
+    otherwise :func:`small_batch_linear`."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool = False):
         super().__init__()
         self.weight, self.bias = weight, bias  # plain attributes: nothing here is trained
+        self.onednn = onednn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn:
+            return linear(x, self.weight, self.bias)
         return small_batch_linear(x, self.weight, self.bias)
 
 
@@ -166,7 +175,7 @@ class MergedPolicy:
                 with torch.inference_mode(False):  # re-merged outside inference mode too
                     merged = torch.empty_like(w, requires_grad=False)
                 self._pairs.append((orig, adapter, merged))
-                self._replace(name, SamplingLinear(merged, orig.base_layer.bias), orig)
+                self._replace(name, SamplingLinear(merged, orig.base_layer.bias, is_routed(orig.base_layer)), orig)
                 self.merged_layers += 1
                 self.extra_bytes += merged.numel() * merged.element_size()
                 done.append(name)
@@ -174,7 +183,7 @@ class MergedPolicy:
                 self.kept_layers += 1
                 done.append(name)
             elif type(orig) is nn.Linear:
-                self._replace(name, SamplingLinear(orig.weight, orig.bias), orig)
+                self._replace(name, SamplingLinear(orig.weight, orig.bias, is_routed(orig)), orig)
                 done.append(name)
         self.shared_prefix_layers = self._point_attention()
         self.builds += 1
@@ -204,9 +213,10 @@ class MergedPolicy:
         parent, _, leaf = name.rpartition(".")
         setattr(self.view.get_submodule(parent) if parent else self.view, leaf, new)
 
-    @torch.no_grad()
     def _merge(self) -> None:
-        with torch.inference_mode(False):
+        # inference_mode(False) turns gradients back on: no_grad inside it keeps the merged weights
+        # out of the LoRA's graph (a merged weight that required a gradient would also miss oneDNN)
+        with torch.inference_mode(False), torch.no_grad():
             for mod, adapter, merged in self._pairs:
                 merged.copy_(mod.base_layer.weight)
                 merged.add_(mod.get_delta_weight(adapter).to(merged.dtype))

@@ -17,6 +17,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from selfrl.device import gradient_checkpointing_on
+from selfrl.matmul import is_routed, linear
 from selfrl.prefix import shared_prefix_len
 from selfrl.rl.tree import PrefixTree, build_tree, layout_cost, tree_pays
 
@@ -32,8 +33,9 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
 
 
 def _chunk_logps(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float,
-                 allowed: torch.Tensor | None = None):
-    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature  # (C, V)
+                 allowed: torch.Tensor | None = None, onednn: bool = False):
+    product = linear if onednn else torch.nn.functional.linear  # as the output layer computes (selfrl.matmul)
+    logits = product(hidden, weight, bias).float() / temperature  # (C, V)
     if allowed is not None:  # (C, V) bool: the grammar's masks, replayed (selfrl.constrain.replay_masks)
         logits = logits.masked_fill(~allowed, float("-inf"))
     return selective_log_softmax(logits, targets)  # (C,)
@@ -252,7 +254,8 @@ def _head_logps(rows: torch.Tensor, head, targets: torch.Tensor, temperature: fl
         allowed = None
         if which is not None and bool((which[s:s + chunk_size] >= 0).any()):
             allowed = vocab_masks.rows(which[s:s + chunk_size], head.weight.shape[0])  # (C, V)
-        args = (rows[s:s + chunk_size], head.weight, head.bias, targets[s:s + chunk_size], temperature, allowed)
+        args = (rows[s:s + chunk_size], head.weight, head.bias, targets[s:s + chunk_size], temperature, allowed,
+                is_routed(head))
         if torch.is_grad_enabled():
             parts.append(checkpoint(_chunk_logps, *args, use_reentrant=False))
         else:

@@ -1,0 +1,143 @@
+"""Frozen fp32 products through oneDNN (selfrl.matmul): the values and gradients of F.linear, the
+layers that take it and those that do not, and the settings that choose it."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import add_lora, build_tiny_model, save_tiny_phi
+
+import selfrl.matmul as mm
+from selfrl.config import ConfigError, RunConfig, load_config
+from selfrl.engines.mergedpolicy import MergedPolicy, SamplingLinear
+from selfrl.model import build_policy
+from selfrl.rl.logprobs import per_token_logps
+
+needs_onednn = pytest.mark.skipif(not mm.available(), reason=f"oneDNN not available: {mm.unavailable_reason()}")
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How many products went through oneDNN (selfrl.matmul._onednn) since the test began."""
+    box = [0]
+    real = mm._onednn
+
+    def counting(*args):
+        box[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(mm, "_onednn", counting)
+    return box
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(7, 96), (2, 3, 96)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_is_f_linear_through_onednn(calls, shape, with_bias):
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(*shape, generator=g), torch.randn(40, 96, generator=g)
+    b = torch.randn(40, generator=g) if with_bias else None
+    y = mm.linear(x, w, b)
+    assert calls[0] == 1 and y.shape == (*shape[:-1], 40)
+    torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn
+def test_the_gradient_for_the_input_is_f_linears(calls):
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(40, 96, generator=g), torch.randn(40, generator=g)
+    x = torch.randn(3, 5, 96, generator=g, requires_grad=True)
+    up = torch.randn(3, 5, 40, generator=g)  # d loss / d y
+    (mm.linear(x, w, b) * up).sum().backward()
+    assert calls[0] == 2  # the forward product and the backward one (with the transposed weight)
+    mine, x.grad = x.grad, None
+    (F.linear(x, w, b) * up).sum().backward()
+    torch.testing.assert_close(mine, x.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mine, up @ w, atol=1e-5, rtol=1e-5)  # by hand: dL/dx = dL/dy W
+
+
+@needs_onednn
+def test_products_it_does_not_take_are_f_linears(calls):
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    trainable = w.clone().requires_grad_()
+    y = mm.linear(x, trainable)
+    y.sum().backward()
+    torch.testing.assert_close(trainable.grad, x.sum(0).expand(6, 8))  # the weight's gradient, by hand
+    for args in [(x.bfloat16(), w.bfloat16()), (x[0], w), (x[:0], w), (x, w, torch.zeros(6, requires_grad=True))]:
+        assert not mm.takes(*args)
+        mm.linear(*args)
+    assert calls[0] == 0
+    assert mm.takes(x.requires_grad_(), w)  # a frozen weight and an input that needs a gradient: it takes it
+
+
+@needs_onednn
+def test_route_frozen_linears_routes_the_frozen_layers_only(tiny_tokenizer, calls):
+    plain = add_lora(build_tiny_model(tiny_tokenizer, seed=3), seed=4, cpu_matmul="torch")
+    assert not any(mm.is_routed(m) for m in plain.modules())
+    model = copy.deepcopy(plain)
+    n = mm.route_frozen_linears(model, "auto")
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    frozen = [m for m in linears if not m.weight.requires_grad]
+    assert n == len(frozen) > 0 and len(linears) > len(frozen)  # the LoRA's A and B are trainable: left alone
+    assert all(mm.is_routed(m) == (m in frozen) for m in linears)
+    assert model.get_base_model().lm_head in frozen  # the output layer too
+    assert mm.route_frozen_linears(copy.deepcopy(plain), "torch") == 0
+
+    ids = torch.randint(3, 200, (2, 9))
+    mask, comp = torch.ones_like(ids), torch.zeros_like(ids)
+    comp[:, 4:] = 1
+    losses = {}
+    for name, m in [("torch", plain), ("onednn", model)]:
+        calls[0] = 0
+        lp = per_token_logps(m, ids, mask, comp, 0.7)  # (2, 9)
+        (lp * comp).sum().backward()
+        losses[name] = (lp.detach(), {k: p.grad.clone() for k, p in m.named_parameters() if p.requires_grad})
+        assert (calls[0] > 0) == (name == "onednn")
+    torch.testing.assert_close(losses["onednn"][0], losses["torch"][0], atol=1e-5, rtol=0)
+    for k, grad in losses["torch"][1].items():  # the LoRA's gradients, through the other library
+        torch.testing.assert_close(losses["onednn"][1][k], grad, atol=1e-5, rtol=1e-4)
+
+
+def test_a_setting_that_cannot_be_honoured_is_refused(tiny_tokenizer, monkeypatch):
+    model = add_lora(build_tiny_model(tiny_tokenizer), cpu_matmul="torch")
+    with pytest.raises(mm.MatmulError, match="cpu_matmul must be one of"):
+        mm.route_frozen_linears(model, "mkl")
+    monkeypatch.setattr(mm, "unavailable_reason", lambda: "no oneDNN here")
+    with pytest.raises(mm.MatmulError, match="no oneDNN here"):
+        mm.route_frozen_linears(model, "onednn")
+    assert mm.route_frozen_linears(model, "auto") == 0  # auto: F.linear where oneDNN is not available
+    with pytest.raises(ConfigError, match="cpu_matmul must be one of"):
+        load_config(overrides={"model.cpu_matmul": "mkl"})
+    with pytest.raises(ConfigError, match="applies to a float32 policy on the CPU"):
+        load_config(overrides={"model.cpu_matmul": "onednn", "model.device": "cpu", "model.dtype": "bfloat16"})
+
+
+@needs_onednn
+@pytest.mark.parametrize("setting", ["auto", "onednn", "torch"])
+def test_build_policy_honours_cpu_matmul(tmp_path, tiny_tokenizer, setting):
+    cfg = RunConfig()
+    cfg.model.name, cfg.lora.r, cfg.model.cpu_matmul = str(save_tiny_phi(tmp_path / "m", tiny_tokenizer)), 4, setting
+    model, _ = build_policy(cfg)
+    routed = sum(mm.is_routed(m) for m in model.modules())
+    frozen = sum(type(m) is torch.nn.Linear and not m.weight.requires_grad for m in model.modules())
+    assert routed == (0 if setting == "torch" else frozen) and frozen > 0
+
+
+@needs_onednn
+def test_the_sampling_view_computes_as_the_policys_layers(tiny_tokenizer, calls):
+    model = add_lora(build_tiny_model(tiny_tokenizer, seed=5), seed=6)
+    view = MergedPolicy(model)
+    layers = [m for m in view.view.modules() if isinstance(m, SamplingLinear)]
+    assert layers and all(m.onednn for m in layers)
+    # the merged weights are outside the LoRA's graph (they required a gradient once, and missed oneDNN)
+    assert not any(m.weight.requires_grad for m in layers)
+    ids = torch.randint(3, 200, (2, 6))
+    with torch.no_grad():
+        got = view(input_ids=ids).logits
+        calls[0] = 0
+        view(input_ids=ids)
+        assert calls[0] == len(layers)
+        torch.testing.assert_close(got, model(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+    plain = MergedPolicy(add_lora(build_tiny_model(tiny_tokenizer, seed=5), seed=6, cpu_matmul="torch"))
+    assert not any(m.onednn for m in plain.view.modules() if isinstance(m, SamplingLinear))
