@@ -14,6 +14,7 @@ torch's BLAS (``"torch"``, MKL in the CPU wheels), side by side in one process.
   turn), per policy, alternating, from the same weights and optimizer state; seconds and losses.
 
     python benchmarks/bench_matmul.py --repeats 3
+    python benchmarks/bench_matmul.py --repeats 3 --adapter runs/demo/adapters/v000002   # a trained policy
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ceiling import CONFIG, matmul_flops_by_library, matmul_params  # noqa: E402
-from bench_engines import alternating_rollouts  # noqa: E402
+from bench_engines import alternating_rollouts, policy_with_adapter  # noqa: E402
 from common import Stats, base_parser, bench_config, command_line, envelope, finish, print_table, timed  # noqa: E402
 
 SETTINGS = ("torch", "auto")  # model.cpu_matmul of the two policies
@@ -56,6 +57,8 @@ def pass_products(model, rows: int, repeats: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,16,64,2048", help="rows of the products table, comma-separated")
+    p.add_argument("--adapter", type=Path, default=None,
+                   help="a saved adapter version (a run's adapters/vNNNNNN) for both policies: a trained policy")
     args = p.parse_args(argv)
     from peft import set_peft_model_state_dict
 
@@ -63,7 +66,6 @@ def main(argv: list[str] | None = None) -> dict:
     from selfrl.engines.slots import SlotEngine
     from selfrl.learner import Learner, kl_reference
     from selfrl.matmul import is_routed
-    from selfrl.model import build_policy
 
     from bench_update import sampled_batch
 
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     for setting in SETTINGS:
         c = copy.deepcopy(cfg)
         c.model.cpu_matmul = setting
-        policies[setting] = build_policy(c)
+        policies[setting] = policy_with_adapter(c, args.adapter, result)
     model, tok = policies["auto"]
     P = matmul_params(model)
     bounds = {lib: s.median / (2 * P) for lib, s in ceiling.items()}
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
                 ["cpu_matmul", "seconds", "loss"],
                 [[s, update[s]["seconds"].fmt(".1f"), f"{update[s]['loss']:.8f}"] for s in SETTINGS])
     print(f"update speed-up {update['speed_up']:.2f}x, |loss gap| {update['loss_gap']:.1e}")
-    print(f"wrote {finish(result, 'matmul', args.out)}")
+    print(f"wrote {finish(result, 'matmul' if args.adapter is None else 'matmul_trained', args.out)}")
     return result
 
 

@@ -1,10 +1,10 @@
 """Products with frozen fp32 weights on the CPU through oneDNN instead of torch's BLAS.
 
 torch's CPU wheels compute ``F.linear`` with Intel's MKL. On this machine's AMD EPYC
-(AVX-512) MKL takes a slower path: a 4096 x 4096 fp32 product runs at about 200 GFLOP/s
-against 437 through oneDNN, the other matrix library in the same wheel, and the products of
-the embedded model's layers run 2.2 to 3.4 times faster through oneDNN at 1 to 2,048 rows
-(``benchmarks/bench_matmul.py``). oneDNN is reached through the operator torch's own compiler
+(AVX-512) MKL takes a slower path: a 4096 x 4096 fp32 product runs at 177-200 GFLOP/s
+against 386-437 through oneDNN, the other matrix library in the same wheel; the products of
+one forward pass of the embedded model run 1.25 (1 row) to 2.1 times (2,048 rows) faster
+through oneDNN, its rollouts 1.4 times and its updates 1.5 times (``benchmarks/bench_matmul.py``). oneDNN is reached through the operator torch's own compiler
 uses for CPU linear layers, ``torch.ops.mkldnn._linear_pointwise``: a private operator, so it is
 used only after :func:`available` has checked on a probe that it exists and agrees with
 ``F.linear``, and every call falls back to ``F.linear`` when it does not apply.

@@ -249,3 +249,21 @@ def test_shared_attention_tiny(tmp_path):
         assert lv["same_ids"] and lv["tokens"] > 0 and lv["prompt_tokens"] > 64
         assert lv["speed_up"] == pytest.approx(lv["own copies"].median / lv["shared prefix once"].median)
     assert (tmp_path / "shared_attention.json").exists()
+
+
+def test_matmul_tiny(tmp_path):
+    import bench_matmul
+
+    from selfrl.matmul import available
+
+    r = bench_matmul.main(TINY + ["--rows", "1,16", "--out", str(tmp_path)])
+    frozen = r["routed_layers"]["auto"]
+    assert r["routed_layers"]["torch"] == 0 and frozen == (15 if available() else 0)  # 2 layers x 7, the head
+    assert set(r["matmul_flops_per_s"]) == ({"torch", "onednn"} if available() else {"torch"})
+    assert set(r["pass_products_s"]) == {1, 16}
+    roll = r["rollouts"]
+    assert roll["torch"]["tokens"] == roll["auto"]["tokens"] and roll["auto"]["tokens"][0] > 0  # the same samples
+    assert r["update"]["loss_gap"] < 1e-5  # the same update through either library
+    assert r["update"]["speed_up"] == pytest.approx(r["update"]["torch"]["seconds"].median
+                                                    / r["update"]["auto"]["seconds"].median)
+    assert (tmp_path / "matmul.json").exists()
