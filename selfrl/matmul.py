@@ -26,7 +26,6 @@ for 1 to 64 rows), which MKL's does, by about 1e-6.
 from __future__ import annotations
 
 import functools
-import types
 
 import torch
 import torch.nn.functional as F
@@ -124,7 +123,8 @@ def _routed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def route_frozen_linears(model: nn.Module, choice: str = "auto") -> int:
     """Make the frozen fp32 ``nn.Linear`` layers of ``model`` on the CPU compute through
-    :func:`linear` (an instance ``forward``: the module, its parameters and its state dict stay
+    :func:`linear` (an instance ``forward``, a ``functools.partial`` of a module-level function,
+    so the model still deep-copies and pickles; the module's class, parameters and state dict stay
     as they were); returns how many were routed.
 
     Each call still checks :func:`takes`, so a layer later unfrozen, cast or moved to a GPU
@@ -148,7 +148,7 @@ def route_frozen_linears(model: nn.Module, choice: str = "auto") -> int:
     n = 0
     for m in model.modules():
         if type(m) is nn.Linear and is_frozen_cpu_fp32(m):
-            m.forward = types.MethodType(_routed_forward, m)
+            m.forward = functools.partial(_routed_forward, m)
             n += 1
     return n
 
@@ -163,4 +163,4 @@ def is_frozen_cpu_fp32(layer: nn.Linear) -> bool:
 def is_routed(layer: nn.Module) -> bool:
     """True when :func:`route_frozen_linears` routed ``layer`` (or the layer it was copied from)."""
     fwd = vars(layer).get("forward")
-    return isinstance(fwd, types.MethodType) and fwd.__func__ is _routed_forward
+    return isinstance(fwd, functools.partial) and fwd.func is _routed_forward and fwd.args == (layer,)

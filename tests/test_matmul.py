@@ -141,3 +141,22 @@ def test_the_sampling_view_computes_as_the_policys_layers(tiny_tokenizer, calls)
         torch.testing.assert_close(got, model(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
     plain = MergedPolicy(add_lora(build_tiny_model(tiny_tokenizer, seed=5), seed=6, cpu_matmul="torch"))
     assert not any(m.onednn for m in plain.view.modules() if isinstance(m, SamplingLinear))
+
+
+@needs_onednn
+def test_a_routed_model_copies_and_pickles_with_its_layers_routed(tiny_tokenizer, calls):
+    import io
+
+    model = add_lora(build_tiny_model(tiny_tokenizer, seed=7), seed=8)
+    buf = io.BytesIO()
+    torch.save(model, buf)  # a bound method of the module would not pickle
+    buf.seek(0)
+    for other in (torch.load(buf, weights_only=False), copy.deepcopy(model)):
+        routed = [m for m in other.modules() if mm.is_routed(m)]
+        assert len(routed) == sum(mm.is_routed(m) for m in model.modules()) > 0
+        assert all(m.forward.args[0] is m for m in routed)  # each computes with its own weights
+        ids = torch.randint(3, 200, (1, 6))
+        calls[0] = 0
+        with torch.no_grad():
+            torch.testing.assert_close(other(input_ids=ids).logits, model(input_ids=ids).logits, atol=0, rtol=0)
+        assert calls[0] == 2 * len(routed)

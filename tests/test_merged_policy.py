@@ -303,3 +303,19 @@ def test_a_model_made_under_inference_mode_is_refused_with_the_reason(tiny_token
         model = tiny_model_factory(eos_bias=2.0, lora=True)
     with pytest.raises(ValueError, match="inference_mode.*outside inference mode"):
         SlotEngine(model, tiny_tokenizer, driver="caller")
+
+
+def test_the_watch_and_the_view_hold_no_graph_of_the_lora(tiny_tokenizer, tiny_model_factory):
+    # inference_mode(False) turns gradients on: a copy made under it from a trainable tensor joined its graph
+    model = tiny_model_factory(eos_bias=2.0, lora=True)
+    engine = SlotEngine(model, tiny_tokenizer, driver="caller")
+    engine.generate(chat_prompts(tiny_tokenizer), 2, greedy=True)
+    with torch.no_grad():
+        _lora(model)[1].add_(0.01)  # an update in place: the watch's snapshot is copied again, the view re-merged
+    engine.generate(chat_prompts(tiny_tokenizer), 2, greedy=True)
+    assert engine.watch.generation == 1 and engine.merged.merges == 2
+    snaps = engine.watch._snapshot
+    assert snaps and not any(s.requires_grad or s.grad_fn is not None for s in snaps)
+    merged = [w for _, _, w in engine.merged._pairs]
+    assert merged and not any(w.requires_grad or w.grad_fn is not None for w in merged)
+    engine.close()

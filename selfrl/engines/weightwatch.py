@@ -80,7 +80,7 @@ class WeightWatch:
         self._structure = self._structure_stamp()
         self._fast = self._fast_stamp()
         size = sum(p.numel() * p.element_size() for p in self._trainable)
-        with torch.no_grad(), torch.inference_mode(False):
+        with torch.inference_mode(False), torch.no_grad():  # in this order: inference_mode(False) turns gradients on
             self._snapshot = [p.detach().clone() for p in self._trainable] if size <= CONTENT_CHECK_BYTES else None
 
     def _fast_stamp(self) -> tuple:
@@ -116,7 +116,7 @@ class WeightWatch:
             self.generation += 1
             self._fast = fast
             if self._snapshot is not None:
-                with torch.no_grad(), torch.inference_mode(False):
+                with torch.inference_mode(False), torch.no_grad():  # this order: no_grad last
                     for p, s in zip(self._trainable, self._snapshot):
                         s.copy_(p)
         return self.generation
