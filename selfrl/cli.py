@@ -21,6 +21,9 @@ import sys
 import warnings
 from pathlib import Path
 
+CPU_MATMUL_HELP = ("auto | onednn | torch: frozen fp32 products on the CPU through oneDNN (auto, where available) "
+                   "or torch's BLAS (selfrl/matmul.py)")
+
 RUN_FLAGS = {
     # flag: (dotted config key, type, help)
     "--model": ("model.name", str, "Hugging Face causal LM id or local path (default: embedded SmolLM2-135M-Instruct)"),
@@ -41,6 +44,7 @@ RUN_FLAGS = {
     "--seed": ("seed", int, "random seed"),
     "--device": ("model.device", str, "auto | cpu | cuda: where the policy, learner and reference pass run"),
     "--dtype": ("model.dtype", str, "auto | float32 | bfloat16 (auto: bf16 on a GPU that has it, else fp32)"),
+    "--cpu-matmul": ("model.cpu_matmul", str, CPU_MATMUL_HELP),
     "--engine": ("engine", str, "sampling backend: auto (slots on the CPU, reference on a GPU) | reference | slots"),
     "--ray": ("distributed.address", str, "rollouts on Ray workers: auto (a running cluster), local (start one "
               "here) or host:port; needs the ray extra (docs/distributed.md)"),
@@ -57,6 +61,8 @@ RUN_FLAGS = {
 }
 
 
+SAMPLER_FLAGS = ("--model", "--device", "--dtype", "--cpu-matmul", "--lora-r", "--seed")  # selfrl sampler's
+
 SERVE_FLAGS = {
     "--model": ("model.name", str, "Hugging Face causal LM id or local path (default: embedded SmolLM2-135M-Instruct)"),
     "--run-dir": ("run_dir", str, "store, adapter versions and logs (a restart continues it)"),
@@ -70,6 +76,7 @@ SERVE_FLAGS = {
     "--task": ("task.source", str, "task source of the validation gate (see selfrl run --task)"),
     "--device": ("model.device", str, "auto | cpu | cuda: where the served policy and its learner run"),
     "--dtype": ("model.dtype", str, "auto | float32 | bfloat16 (auto: bf16 on a GPU that has it, else fp32)"),
+    "--cpu-matmul": ("model.cpu_matmul", str, CPU_MATMUL_HELP),
     "--engine": ("engine", str, "sampling backend: auto (slots on the CPU, reference on a GPU) | reference | slots"),
 }
 
@@ -108,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     m.add_argument("--port", type=int, default=8100, help="port (default 8100)")
     m.add_argument("--api-key-file", help="file whose first line is the API key (else SELFRL_API_KEY)")
-    for flag in ("--model", "--device", "--dtype", "--lora-r", "--seed"):
+    for flag in SAMPLER_FLAGS:
         m.add_argument(flag, type=RUN_FLAGS[flag][1], help=RUN_FLAGS[flag][2])
     rep = sub.add_parser("report", help="rebuild report.md and its figures from a run's store")
     rep.add_argument("run_dir", metavar="RUN_DIR", help="a run (or serve) folder holding selfrl.db")
@@ -170,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         from selfrl.engines.sampler_main import sampler
 
         overrides = {RUN_FLAGS[f][0]: getattr(args, f[2:].replace("-", "_"))
-                     for f in ("--model", "--device", "--dtype", "--lora-r", "--seed")}
+                     for f in SAMPLER_FLAGS}
         return sampler(args.config, overrides, args.host, args.port, args.api_key_file)
 
     if args.env is not None and args.task is not None and args.env != args.task:

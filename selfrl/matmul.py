@@ -15,9 +15,10 @@ The gradient with respect to ``x`` is a second oneDNN product (with ``weight.T``
 update's forward and backward passes both take it; a trainable weight (the LoRA matrices
 themselves) keeps ``F.linear``.
 
-Only the rounding of fp32 sums differs from MKL: an update's loss agreed to 1e-8 on the demo's
-batch. oneDNN's result for a row does not depend on how many rows share the product (checked
-for 1 to 64 rows), which MKL's does, by about 1e-6.
+Only the rounding of fp32 sums differs from MKL: an update's loss agreed to 1e-7 on the demo's
+batches. Products of 2 to 4,096 rows give each row the same result, however many rows share the
+product; a single row takes another kernel and differs by a few 1e-6 relative (MKL's results
+depend on the number of rows too, by about as much).
 
 ``model.cpu_matmul`` chooses it: ``auto`` (oneDNN for such layers where :func:`available`),
 ``onednn`` (the same, refused where not available), ``torch`` (``F.linear`` everywhere).
@@ -30,6 +31,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import forward_ad
 
 from selfrl.device import CPU_MATMULS as CHOICES
 
@@ -70,24 +72,31 @@ def available() -> bool:
 
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """True when ``x @ weight.T + bias`` can go through oneDNN: both on the CPU in fp32, no
-    gradient for ``weight`` or ``bias``, a 2-D weight, at least one row, and :func:`available`."""
+    gradient for ``weight`` or ``bias``, a 2-D weight, at least one row, no CPU autocast (which
+    would compute ``F.linear`` in its own dtype), and :func:`available`."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and weight.device.type == "cpu" and weight.dim() == 2 and x.dim() >= 2 and x.shape[-1] > 0
             and not weight.requires_grad and (bias is None or (not bias.requires_grad and bias.dtype == torch.float32))
-            and x.numel() > 0 and available())
+            and x.numel() > 0 and not torch.is_autocast_enabled("cpu") and available())
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """(..., out) = x @ weight.T + bias through oneDNN (no autograd)."""
+    """(..., out) = x @ weight.T + bias through oneDNN (no autograd). The operator honours the
+    strides of ``x`` and ``weight`` but not of ``bias``: a strided bias is made contiguous."""
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 class _FrozenLinear(torch.autograd.Function):
-    """``x @ weight.T + bias`` through oneDNN with the gradient for ``x`` only (the weight is frozen)."""
+    """``x @ weight.T + bias`` through oneDNN with derivatives for ``x`` only (the weight is frozen):
+    the backward pass is itself a :func:`linear` (so second derivatives are exact), and ``jvp``
+    gives forward-mode tangents."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(weight)
+        ctx.save_for_forward(weight)
         return _onednn(x, weight, bias)
 
     @staticmethod
@@ -95,8 +104,13 @@ class _FrozenLinear(torch.autograd.Function):
         (weight,) = ctx.saved_tensors
         gx = None
         if ctx.needs_input_grad[0]:  # (..., out) @ (out, in): a product with the transposed weight
-            gx = _onednn(grad.contiguous(), weight.t(), None)
+            gx = linear(grad.contiguous(), weight.t())  # differentiable again under create_graph
         return gx, None, None
+
+    @staticmethod
+    def jvp(ctx, tx, tw, tb):
+        (weight,) = ctx.saved_tensors
+        return F.linear(tx, weight)  # the weight and bias are frozen: their tangents are None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,7 +126,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     if not takes(x, weight, bias):
         return F.linear(x, weight, bias)
-    if torch.is_grad_enabled() and x.requires_grad:
+    if (torch.is_grad_enabled() and x.requires_grad) or forward_ad._current_level >= 0:  # a forward-mode tangent
         return _FrozenLinear.apply(x, weight, bias)
     return _onednn(x, weight, bias)
 

@@ -160,3 +160,52 @@ def test_a_routed_model_copies_and_pickles_with_its_layers_routed(tiny_tokenizer
         with torch.no_grad():
             torch.testing.assert_close(other(input_ids=ids).logits, model(input_ids=ids).logits, atol=0, rtol=0)
         assert calls[0] == 2 * len(routed)
+
+
+@needs_onednn
+def test_a_strided_bias_is_honoured(calls):
+    # the operator ignores a bias's strides: a bias split from a fused tensor along columns was 4 off
+    layer = torch.nn.Linear(96, 40).requires_grad_(False)
+    layer.bias = torch.nn.Parameter(torch.randn(40, 3)[:, 1], requires_grad=False)  # stride 3
+    assert not layer.bias.is_contiguous() and mm.route_frozen_linears(layer) == 1
+    x = torch.randn(4, 96)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    assert calls[0] == 1
+
+
+@needs_onednn
+def test_second_derivatives_and_forward_mode_match_f_linear():
+    import torch.autograd.forward_ad as fwAD
+
+    g = torch.Generator().manual_seed(3)
+    w, v = torch.randn(40, 96, generator=g), torch.randn(3, 96, generator=g)
+    x = torch.randn(3, 96, generator=g, requires_grad=True)
+    hvps = []
+    for lin in (mm.linear, F.linear):  # a Hessian-vector product through a non-linearity
+        (gx,) = torch.autograd.grad((torch.tanh(lin(x, w)) ** 2).sum(), x, create_graph=True)
+        hvps.append(torch.autograd.grad((gx * v).sum(), x)[0])
+    torch.testing.assert_close(hvps[0], hvps[1], atol=1e-4, rtol=1e-5)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x.detach(), v)
+        tangent = fwAD.unpack_dual(mm.linear(dual, w)).tangent
+        assert tangent is not None
+        torch.testing.assert_close(tangent, v @ w.t(), atol=1e-5, rtol=1e-5)  # by hand: d(xW^T) = v W^T
+
+
+@needs_onednn
+def test_cpu_autocast_is_honoured(calls):
+    x, w = torch.randn(4, 96), torch.randn(40, 96)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert mm.linear(x, w).dtype == torch.bfloat16  # as F.linear computes under autocast
+    assert calls[0] == 0
+
+
+def test_the_cli_takes_and_checks_cpu_matmul(capsys, tmp_path):
+    from selfrl.cli import main
+
+    assert main(["run", "--cpu-matmul", "mkl", "--run-dir", str(tmp_path / "r")]) == 2
+    assert "model.cpu_matmul must be one of auto, onednn, torch" in capsys.readouterr().err
+    assert main(["run", "--cpu-matmul", "onednn", "--device", "cpu", "--dtype", "bfloat16",
+                 "--run-dir", str(tmp_path / "r")]) == 2
+    assert "applies to a float32 policy on the CPU" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()  # refused before anything was written
