@@ -4,10 +4,12 @@ torch's CPU wheels compute ``F.linear`` with Intel's MKL. On this machine's AMD 
 (AVX-512) MKL takes a slower path: a 4096 x 4096 fp32 product runs at 177-200 GFLOP/s
 against 386-437 through oneDNN, the other matrix library in the same wheel; the products of
 one forward pass of the embedded model run 1.25 (1 row) to 2.1 times (2,048 rows) faster
-through oneDNN, its rollouts 1.4 times and its updates 1.5 times (``benchmarks/bench_matmul.py``). oneDNN is reached through the operator torch's own compiler
-uses for CPU linear layers, ``torch.ops.mkldnn._linear_pointwise``: a private operator, so it is
-used only after :func:`available` has checked on a probe that it exists and agrees with
-``F.linear``, and every call falls back to ``F.linear`` when it does not apply.
+through oneDNN, its rollouts 1.4 times and its updates 1.5 times (``benchmarks/bench_matmul.py``).
+
+oneDNN is reached through the operator torch's own compiler uses for CPU linear layers,
+``torch.ops.mkldnn._linear_pointwise``: a private operator, so it is used only after
+:func:`available` has checked on a probe that it exists and agrees with ``F.linear``, and every
+call falls back to ``F.linear`` when it does not apply.
 
 It applies to a product ``x @ weight.T + bias`` on the CPU in fp32 whose ``weight`` (and
 ``bias``) need no gradient: the frozen base weights of a LoRA policy and its output layer.
@@ -71,13 +73,16 @@ def available() -> bool:
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """True when ``x @ weight.T + bias`` can go through oneDNN: both on the CPU in fp32, no
-    gradient for ``weight`` or ``bias``, a 2-D weight, at least one row, no CPU autocast (which
-    would compute ``F.linear`` in its own dtype), and :func:`available`."""
+    """True when ``x @ weight.T + bias`` can go through oneDNN: all on the CPU in fp32, no
+    gradient for ``weight`` or ``bias``, a 2-D weight, at least one row, matching shapes (else
+    ``F.linear`` says what is wrong), no CPU autocast (which would compute ``F.linear`` in its
+    own dtype), and :func:`available`."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.device.type == "cpu" and weight.dim() == 2 and x.dim() >= 2 and x.shape[-1] > 0
-            and not weight.requires_grad and (bias is None or (not bias.requires_grad and bias.dtype == torch.float32))
-            and x.numel() > 0 and not torch.is_autocast_enabled("cpu") and available())
+            and weight.device.type == "cpu" and weight.dim() == 2 and x.dim() >= 2 and x.numel() > 0
+            and x.shape[-1] == weight.shape[1] > 0 and not weight.requires_grad
+            and (bias is None or (not bias.requires_grad and bias.dtype == torch.float32 and bias.device.type == "cpu"
+                                  and tuple(bias.shape) == (weight.shape[0],)))
+            and not torch.is_autocast_enabled("cpu") and available())
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -123,6 +128,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Returns:
         (..., out_features) contiguous; within fp32 rounding of ``F.linear`` (the module docstring).
+
+    Raises:
+        RuntimeError: mismatched shapes (``F.linear``'s message: such products are left to it).
     """
     if not takes(x, weight, bias):
         return F.linear(x, weight, bias)

@@ -67,6 +67,9 @@ def test_products_it_does_not_take_are_f_linears(calls):
     for args in [(x.bfloat16(), w.bfloat16()), (x[0], w), (x[:0], w), (x, w, torch.zeros(6, requires_grad=True))]:
         assert not mm.takes(*args)
         mm.linear(*args)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):  # F.linear's message, not oneDNN's
+        mm.linear(torch.randn(4, 5), w)
+    assert not mm.takes(x, w, torch.zeros(1))  # a broadcast bias: F.linear's
     assert calls[0] == 0
     assert mm.takes(x.requires_grad_(), w)  # a frozen weight and an input that needs a gradient: it takes it
 

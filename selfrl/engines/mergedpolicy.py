@@ -15,16 +15,16 @@ that read:
   (``model.cpu_matmul``, :mod:`selfrl.matmul`: the CPU default), so do the view's, merged
   weights included: 2 to 3 times faster products than MKL's on this machine's AMD CPU.
 - **The orientation of the product** (with ``cpu_matmul = "torch"``). For 2 to 5 rows, MKL
-  (torch's CPU BLAS) computes ``(W @ x.T).T`` 1.5 to 3 times faster than ``x @ W.T`` (``F.linear``) on this CPU: the
-  weights stream at 17-28 GB/s instead of 7.5 to 12. One row is a matrix-vector product, as
+  (torch's CPU BLAS) computes ``(W @ x.T).T`` 1.5 to 3 times faster than ``x @ W.T``
+  (``F.linear``) on this CPU: the weights stream at 17-28 GB/s instead of 7.5 to 12. One row is a matrix-vector product, as
   slow either way, unless the row is doubled into a two-row product (1.8 times faster).
   :func:`small_batch_linear` does that for 1 to 10 rows (6 to 10 rows: neutral to 1.3 times)
   and calls ``F.linear`` otherwise. The rule is fixed, not tuned per run, so that a seeded run
   samples the same tokens every time.
 
 None changes more than the rounding of fp32 sums: on the tests' tiny models the sampled
-logprobs stay within the conformance suite's 1e-5 (plus 2e-6 of their size) of a full recomputation by the learner
-(``tests/test_engine_conformance.py``); on the embedded model with a perturbed adapter the
+logprobs stay within the conformance suite's 1e-5 (plus 2e-6 of their size) of a full
+recomputation by the learner (``tests/test_engine_conformance.py``); on the embedded model with a perturbed adapter the
 largest gap measured was 2.9e-5 nats (1.1e-5 unmerged; ``benchmarks/bench_merged.py``). Only
 fp32 layers are merged: a merged bf16 weight would round most small updates away.
 
