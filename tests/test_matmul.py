@@ -212,3 +212,28 @@ def test_the_cli_takes_and_checks_cpu_matmul(capsys, tmp_path):
                  "--run-dir", str(tmp_path / "r")]) == 2
     assert "applies to a float32 policy on the CPU" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
+@needs_onednn
+def test_the_view_samples_through_packed_weights_packed_again_after_each_change(tiny_tokenizer, calls):
+    from selfrl.matmul import pack, packed_linear
+
+    w, x = torch.randn(40, 96), torch.randn(2, 3, 96)
+    p = pack(w)
+    assert p is not None and pack(w.clone().requires_grad_()) is None and pack(w.bfloat16()) is None
+    torch.testing.assert_close(packed_linear(x, w, None, p), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    xg = x.clone().requires_grad_()
+    packed_linear(xg, w, None, p).sum().backward()  # a gradient wanted: the plain product, which has one
+    torch.testing.assert_close(xg.grad, w.sum(0).expand(2, 3, 96), atol=1e-5, rtol=1e-5)
+
+    model = add_lora(build_tiny_model(tiny_tokenizer, seed=9), seed=10)
+    view = MergedPolicy(model)
+    layers = [m for m in view.view.modules() if isinstance(m, SamplingLinear)]
+    assert all(m.packed is not None for m in layers)
+    ids = torch.randint(3, 200, (2, 6))
+    lora_b = next(p for n, p in model.named_parameters() if "lora_B" in n)
+    head = model.get_base_model().lm_head.weight
+    for change in (lambda: lora_b.add_(0.05), lambda: head.mul_(1.5)):  # a LoRA update; a frozen weight edited
+        with torch.no_grad():
+            change()
+            torch.testing.assert_close(view(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-4, rtol=1e-4)

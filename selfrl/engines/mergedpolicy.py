@@ -30,7 +30,9 @@ fp32 layers are merged: a merged bf16 weight would round most small updates away
 
 The view is a copy of the model's module tree whose parameters, buffers, configurations and
 hook registries *are* the policy's, except that each merged layer holds its own merged weight
-(extra memory: the targeted layers' weights once more, 405 MiB for the embedded model in fp32).
+(extra memory: the targeted layers' weights once more, 405 MiB for the embedded model in fp32),
+and, where the products go through oneDNN, every linear layer a packed copy of its weight laid
+out for oneDNN (:func:`selfrl.matmul.pack`; 513 MiB more; 918 MiB in all).
 A layer that cannot be merged exactly (DoRA, a LoRA bias, several active adapters, adapters
 disabled or merged, a bf16 base, a non-``Linear`` base, hooks inside it) stays peft's layer,
 so the view computes what the policy computes.
@@ -47,7 +49,7 @@ from torch import nn
 
 from selfrl.engines.sharedattention import ATTENTION_NAME, takes_shared_prefix
 from selfrl.engines.weightwatch import WeightWatch, hook_dicts
-from selfrl.matmul import is_routed, linear
+from selfrl.matmul import is_routed, pack, packed_linear, packing_available
 
 SMALL_BATCH_ROWS = (1, 10)  # rows for which (W @ x.T).T is used on the CPU (docs/benchmarks.md)
 
@@ -87,10 +89,11 @@ class SamplingLinear(nn.Module):
         super().__init__()
         self.weight, self.bias = weight, bias  # plain attributes: nothing here is trained
         self.onednn = onednn
+        self.packed: torch.Tensor | None = None  # oneDNN's packed copy of weight, set by MergedPolicy._merge
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.onednn:
-            return linear(x, self.weight, self.bias)
+            return packed_linear(x, self.weight, self.bias, self.packed)
         return small_batch_linear(x, self.weight, self.bias)
 
 
@@ -134,7 +137,7 @@ class MergedPolicy:
             adapters, adapters disabled or merged into the base, bf16 base weights, hooks inside).
         merges: how many times the merged weights were computed.
         builds: how many times the view was built (1, then one per structural change).
-        extra_bytes: memory of the merged weights.
+        extra_bytes: memory of the merged weights and of oneDNN's packed copies (bytes).
         shared_prefix_layers: attention layers of the view that take a shared prefix's keys and values
             (:mod:`selfrl.engines.sharedattention`; all of them, or 0 where any cannot).
         passthrough: True while a hook on a peft wrapper (``PeftModel``, ``LoraModel``) makes the
@@ -185,6 +188,9 @@ class MergedPolicy:
             elif type(orig) is nn.Linear:
                 self._replace(name, SamplingLinear(orig.weight, orig.bias, is_routed(orig)), orig)
                 done.append(name)
+        self._onednn = [m for m in self.view.modules() if isinstance(m, SamplingLinear) and m.onednn]
+        if packing_available():  # their packed copies
+            self.extra_bytes += sum(m.weight.numel() * m.weight.element_size() for m in self._onednn)
         self.shared_prefix_layers = self._point_attention()
         self.builds += 1
         self._built_at = self.watch.structure_generation
@@ -220,13 +226,15 @@ class MergedPolicy:
             for mod, adapter, merged in self._pairs:
                 merged.copy_(mod.base_layer.weight)
                 merged.add_(mod.get_delta_weight(adapter).to(merged.dtype))
+            for layer in self._onednn:  # packed again from the weights as they are now, merged or the policy's
+                layer.packed = pack(layer.weight)
         self.merges += 1
         self._merged_at = self.watch.generation
 
     def sync(self, deep: bool = False) -> None:
         """Look for changes (``deep``: everything, see :class:`~selfrl.engines.weightwatch.WeightWatch`)
         and rebuild or merge again as needed. Cost: a merge takes 0.18 s for the embedded model on
-        an idle machine. Thread-safe: one look and merge at a time, never during :meth:`__call__`'s
+        an idle machine, 0.25 s with the packing of oneDNN's copies. Thread-safe: one look and merge at a time, never during :meth:`__call__`'s
         forward pass."""
         with self._lock:
             self.watch.poll(deep)
