@@ -22,6 +22,10 @@ batches. Products of 2 to 4,096 rows give each row the same result, however many
 product; a single row takes another kernel and differs by a few 1e-6 relative (MKL's results
 depend on the number of rows too, by about as much).
 
+For sampling, :func:`pack` lays a weight out once in oneDNN's blocked format (a plain weight is
+reordered at every call) and :func:`packed_linear` computes with it; the slot engine's merged view
+packs its layers at each merge (``selfrl.engines.mergedpolicy``).
+
 ``model.cpu_matmul`` chooses it: ``auto`` (oneDNN for such layers where :func:`available`),
 ``onednn`` (the same, refused where not available), ``torch`` (``F.linear`` everywhere).
 """
