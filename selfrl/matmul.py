@@ -1,8 +1,8 @@
 """Products with frozen fp32 weights on the CPU through oneDNN instead of torch's BLAS.
 
 torch's CPU wheels compute ``F.linear`` with Intel's MKL. On this machine's AMD EPYC
-(AVX-512) MKL takes a slower path: a 4096 x 4096 fp32 product runs at 177-200 GFLOP/s
-against 386-437 through oneDNN, the other matrix library in the same wheel; the products of
+(AVX-512) MKL takes a slower path: a 4096 x 4096 fp32 product runs at 163-200 GFLOP/s
+against 379-437 through oneDNN, the other matrix library in the same wheel; the products of
 one forward pass of the embedded model run 1.25 (1 row) to 2.1 times (2,048 rows) faster
 through oneDNN, its rollouts 1.4 times and its updates 1.5 times (``benchmarks/bench_matmul.py``).
 
@@ -163,8 +163,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     or None where :func:`packing_available` says no or the weight does not qualify.
 
     The copy is laid out once in oneDNN's blocked format, so that a product need not reorder the
-    weight at every call: the slot engine's decoding steps 1.13-1.39 times faster on the demo's
-    batch than with plain weights (docs/benchmarks.md, "The matrix library"). It is a snapshot:
+    weight at every call: the demo's rollout batches 1.13-1.39 times faster than with plain
+    weights (docs/benchmarks.md, "The matrix library"). It is a snapshot:
     pack again after the weight changes. Memory: as much as the weight."""
     if (weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or weight.requires_grad
             or weight.numel() == 0 or not packing_available()):

@@ -215,10 +215,10 @@ def test_merged_tiny(tmp_path):
     r = bench_merged.main(TINY + ["--rows", "1,3", "--out", str(tmp_path)])
     # tiny Llama, LoRA on its 2 x 7 linear layers: q 32x32, k 16x32, v 16x32, o 32x32, gate and up
     # 64x32, down 32x64 = 9,216 weights a layer, merged copies in fp32; and oneDNN's packed copies of
-    # those 14 weights and of the output layer's 512 x 32 (selfrl.matmul.pack)
+    # those 14 merged weights (selfrl.matmul.pack)
     from selfrl.matmul import packing_available
 
-    packed = (2 * 9216 + 512 * 32) * 4 if packing_available() else 0
+    packed = 2 * 9216 * 4 if packing_available() else 0
     assert (r["merged_layers"], r["merged_extra_bytes"]) == (14, 2 * 9216 * 4 + packed)
     assert sorted(r["products"]) == [1, 2, 3, 4] and all(v > 0 for p in r["products"].values() for v in p.values())
     for rows in (1, 3):

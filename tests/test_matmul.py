@@ -229,11 +229,13 @@ def test_the_view_samples_through_packed_weights_packed_again_after_each_change(
     model = add_lora(build_tiny_model(tiny_tokenizer, seed=9), seed=10)
     view = MergedPolicy(model)
     layers = [m for m in view.view.modules() if isinstance(m, SamplingLinear)]
-    assert all(m.packed is not None for m in layers)
+    head = model.get_base_model().lm_head.weight
+    # the merged weights are packed; the output layer (no LoRA) reads the policy's tensor live, unpacked
+    assert all((m.packed is None) == (m.weight is head) for m in layers) and any(m.weight is head for m in layers)
     ids = torch.randint(3, 200, (2, 6))
     lora_b = next(p for n, p in model.named_parameters() if "lora_B" in n)
-    head = model.get_base_model().lm_head.weight
-    for change in (lambda: lora_b.add_(0.05), lambda: head.mul_(1.5)):  # a LoRA update; a frozen weight edited
+    # a LoRA update; a frozen weight edited; a .data write into it, which the weight watch cannot see
+    for change in (lambda: lora_b.add_(0.05), lambda: head.mul_(1.5), lambda: head.data.mul_(0.5)):
         with torch.no_grad():
             change()
             torch.testing.assert_close(view(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-4, rtol=1e-4)

@@ -31,8 +31,9 @@ fp32 layers are merged: a merged bf16 weight would round most small updates away
 The view is a copy of the model's module tree whose parameters, buffers, configurations and
 hook registries *are* the policy's, except that each merged layer holds its own merged weight
 (extra memory: the targeted layers' weights once more, 405 MiB for the embedded model in fp32),
-and, where the products go through oneDNN, every linear layer a packed copy of its weight laid
-out for oneDNN (:func:`selfrl.matmul.pack`; 513 MiB more; 918 MiB in all).
+and, where the products go through oneDNN, a packed copy of each merged weight laid out for
+oneDNN (:func:`selfrl.matmul.pack`; 405 MiB more; 810 MiB in all). Layers without LoRA (the
+output layer) read the policy's weight live, unpacked.
 A layer that cannot be merged exactly (DoRA, a LoRA bias, several active adapters, adapters
 disabled or merged, a bf16 base, a non-``Linear`` base, hooks inside it) stays peft's layer,
 so the view computes what the policy computes.
@@ -188,7 +189,12 @@ class MergedPolicy:
             elif type(orig) is nn.Linear:
                 self._replace(name, SamplingLinear(orig.weight, orig.bias, is_routed(orig)), orig)
                 done.append(name)
-        self._onednn = [m for m in self.view.modules() if isinstance(m, SamplingLinear) and m.onednn]
+        # packed copies only of the merged weights, which are snapshots already (merged again when the
+        # watch sees a change): a layer without LoRA reads the policy's tensor live, and a packed copy
+        # of it would miss a change the watch cannot see (a .data write into a frozen weight)
+        merged_ids = {id(w) for _, _, w in self._pairs}
+        self._onednn = [m for m in self.view.modules()
+                        if isinstance(m, SamplingLinear) and m.onednn and id(m.weight) in merged_ids]
         if packing_available():  # their packed copies
             self.extra_bytes += sum(m.weight.numel() * m.weight.element_size() for m in self._onednn)
         self.shared_prefix_layers = self._point_attention()
@@ -226,7 +232,7 @@ class MergedPolicy:
             for mod, adapter, merged in self._pairs:
                 merged.copy_(mod.base_layer.weight)
                 merged.add_(mod.get_delta_weight(adapter).to(merged.dtype))
-            for layer in self._onednn:  # packed again from the weights as they are now, merged or the policy's
+            for layer in self._onednn:  # packed again from the merged weights as they are now
                 layer.packed = pack(layer.weight)
         self.merges += 1
         self._merged_at = self.watch.generation
