@@ -483,7 +483,7 @@ def check_placement(model: ModelConfig, engine: str | None = None) -> None:
     """Raise ConfigError for an unknown ``model.device``/``model.dtype``, a device this
     machine does not have (``cuda`` with no GPU), or a CPU-only engine on a GPU: refused
     before the model loads."""
-    from selfrl.device import DeviceError, check_names, resolve
+    from selfrl.device import DeviceError, check_cpu_matmul, check_names, resolve
 
     try:
         check_names(model.device, model.dtype)
@@ -493,10 +493,7 @@ def check_placement(model: ModelConfig, engine: str | None = None) -> None:
                 raise DeviceError(f"engine {engine!r} runs on the CPU only, and model.device resolves to "
                                   f"{placement.device!r}; use --engine reference, or --device cpu")
         if model.cpu_matmul == "onednn":  # it applies to fp32 on the CPU only: refused where nothing would take it
-            placement = resolve(model.device, model.dtype)
-            if (placement.device, placement.dtype) != ("cpu", "float32"):
-                raise DeviceError(f"model.cpu_matmul = 'onednn' applies to a float32 policy on the CPU, and the "
-                                  f"policy resolves to {placement.dtype} on {placement.device}; use 'auto' or 'torch'")
+            check_cpu_matmul(model.cpu_matmul, resolve(model.device, model.dtype))
     except DeviceError as e:
         raise ConfigError(str(e)) from e
 

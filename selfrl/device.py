@@ -50,6 +50,14 @@ class Placement:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
 
 
+def check_cpu_matmul(choice: str, placement: "Placement") -> None:
+    """Raise :class:`DeviceError` when ``model.cpu_matmul = "onednn"`` is asked of a policy that
+    is not float32 on the CPU: nothing would take it, and a setting is never silently ignored."""
+    if choice == "onednn" and (placement.device, placement.dtype) != ("cpu", "float32"):
+        raise DeviceError(f"model.cpu_matmul = 'onednn' applies to a float32 policy on the CPU, and the policy "
+                          f"resolves to {placement.dtype} on {placement.device}; use 'auto' or 'torch'")
+
+
 def check_names(device: str, dtype: str) -> None:
     """Raise :class:`DeviceError` when ``device`` or ``dtype`` is not an allowed name
     (no torch import: config validation calls this)."""

@@ -122,6 +122,12 @@ class _FrozenLinear(torch.autograd.Function):
         return F.linear(tx, weight)  # the weight and bias are frozen: their tangents are None
 
 
+def _wants_derivatives(x: torch.Tensor) -> bool:
+    """True when a product of ``x`` must carry derivatives: a gradient for ``x`` (backward mode)
+    or a forward-mode dual level open (``x`` may carry a tangent)."""
+    return (torch.is_grad_enabled() and x.requires_grad) or forward_ad._current_level >= 0
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through oneDNN where :func:`takes` says it can.
 
@@ -138,7 +144,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     if not takes(x, weight, bias):
         return F.linear(x, weight, bias)
-    if (torch.is_grad_enabled() and x.requires_grad) or forward_ad._current_level >= 0:  # a forward-mode tangent
+    if _wants_derivatives(x):
         return _FrozenLinear.apply(x, weight, bias)
     return _onednn(x, weight, bias)
 
@@ -185,8 +191,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     Returns:
         (..., out_features), as :func:`linear` computes it to fp32 rounding.
     """
-    if packed is None or (torch.is_grad_enabled() and x.requires_grad) or forward_ad._current_level >= 0 \
-            or not takes(x, weight, bias):
+    if packed is None or _wants_derivatives(x) or not takes(x, weight, bias):
         return linear(x, weight, bias)
     return _onednn(x, packed, bias)
 

@@ -144,15 +144,17 @@ def build_policy(cfg):
     Raises:
         selfrl.model.ModelLoadError: the model cannot be loaded.
         selfrl.device.DeviceError: an impossible device or dtype (cuda with no GPU).
-        selfrl.matmul.MatmulError: ``cpu_matmul = "onednn"`` where oneDNN is not available, or
-            with the policy on a GPU or in bfloat16 (nothing would take it).
+        selfrl.device.DeviceError: ``cpu_matmul = "onednn"`` with the policy on a GPU or in
+            bfloat16 (nothing would take it).
+        selfrl.matmul.MatmulError: ``cpu_matmul = "onednn"`` where oneDNN is not available.
         ValueError: the LoRA settings do not fit the model (peft's message).
     """
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    from selfrl.device import resolve
+    from selfrl.device import check_cpu_matmul, resolve
 
     placement = resolve(cfg.model.device, cfg.model.dtype)
+    check_cpu_matmul(cfg.model.cpu_matmul, placement)  # refused before the model loads
     base, tok = load_model(cfg.model.name, dtype=placement.torch_dtype)
     torch.manual_seed(cfg.seed)
     if cfg.lora.init_adapter:
@@ -166,12 +168,8 @@ def build_policy(cfg):
     # The LoRA init above ran on the CPU generator, so a seeded adapter is the same on every device.
     if placement.device != "cpu":
         model.to(placement.device)
-    from selfrl.matmul import MatmulError, route_frozen_linears
+    from selfrl.matmul import route_frozen_linears
 
-    choice = getattr(cfg.model, "cpu_matmul", "auto")
-    if choice == "onednn" and (placement.device, placement.dtype) != ("cpu", "float32"):
-        raise MatmulError(f"cpu_matmul = 'onednn' applies to a float32 policy on the CPU, not "
-                          f"{placement.dtype} on {placement.device}; use 'auto' or 'torch'")
-    route_frozen_linears(model, choice)
+    route_frozen_linears(model, cfg.model.cpu_matmul)
     model.eval()
     return model, tok

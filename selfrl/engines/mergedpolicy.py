@@ -16,16 +16,16 @@ that read:
   weights included: 2 to 3 times faster products than MKL's on this machine's AMD CPU.
 - **The orientation of the product** (with ``cpu_matmul = "torch"``). For 2 to 5 rows, MKL
   (torch's CPU BLAS) computes ``(W @ x.T).T`` 1.5 to 3 times faster than ``x @ W.T``
-  (``F.linear``) on this CPU: the weights stream at 17-28 GB/s instead of 7.5 to 12. One row is a matrix-vector product, as
-  slow either way, unless the row is doubled into a two-row product (1.8 times faster).
+  (``F.linear``) on this CPU: the weights stream at 17-28 GB/s instead of 7.5 to 12. One row is
+  a matrix-vector product, as slow either way, unless the row is doubled into a two-row product (1.8 times faster).
   :func:`small_batch_linear` does that for 1 to 10 rows (6 to 10 rows: neutral to 1.3 times)
   and calls ``F.linear`` otherwise. The rule is fixed, not tuned per run, so that a seeded run
   samples the same tokens every time.
 
 None changes more than the rounding of fp32 sums: on the tests' tiny models the sampled
 logprobs stay within the conformance suite's 1e-5 (plus 2e-6 of their size) of a full
-recomputation by the learner (``tests/test_engine_conformance.py``); on the embedded model with a perturbed adapter the
-largest gap measured was 2.9e-5 nats (1.1e-5 unmerged; ``benchmarks/bench_merged.py``). Only
+recomputation by the learner (``tests/test_engine_conformance.py``); on the embedded model with
+a perturbed adapter the largest gap measured was 2.9e-5 nats (1.1e-5 unmerged; ``benchmarks/bench_merged.py``). Only
 fp32 layers are merged: a merged bf16 weight would round most small updates away.
 
 The view is a copy of the model's module tree whose parameters, buffers, configurations and
@@ -169,6 +169,10 @@ class MergedPolicy:
         self.view.eval()
         self.merged_layers = self.kept_layers = self.extra_bytes = 0
         self._pairs: list[tuple[nn.Module, str, torch.Tensor]] = []  # (peft layer, adapter, merged weight)
+        # oneDNN's packed copies are made only of the merged weights, snapshots already (merged again when
+        # the watch sees a change): a layer without LoRA reads the policy's tensor live, and a packed copy
+        # of it would miss a change the watch cannot see (a .data write into a frozen weight)
+        self._onednn: list[SamplingLinear] = []
         done: list[str] = []  # replaced or kept peft layers: their submodules are theirs
         for name, orig in base.named_modules():
             if not name or any(name.startswith(d + ".") for d in done):
@@ -179,7 +183,10 @@ class MergedPolicy:
                 with torch.inference_mode(False):  # re-merged outside inference mode too
                     merged = torch.empty_like(w, requires_grad=False)
                 self._pairs.append((orig, adapter, merged))
-                self._replace(name, SamplingLinear(merged, orig.base_layer.bias, is_routed(orig.base_layer)), orig)
+                layer = SamplingLinear(merged, orig.base_layer.bias, is_routed(orig.base_layer))
+                self._replace(name, layer, orig)
+                if layer.onednn:
+                    self._onednn.append(layer)
                 self.merged_layers += 1
                 self.extra_bytes += merged.numel() * merged.element_size()
                 done.append(name)
@@ -189,12 +196,6 @@ class MergedPolicy:
             elif type(orig) is nn.Linear:
                 self._replace(name, SamplingLinear(orig.weight, orig.bias, is_routed(orig)), orig)
                 done.append(name)
-        # packed copies only of the merged weights, which are snapshots already (merged again when the
-        # watch sees a change): a layer without LoRA reads the policy's tensor live, and a packed copy
-        # of it would miss a change the watch cannot see (a .data write into a frozen weight)
-        merged_ids = {id(w) for _, _, w in self._pairs}
-        self._onednn = [m for m in self.view.modules()
-                        if isinstance(m, SamplingLinear) and m.onednn and id(m.weight) in merged_ids]
         if packing_available():  # their packed copies
             self.extra_bytes += sum(m.weight.numel() * m.weight.element_size() for m in self._onednn)
         self.shared_prefix_layers = self._point_attention()
@@ -240,8 +241,8 @@ class MergedPolicy:
     def sync(self, deep: bool = False) -> None:
         """Look for changes (``deep``: everything, see :class:`~selfrl.engines.weightwatch.WeightWatch`)
         and rebuild or merge again as needed. Cost: a merge takes 0.18 s for the embedded model on
-        an idle machine, 0.25 s with the packing of oneDNN's copies. Thread-safe: one look and merge at a time, never during :meth:`__call__`'s
-        forward pass."""
+        an idle machine, 0.25 s with the packing of oneDNN's copies. Thread-safe: one look and merge
+        at a time, never during :meth:`__call__`'s forward pass."""
         with self._lock:
             self.watch.poll(deep)
             if self.watch.structure_generation != self._built_at:
