@@ -81,19 +81,28 @@ class SlotCache:
         """The column padding tokens write to (never inside a window)."""
         return self.capacity
 
-    def ensure(self, slots: int, columns: int) -> None:
-        """Make room for ``slots`` rows of ``columns`` positions, growing by half when short
-        (existing contents are kept)."""
+    def ensure(self, slots: int, columns: int, used: int | None = None) -> None:
+        """Make room for ``slots`` rows of ``columns`` positions; the contents of the first ``used``
+        rows (default: all) are kept, the rest are zeros.
+
+        Short of rows, the rows grow by half. Short of columns only, the columns grow by half and
+        the rows shrink to at most twice ``slots``: the new tensors are zero-filled, and a batch's
+        last turns (a few rows, each longer than the cache) would otherwise reallocate and copy
+        every slot of the batch (1.4 s of a 20 s rollout batch on the embedded model, 64 slots)."""
         if slots <= self.slots and columns <= self.capacity:
             return
-        new_slots = max(self.slots, slots if slots <= self.slots else max(slots, self.slots * 3 // 2))
+        used = self.slots if used is None else min(used, self.slots)
+        if slots > self.slots:
+            new_slots = max(slots, self.slots * 3 // 2)
+        else:
+            new_slots = max(slots, used, min(self.slots, 2 * slots))
         new_cap = max(self.capacity, columns if columns <= self.capacity else max(columns, self.capacity * 3 // 2))
         for store in (self.k, self.v):
             for i, old in enumerate(store):
                 if old.dim() != 4:
                     continue
                 new = torch.zeros(new_slots, old.shape[1], new_cap + 1, old.shape[3], dtype=old.dtype)
-                new[:old.shape[0], :, :self.capacity] = old[:, :, :self.capacity]
+                new[:used, :, :self.capacity] = old[:used, :, :self.capacity]
                 store[i] = new
         self.slots, self.capacity = new_slots, new_cap
 

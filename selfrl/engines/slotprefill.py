@@ -54,7 +54,7 @@ class SlotPrefill:
         ``num_generations`` samples) is encoded once and its keys, values and logits copied: such
         rows move to the end of ``new`` (in place), so the rows encoded are a contiguous window."""
         first = len(self._rows)
-        self.cache.ensure(first + len(new), max(len(r.prompt) + r.max_new_tokens for r in new))
+        self.cache.ensure(first + len(new), max(len(r.prompt) + r.max_new_tokens for r in new), used=first)
         # every kind of change (about 20 ms) when rows join an idle engine, where a learner or a swap
         # changes the weights; the fast look (0.3 ms: every version counter) when they join running rows
         generation = self.watch.poll(deep=not self._rows)  # (the merged view follows at its next call)
