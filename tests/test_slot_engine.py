@@ -160,6 +160,16 @@ def test_cache_grows_without_losing_contents():
     assert torch.equal(cache.k[0][:2, :, :4], k) and cache.k[0][2:].abs().sum() == 0
     cache.move_row(1, 3, 4)
     assert torch.equal(cache.k[0][3, :, :4], k[1])
+    # short of columns only, with 2 rows in use of 8 slots: those 2 kept, the slots cut to twice the 3 needed
+    cache = SlotCache(slots=8, capacity=4)
+    cache.set_pass(slice(0, 2), 4, torch.arange(2)[:, None].expand(2, 4), torch.arange(4)[None].expand(2, 4))
+    cache.update(k, k + 1, 0)
+    cache.ensure(3, 9, used=2)
+    assert (cache.slots, cache.capacity) == (6, 9) and cache.k[0].shape == (6, 3, 10, 5)
+    assert torch.equal(cache.k[0][:2, :, :4], k) and torch.equal(cache.v[0][:2, :, :4], k + 1)
+    assert cache.k[0][2:].abs().sum() == 0 and cache.k[0][:2, :, 4:].abs().sum() == 0
+    cache.ensure(7, 9, used=6)  # then short of rows: they grow by half
+    assert cache.slots == 9 and torch.equal(cache.k[0][:2, :, :4], k)
 
 
 def test_seeded_sampling_does_not_depend_on_batch_mates(tiny_tokenizer, tiny_model_factory):
@@ -339,7 +349,7 @@ def test_a_prompt_repeated_in_one_admission_is_encoded_once(tiny_tokenizer, tiny
     # a GRPO batch: each task's prompt num_generations times; only the first of each is prefilled,
     # the others copy its keys, values and logits, and every row still samples the model exactly
     model = tiny_model_factory(eos_bias=1.0, lora=True)
-    engine = SlotEngine(model, tiny_tokenizer, driver="caller")
+    engine = SlotEngine(model, tiny_tokenizer, driver="caller", draft_ids=0)  # (1-id passes: counted below)
     a, b = prompts_with_system(tiny_tokenizer, ["What is 17+25?", "Add 1, 2, 3 and 4, then say the total."])
     prompts = [a, b, a, a, b, a]
     encoded = []
@@ -528,7 +538,7 @@ def test_a_frozen_base_weight_changed_in_place_is_seen_before_a_kept_row_is_used
 
 
 def test_a_row_whose_logits_break_fails_alone(tiny_tokenizer, tiny_model_factory, monkeypatch):
-    import selfrl.engines.slots as slots_module
+    import selfrl.engines.slotdecode as slots_module
 
     real = slots_module.next_token_logps
 

@@ -77,8 +77,14 @@ class Call:
     def emit(self) -> None:
         """``on_step(ids)`` (B, k), or with ``step_logprobs`` ``on_step(ids, logprobs, top)``:
         (B, k) logprobs and a pair of (B, k, n) tensors (ids, logprobs) or None; rows that
-        ended hold padding (id ``pad``, logprob 0) after their end."""
-        k = max(len(r.token_ids) for r in self.requests)
+        ended hold padding (id ``pad``, logprob 0) after their end.
+
+        ``k`` is the fewest ids of a row still running (one admitted later, or drafted fewer ids:
+        rows do not advance together), so that a running row never shows padding that a later id
+        replaces: each row's first ``k`` ids are its final ones. A row ahead is shown up to ``k``;
+        once every row has ended, ``k`` is the most ids of a row. Nothing is called while ``k`` is 0."""
+        running = [len(r.token_ids) for r in self.requests if not r.settled]
+        k = min(running) if running else max(len(r.token_ids) for r in self.requests)
         if k == 0:
             return
         B = len(self.requests)
@@ -87,12 +93,13 @@ class Call:
         n = max(r.top_logprobs for r in self.requests)
         top = (torch.full((B, k, n), self.pad, dtype=torch.long), torch.zeros(B, k, n)) if n else None  # (B, k, n)
         for i, r in enumerate(self.requests):
-            if r.token_ids:
-                ids[i, :len(r.token_ids)] = torch.tensor(r.token_ids)
-                logps[i, :len(r.logprobs)] = torch.tensor(r.logprobs)
-            if top is not None and r.top:
-                top[0][i, :len(r.top)] = torch.tensor([[t for t, _ in alts] for alts in r.top])
-                top[1][i, :len(r.top)] = torch.tensor([[lp for _, lp in alts] for alts in r.top])
+            n_i = min(k, len(r.token_ids))
+            if n_i:
+                ids[i, :n_i] = torch.tensor(r.token_ids[:n_i])
+                logps[i, :n_i] = torch.tensor(r.logprobs[:n_i])
+            if top is not None and r.top and n_i:
+                top[0][i, :n_i] = torch.tensor([[t for t, _ in alts] for alts in r.top[:n_i]])
+                top[1][i, :n_i] = torch.tensor([[lp for _, lp in alts] for alts in r.top[:n_i]])
         if self.step_logprobs:
             self.on_step(ids, logps, top)
         else:

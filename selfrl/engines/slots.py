@@ -22,6 +22,9 @@ How it departs from :class:`selfrl.engine.Engine` (the reference backend):
   demonstration of every rollout), or the prompt of an earlier request, is encoded
   once and its keys and values are copied into each new row that starts with it;
   only the rest of the prompt is prefilled.
+- **Drafts.** A pass of few rows is bound by reading the weights, so it feeds each row a few ids
+  looked up in its own context after its last one and keeps those the model chooses itself
+  (:mod:`selfrl.engines.slotdecode`, :mod:`selfrl.engines.drafts`): exact, several ids a pass.
 - **Per-row sampling settings**: rows with different temperatures, ``top_p`` or
   greedy decoding share a batch, and each row samples from its own seeded generator, so
   what a row samples does not depend on which rows share its steps (which depends on
@@ -52,17 +55,17 @@ from concurrent.futures import Future, InvalidStateError
 
 import torch
 
-from selfrl.constrain import ConstraintError
 from selfrl.engines import DRIVERS
 from selfrl.engine import Engine
 from selfrl.engines.base import AdapterSource, EngineHealth, Generation, check_generate_args, model_context
 from selfrl.engines.kvcache import ContinuationStore, PrefixStore, SlotCache
 from selfrl.engines.mergedpolicy import MergedPolicy
 from selfrl.engines.rowgrammar import RowGrammar
-from selfrl.engines.sampling import choose_tokens, next_token_logps
+from selfrl.engines.drafts import DRAFT_BUDGET, DRAFT_IDS
+from selfrl.engines.slotdecode import SlotDecode
 from selfrl.engines.slotdriver import CallerDriven
 from selfrl.engines.slotprefill import SlotPrefill
-from selfrl.engines.slotattention import additive_mask, slot_attention
+from selfrl.engines.slotattention import slot_attention
 from selfrl.engines.slotrequest import Call, DrivenFuture, Request, WorkerFuture, row_generator
 from selfrl.engines.versiongate import VersionGate
 from selfrl.engines.weightwatch import WeightWatch
@@ -74,7 +77,7 @@ IDLE_CACHE_BYTES = 64 * 2**20  # an idle engine keeps a cache up to this size; a
 CONTINUATION_BYTES = 2**30  # finished rows' keys and values kept for their next turn (a 64-row demo batch: ~0.85 GB)
 
 
-class SlotEngine(CallerDriven, SlotPrefill):
+class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
     """Continuous-batching backend of :class:`selfrl.engines.base.SamplingEngine`.
 
     Args:
@@ -102,6 +105,12 @@ class SlotEngine(CallerDriven, SlotPrefill):
             (:mod:`selfrl.engines.sharedattention`; models whose attention layers all take it: Llama,
             Mistral without a sliding window, Qwen2, Qwen3 on SDPA in fp32 or fp64). False: every row
             attends to its own columns.
+        draft_ids, draft_budget: speculative decoding from each row's own context
+            (:mod:`selfrl.engines.drafts`): a decoding pass of rows without a grammar feeds each row
+            up to ``draft_ids`` ids looked up in its prompt and completion, with rows x (1 + drafted)
+            at most ``draft_budget`` ids (passes of more rows draft nothing), and keeps those the
+            model chooses itself: exact, the same ids and logprobs as one pass an id up to rounding.
+            0 turns it off.
         driver: who runs the decoding steps. ``"thread"``: a worker thread of the engine's
             own, which decodes while nobody waits (a server's streams). ``"caller"``: the
             threads that wait on results (``generate``, :meth:`wait`, a future's
@@ -115,8 +124,8 @@ class SlotEngine(CallerDriven, SlotPrefill):
             :meth:`wait` or its ``result()``, never ``concurrent.futures.wait`` alone.
 
     Raises:
-        ValueError: ``max_slots`` < 1, an unknown ``driver``, or attention other than SDPA or eager
-            (:func:`~selfrl.engines.slotattention.slot_attention`); :meth:`generate` and :meth:`submit`
+        ValueError: ``max_slots`` < 1, ``draft_ids`` or ``draft_budget`` < 0, an unknown ``driver``, or
+            attention other than SDPA or eager (:func:`~selfrl.engines.slotattention.slot_attention`); :meth:`generate` and :meth:`submit`
             refuse a request longer than the model's sliding window plus one (:attr:`context`),
             which the engine's masks do not apply.
     """
@@ -127,11 +136,14 @@ class SlotEngine(CallerDriven, SlotPrefill):
 
     def __init__(self, model, tokenizer, version: int = 0, max_slots: int = 64, share_prefix: bool = True,
                  prefix_entries: int = 4, driver: str = "thread", merge_lora: bool = True,
-                 continuation_bytes: int = CONTINUATION_BYTES, shared_prefix_attention: bool = True):
+                 continuation_bytes: int = CONTINUATION_BYTES, shared_prefix_attention: bool = True,
+                 draft_ids: int = DRAFT_IDS, draft_budget: int = DRAFT_BUDGET):
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         if continuation_bytes < 0:
             raise ValueError(f"continuation_bytes must be >= 0, got {continuation_bytes}")
+        if draft_ids < 0 or draft_budget < 0:
+            raise ValueError(f"draft_ids and draft_budget must be >= 0, got {draft_ids} and {draft_budget}")
         if driver not in DRIVERS:
             raise ValueError(f"driver must be one of {', '.join(DRIVERS)}, got {driver!r}")
         self.attention, self.sliding_window = slot_attention(model)  # (refuses what its masks cannot express)
@@ -143,6 +155,10 @@ class SlotEngine(CallerDriven, SlotPrefill):
         self.pad_token_id = tokenizer.pad_token_id
         self.max_slots, self.share_prefix, self.prefix_entries = max_slots, share_prefix, prefix_entries
         self.shared_prefix_attention = shared_prefix_attention
+        self.draft_ids, self.draft_budget = draft_ids, draft_budget
+        self.draft_passes = 0  # decoding passes that fed drafted ids
+        self.drafted_ids = 0  # ids drafted in them
+        self.accepted_ids = 0  # drafted ids kept (each one a decoding pass saved)
         self.lock = VersionGate()
         self.cache = SlotCache(slots=min(8, max_slots))
         self._eos = set(self.eos_token_ids)
@@ -419,16 +435,6 @@ class SlotEngine(CallerDriven, SlotPrefill):
         finally:
             self.lock.release_shared()
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """(b, V) fp32 logits of the last input position of every row."""
-        if self.attention == "eager":  # eager attention adds its mask to the scores
-            mask = additive_mask(mask, self.model.get_input_embeddings().weight.dtype)
-        out = (self.merged or self.model)(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                                          cache=self.cache, use_cache=True, logits_to_keep=1)
-        if self.cache.shared is not None:  # (still set: the view attended to it once for all rows)
-            self.shared_prefix_passes += 1
-        return out.logits[:, -1].float()
-
     def _step(self) -> None:
         """Admit queued requests (prefill, first token: streamed at once, so a new request's
         time to first token is one prefill, not a decoding step more), then one decoding
@@ -456,112 +462,8 @@ class SlotEngine(CallerDriven, SlotPrefill):
                 self._rows = self._rows + new
                 self._sample(new, logits)
         self._admitting = []
-        rows = self._rows
-        if rows:  # one decoding step for the active rows
-            lens = torch.tensor([r.length for r in rows])  # (B,) the new token goes to column lens
-            width = int(lens.max()) + 1
-            self.cache.set_pass(slice(0, len(rows)), width, torch.arange(len(rows))[:, None], lens[:, None],
-                                shared=self._shared_prefix(rows))
-            mask = (torch.arange(width)[None, :] <= lens[:, None])[:, None, None, :]  # (B, 1, 1, W)
-            ids = torch.tensor([[r.token_ids[-1]] for r in rows])  # (B, 1)
-            logits = self._forward(ids, lens[:, None], mask)  # (B, V)
-            for r in rows:
-                r.length += 1
-            self.steps += 1
-            self._sample(rows, logits)
-
-    def _sample(self, rows: list[Request], logits: torch.Tensor) -> None:
-        """Choose the next id of each of ``rows`` from its (B, V) ``logits``, record it, stream
-        it, and finish (and free the slots of) the rows that end."""
-        allowed = None  # (B, V) the ids each row's grammar allows
-        if any(r.grammar is not None for r in rows):
-            allowed = torch.ones(len(rows), logits.shape[-1], dtype=torch.bool)
-            failed = []
-            for i, r in enumerate(rows):
-                if r.grammar is not None:
-                    try:
-                        allowed[i] = r.grammar.allowed()
-                    except ConstraintError as e:  # this row ends here (Generation.grammar_error); the others go on
-                        failed.append(i)
-                        self._finish(r, r.result(False, grammar_error=str(e)))
-            if failed:
-                rows, logits, allowed = self._without(rows, failed, logits, allowed)
-                if not rows:
-                    return
-        greedy = torch.tensor([r.greedy for r in rows])  # (B,)
-        logp = next_token_logps(logits, torch.tensor([r.temperature for r in rows]), greedy, allowed)  # (B, V)
-        broken = torch.isnan(logp.amax(dim=-1)).nonzero().squeeze(-1).tolist()  # NaN or infinite logits
-        if broken:  # those rows fail alone (a diverged adapter fails them all); the others go on
-            for i in broken:
-                self._finish(rows[i], error=ValueError("cannot choose a token: the row's log-probabilities are NaN "
-                                                       "(its logits are NaN or infinite)"))
-            rows, logp, greedy = self._without(rows, broken, logp, greedy)
-            if not rows:
-                return
-        ids = choose_tokens(logp, greedy, torch.tensor([r.top_p for r in rows]), [r.generator for r in rows])  # (B,)
-        logps = logp.gather(-1, ids[:, None]).squeeze(-1)  # (B,)
-        k = max(r.top_logprobs for r in rows)
-        top = logp.topk(min(k, logp.shape[-1]), dim=-1) if k else None  # (B, k) values and indices
-        done, calls = [], {}
-        for i, (r, t, lp) in enumerate(zip(rows, ids.tolist(), logps.tolist())):
-            r.token_ids.append(t)
-            r.logprobs.append(lp)
-            if r.top is not None:
-                n = r.top_logprobs
-                r.top.append(list(zip(top.indices[i, :n].tolist(), top.values[i, :n].tolist())))
-            if r.grammar is not None:
-                r.constrained.append(bool((~allowed[i]).any()))
-                try:
-                    r.grammar.advance(t)
-                except Exception as e:  # this row ends (a schema's failure: grammar_error; a bug: its future raises)
-                    done.append(i)
-                    if isinstance(e, ConstraintError):
-                        self._finish(r, r.result(False, grammar_error=str(e)))
-                    else:
-                        self._finish(r, error=e)
-                    continue
-            try:
-                r.report()
-            except Exception as e:  # a streaming callback that raises fails its own row only
-                done.append(i)
-                self._finish(r, error=e)
-                continue
-            if r.call is not None:
-                calls[id(r.call)] = r.call
-            stopped = bool(r.stop) and t not in self._eos and any(
-                s in self.tokenizer.decode(r.token_ids, skip_special_tokens=True) for s in r.stop)
-            if t in self._eos or stopped or len(r.token_ids) >= r.max_new_tokens:
-                done.append(i)
-                self.rows_done += 1
-                self._keep_continuation(r)
-                self._finish(r, r.result(t in self._eos or stopped, stopped=stopped))
-        for c in calls.values():
-            try:
-                c.emit()
-            except Exception as e:  # an on_step hook that raises fails its own generate call only
-                self._fail_call(c, e, rows, done)
-        self._release([self._rows.index(rows[i]) for i in done])
-
-    def _without(self, rows: list[Request], failed: list[int], *tensors: torch.Tensor | None) -> tuple:
-        """``rows`` and each (B, ...) tensor without the indices ``failed``, whose slots are freed
-        (``rows`` may be ``self._rows``, which releasing reorders: the survivors are taken first)."""
-        keep = [i for i in range(len(rows)) if i not in failed]
-        gone = [rows[i] for i in failed]
-        out = ([rows[i] for i in keep], *[None if t is None else t[keep] for t in tensors])
-        self._release([self._rows.index(r) for r in gone])
-        return out
-
-    def _fail_call(self, call: Call, error: BaseException, rows: list[Request], done: list[int]) -> None:
-        """Fail every unsettled request of ``call`` with ``error``: queued ones leave the queue,
-        running ones among ``rows`` are added to ``done`` (their slots are freed by the caller)."""
-        with self._cond:
-            for r in call.requests:
-                if r in self._queue:
-                    self._queue.remove(r)
-        for r in call.requests:
-            if r in rows and rows.index(r) not in done:
-                done.append(rows.index(r))
-            self._finish(r, error=error)
+        if self._rows:  # one decoding pass for the active rows
+            self._decode()
 
     def _drop_cancelled(self) -> None:
         """Finish every queued or running request whose cancel event is set (``cancelled=True``,
@@ -580,13 +482,3 @@ class SlotEngine(CallerDriven, SlotPrefill):
             self._finish(self._rows[i], self._rows[i].result(False, cancelled=True))
         self.rows_cancelled += len(gone) + len(done)
         self._release(done)
-
-    def _release(self, done: list[int]) -> None:
-        """Free the slots of finished rows, moving the last rows into the holes."""
-        rows = self._rows
-        for i in sorted(done, reverse=True):
-            last = len(rows) - 1
-            if i != last:
-                self.cache.move_row(last, i, rows[last].length)
-                rows[i] = rows[last]
-            rows.pop()

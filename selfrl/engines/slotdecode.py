@@ -1,0 +1,221 @@
+"""The slot engine's decoding pass: one id a row, or a few with drafts, chosen and recorded.
+
+A pass decodes every active row (:meth:`SlotDecode._decode`). When the pass is small enough to be
+bound by reading the weights (few rows, :func:`~selfrl.engines.drafts.draft_width`) and no row has
+a grammar, each row is fed its last id and the ids drafted from its own context
+(:func:`~selfrl.engines.drafts.lookup_draft`), and keeps those the model chooses itself
+(:func:`~selfrl.engines.drafts.verify_drafts`): exact, so the ids and logprobs are those of one
+step an id, up to rounding. Every chosen id is then recorded the same way
+(:meth:`SlotDecode._record`): appended with its logprob, streamed, checked against the row's end
+(EOS, a stop string, its token limit), and the rows that end free their slots. A mixin of
+:class:`selfrl.engines.slots.SlotEngine`, whose attributes it uses (``cache``, ``model``,
+``merged``, ``_rows``, ``_finish``, ``_keep_continuation``, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfrl.constrain import ConstraintError
+from selfrl.engines.drafts import draft_width, lookup_draft, verify_drafts
+from selfrl.engines.sampling import choose_tokens, next_token_logps
+from selfrl.engines.slotattention import additive_mask
+from selfrl.engines.slotrequest import Call, Request
+
+Chosen = tuple[int, float, list[tuple[int, float]] | None]  # (id, logprob, top alternatives or None)
+
+
+class SlotDecode:
+    """The decoding half of :class:`~selfrl.engines.slots.SlotEngine` (see the module docstring)."""
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                 keep: int = 1) -> torch.Tensor:
+        """(b, V) fp32 logits of the last input position of every row; with ``keep`` > 1,
+        (b, keep, V) of the last ``keep`` positions."""
+        if self.attention == "eager":  # eager attention adds its mask to the scores
+            mask = additive_mask(mask, self.model.get_input_embeddings().weight.dtype)
+        out = (self.merged or self.model)(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                          cache=self.cache, use_cache=True, logits_to_keep=keep)
+        if self.cache.shared is not None:  # (still set: the view attended to it once for all rows)
+            self.shared_prefix_passes += 1
+        logits = out.logits[:, -keep:].float()
+        return logits[:, -1] if keep == 1 else logits
+
+    def _decode(self) -> None:
+        """One decoding pass over the active rows: one id each, or with drafts a few."""
+        rows = self._rows
+        drafts = self._drafts(rows)
+        lens = torch.tensor([r.length for r in rows])  # (B,) the last id goes to column lens
+        T = 1 + max(map(len, drafts), default=0)
+        B = len(rows)
+        if T == 1:
+            pos = cols = lens[:, None]  # (B, 1)
+        else:  # row i: its last id, then its drafted ids, then padding (written to the scratch column)
+            fed = torch.tensor([1 + len(d) for d in drafts])  # (B,)
+            real = torch.arange(T)[None, :] < fed[:, None]  # (B, T)
+            pos = lens[:, None] + torch.minimum(torch.arange(T)[None, :], fed[:, None] - 1)  # (B, T) padding repeats
+            cols = torch.where(real, pos, self.cache.scratch)
+        width = int(pos.max()) + 1
+        self.cache.set_pass(slice(0, B), width, torch.arange(B)[:, None].expand(B, T), cols,
+                            shared=self._shared_prefix(rows))
+        mask = (torch.arange(width)[None, None, :] <= pos[:, :, None])[:, None]  # (B, 1, T, W)
+        ids = torch.full((B, T), self.pad_token_id, dtype=torch.long)  # (B, T)
+        for i, (r, d) in enumerate(zip(rows, drafts)):
+            ids[i, :1 + len(d)] = torch.tensor([r.token_ids[-1], *d])
+        logits = self._forward(ids, pos, mask, keep=T)  # (B, V) or (B, T, V)
+        self.steps += 1
+        if T == 1:
+            self._sample(rows, logits, fed=True)
+        else:
+            self._speculate(rows, drafts, logits)
+
+    def _drafts(self, rows: list[Request]) -> list[list[int]]:
+        """Each row's drafted ids for this pass (:mod:`selfrl.engines.drafts`): none when drafts are
+        off, the pass is too large, or a row has a grammar (whose mask depends on each id chosen)."""
+        k = draft_width(len(rows), self.draft_ids, self.draft_budget)
+        if not k or any(r.grammar is not None for r in rows):
+            return [[] for _ in rows]
+        # at most the row's ids left but one: the last chosen id is never fed, so its column stays in the cache
+        return [lookup_draft(r.prompt + r.token_ids, min(k, r.max_new_tokens - len(r.token_ids) - 1))
+                for r in rows]
+
+    def _speculate(self, rows: list[Request], drafts: list[list[int]], logits: torch.Tensor) -> None:
+        """Choose and record the ids each row keeps from a pass over its drafts; ``logits`` (B, T, V)."""
+        B, T, V = logits.shape
+        greedy = torch.tensor([r.greedy for r in rows])  # (B,)
+        temps = torch.tensor([r.temperature for r in rows])  # (B,)
+        logp = next_token_logps(logits.reshape(B * T, V), temps.repeat_interleave(T),
+                                greedy.repeat_interleave(T)).view(B, T, V)
+        gone = self._fail_nan(rows, logp[:, 0])
+        if gone:
+            keep = [i for i in range(B) if rows[i] not in gone]
+            rows, drafts, logp, greedy = [rows[i] for i in keep], [drafts[i] for i in keep], logp[keep], greedy[keep]
+        chosen = verify_drafts(logp, drafts, greedy, torch.tensor([r.top_p for r in rows]),
+                               [r.generator for r in rows]) if rows else []
+        self.drafted_ids += sum(map(len, drafts))
+        self.accepted_ids += sum(len(c) - 1 for c in chosen)
+        self.draft_passes += 1
+        k = max((r.top_logprobs for r in rows), default=0)
+        out = []
+        for i, (r, ids) in enumerate(zip(rows, chosen)):
+            at = logp[i, :len(ids)]  # (n, V)
+            lps = at.gather(-1, torch.tensor(ids)[:, None]).squeeze(-1).tolist()
+            top = at.topk(min(k, V), dim=-1) if k else None
+            out.append([(t, lp, None if top is None else list(zip(top.indices[j, :r.top_logprobs].tolist(),
+                                                                  top.values[j, :r.top_logprobs].tolist())))
+                        for j, (t, lp) in enumerate(zip(ids, lps))])
+        self._record(rows, out, None, fed=True, gone=gone)
+
+    def _fail_nan(self, rows: list[Request], logp: torch.Tensor) -> list[Request]:
+        """Fail the rows whose (B, V) ``logp`` is NaN (NaN or infinite logits: a diverged adapter fails
+        them all; the others go on); returns them (their slots are freed by :meth:`_record`)."""
+        broken = torch.isnan(logp.amax(dim=-1)).nonzero().squeeze(-1).tolist()
+        for i in broken:
+            self._finish(rows[i], error=ValueError("cannot choose a token: the row's log-probabilities are NaN "
+                                                   "(its logits are NaN or infinite)"))
+        return [rows[i] for i in broken]
+
+    def _sample(self, rows: list[Request], logits: torch.Tensor, fed: bool = False) -> None:
+        """Choose the next id of each of ``rows`` from its (B, V) ``logits`` and record it
+        (:meth:`_record`; ``fed``: the pass fed each row's last id, now in the cache)."""
+        allowed = None  # (B, V) the ids each row's grammar allows
+        gone: list[Request] = []  # rows that end here, failed (freed with the others by _record)
+        if any(r.grammar is not None for r in rows):
+            allowed = torch.ones(len(rows), logits.shape[-1], dtype=torch.bool)
+            for i, r in enumerate(rows):
+                if r.grammar is not None:
+                    try:
+                        allowed[i] = r.grammar.allowed()
+                    except ConstraintError as e:  # this row ends here (Generation.grammar_error); the others go on
+                        gone.append(r)
+                        self._finish(r, r.result(False, grammar_error=str(e)))
+        greedy = torch.tensor([r.greedy for r in rows])  # (B,)
+        logp = next_token_logps(logits, torch.tensor([r.temperature for r in rows]), greedy, allowed)  # (B, V)
+        gone += [r for r in self._fail_nan(rows, logp) if r not in gone]
+        if gone:
+            keep = [i for i in range(len(rows)) if rows[i] not in gone]
+            rows, logp, greedy = [rows[i] for i in keep], logp[keep], greedy[keep]
+            allowed = None if allowed is None else allowed[keep]
+        if not rows:
+            self._record([], [], None, fed, gone)
+            return
+        ids = choose_tokens(logp, greedy, torch.tensor([r.top_p for r in rows]), [r.generator for r in rows])  # (B,)
+        logps = logp.gather(-1, ids[:, None]).squeeze(-1)  # (B,)
+        k = max(r.top_logprobs for r in rows)
+        top = logp.topk(min(k, logp.shape[-1]), dim=-1) if k else None  # (B, k) values and indices
+        chosen = [[(t, lp, None if top is None else list(zip(top.indices[i, :r.top_logprobs].tolist(),
+                                                             top.values[i, :r.top_logprobs].tolist())))]
+                  for i, (r, t, lp) in enumerate(zip(rows, ids.tolist(), logps.tolist()))]
+        self._record(rows, chosen, allowed, fed, gone)
+
+    def _record(self, rows: list[Request], chosen: list[list[Chosen]], allowed: torch.Tensor | None,
+                fed: bool, gone: list[Request] = ()) -> None:
+        """Append each row's chosen ids in order (with ``fed``, each id chosen after a fed one: the
+        row's cache length grows by one an id), stream them, and finish the rows that end: at EOS,
+        a stop string or the token limit, the ids after it are dropped. Then free the slots of
+        those and of ``gone`` (rows already finished in this pass: every length is counted before a
+        row moves). ``allowed`` (B, V): the grammar rows' masks (one id a row then)."""
+        done, calls = [], {}
+        for i, r in enumerate(rows):
+            for t, lp, alts in chosen[i]:
+                if fed:
+                    r.length += 1
+                r.token_ids.append(t)
+                r.logprobs.append(lp)
+                if r.top is not None:
+                    r.top.append(alts)
+                if r.grammar is not None:
+                    r.constrained.append(bool((~allowed[i]).any()))
+                    try:
+                        r.grammar.advance(t)
+                    except Exception as e:  # this row ends (a schema's failure: grammar_error; a bug: its future raises)
+                        done.append(i)
+                        if isinstance(e, ConstraintError):
+                            self._finish(r, r.result(False, grammar_error=str(e)))
+                        else:
+                            self._finish(r, error=e)
+                        break
+                try:
+                    r.report()
+                except Exception as e:  # a streaming callback that raises fails its own row only
+                    done.append(i)
+                    self._finish(r, error=e)
+                    break
+                if r.call is not None:
+                    calls[id(r.call)] = r.call
+                stopped = bool(r.stop) and t not in self._eos and any(
+                    s in self.tokenizer.decode(r.token_ids, skip_special_tokens=True) for s in r.stop)
+                if t in self._eos or stopped or len(r.token_ids) >= r.max_new_tokens:
+                    done.append(i)
+                    self.rows_done += 1
+                    self._keep_continuation(r)
+                    self._finish(r, r.result(t in self._eos or stopped, stopped=stopped))
+                    break
+        for c in calls.values():
+            try:
+                c.emit()
+            except Exception as e:  # an on_step hook that raises fails its own generate call only
+                self._fail_call(c, e, rows, done)
+        self._release([self._rows.index(r) for r in [*gone, *(rows[i] for i in set(done))]])
+
+    def _fail_call(self, call: Call, error: BaseException, rows: list[Request], done: list[int]) -> None:
+        """Fail every unsettled request of ``call`` with ``error``: queued ones leave the queue,
+        running ones among ``rows`` are added to ``done`` (their slots are freed by the caller)."""
+        with self._cond:
+            for r in call.requests:
+                if r in self._queue:
+                    self._queue.remove(r)
+        for r in call.requests:
+            if r in rows and rows.index(r) not in done:
+                done.append(rows.index(r))
+            self._finish(r, error=error)
+
+    def _release(self, done: list[int]) -> None:
+        """Free the slots of finished rows, moving the last rows into the holes."""
+        rows = self._rows
+        for i in sorted(done, reverse=True):
+            last = len(rows) - 1
+            if i != last:
+                self.cache.move_row(last, i, rows[last].length)
+                rows[i] = rows[last]
+            rows.pop()
