@@ -5,6 +5,9 @@
   the calculator, temperature 0.7), each engine in turn repeat by repeat: seconds, useful tokens/s,
   their share of the machine's bound (``bench_ceiling.matmul_flops``: the faster matrix library),
   decoding passes, and the drafted ids kept.
+- **passes**: what a forward pass of the sampling view costs at ``rows`` rows x ``ids`` ids a row (no
+  cache: the linear layers and the output layer, which dominate), the fastest of ``--repeats``: where
+  feeding more ids a pass stays nearly free (bound by reading the weights) and where it does not.
 - **validation**: the gate's greedy pass over the first 64 held-out tasks (``selfrl.gate.validate``'s
   rollouts), each engine in turn.
 
@@ -43,10 +46,28 @@ def timed_rollouts(engine, tasks, tools, cfg, seed: int, greedy: bool = False) -
     return seconds, sum(tr.num_completion_tokens for tr in trajs), [tr.token_ids for tr in trajs], counts
 
 
+def pass_seconds(view, rows: int, ids: int, repeats: int) -> float:
+    """Seconds of the fastest of ``repeats`` forward passes of ``view`` over (rows, ids) random ids, with
+    the logits of every position (a drafted pass needs them all)."""
+    import torch
+
+    x = torch.randint(0, view.get_input_embeddings().weight.shape[0], (rows, ids))  # (rows, ids)
+    best = float("inf")
+    with torch.no_grad():
+        view(input_ids=x, use_cache=False, logits_to_keep=ids)  # warm-up
+        for _ in range(repeats):
+            t = time.perf_counter()
+            view(input_ids=x, use_cache=False, logits_to_keep=ids)
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--adapter", type=Path, default=None,
                    help="a saved adapter version (a run's adapters/vNNNNNN): a trained policy")
+    p.add_argument("--rows", default="1,4,9,16,64", help="rows of the passes table, comma-separated")
+    p.add_argument("--ids", default="1,2,3,5,9", help="ids a row of the passes table, comma-separated")
     p.add_argument("--settings", default="0/16,4/16", help="draft_ids/draft_budget per engine, comma-separated "
                    "(the first is the baseline)")
     args = p.parse_args(argv)
@@ -65,6 +86,17 @@ def main(argv: list[str] | None = None) -> dict:
                for n, (k, b) in zip(names, settings)}
     result.update({"model": cfg.model.name, "matmul_flops_per_s": ceiling, "bound_tokens_per_s": bound,
                    "settings": names})
+
+    view = engines[names[0]].synced_model()
+    rows_out, passes = [], {}
+    for rows in [int(x) for x in args.rows.split(",")]:
+        passes[rows] = {}
+        for ids in [int(x) for x in args.ids.split(",")]:
+            passes[rows][ids] = pass_seconds(view, rows, ids, max(3, args.repeats))
+        rows_out.append([rows, *(f"{passes[rows][i] * 1e3:.1f}" for i in passes[rows])])
+    result["pass_seconds"] = passes
+    print_table("a forward pass of the sampling view (no cache), ms, the fastest of the repeats",
+                ["rows", *(f"{i} ids a row" for i in passes[rows])], rows_out)
 
     tasks, tools = first_batch(cfg)
     source = get_task_source(cfg.task.source, **cfg.task.options)

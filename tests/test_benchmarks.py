@@ -271,3 +271,15 @@ def test_matmul_tiny(tmp_path):
     assert r["update"]["speed_up"] == pytest.approx(r["update"]["torch"]["seconds"].median
                                                     / r["update"]["auto"]["seconds"].median)
     assert (tmp_path / "matmul.json").exists()
+
+
+def test_drafts_tiny(tmp_path):
+    import bench_drafts
+
+    r = bench_drafts.main(TINY + ["--rows", "1,4", "--ids", "1,3", "--out", str(tmp_path)])
+    assert r["settings"] == ["0/16", "4/16"]
+    assert set(r["pass_seconds"]) == {1, 4} and all(set(v) == {1, 3} for v in r["pass_seconds"].values())
+    for phase in ("rollouts", "validation"):
+        off, on = r[phase]["0/16"], r[phase]["4/16"]
+        assert off["drafted"] == 0 and on["same_ids_as_first"]  # drafts change no sampled id
+        assert off["tokens"] == on["tokens"] and on["tokens"][0] > 0
