@@ -5,6 +5,7 @@ logprobs with drafts as without."""
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -153,3 +154,28 @@ def test_a_generate_call_never_streams_padding_for_a_row_still_running(tiny_toke
                 k = min(ids.shape[1], len(g.token_ids))
                 assert ids[i, :k].tolist() == g.token_ids[:k]
         engine.close()
+
+
+def test_a_row_cancelled_while_it_streams_keeps_no_drafted_id_after_the_cancel(tiny_tokenizer, tiny_model_factory):
+    # a client that cancels from its stream at n ids gets n ids, as with one id a pass (found by a fresh
+    # user's test: with drafts the rest of the pass's kept ids were still appended and streamed)
+    model = tiny_model_factory(seed=1, lora=True)
+    prompt = chat_prompts(tiny_tokenizer)[0]
+    for n in (12, 14, 16, 18):
+        results = []
+        for draft_ids in (0, 4):
+            engine = SlotEngine(model, tiny_tokenizer, driver="caller", draft_ids=draft_ids)
+            cancel, after = threading.Event(), []
+
+            def stream(ids, cancel=cancel, after=after, n=n):
+                if cancel.is_set():
+                    after.append(len(ids))
+                if len(ids) >= n:
+                    cancel.set()
+
+            g = engine.submit(prompt, 40, 0.1, seed=1, on_tokens=stream, cancel=cancel).result(timeout=60)
+            assert g.cancelled and len(g.token_ids) == n and after == []
+            results.append((g.token_ids, engine.accepted_ids))
+            engine.close()
+        assert results[0][0] == results[1][0]
+    assert results[1][1] > 0  # the drafts were kept before the cancel

@@ -152,7 +152,8 @@ class SlotDecode:
                 fed: bool, gone: list[Request] = ()) -> None:
         """Append each row's chosen ids in order (with ``fed``, each id chosen after a fed one: the
         row's cache length grows by one an id), stream them, and finish the rows that end: at EOS,
-        a stop string or the token limit, the ids after it are dropped. Then free the slots of
+        a stop string or the token limit, the ids after it are dropped; after an id whose streaming
+        set the row's cancel event too (it ends before the next pass). Then free the slots of
         those and of ``gone`` (rows already finished in this pass: every length is counted before a
         row moves). ``allowed`` (B, V): the grammar rows' masks (one id a row then)."""
         done, calls = [], {}
@@ -191,6 +192,8 @@ class SlotDecode:
                     self._keep_continuation(r)
                     self._finish(r, r.result(t in self._eos or stopped, stopped=stopped))
                     break
+                if r.cancel is not None and r.cancel.is_set():  # (set while streaming: no id after it, as one
+                    break                                      # id a pass would give; it ends before the next)
         for c in calls.values():
             try:
                 c.emit()
