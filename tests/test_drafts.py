@@ -35,6 +35,13 @@ def test_draft_width_keeps_a_pass_within_its_budget():
         assert w == 0 or rows * (1 + w) <= 24
 
 
+def test_negative_draft_settings_are_refused(tiny_tokenizer, tiny_model_factory):
+    model = tiny_model_factory(lora=True)
+    for bad in ({"draft_ids": -1}, {"draft_budget": -1}):
+        with pytest.raises(ValueError, match="draft_ids and draft_budget must be >= 0"):
+            SlotEngine(model, tiny_tokenizer, driver="caller", **bad)
+
+
 def _point_masses(rows: list[list[int]], V: int = 5) -> torch.Tensor:
     """(B, T, V) log-probabilities: all mass on the given id at each position."""
     logp = torch.full((len(rows), len(rows[0]), V), -math.inf)

@@ -125,9 +125,9 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
 
     Raises:
         ValueError: ``max_slots`` < 1, ``draft_ids`` or ``draft_budget`` < 0, an unknown ``driver``, or
-            attention other than SDPA or eager (:func:`~selfrl.engines.slotattention.slot_attention`); :meth:`generate` and :meth:`submit`
-            refuse a request longer than the model's sliding window plus one (:attr:`context`),
-            which the engine's masks do not apply.
+            attention other than SDPA or eager (:func:`~selfrl.engines.slotattention.slot_attention`);
+            :meth:`generate` and :meth:`submit` refuse a request longer than the model's sliding window
+            plus one (:attr:`context`), which the engine's masks do not apply.
     """
 
     name = "slots"
