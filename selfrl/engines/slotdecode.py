@@ -25,6 +25,13 @@ from selfrl.engines.slotrequest import Call, Request
 Chosen = tuple[int, float, list[tuple[int, float]] | None]  # (id, logprob, top alternatives or None)
 
 
+def _alternatives(top, j: int, n: int) -> list[tuple[int, float]] | None:
+    """The ``n`` most likely (id, logprob) pairs of row ``j`` of a ``topk`` result (None: no ``top``)."""
+    if top is None:
+        return None
+    return list(zip(top.indices[j, :n].tolist(), top.values[j, :n].tolist()))
+
+
 class SlotDecode:
     """The decoding half of :class:`~selfrl.engines.slots.SlotEngine` (see the module docstring)."""
 
@@ -59,9 +66,8 @@ class SlotDecode:
         self.cache.set_pass(slice(0, B), width, torch.arange(B)[:, None].expand(B, T), cols,
                             shared=self._shared_prefix(rows))
         mask = (torch.arange(width)[None, None, :] <= pos[:, :, None])[:, None]  # (B, 1, T, W)
-        ids = torch.full((B, T), self.pad_token_id, dtype=torch.long)  # (B, T)
-        for i, (r, d) in enumerate(zip(rows, drafts)):
-            ids[i, :1 + len(d)] = torch.tensor([r.token_ids[-1], *d])
+        ids = torch.tensor([[r.token_ids[-1], *d] + [self.pad_token_id] * (T - 1 - len(d))
+                            for r, d in zip(rows, drafts)])  # (B, T)
         logits = self._forward(ids, pos, mask, keep=T)  # (B, V) or (B, T, V)
         self.steps += 1
         if T == 1:
@@ -101,9 +107,7 @@ class SlotDecode:
             at = logp[i, :len(ids)]  # (n, V)
             lps = at.gather(-1, torch.tensor(ids)[:, None]).squeeze(-1).tolist()
             top = at.topk(min(k, V), dim=-1) if k else None
-            out.append([(t, lp, None if top is None else list(zip(top.indices[j, :r.top_logprobs].tolist(),
-                                                                  top.values[j, :r.top_logprobs].tolist())))
-                        for j, (t, lp) in enumerate(zip(ids, lps))])
+            out.append([(t, lp, _alternatives(top, j, r.top_logprobs)) for j, (t, lp) in enumerate(zip(ids, lps))])
         self._record(rows, out, None, fed=True, gone=gone)
 
     def _fail_nan(self, rows: list[Request], logp: torch.Tensor) -> list[Request]:
@@ -143,8 +147,7 @@ class SlotDecode:
         logps = logp.gather(-1, ids[:, None]).squeeze(-1)  # (B,)
         k = max(r.top_logprobs for r in rows)
         top = logp.topk(min(k, logp.shape[-1]), dim=-1) if k else None  # (B, k) values and indices
-        chosen = [[(t, lp, None if top is None else list(zip(top.indices[i, :r.top_logprobs].tolist(),
-                                                             top.values[i, :r.top_logprobs].tolist())))]
+        chosen = [[(t, lp, _alternatives(top, i, r.top_logprobs))]
                   for i, (r, t, lp) in enumerate(zip(rows, ids.tolist(), logps.tolist()))]
         self._record(rows, chosen, allowed, fed, gone)
 
