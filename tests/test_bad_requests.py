@@ -44,7 +44,7 @@ def json_schema(schema):
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
 
 
-def refused(status, body, param, phrase, code="invalid_schema"):
+def assert_refused(status, body, param, phrase, code="invalid_schema"):
     """Assert an OpenAI-shaped 400 that names ``param`` and says ``phrase``."""
     assert status == 400, body
     err = body["error"]
@@ -91,7 +91,7 @@ def test_a_tool_schema_that_cannot_be_decoded_is_a_400_naming_the_tool(server, s
     url, _ = server
     for choice in ("required", {"type": "function", "function": {"name": "f"}}):
         status, body = chat(url, tools=[tool(schema)], tool_choice=choice)
-        refused(status, body, "tools[0].function.parameters", phrase)
+        assert_refused(status, body, "tools[0].function.parameters", phrase)
         assert body["error"]["message"].startswith("tools[0].function.parameters (tool 'f'): the schema ")
 
 
@@ -100,7 +100,7 @@ def test_a_response_format_schema_that_cannot_be_decoded_is_a_400_naming_it(serv
     url, _ = server
     for tools in (None, [CALC]):  # alone, and as the answer beside a tool call (tool_choice "auto")
         status, body = chat(url, response_format=json_schema(schema), tools=tools)
-        refused(status, body, "response_format.json_schema.schema", phrase)
+        assert_refused(status, body, "response_format.json_schema.schema", phrase)
 
 
 @pytest.mark.parametrize("body, param", [
@@ -118,7 +118,7 @@ def test_a_schema_that_fails_mid_generation_is_a_400_and_the_rest_goes_on(server
         t.start()
     for t in threads:
         t.join()
-    refused(*out["bad"], param, f"{param}: the schema failed during generation: ")
+    assert_refused(*out["bad"], param, f"{param}: the schema failed during generation: ")
     assert "Too many items" in out["bad"][1]["error"]["message"]
     assert out["plain"][0] == 200, out["plain"]
     status, body = chat(url)
@@ -159,7 +159,7 @@ def test_a_schema_that_fails_mid_stream_ends_the_stream_with_an_error_naming_it(
 def test_the_tool_at_fault_is_named_among_several(server):
     url, _ = server
     status, body = chat(url, tools=[CALC, tool(SELF, "g")], tool_choice="required")
-    refused(status, body, "tools[1].function.parameters", "tools[1].function.parameters (tool 'g')")
+    assert_refused(status, body, "tools[1].function.parameters", "tools[1].function.parameters (tool 'g')")
 
 
 def test_a_streaming_request_gets_the_400_before_its_stream_starts(server):
@@ -170,7 +170,7 @@ def test_a_streaming_request_gets_the_400_before_its_stream_starts(server):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=60)
     assert e.value.code == 400 and e.value.headers["content-type"] == "application/json"
-    refused(400, json.loads(e.value.read()), "tools[0].function.parameters", "admits no JSON value")
+    assert_refused(400, json.loads(e.value.read()), "tools[0].function.parameters", "admits no JSON value")
 
 
 @pytest.mark.parametrize("where, body, param", [
@@ -180,7 +180,7 @@ def test_a_streaming_request_gets_the_400_before_its_stream_starts(server):
 def test_a_schema_nested_too_deep_is_a_400_naming_its_field(server, where, body, param):
     url, _ = server
     status, out = chat(url, **body)
-    refused(status, out, param, "nests objects and arrays more than 100 deep", code=None)
+    assert_refused(status, out, param, "nests objects and arrays more than 100 deep", code=None)
 
 
 @pytest.mark.parametrize("rf, param, phrase", [
@@ -190,7 +190,7 @@ def test_a_schema_nested_too_deep_is_a_400_naming_its_field(server, where, body,
 ])
 def test_a_response_format_of_the_wrong_shape_names_the_part(server, rf, param, phrase):
     url, _ = server
-    refused(*chat(url, response_format=rf), param, phrase, code=None)
+    assert_refused(*chat(url, response_format=rf), param, phrase, code=None)
 
 
 TREE = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
@@ -264,7 +264,7 @@ def test_schemas_that_can_be_decoded_are_served_and_their_refs_are_the_tools_own
 def test_a_bad_message_is_a_400_that_says_what_is_wrong_and_where(server, messages, param, phrase):
     url, _ = server
     status, body = chat(url, messages=messages)
-    refused(status, body, param, phrase, code=None)
+    assert_refused(status, body, param, phrase, code=None)
     assert "got type 'text'" not in body["error"]["message"]
 
 
@@ -282,15 +282,15 @@ def test_nan_and_infinity_are_not_finite_numbers(server, field, literal, shown):
     url, _ = server
     raw = f'{{"model": "selfrl", "messages": [{{"role": "user", "content": "hi"}}], "{field}": {literal}}}'
     status, body = chat(url, raw=raw)
-    refused(status, body, field, f"{field} must be a finite number, got {shown}", code=None)
+    assert_refused(status, body, field, f"{field} must be a finite number, got {shown}", code=None)
 
 
 def test_logit_bias_values_and_seed_are_checked(server):
     url, _ = server
     raw = '{"model": "selfrl", "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": NaN}}'
-    refused(*chat(url, raw=raw), "logit_bias.5", "logit_bias['5'] must be a finite number, got nan", code=None)
-    refused(*chat(url, seed=2**70), "seed", "less than or equal to 9223372036854775807", code=None)
-    refused(*chat(url, temperature="NaN"), "temperature", "temperature must be a finite number, got 'NaN'", code=None)
+    assert_refused(*chat(url, raw=raw), "logit_bias.5", "logit_bias['5'] must be a finite number, got nan", code=None)
+    assert_refused(*chat(url, seed=2**70), "seed", "less than or equal to 9223372036854775807", code=None)
+    assert_refused(*chat(url, temperature="NaN"), "temperature", "temperature must be a finite number, got 'NaN'", code=None)
     status, body = chat(url, seed=2**62, temperature=0.5)  # in range: accepted (and ignored)
     assert status == 200, body
 
@@ -299,10 +299,10 @@ def test_the_responses_api_names_finite_numbers_and_content_parts_too(server):
     url, _ = server
     raw = '{"model": "selfrl", "input": "hi", "temperature": NaN}'
     status, body = http("POST", url + "/v1/responses", raw=raw.encode())
-    refused(status, body, "temperature", "temperature must be a finite number, got nan", code=None)
+    assert_refused(status, body, "temperature", "temperature must be a finite number, got nan", code=None)
     status, body = http("POST", url + "/v1/responses", {"model": "selfrl", "input": [
         {"role": "user", "content": [{"type": "input_text"}]}]})
-    refused(status, body, "input.0", 'content[0]: a input_text part needs a "text" string; this one has no "text" '
+    assert_refused(status, body, "input.0", 'content[0]: a input_text part needs a "text" string; this one has no "text" '
             "key", code=None)
 
 
@@ -336,7 +336,7 @@ def test_a_token_limit_beyond_the_context_is_a_400_naming_the_field_set(server, 
     url, _ = server
     full = {"model": "selfrl", "record": False, **({"messages": USER, "max_tokens": 4} if path == URL else {}), **body}
     status, out = http("POST", url + path, full)
-    refused(status, out, param, f"{param} 1000000000 + prompt ", code="context_length_exceeded")
+    assert_refused(status, out, param, f"{param} 1000000000 + prompt ", code="context_length_exceeded")
     assert out["error"]["message"].endswith(" tokens exceeds the context of 8192 tokens")  # the tiny model's
 
 

@@ -115,7 +115,7 @@ EXPECTED = {  # hook -> (the failed trajectory's error, its turns)
 }
 
 
-def check_batch(trajs, made: list[FlakyState], hook: str) -> None:
+def assert_batch_failures(trajs, made: list[FlakyState], hook: str) -> None:
     error, turns = EXPECTED[hook]
     assert [t.task_id for t in trajs] == [t.id for t in TASKS]
     bad = trajs[1]
@@ -133,7 +133,7 @@ def test_a_failing_environment_hook_fails_only_its_trajectory(tiny_tokenizer, ti
     made: list[FlakyState] = []
     trajs = rollout(engine_cls(tiny_model, tiny_tokenizer), TASKS, ["a", "b", "c"], [], cfg_for(hook),
                     env_factory=factory(hook, made))
-    check_batch(trajs, made, hook)
+    assert_batch_failures(trajs, made, hook)
     for t in trajs:
         t.check()  # token-level fields stay aligned, failed or not
 
@@ -146,7 +146,7 @@ def test_scripted_rollout_records_the_same_failures(hook):
         return ANSWER if any(m["role"] == "tool" and "POKED" in m["content"] for m in messages) else CALL
 
     trajs = scripted_rollout(policy, TASKS, [], cfg_for(hook), env_factory=factory(hook, made))
-    check_batch(trajs, made, hook)
+    assert_batch_failures(trajs, made, hook)
 
 
 def test_a_tool_that_raises_is_an_error_message_to_the_model(tiny_tokenizer, tiny_model):
