@@ -7,6 +7,10 @@ own copy, side by side in one process (two engines on one model, alternating rep
 - **long system prompt**: ``rows`` greedy rows of 24 new tokens after a system prompt of about
   ``--system-tokens`` tokens (an agent with many tool descriptions) and a short question each.
 - **same ids**: whether both engines sampled the same ids (they should, rounding aside).
+- **kernel**: the shared-prefix attention of one layer alone at the shapes the demo's passes have
+  (rows x queries a row, prefix and own columns; the embedded model's 9 query heads over 3 key/value
+  heads of 64), by batched products and one softmax (``attend_by_products``) against torch's fused
+  CPU kernel merged by log-sum-exp (what ``attend_with_shared_prefix`` runs on the CPU), microseconds.
 
     python benchmarks/bench_shared_attention.py --repeats 3
     python benchmarks/bench_shared_attention.py --repeats 3 --adapter runs/demo/adapters/v000002
@@ -26,6 +30,43 @@ from common import (  # noqa: E402
 )
 
 VARIANTS = {"own copies": False, "shared prefix once": True}  # name -> SlotEngine(shared_prefix_attention=...)
+# (rows, queries a row, prefix columns, own columns) of the demo's passes (a trained policy's batch): decoding
+# at 64 rows early and 55 later, the tail, the first turn's prefill, a tool reply's prefill, a drafted pass
+KERNEL_SHAPES = [(64, 1, 211, 20), (55, 1, 211, 80), (24, 1, 211, 100), (4, 1, 211, 116), (2, 1, 211, 160),
+                 (8, 17, 211, 17), (5, 37, 211, 81), (9, 3, 211, 110)]
+
+
+def kernel_table(repeats: int, tiny: bool) -> list[dict]:
+    """The attention of one layer alone at ``KERNEL_SHAPES`` (halved for ``tiny``): products against
+    the fused kernel, the median of ``max(repeats, 5) x 10`` calls each, microseconds, and the largest
+    difference between the two."""
+    import torch
+
+    from selfrl.engines.sharedattention import _attend_fused, attend_by_products, fused_kernel_available
+
+    if not fused_kernel_available():
+        return []
+    out = []
+    for B, T, P, S in KERNEL_SHAPES[:2] if tiny else KERNEL_SHAPES:
+        g = torch.Generator().manual_seed(B * 1000 + T)
+        q = torch.randn(B, 9, T, 64, generator=g)
+        pk, pv = torch.randn(3, P, 64, generator=g), torch.randn(3, P, 64, generator=g)
+        k, v = torch.randn(B, 3, S, 64, generator=g), torch.randn(B, 3, S, 64, generator=g)
+        pos = S - T + torch.arange(T)  # the last T own columns are the pass's queries
+        mask = (torch.arange(S)[None, None, None, :] <= pos[None, None, :, None]).expand(B, 1, T, S)
+        row = {"rows": B, "queries": T, "prefix": P, "own": S}
+        for name, fn in (("products", attend_by_products), ("fused", _attend_fused)):
+            fn(q, pk, pv, k, v, mask, 0.125)
+            times = []
+            for _ in range(max(repeats, 5) * 10):
+                t = time.perf_counter()
+                fn(q, pk, pv, k, v, mask, 0.125)
+                times.append(time.perf_counter() - t)
+            row[name + "_us"] = Stats.of(times).median * 1e6
+        diff = attend_by_products(q, pk, pv, k, v, mask, 0.125) - _attend_fused(q, pk, pv, k, v, mask, 0.125)
+        row["max_abs_diff"] = float(diff.abs().max())
+        out.append(row)
+    return out
 
 
 def long_prompts(tok, rows: int, system_tokens: int) -> list[list[int]]:
@@ -90,6 +131,13 @@ def main(argv: list[str] | None = None) -> dict:
         rows_out.append([rows, len(prompts[0]), Stats.of(secs["own copies"]).fmt(".2f"),
                          Stats.of(secs["shared prefix once"]).fmt(".2f"), f"{ratio:.2f}x", long[rows]["same_ids"]])
     result["long_system_prompt"] = long
+    kernel = kernel_table(args.repeats, args.tiny)
+    result["kernel"] = kernel
+    print_table("one layer's attention alone, microseconds (median)", ["rows x queries", "prefix + own columns",
+                "products", "fused kernel", "speed-up", "largest difference"],
+                [[f"{r['rows']} x {r['queries']}", f"{r['prefix']} + {r['own']}", f"{r['products_us']:.0f}",
+                  f"{r['fused_us']:.0f}", f"{r['products_us'] / r['fused_us']:.2f}x", f"{r['max_abs_diff']:.1e}"]
+                 for r in kernel])
     print_table(f"greedy rows after a long system prompt, 24 new tokens, seconds, median [min, max] of {args.repeats}",
                 ["rows", "prompt tokens", "own copies", "shared prefix once", "speed-up", "same ids"], rows_out)
     for e in engines.values():

@@ -252,6 +252,12 @@ def test_shared_attention_tiny(tmp_path):
         lv = r["long_system_prompt"][rows]
         assert lv["same_ids"] and lv["tokens"] > 0 and lv["prompt_tokens"] > 64
         assert lv["speed_up"] == pytest.approx(lv["own copies"].median / lv["shared prefix once"].median)
+    from selfrl.engines.sharedattention import fused_kernel_available
+
+    # the kernel table: the demo's first two shapes, both ways, the same attention to fp32 rounding
+    kernel = r["kernel"]
+    assert [(k["rows"], k["queries"]) for k in kernel] == ([(64, 1), (55, 1)] if fused_kernel_available() else [])
+    assert all(k["products_us"] > 0 and k["fused_us"] > 0 and k["max_abs_diff"] < 1e-5 for k in kernel)
     assert (tmp_path / "shared_attention.json").exists()
 
 

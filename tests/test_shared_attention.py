@@ -8,7 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from selfrl.engines.sharedattention import ATTENTION_NAME, attend_with_shared_prefix, takes_shared_prefix
+from selfrl.engines import sharedattention
+from selfrl.engines.sharedattention import (
+    ATTENTION_NAME, attend_by_products, attend_with_shared_prefix, fused_kernel_available, takes_shared_prefix,
+)
 from selfrl.engines.slots import SlotEngine
 from tests.test_engine_conformance import assert_matches_model
 from tests.test_slot_engine import prompts_with_system
@@ -41,6 +44,58 @@ def test_attention_equals_attention_over_the_whole_rows(groups, T):
     pk2 = pk.clone()
     pk2[:, 0] += 1.0
     assert not torch.allclose(attend_with_shared_prefix(q, pk2, pv, k, v, mask, D ** -0.5), out)
+
+
+@pytest.mark.skipif(not fused_kernel_available(), reason="torch's fused CPU attention kernel is not available")
+@pytest.mark.parametrize("T", [1, 3])
+def test_the_fused_kernel_gives_what_products_give_on_the_cache_s_views(T, monkeypatch):
+    # the cache hands attention strided views (a window of rows and columns of a larger tensor); row 2's
+    # first query sees none of its own columns (only the prefix); 9 query heads over 3 key/value heads
+    torch.manual_seed(1)
+    B, KV, G, P, S, D = 4, 3, 3, 11, 6, 16
+    store_k, store_v = torch.randn(B + 2, KV, S + 9, D), torch.randn(B + 2, KV, S + 9, D)  # (slots, kv, columns, D)
+    k, v = store_k[1:B + 1, :, 4:4 + S], store_v[1:B + 1, :, 4:4 + S]  # (B, KV, S, D) views, not contiguous
+    prefix = torch.randn(KV, P + 5, D), torch.randn(KV, P + 5, D)
+    pk, pv = prefix[0][:, :P], prefix[1][:, :P]  # a stored prefix's first P columns
+    q = torch.randn(B, KV * G, T, D)
+    lengths = torch.tensor([6, 2, T - 1, 4])  # own columns each row's last query sees (row 2: T - 1)
+    mask = torch.arange(S)[None, None, :] < (lengths[:, None, None] - T + 1 + torch.arange(T)[None, :, None])
+    mask = mask[:, None]  # (B, 1, T, S); row 2's first query sees no own column
+    assert not mask[2, 0, 0].any()
+    calls = []
+    real = sharedattention._FUSED
+    monkeypatch.setattr(sharedattention, "_FUSED", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    fused = attend_with_shared_prefix(q, pk, pv, k, v, mask, D ** -0.5)
+    assert len(calls) == 2  # the prefix part and the rows' own part
+    want = attend_by_products(q, pk, pv, k, v, mask, D ** -0.5)
+    assert fused.shape == want.shape == (B, T, KV * G, D)
+    torch.testing.assert_close(fused, want, atol=2e-6, rtol=0)
+    # the same values in layouts whose last dimension is strided (the small-batch product's transposed
+    # rows give such queries; the kernel read them as garbage, up to 7.6e34 off, until they were copied)
+    odd_q = q.permute(3, 1, 2, 0).contiguous().permute(3, 1, 2, 0)  # strides (1, ..., ..., B)
+    odd_k, odd_v = (t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (k, v))
+    assert odd_q.stride(-1) != 1 and odd_k.stride(-1) != 1
+    torch.testing.assert_close(attend_with_shared_prefix(odd_q, pk, pv, odd_k, odd_v, mask, D ** -0.5), want,
+                               atol=2e-6, rtol=0)
+    # the query that sees only the prefix: softmax attention over the prefix alone
+    alone = F.scaled_dot_product_attention(q[2:3, :, :1], pk.repeat_interleave(G, 0)[None], pv.repeat_interleave(G, 0)[None])
+    torch.testing.assert_close(fused[2, 0], alone[0, :, 0], atol=2e-6, rtol=0)
+
+
+def test_without_the_fused_kernel_products_compute_it(monkeypatch):
+    monkeypatch.setattr(sharedattention, "_FUSED", None)
+    sharedattention.fused_kernel_available.cache_clear()
+    try:
+        assert not fused_kernel_available()
+        torch.manual_seed(2)
+        q, pk, pv = torch.randn(2, 4, 1, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+        k, v, m = torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8), torch.ones(2, 1, 1, 3, dtype=torch.bool)
+        torch.testing.assert_close(attend_with_shared_prefix(q, pk, pv, k, v, m, 0.3),
+                                   attend_by_products(q, pk, pv, k, v, m, 0.3), atol=0, rtol=0)
+    finally:
+        monkeypatch.undo()
+        sharedattention.fused_kernel_available.cache_clear()
+    assert fused_kernel_available() == (sharedattention._FUSED is not None)
 
 
 def _two_turns(engine, tok, seed):
