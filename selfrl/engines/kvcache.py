@@ -13,7 +13,8 @@ The object speaks the part of ``transformers``' ``Cache`` protocol a decoder lay
 uses (``update(key_states, value_states, layer_idx, ...)``); the caller passes
 ``position_ids`` and a ready 4-D mask, so nothing else is asked of it. The active
 rows of a forward pass are always a contiguous range of slots (``window``), so the
-keys and values handed to attention are views, never copies.
+keys and values handed to attention are views, never copies. A packed pass (several passes'
+tokens in one sequence, :meth:`SlotCache.set_packed`) hands attention the whole tensors instead.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class SlotCache:
         self.write_rows: torch.Tensor | None = None  # (b, T) slot of each input token
         self.write_cols: torch.Tensor | None = None  # (b, T) column of each input token
         self.shared: SharedPrefix | None = None  # a prefix all rows of the pass share, attended apart
+        self.segments: list | None = None  # a packed pass's segments (selfrl.engines.packedattention.Segment)
 
     # ------------------------------------------------------------------ the transformers side
 
@@ -57,6 +59,8 @@ class SlotCache:
         k, v = self.k[layer_idx], self.v[layer_idx]
         k[self.write_rows, :, self.write_cols] = key_states.transpose(1, 2)  # (b, T, kv_heads, head_dim)
         v[self.write_rows, :, self.write_cols] = value_states.transpose(1, 2)
+        if self.segments is not None:  # a packed pass: each segment's attention takes its own rows and columns
+            return k, v
         start = self.shared.length if self.shared is not None else 0  # the shared prefix is attended apart
         return k[self.rows, :, start:self.width], v[self.rows, :, start:self.width]
 
@@ -74,7 +78,14 @@ class SlotCache:
         reads the prefix from ``shared`` (:mod:`selfrl.engines.sharedattention`); the forward pass
         unsets it where the attention cannot (``MergedPolicy.__call__``)."""
         self.rows, self.width, self.write_rows, self.write_cols = rows, width, write_rows, write_cols
-        self.shared = shared
+        self.shared, self.segments = shared, None
+
+    def set_packed(self, write_rows: torch.Tensor, write_cols: torch.Tensor, segments: list) -> None:
+        """Set up a packed forward pass (:mod:`selfrl.engines.packedattention`): its (1, N) tokens are
+        written at ``write_rows``, ``write_cols``, and ``update`` hands attention every layer's whole
+        tensors, which :func:`~selfrl.engines.packedattention.packed_attention` reads segment by segment."""
+        self.write_rows, self.write_cols, self.segments, self.shared = write_rows, write_cols, segments, None
+        self.rows, self.width = slice(0, self.slots), max(s.width for s in segments)
 
     @property
     def scratch(self) -> int:

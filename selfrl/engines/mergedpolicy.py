@@ -48,7 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfrl.engines.sharedattention import ATTENTION_NAME, takes_shared_prefix
+from selfrl.engines.packedattention import ATTENTION_NAME  # (registers the view's attention)
+from selfrl.engines.sharedattention import takes_shared_prefix
 from selfrl.engines.weightwatch import WeightWatch, hook_dicts
 from selfrl.matmul import is_routed, pack, packed_linear, packing_available
 
@@ -250,9 +251,18 @@ class MergedPolicy:
             elif self.watch.generation != self._merged_at:
                 self._merge()
 
+    def takes_packed(self) -> bool:
+        """Whether the view can run a packed forward pass (:mod:`selfrl.engines.packedattention`): it
+        runs its own forward pass (not :attr:`passthrough`) and every attention layer points at the
+        view's attention (:attr:`shared_prefix_layers`), after a fast :meth:`sync`."""
+        with self._lock:
+            self.sync()
+            return not self.passthrough and bool(self.shared_prefix_layers)
+
     def __call__(self, **kwargs):
         """The view's forward pass, after a fast :meth:`sync`; the policy's own forward pass while
-        a peft wrapper carries forward hooks (:attr:`passthrough`). A ``cache`` whose ``shared``
+        a peft wrapper carries forward hooks (:attr:`passthrough`). A ``cache`` with ``segments`` set
+        runs packed (:meth:`takes_packed`, else RuntimeError). A ``cache`` whose ``shared``
         prefix is set (:class:`~selfrl.engines.kvcache.SlotCache`) has it attended once for all rows
         (:mod:`selfrl.engines.sharedattention`) where every attention layer takes it, and has it
         unset otherwise (the cache then hands attention whole rows)."""
@@ -260,7 +270,12 @@ class MergedPolicy:
             self.sync()
             cache = kwargs.get("cache")
             shared = getattr(cache, "shared", None)  # a SlotCache's prefix shared by the pass's rows
-            if shared is not None:
+            if getattr(cache, "segments", None) is not None:  # a packed pass (selfrl.engines.packedattention)
+                if not self.takes_packed():
+                    raise RuntimeError("a packed pass needs the view's own attention in every layer "
+                                       "(MergedPolicy.takes_packed); run its passes one by one")
+                kwargs["packed_segments"] = cache.segments
+            elif shared is not None:
                 if self.passthrough or not self.shared_prefix_layers:
                     cache.shared = None  # attention over each row's own columns, the prefix included
                 else:

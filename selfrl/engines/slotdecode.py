@@ -17,12 +17,44 @@ from __future__ import annotations
 import torch
 
 from selfrl.constrain import ConstraintError
+from dataclasses import dataclass, field
+
 from selfrl.engines.drafts import draft_width, lookup_draft, verify_drafts
+from selfrl.engines.packedattention import Segment
+from selfrl.engines.sharedattention import SharedPrefix
 from selfrl.engines.sampling import choose_tokens, next_token_logps
 from selfrl.engines.slotattention import additive_mask
 from selfrl.engines.slotrequest import Call, Request
 
 Chosen = tuple[int, float, list[tuple[int, float]] | None]  # (id, logprob, top alternatives or None)
+
+
+@dataclass
+class Pass:
+    """One forward pass of the slot engine over a contiguous range of slots: a prefill of admitted
+    rows, or a decoding pass. Run alone (:meth:`SlotDecode._run_pass`) or packed with the step's other
+    pass (:meth:`SlotDecode._run_packed`).
+
+    Attributes:
+        rows: the slots, ``b`` of them.
+        ids, pos, cols: (b, T) long: input ids, their positions, and the cache column each is written
+            to (the scratch column for padding, which no mask shows).
+        mask: (b, 1, T, width) bool, ``column <= position``.
+        width: the columns the rows' attention reads.
+        shared: the stored prefix every row starts with, attended once for all (or None).
+        keep: the last ``keep`` places of each row whose logits are wanted.
+        drafts: a decoding pass's drafted ids per row (:mod:`selfrl.engines.drafts`).
+    """
+
+    rows: slice
+    ids: torch.Tensor
+    pos: torch.Tensor
+    cols: torch.Tensor
+    mask: torch.Tensor
+    width: int
+    shared: SharedPrefix | None = None
+    keep: int = 1
+    drafts: list[list[int]] = field(default_factory=list)
 
 
 def _alternatives(top, j: int, n: int) -> list[tuple[int, float]] | None:
@@ -50,30 +82,88 @@ class SlotDecode:
 
     def _decode(self) -> None:
         """One decoding pass over the active rows: one id each, or with drafts a few."""
-        rows = self._rows
-        drafts = self._drafts(rows)
+        p = self._decode_pass(self._rows)
+        self._decode_chosen(self._rows, p, self._run_pass(p))
+
+    def _decode_pass(self, rows: list[Request], drafts: bool = True) -> Pass:
+        """The decoding pass of ``rows`` (slots 0 to B - 1): each row's last id, then (with ``drafts``)
+        the ids drafted for it (:meth:`_drafts`), padding after them written to the scratch column."""
+        chosen = self._drafts(rows) if drafts else [[] for _ in rows]
         lens = torch.tensor([r.length for r in rows])  # (B,) the last id goes to column lens
-        T = 1 + max(map(len, drafts), default=0)
+        T = 1 + max(map(len, chosen), default=0)
         B = len(rows)
         if T == 1:
             pos = cols = lens[:, None]  # (B, 1)
         else:  # row i: its last id, then its drafted ids, then padding (written to the scratch column)
-            fed = torch.tensor([1 + len(d) for d in drafts])  # (B,)
+            fed = torch.tensor([1 + len(d) for d in chosen])  # (B,)
             real = torch.arange(T)[None, :] < fed[:, None]  # (B, T)
             pos = lens[:, None] + torch.minimum(torch.arange(T)[None, :], fed[:, None] - 1)  # (B, T) padding repeats
             cols = torch.where(real, pos, self.cache.scratch)
         width = int(pos.max()) + 1
-        self.cache.set_pass(slice(0, B), width, torch.arange(B)[:, None].expand(B, T), cols,
-                            shared=self._shared_prefix(rows))
         mask = (torch.arange(width)[None, None, :] <= pos[:, :, None])[:, None]  # (B, 1, T, W)
         ids = torch.tensor([[r.token_ids[-1], *d] + [self.pad_token_id] * (T - 1 - len(d))
-                            for r, d in zip(rows, drafts)])  # (B, T)
-        logits = self._forward(ids, pos, mask, keep=T)  # (B, V) or (B, T, V)
+                            for r, d in zip(rows, chosen)])  # (B, T)
+        return Pass(slice(0, B), ids, pos, cols, mask, width, self._shared_prefix(rows), keep=T, drafts=chosen)
+
+    def _decode_chosen(self, rows: list[Request], p: Pass, logits: torch.Tensor) -> None:
+        """Choose and record each row's ids from its decoding pass ``p``'s ``logits`` ((B, V), or
+        (B, T, V) with drafts)."""
         self.steps += 1
-        if T == 1:
+        if p.keep == 1:
             self._sample(rows, logits, fed=True)
         else:
-            self._speculate(rows, drafts, logits)
+            self._speculate(rows, p.drafts, logits)
+
+    def _run_pass(self, p: Pass) -> torch.Tensor:
+        """Run pass ``p`` alone; its (b, V) logits, or (b, keep, V) with ``keep`` > 1."""
+        b, T = p.ids.shape
+        slots = torch.arange(p.rows.start, p.rows.start + b)[:, None].expand(b, T)
+        self.cache.set_pass(p.rows, p.width, slots, p.cols, shared=p.shared)
+        return self._forward(p.ids, p.pos, p.mask, keep=p.keep)
+
+    def _packs(self) -> bool:
+        """Whether the passes of a step can run as one packed forward pass
+        (:mod:`selfrl.engines.packedattention`): the merged view runs with its own attention everywhere."""
+        return self.merged is not None and self.merged.takes_packed()
+
+    def _run_packed(self, passes: list[Pass]) -> list[torch.Tensor]:
+        """Run ``passes`` as one forward pass, their real tokens end to end (padding dropped); each
+        pass's logits as :meth:`_run_pass` would give them ((b, V), or (b, keep, V)). A kept place that
+        holds padding (a drafted pass's row with fewer drafts) gets its row's last real token's logits,
+        which nothing reads."""
+        ids, pos, slots, cols, segments, keep = [], [], [], [], [], []
+        offset = 0
+        for p in passes:
+            b, T = p.ids.shape
+            row, query = (p.cols != self.cache.scratch).nonzero(as_tuple=True)  # (n,) each, row by row
+            tokens = torch.arange(offset, offset + len(row))  # (n,)
+            ids.append(p.ids[row, query])
+            pos.append(p.pos[row, query])
+            slots.append(p.rows.start + row)
+            cols.append(p.cols[row, query])
+            segments.append(Segment(p.rows, p.width, tokens, row, query, p.mask, p.shared))
+            at = torch.full((b, T), -1, dtype=torch.long)  # (b, T) each grid place's token, -1: padding
+            at[row, query] = tokens
+            last = at[:, T - p.keep:]  # (b, keep)
+            keep.append(torch.where(last < 0, at.amax(dim=1, keepdim=True), last))
+            offset += len(row)
+        self.cache.set_packed(torch.cat(slots)[None], torch.cat(cols)[None], segments)
+        wanted = torch.cat([k.reshape(-1) for k in keep])
+        kept, where = torch.unique(wanted, sorted=True, return_inverse=True)  # logits only where read
+        out = self.merged(input_ids=torch.cat(ids)[None], position_ids=torch.cat(pos)[None],
+                          attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool), cache=self.cache,
+                          use_cache=True, logits_to_keep=kept)
+        self.cache.segments = None
+        self.shared_prefix_passes += sum(s.shared is not None for s in segments)
+        self.packed_passes += 1
+        logits = out.logits[0].float()[where]  # (sum of b x keep, V)
+        result, start = [], 0
+        for p, k in zip(passes, keep):
+            n = k.numel()
+            block = logits[start:start + n].view(*k.shape, -1)  # (b, keep, V)
+            result.append(block[:, 0] if p.keep == 1 else block)
+            start += n
+        return result
 
     def _drafts(self, rows: list[Request]) -> list[list[int]]:
         """Each row's drafted ids for this pass (:mod:`selfrl.engines.drafts`): none when drafts are

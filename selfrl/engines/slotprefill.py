@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from selfrl.engines.sharedattention import SharedPrefix
+from selfrl.engines.slotdecode import Pass
 from selfrl.engines.slotrequest import Request
 from selfrl.prefix import MIN_SHARED_PREFIX, group_repeats, shared_prefix_len
 
@@ -48,11 +49,14 @@ class SlotPrefill:
     def _store_prefix(self, tokens: list[int], slot: int) -> None:
         self._prefixes.add(tokens, *self.cache.read_prefix(slot, len(tokens)))
 
-    def _prefill(self, new: list[Request]) -> torch.Tensor:
+    def _prefill(self, new: list[Request], decode: Pass | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Encode the prompts of ``new`` rows into the slots after the active ones; returns their
-        (b, V) next-token logits. With ``share_prefix``, a prompt repeated in ``new`` (a group's
-        ``num_generations`` samples) is encoded once and its keys, values and logits copied: such
-        rows move to the end of ``new`` (in place), so the rows encoded are a contiguous window."""
+        (b, V) next-token logits, and with ``decode`` (the active rows' decoding pass) that pass's
+        logits too: both passes then run as one packed forward pass
+        (:mod:`selfrl.engines.packedattention`). With ``share_prefix``, a prompt repeated in ``new``
+        (a group's ``num_generations`` samples) is encoded once and its keys, values and logits
+        copied: such rows move to the end of ``new`` (in place), so the rows encoded are a contiguous
+        window."""
         first = len(self._rows)
         self.cache.ensure(first + len(new), max(len(r.prompt) + r.max_new_tokens for r in new), used=first)
         # every kind of change (about 20 ms) when rows join an idle engine, where a learner or a swap
@@ -69,16 +73,22 @@ class SlotPrefill:
             order, copies = group_repeats([r.prompt for r in new])
             new[:] = [new[i] for i in order]
         n = len(new) - len(copies)  # rows encoded
-        logits = self._encode_prompts(first, new[:n])
+        p, starts = self._prompt_pass(first, new[:n])
+        if decode is None:
+            logits, decoded = self._run_pass(p), None
+        else:
+            logits, decoded = self._run_packed([p, decode])
+        self._keep_unshared_prompt(first, new[:n], starts)
         for j, k in enumerate(copies):  # (column = position: the prompt fills columns [0, len))
             r = new[n + j]
             self.cache.move_row(first + k, first + n + j, len(r.prompt))
             r.length = len(r.prompt)
             r.shared = new[k].shared
-        return torch.cat([logits, logits[copies]]) if copies else logits
+        return (torch.cat([logits, logits[copies]]) if copies else logits), decoded
 
-    def _encode_prompts(self, first: int, new: list[Request]) -> torch.Tensor:
-        """Prefill ``new`` rows into slots ``first``, ``first + 1``, ...; their (b, V) logits."""
+    def _prompt_pass(self, first: int, new: list[Request]) -> tuple[Pass, list[int]]:
+        """The prefill pass of ``new`` rows into slots ``first``, ``first + 1``, ...: what no stored
+        prefix or kept row already holds, left-padded; and where each row's own part starts."""
         if self.share_prefix:
             # a prefix common to the rows admitted now, or to a generate call: encoded once
             common = shared_prefix_len([r.prompt for r in new])
@@ -115,17 +125,18 @@ class SlotPrefill:
             cols[i, T - n:] = pos[i, T - n:]
             r.length = len(r.prompt)
         width = max(len(r.prompt) for r in new)
-        slots = torch.arange(first, first + b)[:, None].expand(b, T)
-        # every row starts at or after the stored prefix it matched: every query comes after the shared one
-        self.cache.set_pass(slice(first, first + b), width, slots, cols, shared=self._shared_prefix(new))
         mask = (torch.arange(width)[None, None, :] <= pos[:, :, None])[:, None]  # (b, 1, T, W)
-        logits = self._forward(input_ids, pos, mask)
-        if self.share_prefix:  # an unshared prompt may start later ones (a chat's system prompt)
+        # every row starts at or after the stored prefix it matched: every query comes after the shared one
+        return Pass(slice(first, first + b), input_ids, pos, cols, mask, width, self._shared_prefix(new)), starts
+
+    def _keep_unshared_prompt(self, first: int, new: list[Request], starts: list[int]) -> None:
+        """After a prefill: with ``share_prefix``, store the first long prompt that matched nothing
+        stored (a chat's system prompt may start later ones)."""
+        if self.share_prefix:
             k = next((k for k, (r, m) in enumerate(zip(new, starts)) if m == 0 and len(r.prompt) > 2 * MIN_SHARED_PREFIX),
                      None)
             if k is not None:
                 self._store_prefix(new[k].prompt[:-1], first + k)
-        return logits
 
     def _encode(self, tokens: list[int], slot: int) -> None:
         """Encode ``tokens`` alone into ``slot`` and keep them as a stored prefix; a stored prefix of

@@ -111,6 +111,11 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
             at most ``draft_budget`` ids (passes of more rows draft nothing), and keeps those the
             model chooses itself: exact, the same ids and logprobs as one pass an id up to rounding.
             0 turns it off.
+        pack_passes: a step that admits rows while others decode runs the new rows' prefill and the
+            others' decoding pass as one forward pass, their tokens end to end without padding
+            (:mod:`selfrl.engines.packedattention`; where the merged view attends with its own attention:
+            ``merge_lora`` and the models ``shared_prefix_attention`` takes). The packed pass drafts
+            nothing. False: two passes, the prefill first.
         driver: who runs the decoding steps. ``"thread"``: a worker thread of the engine's
             own, which decodes while nobody waits (a server's streams). ``"caller"``: the
             threads that wait on results (``generate``, :meth:`wait`, a future's
@@ -137,7 +142,7 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
     def __init__(self, model, tokenizer, version: int = 0, max_slots: int = 64, share_prefix: bool = True,
                  prefix_entries: int = 4, driver: str = "thread", merge_lora: bool = True,
                  continuation_bytes: int = CONTINUATION_BYTES, shared_prefix_attention: bool = True,
-                 draft_ids: int = DRAFT_IDS, draft_budget: int = DRAFT_BUDGET):
+                 draft_ids: int = DRAFT_IDS, draft_budget: int = DRAFT_BUDGET, pack_passes: bool = True):
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         if continuation_bytes < 0:
@@ -156,6 +161,8 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
         self.max_slots, self.share_prefix, self.prefix_entries = max_slots, share_prefix, prefix_entries
         self.shared_prefix_attention = shared_prefix_attention
         self.draft_ids, self.draft_budget = draft_ids, draft_budget
+        self.pack_passes = pack_passes
+        self.packed_passes = 0  # forward passes that ran a step's prefill and decoding pass together
         self.draft_passes = 0  # decoding passes that fed drafted ids
         self.drafted_ids = 0  # ids drafted in them
         self.accepted_ids = 0  # drafted ids kept (each one a decoding pass saved)
@@ -450,9 +457,13 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
             self.lock.release_shared()
         new = [r for r in new if r not in cancelled]
         self._admitting = new  # neither queued nor active while prefilled: an interrupt must still fail them
+        decoded = False
         if new:
+            old = self._rows
+            # while rows decode, their pass and the new rows' prefill run as one packed forward pass
+            decode = self._decode_pass(old, drafts=False) if old and self.pack_passes and self._packs() else None
             try:
-                logits = self._prefill(new)  # (b, V)
+                logits, old_logits = self._prefill(new, decode)  # (b, V), and the old rows' (B, V) or None
             except Exception as e:  # the admitted requests get the error; the running rows go on
                 self._error = f"last prefill failed: {e!r}"
                 for r in new:
@@ -460,9 +471,12 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
                 new = []
             else:
                 self._rows = self._rows + new
+                if old_logits is not None:  # the old rows first: every length is counted before rows move
+                    self._decode_chosen(old, decode, old_logits)
+                    decoded = True
                 self._sample(new, logits)
         self._admitting = []
-        if self._rows:  # one decoding pass for the active rows
+        if self._rows and not decoded:  # one decoding pass for the active rows
             self._decode()
 
     def _drop_cancelled(self) -> None:
