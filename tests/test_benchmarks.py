@@ -279,6 +279,18 @@ def test_matmul_tiny(tmp_path):
     assert (tmp_path / "matmul.json").exists()
 
 
+def test_packed_tiny(tmp_path):
+    import bench_packed
+
+    r = bench_packed.main(TINY + ["--out", str(tmp_path)])
+    two, one = r["rollouts"]["two passes"], r["rollouts"]["one packed pass"]
+    # the tiny batch's one-turn rows all start together, so nothing packs here (tests/test_packed_passes.py
+    # covers packed steps); the table's fields and the same ids either way
+    assert two["packed_passes"] == 0 and one["packed_passes"] == one["admitting_steps"] == 0
+    assert one["same_ids_as_first"] and two["tokens"] == one["tokens"] and two["tokens"][0] > 0
+    assert r["bound_tokens_per_s"] > 0 and two["speed_up"] == 1.0 and (tmp_path / "packed.json").exists()
+
+
 def test_drafts_tiny(tmp_path):
     import bench_drafts
 

@@ -51,26 +51,32 @@ def test_a_prompt_id_outside_the_vocabulary_is_refused_in_the_callers_thread(mak
         engine.close()
 
 
+@pytest.mark.parametrize("where", ["_prefill", "_run_packed"], ids=["prefill", "packed pass"])
 def test_a_failed_prefill_fails_the_admitted_requests_and_the_running_row_goes_on(tiny_tokenizer,
-                                                                                 tiny_model_factory, monkeypatch):
+                                                                                 tiny_model_factory, monkeypatch, where):
+    # "_run_packed": the forward pass that carries the new rows' prefill and the running row's next id
+    # fails; the running row then decodes in a pass of its own
     model = tiny_model_factory(eos_bias=-50.0, lora=True)  # no EOS: rows run to their limit
     engine = SlotEngine(model, tiny_tokenizer)
     prompt = prompts_with_system(tiny_tokenizer, ["Hi"])[0]
     running = engine.submit(prompt, 40, greedy=True)
     while engine.steps < 2:
         time.sleep(0.01)
-    real = engine._prefill
+    real = getattr(engine, where)
 
-    def failing(new):
-        monkeypatch.setattr(engine, "_prefill", real)  # once
+    def failing(*args):
+        monkeypatch.setattr(engine, where, real)  # once
         raise MemoryError("no room for the new rows")
 
-    monkeypatch.setattr(engine, "_prefill", failing)
+    monkeypatch.setattr(engine, where, failing)
     late = [engine.submit(prompt, 5, greedy=True), engine.submit(prompt[:-1], 5, greedy=True)]
     for f in late:
         with pytest.raises(MemoryError, match="no room"):
             f.result(timeout=60)
-    assert len(running.result(timeout=120).token_ids) == 40  # the running row was not touched
+    got = running.result(timeout=120)
+    assert len(got.token_ids) == 40  # the running row was not touched
+    alone = SlotEngine(model, tiny_tokenizer, driver="caller").generate([prompt], 40, greedy=True)[0]
+    assert got.token_ids == alone.token_ids  # nor were its ids (greedy: those of the row decoding alone)
     assert engine.lock.in_flight == 0
     assert swap_finishes(engine, model, 1)
     assert engine.submit(prompt, 3, greedy=True).result(timeout=60).adapter_version == 1
