@@ -73,7 +73,7 @@ def test_fp32_packed_logprobs_stay_exact_with_drafts_and_greedy_rows(tiny_tokeni
     model = tiny_model_factory(eos_bias=2.5, lora=True)
     engine = SlotEngine(model, tiny_tokenizer, driver="caller", max_slots=3)
     prompts, gens = _two_turns(engine, tiny_tokenizer, 11)
-    assert engine.packed_passes > 0 and engine.draft_passes > 0  # drafts in the passes that run alone
+    assert engine.packed_passes > 0 and engine.draft_passes > 0  # drafted passes, packed or alone
     assert_matches_model(gens, prompts, model, 0.9, tiny_tokenizer.eos_token_id, 12)
     greedy = engine.generate(prompts, 5, greedy=True)
     assert_matches_model(greedy, prompts, model, 1.0, tiny_tokenizer.eos_token_id, 5)

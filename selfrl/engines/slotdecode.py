@@ -85,10 +85,10 @@ class SlotDecode:
         p = self._decode_pass(self._rows)
         self._decode_chosen(self._rows, p, self._run_pass(p))
 
-    def _decode_pass(self, rows: list[Request], drafts: bool = True) -> Pass:
-        """The decoding pass of ``rows`` (slots 0 to B - 1): each row's last id, then (with ``drafts``)
-        the ids drafted for it (:meth:`_drafts`), padding after them written to the scratch column."""
-        chosen = self._drafts(rows) if drafts else [[] for _ in rows]
+    def _decode_pass(self, rows: list[Request]) -> Pass:
+        """The decoding pass of ``rows`` (slots 0 to B - 1): each row's last id, then the ids drafted
+        for it (:meth:`_drafts`), padding after them written to the scratch column."""
+        chosen = self._drafts(rows)
         lens = torch.tensor([r.length for r in rows])  # (B,) the last id goes to column lens
         T = 1 + max(map(len, chosen), default=0)
         B = len(rows)

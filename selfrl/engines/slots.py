@@ -114,8 +114,8 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
         pack_passes: a step that admits rows while others decode runs the new rows' prefill and the
             others' decoding pass as one forward pass, their tokens end to end without padding
             (:mod:`selfrl.engines.packedattention`; where the merged view attends with its own attention:
-            ``merge_lora`` and the models ``shared_prefix_attention`` takes). The packed pass drafts
-            nothing. False: two passes, the prefill first.
+            ``merge_lora`` and the models ``shared_prefix_attention`` takes); the running rows draft as
+            in a pass of their own. False: two passes, the prefill first.
         driver: who runs the decoding steps. ``"thread"``: a worker thread of the engine's
             own, which decodes while nobody waits (a server's streams). ``"caller"``: the
             threads that wait on results (``generate``, :meth:`wait`, a future's
@@ -461,7 +461,7 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
         if new:
             old = self._rows
             # while rows decode, their pass and the new rows' prefill run as one packed forward pass
-            decode = self._decode_pass(old, drafts=False) if old and self.pack_passes and self._packs() else None
+            decode = self._decode_pass(old) if old and self.pack_passes and self._packs() else None
             try:
                 logits, old_logits = self._prefill(new, decode)  # (b, V), and the old rows' (B, V) or None
             except Exception as e:  # the admitted requests get the error; the running rows go on
