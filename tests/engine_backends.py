@@ -31,6 +31,14 @@ def chat_prompts(tok) -> list[list[int]]:
     return [prompt_ids(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
 
 
+def assert_same_samples(a, b, atol: float = 1e-10) -> None:
+    """Two lists of generations sampled the same ids, with logprobs within ``atol`` (fp64 runs: two
+    ways of computing the same passes, where rounding cannot flip a draw)."""
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=atol, rtol=0)
+
+
 def naive_logps(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
     """(n,) log-probs of ``completion`` after ``prompt`` from full-vocabulary logits of one unpadded row."""
     ids = torch.tensor([prompt + completion])  # (1, T)

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from selfrl.engines.packedattention import Segment, packed_attention
 from selfrl.engines.sharedattention import SharedPrefix
 from selfrl.engines.slots import SlotEngine
+from tests.engine_backends import assert_same_samples
 from tests.test_engine_conformance import assert_matches_model
-from tests.test_slot_engine import prompts_with_system
+from tests.test_shared_attention import QUESTIONS, two_turns
 
 
 def test_each_token_attends_to_its_own_row_as_in_its_own_pass(tiny_model_factory):
@@ -41,16 +42,9 @@ def test_each_token_attends_to_its_own_row_as_in_its_own_pass(tiny_model_factory
 
 
 def _two_turns(engine, tok, seed):
-    """7 rows after one system prompt in 3 slots (rows are admitted while others decode), then each
-    row's next turn (a continuation of the kept row: only the reply is prefilled)."""
-    first = prompts_with_system(tok, ["What is 17+25?", "Add 1, 2, 3 and 4.", "Hi", "What is 2*21?",
-                                      "Name a prime.", "Count to three.", "Is 9 odd?"])
-    torch.manual_seed(seed)
-    gens = engine.generate(first, 12, temperature=0.9)
-    reply = tok("<tool_response>42</tool_response>", add_special_tokens=False)["input_ids"]
-    second = [p + g.token_ids + reply for p, g in zip(first, gens)]
-    torch.manual_seed(seed + 1)
-    return first + second, gens + engine.generate(second, 12, temperature=0.9)
+    """7 rows after one system prompt (in 3 slots, rows are admitted while others decode), then each
+    row's next turn."""
+    return two_turns(engine, tok, seed, QUESTIONS + ["Name a prime.", "Count to three.", "Is 9 odd?"], limit=12)
 
 
 def test_packed_steps_sample_what_two_passes_sample(tiny_tokenizer, tiny_model_factory):
@@ -61,9 +55,7 @@ def test_packed_steps_sample_what_two_passes_sample(tiny_tokenizer, tiny_model_f
     prompts, packed = _two_turns(on, tiny_tokenizer, 3)
     _, apart = _two_turns(off, tiny_tokenizer, 3)
     assert on.packed_passes >= 4 and off.packed_passes == 0
-    assert [g.token_ids for g in packed] == [g.token_ids for g in apart]
-    for x, y in zip(packed, apart):
-        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-10, rtol=0)
+    assert_same_samples(packed, apart)
     assert_matches_model(packed, prompts, model, 0.9, tiny_tokenizer.eos_token_id, 12)
     on.close()
     off.close()

@@ -13,6 +13,7 @@ from selfrl.engines.sharedattention import (
     ATTENTION_NAME, attend_by_products, attend_with_shared_prefix, fused_kernel_available, takes_shared_prefix,
 )
 from selfrl.engines.slots import SlotEngine
+from tests.engine_backends import assert_same_samples
 from tests.test_engine_conformance import assert_matches_model
 from tests.test_slot_engine import prompts_with_system
 
@@ -98,15 +99,19 @@ def test_without_the_fused_kernel_products_compute_it(monkeypatch):
     assert fused_kernel_available() == (sharedattention._FUSED is not None)
 
 
-def _two_turns(engine, tok, seed):
-    """A batch with one system prompt, then each row's next turn (its prompt, its ids and a reply)."""
-    first = prompts_with_system(tok, ["What is 17+25?", "Add 1, 2, 3 and 4.", "Hi", "What is 2*21?"])
+QUESTIONS = ["What is 17+25?", "Add 1, 2, 3 and 4.", "Hi", "What is 2*21?"]
+
+
+def two_turns(engine, tok, seed, questions=QUESTIONS, limit: int = 6):
+    """A batch with one system prompt, then each row's next turn (its prompt, its ids and a reply: a
+    continuation of the kept row, only the reply prefilled); (all prompts, all generations)."""
+    first = prompts_with_system(tok, questions)
     torch.manual_seed(seed)
-    gens = engine.generate(first, 6, temperature=0.9)
+    gens = engine.generate(first, limit, temperature=0.9)
     reply = tok("<tool_response>42</tool_response>", add_special_tokens=False)["input_ids"]
     second = [p + g.token_ids + reply for p, g in zip(first, gens)]
     torch.manual_seed(seed + 1)
-    return first + second, gens + engine.generate(second, 6, temperature=0.9)
+    return first + second, gens + engine.generate(second, limit, temperature=0.9)
 
 
 def test_the_slot_engine_samples_the_same_ids_with_it_as_without(tiny_tokenizer, tiny_model_factory):
@@ -116,12 +121,10 @@ def test_the_slot_engine_samples_the_same_ids_with_it_as_without(tiny_tokenizer,
     on = SlotEngine(model, tiny_tokenizer, driver="caller")
     off = SlotEngine(model, tiny_tokenizer, driver="caller", shared_prefix_attention=False)
     assert on.merged.shared_prefix_layers == 2  # both layers of the tiny Llama
-    prompts, with_it = _two_turns(on, tiny_tokenizer, 5)
-    _, without = _two_turns(off, tiny_tokenizer, 5)
+    prompts, with_it = two_turns(on, tiny_tokenizer, 5)
+    _, without = two_turns(off, tiny_tokenizer, 5)
     assert on.shared_prefix_passes >= 6 and off.shared_prefix_passes == 0
-    assert [g.token_ids for g in with_it] == [g.token_ids for g in without]
-    for a, b in zip(with_it, without):
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-10, rtol=0)
+    assert_same_samples(with_it, without)
     assert_matches_model(with_it, prompts, model, 0.9, tiny_tokenizer.eos_token_id, 6)
     on.close()
     off.close()
@@ -130,7 +133,7 @@ def test_the_slot_engine_samples_the_same_ids_with_it_as_without(tiny_tokenizer,
 def test_fp32_logprobs_stay_exact_and_the_policy_keeps_its_attention(tiny_tokenizer, tiny_model_factory):
     model = tiny_model_factory(eos_bias=1.0, lora=True)
     engine = SlotEngine(model, tiny_tokenizer, driver="caller")
-    prompts, gens = _two_turns(engine, tiny_tokenizer, 7)
+    prompts, gens = two_turns(engine, tiny_tokenizer, 7)
     assert engine.shared_prefix_passes > 0
     assert_matches_model(gens, prompts, model, 0.9, tiny_tokenizer.eos_token_id, 6)
     # only the sampling view's attention layers were pointed elsewhere: the learner's model is untouched
@@ -147,7 +150,7 @@ def test_a_pass_the_view_cannot_take_it_in_attends_over_whole_rows(tiny_tokenize
     model = tiny_model_factory(eos_bias=1.0, lora=True)
     model.register_forward_hook(lambda mod, args, out: None)
     engine = SlotEngine(model, tiny_tokenizer, driver="caller")
-    prompts, gens = _two_turns(engine, tiny_tokenizer, 9)
+    prompts, gens = two_turns(engine, tiny_tokenizer, 9)
     assert engine.merged.passthrough and engine.shared_prefix_passes == 0
     assert_matches_model(gens, prompts, model, 0.9, tiny_tokenizer.eos_token_id, 6)
     engine.close()
