@@ -39,6 +39,8 @@ class Pass:
         rows: the slots, ``b`` of them.
         ids, pos, cols: (b, T) long: input ids, their positions, and the cache column each is written
             to (the scratch column for padding, which no mask shows).
+        real: (b, T) bool, the places that are not padding (what a packed pass keeps: the cache may
+            grow, and its scratch column move, between building a pass and running it packed).
         mask: (b, 1, T, width) bool, ``column <= position``.
         width: the columns the rows' attention reads.
         shared: the stored prefix every row starts with, attended once for all (or None).
@@ -50,6 +52,7 @@ class Pass:
     ids: torch.Tensor
     pos: torch.Tensor
     cols: torch.Tensor
+    real: torch.Tensor
     mask: torch.Tensor
     width: int
     shared: SharedPrefix | None = None
@@ -94,6 +97,7 @@ class SlotDecode:
         B = len(rows)
         if T == 1:
             pos = cols = lens[:, None]  # (B, 1)
+            real = torch.ones(B, 1, dtype=torch.bool)
         else:  # row i: its last id, then its drafted ids, then padding (written to the scratch column)
             fed = torch.tensor([1 + len(d) for d in chosen])  # (B,)
             real = torch.arange(T)[None, :] < fed[:, None]  # (B, T)
@@ -103,7 +107,7 @@ class SlotDecode:
         mask = (torch.arange(width)[None, None, :] <= pos[:, :, None])[:, None]  # (B, 1, T, W)
         ids = torch.tensor([[r.token_ids[-1], *d] + [self.pad_token_id] * (T - 1 - len(d))
                             for r, d in zip(rows, chosen)])  # (B, T)
-        return Pass(slice(0, B), ids, pos, cols, mask, width, self._shared_prefix(rows), keep=T, drafts=chosen)
+        return Pass(slice(0, B), ids, pos, cols, real, mask, width, self._shared_prefix(rows), keep=T, drafts=chosen)
 
     def _decode_chosen(self, rows: list[Request], p: Pass, logits: torch.Tensor) -> None:
         """Choose and record each row's ids from its decoding pass ``p``'s ``logits`` ((B, V), or
@@ -135,7 +139,7 @@ class SlotDecode:
         offset = 0
         for p in passes:
             b, T = p.ids.shape
-            row, query = (p.cols != self.cache.scratch).nonzero(as_tuple=True)  # (n,) each, row by row
+            row, query = p.real.nonzero(as_tuple=True)  # (n,) each, row by row
             tokens = torch.arange(offset, offset + len(row))  # (n,)
             ids.append(p.ids[row, query])
             pos.append(p.pos[row, query])

@@ -127,7 +127,8 @@ class SlotPrefill:
         width = max(len(r.prompt) for r in new)
         mask = (torch.arange(width)[None, None, :] <= pos[:, :, None])[:, None]  # (b, 1, T, W)
         # every row starts at or after the stored prefix it matched: every query comes after the shared one
-        return Pass(slice(first, first + b), input_ids, pos, cols, mask, width, self._shared_prefix(new)), starts
+        return Pass(slice(first, first + b), input_ids, pos, cols, cols != self.cache.scratch, mask, width,
+                    self._shared_prefix(new)), starts
 
     def _keep_unshared_prompt(self, first: int, new: list[Request], starts: list[int]) -> None:
         """After a prefill: with ``share_prefix``, store the first long prompt that matched nothing

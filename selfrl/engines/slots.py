@@ -10,9 +10,10 @@ How it departs from :class:`selfrl.engine.Engine` (the reference backend):
   worker decodes one token for every active row, and a row that ends (EOS, a stop
   string, its own token limit) frees its slot at once for a queued request, which is
   prefilled and joins the running batch. A step admits first: the new rows' prompts
-  are prefilled and their first tokens sampled and streamed before the decoding pass,
-  so a request's time to first token is the rest of the step in progress plus its
-  prefill, never a wait for other rows to finish. Nothing waits for the longest row, and a
+  are prefilled and their first tokens sampled and streamed in the step's own forward
+  pass (packed with the running rows' decoding pass, :mod:`selfrl.engines.packedattention`,
+  or before it), so a request's time to first token is the rest of the step in progress
+  plus one pass, never a wait for other rows to finish. Nothing waits for the longest row, and a
   multi-turn rollout that submits each trajectory's next turn as soon as its tools
   have answered (:meth:`SlotEngine.submit`) never holds the batch while a tool runs.
 - **No cache concatenation.** Keys and values are written in place (column =
@@ -463,7 +464,7 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
             # while rows decode, their pass and the new rows' prefill run as one packed forward pass
             decode = self._decode_pass(old) if old and self.pack_passes and self._packs() else None
             try:
-                logits, old_logits = self._prefill(new, decode)  # (b, V), and the old rows' (B, V) or None
+                logits, old_logits = self._prefill(new, decode)  # (b, V); the old rows' (B, V), (B, T, V) or None
             except Exception as e:  # the admitted requests get the error; the running rows go on
                 self._error = f"last prefill failed: {e!r}"
                 for r in new:
