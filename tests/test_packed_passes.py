@@ -82,3 +82,32 @@ def test_a_view_that_cannot_pack_runs_its_passes_one_by_one(tiny_tokenizer, tiny
         assert engine.packed_passes == 0
         assert_matches_model(gens, prompts, model, 0.9, tiny_tokenizer.eos_token_id, 12)
         engine.close()
+
+
+def test_padding_stays_out_of_a_packed_pass_when_the_cache_grows_in_it(tiny_tokenizer, tiny_model_factory,
+                                                                       monkeypatch):
+    # found by a fresh user: the decoding pass is built before the prefill grows the cache's columns,
+    # and its padding places pointed at the old scratch column, an ordinary column after the growth;
+    # the packed pass took them for real tokens (3 pad ids through the model, written into a row)
+    from selfrl.chat import prompt_ids
+    from selfrl.engines import slotdecode
+
+    model = tiny_model_factory(lora=True).double()
+    engine = SlotEngine(model, tiny_tokenizer, driver="caller", max_slots=4)
+    # unequal drafts (any draft is exact: it is verified), so the decoding grid has padding places
+    monkeypatch.setattr(engine, "_drafts", lambda rows: [[5, 6, 7] if i == 0 and len(rows) >= 2 else []
+                                                         for i in range(len(rows))])
+    fed: list[int] = []  # tokens of each segment of each packed pass
+    real_segment = slotdecode.Segment
+    monkeypatch.setattr(slotdecode, "Segment", lambda *a, **kw: fed.append(len(a[2])) or real_segment(*a, **kw))
+    first = prompt_ids(tiny_tokenizer, [{"role": "user", "content": "a b c a b c a b c"}])
+    other = prompt_ids(tiny_tokenizer, [{"role": "user", "content": "Hi"}])
+    running = [engine.submit(first, 40, greedy=True), engine.submit(other, 40, greedy=True)]
+    for _ in range(3):
+        engine._step()
+    capacity = engine.cache.capacity
+    engine.submit(other, capacity + 50, greedy=True)  # its columns do not fit: the packed step grows the cache
+    engine._step()
+    assert engine.cache.capacity > capacity and engine.packed_passes == 1
+    assert fed[-1] == 4 + 1  # the decoding pass: row 0's last id and 3 drafts, row 1's last id; no padding
+    assert all(f.result().token_ids for f in running)
