@@ -271,7 +271,7 @@ class MergedPolicy:
             cache = kwargs.get("cache")
             shared = getattr(cache, "shared", None)  # a SlotCache's prefix shared by the pass's rows
             if getattr(cache, "segments", None) is not None:  # a packed pass (selfrl.engines.packedattention)
-                if not self.takes_packed():
+                if self.passthrough or not self.shared_prefix_layers:  # (synced just above: takes_packed)
                     raise RuntimeError("a packed pass needs the view's own attention in every layer "
                                        "(MergedPolicy.takes_packed); run its passes one by one")
                 kwargs["packed_segments"] = cache.segments
