@@ -5,7 +5,7 @@ prompts (a tool's reply and the next turn's header, about 35 ids a row), then on
 running row. On the CPU each pass reads all the weights (540 MB for the embedded model) and pays
 the per-operator overhead of every layer, so a step that admits one row while a few decode cost
 two small passes (about 110 and 55 ms) where one pass of about 40 ids costs about 85 ms
-(docs/benchmarks.md, "One pass a step"). vLLM schedules the same way (a step's prefill chunks and
+(docs/benchmarks.md, section 7, "One forward pass a step"). vLLM schedules the same way (a step's prefill chunks and
 decoding tokens in one batch).
 
 Here the tokens of every pass of a step are laid end to end as one sequence (``(1, N)`` input ids and
@@ -89,7 +89,7 @@ def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     q_all = query[0].transpose(0, 1)  # (N, H, D)
     for s in segments:
         b, T = s.grid
-        if T == 1:  # a decoding pass without drafts: its b tokens are its b rows, in order
+        if T == 1:  # one query a row, every one real (a decoding pass without drafts): its tokens are its rows, in order
             q = q_all[s.tokens][:, :, None]  # (b, H, 1, D)
         else:
             q = query.new_zeros(b, T, H, D)
