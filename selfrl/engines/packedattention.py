@@ -32,7 +32,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from selfrl.engines.sharedattention import ATTENTION_NAME, SharedPrefix, attend_with_shared_prefix, shared_prefix_attention
+from selfrl.engines.sharedattention import (
+    ATTENTION_NAME, SharedPrefix, attend_with_shared_prefix, shared_prefix_attention,
+)
 
 __all__ = ["ATTENTION_NAME", "Segment", "packed_attention", "view_attention"]
 
@@ -89,7 +91,7 @@ def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     q_all = query[0].transpose(0, 1)  # (N, H, D)
     for s in segments:
         b, T = s.grid
-        if T == 1:  # one query a row, every one real (a decoding pass without drafts): its tokens are its rows, in order
+        if T == 1:  # one real query a row (a decoding pass without drafts): its tokens are its rows, in order
             q = q_all[s.tokens][:, :, None]  # (b, H, 1, D)
         else:
             q = query.new_zeros(b, T, H, D)
