@@ -283,12 +283,15 @@ def run_clients(client: Callable[[int], None], clients: int) -> float:
 
 def run_child(argv: list[str], result_file: Path, timeout: float | None = None) -> dict[str, Any]:
     """Run ``python argv...`` in its own process (own peak RSS, no shared thread pools) and
-    return the JSON it wrote to ``result_file``.
+    return the JSON it wrote to ``result_file``. The child imports ``selfrl`` from this checkout
+    (``ROOT`` first on its ``PYTHONPATH``), as the parent does, whether or not an install of it
+    is on the interpreter's path.
 
     Raises:
         RuntimeError: the child failed; its stderr tail is in the message.
     """
-    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     if proc.returncode != 0 or not Path(result_file).exists():
         raise RuntimeError(f"{' '.join(argv[:3])} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(Path(result_file).read_text())
