@@ -74,7 +74,7 @@ from selfrl.prefix import MIN_SHARED_PREFIX, shared_prefix_len
 
 __all__ = ["DrivenFuture", "Request", "SlotEngine", "VersionGate", "row_generator"]
 
-IDLE_CACHE_BYTES = 64 * 2**20  # an idle engine keeps a cache up to this size; a larger one is freed
+IDLE_CACHE_BYTES = 2 * 2**30  # an idle engine keeps a cache up to this size; a larger one is freed
 CONTINUATION_BYTES = 2**30  # finished rows' keys and values kept for their next turn (a 64-row demo batch: ~0.85 GB)
 
 
@@ -117,6 +117,11 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
             (:mod:`selfrl.engines.packedattention`; where the merged view attends with its own attention:
             ``merge_lora`` and the models ``shared_prefix_attention`` takes); the running rows draft as
             in a pass of their own. False: two passes, the prefill first.
+        idle_cache_bytes: an engine with no row queued or running keeps its key/value cache up to
+            this size, so that the next batch writes into it as it is; a larger cache is freed and
+            the next batch allocates and zero-fills its own (the demo's 64 rows x 384 columns: 1.08 GB,
+            0.3-1.4 s of a 5-9 s rollout batch on this machine; docs/benchmarks.md). vLLM likewise
+            keeps its cache for the server's life. 0: always freed.
         driver: who runs the decoding steps. ``"thread"``: a worker thread of the engine's
             own, which decodes while nobody waits (a server's streams). ``"caller"``: the
             threads that wait on results (``generate``, :meth:`wait`, a future's
@@ -143,11 +148,14 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
     def __init__(self, model, tokenizer, version: int = 0, max_slots: int = 64, share_prefix: bool = True,
                  prefix_entries: int = 4, driver: str = "thread", merge_lora: bool = True,
                  continuation_bytes: int = CONTINUATION_BYTES, shared_prefix_attention: bool = True,
-                 draft_ids: int = DRAFT_IDS, draft_budget: int = DRAFT_BUDGET, pack_passes: bool = True):
+                 draft_ids: int = DRAFT_IDS, draft_budget: int = DRAFT_BUDGET, pack_passes: bool = True,
+                 idle_cache_bytes: int = IDLE_CACHE_BYTES):
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         if continuation_bytes < 0:
             raise ValueError(f"continuation_bytes must be >= 0, got {continuation_bytes}")
+        if idle_cache_bytes < 0:
+            raise ValueError(f"idle_cache_bytes must be >= 0, got {idle_cache_bytes}")
         if draft_ids < 0 or draft_budget < 0:
             raise ValueError(f"draft_ids and draft_budget must be >= 0, got {draft_ids} and {draft_budget}")
         if driver not in DRIVERS:
@@ -163,6 +171,7 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
         self.shared_prefix_attention = shared_prefix_attention
         self.draft_ids, self.draft_budget = draft_ids, draft_budget
         self.pack_passes = pack_passes
+        self.idle_cache_bytes = idle_cache_bytes
         self.packed_passes = 0  # forward passes that ran a step's prefill and decoding pass together
         self.draft_passes = 0  # decoding passes that fed drafted ids
         self.drafted_ids = 0  # ids drafted in them
@@ -406,8 +415,8 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
             self._guarded_step()
 
     def _give_back_idle_cache(self) -> None:
-        """With no row queued or active, replace a cache over IDLE_CACHE_BYTES by a small one (hold ``_cond``)."""
-        if not self._queue and not self._rows and self.cache.nbytes > IDLE_CACHE_BYTES:
+        """With no row queued or active, replace a cache over ``idle_cache_bytes`` by a small one (hold ``_cond``)."""
+        if not self._queue and not self._rows and self.cache.nbytes > self.idle_cache_bytes:
             self.cache = SlotCache(slots=min(8, self.max_slots))
 
     def _guarded_step(self) -> None:
