@@ -383,25 +383,107 @@ def test_repeated_prompts_sample_what_unshared_rows_sample(tiny_tokenizer, tiny_
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
 
 
+def test_a_lent_prefix_is_copied_in_only_where_a_pass_reads_it():
+    from selfrl.engines.kvcache import Lent
+    from selfrl.engines.sharedattention import SharedPrefix
+
+    pk = [torch.arange(1 * 4 * 2, dtype=torch.float).view(1, 4, 2) + 1]  # one layer: a stored prefix of 4 columns
+    pv = [-pk[0]]
+    cache = SlotCache(slots=3, capacity=6)
+    cache.lend(0, pk, pv, 3)  # slot 0 reads columns 0-2 from the store
+    cache.load_prefix(1, pk, pv, 4)  # slot 1 holds all 4
+    cache.lend(2, pk, pv, 3)
+    rows, cols = torch.arange(2)[:, None], torch.tensor([[3], [4]])
+    cache.set_pass(slice(0, 2), 5, rows, cols, shared=SharedPrefix(3, pk, pv))  # attends to the prefix apart
+    keys, _ = cache.update(torch.full((2, 1, 1, 2), 7.0), torch.full((2, 1, 1, 2), 8.0), 0)
+    assert keys.shape == (2, 1, 2, 2)  # columns 3-4 only
+    assert cache.k[0][0, :, :3].abs().sum() == 0 and cache.lent[0].length == 3  # nothing copied
+    cache.set_pass(slice(0, 1), 5, rows[:1], cols[:1], shared=SharedPrefix(1, pk, pv))  # a shorter shared part
+    assert cache.k[0][0, :, :1].abs().sum() == 0 and torch.equal(cache.k[0][0, :, 1:3], pk[0][:, 1:3])
+    assert cache.lent[0] == Lent(pk, pv, 1)
+    kept = cache.read_row(0, 4)  # a row kept for its next turn: the columns it holds, and what it was lent
+    assert (kept.start, kept.length, kept.lent.length) == (1, 4, 1)
+    assert torch.equal(kept.keys[0][:, :2], pk[0][:, 1:3]) and torch.equal(kept.keys[0][:, 2], torch.full((1, 2), 7.0))
+    cache.move_row(0, 2, 4)  # compaction: own columns copied, the lent ones lent again
+    assert cache.lent[2] == Lent(pk, pv, 1) and cache.k[0][2, :, :1].abs().sum() == 0
+    assert torch.equal(cache.k[0][2, :, 1:4], cache.k[0][0, :, 1:4])
+    cache.set_pass(slice(0, 3), 5, torch.arange(3)[:, None], torch.full((3, 1), 6), shared=None)  # whole rows read
+    assert all(lent is None for lent in cache.lent)
+    assert torch.equal(cache.k[0][0, :, :3], pk[0][:, :3]) and torch.equal(cache.v[0][2, :, :1], pv[0][:, :1])
+    cache.lend(1, pk, pv, 2)
+    cache.set_pass(slice(1, 2), 5, rows[:1] + 1, cols[:1], shared=SharedPrefix(2, pk, pv))
+    cache.unshare()  # a view that cannot attend to the prefix apart: copied in, the pass reads whole rows
+    assert cache.shared is None and cache.lent[1] is None and torch.equal(cache.k[0][1, :, :2], pk[0][:, :2])
+    cache.lend(0, pk, pv, 3)
+    cache.read_prefix(0, 3)  # (a copy of the whole row: filled first)
+    assert cache.lent[0] is None and torch.equal(cache.k[0][0, :, :3], pk[0][:, :3])
+
+
+def test_rows_lent_the_system_prompt_continue_exactly_and_keep_only_their_own_columns(tiny_tokenizer,
+                                                                                   tiny_model_factory):
+    # a batch's rows all start with the stored system prompt: their slots are lent it, never hold it; the
+    # kept rows hold only their own columns, and the next turns (several rows, then one row alone, whose
+    # pass reads its whole row) sample what an engine without shared-prefix attention samples
+    model = tiny_model_factory(eos_bias=1.0, lora=True)
+    prompts = prompts_with_system(tiny_tokenizer, ["What is 17+25?", "Hi", "Add 3 and 4.", "2+2?"])
+    reply = tiny_tokenizer.encode("<tool_response>42</tool_response>", add_special_tokens=False)
+    out = {}
+    for shared in (True, False):
+        engine = SlotEngine(model, tiny_tokenizer, driver="caller", shared_prefix_attention=shared)
+        engine.generate(prompts[:1], 2, temperature=1.0)  # the system prompt becomes a stored prefix
+        lent = []
+        step = engine._step
+
+        def watched_step():
+            step()
+            lent.extend(engine.cache.lent[i] is not None for i in range(len(engine._rows)))
+
+        engine._step = watched_step
+
+        def run(ps, seeds):  # submitted together: admitted in one step
+            futures = [engine.submit(p, 6, temperature=1.0, seed=seed) for p, seed in zip(ps, seeds)]
+            return [fut.result(timeout=60) for fut in futures]
+
+        first = run(prompts, [1, 2, 3, 4])
+        kept = [k for k, _ in engine._continuations.items.values()][-4:]  # the first turn's rows (the newest)
+        second_prompts = [p + g.token_ids + reply for p, g in zip(prompts, first)]
+        second = run(second_prompts, [5, 6, 7, 8])
+        third = run([second_prompts[0] + second[0].token_ids + reply], [9])
+        out[shared] = (first, second, third, lent, kept, engine._continuations.hits)
+        engine.close()
+    (f, s, t, lent, kept, hits), (f0, s0, t0, lent0, kept0, hits0) = out[True], out[False]
+    for a, b in zip(f + s + t, f0 + s0 + t0):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    assert hits == hits0 >= 4
+    assert any(lent) and not any(lent0)
+    assert len(kept) == 4 and all(k.start > 0 and k.lent is not None for k in kept)
+    assert all(k.start == 0 for k in kept0)
+    own = {k.length: k.keys[0].shape[1] for k in kept0}
+    assert all(k.keys[0].shape[1] == k.length - k.start < own[k.length] for k in kept)
+    assert_matches_model(t, [second_prompts[0] + second[0].token_ids + reply], model, 1.0,
+                         tiny_tokenizer.eos_token_id, 6)
+
+
 def test_continuation_store_matches_the_longest_stored_prefix_within_its_bytes():
-    from selfrl.engines.kvcache import ContinuationStore
+    from selfrl.engines.kvcache import ContinuationStore, Kept
 
     def kv(n):  # one layer, 1 kv head, n positions of size 2: 4 * 2 * n bytes per tensor
-        return [torch.full((1, n, 2), float(n))], [torch.full((1, n, 2), -float(n))]
+        return Kept([torch.full((1, n, 2), float(n))], [torch.full((1, n, 2), -float(n))], n)
 
     store = ContinuationStore(max_bytes=2 * 8 * 40, min_len=3)  # room for 40 positions
     a = list(range(10, 30))  # 20 tokens
-    store.add(a, *kv(20))
-    store.add(a[:12], *kv(12))
+    store.add(a, kv(20))
+    store.add(a[:12], kv(12))
     assert store.nbytes == 2 * 8 * 32 and len(store) == 2
-    keys, values, n = store.match(a + [7, 8])
-    assert n == 20 and keys[0][0, 0, 0] == 20.0 and values[0][0, 0, 0] == -20.0
-    assert store.match(a)[2] == 12  # an entry must leave the prompt a token of its own
-    assert store.match(a[:12] + [99])[2] == 12 and store.match([1, 2, 3, 4]) is None
-    store.add(list(range(50, 60)), *kv(10))  # 42 positions: the least recently used (a, 20) goes
-    assert store.match(a + [7])[2] == 12 and store.nbytes == 2 * 8 * 22
-    store.add([1, 2], *kv(2))  # under min_len: not kept
-    store.add(list(range(100)), *kv(100))  # larger than the whole store: not kept
+    keys, values, n, start, lent = store.match(a + [7, 8])
+    assert n == 20 and keys[0][0, 0, 0] == 20.0 and values[0][0, 0, 0] == -20.0 and (start, lent) == (0, None)
+    assert store.match(a).length == 12  # an entry must leave the prompt a token of its own
+    assert store.match(a[:12] + [99]).length == 12 and store.match([1, 2, 3, 4]) is None
+    store.add(list(range(50, 60)), kv(10))  # 42 positions: the least recently used (a, 20) goes
+    assert store.match(a + [7]).length == 12 and store.nbytes == 2 * 8 * 22
+    store.add([1, 2], kv(2))  # under min_len: not kept
+    store.add(list(range(100)), kv(100))  # larger than the whole store: not kept
     assert len(store) == 2 and store.lengths == {12: 1, 10: 1}
     store.clear()
     assert len(store) == 0 and store.nbytes == 0 and store.match(a + [7]) is None

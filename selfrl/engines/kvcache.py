@@ -15,15 +15,43 @@ uses (``update(key_states, value_states, layer_idx, ...)``); the caller passes
 rows of a forward pass are always a contiguous range of slots (``window``), so the
 keys and values handed to attention are views, never copies. A packed pass (several passes'
 tokens in one sequence, :meth:`SlotCache.set_packed`) hands attention the whole tensors instead.
+
+**Lent prefixes.** A slot's first columns may be *lent*: a stored prefix (a batch's system prompt)
+that the slot does not hold, read from the store's own tensors. A pass that attends to that prefix
+once for all its rows (``shared``) never reads those columns, so admitting a row, moving it and
+keeping it for its next turn copy only its own columns. Before any pass that would read a lent
+column (a pass of one row, rows of different prefixes, a view that cannot attend to a shared
+prefix), :meth:`SlotCache.fill` copies it in. On the demo's rollout batch the prefix is about 200
+of a row's 250 columns.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 
 from selfrl.engines.sharedattention import SharedPrefix
+
+
+class Lent(NamedTuple):
+    """A stored prefix a slot's first ``length`` columns read instead of holding it: per layer
+    ``keys[i]``, ``values[i]`` (kv_heads, n >= length, head_dim)."""
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int
+
+
+class Kept(NamedTuple):
+    """A row's first ``length`` columns as :meth:`SlotCache.read_row` gives them: ``keys``, ``values``
+    per layer (kv_heads, length - start, head_dim) for columns ``[start, length)``, and ``lent``, the
+    stored prefix of the first ``start`` (None when ``start`` is 0)."""
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int
+    start: int = 0
+    lent: Lent | None = None
 
 
 class SlotCache:
@@ -43,26 +71,32 @@ class SlotCache:
         self.write_cols: torch.Tensor | None = None  # (b, T) column of each input token
         self.shared: SharedPrefix | None = None  # a prefix all rows of the pass share, attended apart
         self.segments: list | None = None  # a packed pass's segments (selfrl.engines.packedattention.Segment)
+        self.lent: list[Lent | None] = [None] * slots  # per slot: the stored prefix its first columns read, if any
 
     # ------------------------------------------------------------------ the transformers side
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write the pass's (b, kv_heads, T, head_dim) states in place; return the window's
         (b, kv_heads, width, head_dim) keys and values (views)."""
-        while len(self.k) <= layer_idx:
-            self.k.append(torch.zeros(0))
-            self.v.append(torch.zeros(0))
-        if self.k[layer_idx].dim() != 4:
-            shape = (self.slots, key_states.shape[1], self.capacity + 1, key_states.shape[3])
-            self.k[layer_idx] = torch.zeros(shape, dtype=key_states.dtype)
-            self.v[layer_idx] = torch.zeros(shape, dtype=value_states.dtype)
-        k, v = self.k[layer_idx], self.v[layer_idx]
+        k, v = self._layer(layer_idx, key_states.shape[1], key_states.shape[3], key_states.dtype)
         k[self.write_rows, :, self.write_cols] = key_states.transpose(1, 2)  # (b, T, kv_heads, head_dim)
         v[self.write_rows, :, self.write_cols] = value_states.transpose(1, 2)
         if self.segments is not None:  # a packed pass: each segment's attention takes its own rows and columns
             return k, v
         start = self.shared.length if self.shared is not None else 0  # the shared prefix is attended apart
         return k[self.rows, :, start:self.width], v[self.rows, :, start:self.width]
+
+    def _layer(self, i: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s (keys, values), each (slots, kv_heads, capacity + 1, head_dim), allocated
+        (zeros) at the first use."""
+        while len(self.k) <= i:
+            self.k.append(torch.zeros(0))
+            self.v.append(torch.zeros(0))
+        if self.k[i].dim() != 4:
+            shape = (self.slots, kv_heads, self.capacity + 1, head_dim)
+            self.k[i] = torch.zeros(shape, dtype=dtype)
+            self.v[i] = torch.zeros(shape, dtype=dtype)
+        return self.k[i], self.v[i]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.width
@@ -79,6 +113,7 @@ class SlotCache:
         unsets it where the attention cannot (``MergedPolicy.__call__``)."""
         self.rows, self.width, self.write_rows, self.write_cols = rows, width, write_rows, write_cols
         self.shared, self.segments = shared, None
+        self.fill(rows, shared.length if shared is not None else 0)
 
     def set_packed(self, write_rows: torch.Tensor, write_cols: torch.Tensor, segments: list) -> None:
         """Set up a packed forward pass (:mod:`selfrl.engines.packedattention`): its (1, N) tokens are
@@ -86,6 +121,28 @@ class SlotCache:
         tensors, which :func:`~selfrl.engines.packedattention.packed_attention` reads segment by segment."""
         self.write_rows, self.write_cols, self.segments, self.shared = write_rows, write_cols, segments, None
         self.rows, self.width = slice(0, self.slots), max(s.width for s in segments)
+        for seg in segments:
+            self.fill(seg.rows, seg.shared.length if seg.shared is not None else 0)
+
+    def unshare(self) -> None:
+        """Make the pass set by :meth:`set_pass` attend to its rows' whole columns instead of a shared
+        prefix (a view whose attention cannot take one): the lent columns are copied in first."""
+        self.fill(self.rows, 0)
+        self.shared = None
+
+    def fill(self, rows: slice, start: int) -> None:
+        """Copy into each slot of ``rows`` its lent columns from ``start`` on, so that a pass reading
+        columns ``[start, width)`` of them reads the prefix they were lent (a copy of up to the
+        prefix's length per layer, once per slot)."""
+        for slot in range(rows.start, rows.stop):
+            lent = self.lent[slot]
+            if lent is None or lent.length <= start:
+                continue
+            for i, (pk, pv) in enumerate(zip(lent.keys, lent.values)):
+                k, v = self._layer(i, pk.shape[0], pk.shape[2], pk.dtype)
+                k[slot, :, start:lent.length] = pk[:, start:lent.length]
+                v[slot, :, start:lent.length] = pv[:, start:lent.length]
+            self.lent[slot] = Lent(lent.keys, lent.values, start) if start else None
 
     @property
     def scratch(self) -> int:
@@ -115,33 +172,52 @@ class SlotCache:
                 new = torch.zeros(new_slots, old.shape[1], new_cap + 1, old.shape[3], dtype=old.dtype)
                 new[:used, :, :self.capacity] = old[:used, :, :self.capacity]
                 store[i] = new
+        self.lent = self.lent[:used] + [None] * (new_slots - used)
         self.slots, self.capacity = new_slots, new_cap
 
     def move_row(self, src: int, dst: int, length: int) -> None:
-        """Copy the first ``length`` columns of slot ``src`` into slot ``dst`` (compaction)."""
+        """Make slot ``dst`` hold what the first ``length`` columns of slot ``src`` hold (compaction, a
+        repeated prompt): its own columns are copied, its lent ones lent again."""
+        lent = self.lent[src]
+        start = lent.length if lent is not None else 0
         for store in (self.k, self.v):
             for t in store:
                 if t.dim() == 4:
-                    t[dst, :, :length] = t[src, :, :length]
+                    t[dst, :, start:length] = t[src, :, start:length]
+        self.lent[dst] = lent
 
-    def load_prefix(self, dst: int, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
-        """Copy a stored prefix (per layer (kv_heads, n, head_dim), n >= ``length``) into
-        columns ``[0, length)`` of slot ``dst``."""
-        while len(self.k) < len(keys):
-            self.k.append(torch.zeros(0))
-            self.v.append(torch.zeros(0))
+    def lend(self, dst: int, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
+        """Let slot ``dst``'s first ``length`` columns read a stored prefix (per layer (kv_heads, n,
+        head_dim), n >= ``length``) without copying it (:meth:`fill` copies it when a pass needs it)."""
+        self.lent[dst] = Lent(keys, values, length) if length else None
+
+    def load_prefix(self, dst: int, keys: list[torch.Tensor], values: list[torch.Tensor], length: int,
+                    start: int = 0) -> None:
+        """Copy stored keys and values (per layer (kv_heads, n, head_dim), n >= ``length - start``) into
+        columns ``[start, length)`` of slot ``dst``. With ``start`` 0 the slot then holds all its
+        columns (nothing lent); otherwise its first ``start`` columns stay as :meth:`lend` set them."""
         for i, (pk, pv) in enumerate(zip(keys, values)):
-            if self.k[i].dim() != 4:
-                shape = (self.slots, pk.shape[0], self.capacity + 1, pk.shape[2])
-                self.k[i] = torch.zeros(shape, dtype=pk.dtype)
-                self.v[i] = torch.zeros(shape, dtype=pv.dtype)
-            self.k[i][dst, :, :length] = pk[:, :length]
-            self.v[i][dst, :, :length] = pv[:, :length]
+            k, v = self._layer(i, pk.shape[0], pk.shape[2], pk.dtype)
+            k[dst, :, start:length] = pk[:, :length - start]
+            v[dst, :, start:length] = pv[:, :length - start]
+        if not start:
+            self.lent[dst] = None
 
     def read_prefix(self, src: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Copies of slot ``src``'s first ``length`` columns, per layer (kv_heads, length, head_dim)."""
+        """Copies of slot ``src``'s first ``length`` columns, per layer (kv_heads, length, head_dim)
+        (lent columns are filled in first)."""
+        self.fill(slice(src, src + 1), 0)
         return ([t[src, :, :length].clone() for t in self.k if t.dim() == 4],
                 [t[src, :, :length].clone() for t in self.v if t.dim() == 4])
+
+    def read_row(self, src: int, length: int) -> "Kept":
+        """Slot ``src``'s first ``length`` columns as a :class:`Kept`: copies of the columns it holds,
+        per layer (kv_heads, length - start, head_dim), and the prefix it was lent for the others."""
+        lent = self.lent[src]
+        start = min(lent.length, length) if lent is not None else 0
+        return Kept([t[src, :, start:length].clone() for t in self.k if t.dim() == 4],
+                    [t[src, :, start:length].clone() for t in self.v if t.dim() == 4], length, start,
+                    Lent(lent.keys, lent.values, start) if start else None)
 
     @property
     def nbytes(self) -> int:
@@ -205,7 +281,7 @@ class ContinuationStore:
 
     def __init__(self, max_bytes: int, min_len: int):
         self.max_bytes, self.min_len = max_bytes, min_len
-        self.items: "OrderedDict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor], int]]" = OrderedDict()
+        self.items: "OrderedDict[tuple[int, ...], tuple[Kept, int]]" = OrderedDict()  # tokens -> (entry, bytes)
         self.lengths: dict[int, int] = {}  # stored length -> how many entries have it
         self.nbytes = 0
         self.hits = 0  # prompts that continued a stored row
@@ -220,15 +296,18 @@ class ContinuationStore:
         self.lengths.clear()
         self.nbytes = 0
 
-    def add(self, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Keep ``tokens``' keys and values (per layer (kv_heads, len(tokens), head_dim)), dropping the
-        least recently used entries beyond ``max_bytes``; an entry larger than that is not kept."""
-        size = sum(t.numel() * t.element_size() for t in keys + values)
+    def add(self, tokens: list[int], kept: Kept) -> None:
+        """Keep ``tokens``' keys and values (``kept.length == len(tokens)``; :meth:`SlotCache.read_row`),
+        dropping the least recently used entries beyond ``max_bytes``; an entry larger than that is not
+        kept. Its size counts the columns it holds (a lent prefix belongs to the prefix store)."""
+        if kept.length != len(tokens):
+            raise ValueError(f"an entry of {kept.length} columns for {len(tokens)} tokens")
+        size = sum(t.numel() * t.element_size() for t in kept.keys + kept.values)
         key = tuple(tokens)
         if size > self.max_bytes or len(key) < self.min_len:
             return
         self._drop(key)
-        self.items[key] = (keys, values, size)
+        self.items[key] = (kept, size)
         self.lengths[len(key)] = self.lengths.get(len(key), 0) + 1
         self.nbytes += size
         while self.nbytes > self.max_bytes:
@@ -237,19 +316,19 @@ class ContinuationStore:
     def _drop(self, key: tuple[int, ...]) -> None:
         item = self.items.pop(key, None)
         if item is not None:
-            self.nbytes -= item[2]
+            self.nbytes -= item[1]
             self.lengths[len(key)] -= 1
             if not self.lengths[len(key)]:
                 del self.lengths[len(key)]
 
-    def match(self, prompt: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], int] | None:
-        """(keys, values, length) of the longest stored entry that is a prefix of ``prompt`` and leaves
-        it at least one token, or None; the entry becomes the most recently used."""
+    def match(self, prompt: list[int]) -> Kept | None:
+        """The longest stored entry that is a prefix of ``prompt`` and leaves it at least one token, or
+        None; the entry becomes the most recently used."""
         for n in sorted(self.lengths, reverse=True):
             if self.min_len <= n < len(prompt):
                 key = tuple(prompt[:n])
                 item = self.items.get(key)
                 if item is not None:
                     self.items.move_to_end(key)
-                    return item[0], item[1], n
+                    return item[0]
         return None

@@ -277,7 +277,7 @@ class MergedPolicy:
                 kwargs["packed_segments"] = cache.segments
             elif shared is not None:
                 if self.passthrough or not self.shared_prefix_layers:
-                    cache.shared = None  # attention over each row's own columns, the prefix included
+                    cache.unshare()  # attention over each row's own columns, the prefix copied in where lent
                 else:
                     kwargs["shared_prefix_kv"] = shared
             return (self.model if self.passthrough else self.view)(**kwargs)

@@ -32,19 +32,24 @@ class SlotPrefill:
             return
         if self.watch.poll() == r.generation:  # (the fast look, 0.3 ms)
             tokens = (r.prompt + r.token_ids)[:r.length]
-            self._continuations.add(tokens, *self.cache.read_prefix(self._rows.index(r), r.length))
+            self._continuations.add(tokens, self.cache.read_row(self._rows.index(r), r.length))
 
     def _shared_prefix(self, rows: list[Request]) -> SharedPrefix | None:
         """The stored prefix every row of a pass (decoding, or a prefill) starts with, to be attended once
         for all of them (:mod:`selfrl.engines.sharedattention`), or None: fewer than two rows, a row without one,
         rows of different prefixes (other prompts, or prefilled before the weights changed), or no
         merged view whose attention takes it (``shared_prefix_attention`` off, an unsupported model)."""
-        if not self.shared_prefix_attention or self.merged is None or not self.merged.shared_prefix_layers:
+        if not self._shared_attention():
             return None
         first = rows[0].shared
         if len(rows) < 2 or first is None or any(r.shared is None or r.shared[0] is not first[0] for r in rows):
             return None
         return SharedPrefix(min(r.shared[2] for r in rows), first[0], first[1])
+
+    def _shared_attention(self) -> bool:
+        """Whether a pass may attend to a shared prefix once for all its rows: ``shared_prefix_attention``
+        and a merged view whose attention layers all take it."""
+        return bool(self.shared_prefix_attention and self.merged is not None and self.merged.shared_prefix_layers)
 
     def _store_prefix(self, tokens: list[int], slot: int) -> None:
         self._prefixes.add(tokens, *self.cache.read_prefix(slot, len(tokens)))
@@ -105,13 +110,19 @@ class SlotPrefill:
             # the stored prefix the row starts with, attended once a pass for all rows (whatever fills its slot)
             r.shared = (self._prefixes.items[j][1], self._prefixes.items[j][2], m) if j >= 0 else None
             c = self._continuations.match(r.prompt)  # (None when nothing is kept)
-            if c is not None and c[2] > m:  # the row this prompt continues (a rollout's last turn)
-                self.cache.load_prefix(first + k, c[0], c[1], c[2])
-                m = c[2]
+            slot = first + k
+            if c is not None and c.length > m:  # the row this prompt continues (a rollout's last turn)
+                self.cache.lend(slot, *(c.lent or ([], [], 0)))  # (what the kept row was lent, lent again)
+                self.cache.load_prefix(slot, c.keys, c.values, c.length, start=c.start)
+                m = c.length
                 self._continuations.hits += 1
                 self._continuations.hit_tokens += m
+            elif j >= 0 and self._shared_attention():  # the slot is lent the prefix; a pass that reads it copies it
+                self.cache.lend(slot, *self._prefixes.use(j), m)
             elif j >= 0:
-                self.cache.load_prefix(first + k, *self._prefixes.use(j), m)
+                self.cache.load_prefix(slot, *self._prefixes.use(j), m)
+            else:
+                self.cache.lend(slot, [], [], 0)  # (nothing lent: whatever a former row left is overwritten)
             starts.append(m)
         T = max(len(r.prompt) - m for r, m in zip(new, starts))
         b = len(new)
@@ -143,6 +154,7 @@ class SlotPrefill:
         """Encode ``tokens`` alone into ``slot`` and keep them as a stored prefix; a stored prefix of
         them is loaded, and only the rest encoded."""
         j, m = self._prefixes.match(tokens)
+        self.cache.lend(slot, [], [], 0)
         if j >= 0:
             self.cache.load_prefix(slot, *self._prefixes.use(j), m)
         n = len(tokens)
