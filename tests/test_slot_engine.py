@@ -383,6 +383,24 @@ def test_repeated_prompts_sample_what_unshared_rows_sample(tiny_tokenizer, tiny_
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
 
 
+def test_an_idle_engine_keeps_its_cache_up_to_idle_cache_bytes(tiny_tokenizer, tiny_model_factory):
+    # the next batch writes into the kept cache (no allocation, no zero-fill); over the bound it is freed
+    model = tiny_model_factory(lora=True)
+    prompts = prompts_with_system(tiny_tokenizer, ["Hi", "What is 17+25?"]) * 8
+    sizes = {}
+    for bound in (2**30, 0):
+        engine = SlotEngine(model, tiny_tokenizer, driver="caller", idle_cache_bytes=bound)
+        engine.generate(prompts, 4, temperature=1.0)
+        kept = engine.cache
+        engine.generate(prompts, 4, temperature=1.0)
+        sizes[bound] = (engine.cache is kept, engine.cache.slots, kept.slots)
+        engine.close()
+    assert sizes[2**30] == (True, 16, 16)
+    assert sizes[0][0] is False and sizes[0][1] == 8  # freed after each batch: a small one in its place
+    with pytest.raises(ValueError, match="idle_cache_bytes"):
+        SlotEngine(model, tiny_tokenizer, idle_cache_bytes=-1)
+
+
 def test_a_lent_prefix_is_copied_in_only_where_a_pass_reads_it():
     from selfrl.engines.kvcache import Lent
     from selfrl.engines.sharedattention import SharedPrefix
