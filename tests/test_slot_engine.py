@@ -139,6 +139,39 @@ def test_close_fails_new_requests(tiny_tokenizer, tiny_model_factory):
         engine.generate([[1, 2, 3]], 2)
 
 
+def test_the_two_level_search_draws_the_id_whose_cumulative_mass_first_exceeds_the_point():
+    from selfrl.engines.sampling import _block, inverse_cdf, inverse_cdf_flat
+
+    assert [_block(v) for v in (49_152, 151_936, 128_256, 64, 50_257)] == [256, 128, 256, 64, 1]
+    probs = torch.zeros(3, 5 * 16)  # 80 ids: 5 blocks of 16
+    probs[0, [3, 17, 40, 63]] = 1.0  # one id in each of the first 4 blocks
+    probs[1, 16:32] = 1.0  # all mass in the second block
+    probs[2, [0, 62]] = torch.tensor([3.0, 1.0])
+    # row 0: total 4, point 1.2 -> block 1, id 17; row 1: total 16, point 6.4 -> id 16 + 6; row 2: 3.2 -> id 62
+    assert inverse_cdf(probs, torch.tensor([0.30, 0.40, 0.80])).tolist() == [17, 22, 62]
+    assert inverse_cdf(probs, torch.full((3,), 0.25)).tolist() == [17, 20, 0]  # on a boundary: the next id
+    for point in (0.0, 0.2499, 0.25, 0.7499, 0.75, 0.9999):
+        u = torch.full((3,), point)
+        assert inverse_cdf(probs, u).tolist() == inverse_cdf_flat(probs, u).tolist()
+    with pytest.raises(ValueError, match="NaN or inf"):
+        inverse_cdf(torch.full((1, 64), float("nan")), torch.tensor([0.5]))
+    with pytest.raises(ValueError, match="all zero"):
+        inverse_cdf(torch.zeros(1, 64), torch.tensor([0.5]))
+    # a block's sum and the cumulative sum within it round differently: a point between the two falls past
+    # the block's last id, and is looked up again over the whole row
+    g = torch.Generator().manual_seed(1)
+    for _ in range(10_000):
+        row = torch.rand(1, 256, generator=g) ** 8 * 1000  # (a wide range of masses; one block of 256)
+        total, scanned = row.sum(), row.cumsum(-1)[0, -1]
+        u = torch.tensor([float((scanned.double() + total.double()) / 2 / total.double())])
+        if u < 1 and u * total > scanned:  # a point between the block's sum and its scan
+            break
+    else:
+        pytest.fail("no row whose block sum and scan differ found")
+    ids = inverse_cdf(row, u)
+    assert ids.tolist() == inverse_cdf_flat(row, u).tolist() and row[0, ids[0]] > 0
+
+
 def test_nucleus_mask_and_sampling_by_hand():
     probs = torch.tensor([[0.1, 0.6, 0.3], [0.2, 0.2, 0.6]])
     assert nucleus_mask(probs, torch.tensor([0.5, 1.0])).tolist() == [[True, False, True], [False, False, False]]
