@@ -301,3 +301,15 @@ def test_drafts_tiny(tmp_path):
         off, on = r[phase]["0/16"], r[phase]["4/16"]
         assert off["drafted"] == 0 and on["same_ids_as_first"]  # drafts change no sampled id
         assert off["tokens"] == on["tokens"] and on["tokens"][0] > 0
+
+
+def test_choice_tiny(tmp_path):
+    import bench_choice
+
+    r = bench_choice.main(TINY + ["--rows", "4,16", "--draws", "256", "--out", str(tmp_path)])
+    assert r["vocab"] == 4096 and r["draws"] == 256 and set(r["microseconds"]) == {4, 16}
+    for t in r["microseconds"].values():
+        assert t["speed_up"] == pytest.approx(t["one cumulative sum"] / t["two levels"])
+    # both search the same distribution: at most a few points within rounding of a boundary differ from float64
+    assert all(0 <= n <= 4 for n in r["differ_from_float64"].values())
+    assert (tmp_path / "choice.json").exists()
