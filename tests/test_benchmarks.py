@@ -313,3 +313,18 @@ def test_choice_tiny(tmp_path):
     # both search the same distribution: at most a few points within rounding of a boundary differ from float64
     assert all(0 <= n <= 4 for n in r["differ_from_float64"].values())
     assert (tmp_path / "choice.json").exists()
+
+
+def test_checkouts_tiny(tmp_path):
+    import bench_checkouts
+
+    from common import ROOT
+
+    # this checkout against itself: the same ids in every batch, each process's selfrl its own checkout's
+    r = bench_checkouts.main(TINY + ["--before", str(ROOT), "--rounds", "1", "--seeds", "1", "--out", str(tmp_path)])
+    before, after = r["checkouts"]["before"], r["checkouts"]["after"]
+    assert r["same_ids"] and before["tokens"] == after["tokens"] > 0
+    assert r["speed_up_by_seed"][0] == pytest.approx(after["median_tokens_per_s"] / before["median_tokens_per_s"])
+    assert after["fraction_of_bound"] == pytest.approx(after["median_tokens_per_s"] / r["bound_tokens_per_s"])
+    with pytest.raises(SystemExit, match="another checkout"):
+        bench_checkouts.main(TINY + ["--before", str(tmp_path)])
