@@ -108,6 +108,6 @@ def test_padding_stays_out_of_a_packed_pass_when_the_cache_grows_in_it(tiny_toke
     capacity = engine.cache.capacity
     engine.submit(other, capacity + 50, greedy=True)  # its columns do not fit: the packed step grows the cache
     engine._step()
-    assert engine.cache.capacity > capacity and engine.packed_passes == 1
+    assert engine.cache.capacity > capacity and engine.packed_passes == 1, engine._error
     assert fed[-1] == 4 + 1  # the decoding pass: row 0's last id and 3 drafts, row 1's last id; no padding
     assert all(f.result().token_ids for f in running)

@@ -35,11 +35,19 @@ import torch
 from selfrl.engines.sharedattention import SharedPrefix
 
 
+Layers = torch.Tensor | list[torch.Tensor]  # per layer (kv_heads, n, head_dim): stacked, or a list
+
+
+def layer_bytes(x: Layers) -> int:
+    """Bytes of stored keys or values, stacked or a list of layers."""
+    return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else sum(t.numel() * t.element_size() for t in x)
+
+
 class Lent(NamedTuple):
     """A stored prefix a slot's first ``length`` columns read instead of holding it: per layer
     ``keys[i]``, ``values[i]`` (kv_heads, n >= length, head_dim)."""
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    keys: Layers
+    values: Layers
     length: int
 
 
@@ -47,8 +55,8 @@ class Kept(NamedTuple):
     """A row's first ``length`` columns as :meth:`SlotCache.read_row` gives them: ``keys``, ``values``
     per layer (kv_heads, length - start, head_dim) for columns ``[start, length)``, and ``lent``, the
     stored prefix of the first ``start`` (None when ``start`` is 0)."""
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    keys: Layers
+    values: Layers
     length: int
     start: int = 0
     lent: Lent | None = None
@@ -57,13 +65,19 @@ class Kept(NamedTuple):
 class SlotCache:
     """Per-layer key/value storage for ``slots`` sequences of up to ``capacity`` positions.
 
-    Tensors are allocated at the first ``update`` of each layer (the key/value head
-    count, head size and dtype come from the model's own states).
+    Every layer's keys live in one tensor ``K`` (layers, slots, kv_heads, capacity + 1, head_dim),
+    and its values in ``V``, so that moving, copying out or loading a row is one operation for all
+    layers, not one a layer (60 for the embedded model); ``k[i]`` and ``v[i]`` are layer ``i``'s
+    views. They are allocated at the first use (the key/value head count, head size and dtype come
+    from the model's own states), for ``layers`` layers (None: as many as have been used, grown
+    when a later layer comes, as on a first forward pass of a bare cache).
     """
 
-    def __init__(self, slots: int = 8, capacity: int = 256):
-        self.slots, self.capacity = slots, capacity
-        self.k: list[torch.Tensor] = []  # per layer (slots, kv_heads, capacity + 1, head_dim)
+    def __init__(self, slots: int = 8, capacity: int = 256, layers: int | None = None):
+        self.slots, self.capacity, self.layers = slots, capacity, layers
+        self.K: torch.Tensor | None = None  # (layers, slots, kv_heads, capacity + 1, head_dim)
+        self.V: torch.Tensor | None = None
+        self.k: list[torch.Tensor] = []  # per layer, views of K: (slots, kv_heads, capacity + 1, head_dim)
         self.v: list[torch.Tensor] = []
         self.rows = slice(0, 0)  # the slots the current forward pass runs on
         self.width = 0  # columns visible to attention in the current pass
@@ -75,6 +89,7 @@ class SlotCache:
 
     # ------------------------------------------------------------------ the transformers side
 
+    @torch.no_grad()  # the cache is never part of a graph (a pass under grad mode writes plain values)
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write the pass's (b, kv_heads, T, head_dim) states in place; return the window's
         (b, kv_heads, width, head_dim) keys and values (views)."""
@@ -86,17 +101,22 @@ class SlotCache:
         start = self.shared.length if self.shared is not None else 0  # the shared prefix is attended apart
         return k[self.rows, :, start:self.width], v[self.rows, :, start:self.width]
 
+    @torch.no_grad()
     def _layer(self, i: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s (keys, values), each (slots, kv_heads, capacity + 1, head_dim), allocated
         (zeros) at the first use."""
-        while len(self.k) <= i:
-            self.k.append(torch.zeros(0))
-            self.v.append(torch.zeros(0))
-        if self.k[i].dim() != 4:
-            shape = (self.slots, kv_heads, self.capacity + 1, head_dim)
-            self.k[i] = torch.zeros(shape, dtype=dtype)
-            self.v[i] = torch.zeros(shape, dtype=dtype)
+        if self.K is None or i >= self.K.shape[0]:
+            layers = max(self.layers or 0, i + 1)
+            shape = (layers, self.slots, kv_heads, self.capacity + 1, head_dim)
+            K, V = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+            if self.K is not None:  # (a bare cache learning its layers on a first forward pass)
+                K[:self.K.shape[0]], V[:self.V.shape[0]] = self.K, self.V
+            self._set(K, V)
         return self.k[i], self.v[i]
+
+    def _set(self, K: torch.Tensor, V: torch.Tensor) -> None:
+        self.K, self.V = K, V
+        self.k, self.v = [K[i] for i in range(K.shape[0])], [V[i] for i in range(V.shape[0])]  # (select views: unbind's may not be written under grad mode)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.width
@@ -138,10 +158,7 @@ class SlotCache:
             lent = self.lent[slot]
             if lent is None or lent.length <= start:
                 continue
-            for i, (pk, pv) in enumerate(zip(lent.keys, lent.values)):
-                k, v = self._layer(i, pk.shape[0], pk.shape[2], pk.dtype)
-                k[slot, :, start:lent.length] = pk[:, start:lent.length]
-                v[slot, :, start:lent.length] = pv[:, start:lent.length]
+            self._copy_in(slot, lent.keys, lent.values, start, lent.length, 0)
             self.lent[slot] = Lent(lent.keys, lent.values, start) if start else None
 
     @property
@@ -149,6 +166,7 @@ class SlotCache:
         """The column padding tokens write to (never inside a window)."""
         return self.capacity
 
+    @torch.no_grad()
     def ensure(self, slots: int, columns: int, used: int | None = None) -> None:
         """Make room for ``slots`` rows of ``columns`` positions; the contents of the first ``used``
         rows (default: all) are kept, the rest are zeros.
@@ -165,63 +183,74 @@ class SlotCache:
         else:
             new_slots = max(slots, used, min(self.slots, 2 * slots))
         new_cap = max(self.capacity, columns if columns <= self.capacity else max(columns, self.capacity * 3 // 2))
-        for store in (self.k, self.v):
-            for i, old in enumerate(store):
-                if old.dim() != 4:
-                    continue
-                new = torch.zeros(new_slots, old.shape[1], new_cap + 1, old.shape[3], dtype=old.dtype)
-                new[:used, :, :self.capacity] = old[:used, :, :self.capacity]
-                store[i] = new
+        if self.K is not None:
+            L, _, kv, _, hd = self.K.shape
+            new = [torch.zeros(L, new_slots, kv, new_cap + 1, hd, dtype=old.dtype) for old in (self.K, self.V)]
+            for n, old in zip(new, (self.K, self.V)):
+                n[:, :used, :, :self.capacity] = old[:, :used, :, :self.capacity]
+            self._set(*new)
         self.lent = self.lent[:used] + [None] * (new_slots - used)
         self.slots, self.capacity = new_slots, new_cap
 
+    @torch.no_grad()
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Make slot ``dst`` hold what the first ``length`` columns of slot ``src`` hold (compaction, a
         repeated prompt): its own columns are copied, its lent ones lent again."""
         lent = self.lent[src]
         start = lent.length if lent is not None else 0
-        for store in (self.k, self.v):
-            for t in store:
-                if t.dim() == 4:
-                    t[dst, :, start:length] = t[src, :, start:length]
+        if self.K is not None:
+            self.K[:, dst, :, start:length] = self.K[:, src, :, start:length]
+            self.V[:, dst, :, start:length] = self.V[:, src, :, start:length]
         self.lent[dst] = lent
 
-    def lend(self, dst: int, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
+    def lend(self, dst: int, keys: Layers, values: Layers, length: int) -> None:
         """Let slot ``dst``'s first ``length`` columns read a stored prefix (per layer (kv_heads, n,
         head_dim), n >= ``length``) without copying it (:meth:`fill` copies it when a pass needs it)."""
         self.lent[dst] = Lent(keys, values, length) if length else None
 
-    def load_prefix(self, dst: int, keys: list[torch.Tensor], values: list[torch.Tensor], length: int,
-                    start: int = 0) -> None:
+    def load_prefix(self, dst: int, keys: Layers, values: Layers, length: int, start: int = 0) -> None:
         """Copy stored keys and values (per layer (kv_heads, n, head_dim), n >= ``length - start``) into
         columns ``[start, length)`` of slot ``dst``. With ``start`` 0 the slot then holds all its
         columns (nothing lent); otherwise its first ``start`` columns stay as :meth:`lend` set them."""
-        for i, (pk, pv) in enumerate(zip(keys, values)):
-            k, v = self._layer(i, pk.shape[0], pk.shape[2], pk.dtype)
-            k[dst, :, start:length] = pk[:, :length - start]
-            v[dst, :, start:length] = pv[:, :length - start]
+        self._copy_in(dst, keys, values, start, length, start)
         if not start:
             self.lent[dst] = None
 
-    def read_prefix(self, src: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Copies of slot ``src``'s first ``length`` columns, per layer (kv_heads, length, head_dim)
+    @torch.no_grad()
+    def _copy_in(self, dst: int, keys: Layers, values: Layers, start: int, stop: int, offset: int) -> None:
+        """Columns ``[start, stop)`` of slot ``dst`` from stored ``keys``, ``values`` (their columns
+        ``[start - offset, stop - offset)``): one copy for all layers when they are stacked."""
+        if start >= stop or not len(keys):
+            return
+        pk0 = keys[0]
+        self._layer(len(keys) - 1, pk0.shape[0], pk0.shape[2], pk0.dtype)
+        if isinstance(keys, torch.Tensor):  # (layers, kv_heads, n, head_dim)
+            self.K[:len(keys), dst, :, start:stop] = keys[:, :, start - offset:stop - offset]
+            self.V[:len(values), dst, :, start:stop] = values[:, :, start - offset:stop - offset]
+            return
+        for i, (pk, pv) in enumerate(zip(keys, values)):
+            self.k[i][dst, :, start:stop] = pk[:, start - offset:stop - offset]
+            self.v[i][dst, :, start:stop] = pv[:, start - offset:stop - offset]
+
+    @torch.no_grad()
+    def read_prefix(self, src: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of slot ``src``'s first ``length`` columns, (layers, kv_heads, length, head_dim) each
         (lent columns are filled in first)."""
         self.fill(slice(src, src + 1), 0)
-        return ([t[src, :, :length].clone() for t in self.k if t.dim() == 4],
-                [t[src, :, :length].clone() for t in self.v if t.dim() == 4])
+        return self.K[:, src, :, :length].clone(), self.V[:, src, :, :length].clone()
 
+    @torch.no_grad()
     def read_row(self, src: int, length: int) -> "Kept":
         """Slot ``src``'s first ``length`` columns as a :class:`Kept`: copies of the columns it holds,
-        per layer (kv_heads, length - start, head_dim), and the prefix it was lent for the others."""
+        (layers, kv_heads, length - start, head_dim) each, and the prefix it was lent for the others."""
         lent = self.lent[src]
         start = min(lent.length, length) if lent is not None else 0
-        return Kept([t[src, :, start:length].clone() for t in self.k if t.dim() == 4],
-                    [t[src, :, start:length].clone() for t in self.v if t.dim() == 4], length, start,
+        return Kept(self.K[:, src, :, start:length].clone(), self.V[:, src, :, start:length].clone(), length, start,
                     Lent(lent.keys, lent.values, start) if start else None)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return 0 if self.K is None else self.K.numel() * self.K.element_size() * 2
 
 
 class PrefixStore:
@@ -231,7 +260,7 @@ class PrefixStore:
 
     def __init__(self, entries: int, min_len: int):
         self.entries, self.min_len = entries, min_len
-        self.items: list[tuple[tuple[int, ...], list[torch.Tensor], list[torch.Tensor]]] = []
+        self.items: list[tuple[tuple[int, ...], Layers, Layers]] = []
 
     def clear(self) -> None:
         """Forget every prefix (the weights changed)."""
@@ -251,12 +280,12 @@ class PrefixStore:
                 best, best_n = j, n
         return (best, best_n) if best_n >= self.min_len else (-1, 0)
 
-    def add(self, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    def add(self, tokens: list[int], keys: Layers, values: Layers) -> None:
         """Keep ``tokens``' keys and values as the most recently used entry."""
         self.items.insert(0, (tuple(tokens), keys, values))
         del self.items[self.entries:]
 
-    def use(self, j: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def use(self, j: int) -> tuple[Layers, Layers]:
         """Entry ``j``'s keys and values; it becomes the most recently used."""
         self.items.insert(0, self.items.pop(j))
         return self.items[0][1], self.items[0][2]
@@ -302,7 +331,7 @@ class ContinuationStore:
         kept. Its size counts the columns it holds (a lent prefix belongs to the prefix store)."""
         if kept.length != len(tokens):
             raise ValueError(f"an entry of {kept.length} columns for {len(tokens)} tokens")
-        size = sum(t.numel() * t.element_size() for t in kept.keys + kept.values)
+        size = layer_bytes(kept.keys) + layer_bytes(kept.values)
         key = tuple(tokens)
         if size > self.max_bytes or len(key) < self.min_len:
             return

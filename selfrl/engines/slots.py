@@ -70,6 +70,7 @@ from selfrl.engines.slotattention import slot_attention
 from selfrl.engines.slotrequest import Call, DrivenFuture, Request, WorkerFuture, row_generator
 from selfrl.engines.versiongate import VersionGate
 from selfrl.engines.weightwatch import WeightWatch
+from selfrl.engines.sharedattention import attention_layers
 from selfrl.prefix import MIN_SHARED_PREFIX, shared_prefix_len
 
 __all__ = ["DrivenFuture", "Request", "SlotEngine", "VersionGate", "row_generator"]
@@ -177,7 +178,9 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
         self.drafted_ids = 0  # ids drafted in them
         self.accepted_ids = 0  # drafted ids kept (each one a decoding pass saved)
         self.lock = VersionGate()
-        self.cache = SlotCache(slots=min(8, max_slots))
+        # the cache's layers: one a decoder layer (a bare cache would learn them on its first forward pass)
+        self._layers = len({m.layer_idx for m in attention_layers(model)}) or None
+        self.cache = SlotCache(slots=min(8, max_slots), layers=self._layers)
         self._eos = set(self.eos_token_ids)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self._queue: deque[Request] = deque()
@@ -417,7 +420,7 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
     def _give_back_idle_cache(self) -> None:
         """With no row queued or active, replace a cache over ``idle_cache_bytes`` by a small one (hold ``_cond``)."""
         if not self._queue and not self._rows and self.cache.nbytes > self.idle_cache_bytes:
-            self.cache = SlotCache(slots=min(8, self.max_slots))
+            self.cache = SlotCache(slots=min(8, self.max_slots), layers=self._layers)
 
     def _guarded_step(self) -> None:
         """One :meth:`_step`; a failure goes to every request in flight, and the engine goes on."""
