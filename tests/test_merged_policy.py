@@ -43,9 +43,11 @@ def test_the_view_computes_the_policy_and_shares_its_tensors(tiny_tokenizer, tin
     # tiny Llama: 2 layers x 7 linear layers, each (out, in) of q 32x32, k 16x32, v 16x32, o 32x32,
     # gate 64x32, up 64x32, down 32x64 = 9,216 weights per layer, 2 layers, 4 bytes
     assert (view.merged_layers, view.kept_layers, view.merges) == (14, 0, 1)
-    # and oneDNN's packed copies (selfrl.matmul.pack) of those 14 merged weights (not of the output layer)
-    packed = 2 * 9216 * 4 if packing_available() else 0
+    # and oneDNN's packed copies (selfrl.matmul.pack) of those 14 merged weights (q, k and v stacked in one,
+    # gate and up in another) and of the output layer (512 x 32)
+    packed = (2 * 9216 + 512 * 32) * 4 if packing_available() else 0
     assert view.extra_bytes == 2 * 9216 * 4 + packed
+    assert view.lean_layers == 2
     assert view.view.model.embed_tokens.weight is base.model.embed_tokens.weight
     assert view.view.lm_head.weight is base.lm_head.weight and view.view.lm_head.bias is base.lm_head.bias
     prompts = chat_prompts(tiny_tokenizer)

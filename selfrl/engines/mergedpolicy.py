@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selfrl.engines.leanlayers import LeanDecoderLayer, SignedSine, can_be_lean
 from selfrl.engines.packedattention import ATTENTION_NAME  # (registers the view's attention)
 from selfrl.engines.sharedattention import takes_shared_prefix
 from selfrl.engines.weightwatch import WeightWatch, hook_dicts
@@ -194,15 +195,61 @@ class MergedPolicy:
             elif hasattr(orig, "lora_A"):
                 self.kept_layers += 1
                 done.append(name)
-            elif type(orig) is nn.Linear:
-                self._replace(name, SamplingLinear(orig.weight, orig.bias, is_routed(orig)), orig)
+            elif type(orig) is nn.Linear:  # (the output layer): its own weight, packed as the merged ones
+                layer = SamplingLinear(orig.weight, orig.bias, is_routed(orig))
+                self._replace(name, layer, orig)
+                if layer.onednn:
+                    self._onednn.append(layer)
                 done.append(name)
+        self.shared_prefix_layers = self._point_attention()
+        self.lean_layers = self._make_lean() if self.shared_prefix_layers else 0
         if packing_available():  # their packed copies
             self.extra_bytes += sum(m.weight.numel() * m.weight.element_size() for m in self._onednn)
-        self.shared_prefix_layers = self._point_attention()
         self.builds += 1
         self._built_at = self.watch.structure_generation
         self._merge()
+
+    def _make_lean(self) -> int:
+        """Replace each decoder layer of the view that can be (:func:`~selfrl.engines.leanlayers.can_be_lean`)
+        with a :class:`~selfrl.engines.leanlayers.LeanDecoderLayer`, its query, key and value
+        weights stacked into one merged tensor where all three are merged, and its gate and up
+        weights likewise; returns how many were replaced."""
+        signed_sin = SignedSine()
+        count = 0
+        for name, layer in list(self.view.named_modules()):
+            if not name or not can_be_lean(layer, SamplingLinear):
+                continue
+            attn, mlp = layer.self_attn, layer.mlp
+            lean = LeanDecoderLayer(layer, self._stack([attn.q_proj, attn.k_proj, attn.v_proj]),
+                                    self._stack([mlp.gate_proj, mlp.up_proj]), signed_sin)
+            self._replace(name, lean, layer)
+            count += 1
+        return count
+
+    def _stack(self, layers: list[SamplingLinear]) -> SamplingLinear | None:
+        """One :class:`SamplingLinear` over the merged weights of ``layers`` stacked (out_1 + out_2 +
+        ..., in), each layer's weight becoming a view of its rows (merged in place as before), or None
+        where any is not a merged layer without a bias, or they differ in inputs or library."""
+        index = {id(merged): i for i, (_, _, merged) in enumerate(self._pairs)}
+        if (any(id(m.weight) not in index or m.bias is not None for m in layers)
+                or len({(m.weight.shape[1], m.onednn) for m in layers}) != 1):
+            return None
+        with torch.inference_mode(False):
+            stacked = torch.empty(sum(m.weight.shape[0] for m in layers), layers[0].weight.shape[1],
+                                  dtype=layers[0].weight.dtype, requires_grad=False)
+        start = 0
+        for m in layers:
+            i, rows = index[id(m.weight)], m.weight.shape[0]
+            mod, adapter, _ = self._pairs[i]
+            m.weight = stacked[start:start + rows]  # the merge writes each layer's rows of the stacked tensor
+            self._pairs[i] = (mod, adapter, m.weight)
+            if m in self._onednn:  # the stacked weight is packed instead
+                self._onednn.remove(m)
+            start += rows
+        fused = SamplingLinear(stacked, None, layers[0].onednn)
+        if fused.onednn:
+            self._onednn.append(fused)
+        return fused
 
     def _point_attention(self) -> int:
         """Point every attention layer of the view at :func:`~selfrl.engines.sharedattention.shared_prefix_attention`

@@ -1,0 +1,143 @@
+"""The sampling view's decoder layers computed without the library's module calls: fused
+products, a one-operator norm and one rotation for queries and keys together.
+
+A decoding step of the embedded model with 8 to 16 rows spent about 31 ms in its products and
+as long again in everything else: 13 module calls a layer through ``nn.Module.__call__`` and
+transformers' wrappers, a norm of five operators, a rotation of ten, seven products where four
+do. :class:`LeanDecoderLayer` computes what ``LlamaDecoderLayer`` computes, in this order:
+
+- ``torch.rms_norm`` (one operator) for the layer's two ``LlamaRMSNorm``;
+- queries, keys and values as one product with the three weights stacked, and gate and up as
+  one (when :class:`~selfrl.engines.mergedpolicy.MergedPolicy` could stack them: all three, or
+  both, merged LoRA layers without a bias; separate products otherwise);
+- the rotary embedding of queries and keys together, ``x cos + roll(x, d/2) sin'`` with
+  ``sin'`` the sine with its first half negated: the same products and sums as transformers'
+  ``x cos + rotate_half(x) sin``;
+- the view's own attention (:func:`~selfrl.engines.packedattention.view_attention`) and the
+  cache's ``update``, called as transformers' ``LlamaAttention`` calls them, with the same
+  keyword arguments.
+
+Only the rounding of fp32 sums differs (the norm's, a fused multiply-add, the stacked
+products'): the conformance suite's 1e-5 holds (``tests/test_lean_layers.py``). It applies to
+Llama-architecture layers (Llama 2 and 3, SmolLM2) whose parts are exactly transformers' Llama
+classes, in fp32, with the view's attention; any other layer keeps transformers' forward pass.
+A forward hook or pre-hook on any part of the layer, found at a call, makes that call run
+transformers' forward pass of the layer (the hooks then run as they would); hooks on the layer
+itself run around either. ``benchmarks/bench_checkouts.py`` measures what it saves.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from selfrl.engines.packedattention import ATTENTION_NAME, view_attention
+
+
+def _llama_classes() -> tuple:
+    from transformers.models.llama import modeling_llama as m
+
+    return m.LlamaDecoderLayer, m.LlamaAttention, m.LlamaMLP, m.LlamaRMSNorm
+
+
+def can_be_lean(layer: nn.Module, linear_type: type) -> bool:
+    """Whether ``layer`` of a sampling view can be a :class:`LeanDecoderLayer`: a transformers
+    ``LlamaDecoderLayer`` whose attention, MLP and norms are exactly transformers' Llama classes,
+    with a SiLU MLP, an even head size, the view's attention (``ATTENTION_NAME``), and all seven
+    projections ``linear_type`` (the view's :class:`~selfrl.engines.mergedpolicy.SamplingLinear`)
+    over fp32 weights."""
+    decoder, attention, mlp, norm = _llama_classes()
+    if type(layer) is not decoder:
+        return False
+    attn, ff = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if type(attn) is not attention or type(ff) is not mlp:
+        return False
+    if type(layer.input_layernorm) is not norm or type(layer.post_attention_layernorm) is not norm:
+        return False
+    if getattr(attn.config, "_attn_implementation", None) != ATTENTION_NAME or attn.head_dim % 2:
+        return False
+    if type(ff.act_fn).__name__ not in ("SiLUActivation", "SiLU"):
+        return False
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, ff.gate_proj, ff.up_proj, ff.down_proj)
+    return all(type(p) is linear_type and p.weight.dtype == torch.float32 for p in projections)
+
+
+class SignedSine:
+    """``sin'`` (the sine with its first half negated) of the last ``sin`` seen: every layer of a
+    forward pass gets the same ``sin`` tensor, so it is computed once a pass."""
+
+    def __init__(self):
+        self.sin: torch.Tensor | None = None
+        self.signed: torch.Tensor | None = None
+
+    def __call__(self, sin: torch.Tensor) -> torch.Tensor:
+        if self.sin is not sin:
+            half = sin.shape[-1] // 2
+            self.signed = torch.cat([-sin[..., :half], sin[..., half:]], -1)
+            self.sin = sin
+        return self.signed
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of ``x`` (b, T, heads, d): ``x cos + roll(x, d/2) sin'``, which is
+    transformers' ``x cos + rotate_half(x) sin`` (Su et al. 2021, "RoFormer", eq. 34, halves
+    layout) with the sign moved into ``sin'``. ``cos``, ``signed_sin``: (b or 1, T, 1, d).
+    Returns a contiguous (b, T, heads, d) tensor."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
+
+
+class LeanDecoderLayer(nn.Module):
+    """A Llama decoder layer of the sampling view, computed as the module docstring says.
+
+    Args:
+        layer: the view's ``LlamaDecoderLayer`` (:func:`can_be_lean`); kept as ``layer``, and run
+            (its ``forward``) whenever a hook sits on one of its parts.
+        qkv: one linear layer over the stacked query, key and value weights, or None (three).
+        gate_up: one over the stacked gate and up weights, or None (two).
+        signed_sin: the view's :class:`SignedSine`, shared by its layers.
+    """
+
+    def __init__(self, layer: nn.Module, qkv: nn.Module | None, gate_up: nn.Module | None, signed_sin: SignedSine):
+        super().__init__()
+        self.layer, self.qkv, self.gate_up = layer, qkv, gate_up
+        attn = layer.self_attn
+        self.head_dim = attn.head_dim
+        self.q_width, self.kv_width = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+        self.signed_sin = signed_sin
+        # the forward hook registries of its parts (shared with the policy's modules: a hook added there shows)
+        self._hooks = [d for m in layer.modules() if m is not layer for d in (m._forward_hooks, m._forward_pre_hooks)]
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, cache=None, **kwargs):
+        """``LlamaDecoderLayer.forward``: (b, T, hidden) in, (b, T, hidden) out."""
+        cos, sin = position_embeddings
+        if any(self._hooks) or hidden_states.dtype != torch.float32 or cos.shape[-1] != self.head_dim:
+            return self.layer.forward(hidden_states, attention_mask=attention_mask,
+                                      position_embeddings=position_embeddings, cache=cache, **kwargs)
+        layer, attn, d = self.layer, self.layer.self_attn, self.head_dim
+        b, t = hidden_states.shape[:2]
+        norm = layer.input_layernorm
+        h = torch.rms_norm(hidden_states, norm.weight.shape, norm.weight, norm.variance_epsilon)
+        if self.qkv is not None:
+            qkv = self.qkv.forward(h)  # (b, T, q + 2 kv)
+            qk, v = qkv[..., :self.q_width + self.kv_width], qkv[..., self.q_width + self.kv_width:]
+        else:
+            qk = torch.cat([attn.q_proj.forward(h), attn.k_proj.forward(h)], -1)
+            v = attn.v_proj.forward(h)
+        qk = rotate(qk.reshape(b, t, -1, d), cos.unsqueeze(2), self.signed_sin(sin).unsqueeze(2))
+        heads = self.q_width // d
+        q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)  # (b, H, T, d), (b, KV, T, d)
+        v = v.reshape(b, t, -1, d).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
+        out, _ = view_attention(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
+        x = hidden_states + attn.o_proj.forward(out.reshape(b, t, -1))
+        norm = layer.post_attention_layernorm
+        h = torch.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+        mlp = layer.mlp
+        if self.gate_up is not None:
+            gate, up = self.gate_up.forward(h).chunk(2, -1)
+        else:
+            gate, up = mlp.gate_proj.forward(h), mlp.up_proj.forward(h)
+        return x + mlp.down_proj.forward(F.silu(gate) * up)
