@@ -83,6 +83,35 @@ def test_the_fused_kernel_gives_what_products_give_on_the_cache_s_views(T, monke
     torch.testing.assert_close(fused[2, 0], alone[0, :, 0], atol=2e-6, rtol=0)
 
 
+@pytest.mark.skipif(not fused_kernel_available(), reason="torch's fused CPU attention kernel is not available")
+def test_the_kernel_s_masks_are_computed_once_a_pass_and_anew_for_the_next():
+    from types import SimpleNamespace
+
+    from selfrl.engines.sharedattention import SharedPrefix, fused_masks, shared_prefix_attention
+
+    # by hand: 1 row, 2 query heads a key/value head, 1 query, 2 own columns, the second one hidden
+    additive, hidden = fused_masks(torch.tensor([[[[True, False]]]]), 2, torch.float32)
+    assert additive.tolist() == [[[[0.0, float("-inf")], [0.0, float("-inf")]]]] and hidden.tolist() == [[[False, False]]]
+    assert fused_masks(torch.zeros(1, 1, 1, 2, dtype=torch.bool), 1, torch.float32)[1].tolist() == [[[True]]]
+    torch.manual_seed(2)
+    B, KV, G, P, S, D = 3, 2, 2, 4, 5, 8
+    shared = SharedPrefix(P, [torch.randn(KV, P, D)] * 2, [torch.randn(KV, P, D)] * 2)
+    k, v, q = torch.randn(B, KV, S, D), torch.randn(B, KV, S, D), torch.randn(B, KV * G, 1, D)
+    first = torch.rand(B, 1, 1, P + S) < 0.6
+    second = ~first  # the next pass: another mask
+    first[..., :P] = second[..., :P] = True
+    for mask in (first, second):
+        for layer in (0, 1):  # two layers of one pass: the same mask object
+            out, _ = shared_prefix_attention(SimpleNamespace(layer_idx=layer), q, k, v, mask, scaling=D ** -0.5,
+                                             shared_prefix_kv=shared)
+            want = attend_by_products(q, shared.keys[layer], shared.values[layer], k, v, mask[..., P:], D ** -0.5)
+            torch.testing.assert_close(out, want, atol=2e-6, rtol=0)
+            assert shared.own_masks[0] is mask and shared.own_masks[1] == G
+        kept = shared.own_masks
+        shared_prefix_attention(SimpleNamespace(layer_idx=0), q, k, v, mask, scaling=D ** -0.5, shared_prefix_kv=shared)
+        assert shared.own_masks is kept  # computed once for the pass
+
+
 def test_without_the_fused_kernel_products_compute_it(monkeypatch):
     monkeypatch.setattr(sharedattention, "_FUSED", None)
     sharedattention.fused_kernel_available.cache_clear()

@@ -31,9 +31,14 @@ fp32 layers are merged: a merged bf16 weight would round most small updates away
 The view is a copy of the model's module tree whose parameters, buffers, configurations and
 hook registries *are* the policy's, except that each merged layer holds its own merged weight
 (extra memory: the targeted layers' weights once more, 405 MiB for the embedded model in fp32),
-and, where the products go through oneDNN, a packed copy of each merged weight laid out for
-oneDNN (:func:`selfrl.matmul.pack`; 405 MiB more; 810 MiB in all). Layers without LoRA (the
-output layer) read the policy's weight live, unpacked.
+and, where the products go through oneDNN, a packed copy of each merged weight and of the output
+layer's weight laid out for oneDNN (:func:`selfrl.matmul.pack`; 513 MiB more; 918 MiB in all).
+Frozen weights are read as of the last merge, like the bases of the merged weights: an in-place
+operation or ``load_state_dict`` bumps their version counters and is merged and packed again at
+the next step; a write through ``.data`` into a frozen tensor is not seen (the watch compares the
+contents of the adapter's tensors only). Other frozen layers read the policy's weights live.
+Llama decoder layers run leaner (:mod:`selfrl.engines.leanlayers`: stacked products, fewer
+operators), queries, keys and values then being one merged weight, and gate and up another.
 A layer that cannot be merged exactly (DoRA, a LoRA bias, several active adapters, adapters
 disabled or merged, a bf16 base, a non-``Linear`` base, hooks inside it) stays peft's layer,
 so the view computes what the policy computes.
@@ -136,6 +141,8 @@ class MergedPolicy:
 
     Attributes:
         merged_layers: how many LoRA layers are merged (0 for a model without LoRA).
+        lean_layers: decoder layers computed by :class:`~selfrl.engines.leanlayers.LeanDecoderLayer`
+            (0 where the attention layers do not all take the view's attention).
         kept_layers: LoRA layers left as peft computes them (DoRA, a LoRA bias, several active
             adapters, adapters disabled or merged into the base, bf16 base weights, hooks inside).
         merges: how many times the merged weights were computed.
@@ -171,9 +178,8 @@ class MergedPolicy:
         self.view.eval()
         self.merged_layers = self.kept_layers = self.extra_bytes = 0
         self._pairs: list[tuple[nn.Module, str, torch.Tensor]] = []  # (peft layer, adapter, merged weight)
-        # oneDNN's packed copies are made only of the merged weights, snapshots already (merged again when
-        # the watch sees a change): a layer without LoRA reads the policy's tensor live, and a packed copy
-        # of it would miss a change the watch cannot see (a .data write into a frozen weight)
+        # oneDNN's packed copies: of the merged weights (stacked where lean layers stack them) and of the
+        # output layer, packed again at each merge (module docstring: frozen weights as of the last merge)
         self._onednn: list[SamplingLinear] = []
         done: list[str] = []  # replaced or kept peft layers: their submodules are theirs
         for name, orig in base.named_modules():

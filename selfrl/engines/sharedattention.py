@@ -28,7 +28,7 @@ shared prefix, compute what they computed before.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -49,11 +49,13 @@ class SharedPrefix:
     length: int
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    # the pass's masks as the fused kernel takes them, the same for every layer: (mask, groups, masks)
+    own_masks: tuple | None = field(default=None, compare=False, repr=False)
 
 
 def attend_with_shared_prefix(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
                               key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                              scaling: float) -> torch.Tensor:
+                              scaling: float, own_masks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Softmax attention of each row over a shared prefix and then its own columns.
 
     Args:
@@ -64,6 +66,7 @@ def attend_with_shared_prefix(query: torch.Tensor, prefix_key: torch.Tensor, pre
         mask: (B, 1, T, S) bool, True where a query may see the column (a query that sees none
             attends to the prefix alone).
         scaling: the factor on the scores (usually ``D ** -0.5``).
+        own_masks: :func:`fused_masks` of ``mask``, if already computed (for the fused kernel).
 
     Returns:
         (B, T, H, D), the layout of transformers' attention functions: what softmax attention
@@ -87,8 +90,20 @@ def attend_with_shared_prefix(query: torch.Tensor, prefix_key: torch.Tensor, pre
     True
     """
     if fused_kernel_takes(query, prefix_key, key):
-        return _attend_fused(query, prefix_key, prefix_value, key, value, mask, scaling)
+        masks = own_masks if own_masks is not None else fused_masks(mask, query.shape[1] // prefix_key.shape[0], query.dtype)
+        return _attend_fused(query, prefix_key, prefix_value, key, value, masks, scaling)
     return attend_by_products(query, prefix_key, prefix_value, key, value, mask, scaling)
+
+
+def fused_masks(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mask`` (B, 1, T, S) bool as the fused kernel takes it for ``groups`` query heads per
+    key/value head: the additive mask (B, 1, G T, S) of ``dtype`` (0 where visible, -inf elsewhere)
+    and (B, 1, G T) True for the queries that see none of their own columns. The same for every
+    layer of a pass: :func:`shared_prefix_attention` computes it once a pass."""
+    B, _, T, S = mask.shape
+    visible = mask.unsqueeze(2).expand(B, 1, groups, T, S).reshape(B, 1, groups * T, S)  # (B, 1, GT, S)
+    additive = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+    return additive, ~visible.any(-1)
 
 
 _FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)  # (out, logsumexp)
@@ -108,7 +123,7 @@ def fused_kernel_available() -> bool:
     m = torch.rand(2, 1, 3, 6, generator=g) < 0.5
     m[0, 0, 0] = False  # a query that sees only the prefix
     try:
-        got = _attend_fused(q, pk, pv, k, v, m, 0.3)
+        got = _attend_fused(q, pk, pv, k, v, fused_masks(m, 2, q.dtype), 0.3)
     except Exception:  # the operator changed in this torch
         return False
     want = attend_by_products(q, pk, pv, k, v, m, 0.3)
@@ -123,8 +138,9 @@ def fused_kernel_takes(query: torch.Tensor, prefix_key: torch.Tensor, key: torch
             and fused_kernel_available())
 
 
-def _attend_fused(query, prefix_key, prefix_value, key, value, mask, scaling):
-    """:func:`attend_with_shared_prefix` by two calls of the fused kernel merged by log-sum-exp."""
+def _attend_fused(query, prefix_key, prefix_value, key, value, masks, scaling):
+    """:func:`attend_with_shared_prefix` by two calls of the fused kernel merged by log-sum-exp;
+    ``masks``: :func:`fused_masks` of the mask."""
     B, H, T, D = query.shape
     KV, S = prefix_key.shape[0], key.shape[2]
     G = H // KV
@@ -138,13 +154,13 @@ def _attend_fused(query, prefix_key, prefix_value, key, value, mask, scaling):
     out_p = out_p.view(KV, B, G * T, D).transpose(0, 1)  # (B, KV, GT, D)
     lse_p = lse_p.view(KV, B, G * T).transpose(0, 1)  # (B, KV, GT)
     # each row's own columns, masked (the kernel takes an additive mask of the queries' dtype)
-    visible = mask.unsqueeze(2).expand(B, 1, G, T, S).reshape(B, 1, G * T, S)  # (B, 1, GT, S)
-    additive = torch.zeros(visible.shape, dtype=query.dtype).masked_fill_(~visible, float("-inf"))
+    additive, hidden = masks  # (B, 1, GT, S), (B, 1, GT)
     out_s, lse_s = _FUSED(q, key, value, attn_mask=additive, scale=scaling)  # (B, KV, GT, D), (B, KV, GT)
     # a query that sees none of its own columns gets the kernel's zeros and a log-sum-exp of 0: weight 0 instead
-    lse_s = lse_s.masked_fill(~visible.any(-1), float("-inf"))  # (B, 1, GT) broadcast over KV
-    lse = torch.logaddexp(lse_p, lse_s)  # (B, KV, GT)
-    out = out_p * (lse_p - lse).exp_().unsqueeze(-1) + out_s * (lse_s - lse).exp_().unsqueeze(-1)
+    lse_s = lse_s.masked_fill(hidden, float("-inf"))  # (B, 1, GT) broadcast over KV
+    # the two softmaxes merged: (e^lp out_p + e^ls out_s) / (e^lp + e^ls) = out_p + sigmoid(ls - lp) (out_s - out_p)
+    # (lse_p is finite: every query sees the whole prefix)
+    out = torch.lerp(out_p, out_s, torch.sigmoid(lse_s - lse_p).unsqueeze(-1))  # (B, KV, GT, D)
     return out.reshape(B, H, T, D).transpose(1, 2)
 
 
@@ -199,8 +215,17 @@ def shared_prefix_attention(module, query: torch.Tensor, key: torch.Tensor, valu
         raise ValueError("attention over a shared prefix needs no dropout and a boolean (B, 1, T, W) mask")
     p, i = shared_prefix_kv.length, module.layer_idx
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = attend_with_shared_prefix(query, shared_prefix_kv.keys[i][:, :p], shared_prefix_kv.values[i][:, :p],
-                                    key, value, attention_mask[..., p:], scale)
+    prefix_key, prefix_value = shared_prefix_kv.keys[i][:, :p], shared_prefix_kv.values[i][:, :p]
+    masks = None
+    if fused_kernel_takes(query, prefix_key, key):  # the kernel's masks, once a pass (the same mask every layer)
+        groups = query.shape[1] // prefix_key.shape[0]
+        memo = shared_prefix_kv.own_masks
+        if memo is None or memo[0] is not attention_mask or memo[1] != groups:
+            memo = shared_prefix_kv.own_masks = (attention_mask, groups,
+                                                 fused_masks(attention_mask[..., p:], groups, query.dtype))
+        masks = memo[2]
+    out = attend_with_shared_prefix(query, prefix_key, prefix_value, key, value, attention_mask[..., p:], scale,
+                                    own_masks=masks)
     return out, None
 
 
