@@ -89,18 +89,52 @@ def test_lean_layers_compute_the_policy_with_or_without_stacking(tiny_tokenizer,
         torch.testing.assert_close(view(input_ids=ids).logits, _logits(model, ids), atol=ATOL, rtol=0)
 
 
-def test_other_architectures_keep_transformers_layers(tiny_tokenizer):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def _tiny(tokenizer, family: str, **extra):
+    import transformers
 
-    cfg = Qwen2Config(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=tiny_tokenizer.eos_token_id,
-                      pad_token_id=tiny_tokenizer.eos_token_id)
+    cls = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi": "Phi"}[family]
+    cfg = getattr(transformers, cls + "Config")(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, **extra)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = add_lora(Qwen2ForCausalLM(cfg).eval(), seed=1)
+    return add_lora(getattr(transformers, cls + "ForCausalLM")(cfg).eval(), seed=1)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_mistral_qwen2_and_qwen3_layers_are_lean_too(tiny_tokenizer, family):
+    from tests.test_engine_conformance import assert_matches_model
+
+    from selfrl.engines.slots import SlotEngine
+
+    model = _tiny(tiny_tokenizer, family, **({"sliding_window": None} if family == "mistral" else {}))  # (4096 by default)
+    if family == "qwen2":  # biases on q, k and v: make them matter
+        with torch.no_grad():
+            for layer in model.get_base_model().model.layers:
+                layer.self_attn.k_proj.base_layer.bias.normal_()
     view = MergedPolicy(model)
-    assert view.shared_prefix_layers == 2 and view.lean_layers == 0  # Qwen2: biases on q, k, v
-    assert not any(isinstance(m, LeanDecoderLayer) for m in view.view.modules())
+    lean = view.view.model.layers[1]
+    assert view.lean_layers == 2 and lean.qkv is not None and lean.head_norms == (family == "qwen3")
+    assert (lean.qkv.bias is not None) == (family == "qwen2")
+    ids = torch.tensor([chat_prompts(tiny_tokenizer)[1][:8]] * 3)
+    torch.testing.assert_close(view(input_ids=ids).logits, _logits(model, ids), atol=ATOL, rtol=0)
+    if family == "qwen2":  # a frozen bias changed in place: copied into the stacked bias at the next pass
+        with torch.no_grad():
+            model.get_base_model().model.layers[0].self_attn.v_proj.base_layer.bias.add_(1.0)
+        torch.testing.assert_close(view(input_ids=ids).logits, _logits(model, ids), atol=ATOL, rtol=0)
+    engine = SlotEngine(model, tiny_tokenizer, driver="caller")
+    prompts = chat_prompts(tiny_tokenizer)
+    assert engine.merged.lean_layers == 2
+    assert_matches_model(engine.generate(prompts, 6, temperature=1.0), prompts, model, 1.0,
+                         tiny_tokenizer.eos_token_id, 6)
+    engine.close()
+
+
+@pytest.mark.parametrize("family,extra", [("phi", {}), ("mistral", {"sliding_window": 40})], ids=["phi", "window"])
+def test_other_layers_keep_transformers_forward_pass(tiny_tokenizer, family, extra):
+    model = _tiny(tiny_tokenizer, family, **extra)  # Phi: another layer; a sliding window: not the view's attention
+    view = MergedPolicy(model)
+    assert view.lean_layers == 0 and not any(isinstance(m, LeanDecoderLayer) for m in view.view.modules())
     ids = torch.tensor([chat_prompts(tiny_tokenizer)[1][:8]] * 2)
     torch.testing.assert_close(view(input_ids=ids).logits, _logits(model, ids), atol=ATOL, rtol=0)
 

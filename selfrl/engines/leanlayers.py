@@ -4,12 +4,14 @@ products, a one-operator norm and one rotation for queries and keys together.
 A decoding step of the embedded model with 8 to 16 rows spent about 31 ms in its products and
 as long again in everything else: 13 module calls a layer through ``nn.Module.__call__`` and
 transformers' wrappers, a norm of five operators, a rotation of ten, seven products where four
-do. :class:`LeanDecoderLayer` computes what ``LlamaDecoderLayer`` computes, in this order:
+do. :class:`LeanDecoderLayer` computes what transformers' ``LlamaDecoderLayer`` (and Mistral's, Qwen2's
+and Qwen3's, the same layer with biases or per-head norms) computes, in this order:
 
 - ``torch.rms_norm`` (one operator) for the layer's two ``LlamaRMSNorm``;
-- queries, keys and values as one product with the three weights stacked, and gate and up as
-  one (when :class:`~selfrl.engines.mergedpolicy.MergedPolicy` could stack them: all three, or
-  both, merged LoRA layers without a bias; separate products otherwise);
+- queries, keys and values as one product with the three weights (and biases) stacked, and gate
+  and up as one (when :class:`~selfrl.engines.mergedpolicy.MergedPolicy` could stack them: all
+  three, or both, merged LoRA layers; separate products otherwise);
+- Qwen3's per-head norms of queries and keys (``torch.rms_norm`` each);
 - the rotary embedding of queries and keys together, ``x cos + roll(x, d/2) sin'`` with
   ``sin'`` the sine with its first half negated: the same products and sums as transformers'
   ``x cos + rotate_half(x) sin``;
@@ -19,8 +21,9 @@ do. :class:`LeanDecoderLayer` computes what ``LlamaDecoderLayer`` computes, in t
 
 Only the rounding of fp32 sums differs (the norm's, a fused multiply-add, the stacked
 products'): the conformance suite's 1e-5 holds (``tests/test_lean_layers.py``). It applies to
-Llama-architecture layers (Llama 2 and 3, SmolLM2) whose parts are exactly transformers' Llama
-classes, in fp32, with the view's attention; any other layer keeps transformers' forward pass.
+the layers of :data:`FAMILIES` (Llama 2 and 3, SmolLM2, Mistral, Qwen2 and 2.5, Qwen3) whose parts
+are exactly that family's transformers classes, in fp32, with the view's attention and no sliding
+window; any other layer keeps transformers' forward pass.
 A forward hook or pre-hook on any part of the layer, found at a call, makes that call run
 transformers' forward pass of the layer (the hooks then run as they would); hooks on the layer
 itself run around either. ``benchmarks/bench_checkouts.py`` measures what it saves.
@@ -33,31 +36,51 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfrl.engines.packedattention import ATTENTION_NAME, view_attention
+from selfrl.engines.sharedattention import attention_window
 
 
-def _llama_classes() -> tuple:
-    from transformers.models.llama import modeling_llama as m
+# the decoder layers computed lean: transformers' module, and whether queries and keys are normed per head
+FAMILIES = {"LlamaDecoderLayer": ("llama", "Llama", False), "MistralDecoderLayer": ("mistral", "Mistral", False),
+            "Qwen2DecoderLayer": ("qwen2", "Qwen2", False), "Qwen3DecoderLayer": ("qwen3", "Qwen3", True)}
 
-    return m.LlamaDecoderLayer, m.LlamaAttention, m.LlamaMLP, m.LlamaRMSNorm
+
+def _family(layer: nn.Module) -> tuple | None:
+    """(decoder, attention, MLP, norm classes, per-head norms) of ``layer``'s family, or None."""
+    entry = FAMILIES.get(type(layer).__name__)
+    if entry is None:
+        return None
+    import importlib
+
+    module, prefix, head_norms = entry
+    try:
+        m = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+        classes = tuple(getattr(m, prefix + suffix) for suffix in ("DecoderLayer", "Attention", "MLP", "RMSNorm"))
+    except (ImportError, AttributeError):  # another transformers
+        return None
+    return (*classes, head_norms)
 
 
 def can_be_lean(layer: nn.Module, linear_type: type) -> bool:
-    """Whether ``layer`` of a sampling view can be a :class:`LeanDecoderLayer`: a transformers
-    ``LlamaDecoderLayer`` whose attention, MLP and norms are exactly transformers' Llama classes,
-    with a SiLU MLP, an even head size, the view's attention (``ATTENTION_NAME``), and all seven
-    projections ``linear_type`` (the view's :class:`~selfrl.engines.mergedpolicy.SamplingLinear`)
-    over fp32 weights."""
-    decoder, attention, mlp, norm = _llama_classes()
-    if type(layer) is not decoder:
+    """Whether ``layer`` of a sampling view can be a :class:`LeanDecoderLayer`: a decoder layer of
+    :data:`FAMILIES` (Llama, Mistral, Qwen2, Qwen3) whose attention, MLP and norms are exactly that
+    family's transformers classes, with a SiLU MLP, an even head size, no sliding window, the view's
+    attention (``ATTENTION_NAME``), and all seven projections ``linear_type`` (the view's
+    :class:`~selfrl.engines.mergedpolicy.SamplingLinear`) over fp32 weights."""
+    family = _family(layer)
+    if family is None:
         return False
+    decoder, attention, mlp, norm, head_norms = family
     attn, ff = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if type(attn) is not attention or type(ff) is not mlp:
+    if type(layer) is not decoder or type(attn) is not attention or type(ff) is not mlp:
         return False
-    if type(layer.input_layernorm) is not norm or type(layer.post_attention_layernorm) is not norm:
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if head_norms:
+        norms += [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+    if any(type(n) is not norm for n in norms):
         return False
     if getattr(attn.config, "_attn_implementation", None) != ATTENTION_NAME or attn.head_dim % 2:
         return False
-    if type(ff.act_fn).__name__ not in ("SiLUActivation", "SiLU"):
+    if attention_window(attn) is not None or type(ff.act_fn).__name__ not in ("SiLUActivation", "SiLU"):
         return False
     projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, ff.gate_proj, ff.up_proj, ff.down_proj)
     return all(type(p) is linear_type and p.weight.dtype == torch.float32 for p in projections)
@@ -91,7 +114,7 @@ class LeanDecoderLayer(nn.Module):
     """A Llama decoder layer of the sampling view, computed as the module docstring says.
 
     Args:
-        layer: the view's ``LlamaDecoderLayer`` (:func:`can_be_lean`); kept as ``layer``, and run
+        layer: the view's decoder layer (:func:`can_be_lean`); kept as ``layer``, and run
             (its ``forward``) whenever a hook sits on one of its parts.
         qkv: one linear layer over the stacked query, key and value weights, or None (three).
         gate_up: one over the stacked gate and up weights, or None (two).
@@ -105,12 +128,13 @@ class LeanDecoderLayer(nn.Module):
         self.head_dim = attn.head_dim
         self.q_width, self.kv_width = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
         self.signed_sin = signed_sin
+        self.head_norms = _family(layer)[4]  # Qwen3's q_norm and k_norm
         # the forward hook registries of its parts (shared with the policy's modules: a hook added there shows)
         self._hooks = [d for m in layer.modules() if m is not layer for d in (m._forward_hooks, m._forward_pre_hooks)]
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, cache=None, **kwargs):
-        """``LlamaDecoderLayer.forward``: (b, T, hidden) in, (b, T, hidden) out."""
+        """The decoder layer's ``forward``: (b, T, hidden) in, (b, T, hidden) out."""
         cos, sin = position_embeddings
         if any(self._hooks) or hidden_states.dtype != torch.float32 or cos.shape[-1] != self.head_dim:
             return self.layer.forward(hidden_states, attention_mask=attention_mask,
@@ -125,8 +149,13 @@ class LeanDecoderLayer(nn.Module):
         else:
             qk = torch.cat([attn.q_proj.forward(h), attn.k_proj.forward(h)], -1)
             v = attn.v_proj.forward(h)
-        qk = rotate(qk.reshape(b, t, -1, d), cos.unsqueeze(2), self.signed_sin(sin).unsqueeze(2))
         heads = self.q_width // d
+        qk = qk.reshape(b, t, -1, d)
+        if self.head_norms:  # Qwen3: queries and keys normed per head before the rotation
+            qn, kn = attn.q_norm, attn.k_norm
+            qk = torch.cat([torch.rms_norm(qk[:, :, :heads], qn.weight.shape, qn.weight, qn.variance_epsilon),
+                            torch.rms_norm(qk[:, :, heads:], kn.weight.shape, kn.weight, kn.variance_epsilon)], 2)
+        qk = rotate(qk, cos.unsqueeze(2), self.signed_sin(sin).unsqueeze(2))
         q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)  # (b, H, T, d), (b, KV, T, d)
         v = v.reshape(b, t, -1, d).transpose(1, 2)
         if cache is not None:

@@ -37,8 +37,9 @@ Frozen weights are read as of the last merge, like the bases of the merged weigh
 operation or ``load_state_dict`` bumps their version counters and is merged and packed again at
 the next step; a write through ``.data`` into a frozen tensor is not seen (the watch compares the
 contents of the adapter's tensors only). Other frozen layers read the policy's weights live.
-Llama decoder layers run leaner (:mod:`selfrl.engines.leanlayers`: stacked products, fewer
-operators), queries, keys and values then being one merged weight, and gate and up another.
+Decoder layers of Llama, Mistral, Qwen2 and Qwen3 run leaner (:mod:`selfrl.engines.leanlayers`:
+stacked products, fewer operators), queries, keys and values then being one merged weight (and
+their biases one stacked copy), and gate and up another.
 A layer that cannot be merged exactly (DoRA, a LoRA bias, several active adapters, adapters
 disabled or merged, a bf16 base, a non-``Linear`` base, hooks inside it) stays peft's layer,
 so the view computes what the policy computes.
@@ -181,6 +182,7 @@ class MergedPolicy:
         # oneDNN's packed copies: of the merged weights (stacked where lean layers stack them) and of the
         # output layer, packed again at each merge (module docstring: frozen weights as of the last merge)
         self._onednn: list[SamplingLinear] = []
+        self._bias_copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows of a stacked bias, the layer's bias)
         done: list[str] = []  # replaced or kept peft layers: their submodules are theirs
         for name, orig in base.named_modules():
             if not name or any(name.startswith(d + ".") for d in done):
@@ -234,25 +236,31 @@ class MergedPolicy:
 
     def _stack(self, layers: list[SamplingLinear]) -> SamplingLinear | None:
         """One :class:`SamplingLinear` over the merged weights of ``layers`` stacked (out_1 + out_2 +
-        ..., in), each layer's weight becoming a view of its rows (merged in place as before), or None
-        where any is not a merged layer without a bias, or they differ in inputs or library."""
+        ..., in), each layer's weight becoming a view of its rows (merged in place as before), and
+        their biases stacked likewise (copied at each merge: frozen tensors, as of the last merge);
+        None where any is not a merged layer, some have a bias and some not, or they differ in inputs
+        or library."""
         index = {id(merged): i for i, (_, _, merged) in enumerate(self._pairs)}
-        if (any(id(m.weight) not in index or m.bias is not None for m in layers)
+        if (any(id(m.weight) not in index for m in layers) or len({m.bias is None for m in layers}) != 1
                 or len({(m.weight.shape[1], m.onednn) for m in layers}) != 1):
             return None
+        first = layers[0].weight
         with torch.inference_mode(False):
-            stacked = torch.empty(sum(m.weight.shape[0] for m in layers), layers[0].weight.shape[1],
-                                  dtype=layers[0].weight.dtype, requires_grad=False)
+            stacked = torch.empty(sum(m.weight.shape[0] for m in layers), first.shape[1], dtype=first.dtype)
+            bias = None if layers[0].bias is None else torch.empty(stacked.shape[0], dtype=first.dtype)
         start = 0
         for m in layers:
             i, rows = index[id(m.weight)], m.weight.shape[0]
             mod, adapter, _ = self._pairs[i]
             m.weight = stacked[start:start + rows]  # the merge writes each layer's rows of the stacked tensor
             self._pairs[i] = (mod, adapter, m.weight)
+            if bias is not None:
+                self._bias_copies.append((bias[start:start + rows], m.bias))
+                self.extra_bytes += m.bias.numel() * m.bias.element_size()
             if m in self._onednn:  # the stacked weight is packed instead
                 self._onednn.remove(m)
             start += rows
-        fused = SamplingLinear(stacked, None, layers[0].onednn)
+        fused = SamplingLinear(stacked, bias, layers[0].onednn)
         if fused.onednn:
             self._onednn.append(fused)
         return fused
@@ -287,6 +295,8 @@ class MergedPolicy:
             for mod, adapter, merged in self._pairs:
                 merged.copy_(mod.base_layer.weight)
                 merged.add_(mod.get_delta_weight(adapter).to(merged.dtype))
+            for rows, bias in self._bias_copies:  # stacked biases (lean layers)
+                rows.copy_(bias)
             for layer in self._onednn:  # packed again from the merged weights as they are now
                 layer.packed = pack(layer.weight)
         self.merges += 1
