@@ -107,7 +107,8 @@ def test_mistral_qwen2_and_qwen3_layers_are_lean_too(tiny_tokenizer, family):
 
     from selfrl.engines.slots import SlotEngine
 
-    model = _tiny(tiny_tokenizer, family, **({"sliding_window": None} if family == "mistral" else {}))  # (4096 by default)
+    window = {"sliding_window": None} if family == "mistral" else {}  # (Mistral's default is 4096)
+    model = _tiny(tiny_tokenizer, family, **window)
     if family == "qwen2":  # biases on q, k and v: make them matter
         with torch.no_grad():
             for layer in model.get_base_model().model.layers:

@@ -111,7 +111,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
 
 
 class LeanDecoderLayer(nn.Module):
-    """A Llama decoder layer of the sampling view, computed as the module docstring says.
+    """A decoder layer of the sampling view (Llama, Mistral, Qwen2, Qwen3), computed as the module
+    docstring says.
 
     Args:
         layer: the view's decoder layer (:func:`can_be_lean`); kept as ``layer``, and run
