@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfrl.engines.leanlayers import LeanDecoderLayer, SignedSine, rotate
+from selfrl.engines.leanlayers import LeanForward, SignedSine, rotate
 from selfrl.engines.mergedpolicy import MergedPolicy
 from selfrl.testing import add_lora, build_tiny_model
 from tests.engine_backends import chat_prompts
@@ -48,8 +48,9 @@ def test_rotate_by_hand_and_as_transformers_rotates():
 def test_the_stacked_weights_are_the_merged_layers_rows(tiny_tokenizer, tiny_model_factory):
     model = tiny_model_factory(eos_bias=2.0, lora=True)
     view = MergedPolicy(model)
-    lean = view.view.model.layers[1]
-    assert isinstance(lean, LeanDecoderLayer) and view.lean_layers == 2
+    lean = view.view.model.layers[1].forward
+    assert isinstance(lean, LeanForward) and view.lean_layers == 2
+    assert type(view.view.model.layers[1]).__name__ == "LlamaDecoderLayer"  # the layer stays; its forward is lean
     attn, mlp = lean.layer.self_attn, lean.layer.mlp
     assert lean.qkv.weight.shape == (32 + 16 + 16, 32) and lean.gate_up.weight.shape == (128, 32)
     q, k, v = lean.qkv.weight.split([32, 16, 16])
@@ -79,9 +80,9 @@ def test_lean_layers_compute_the_policy_with_or_without_stacking(tiny_tokenizer,
         r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)).eval()
     route_frozen_linears(model, cpu_matmul)
     view = MergedPolicy(model)
-    lean = view.view.model.layers[0]
+    lean = view.view.model.layers[0].forward
     assert view.lean_layers == 2
-    stacked = targets == "all-linear"  # k_proj and gate_proj without LoRA read the policy's weights live
+    stacked = targets == "all-linear"  # k_proj and gate_proj without LoRA: their own products
     assert (lean.qkv is not None, lean.gate_up is not None) == (stacked, stacked)
     prompts = chat_prompts(tiny_tokenizer)
     for rows in (1, 3, 12):  # the small-batch product's orientations, and F.linear
@@ -114,7 +115,7 @@ def test_mistral_qwen2_and_qwen3_layers_are_lean_too(tiny_tokenizer, family):
             for layer in model.get_base_model().model.layers:
                 layer.self_attn.k_proj.base_layer.bias.normal_()
     view = MergedPolicy(model)
-    lean = view.view.model.layers[1]
+    lean = view.view.model.layers[1].forward
     assert view.lean_layers == 2 and lean.qkv is not None and lean.head_norms == (family == "qwen3")
     assert (lean.qkv.bias is not None) == (family == "qwen2")
     ids = torch.tensor([chat_prompts(tiny_tokenizer)[1][:8]] * 3)
@@ -135,7 +136,7 @@ def test_mistral_qwen2_and_qwen3_layers_are_lean_too(tiny_tokenizer, family):
 def test_other_layers_keep_transformers_forward_pass(tiny_tokenizer, family, extra):
     model = _tiny(tiny_tokenizer, family, **extra)  # Phi: another layer; a sliding window: not the view's attention
     view = MergedPolicy(model)
-    assert view.lean_layers == 0 and not any(isinstance(m, LeanDecoderLayer) for m in view.view.modules())
+    assert view.lean_layers == 0 and not any(isinstance(vars(m).get("forward"), LeanForward) for m in view.view.modules())
     ids = torch.tensor([chat_prompts(tiny_tokenizer)[1][:8]] * 2)
     torch.testing.assert_close(view(input_ids=ids).logits, _logits(model, ids), atol=ATOL, rtol=0)
 
@@ -156,6 +157,82 @@ def test_a_hook_on_a_part_of_a_layer_runs_in_the_next_pass(tiny_tokenizer, tiny_
     for h in handles:
         h.remove()
     torch.testing.assert_close(view(input_ids=ids).logits, before, atol=ATOL, rtol=0)
-    # a hook on the layer itself runs around the lean layer
-    layer.register_forward_hook(lambda mod, args, out: out + 1.0)
+    # a hook on the layer itself runs around the lean forward, with the layer as its module
+    steer = torch.randn(2, 32)
+    for each in model.get_base_model().model.layers:
+        each.register_forward_hook(lambda mod, args, out: out + steer[mod.self_attn.layer_idx])
     torch.testing.assert_close(view(input_ids=ids).logits, _logits(model, ids), atol=ATOL, rtol=0)
+    assert (view(input_ids=ids).logits - before).abs().max() > 0.01
+
+
+def test_a_global_module_hook_runs_in_the_view(tiny_tokenizer, tiny_model_factory):
+    from torch.nn.modules.module import register_module_forward_hook
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    model = tiny_model_factory(eos_bias=2.0, lora=True)
+    view = MergedPolicy(model)
+    ids = torch.tensor([chat_prompts(tiny_tokenizer)[2][:9]] * 2)
+    before = view(input_ids=ids).logits
+    handle = register_module_forward_hook(lambda mod, args, out: out * 0.5 if isinstance(mod, LlamaRMSNorm) else None)
+    try:
+        after = view(input_ids=ids).logits
+        torch.testing.assert_close(after, _logits(model, ids), atol=ATOL, rtol=0)
+        assert (after - before).abs().max() > 0.01
+    finally:
+        handle.remove()
+
+
+def test_transformers_idle_capture_hooks_leave_the_layers_lean(tiny_tokenizer, tiny_model_factory):
+    model = tiny_model_factory(eos_bias=2.0, lora=True)
+    view = MergedPolicy(model)
+    ids = torch.tensor([chat_prompts(tiny_tokenizer)[2][:9]] * 2)
+    with torch.no_grad():  # installs transformers' output-capturing hooks on every layer and attention, for good
+        want = model(input_ids=ids, output_hidden_states=True, output_attentions=True)
+    lean = view.view.model.layers[0].forward
+    assert any(lean._hooks) and not lean._hooked()  # there, but idle: the lean path stays on
+    torch.testing.assert_close(view(input_ids=ids).logits, want.logits, atol=ATOL, rtol=0)
+    from transformers.utils.output_capturing import _active_collector
+
+    token = _active_collector.set({"hidden_states": []})  # a capture under way: the hooks must run
+    try:
+        assert lean._hooked()
+    finally:
+        _active_collector.reset(token)
+
+
+def test_a_part_whose_forward_was_replaced_keeps_the_layer_in_transformers_hands(tiny_tokenizer, tiny_model_factory):
+    model = tiny_model_factory(eos_bias=2.0, lora=True)
+    norm = model.get_base_model().model.layers[0].post_attention_layernorm
+    original = norm.forward
+    norm.forward = lambda h: original(h) * 0.0 + 1.0  # an ablation patch on the policy's instance
+    view = MergedPolicy(model)
+    assert view.lean_layers == 1 and not isinstance(vars(view.view.model.layers[0]).get("forward"), LeanForward)
+    ids = torch.tensor([chat_prompts(tiny_tokenizer)[2][:9]] * 2)
+    torch.testing.assert_close(view(input_ids=ids).logits, _logits(model, ids), atol=ATOL, rtol=0)
+
+
+def test_the_signed_sine_is_kept_per_thread():
+    import threading
+
+    signed = SignedSine()
+    a, b = torch.tensor([[0.5, 0.25]]), torch.tensor([[1.0, 2.0]])
+    first = signed(a)
+    assert first.tolist() == [[-0.5, 0.25]]
+    seen = {}
+    t = threading.Thread(target=lambda: seen.update(b=signed(b)))
+    t.start()
+    t.join()
+    assert seen["b"].tolist() == [[-1.0, 2.0]]
+    assert signed(a) is first  # this thread's memo was not replaced by the other's
+
+
+def test_extra_bytes_counts_the_packed_copies_that_exist(tiny_tokenizer, tiny_model_factory):
+    from selfrl.matmul import packing_available
+
+    model = tiny_model_factory(eos_bias=2.0, lora=True)
+    view = MergedPolicy(model)
+    head = 512 * 32 * 4  # the output layer's packed copy
+    full = view.extra_bytes
+    model.get_base_model().lm_head.weight.requires_grad_(True)  # unfrozen for training: no packed copy of it
+    view.sync(deep=True)
+    assert full - view.extra_bytes == (head if packing_available() else 0)

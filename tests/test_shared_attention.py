@@ -106,10 +106,16 @@ def test_the_kernel_s_masks_are_computed_once_a_pass_and_anew_for_the_next():
                                              shared_prefix_kv=shared)
             want = attend_by_products(q, shared.keys[layer], shared.values[layer], k, v, mask[..., P:], D ** -0.5)
             torch.testing.assert_close(out, want, atol=2e-6, rtol=0)
-            assert shared.own_masks[0] is mask and shared.own_masks[1] == G
+            assert shared.own_masks[0] is mask and shared.own_masks[1][1] == G
         kept = shared.own_masks
         shared_prefix_attention(SimpleNamespace(layer_idx=0), q, k, v, mask, scaling=D ** -0.5, shared_prefix_kv=shared)
         assert shared.own_masks is kept  # computed once for the pass
+    # the same mask tensor changed in place (its version moves): its masks anew
+    second[..., P:] = ~second[..., P:]
+    out, _ = shared_prefix_attention(SimpleNamespace(layer_idx=0), q, k, v, second, scaling=D ** -0.5,
+                                     shared_prefix_kv=shared)
+    want = attend_by_products(q, shared.keys[0], shared.values[0], k, v, second[..., P:], D ** -0.5)
+    torch.testing.assert_close(out, want, atol=2e-6, rtol=0)
 
 
 def test_without_the_fused_kernel_products_compute_it(monkeypatch):

@@ -4,7 +4,7 @@ products, a one-operator norm and one rotation for queries and keys together.
 A decoding step of the embedded model with 8 to 16 rows spent about 31 ms in its products and
 as long again in everything else: 13 module calls a layer through ``nn.Module.__call__`` and
 transformers' wrappers, a norm of five operators, a rotation of ten, seven products where four
-do. :class:`LeanDecoderLayer` computes what transformers' ``LlamaDecoderLayer`` (and Mistral's, Qwen2's
+do. :class:`LeanForward` computes what transformers' ``LlamaDecoderLayer`` (and Mistral's, Qwen2's
 and Qwen3's, the same layer with biases or per-head norms) computes, in this order:
 
 - ``torch.rms_norm`` (one operator) for the layer's two ``LlamaRMSNorm``;
@@ -24,16 +24,21 @@ products'): the conformance suite's 1e-5 holds (``tests/test_lean_layers.py``). 
 the layers of :data:`FAMILIES` (Llama 2 and 3, SmolLM2, Mistral, Qwen2 and 2.5, Qwen3) whose parts
 are exactly that family's transformers classes, in fp32, with the view's attention and no sliding
 window; any other layer keeps transformers' forward pass.
-A forward hook or pre-hook on any part of the layer, found at a call, makes that call run
-transformers' forward pass of the layer (the hooks then run as they would); hooks on the layer
-itself run around either. ``benchmarks/bench_checkouts.py`` measures what it saves.
+A forward hook or pre-hook on any part of the layer (transformers' idle output-capturing hooks
+aside) or a global module hook, found at a call, makes that call run transformers' forward pass
+of the layer (the hooks then run as they would). The lean forward is installed on the view's copy
+of the layer (an instance ``forward``), so hooks on the layer run around either with the layer
+itself as their module. ``benchmarks/bench_checkouts.py`` measures what it saves.
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from selfrl.engines.packedattention import ATTENTION_NAME, view_attention
 from selfrl.engines.sharedattention import attention_window
@@ -61,11 +66,12 @@ def _family(layer: nn.Module) -> tuple | None:
 
 
 def can_be_lean(layer: nn.Module, linear_type: type) -> bool:
-    """Whether ``layer`` of a sampling view can be a :class:`LeanDecoderLayer`: a decoder layer of
+    """Whether ``layer`` of a sampling view can take a :class:`LeanForward`: a decoder layer of
     :data:`FAMILIES` (Llama, Mistral, Qwen2, Qwen3) whose attention, MLP and norms are exactly that
     family's transformers classes, with a SiLU MLP, an even head size, no sliding window, the view's
-    attention (``ATTENTION_NAME``), and all seven projections ``linear_type`` (the view's
-    :class:`~selfrl.engines.mergedpolicy.SamplingLinear`) over fp32 weights."""
+    attention (``ATTENTION_NAME``), all seven projections ``linear_type`` (the view's
+    :class:`~selfrl.engines.mergedpolicy.SamplingLinear`) over fp32 weights, and no ``forward``
+    replaced on the layer or any other part of it."""
     family = _family(layer)
     if family is None:
         return False
@@ -83,16 +89,19 @@ def can_be_lean(layer: nn.Module, linear_type: type) -> bool:
     if attention_window(attn) is not None or type(ff.act_fn).__name__ not in ("SiLUActivation", "SiLU"):
         return False
     projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, ff.gate_proj, ff.up_proj, ff.down_proj)
-    return all(type(p) is linear_type and p.weight.dtype == torch.float32 for p in projections)
+    if not all(type(p) is linear_type and p.weight.dtype == torch.float32 for p in projections):
+        return False
+    # a forward replaced on the instance (a patch the policy runs) must run in the view too
+    return not any("forward" in vars(m) for m in layer.modules() if type(m) is not linear_type)
 
 
-class SignedSine:
-    """``sin'`` (the sine with its first half negated) of the last ``sin`` seen: every layer of a
-    forward pass gets the same ``sin`` tensor, so it is computed once a pass."""
+class SignedSine(threading.local):
+    """``sin'`` (the sine with its first half negated) of the last ``sin`` seen in this thread: every
+    layer of a forward pass gets the same ``sin`` tensor, so it is computed once a pass (per thread:
+    the view's module tree may run forward passes in two threads, an engine's and a swap check's)."""
 
-    def __init__(self):
-        self.sin: torch.Tensor | None = None
-        self.signed: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    signed: torch.Tensor | None = None
 
     def __call__(self, sin: torch.Tensor) -> torch.Tensor:
         if self.sin is not sin:
@@ -110,20 +119,34 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
 
-class LeanDecoderLayer(nn.Module):
-    """A decoder layer of the sampling view (Llama, Mistral, Qwen2, Qwen3), computed as the module
-    docstring says.
+def _capture_hook_idle(hook) -> bool:
+    """Whether ``hook`` is transformers' output-capturing hook with no capture under way: installed
+    for good on every layer and attention module once any call asks for hidden states or attentions
+    (``output_hidden_states=True``), it does nothing otherwise."""
+    if getattr(hook, "__name__", "") != "output_capturing_hook" or "output_capturing" not in getattr(hook, "__module__", ""):
+        return False
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # another transformers: count it as a hook
+        return False
+    return _active_collector.get() is None
+
+
+class LeanForward:
+    """The ``forward`` of a decoder layer of the sampling view (Llama, Mistral, Qwen2, Qwen3),
+    computed as the module docstring says; installed on the view's own copy of the layer (an
+    instance attribute), so hooks on the layer see the layer itself.
 
     Args:
-        layer: the view's decoder layer (:func:`can_be_lean`); kept as ``layer``, and run
-            (its ``forward``) whenever a hook sits on one of its parts.
+        layer: the view's decoder layer (:func:`can_be_lean`); its class's ``forward`` runs instead
+            whenever a forward hook (other than transformers' idle output-capturing one) sits on
+            one of its parts, or a global module hook is registered.
         qkv: one linear layer over the stacked query, key and value weights, or None (three).
         gate_up: one over the stacked gate and up weights, or None (two).
         signed_sin: the view's :class:`SignedSine`, shared by its layers.
     """
 
     def __init__(self, layer: nn.Module, qkv: nn.Module | None, gate_up: nn.Module | None, signed_sin: SignedSine):
-        super().__init__()
         self.layer, self.qkv, self.gate_up = layer, qkv, gate_up
         attn = layer.self_attn
         self.head_dim = attn.head_dim
@@ -133,13 +156,19 @@ class LeanDecoderLayer(nn.Module):
         # the forward hook registries of its parts (shared with the policy's modules: a hook added there shows)
         self._hooks = [d for m in layer.modules() if m is not layer for d in (m._forward_hooks, m._forward_pre_hooks)]
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, cache=None, **kwargs):
+    def _hooked(self) -> bool:
+        """Whether a hook must run: one on a part of the layer, or a global module hook."""
+        if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+            return True
+        return any(d for d in self._hooks) and any(not _capture_hook_idle(h) for d in self._hooks for h in d.values())
+
+    def __call__(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, cache=None, **kwargs):
         """The decoder layer's ``forward``: (b, T, hidden) in, (b, T, hidden) out."""
         cos, sin = position_embeddings
-        if any(self._hooks) or hidden_states.dtype != torch.float32 or cos.shape[-1] != self.head_dim:
-            return self.layer.forward(hidden_states, attention_mask=attention_mask,
-                                      position_embeddings=position_embeddings, cache=cache, **kwargs)
+        if self._hooked() or hidden_states.dtype != torch.float32 or cos.shape[-1] != self.head_dim:
+            return type(self.layer).forward(self.layer, hidden_states, attention_mask=attention_mask,
+                                            position_embeddings=position_embeddings, cache=cache, **kwargs)
         layer, attn, d = self.layer, self.layer.self_attn, self.head_dim
         b, t = hidden_states.shape[:2]
         norm = layer.input_layernorm

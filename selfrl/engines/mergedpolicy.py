@@ -32,11 +32,13 @@ The view is a copy of the model's module tree whose parameters, buffers, configu
 hook registries *are* the policy's, except that each merged layer holds its own merged weight
 (extra memory: the targeted layers' weights once more, 405 MiB for the embedded model in fp32),
 and, where the products go through oneDNN, a packed copy of each merged weight and of the output
-layer's weight laid out for oneDNN (:func:`selfrl.matmul.pack`; 513 MiB more; 918 MiB in all).
-Frozen weights are read as of the last merge, like the bases of the merged weights: an in-place
-operation or ``load_state_dict`` bumps their version counters and is merged and packed again at
-the next step; a write through ``.data`` into a frozen tensor is not seen (the watch compares the
-contents of the adapter's tensors only). Other frozen layers read the policy's weights live.
+layer's weight laid out for oneDNN (:func:`selfrl.matmul.pack`; 513 MiB more; 918 MiB in all;
+:attr:`extra_bytes` counts them as they are).
+The frozen linear layers without LoRA (the output layer, projections a LoRA does not target) are
+packed too. Frozen weights are thus read as of the last merge, like the bases of the merged weights:
+an in-place operation or ``load_state_dict`` bumps their version counters and is merged and packed
+again at the next step; a write through ``.data`` into a frozen tensor is not seen (the watch
+compares the contents of the adapter's tensors only).
 Decoder layers of Llama, Mistral, Qwen2 and Qwen3 run leaner (:mod:`selfrl.engines.leanlayers`:
 stacked products, fewer operators), queries, keys and values then being one merged weight (and
 their biases one stacked copy), and gate and up another.
@@ -54,11 +56,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfrl.engines.leanlayers import LeanDecoderLayer, SignedSine, can_be_lean
+from selfrl.engines.leanlayers import LeanForward, SignedSine, can_be_lean
 from selfrl.engines.packedattention import ATTENTION_NAME  # (registers the view's attention)
 from selfrl.engines.sharedattention import takes_shared_prefix
 from selfrl.engines.weightwatch import WeightWatch, hook_dicts
-from selfrl.matmul import is_routed, pack, packed_linear, packing_available
+from selfrl.matmul import is_routed, pack, packed_linear
 
 SMALL_BATCH_ROWS = (1, 10)  # rows for which (W @ x.T).T is used on the CPU (docs/benchmarks.md)
 
@@ -142,7 +144,7 @@ class MergedPolicy:
 
     Attributes:
         merged_layers: how many LoRA layers are merged (0 for a model without LoRA).
-        lean_layers: decoder layers computed by :class:`~selfrl.engines.leanlayers.LeanDecoderLayer`
+        lean_layers: decoder layers computed by :class:`~selfrl.engines.leanlayers.LeanForward`
             (0 where the attention layers do not all take the view's attention).
         kept_layers: LoRA layers left as peft computes them (DoRA, a LoRA bias, several active
             adapters, adapters disabled or merged into the base, bf16 base weights, hooks inside).
@@ -211,26 +213,24 @@ class MergedPolicy:
                 done.append(name)
         self.shared_prefix_layers = self._point_attention()
         self.lean_layers = self._make_lean() if self.shared_prefix_layers else 0
-        if packing_available():  # their packed copies
-            self.extra_bytes += sum(m.weight.numel() * m.weight.element_size() for m in self._onednn)
+        self._copies_bytes = self.extra_bytes  # the merged weights and stacked biases; packed copies: _merge
         self.builds += 1
         self._built_at = self.watch.structure_generation
         self._merge()
 
     def _make_lean(self) -> int:
-        """Replace each decoder layer of the view that can be (:func:`~selfrl.engines.leanlayers.can_be_lean`)
-        with a :class:`~selfrl.engines.leanlayers.LeanDecoderLayer`, its query, key and value
-        weights stacked into one merged tensor where all three are merged, and its gate and up
-        weights likewise; returns how many were replaced."""
+        """Give each decoder layer of the view that can take it (:func:`~selfrl.engines.leanlayers.can_be_lean`)
+        a :class:`~selfrl.engines.leanlayers.LeanForward` as its ``forward``, its query, key and
+        value weights stacked into one merged tensor where all three are merged, and its gate and
+        up weights likewise; returns how many layers took it."""
         signed_sin = SignedSine()
         count = 0
-        for name, layer in list(self.view.named_modules()):
-            if not name or not can_be_lean(layer, SamplingLinear):
+        for layer in list(self.view.modules()):
+            if not can_be_lean(layer, SamplingLinear):
                 continue
             attn, mlp = layer.self_attn, layer.mlp
-            lean = LeanDecoderLayer(layer, self._stack([attn.q_proj, attn.k_proj, attn.v_proj]),
-                                    self._stack([mlp.gate_proj, mlp.up_proj]), signed_sin)
-            self._replace(name, lean, layer)
+            layer.forward = LeanForward(layer, self._stack([attn.q_proj, attn.k_proj, attn.v_proj]),
+                                        self._stack([mlp.gate_proj, mlp.up_proj]), signed_sin)
             count += 1
         return count
 
@@ -298,7 +298,9 @@ class MergedPolicy:
             for rows, bias in self._bias_copies:  # stacked biases (lean layers)
                 rows.copy_(bias)
             for layer in self._onednn:  # packed again from the merged weights as they are now
-                layer.packed = pack(layer.weight)
+                layer.packed = pack(layer.weight)  # (None for a weight that now requires a gradient)
+        self.extra_bytes = self._copies_bytes + sum(layer.weight.numel() * layer.weight.element_size()
+                                                    for layer in self._onednn if layer.packed is not None)
         self.merges += 1
         self._merged_at = self.watch.generation
 

@@ -49,7 +49,8 @@ class SharedPrefix:
     length: int
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    # the pass's masks as the fused kernel takes them, the same for every layer: (mask, groups, masks)
+    # the pass's masks as the fused kernel takes them, the same for every layer:
+    # (attention mask, (its version, groups, length, dtype), fused_masks of it)
     own_masks: tuple | None = field(default=None, compare=False, repr=False)
 
 
@@ -219,9 +220,10 @@ def shared_prefix_attention(module, query: torch.Tensor, key: torch.Tensor, valu
     masks = None
     if fused_kernel_takes(query, prefix_key, key):  # the kernel's masks, once a pass (the same mask every layer)
         groups = query.shape[1] // prefix_key.shape[0]
+        stamp = (attention_mask._version, groups, p, query.dtype)  # (a mask changed in place bumps its version)
         memo = shared_prefix_kv.own_masks
-        if memo is None or memo[0] is not attention_mask or memo[1] != groups:
-            memo = shared_prefix_kv.own_masks = (attention_mask, groups,
+        if memo is None or memo[0] is not attention_mask or memo[1] != stamp:
+            memo = shared_prefix_kv.own_masks = (attention_mask, stamp,
                                                  fused_masks(attention_mask[..., p:], groups, query.dtype))
         masks = memo[2]
     out = attend_with_shared_prefix(query, prefix_key, prefix_value, key, value, attention_mask[..., p:], scale,
