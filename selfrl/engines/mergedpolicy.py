@@ -32,7 +32,7 @@ The view is a copy of the model's module tree whose parameters, buffers, configu
 hook registries *are* the policy's, except that each merged layer holds its own merged weight
 (extra memory: the targeted layers' weights once more, 405 MiB for the embedded model in fp32),
 and, where the products go through oneDNN, a packed copy of each merged weight and of the output
-layer's weight laid out for oneDNN (:func:`selfrl.matmul.pack`; 513 MiB more; 918 MiB in all;
+layer's weight laid out for oneDNN (:func:`selfrl.matmul.pack`; 513 MiB more, 918 MiB in all, for the embedded model with the default all-linear LoRA;
 :attr:`extra_bytes` counts them as they are).
 The frozen linear layers without LoRA (the output layer, projections a LoRA does not target) are
 packed too. Frozen weights are thus read as of the last merge, like the bases of the merged weights:
