@@ -123,7 +123,8 @@ def _capture_hook_idle(hook) -> bool:
     """Whether ``hook`` is transformers' output-capturing hook with no capture under way: installed
     for good on every layer and attention module once any call asks for hidden states or attentions
     (``output_hidden_states=True``), it does nothing otherwise."""
-    if getattr(hook, "__name__", "") != "output_capturing_hook" or "output_capturing" not in getattr(hook, "__module__", ""):
+    name, module = getattr(hook, "__name__", ""), getattr(hook, "__module__", "") or ""
+    if name != "output_capturing_hook" or "output_capturing" not in module:
         return False
     try:
         from transformers.utils.output_capturing import _active_collector

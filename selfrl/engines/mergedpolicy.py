@@ -32,8 +32,8 @@ The view is a copy of the model's module tree whose parameters, buffers, configu
 hook registries *are* the policy's, except that each merged layer holds its own merged weight
 (extra memory: the targeted layers' weights once more, 405 MiB for the embedded model in fp32),
 and, where the products go through oneDNN, a packed copy of each merged weight and of the output
-layer's weight laid out for oneDNN (:func:`selfrl.matmul.pack`; 513 MiB more, 918 MiB in all, for the embedded model with the default all-linear LoRA;
-:attr:`extra_bytes` counts them as they are).
+layer's weight laid out for oneDNN (:func:`selfrl.matmul.pack`; 513 MiB more, 918 MiB in all, for
+the embedded model with the default all-linear LoRA; :attr:`extra_bytes` counts them as they are).
 The frozen linear layers without LoRA (the output layer, projections a LoRA does not target) are
 packed too. Frozen weights are thus read as of the last merge, like the bases of the merged weights:
 an in-place operation or ``load_state_dict`` bumps their version counters and is merged and packed
@@ -181,8 +181,8 @@ class MergedPolicy:
         self.view.eval()
         self.merged_layers = self.kept_layers = self.extra_bytes = 0
         self._pairs: list[tuple[nn.Module, str, torch.Tensor]] = []  # (peft layer, adapter, merged weight)
-        # oneDNN's packed copies: of the merged weights (stacked where lean layers stack them) and of the
-        # output layer, packed again at each merge (module docstring: frozen weights as of the last merge)
+        # oneDNN's packed copies: of the merged weights (stacked where lean layers stack them) and of the frozen
+        # layers without LoRA, packed again at each merge (module docstring: frozen weights as of the last merge)
         self._onednn: list[SamplingLinear] = []
         self._bias_copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows of a stacked bias, the layer's bias)
         done: list[str] = []  # replaced or kept peft layers: their submodules are theirs
@@ -205,7 +205,7 @@ class MergedPolicy:
             elif hasattr(orig, "lora_A"):
                 self.kept_layers += 1
                 done.append(name)
-            elif type(orig) is nn.Linear:  # (the output layer): its own weight, packed as the merged ones
+            elif type(orig) is nn.Linear:  # without LoRA (the output layer): its own weight, packed like the merged
                 layer = SamplingLinear(orig.weight, orig.bias, is_routed(orig))
                 self._replace(name, layer, orig)
                 if layer.onednn:

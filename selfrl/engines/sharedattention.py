@@ -56,7 +56,8 @@ class SharedPrefix:
 
 def attend_with_shared_prefix(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
                               key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                              scaling: float, own_masks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                              scaling: float,
+                              own_masks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Softmax attention of each row over a shared prefix and then its own columns.
 
     Args:
@@ -91,7 +92,9 @@ def attend_with_shared_prefix(query: torch.Tensor, prefix_key: torch.Tensor, pre
     True
     """
     if fused_kernel_takes(query, prefix_key, key):
-        masks = own_masks if own_masks is not None else fused_masks(mask, query.shape[1] // prefix_key.shape[0], query.dtype)
+        masks = own_masks
+        if masks is None:
+            masks = fused_masks(mask, query.shape[1] // prefix_key.shape[0], query.dtype)
         return _attend_fused(query, prefix_key, prefix_value, key, value, masks, scaling)
     return attend_by_products(query, prefix_key, prefix_value, key, value, mask, scaling)
 
