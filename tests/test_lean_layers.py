@@ -224,15 +224,3 @@ def test_the_signed_sine_is_kept_per_thread():
     t.join()
     assert seen["b"].tolist() == [[-1.0, 2.0]]
     assert signed(a) is first  # this thread's memo was not replaced by the other's
-
-
-def test_extra_bytes_counts_the_packed_copies_that_exist(tiny_tokenizer, tiny_model_factory):
-    from selfrl.matmul import packing_available
-
-    model = tiny_model_factory(eos_bias=2.0, lora=True)
-    view = MergedPolicy(model)
-    head = 512 * 32 * 4  # the output layer's packed copy
-    full = view.extra_bytes
-    model.get_base_model().lm_head.weight.requires_grad_(True)  # unfrozen for training: no packed copy of it
-    view.sync(deep=True)
-    assert full - view.extra_bytes == (head if packing_available() else 0)

@@ -140,7 +140,9 @@ def test_the_sampling_view_computes_as_the_policys_layers(tiny_tokenizer, calls)
         got = view(input_ids=ids).logits
         calls[0] = 0
         view(input_ids=ids)
-        assert calls[0] == len(layers)
+        # 2 lean layers (selfrl.engines.leanlayers) of 4 products each (q, k and v stacked, o, gate and up
+        # stacked, down), and the output layer
+        assert view.lean_layers == 2 and calls[0] == 2 * 4 + 1
         torch.testing.assert_close(got, model(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
     plain = MergedPolicy(add_lora(build_tiny_model(tiny_tokenizer, seed=5), seed=6, cpu_matmul="torch"))
     assert not any(m.onednn for m in plain.view.modules() if isinstance(m, SamplingLinear))
@@ -230,8 +232,15 @@ def test_the_view_samples_through_packed_weights_packed_again_after_each_change(
     view = MergedPolicy(model)
     layers = [m for m in view.view.modules() if isinstance(m, SamplingLinear)]
     head = model.get_base_model().lm_head.weight
-    # the merged weights are packed; the output layer (no LoRA) reads the policy's tensor live, unpacked
-    assert all((m.packed is None) == (m.weight is head) for m in layers) and any(m.weight is head for m in layers)
+    # the merged weights are packed (q, k and v stacked into one, gate and up into another, in the lean
+    # layers); the output layer (no LoRA) reads the policy's tensor live, unpacked
+    lean = [vars(m)["forward"] for m in view.view.modules() if hasattr(vars(m).get("forward"), "qkv")]
+    stacked = [f.qkv for f in lean] + [f.gate_up for f in lean]
+    assert len(stacked) == 4 and all(m.packed is not None for m in stacked)
+    parts = {id(p) for f in lean for p in (f.layer.self_attn.q_proj, f.layer.self_attn.k_proj, f.layer.self_attn.v_proj,
+                                            f.layer.mlp.gate_proj, f.layer.mlp.up_proj)}
+    assert all((m.packed is None) == (m.weight is head or id(m) in parts) for m in layers)
+    assert any(m.weight is head for m in layers)
     ids = torch.randint(3, 200, (2, 6))
     lora_b = next(p for n, p in model.named_parameters() if "lora_B" in n)
     # a LoRA update; a frozen weight edited; a .data write into it, which the weight watch cannot see

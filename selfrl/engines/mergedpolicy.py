@@ -31,14 +31,12 @@ fp32 layers are merged: a merged bf16 weight would round most small updates away
 The view is a copy of the model's module tree whose parameters, buffers, configurations and
 hook registries *are* the policy's, except that each merged layer holds its own merged weight
 (extra memory: the targeted layers' weights once more, 405 MiB for the embedded model in fp32),
-and, where the products go through oneDNN, a packed copy of each merged weight and of the output
-layer's weight laid out for oneDNN (:func:`selfrl.matmul.pack`; 513 MiB more, 918 MiB in all, for
-the embedded model with the default all-linear LoRA; :attr:`extra_bytes` counts them as they are).
-The frozen linear layers without LoRA (the output layer, projections a LoRA does not target) are
-packed too. Frozen weights are thus read as of the last merge, like the bases of the merged weights:
-an in-place operation or ``load_state_dict`` bumps their version counters and is merged and packed
-again at the next step; a write through ``.data`` into a frozen tensor is not seen (the watch
-compares the contents of the adapter's tensors only).
+and, where the products go through oneDNN, a packed copy of each merged weight laid out for
+oneDNN (:func:`selfrl.matmul.pack`; 405 MiB more; 810 MiB in all; :attr:`extra_bytes` counts the
+copies that exist). Layers without LoRA (the output layer, projections a LoRA does not target) read
+the policy's weight live, unpacked: a packed copy would be a snapshot, and miss a write through
+``.data`` that no version counter shows (packing the output layer made the demo's rollouts about
+1.5 % faster; docs/benchmarks.md section 7, "Lean decoder layers").
 Decoder layers of Llama, Mistral, Qwen2 and Qwen3 run leaner (:mod:`selfrl.engines.leanlayers`:
 stacked products, fewer operators), queries, keys and values then being one merged weight (and
 their biases one stacked copy), and gate and up another.
@@ -181,8 +179,9 @@ class MergedPolicy:
         self.view.eval()
         self.merged_layers = self.kept_layers = self.extra_bytes = 0
         self._pairs: list[tuple[nn.Module, str, torch.Tensor]] = []  # (peft layer, adapter, merged weight)
-        # oneDNN's packed copies: of the merged weights (stacked where lean layers stack them) and of the frozen
-        # layers without LoRA, packed again at each merge (module docstring: frozen weights as of the last merge)
+        # oneDNN's packed copies, only of the merged weights (stacked where lean layers stack them), snapshots
+        # already (merged again when the watch sees a change): a layer without LoRA reads the policy's tensor
+        # live, and a packed copy of it would miss a change the watch cannot see (a .data write into it)
         self._onednn: list[SamplingLinear] = []
         self._bias_copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows of a stacked bias, the layer's bias)
         done: list[str] = []  # replaced or kept peft layers: their submodules are theirs
@@ -205,11 +204,8 @@ class MergedPolicy:
             elif hasattr(orig, "lora_A"):
                 self.kept_layers += 1
                 done.append(name)
-            elif type(orig) is nn.Linear:  # without LoRA (the output layer): its own weight, packed like the merged
-                layer = SamplingLinear(orig.weight, orig.bias, is_routed(orig))
-                self._replace(name, layer, orig)
-                if layer.onednn:
-                    self._onednn.append(layer)
+            elif type(orig) is nn.Linear:  # without LoRA (the output layer): the policy's weight, read live
+                self._replace(name, SamplingLinear(orig.weight, orig.bias, is_routed(orig)), orig)
                 done.append(name)
         self.shared_prefix_layers = self._point_attention()
         self.lean_layers = self._make_lean() if self.shared_prefix_layers else 0
