@@ -8,7 +8,7 @@
 - **passes**: what a forward pass of the sampling view costs at ``rows`` rows x ``ids`` ids a row (no
   cache: the linear layers and the output layer, which dominate), the fastest of ``--repeats``: where
   feeding more ids a pass stays nearly free (bound by reading the weights) and where it does not.
-- **validation**: the gate's greedy pass over the first 64 held-out tasks (``selfrl.gate.validate``'s
+- **validation**: the gate's greedy pass over the first 64 held-out tasks (``selfrl.safety.gate.validate``'s
   rollouts), each engine in turn.
 
 Both engines sample the same ids (the drafts are verified exactly); the table says whether they did.
@@ -34,7 +34,7 @@ def timed_rollouts(engine, tasks, tools, cfg, seed: int, greedy: bool = False) -
     """(seconds, sampled tokens, the sampled ids, the engine's pass and draft counts) of one rollout batch."""
     import torch
 
-    from selfrl.rollout import rollout
+    from selfrl.rollout.agent import rollout
 
     before = (engine.steps, engine.drafted_ids, engine.accepted_ids)
     torch.manual_seed(seed)
@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "(the first is the baseline)")
     args = p.parse_args(argv)
     from selfrl.engines.slots import SlotEngine
-    from selfrl.tasks import get_task_source, split_tasks
-    from selfrl.tools import resolve_tools
+    from selfrl.core.tasks import get_task_source, split_tasks
+    from selfrl.core.tools import resolve_tools
 
     result = envelope(args, command_line("bench_drafts.py", argv))
     cfg = bench_config(args, CONFIG, "bench-drafts-")

@@ -33,7 +33,7 @@ def synthetic_batch(tok, prompts: list[list[int]], num_generations: int, complet
     Advantages alternate +1/-1 within each group (all carry signal); the sampling logprobs
     are -2.0 per token (only the update's cost is measured, not what it learns).
     """
-    from selfrl.trajectory import Trajectory
+    from selfrl.core.trajectory import Trajectory
 
     rng = random.Random(seed)
     special = set(tok.all_special_ids)
@@ -55,13 +55,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--num-prompts", type=int, default=2, help="prompts per update (groups)")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG plot here (e.g. docs/scaling.png)")
     args = p.parse_args(argv)
-    from selfrl.chat import prompt_ids
+    from selfrl.chat.template import prompt_ids
     from selfrl.config import load_config
-    from selfrl.loop import build_policy
-    from selfrl.rollout import initial_messages
-    from selfrl.tasks import get_task_source, split_tasks
-    from selfrl.tools import resolve_tools
-    from selfrl.learner import Learner
+    from selfrl.run.loop import build_policy
+    from selfrl.rollout.agent import initial_messages
+    from selfrl.core.tasks import get_task_source, split_tasks
+    from selfrl.core.tools import resolve_tools
+    from selfrl.rl.learner import Learner
 
     result = envelope(args, command_line("bench_scaling.py", argv))
     name = model_name(args, Path(tempfile.mkdtemp(prefix="bench-scaling-")))

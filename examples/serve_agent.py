@@ -35,9 +35,9 @@ from pathlib import Path
 
 from openai import OpenAI
 
-from selfrl.rollout import DEFAULT_SYSTEM_PROMPT
-from selfrl.tasks import Task, assert_disjoint, get_task_source, split_tasks
-from selfrl.tools import get_tool
+from selfrl.rollout.agent import DEFAULT_SYSTEM_PROMPT
+from selfrl.core.tasks import Task, assert_disjoint, get_task_source, split_tasks
+from selfrl.core.tools import get_tool
 
 CALCULATOR = get_tool("calculator")
 TOOLS = [CALCULATOR.openai_schema()]

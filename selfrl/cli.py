@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 
 CPU_MATMUL_HELP = ("auto | onednn | torch: frozen fp32 products on the CPU through oneDNN (auto, where available) "
-                   "or torch's BLAS (selfrl/matmul.py)")
+                   "or torch's BLAS (selfrl/model/matmul.py)")
 
 RUN_FLAGS = {
     # flag: (dotted config key, type, help)
@@ -30,7 +30,7 @@ RUN_FLAGS = {
     "--env": ("task.source", str, "environment: arithmetic | webshop | code | function_calling | swe | web (selfrl envs), "
               "rg:<dataset>, or package.module:Name"),
     "--task": ("task.source", str, "same as --env (older name), e.g. chain_sum, basic_arithmetic, rg:<dataset>"),
-    "--preset": ("preset", str, "reward preset (selfrl.rewards.PRESETS; an environment sets its own): verified, label-free, code, function_calling, ..."),
+    "--preset": ("preset", str, "reward preset (selfrl.envs.rewards.PRESETS; an environment sets its own): verified, label-free, code, function_calling, ..."),
     "--iterations": ("iterations", int, "total rollout + update cycles of the run (with --resume: the new total)"),
     "--num-prompts": ("num_prompts", int, "tasks per iteration"),
     "--num-generations": ("num_generations", int, "samples per task (GRPO group size)"),
@@ -101,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
                         "--no-async-rollouts samples and trains in turn")
     sub.add_parser("envs", help="list the installed environments, one line each")
     s = sub.add_parser("serve", help="OpenAI-compatible server that records, learns and hot-swaps adapters")
-    s.add_argument("--config", help="TOML file with ServeConfig keys (see selfrl/serve/config.py)")
+    s.add_argument("--config", help="TOML file with ServeConfig keys (see selfrl/config/serve.py)")
     s.add_argument("--api-key-file", help="file whose first line is the API key (else SELFRL_API_KEY)")
     s.add_argument("--no-learn", action="store_true", help="serve and record only; no background learner")
     s.add_argument("--protect-completions", action="store_true", help="require the API key for completions too")
@@ -130,11 +130,11 @@ def report_command(args: argparse.Namespace) -> int:
     """``selfrl report`` and ``selfrl compare``; exit code 2 for a missing run or bad input."""
     try:
         if args.command == "report":
-            from selfrl.report import rebuild_report
+            from selfrl.report.run import rebuild_report
 
             path = rebuild_report(Path(args.run_dir), None if args.out is None else Path(args.out))
         else:
-            from selfrl.compare import compare_runs
+            from selfrl.report.compare import compare_runs
 
             path = compare_runs([Path(d) for d in args.run_dirs], Path(args.out))
     except (FileNotFoundError, ValueError) as e:
@@ -154,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     # A deprecation inside transformers, raised on every run; not ours to fix.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     from selfrl.config import ConfigError
-    from selfrl.model import ModelLoadError
-    from selfrl.swap_check import SwapCheckError
+    from selfrl.model.load import ModelLoadError
+    from selfrl.safety.swap_check import SwapCheckError
 
     if args.command == "envs":
         from selfrl.envs import describe_envs
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                      protect_completions=args.protect_completions)
 
     if args.command == "sampler":
-        from selfrl.engines.sampler_main import sampler
+        from selfrl.serve.sampler_main import sampler
 
         overrides = {RUN_FLAGS[f][0]: getattr(args, f[2:].replace("-", "_"))
                      for f in SAMPLER_FLAGS}
@@ -200,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_run_config(args.config, overrides, base)  # the environment's defaults under file and flags
         from rich.console import Console
 
-        from selfrl.loop import run
-        from selfrl.progress import RichProgress
+        from selfrl.run.loop import run
+        from selfrl.run.progress import RichProgress
 
         with RichProgress(cfg.iterations, Console(stderr=True)) as progress:
             result = run(cfg, resume=bool(args.resume), progress=progress)

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from conftest import _CORPUS, build_tiny_model
-from selfrl.chat import between_turns_ids, prompt_ids, render, template_supports_tools
-from selfrl.rollout import RolloutConfig, initial_messages, rollout
+from selfrl.chat.template import between_turns_ids, prompt_ids, render, template_supports_tools
+from selfrl.rollout.agent import RolloutConfig, initial_messages, rollout
 from selfrl.serve.logprobs import token_bytes
-from selfrl.tasks import Task
-from selfrl.tools import CALCULATOR
+from selfrl.core.tasks import Task
+from selfrl.core.tools import CALCULATOR
 from test_rollout import ScriptedEngine
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"

@@ -1,7 +1,7 @@
 import pytest
 
 from selfrl.config import ConfigError, RunConfig, load_config
-from selfrl.model import DEFAULT_MODEL
+from selfrl.model.load import DEFAULT_MODEL
 
 
 def test_defaults_validate():
@@ -106,7 +106,7 @@ def test_registry_names_and_ranges_fail_before_any_model_is_loaded(override, mes
 
 
 def test_resume_may_change_iterations_but_not_the_task():
-    from selfrl.loop import check_resumable
+    from selfrl.run.loop import check_resumable
 
     stored = load_config().to_dict()
     more = load_config(None, {"iterations": 40, "train.learning_rate": 5e-5}).to_dict()
@@ -191,7 +191,7 @@ def test_the_rules_walked_cover_every_shared_section_and_serve_holds_them_all():
     import dataclasses
 
     from selfrl.config import SHARED_SECTIONS
-    from selfrl.serve.config import ServeConfig
+    from selfrl.config.serve import ServeConfig
 
     assert {key.split(".")[0] for key, _, _ in SHARED_RULES} == set(SHARED_SECTIONS)
     run_types = {f.name: f.type for f in dataclasses.fields(RunConfig)}
@@ -203,7 +203,7 @@ def test_importing_the_config_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, selfrl.config, selfrl.serve.config; print('torch' in sys.modules)"
+    code = "import sys, selfrl.config, selfrl.config.serve; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

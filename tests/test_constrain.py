@@ -9,8 +9,8 @@ import llguidance
 import pytest
 import torch
 
-from selfrl.chat import prompt_ids
-from selfrl.constrain import (
+from selfrl.chat.template import prompt_ids
+from selfrl.chat.constrain import (
     ConstraintError,
     check_constraint,
     grammar_tokenizer,
@@ -18,12 +18,12 @@ from selfrl.constrain import (
     tool_call_constraint,
     unpack_mask,
 )
-from selfrl.engine import Engine
+from selfrl.engines.reference import Engine
 from selfrl.serve.structured import request_constraint
-from selfrl.toolcall import parse_tool_calls
-from selfrl.tools import Tool, validate_arguments
-from selfrl.learner import Learner, TrainConfig
-from selfrl.trajectory import Trajectory
+from selfrl.chat.toolcall import parse_tool_calls
+from selfrl.core.tools import Tool, validate_arguments
+from selfrl.rl.learner import Learner, TrainConfig
+from selfrl.core.trajectory import Trajectory
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
        "required": ["a", "b"], "additionalProperties": False}

@@ -3,7 +3,7 @@ must NOT flag the honest look-alike."""
 
 import pytest
 
-from selfrl.detectors import (
+from selfrl.safety.detectors import (
     PENALTY_KEY,
     DetectorConfig,
     HackingMonitor,
@@ -17,8 +17,8 @@ from selfrl.detectors import (
     repeated_action,
     verifier_disagreement,
 )
-from selfrl.store import Store
-from selfrl.trajectory import ToolCallRecord, Trajectory
+from selfrl.record.store import Store
+from selfrl.core.trajectory import ToolCallRecord, Trajectory
 
 CFG = DetectorConfig()
 

@@ -21,7 +21,7 @@ def _custom_env_block() -> str:
 @pytest.fixture(scope="module")
 def reverse_env():
     from selfrl.envs import registry
-    from selfrl.tools import _REGISTRY as TOOLS
+    from selfrl.core.tools import _REGISTRY as TOOLS
 
     code = _custom_env_block()
     module = types.ModuleType("docs_reverse_env")
@@ -38,9 +38,9 @@ def test_the_page_shows_a_whole_environment_in_under_50_lines(reverse_env):
 
 def test_the_custom_environment_is_found_split_and_solved(reverse_env):
     from selfrl.envs import describe_envs, get_env
-    from selfrl.rewards import get_preset, score_group
-    from selfrl.rollout import RolloutConfig, scripted_rollout
-    from selfrl.tools import resolve_tools
+    from selfrl.envs.rewards import get_preset, score_group
+    from selfrl.rollout.agent import RolloutConfig, scripted_rollout
+    from selfrl.core.tools import resolve_tools
 
     module, _ = reverse_env
     env = get_env("reverse")
@@ -59,8 +59,8 @@ def test_the_custom_environment_is_found_split_and_solved(reverse_env):
 
 def test_selfrl_run_env_reverse_runs_on_a_tiny_model(reverse_env, tmp_path, tiny_tokenizer):
     from selfrl.envs import load_run_config
-    from selfrl.loop import run
-    from selfrl.store import Store
+    from selfrl.run.loop import run
+    from selfrl.record.store import Store
 
     model = save_tiny_phi(tmp_path / "model", tiny_tokenizer)
     cfg = load_run_config(None, {"task.source": "reverse", "model.name": str(model), "run_dir": str(tmp_path / "r"),

@@ -68,13 +68,13 @@ def test_find_cycle_finds_one():
 
 def test_no_import_cycle_in_selfrl():
     graph = import_graph()
-    assert {"selfrl.loop", "selfrl.versions", "selfrl.cycle", "selfrl.serve.background"} <= set(graph)
-    assert "selfrl.config" in graph["selfrl.learner"]  # the graph sees real edges
+    assert {"selfrl.run.loop", "selfrl.record.versions", "selfrl.run.cycle", "selfrl.serve.background"} <= set(graph)
+    assert "selfrl.config" in graph["selfrl.rl.learner"]  # the graph sees real edges
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
 def test_config_imports_only_the_engine_registry_at_load():
     graph = import_graph()
-    assert graph["selfrl.config"] <= {"selfrl.config_base", "selfrl.config_remote", "selfrl.engines", "selfrl.engines.base"}
-    assert graph["selfrl.config_base"] == set()  # the rules every table uses: nothing of selfrl
-    assert graph["selfrl.config_remote"] == {"selfrl.config_base"}
+    assert graph["selfrl.config"] <= {"selfrl.config.base", "selfrl.config.remote", "selfrl.engines", "selfrl.engines.base"}
+    assert graph["selfrl.config.base"] == set()  # the rules every table uses: nothing of selfrl
+    assert graph["selfrl.config.remote"] == {"selfrl.config.base"}

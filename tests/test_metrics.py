@@ -2,8 +2,8 @@
 
 import math
 
-from selfrl.metrics import rollout_metrics
-from selfrl.trajectory import Trajectory
+from selfrl.record.metrics import rollout_metrics
+from selfrl.core.trajectory import Trajectory
 
 
 def traj(mask, reward=None, error=None):

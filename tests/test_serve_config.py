@@ -4,9 +4,9 @@ import pytest
 import torch
 from openai import OpenAI
 
-from selfrl.adapters import lora_state
+from selfrl.record.adapters import lora_state
 from selfrl.config import ConfigError
-from selfrl.serve import records
+from selfrl.record import served as records
 from selfrl.serve.app import load_api_key
 from selfrl.serve.main import load_serve_config
 from serving import add_version, running_server, tiny_serve_config
@@ -123,7 +123,7 @@ def test_a_taken_port_is_a_clear_error_before_anything_is_announced(tmp_path, ca
     from selfrl.serve import main
 
     loaded = []
-    monkeypatch.setattr("selfrl.model.build_policy", lambda cfg: loaded.append(cfg))  # must not be reached
+    monkeypatch.setattr("selfrl.model.load.build_policy", lambda cfg: loaded.append(cfg))  # must not be reached
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -1,4 +1,4 @@
-"""Tests for selfrl.tasks: real reasoning-gym tasks, no stand-ins."""
+"""Tests for selfrl.core.tasks: real reasoning-gym tasks, no stand-ins."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from selfrl.tasks import (
+from selfrl.core.tasks import (
     ReasoningGymSource,
     Task,
     TaskSource,

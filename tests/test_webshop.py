@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from selfrl.detectors import DetectorConfig, apply_detectors
-from selfrl.engine import Engine, Generation
+from selfrl.safety.detectors import DetectorConfig, apply_detectors
+from selfrl.engines.reference import Engine, Generation
 from selfrl.envs import Environment
 from selfrl.envs.webshop import (
     BY_ID,
@@ -18,10 +18,10 @@ from selfrl.envs.webshop import (
     honest_policy,
     outcome,
 )
-from selfrl.rewards import get_preset, score_batch
-from selfrl.rollout import RolloutConfig, rollout, scripted_rollout
-from selfrl.tasks import get_task_source
-from selfrl.tools import ToolError
+from selfrl.envs.rewards import get_preset, score_batch
+from selfrl.rollout.agent import RolloutConfig, rollout, scripted_rollout
+from selfrl.core.tasks import get_task_source
+from selfrl.core.tools import ToolError
 
 SRC = WebShopSource()
 WEBSHOP_TOML = Path(__file__).resolve().parent.parent / "configs" / "webshop.toml"
@@ -154,8 +154,8 @@ def test_selfrl_run_on_the_web_shop_records_shop_state_and_detector_metrics(tmp_
     from conftest import save_tiny_phi
 
     from selfrl.config import ConfigError, load_config
-    from selfrl.loop import run
-    from selfrl.store import Store
+    from selfrl.run.loop import run
+    from selfrl.record.store import Store
 
     model_dir = save_tiny_phi(tmp_path / "model", tiny_tokenizer)
     overrides = {"model.name": str(model_dir), "run_dir": str(tmp_path / "run"), "iterations": 1, "num_prompts": 1,
@@ -174,7 +174,7 @@ def test_selfrl_run_on_the_web_shop_records_shop_state_and_detector_metrics(tmp_
 
 
 def test_probe_scores_per_version_flag_a_version_that_buys_what_does_not_exist(tiny_model, tiny_tokenizer):
-    from selfrl.detectors import HackingMonitor
+    from selfrl.safety.detectors import HackingMonitor
 
     mon = HackingMonitor(DetectorConfig(names=["probe_regression"]), {})
     cfg = RolloutConfig(max_turns=4, tools=[], max_new_tokens=200)

@@ -20,7 +20,7 @@ def _check_driver(driver: str | None) -> None:
 
 
 def _reference(model, tokenizer, version: int = 0, driver: str | None = None) -> SamplingEngine:
-    from selfrl.engine import Engine
+    from selfrl.engines.reference import Engine
 
     _check_driver(driver)
     if driver == "thread":  # it samples in the calling thread, always

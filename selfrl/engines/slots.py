@@ -1,7 +1,7 @@
 """The slot engine: continuous batching over the Hugging Face model's own forward pass,
 with a preallocated key/value cache and shared prefixes encoded once.
 
-How it departs from :class:`selfrl.engine.Engine` (the reference backend):
+How it departs from :class:`selfrl.engines.reference.Engine` (the reference backend):
 
 - **Continuous batching.** One thread at a time runs the steps: the engine's worker
   thread (``driver="thread"``, a server's), or whichever thread waits for results
@@ -57,7 +57,7 @@ from concurrent.futures import Future, InvalidStateError
 import torch
 
 from selfrl.engines import DRIVERS
-from selfrl.engine import Engine
+from selfrl.engines.reference import Engine
 from selfrl.engines.base import AdapterSource, EngineHealth, Generation, check_generate_args, model_context
 from selfrl.engines.kvcache import ContinuationStore, PrefixStore, SlotCache
 from selfrl.engines.mergedpolicy import MergedPolicy
@@ -71,7 +71,7 @@ from selfrl.engines.slotrequest import Call, DrivenFuture, Request, WorkerFuture
 from selfrl.engines.versiongate import VersionGate
 from selfrl.engines.weightwatch import WeightWatch
 from selfrl.engines.sharedattention import attention_layers
-from selfrl.prefix import MIN_SHARED_PREFIX, shared_prefix_len
+from selfrl.model.prefix import MIN_SHARED_PREFIX, shared_prefix_len
 
 __all__ = ["DrivenFuture", "Request", "SlotEngine", "VersionGate", "row_generator"]
 
@@ -237,7 +237,7 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
                  ) -> list[Generation]:
         """Sample one continuation per prompt (see :meth:`SamplingEngine.generate` and, for
         ``top_logprobs``, ``step_logprobs``, ``constraints`` and ``cancel``,
-        :meth:`selfrl.engine.Engine.generate`); the rows join whatever batch is running,
+        :meth:`selfrl.engines.reference.Engine.generate`); the rows join whatever batch is running,
         and the call returns when all of them are done.
 
         A cancelled row stops before the next step: it returns the ids sampled until then
@@ -246,7 +246,7 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
         Raises:
             ValueError: bad arguments (:func:`~selfrl.engines.base.check_generate_args`), or
                 ``constraints`` / ``cancel`` not one per prompt.
-            selfrl.constrain.ConstraintError: a grammar that does not compile.
+            selfrl.chat.constrain.ConstraintError: a grammar that does not compile.
             RuntimeError: the engine is closed.
         """
         check_generate_args(prompts, max_new_tokens, temperature, greedy, top_p, self._ref.num_embeddings)
@@ -278,7 +278,7 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
         ``top_logprobs`` alternatives per id or None). The row samples from its own
         generator, seeded with ``seed`` (or with a draw from torch's global generator in
         the calling thread), so what it samples does not depend on which rows share its
-        batch. ``constraint`` (a :class:`selfrl.constrain.Constraint`) masks its logits;
+        batch. ``constraint`` (a :class:`selfrl.chat.constrain.Constraint`) masks its logits;
         setting ``cancel`` stops it before the next step (its slot is freed, the result
         has ``cancelled=True``). Blocks only while a swap is waiting or running. With
         ``driver="caller"`` the row is sampled only while some thread waits: use
@@ -286,7 +286,7 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
 
         Raises:
             ValueError: bad arguments.
-            selfrl.constrain.ConstraintError: a grammar that does not compile.
+            selfrl.chat.constrain.ConstraintError: a grammar that does not compile.
             RuntimeError: the engine is closed.
         """
         check_generate_args([prompt], max_new_tokens, temperature, greedy, top_p, self._ref.num_embeddings)
@@ -327,7 +327,7 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
 
     def swap(self, adapter: AdapterSource, version: int) -> float:
         """Wait for the requests in flight, then load ``adapter`` as ``version`` in place
-        (see :meth:`selfrl.engine.Engine.swap`); returns the seconds the copy took.
+        (see :meth:`selfrl.engines.reference.Engine.swap`); returns the seconds the copy took.
 
         Raises:
             ValueError: the adapter does not fit the model (nothing changes).

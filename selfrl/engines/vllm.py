@@ -28,7 +28,7 @@ Calls made:
   ``return_token_ids: true`` (the sampled ids and their logprobs, no re-tokenizing),
   ``stop_token_ids`` = the EOS ids, ``skip_special_tokens: false``;
 - ``POST /v1/completions`` with ``prompt_logprobs: 0`` and ``max_tokens: 1`` for the
-  swap check's probe (:mod:`selfrl.swap_check`); the answer's ``model`` field names
+  swap check's probe (:mod:`selfrl.safety.swap_check`); the answer's ``model`` field names
   the adapter that computed it, so a wrong version is caught;
 - ``GET /health`` and ``GET /v1/models``.
 """

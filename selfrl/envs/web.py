@@ -48,15 +48,15 @@ import urllib.request
 from html.parser import HTMLParser
 from typing import Any, ClassVar
 
-from selfrl.detectors import OK, DetectorConfig, Verdict, register_detector
+from selfrl.safety.detectors import OK, DetectorConfig, Verdict, register_detector
 from selfrl.envs.base import Env
 from selfrl.envs.registry import register_env
 from selfrl.envs.web_site import serve
 from selfrl.envs.web_tasks import ADDRESSES, HACKS, KINDS, TIERS, call, draw_task, hack_steps, scripted_steps, success
-from selfrl.rewards import register_preset, register_reward_func
-from selfrl.tasks import Task
-from selfrl.tools import Tool, ToolError
-from selfrl.trajectory import Trajectory
+from selfrl.envs.rewards import register_preset, register_reward_func
+from selfrl.core.tasks import Task
+from selfrl.core.tools import Tool, ToolError
+from selfrl.core.trajectory import Trajectory
 
 __all__ = ["ADDRESSES", "HACKS", "TIERS", "Browser", "WebEnv", "confirm_spam_policy", "hacking_policy", "honest_policy",
            "render", "repeated_submit"]
@@ -455,7 +455,7 @@ class WebEnv(Env):
             return None
         if self._demonstration is None:
             from selfrl.config import RolloutConfig
-            from selfrl.rollout import scripted_rollout
+            from selfrl.rollout.agent import scripted_rollout
 
             self._demonstration = []
             tasks = self.reserved()[:self.shots]

@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from selfrl.serve.feedback import client_identity
 from selfrl.serve.limits import BodyLimit
-from selfrl.http_errors import add_server_error_handler, error_body, validation_message
+from selfrl.serve.errors import add_server_error_handler, error_body, validation_message
 from selfrl.serve.protocol import ChatCompletionRequest, FeedbackRequest, VersionRequest
 from selfrl.serve.responses import ResponseLog, ResponsesRequest, create_response, sse, stream_events
 from selfrl.serve.service import ApiError, Service, start_learning

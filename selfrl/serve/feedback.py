@@ -43,7 +43,7 @@ import json
 import re
 from typing import Any
 
-from selfrl.tasks import Task, TaskSource
+from selfrl.core.tasks import Task, TaskSource
 
 CORRECTION_RE = re.compile(
     r"^\W*(no\b|nope\b|wrong\b|incorrect\b|not (quite|right|correct)\b|that'?s (not|wrong|incorrect)\b"

@@ -8,7 +8,7 @@ import socket
 import sys
 from typing import Any
 
-from selfrl.serve.config import ServeConfig
+from selfrl.config.serve import ServeConfig
 
 
 def load_serve_config(path: str | None, overrides: dict[str, Any]) -> ServeConfig:
@@ -56,7 +56,7 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
           protect_completions: bool = False) -> int:
     """Run the server until Ctrl-C; returns the exit code (2 for bad input)."""
     from selfrl.config import ConfigError
-    from selfrl.model import ModelLoadError
+    from selfrl.model.load import ModelLoadError
 
     try:
         cfg = load_serve_config(config, overrides)
@@ -65,8 +65,8 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
         api_key = load_api_key(api_key_file)
         if protect_completions and api_key is None:
             raise ConfigError("--protect-completions needs an API key (SELFRL_API_KEY or --api-key-file)")
-        from selfrl.tasks import get_task_source
-        from selfrl.tools import resolve_tools
+        from selfrl.core.tasks import get_task_source
+        from selfrl.core.tools import resolve_tools
 
         get_task_source(cfg.task.source, **cfg.task.options)  # fail before the model loads
         resolve_tools(cfg.rollout.tools)
@@ -82,7 +82,7 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
     try:
         import uvicorn
 
-        from selfrl.loop import build_policy
+        from selfrl.run.loop import build_policy
         from selfrl.serve.app import create_app
         from selfrl.serve.service import Service
 

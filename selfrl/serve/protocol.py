@@ -5,7 +5,7 @@ What an OpenAI client sends is validated here (pydantic) and turned into plain
 chat messages for the model's template:
 
 * ``tools`` become a tools section in the system prompt (Hermes style, see
-  ``selfrl.toolcall``) unless the chat template renders tools itself;
+  ``selfrl.chat.toolcall``) unless the chat template renders tools itself;
 * an assistant message's ``tool_calls`` become ``<tool_call>{...}</tool_call>``
   text, the form the model was prompted to write;
 * a ``role: "tool"`` message becomes a ``<tool_response>`` tool turn.
@@ -34,9 +34,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from selfrl.engines.base import MIN_TEMPERATURE
-from selfrl.http_errors import _json_type, array_of_objects, error_body, error_param, finite, finite_fields, refuse  # noqa: F401
+from selfrl.serve.errors import _json_type, array_of_objects, error_body, error_param, finite, finite_fields, refuse  # noqa: F401
 from selfrl.serve.limits import MAX_DEPTH, check_text, too_deep
-from selfrl.toolcall import (
+from selfrl.chat.toolcall import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     TOOL_RESPONSE_CLOSE,
@@ -46,8 +46,8 @@ from selfrl.toolcall import (
     render_tools_prompt,
     split_reasoning,
 )
-from selfrl.tools import Tool, ToolError, validate_arguments
-from selfrl.trajectory import ToolCallRecord
+from selfrl.core.tools import Tool, ToolError, validate_arguments
+from selfrl.core.trajectory import ToolCallRecord
 
 
 def _valid_text(data: Any) -> Any:
@@ -404,7 +404,7 @@ def to_chat(req: ChatCompletionRequest, native_tools: bool, tools_prompt: str = 
             section is added to the system prompt).
         tools_prompt: ``compact`` or ``json`` (see ``render_tools_prompt``).
         wrap_tool_responses: put a tool message inside ``<tool_response>`` tags (False
-            when the template adds them itself, see ``selfrl.chat``).
+            when the template adds them itself, see ``selfrl.chat.template``).
 
     Raises:
         ContentError: non-text content parts (a ValueError naming the part in ``param``).
@@ -497,7 +497,7 @@ def split_completion(text: str, tools: list[Tool]) -> Completion:
 
     The rule (one for every request, streamed or not):
 
-    * reasoning blocks (``<think>...</think>``, see ``selfrl.toolcall``) go to
+    * reasoning blocks (``<think>...</think>``, see ``selfrl.chat.toolcall``) go to
       ``reasoning``, never to ``content``; a call drafted inside one is not a call;
     * a ``<tool_call>`` block that parsed and names one of ``tools`` is returned in
       ``tool_calls`` (its arguments are checked against the tool's schema; a mismatch

@@ -1,13 +1,13 @@
 """Serve replicas: several ``selfrl serve`` processes on one machine share one learner.
 
-One process *owns* the run directory: it holds the run lock (``selfrl.runlock``), runs
+One process *owns* the run directory: it holds the run lock (``selfrl.record.runlock``), runs
 the background learner and writes the adapter versions. Any number of *replicas*
 (``selfrl serve --replica``, same ``run_dir``) serve traffic beside it, with the least
 machinery we could find: nothing but the run directory is shared.
 
 * **Trajectories**: a replica records every turn (and the feedback on it) in the same
   SQLite store, opened in WAL mode, as the owner does; the owner's learner takes every
-  pending turn of the store, whoever served it (``selfrl.serve.records.ready``). So a
+  pending turn of the store, whoever served it (``selfrl.record.served.ready``). So a
   replica's traffic trains the one learner, and a turn is trained once.
 * **Versions**: a replica follows the version ledger. Every ``follow_s`` seconds
   :class:`Follower` reads the newest servable version (the base or the latest promoted
@@ -31,8 +31,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from selfrl import adapters
-from selfrl.versions import Ledger, VersionRecord
+from selfrl.record import adapters
+from selfrl.record.versions import Ledger, VersionRecord
 
 if TYPE_CHECKING:
     from selfrl.serve.service import Service
@@ -44,7 +44,7 @@ class NoOwner(ValueError):
 
 def newest_servable(ledger: Ledger) -> VersionRecord | None:
     """The newest base or promoted version whose folder verifies, read only (a replica never
-    marks a version, unlike :meth:`selfrl.versions.Ledger.latest_servable`); None when none is."""
+    marks a version, unlike :meth:`selfrl.record.versions.Ledger.latest_servable`); None when none is."""
     for rec in reversed(ledger.all()):
         if rec.servable and rec.path and adapters.verify_version(Path(rec.path)) is None:
             return rec

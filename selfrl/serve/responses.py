@@ -38,7 +38,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from selfrl.http_errors import array_of_objects
+from selfrl.serve.errors import array_of_objects
 from selfrl.serve.protocol import ChatCompletionRequest, check_depth, finite_fields
 
 RESPONSE_LOG_SIZE = 10_000  # responses whose conversation previous_response_id can continue
@@ -353,7 +353,7 @@ def sse(events: list[dict[str, Any]]) -> str:
 
 class ResponseLog:
     """The conversation behind each recent response id, for ``previous_response_id``: kept
-    in the run's store (:func:`selfrl.serve.records.remember_response`), so it outlives a
+    in the run's store (:func:`selfrl.record.served.remember_response`), so it outlives a
     restart; the last ``size`` responses, at most ``max_bytes`` of JSON in all, each one
     visible only to the client that made it.
 
@@ -364,7 +364,7 @@ class ResponseLog:
     """
 
     def __init__(self, store, size: int = RESPONSE_LOG_SIZE, max_bytes: int = RESPONSE_LOG_BYTES):
-        from selfrl.serve import records
+        from selfrl.record import served as records
 
         records.init(store)
         self.store, self.size, self.max_bytes = store, size, max_bytes
@@ -375,7 +375,7 @@ class ResponseLog:
         Raises:
             KeyError: the id is unknown to ``client`` (never served to it, or forgotten).
         """
-        from selfrl.serve import records
+        from selfrl.record import served as records
 
         if response_id is None:
             return []
@@ -386,7 +386,7 @@ class ResponseLog:
 
     def add(self, response_id: str, messages: list[dict[str, Any]], message: dict[str, Any],
             client: str = "") -> None:
-        from selfrl.serve import records
+        from selfrl.record import served as records
 
         records.remember_response(self.store, response_id, client,
                                   [*messages, {k: v for k, v in message.items() if k != "refusal"}],
@@ -417,7 +417,7 @@ async def create_response(service, log: ResponseLog, req: ResponsesRequest, clie
     except ResponsesError as e:
         raise ApiError(400, str(e), e.param) from e
     except ValidationError as e:
-        from selfrl.http_errors import error_param
+        from selfrl.serve.errors import error_param
 
         first = e.errors()[0]
         where = responses_param(error_param(first.get("loc", ()), first.get("ctx")))

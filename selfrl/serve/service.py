@@ -23,17 +23,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from selfrl import adapters
-from selfrl.adapters import lora_state
-from selfrl.atomic import write_atomic
-from selfrl.chat import prompt_ids, template_supports_tools, template_wraps_tool_responses
-from selfrl.engine import Generation
+from selfrl.record import adapters
+from selfrl.record.adapters import lora_state
+from selfrl.record.atomic import write_atomic
+from selfrl.chat.template import prompt_ids, template_supports_tools, template_wraps_tool_responses
+from selfrl.engines.reference import Generation
 from selfrl.engines import make_engine
 from selfrl.engines.base import context_overflow, engine_context, model_context
-from selfrl.runlock import RunDirLock
-from selfrl.serve import records
+from selfrl.record.runlock import RunDirLock
+from selfrl.record import served as records
 from selfrl.serve.batcher import Batcher, Job
-from selfrl.serve.config import ServeConfig
+from selfrl.config.serve import ServeConfig
 from selfrl.serve.feedback import (
     conversation_key,
     correction_reason,
@@ -49,9 +49,9 @@ from selfrl.serve.protocol import (
     split_completion,
     to_chat,
 )
-from selfrl.store import Store
-from selfrl.trajectory import Trajectory
-from selfrl.versions import EventKind, Ledger
+from selfrl.record.store import Store
+from selfrl.core.trajectory import Trajectory
+from selfrl.record.versions import EventKind, Ledger
 
 
 class ApiError(Exception):
@@ -76,7 +76,7 @@ class Prepared:
     parent: dict[str, Any] | None
     group_key: str
     client: str = ""  # the client identity (selfrl.serve.feedback.client_identity)
-    constraint: Any = None  # a selfrl.constrain.Constraint when tool_choice/response_format constrain decoding
+    constraint: Any = None  # a selfrl.chat.constrain.Constraint when tool_choice/response_format constrain decoding
     response_id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -93,7 +93,7 @@ class Service:
 
     Raises:
         ValueError: the stored versions do not fit the model.
-        selfrl.runlock.RunDirLocked: another process serves (or runs) this run directory.
+        selfrl.record.runlock.RunDirLocked: another process serves (or runs) this run directory.
     """
 
     def __init__(self, model, tokenizer, cfg: ServeConfig, learner_model=None):
@@ -378,7 +378,7 @@ class Service:
                 compile or fails on its first steps (``selfrl.serve.structured.checked_constraint``);
                 501 when the engine cannot constrain decoding (never ignored).
         """
-        from selfrl.constrain import check_constraint
+        from selfrl.chat.constrain import check_constraint
         from selfrl.serve.structured import SchemaError, checked_constraint, request_constraint
 
         tools = [(t.function.name, t.function.parameters) for t in req.tools or []]
@@ -468,7 +468,7 @@ class Service:
 
     def _record(self, p: Prepared, i: int, g: Generation, message: dict, calls, content, truncated, seconds) -> None:
         P = len(p.prompt)
-        # a turn sampled under a grammar records it: the learner replays its masks (selfrl.constrain)
+        # a turn sampled under a grammar records it: the learner replays its masks (selfrl.chat.constrain)
         trained = [1] * len(g.token_ids)
         constraints = [] if p.constraint is None or not g.token_ids else [
             {"start": P, "end": P + len(g.token_ids), "kind": p.constraint.kind, "grammar": p.constraint.grammar}]

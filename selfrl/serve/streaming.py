@@ -40,7 +40,7 @@ from selfrl.serve.logprobs import (
 )
 from selfrl.serve.protocol import ChatCompletionRequest, error_body, split_completion
 from selfrl.serve.service import Service
-from selfrl.toolcall import THINK_CLOSE, THINK_OPEN, TOOL_CALL_OPEN
+from selfrl.chat.toolcall import THINK_CLOSE, THINK_OPEN, TOOL_CALL_OPEN
 
 
 def safe_prefix(text: str, markers: list[str]) -> str:

@@ -1,0 +1,1 @@
+"""Chat messages and token ids: the chat template, tool calls in text, and grammars."""

@@ -1,0 +1,62 @@
+"""Configuration of ``selfrl run`` and ``selfrl serve``: every settings dataclass, reachable from here.
+
+- :mod:`selfrl.config.base`: the rules every table uses (the error, rule lists, ``Literal``
+  choices, finite floats, filling a dataclass from TOML and dotted overrides).
+- :mod:`selfrl.config.run`: the tables of ``selfrl run`` and :class:`RunConfig`.
+- :mod:`selfrl.config.remote`: sampling outside one process (Ray, agents, a remote sampler).
+- :mod:`selfrl.config.serve`: :class:`ServeConfig`, the same sections plus the server's own.
+
+Importing it imports no torch.
+"""
+
+from __future__ import annotations
+
+from selfrl.config.base import (  # noqa: F401
+    ConfigError,
+    require,
+    one_of,
+    check_finite,
+    fill,
+)
+from selfrl.config.remote import (  # noqa: F401
+    SamplerKind,
+    DistributedConfig,
+    AgentAdapters,
+    AgentConfig,
+    SwapCheckConfig,
+    SamplerConfig,
+)
+from selfrl.config.run import (  # noqa: F401
+    DEFAULT_MODEL,
+    DEFAULT_SYSTEM_PROMPT,
+    ScaleRewards,
+    ToolsPrompt,
+    TaskChoice,
+    Constrain,
+    SignalCheck,
+    WarmStartReference,
+    ModelConfig,
+    LoraSettings,
+    TaskConfig,
+    RolloutConfig,
+    TrainConfig,
+    GateConfig,
+    CollapseConfig,
+    DetectorConfig,
+    WarmStartConfig,
+    SHARED_SECTIONS,
+    check_sections,
+    check_engine,
+    check_names,
+    check_sampler,
+    RunConfig,
+    RESUME_FIXED,
+    check_resumable,
+    CPU_ONLY_ENGINES,
+    check_placement,
+    load_config,
+)
+from selfrl.config.serve import (  # noqa: F401
+    LearnerSettings,
+    ServeConfig,
+)

@@ -1,0 +1,514 @@
+"""Configuration of ``selfrl run`` and ``selfrl serve``: every settings dataclass, reachable from here.
+
+A config file has one table per concern, named as the fields of :class:`RunConfig`
+(``[model]``, ``[lora]``, ``[task]``, ``[rollout]``, ``[train]``, ``[gate]``,
+``[collapse]``, ``[detectors]``, ``[distributed]``, ``[sampler]``, ``[swap_check]``, ``[warm_start]``) plus top-level keys; ``selfrl serve`` reads the same
+tables into :class:`selfrl.config.serve.ServeConfig`. Unknown keys are errors that
+list the valid ones, so a typo never silently falls back to a default.
+
+Each dataclass checks its own fields in ``check(where)``, beside them; ``RunConfig``
+and ``ServeConfig`` both call those checks (:func:`check_sections`) and the registry
+names (:func:`check_names`), so a rule of ``run`` that applies to ``serve`` holds there
+too. Allowed values are ``Literal`` types, defined once; derived values are properties.
+The rules every table uses (:class:`ConfigError`, ``require``, filling from TOML) live in
+:mod:`selfrl.config.base`; the tables for sampling outside one process (``[distributed]``,
+``[[agents]]``, ``[sampler]``, ``[swap_check]``) in :mod:`selfrl.config.remote`. Both are
+re-exported here. Importing this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any, Literal
+
+from selfrl.config.base import ConfigError, check_finite, fill, one_of, require  # noqa: F401  (re-exported)
+from selfrl.config.remote import (  # noqa: F401  (re-exported: every settings table is reachable from here)
+    AgentAdapters, AgentConfig, DistributedConfig, SamplerConfig, SamplerKind, SwapCheckConfig,
+)
+from selfrl.engines import DEFAULT_ENGINE, ENGINES  # the backend registry (imports no torch)
+from selfrl.engines.base import MIN_TEMPERATURE
+
+DEFAULT_MODEL = "embedded:smollm2-135m-instruct"
+DEFAULT_SYSTEM_PROMPT = "You are a careful assistant. Give the final answer as <answer>NUMBER</answer>."
+
+ScaleRewards = Literal["group", "none"]  # advantage scaling: group (GRPO) | none (Dr. GRPO)
+ToolsPrompt = Literal["compact", "json"]  # how tool schemas are shown to a template without tool support
+TaskChoice = Literal["cycle", "signal"]  # task choice: a shuffled walk | skip tasks predicted to give constant groups
+Constrain = Literal["none", "tool_call"]  # grammar-constrained rollouts (selfrl.chat.constrain)
+SignalCheck = Literal["warn", "stop", "off"]  # the pre-flight signal check before the first update
+WarmStartReference = Literal["warm_start", "initial"]  # RL's KL reference after a promoted warm start
+
+
+@dataclass
+class ModelConfig:
+    """Which policy to load."""
+
+    name: str = DEFAULT_MODEL  # Hugging Face id, local path, or embedded:smollm2-135m-instruct
+    device: str = "auto"  # auto | cpu | cuda: where the policy, learner and reference pass run (auto: cuda if present)
+    dtype: str = "auto"  # auto | float32 | bfloat16: base weights' dtype (auto: bf16 on a GPU that has it, else fp32)
+    cpu_matmul: str = "auto"  # auto | onednn | torch: frozen fp32 products on the CPU through oneDNN (selfrl.model.matmul)
+
+    def check(self, where: str = "") -> None:
+        from selfrl.model.device import CPU_MATMULS
+
+        require([(bool(self.name), "name must not be empty"),
+                 (self.cpu_matmul in CPU_MATMULS, f"cpu_matmul must be one of {', '.join(CPU_MATMULS)}")], where)
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapter shape (passed to peft.LoraConfig)."""
+
+    r: int = 16  # rank
+    lora_alpha: int = 32  # scaling numerator (scale = alpha / r)
+    lora_dropout: float = 0.0  # dropout on the LoRA input (0 keeps sampling and training identical)
+    target_modules: list[str] | str = "all-linear"  # module names, or "all-linear"
+    modules_to_save: list[str] | None = None  # rejected: hot-swap serves LoRA tensors only
+    init_adapter: str | None = None  # start from this saved adapter folder (also the KL reference)
+
+    def check(self, where: str = "") -> None:
+        require([
+            (self.r >= 1, "r must be >= 1"),
+            (0 <= self.lora_dropout < 1, "lora_dropout must be in [0, 1)"),
+            (not self.modules_to_save, "modules_to_save is not supported: hot-swap copies LoRA tensors only, "
+             "so a saved embedding or head could not be served; leave it empty"),
+            (self.init_adapter is None or Path(self.init_adapter).is_dir(),
+             f"init_adapter {self.init_adapter!r} is not a folder"),
+        ], where)
+
+
+@dataclass
+class TaskConfig:
+    """Where tasks come from."""
+
+    source: str = "chain_sum"  # the environment: a name (selfrl envs), rg:<dataset>, or package.module:Name
+    options: dict[str, Any] = field(default_factory=dict)  # overrides of the source's generator config
+    train_seed: int = 1000  # seed of training tasks
+    val_seed: int = 2000  # seed of held-out tasks (disjointness is checked)
+    num_train: int = 2000  # training tasks generated
+    choice: TaskChoice = "cycle"  # task choice: cycle (a shuffled walk) | signal (skip tasks predicted to give constant groups)
+    min_spread: float = 0.4  # choice = "signal": skip a seen task whose chance of a group with reward spread is below this
+    retry_after: int = 4  # choice = "signal": iterations before a skipped task is tried again
+    signal_check: SignalCheck = "warn"  # before the first update: warn | stop (end the run when no group has signal) | off
+
+    def check(self, where: str = "") -> None:
+        require([(self.num_train >= 1, "num_train must be >= 1"),
+                 (isinstance(self.options, dict), "options must be a table"),
+                 one_of(self.choice, TaskChoice, "choice"),
+                 (0 <= self.min_spread < 1, "min_spread must be in [0, 1)"),
+                 (self.retry_after >= 1, "retry_after must be >= 1"),
+                 one_of(self.signal_check, SignalCheck, "signal_check")], where)
+
+
+@dataclass
+class RolloutConfig:
+    """How the agent samples (one line of help per field)."""
+
+    max_turns: int = 3  # assistant turns per trajectory (tool round-trips + final answer)
+    max_new_tokens: int = 64  # token limit of one assistant turn
+    temperature: float = 1.0  # sampling temperature (the learner uses the same value)
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT  # instruction placed before the tool descriptions
+    tools: list[str] = field(default_factory=lambda: ["calculator"])  # registered tool names
+    tools_prompt: ToolsPrompt = "compact"  # how tool schemas are shown when the template can't: compact | json
+    demonstration: bool = True  # show DEMONSTRATION (one worked tool call) before the task
+    stop_at_tool_call: bool = False  # end a turn right after "</tool_call>" (one call per turn; see rollout)
+    constrain: Constrain = "none"  # none | tool_call (every turn is one call to an offered tool, by grammar; the learner replays the masks)
+
+    @property
+    def max_completion_length(self) -> int:
+        """Completion tokens one trajectory may hold (``max_new_tokens`` per turn, ``max_turns`` turns)."""
+        return self.max_new_tokens * self.max_turns
+
+    def check(self, where: str = "") -> None:
+        require([
+            (self.temperature >= MIN_TEMPERATURE, f"temperature must be >= {MIN_TEMPERATURE}"),
+            (self.max_turns >= 1, "max_turns must be >= 1"),
+            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+            one_of(self.tools_prompt, ToolsPrompt, "tools_prompt"),
+            one_of(self.constrain, Constrain, "constrain"),
+            (isinstance(self.tools, list), "tools must be a list of tool names"),
+        ], where)
+
+
+@dataclass
+class TrainConfig:
+    """GRPO update settings (names as in TRL's GRPOConfig)."""
+
+    learning_rate: float = 1e-4  # AdamW learning rate for the LoRA parameters
+    beta: float = 0.02  # KL coefficient to the reference model (k3 estimator); 0 disables the reference pass
+    epsilon: float = 0.2  # lower clip of the importance ratio
+    epsilon_high: float | None = None  # upper clip (None = epsilon; DAPO uses 0.28)
+    loss_type: str = "dapo"  # token aggregation: dapo | grpo | dr_grpo (selfrl.rl.losses registry)
+    max_grad_norm: float = 1.0  # gradient clipping (L2 norm)
+    num_iterations: int = 1  # optimisation passes over each batch (PPO epochs)
+    micro_batch_size: int = 8  # sequences per forward/backward (memory bound)
+    weight_decay: float = 0.0  # AdamW weight decay
+    scale_rewards: ScaleRewards = "group"  # advantage scaling: group (GRPO) | none (Dr. GRPO)
+    skip_max_reward_spread: float = 10.0  # skip when the batch's max - min reward exceeds this (a broken reward)
+    skip_max_kl: float = 1.0  # skip when the mean per-token KL to the reference (forward pass) exceeds this; beta > 0 only
+    skip_max_grad_norm: float = 100.0  # skip when the gradient L2 norm before clipping exceeds this
+    tis_cap: float = 2.0  # cap of the per-token weight exp(learner - sampler logprob) (TIS, Yao et al. 2025); 0: off
+    gradient_checkpointing: bool = False  # recompute decoder activations in the backward pass (less memory, ~1 more forward)
+
+    def check(self, where: str = "") -> None:
+        require([
+            (self.learning_rate > 0, "learning_rate must be > 0"),
+            (self.beta >= 0, "beta must be >= 0"),
+            (0 < self.epsilon < 1, "epsilon must be in (0, 1)"),
+            (self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high must be > 0"),
+            (self.num_iterations >= 1, "num_iterations must be >= 1"),
+            (self.micro_batch_size >= 1, "micro_batch_size must be >= 1"),
+            (self.max_grad_norm > 0, "max_grad_norm must be > 0"),
+            (self.weight_decay >= 0, "weight_decay must be >= 0"),
+            one_of(self.scale_rewards, ScaleRewards, "scale_rewards"),
+            (self.skip_max_reward_spread > 0, "skip_max_reward_spread must be > 0"),
+            (self.skip_max_kl > 0, "skip_max_kl must be > 0"),
+            (self.skip_max_grad_norm > 0, "skip_max_grad_norm must be > 0"),
+            (self.tis_cap >= 0, "tis_cap must be >= 0 (0 turns the off-policy correction off)"),
+        ], where)
+
+
+@dataclass
+class GateConfig:
+    """Validation settings."""
+
+    val_size: int = 128  # held-out tasks (pass@1, greedy)
+    eval_every: int = 4  # updates between validations (run; serve validates every candidate)
+    tolerance: float = 0.02  # a candidate may trail the best by at most this (absolute)
+    batch_size: int = 64  # trajectories per generation batch during validation
+
+    def check(self, where: str = "") -> None:
+        require([
+            (self.val_size >= 1, "val_size must be >= 1"),
+            (self.eval_every >= 1, "eval_every must be >= 1"),
+            (self.tolerance >= 0, "tolerance must be >= 0"),
+            (self.batch_size >= 1, "batch_size must be >= 1"),
+        ], where)
+
+
+@dataclass
+class CollapseConfig:
+    """Collapse rules, thresholds and what a rollback changes (see docs/safety-collapse.md)."""
+
+    enabled: bool = True  # run the rules; False leaves only the gate and the anomaly skip
+    kl_probe_size: int = 4  # sequences on which a new candidate's KL is measured right after its update (0: off)
+    baseline_window: int = 2  # the first N updates of the run are the baseline for entropy and degenerate share
+    max_kl: float = 0.5  # kl: mean per-token KL to the reference (sampling version or new candidate) above this
+    entropy_min_ratio: float = 0.25  # entropy_collapse: entropy below this times the baseline entropy ...
+    entropy_reward_gain: float = 0.1  # ... unless the training reward rose at least this much over its baseline
+    entropy_max_ratio: float = 3.0  # entropy_blowup: entropy above this times the baseline (weights turned to noise)
+    degenerate_rise: float = 0.35  # degenerate: share of degenerate rollouts above the baseline share plus this
+    heldout_drop: float = 0.10  # heldout_drop: held-out success below best minus this (a fall well beyond gate.tolerance)
+    reward_rise: float = 0.10  # reward_vs_heldout: training reward up by this since the best version while held-out fell
+    repeat_ngram: int = 4  # a rollout loops when the share of repeated n-grams of its completion exceeds repeat_share
+    repeat_share: float = 0.5  # see repeat_ngram
+    max_rollbacks: int = 3  # collapse rollbacks allowed per run; one more stops the run with the best version served
+    lr_factor: float = 0.5  # after a rollback: learning rate times this
+    beta_factor: float = 2.0  # after a rollback: beta times this ...
+    beta_min: float = 0.01  # ... and at least this (so beta = 0 becomes beta_min)
+
+    def check(self, where: str = "") -> None:
+        require([
+            (self.kl_probe_size >= 0, "kl_probe_size must be >= 0"),
+            (self.baseline_window >= 1, "baseline_window must be >= 1"),
+            (0 <= self.entropy_min_ratio < 1, "entropy_min_ratio must be in [0, 1)"),
+            (self.entropy_max_ratio > 1, "entropy_max_ratio must be > 1"),
+            (self.max_kl > 0, "max_kl must be > 0"),
+            (self.degenerate_rise > 0, "degenerate_rise must be > 0"),
+            (self.heldout_drop > 0, "heldout_drop must be > 0"),
+            (self.max_rollbacks >= 0, "max_rollbacks must be >= 0"),
+            (0 < self.lr_factor <= 1, "lr_factor must be in (0, 1]"),
+            (self.beta_factor >= 1, "beta_factor must be >= 1"),
+            (self.beta_min >= 0, "beta_min must be >= 0"),
+            (self.repeat_ngram >= 1, "repeat_ngram must be >= 1"),
+            (0 < self.repeat_share <= 1, "repeat_share must be in (0, 1]"),
+        ], where)
+
+
+@dataclass
+class DetectorConfig:
+    """Which detectors run and their thresholds (one line of help per field)."""
+
+    names: list[str] = field(default_factory=list)  # detectors to apply (see available_detectors()); empty: none
+    max_identical_calls: int = 2  # repeated_action: times one identical successful call (name + arguments) may occur
+    once_only_tools: list[str] = field(default_factory=lambda: ["confirm"])  # repeated_action: may succeed once
+    single_tags: list[str] = field(default_factory=lambda: ["answer"])  # format_gaming: once at most in final answer
+    nest_tags: list[str] = field(default_factory=lambda: ["answer", "tool_call"])  # format_gaming: never nested
+    length_ratio: float = 3.0  # length_exploitation: flag above this times the group's median completion tokens ...
+    length_min_tokens: int = 32  # ... and above this many tokens, when also paid more than the group's median
+    paid_reward: float = 0.5  # verifier_disagreement: a reward at or above this is "paid as a success"
+    dominance_window: int = 4  # component_dominance: iterations compared (first against last)
+    dominance_share: float = 0.8  # component_dominance: one component's rise is at least this share of the total's ...
+    dominance_min_fall: float = 0.05  # ... while another weighted component falls by at least this much
+    probe_tolerance: float = 0.1  # probe_regression: flag a version this far below the best earlier probe score
+
+    def check(self, where: str = "") -> None:
+        require([(isinstance(self.names, list), "names must be a list of detector names")], where)
+
+
+@dataclass
+class WarmStartConfig:
+    """A warm start before the first RL update: rejection-sampled own successes on training tasks,
+    fine-tuned by NLL, gated like any update (``selfrl.run.warm_start``, docs/warm_start.md); off by default."""
+
+    enabled: bool = False  # run the warm start before RL iteration 0 (once per run; a resume never repeats it)
+    required: bool = False  # stop the run with an error when no success is found (False: say so, go on with plain RL)
+    num_tasks: int = 64  # training tasks sampled (at most the run's training set; never a held-out task)
+    samples_per_task: int = 8  # rollouts per task
+    temperature: float = 1.0  # sampling temperature of the warm start's rollouts (the SFT log-probs use rollout.temperature)
+    min_reward: float = 0.0  # a kept trajectory is verified correct, unflagged, and has at least this reward
+    max_per_task: int = 4  # successes kept per task after dropping identical completions (0: all)
+    epochs: int = 2  # passes over the kept trajectories
+    learning_rate: float = 1e-4  # AdamW learning rate of the fine-tune (its own optimizer; RL's is untouched)
+    batch_size: int = 8  # trajectories per optimizer step (micro-batched by train.micro_batch_size)
+    kl_reference: WarmStartReference = "warm_start"  # RL's KL reference once it is promoted: warm_start | initial (the base or lora.init_adapter)
+
+    def check(self, where: str = "") -> None:
+        require([
+            (self.num_tasks >= 1, "num_tasks must be >= 1"),
+            (self.samples_per_task >= 1, "samples_per_task must be >= 1"),
+            (self.temperature >= MIN_TEMPERATURE, f"temperature must be >= {MIN_TEMPERATURE}"),
+            (self.max_per_task >= 0, "max_per_task must be >= 0 (0: keep every distinct success)"),
+            (self.epochs >= 1, "epochs must be >= 1"),
+            (self.learning_rate > 0, "learning_rate must be > 0"),
+            (self.batch_size >= 1, "batch_size must be >= 1"),
+            one_of(self.kl_reference, WarmStartReference, "kl_reference"),
+        ], where)
+
+
+# The sections both `selfrl run` and `selfrl serve` hold, checked the same way in both.
+SHARED_SECTIONS = ("model", "lora", "task", "rollout", "train", "gate", "collapse", "detectors")
+
+
+def check_sections(cfg: Any, names: tuple[str, ...] = SHARED_SECTIONS) -> None:
+    """Run ``check`` of every section ``names`` of ``cfg``, each message prefixed with its section.
+
+    Raises:
+        ConfigError: the first rule that does not hold.
+    """
+    check_finite(cfg)
+    for name in names:
+        getattr(cfg, name).check(f"{name}.")
+
+
+def check_engine(cfg: Any) -> None:
+    """``cfg.engine`` is a registered sampling backend and fits ``cfg.model``'s placement.
+
+    Raises:
+        ConfigError: an unknown engine, device or dtype, or a CPU-only engine on a GPU.
+    """
+    require([(cfg.engine in ENGINES, f"engine must be one of {sorted(ENGINES)}, got {cfg.engine!r}")])
+    check_placement(cfg.model, cfg.engine)
+
+
+def check_names(cfg: Any, weights: Callable[[], dict[str, float]]) -> None:
+    """Names that refer to registries: loss type, reward preset and functions (``weights()``),
+    tools, detectors.
+
+    Raises:
+        ConfigError: an unknown name (the message lists the valid ones) or a bad weight.
+    """
+    import selfrl.envs  # noqa: F401  the built-in environments register their tools and presets
+    from selfrl.safety.detectors import check_detectors
+    from selfrl.envs.rewards import check_weights
+    from selfrl.rl.losses import get_loss_aggregation
+    from selfrl.core.tools import resolve_tools
+
+    try:
+        get_loss_aggregation(cfg.train.loss_type)
+        check_weights(weights())
+        resolve_tools(cfg.rollout.tools)
+        check_detectors(cfg.detectors.names)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(str(e).strip("'\"")) from e
+
+
+def check_sampler(cfg: Any) -> None:
+    """The swap check's settings, and, with ``sampler.url``, no setting that needs the policy
+    in this process's engine.
+
+    Raises:
+        ConfigError: a bad ``[sampler]`` or ``[swap_check]`` value, or a combination the remote
+            sampler cannot honour (the message names both settings).
+    """
+    cfg.sampler.check("sampler.")
+    try:
+        cfg.swap_check.validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if cfg.sampler.url is None:
+        return
+    require([
+        (cfg.distributed.address is None, "sampler.url (--sampler) and distributed.address (--ray) are two ways "
+         "to sample outside this process; set one"),
+        (cfg.engine == DEFAULT_ENGINE, f"engine = {cfg.engine!r} picks an in-process backend, and sampler.url "
+         "(--sampler) samples in another process (selfrl sampler serves the reference engine); drop one "
+         f"(a run resumed from before {DEFAULT_ENGINE!r} was the default stored 'reference': add "
+         f"--engine {DEFAULT_ENGINE})"),
+        (cfg.rollout.constrain == "none", f"rollout.constrain = {cfg.rollout.constrain!r} needs the in-process "
+         "engine's grammar constraints; a remote sampler (--sampler) has none"),
+    ])
+
+
+@dataclass
+class RunConfig:
+    """Everything one ``selfrl run`` needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+    collapse: CollapseConfig = field(default_factory=CollapseConfig)  # collapse rules and rollback (selfrl.safety.collapse)
+    detectors: DetectorConfig = field(default_factory=DetectorConfig)  # reward-hacking detectors (selfrl.safety.detectors)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # Ray workers (selfrl.run.ray)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)  # a remote sampler over HTTP (selfrl.run.sampler_sync)
+    swap_check: SwapCheckConfig = field(default_factory=SwapCheckConfig)  # each push to the sampler, proved (selfrl.safety.swap_check)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)  # own successes fine-tuned first (selfrl.run.warm_start)
+    run_dir: str = "runs/default"  # where the store, adapters, metrics and report go
+    iterations: int = 16  # rollout + update cycles
+    num_prompts: int = 8  # tasks per iteration
+    num_generations: int = 8  # samples per task (the GRPO group size)
+    preset: str = "verified"  # reward preset: a name of selfrl.envs.rewards.PRESETS (environments register theirs; an unknown name lists them)
+    reward_weights: dict[str, float] | None = None  # explicit weights; overrides the preset
+    seed: int = 0  # torch seed for sampling and LoRA init
+    engine: str = DEFAULT_ENGINE  # sampling backend: reference | slots | auto (slots on the CPU, reference on a GPU)
+    # sample the next iteration's rollouts while the update trains (one batch ahead, staleness <= 1, TIS-corrected);
+    # a copy of the LoRA samples, checked by the swap check after every push (selfrl.rollout.prefetch)
+    async_rollouts: bool = False
+    # several agents into one learner ([[agents]] tables; empty: one agent, [task]); selfrl.run.agents
+    agents: list[AgentConfig] = field(default_factory=list, metadata={"table_of": AgentConfig})
+    agent_adapters: AgentAdapters = "shared"  # with [[agents]]: shared (one adapter, per-agent advantage normalisation)
+
+    @property
+    def max_completion_length(self) -> int:
+        """Completion tokens one trajectory may hold (the ``dr_grpo`` normaliser)."""
+        return self.rollout.max_completion_length
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """The reward weights in force: ``reward_weights``, else the preset's."""
+        from selfrl.envs.rewards import get_preset
+
+        return self.reward_weights or get_preset(self.preset)
+
+    def validate(self) -> "RunConfig":
+        """Check every section and the run's own fields; returns self.
+
+        Raises:
+            ConfigError: a value out of range, with the field named.
+        """
+        check_sections(self)
+        self.distributed.check("distributed.")
+        self.warm_start.check("warm_start.")
+        require([(not (self.warm_start.enabled and self.distributed.address is not None),
+                  "warm_start.enabled with distributed.address (--ray) is not supported: the warm start samples "
+                  "with the driver's engine, and its Ray workers would not get the warm-started weights; "
+                  "run without --ray, or turn the warm start off")])
+        require([(not (self.async_rollouts and self.distributed.address is not None),
+                  "async_rollouts (--async-rollouts) with distributed.address (--ray): --ray already samples "
+                  "asynchronously, bounded by distributed.max_staleness; drop one")])
+        require([
+            (self.iterations >= 1, "iterations must be >= 1"),
+            (self.num_prompts >= 1, "num_prompts must be >= 1"),
+            (self.num_generations >= 2, "num_generations must be >= 2 (a group of one has no advantage)"),
+            (self.reward_weights is None or isinstance(self.reward_weights, dict),
+             "reward_weights must be a table of name = weight"),
+        ])
+        self.check_agents()
+        check_engine(self)
+        check_sampler(self)
+        check_names(self, lambda: self.weights)
+        return self
+
+    def check_agents(self) -> None:
+        """``[[agents]]``: each agent's fields, unique names, one shared adapter.
+
+        Raises:
+            ConfigError: a bad agent field, a repeated name, ``task.options`` beside agents
+                (each agent has its own), or ``agent_adapters`` other than "shared".
+        """
+        names = [a.name for a in self.agents]
+        for i, agent in enumerate(self.agents):
+            agent.check(f"agents[{i}] ({agent.name or 'unnamed'}).")
+        require([
+            (self.agent_adapters != "per_agent",
+             "agent_adapters = 'per_agent' is not offered: several agents train one shared adapter with "
+             "per-agent advantage normalisation, and each agent's gate guards it (docs/distributed.md); "
+             "for separate adapters run one selfrl run per agent"),
+            one_of(self.agent_adapters, AgentAdapters, "agent_adapters"),
+            (len(set(names)) == len(names), f"agent names must be unique, got {names}"),
+            (not self.agents or not self.task.options,
+             "task.options does not apply with [[agents]]: give each agent its own options"),
+        ])
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Settings a resumed run must share with the run it continues: the same policy, tasks,
+# held-out set and agent. Anything else (iterations, learning rate, ...) may change.
+RESUME_FIXED = ("model", "lora", "task", "rollout", "preset", "reward_weights", "agents")
+
+
+def check_resumable(stored: dict, new: dict) -> None:
+    """Raise ConfigError naming the settings that differ from the stored run's.
+
+    Raises:
+        ConfigError: a key of ``RESUME_FIXED`` or ``gate.val_size`` differs.
+    """
+    def same(a, b) -> bool:  # a table compares on the stored keys: fields added since then keep their defaults
+        if isinstance(a, dict) and isinstance(b, dict):
+            return all(k in b and same(v, b[k]) for k, v in a.items())
+        return a == b
+
+    changed = [k for k in RESUME_FIXED if not same(stored.get(k), new.get(k))]
+    if stored.get("gate", {}).get("val_size") != new.get("gate", {}).get("val_size"):
+        changed.append("gate.val_size")
+    if changed:
+        raise ConfigError(f"--resume cannot change {', '.join(changed)} of the stored run; "
+                          "start a new run (another --run-dir) for that")
+
+
+
+# Sampling backends that keep their tensors on the CPU (the slot engine's cache and batches).
+CPU_ONLY_ENGINES = ("slots",)
+
+
+def check_placement(model: ModelConfig, engine: str | None = None) -> None:
+    """Raise ConfigError for an unknown ``model.device``/``model.dtype``, a device this
+    machine does not have (``cuda`` with no GPU), or a CPU-only engine on a GPU: refused
+    before the model loads."""
+    from selfrl.model.device import DeviceError, check_cpu_matmul, check_names, resolve
+
+    try:
+        check_names(model.device, model.dtype)
+        if model.device != "auto" or model.dtype != "auto" or engine in CPU_ONLY_ENGINES:
+            placement = resolve(model.device, model.dtype)
+            if engine in CPU_ONLY_ENGINES and placement.device != "cpu":
+                raise DeviceError(f"engine {engine!r} runs on the CPU only, and model.device resolves to "
+                                  f"{placement.device!r}; use --engine reference, or --device cpu")
+        if model.cpu_matmul == "onednn":  # it applies to fp32 on the CPU only: refused where nothing would take it
+            check_cpu_matmul(model.cpu_matmul, resolve(model.device, model.dtype))
+    except DeviceError as e:
+        raise ConfigError(str(e)) from e
+
+
+def load_config(
+    path: str | Path | None = None, overrides: dict[str, Any] | None = None, base: dict[str, Any] | None = None
+) -> RunConfig:
+    """Build a :class:`RunConfig` from defaults, ``base``, a TOML file, then dotted overrides.
+
+    Args:
+        path: TOML file, or None.
+        overrides: e.g. ``{"train.learning_rate": 1e-4, "iterations": 4}``; None values are skipped.
+        base: a stored config (``RunConfig.to_dict()``), e.g. the ``config.json`` of a run to resume.
+
+    Raises:
+        ConfigError: unreadable file, unknown key, wrong type or invalid value.
+    """
+    return fill(RunConfig(), path, overrides, base).validate()

@@ -1,0 +1,1 @@
+"""The records every stage passes along: trajectories, tasks and tools (imports nothing of selfrl)."""

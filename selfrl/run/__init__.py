@@ -1,0 +1,1 @@
+"""``selfrl run``: the batch recipe that composes the components below it."""

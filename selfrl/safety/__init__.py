@@ -1,0 +1,1 @@
+"""What stands between an update and serving: the gate, collapse rules, detectors, swap check."""
