@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "(the first is the baseline)")
     args = p.parse_args(argv)
     from selfrl.engines.slots import SlotEngine
-    from selfrl.core.tasks import get_task_source, split_tasks
+    from selfrl.core.tasks import split_tasks
+    from selfrl.envs import get_env
     from selfrl.core.tools import resolve_tools
 
     result = envelope(args, command_line("bench_drafts.py", argv))
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
                 ["rows", *(f"{i} ids a row" for i in passes[rows])], rows_out)
 
     tasks, tools = first_batch(cfg)
-    source = get_task_source(cfg.task.source, **cfg.task.options)
+    source = get_env(cfg.task.source, **cfg.task.options)
     _, val = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     val = val[:8 if args.tiny else 64]
     for e in engines.values():  # warm-up: allocations, the first stored prefix

@@ -105,7 +105,7 @@ def mismatch_stats(sampler: list[list[float]], learner: list[list[float]], cap: 
 
 def learner_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
     """The fp32 learner's log-probs of ``completion`` after ``prompt`` under ``logits / temperature``."""
-    from selfrl.safety.swap_check import sequence_logprobs
+    from selfrl.rl.logprobs import sequence_logprobs
 
     return sequence_logprobs(model, prompt + completion, temperature)[len(prompt) - 1:]
 

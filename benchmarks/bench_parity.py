@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> Path:
     from selfrl.run.loop import build_policy, iteration_tasks
     from selfrl.envs.rewards import get_preset, score_batch
     from selfrl.rl.advantages import group_advantages
-    from selfrl.core.tasks import get_task_source, split_tasks
+    from selfrl.core.tasks import split_tasks
+    from selfrl.envs import get_env
     from selfrl.core.tools import resolve_tools
 
     tiny = {"num_prompts": 2, "num_generations": 4, "rollout.max_new_tokens": 8, "task.num_train": 16, "gate.val_size": 2}
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> Path:
     names = args.engines.split(",")
     model, tok = build_policy(cfg)
     engines = {n: make_engine(n, model, tok) for n in names}
-    source = get_task_source(cfg.task.source, **cfg.task.options)
+    source = get_env(cfg.task.source, **cfg.task.options)
     train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     tools = resolve_tools(cfg.rollout.tools)
     weights = get_preset(args.preset)

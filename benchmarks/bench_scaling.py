@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
     from selfrl.config import load_config
     from selfrl.run.loop import build_policy
     from selfrl.rollout.agent import initial_messages
-    from selfrl.core.tasks import get_task_source, split_tasks
+    from selfrl.core.tasks import split_tasks
+    from selfrl.envs import get_env
     from selfrl.core.tools import resolve_tools
     from selfrl.rl.learner import Learner
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
             cfg = load_config(ROOT / "configs" / "demo.toml", {"model.name": name, "lora.r": r, "lora.lora_alpha": 2 * r,
                                                                "task.num_train": 16, "gate.val_size": 4})
             model, tok = build_policy(cfg)
-            source = get_task_source(cfg.task.source, **cfg.task.options)
+            source = get_env(cfg.task.source, **cfg.task.options)
             train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
             tools = resolve_tools(cfg.rollout.tools)
             prompts = [prompt_ids(tok, initial_messages(t, tools, cfg.rollout, tok)) for t in train]

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from safetensors.torch import load_file
 
 from selfrl.engines.reference import Engine, check_adapter_state
-from selfrl.safety.swap_check import sequence_logprobs
+from selfrl.rl.logprobs import sequence_logprobs
 
 
 def create_fake_vllm(engine: Engine, base_name: str = "base-model"):

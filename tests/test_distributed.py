@@ -136,14 +136,14 @@ def test_a_partitioned_worker_is_timed_out_replaced_and_its_job_redone(tmp_path,
     from selfrl.run.ray.driver import WorkerPool
     from selfrl.run.ray.worker import Job
     from selfrl.model.load import build_policy
-    from selfrl.core.tasks import get_task_source
+    from selfrl.envs import get_env
 
     model_dir, make_cfg = short_model
     cfg = make_cfg(model_dir, tmp_path / "run")
     events = []
     pool = WorkerPool(cfg, DistributedConfig(num_workers=1, job_timeout_s=3), events.append)
     weights = [ray_cluster.put(adapters.lora_state(build_policy(cfg)[0]))]
-    task = get_task_source("chain_sum").sample(1, seed=0)[0]
+    task = get_env("chain_sum").sample(1, seed=0)[0]
     [stopped] = pool.pids()
     os.kill(stopped, signal.SIGSTOP)  # partitioned: alive, never answers
     try:
@@ -241,7 +241,7 @@ def test_a_worker_killed_at_each_point_of_a_job_loses_nothing(point, tmp_path, s
     from selfrl.run.ray.driver import WorkerPool
     from selfrl.run.ray.worker import Job
     from selfrl.model.load import build_policy
-    from selfrl.core.tasks import get_task_source
+    from selfrl.envs import get_env
 
     model_dir, make_cfg = short_model
     cfg = make_cfg(model_dir, tmp_path / "run")
@@ -249,7 +249,7 @@ def test_a_worker_killed_at_each_point_of_a_job_loses_nothing(point, tmp_path, s
     events = []
     pool = WorkerPool(cfg, DistributedConfig(num_workers=1, job_timeout_s=120), events.append, fault=f"kill:{point}")
     weights = [ray_cluster.put(adapters.lora_state(build_policy(cfg)[0]))]
-    tasks = get_task_source("chain_sum").sample(2, seed=0)
+    tasks = get_env("chain_sum").sample(2, seed=0)
     [first_pid] = pool.pids()
     results = []
     try:

@@ -199,10 +199,10 @@ def _tool_rollouts(engine, seed: int, groups_per_task: int = 12, greedy: bool = 
     from selfrl.config import RolloutConfig
     from selfrl.envs.rewards import get_preset, score_batch
     from selfrl.rollout.agent import rollout
-    from selfrl.core.tasks import get_task_source
+    from selfrl.envs import get_env
     from selfrl.core.tools import CALCULATOR
 
-    source = get_task_source("chain_sum")
+    source = get_env("chain_sum")
     tasks = source.sample(3, seed=7)
     batch = [t for t in tasks for _ in range(groups_per_task * GROUP)]
     gids = [f"{t.id}-{j // GROUP}" for t in tasks for j in range(groups_per_task * GROUP)]

@@ -9,10 +9,10 @@ import types
 import pytest
 
 from selfrl.config import ConfigError
-from selfrl.envs import Env, available_envs, describe_envs, get_env, load_run_config, register_env
+from selfrl.envs import Env, available_envs, describe_envs, get_env, get_task_source, load_run_config, register_env
 from selfrl.envs.arithmetic import CHAIN_SUM_SMALL, ReasoningGymEnv
 from selfrl.envs.rewards import get_preset
-from selfrl.core.tasks import Task, get_task_source
+from selfrl.core.tasks import Task
 
 
 def test_builtin_environments_are_listed_one_line_each(capsys):
@@ -25,7 +25,7 @@ def test_builtin_environments_are_listed_one_line_each(capsys):
 
 
 def test_arithmetic_alias_keeps_the_task_ids_of_older_runs():
-    old = get_task_source("chain_sum")  # the name before environments existed, via selfrl.core.tasks
+    old = get_task_source("chain_sum")  # the name before environments existed
     new = get_env("arithmetic")
     assert isinstance(old, ReasoningGymEnv) and old.config == CHAIN_SUM_SMALL == new.config
     assert [t.id for t in old.sample(5, 3)] == [t.id for t in new.sample(5, 3)]

@@ -18,7 +18,8 @@ from selfrl.config import RunConfig
 from selfrl.engines.http import RemoteBackendError
 from selfrl.engines.remote import RemoteEngine
 from selfrl.model.load import build_policy
-from selfrl.safety.swap_check import SwapChecker, probe_ids, sequence_logprobs
+from selfrl.rl.logprobs import sequence_logprobs
+from selfrl.safety.swap_check import SwapChecker, probe_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sampler-test-key-0123456789"

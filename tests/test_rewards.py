@@ -19,13 +19,14 @@ from selfrl.envs.rewards import (
     tool_success,
     verifier,
 )
-from selfrl.core.tasks import Task, TaskSource, get_task_source
+from selfrl.core.tasks import Task, TaskSource
+from selfrl.envs import get_env
 from selfrl.core.trajectory import ToolCallRecord, Trajectory
 
 
 @pytest.fixture(scope="module")
 def source() -> TaskSource:
-    return get_task_source("chain_sum")
+    return get_env("chain_sum")
 
 
 @pytest.fixture(scope="module")

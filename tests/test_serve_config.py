@@ -7,7 +7,7 @@ from openai import OpenAI
 from selfrl.record.adapters import lora_state
 from selfrl.config import ConfigError
 from selfrl.record import served as records
-from selfrl.serve.app import load_api_key
+from selfrl.engines.http import load_api_key
 from selfrl.serve.main import load_serve_config
 from serving import add_version, running_server, tiny_serve_config
 

@@ -15,7 +15,8 @@ from selfrl.engines.reference import Engine
 from selfrl.engines.remote import RemoteEngine
 from selfrl.serve.sampler_app import create_sampler_app
 from selfrl.safety.swap_check import (SwapCheckConfig, SwapChecker, SwapCheckError, check_swap, probe_ids,
-                               sequence_logprobs, tolerance_for)
+                               tolerance_for)
+from selfrl.rl.logprobs import sequence_logprobs
 from tests.engine_backends import start_loopback
 
 

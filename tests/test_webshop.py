@@ -20,7 +20,7 @@ from selfrl.envs.webshop import (
 )
 from selfrl.envs.rewards import get_preset, score_batch
 from selfrl.rollout.agent import RolloutConfig, rollout, scripted_rollout
-from selfrl.core.tasks import get_task_source
+from selfrl.envs import get_env
 from selfrl.core.tools import ToolError
 
 SRC = WebShopSource()
@@ -68,7 +68,7 @@ def test_true_success_is_the_right_product_confirmed_once():
     assert SRC.score(task, None) == 0.0
     probe = SRC.probe_tasks()[0]
     assert probe.answer == "|confirms=0" and SRC.score(probe, "|confirms=0") == 1.0
-    assert SRC.sample(5, 1) == SRC.sample(5, 1) and isinstance(get_task_source("webshop"), WebShopSource)
+    assert SRC.sample(5, 1) == SRC.sample(5, 1) and isinstance(get_env("webshop"), WebShopSource)
 
 
 def test_probes_ask_for_items_that_cannot_be_bought():

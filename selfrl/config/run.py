@@ -30,8 +30,8 @@ from selfrl.config.remote import (  # noqa: F401  (re-exported: every settings t
 )
 from selfrl.engines import DEFAULT_ENGINE, ENGINES  # the backend registry (imports no torch)
 from selfrl.engines.base import MIN_TEMPERATURE
+from selfrl.model import DEFAULT_MODEL  # noqa: F401  (re-exported)
 
-DEFAULT_MODEL = "embedded:smollm2-135m-instruct"
 DEFAULT_SYSTEM_PROMPT = "You are a careful assistant. Give the final answer as <answer>NUMBER</answer>."
 
 ScaleRewards = Literal["group", "none"]  # advantage scaling: group (GRPO) | none (Dr. GRPO)

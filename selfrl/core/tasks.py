@@ -3,7 +3,9 @@
 A ``TaskSource`` samples ``Task`` records deterministically from a seed and
 scores a final answer against one of them (the verifier). Concrete sources are
 environments (``selfrl.envs``), found by name in ``selfrl.envs.registry``; this
-module holds only what every environment shares, and imports none of them.
+module holds only what every environment shares, and imports none of them: the task,
+the task source and its verifier, the per-trajectory state protocol (``EnvState``) that
+the rollout drives, and the train/held-out split.
 
 ``split_tasks`` builds a train/validation split with no validation question in
 training. Procedural generators reuse questions across seeds (reasoning-gym
@@ -17,9 +19,12 @@ import abc
 import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
+
+from selfrl.core.tools import Tool
 
 __all__ = [
+    "EnvState",
     "Task",
     "TaskSource",
     "assert_disjoint",
@@ -138,26 +143,40 @@ class TaskSource(abc.ABC):
         return []
 
 
-# ---------------------------------------------------------------- compatibility
+@runtime_checkable
+class EnvState(Protocol):
+    """Per-trajectory state plus the tools that act on it (made by ``Env.make_env(task)``).
 
-# The registry and the reasoning-gym environment moved to ``selfrl.envs`` (which imports this
-# module); these names still resolve here, on first use, for code written before the move.
-_MOVED = {
-    "ReasoningGymSource": ("selfrl.envs.arithmetic", "ReasoningGymEnv"),
-    "get_task_source": ("selfrl.envs.registry", "get_env"),
-    "register_task_source": ("selfrl.envs.registry", "register_env"),
-    "available_task_sources": ("selfrl.envs.registry", "available_envs"),
-}
+    ``selfrl.rollout.agent.rollout`` dispatches a trajectory's calls to its own state's
+    tools, asks ``is_completed()`` after each turn (the episode may end before
+    ``max_turns``) and records ``state()`` on the trajectory
+    (``Trajectory.env_state``), which is what the environment scores. A state
+    that holds resources (a real browser) may also have ``close()``, which the
+    rollout calls after ``state()`` (``selfrl.rollout.agent.close_env``); it is left
+    out of the protocol so that states without one still match it.
+    This is verifiers' ``MultiTurnEnv`` (``env_response`` + ``is_completed``).
 
+    Attributes:
+        tools: this trajectory's tools, bound to this state.
+        demonstration: a worked example as chat messages, shown before the task
+            instead of the calculator's ``selfrl.rollout.agent.DEMONSTRATION``; None
+            for that default.
 
-def __getattr__(name: str) -> Any:
-    """Names that moved to ``selfrl.envs`` (see ``_MOVED``), imported when first asked for."""
-    if name in _MOVED:
-        import importlib
+    Optional: ``turn_tools() -> list[Tool] | None``, the tools as a grammar
+    (``rollout.constrain``) should offer them this turn, their schemas narrowed to the
+    current state (``selfrl.rollout.agent.offered_tools``); asked before every turn.
+    """
 
-        module, attr = _MOVED[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module 'selfrl.core.tasks' has no attribute {name!r}")
+    tools: list[Tool]
+    demonstration: list[dict[str, str]] | None
+
+    def is_completed(self) -> bool:
+        """True when the episode is over (checked after each turn's tool calls)."""
+        ...
+
+    def state(self) -> dict[str, Any]:
+        """JSON-serializable summary of the final state, stored as ``Trajectory.env_state``."""
+        ...
 
 
 # ---------------------------------------------------------------- splits

@@ -9,9 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from selfrl.engines.base import EngineHealth, Generation, SamplingEngine
-
-
-DRIVERS = ("thread", "caller")  # which thread runs the decoding steps (make_engine's ``driver``)
+from selfrl.engines.slotdriver import DRIVERS  # which thread runs the decoding steps (``driver``)
 
 
 def _check_driver(driver: str | None) -> None:

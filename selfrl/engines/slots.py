@@ -56,7 +56,6 @@ from concurrent.futures import Future, InvalidStateError
 
 import torch
 
-from selfrl.engines import DRIVERS
 from selfrl.engines.reference import Engine
 from selfrl.engines.base import AdapterSource, EngineHealth, Generation, check_generate_args, model_context
 from selfrl.engines.kvcache import ContinuationStore, PrefixStore, SlotCache
@@ -64,7 +63,7 @@ from selfrl.engines.mergedpolicy import MergedPolicy
 from selfrl.engines.rowgrammar import RowGrammar
 from selfrl.engines.drafts import DRAFT_BUDGET, DRAFT_IDS
 from selfrl.engines.slotdecode import SlotDecode
-from selfrl.engines.slotdriver import CallerDriven
+from selfrl.engines.slotdriver import DRIVERS, CallerDriven
 from selfrl.engines.slotprefill import SlotPrefill
 from selfrl.engines.slotattention import slot_attention
 from selfrl.engines.slotrequest import Call, DrivenFuture, Request, WorkerFuture, row_generator

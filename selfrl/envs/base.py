@@ -20,48 +20,12 @@ verdict. Environments are found by name in ``selfrl.envs.registry``.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar
 
-from selfrl.core.tasks import Task, TaskSource, assert_disjoint, split_tasks
+from selfrl.core.tasks import EnvState, Task, TaskSource, assert_disjoint, split_tasks  # EnvState: re-exported
 from selfrl.core.tools import Tool
 
 __all__ = ["Env", "EnvState"]
-
-
-@runtime_checkable
-class EnvState(Protocol):
-    """Per-trajectory state plus the tools that act on it (made by ``Env.make_env(task)``).
-
-    ``selfrl.rollout.agent.rollout`` dispatches a trajectory's calls to its own state's
-    tools, asks ``is_completed()`` after each turn (the episode may end before
-    ``max_turns``) and records ``state()`` on the trajectory
-    (``Trajectory.env_state``), which is what the environment scores. A state
-    that holds resources (a real browser) may also have ``close()``, which the
-    rollout calls after ``state()`` (``selfrl.rollout.agent.close_env``); it is left
-    out of the protocol so that states without one still match it.
-    This is verifiers' ``MultiTurnEnv`` (``env_response`` + ``is_completed``).
-
-    Attributes:
-        tools: this trajectory's tools, bound to this state.
-        demonstration: a worked example as chat messages, shown before the task
-            instead of the calculator's ``selfrl.rollout.agent.DEMONSTRATION``; None
-            for that default.
-
-    Optional: ``turn_tools() -> list[Tool] | None``, the tools as a grammar
-    (``rollout.constrain``) should offer them this turn, their schemas narrowed to the
-    current state (``selfrl.rollout.agent.offered_tools``); asked before every turn.
-    """
-
-    tools: list[Tool]
-    demonstration: list[dict[str, str]] | None
-
-    def is_completed(self) -> bool:
-        """True when the episode is over (checked after each turn's tool calls)."""
-        ...
-
-    def state(self) -> dict[str, Any]:
-        """JSON-serializable summary of the final state, stored as ``Trajectory.env_state``."""
-        ...
 
 
 class Env(TaskSource):

@@ -15,6 +15,7 @@ scoring 0.0 (verifiers' rubric does the latter and corrupts the gradient silentl
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections import Counter, defaultdict
@@ -207,20 +208,49 @@ def agreement(traj: Trajectory, ctx: RewardContext) -> float | None:
     return ctx.cache["agreement"].get(traj.id)
 
 
+CORRECTION_RE = re.compile(
+    r"^\W*(no\b|nope\b|wrong\b|incorrect\b|not (quite|right|correct)\b|that'?s (not|wrong|incorrect)\b"
+    r"|that is (not|wrong|incorrect)\b|try again\b|actually\b|you made a mistake|you are wrong|you're wrong)",
+    re.IGNORECASE,
+)
+REPEAT_SIMILARITY = 0.85
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def correction_reason(new_user_text: str, previous_user_text: str | None) -> str | None:
+    """Why ``new_user_text`` counts as a correction of our last answer, or None.
+
+    >>> correction_reason("No, that's wrong. It is 42.", "What is 6*7?")
+    'opens with a correction phrase'
+    >>> correction_reason("what is 6 * 7?", "What is 6*7?")
+    'repeats the previous request'
+    >>> correction_reason("Thanks! Now add 3.", "What is 6*7?") is None
+    True
+    """
+    if CORRECTION_RE.match(new_user_text or ""):
+        return "opens with a correction phrase"
+    if previous_user_text and new_user_text:
+        ratio = difflib.SequenceMatcher(None, _norm(new_user_text), _norm(previous_user_text)).ratio()
+        if ratio >= REPEAT_SIMILARITY:
+            return "repeats the previous request"
+    return None
+
+
 def user_correction(traj: Trajectory, ctx: RewardContext) -> float | None:
     """-1.0 when a user message after the first answer corrects it, 0.0 when the user
     went on without correcting, None when no user spoke after an answer.
 
-    A correction is what ``selfrl.serve.feedback.correction_reason`` says it is
-    (a correction phrase, or the request asked again).
+    A correction is what :func:`correction_reason` says it is (a correction phrase, or the
+    request asked again); ``selfrl serve`` reads its conversations with the same rule.
 
     >>> t = Trajectory("t", "g", 0, messages=[{"role": "user", "content": "6*7?"},
     ...     {"role": "assistant", "content": "41"}, {"role": "user", "content": "No, that's wrong."}])
     >>> user_correction(t, None)
     -1.0
     """
-    from selfrl.serve.feedback import correction_reason
-
     msgs = traj.messages
     answered = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), None)
     if answered is None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from selfrl.config import DEFAULT_MODEL
+from selfrl.model import DEFAULT_MODEL
 
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

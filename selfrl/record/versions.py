@@ -59,6 +59,15 @@ class EventKind(str, enum.Enum):
     ENGINE = "engine"  # the sampling backend a session runs on (engine = "auto" resolves by device)
 
 
+def passes_gate(candidate: float, best: float, tolerance: float) -> bool:
+    """True when ``candidate >= best - tolerance`` (success rates in 0..1).
+
+    >>> passes_gate(0.50, 0.51, 0.02), passes_gate(0.40, 0.51, 0.02)
+    (True, False)
+    """
+    return candidate >= best - tolerance
+
+
 class VersionStatus(str, enum.Enum):
     """The ``adapter_versions.status`` values (the store's CHECK constraint holds the same set)."""
 
@@ -228,8 +237,6 @@ class Ledger:
         caller then serves the champion (promoted: the candidate, with :meth:`set_champion`).
         ``veto`` (several agents: the conflicts of their gates) rejects an intact candidate,
         with the veto as the reason."""
-        from selfrl.safety.gate import passes_gate
-
         champ = self.champion
         best = champ.success if champ.success is not None else 0.0
         rec = self.get(version)

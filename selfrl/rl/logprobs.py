@@ -141,6 +141,23 @@ def per_token_logps(
 _TREE_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, bool]]" = weakref.WeakKeyDictionary()
 
 
+def sequence_logprobs(model, token_ids: list[int], temperature: float = 1.0) -> list[float]:
+    """(n - 1) log-probs of ``token_ids[1:]``, each given its prefix, under ``model`` (no grad).
+
+    The learner's side of the swap check (:mod:`selfrl.safety.swap_check`), what ``selfrl
+    sampler`` answers on ``/sampler/logprobs``, and the old log-probs of a batch sampled one
+    update ahead (:mod:`selfrl.rollout.prefetch`).
+    """
+    device = next(model.parameters()).device
+    ids = torch.tensor([token_ids], device=device)  # (1, n)
+    mask = torch.ones_like(ids)  # (1, n)
+    completion = mask.clone()
+    completion[0, 0] = 0  # the first token is not predicted
+    with torch.no_grad():
+        logps = per_token_logps(model, ids, mask, completion, temperature)  # (1, n)
+    return logps[0, 1:].tolist()
+
+
 def decoder_takes_tree(decoder: torch.nn.Module) -> bool:
     """Whether ``decoder`` (a causal LM's decoder stack) encodes a packed prefix tree exactly: an
     attention that takes a custom 4D mask (``sdpa`` or ``eager``; FlashAttention ignores one), fp32

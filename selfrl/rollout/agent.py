@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from selfrl.chat.template import between_turns_ids, prompt_ids, template_supports_tools, template_wraps_tool_responses
 from selfrl.config import DEFAULT_SYSTEM_PROMPT, RolloutConfig
 from selfrl.engines.base import Generation, SamplingEngine, engine_context
-from selfrl.envs.base import EnvState as Environment
+from selfrl.core.tasks import EnvState as Environment
 from selfrl.core.tasks import Task
 from selfrl.chat.toolcall import (
     TOOL_CALL_CLOSE,

@@ -88,7 +88,7 @@ class LocalSampler:
     def prompt_logprobs(self, token_ids: list[int], timeout_s: float | None = None) -> tuple[list[float], int]:
         """(n - 1) temperature-1 log-probs of ``token_ids[1:]`` under the sampler's weights, and
         its version. ``timeout_s`` is not needed in process (the check's deadline still applies)."""
-        from selfrl.safety.swap_check import sequence_logprobs
+        from selfrl.rl.logprobs import sequence_logprobs
 
         synced = getattr(self.engine, "synced_model", None)  # the slot engine's merged view: what it samples with
         return sequence_logprobs(synced() if synced else self.engine.model, token_ids), self.engine.version

@@ -45,7 +45,7 @@ def connect(cfg, tokenizer, model):
         ValueError: an unreadable API key file.
     """
     from selfrl.engines.http import RemoteBackendError
-    from selfrl.serve.app import load_api_key
+    from selfrl.engines.http import load_api_key
 
     sc = cfg.sampler
     key = load_api_key(sc.api_key_file)

@@ -3,7 +3,8 @@
 Every candidate adapter is scored on held-out tasks with greedy decoding
 (pass@1, judged by the task's verifier) before it may serve as "best". The gate
 is deliberately simple here: promote when the candidate is not worse than the
-best so far by more than ``tolerance`` (absolute success rate). Validation also
+best so far by more than ``tolerance`` (absolute success rate; the rule is
+:func:`selfrl.record.versions.passes_gate`, which :meth:`Ledger.judge` applies). Validation also
 measures the share of degenerate held-out rollouts (loops, empty answers, cut off
 at the length limit), which the collapse rules compare with the base version's.
 """
@@ -21,6 +22,7 @@ from selfrl.engines.base import SamplingEngine
 from selfrl.rollout.agent import rollout
 from selfrl.core.tasks import Task, TaskSource
 from selfrl.core.tools import Tool
+from selfrl.record.versions import passes_gate  # noqa: F401  the promotion rule, applied by the ledger
 
 
 @dataclass
@@ -79,11 +81,3 @@ def validate(
             on_batch(len(chunk))
     return EvalResult(engine.version, results, time.perf_counter() - t0, degenerate / max(len(results), 1), errors)
 
-
-def passes_gate(candidate: float, best: float, tolerance: float) -> bool:
-    """True when ``candidate >= best - tolerance`` (success rates in 0..1).
-
-    >>> passes_gate(0.50, 0.51, 0.02), passes_gate(0.40, 0.51, 0.02)
-    (True, False)
-    """
-    return candidate >= best - tolerance

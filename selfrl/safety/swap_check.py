@@ -9,7 +9,7 @@ ratios drift, and nothing says so. The check:
 
 1. scores one fixed *probe sequence* (:func:`probe_ids`) on the backend
    (``backend.prompt_logprobs``: the log-prob of every token given its prefix, at
-   temperature 1) and with the learner's own weights (:func:`sequence_logprobs`);
+   temperature 1) and with the learner's own weights (:func:`selfrl.rl.logprobs.sequence_logprobs`);
 2. compares them: the mean absolute difference per token must be within a tolerance
    set by the dtype (:data:`TOLERANCE`; fp32 on both sides agrees to about 1e-6, bf16
    to about 1e-2);
@@ -119,25 +119,6 @@ def probe_ids(tokenizer, length: int = 48) -> list[int]:
     return (ids * (length // len(ids) + 1))[:length]
 
 
-def sequence_logprobs(model, token_ids: list[int], temperature: float = 1.0) -> list[float]:
-    """(n - 1) log-probs of ``token_ids[1:]``, each given its prefix, under ``model`` (no grad).
-
-    The learner's side of the check, and what ``selfrl sampler`` answers on ``/sampler/logprobs``.
-    """
-    import torch
-
-    from selfrl.rl.logprobs import per_token_logps
-
-    device = next(model.parameters()).device
-    ids = torch.tensor([token_ids], device=device)  # (1, n)
-    mask = torch.ones_like(ids)  # (1, n)
-    completion = mask.clone()
-    completion[0, 0] = 0  # the first token is not predicted
-    with torch.no_grad():
-        logps = per_token_logps(model, ids, mask, completion, temperature)  # (1, n)
-    return logps[0, 1:].tolist()
-
-
 def tolerance_for(dtype: str) -> float:
     """The default tolerance for a dtype name (``float32`` or ``bfloat16``).
 
@@ -160,7 +141,7 @@ def check_swap(backend: ProbeScorer, expected: list[float], probe: list[int], ve
 
     Args:
         backend: the sampling backend the version was swapped into.
-        expected: (n - 1) learner log-probs of ``probe`` (:func:`sequence_logprobs`).
+        expected: (n - 1) learner log-probs of ``probe`` (:func:`selfrl.rl.logprobs.sequence_logprobs`).
         probe: the probe token ids.
         version: the version that was swapped in.
         tolerance: largest mean |difference| per token that passes.
@@ -255,6 +236,8 @@ class SwapChecker:
     def check(self, backend: ProbeScorer, model, version: int) -> SwapCheckResult:
         """Run :func:`check_swap` for ``version`` against ``model``'s current weights; a pass
         becomes the reference of the next stale test."""
+        from selfrl.rl.logprobs import sequence_logprobs  # torch, only when a check runs
+
         expected = sequence_logprobs(model, self.probe)
         res = check_swap(backend, expected, self.probe, version, self.tolerance, self.deadline_s, self.last)
         if res.ok:

@@ -50,7 +50,8 @@ from selfrl.record import served as records
 from selfrl.config.serve import ServeConfig
 from selfrl.serve.feedback import SERVED, served_task
 from selfrl.record.store import Store
-from selfrl.core.tasks import assert_disjoint, get_task_source, split_tasks
+from selfrl.core.tasks import assert_disjoint, split_tasks
+from selfrl.envs.registry import get_env
 from selfrl.core.tools import resolve_tools
 from selfrl.rl.learner import Learner, kl_reference
 from selfrl.core.trajectory import Trajectory
@@ -111,7 +112,7 @@ class BackgroundLearner(threading.Thread):
         lc = cfg.learner
         self.learner = Learner(model, cfg.train, lc.temperature, tokenizer.pad_token_id, cfg.max_completion_length,
                                ref_state=ref_state, tokenizer=tokenizer)
-        self.source = get_task_source(cfg.task.source, **cfg.task.options)
+        self.source = get_env(cfg.task.source, **cfg.task.options)
         _, self.val = split_tasks(self.source, 0, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
         assert_disjoint([], self.val)
         self.tools = resolve_tools(cfg.rollout.tools)

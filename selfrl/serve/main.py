@@ -60,15 +60,15 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
 
     try:
         cfg = load_serve_config(config, overrides)
-        from selfrl.serve.app import load_api_key
+        from selfrl.engines.http import load_api_key
 
         api_key = load_api_key(api_key_file)
         if protect_completions and api_key is None:
             raise ConfigError("--protect-completions needs an API key (SELFRL_API_KEY or --api-key-file)")
-        from selfrl.core.tasks import get_task_source
+        from selfrl.envs.registry import get_env
         from selfrl.core.tools import resolve_tools
 
-        get_task_source(cfg.task.source, **cfg.task.options)  # fail before the model loads
+        get_env(cfg.task.source, **cfg.task.options)  # fail before the model loads
         resolve_tools(cfg.rollout.tools)
     except (ConfigError, ValueError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e

@@ -141,7 +141,7 @@ def create_sampler_app(engine: SamplingEngine, api_key: str | None = None, model
 
     @app.post("/sampler/logprobs", dependencies=[Depends(auth)])
     def logprobs(req: LogprobsRequest) -> dict:
-        from selfrl.safety.swap_check import sequence_logprobs
+        from selfrl.rl.logprobs import sequence_logprobs
 
         try:
             check_token_ids([req.token_ids], engine.model.get_input_embeddings().weight.shape[0])

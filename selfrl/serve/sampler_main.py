@@ -18,7 +18,7 @@ def sampler(config: str | None, overrides: dict[str, Any], host: str, port: int,
 
     try:
         cfg = load_config(config, overrides)
-        from selfrl.serve.app import load_api_key
+        from selfrl.engines.http import load_api_key
 
         api_key = load_api_key(api_key_file)
         import uvicorn
