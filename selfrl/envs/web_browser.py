@@ -68,7 +68,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, wait
 from typing import Any
 
-from selfrl.envs.web import VIEW_LINES, Browser
+from selfrl.envs.web_page import VIEW_LINES, Browser
 from selfrl.envs.web_site import serve
 from selfrl.core.tools import ToolError
 
