@@ -153,7 +153,9 @@ def test_probe_regression():
 
 
 def test_unknown_detector_lists_the_valid_ones():
-    import selfrl.envs  # noqa: F401  environments register their own detectors (swe_*, web_*)
+    from selfrl.envs.builtin import load_builtin_envs
+
+    load_builtin_envs()  # environments register their own detectors (swe_*, web_*)
 
     with pytest.raises(ValueError, match="valid names: component_dominance, format_gaming, length_exploitation, "
                                          "probe_regression, repeated_action, swe_conftest, swe_hardcoded_output, "

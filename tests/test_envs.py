@@ -137,3 +137,29 @@ def test_env_and_task_flags_agree_or_are_refused(capsys):
 
     assert main(["run", "--env", "code", "--task", "chain_sum"]) == 2
     assert "--env code and --task chain_sum disagree" in capsys.readouterr().err
+
+
+def test_a_builtin_environment_that_fails_to_import_is_named_and_the_others_load():
+    import subprocess
+    import sys
+
+    # a fresh interpreter where importing the web environment fails (as a missing dependency would)
+    code = """
+import sys
+sys.modules["selfrl.envs.web"] = None
+from selfrl.envs import describe_envs, get_env
+from selfrl.envs.builtin import load_builtin_envs
+failed = load_builtin_envs()
+assert list(failed) == ["web"] and "ModuleNotFoundError" in failed["web"], failed
+assert get_env("webshop").name == "webshop" and get_env("chain_sum").name == "chain_sum"
+try:
+    get_env("web")
+except ValueError as e:
+    print(e)
+print(dict(describe_envs())["web"])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    error, listed = out.stdout.strip().splitlines()
+    assert error.startswith("the built-in environment 'web' failed to import: ModuleNotFoundError") and "others loaded" in error
+    assert listed.startswith("did not load: ModuleNotFoundError")

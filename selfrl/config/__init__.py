@@ -17,6 +17,7 @@ from selfrl.config.base import (  # noqa: F401
     one_of,
     check_finite,
     fill,
+    non_finite_weights,
 )
 from selfrl.config.remote import (  # noqa: F401
     SamplerKind,
@@ -47,7 +48,6 @@ from selfrl.config.run import (  # noqa: F401
     SHARED_SECTIONS,
     check_sections,
     check_engine,
-    check_names,
     check_sampler,
     RunConfig,
     RESUME_FIXED,

@@ -45,6 +45,19 @@ def check_finite(obj: Any, where: str = "") -> None:
             raise ConfigError(f"{where}{f.name} must be a finite number, got {value!r}")
 
 
+def non_finite_weights(weights: Any) -> dict[str, Any]:
+    """The entries of a ``name = weight`` table whose weight is not a finite number (a bool is
+    not a number here); empty for anything that is not a table (another rule refuses that).
+
+    >>> non_finite_weights({"verifier": 1.0, "format": "a", "length": float("inf")})
+    {'format': 'a', 'length': inf}
+    """
+    if not isinstance(weights, dict):
+        return {}
+    return {name: w for name, w in weights.items()
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)}
+
+
 def _apply(obj, values: dict[str, Any], where: str) -> None:
     """Set dataclass fields from a dict, recursing into nested dataclasses."""
     fields = {f.name: f for f in dataclasses.fields(obj)}

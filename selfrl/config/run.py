@@ -7,9 +7,12 @@ tables into :class:`selfrl.config.serve.ServeConfig`. Unknown keys are errors th
 list the valid ones, so a typo never silently falls back to a default.
 
 Each dataclass checks its own fields in ``check(where)``, beside them; ``RunConfig``
-and ``ServeConfig`` both call those checks (:func:`check_sections`) and the registry
-names (:func:`check_names`), so a rule of ``run`` that applies to ``serve`` holds there
-too. Allowed values are ``Literal`` types, defined once; derived values are properties.
+and ``ServeConfig`` both call those checks (:func:`check_sections`), so a rule of ``run``
+that applies to ``serve`` holds there too. Validation checks *values* only: the names a
+config refers to (reward preset and functions, tools, detectors, loss type) are checked
+against their registries at setup, once the built-in environments have registered theirs
+(:func:`selfrl.run.setup.check_names`), so importing the config imports no environment,
+detector or reward. Allowed values are ``Literal`` types, defined once; derived values are properties.
 The rules every table uses (:class:`ConfigError`, ``require``, filling from TOML) live in
 :mod:`selfrl.config.base`; the tables for sampling outside one process (``[distributed]``,
 ``[[agents]]``, ``[sampler]``, ``[swap_check]``) in :mod:`selfrl.config.remote`. Both are
@@ -21,10 +24,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, Literal
 
-from selfrl.config.base import ConfigError, check_finite, fill, one_of, require  # noqa: F401  (re-exported)
+from selfrl.config.base import ConfigError, check_finite, fill, non_finite_weights, one_of, require  # noqa: F401  (re-exported)
 from selfrl.config.remote import (  # noqa: F401  (re-exported: every settings table is reachable from here)
     AgentAdapters, AgentConfig, DistributedConfig, SamplerConfig, SamplerKind, SwapCheckConfig,
 )
@@ -304,28 +306,6 @@ def check_engine(cfg: Any) -> None:
     check_placement(cfg.model, cfg.engine)
 
 
-def check_names(cfg: Any, weights: Callable[[], dict[str, float]]) -> None:
-    """Names that refer to registries: loss type, reward preset and functions (``weights()``),
-    tools, detectors.
-
-    Raises:
-        ConfigError: an unknown name (the message lists the valid ones) or a bad weight.
-    """
-    import selfrl.envs  # noqa: F401  the built-in environments register their tools and presets
-    from selfrl.safety.detectors import check_detectors
-    from selfrl.envs.rewards import check_weights
-    from selfrl.rl.losses import get_loss_aggregation
-    from selfrl.core.tools import resolve_tools
-
-    try:
-        get_loss_aggregation(cfg.train.loss_type)
-        check_weights(weights())
-        resolve_tools(cfg.rollout.tools)
-        check_detectors(cfg.detectors.names)
-    except (KeyError, ValueError) as e:
-        raise ConfigError(str(e).strip("'\"")) from e
-
-
 def check_sampler(cfg: Any) -> None:
     """The swap check's settings, and, with ``sampler.url``, no setting that needs the policy
     in this process's engine.
@@ -389,13 +369,6 @@ class RunConfig:
         """Completion tokens one trajectory may hold (the ``dr_grpo`` normaliser)."""
         return self.rollout.max_completion_length
 
-    @property
-    def weights(self) -> dict[str, float]:
-        """The reward weights in force: ``reward_weights``, else the preset's."""
-        from selfrl.envs.rewards import get_preset
-
-        return self.reward_weights or get_preset(self.preset)
-
     def validate(self) -> "RunConfig":
         """Check every section and the run's own fields; returns self.
 
@@ -418,11 +391,12 @@ class RunConfig:
             (self.num_generations >= 2, "num_generations must be >= 2 (a group of one has no advantage)"),
             (self.reward_weights is None or isinstance(self.reward_weights, dict),
              "reward_weights must be a table of name = weight"),
+            (not non_finite_weights(self.reward_weights),
+             f"reward_weights must be finite, got {non_finite_weights(self.reward_weights)}"),
         ])
         self.check_agents()
         check_engine(self)
         check_sampler(self)
-        check_names(self, lambda: self.weights)
         return self
 
     def check_agents(self) -> None:

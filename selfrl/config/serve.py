@@ -18,11 +18,11 @@ from selfrl.config.run import (
     ToolsPrompt,
     TrainConfig,
     check_engine,
-    check_names,
     check_sections,
     one_of,
     require,
 )
+from selfrl.config.base import non_finite_weights
 from selfrl.engines import DEFAULT_SERVE_ENGINE
 from selfrl.engines.base import MIN_TEMPERATURE
 
@@ -47,6 +47,8 @@ class LearnerSettings:
             (self.poll_s > 0, "poll_s must be > 0"),
             (self.temperature >= MIN_TEMPERATURE, f"temperature must be >= {MIN_TEMPERATURE}"),
             (isinstance(self.reward_weights, dict), "reward_weights must be a table of name = weight"),
+            (not non_finite_weights(self.reward_weights),
+             f"reward_weights must be finite, got {non_finite_weights(self.reward_weights)}"),
         ], where)
 
 
@@ -88,7 +90,8 @@ class ServeConfig:
         """Check every section with ``selfrl run``'s validators, then the server's own fields; returns self.
 
         Raises:
-            selfrl.config.ConfigError: a value out of range or an unknown name, with the field named.
+            selfrl.config.ConfigError: a value out of range, with the field named (names are checked
+                at setup: :func:`selfrl.run.setup.check_names`).
         """
         check_sections(self)
         self.learner.check("learner.")
@@ -107,7 +110,6 @@ class ServeConfig:
             one_of(self.tools_prompt, ToolsPrompt, "tools_prompt"),
         ])
         check_engine(self)
-        check_names(self, lambda: self.learner.reward_weights)
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import reasoning_gym
 import reasoning_gym.factory
 
 from selfrl.envs.base import Env
-from selfrl.envs.registry import register_env
+from selfrl.envs.registry import RG_PREFIX, register_env, register_prefix
 from selfrl.core.tasks import Task
 
 __all__ = ["BASIC_ARITHMETIC_SMALL", "CHAIN_SUM_SMALL", "ReasoningGymEnv", "ReasoningGymSource"]
@@ -139,6 +139,14 @@ def _factory(dataset: str, defaults: dict[str, Any]):
     return factory
 
 
+def _dataset(dataset: str):
+    def rg(**options: Any) -> Env:
+        return ReasoningGymEnv(dataset, options)
+
+    return rg
+
+
+register_prefix(RG_PREFIX, _dataset)  # rg:<dataset>: any reasoning-gym dataset, its own defaults
 register_env("arithmetic", _factory("chain_sum", CHAIN_SUM_SMALL))
 register_env("chain_sum", _factory("chain_sum", CHAIN_SUM_SMALL), alias_of="arithmetic")
 register_env("basic_arithmetic", _factory("basic_arithmetic", BASIC_ARITHMETIC_SMALL), alias_of="arithmetic")

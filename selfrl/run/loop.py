@@ -33,9 +33,10 @@ from selfrl.safety.gate import EvalResult, validate
 from selfrl.record.metrics import MetricsLog, rollout_metrics
 from selfrl.model.load import build_policy
 from selfrl.run.progress import PlainProgress, Progress
-from selfrl.envs.rewards import get_preset, score_batch
+from selfrl.envs.rewards import score_batch
 from selfrl.rollout.agent import env_offers_tools, rollout
 from selfrl.run.sampler_sync import SamplerSync
+from selfrl.run.setup import check_names, reward_weights
 from selfrl.run.signal import SignalChooser, diagnose, probe_report
 from selfrl.record.store import Store
 from selfrl.safety.swap_check import SwapCheckError
@@ -166,11 +167,12 @@ def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
     stored = run_dir / "config.json"
     if resume and stored.exists():
         check_resumable(json.loads(stored.read_text()), cfg.to_dict())
+    check_names(cfg)  # before any model loads: the built-in environments first, then every name
     source = make_source(cfg)  # the environment (selfrl.envs), or the agents' ([[agents]])
     train, val = source.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     assert_disjoint(train, val)
     tools = resolve_tools(cfg.rollout.tools)
-    weights = cfg.reward_weights or get_preset(cfg.preset)
+    weights = reward_weights(cfg)
     monitor = HackingMonitor(cfg.detectors, weights)
     model, tok = build_policy(cfg)
     if cfg.sampler.url is None:  # --async-rollouts: the sampler has its own LoRA copy (selfrl.rollout.prefetch)

@@ -66,10 +66,10 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
         if protect_completions and api_key is None:
             raise ConfigError("--protect-completions needs an API key (SELFRL_API_KEY or --api-key-file)")
         from selfrl.envs.registry import get_env
-        from selfrl.core.tools import resolve_tools
+        from selfrl.run.setup import check_names
 
-        get_env(cfg.task.source, **cfg.task.options)  # fail before the model loads
-        resolve_tools(cfg.rollout.tools)
+        check_names(cfg, cfg.learner.reward_weights)  # fail before the model loads
+        get_env(cfg.task.source, **cfg.task.options)
     except (ConfigError, ValueError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"selfrl: error: {msg}", file=sys.stderr)
@@ -82,7 +82,7 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
     try:
         import uvicorn
 
-        from selfrl.run.loop import build_policy
+        from selfrl.model.load import build_policy
         from selfrl.serve.app import create_app
         from selfrl.serve.service import Service
 

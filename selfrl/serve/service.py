@@ -31,6 +31,7 @@ from selfrl.engines.reference import Generation
 from selfrl.engines import make_engine
 from selfrl.engines.base import context_overflow, engine_context, model_context
 from selfrl.record.runlock import RunDirLock
+from selfrl.run.setup import check_names
 from selfrl.record import served as records
 from selfrl.serve.batcher import Batcher, Job
 from selfrl.config.serve import ServeConfig
@@ -98,6 +99,7 @@ class Service:
 
     def __init__(self, model, tokenizer, cfg: ServeConfig, learner_model=None):
         self.cfg = cfg.validate()
+        check_names(cfg, cfg.learner.reward_weights)  # the built-in environments' names included
         self.tok = tokenizer
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
