@@ -210,7 +210,7 @@ def main() -> int:
     # Ray workers import LengthEnv by its dotted path: they inherit this PYTHONPATH
     os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), str(ROOT),
                                                 os.environ.get("PYTHONPATH", "")])
-    from selfrl.run.loop import run
+    from selfrl.run.main import run
     from selfrl.envs.rewards import REWARD_FUNCS
 
     REWARD_FUNCS["length_goal"] = length_goal

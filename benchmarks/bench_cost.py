@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir = args.run_dir
     if run_dir is None:
         from selfrl.config import load_config
-        from selfrl.run.loop import run
+        from selfrl.run.main import run
         from selfrl.run.progress import PlainProgress
 
         keep = ROOT / "runs" if (ROOT / "runs").exists() and not args.tiny else None  # tiny runs go to /tmp

@@ -87,7 +87,7 @@ def main() -> None:
 
     from selfrl.config import DistributedConfig
     from selfrl.run.ray.driver import run_distributed
-    from selfrl.run.loop import run
+    from selfrl.run.main import run
     from selfrl.envs.rewards import REWARD_FUNCS
 
     REWARD_FUNCS["short"] = short

@@ -43,7 +43,8 @@ def child(args) -> None:
     from selfrl.engines import make_engine
     from selfrl.safety.gate import validate
     from selfrl.rl.learner import Learner
-    from selfrl.run.loop import build_policy, make_source
+    from selfrl.model.load import build_policy
+    from selfrl.run.setup import make_source
     from selfrl.rollout.agent import rollout
 
     cfg = bench_config(args, CONFIG, "bench-driver-")

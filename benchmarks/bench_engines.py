@@ -49,7 +49,7 @@ def rollout_once(engine, tasks, tools, rollout_cfg, num_generations: int, seed: 
 def policy_with_adapter(cfg, adapter: Path | None, result: dict):
     """``(model, tokenizer)`` of run config ``cfg``, with the saved adapter version ``adapter`` (a
     run's ``adapters/vNNNNNN``: a trained policy) loaded when given (recorded in ``result``)."""
-    from selfrl.run.loop import build_policy
+    from selfrl.model.load import build_policy
 
     model, tok = build_policy(cfg)
     if adapter is not None:
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from selfrl.engines import make_engine
-    from selfrl.run.loop import build_policy
+    from selfrl.model.load import build_policy
 
     result = envelope(args, command_line("bench_engines.py", argv))
     cfg = bench_config(args, CONFIG, "bench-engines-")

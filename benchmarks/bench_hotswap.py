@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from selfrl.config import load_config
     from selfrl.engines.reference import Engine
-    from selfrl.run.loop import build_policy
+    from selfrl.model.load import build_policy
     from selfrl.model.load import load_model, resolve_model_path
 
     result = envelope(args, command_line("bench_hotswap.py", argv))

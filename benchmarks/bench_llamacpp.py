@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     from selfrl.chat.template import prompt_ids
     from selfrl.engines import make_engine
     from selfrl.engines.remote import RemoteEngine
-    from selfrl.run.loop import build_policy
+    from selfrl.model.load import build_policy
     from selfrl.serve.main import load_serve_config
 
     from bench_serve import start_server

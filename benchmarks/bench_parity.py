@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> Path:
     import torch
 
     from selfrl.engines import make_engine
-    from selfrl.run.loop import build_policy, iteration_tasks
+    from selfrl.model.load import build_policy
+    from selfrl.run.loop import iteration_tasks
     from selfrl.envs.rewards import get_preset, score_batch
     from selfrl.rl.advantages import group_advantages
     from selfrl.core.tasks import split_tasks

@@ -15,7 +15,8 @@ import torch
 
 from selfrl.config import load_config
 from selfrl.engines import make_engine
-from selfrl.run.loop import build_policy, iteration_tasks
+from selfrl.model.load import build_policy
+from selfrl.run.loop import iteration_tasks
 from selfrl.core.tasks import split_tasks
 from selfrl.envs import get_env
 from selfrl.core.tools import resolve_tools

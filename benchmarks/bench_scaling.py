@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     from selfrl.chat.template import prompt_ids
     from selfrl.config import load_config
-    from selfrl.run.loop import build_policy
+    from selfrl.model.load import build_policy
     from selfrl.rollout.agent import initial_messages
     from selfrl.core.tasks import split_tasks
     from selfrl.envs import get_env

@@ -5,7 +5,7 @@
 
 Three processes, one after the other (each its own peak RSS, no thread pools fighting):
 
-1. ``selfrl``: ``selfrl.run.loop.run`` with ``configs/demo.toml`` (validation only at the end),
+1. ``selfrl``: ``selfrl.run.main.run`` with ``configs/demo.toml`` (validation only at the end),
    every update saved as a version folder.
 2. ``trl``: ``trl.GRPOTrainer`` with a peft ``LoraConfig`` of the same shape, on the same
    training tasks in the same order, an adapter saved after every step.
@@ -58,9 +58,9 @@ def bench_config(model: str, run_dir: Path, updates: int, num_prompts: int, num_
 
 
 def worker_selfrl(cfg_dict: dict, out: Path) -> None:
-    """Run ``selfrl.run.loop.run``; write per-update times, versions and peak RSS to ``out``."""
+    """Run ``selfrl.run.main.run``; write per-update times, versions and peak RSS to ``out``."""
     from selfrl.config import load_config
-    from selfrl.run.loop import run
+    from selfrl.run.main import run
     from selfrl.run.progress import PlainProgress
     from selfrl.record.store import Store
 
@@ -184,7 +184,7 @@ def worker_eval(cfg_dict: dict, adapters: dict[str, str | None], out: Path) -> N
     from selfrl.config import load_config
     from selfrl.engines.reference import Engine
     from selfrl.safety.gate import validate
-    from selfrl.run.loop import build_policy
+    from selfrl.model.load import build_policy
     from selfrl.core.tasks import split_tasks
     from selfrl.envs import get_env
     from selfrl.core.tools import resolve_tools

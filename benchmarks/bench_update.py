@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     import selfrl.rl.learner as learner_module
     from selfrl.record.adapters import lora_state
     from selfrl.rl.learner import Learner, kl_reference
-    from selfrl.run.loop import build_policy
+    from selfrl.model.load import build_policy
     from selfrl.rl.logprobs import per_token_logps
 
     result = envelope(args, command_line("bench_update.py", argv))

@@ -253,7 +253,7 @@ def iteration_work(args: argparse.Namespace, config: Path, prefix: str) -> Itera
     """The policy, first batch and learner of ``selfrl run`` on the config at ``config``
     (:func:`bench_config`: a tiny model in a temporary folder named ``prefix...`` with ``--tiny``)."""
     from selfrl.rl.learner import Learner
-    from selfrl.run.loop import build_policy
+    from selfrl.model.load import build_policy
 
     cfg = bench_config(args, config, prefix)
     model, tok = build_policy(cfg)

@@ -72,7 +72,7 @@ def train(out: Path, iterations: int, model: str | None, names: list[str], tempe
     """One short ``selfrl run`` on the web shop with the naive reward; per-iteration figures
     read back from the store (naive reward before detectors, true success, flagged share)."""
     from selfrl.config import load_config
-    from selfrl.run.loop import run
+    from selfrl.run.main import run
     from selfrl.record.store import Store
 
     overrides = {"run_dir": str(out), "iterations": iterations, "detectors.names": names + ["probe_regression"],

@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_run_config(args.config, overrides, base)  # the environment's defaults under file and flags
         from rich.console import Console
 
-        from selfrl.run.loop import run
+        from selfrl.run.main import run
         from selfrl.run.progress import RichProgress
 
         with RichProgress(cfg.iterations, Console(stderr=True)) as progress:

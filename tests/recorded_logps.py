@@ -6,7 +6,7 @@ import torch
 from peft import set_peft_model_state_dict
 
 from selfrl.record import adapters
-from selfrl.run.loop import build_policy
+from selfrl.model.load import build_policy
 from selfrl.rl.logprobs import per_token_logps
 
 

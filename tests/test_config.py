@@ -114,16 +114,16 @@ NAME_RULES = [
 
 @pytest.mark.parametrize("override, message", NAME_RULES)
 def test_registry_names_fail_at_setup_before_any_model_is_loaded(override, message, tmp_path, monkeypatch):
-    from selfrl.run import loop
-    from selfrl.run.setup import check_names
+    from selfrl.run import setup
+    from selfrl.run.main import run
 
     cfg = load_config(None, {**override, "run_dir": str(tmp_path / "run")})  # a value the config accepts
     with pytest.raises(ConfigError, match=message):
-        check_names(cfg)
+        setup.check_names(cfg)
     loaded = []
-    monkeypatch.setattr(loop, "build_policy", lambda cfg: loaded.append(cfg))  # must not be reached
+    monkeypatch.setattr(setup, "build_policy", lambda cfg: loaded.append(cfg))  # must not be reached
     with pytest.raises(ConfigError, match=message):
-        loop.run(cfg)
+        run(cfg)
     assert loaded == [] and not (tmp_path / "run").exists()
 
 
@@ -148,7 +148,7 @@ def test_loading_and_validating_the_config_imports_no_environment_detector_or_re
 
 
 def test_resume_may_change_iterations_but_not_the_task():
-    from selfrl.run.loop import check_resumable
+    from selfrl.config import check_resumable
 
     stored = load_config().to_dict()
     more = load_config(None, {"iterations": 40, "train.learning_rate": 5e-5}).to_dict()

@@ -114,7 +114,7 @@ def test_cli_flags_reach_the_config(no_gpu, tmp_path, monkeypatch):
         seen["cfg"] = cfg
         raise ValueError("stop here")
 
-    monkeypatch.setattr("selfrl.run.loop.run", fake_run)
+    monkeypatch.setattr("selfrl.run.main.run", fake_run)
     assert main(["run", "--device", "cpu", "--dtype", "bfloat16", "--gradient-checkpointing",
                  "--run-dir", str(tmp_path / "r")]) == 2
     cfg = seen["cfg"]

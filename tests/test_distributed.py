@@ -58,7 +58,7 @@ def test_run_hands_a_distributed_config_to_the_driver(monkeypatch):
     fake = types.ModuleType("selfrl.run.ray.driver")
     fake.run_distributed = lambda cfg, resume, progress: calls.append((cfg.distributed.address, resume)) or "ran"
     monkeypatch.setitem(sys.modules, "selfrl.run.ray.driver", fake)
-    from selfrl.run.loop import run
+    from selfrl.run.main import run
 
     cfg = load_config(None, {"distributed.address": "auto"})
     assert run(cfg, resume=True) == "ran" and calls == [("auto", True)]

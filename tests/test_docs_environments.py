@@ -59,7 +59,7 @@ def test_the_custom_environment_is_found_split_and_solved(reverse_env):
 
 def test_selfrl_run_env_reverse_runs_on_a_tiny_model(reverse_env, tmp_path, tiny_tokenizer):
     from selfrl.envs import load_run_config
-    from selfrl.run.loop import run
+    from selfrl.run.main import run
     from selfrl.record.store import Store
 
     model = save_tiny_phi(tmp_path / "model", tiny_tokenizer)

@@ -1,7 +1,7 @@
 """Fault injection: destructive updates are rolled back, NaN losses skipped, kills resumed
 with nothing lost, and no incomplete adapter version is ever served.
 
-The corrupting faults run in process (``selfrl.run.loop.run`` on a tiny Phi saved to disk,
+The corrupting faults run in process (``selfrl.run.main.run`` on a tiny Phi saved to disk,
 ``SELFRL_FAULT`` set); one kill runs ``selfrl run`` as a real subprocess that SIGKILLs
 itself, then resumes. The whole kill matrix (every point of ``selfrl.core.faults.POINTS``) is
 marked slow; ``scripts/fault_suite.py`` runs it and prints the table (the faults and their
@@ -21,7 +21,7 @@ import torch
 from selfrl.record import adapters
 from selfrl.core import faults
 from selfrl.config import load_config
-from selfrl.run.loop import run
+from selfrl.run.main import run
 from selfrl.envs.rewards import REWARD_FUNCS
 from selfrl.record.store import Store
 

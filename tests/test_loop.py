@@ -17,7 +17,8 @@ from peft import set_peft_model_state_dict
 from selfrl.record import adapters
 from selfrl.cli import main
 from selfrl.config import RunConfig
-from selfrl.run.loop import build_policy, run
+from selfrl.model.load import build_policy
+from selfrl.run.main import run
 from selfrl.rl.logprobs import per_token_logps
 from selfrl.record.store import Store
 

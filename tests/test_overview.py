@@ -294,7 +294,7 @@ def tiny_run(tmp_path_factory, tiny_tokenizer):
     from conftest import save_tiny_phi
 
     from selfrl.config import RunConfig
-    from selfrl.run.loop import run
+    from selfrl.run.main import run
     from selfrl.envs.rewards import REWARD_FUNCS
 
     mp = pytest.MonkeyPatch()

@@ -9,7 +9,7 @@ import torch
 from selfrl.chat.template import prompt_ids
 from selfrl.config import RunConfig
 from selfrl.engines.reference import Engine
-from selfrl.run.loop import build_policy
+from selfrl.model.load import build_policy
 from selfrl.rl.logprobs import per_token_logps
 from selfrl.rollout.agent import RolloutConfig, initial_messages, rollout
 from selfrl.envs import get_env

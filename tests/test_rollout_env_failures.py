@@ -225,7 +225,7 @@ class _ResetFails(Env):
 
 def test_a_run_goes_on_when_an_environment_reset_fails(model_dir, short_reward, tmp_path, monkeypatch):
     from selfrl.config import RunConfig
-    from selfrl.run.loop import run
+    from selfrl.run.main import run
     from selfrl.record.store import Store
 
     mod = types.ModuleType("selfrl_test_flaky_envs")

@@ -11,7 +11,8 @@ from selfrl.cli import main
 from selfrl.config import ConfigError, RunConfig
 from selfrl.engines.reference import Engine
 from selfrl.serve.sampler_app import create_sampler_app
-from selfrl.run.loop import build_policy, run
+from selfrl.model.load import build_policy
+from selfrl.run.main import run
 from selfrl.run.sampler_sync import swap_within
 from selfrl.record.store import Store
 from selfrl.safety.swap_check import SwapCheckError

@@ -83,7 +83,7 @@ def _cfg(model_dir, run_dir, **task) -> RunConfig:
 def test_a_run_without_signal_says_why_before_the_first_update_and_can_stop(model_dir, tmp_path):
     """A random tiny model never solves chain_sum: the pre-flight check says so and names fixes;
     with signal_check = "stop" the run ends before any update and the base is served."""
-    from selfrl.run.loop import run
+    from selfrl.run.main import run
     from selfrl.record.store import Store
 
     res = run(_cfg(model_dir, tmp_path / "stop", signal_check="stop"))

@@ -14,7 +14,8 @@ import torch
 from selfrl.record import adapters
 from selfrl.config import RunConfig
 from selfrl.safety.gate import EvalResult
-from selfrl.run.loop import Runner, build_run
+from selfrl.run.loop import Runner
+from selfrl.run.setup import build_run
 from selfrl.model.load import build_policy
 from selfrl.run.progress import PlainProgress
 from selfrl.envs.rewards import REWARD_FUNCS

@@ -15,7 +15,7 @@ from selfrl.safety.detectors import TRAJECTORY_DETECTORS, Verdict
 from selfrl.engines.reference import Engine, Generation
 from selfrl.safety.gate import EvalResult
 from selfrl.rl.learner import Learner
-from selfrl.run.loop import run
+from selfrl.run.main import run
 from selfrl.envs.rewards import REWARD_FUNCS
 from selfrl.rollout.agent import RolloutConfig
 from selfrl.record.store import Store
@@ -220,7 +220,7 @@ def test_cli_flag_sets_the_table(monkeypatch, tmp_path):
         seen["cfg"] = cfg
         raise ValueError("stop here")
 
-    monkeypatch.setattr("selfrl.run.loop.run", fake_run)
+    monkeypatch.setattr("selfrl.run.main.run", fake_run)
     from selfrl.cli import main
 
     assert main(["run", "--warm-start", "--warm-start-samples", "5", "--run-dir", str(tmp_path / "r")]) == 2
@@ -375,7 +375,8 @@ def test_warm_start_after_rl_iterations_is_refused(model_dir, patched, tmp_path)
 
 def test_a_promoted_warm_start_is_the_kl_reference_also_after_resume(model_dir, patched, tmp_path):
     from selfrl.record import adapters
-    from selfrl.run.loop import Runner, build_run
+    from selfrl.run.loop import Runner
+    from selfrl.run.setup import build_run
     from selfrl.run.progress import PlainProgress
 
     def same(a, b):

@@ -73,7 +73,7 @@ def _call(tools, text: str):
 
 def test_an_unknown_backend_and_a_missing_browser_are_clear_errors(monkeypatch, tmp_path):
     from selfrl.envs.registry import load_run_config
-    from selfrl.run.loop import make_source
+    from selfrl.run.setup import make_source
 
     config = tmp_path / "web.toml"
     config.write_text('[task]\nsource = "web"\noptions = { browser = "firefox" }\n')

@@ -154,7 +154,7 @@ def test_selfrl_run_on_the_web_shop_records_shop_state_and_detector_metrics(tmp_
     from conftest import save_tiny_phi
 
     from selfrl.config import ConfigError, load_config
-    from selfrl.run.loop import run
+    from selfrl.run.main import run
     from selfrl.record.store import Store
 
     model_dir = save_tiny_phi(tmp_path / "model", tiny_tokenizer)

@@ -1,8 +1,9 @@
 """The online self-improvement loop: rollouts -> rewards -> advantages -> LoRA update
 -> candidate version -> validation gate -> promote or roll back; all recorded.
 
-This module only orchestrates; the math lives in ``selfrl.rl`` and each part in
-its own module. Version semantics: the engine's ``version`` is always the
+This module only orchestrates (:class:`Runner` drives a run that
+:func:`selfrl.run.setup.build_run` built; :func:`selfrl.run.main.run` is the entry); the
+math lives in ``selfrl.rl`` and each part in its own module. Version semantics: the engine's ``version`` is always the
 version whose weights are loaded. An update saves its result as a new
 *candidate* version, which serves the next rollouts (on-policy); every
 ``gate.eval_every`` updates the candidate is validated and either *promoted*
@@ -12,44 +13,32 @@ version whose weights are loaded. An update saves its result as a new
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import time
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from pathlib import Path
 
-from selfrl.record import adapters
-from selfrl.safety import collapse
 from selfrl.core import faults
-from selfrl.rollout.prefetch import LocalSampler, Prefetch, shadow_policy, staleness
-from selfrl.record.atomic import write_atomic
-from selfrl.safety.collapse import CollapseGuard, CollapseStop
-from selfrl.config import ConfigError, RunConfig, check_resumable
-from selfrl.run.cycle import UpdateCycle
-from selfrl.safety.detectors import HackingMonitor
-from selfrl.engines import make_engine
-from selfrl.safety.gate import EvalResult, validate
-from selfrl.record.metrics import MetricsLog, rollout_metrics
-from selfrl.model.load import build_policy
-from selfrl.run.progress import PlainProgress, Progress
-from selfrl.envs.rewards import score_batch
-from selfrl.rollout.agent import env_offers_tools, rollout
-from selfrl.run.sampler_sync import SamplerSync
-from selfrl.run.setup import check_names, reward_weights
-from selfrl.run.signal import SignalChooser, diagnose, probe_report
-from selfrl.record.store import Store
-from selfrl.safety.swap_check import SwapCheckError
-from selfrl.envs import get_env
-from selfrl.core.tasks import Task, TaskSource, assert_disjoint
-from selfrl.core.tools import Tool, resolve_tools
-from selfrl.rl.learner import Learner, UpdateResult, kl_reference
+from selfrl.core.tasks import Task
 from selfrl.core.trajectory import Trajectory
-from selfrl.record.versions import Champion, EventKind, Ledger
+from selfrl.record import adapters
+from selfrl.record.metrics import MetricsLog, rollout_metrics
+from selfrl.record.versions import Champion, EventKind
+from selfrl.rl.learner import UpdateResult
+from selfrl.rollout.agent import env_offers_tools, rollout
+from selfrl.rollout.prefetch import Prefetch, staleness
+from selfrl.safety import collapse
+from selfrl.safety.collapse import CollapseStop
+from selfrl.safety.gate import EvalResult, validate
+from selfrl.safety.swap_check import SwapCheckError
+from selfrl.envs.rewards import score_batch
+from selfrl.run.progress import Progress
+from selfrl.run.setup import RunSetup
+from selfrl.run.signal import SignalChooser, diagnose, probe_report
 from selfrl.run.warm_start import WarmStartError, run_warm_start
 
-__all__ = ["CollapseStop", "NoSignalStop", "RunResult", "RunSetup", "Runner", "build_policy", "build_run", "check_resumable",
-           "iteration_tasks", "kl_reference", "make_source", "run"]
+__all__ = ["CollapseStop", "NoSignalStop", "RunResult", "Runner", "iteration_tasks"]
 
 
 @dataclass
@@ -96,147 +85,20 @@ def iteration_tasks(train: list[Task], iteration: int, num_prompts: int, seed: i
     return [train[i] for i in idx]
 
 
-def run(cfg: RunConfig, resume: bool = False, progress: Progress | None = None) -> RunResult:
-    """Run (or resume) the self-improvement loop described by ``cfg``.
-
-    With ``resume``, the store in ``cfg.run_dir`` is reopened, the last promoted
-    version is loaded into the engine, and iterations continue after the last
-    one stored; no stored trajectory is touched (the optimizer state starts
-    fresh). Ctrl-C stops after the current step, gates nothing new, and still
-    writes the report. With ``distributed.address`` set, rollouts run on Ray workers
-    (:func:`selfrl.run.ray.driver.run_distributed`); only then is Ray imported.
-    With ``sampler.url`` set, a separate process samples and every version pushed
-    there is proved by the swap check (:mod:`selfrl.run.sampler_sync`).
-
-    Raises:
-        FileExistsError: ``run_dir`` already holds a run and ``resume`` is False.
-        FileNotFoundError: ``resume`` but there is no run to resume.
-        ConfigError: ``distributed.address`` is set and Ray is not installed.
-        ConnectionError: ``sampler.url`` cannot be reached.
-        selfrl.safety.swap_check.SwapCheckError: the sampler failed a swap check; the run stopped
-            after rejecting the candidate and writing its report (never raised without a sampler).
-    """
-    if cfg.distributed.address is not None:
-        try:
-            from selfrl.run.ray.driver import run_distributed
-        except ModuleNotFoundError as e:
-            if e.name != "ray":
-                raise
-            raise ConfigError("distributed.address (--ray) needs Ray: pip install -e '.[ray]'") from e
-        return run_distributed(cfg, resume, progress)
-    return Runner(build_run(cfg, resume), progress or PlainProgress()).run()
-
-
-@dataclass
-class RunSetup:
-    """Everything a run is built from, made once by :func:`build_run`."""
-
-    cfg: RunConfig
-    resume: bool
-    run_dir: Path
-    source: TaskSource
-    train: list[Task]
-    val: list[Task]
-    tools: list[Tool]
-    weights: dict[str, float]
-    monitor: HackingMonitor
-    engine: Engine
-    learner: Learner
-    store: Store
-    run_id: int
-    ledger: Ledger
-    cycle: UpdateCycle
-    # the sampler kept in step: remote (--sampler) or the local copy (--async-rollouts); None: the engine shares the model
-    sampler: SamplerSync | None = None
-
-
-def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
-    """Tasks, tools, rewards, the policy and its engine, the learner, the store, the version
-    ledger and the update cycle of one run (``cfg.run_dir``).
-
-    Raises:
-        FileExistsError / FileNotFoundError: as :func:`run`.
-        selfrl.config.ConfigError: ``resume`` with settings the stored run cannot change.
-    """
-    run_dir = Path(cfg.run_dir)
-    db = run_dir / "selfrl.db"
-    if resume and not db.exists():
-        raise FileNotFoundError(f"nothing to resume: no run at {run_dir}")
-    if not resume and db.exists():
-        raise FileExistsError(f"{run_dir} already holds a run; pass --resume or choose another --run-dir")
-    stored = run_dir / "config.json"
-    if resume and stored.exists():
-        check_resumable(json.loads(stored.read_text()), cfg.to_dict())
-    check_names(cfg)  # before any model loads: the built-in environments first, then every name
-    source = make_source(cfg)  # the environment (selfrl.envs), or the agents' ([[agents]])
-    train, val = source.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
-    assert_disjoint(train, val)
-    tools = resolve_tools(cfg.rollout.tools)
-    weights = reward_weights(cfg)
-    monitor = HackingMonitor(cfg.detectors, weights)
-    model, tok = build_policy(cfg)
-    if cfg.sampler.url is None:  # --async-rollouts: the sampler has its own LoRA copy (selfrl.rollout.prefetch)
-        # driver "caller": sampling runs in the thread that waits for it, so that with the learner
-        # in the main thread torch runs in one thread (one OpenMP team; SlotEngine's ``driver``)
-        engine = make_engine(cfg.engine, shadow_policy(model) if cfg.async_rollouts else model, tok, driver="caller")
-    else:  # rollouts in another process; the learner keeps its model here (selfrl.run.sampler_sync)
-        from selfrl.run.sampler_sync import connect
-
-        engine = connect(cfg, tok, model)
-    learner = Learner(model, cfg.train, cfg.rollout.temperature, tok.pad_token_id, cfg.max_completion_length,
-                      ref_state=kl_reference(model, cfg.lora.init_adapter), tokenizer=tok)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
-    store = Store(db)
-    run_id = store.start_run(cfg.to_dict())
-    ledger = Ledger(store, run_id, run_dir)
-    guard = CollapseGuard(cfg.collapse)
-    sync = None
-    if cfg.sampler.url is not None:
-        sync = sampler_sync(cfg, engine, model, tok, ledger)
-    elif cfg.async_rollouts:  # the local sampler copy is kept in step and checked like a remote one
-        sync = sampler_sync(cfg, LocalSampler(engine), model, tok, ledger)
-    cycle = UpdateCycle(ledger, learner, guard, monitor, cfg.collapse, cfg.gate.tolerance, cfg.train.scale_rewards,
-                        load=engine.swap if sync is None else sync.load, verify=None if sync is None else sync.verify,
-                        agent_of=_agent_of() if cfg.agents else None)
-    return RunSetup(cfg, resume, run_dir, source, train, val, tools, weights, monitor, engine, learner, store, run_id,
-                    ledger, cycle, sync)
-
-
-def sampler_sync(cfg: RunConfig, engine, model, tokenizer, ledger: Ledger):
-    """The :class:`selfrl.run.sampler_sync.SamplerSync` of a run with ``sampler.url``: the swap check's
-    tolerance is set by the learner's dtype unless ``swap_check.tolerance`` is given."""
-    from selfrl.model.device import resolve
-    from selfrl.safety.swap_check import SwapChecker
-
-    checker = None
-    if cfg.swap_check.enabled:
-        checker = SwapChecker.from_config(cfg.swap_check, tokenizer, resolve(cfg.model.device, cfg.model.dtype).dtype)
-    return SamplerSync(engine, model, ledger, checker, by_folder=cfg.sampler.kind == "vllm")
-
-
-def make_source(cfg: RunConfig) -> TaskSource:
-    """The run's environment: ``task.source`` with ``task.options``, or with ``[[agents]]`` their
-    :class:`selfrl.envs.agents.AgentsEnv` (also what each rollout worker builds).
-
-    Raises:
-        ValueError: an unknown environment or bad options (an agent's is named).
-    """
-    if cfg.agents:
-        from selfrl.envs.agents import AgentsEnv
-
-        return AgentsEnv(cfg.agents, cfg.task, cfg.gate)
-    return get_env(cfg.task.source, **cfg.task.options)
-
-
-def _agent_of():
-    from selfrl.envs.agents import agent_of
-
-    return agent_of
-
-
 class Runner:
-    """Drives one run built by :func:`build_run`; see :func:`run`."""
+    """Drives one run built by :func:`selfrl.run.setup.build_run` (the entry is
+    :func:`selfrl.run.main.run`): :meth:`start`, then per iteration :meth:`iteration` (rollouts,
+    rewards, one update through the update cycle), :meth:`validate` and :meth:`gate` when due,
+    and :meth:`finish`.
+
+    About 330 lines, past the 300 we aim for: its methods are the phases of one run, and they
+    share the run's state (the chooser's pass rates, the batch sampled during the update, the
+    pre-flight check done once); the Ray driver overrides where rollouts come from
+    (:class:`selfrl.run.ray.driver.AsyncRunner`) and the warm start calls its validation and
+    gate. What is not state lives outside it: the setup (:mod:`selfrl.run.setup`), the update
+    cycle (:mod:`selfrl.run.cycle`), the task order (:func:`iteration_tasks`) and the
+    report's totals (:func:`run_summary`).
+    """
 
     def __init__(self, setup: RunSetup, progress: Progress):
         self.s, self.cfg, self.progress = setup, setup.cfg, progress
@@ -557,27 +419,34 @@ class Runner:
                 s.sampler.load(champ.state, champ.version, "finish")
             except SwapCheckError as e:  # the run is ending: reported, the learner holds the champion
                 self.progress.log(f"the sampler could not be put back on version {champ.version}: {e}")
-        totals: dict[str, float] = {}
-        for row in s.store.metrics():  # every session of this run directory, not only this one
-            if row["name"].startswith("time/") and row["value"] is not None:
-                totals[row["name"]] = totals.get(row["name"], 0.0) + row["value"]
-        inference, training = totals.get("time/rollout_s", 0.0), totals.get("time/update_s", 0.0)
-        summary = {
-            "base_version": 0, "final_version": champ.version,
-            "time_inference_s": inference, "time_training_s": training,
-            "time_validation_s": totals.get("time/validation_s", 0.0),
-            "cost_ratio": (inference + training) / inference if inference else float("nan"),
-            "stopped_early": stopped, "collapse_rollbacks": s.cycle.guard.rollbacks,
-            "model": self.cfg.model.name, "task": self.cfg.task.source, "preset": self.cfg.preset,
-            "reward_weights": s.weights, "num_prompts": self.cfg.num_prompts,
-            "num_generations": self.cfg.num_generations, "iterations": self.cfg.iterations,
-            "session_wall_time_s": time.perf_counter() - self.t_start,
-        }
+        summary = run_summary(s, champ.version, stopped, time.perf_counter() - self.t_start)
         report = write_report(s.run_dir, s.store, s.run_id, summary)
         base, final = s.store.evaluation(0), s.store.evaluation(champ.version)
         s.store.close()
         return RunResult(s.run_dir, _rate(base), _rate(final), 0, champ.version, stopped,
                          {**summary, "report": str(report)})
+
+
+def run_summary(s: RunSetup, final_version: int, stopped: bool, session_s: float) -> dict:
+    """The totals ``report.md`` opens with: time in rollouts, updates and validation over every
+    session of the run directory (seconds), the cost ratio, the final version and the main settings."""
+    cfg = s.cfg
+    totals: dict[str, float] = {}
+    for row in s.store.metrics():  # every session of this run directory, not only this one
+        if row["name"].startswith("time/") and row["value"] is not None:
+            totals[row["name"]] = totals.get(row["name"], 0.0) + row["value"]
+    inference, training = totals.get("time/rollout_s", 0.0), totals.get("time/update_s", 0.0)
+    return {
+        "base_version": 0, "final_version": final_version,
+        "time_inference_s": inference, "time_training_s": training,
+        "time_validation_s": totals.get("time/validation_s", 0.0),
+        "cost_ratio": (inference + training) / inference if inference else float("nan"),
+        "stopped_early": stopped, "collapse_rollbacks": s.cycle.guard.rollbacks,
+        "model": cfg.model.name, "task": cfg.task.source, "preset": cfg.preset,
+        "reward_weights": s.weights, "num_prompts": cfg.num_prompts,
+        "num_generations": cfg.num_generations, "iterations": cfg.iterations,
+        "session_wall_time_s": session_s,
+    }
 
 
 def _rate(evaluation: dict[str, bool]) -> float:

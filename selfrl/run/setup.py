@@ -1,23 +1,44 @@
-"""Setting a run up, once: the names a config refers to, checked against the registries.
+"""Setting a run up, once: the names its config refers to, then everything it is built from.
+
+:func:`build_run` makes the :class:`RunSetup` a :class:`selfrl.run.loop.Runner` drives: the
+environment and its train/held-out split, the tools and reward weights, the detectors, the
+policy and its sampling engine (or a sampler in another process), the learner, the store, the
+version ledger and the update cycle. The Ray driver (:mod:`selfrl.run.ray.driver`) builds its
+run with it too.
 
 Validation of a config (:meth:`selfrl.config.RunConfig.validate`) checks values only, so
 that importing the config imports no environment, detector or reward. The names are checked
-here, at setup, after the built-in environments have registered theirs
-(:func:`selfrl.envs.builtin.load_builtin_envs`) and before any model loads: ``selfrl run``
-(:func:`selfrl.run.loop.build_run`) and ``selfrl serve`` (:func:`selfrl.serve.main.serve`
-and :class:`selfrl.serve.service.Service`) both call :func:`check_names`.
+here (:func:`check_names`), after the built-in environments have registered theirs
+(:func:`selfrl.envs.builtin.load_builtin_envs`) and before any model loads; ``selfrl serve``
+(:func:`selfrl.serve.main.serve` and :class:`selfrl.serve.service.Service`) calls it too.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from selfrl.config import ConfigError
-from selfrl.core.tools import resolve_tools
+from selfrl.config import ConfigError, RunConfig, check_resumable
+from selfrl.core.tasks import Task, TaskSource, assert_disjoint
+from selfrl.core.tools import Tool, resolve_tools
+from selfrl.engines import make_engine
+from selfrl.engines.base import SamplingEngine
+from selfrl.envs import get_env
 from selfrl.envs.builtin import load_builtin_envs
 from selfrl.envs.rewards import check_weights, get_preset
+from selfrl.model.load import build_policy
+from selfrl.record.atomic import write_atomic
+from selfrl.record.store import Store
+from selfrl.record.versions import Ledger
+from selfrl.rl.learner import Learner, kl_reference
 from selfrl.rl.losses import get_loss_aggregation
-from selfrl.safety.detectors import check_detectors
+from selfrl.rollout.prefetch import LocalSampler, shadow_policy
+from selfrl.run.cycle import UpdateCycle
+from selfrl.run.sampler_sync import SamplerSync
+from selfrl.safety.collapse import CollapseGuard
+from selfrl.safety.detectors import HackingMonitor, check_detectors
 
 
 def reward_weights(cfg: Any) -> dict[str, float]:
@@ -46,3 +67,111 @@ def check_names(cfg: Any, weights: dict[str, float] | None = None) -> None:
         check_detectors(cfg.detectors.names)
     except (KeyError, ValueError) as e:
         raise ConfigError(str(e).strip("'\"")) from e
+
+
+@dataclass
+class RunSetup:
+    """Everything a run is built from, made once by :func:`build_run`."""
+
+    cfg: RunConfig
+    resume: bool
+    run_dir: Path
+    source: TaskSource
+    train: list[Task]
+    val: list[Task]
+    tools: list[Tool]
+    weights: dict[str, float]
+    monitor: HackingMonitor
+    engine: SamplingEngine
+    learner: Learner
+    store: Store
+    run_id: int
+    ledger: Ledger
+    cycle: UpdateCycle
+    # the sampler kept in step: remote (--sampler) or the local copy (--async-rollouts); None: the engine shares the model
+    sampler: SamplerSync | None = None
+
+
+def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
+    """Tasks, tools, rewards, the policy and its engine, the learner, the store, the version
+    ledger and the update cycle of one run (``cfg.run_dir``).
+
+    Raises:
+        FileExistsError / FileNotFoundError: as :func:`run`.
+        selfrl.config.ConfigError: ``resume`` with settings the stored run cannot change.
+    """
+    run_dir = Path(cfg.run_dir)
+    db = run_dir / "selfrl.db"
+    if resume and not db.exists():
+        raise FileNotFoundError(f"nothing to resume: no run at {run_dir}")
+    if not resume and db.exists():
+        raise FileExistsError(f"{run_dir} already holds a run; pass --resume or choose another --run-dir")
+    stored = run_dir / "config.json"
+    if resume and stored.exists():
+        check_resumable(json.loads(stored.read_text()), cfg.to_dict())
+    check_names(cfg)  # before any model loads: the built-in environments first, then every name
+    source = make_source(cfg)  # the environment (selfrl.envs), or the agents' ([[agents]])
+    train, val = source.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
+    assert_disjoint(train, val)
+    tools = resolve_tools(cfg.rollout.tools)
+    weights = reward_weights(cfg)
+    monitor = HackingMonitor(cfg.detectors, weights)
+    model, tok = build_policy(cfg)
+    if cfg.sampler.url is None:  # --async-rollouts: the sampler has its own LoRA copy (selfrl.rollout.prefetch)
+        # driver "caller": sampling runs in the thread that waits for it, so that with the learner
+        # in the main thread torch runs in one thread (one OpenMP team; SlotEngine's ``driver``)
+        engine = make_engine(cfg.engine, shadow_policy(model) if cfg.async_rollouts else model, tok, driver="caller")
+    else:  # rollouts in another process; the learner keeps its model here (selfrl.run.sampler_sync)
+        from selfrl.run.sampler_sync import connect
+
+        engine = connect(cfg, tok, model)
+    learner = Learner(model, cfg.train, cfg.rollout.temperature, tok.pad_token_id, cfg.max_completion_length,
+                      ref_state=kl_reference(model, cfg.lora.init_adapter), tokenizer=tok)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
+    store = Store(db)
+    run_id = store.start_run(cfg.to_dict())
+    ledger = Ledger(store, run_id, run_dir)
+    guard = CollapseGuard(cfg.collapse)
+    sync = None
+    if cfg.sampler.url is not None:
+        sync = sampler_sync(cfg, engine, model, tok, ledger)
+    elif cfg.async_rollouts:  # the local sampler copy is kept in step and checked like a remote one
+        sync = sampler_sync(cfg, LocalSampler(engine), model, tok, ledger)
+    cycle = UpdateCycle(ledger, learner, guard, monitor, cfg.collapse, cfg.gate.tolerance, cfg.train.scale_rewards,
+                        load=engine.swap if sync is None else sync.load, verify=None if sync is None else sync.verify,
+                        agent_of=_agent_of() if cfg.agents else None)
+    return RunSetup(cfg, resume, run_dir, source, train, val, tools, weights, monitor, engine, learner, store, run_id,
+                    ledger, cycle, sync)
+
+
+def sampler_sync(cfg: RunConfig, engine, model, tokenizer, ledger: Ledger):
+    """The :class:`selfrl.run.sampler_sync.SamplerSync` of a run with ``sampler.url``: the swap check's
+    tolerance is set by the learner's dtype unless ``swap_check.tolerance`` is given."""
+    from selfrl.model.device import resolve
+    from selfrl.safety.swap_check import SwapChecker
+
+    checker = None
+    if cfg.swap_check.enabled:
+        checker = SwapChecker.from_config(cfg.swap_check, tokenizer, resolve(cfg.model.device, cfg.model.dtype).dtype)
+    return SamplerSync(engine, model, ledger, checker, by_folder=cfg.sampler.kind == "vllm")
+
+
+def make_source(cfg: RunConfig) -> TaskSource:
+    """The run's environment: ``task.source`` with ``task.options``, or with ``[[agents]]`` their
+    :class:`selfrl.envs.agents.AgentsEnv` (also what each rollout worker builds).
+
+    Raises:
+        ValueError: an unknown environment or bad options (an agent's is named).
+    """
+    if cfg.agents:
+        from selfrl.envs.agents import AgentsEnv
+
+        return AgentsEnv(cfg.agents, cfg.task, cfg.gate)
+    return get_env(cfg.task.source, **cfg.task.options)
+
+
+def _agent_of():
+    from selfrl.envs.agents import agent_of
+
+    return agent_of

@@ -40,7 +40,8 @@ from selfrl.record import adapters
 from selfrl.config import DistributedConfig, RunConfig
 from selfrl.rollout.staleness import staleness
 from selfrl.run.ray.worker import WORKER_FAULT_ENV, Job, JobResult, RolloutWorker, parse_worker_fault
-from selfrl.run.loop import Runner, build_run, iteration_tasks
+from selfrl.run.loop import Runner, iteration_tasks
+from selfrl.run.setup import build_run
 from selfrl.run.progress import PlainProgress, Progress
 from selfrl.core.trajectory import Trajectory
 from selfrl.record.versions import EventKind
@@ -300,11 +301,11 @@ class AsyncRunner(Runner):
 
 def run_distributed(cfg: RunConfig, resume: bool = False, progress: Progress | None = None,
                     on_result: Callable[[WorkerPool], None] | None = None):
-    """:func:`selfrl.run.loop.run` with rollouts on the Ray workers of ``cfg.distributed`` (see
-    the module docstring); :func:`selfrl.run.loop.run` calls it when ``distributed.address`` is set.
+    """:func:`selfrl.run.main.run` with rollouts on the Ray workers of ``cfg.distributed`` (see
+    the module docstring); :func:`selfrl.run.main.run` calls it when ``distributed.address`` is set.
 
     Raises:
-        as :func:`selfrl.run.loop.run`; ``selfrl.config.ConfigError`` without ``distributed.address``;
+        as :func:`selfrl.run.main.run`; ``selfrl.config.ConfigError`` without ``distributed.address``;
         ``ConnectionError`` when the cluster cannot be reached.
     """
     from selfrl.config import ConfigError

@@ -93,7 +93,7 @@ class RolloutWorker:
 
         from selfrl.engines import make_engine
         from selfrl.model.load import build_policy
-        from selfrl.run.loop import make_source
+        from selfrl.run.setup import make_source
         from selfrl.core.tools import resolve_tools
 
         torch.set_num_threads(threads)
