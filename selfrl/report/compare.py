@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from selfrl.report.figures import overview_figure, save
-from selfrl.report.run import duration, run_config
+from selfrl.report.run import run_config
 from selfrl.report.stats import paired_difference_ci, wilson_interval
 from selfrl.record.store import Store
-from selfrl.report.timeline import Timeline, load_timeline
+from selfrl.report.timeline import Timeline, duration, load_timeline
 
 
 @dataclass

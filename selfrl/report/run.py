@@ -27,9 +27,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from selfrl.report.figures import overview_figure, save
+from selfrl.report.serve import write_serve_report
 from selfrl.report.stats import paired_difference_ci, wilson_interval
 from selfrl.record.store import Store
-from selfrl.report.timeline import Mark, Timeline, event_mark, load_timeline
+from selfrl.report.timeline import Mark, Timeline, duration, event_mark, load_timeline
 
 # Plotted first, in this order; any other logged metric follows alphabetically.
 KEY_METRICS = ("reward/mean", "kl", "val/success", "loss")
@@ -287,13 +288,6 @@ def overview_title(tl: Timeline) -> str:
     return f"{tl.label}: " + ", ".join(parts)
 
 
-def duration(seconds: float) -> str:
-    """``"42 s"``, ``"6.1 min"`` or ``"2.3 h"``."""
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
-
-
 def summary_from_store(store: Store, config: dict[str, Any]) -> dict[str, Any]:
     """The summary :func:`write_report` reads, rebuilt from the store and the run config:
     time totals over every session, the final version (the latest promoted one, else the
@@ -357,8 +351,6 @@ def rebuild_report(run_dir: Path, out: Path | None = None) -> Path:
     with Store(db, readonly=True) as store:
         runs = store.runs()
         if runs and "serve" in runs[-1]["config"]:
-            from selfrl.report.serve import write_serve_report
-
             return write_serve_report(out, store, run_dir.name)
         summary = summary_from_store(store, run_config(run_dir, store))
         return write_report(out, store, runs[-1]["id"] if runs else 0, summary, label=str(run_dir))

@@ -24,11 +24,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from selfrl.report.figures import TimeUnit, add_figure_legend, draw_events, save
-from selfrl.report.run import duration
 from selfrl.record import served as records
 from selfrl.report.stats import wilson_interval
 from selfrl.record.store import Store
-from selfrl.report.timeline import load_timeline, session_clock
+from selfrl.report.timeline import duration, load_timeline, session_clock
 
 STATUS_COLOURS = {"base": "#555555", "promoted": "#2ca02c", "rejected": "#ff7f0e", "rolled_back": "#9467bd",
                   "candidate": "#7f7f7f"}

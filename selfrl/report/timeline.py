@@ -139,6 +139,17 @@ class Timeline:
         return [p.x(axis) for p in points], [p.value for p in points]
 
 
+def duration(seconds: float) -> str:
+    """``"42 s"``, ``"6.1 min"`` or ``"2.3 h"``.
+
+    >>> duration(42.0), duration(366.0), duration(8280.0)
+    ('42 s', '6.1 min', '2.3 h')
+    """
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
 class SessionClock:
     """Recorded time: wall-clock seconds of each session, laid end to end.
 

@@ -91,7 +91,7 @@ class Runner:
     rewards, one update through the update cycle), :meth:`validate` and :meth:`gate` when due,
     and :meth:`finish`.
 
-    About 330 lines, past the 300 we aim for: its methods are the phases of one run, and they
+    About 340 lines with this docstring, past the 300 we aim for: its methods are the phases of one run, and they
     share the run's state (the chooser's pass rates, the batch sampled during the update, the
     pre-flight check done once); the Ray driver overrides where rollouts come from
     (:class:`selfrl.run.ray.driver.AsyncRunner`) and the warm start calls its validation and
