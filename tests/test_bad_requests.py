@@ -358,7 +358,7 @@ def test_an_unexpected_exception_is_a_json_500_with_its_class_and_no_traceback(s
     def broken(*_a, **_k):
         raise KeyError("injected failure")
 
-    monkeypatch.setattr(service, "check_model_name", broken)
+    monkeypatch.setattr(service.turns, "check_model_name", broken)
     with caplog.at_level(logging.ERROR, logger="selfrl.serve"):
         status, body = chat(url)
     assert status == 500

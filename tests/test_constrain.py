@@ -161,17 +161,18 @@ def test_a_backend_without_constraints_refuses_constrained_requests(tiny_tokeniz
     from types import SimpleNamespace
 
     from selfrl.serve.protocol import ChatCompletionRequest
-    from selfrl.serve.service import ApiError, Service
+    from selfrl.serve.errors import ApiError
+    from selfrl.serve.turns import Turns
 
     holder = SimpleNamespace(engine=SimpleNamespace(name="plain"), tok=tiny_tokenizer)
     tool = {"type": "function", "function": {"name": "add", "parameters": ADD}}
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[tool],
                                 tool_choice="required")
     with pytest.raises(ApiError, match="plain engine cannot constrain decoding") as e:
-        Service.constraint_for(holder, req)
+        Turns.constraint_for(holder, req)
     assert e.value.status == 501 and e.value.param == "tool_choice"
     free = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[tool])
-    assert Service.constraint_for(holder, free) is None
+    assert Turns.constraint_for(holder, free) is None
 
 
 # A schema whose free string outlasts check_constraint's walk, then requires a value with no end

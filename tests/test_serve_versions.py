@@ -12,7 +12,8 @@ import torch
 
 from selfrl.record import adapters
 from selfrl.record.adapters import lora_state
-from selfrl.serve.service import ApiError, Service
+from selfrl.serve.errors import ApiError
+from selfrl.serve.service import Service
 from serving import add_version, rated_turns, tiny_serve_config
 
 

@@ -40,7 +40,8 @@ from selfrl.serve.limits import BodyLimit
 from selfrl.serve.errors import add_server_error_handler, error_body, validation_message
 from selfrl.serve.protocol import ChatCompletionRequest, FeedbackRequest, VersionRequest
 from selfrl.serve.responses import ResponseLog, ResponsesRequest, create_response, sse, stream_events
-from selfrl.serve.service import ApiError, Service, start_learning
+from selfrl.serve.errors import ApiError
+from selfrl.serve.service import Service, start_learning
 from selfrl.serve.streaming import stream_chunks
 
 VERSION_HEADER = "X-Selfrl-Adapter-Version"

@@ -34,13 +34,13 @@ REASON = "client disconnected"
 
 def generation_failed(jobs: list, e: BaseException):
     """Cancel ``jobs`` (a request's, one of which failed with ``e``) and return the
-    :class:`selfrl.serve.service.ApiError` its client gets: 500, ``server_error``, with the
+    :class:`selfrl.serve.errors.ApiError` its client gets: 500, ``server_error``, with the
     engine's reason; but 400 ``invalid_schema`` naming ``tools`` or ``response_format`` when
     the request's own grammar failed mid-generation (a :class:`selfrl.chat.constrain.ConstraintError`:
     its schema has no finite value along the path sampled, which no check before generation
     reached)."""
     from selfrl.chat.constrain import ConstraintError
-    from selfrl.serve.service import ApiError
+    from selfrl.serve.errors import ApiError
 
     for j in jobs:
         j.cancel.set()

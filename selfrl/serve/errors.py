@@ -1,7 +1,11 @@
-"""Errors of selfrl's HTTP servers (``selfrl serve``, ``selfrl sampler``): OpenAI's error
-shape, the field a validation error is about, finite numbers, and the 500 for an exception
-nothing else handled.
+"""Errors of selfrl's HTTP servers (``selfrl serve``, ``selfrl sampler``): the refusal every
+part of the server raises, OpenAI's error shape, the field a validation error is about,
+finite numbers, and the 500 for an exception nothing else handled.
 
+* :class:`ApiError`: a request the server refuses, with its HTTP status; raised anywhere
+  below the HTTP layer (the service, its versions, a stream) and turned into OpenAI's
+  error by ``selfrl.serve.app``. It lives here so that those parts import down, never
+  back into the service.
 * :func:`refuse` / :func:`error_param`: a validator's error that names the exact place
   (``messages[2].content[0].text``, OpenAI's notation), and pydantic's locations written so.
 * :func:`array_of_objects`: a field that must be an array of JSON objects, refused naming
@@ -22,6 +26,15 @@ from typing import Any
 
 from pydantic import field_validator
 from pydantic_core import PydanticCustomError
+
+
+class ApiError(Exception):
+    """A request the server refuses; becomes an OpenAI-style error with ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

@@ -399,12 +399,12 @@ async def create_response(service, log: ResponseLog, req: ResponsesRequest, clie
     remember its conversation in ``log``, and return the Responses object.
 
     Raises:
-        selfrl.serve.service.ApiError: 404 for an unknown ``previous_response_id``, 400 for
+        selfrl.serve.errors.ApiError: 404 for an unknown ``previous_response_id``, 400 for
             a request outside the subset, and whatever a chat completion raises.
     """
     from pydantic import ValidationError
 
-    from selfrl.serve.service import ApiError
+    from selfrl.serve.errors import ApiError
 
     try:
         history = log.history(req.previous_response_id, client)
