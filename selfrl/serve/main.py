@@ -99,6 +99,15 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"selfrl: error: {msg}", file=sys.stderr)
         return 2
+    except Exception as e:  # a storage fault at start (disk full, store locked): one line, not a traceback
+        from selfrl.storage_errors import classify
+
+        fault = classify(e, cfg.run_dir)
+        if fault is None:
+            raise
+        sock.close()
+        print(f"selfrl: error: cannot start: {fault.message} [{fault.detail}]", file=sys.stderr)
+        return 1
     if cfg.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"selfrl: warning: binding to {cfg.host} exposes the server beyond this machine", file=sys.stderr)
     if api_key is None:
