@@ -415,20 +415,14 @@ def test_health_says_a_stopped_learner_is_degraded_but_serving(learning, monkeyp
 # -- a real disk, a real server ---------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def fault_serve():
+def test_a_full_tmpfs_under_a_serve_process_is_refused_cleanly_and_the_learner_resumes(model_dir, tmp_path):
     sys.path.insert(0, str(ROOT / "scripts"))
-    import fault_serve
+    import fault_serve_disk
 
-    return fault_serve
-
-
-def test_a_full_tmpfs_under_a_serve_process_is_refused_cleanly_and_the_learner_resumes(fault_serve, model_dir,
-                                                                                     tmp_path):
-    why = fault_serve.tmpfs_unavailable(tmp_path)
+    why = fault_serve_disk.tmpfs_unavailable(tmp_path)
     if why:
         pytest.skip(f"needs a tmpfs to fill: {why}")
-    out = fault_serve.run_serve_disk_full(model_dir, tmp_path, timeout=300)
+    out = fault_serve_disk.run_serve_disk_full(model_dir, tmp_path, timeout=300)
     assert out.recovered, (out.detail, out.notes)
     assert out.failed_requests == 0 and out.bad_versions_served == 0
     refused = [r for r in out.responses if r["status"] in (503, 507) or r["error"].startswith("stream error")]

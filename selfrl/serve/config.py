@@ -36,7 +36,7 @@ class LearnerSettings:
     max_batch: int = 64  # most turns used by one update
     feedback_wait_s: float = 120.0  # seconds a turn waits for feedback before it may be trained without it
     poll_s: float = 1.0  # seconds between checks for enough ready turns
-    retry_s: float = 1.0  # first wait (s) of a learner paused by a storage fault (disk full, ...) before it retries
+    retry_s: float = 1.0  # seconds a learner paused by a storage fault (disk full, ...) waits before a retry
     retry_max_s: float = 60.0  # the wait doubles after each failed retry, up to this many seconds
     temperature: float = 1.0  # temperature of the learner's logprobs (old ones are recomputed at it)
     reward_weights: dict[str, float] = field(
