@@ -163,6 +163,24 @@ def is_storage_error(e: BaseException) -> bool:
 PROBE_BYTES = 1 << 20  # what probe_writable writes: enough for a few pages of SQLite and a small file
 
 
+def free_space_error(folder: str | Path, need_bytes: int = PROBE_BYTES) -> OSError | None:
+    """What ``statvfs`` says about ``folder``'s file system without writing to it: an
+    ``OSError(EROFS)`` when it is mounted read-only, an ``OSError(ENOSPC)`` when fewer than
+    ``need_bytes`` are free (for root, the blocks reserved for root count as free: root may
+    write them), else None (also when ``statvfs`` itself fails: nothing is known). A quota
+    is not seen here; a write that meets it is."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    if st.f_flag & os.ST_RDONLY:
+        return OSError(errno.EROFS, "the file system is mounted read-only (statvfs)")
+    free = (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+    if free < need_bytes:
+        return OSError(errno.ENOSPC, f"{free} bytes free, fewer than {need_bytes} (statvfs)")
+    return None
+
+
 def probe_writable(folder: str | Path, nbytes: int = PROBE_BYTES) -> None:
     """Write ``nbytes`` to a hidden file in ``folder``, fsync it and delete it.
 

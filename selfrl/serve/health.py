@@ -3,9 +3,11 @@ learns. ``GET /health`` answers from :func:`health`.
 
 **Storage.** Every storage fault the server meets (a request, a feedback, the learner:
 disk full, quota spent, store locked, ...; :mod:`selfrl.storage_errors`) is reported to
-one :class:`StorageWatch`. While it holds a fault, requests that would record are refused
-up front with the fault's 507/503 (no generation is spent on a turn that cannot be
-stored), and at most once every ``probe_every_s`` a probe write
+one :class:`StorageWatch`, which also reads ``statvfs`` before each request and health
+check (a file system mounted read-only, or with less than ``probe_bytes`` free, is a fault
+before any write meets it). While it holds a fault, requests that would record are
+refused up front with the fault's 507/503 (no generation is spent on a turn that cannot
+be stored), and at most once every ``probe_every_s`` a probe write
 (:func:`selfrl.storage_errors.probe_writable`) checks whether the run directory is
 writable again; the first that succeeds clears the fault. A log line (``selfrl.serve``,
 WARNING) marks where a fault begins and where it ends.
@@ -29,7 +31,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from selfrl.storage_errors import PROBE_BYTES, StorageFault, StorageFaultError, classify, probe_writable
+from selfrl.storage_errors import (
+    PROBE_BYTES,
+    StorageFault,
+    StorageFaultError,
+    classify,
+    free_space_error,
+    probe_writable,
+)
 
 log = logging.getLogger("selfrl.serve")
 WHERE = "the server's run directory"  # how clients are told where: the path itself goes to the log only
@@ -68,7 +77,11 @@ class StorageWatch:
 
     def current(self) -> StorageFault | None:
         """The fault that lasts, or None; while one is held, a probe (at most every
-        ``probe_every_s``) clears it when the run directory is writable again."""
+        ``probe_every_s``) clears it when the run directory is writable again. Without one,
+        ``statvfs`` is read (:func:`selfrl.storage_errors.free_space_error`)."""
+        if self._fault is None:
+            seen = free_space_error(self.run_dir, self.probe_bytes)
+            return None if seen is None else self.failed(seen)
         with self._lock:
             if self._fault is None or time.monotonic() - self._probed < self.probe_every_s:
                 return self._fault

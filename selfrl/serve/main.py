@@ -86,6 +86,13 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
         from selfrl.serve.app import create_app
         from selfrl.serve.service import Service
 
+        from pathlib import Path
+
+        from selfrl.storage_errors import free_space_error
+
+        where = next(p for p in (Path(cfg.run_dir).absolute(), *Path(cfg.run_dir).absolute().parents) if p.exists())
+        if (full := free_space_error(where)) is not None:
+            raise full  # before the model loads: a full or read-only disk fails in a second
         model, tok = build_policy(cfg)
         # serve.seed made the adapter's initialisation reproducible; sampling draws from a fresh
         # stream per process, so a restart or a --replica never repeats another process's samples
