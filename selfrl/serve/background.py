@@ -157,7 +157,11 @@ class BackgroundLearner(threading.Thread):
             self.error = str(e)
         except Exception as e:  # the server keeps serving; the failure is visible in status and events
             self.error = f"{type(e).__name__}: {e}"
-            self.ledger.event(EventKind.LEARNER_ERROR, f"the background learner stopped: {self.error}")
+            log.error("selfrl: the background learner stopped: %s", self.error, exc_info=e)
+            try:
+                self.ledger.event(EventKind.LEARNER_ERROR, f"the background learner stopped: {self.error}")
+            except Exception as again:  # the store itself may be what failed: the log line above says it
+                self.storage.failed(again)
 
     def stop(self) -> None:
         self._halt.set()
