@@ -415,6 +415,82 @@ def test_health_says_a_stopped_learner_is_degraded_but_serving(learning, monkeyp
 # -- a real disk, a real server ---------------------------------------------------------
 
 
+@pytest.fixture
+def disk(tmp_path):
+    """``(folder, fault_serve_disk)``: a 4 MB tmpfs mounted at ``folder`` (skipped without root)."""
+    import subprocess
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import fault_serve_disk
+
+    why = fault_serve_disk.tmpfs_unavailable(tmp_path)
+    if why:
+        pytest.skip(f"needs a tmpfs to fill: {why}")
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)], check=True)
+    yield folder, fault_serve_disk
+    subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_health_sees_a_full_disk_before_any_write_fails(disk, tiny_tokenizer, tiny_model_factory):
+    folder, fault_serve_disk = disk
+    model = tiny_model_factory(lora=True, eos_bias=-5.0)
+    with running_server(model, tiny_tokenizer, tiny_serve_config(folder / "run")) as (url, service):
+        service.storage.probe_every_s = 0.0
+        assert chat(url)[0] == 200
+        filler = fault_serve_disk.fill_disk(folder)
+        status, _, body = call("GET", url + "/health")  # nothing has failed yet: statvfs says it
+        assert status == 503 and [r["code"] for r in body["reasons"]] == ["disk_full"]
+        batches = service.batcher.batches
+        for stream in (False, True):  # refused before generating, so no stream is ever cut
+            status, headers, body = chat(url, stream=stream)
+            assert_storage_error(status, headers, body, "disk_full", 507)
+        assert service.batcher.batches == batches and stored(service) == 1
+        filler.unlink()
+        assert call("GET", url + "/health")[::2] == (200, {"status": "ok", "served_version": 0})
+        assert chat(url)[0] == 200 and stored(service) == 2
+
+
+def test_a_read_only_file_system_is_seen_before_any_write(disk):
+    import subprocess
+
+    from selfrl.serve.health import StorageWatch
+
+    folder, _ = disk  # (a file system with a file open for writing, as a live store's, cannot be remounted)
+    watch = StorageWatch(folder, probe_every_s=0.0)
+    assert watch.current() is None
+    subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+    try:
+        assert watch.current().kind == FaultKind.READ_ONLY
+        with pytest.raises(StorageFaultError, match="is read-only"):
+            watch.check()
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(folder)], check=True)
+    assert watch.current() is None  # the probe write succeeds again
+
+
+def test_serve_on_a_full_disk_exits_with_one_line_that_says_what_to_do(disk, model_dir):
+    import os
+    import socket
+    import subprocess
+
+    folder, fault_serve_disk = disk
+    (folder / "run").mkdir()
+    fault_serve_disk.fill_disk(folder)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "selfrl.cli", "serve", "--model", str(model_dir), "--run-dir",
+                           str(folder / "run"), "--port", str(port), "--no-learn"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("selfrl: error: cannot start: the disk that holds ") and "is full" in line, line
+
+
 def test_a_full_tmpfs_under_a_serve_process_is_refused_cleanly_and_the_learner_resumes(model_dir, tmp_path):
     sys.path.insert(0, str(ROOT / "scripts"))
     import fault_serve_disk
