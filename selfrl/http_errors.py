@@ -153,7 +153,8 @@ def server_error(e: BaseException, classify: Callable[[BaseException], Any] | No
 
     Returns:
         a storage fault: its status (507 or 503), ``server_error`` with the fault's kind as
-        ``code`` and a ``Retry-After`` header; another OS or SQLite error: 500
+        ``code``, a ``Retry-After`` header, and ``x-should-retry`` (the ``openai`` client's:
+        "false" unless the fault is transient, a lock); another OS or SQLite error: 500
         ``storage_error`` naming only its class; anything else: 500 ``internal_error`` with
         its class and text.
     """
@@ -164,7 +165,10 @@ def server_error(e: BaseException, classify: Callable[[BaseException], Any] | No
         body = error_body(f"the server cannot record this request now: {fault.message}. Retry after "
                           f"{fault.retry_after_s} s: the server recovers by itself once it can write again",
                           "server_error", None, fault.kind.value)
-        return fault.status, body, {"Retry-After": str(fault.retry_after_s)}
+        # x-should-retry: the openai client's own header; without "false" it would sleep Retry-After
+        # (30 s) twice before raising, for a fault that waits for an operator
+        return fault.status, body, {"Retry-After": str(fault.retry_after_s),
+                                    "x-should-retry": "true" if fault.transient else "false"}
     if is_storage_error(e):
         return 500, error_body(f"internal server error: a storage error ({type(e).__name__}); the server log has "
                                "its details", "server_error", None, "storage_error"), {}

@@ -100,6 +100,12 @@ class StorageFault:
         return _RETRY_AFTER_S.get(self.kind, 30)
 
     @property
+    def transient(self) -> bool:
+        """Whether a retry within seconds may succeed (a lock, file descriptors); a full disk,
+        a quota, a read-only or unwritable folder and an I/O error wait for an operator."""
+        return self.kind in _RETRY_AFTER_S
+
+    @property
     def message(self) -> str:
         """What happened and what to do next, in one sentence a user can act on."""
         return _WHAT[self.kind].format(where=self.where)

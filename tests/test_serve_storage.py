@@ -181,6 +181,15 @@ def test_a_completion_that_cannot_be_stored_is_a_507_that_says_what_to_do(served
     status, headers, body = chat(url)
     assert_storage_error(status, headers, body, "disk_full", 507)
     assert service.batcher.batches == batches
+    assert headers["x-should-retry"] == "false"
+    # the openai client raises at once (without x-should-retry it would sleep Retry-After, 30 s, twice)
+    from openai import APIStatusError, OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=2)
+    t0 = time.monotonic()
+    with pytest.raises(APIStatusError) as raised:
+        client.chat.completions.create(model="selfrl", messages=USER, max_tokens=2)
+    assert raised.value.status_code == 507 and time.monotonic() - t0 < 5
     status, _, body = chat(url, record=False)  # one that records nothing is served
     assert status == 200 and body["choices"][0]["message"]["content"] is not None
     # space is back: the first probe clears the fault; requests are recorded again; health is "ok"
@@ -262,6 +271,7 @@ def test_a_locked_or_read_only_store_is_a_503_that_names_it(served):
         status, headers, body = chat(url)
         assert_storage_error(status, headers, body, "database_locked", 503)
         assert headers["retry-after"] == "1" and "locked by another process" in body["error"]["message"]
+        assert headers["x-should-retry"] == "true"  # a lock is released within seconds
     finally:
         other.rollback()
         other.close()
