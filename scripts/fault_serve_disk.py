@@ -160,51 +160,16 @@ def run_serve_disk_full(model_dir: Path, work: Path, timeout: float = 300.0) -> 
             for u in users:
                 u.join(timeout=180)
 
-    def learner() -> dict:
-        return _call(url + "/admin/status", None, key)[2]["learner"]
-
-    def chat(**body) -> tuple[int, Any, dict]:
-        return _call(url + "/v1/chat/completions", {"model": "selfrl", "max_tokens": 4, **body})
-
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MB}m", "tmpfs", str(disk)], check=True)
     proc = None
     try:
         with open(work / "server.log", "w") as log:
             proc = subprocess.Popen([sys.executable, "-m", "selfrl.cli", "serve", "--config", str(work / "serve.toml"),
                                      "--api-key-file", str(work / "key")], env=env, stdout=log, stderr=log)
-        if not _wait(lambda: _call(url + "/health", None)[0] == 200, 180, proc):
-            raise RuntimeError("the server did not start")
-        with traffic_on():  # 1. rated traffic until the learner has made a version
-            _wait(lambda: learner()["last_update"].get("version", 0) >= 1, timeout, proc)
-        # no update under way, fewer rated turns ready than an update takes: the next update the learner
-        # tries is the one on the four unrated turns below, once their feedback_wait_s has passed, on a full disk
-        _wait(lambda: not learner()["busy"] and _call(url + "/admin/status", None, key)[2]["turns"][
-            "pending_with_feedback"] < 4, 60, proc)
-        marks["version_before"] = learner()["last_update"].get("version", 0)
-        unrated = [chat(messages=[{"role": "user", "content": f"unrated {i}"}], task_key="unrated")[2]["id"]
-                   for i in range(4)]
-        filler = fill_disk(disk)
-        marks["full"] = time.time()
-        # 2. the disk is full: a stream first (it may start before any fault is known), then each route
-        probes["stream"] = chat(messages=[{"role": "user", "content": "q " * 200}], max_tokens=8, stream=True)
-        probes["chat"] = chat(messages=[{"role": "user", "content": "q"}])
-        probes["feedback"] = _call(url + "/v1/feedback", {"response_id": unrated[0], "rating": 1.0}, key)
-        probes["responses"] = _call(url + "/v1/responses", {"model": "selfrl", "input": "hi", "max_output_tokens": 4})
-        probes["health"] = _call(url + "/health", None)
-        with traffic_on():
-            marks["paused_seen"] = _wait(lambda: learner()["paused"]["code"] in STORAGE_CODES, 60, proc)
-            time.sleep(1.0)
-        probes["health_paused"] = _call(url + "/health", None)
-        filler.unlink()  # 3. space is back
-        marks["freed"] = time.time()
-        marks["healthy_again"] = _wait(lambda: _call(url + "/health", None)[2]["status"] == "ok"
-                                       and learner()["paused"] is None, 120, proc)
-        marks["ok"] = time.time()
-        probes["health_after"] = _call(url + "/health", None)
-        with traffic_on():  # 4. it serves, records and learns again
-            marks["learned_again"] = _wait(lambda: learner()["last_update"].get("version", 0)
-                                           > marks["version_before"], timeout, proc)
-        marks["learner_after"] = learner()
+        if _wait(lambda: _call(url + "/health", None)[0] == 200, 180, proc):
+            disk_full_scenario(url, key, disk, proc, traffic_on, responses, probes, marks, timeout)
+        else:
+            marks["error"] = "the server did not start: " + (work / "server.log").read_text()[-500:]
     finally:
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -213,10 +178,57 @@ def run_serve_disk_full(model_dir: Path, work: Path, timeout: float = 300.0) -> 
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        out = judge_disk_full(responses, probes, marks, disk / "run", (work / "server.log").read_text())
-        subprocess.run(["umount", "-l", str(disk)], check=False)
+        try:
+            out = judge_disk_full(responses, probes, marks, disk / "run", (work / "server.log").read_text())
+        finally:
+            subprocess.run(["umount", "-l", str(disk)], check=False)
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def disk_full_scenario(url: str, key: str, disk: Path, proc, traffic_on, responses: list[Response], probes: dict,
+                       marks: dict, timeout: float) -> None:
+    """The steps of :func:`run_serve_disk_full` against the running server at ``url``: what the
+    clients got goes into ``responses`` and ``probes``, the times and states seen into ``marks``."""
+
+    def learner() -> dict:
+        return _call(url + "/admin/status", None, key)[2]["learner"]
+
+    def chat(**body) -> tuple[int, Any, dict]:
+        return _call(url + "/v1/chat/completions", {"model": "selfrl", "max_tokens": 4, **body})
+
+    with traffic_on():  # 1. rated traffic until the learner has made a version
+        _wait(lambda: learner()["last_update"].get("version", 0) >= 1, timeout, proc)
+    # no update under way, fewer rated turns ready than an update takes: the next update the learner
+    # tries is the one on the four unrated turns below, once their feedback_wait_s has passed, on a full disk
+    _wait(lambda: not learner()["busy"] and _call(url + "/admin/status", None, key)[2]["turns"][
+        "pending_with_feedback"] < 4, 60, proc)
+    marks["version_before"] = learner()["last_update"].get("version", 0)
+    unrated = [chat(messages=[{"role": "user", "content": f"unrated {i}"}], task_key="unrated")[2]["id"]
+               for i in range(4)]
+    filler = fill_disk(disk)
+    marks["full"] = time.time()
+    # 2. the disk is full: a stream first (refused before it starts once statvfs shows the disk full, else
+    # ended by an error event when its turn cannot be stored), then each route
+    probes["stream"] = chat(messages=[{"role": "user", "content": "q " * 200}], max_tokens=8, stream=True)
+    probes["chat"] = chat(messages=[{"role": "user", "content": "q"}])
+    probes["feedback"] = _call(url + "/v1/feedback", {"response_id": unrated[0], "rating": 1.0}, key)
+    probes["responses"] = _call(url + "/v1/responses", {"model": "selfrl", "input": "hi", "max_output_tokens": 4})
+    probes["health"] = _call(url + "/health", None)
+    with traffic_on():
+        marks["paused_seen"] = _wait(lambda: learner()["paused"]["code"] in STORAGE_CODES, 60, proc)
+        time.sleep(1.0)
+    probes["health_paused"] = _call(url + "/health", None)
+    filler.unlink()  # 3. space is back
+    marks["freed"] = time.time()
+    marks["healthy_again"] = _wait(lambda: _call(url + "/health", None)[2]["status"] == "ok"
+                                   and learner()["paused"] is None, 120, proc)
+    marks["ok"] = time.time()
+    probes["health_after"] = _call(url + "/health", None)
+    with traffic_on():  # 4. it serves, records and learns again
+        marks["learned_again"] = _wait(lambda: learner()["last_update"].get("version", 0)
+                                       > marks["version_before"], timeout, proc)
+    marks["learner_after"] = learner()
 
 
 def judge_disk_full(responses: list[Response], probes: dict, marks: dict, run_dir: Path, log: str) -> ServeOutcome:
@@ -230,6 +242,8 @@ def judge_disk_full(responses: list[Response], probes: dict, marks: dict, run_di
     from selfrl.serve import records
     from selfrl.store import Store
 
+    if "error" in marks:
+        return ServeOutcome("serve:disk_full", False, marks["error"], notes=[marks["error"]])
     full, ok_at = marks.get("full", float("inf")), marks.get("ok", float("inf"))
     storage = [r for r in responses if any(c in r.error for c in STORAGE_CODES)]
     refused = [r for r in storage if full <= r.sent <= ok_at]
