@@ -34,6 +34,7 @@ from selfrl.runlock import RunDirLock
 from selfrl.serve import records
 from selfrl.serve.batcher import Batcher, Job
 from selfrl.serve.config import ServeConfig
+from selfrl.serve.health import StorageWatch
 from selfrl.serve.feedback import (
     conversation_key,
     correction_reason,
@@ -108,6 +109,7 @@ class Service:
 
             raise NoOwner(f"{self.run_dir} has no servable version to follow: start its owner (selfrl serve "
                           "without --replica) on it first")
+        self.storage = StorageWatch(self.run_dir)  # storage faults met while serving (selfrl.serve.health)
         self.store = Store(self.run_dir / "selfrl.db", shared=True)
         records.init(self.store)
         self.run_id = self.store.start_run({"serve": cfg.to_dict()})
@@ -130,7 +132,8 @@ class Service:
         elif learner_model is not None and cfg.learner.enabled:
             from selfrl.serve.background import BackgroundLearner
 
-            self.learner = BackgroundLearner(cfg, learner_model, tokenizer, self.store, self.ledger, self.publish)
+            self.learner = BackgroundLearner(cfg, learner_model, tokenizer, self.store, self.ledger, self.publish,
+                                             self.storage)
 
     # -- versions ----------------------------------------------------------------------
 
@@ -329,10 +332,14 @@ class Service:
         Raises:
             ApiError: 400 for settings selfrl cannot honour, non-text content or a prompt
                 beyond the model's context; 404 for an unknown adapter version.
+            selfrl.storage_errors.StorageFaultError: the request records (``record``, the
+                default) while the run directory cannot be written (``self.storage``).
         """
         problem = req.unsupported()
         if problem:
             raise ApiError(400, problem, problem.split()[0])
+        if req.record:  # refused before any generation: its turn could not be stored
+            self.storage.check()
         if req.logprobs and req.top_logprobs and not self.batcher.supports("top_logprobs"):
             raise ApiError(400, f"top_logprobs is not supported by the {self.cfg.engine!r} engine backend; "
                            "the reference engine supports it", "top_logprobs")
@@ -426,9 +433,14 @@ class Service:
                 for i in range(req.n)]
 
     def finish(self, p: Prepared, gens: list[Generation], seconds: float) -> dict[str, Any]:
-        """Build the OpenAI response for finished generations and record each choice."""
+        """Build the OpenAI response for finished generations and record its choices (in one
+        transaction: ``records.add_turns``).
+
+        Raises:
+            sqlite3.Error: the store could not be written (nothing of the response is recorded).
+        """
         tools = client_tools(p.req.tools) if p.req.tool_choice != "none" else []
-        choices, completion_tokens = [], 0
+        choices, completion_tokens, turns = [], 0, []
         version = gens[0].adapter_version
         for i, g in enumerate(gens):
             ids, finished = list(g.token_ids), g.finished
@@ -456,7 +468,9 @@ class Service:
             choices.append(choice)
             completion_tokens += len(ids)
             if p.req.record:
-                self._record(p, i, g, message, records_, content, not (finished or stopped), seconds)
+                turns.append(self._turn(p, i, g, message, records_, content, not (finished or stopped), seconds))
+        if turns:
+            records.add_turns(self.store, self.run_id, turns)
         return {
             "id": p.response_id, "object": "chat.completion", "created": p.created,
             "model": self.cfg.served_model_name + (f"@v{version}" if p.version is not None else ""),
@@ -466,7 +480,8 @@ class Service:
                       "total_tokens": len(p.prompt) + completion_tokens},
         }
 
-    def _record(self, p: Prepared, i: int, g: Generation, message: dict, calls, content, truncated, seconds) -> None:
+    def _turn(self, p: Prepared, i: int, g: Generation, message: dict, calls, content, truncated,
+              seconds) -> records.ServedTurn:
         P = len(p.prompt)
         # a turn sampled under a grammar records it: the learner replays its masks (selfrl.constrain)
         trained = [1] * len(g.token_ids)
@@ -483,7 +498,7 @@ class Service:
         )
         conversation = p.parent["conversation_id"] if p.parent else uuid.uuid4().hex
         key = conversation_key([*p.messages, message])
-        records.add_turn(self.store, self.run_id, traj, p.response_id, i, conversation, p.group_key, key, p.client)
+        return records.ServedTurn(traj, p.response_id, i, conversation, p.group_key, key, p.client)
 
     async def complete(self, req: ChatCompletionRequest, client: str = "", response_id: str | None = None,
                        is_disconnected=None) -> dict[str, Any]:
