@@ -51,23 +51,41 @@ def serve_config(model_dir: Path, run_dir: Path):
 # would sit inside the faulty range, 0.1 is 20 times the clean ones.
 
 
-def _call(url: str, body: dict, key: str | None = None) -> tuple[int, Any, dict]:
-    """POST ``body`` as JSON; returns (status, headers (case-insensitive), decoded body; for a
-    stream the last chunk, with ``chunk_versions``: the versions all chunks named)."""
+def _call(url: str, body: dict | None, key: str | None = None) -> tuple[int, Any, dict]:
+    """POST ``body`` as JSON (GET when None); returns (status, headers (case-insensitive), decoded
+    body; for a stream the last chunk, with ``chunk_versions``: the versions all chunks named).
+    A stream that ends with an error event gives ``{"error": "stream error: <the event>"}``; one
+    cut before ``[DONE]`` gives ``{"error": "cut: ..."}``."""
+    import http.client
     import urllib.error
     import urllib.request
 
     headers = {"content-type": "application/json"} | ({"authorization": f"Bearer {key}"} if key else {})
-    req = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
+    req = urllib.request.Request(url, None if body is None else json.dumps(body).encode(), headers,
+                                 method="GET" if body is None else "POST")
     try:
         with urllib.request.urlopen(req, timeout=120) as f:
-            if not body.get("stream"):
+            if not (body or {}).get("stream"):
                 return f.status, f.headers, json.loads(f.read())
-            chunks = [json.loads(line[6:]) for line in f.read().decode().splitlines()
-                      if line.startswith("data: ") and line != "data: [DONE]"]
+            try:
+                data = [line[6:] for line in f.read().decode().splitlines() if line.startswith("data: ")]
+            except http.client.IncompleteRead as e:
+                return f.status, f.headers, {"error": f"cut: the stream ended without [DONE] ({e})"}
+            if not data or data[-1] != "[DONE]":
+                return f.status, f.headers, {"error": "cut: the stream ended without [DONE]"}
+            chunks = [json.loads(d) for d in data[:-1]]
+            if chunks and "error" in chunks[-1]:
+                return f.status, f.headers, {"error": "stream error: " + json.dumps(chunks[-1]["error"])}
             return f.status, f.headers, chunks[-1] | {"chunk_versions": {c["adapter_version"] for c in chunks}}
     except urllib.error.HTTPError as e:
-        return e.code, e.headers, {"error": e.read().decode(errors="replace")[:300]}
+        text = e.read().decode(errors="replace")
+        try:
+            decoded = json.loads(text)
+        except ValueError:
+            decoded = None
+        if isinstance(decoded, dict) and "error" not in decoded:
+            return e.code, e.headers, decoded  # a body that is no error (/health's 503 "degraded")
+        return e.code, e.headers, {"error": text[:2000]}
 
 
 def traffic(url: str, key: str, k: int, stop, out: list[Response]) -> None:
@@ -83,15 +101,15 @@ def traffic(url: str, key: str, k: int, stop, out: list[Response]) -> None:
         try:
             r.status, headers, resp = _call(url + "/v1/chat/completions", body)
             r.answered = time.time()
-            if r.status == 200:
+            if r.status == 200 and "error" not in resp:
                 r.version, r.id = int(resp["adapter_version"]), resp["id"]
                 said = {int(headers.get(VERSION_HEADER, -1)), *resp.get("chunk_versions", {r.version})}
                 if said != {r.version}:
                     r.error = f"the header and the body name different versions: {sorted(said)}"
-                fb, _, _ = _call(url + "/v1/feedback", {"response_id": resp["id"], "rating": 1.0 if i % 2 else -1.0},
-                                 key)
+                fb, _, said = _call(url + "/v1/feedback", {"response_id": resp["id"],
+                                                           "rating": 1.0 if i % 2 else -1.0}, key)
                 if fb != 200:
-                    r.error = f"feedback: HTTP {fb}"
+                    r.error = f"feedback: HTTP {fb}: {said.get('error', '')}"
             else:
                 r.error = resp.get("error", "")
         except Exception as e:  # noqa: BLE001 - every failure is counted, none is lost

@@ -23,6 +23,13 @@ random Phi saved to a temporary folder, with ``SELFRL_FAULT`` set (see ``selfrl/
   every request got a 200, and every response named a version that existed, had been
   swapped in, is base or promoted, and is not older than the version served when it was
   sent (:func:`bad_served`).
+* ``serve:disk_full`` (root only: ``mount -t tmpfs``; left out with a note elsewhere; in
+  ``scripts/fault_serve_disk.py``): ``selfrl serve`` as a process, its run directory on a
+  32 MB tmpfs that is filled up under the same rated traffic, then freed. Recovered when no
+  request got a 500 or a cut stream, requests while full were refused with a 507/503 naming
+  the fault (a stream already started ends with an error event and ``[DONE]``), ``/health``
+  answered 503 ``degraded`` while full and ``ok`` after, every response acknowledged with a
+  200 is in the store, and the learner paused, resumed by itself and made a new version.
 
 Distributed faults (``selfrl run --ray local``, 2 rollout workers; only when Ray is installed; in
 ``scripts/fault_distributed.py``):
@@ -46,9 +53,10 @@ It prints a table (faults injected, recovered, trajectories lost, corrupt versio
 served; for serve: requests, failed requests, bad versions served) and writes the rows
 as JSON. ``tests/test_faults.py`` and ``tests/test_serve_faults.py`` run the same checks.
 
-The suite is four modules in ``scripts/``: ``fault_runs.py`` (the tiny ``selfrl run``, its
+The suite is five modules in ``scripts/``: ``fault_runs.py`` (the tiny ``selfrl run``, its
 faults and checks; the others build on it), ``fault_serve.py`` (the serve faults under
-traffic), ``fault_distributed.py`` (the Ray faults) and this file (the list of faults, the
+traffic), ``fault_serve_disk.py`` (the full disk under serve), ``fault_distributed.py`` (the
+Ray faults) and this file (the list of faults, the
 tables, the command line, and the ``child`` command the runs are started with).
 """
 
@@ -64,14 +72,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the suite's modules, beside this file
 from fault_distributed import distributed_faults, run_distributed_fault  # noqa: E402
 from fault_runs import Outcome, run_fault, save_tiny_model, short  # noqa: E402
-from fault_serve import SERVE_FAULTS, ServeOutcome, run_serve_fault  # noqa: E402
+from fault_serve import ServeOutcome, run_serve_fault  # noqa: E402
+from fault_serve_disk import run_serve_disk_full, serve_faults  # noqa: E402
 
 
 def all_faults() -> list[str]:
     from selfrl.core.faults import POINTS
 
     return (["lr_x1000@1", "noise@1", "nan_loss@1"] + [f"kill:{p}@1" for p in POINTS]
-            + [f"serve:{f}" for f in SERVE_FAULTS] + distributed_faults())
+            + [f"serve:{f}" for f in serve_faults()] + distributed_faults())
 
 
 def serve_table(outcomes: list[ServeOutcome]) -> str:
@@ -112,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = save_tiny_model(work / "tiny-model")
         outcomes: list[Outcome] = []
         for fault in args.faults or all_faults():
-            if fault.startswith("serve:"):
+            if fault == "serve:disk_full":
+                outcomes.append(run_serve_disk_full(model_dir, work))
+            elif fault.startswith("serve:"):
                 outcomes.append(run_serve_fault(fault.removeprefix("serve:"), model_dir, work))
             elif fault.startswith(("worker:", "ray:")):
                 outcomes.append(run_distributed_fault(fault, model_dir, work))

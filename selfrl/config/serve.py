@@ -36,6 +36,8 @@ class LearnerSettings:
     max_batch: int = 64  # most turns used by one update
     feedback_wait_s: float = 120.0  # seconds a turn waits for feedback before it may be trained without it
     poll_s: float = 1.0  # seconds between checks for enough ready turns
+    retry_s: float = 1.0  # seconds a learner paused by a storage fault (disk full, ...) waits before a retry
+    retry_max_s: float = 60.0  # the wait doubles after each failed retry, up to this many seconds
     temperature: float = 1.0  # temperature of the learner's logprobs (old ones are recomputed at it)
     reward_weights: dict[str, float] = field(
         default_factory=lambda: {"user_feedback": 1.0, "tool_success": 0.2})  # registered rewards (selfrl.envs.rewards)
@@ -45,6 +47,7 @@ class LearnerSettings:
             (self.min_batch >= 2 and self.max_batch >= self.min_batch, "min_batch must be >= 2 and <= learner.max_batch"),
             (self.feedback_wait_s >= 0, "feedback_wait_s must be >= 0"),
             (self.poll_s > 0, "poll_s must be > 0"),
+            (0 < self.retry_s <= self.retry_max_s, "retry_s must be > 0 and <= learner.retry_max_s"),
             (self.temperature >= MIN_TEMPERATURE, f"temperature must be >= {MIN_TEMPERATURE}"),
             (isinstance(self.reward_weights, dict), "reward_weights must be a table of name = weight"),
             (not non_finite_weights(self.reward_weights),

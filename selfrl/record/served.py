@@ -3,9 +3,11 @@ returned choice (response id, conversation link, group key, training status, the
 user feedback that reached it), every feedback message as it arrived, and the
 conversation behind each recent Responses API id (``previous_response_id``).
 
-The tables live in the run's SQLite store next to ``trajectories``. A served turn is
-written with its trajectory in one transaction (both or neither), and feedback is
-applied in one transaction, so a crash or a bad request never leaves half a record.
+The tables live in the run's SQLite store next to ``trajectories``. The choices of a
+response are written with their trajectories in one transaction (all or none), and
+feedback is applied in one transaction, so a crash, a bad request or a full disk never
+leaves half a record. A response is acknowledged (its client gets a 200, or a stream's
+last chunk and ``[DONE]``) only after its transaction committed.
 Every function here takes ``store.lock`` itself (the server shares one connection
 between threads).
 
@@ -94,23 +96,47 @@ def init(store: Store) -> None:
             store.conn.execute("ALTER TABLE served ADD COLUMN client TEXT NOT NULL DEFAULT ''")
 
 
+@dataclass(frozen=True)
+class ServedTurn:
+    """One returned choice to store: its trajectory and the ``served`` row's fields.
+    ``client`` is the requesting client's identity (``feedback.client_identity``)."""
+
+    traj: Trajectory
+    response_id: str
+    choice: int
+    conversation_id: str
+    group_key: str
+    continuation: str
+    client: str = ""
+
+
 @locked
-def add_turn(store: Store, run_id: int, traj: Trajectory, response_id: str, choice: int,
-             conversation_id: str, group_key: str, continuation: str, client: str = "") -> None:
-    """Store one served choice: its trajectory and its ``served`` row, in one transaction.
-    ``client`` is the requesting client's identity (``feedback.client_identity``).
+def add_turns(store: Store, run_id: int, turns: list[ServedTurn]) -> None:
+    """Store the choices of one response, each trajectory with its ``served`` row, all in
+    one transaction: a response is recorded whole or not at all.
 
     Raises:
         sqlite3.IntegrityError: a duplicate id; nothing is written.
+        sqlite3.OperationalError: the store cannot be written (disk full, locked; see
+            ``selfrl.record.storage_errors``); nothing is written.
     """
     now = time.time()
     with store.conn:
-        store.insert_trajectory(run_id, 0, traj, now)
-        store.conn.execute(
-            "INSERT INTO served (trajectory_id, response_id, choice, conversation_id, parent_id, group_key,"
-            " continuation, created_at, status, client) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?)",
-            (traj.id, response_id, choice, conversation_id, traj.parent_id, group_key, continuation, now, client),
-        )
+        for t in turns:
+            store.insert_trajectory(run_id, 0, t.traj, now)
+            store.conn.execute(
+                "INSERT INTO served (trajectory_id, response_id, choice, conversation_id, parent_id, group_key,"
+                " continuation, created_at, status, client) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?)",
+                (t.traj.id, t.response_id, t.choice, t.conversation_id, t.traj.parent_id, t.group_key,
+                 t.continuation, now, t.client),
+            )
+
+
+def add_turn(store: Store, run_id: int, traj: Trajectory, response_id: str, choice: int,
+             conversation_id: str, group_key: str, continuation: str, client: str = "") -> None:
+    """Store one served choice: :func:`add_turns` of one :class:`ServedTurn`."""
+    add_turns(store, run_id, [ServedTurn(traj, response_id, choice, conversation_id, group_key, continuation,
+                                         client)])
 
 
 @locked

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import enum
 import math
+import shutil
+import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,7 @@ class EventKind(str, enum.Enum):
     UNPIN = "unpin"
     LATE_FEEDBACK = "late_feedback"  # feedback reached a turn that was already trained or skipped
     LEARNER_ERROR = "learner_error"  # the background learner stopped
+    LEARNER_RESUMED = "learner_resumed"  # the background learner went on after a pause on a storage fault
     DISCONNECT = "disconnect"  # a client left before its response was complete (selfrl.serve.disconnect)
     SWAP_CHECK = "swap_check"  # a swapped-in version matched its stored weights (selfrl.safety.swap_check)
     SWAP_CHECK_FAILED = "swap_check_failed"
@@ -206,11 +209,17 @@ class Ledger:
         return out
 
     def save_candidate(self, model, parent: int) -> VersionRecord:
-        """Save ``model``'s adapter as the next version, a candidate trained from ``parent``."""
+        """Save ``model``'s adapter as the next version, a candidate trained from ``parent``.
+        When its row cannot be written (a full disk, say), the folder is deleted again, so
+        that the number is free for the next try; the exception is raised."""
         with self.store.lock:
             version = self.store.next_version()
             path = adapters.save_version(model, self.run_dir, version)
-            self.store.add_version(version, parent, str(path), VersionStatus.CANDIDATE.value, {})
+            try:
+                self.store.add_version(version, parent, str(path), VersionStatus.CANDIDATE.value, {})
+            except sqlite3.OperationalError:  # not written (disk full, locked): nothing refers to the folder
+                shutil.rmtree(path, ignore_errors=True)
+                raise
         return self.get(version)
 
     def record_validation(self, version: int, success: float, degenerate: float,

@@ -22,7 +22,12 @@ and without a configured key those routes answer 403. Completions are open unles
 feedback). Errors have OpenAI's shape ``{"error": {message, type, param, code}}``: a
 bad request is a 400 naming its field (``param``, as ``messages[2].content[0].text``), an
 exception nothing else handles a 500 ``server_error`` with its class and text (the
-traceback goes to the server log only).
+traceback goes to the server log only). A storage fault (disk full, quota spent, store
+locked, read-only file system, ...) is a 507 or 503 whose ``code`` names it
+(``disk_full``, ``database_locked``, ...), with ``Retry-After`` and what to do; a stream
+that meets one after its first chunk ends with an error event and ``[DONE]``. While the
+fault lasts, requests that record are refused before generating and ``GET /health``
+answers 503 ``degraded`` (``selfrl.serve.health``).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from selfrl.serve.feedback import client_identity
+from selfrl.serve.health import health as health_of
 from selfrl.serve.limits import BodyLimit
 from selfrl.serve.errors import add_server_error_handler, error_body, validation_message
 from selfrl.serve.protocol import ChatCompletionRequest, FeedbackRequest, VersionRequest
@@ -101,7 +107,7 @@ def create_app(service: Service, api_key: str | None, protect_completions: bool 
         message, where = validation_message(e.errors())
         return _error(400, message, param=where)
 
-    add_server_error_handler(app, log)
+    add_server_error_handler(app, log, service.storage.failed)
 
     @app.post("/v1/chat/completions", dependencies=open_or_key)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -163,6 +169,9 @@ def create_app(service: Service, api_key: str | None, protect_completions: bool 
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "served_version": service.engine.version}
+        import asyncio
+
+        status, body, headers = await asyncio.to_thread(health_of, service)  # a probe may write and fsync
+        return JSONResponse(body, status_code=status, headers=headers)
 
     return app

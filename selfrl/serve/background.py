@@ -24,10 +24,19 @@ Departures from ``selfrl run``, on purpose:
   trained on (``run`` scores such a rollout 0).
 * Every candidate is validated before it is served (``selfrl run`` validates every
   ``eval_every`` updates).
+* A storage fault (disk full, store locked, ...: :mod:`selfrl.record.storage_errors`) pauses the
+  learner instead of stopping it: it waits ``learner.retry_s`` seconds, doubling up to
+  ``learner.retry_max_s``, until a probe write succeeds, undoes what the failed step left
+  (as a restart would: the version it made is rejected unless it became the champion, a
+  stray folder moved aside, the champion's weights loaded again; its turns are still
+  pending and are trained on again), then goes on. A log line marks the pause and the
+  resume, and a ``learner_resumed`` event records how long it lasted. ``run`` has no such
+  pause: it stops, and ``--resume`` continues it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -49,15 +58,18 @@ from selfrl.rl.logprobs import per_token_logps
 from selfrl.record import served as records
 from selfrl.config.serve import ServeConfig
 from selfrl.serve.feedback import SERVED, served_task
+from selfrl.serve.health import StorageWatch
+from selfrl.record.storage_errors import StorageFault
 from selfrl.record.store import Store
 from selfrl.core.tasks import assert_disjoint, split_tasks
 from selfrl.envs.registry import get_env
 from selfrl.core.tools import resolve_tools
 from selfrl.rl.learner import Learner, kl_reference
 from selfrl.core.trajectory import Trajectory
-from selfrl.record.versions import Champion, EventKind, Ledger
+from selfrl.record.versions import Champion, EventKind, Ledger, VersionStatus
 
 Publish = Callable[[int, dict, str], "float | None"]
+log = logging.getLogger("selfrl.serve")
 
 
 def score_served(batch: list[tuple[Trajectory, dict]], weights: dict[str, float]) -> tuple[list[Trajectory],
@@ -95,12 +107,16 @@ class BackgroundLearner(threading.Thread):
         store: the server's store (shared; it takes its own lock).
         ledger: the server's version ledger; its champion is where learning starts.
         publish: ``publish(version, state, reason)`` serves a promoted version.
+        storage: the server's watch over its run directory (storage faults are reported to
+            it; its probe says when to retry); None: one of the learner's own.
     """
 
-    def __init__(self, cfg: ServeConfig, model, tokenizer, store: Store, ledger: Ledger, publish: Publish):
+    def __init__(self, cfg: ServeConfig, model, tokenizer, store: Store, ledger: Ledger, publish: Publish,
+                 storage: StorageWatch | None = None):
         super().__init__(name="selfrl-learner", daemon=True)
         self.cfg, self.model, self.tok, self.store, self.ledger, self.publish = (
             cfg, model, tokenizer, store, ledger, publish)
+        self.storage = storage if storage is not None else StorageWatch(ledger.run_dir)
         ref_state = kl_reference(model, cfg.lora.init_adapter)  # before any other version is loaded (same rule as run)
         champ = ledger.champion
         # validation runs here (in the learner's thread, driver "caller"), not on the server
@@ -127,22 +143,27 @@ class BackgroundLearner(threading.Thread):
         self.last: dict[str, Any] = {}
         self.error: str | None = None
         self.busy = False  # between taking a batch and finishing its gate
+        self.paused: StorageFault | None = None  # the storage fault the learner waits out
+        self.paused_since: float | None = None  # time.time() when it paused
+        self._made: int | None = None  # the version the update under way saved (undone if it fails)
         self._reset: Champion | None = None  # set by an admin rollback, applied before the next update
 
     # -- thread ------------------------------------------------------------------------
 
     def run(self) -> None:
         try:
-            self.busy = True
-            self.ensure_champion_validated()
-            self.busy = False
-            while not self._halt.wait(self.cfg.learner.poll_s):
-                self.tick()
+            if self.until_done(self.ensure_champion_validated):
+                while not self._halt.wait(self.cfg.learner.poll_s) and self.until_done(self.tick):
+                    pass
         except CollapseStop as e:
             self.error = str(e)
         except Exception as e:  # the server keeps serving; the failure is visible in status and events
             self.error = f"{type(e).__name__}: {e}"
-            self.ledger.event(EventKind.LEARNER_ERROR, f"the background learner stopped: {self.error}")
+            log.error("selfrl: the background learner stopped: %s", self.error, exc_info=e)
+            try:
+                self.ledger.event(EventKind.LEARNER_ERROR, f"the background learner stopped: {self.error}")
+            except Exception as again:  # the store itself may be what failed: the log line above says it
+                self.storage.failed(again)
 
     def stop(self) -> None:
         self._halt.set()
@@ -151,8 +172,76 @@ class BackgroundLearner(threading.Thread):
 
     def status(self) -> dict[str, Any]:
         champ = self.ledger.champion
+        paused = None if self.paused is None else {"code": self.paused.kind.value, "message": self.paused.message,
+                                                   "since": self.paused_since}
         return {"alive": self.is_alive(), "busy": self.busy, "updates": self.updates, "best_version": champ.version,
-                "best_val_success": champ.success, "last_update": self.last, "error": self.error}
+                "best_val_success": champ.success, "last_update": self.last, "error": self.error, "paused": paused}
+
+    # -- storage faults: pause, undo, resume -------------------------------------------
+
+    def until_done(self, step: Callable[[], object]) -> bool:
+        """Run ``step``; while it fails on a storage fault, pause (see the module docstring)
+        and run it again once the run directory can be written. Returns False when the
+        learner was stopped while paused.
+
+        Raises:
+            Exception: whatever ``step`` raises that is no storage fault.
+        """
+        wait = self.cfg.learner.retry_s
+        while True:
+            try:
+                if self.paused is not None:
+                    self._undo_failed_step()
+                step()
+                if self.paused is not None:
+                    self._resumed()
+                return True
+            except Exception as e:
+                fault = self.storage.failed(e)
+                if fault is None:
+                    raise
+                self._pause(fault, wait)
+            while True:  # wait, longer each time, until a probe write succeeds
+                if self._halt.wait(wait):
+                    return False
+                wait = min(2 * wait, self.cfg.learner.retry_max_s)
+                if self.storage.current() is None:
+                    break
+
+    def _pause(self, fault: StorageFault, wait: float) -> None:
+        if self.paused is None:
+            self.paused_since = time.time()
+            log.warning("selfrl: the background learner paused: %s (%s); it retries in %g s, then at most every "
+                        "%g s", fault.kind.value, fault.detail, wait, self.cfg.learner.retry_max_s)
+        self.paused = fault
+
+    def _resumed(self) -> None:
+        fault, since = self.paused, self.paused_since
+        seconds = time.time() - since
+        self.ledger.event(EventKind.LEARNER_RESUMED, f"the background learner resumed after a pause of "
+                          f"{seconds:.0f} s ({fault.kind.value})", {"kind": fault.kind.value, "since": since,
+                                                                    "paused_s": seconds})
+        self.paused = self.paused_since = None
+        log.warning("selfrl: the background learner resumed after %.0f s (%s)", seconds, fault.kind.value)
+
+    def _undo_failed_step(self) -> None:
+        """Before a step runs again after a storage fault, undo what the failed one left, as a
+        restart would: the version it saved is rejected unless it became the champion (then it
+        is published again, in case the failure came before the swap); a folder it left
+        unrecorded is moved aside; the champion's weights are loaded again, AdamW reset."""
+        made, champ = self._made, self.ledger.champion
+        if made is not None and made == champ.version:
+            self.publish(made, champ.state, "promoted (published again after a storage fault)")
+        elif made is not None and (rec := self.ledger.get(made)) is not None and rec.status in (
+                VersionStatus.CANDIDATE, VersionStatus.PROMOTED):
+            kind = self.paused.kind.value
+            self.store.set_version_status(made, VersionStatus.REJECTED.value, {"storage_fault": kind})
+            self.ledger.event(EventKind.REJECT, f"version {made} rejected: its update failed on a storage fault "
+                              f"({kind}); serving version {champ.version}", {"version": made})
+        self._made = None
+        self.ledger.recover_strays()
+        self.cycle.restore_champion()
+        self.cycle.guard.new_chain()
 
     # -- steps -------------------------------------------------------------------------
 
@@ -160,8 +249,11 @@ class BackgroundLearner(threading.Thread):
         """Validate the champion once (stored; reused when known)."""
         champ = self.ledger.champion
         if champ.success is None:
-            res = self.validate(champ.version)
-            champ.success = res.success
+            self.busy = True
+            try:
+                champ.success = self.validate(champ.version).success
+            finally:
+                self.busy = False
 
     def validate(self, version: int):
         """Held-out validation of the learner's current weights as ``version``, recorded."""
@@ -227,6 +319,8 @@ class BackgroundLearner(threading.Thread):
         reward_mean = sum(t.reward for t in scored) / max(len(scored), 1)
         info: dict[str, Any] = {"turns": len(batch), "scored": len(scored), "with_signal": len(usable),
                                 "reward_mean": reward_mean}
+        if step.candidate is not None:
+            self._made = step.candidate.version
         if step.candidate is None:
             records.mark(self.store, scored, "skipped", None)
             info["result"] = f"skipped ({step.result.note})"
@@ -258,6 +352,7 @@ class BackgroundLearner(threading.Thread):
             elif verdict.outcome == "collapse":
                 info["result"] = "rolled back (collapse)"
         self._apply_reset()
+        self._made = None
         info["seconds"] = time.perf_counter() - t0
         self.last = info
         return info

@@ -73,12 +73,16 @@ def cut_off(service, prepared, jobs: list, started: float) -> None:
             if j.future.cancelled() or j.future.exception() is not None:
                 return  # an engine error is the request's error, not a cut-off turn
             gens.append(j.future.result())
-        if prepared.req.record:
-            service.finish(prepared, gens, time.perf_counter() - started)
-            with service.store.lock:
-                records.mark_cut_off(service.store, prepared.response_id, REASON)
-        service.event("disconnect", f"{prepared.response_id}: the client disconnected; "
-                      f"{sum(len(g.token_ids) for g in gens)} tokens recorded as cut off, not trained on")
+        try:
+            if prepared.req.record:
+                service.finish(prepared, gens, time.perf_counter() - started)
+                with service.store.lock:
+                    records.mark_cut_off(service.store, prepared.response_id, REASON)
+            service.event("disconnect", f"{prepared.response_id}: the client disconnected; "
+                          f"{sum(len(g.token_ids) for g in gens)} tokens recorded as cut off, not trained on")
+        except Exception as e:  # nobody waits for this turn: a storage fault is reported, not raised
+            if service.storage.failed(e) is None:
+                raise
 
     def when_resolved(_) -> None:
         with once:

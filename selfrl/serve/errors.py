@@ -13,15 +13,20 @@ finite numbers, and the 500 for an exception nothing else handled.
 * :func:`finite` / :func:`finite_fields`: Python's json accepts ``NaN`` and ``Infinity``
   (and a float beyond 1e308 is an infinity); such a value is refused as "must be a finite
   number", never by a bound whose message would mislead ("less than or equal to 2").
-* :func:`add_server_error_handler`: an exception nothing else handled becomes a JSON 500
-  ``server_error`` with the exception's class and text; the traceback goes to the server
-  log, never to the client (Starlette's default is a plain-text "Internal Server Error").
+* :func:`server_error` / :func:`add_server_error_handler`: an exception nothing else
+  handled becomes a JSON 500 ``server_error`` with the exception's class and text; a
+  storage fault (disk full, store locked, ...: :mod:`selfrl.record.storage_errors`) becomes a 507
+  or 503 whose ``code`` names it and whose message says what to do, with ``Retry-After``;
+  any other OS or SQLite error a 500 ``storage_error`` without its raw text. The
+  traceback goes to the server log, never to the client (Starlette's default is a
+  plain-text "Internal Server Error").
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import field_validator
@@ -149,15 +154,65 @@ def validation_message(errors: list[dict], skip: int = 1) -> tuple[str, str | No
     return msg + (f" (at {where})" if where else ""), where
 
 
-def add_server_error_handler(app, log: logging.Logger) -> None:
-    """Answer an exception no other handler took with a JSON 500 in OpenAI's shape
-    (``type: "server_error"``, ``code: "internal_error"``, the exception's class and text),
-    and log its traceback to ``log``."""
+def server_error(e: BaseException, classify: Callable[[BaseException], Any] | None = None
+                 ) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """``(status, body, headers)`` of the answer to an exception no other handler took.
+
+    Args:
+        e: the exception.
+        classify: ``classify(e)``, a :class:`selfrl.record.storage_errors.StorageFault` or None
+            (default :func:`selfrl.record.storage_errors.classify`; a server passes its own, which
+            also records the fault for ``/health``).
+
+    Returns:
+        a storage fault: its status (507 or 503), ``server_error`` with the fault's kind as
+        ``code``, a ``Retry-After`` header, and ``x-should-retry`` (the ``openai`` client's:
+        "false" unless the fault is transient, a lock); another OS or SQLite error: 500
+        ``storage_error`` naming only its class; anything else: 500 ``internal_error`` with
+        its class and text.
+    """
+    from selfrl.record.storage_errors import classify as storage_fault, is_storage_error
+
+    fault = (classify or storage_fault)(e)
+    if fault is not None:
+        body = error_body(f"the server cannot record this request now: {fault.message}. Retry after "
+                          f"{fault.retry_after_s} s: the server recovers by itself once it can write again",
+                          "server_error", None, fault.kind.value)
+        # x-should-retry: the openai client's own header; without "false" it would sleep Retry-After
+        # (30 s) twice before raising, for a fault that waits for an operator
+        return fault.status, body, {"Retry-After": str(fault.retry_after_s),
+                                    "x-should-retry": "true" if fault.transient else "false"}
+    if is_storage_error(e):
+        return 500, error_body(f"internal server error: a storage error ({type(e).__name__}); the server log has "
+                               "its details", "server_error", None, "storage_error"), {}
+    message = f"internal server error: {type(e).__name__}: {e}"[:2000]
+    return 500, error_body(message, "server_error", None, "internal_error"), {}
+
+
+def add_server_error_handler(app, log: logging.Logger,
+                             classify: Callable[[BaseException], Any] | None = None) -> None:
+    """Answer an exception no other handler took as :func:`server_error` does (``classify``
+    is passed on), and log it: with its traceback, except a storage fault (INFO, one line:
+    ``classify`` logs where a fault begins and ends).
+
+    OS, SQLite and storage-fault errors get a handler of their own: Starlette re-raises what
+    the catch-all ``Exception`` handler answered (uvicorn then logs a traceback), which a
+    full disk would do for every request."""
+    import sqlite3
+
     from fastapi import Request
     from fastapi.responses import JSONResponse
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, e: Exception):
-        log.error("%s %s failed", request.method, request.url.path, exc_info=e)
-        message = f"internal server error: {type(e).__name__}: {e}"[:2000]
-        return JSONResponse(error_body(message, "server_error", None, "internal_error"), status_code=500)
+    from selfrl.record.storage_errors import StorageFaultError
+
+    async def answer(request: Request, e: Exception):
+        status, body, headers = server_error(e, classify)
+        if status == 500:
+            log.error("%s %s failed", request.method, request.url.path, exc_info=e)
+        else:
+            log.info("%s %s: %s (%s: %s)", request.method, request.url.path, body["error"]["code"],
+                     type(e).__name__, e)
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    for kind in (OSError, sqlite3.Error, StorageFaultError, Exception):
+        app.add_exception_handler(kind, answer)

@@ -86,6 +86,13 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
         from selfrl.serve.app import create_app
         from selfrl.serve.service import Service
 
+        from pathlib import Path
+
+        from selfrl.record.storage_errors import free_space_error
+
+        where = next(p for p in (Path(cfg.run_dir).absolute(), *Path(cfg.run_dir).absolute().parents) if p.exists())
+        if (full := free_space_error(where)) is not None:
+            raise full  # before the model loads: a full or read-only disk fails in a second
         model, tok = build_policy(cfg)
         # serve.seed made the adapter's initialisation reproducible; sampling draws from a fresh
         # stream per process, so a restart or a --replica never repeats another process's samples
@@ -99,6 +106,15 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"selfrl: error: {msg}", file=sys.stderr)
         return 2
+    except Exception as e:  # a storage fault at start (disk full, store locked): one line, not a traceback
+        from selfrl.record.storage_errors import classify
+
+        fault = classify(e, cfg.run_dir)
+        if fault is None:
+            raise
+        sock.close()
+        print(f"selfrl: error: cannot start: {fault.message} [{fault.detail}]", file=sys.stderr)
+        return 1
     if cfg.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"selfrl: warning: binding to {cfg.host} exposes the server beyond this machine", file=sys.stderr)
     if api_key is None:

@@ -35,6 +35,7 @@ from selfrl.run.setup import check_names
 from selfrl.serve.batcher import Batcher
 from selfrl.serve.errors import ApiError
 from selfrl.serve.feedback import explicit_value
+from selfrl.serve.health import StorageWatch
 from selfrl.serve.protocol import ChatCompletionRequest, FeedbackRequest
 from selfrl.serve.served_version import ServedVersion
 from selfrl.serve.turns import Prepared, Turns
@@ -71,6 +72,7 @@ class Service:
 
             raise NoOwner(f"{self.run_dir} has no servable version to follow: start its owner (selfrl serve "
                           "without --replica) on it first")
+        self.storage = StorageWatch(self.run_dir)  # storage faults met while serving (selfrl.serve.health)
         self.store = Store(self.run_dir / "selfrl.db", shared=True)
         records.init(self.store)
         self.run_id = self.store.start_run({"serve": cfg.to_dict()})
@@ -82,7 +84,7 @@ class Service:
         self.versions.restore_replica() if cfg.replica else self.versions.restore()
         self.batcher = Batcher(self.engine, self.versions.run_on_version, cfg.max_batch, cfg.batch_window_s)
         self.turns = Turns(cfg, tokenizer, self.engine, self.batcher, self.store, self.run_id, self.versions,
-                           self.context, self.native_tools)
+                           self.context, self.native_tools, self.storage)
         self.learner = self.follower = None
         if cfg.replica:  # no learner: the owner's trains on this replica's turns too
             from selfrl.serve.replica import Follower
@@ -92,7 +94,8 @@ class Service:
         elif learner_model is not None and cfg.learner.enabled:
             from selfrl.serve.background import BackgroundLearner
 
-            self.learner = BackgroundLearner(cfg, learner_model, tokenizer, self.store, self.ledger, self.publish)
+            self.learner = BackgroundLearner(cfg, learner_model, tokenizer, self.store, self.ledger, self.publish,
+                                             self.storage)
             self.versions.on_rollback = self.learner.reset_to
 
     # -- versions (selfrl.serve.served_version) ------------------------------------------

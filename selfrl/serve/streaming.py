@@ -18,17 +18,22 @@ A client that disconnects mid-stream has its turn cut off (``selfrl.serve.discon
 A generation that fails after the first chunk ends the stream with an OpenAI error event
 (``data: {"error": {...}}``, which the ``openai`` client raises as ``APIError``) and
 ``[DONE]``; one that fails before is a 500, or a 400 when the request's own grammar failed
-(``selfrl.serve.disconnect.generation_failed``).
+(``selfrl.serve.disconnect.generation_failed``). Any other failure after the first chunk
+(the turn cannot be recorded: disk full, store locked) ends the stream the same way, with
+the error the server would have answered (``selfrl.serve.errors.server_error``), never with
+a cut body: the client is not told that a turn which was not stored succeeded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from selfrl.serve.errors import server_error
 from selfrl.serve.disconnect import cut_off, generation_failed
 from selfrl.serve.logprobs import (
     bytes_text,
@@ -41,6 +46,8 @@ from selfrl.serve.logprobs import (
 from selfrl.serve.protocol import ChatCompletionRequest, error_body, split_completion
 from selfrl.serve.service import Service
 from selfrl.chat.toolcall import THINK_CLOSE, THINK_OPEN, TOOL_CALL_OPEN
+
+log = logging.getLogger("selfrl.serve")
 
 
 def safe_prefix(text: str, markers: list[str]) -> str:
@@ -206,7 +213,8 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest, client: st
     recorded: list[bool] = []
 
     async def until_disconnect() -> AsyncIterator[str]:
-        """``lines()``; a client that disconnects before the end has its turn cut off."""
+        """``lines()``; a client that disconnects before the end has its turn cut off; a
+        failure ends the stream with an error event and ``[DONE]``."""
         try:
             async for line in lines():
                 yield line
@@ -214,5 +222,11 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest, client: st
             if not recorded:
                 cut_off(service, p, jobs, t0)
             raise
+        except Exception as e:
+            status, body, _ = server_error(e, service.storage.failed)
+            if status == 500:
+                log.error("a stream of %s failed", p.response_id, exc_info=e)
+            yield _sse(body)
+            yield "data: [DONE]\n\n"
 
     return version, until_disconnect()

@@ -27,6 +27,7 @@ from selfrl.serve.batcher import Batcher, Job
 from selfrl.config.serve import ServeConfig
 from selfrl.serve.errors import ApiError
 from selfrl.serve.feedback import conversation_key, correction_reason, default_group_key
+from selfrl.serve.health import StorageWatch
 from selfrl.serve.limits import parse_version_suffix
 from selfrl.serve.logprobs import bytes_text, char_offsets, char_to_byte_spans, content_entries, token_bytes
 from selfrl.serve.protocol import ChatCompletionRequest, client_tools, split_completion, to_chat
@@ -64,13 +65,15 @@ class Turns:
         versions: the served version (a request may name a stored one).
         context: the tokens a prompt and its completion may take together.
         native_tools: the chat template renders tools itself (else they go into the system prompt).
+        storage: the run directory's storage faults (:class:`selfrl.serve.health.StorageWatch`): a
+            request that records is refused while the directory cannot be written.
     """
 
     def __init__(self, cfg: ServeConfig, tokenizer, engine, batcher: Batcher, store: Store, run_id: int,
-                 versions: ServedVersion, context: int, native_tools: bool):
+                 versions: ServedVersion, context: int, native_tools: bool, storage: StorageWatch):
         self.cfg, self.tok, self.engine, self.batcher = cfg, tokenizer, engine, batcher
         self.store, self.run_id, self.versions = store, run_id, versions
-        self.context, self.native_tools = context, native_tools
+        self.context, self.native_tools, self.storage = context, native_tools, storage
 
     def check_model_name(self, model: str, version: int | None) -> None:
         """Refuse a model id this server does not list in ``/v1/models``: it serves
@@ -97,10 +100,14 @@ class Turns:
         Raises:
             ApiError: 400 for settings selfrl cannot honour, non-text content or a prompt
                 beyond the model's context; 404 for an unknown adapter version.
+            selfrl.record.storage_errors.StorageFaultError: the request records (``record``, the
+                default) while the run directory cannot be written (``self.storage``).
         """
         problem = req.unsupported()
         if problem:
             raise ApiError(400, problem, problem.split()[0])
+        if req.record:  # refused before any generation: its turn could not be stored
+            self.storage.check()
         if req.logprobs and req.top_logprobs and not self.batcher.supports("top_logprobs"):
             raise ApiError(400, f"top_logprobs is not supported by the {self.cfg.engine!r} engine backend; "
                            "the reference engine supports it", "top_logprobs")
@@ -194,9 +201,14 @@ class Turns:
                 for i in range(req.n)]
 
     def finish(self, p: Prepared, gens: list[Generation], seconds: float) -> dict[str, Any]:
-        """Build the OpenAI response for finished generations and record each choice."""
+        """Build the OpenAI response for finished generations and record its choices (in one
+        transaction: ``records.add_turns``).
+
+        Raises:
+            sqlite3.Error: the store could not be written (nothing of the response is recorded).
+        """
         tools = client_tools(p.req.tools) if p.req.tool_choice != "none" else []
-        choices, completion_tokens = [], 0
+        choices, completion_tokens, turns = [], 0, []
         version = gens[0].adapter_version
         for i, g in enumerate(gens):
             ids, finished = list(g.token_ids), g.finished
@@ -224,7 +236,9 @@ class Turns:
             choices.append(choice)
             completion_tokens += len(ids)
             if p.req.record:
-                self._record(p, i, g, message, records_, content, not (finished or stopped), seconds)
+                turns.append(self._turn(p, i, g, message, records_, content, not (finished or stopped), seconds))
+        if turns:
+            records.add_turns(self.store, self.run_id, turns)
         return {
             "id": p.response_id, "object": "chat.completion", "created": p.created,
             "model": self.cfg.served_model_name + (f"@v{version}" if p.version is not None else ""),
@@ -234,7 +248,8 @@ class Turns:
                       "total_tokens": len(p.prompt) + completion_tokens},
         }
 
-    def _record(self, p: Prepared, i: int, g: Generation, message: dict, calls, content, truncated, seconds) -> None:
+    def _turn(self, p: Prepared, i: int, g: Generation, message: dict, calls, content, truncated,
+              seconds) -> records.ServedTurn:
         P = len(p.prompt)
         # a turn sampled under a grammar records it: the learner replays its masks (selfrl.chat.constrain)
         trained = [1] * len(g.token_ids)
@@ -251,4 +266,4 @@ class Turns:
         )
         conversation = p.parent["conversation_id"] if p.parent else uuid.uuid4().hex
         key = conversation_key([*p.messages, message])
-        records.add_turn(self.store, self.run_id, traj, p.response_id, i, conversation, p.group_key, key, p.client)
+        return records.ServedTurn(traj, p.response_id, i, conversation, p.group_key, key, p.client)
