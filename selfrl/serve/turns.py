@@ -30,7 +30,8 @@ from selfrl.serve.feedback import conversation_key, correction_reason, default_g
 from selfrl.serve.health import StorageWatch
 from selfrl.serve.limits import parse_version_suffix
 from selfrl.serve.logprobs import bytes_text, char_offsets, char_to_byte_spans, content_entries, token_bytes
-from selfrl.serve.protocol import ChatCompletionRequest, client_tools, split_completion, to_chat
+from selfrl.serve.completion import split_completion
+from selfrl.serve.protocol import ChatCompletionRequest, client_tools, to_chat
 from selfrl.serve.served_version import ServedVersion
 
 
