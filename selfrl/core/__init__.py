@@ -1,1 +1,9 @@
-"""The records every stage passes along: trajectories, tasks and tools (imports nothing of selfrl)."""
+"""The records every stage passes along; imports nothing of selfrl outside this package.
+
+- :mod:`selfrl.core.trajectory`: the typed trajectory record (token ids, ``completion_mask``,
+  ``logprobs``, tool calls, rewards, the version that sampled it).
+- :mod:`selfrl.core.tasks`: tasks, the task source and its verifier, the per-trajectory state
+  protocol (``EnvState``), the train/held-out split.
+- :mod:`selfrl.core.tools`: tools and their registry (the safe calculator among them).
+- :mod:`selfrl.core.faults`: fault injection for the crash-safety tests (``SELFRL_FAULT``).
+"""

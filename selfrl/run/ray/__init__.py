@@ -5,9 +5,10 @@ Importing this package imports no Ray (``selfrl.run.ray.driver`` does, on use):
 ``selfrl run`` without ``--ray`` never loads it. See ``docs/distributed.md``.
 
 The settings are :class:`selfrl.config.DistributedConfig` (``[distributed]``).
-- :mod:`selfrl.rollout.staleness`: how stale a sample is, and which are trained (pure).
 - :mod:`selfrl.run.ray.worker`: the rollout worker (one engine per actor).
 - :mod:`selfrl.run.ray.driver`: the worker pool and the asynchronous run.
-- :mod:`selfrl.run.agents`: many agents, one learner: per-agent advantage
-  balance and the per-agent gate with its conflict report (pure).
+
+What they use from below: :mod:`selfrl.rollout.staleness` (how stale a sample is, and
+which are trained), :mod:`selfrl.run.agents` (many agents, one learner: per-agent advantage
+balance and the per-agent gate) and :mod:`selfrl.envs.agents` (the agents' environments).
 """
