@@ -25,7 +25,8 @@ def run(cfg: RunConfig, resume: bool = False, progress: Progress | None = None) 
     Raises:
         FileExistsError: ``run_dir`` already holds a run and ``resume`` is False.
         FileNotFoundError: ``resume`` but there is no run to resume.
-        ConfigError: ``distributed.address`` is set and Ray is not installed.
+        ConfigError: ``distributed.address`` is set and Ray is not installed, or the config
+            names a reward, tool, detector or loss no registry knows (before any model loads).
         ConnectionError: ``sampler.url`` cannot be reached.
         selfrl.safety.swap_check.SwapCheckError: the sampler failed a swap check; the run stopped
             after rejecting the candidate and writing its report (never raised without a sampler).

@@ -98,7 +98,8 @@ def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
 
     Raises:
         FileExistsError / FileNotFoundError: as :func:`run`.
-        selfrl.config.ConfigError: ``resume`` with settings the stored run cannot change.
+        selfrl.config.ConfigError: ``resume`` with settings the stored run cannot change, or a
+            name no registry knows (:func:`check_names`; before any model loads).
     """
     run_dir = Path(cfg.run_dir)
     db = run_dir / "selfrl.db"
