@@ -181,13 +181,19 @@ def build_policy(cfg):
             bfloat16 (nothing would take it).
         selfrl.matmul.MatmulError: ``cpu_matmul = "onednn"`` where oneDNN is not available.
         ValueError: the LoRA settings do not fit the model (peft's message).
+        selfrl.adapter_check.AdapterError: ``lora.init_adapter`` or ``lora.target_modules``
+            is an adapter selfrl cannot train and hot-swap (:mod:`selfrl.adapter_check`).
     """
     from peft import LoraConfig, PeftModel, get_peft_model
 
     from selfrl.device import check_cpu_matmul, resolve
 
+    from selfrl.adapter_check import check_adapter, check_lora_layers
+
     placement = resolve(cfg.model.device, cfg.model.dtype)
     check_cpu_matmul(cfg.model.cpu_matmul, placement)  # refused before the model loads
+    if cfg.lora.init_adapter:  # refused before the model loads, and so before anything trains
+        check_adapter(cfg.lora.init_adapter, cfg.model.name, cfg.lora, "lora.init_adapter")
     base, tok = load_model(cfg.model.name, dtype=placement.torch_dtype)
     torch.manual_seed(cfg.seed)
     if cfg.lora.init_adapter:
@@ -198,6 +204,7 @@ def build_policy(cfg):
             target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM",
         )
         model = get_peft_model(base, lcfg)
+    check_lora_layers(model, cfg.lora if cfg.lora.init_adapter else None)
     # The LoRA init above ran on the CPU generator, so a seeded adapter is the same on every device.
     if placement.device != "cpu":
         model.to(placement.device)
