@@ -181,6 +181,8 @@ def build_policy(cfg):
             bfloat16 (nothing would take it).
         selfrl.matmul.MatmulError: ``cpu_matmul = "onednn"`` where oneDNN is not available.
         ValueError: the LoRA settings do not fit the model (peft's message).
+        selfrl.config.ConfigError: a setting the model bounds is beyond it (``lora.r`` above the
+            hidden size, a token limit above the context length; :mod:`selfrl.model_fit`).
         selfrl.adapter_check.AdapterError: ``lora.init_adapter`` or ``lora.target_modules``
             is an adapter selfrl cannot train and hot-swap (:mod:`selfrl.adapter_check`).
     """
@@ -194,6 +196,9 @@ def build_policy(cfg):
     check_cpu_matmul(cfg.model.cpu_matmul, placement)  # refused before the model loads
     if cfg.lora.init_adapter:  # refused before the model loads, and so before anything trains
         check_adapter(cfg.lora.init_adapter, cfg.model.name, cfg.lora, "lora.init_adapter")
+    from selfrl.model_fit import check_model_fit
+
+    check_model_fit(cfg, resolve_model_path(cfg.model.name))  # LoRA rank, token limits: before the weights
     base, tok = load_model(cfg.model.name, dtype=placement.torch_dtype)
     torch.manual_seed(cfg.seed)
     if cfg.lora.init_adapter:
