@@ -210,3 +210,23 @@ def test_mean_std_is_finite_for_any_finite_values():
         mean_std([1.0, math.inf])
     with pytest.raises(ValueError, match="at least one"):
         mean_std([])
+
+
+def test_advantages_of_huge_rewards_keep_the_float32_loss_finite():
+    # Dr. GRPO's r - mean of rewards 1e200 was inf in the batch, which holds advantages in float32
+    # (selfrl.rl.batch.collate); within ADVANTAGE_LIMIT even the clamped ratio e^20 on every one of
+    # 4 x 4096 tokens gives a finite loss and gradient
+    import torch
+
+    from selfrl.rl.losses import Normalizer, loss_dapo, per_token_loss
+
+    res = group_advantages([1e200, -1e200, 0.0, 3e199], ["g"] * 4, scale_rewards="none")
+    adv = torch.tensor(res.advantages, dtype=torch.float32)  # (B,)
+    assert torch.isfinite(adv).all() and adv.abs().max() <= ADVANTAGE_LIMIT
+    T = 4096
+    lp = torch.zeros(4, T, requires_grad=True)
+    old = torch.full((4, T), -1000.0)  # every token's log-ratio beyond the clamp: ratio e^20
+    loss, _ = per_token_loss(lp, old, adv, beta=0.0)
+    total = loss_dapo(loss, torch.ones(4, T), Normalizer(4 * T, 4, T))
+    total.backward()
+    assert torch.isfinite(total) and torch.isfinite(lp.grad).all()
