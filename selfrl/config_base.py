@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any, get_args
 
@@ -65,17 +66,29 @@ def one_of(value: Any, allowed: Any, name: str) -> tuple[bool, str]:
 
 def check_finite(obj: Any, where: str = "") -> None:
     """Every float field of the dataclass ``obj``, nested sections included, is finite
-    (``inf`` passes a rule such as ``> 0``; ``nan`` fails it with a misleading message).
+    (``inf`` passes a rule such as ``> 0``; ``nan`` fails it with a misleading message), and
+    every field declared ``int`` holds an int (a config built in Python may hold ``3.5``).
 
     Raises:
-        ConfigError: the first field that holds ``inf``, ``-inf`` or ``nan``, named with its section.
+        ConfigError: the first field that holds ``inf``, ``-inf`` or ``nan``, or a non-integer
+            where an integer is declared, named with its section.
     """
+    hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             check_finite(value, f"{where}{f.name}.")
         elif isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{where}{f.name} must be a finite number, got {value!r}")
+        elif int in _numeric(hints.get(f.name)) and float not in _numeric(hints.get(f.name)) and value is not None \
+                and (isinstance(value, bool) or not isinstance(value, int)):  # set from Python, not TOML
+            raise ConfigError(f"{where}{f.name} must be an integer, got {value!r}")
+
+
+def _numeric(hint: Any) -> tuple:
+    """The number types a field's type hint allows: ``int | None`` -> (int,)."""
+    args = get_args(hint) or (hint,)
+    return tuple(a for a in args if a in (int, float))
 
 
 def _apply(obj, values: dict[str, Any], where: str) -> None:

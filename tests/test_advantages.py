@@ -230,3 +230,10 @@ def test_advantages_of_huge_rewards_keep_the_float32_loss_finite():
     total = loss_dapo(loss, torch.ones(4, T), Normalizer(4 * T, 4, T))
     total.backward()
     assert torch.isfinite(total) and torch.isfinite(lp.grad).all()
+
+
+def test_an_int_reward_beyond_the_float_range_is_refused_as_not_finite():
+    # math.isfinite(10**400) raised OverflowError, not the ValueError that names the reward
+    with pytest.raises(ValueError, match="reward 0 is not finite: 1000"):
+        group_advantages([10**400, 0.0], ["g", "g"])
+    assert group_advantages([10**300, 0], ["g", "g"]).advantages == [1.0, -1.0]  # ints in range are rewards

@@ -167,3 +167,13 @@ def test_the_sampler_refuses_a_temperature_beyond_the_bound(tiny_model_factory, 
         assert r.status_code == 400 and "temperature must be <= 100" in r.json()["detail"]
         r = client.post("/sampler/logprobs", json={"token_ids": [1, 2, 3], "temperature": 1e-300})
         assert r.status_code == 400 and "temperature" in r.json()["detail"]
+
+
+@pytest.mark.parametrize("field, value", [("lora.r", 3.5), ("gate.val_size", True), ("iterations", "4"),
+                                          ("distributed.num_workers", 2.0)])
+def test_an_integer_setting_set_from_python_must_hold_an_integer(field, value):
+    cfg = RunConfig()
+    section, _, key = field.rpartition(".")
+    setattr(getattr(cfg, section) if section else cfg, key, value)
+    with pytest.raises(ConfigError, match=rf"^{field} must be an integer, got {value!r}$"):
+        cfg.validate()

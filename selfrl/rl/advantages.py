@@ -45,6 +45,18 @@ from dataclasses import dataclass
 ADVANTAGE_LIMIT = 2.0 ** 20  # largest |advantage| with scale_rewards="none"; above it the batch is scaled down
 
 
+def _finite_float(value: float, message: str) -> float:
+    """``float(value)``, or ValueError ``message value`` when it is not finite (an int beyond
+    the float range, 10**400, included: ``float`` raised OverflowError)."""
+    try:
+        x = float(value)
+    except OverflowError:
+        x = math.inf
+    if not math.isfinite(x):
+        raise ValueError(f"{message} {value}"[:200])
+    return x
+
+
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and population std (ddof=0) of finite ``values``, finite for any finite input.
 
@@ -64,8 +76,7 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """
     if not values:
         raise ValueError("mean_std needs at least one value")
-    if not all(math.isfinite(v) for v in values):
-        raise ValueError(f"mean_std needs finite values, got {[v for v in values if not math.isfinite(v)][:3]}")
+    values = [_finite_float(v, "mean_std needs finite values, got") for v in values]
     top = max(abs(v) for v in values)
     if top == 0.0:
         return 0.0, 0.0
@@ -148,8 +159,7 @@ def group_advantages(
     for i, (r, g) in enumerate(zip(rewards, group_ids)):
         if r is None:
             continue
-        if not math.isfinite(r):
-            raise ValueError(f"reward {i} is not finite: {r}")
+        _finite_float(r, f"reward {i} is not finite:")
         if num_completion_tokens is not None and num_completion_tokens[i] == 0:
             continue
         members[g].append(i)
