@@ -154,8 +154,8 @@ def check_adapter(folder: str | Path, model_name: str | None = None, lora=None, 
 def _check_shape(config: dict[str, Any], lora, where: str) -> None:
     for key in ("r", "lora_alpha", "lora_dropout"):
         if key in config and config[key] != getattr(lora, key):
-            raise AdapterError(f"{where}: the adapter has {key} = {config[key]} but lora.{key} is {getattr(lora, key)}; "
-                               f"set lora.{key} = {config[key]} (a saved adapter's shape is fixed)")
+            raise AdapterError(f"{where}: the adapter has {key} = {config[key]} but lora.{key} is "
+                               f"{getattr(lora, key)}; set lora.{key} = {config[key]} (a saved adapter's shape is fixed)")
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise AdapterError(f"{where}: rank_pattern/alpha_pattern (a rank or alpha per layer) is not supported; {_FIX}")
     mine, theirs = lora.target_modules, config.get("target_modules")
