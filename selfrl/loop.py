@@ -347,7 +347,7 @@ class Runner:
         metrics.update(rollout_metrics(trajs))
         metrics.update(hacking)
         metrics.update(lag)
-        metrics.update({"frac_reward_zero_std": adv.frac_no_signal, "version": float(s.engine.version),
+        metrics.update({"frac_reward_zero_std": adv.frac_no_signal, "advantage_scale": adv.scale, "version": float(s.engine.version),
                         "time/rollout_s": t_roll, "sampled_version": float(sampled),
                         "train/entropy": collapse.entropy_estimate(trajs),
                         "train/degenerate": collapse.degenerate_share(trajs, cfg.collapse)})
