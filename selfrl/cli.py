@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -194,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         stored = Path(args.resume) / "config.json"
         if stored.exists() and not args.config:
             base = json.loads(stored.read_text())  # resume with the run's own settings
+    from selfrl.run.shutdown import GracefulStop, exit_code
+
     try:
         from selfrl.envs import load_run_config
 
@@ -203,14 +206,16 @@ def main(argv: list[str] | None = None) -> int:
         from selfrl.run.main import run
         from selfrl.run.progress import RichProgress
 
-        with RichProgress(cfg.iterations, Console(stderr=True)) as progress:
+        # SIGTERM and SIGHUP stop the run as Ctrl-C does (selfrl.run.shutdown); a second one stops at once
+        with GracefulStop() as stop, RichProgress(cfg.iterations, Console(stderr=True)) as progress:
             result = run(cfg, resume=bool(args.resume), progress=progress)
     except (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError, ValueError, ConnectionError) as e:
         print(f"selfrl: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("selfrl: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # before the first update (after it, the loop stops and reports)
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"selfrl: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+        return exit_code(signum)
     except SwapCheckError as e:  # the run stopped rather than sample from a stale or hung sampler
         print(f"selfrl: error: {e}; the run stopped (versions and report kept; fix the sampler and "
               "--resume)", file=sys.stderr)
@@ -218,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"held-out success: base {result.base_success:.3f} -> final {result.final_success:.3f} "
           f"(version {result.final_version})")
     print(f"report: {result.summary['report']}")
+    if stop.received is not None:  # Ctrl-C 130, SIGTERM 143, SIGHUP 129: the run did not finish
+        print(f"selfrl: stopped by {signal.Signals(stop.received).name}; continue with --resume", file=sys.stderr)
+        return stop.exit_code
     return 0
 
 

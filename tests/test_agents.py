@@ -19,6 +19,14 @@ def test_balance_gives_each_agent_the_same_share():
         balance_agents([1.0, 2.0], ["a"])
 
 
+def test_balance_is_finite_for_huge_advantages():
+    # Dr. GRPO advantages are in reward units; the per-agent std of [1e200, -1e200] overflowed
+    out = balance_agents([1e200, -1e200, 1.0, -1.0], ["a", "a", "b", "b"])
+    assert out == [pytest.approx(1.0), pytest.approx(-1.0), pytest.approx(1.0), pytest.approx(-1.0)]
+    out = balance_agents([1.7e308, -1.7e308, 1e-300, -1e-300], ["a", "a", "b", "b"])
+    assert out == [pytest.approx(1.0), pytest.approx(-1.0), pytest.approx(1.0), pytest.approx(-1.0)]
+
+
 def test_candidate_that_helps_a_and_hurts_b_is_not_promoted():
     champion = {"A": {"a1": False, "a2": False, "a3": True, "a4": False},
                 "B": {"b1": True, "b2": True, "b3": True, "b4": False}}

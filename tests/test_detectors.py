@@ -185,6 +185,11 @@ def test_apply_detectors_flags_clamps_and_counts():
     assert apply_detectors([hack], DetectorConfig()) == {}  # no detectors configured
 
 
+def test_unclamped_mean_is_finite_for_huge_finite_rewards():
+    m = apply_detectors([traj(reward=1.7e308), traj(reward=1.7e308)], DetectorConfig(names=["repeated_action"]))
+    assert m["reward/unclamped_mean"] == 1.7e308
+
+
 def test_flags_round_trip_through_the_store(tmp_path):
     t = traj([call("confirm"), call("confirm")], reward=2.0)
     apply_detectors([t], DetectorConfig(names=["repeated_action"]))

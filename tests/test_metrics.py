@@ -2,7 +2,9 @@
 
 import math
 
-from selfrl.record.metrics import rollout_metrics
+import pytest
+
+from selfrl.run.metrics import rollout_metrics
 from selfrl.core.trajectory import Trajectory
 
 
@@ -20,6 +22,11 @@ def test_rollouts_without_trainable_tokens_are_counted():
     assert m["train/completion_tokens"] == (2 + 0 + 1 + 3) / 4
     assert m["reward/mean"] == 1.0 / 3 and m["train/failed_rollouts"] == 0.25
     assert math.isnan(m["train/tool_success"])  # no tool called: not a rate of 0
+
+
+def test_mean_reward_is_finite_for_huge_finite_rewards():
+    m = rollout_metrics([traj([0, 1], 1.7e308), traj([0, 1], 1.7e308), traj([0, 1], -1e308)])
+    assert m["reward/mean"] == pytest.approx(1.7e308 / 3 * 2 - 1e308 / 3, rel=1e-12)
 
 
 def test_tool_use_counts_a_call_written_on_the_last_turn():

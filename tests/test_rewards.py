@@ -216,6 +216,23 @@ def test_non_finite_reward_is_an_error(task, source, monkeypatch):
     assert t.reward is None and "non-finite" in t.error
 
 
+def test_a_weighted_sum_that_overflows_is_recorded_as_a_failure_not_used(task, source, monkeypatch):
+    # each value and weight is finite, their sum is not: 1e200 * 1e200 = inf
+    monkeypatch.setitem(REWARD_FUNCS, "huge", lambda traj, ctx: 1e200)
+    over = make(task, "<answer>1</answer>")
+    score_group([over], task, source, {"huge": 1e200})
+    assert over.reward is None and "weighted sum" in over.error and "inf" in over.error
+    # +inf and -inf parts would sum to NaN: refused the same way
+    monkeypatch.setitem(REWARD_FUNCS, "neg", lambda traj, ctx: -1e200)
+    mixed = make(task, "<answer>1</answer>")
+    score_group([mixed], task, source, {"huge": 1e200, "neg": 1e200})
+    assert mixed.reward is None and "nan" in mixed.error
+    # huge but finite sums are rewards like any other
+    fine = make(task, "<answer>1</answer>")
+    score_group([fine], task, source, {"huge": 1e100})
+    assert fine.error is None and fine.reward == 1e300
+
+
 def test_score_group_rejects_bad_input_before_writing(task, source):
     t = make(task, "<answer>1</answer>")
     with pytest.raises(ValueError, match="valid names"):

@@ -154,8 +154,10 @@ def test_the_url_is_announced_only_once_the_socket_listens(monkeypatch):
         with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
             seen.append((line, c.getpeername()[1]))
 
-    monkeypatch.setattr(main, "print", announce, raising=False)
-    server = main._announcing_server(uvicorn.Config(FastAPI(), log_level="warning"), "serving on the port")
+    from selfrl.run import shutdown
+
+    monkeypatch.setattr(shutdown, "print", announce, raising=False)
+    server = shutdown.server(uvicorn.Config(FastAPI(), log_level="warning"), "serving on the port")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     for _ in range(300):

@@ -80,3 +80,28 @@ def test_unpaired_newcombe_published_example():
     assert high == pytest.approx(-0.0524, abs=1e-4)
     with pytest.raises(ValueError):
         unpaired_difference_ci(0, 0, 1, 2)
+
+
+def test_intervals_of_huge_counts_do_not_overflow():
+    # 1 / n and z^2 / n of an int beyond the float range raised OverflowError
+    n = 10 ** 400
+    assert wilson_interval(n, n) == (1.0, 1.0)
+    assert wilson_interval(n // 2, n) == (pytest.approx(0.5), pytest.approx(0.5))
+    assert unpaired_difference_ci(n // 4, n, n // 2, n) == (pytest.approx(0.25), pytest.approx(0.25),
+                                                            pytest.approx(0.25))
+    low, high = wilson_interval(3, 2 ** 62)
+    assert 0 < low < 3 / 2 ** 62 < high < 1e-17
+
+
+@pytest.mark.parametrize("z", [math.nan, math.inf, -1.96, "1.96"])
+def test_a_z_that_is_not_a_finite_non_negative_number_is_refused(z):
+    # a NaN z gave (0, 1) and a negative one an inverted interval, silently
+    for call in (lambda: wilson_interval(5, 10, z), lambda: paired_difference_ci([True], [False], z),
+                 lambda: unpaired_difference_ci(1, 3, 2, 3, z)):
+        with pytest.raises(ValueError, match="z must be a finite number >= 0"):
+            call()
+
+
+def test_a_huge_z_gives_the_whole_range():
+    assert wilson_interval(5, 10, 1e200) == (0.0, 1.0)
+    assert paired_difference_ci([True, False], [False, True], 1e200)[1:] == (-1.0, 1.0)

@@ -18,6 +18,9 @@ from selfrl.config.base import (  # noqa: F401
     check_finite,
     fill,
     non_finite_weights,
+    in_range,
+    SECONDS_MAX,
+    SEED_MAX,
 )
 from selfrl.config.remote import (  # noqa: F401
     SamplerKind,
@@ -28,6 +31,12 @@ from selfrl.config.remote import (  # noqa: F401
     SamplerConfig,
 )
 from selfrl.config.run import (  # noqa: F401
+    MAX_BATCH,
+    MAX_BETA,
+    MAX_CONTEXT,
+    MAX_LORA_R,
+    MAX_TASKS,
+    MAX_VAL,
     DEFAULT_MODEL,
     DEFAULT_SYSTEM_PROMPT,
     ScaleRewards,

@@ -1,7 +1,8 @@
 """The rules every settings table of :mod:`selfrl.config` uses: the error, a rule list,
 ``Literal`` choices, finite floats, and filling a dataclass from TOML and dotted overrides.
 
-Imports no torch and nothing else of selfrl.
+Imports no torch and nothing else of selfrl but the error (:mod:`selfrl.core.errors`,
+where the checks that need the model raise it too).
 """
 
 from __future__ import annotations
@@ -9,12 +10,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any, get_args
 
-
-class ConfigError(ValueError):
-    """An invalid configuration value or key; the message names it."""
+from selfrl.core.errors import ConfigError  # noqa: F401  (re-exported: selfrl.config.ConfigError)
 
 
 def require(rules: list[tuple[bool, str]], where: str = "") -> None:
@@ -22,6 +22,39 @@ def require(rules: list[tuple[bool, str]], where: str = "") -> None:
     for ok, msg in rules:
         if not ok:
             raise ConfigError(where + msg)
+
+
+SEED_MAX = 2**63 - 1  # seeds are int64 (torch.manual_seed, numpy and SQLite take them)
+SECONDS_MAX = 365 * 24 * 3600.0  # a year: waits and timeouts (threading refuses timeouts past ~292 years)
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if isinstance(x, float) and x.is_integer() else str(x)
+
+
+def in_range(value: Any, name: str, low: float | None = None, high: float | None = None, *,
+             low_open: bool = False, high_open: bool = False, interval: bool = False) -> tuple[bool, str]:
+    """A rule: ``low <= value <= high`` (``<`` where ``low_open`` / ``high_open``; a None bound is
+    not checked). The message names the field, the allowed range and the value, as one line:
+    ``r must be >= 1 and <= 65536, got 1000000000``, or with ``interval`` ``in [0, 1), got 1.0``.
+
+    >>> in_range(10**9, "r", 1, 65536)
+    (False, 'r must be >= 1 and <= 65536, got 1000000000')
+    >>> in_range(1.0, "min_spread", 0, 1, high_open=True, interval=True)
+    (False, 'min_spread must be in [0, 1), got 1.0')
+    """
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if interval and low is not None and high is not None:
+        rng = f"in {'(' if low_open else '['}{_num(low)}, {_num(high)}{')' if high_open else ']'}"
+    else:
+        parts = ([f"{'>' if low_open else '>='} {_num(low)}"] if low is not None else []) + \
+                ([f"{'<' if high_open else '<='} {_num(high)}"] if high is not None else [])
+        rng = " and ".join(parts)
+    return ok, f"{name} must be {rng}, got {value!r}"
 
 
 def one_of(value: Any, allowed: Any, name: str) -> tuple[bool, str]:
@@ -32,17 +65,29 @@ def one_of(value: Any, allowed: Any, name: str) -> tuple[bool, str]:
 
 def check_finite(obj: Any, where: str = "") -> None:
     """Every float field of the dataclass ``obj``, nested sections included, is finite
-    (``inf`` passes a rule such as ``> 0``; ``nan`` fails it with a misleading message).
+    (``inf`` passes a rule such as ``> 0``; ``nan`` fails it with a misleading message), and
+    every field declared ``int`` holds an int (a config built in Python may hold ``3.5``).
 
     Raises:
-        ConfigError: the first field that holds ``inf``, ``-inf`` or ``nan``, named with its section.
+        ConfigError: the first field that holds ``inf``, ``-inf`` or ``nan``, or a non-integer
+            where an integer is declared, named with its section.
     """
+    hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             check_finite(value, f"{where}{f.name}.")
         elif isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{where}{f.name} must be a finite number, got {value!r}")
+        elif int in _numeric(hints.get(f.name)) and float not in _numeric(hints.get(f.name)) and value is not None \
+                and (isinstance(value, bool) or not isinstance(value, int)):  # set from Python, not TOML
+            raise ConfigError(f"{where}{f.name} must be an integer, got {value!r}")
+
+
+def _numeric(hint: Any) -> tuple:
+    """The number types a field's type hint allows: ``int | None`` -> (int,)."""
+    args = get_args(hint) or (hint,)
+    return tuple(a for a in args if a in (int, float))
 
 
 def non_finite_weights(weights: Any) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from selfrl.config.base import one_of, require
+from selfrl.config.base import SECONDS_MAX, SEED_MAX, in_range, one_of, require
 
 SamplerKind = Literal["selfrl", "vllm"]  # a remote sampler: selfrl sampler | a vLLM server (EXPERIMENTAL)
 
@@ -29,12 +29,12 @@ class DistributedConfig:
         require([
             (self.address is None or (isinstance(self.address, str) and self.address != ""),
              "address must be auto, local or host:port"),
-            (self.num_workers >= 1, "num_workers must be >= 1"),
-            (self.max_staleness >= 0, "max_staleness must be >= 0"),
-            (self.in_flight >= 1, "in_flight must be >= 1"),
-            (self.worker_threads >= 1, "worker_threads must be >= 1"),
-            (self.worker_cpus > 0, "worker_cpus must be > 0"),
-            (self.job_timeout_s > 0, "job_timeout_s must be > 0"),
+            in_range(self.num_workers, "num_workers", 1, 1024),
+            in_range(self.max_staleness, "max_staleness", 0, 1000),
+            in_range(self.in_flight, "in_flight", 1, 1000),
+            in_range(self.worker_threads, "worker_threads", 1, 1024),
+            in_range(self.worker_cpus, "worker_cpus", 0, 1024, low_open=True),
+            in_range(self.job_timeout_s, "job_timeout_s", 0, SECONDS_MAX, low_open=True),
         ], where)
 
 
@@ -60,9 +60,10 @@ class AgentConfig:
             (bool(self.name) and "/" not in self.name, "name must be a non-empty name without '/'"),
             (bool(self.source), "source must not be empty"),
             (isinstance(self.options, dict), "options must be a table"),
-            (self.tolerance is None or self.tolerance >= 0, "tolerance must be >= 0"),
-            (self.val_size is None or self.val_size >= 1, "val_size must be >= 1"),
-            (self.num_train is None or self.num_train >= 1, "num_train must be >= 1"),
+            *[in_range(value, key, low, high) for key, value, low, high in (
+                ("tolerance", self.tolerance, 0, 1), ("val_size", self.val_size, 1, 100_000),
+                ("num_train", self.num_train, 1, 1_000_000), ("train_seed", self.train_seed, 0, SEED_MAX),
+                ("val_seed", self.val_seed, 0, SEED_MAX)) if value is not None],
         ], where)
 
 
@@ -77,13 +78,14 @@ class SwapCheckConfig:
     probe_tokens: int = 48  # length of the probe sequence
 
     def validate(self) -> None:
-        """Raise ValueError for a non-positive deadline or tolerance, or a probe under 2 tokens."""
-        if not self.deadline_s > 0:
-            raise ValueError(f"swap_check.deadline_s must be > 0, got {self.deadline_s}")
+        """Raise ValueError for a deadline not in (0 s, a year], a non-positive tolerance, or a probe
+        not of 2 to 65536 tokens (and at most the model's context, selfrl.model.fit)."""
+        for ok, msg in (in_range(self.deadline_s, "swap_check.deadline_s", 0, SECONDS_MAX, low_open=True),
+                        in_range(self.probe_tokens, "swap_check.probe_tokens", 2, 65536)):
+            if not ok:
+                raise ValueError(msg)
         if self.tolerance is not None and not self.tolerance > 0:
             raise ValueError(f"swap_check.tolerance must be > 0 (or unset), got {self.tolerance}")
-        if self.probe_tokens < 2:
-            raise ValueError(f"swap_check.probe_tokens must be >= 2, got {self.probe_tokens}")
 
 
 @dataclass
@@ -102,7 +104,7 @@ class SamplerConfig:
             (self.url is None or (isinstance(self.url, str) and self.url.startswith(("http://", "https://"))),
              f"url must start with http:// or https://, got {self.url!r}"),
             one_of(self.kind, SamplerKind, "kind"),
-            (self.timeout_s > 0, "timeout_s must be > 0"),
+            in_range(self.timeout_s, "timeout_s", 0, SECONDS_MAX, low_open=True),
         ], where)
 
 

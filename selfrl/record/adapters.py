@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from selfrl.core import faults
+from selfrl.model.adapter_check import check_adapter
 
 MARKER = "selfrl_version.json"
 
@@ -121,9 +122,12 @@ def load_version_state(path: Path, verify: bool = True) -> dict[str, torch.Tenso
     Raises:
         CorruptVersionError: ``verify`` and the folder is not complete (see :func:`verify_version`).
         FileNotFoundError: no adapter weights in ``path``.
+        selfrl.model.adapter_check.AdapterError: its ``adapter_config.json`` is missing or names an
+            adapter selfrl cannot hot-swap (:func:`selfrl.model.adapter_check.check_adapter`).
     """
     if verify and (reason := verify_version(path)) is not None:
         raise CorruptVersionError(f"adapter version at {path} cannot be served: {reason}")
+    check_adapter(path)
     f = Path(path) / "adapter_model.safetensors"
     if not f.exists():
         raise FileNotFoundError(f"no adapter weights at {f}")

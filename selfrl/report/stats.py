@@ -16,6 +16,13 @@ from __future__ import annotations
 import math
 
 
+def _check_z(z: float) -> None:
+    """Raise ValueError unless ``z`` is a finite number >= 0 (a NaN or negative ``z`` gave an
+    inverted or meaningless interval, silently)."""
+    if isinstance(z, bool) or not isinstance(z, (int, float)) or not math.isfinite(z) or z < 0:
+        raise ValueError(f"z must be a finite number >= 0 (1.96 for 95%), got {z!r}")
+
+
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """Wilson score interval for a binomial proportion ``successes / n``.
 
@@ -38,17 +45,25 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
         ``(low, high)`` as fractions in [0, 1].
 
     Raises:
-        ValueError: if ``n < 0`` or ``successes`` is outside ``[0, n]``.
+        ValueError: if ``n < 0``, ``successes`` is outside ``[0, n]``, or ``z`` is not a
+            finite number >= 0.
+
+    Counts of any size work (``1 / n`` is exact integer division, so ``n = 10**400``
+    does not overflow a float conversion), and so does any finite ``z``.
     """
     if n < 0 or not 0 <= successes <= n:
         raise ValueError(f"need 0 <= successes <= n, got successes={successes}, n={n}")
+    _check_z(z)
     if n == 0:
         return 0.0, 1.0
     p = successes / n
-    z2 = z * z
-    denom = 1.0 + z2 / n
-    center = (p + z2 / (2 * n)) / denom
-    half = z / denom * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    inv_n = 1 / n
+    z2n = z * z * inv_n  # z^2 / n; inf only for z > 1e154, where the interval is all of [0, 1]
+    if not math.isfinite(z2n):
+        return 0.0, 1.0
+    denom = 1.0 + z2n
+    center = (p + z2n / 2) / denom
+    half = z / denom * math.sqrt(p * (1 - p) * inv_n + z2n * inv_n / 4)
     return max(0.0, center - half), min(1.0, center + half)
 
 
@@ -80,10 +95,11 @@ def paired_difference_ci(
         undefined and the interval is ``(-1.0, 1.0)`` (mean 0.0 when ``n == 0``).
 
     Raises:
-        ValueError: if the lists differ in length.
+        ValueError: if the lists differ in length, or ``z`` is not a finite number >= 0.
     """
     if len(before) != len(after):
         raise ValueError(f"paired outcomes differ in length: {len(before)} before, {len(after)} after")
+    _check_z(z)
     n = len(before)
     diffs = [float(bool(a)) - float(bool(b)) for b, a in zip(before, after)]
     mean = sum(diffs) / n if n else 0.0
@@ -119,7 +135,8 @@ def unpaired_difference_ci(
         ``(difference, low, high)`` with the difference ``p2 - p1``.
 
     Raises:
-        ValueError: if a sample is empty or a count is outside ``[0, n]``.
+        ValueError: if a sample is empty, a count is outside ``[0, n]``, or ``z`` is not a
+            finite number >= 0.
     """
     if n1 <= 0 or n2 <= 0:
         raise ValueError(f"both samples need at least one trial, got n1={n1}, n2={n2}")

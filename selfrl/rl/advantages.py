@@ -20,6 +20,19 @@ How this departs from the paper, and why:
   group's mean and std by a sample that the loss can never push on: rewards
   [1.0, 0.0] with the second sample empty would give [+1, -1], and the whole push
   would land on the real sample with no partner to balance it.
+* The mean and std are computed on the rewards divided by a power of two near the
+  group's largest |r| (:func:`mean_std`), so that any finite rewards give finite
+  advantages: the naive ``sum(r)`` or ``(r - mean)^2`` overflows at |r| ~ 1e154
+  (``(1e200 - 0)^2``) and ``(r - mean) / std`` then raised ``OverflowError`` or gave NaN.
+  Dividing by a power of two is exact, so wherever the naive formula does not
+  overflow or underflow the advantages are the same floats.
+* With ``scale_rewards="none"`` the advantage ``r - mean`` is in reward units and
+  unbounded. When the batch's largest ``|r - mean|`` exceeds :data:`ADVANTAGE_LIMIT`
+  (2^20), every advantage of the batch is multiplied by one power of two that brings
+  it within the limit (``AdvantageResult.scale``). A positive factor on the whole
+  batch leaves the update's direction unchanged (Adam normalises its size); without it
+  rewards of 1e200 give advantages that the float32 loss turns into inf, and centred
+  rewards above 1.8e308 are not even a float.
 """
 
 from __future__ import annotations
@@ -28,6 +41,50 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+ADVANTAGE_LIMIT = 2.0 ** 20  # largest |advantage| with scale_rewards="none"; above it the batch is scaled down
+
+
+def _finite_float(value: float, message: str) -> float:
+    """``float(value)``, or ValueError ``message value`` when it is not finite (an int beyond
+    the float range, 10**400, included: ``float`` raised OverflowError)."""
+    try:
+        x = float(value)
+    except OverflowError:
+        x = math.inf
+    if not math.isfinite(x):
+        raise ValueError(f"{message} {value}"[:200])
+    return x
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and population std (ddof=0) of finite ``values``, finite for any finite input.
+
+    Both are computed on ``values / 2^k`` with ``2^k`` the power of two just above the
+    largest ``|v|`` and multiplied back: division by a power of two is exact, so the
+    result equals the naive ``sum(v) / n`` and ``sqrt(sum((v - mean)^2) / n)`` wherever
+    those do not overflow, and stays finite where they do (``|mean| <= max|v|``,
+    ``std <= max|v|``).
+
+    Raises:
+        ValueError: ``values`` is empty or holds a value that is not finite.
+
+    >>> mean_std([1e200, 0.0])
+    (5e+199, 5e+199)
+    >>> mean_std([1.0, 2.0, 3.0, 4.0])
+    (2.5, 1.118033988749895)
+    """
+    if not values:
+        raise ValueError("mean_std needs at least one value")
+    values = [_finite_float(v, "mean_std needs finite values, got") for v in values]
+    top = max(abs(v) for v in values)
+    if top == 0.0:
+        return 0.0, 0.0
+    k = math.frexp(top)[1]  # top = m * 2^k with 0.5 <= m < 1
+    w = [math.ldexp(v, -k) for v in values]  # in (-1, 1)
+    mean_w = sum(w) / len(w)
+    std_w = math.sqrt(sum((x - mean_w) ** 2 for x in w) / len(w))
+    return math.ldexp(mean_w, k), math.ldexp(std_w, k)
 
 
 @dataclass(frozen=True)
@@ -40,11 +97,14 @@ class AdvantageResult:
         num_groups: groups with at least one scored trajectory.
         num_groups_no_signal: groups whose advantages are all 0 (one sample or
             constant reward).
+        scale: the power of two every advantage was multiplied by to keep it within
+            :data:`ADVANTAGE_LIMIT` (only with ``scale_rewards="none"``); 1.0 otherwise.
     """
 
     advantages: list[float | None]
     num_groups: int
     num_groups_no_signal: int
+    scale: float = 1.0
 
     @property
     def frac_no_signal(self) -> float:
@@ -99,23 +159,37 @@ def group_advantages(
     for i, (r, g) in enumerate(zip(rewards, group_ids)):
         if r is None:
             continue
-        if not math.isfinite(r):
-            raise ValueError(f"reward {i} is not finite: {r}")
+        _finite_float(r, f"reward {i} is not finite:")
         if num_completion_tokens is not None and num_completion_tokens[i] == 0:
             continue
         members[g].append(i)
 
     advantages: list[float | None] = [None] * len(rewards)
     no_signal = 0
+    centred: dict[int, tuple[float, int]] = {}  # i -> (r_i - mean) as mantissa, exponent ("none")
     for idx in members.values():
         values = [float(rewards[i]) for i in idx]  # type: ignore[arg-type]
-        mean = sum(values) / len(values)
-        std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+        mean, std = mean_std(values)
         if len(values) < 2 or std < eps:
             no_signal += 1
             for i in idx:
                 advantages[i] = 0.0
             continue
+        k = math.frexp(max(abs(v) for v in values))[1]
         for i, v in zip(idx, values):
-            advantages[i] = (v - mean) / std if scale_rewards == "group" else v - mean
-    return AdvantageResult(advantages, len(members), no_signal)
+            d = math.ldexp(v, -k) - math.ldexp(mean, -k)  # (r - mean) / 2^k, in (-2, 2): never overflows
+            if scale_rewards == "group":
+                advantages[i] = d / math.ldexp(std, -k)
+            else:
+                centred[i] = (d, k)
+    scale = 1.0
+    if centred:
+        # the largest |r - mean| as (exponent, mantissa): comparable without forming it
+        e, m = max((math.frexp(d)[1] + k, abs(math.frexp(d)[0])) for d, k in centred.values())
+        shift = max(0, e - math.frexp(ADVANTAGE_LIMIT)[1])  # now |r - mean| * 2^-shift <= 2^21
+        while math.ldexp(m, e - shift) > ADVANTAGE_LIMIT:
+            shift += 1
+        scale = math.ldexp(1.0, -shift)
+        for i, (d, k) in centred.items():
+            advantages[i] = math.ldexp(d, k - shift)
+    return AdvantageResult(advantages, len(members), no_signal, scale)

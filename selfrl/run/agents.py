@@ -23,8 +23,9 @@ Per-agent adapters over a shared one are not implemented (docs/distributed.md).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+from selfrl.rl.advantages import mean_std
 
 
 def balance_agents(advantages: list[float | None], agents: list[str]) -> list[float | None]:
@@ -51,12 +52,10 @@ def balance_agents(advantages: list[float | None], agents: list[str]) -> list[fl
         if a is not None:
             by_agent.setdefault(g, []).append(a)
     n, k = sum(len(v) for v in by_agent.values()), len(by_agent)
-    scale = {}
-    for g, vals in by_agent.items():
-        mean = sum(vals) / len(vals)
-        std = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals))
-        scale[g] = n / (k * len(vals)) / std if std > 0 else 1.0
-    return [None if a is None else a * scale[g] for a, g in zip(advantages, agents)]
+    std = {g: mean_std(vals)[1] for g, vals in by_agent.items()}  # finite for any finite advantages
+    weight = {g: n / (k * len(vals)) for g, vals in by_agent.items()}
+    # a / std first: |a - mean| / std <= sqrt(N_a), so no step overflows (weight / std could, for a tiny std)
+    return [None if a is None else (a / std[g] * weight[g] if std[g] > 0 else a) for a, g in zip(advantages, agents)]
 
 
 @dataclass

@@ -23,7 +23,7 @@ from selfrl.core import faults
 from selfrl.core.tasks import Task
 from selfrl.core.trajectory import Trajectory
 from selfrl.record import adapters
-from selfrl.record.metrics import MetricsLog, rollout_metrics
+from selfrl.run.metrics import MetricsLog, rollout_metrics
 from selfrl.record.versions import Champion, EventKind
 from selfrl.rl.learner import UpdateResult
 from selfrl.rollout.agent import env_offers_tools, rollout
@@ -213,7 +213,7 @@ class Runner:
         metrics.update(rollout_metrics(trajs))
         metrics.update(hacking)
         metrics.update(lag)
-        metrics.update({"frac_reward_zero_std": adv.frac_no_signal, "version": float(s.engine.version),
+        metrics.update({"frac_reward_zero_std": adv.frac_no_signal, "advantage_scale": adv.scale, "version": float(s.engine.version),
                         "time/rollout_s": t_roll, "sampled_version": float(sampled),
                         "train/entropy": collapse.entropy_estimate(trajs),
                         "train/degenerate": collapse.degenerate_share(trajs, cfg.collapse)})

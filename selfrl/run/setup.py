@@ -29,7 +29,7 @@ from selfrl.envs import get_env
 from selfrl.envs.builtin import load_builtin_envs
 from selfrl.envs.rewards import check_weights, get_preset
 from selfrl.model.load import build_policy
-from selfrl.record.atomic import write_atomic
+from selfrl.core.atomic import write_atomic
 from selfrl.record.store import Store
 from selfrl.record.versions import Ledger
 from selfrl.rl.learner import Learner, kl_reference

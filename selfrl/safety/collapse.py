@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 from selfrl.config import CollapseConfig
+from selfrl.rl.advantages import mean_std
 from selfrl.core.trajectory import Trajectory
 
 
@@ -154,7 +155,7 @@ def history_from_metrics(rows: list[dict]) -> list[UpdateRecord]:
 
 def _baseline(history: list[UpdateRecord], field: str, window: int) -> float:
     vals = [getattr(r, field) for r in history[:window] if math.isfinite(getattr(r, field))]
-    return sum(vals) / len(vals) if vals else math.nan
+    return mean_std(vals)[0] if vals else math.nan
 
 
 def kl_rule(rec: UpdateRecord, cfg: CollapseConfig) -> Alarm | None:
@@ -240,8 +241,10 @@ def heldout_alarms(success: float, best_success: float, candidate_rewards: list[
     if success < best_success - cfg.heldout_drop:
         out.append(Alarm("heldout_drop", success, best_success - cfg.heldout_drop,
                          f"held-out success {success:.3f} < best {best_success:.3f} - {cfg.heldout_drop:g}"))
+    candidate_rewards = [r for r in candidate_rewards if math.isfinite(r)]  # a resumed run's records may hold inf
+    best_rewards = [r for r in best_rewards if math.isfinite(r)]
     if candidate_rewards and best_rewards and success < best_success - tolerance:
-        rise = sum(candidate_rewards) / len(candidate_rewards) - sum(best_rewards) / len(best_rewards)
+        rise = mean_std(candidate_rewards)[0] - mean_std(best_rewards)[0]  # inf only past 1.8e308
         if rise >= cfg.reward_rise:
             out.append(Alarm("reward_vs_heldout", rise, cfg.reward_rise,
                              f"training reward up {rise:+.3f} while held-out fell to {success:.3f} "

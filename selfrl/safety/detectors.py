@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from selfrl.config import DetectorConfig
+from selfrl.rl.advantages import mean_std
 from selfrl.core.trajectory import Trajectory
 
 __all__ = [
@@ -282,7 +283,7 @@ def apply_detectors(trajs: list[Trajectory], cfg: DetectorConfig) -> dict[str, f
     scored = [t for t in trajs if t.reward is not None]
     if not scored or not cfg.names:
         return {}
-    unclamped = sum(t.reward for t in scored) / len(scored)
+    unclamped = mean_std([t.reward for t in scored])[0]  # finite for any finite rewards
     for t in scored:
         t.flags = {}
     groups: dict[str, list[Trajectory]] = defaultdict(list)
@@ -323,7 +324,7 @@ class HackingMonitor:
         """``apply_detectors`` on ``trajs``, then the history checks; returns the metrics."""
         scored = [t for t in trajs if t.reward is not None]
         if scored:
-            self.history.append({n: sum(w * (t.rewards.get(n) or 0.0) for t in scored) / len(scored)
+            self.history.append({n: mean_std([w * (t.rewards.get(n) or 0.0) for t in scored])[0]
                                  for n, w in self.weights.items()})
         metrics = apply_detectors(trajs, self.cfg)
         if "component_dominance" in self.cfg.names:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import socket
 import sys
 from typing import Any
@@ -54,7 +55,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | None, learn: bool = True,
           protect_completions: bool = False) -> int:
-    """Run the server until Ctrl-C; returns the exit code (2 for bad input)."""
+    """Run the server until Ctrl-C, SIGTERM or SIGHUP; returns the exit code: 2 for bad input, 128 + the
+    signal's number after a stop signal (130, 143, 129; :mod:`selfrl.run.shutdown`)."""
     from selfrl.config import ConfigError
     from selfrl.model.load import ModelLoadError
 
@@ -122,22 +124,15 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
               file=sys.stderr)
     app = create_app(service, api_key, protect_completions, learn=learn)
     port = sock.getsockname()[1]
-    server = _announcing_server(uvicorn.Config(app, log_level="warning"),
-                               f"selfrl: serving {cfg.model.name} as {cfg.served_model_name!r} (version "
+    from selfrl.run.shutdown import exit_code, server as stoppable_server
+
+    server = stoppable_server(uvicorn.Config(app, log_level="warning"),
+                              f"selfrl: serving {cfg.model.name} as {cfg.served_model_name!r} (version "
                                f"{service.engine.version}) on http://{cfg.host}:{port}/v1; run dir {cfg.run_dir}"
-                               + (" (replica: its owner learns; promoted versions are followed)" if cfg.replica else ""))
+                              + (" (replica: its owner learns; promoted versions are followed)" if cfg.replica else ""),
+                              "stopping: requests in flight finish, the learner stops, the store closes")
     server.run(sockets=[sock])
+    if server.stop_signal is not None:  # SIGINT 130, SIGTERM 143, SIGHUP 129 (selfrl.run.shutdown)
+        print(f"selfrl: stopped by {signal.Signals(server.stop_signal).name}", file=sys.stderr)
+        return exit_code(server.stop_signal)
     return 0 if server.started else 1
-
-
-def _announcing_server(config, line: str):
-    """A ``uvicorn.Server`` that prints ``line`` once it listens, never before."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets=None):
-            await super().startup(sockets=sockets)
-            if self.started and not self.should_exit:
-                print(line, file=sys.stderr, flush=True)
-
-    return Server(config)

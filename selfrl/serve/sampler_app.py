@@ -37,7 +37,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, field_validator
 
-from selfrl.engines.base import SamplingEngine, check_token_ids, context_overflow, engine_context
+from selfrl.engines.base import (
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    SamplingEngine,
+    check_token_ids,
+    context_overflow,
+    engine_context,
+)
 from selfrl.serve.errors import add_server_error_handler, finite_fields, validation_message
 
 log = logging.getLogger("selfrl.sampler")
@@ -67,7 +74,7 @@ class LoadRequest(BaseModel):
 
 class LogprobsRequest(BaseModel):
     token_ids: list[int] = Field(min_length=2)
-    temperature: float = Field(default=1.0, gt=0)
+    temperature: float = Field(default=1.0, ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE)  # as for sampling
 
     _finite = finite_fields("temperature")
 

@@ -1,8 +1,10 @@
 """``selfrl sampler``: load the policy as ``selfrl run`` would and serve it as a remote
-sampling backend (:mod:`selfrl.serve.sampler_app`) until Ctrl-C."""
+sampling backend (:mod:`selfrl.serve.sampler_app`) until Ctrl-C, SIGTERM or SIGHUP (exit code
+128 + the signal's number, :mod:`selfrl.run.shutdown`)."""
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Any
 
@@ -38,5 +40,11 @@ def sampler(config: str | None, overrides: dict[str, Any], host: str, port: int,
     print(f"selfrl: sampling {cfg.model.name} ({placement.device}, {cfg.model.dtype}) on http://{host}:{port}/sampler",
           file=sys.stderr)
     app = create_sampler_app(Engine(model, tok), api_key, model_name=cfg.model.name)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
-    return 0
+    from selfrl.run.shutdown import exit_code, server
+
+    stoppable = server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    stoppable.run()
+    if stoppable.stop_signal is not None:  # SIGINT 130, SIGTERM 143, SIGHUP 129 (selfrl.run.shutdown)
+        print(f"selfrl: sampler stopped by {signal.Signals(stoppable.stop_signal).name}", file=sys.stderr)
+        return exit_code(stoppable.stop_signal)
+    return 0 if stoppable.started else 1

@@ -22,7 +22,7 @@ from typing import Any
 
 from selfrl.record import adapters
 from selfrl.record.adapters import lora_state
-from selfrl.record.atomic import write_atomic
+from selfrl.core.atomic import write_atomic
 from selfrl.record.versions import Champion, EventKind, Ledger
 from selfrl.serve.errors import ApiError
 

@@ -8,6 +8,7 @@ import math
 import time
 from pathlib import Path
 
+from selfrl.rl.advantages import mean_std
 from selfrl.record.store import Store
 from selfrl.core.trajectory import Trajectory
 
@@ -43,7 +44,7 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     tool_rates = [t.tool_success_rate for t in trajs if t.tool_success_rate is not None]
     n = max(len(trajs), 1)
     return {
-        "reward/mean": sum(t.reward for t in scored) / max(len(scored), 1),
+        "reward/mean": mean_std([t.reward for t in scored])[0] if scored else 0.0,
         "train/correct": sum(bool(t.correct) for t in trajs) / n,
         "train/tool_use": sum(t.wrote_a_call for t in trajs) / n,  # written calls count too (max_turns = 1)
         "train/tool_success": sum(tool_rates) / len(tool_rates) if tool_rates else float("nan"),
