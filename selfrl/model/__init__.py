@@ -5,6 +5,8 @@
 - :mod:`selfrl.model.device`: device and dtype, gradient checkpointing, peak memory.
 - :mod:`selfrl.model.matmul`: frozen fp32 products on the CPU through oneDNN.
 - :mod:`selfrl.model.prefix`: the common token prefix of a batch, encoded once.
+- :mod:`selfrl.model.adapter_check`: which adapters selfrl can train, hot-swap and serve.
+- :mod:`selfrl.model.fit`: the settings the model bounds, checked before its weights load.
 
 Importing the package imports no torch (the config reads :data:`DEFAULT_MODEL` from here).
 """

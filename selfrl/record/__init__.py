@@ -9,7 +9,6 @@ adapter folders.
 - :mod:`selfrl.record.adapters`: adapter versions on disk, written atomically and verified.
 - :mod:`selfrl.record.served`: what ``selfrl serve`` stores beside the trajectories (served
   turns, feedback, conversations).
-- :mod:`selfrl.run.metrics`: where a run's numbers go (store, ``metrics.jsonl``, TensorBoard).
-- :mod:`selfrl.core.atomic`, :mod:`selfrl.record.runlock`, :mod:`selfrl.record.storage_errors`:
-  atomic small writes, one writer per run directory, and the storage faults a write may meet.
+- :mod:`selfrl.record.runlock`, :mod:`selfrl.record.storage_errors`: one writer per run
+  directory, and the storage faults a write may meet.
 """

@@ -10,6 +10,8 @@
 - :mod:`selfrl.run.signal`: where the learning signal is (task choice, the pre-flight check).
 - :mod:`selfrl.run.sampler_sync`: a sampler in another process kept in step with the learner.
 - :mod:`selfrl.run.agents`: several agents, one learner (advantage balance, per-agent gate).
-- :mod:`selfrl.run.progress`: what the user sees while a run goes.
+- :mod:`selfrl.run.metrics`: where a run's numbers go (store, ``metrics.jsonl``, TensorBoard).
+- :mod:`selfrl.run.progress`, :mod:`selfrl.run.shutdown`: what the user sees while a run goes,
+  and SIGTERM or SIGHUP stopping it (or a server) as Ctrl-C does.
 - :mod:`selfrl.run.ray`: rollouts on Ray workers (``--ray``).
 """
