@@ -13,6 +13,17 @@ string ``name`` and object ``arguments`` becomes a failed call with a reason,
 which is recorded on the trajectory and sent back to the model; the tool
 function is not run.
 
+**Tags inside strings.** A block ends at the first ``</tool_call>`` after the JSON
+value that follows ``<tool_call>`` (read with ``json.JSONDecoder.raw_decode``), so a
+string argument may hold ``</tool_call>``, ``<tool_call>``, ``<think>`` or braces:
+``{"content": "x </tool_call> y"}`` is one call with that whole string
+(:func:`scan_blocks`).
+
+**Markup.** The tags of this format (:data:`MARKUP_TAGS`) are never answer text:
+what is left of a turn after its blocks are taken out loses any stray tag
+(``</tool_call>`` without a block, ``<tool_response>`` tags a model wrote itself)
+and a tag cut off at its end (:func:`markup_spans`).
+
 **Argument keys.** ``arguments`` is the key; ``parameters`` is accepted as its
 alias, because Llama-3.1's own tool format writes ``{"name": ..., "parameters":
 {...}}``. Any other key besides ``name`` (``args``, ``input``, ``function``...), or
@@ -26,13 +37,15 @@ thought, never run, never returned to a client. An unclosed ``<think>`` runs to 
 end of the text (the whole rest is reasoning); a ``</think>`` without an opening tag
 closes a block that began at the start of the text (Qwen3's template opens the
 block in the prompt, so the sampled text starts inside it). The rollout and the
-server both go through :func:`parse_tool_calls`, so the rule is the same in both.
+server both go through :func:`scan_blocks`, so the rule is the same in both.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from selfrl.tools import Tool, ToolError, json_type_name, validate_arguments
@@ -44,6 +57,12 @@ TOOL_RESPONSE_OPEN = "<tool_response>"
 TOOL_RESPONSE_CLOSE = "</tool_response>"
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
+TOOLS_OPEN = "<tools>"
+TOOLS_CLOSE = "</tools>"
+# every tag of the call format and the templates that use it (Qwen2.5, Qwen3, SmolLM3): never text for a client
+MARKUP_TAGS = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE, THINK_OPEN, THINK_CLOSE,
+               TOOLS_OPEN, TOOLS_CLOSE)
+_BLOCK_TAGS = (TOOL_CALL_CLOSE, TOOL_CALL_OPEN, THINK_OPEN, THINK_CLOSE)
 ARGUMENT_KEYS = ("arguments", "parameters")  # "parameters": Llama-3.1's own tool format
 
 _PLACEHOLDERS: dict[str, Any] = {
@@ -172,30 +191,15 @@ def _parse_block(raw: str) -> ParsedCall:
 def reasoning_spans(text: str) -> list[tuple[int, int]]:
     """Character spans ``[start, end)`` of the reasoning blocks in ``text``, tags included.
 
-    See the module docstring for the rule.
+    See the module docstring for the rule; a ``<think>`` or ``</think>`` inside a call
+    block's JSON string is part of the call, not a tag (:func:`scan_blocks`).
 
     >>> reasoning_spans("<think>a</think>b")
     [(0, 16)]
     >>> reasoning_spans("a</think>b"), reasoning_spans("x<think>y")
     ([(0, 9)], [(1, 9)])
     """
-    spans: list[tuple[int, int]] = []
-    first_open = text.find(THINK_OPEN)
-    first_close = text.find(THINK_CLOSE)
-    pos = 0
-    if first_close >= 0 and (first_open < 0 or first_close < first_open):  # opened by the prompt
-        pos = first_close + len(THINK_CLOSE)
-        spans.append((0, pos))
-    while True:
-        start = text.find(THINK_OPEN, pos)
-        if start < 0:
-            return spans
-        end = text.find(THINK_CLOSE, start + len(THINK_OPEN))
-        if end < 0:
-            spans.append((start, len(text)))
-            return spans
-        pos = end + len(THINK_CLOSE)
-        spans.append((start, pos))
+    return scan_blocks(text)[0]
 
 
 def split_reasoning(text: str) -> tuple[str, str]:
@@ -217,28 +221,115 @@ def split_reasoning(text: str) -> tuple[str, str]:
     return "\n".join(t for t in thoughts if t), "".join(pieces)
 
 
+# the tags that end a call block's body, and a JSON string (skipped whole; possessive, so an
+# unterminated string is one linear scan, after which its tags count: the body is invalid JSON anyway)
+_BODY_END = re.compile(r'"(?:[^"\\]|\\.)*+"|' + "|".join(map(re.escape, _BLOCK_TAGS)), re.S)
+_NEXT_BLOCK = re.compile("|".join(map(re.escape, (TOOL_CALL_OPEN, THINK_OPEN, THINK_CLOSE))))
+_DECODER = json.JSONDecoder()
+
+
+def _body_end(text: str, body_start: int) -> tuple[int, bool]:
+    """Where the body of the call block opened just before ``body_start`` ends: ``(i, closed)``,
+    ``i`` the index of its ``</tool_call>`` (closed) or of the tag that cuts it off, else
+    ``len(text)`` (unclosed).
+
+    A closing tag inside a JSON string does not end the block: when the body starts with a
+    JSON value (``json.JSONDecoder.raw_decode``) the first tag after that value counts;
+    otherwise (invalid JSON) the first tag outside a JSON string (where a string is left
+    unterminated, the tags after its opening quote count: the body is invalid either way). The tags are ``</tool_call>`` and the
+    ones that cut an unclosed block off: ``<tool_call>``, ``<think>``, ``</think>``.
+    """
+    i = body_start
+    while i < len(text) and text[i] in " \t\n\r":
+        i += 1
+    try:
+        _, after = _DECODER.raw_decode(text, i)
+    except (ValueError, RecursionError):  # invalid JSON, or nested deeper than Python's stack
+        after = None
+    tags = _BODY_END.finditer(text, body_start if after is None else after)
+    found = next((m for m in tags if not m.group().startswith('"')), None)
+    if found is None:
+        return len(text), False
+    return found.start(), found.group() == TOOL_CALL_CLOSE
+
+
+def scan_blocks(text: str) -> tuple[list[tuple[int, int]], list[tuple[int, int, ParsedCall]]]:
+    """The reasoning blocks and the tool-call blocks of ``text``, read left to right:
+    ``(reasoning spans, calls)``, each span ``[start, end)`` with its tags.
+
+    Each call is ``(start, end, call)``. A call block ends at its ``</tool_call>``, found
+    by :func:`_body_end` (a closing tag inside a JSON string is text); an unclosed block
+    runs to the next ``<tool_call>``, ``<think>``, ``</think>`` or the end of the text, and
+    is a failed call. A reasoning block is never a call (see the module docstring), and a
+    tag inside a call's JSON string opens or closes no reasoning block.
+    """
+    thinks: list[tuple[int, int]] = []
+    calls: list[tuple[int, int, ParsedCall]] = []
+    pos, thought = 0, False  # thought: a reasoning block was seen (a later </think> is a stray tag)
+    while (m := _NEXT_BLOCK.search(text, pos)) is not None:
+        if m.group() == THINK_CLOSE:
+            if not thought:  # opened by the prompt: all before it is reasoning, calls included
+                thinks, calls = [(0, m.end())], []
+            thought, pos = True, m.end()
+        elif m.group() == THINK_OPEN:
+            close = text.find(THINK_CLOSE, m.end())
+            pos = len(text) if close < 0 else close + len(THINK_CLOSE)
+            thinks.append((m.start(), pos))
+            thought = True
+        else:
+            body_end, closed = _body_end(text, m.end())
+            raw = text[m.end():body_end]
+            pos = body_end + len(TOOL_CALL_CLOSE) if closed else body_end
+            calls.append((m.start(), pos, _parse_block(raw) if closed else
+                          ParsedCall("", {}, raw, f"unclosed {TOOL_CALL_OPEN}")))
+    return thinks, calls
+
+
 def call_spans(text: str) -> list[tuple[int, int, ParsedCall]]:
     """Each tool-call block outside reasoning blocks: ``(start, end, call)`` with
-    ``[start, end)`` the block's characters in ``text``, tags included (an unclosed
-    block runs to the end of the text, or to the next reasoning block)."""
-    out: list[tuple[int, int, ParsedCall]] = []
-    spans = reasoning_spans(text) + [(len(text), len(text))]
-    pos = 0
-    for think_start, think_end in spans:
-        while True:  # the calls in text[pos:think_start]
-            start = text.find(TOOL_CALL_OPEN, pos, think_start)
-            if start < 0:
-                break
-            body_start = start + len(TOOL_CALL_OPEN)
-            end = text.find(TOOL_CALL_CLOSE, body_start, think_start)
-            if end < 0:
-                out.append((start, think_start, ParsedCall("", {}, text[body_start:think_start],
-                                                             f"unclosed {TOOL_CALL_OPEN}")))
-                break
-            out.append((start, end + len(TOOL_CALL_CLOSE), _parse_block(text[body_start:end])))
-            pos = end + len(TOOL_CALL_CLOSE)
-        pos = think_end
-    return out
+    ``[start, end)`` the block's characters in ``text``, tags included (see
+    :func:`scan_blocks`)."""
+    return scan_blocks(text)[1]
+
+
+def markup_spans(text: str, start: int = 0, end: int | None = None, extra: tuple[str, ...] = ()
+                 ) -> list[tuple[int, int]]:
+    """Spans ``[s, e)`` of markup in ``text[start:end]``: each tag of :data:`MARKUP_TAGS` and
+    of ``extra`` (a template's control-token text, ``<|im_end|>``...), and, when ``end`` is
+    the end of the text, the start of one cut off there (``<tool_resp``, ``<|im_``).
+
+    >>> markup_spans("a<tool_response>b</tool_response>c<tool_")
+    [(1, 16), (17, 33), (34, 40)]
+    """
+    end = len(text) if end is None else end
+    spans = [(m.start(), m.end()) for m in _markup_re(tuple(extra)).finditer(text, start, end)]
+    if end == len(text):
+        cut = max((k for tag in (*MARKUP_TAGS, *extra) for k in range(1, len(tag))
+                   if text.endswith(tag[:k])), default=0)
+        last = spans[-1][1] if spans else start
+        if cut and len(text) - cut >= last:
+            spans.append((len(text) - cut, len(text)))
+    return spans
+
+
+@lru_cache(maxsize=16)
+def _markup_re(extra: tuple[str, ...]) -> re.Pattern:
+    tags = sorted({*MARKUP_TAGS, *(t for t in extra if t)}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, tags)))
+
+
+def strip_markup(text: str, extra: tuple[str, ...] = ()) -> str:
+    """``text`` without the markup of :func:`markup_spans`.
+
+    >>> strip_markup("42</tool_response><|im_end|>", ("<|im_end|>",))
+    '42'
+    """
+    out, pos = [], 0
+    for s, e in markup_spans(text, extra=extra):
+        out.append(text[pos:s])
+        pos = e
+    out.append(text[pos:])
+    return "".join(out)
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ParsedCall]]:
@@ -247,24 +338,28 @@ def parse_tool_calls(text: str) -> tuple[str, list[ParsedCall]]:
     Each ``<tool_call>...</tool_call>`` block outside a reasoning block must hold
     exactly one JSON object ``{"name": str, "arguments": object}`` (``parameters``
     is an alias of ``arguments``); ``arguments`` may be missing (taken as {}) or a
-    JSON string holding an object. Whitespace around the object is ignored.
+    JSON string holding an object. Whitespace around the object is ignored, and a
+    ``</tool_call>`` inside one of its strings is text (:func:`scan_blocks`).
     Anything else yields a ``ParsedCall`` with ``error`` set and empty arguments:
-    an unclosed ``<tool_call>`` (its raw text runs to the end), invalid JSON,
-    several objects glued together, a non-object, a missing or non-string name,
-    arguments of another type, or any other key. Blocks inside ``<think>`` are
-    part of the reasoning and are not calls (see the module docstring).
+    an unclosed ``<tool_call>`` (its raw text runs to the end, or to the next block),
+    invalid JSON, several objects glued together, a non-object, a missing or
+    non-string name, arguments of another type, or any other key. Blocks inside
+    ``<think>`` are part of the reasoning and are not calls (see the module docstring).
 
     Returns:
-        (the text with the reasoning blocks and the call blocks removed, stripped;
-        calls in order of appearance).
+        (the text with the reasoning blocks, the call blocks and any other markup
+        (:func:`markup_spans`: a stray ``</tool_call>``, ``<tool_response>`` tags, a tag
+        cut off at the end) removed, stripped; calls in order of appearance).
     """
-    drop = sorted([(s, e) for s, e in reasoning_spans(text)] + [(s, e) for s, e, _ in call_spans(text)])
+    thinks, calls = scan_blocks(text)
     pieces, pos = [], 0
-    for start, end in drop:
+    for start, end in sorted([*thinks, *((s, e) for s, e, _ in calls)]) + [(len(text), len(text))]:
+        for s, e in markup_spans(text, pos, start) if start > pos else []:
+            pieces.append(text[pos:s])
+            pos = e
         pieces.append(text[pos:start])
         pos = max(pos, end)
-    pieces.append(text[pos:])
-    return "".join(pieces).strip(), [c for _, _, c in call_spans(text)]
+    return "".join(pieces).strip(), [c for _, _, c in calls]
 
 
 def _failed(call: ParsedCall, why: str) -> ToolCallRecord:
