@@ -26,7 +26,7 @@ from typing import Any
 from selfrl import adapters
 from selfrl.adapters import lora_state
 from selfrl.atomic import write_atomic
-from selfrl.chat import prompt_ids, template_supports_tools, template_wraps_tool_responses
+from selfrl.chat import control_tokens, prompt_ids, template_supports_tools, template_wraps_tool_responses
 from selfrl.engine import Generation
 from selfrl.engines import make_engine
 from selfrl.engines.base import context_overflow, engine_context, model_context
@@ -52,6 +52,20 @@ from selfrl.serve.protocol import (
 from selfrl.store import Store
 from selfrl.trajectory import Trajectory
 from selfrl.versions import EventKind, Ledger
+
+
+def finish_reason(ended: bool, called: bool) -> str:
+    """OpenAI's ``finish_reason`` of a choice: ``"length"`` when the token limit cut the turn
+    (even after complete calls, which are still returned: as OpenAI and vLLM, a client must
+    not take a cut turn for a finished call), else ``"tool_calls"`` when it made calls, else
+    ``"stop"`` (an EOS or a stop string).
+
+    >>> finish_reason(False, True), finish_reason(True, True), finish_reason(True, False)
+    ('length', 'tool_calls', 'stop')
+    """
+    if not ended:
+        return "length"
+    return "tool_calls" if called else "stop"
 
 
 class ApiError(Exception):
@@ -115,6 +129,7 @@ class Service:
         self.engine = make_engine(cfg.engine, model, tokenizer)
         self.context = engine_context(self.engine) or model_context(model, tokenizer)  # (a slot engine: a window)
         self.native_tools = template_supports_tools(tokenizer)
+        self.control = tuple(control_tokens(tokenizer))  # their text is never content (split_completion)
         self.pinned: int | None = None
         self.admin = threading.Lock()  # pin, unpin, rollback and publish: one at a time, each whole
         self.swap_seconds: list[float] = []
@@ -438,9 +453,9 @@ class Service:
             for s in p.req.stops:
                 if s in text:
                     text = text[:text.index(s)]
-            parts = split_completion(text, tools)
+            parts = split_completion(text, tools, self.control)
             content, calls, records_ = parts.content, parts.tool_calls, parts.records
-            finish = "tool_calls" if calls else ("stop" if finished or stopped else "length")
+            finish = finish_reason(finished or stopped, bool(calls))
             message = {"role": "assistant", "content": content}
             if parts.reasoning:
                 message["reasoning_content"] = parts.reasoning
