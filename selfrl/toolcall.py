@@ -236,8 +236,9 @@ def _body_end(text: str, body_start: int) -> tuple[int, bool]:
     A closing tag inside a JSON string does not end the block: when the body starts with a
     JSON value (``json.JSONDecoder.raw_decode``) the first tag after that value counts;
     otherwise (invalid JSON) the first tag outside a JSON string (where a string is left
-    unterminated, the tags after its opening quote count: the body is invalid either way). The tags are ``</tool_call>`` and the
-    ones that cut an unclosed block off: ``<tool_call>``, ``<think>``, ``</think>``.
+    unterminated, the tags after its opening quote count: the body is invalid either way).
+    The tags are ``</tool_call>`` and the ones that cut an unclosed block off:
+    ``<tool_call>``, ``<think>``, ``</think>``.
     """
     i = body_start
     while i < len(text) and text[i] in " \t\n\r":
