@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from selfrl.prompt_size import fewest_tokens
 from selfrl.toolcall import TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN
 
 _DUMMY_USER = "x"
@@ -115,21 +116,48 @@ def encode_chat(tokenizer, text: str, contents: list[str]) -> list[int]:
     return ids + tokenizer(text[pos:], add_special_tokens=False)["input_ids"]
 
 
-def prompt_ids(tokenizer, messages: list[dict[str, Any]], tools=None) -> list[int]:
+class PromptTooLong(ValueError):
+    """A prompt that cannot fit, found before tokenizing it: ``tokens`` is a lower bound of its
+    length (:func:`selfrl.prompt_size.fewest_tokens`), over ``limit``."""
+
+    def __init__(self, tokens: int, limit: int):
+        super().__init__(f"the prompt is at least {tokens} tokens, over the limit of {limit}")
+        self.tokens, self.limit = tokens, limit
+
+
+def prompt_ids(tokenizer, messages: list[dict[str, Any]], tools=None, max_tokens: int | None = None) -> list[int]:
     """Token ids of ``messages`` followed by the assistant header (the first prompt); the
     messages' contents are tokenized as text (:func:`encode_chat`).
 
+    With ``max_tokens``, a prompt that surely has more tokens is refused before it is
+    tokenized (tokenizing megabytes costs seconds and memory): first from the contents of
+    its non-assistant messages, which every supported template renders whole (trimmed at
+    most), before rendering; then from the rendered text (:func:`selfrl.prompt_size.fewest_tokens`).
+
     Raises:
+        PromptTooLong: the prompt has more than ``max_tokens`` tokens (a lower bound in it).
         ValueError: no chat template; ``tools`` (rendered by the template) hold control-token
             text; a content with control-token text cannot be located in the rendering.
     """
+    if max_tokens is not None:
+        contents = [m["content"].strip() for m in messages
+                    if m.get("role") != "assistant" and isinstance(m.get("content"), str)]
+        _refuse_beyond(tokenizer, contents, max_tokens)
     if tools:
         blob = json.dumps(tools, ensure_ascii=False)
         found = [s for s in control_tokens(tokenizer) if s in blob]
         if found:
             raise ValueError(f"tool definitions may not contain control-token text ({found[0]!r})")
     text = render(tokenizer, messages, add_generation_prompt=True, tools=tools)
+    if max_tokens is not None:
+        _refuse_beyond(tokenizer, [text], max_tokens)
     return encode_chat(tokenizer, text, [m.get("content") for m in messages])
+
+
+def _refuse_beyond(tokenizer, texts: list[str], max_tokens: int) -> None:
+    floor = fewest_tokens(tokenizer, *texts)
+    if floor > max_tokens:
+        raise PromptTooLong(floor, max_tokens)
 
 
 def between_turns_ids(tokenizer, tool_contents: list[str], eos_text: str) -> list[int]:

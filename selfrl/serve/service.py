@@ -26,7 +26,13 @@ from typing import Any
 from selfrl import adapters
 from selfrl.adapters import lora_state
 from selfrl.atomic import write_atomic
-from selfrl.chat import control_tokens, prompt_ids, template_supports_tools, template_wraps_tool_responses
+from selfrl.chat import (
+    PromptTooLong,
+    control_tokens,
+    prompt_ids,
+    template_supports_tools,
+    template_wraps_tool_responses,
+)
 from selfrl.engine import Generation
 from selfrl.engines import make_engine
 from selfrl.engines.base import context_overflow, engine_context, model_context
@@ -56,8 +62,8 @@ from selfrl.versions import EventKind, Ledger
 
 def finish_reason(ended: bool, called: bool) -> str:
     """OpenAI's ``finish_reason`` of a choice: ``"length"`` when the token limit cut the turn
-    (even after complete calls, which are still returned: as OpenAI and vLLM, a client must
-    not take a cut turn for a finished call), else ``"tool_calls"`` when it made calls, else
+    (even after complete calls, which are still returned: a client must not take a cut turn
+    for a finished call), else ``"tool_calls"`` when it made calls, else
     ``"stop"`` (an EOS or a stop string).
 
     >>> finish_reason(False, True), finish_reason(True, True), finish_reason(True, False)
@@ -369,11 +375,16 @@ class Service:
         except ValueError as e:
             raise ApiError(400, str(e), getattr(e, "param", "messages")) from e
         tools = [t.model_dump() for t in req.tools] if (req.tools and self.native_tools) else None
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        fits = max(0, self.context - (req.token_limit or 1))  # the most prompt tokens that leave room to answer
         try:
-            prompt = prompt_ids(self.tok, chat, tools=tools)
+            prompt = prompt_ids(self.tok, chat, tools=tools, max_tokens=fits)
+        except PromptTooLong as e:  # refused from its size in bytes, before the tokenizer read it
+            message, param = context_overflow(e.tokens, req.token_limit, self.context, "messages", field)
+            raise ApiError(400, message.replace(f"{e.tokens} tokens", f"at least {e.tokens} tokens", 1), param,
+                           "context_length_exceeded") from None
         except Exception as e:  # a template that rejects this message order, e.g.
             raise ApiError(400, f"the chat template cannot render these messages: {e}", "messages") from e
-        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         overflow = context_overflow(len(prompt), req.token_limit, self.context, "messages", field)
         if overflow is not None:
             raise ApiError(400, overflow[0], overflow[1], "context_length_exceeded")
