@@ -30,7 +30,7 @@ import json
 from typing import Any
 
 from selfrl.prompt_size import fewest_tokens
-from selfrl.toolcall import TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN
+from selfrl.toolcall import MARKUP_TAGS, TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN
 
 _DUMMY_USER = "x"
 _DUMMY_ASSISTANT = "selfrl-assistant-turn-7f3a"  # found once in the rendering
@@ -75,6 +75,31 @@ def control_tokens(tokenizer) -> list[str]:
         if getattr(t, "special", False):
             out.add(str(t.content))
     return sorted(out, key=len, reverse=True)
+
+
+def markup_special_tokens(tokenizer) -> dict[int, str]:
+    """The special tokens whose text is a tag of the call format (``selfrl.toolcall.MARKUP_TAGS``),
+    by id: Hermes models mark ``<tool_call>`` special, Qwen's do not."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return {i: str(t.content) for i, t in added.items() if getattr(t, "special", False) and str(t.content) in MARKUP_TAGS}
+
+
+def decode_turn(tokenizer, ids: list[int]) -> str:
+    """The text of a sampled turn: special tokens left out (the EOS, a stray header), except a
+    call-format tag that the tokenizer marks special (:func:`markup_special_tokens`), which is
+    kept as its text so that the call it opens is not lost."""
+    keep = markup_special_tokens(tokenizer)
+    if not any(i in keep for i in ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    pieces, run = [], []
+    for i in [*ids, None]:
+        if i is None or i in keep:
+            pieces.append(tokenizer.decode(run, skip_special_tokens=True))
+            pieces.append("" if i is None else keep[i])
+            run = []
+        else:
+            run.append(i)
+    return "".join(pieces)
 
 
 def _locate(text: str, content: str, pos: int) -> tuple[int, int] | None:

@@ -29,6 +29,7 @@ from selfrl.atomic import write_atomic
 from selfrl.chat import (
     PromptTooLong,
     control_tokens,
+    decode_turn,
     prompt_ids,
     template_supports_tools,
     template_wraps_tool_responses,
@@ -502,7 +503,7 @@ class Service:
             task_id=p.group_key, group_id=p.group_key, adapter_version=g.adapter_version, prompt_len=P,
             token_ids=list(p.prompt) + list(g.token_ids), completion_mask=[0] * P + trained,
             logprobs=[0.0] * P + list(g.logprobs), messages=[*p.chat, {"role": "assistant", "content":
-                                                                       self.tok.decode(g.token_ids, skip_special_tokens=True)}],
+                                                                       decode_turn(self.tok, g.token_ids)}],
             tool_calls=calls, final_answer=None if message.get("tool_calls") else content, truncated=truncated,
             num_turns=1, timings={"generate": seconds}, parent_id=p.parent["trajectory_id"] if p.parent else None,
             constraints=constraints,
