@@ -254,6 +254,23 @@ def _body_end(text: str, body_start: int) -> tuple[int, bool]:
     return found.start(), found.group() == TOOL_CALL_CLOSE
 
 
+def _think_end(text: str, start: int) -> int:
+    """The end of the reasoning block whose text starts at ``start``: after its ``</think>``,
+    else ``len(text)``. A call drafted inside it is skipped whole (:func:`_body_end`), so a
+    ``</think>`` in one of the draft's JSON strings does not end the thought."""
+    pos = start
+    while True:
+        close = text.find(THINK_CLOSE, pos)
+        draft = text.find(TOOL_CALL_OPEN, pos, None if close < 0 else close)
+        if draft < 0:
+            return len(text) if close < 0 else close + len(THINK_CLOSE)
+        body_end, closed = _body_end(text, draft + len(TOOL_CALL_OPEN))
+        if not closed:  # an unclosed draft: the first </think> after its opening ends the thought
+            close = text.find(THINK_CLOSE, draft)
+            return len(text) if close < 0 else close + len(THINK_CLOSE)
+        pos = body_end + len(TOOL_CALL_CLOSE)
+
+
 def scan_blocks(text: str) -> tuple[list[tuple[int, int]], list[tuple[int, int, ParsedCall]]]:
     """The reasoning blocks and the tool-call blocks of ``text``, read left to right:
     ``(reasoning spans, calls)``, each span ``[start, end)`` with its tags.
@@ -273,8 +290,7 @@ def scan_blocks(text: str) -> tuple[list[tuple[int, int]], list[tuple[int, int, 
                 thinks, calls = [(0, m.end())], []
             thought, pos = True, m.end()
         elif m.group() == THINK_OPEN:
-            close = text.find(THINK_CLOSE, m.end())
-            pos = len(text) if close < 0 else close + len(THINK_CLOSE)
+            pos = _think_end(text, m.end())
             thinks.append((m.start(), pos))
             thought = True
         else:

@@ -317,3 +317,9 @@ def test_a_call_cut_inside_a_string_holding_the_closing_tag_is_unclosed():
 ])
 def test_no_markup_reaches_the_answer_text(text, rest):
     assert parse_tool_calls(text) == (rest, [])
+
+
+def test_a_closing_think_tag_inside_a_drafted_calls_string_does_not_end_the_thought():
+    draft = call_block({"name": "spy", "arguments": {"note": "</think> is a tag"}})
+    rest, calls = parse_tool_calls(f"<think>maybe {draft}? no.</think>The answer is 4.")
+    assert calls == [] and rest == "The answer is 4."
