@@ -13,9 +13,9 @@ string ``name`` and object ``arguments`` becomes a failed call with a reason,
 which is recorded on the trajectory and sent back to the model; the tool
 function is not run.
 
-**Tags inside strings.** A block ends at the first ``</tool_call>`` after the JSON
-value that follows ``<tool_call>`` (read with ``json.JSONDecoder.raw_decode``), so a
-string argument may hold ``</tool_call>``, ``<tool_call>``, ``<think>`` or braces:
+**Tags inside strings.** A block ends at the first ``</tool_call>`` outside the JSON
+strings of its body (for a JSON value, the first one after it), so a string argument
+may hold ``</tool_call>``, ``<tool_call>``, ``<think>`` or braces:
 ``{"content": "x </tool_call> y"}`` is one call with that whole string
 (:func:`scan_blocks`).
 
@@ -221,54 +221,66 @@ def split_reasoning(text: str) -> tuple[str, str]:
     return "\n".join(t for t in thoughts if t), "".join(pieces)
 
 
-# the tags that end a call block's body, and a JSON string (skipped whole; possessive, so an
-# unterminated string is one linear scan, after which its tags count: the body is invalid JSON anyway)
-_BODY_END = re.compile(r'"(?:[^"\\]|\\.)*+"|' + "|".join(map(re.escape, _BLOCK_TAGS)), re.S)
+# the tags that end a call block's body; a JSON string is skipped whole (an unterminated one leaves its
+# tags counting: the body is invalid JSON anyway)
+_BODY_TAGS = re.compile("|".join(map(re.escape, _BLOCK_TAGS)))
+_QUOTE_OR_TAG = re.compile('"|' + _BODY_TAGS.pattern)
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*+"', re.S)  # possessive: an unterminated string fails in one pass
 _NEXT_BLOCK = re.compile("|".join(map(re.escape, (TOOL_CALL_OPEN, THINK_OPEN, THINK_CLOSE))))
-_DECODER = json.JSONDecoder()
 
 
-def _body_end(text: str, body_start: int) -> tuple[int, bool]:
-    """Where the body of the call block opened just before ``body_start`` ends: ``(i, closed)``,
-    ``i`` the index of its ``</tool_call>`` (closed) or of the tag that cuts it off, else
-    ``len(text)`` (unclosed).
+class _Bodies:
+    """Where the call blocks of one text end (:meth:`end`), each read in one pass.
 
-    A closing tag inside a JSON string does not end the block: when the body starts with a
-    JSON value (``json.JSONDecoder.raw_decode``) the first tag after that value counts;
-    otherwise (invalid JSON) the first tag outside a JSON string (where a string is left
-    unterminated, the tags after its opening quote count: the body is invalid either way).
-    The tags are ``</tool_call>`` and the ones that cut an unclosed block off:
-    ``<tool_call>``, ``<think>``, ``</think>``.
+    A tag inside a JSON string does not end a block: its body is read with JSON's string
+    syntax (a ``"`` to the next ``"`` not escaped by a backslash), and the first tag outside
+    a string counts. For a body that is one JSON value this is the first tag after the value,
+    as ``json.JSONDecoder.raw_decode`` would find it (``raw_decode`` itself reports each
+    error's line, a count over all the text before it, for every block). A string left
+    unterminated leaves its tags counting; and since whether a quote closes a string depends
+    only on the backslashes just before it, no later quote can close one either: the rest of
+    the text is read as plain text, so that each character is read a bounded number of times.
+    The tags are ``</tool_call>`` and the ones that cut an unclosed block off: ``<tool_call>``,
+    ``<think>``, ``</think>``.
     """
-    i = body_start
-    while i < len(text) and text[i] in " \t\n\r":
-        i += 1
-    try:
-        _, after = _DECODER.raw_decode(text, i)
-    except (ValueError, RecursionError):  # invalid JSON, or nested deeper than Python's stack
-        after = None
-    tags = _BODY_END.finditer(text, body_start if after is None else after)
-    found = next((m for m in tags if not m.group().startswith('"')), None)
-    if found is None:
-        return len(text), False
-    return found.start(), found.group() == TOOL_CALL_CLOSE
 
+    def __init__(self, text: str):
+        self.text, self.plain = text, len(text) + 1  # from ``plain`` on, no string can end
 
-def _think_end(text: str, start: int) -> int:
-    """The end of the reasoning block whose text starts at ``start``: after its ``</think>``,
-    else ``len(text)``. A call drafted inside it is skipped whole (:func:`_body_end`), so a
-    ``</think>`` in one of the draft's JSON strings does not end the thought."""
-    pos = start
-    while True:
-        close = text.find(THINK_CLOSE, pos)
-        draft = text.find(TOOL_CALL_OPEN, pos, None if close < 0 else close)
-        if draft < 0:
-            return len(text) if close < 0 else close + len(THINK_CLOSE)
-        body_end, closed = _body_end(text, draft + len(TOOL_CALL_OPEN))
-        if not closed:  # an unclosed draft: the first </think> after its opening ends the thought
-            close = text.find(THINK_CLOSE, draft)
-            return len(text) if close < 0 else close + len(THINK_CLOSE)
-        pos = body_end + len(TOOL_CALL_CLOSE)
+    def end(self, body_start: int) -> tuple[int, bool]:
+        """``(i, closed)`` for the block whose body starts at ``body_start``: ``i`` the index of
+        its ``</tool_call>`` (closed) or of the tag that cuts it off, else ``len(text)``."""
+        text, pos = self.text, body_start
+        while pos < self.plain:
+            found = _QUOTE_OR_TAG.search(text, pos)
+            if found is None or found.group() != '"':
+                return self._ending(found)
+            string = _STRING.match(text, found.start())
+            if string is None:  # unterminated (no tag lies between pos and this quote)
+                self.plain = found.start()
+                break
+            pos = string.end()
+        return self._ending(_BODY_TAGS.search(text, pos))
+
+    def _ending(self, tag: re.Match | None) -> tuple[int, bool]:
+        return (len(self.text), False) if tag is None else (tag.start(), tag.group() == TOOL_CALL_CLOSE)
+
+    def think_end(self, start: int) -> int:
+        """The end of the reasoning block whose text starts at ``start``: after its ``</think>``,
+        else ``len(text)``. A call drafted inside it is skipped whole, so a ``</think>`` in one
+        of the draft's JSON strings does not end the thought."""
+        text, pos, close = self.text, start, None
+        while True:
+            if close is None or 0 <= close < pos:  # the first </think> from pos on (-1: none), kept until passed
+                close = text.find(THINK_CLOSE, pos)
+            draft = text.find(TOOL_CALL_OPEN, pos, None if close < 0 else close)
+            if draft < 0:
+                return len(text) if close < 0 else close + len(THINK_CLOSE)
+            body_end, closed = self.end(draft + len(TOOL_CALL_OPEN))
+            if not closed:  # an unclosed draft: the first </think> after its opening ends the thought
+                close = text.find(THINK_CLOSE, draft)
+                return len(text) if close < 0 else close + len(THINK_CLOSE)
+            pos = body_end + len(TOOL_CALL_CLOSE)
 
 
 def scan_blocks(text: str) -> tuple[list[tuple[int, int]], list[tuple[int, int, ParsedCall]]]:
@@ -276,13 +288,14 @@ def scan_blocks(text: str) -> tuple[list[tuple[int, int]], list[tuple[int, int, 
     ``(reasoning spans, calls)``, each span ``[start, end)`` with its tags.
 
     Each call is ``(start, end, call)``. A call block ends at its ``</tool_call>``, found
-    by :func:`_body_end` (a closing tag inside a JSON string is text); an unclosed block
+    by :class:`_Bodies` (a closing tag inside a JSON string is text); an unclosed block
     runs to the next ``<tool_call>``, ``<think>``, ``</think>`` or the end of the text, and
     is a failed call. A reasoning block is never a call (see the module docstring), and a
     tag inside a call's JSON string opens or closes no reasoning block.
     """
     thinks: list[tuple[int, int]] = []
     calls: list[tuple[int, int, ParsedCall]] = []
+    bodies = _Bodies(text)
     pos, thought = 0, False  # thought: a reasoning block was seen (a later </think> is a stray tag)
     while (m := _NEXT_BLOCK.search(text, pos)) is not None:
         if m.group() == THINK_CLOSE:
@@ -290,11 +303,11 @@ def scan_blocks(text: str) -> tuple[list[tuple[int, int]], list[tuple[int, int, 
                 thinks, calls = [(0, m.end())], []
             thought, pos = True, m.end()
         elif m.group() == THINK_OPEN:
-            pos = _think_end(text, m.end())
+            pos = bodies.think_end(m.end())
             thinks.append((m.start(), pos))
             thought = True
         else:
-            body_end, closed = _body_end(text, m.end())
+            body_end, closed = bodies.end(m.end())
             raw = text[m.end():body_end]
             pos = body_end + len(TOOL_CALL_CLOSE) if closed else body_end
             calls.append((m.start(), pos, _parse_block(raw) if closed else
@@ -319,20 +332,23 @@ def markup_spans(text: str, start: int = 0, end: int | None = None, extra: tuple
     [(1, 16), (17, 33), (34, 40)]
     """
     end = len(text) if end is None else end
-    spans = [(m.start(), m.end()) for m in _markup_re(tuple(extra)).finditer(text, start, end)]
+    pattern, prefixes, longest = _markup(tuple(extra))
+    spans = [(m.start(), m.end()) for m in pattern.finditer(text, start, end)]
     if end == len(text):
-        cut = max((k for tag in (*MARKUP_TAGS, *extra) for k in range(1, len(tag))
-                   if text.endswith(tag[:k])), default=0)
         last = spans[-1][1] if spans else start
-        if cut and len(text) - cut >= last:
-            spans.append((len(text) - cut, len(text)))
+        # the longest end of the text that begins a tag (the earliest start that does)
+        cut = next((p for p in range(max(last, len(text) - longest + 1), len(text)) if text[p:] in prefixes), None)
+        if cut is not None:
+            spans.append((cut, len(text)))
     return spans
 
 
 @lru_cache(maxsize=16)
-def _markup_re(extra: tuple[str, ...]) -> re.Pattern:
+def _markup(extra: tuple[str, ...]) -> tuple[re.Pattern, frozenset[str], int]:
+    """The pattern of every tag, the set of their proper prefixes, and the longest tag's length."""
     tags = sorted({*MARKUP_TAGS, *(t for t in extra if t)}, key=len, reverse=True)
-    return re.compile("|".join(map(re.escape, tags)))
+    prefixes = frozenset(t[:k] for t in tags for k in range(1, len(t)))
+    return re.compile("|".join(map(re.escape, tags))), prefixes, len(tags[0])
 
 
 def strip_markup(text: str, extra: tuple[str, ...] = ()) -> str:
