@@ -168,14 +168,14 @@ def prompt_ids(tokenizer, messages: list[dict[str, Any]], tools=None, max_tokens
         contents = [m["content"].strip() for m in messages
                     if m.get("role") != "assistant" and isinstance(m.get("content"), str)]
         _refuse_beyond(tokenizer, contents, max_tokens)
+    text = render(tokenizer, messages, add_generation_prompt=True, tools=tools)
+    if max_tokens is not None:
+        _refuse_beyond(tokenizer, [text], max_tokens)
     if tools:
         blob = json.dumps(tools, ensure_ascii=False)
         found = [s for s in control_tokens(tokenizer) if s in blob]
         if found:
             raise ValueError(f"tool definitions may not contain control-token text ({found[0]!r})")
-    text = render(tokenizer, messages, add_generation_prompt=True, tools=tools)
-    if max_tokens is not None:
-        _refuse_beyond(tokenizer, [text], max_tokens)
     return encode_chat(tokenizer, text, [m.get("content") for m in messages])
 
 
