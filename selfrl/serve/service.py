@@ -26,7 +26,14 @@ from typing import Any
 from selfrl import adapters
 from selfrl.adapters import lora_state
 from selfrl.atomic import write_atomic
-from selfrl.chat import prompt_ids, template_supports_tools, template_wraps_tool_responses
+from selfrl.chat import (
+    PromptTooLong,
+    control_tokens,
+    decode_turn,
+    prompt_ids,
+    template_supports_tools,
+    template_wraps_tool_responses,
+)
 from selfrl.engine import Generation
 from selfrl.engines import make_engine
 from selfrl.engines.base import context_overflow, engine_context, model_context
@@ -53,6 +60,20 @@ from selfrl.serve.protocol import (
 from selfrl.store import Store
 from selfrl.trajectory import Trajectory
 from selfrl.versions import EventKind, Ledger
+
+
+def finish_reason(ended: bool, called: bool) -> str:
+    """OpenAI's ``finish_reason`` of a choice: ``"length"`` when the token limit cut the turn
+    (even after complete calls, which are still returned: a client must not take a cut turn
+    for a finished call), else ``"tool_calls"`` when it made calls, else
+    ``"stop"`` (an EOS or a stop string).
+
+    >>> finish_reason(False, True), finish_reason(True, True), finish_reason(True, False)
+    ('length', 'tool_calls', 'stop')
+    """
+    if not ended:
+        return "length"
+    return "tool_calls" if called else "stop"
 
 
 class ApiError(Exception):
@@ -117,6 +138,7 @@ class Service:
         self.engine = make_engine(cfg.engine, model, tokenizer)
         self.context = engine_context(self.engine) or model_context(model, tokenizer)  # (a slot engine: a window)
         self.native_tools = template_supports_tools(tokenizer)
+        self.control = tuple(control_tokens(tokenizer))  # their text is never content (split_completion)
         self.pinned: int | None = None
         self.admin = threading.Lock()  # pin, unpin, rollback and publish: one at a time, each whole
         self.swap_seconds: list[float] = []
@@ -361,11 +383,16 @@ class Service:
         except ValueError as e:
             raise ApiError(400, str(e), getattr(e, "param", "messages")) from e
         tools = [t.model_dump() for t in req.tools] if (req.tools and self.native_tools) else None
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        fits = max(0, self.context - (req.token_limit or 1))  # the most prompt tokens that leave room to answer
         try:
-            prompt = prompt_ids(self.tok, chat, tools=tools)
+            prompt = prompt_ids(self.tok, chat, tools=tools, max_tokens=fits)
+        except PromptTooLong as e:  # refused from its size in bytes, before the tokenizer read it
+            message, param = context_overflow(e.tokens, req.token_limit, self.context, "messages", field)
+            raise ApiError(400, message.replace(f"{e.tokens} tokens", f"at least {e.tokens} tokens", 1), param,
+                           "context_length_exceeded") from None
         except Exception as e:  # a template that rejects this message order, e.g.
             raise ApiError(400, f"the chat template cannot render these messages: {e}", "messages") from e
-        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         overflow = context_overflow(len(prompt), req.token_limit, self.context, "messages", field)
         if overflow is not None:
             raise ApiError(400, overflow[0], overflow[1], "context_length_exceeded")
@@ -450,9 +477,9 @@ class Service:
             for s in p.req.stops:
                 if s in text:
                     text = text[:text.index(s)]
-            parts = split_completion(text, tools)
+            parts = split_completion(text, tools, self.control)
             content, calls, records_ = parts.content, parts.tool_calls, parts.records
-            finish = "tool_calls" if calls else ("stop" if finished or stopped else "length")
+            finish = finish_reason(finished or stopped, bool(calls))
             message = {"role": "assistant", "content": content}
             if parts.reasoning:
                 message["reasoning_content"] = parts.reasoning
@@ -491,7 +518,7 @@ class Service:
             task_id=p.group_key, group_id=p.group_key, adapter_version=g.adapter_version, prompt_len=P,
             token_ids=list(p.prompt) + list(g.token_ids), completion_mask=[0] * P + trained,
             logprobs=[0.0] * P + list(g.logprobs), messages=[*p.chat, {"role": "assistant", "content":
-                                                                       self.tok.decode(g.token_ids, skip_special_tokens=True)}],
+                                                                       decode_turn(self.tok, g.token_ids)}],
             tool_calls=calls, final_answer=None if message.get("tool_calls") else content, truncated=truncated,
             num_turns=1, timings={"generate": seconds}, parent_id=p.parent["trajectory_id"] if p.parent else None,
             constraints=constraints,
