@@ -206,3 +206,18 @@ def test_a_grammar_that_fails_mid_generation_ends_its_own_row_only(tiny_tokenize
     assert free.grammar_error is None and free.constrained is None and len(free.token_ids) > 0
     assert good.grammar_error is None and good.finished
     assert set(json.loads(tiny_tokenizer.decode(good.token_ids, skip_special_tokens=True))) == {"ok", "n", "tag"}
+
+
+def test_the_call_grammar_lets_a_string_argument_hold_the_closing_tag(tiny_tokenizer):
+    # the grammar reads the body as JSON, so "</tool_call>" inside a string does not end the call;
+    # the parser agrees (selfrl.chat.toolcall.scan_blocks): one call with the whole string
+    from selfrl.chat.constrain import replay_masks
+
+    schema = {"type": "object", "properties": {"content": {"type": "string"}}, "required": ["content"]}
+    text = '<tool_call>{"name":"write","arguments":{"content":"x </tool_call> y"}}</tool_call>'
+    ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"] + [tiny_tokenizer.eos_token_id]
+    vocab, eos = len(tiny_tokenizer), [tiny_tokenizer.eos_token_id]
+    allowed = replay_masks(tool_call_constraint([("write", schema)]), ids, tiny_tokenizer, vocab, eos)  # (n, V)
+    assert allowed[-1].sum() < vocab and allowed[-1, eos[0]]  # the end of turn comes only after the whole call
+    _, calls = parse_tool_calls(text)
+    assert [(c.name, c.arguments) for c in calls] == [("write", {"content": "x </tool_call> y"})]

@@ -254,3 +254,72 @@ def test_any_other_key_makes_the_call_malformed_and_the_tool_never_runs(body, wh
     _, (call,) = parse_tool_calls(call_block(body))
     record = execute_call(call, [tool])
     assert why in call.error and not record.ok and spy.calls == []
+
+
+# ------------------------------------------------------------------ tags inside JSON strings
+
+
+WRITE = {"name": "write_file", "arguments": {"path": "a.md", "content": "x </tool_call> y"}}
+
+
+@pytest.mark.parametrize("content", [
+    "x </tool_call> y",
+    'q \\" </tool_call> "still a string"',  # escaped quotes around the tag
+    "an <tool_call> opening tag, then </tool_call>",
+    "braces { } {{ ]] inside </tool_call> the string",
+    "<think>not a thought</think> and a stray </think>",
+    "</tool_call>",
+])
+def test_a_closing_tag_inside_a_json_string_does_not_end_the_call(content):
+    body = {"name": "write_file", "arguments": {"path": "a.md", "content": content}}
+    rest, calls = parse_tool_calls("Writing it. " + call_block(body) + " Done.")
+    assert [(c.name, c.arguments, c.error) for c in calls] == [("write_file", body["arguments"], None)]
+    assert rest == "Writing it.  Done."
+
+
+def test_two_calls_in_one_turn_each_with_the_closing_tag_in_a_string():
+    second = {"name": "write_file", "arguments": {"path": "b.md", "content": "<tool_call>{}</tool_call>"}}
+    rest, calls = parse_tool_calls(call_block(WRITE) + "\n" + call_block(second))
+    assert [c.arguments for c in calls] == [WRITE["arguments"], second["arguments"]] and rest == ""
+    assert all(c.error is None for c in calls)
+
+
+def test_a_tag_inside_a_call_string_opens_no_reasoning_block():
+    for tag in ("<think>", "</think>"):
+        body = {"name": "write_file", "arguments": {"path": "a.md", "content": f"{tag} x"}}
+        rest, calls = parse_tool_calls(call_block(body) + " The file is written.")
+        assert [c.arguments for c in calls] == [body["arguments"]] and rest == "The file is written."
+
+
+def test_invalid_json_still_ends_at_its_closing_tag_and_keeps_the_text_after():
+    # an unbalanced quote: the tag after it counts, so the text after the block is not swallowed
+    rest, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"s": "a"b"}}</tool_call> The answer is 4.')
+    assert rest == "The answer is 4." and len(calls) == 1 and "invalid JSON" in calls[0].error
+
+
+def test_an_unclosed_call_ends_where_the_next_call_opens():
+    rest, calls = parse_tool_calls('<tool_call>{"name": "spy", "arguments": {"x": ' + call_block({"name": "spy"}))
+    assert [(c.name, c.error) for c in calls] == [("", "unclosed <tool_call>"), ("spy", None)] and rest == ""
+
+
+def test_a_call_cut_inside_a_string_holding_the_closing_tag_is_unclosed():
+    rest, calls = parse_tool_calls('<tool_call>{"name": "write_file", "arguments": {"content": "x </tool_call> y')
+    # the text is invalid JSON either way; the first tag counts (no string of it ever ended)
+    assert len(calls) == 1 and calls[0].error is not None and calls[0].name == ""
+
+
+@pytest.mark.parametrize("text, rest", [
+    ("42 <tool_response>\n42\n</tool_response>", "42 \n42"),
+    ("a </tool_call> b <tools></tools>", "a  b"),
+    ("<think>t</think>x </think>y", "x y"),  # a closing tag after the block is a stray tag
+    ("The answer is 4 <tool_resp", "The answer is 4"),
+    ("The answer is 4</tool_c", "The answer is 4"),
+])
+def test_no_markup_reaches_the_answer_text(text, rest):
+    assert parse_tool_calls(text) == (rest, [])
+
+
+def test_a_closing_think_tag_inside_a_drafted_calls_string_does_not_end_the_thought():
+    draft = call_block({"name": "spy", "arguments": {"note": "</think> is a tag"}})
+    rest, calls = parse_tool_calls(f"<think>maybe {draft}? no.</think>The answer is 4.")
+    assert calls == [] and rest == "The answer is 4."

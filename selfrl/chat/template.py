@@ -29,7 +29,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from selfrl.chat.toolcall import TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN
+from selfrl.chat.prompt_size import fewest_tokens
+from selfrl.chat.toolcall import MARKUP_TAGS, TOOL_CALL_OPEN, TOOL_RESPONSE_OPEN
 
 _DUMMY_USER = "x"
 _DUMMY_ASSISTANT = "selfrl-assistant-turn-7f3a"  # found once in the rendering
@@ -76,6 +77,31 @@ def control_tokens(tokenizer) -> list[str]:
     return sorted(out, key=len, reverse=True)
 
 
+def markup_special_tokens(tokenizer) -> dict[int, str]:
+    """The special tokens whose text is a tag of the call format (``selfrl.chat.toolcall.MARKUP_TAGS``),
+    by id: Hermes models mark ``<tool_call>`` special, Qwen's do not."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return {i: str(t.content) for i, t in added.items() if getattr(t, "special", False) and str(t.content) in MARKUP_TAGS}
+
+
+def decode_turn(tokenizer, ids: list[int]) -> str:
+    """The text of a sampled turn: special tokens left out (the EOS, a stray header), except a
+    call-format tag that the tokenizer marks special (:func:`markup_special_tokens`), which is
+    kept as its text so that the call it opens is not lost."""
+    keep = markup_special_tokens(tokenizer)
+    if not any(i in keep for i in ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    pieces, run = [], []
+    for i in [*ids, None]:
+        if i is None or i in keep:
+            pieces.append(tokenizer.decode(run, skip_special_tokens=True))
+            pieces.append("" if i is None else keep[i])
+            run = []
+        else:
+            run.append(i)
+    return "".join(pieces)
+
+
 def _locate(text: str, content: str, pos: int) -> tuple[int, int] | None:
     """Where ``content`` lies in the rendered ``text`` from ``pos`` on, as the template may
     have written it (as is, trimmed, or JSON-quoted as Llama-3.1 does for tool results)."""
@@ -115,21 +141,48 @@ def encode_chat(tokenizer, text: str, contents: list[str]) -> list[int]:
     return ids + tokenizer(text[pos:], add_special_tokens=False)["input_ids"]
 
 
-def prompt_ids(tokenizer, messages: list[dict[str, Any]], tools=None) -> list[int]:
+class PromptTooLong(ValueError):
+    """A prompt that cannot fit, found before tokenizing it: ``tokens`` is a lower bound of its
+    length (:func:`selfrl.chat.prompt_size.fewest_tokens`), over ``limit``."""
+
+    def __init__(self, tokens: int, limit: int):
+        super().__init__(f"the prompt is at least {tokens} tokens, over the limit of {limit}")
+        self.tokens, self.limit = tokens, limit
+
+
+def prompt_ids(tokenizer, messages: list[dict[str, Any]], tools=None, max_tokens: int | None = None) -> list[int]:
     """Token ids of ``messages`` followed by the assistant header (the first prompt); the
     messages' contents are tokenized as text (:func:`encode_chat`).
 
+    With ``max_tokens``, a prompt that surely has more tokens is refused before it is
+    tokenized (tokenizing megabytes costs seconds and memory): first from the contents of
+    its non-assistant messages, which every supported template renders whole (trimmed at
+    most), before rendering; then from the rendered text (:func:`selfrl.chat.prompt_size.fewest_tokens`).
+
     Raises:
+        PromptTooLong: the prompt has more than ``max_tokens`` tokens (a lower bound in it).
         ValueError: no chat template; ``tools`` (rendered by the template) hold control-token
             text; a content with control-token text cannot be located in the rendering.
     """
+    if max_tokens is not None:
+        contents = [m["content"].strip() for m in messages
+                    if m.get("role") != "assistant" and isinstance(m.get("content"), str)]
+        _refuse_beyond(tokenizer, contents, max_tokens)
+    text = render(tokenizer, messages, add_generation_prompt=True, tools=tools)
+    if max_tokens is not None:
+        _refuse_beyond(tokenizer, [text], max_tokens)
     if tools:
         blob = json.dumps(tools, ensure_ascii=False)
         found = [s for s in control_tokens(tokenizer) if s in blob]
         if found:
             raise ValueError(f"tool definitions may not contain control-token text ({found[0]!r})")
-    text = render(tokenizer, messages, add_generation_prompt=True, tools=tools)
     return encode_chat(tokenizer, text, [m.get("content") for m in messages])
+
+
+def _refuse_beyond(tokenizer, texts: list[str], max_tokens: int) -> None:
+    floor = fewest_tokens(tokenizer, *texts)
+    if floor > max_tokens:
+        raise PromptTooLong(floor, max_tokens)
 
 
 def between_turns_ids(tokenizer, tool_contents: list[str], eos_text: str) -> list[int]:

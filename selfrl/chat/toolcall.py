@@ -13,6 +13,17 @@ string ``name`` and object ``arguments`` becomes a failed call with a reason,
 which is recorded on the trajectory and sent back to the model; the tool
 function is not run.
 
+**Tags inside strings.** A block ends at the first ``</tool_call>`` outside the JSON
+strings of its body (for a JSON value, the first one after it), so a string argument
+may hold ``</tool_call>``, ``<tool_call>``, ``<think>`` or braces:
+``{"content": "x </tool_call> y"}`` is one call with that whole string
+(:func:`scan_blocks`).
+
+**Markup.** The tags of this format (:data:`MARKUP_TAGS`) are never answer text:
+what is left of a turn after its blocks are taken out loses any stray tag
+(``</tool_call>`` without a block, ``<tool_response>`` tags a model wrote itself)
+and a tag cut off at its end (:func:`markup_spans`).
+
 **Argument keys.** ``arguments`` is the key; ``parameters`` is accepted as its
 alias, because Llama-3.1's own tool format writes ``{"name": ..., "parameters":
 {...}}``. Any other key besides ``name`` (``args``, ``input``, ``function``...), or
@@ -26,13 +37,15 @@ thought, never run, never returned to a client. An unclosed ``<think>`` runs to 
 end of the text (the whole rest is reasoning); a ``</think>`` without an opening tag
 closes a block that began at the start of the text (Qwen3's template opens the
 block in the prompt, so the sampled text starts inside it). The rollout and the
-server both go through :func:`parse_tool_calls`, so the rule is the same in both.
+server both go through :func:`scan_blocks`, so the rule is the same in both.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from selfrl.core.tools import Tool, ToolError, json_type_name, validate_arguments
@@ -44,6 +57,12 @@ TOOL_RESPONSE_OPEN = "<tool_response>"
 TOOL_RESPONSE_CLOSE = "</tool_response>"
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
+TOOLS_OPEN = "<tools>"
+TOOLS_CLOSE = "</tools>"
+# every tag of the call format and the templates that use it (Qwen2.5, Qwen3, SmolLM3): never text for a client
+MARKUP_TAGS = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE, THINK_OPEN, THINK_CLOSE,
+               TOOLS_OPEN, TOOLS_CLOSE)
+_BLOCK_TAGS = (TOOL_CALL_CLOSE, TOOL_CALL_OPEN, THINK_OPEN, THINK_CLOSE)
 ARGUMENT_KEYS = ("arguments", "parameters")  # "parameters": Llama-3.1's own tool format
 
 _PLACEHOLDERS: dict[str, Any] = {
@@ -172,30 +191,15 @@ def _parse_block(raw: str) -> ParsedCall:
 def reasoning_spans(text: str) -> list[tuple[int, int]]:
     """Character spans ``[start, end)`` of the reasoning blocks in ``text``, tags included.
 
-    See the module docstring for the rule.
+    See the module docstring for the rule; a ``<think>`` or ``</think>`` inside a call
+    block's JSON string is part of the call, not a tag (:func:`scan_blocks`).
 
     >>> reasoning_spans("<think>a</think>b")
     [(0, 16)]
     >>> reasoning_spans("a</think>b"), reasoning_spans("x<think>y")
     ([(0, 9)], [(1, 9)])
     """
-    spans: list[tuple[int, int]] = []
-    first_open = text.find(THINK_OPEN)
-    first_close = text.find(THINK_CLOSE)
-    pos = 0
-    if first_close >= 0 and (first_open < 0 or first_close < first_open):  # opened by the prompt
-        pos = first_close + len(THINK_CLOSE)
-        spans.append((0, pos))
-    while True:
-        start = text.find(THINK_OPEN, pos)
-        if start < 0:
-            return spans
-        end = text.find(THINK_CLOSE, start + len(THINK_OPEN))
-        if end < 0:
-            spans.append((start, len(text)))
-            return spans
-        pos = end + len(THINK_CLOSE)
-        spans.append((start, pos))
+    return scan_blocks(text)[0]
 
 
 def split_reasoning(text: str) -> tuple[str, str]:
@@ -217,28 +221,148 @@ def split_reasoning(text: str) -> tuple[str, str]:
     return "\n".join(t for t in thoughts if t), "".join(pieces)
 
 
+# the tags that end a call block's body; a JSON string is skipped whole (an unterminated one leaves its
+# tags counting: the body is invalid JSON anyway)
+_BODY_TAGS = re.compile("|".join(map(re.escape, _BLOCK_TAGS)))
+_QUOTE_OR_TAG = re.compile('"|' + _BODY_TAGS.pattern)
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*+"', re.S)  # possessive: an unterminated string fails in one pass
+_NEXT_BLOCK = re.compile("|".join(map(re.escape, (TOOL_CALL_OPEN, THINK_OPEN, THINK_CLOSE))))
+
+
+class _Bodies:
+    """Where the call blocks of one text end (:meth:`end`), each read in one pass.
+
+    A tag inside a JSON string does not end a block: its body is read with JSON's string
+    syntax (a ``"`` to the next ``"`` not escaped by a backslash), and the first tag outside
+    a string counts. For a body that is one JSON value this is the first tag after the value,
+    as ``json.JSONDecoder.raw_decode`` would find it (``raw_decode`` itself reports each
+    error's line, a count over all the text before it, for every block). A string left
+    unterminated leaves its tags counting; and since whether a quote closes a string depends
+    only on the backslashes just before it, no later quote can close one either: the rest of
+    the text is read as plain text, so that each character is read a bounded number of times.
+    The tags are ``</tool_call>`` and the ones that cut an unclosed block off: ``<tool_call>``,
+    ``<think>``, ``</think>``.
+    """
+
+    def __init__(self, text: str):
+        self.text, self.plain = text, len(text) + 1  # from ``plain`` on, no string can end
+
+    def end(self, body_start: int) -> tuple[int, bool]:
+        """``(i, closed)`` for the block whose body starts at ``body_start``: ``i`` the index of
+        its ``</tool_call>`` (closed) or of the tag that cuts it off, else ``len(text)``."""
+        text, pos = self.text, body_start
+        while pos < self.plain:
+            found = _QUOTE_OR_TAG.search(text, pos)
+            if found is None or found.group() != '"':
+                return self._ending(found)
+            string = _STRING.match(text, found.start())
+            if string is None:  # unterminated (no tag lies between pos and this quote)
+                self.plain = found.start()
+                break
+            pos = string.end()
+        return self._ending(_BODY_TAGS.search(text, pos))
+
+    def _ending(self, tag: re.Match | None) -> tuple[int, bool]:
+        return (len(self.text), False) if tag is None else (tag.start(), tag.group() == TOOL_CALL_CLOSE)
+
+    def think_end(self, start: int) -> int:
+        """The end of the reasoning block whose text starts at ``start``: after its ``</think>``,
+        else ``len(text)``. A call drafted inside it is skipped whole, so a ``</think>`` in one
+        of the draft's JSON strings does not end the thought."""
+        text, pos, close = self.text, start, None
+        while True:
+            if close is None or 0 <= close < pos:  # the first </think> from pos on (-1: none), kept until passed
+                close = text.find(THINK_CLOSE, pos)
+            draft = text.find(TOOL_CALL_OPEN, pos, None if close < 0 else close)
+            if draft < 0:
+                return len(text) if close < 0 else close + len(THINK_CLOSE)
+            body_end, closed = self.end(draft + len(TOOL_CALL_OPEN))
+            if not closed:  # an unclosed draft: the first </think> after its opening ends the thought
+                close = text.find(THINK_CLOSE, draft)
+                return len(text) if close < 0 else close + len(THINK_CLOSE)
+            pos = body_end + len(TOOL_CALL_CLOSE)
+
+
+def scan_blocks(text: str) -> tuple[list[tuple[int, int]], list[tuple[int, int, ParsedCall]]]:
+    """The reasoning blocks and the tool-call blocks of ``text``, read left to right:
+    ``(reasoning spans, calls)``, each span ``[start, end)`` with its tags.
+
+    Each call is ``(start, end, call)``. A call block ends at its ``</tool_call>``, found
+    by :class:`_Bodies` (a closing tag inside a JSON string is text); an unclosed block
+    runs to the next ``<tool_call>``, ``<think>``, ``</think>`` or the end of the text, and
+    is a failed call. A reasoning block is never a call (see the module docstring), and a
+    tag inside a call's JSON string opens or closes no reasoning block.
+    """
+    thinks: list[tuple[int, int]] = []
+    calls: list[tuple[int, int, ParsedCall]] = []
+    bodies = _Bodies(text)
+    pos, thought = 0, False  # thought: a reasoning block was seen (a later </think> is a stray tag)
+    while (m := _NEXT_BLOCK.search(text, pos)) is not None:
+        if m.group() == THINK_CLOSE:
+            if not thought:  # opened by the prompt: all before it is reasoning, calls included
+                thinks, calls = [(0, m.end())], []
+            thought, pos = True, m.end()
+        elif m.group() == THINK_OPEN:
+            pos = bodies.think_end(m.end())
+            thinks.append((m.start(), pos))
+            thought = True
+        else:
+            body_end, closed = bodies.end(m.end())
+            raw = text[m.end():body_end]
+            pos = body_end + len(TOOL_CALL_CLOSE) if closed else body_end
+            calls.append((m.start(), pos, _parse_block(raw) if closed else
+                          ParsedCall("", {}, raw, f"unclosed {TOOL_CALL_OPEN}")))
+    return thinks, calls
+
+
 def call_spans(text: str) -> list[tuple[int, int, ParsedCall]]:
     """Each tool-call block outside reasoning blocks: ``(start, end, call)`` with
-    ``[start, end)`` the block's characters in ``text``, tags included (an unclosed
-    block runs to the end of the text, or to the next reasoning block)."""
-    out: list[tuple[int, int, ParsedCall]] = []
-    spans = reasoning_spans(text) + [(len(text), len(text))]
-    pos = 0
-    for think_start, think_end in spans:
-        while True:  # the calls in text[pos:think_start]
-            start = text.find(TOOL_CALL_OPEN, pos, think_start)
-            if start < 0:
-                break
-            body_start = start + len(TOOL_CALL_OPEN)
-            end = text.find(TOOL_CALL_CLOSE, body_start, think_start)
-            if end < 0:
-                out.append((start, think_start, ParsedCall("", {}, text[body_start:think_start],
-                                                             f"unclosed {TOOL_CALL_OPEN}")))
-                break
-            out.append((start, end + len(TOOL_CALL_CLOSE), _parse_block(text[body_start:end])))
-            pos = end + len(TOOL_CALL_CLOSE)
-        pos = think_end
-    return out
+    ``[start, end)`` the block's characters in ``text``, tags included (see
+    :func:`scan_blocks`)."""
+    return scan_blocks(text)[1]
+
+
+def markup_spans(text: str, start: int = 0, end: int | None = None, extra: tuple[str, ...] = ()
+                 ) -> list[tuple[int, int]]:
+    """Spans ``[s, e)`` of markup in ``text[start:end]``: each tag of :data:`MARKUP_TAGS` and
+    of ``extra`` (a template's control-token text, ``<|im_end|>``...), and, when ``end`` is
+    the end of the text, the start of one cut off there (``<tool_resp``, ``<|im_``).
+
+    >>> markup_spans("a<tool_response>b</tool_response>c<tool_")
+    [(1, 16), (17, 33), (34, 40)]
+    """
+    end = len(text) if end is None else end
+    pattern, prefixes, longest = _markup(tuple(extra))
+    spans = [(m.start(), m.end()) for m in pattern.finditer(text, start, end)]
+    if end == len(text):
+        last = spans[-1][1] if spans else start
+        # the longest end of the text that begins a tag (the earliest start that does)
+        cut = next((p for p in range(max(last, len(text) - longest + 1), len(text)) if text[p:] in prefixes), None)
+        if cut is not None:
+            spans.append((cut, len(text)))
+    return spans
+
+
+@lru_cache(maxsize=16)
+def _markup(extra: tuple[str, ...]) -> tuple[re.Pattern, frozenset[str], int]:
+    """The pattern of every tag, the set of their proper prefixes, and the longest tag's length."""
+    tags = sorted({*MARKUP_TAGS, *(t for t in extra if t)}, key=len, reverse=True)
+    prefixes = frozenset(t[:k] for t in tags for k in range(1, len(t)))
+    return re.compile("|".join(map(re.escape, tags))), prefixes, len(tags[0])
+
+
+def strip_markup(text: str, extra: tuple[str, ...] = ()) -> str:
+    """``text`` without the markup of :func:`markup_spans`.
+
+    >>> strip_markup("42</tool_response><|im_end|>", ("<|im_end|>",))
+    '42'
+    """
+    out, pos = [], 0
+    for s, e in markup_spans(text, extra=extra):
+        out.append(text[pos:s])
+        pos = e
+    out.append(text[pos:])
+    return "".join(out)
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ParsedCall]]:
@@ -247,24 +371,28 @@ def parse_tool_calls(text: str) -> tuple[str, list[ParsedCall]]:
     Each ``<tool_call>...</tool_call>`` block outside a reasoning block must hold
     exactly one JSON object ``{"name": str, "arguments": object}`` (``parameters``
     is an alias of ``arguments``); ``arguments`` may be missing (taken as {}) or a
-    JSON string holding an object. Whitespace around the object is ignored.
+    JSON string holding an object. Whitespace around the object is ignored, and a
+    ``</tool_call>`` inside one of its strings is text (:func:`scan_blocks`).
     Anything else yields a ``ParsedCall`` with ``error`` set and empty arguments:
-    an unclosed ``<tool_call>`` (its raw text runs to the end), invalid JSON,
-    several objects glued together, a non-object, a missing or non-string name,
-    arguments of another type, or any other key. Blocks inside ``<think>`` are
-    part of the reasoning and are not calls (see the module docstring).
+    an unclosed ``<tool_call>`` (its raw text runs to the end, or to the next block),
+    invalid JSON, several objects glued together, a non-object, a missing or
+    non-string name, arguments of another type, or any other key. Blocks inside
+    ``<think>`` are part of the reasoning and are not calls (see the module docstring).
 
     Returns:
-        (the text with the reasoning blocks and the call blocks removed, stripped;
-        calls in order of appearance).
+        (the text with the reasoning blocks, the call blocks and any other markup
+        (:func:`markup_spans`: a stray ``</tool_call>``, ``<tool_response>`` tags, a tag
+        cut off at the end) removed, stripped; calls in order of appearance).
     """
-    drop = sorted([(s, e) for s, e in reasoning_spans(text)] + [(s, e) for s, e, _ in call_spans(text)])
+    thinks, calls = scan_blocks(text)
     pieces, pos = [], 0
-    for start, end in drop:
+    for start, end in sorted([*thinks, *((s, e) for s, e, _ in calls)]) + [(len(text), len(text))]:
+        for s, e in markup_spans(text, pos, start) if start > pos else []:
+            pieces.append(text[pos:s])
+            pos = e
         pieces.append(text[pos:start])
         pos = max(pos, end)
-    pieces.append(text[pos:])
-    return "".join(pieces).strip(), [c for _, _, c in call_spans(text)]
+    return "".join(pieces).strip(), [c for _, _, c in calls]
 
 
 def _failed(call: ParsedCall, why: str) -> ToolCallRecord:

@@ -33,7 +33,13 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
-from selfrl.chat.template import between_turns_ids, prompt_ids, template_supports_tools, template_wraps_tool_responses
+from selfrl.chat.template import (
+    between_turns_ids,
+    decode_turn,
+    prompt_ids,
+    template_supports_tools,
+    template_wraps_tool_responses,
+)
 from selfrl.config import DEFAULT_SYSTEM_PROMPT, RolloutConfig
 from selfrl.engines.base import Generation, SamplingEngine, engine_context
 from selfrl.core.tasks import EnvState as Environment
@@ -273,7 +279,7 @@ def _after_turn(tr: Trajectory, g: Generation, turn: int, tool_map: dict[str, To
     tr.completion_mask += [1] * len(g.token_ids)
     tr.logprobs += g.logprobs
     tr.num_turns += 1
-    text = tok.decode(g.token_ids, skip_special_tokens=True)
+    text = decode_turn(tok, g.token_ids)  # a <tool_call> the tokenizer marks special is kept
     tr.messages.append({"role": "assistant", "content": text})
     rest, calls = parse_tool_calls(text)
     if g.grammar_error is not None:  # the turn's grammar failed mid-generation: the trajectory ends, failed

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from selfrl.chat.toolcall import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, call_spans, reasoning_spans, split_reasoning
+from selfrl.chat.toolcall import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, markup_spans, scan_blocks, split_reasoning, strip_markup
 from selfrl.core.tools import Tool, ToolError, validate_arguments
 from selfrl.core.trajectory import ToolCallRecord
 
@@ -77,7 +77,7 @@ def _strip_spans(text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int
     return spans
 
 
-def split_completion(text: str, tools: list[Tool]) -> Completion:
+def split_completion(text: str, tools: list[Tool], control: tuple[str, ...] = ()) -> Completion:
     """Split sampled text into OpenAI ``content``, ``reasoning_content`` and ``tool_calls``.
 
     The rule (one for every request, streamed or not):
@@ -87,24 +87,30 @@ def split_completion(text: str, tools: list[Tool]) -> Completion:
     * a ``<tool_call>`` block that parsed and names one of ``tools`` is returned in
       ``tool_calls`` (its arguments are checked against the tool's schema; a mismatch
       is recorded as a failed call but still returned, since the client runs the tool
-      and reports the error back);
+      and reports the error back). A ``</tool_call>`` inside one of its JSON strings
+      does not end the block (``selfrl.chat.toolcall.scan_blocks``);
     * a block cut off before its ``</tool_call>`` (the ``max_tokens`` limit, or an end
       token inside it) while tools are offered is dropped whole: the partial call is
       neither a call nor content (recorded as a failed call). With
       ``tool_choice: "required"`` or a named function and a tiny ``max_tokens`` the
-      answer is then ``content: null``, no ``tool_calls``, ``finish_reason: "length"``.
-      A tag itself cut off at the end of the text (``<tool_``, ``</tool_ca``) is dropped too;
+      answer is then ``content: null``, no ``tool_calls``, ``finish_reason: "length"``;
     * any other block (malformed, an unknown tool, or no tools offered, which is the
       case under ``tool_choice: "none"``) is not a call: it is returned as plain text,
-      the text between its tags, in place. ``<tool_call>``/``</tool_call>`` markup
-      never reaches ``content``;
+      the text between its tags, in place;
+    * markup never reaches ``content`` or ``reasoning``: every tag of the call format
+      (``selfrl.chat.toolcall.MARKUP_TAGS``: ``<tool_call>``, ``<tool_response>``,
+      ``<think>``, ``<tools>`` and their closing tags), each of ``control`` (the
+      template's control-token text, ``<|im_end|>``, written out as plain text) and a
+      tag cut off at the very end (``<tool_``, ``</tool_respo``, ``<|im_``) are removed,
+      the text between them stays;
     * ``content`` is what remains, without leading or trailing whitespace.
     """
     by_name = {t.name: t for t in tools}
-    removed = list(reasoning_spans(text))
+    thinks, blocks = scan_blocks(text)
+    removed = list(thinks)
     out: list[dict[str, Any]] = []
     records: list[ToolCallRecord] = []
-    for start, end, c in call_spans(text):
+    for start, end, c in blocks:
         if c.error is None and c.name in by_name:
             err = None
             try:
@@ -127,20 +133,10 @@ def split_completion(text: str, tools: list[Tool]) -> Completion:
         removed.append((start, start + len(TOOL_CALL_OPEN)))  # the tags go, the text between them stays
         if closed:
             removed.append((end - len(TOOL_CALL_CLOSE), end))
-    for tag in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE):  # a tag cut off at the very end ("<tool_") is markup too
-        k = next((k for k in range(len(tag) - 1, 0, -1) if text.endswith(tag[:k])), 0)
-        if k:
-            removed.append((len(text) - k, len(text)))
-    kept = _complement(len(text), removed)
-    stray = []  # a "</tool_call>" with no opening tag
-    for s, e in kept:
-        i = text.find(TOOL_CALL_CLOSE, s, e)
-        while i >= 0:
-            stray.append((i, i + len(TOOL_CALL_CLOSE)))
-            i = text.find(TOOL_CALL_CLOSE, i + 1, e)
+    stray = [span for s, e in _complement(len(text), removed) for span in markup_spans(text, s, e, control)]
     spans = _strip_spans(text, _complement(len(text), removed + stray))
     content = "".join(text[s:e] for s, e in spans)
-    reasoning, _ = split_reasoning(text)
+    reasoning = strip_markup(split_reasoning(text)[0], control).strip()
     return Completion(content or None, reasoning or None, out, records, spans)
 
 

@@ -66,23 +66,37 @@ def check_text(value: Any, where: str = "body") -> None:
 
 def too_deep(value: Any, limit: int = MAX_DEPTH) -> list[str | int] | None:
     """The path (keys and indices) to the first container nested deeper than ``limit``
-    in ``value``, or None. Walks iteratively, so any depth is safe.
+    in ``value``, or None. Walks iteratively, so any depth is safe; only containers are
+    visited, and the path is built only for the one that is too deep.
 
     >>> too_deep({"a": [[1]]}, 2)
     ['a', 0]
     >>> too_deep({"a": [1]}, 2) is None
     True
     """
-    stack: list[tuple[Any, list[str | int]]] = [(value, [])]
+    if not isinstance(value, (dict, list)):
+        return None
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if depth >= limit:
+            return _path_to(value, v, limit)
+        children = v.values() if isinstance(v, dict) else v
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return None
+
+
+def _path_to(root: Any, target: Any, limit: int) -> list[str | int]:
+    """The keys and indices from ``root`` to the container ``target`` (found at depth ``limit``)."""
+    stack: list[tuple[Any, list[str | int]]] = [(root, [])]
     while stack:
         v, path = stack.pop()
-        if not isinstance(v, (dict, list)):
-            continue
-        if len(path) >= limit:
+        if v is target:
             return path
-        items = v.items() if isinstance(v, dict) else enumerate(v)
-        stack.extend((child, [*path, k]) for k, child in items)
-    return None
+        if len(path) < limit and isinstance(v, (dict, list)):
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            stack.extend((c, [*path, k]) for k, c in items if isinstance(c, (dict, list)))
+    return []
 
 
 class BodyLimit:

@@ -34,6 +34,8 @@ import threading
 from functools import lru_cache
 from typing import Any
 
+from selfrl.chat.toolcall import MARKUP_TAGS
+
 LOGPROB_FLOOR = -9999.0
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -60,7 +62,9 @@ def _is_byte_level(tokenizer) -> bool:
 
 
 def token_bytes(tokenizer, ids: list[int]) -> list[bytes]:
-    """The raw bytes each of ``ids`` stands for in decoded text; ``b""`` for special tokens.
+    """The raw bytes each of ``ids`` stands for in decoded text; ``b""`` for special tokens,
+    except a tag of the call format (``selfrl.chat.toolcall.MARKUP_TAGS``) that the tokenizer
+    marks special (Hermes models' ``<tool_call>``): its text, so the call is parsed.
 
     For a byte-level tokenizer the pieces go through GPT-2's byte map; for a
     SentencePiece tokenizer ``<0xNN>`` is byte NN and ``▁`` a space; an added
@@ -74,7 +78,8 @@ def token_bytes(tokenizer, ids: list[int]) -> list[bytes]:
     out = []
     for i in ids:
         if i in special or (i in added and getattr(added[i], "special", False)):
-            out.append(b"")
+            text = str(getattr(added.get(i), "content", ""))
+            out.append(text.encode() if text in MARKUP_TAGS else b"")  # a <tool_call> marked special is its text
             continue
         if i in added:
             out.append(str(added[i].content if hasattr(added[i], "content") else added[i]).encode())

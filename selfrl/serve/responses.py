@@ -273,9 +273,12 @@ def new_response_id() -> str:
     return "resp_" + uuid.uuid4().hex
 
 
-def output_items(message: dict[str, Any], logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+def output_items(message: dict[str, Any], logprobs: list[dict[str, Any]] | None = None,
+                 cut: bool = False) -> list[dict[str, Any]]:
     """A chat completion's assistant message as Responses output items (text first, then
-    calls); ``logprobs`` (the chat choice's ``logprobs.content``) go with the text.
+    calls); ``logprobs`` (the chat choice's ``logprobs.content``) go with the text. With
+    ``cut`` (the token limit ended the turn) the text item's status is ``"incomplete"``;
+    a call, complete by construction, stays ``"completed"``.
 
     >>> [i["type"] for i in output_items({"role": "assistant", "content": "hi", "tool_calls": [
     ...     {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})]
@@ -283,7 +286,8 @@ def output_items(message: dict[str, Any], logprobs: list[dict[str, Any]] | None 
     """
     items: list[dict[str, Any]] = []
     if message.get("content"):
-        items.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "completed", "role": "assistant",
+        items.append({"type": "message", "id": "msg_" + uuid.uuid4().hex,
+                      "status": "incomplete" if cut else "completed", "role": "assistant",
                       "content": [{"type": "output_text", "text": message["content"], "annotations": [],
                                    "logprobs": logprobs or []}]})
     for call in message.get("tool_calls") or []:
@@ -304,7 +308,7 @@ def to_response(chat: dict[str, Any], req: ResponsesRequest, chat_req: ChatCompl
         "status": "incomplete" if incomplete else "completed",
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "error": None, "model": chat["model"], "instructions": req.instructions,
-        "output": output_items(choice["message"], (choice.get("logprobs") or {}).get("content")),
+        "output": output_items(choice["message"], (choice.get("logprobs") or {}).get("content"), incomplete),
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
         "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,

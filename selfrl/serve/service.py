@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from selfrl.chat.template import template_supports_tools
+from selfrl.chat.template import control_tokens, template_supports_tools
 from selfrl.config.serve import ServeConfig
 from selfrl.engines import make_engine
 from selfrl.engines.base import engine_context, model_context
@@ -80,11 +80,12 @@ class Service:
         self.engine = make_engine(cfg.engine, model, tokenizer)
         self.context = engine_context(self.engine) or model_context(model, tokenizer)  # (a slot engine: a window)
         self.native_tools = template_supports_tools(tokenizer)
+        self.control = tuple(control_tokens(tokenizer))  # their text is never content (split_completion)
         self.versions = ServedVersion(self.engine, self.ledger, self.run_dir, replica=cfg.replica)
         self.versions.restore_replica() if cfg.replica else self.versions.restore()
         self.batcher = Batcher(self.engine, self.versions.run_on_version, cfg.max_batch, cfg.batch_window_s)
         self.turns = Turns(cfg, tokenizer, self.engine, self.batcher, self.store, self.run_id, self.versions,
-                           self.context, self.native_tools, self.storage)
+                           self.context, self.native_tools, self.storage, self.control)
         self.learner = self.follower = None
         if cfg.replica:  # no learner: the owner's trains on this replica's turns too
             from selfrl.serve.replica import Follower

@@ -153,7 +153,7 @@ async def stream_chunks(service: Service, req: ChatCompletionRequest, client: st
             pieces = token_bytes(tok, ids)
             text = hold_partial_tags(safe_prefix(bytes_text(pieces), markers), [THINK_OPEN, THINK_CLOSE])
             prefix = THINK_OPEN if opened else ""
-            parts = split_completion(prefix + text, [])
+            parts = split_completion(prefix + text, [], service.control)
             safe = parts.content or ""
             if len(safe) > len(sent[i]) and safe.startswith(sent[i]):
                 delta, sent[i] = safe[len(sent[i]):], safe

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from selfrl.chat.template import prompt_ids, template_wraps_tool_responses
+from selfrl.chat.template import PromptTooLong, decode_turn, prompt_ids, template_wraps_tool_responses
 from selfrl.core.trajectory import Trajectory
 from selfrl.engines.base import Generation, context_overflow
 from selfrl.record import served as records
@@ -33,6 +33,20 @@ from selfrl.serve.logprobs import bytes_text, char_offsets, char_to_byte_spans, 
 from selfrl.serve.completion import split_completion
 from selfrl.serve.protocol import ChatCompletionRequest, client_tools, to_chat
 from selfrl.serve.served_version import ServedVersion
+
+
+def finish_reason(ended: bool, called: bool) -> str:
+    """OpenAI's ``finish_reason`` of a choice: ``"length"`` when the token limit cut the turn
+    (even after complete calls, which are still returned: a client must not take a cut turn
+    for a finished call), else ``"tool_calls"`` when it made calls, else
+    ``"stop"`` (an EOS or a stop string).
+
+    >>> finish_reason(False, True), finish_reason(True, True), finish_reason(True, False)
+    ('length', 'tool_calls', 'stop')
+    """
+    if not ended:
+        return "length"
+    return "tool_calls" if called else "stop"
 
 
 @dataclass
@@ -66,15 +80,17 @@ class Turns:
         versions: the served version (a request may name a stored one).
         context: the tokens a prompt and its completion may take together.
         native_tools: the chat template renders tools itself (else they go into the system prompt).
+        control: the template's control-token text (``<|im_end|>``), never content (``split_completion``).
         storage: the run directory's storage faults (:class:`selfrl.serve.health.StorageWatch`): a
             request that records is refused while the directory cannot be written.
     """
 
     def __init__(self, cfg: ServeConfig, tokenizer, engine, batcher: Batcher, store: Store, run_id: int,
-                 versions: ServedVersion, context: int, native_tools: bool, storage: StorageWatch):
+                 versions: ServedVersion, context: int, native_tools: bool, storage: StorageWatch,
+                 control: tuple[str, ...] = ()):
         self.cfg, self.tok, self.engine, self.batcher = cfg, tokenizer, engine, batcher
         self.store, self.run_id, self.versions = store, run_id, versions
-        self.context, self.native_tools, self.storage = context, native_tools, storage
+        self.context, self.native_tools, self.storage, self.control = context, native_tools, storage, control
 
     def check_model_name(self, model: str, version: int | None) -> None:
         """Refuse a model id this server does not list in ``/v1/models``: it serves
@@ -130,11 +146,16 @@ class Turns:
         except ValueError as e:
             raise ApiError(400, str(e), getattr(e, "param", "messages")) from e
         tools = [t.model_dump() for t in req.tools] if (req.tools and self.native_tools) else None
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        fits = max(0, self.context - (req.token_limit or 1))  # the most prompt tokens that leave room to answer
         try:
-            prompt = prompt_ids(self.tok, chat, tools=tools)
+            prompt = prompt_ids(self.tok, chat, tools=tools, max_tokens=fits)
+        except PromptTooLong as e:  # refused from its size in bytes, before the tokenizer read it
+            message, param = context_overflow(e.tokens, req.token_limit, self.context, "messages", field)
+            raise ApiError(400, message.replace(f"{e.tokens} tokens", f"at least {e.tokens} tokens", 1), param,
+                           "context_length_exceeded") from None
         except Exception as e:  # a template that rejects this message order, e.g.
             raise ApiError(400, f"the chat template cannot render these messages: {e}", "messages") from e
-        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         overflow = context_overflow(len(prompt), req.token_limit, self.context, "messages", field)
         if overflow is not None:
             raise ApiError(400, overflow[0], overflow[1], "context_length_exceeded")
@@ -219,9 +240,9 @@ class Turns:
             for s in p.req.stops:
                 if s in text:
                     text = text[:text.index(s)]
-            parts = split_completion(text, tools)
+            parts = split_completion(text, tools, self.control)
             content, calls, records_ = parts.content, parts.tool_calls, parts.records
-            finish = "tool_calls" if calls else ("stop" if finished or stopped else "length")
+            finish = finish_reason(finished or stopped, bool(calls))
             message = {"role": "assistant", "content": content}
             if parts.reasoning:
                 message["reasoning_content"] = parts.reasoning
@@ -260,7 +281,7 @@ class Turns:
             task_id=p.group_key, group_id=p.group_key, adapter_version=g.adapter_version, prompt_len=P,
             token_ids=list(p.prompt) + list(g.token_ids), completion_mask=[0] * P + trained,
             logprobs=[0.0] * P + list(g.logprobs), messages=[*p.chat, {"role": "assistant", "content":
-                                                                       self.tok.decode(g.token_ids, skip_special_tokens=True)}],
+                                                                       decode_turn(self.tok, g.token_ids)}],
             tool_calls=calls, final_answer=None if message.get("tool_calls") else content, truncated=truncated,
             num_turns=1, timings={"generate": seconds}, parent_id=p.parent["trajectory_id"] if p.parent else None,
             constraints=constraints,
