@@ -161,8 +161,9 @@ def test_selfrl_run_on_the_web_shop_records_shop_state_and_detector_metrics(tmp_
     overrides = {"model.name": str(model_dir), "run_dir": str(tmp_path / "run"), "iterations": 1, "num_prompts": 1,
                  "num_generations": 2, "rollout.max_turns": 2, "rollout.max_new_tokens": 8, "gate.val_size": 2,
                  "task.num_train": 4, "detectors.names": ["repeated_action", "format_gaming", "probe_regression"]}
-    with pytest.raises(ConfigError, match="unknown detector"):
-        load_config(WEBSHOP_TOML, overrides={**overrides, "detectors.names": ["confirm_twice"]})
+    with pytest.raises(ConfigError, match="unknown detector"):  # a name: refused at setup, before the model loads
+        run(load_config(WEBSHOP_TOML, overrides={**overrides, "detectors.names": ["confirm_twice"]}))
+    assert not (tmp_path / "run").exists()
     run(load_config(WEBSHOP_TOML, overrides=overrides))
     with Store(tmp_path / "run" / "selfrl.db") as store:
         trajs = store.trajectories()
