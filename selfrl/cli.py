@@ -198,12 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         from selfrl.envs import load_run_config
 
         cfg = load_run_config(args.config, overrides, base)  # the environment's defaults under file and flags
-        from rich.console import Console
-
         from selfrl.loop import run
         from selfrl.progress import RichProgress
 
-        with RichProgress(cfg.iterations, Console(stderr=True)) as progress:
+        with RichProgress(cfg.iterations) as progress:
             result = run(cfg, resume=bool(args.resume), progress=progress)
     except (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError, ValueError, ConnectionError) as e:
         print(f"selfrl: error: {e}", file=sys.stderr)
