@@ -81,7 +81,8 @@ SERVE_FLAGS = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``selfrl`` parser with every subcommand (also read by scripts/gen_reference.py for the docs)."""
     p = argparse.ArgumentParser(prog="selfrl", description="Continual self-improvement of LLM agents by online RL.")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run the self-improvement loop")
@@ -151,7 +152,7 @@ EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "pydanti
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 for bad input or a missing extra)."""
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         return _main(args)
     except ModuleNotFoundError as e:
