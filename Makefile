@@ -50,7 +50,7 @@ test-slow: $(STAMP)
 # the reference pages are generated from the code (argparse, the config dataclasses) before the build
 docs: $(STAMP)
 	$(BIN)/python scripts/gen_reference.py
-	$(BIN)/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) runs site

@@ -16,12 +16,13 @@ from selfrl.store import Store
 
 
 def show(traj) -> str:
-    """One rollout as text: its messages after the system prompt, then what it was paid and why."""
-    lines = [f"--- task {traj.task_id}, version {traj.adapter_version}, reward {traj.reward}, "
-             f"correct {traj.correct}, turns {traj.num_turns}"]
-    for m in traj.messages:
-        if m["role"] != "system":
-            lines.append(f"[{m['role']}] {m['content']}")
+    """One rollout as text: the task and what followed (the worked example left out), then what it
+    was paid and why."""
+    task = [m for m in traj.messages if m["role"] == "user"][-1:]  # after the worked example, if any
+    start = traj.messages.index(task[0]) if task else 0
+    lines = [f"--- version {traj.adapter_version}, reward {traj.reward}, correct {traj.correct}, turns {traj.num_turns}"]
+    for m in traj.messages[start:]:
+        lines.append(f"[{m['role']}] {m['content']}")
     lines.append(f"rewards: {json.dumps(traj.rewards)}")
     if traj.env_state is not None:
         lines.append(f"final state: {json.dumps(traj.env_state)}")
