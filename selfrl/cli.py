@@ -2,9 +2,9 @@
 
     selfrl run [--config FILE] [flags]     run the self-improvement loop
     selfrl run --resume RUN_DIR            continue a stopped run
-    selfrl run --ray auto|local|ADDRESS    rollouts on Ray workers, asynchronous (docs/distributed.md)
-    selfrl run --sampler URL               rollouts in a separate sampler process over HTTP (docs/engines.md)
-    selfrl run --warm-start                fine-tune on own rejection-sampled successes first (docs/warm_start.md)
+    selfrl run --ray auto|local|ADDRESS    rollouts on Ray workers, asynchronous (docs/guides/ray.md)
+    selfrl run --sampler URL               rollouts in a separate sampler process over HTTP (docs/concepts/engines.md)
+    selfrl run --warm-start                fine-tune on own rejection-sampled successes first (docs/guides/warm-start.md)
     selfrl serve [--config FILE] [flags]   OpenAI-compatible server that learns from its traffic
     selfrl sampler [--config FILE] [flags] the policy as a remote sampling backend (HTTP)
     selfrl report RUN_DIR [--out DIR]      rebuild a run's report from its store (also mid-run or killed)
@@ -47,9 +47,9 @@ RUN_FLAGS = {
     "--cpu-matmul": ("model.cpu_matmul", str, CPU_MATMUL_HELP),
     "--engine": ("engine", str, "sampling backend: auto (slots on the CPU, reference on a GPU) | reference | slots"),
     "--ray": ("distributed.address", str, "rollouts on Ray workers: auto (a running cluster), local (start one "
-              "here) or host:port; needs the ray extra (docs/distributed.md)"),
+              "here) or host:port; needs the ray extra (docs/guides/ray.md)"),
     "--sampler": ("sampler.url", str, "sample in a separate process over HTTP, e.g. http://127.0.0.1:8100 "
-                  "(selfrl sampler); each version is pushed there and checked (docs/engines.md)"),
+                  "(selfrl sampler); each version is pushed there and checked (docs/concepts/engines.md)"),
     "--sampler-kind": ("sampler.kind", str, "selfrl (default) | vllm (EXPERIMENTAL: never run against a real vLLM)"),
     "--swap-check-deadline": ("swap_check.deadline_s", float, "seconds the sampler has to acknowledge a swap and to "
                               "answer the swap check's probe (default 30)"),
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--warm-start", action="store_true", default=None,
                    help="before RL, fine-tune on the model's own verified, unflagged successes on training tasks "
                         "(rejection sampling, STaR/RAFT), gated like an update; [warm_start] in the config "
-                        "(docs/warm_start.md)")
+                        "(docs/guides/warm-start.md)")
     r.add_argument("--async-rollouts", action=argparse.BooleanOptionalAction, default=None,
                    help="sample the next iteration's rollouts while the update trains (one batch ahead: staleness "
                         "<= 1, importance-corrected; every version the sampler copy serves is swap-checked); "
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--protect-completions", action="store_true", help="require the API key for completions too")
     s.add_argument("--replica", action="store_true", default=None,
                    help="serve beside the server that owns --run-dir: share its store and learner, swap in each "
-                        "version it promotes (docs/distributed.md)")
+                        "version it promotes (docs/guides/ray.md)")
     for flag, (_, typ, help_) in SERVE_FLAGS.items():
         s.add_argument(flag, type=typ, help=help_)
     m = sub.add_parser("sampler", help="serve the policy as a remote sampling backend for other selfrl processes")
