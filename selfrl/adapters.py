@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from selfrl import faults
+from selfrl.rundir import VERSIONS
 
 MARKER = "selfrl_version.json"
 
@@ -33,8 +34,8 @@ class CorruptVersionError(ValueError):
 
 
 def version_dir(run_dir: Path, version: int) -> Path:
-    """The folder of ``version`` inside ``run_dir``."""
-    return Path(run_dir) / "adapters" / f"v{version:06d}"
+    """The folder of ``version`` inside ``run_dir`` (the layout of :mod:`selfrl.rundir`)."""
+    return Path(run_dir) / VERSIONS / f"v{version:06d}"
 
 
 def _sha256(path: Path) -> str:
@@ -133,7 +134,7 @@ def load_version_state(path: Path, verify: bool = True) -> dict[str, torch.Tenso
 def stray_dirs(run_dir: Path, recorded: set[int]) -> list[Path]:
     """Folders under ``<run_dir>/adapters`` that a killed process left: temporary
     ``.vNNNNNN-*`` folders, and version folders whose number the store does not hold."""
-    root = Path(run_dir) / "adapters"
+    root = Path(run_dir) / VERSIONS
     if not root.is_dir():
         return []
     out = []

@@ -221,9 +221,10 @@ class Service:
                        "names)", "model", "model_not_found")
 
     def version_ids(self) -> list[dict[str, Any]]:
-        """The servable versions as dicts: version, status, created_at, metrics."""
+        """The servable versions as dicts: version, status, created_at, metrics (a version whose
+        folder is missing is not served, so not listed: :meth:`selfrl.versions.Ledger.servable`)."""
         return [{"version": v.version, "status": v.status.value, "created_at": v.created_at, "metrics": v.metrics}
-                for v in self.ledger.all() if v.servable]
+                for v in self.ledger.servable()]
 
     def run_on_version(self, version: int, fn):
         """Run ``fn()`` with ``version`` swapped in, then swap the served version back."""
