@@ -92,9 +92,9 @@ def save_version(model, run_dir: Path, version: int) -> Path:
 def verify_version(path: Path) -> str | None:
     """None when the version folder at ``path`` is complete; else why it is not (one line).
 
-    Complete: the marker exists, names ``adapter_model.safetensors``, and every
-    file it names exists with the recorded SHA-256 (reads each file once: about
-    0.03 s for an 18.7 MB adapter).
+    Complete: the marker exists, names ``adapter_model.safetensors`` and the version the
+    folder is named after (``v000003``: 3), and every file it names exists with the
+    recorded SHA-256 (reads each file once: about 0.03 s for an 18.7 MB adapter).
     """
     path = Path(path)
     marker = path / MARKER
@@ -103,9 +103,13 @@ def verify_version(path: Path) -> str | None:
     if not marker.is_file():
         return f"no completion marker {MARKER} (a save that did not finish, or not a selfrl version)"
     try:
-        files = json.loads(marker.read_text())["sha256"]
+        info = json.loads(marker.read_text())
+        files = info["sha256"]
     except (ValueError, KeyError, TypeError) as e:
         return f"unreadable completion marker: {e}"
+    named = int(path.name[1:]) if path.name[:1] == "v" and path.name[1:].isdigit() else None
+    if named is not None and info.get("version", named) != named:  # a folder copied over another version's
+        return f"it holds version {info.get('version')}'s files, not version {named}'s"
     if "adapter_model.safetensors" not in files:
         return "the marker names no adapter_model.safetensors"
     for name, digest in files.items():

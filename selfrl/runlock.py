@@ -77,8 +77,13 @@ class RunDirLock:
             raise
 
     def release(self) -> None:
-        """Let another process take the run directory (idempotent)."""
+        """Let another process take the run directory (idempotent). The holder's name is wiped
+        first, so that a process refused by the next holder never reads this one's."""
         if getattr(self, "_fd", None) is not None:
+            try:
+                os.ftruncate(self._fd, 0)
+            except OSError:  # a disk turned read-only: the next holder writes over it
+                pass
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None

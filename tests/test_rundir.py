@@ -9,6 +9,7 @@ for every write point of a run, an injected failure.
 import errno
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -163,13 +164,14 @@ def test_a_missing_version_folder_is_said_and_skipped_not_rolled_back(model_dir,
 
 def test_serve_on_a_moved_directory_lists_what_it_can_serve(tiny_tokenizer, tiny_model_factory, tmp_path):
     """A corrupt promoted version below the newest is marked at start and not listed; a missing
-    one is not listed either, but keeps its row; the newest complete one is served."""
+    one is not listed either, but keeps its row (and its pin); the newest complete one is served."""
     model = tiny_model_factory(lora=True, eos_bias=2.0)
     first = Service(model, tiny_tokenizer, tiny_serve_config(tmp_path / "run"))
     states = {v: {k: torch.randn_like(t) for k, t in lora_state(model).items()} for v in (1, 2, 3)}
     try:
         for v in (1, 2, 3):
             add_version(first, states[v], v, parent=v - 1, metrics={"val/success": 0.5})
+        first.pin(3)
     finally:
         first.close()
     moved = tmp_path / "moved"
@@ -185,6 +187,7 @@ def test_serve_on_a_moved_directory_lists_what_it_can_serve(tiny_tokenizer, tiny
         one, three = service.ledger.get(1), service.ledger.get(3)
         assert one.status.value == "rolled_back" and "checksum" in one.metrics["corrupt"]
         assert three.status.value == "promoted" and 3 in service.ledger.missing
+        assert service.pinned is None and json.loads((moved / "pinned.json").read_text()) == {"version": 3}
         for v in (1, 3):
             with pytest.raises(ApiError) as e:
                 service.check_servable(v)
@@ -194,9 +197,17 @@ def test_serve_on_a_moved_directory_lists_what_it_can_serve(tiny_tokenizer, tiny
     (tmp_path / "v3-aside").rename(adapters.version_dir(moved, 3))
     again = Service(tiny_model_factory(lora=True, eos_bias=2.0), tiny_tokenizer, tiny_serve_config(moved))
     try:
-        assert again.engine.version == 3 and [v["version"] for v in again.version_ids()] == [0, 2, 3]
+        assert again.engine.version == again.pinned == 3  # the folder is back: served, and pinned, again
+        assert [v["version"] for v in again.version_ids()] == [0, 2, 3]
     finally:
         again.close()
+
+
+def test_a_version_folder_holding_another_versions_files_does_not_verify(tiny_peft_model, tmp_path):
+    adapters.save_version(tiny_peft_model, tmp_path, 1)
+    shutil.copytree(adapters.version_dir(tmp_path, 1), adapters.version_dir(tmp_path, 2))  # a careless copy
+    assert adapters.verify_version(adapters.version_dir(tmp_path, 1)) is None
+    assert adapters.verify_version(adapters.version_dir(tmp_path, 2)) == "it holds version 1's files, not version 2's"
 
 
 # ------------------------------------------------------------------ one writer
@@ -224,6 +235,7 @@ def test_one_lock_for_run_resume_report_and_serve(model_dir, tmp_path, monkeypat
         assert capsys.readouterr().err.count("\n") == 1
     finally:
         holder.release()
+    assert (run_dir / "selfrl.lock").read_text() == ""  # released: no holder named to the next one refused
     assert main(["report", str(run_dir)]) == 0
 
 

@@ -151,6 +151,10 @@ class Service:
                 self.engine.swap(self.state_of(version), version)
                 self.pinned = version
             except ApiError as e:
+                if version in self.ledger.missing:  # its folder may come back: the pin is kept, not served now
+                    self.event(EventKind.PIN, f"restart: the pinned version {version} is not served: "
+                               f"{self.ledger.missing[version]}; serving version {best.version}, pin kept")
+                    return
                 self.event(EventKind.UNPIN, f"restart: the pinned version cannot be served ({e.message}); unpinned")
                 pin.unlink()
 
