@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except Exception as e:
         where = run_dir or "the run directory"
-        stored = run_dir is not None and (Path(run_dir) / "selfrl.db").exists()
+        stored = run_dir is not None and os.path.exists(Path(run_dir) / "selfrl.db")  # False when unreadable
         then = f"run with --resume {run_dir}" if stored else "run the same command again"
         if (code := machine_failure(e, where, then)) is not None:  # a full disk, another writer, ...
             return code
