@@ -11,6 +11,7 @@ version whose weights are loaded. An update saves its result as a new
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import random
@@ -164,12 +165,18 @@ def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
     run_dir = Path(cfg.run_dir)
     if resume and not (run_dir / "selfrl.db").exists():
         raise FileNotFoundError(f"nothing to resume: no run at {run_dir}")
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = RunDirLock(run_dir, "selfrl run")
     try:
         setup = assemble_run(cfg, resume, run_dir)
     except BaseException:
+        if created:  # a run that never started leaves no folder behind (the lock file goes while held)
+            lock.path.unlink(missing_ok=True)
         lock.release()
+        if created:
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
         raise
     setup.lock = lock
     return setup

@@ -43,6 +43,16 @@ def holder(path: Path) -> str:
         return f"pid {text.strip()}" if text.strip().isdigit() else "pid unknown"
 
 
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    fst = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+
+
 class RunDirLock:
     """Hold ``run_dir``'s lock until :meth:`release` (or process exit).
 
@@ -58,17 +68,22 @@ class RunDirLock:
 
     def __init__(self, run_dir: Path, command: str = "selfrl", instead: str = "choose another run directory"):
         self.path = Path(run_dir) / LOCK_FILE
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._fd)
-            self._fd = None
-            who = holder(self.path)
-            pid = who.rsplit("pid ", 1)[-1].rstrip(")")
-            stop = f"wait for it to end or stop it (kill {pid})" if pid.isdigit() else "wait for it to end"
-            raise RunDirLocked(f"{run_dir} is in use by another selfrl process, {who}, which holds {self.path}; "
-                               f"{stop}, or {instead}") from None
+        self._fd: int | None = None
+        while self._fd is None:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                who = holder(self.path)
+                pid = who.rsplit("pid ", 1)[-1].rstrip(")")
+                stop = f"wait for it to end or stop it (kill {pid})" if pid.isdigit() else "wait for it to end"
+                raise RunDirLocked(f"{run_dir} is in use by another selfrl process, {who}, which holds "
+                                   f"{self.path}; {stop}, or {instead}") from None
+            if _same_file(fd, self.path):
+                self._fd = fd
+            else:  # the file was removed (a run that never started) after we opened it: take the new one
+                os.close(fd)
         try:
             os.ftruncate(self._fd, 0)
             os.write(self._fd, json.dumps({"pid": os.getpid(), "command": command, "since": time.time()}).encode())
