@@ -128,8 +128,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def machine_failure(e: BaseException, where: str | Path, then: str) -> int | None:
+    """Print one line and return exit code 1 for an error that is the machine's, not the input's:
+    the run directory is held by another writer (:mod:`selfrl.runlock`), or a write was refused
+    (a full disk, a read-only one, ...: :mod:`selfrl.write_errors`; ``then`` says how to go on
+    once it is fixed). None for any other error."""
+    from selfrl.runlock import RunDirLocked
+    from selfrl.write_errors import write_failure
+
+    if isinstance(e, RunDirLocked):
+        print(f"selfrl: error: {e}", file=sys.stderr)
+        return 1
+    if (failure := write_failure(e, where)) is not None:
+        print(f"selfrl: error: {failure.message(then)}", file=sys.stderr)
+        return 1
+    return None
+
+
 def report_command(args: argparse.Namespace) -> int:
-    """``selfrl report`` and ``selfrl compare``; exit code 2 for a missing run or bad input."""
+    """``selfrl report`` and ``selfrl compare``; exit code 2 for a missing run or bad input, 1 when
+    the report cannot be written (or, written into a run directory, another process writes it)."""
+    out = Path(args.out if args.command == "compare" or args.out else args.run_dir)
     try:
         if args.command == "report":
             from selfrl.report import rebuild_report
@@ -139,7 +158,11 @@ def report_command(args: argparse.Namespace) -> int:
             from selfrl.compare import compare_runs
 
             path = compare_runs([Path(d) for d in args.run_dirs], Path(args.out))
-    except (FileNotFoundError, ValueError) as e:
+    except Exception as e:
+        if (code := machine_failure(e, out, f"run selfrl {args.command} again")) is not None:
+            return code
+        if not isinstance(e, (FileNotFoundError, ValueError)):
+            raise
         print(f"selfrl: error: {e}", file=sys.stderr)
         return 2
     print(f"report: {path}")
@@ -189,8 +212,14 @@ def _main(args: argparse.Namespace) -> int:
 
         overrides = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in SERVE_FLAGS.items()}
         overrides["replica"] = args.replica
-        return serve(args.config, overrides, args.api_key_file, learn=not args.no_learn,
-                     protect_completions=args.protect_completions)
+        try:
+            return serve(args.config, overrides, args.api_key_file, learn=not args.no_learn,
+                         protect_completions=args.protect_completions)
+        except Exception as e:  # at start: the run directory is another server's, or cannot be written
+            where = args.run_dir or "the run directory"
+            if (code := machine_failure(e, where, f"start selfrl serve --run-dir {where} again")) is None:
+                raise
+            return code
 
     if args.command == "sampler":
         from selfrl.engines.sampler_main import sampler
@@ -207,7 +236,7 @@ def _main(args: argparse.Namespace) -> int:
     overrides["train.gradient_checkpointing"] = args.gradient_checkpointing
     overrides["warm_start.enabled"] = args.warm_start
     overrides["async_rollouts"] = args.async_rollouts
-    base = None
+    base, run_dir = None, args.resume or args.run_dir
     if args.resume:
         overrides["run_dir"] = args.resume
         stored = Path(args.resume) / "config.json"
@@ -219,15 +248,13 @@ def _main(args: argparse.Namespace) -> int:
         from selfrl.envs import load_run_config
 
         cfg = load_run_config(args.config, overrides, base)  # the environment's defaults under file and flags
+        run_dir = cfg.run_dir
         from selfrl.loop import run
         from selfrl.progress import RichProgress
 
         # SIGTERM and SIGHUP stop the run as Ctrl-C does (selfrl.shutdown); a second one stops at once
         with GracefulStop() as stop, RichProgress(cfg.iterations) as progress:
             result = run(cfg, resume=bool(args.resume), progress=progress)
-    except (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError, ValueError, ConnectionError) as e:
-        print(f"selfrl: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt as e:  # before the first update (after it, the loop stops and reports)
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"selfrl: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
@@ -236,6 +263,17 @@ def _main(args: argparse.Namespace) -> int:
         print(f"selfrl: error: {e}; the run stopped (versions and report kept; fix the sampler and "
               "--resume)", file=sys.stderr)
         return 1
+    except Exception as e:
+        where = run_dir or "the run directory"
+        stored = run_dir is not None and os.path.exists(Path(run_dir) / "selfrl.db")  # False when unreadable
+        then = f"run with --resume {run_dir}" if stored else "run the same command again"
+        if (code := machine_failure(e, where, then)) is not None:  # a full disk, another writer, ...
+            return code
+        if not isinstance(e, (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError, ValueError,
+                              ConnectionError)):
+            raise
+        print(f"selfrl: error: {e}", file=sys.stderr)
+        return 2
     print(f"held-out success: base {result.base_success:.3f} -> final {result.final_success:.3f} "
           f"(version {result.final_version})")
     print(f"report: {result.summary['report']}")

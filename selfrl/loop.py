@@ -11,6 +11,7 @@ version whose weights are loaded. An update saves its result as a new
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import random
@@ -33,6 +34,7 @@ from selfrl.model import build_policy
 from selfrl.progress import PlainProgress, Progress
 from selfrl.rewards import get_preset, score_batch
 from selfrl.rollout import env_offers_tools, rollout
+from selfrl.runlock import RunDirLock
 from selfrl.sampler_sync import SamplerSync
 from selfrl.signal import SignalChooser, diagnose, probe_report
 from selfrl.store import Store
@@ -145,20 +147,44 @@ class RunSetup:
     cycle: UpdateCycle
     # the sampler kept in step: remote (--sampler) or the local copy (--async-rollouts); None: the engine shares the model
     sampler: SamplerSync | None = None
+    lock: RunDirLock | None = None  # the run directory's one-writer lock, held until the run ends (Runner.run)
 
 
 def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
     """Tasks, tools, rewards, the policy and its engine, the learner, the store, the version
     ledger and the update cycle of one run (``cfg.run_dir``).
 
+    The run directory's lock (:mod:`selfrl.runlock`) is taken first and held by the returned
+    setup until :meth:`Runner.run` ends: one process writes a run directory at a time.
+
     Raises:
         FileExistsError / FileNotFoundError: as :func:`run`.
         selfrl.config.ConfigError: ``resume`` with settings the stored run cannot change.
+        selfrl.runlock.RunDirLocked: another process (a run, a resume, a server) writes ``run_dir``.
     """
     run_dir = Path(cfg.run_dir)
-    db = run_dir / "selfrl.db"
-    if resume and not db.exists():
+    if resume and not (run_dir / "selfrl.db").exists():
         raise FileNotFoundError(f"nothing to resume: no run at {run_dir}")
+    created = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunDirLock(run_dir, "selfrl run")
+    try:
+        setup = assemble_run(cfg, resume, run_dir)
+    except BaseException:
+        if created:  # a run that never started leaves no folder behind (the lock file goes while held)
+            lock.path.unlink(missing_ok=True)
+        lock.release()
+        if created:
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
+        raise
+    setup.lock = lock
+    return setup
+
+
+def assemble_run(cfg: RunConfig, resume: bool, run_dir: Path) -> RunSetup:
+    """:func:`build_run`'s parts, with the run directory's lock held."""
+    db = run_dir / "selfrl.db"
     if not resume and db.exists():
         raise FileExistsError(f"{run_dir} already holds a run; pass --resume or choose another --run-dir")
     stored = run_dir / "config.json"
@@ -181,7 +207,6 @@ def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
         engine = connect(cfg, tok, model)
     learner = Learner(model, cfg.train, cfg.rollout.temperature, tok.pad_token_id, cfg.max_completion_length,
                       ref_state=kl_reference(model, cfg.lora.init_adapter), tokenizer=tok)
-    run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
     store = Store(db)
     run_id = store.start_run(cfg.to_dict())
@@ -486,6 +511,14 @@ class Runner:
         s.cycle.resume(s.store)
 
     def run(self) -> RunResult:
+        """The whole run (see :func:`run`); the run directory's lock is released however it ends."""
+        try:
+            return self.run_loop()
+        finally:
+            if self.s.lock is not None:
+                self.s.lock.release()
+
+    def run_loop(self) -> RunResult:
         s = self.s
         try:
             start = self.start()

@@ -16,8 +16,10 @@ needs a display nor changes the process-wide matplotlib backend.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from selfrl.figures import overview_figure, save
+from selfrl.runlock import RunDirLock
 from selfrl.stats import paired_difference_ci, wilson_interval
 from selfrl.store import Store
 from selfrl.timeline import Mark, Timeline, event_mark, load_timeline
@@ -336,8 +339,10 @@ def rebuild_report(run_dir: Path, out: Path | None = None) -> Path:
     """Write the report of ``run_dir`` from its store alone (``selfrl report``).
 
     The store is opened read-only, so this works while the run is still going (it shows
-    what was committed so far) and after a kill. A ``selfrl serve`` run directory gets
-    the serving report (:func:`selfrl.serve.report.write_serve_report`).
+    what was committed so far) and after a kill. Written into ``run_dir`` itself, the report
+    is that directory's one writer for the while (:mod:`selfrl.runlock`): refused while a
+    run or server writes it; ``out`` elsewhere only reads. A ``selfrl serve`` run directory
+    gets the serving report (:func:`selfrl.serve.report.write_serve_report`).
 
     Args:
         run_dir: a folder holding ``selfrl.db``.
@@ -348,13 +353,16 @@ def rebuild_report(run_dir: Path, out: Path | None = None) -> Path:
 
     Raises:
         FileNotFoundError: ``run_dir`` holds no ``selfrl.db``.
+        selfrl.runlock.RunDirLocked: ``out`` is ``run_dir`` and another process writes it.
     """
     run_dir = Path(run_dir)
     db = run_dir / "selfrl.db"
     if not db.exists():
         raise FileNotFoundError(f"no run at {run_dir}: {db} does not exist")
     out = Path(out) if out is not None else run_dir
-    with Store(db, readonly=True) as store:
+    inside = os.path.abspath(out) == os.path.abspath(run_dir)
+    with (RunDirLock(run_dir, "selfrl report", f"write the report elsewhere: selfrl report {run_dir} --out DIR")
+          if inside else contextlib.nullcontext()), Store(db, readonly=True) as store:
         runs = store.runs()
         if runs and "serve" in runs[-1]["config"]:
             from selfrl.serve.report import write_serve_report
