@@ -79,8 +79,9 @@ class BudgetPolicy:
                   (self.beta_factor >= 1, "beta_factor must be >= 1"), (self.beta_min >= 0, "beta_min must be >= 0"),
                   (0 <= self.lr_floor <= self.learning_rate, "lr_floor must be in [0, learning_rate]"),
                   (self.beta_ceiling >= max(self.beta, self.beta_min), "beta_ceiling must be >= beta and beta_min"),
-                  (self.stable_updates >= 1, "stable_updates must be >= 1"), (self.stable_s > 0, "stable_s must be > 0"),
-                  (self.window_s > 0, "window_s must be > 0"), (self.max_per_window >= 1, "max_per_window must be >= 1"),
+                  (self.stable_updates >= 1, "stable_updates must be >= 1"),
+                  (self.stable_s > 0, "stable_s must be > 0"), (self.window_s > 0, "window_s must be > 0"),
+                  (self.max_per_window >= 1, "max_per_window must be >= 1"),
                   (self.cooldown_s >= 0, "cooldown_s must be >= 0"),
                   (self.stop_after is None or self.stop_after >= 0, "stop_after must be None or >= 0")]
         bad = [msg for ok, msg in checks if not ok]

@@ -46,7 +46,8 @@ def test_weight_below_one_when_current_policy_likes_it_less():
 def test_queued_when_moved_and_current_logprobs_unknown():
     d = decide(6, [5, 6, 7], 0.0, 60.0, POLICY)
     assert (d.outcome, d.weight) == (Outcome.QUEUED, None)
-    assert d.reason == "queued: the policy changed 1 times since version 6; waits for the learner to weigh it under version 7"
+    assert d.reason == ("queued: the policy changed 1 times since version 6; "
+                        "waits for the learner to weigh it under version 7")
 
 
 def test_too_old_in_versions_counts_weight_changes_not_numbers():

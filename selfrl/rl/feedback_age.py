@@ -37,6 +37,10 @@ with ``m`` the completion mask. Departures from :mod:`selfrl.rl.off_policy`, and
   ``selfrl.rl.losses.LOG_RATIO_BOUND`` does for one token.
 * When the policy has not moved (0 weight changes since the turn's version) the weight is
   exactly 1.0 and no log-probs are needed.
+* Both log-prob sequences must be of one distribution (the same temperature and grammar).
+  ``selfrl serve`` records turns at the client's temperature, so there the behaviour
+  log-probs are the turn's version recomputed at ``learner.temperature``, not the recorded
+  ones; where they are not available the weight cannot be computed and only the cutoffs apply.
 
 Units: versions are counts of weight changes, times are seconds (any clock, the same for
 both), log-probs are natural logs.
