@@ -4,7 +4,7 @@ sampling, what it returns for RL, and the sampler/learner log-prob mismatch (iss
     nice -n 10 .venv/bin/python benchmarks/bench_llamacpp.py --server /path/to/llama-server   # ~20 min
     .venv/bin/python benchmarks/bench_llamacpp.py                                           # skips: no binary
 
-llama.cpp is not a dependency of selfrl: build ``llama-server`` yourself (docs/benchmarks.md,
+llama.cpp is not a dependency of selfrl: build ``llama-server`` yourself (docs/results/benchmarks.md,
 "The CPU inference server against our in-process engine", says how it was built here) and
 give its path with ``--server``. Without one the script prints why it skips and exits 0
 (``--tiny`` too: there is no tiny llama.cpp model).
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     args = p.parse_args(argv)
     if args.tiny or not args.server:
         why = "--tiny has no llama.cpp model" if args.tiny else "no llama-server binary given (--server PATH)"
-        print(f"bench_llamacpp skipped: {why}; llama.cpp is not a dependency of selfrl, see docs/benchmarks.md")
+        print(f"bench_llamacpp skipped: {why}; llama.cpp is not a dependency of selfrl, see docs/results/benchmarks.md")
         return None
     if not Path(args.server).is_file():
         raise SystemExit(f"--server {args.server}: no such file")

@@ -13,7 +13,7 @@ Three processes, one after the other (each its own peak RSS, no thread pools fig
    (greedy pass@1 on the same held-out tasks, multi-turn with the calculator), so both
    trainers' results are measured the same way.
 
-What differs, on purpose or by necessity (see docs/benchmarks.md):
+What differs, on purpose or by necessity (see docs/results/benchmarks.md):
 
 * TRL samples **single-turn** completions: its tool loop needs a chat template that renders
   tools and a known response parser, and SmolLM2's template has neither. TRL therefore

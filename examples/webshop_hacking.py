@@ -5,7 +5,7 @@
         # + two short runs of the embedded model (naive reward, without and with a detector)
 
 The reward is the careless "order confirmed" count (``webshop_naive``); true success is
-the right product confirmed once. See docs/safety.md.
+the right product confirmed once. See docs/concepts/detectors.md.
 """
 
 from __future__ import annotations

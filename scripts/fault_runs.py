@@ -2,7 +2,9 @@
 they are injected into (a random Phi, a config, ``selfrl run`` as a subprocess with
 ``SELFRL_FAULT`` set), what a finished run stored, and the verdicts: a destructive update
 rolled back in time, a NaN loss skipped, a kill resumed with nothing lost. See that file's
-docstring for what "recovered" means; the serve and distributed faults build on this one."""
+docstring for what "recovered" means; the serve and distributed faults build on this one.
+The run directory's own faults (a full disk, a read-only one, a directory moved, a version
+folder gone) are in ``fault_rundir.py``."""
 
 from __future__ import annotations
 
@@ -192,15 +194,16 @@ def check_corrupting(fault: str, run_dir: Path, final: int | None) -> Outcome:
     return Outcome(fault, ok, corrupt_versions_served=len(bad), detail=detail)
 
 
-def check_kill(fault: str, run_dir: Path, before: dict[str, str], final: int | None) -> Outcome:
-    """Judge a run killed (with ``before`` stored then) and resumed to the end, serving
-    ``final`` (see the module docstring)."""
+def check_kill(fault: str, run_dir: Path, before: dict[str, str], final: int | None,
+               iterations: int = ITERATIONS) -> Outcome:
+    """Judge a run killed (with ``before`` stored then) and resumed to the end (``iterations``),
+    serving ``final`` (see the module docstring)."""
     after = snapshot(run_dir)
     lost = sum(1 for k, v in before.items() if after.get(k) != v)
     r = read_run(run_dir)
     bad = corrupt_served(run_dir, r["versions"], final)
     done = sorted(s for s, m in r["metrics"].items() if "reward/mean" in m)
-    finished = done == list(range(ITERATIONS))
+    finished = done == list(range(iterations))
     recovered = [e["message"] for e in r["events"] if e["kind"] in ("recover", "corrupt_version")]
     ok = lost == 0 and not bad and finished
     detail = (f"{len(before)} trajectories before the kill, {len(after)} after resume; iterations {done}"

@@ -31,6 +31,18 @@ random Phi saved to a temporary folder, with ``SELFRL_FAULT`` set (see ``selfrl/
   answered 503 ``degraded`` while full and ``ok`` after, every response acknowledged with a
   200 is in the store, and the learner paused, resumed by itself and made a new version.
 
+Run-directory faults (in ``scripts/fault_rundir.py``, whose docstring has the details):
+
+* ``disk_full``, ``read_only``: the run's disk (a small tmpfs) fills, or turns read-only;
+  ``selfrl run`` must stop with exit code 1 and one line saying what happened and what to do
+  (``disk full at PATH: free space and run with --resume RUN_DIR``), no traceback, and
+  ``--resume`` must finish once the disk is fixed, with nothing lost. They need root and
+  ``mount``; elsewhere they are listed as skipped.
+* ``relocate``: a killed run's directory is moved, then resumed from the new place; every
+  version serves as before.
+* ``missing_version``: the newest promoted version's folder is gone; ``--resume`` says so,
+  serves the one before, and leaves its row as it was.
+
 Distributed faults (``selfrl run --ray local``, 2 rollout workers; only when Ray is installed; in
 ``scripts/fault_distributed.py``):
 
@@ -71,6 +83,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the suite's modules, beside this file
 from fault_distributed import distributed_faults, run_distributed_fault  # noqa: E402
+from fault_rundir import RUNDIR_FAULTS, SmallFsUnavailable, run_rundir_fault  # noqa: E402
 from fault_runs import Outcome, run_fault, save_tiny_model, short  # noqa: E402
 from fault_serve import ServeOutcome, run_serve_fault  # noqa: E402
 from fault_serve_disk import run_serve_disk_full, serve_faults  # noqa: E402
@@ -79,7 +92,7 @@ from fault_serve_disk import run_serve_disk_full, serve_faults  # noqa: E402
 def all_faults() -> list[str]:
     from selfrl.core.faults import POINTS
 
-    return (["lr_x1000@1", "noise@1", "nan_loss@1"] + [f"kill:{p}@1" for p in POINTS]
+    return (["lr_x1000@1", "noise@1", "nan_loss@1"] + [f"kill:{p}@1" for p in POINTS] + list(RUNDIR_FAULTS)
             + [f"serve:{f}" for f in serve_faults()] + distributed_faults())
 
 
@@ -120,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         model_dir = save_tiny_model(work / "tiny-model")
         outcomes: list[Outcome] = []
+        skipped: dict[str, str] = {}
         for fault in args.faults or all_faults():
             if fault == "serve:disk_full":
                 outcomes.append(run_serve_disk_full(model_dir, work))
@@ -127,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
                 outcomes.append(run_serve_fault(fault.removeprefix("serve:"), model_dir, work))
             elif fault.startswith(("worker:", "ray:")):
                 outcomes.append(run_distributed_fault(fault, model_dir, work))
+            elif fault in RUNDIR_FAULTS:
+                try:
+                    outcomes.append(run_rundir_fault(fault, model_dir, work))
+                except SmallFsUnavailable as e:
+                    skipped[fault] = str(e)
+                    print(f"{fault}: skipped ({e})", flush=True)
+                    continue
             else:
                 outcomes.append(run_fault(fault, model_dir, work))
             print(f"{fault}: {'recovered' if outcomes[-1].recovered else 'NOT RECOVERED'} "
@@ -137,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table(runs))
     if serves:
         print(serve_table(serves))
+    for fault, why in skipped.items():
+        print(f"skipped: {fault} ({why})")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = {"faults_injected": len(outcomes), "faults_recovered": sum(o.recovered for o in outcomes),
@@ -145,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                "serve_requests": sum(o.requests for o in serves),
                "serve_failed_requests": sum(o.failed_requests for o in serves),
                "serve_bad_versions_served": sum(o.bad_versions_served for o in serves)}
-    out.write_text(json.dumps({"summary": summary, "faults": [asdict(o) for o in outcomes]}, indent=2))
+    out.write_text(json.dumps({"summary": summary, "faults": [asdict(o) for o in outcomes], "skipped": skipped},
+                              indent=2))
     print(f"written: {out}")
     ok = summary["faults_recovered"] == summary["faults_injected"] and not summary["trajectories_lost"] \
         and not summary["corrupt_versions_served"] and not summary["serve_failed_requests"] \

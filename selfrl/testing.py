@@ -71,7 +71,7 @@ def build_tiny_tokenizer(vocab_size: int = 512):
     return tok
 
 
-def build_tiny_model(tokenizer, seed: int = 0, eos_bias: float | None = None):
+def build_tiny_model(tokenizer, seed: int = 0, eos_bias: float | None = None, **config_overrides):
     """A random 2-layer ``LlamaForCausalLM`` (fp32, eval mode) sized to ``tokenizer``.
 
     Args:
@@ -79,24 +79,25 @@ def build_tiny_model(tokenizer, seed: int = 0, eos_bias: float | None = None):
         eos_bias: when set, the output layer gets a bias that is 0 everywhere but
             ``eos_bias`` at the EOS id, so sampled turns end early (the output
             layer of a random model is near uniform over ~500 ids otherwise).
+        config_overrides: replace the tiny defaults of the ``LlamaConfig`` (``hidden_size``,
+            ``num_attention_heads``, ...): vLLM's CPU attention, say, needs a head size of 32 or more.
+
+    Raises:
+        TypeError: an override is not a ``LlamaConfig`` field this function sets.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     eos = tokenizer.eos_token_id
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-        eos_token_id=eos,
-        pad_token_id=eos,
-        bos_token_id=None,
-        tie_word_embeddings=False,
+    fields = dict(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+        eos_token_id=eos, pad_token_id=eos, bos_token_id=None, tie_word_embeddings=False,
         initializer_range=0.1,  # peakier than the default 0.02, so logprobs vary across ids
     )
+    unknown = sorted(set(config_overrides) - set(fields))
+    if unknown:
+        raise TypeError(f"build_tiny_model: unknown config override(s) {unknown}; valid: {sorted(fields)}")
+    config = LlamaConfig(**{**fields, **config_overrides})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).float()
     if eos_bias is not None:

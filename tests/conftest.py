@@ -18,6 +18,7 @@ from selfrl.testing import (  # noqa: F401 (re-exported for the tests)
     save_tiny_phi,
 )
 from serving import SERVE_ENGINES, running_server, serve_config
+from smallfs import SmallFs, SmallFsUnavailable
 
 
 @pytest.fixture(scope="session")
@@ -90,3 +91,23 @@ def model_dir(tmp_path_factory, tiny_tokenizer):
     """A tiny Phi saved to disk (:func:`save_tiny_phi`), one per test module, loaded as a user's model.
     A module may override it."""
     return save_tiny_phi(tmp_path_factory.mktemp("model"), tiny_tokenizer)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """``make(size_kib) -> SmallFs``: a tmpfs of that size under ``tmp_path`` (``tests/smallfs.py``),
+    unmounted after the test; the test is skipped, with the reason, where none can be mounted
+    (not root, no ``mount``)."""
+    made = []
+
+    def make(size_kib: int) -> SmallFs:
+        try:
+            fs = SmallFs(tmp_path / f"smallfs{len(made)}", size_kib)
+        except SmallFsUnavailable as e:
+            pytest.skip(f"a small file system is needed to fill the disk: {e}")
+        made.append(fs)
+        return fs
+
+    yield make
+    for fs in made:
+        fs.unmount()

@@ -110,7 +110,7 @@ BACKENDS["http"] = _http_sampler
 
 
 def _fake_vllm(model, tokenizer, version: int = 0) -> SamplingEngine:
-    """EXPERIMENTAL vLLM client against tests/fake_vllm.py on loopback (no real vLLM here)."""
+    """The vLLM client against tests/fake_vllm.py on loopback (the real vLLM: tests/real_vllm/)."""
     from selfrl.engines.reference import Engine
     from selfrl.engines.vllm import VLLMEngine
     from tests.fake_vllm import create_fake_vllm
@@ -120,7 +120,8 @@ def _fake_vllm(model, tokenizer, version: int = 0) -> SamplingEngine:
 
 
 BACKENDS["vllm-client-on-fake-vllm"] = _fake_vllm
-UNAVAILABLE["vllm"] = "a real vLLM server needs a GPU and the vllm wheel (336 MB); none here"
+UNAVAILABLE["vllm"] = ("a real vLLM runs in its own venv and takes minutes to start: tests/real_vllm/ runs this "
+                       "contract on it (make test-vllm)")
 
 
 def _slots_unmerged(model, tokenizer, version: int = 0) -> SamplingEngine:

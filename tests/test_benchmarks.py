@@ -328,3 +328,11 @@ def test_checkouts_tiny(tmp_path):
     assert after["fraction_of_bound"] == pytest.approx(after["median_tokens_per_s"] / r["bound_tokens_per_s"])
     with pytest.raises(SystemExit, match="another checkout"):
         bench_checkouts.main(TINY + ["--before", str(tmp_path)])
+
+
+def test_vllm_skips_without_a_vllm(capsys):
+    import bench_vllm
+
+    assert bench_vllm.main(["--tiny"]) is None and bench_vllm.main([]) is None
+    out = capsys.readouterr().out
+    assert "--tiny has no vLLM model" in out and "no --vllm-python" in out

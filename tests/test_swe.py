@@ -77,7 +77,7 @@ def test_generator_keeps_mutations_that_break_tests_and_records_fail_and_pass(tm
 
 def test_shipped_instances_are_counted_and_every_reference_edit_restores_the_clean_code():
     """159 candidates: 20 broke no test, 4 looped until the runner was killed (no test ids to
-    record), 135 kept; the per-kind counts are in docs/swe.md."""
+    record), 135 kept; the per-kind counts are in docs/reference/environments/swe.md."""
     data = json.loads((load_repo.__globals__["TASKS_FILE"]).read_text())
     assert sum(r["n_candidates"] for r in data["reports"]) == 159
     assert sum(r["n_kept"] for r in data["reports"]) == 135

@@ -21,7 +21,7 @@ from selfrl.core.trajectory import Trajectory
 SB = Sandbox(Limits(wall_seconds=30))
 
 # The instance on which the old in-process runner paid each trick (measured before the fix,
-# docs/swe.md): the new runner must give 0 there. Tricks the old runner never paid use the same two.
+# docs/reference/environments/swe.md): the new runner must give 0 there. Tricks the old runner never paid use the same two.
 INSTANCE = {"pytest_shadow": "ministats__core-0", "patch_builtins": "ministats__core-0",
             "patch_pytest": "ministats__core-0", "stdlib_shadow": "ministats__core-0"}
 SERIES = "ministats__series-10"  # forge_report, rewrite_tests, read_tests and the hard-coded family paid here

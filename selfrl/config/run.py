@@ -219,7 +219,7 @@ class GateConfig:
 
 @dataclass
 class CollapseConfig:
-    """Collapse rules, thresholds and what a rollback changes (see docs/safety-collapse.md)."""
+    """Collapse rules, thresholds and what a rollback changes (see docs/concepts/versions-gate-rollback.md)."""
 
     enabled: bool = True  # run the rules; False leaves only the gate and the anomaly skip
     kl_probe_size: int = 4  # sequences on which a new candidate's KL is measured right after its update (0: off)
@@ -289,7 +289,7 @@ class DetectorConfig:
 @dataclass
 class WarmStartConfig:
     """A warm start before the first RL update: rejection-sampled own successes on training tasks,
-    fine-tuned by NLL, gated like any update (``selfrl.run.warm_start``, docs/warm_start.md); off by default."""
+    fine-tuned by NLL, gated like any update (``selfrl.run.warm_start``, docs/guides/warm-start.md); off by default."""
 
     enabled: bool = False  # run the warm start before RL iteration 0 (once per run; a resume never repeats it)
     required: bool = False  # stop the run with an error when no success is found (False: say so, go on with plain RL)
@@ -452,7 +452,7 @@ class RunConfig:
         require([
             (self.agent_adapters != "per_agent",
              "agent_adapters = 'per_agent' is not offered: several agents train one shared adapter with "
-             "per-agent advantage normalisation, and each agent's gate guards it (docs/distributed.md); "
+             "per-agent advantage normalisation, and each agent's gate guards it (docs/guides/many-agents.md); "
              "for separate adapters run one selfrl run per agent"),
             one_of(self.agent_adapters, AgentAdapters, "agent_adapters"),
             (len(set(names)) == len(names), f"agent names must be unique, got {names}"),

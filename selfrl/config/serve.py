@@ -65,7 +65,7 @@ class ServeConfig:
 
     run_dir: str = "runs/serve"  # store, adapter versions and logs
     host: str = "127.0.0.1"  # bind address; anything else exposes the server beyond this machine
-    port: int = 8000
+    port: int = 8000  # TCP port of the server (loopback unless host says otherwise)
     served_model_name: str = "selfrl"  # the model id /v1/models lists; versions are "<name>@v<N>"
     model_aliases: list[str] = field(default_factory=list)  # more ids served as the current version (e.g. a client's hard-coded "gpt-4o"); any other id: 404 model_not_found
     max_batch: int = 32  # rows per engine call

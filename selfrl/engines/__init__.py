@@ -33,7 +33,7 @@ def _slots(model, tokenizer, version: int = 0, driver: str | None = None) -> Sam
 
 
 def _auto(model, tokenizer, version: int = 0, driver: str | None = None) -> SamplingEngine:
-    """``slots`` for a policy on the CPU (measured faster there, docs/benchmarks.md section 7),
+    """``slots`` for a policy on the CPU (measured faster there, docs/results/benchmarks.md),
     ``reference`` on a GPU (the slot engine keeps its cache on the CPU) and for a model whose
     attention the slot engine's masks do not express (not SDPA or eager, or a sliding window:
     :func:`selfrl.engines.slotattention.slot_attention`)."""
@@ -50,7 +50,7 @@ def _auto(model, tokenizer, version: int = 0, driver: str | None = None) -> Samp
 # name -> factory(model, tokenizer, version) for the in-process backends
 ENGINES: dict[str, Callable[..., SamplingEngine]] = {"auto": _auto, "reference": _reference, "slots": _slots}
 # selfrl run: auto, i.e. slots on the CPU and the reference on a GPU. On an idle machine
-# (2026-12-02, docs/benchmarks.md section 7, "The update as a prefix tree"), make demo's session
+# (2026-12-02, docs/results/benchmarks.md), make demo's session
 # took 217 s on slots against 340 s on the reference next to it (407 s for the reference before
 # the packed update), the same held-out result, and the label-free preset learned on slots too
 # (7 % -> 100 %; it had not in one earlier run, README). --engine reference gives the previous default.

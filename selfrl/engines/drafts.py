@@ -3,7 +3,7 @@ and their exact verification.
 
 A decoding step of few rows on the CPU is bound by reading the weights: on the embedded model a
 pass of 1 row took 46 ms and a pass of 1 row x 9 ids 54 ms, 4 rows x 5 ids 76 against 66 ms
-(docs/benchmarks.md, "Drafts from the row's own context"). So the slot engine feeds a small pass a
+(docs/results/benchmarks.md, "Drafts from the row's own context"). So the slot engine feeds a small pass a
 few drafted ids after each row's last one and keeps those the model itself would have chosen:
 several ids for about the price of one.
 

@@ -2,7 +2,7 @@
 and the products of small batches arranged for the CPU's matrix library.
 
 A decoding step of the embedded model on this machine's CPU is bound by reading the weights
-(docs/benchmarks.md, "Merged LoRA and the small-batch product"). Three things made it slower than
+(docs/results/benchmarks.md, "Merged LoRA and the small-batch product"). Three things made it slower than
 that read:
 
 - **The unmerged LoRA.** peft computes ``W x + s B (A x)`` in every targeted layer: about 1,000
@@ -36,7 +36,7 @@ oneDNN (:func:`selfrl.model.matmul.pack`; 405 MiB more; 810 MiB in all; :attr:`e
 copies that exist). Layers without LoRA (the output layer, projections a LoRA does not target) read
 the policy's weight live, unpacked: a packed copy would be a snapshot, and miss a write through
 ``.data`` that no version counter shows (packing the output layer made the demo's rollouts about
-1.5 % faster; docs/benchmarks.md section 7, "Lean decoder layers").
+1.5 % faster; docs/history.md, "lean decoder layers").
 Decoder layers of Llama, Mistral, Qwen2 and Qwen3 run leaner (:mod:`selfrl.engines.leanlayers`:
 stacked products, fewer operators), queries, keys and values then being one merged weight (and
 their biases one stacked copy), and gate and up another.
@@ -60,7 +60,7 @@ from selfrl.engines.sharedattention import takes_shared_prefix
 from selfrl.engines.weightwatch import WeightWatch, hook_dicts
 from selfrl.model.matmul import is_routed, pack, packed_linear
 
-SMALL_BATCH_ROWS = (1, 10)  # rows for which (W @ x.T).T is used on the CPU (docs/benchmarks.md)
+SMALL_BATCH_ROWS = (1, 10)  # rows for which (W @ x.T).T is used on the CPU (docs/results/benchmarks.md)
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

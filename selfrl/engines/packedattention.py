@@ -5,7 +5,7 @@ prompts (a tool's reply and the next turn's header, about 35 ids a row), then on
 running row. On the CPU each pass reads all the weights (540 MB for the embedded model) and pays
 the per-operator overhead of every layer, so a step that admits one row while a few decode cost
 two small passes (about 110 and 55 ms) where one pass of about 40 ids costs about 85 ms
-(docs/benchmarks.md, section 7, "One forward pass a step"). vLLM schedules the same way (a step's prefill chunks and
+(docs/results/benchmarks.md, "One forward pass a step"). vLLM schedules the same way (a step's prefill chunks and
 decoding tokens in one batch).
 
 Here the tokens of every pass of a step are laid end to end as one sequence (``(1, N)`` input ids and

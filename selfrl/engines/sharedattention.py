@@ -5,7 +5,7 @@ system prompt, starts with the same system prompt (with tool descriptions). The 
 encodes that prefix once (:class:`~selfrl.engines.kvcache.PrefixStore`), but attention then
 read each row's own copy of its keys and values at every decoding step: on the embedded model,
 64 rows of about 400 positions read 1.2 GB of keys and values per step, twice the weights, and
-attention took a quarter of the step (docs/benchmarks.md, "Attention over the shared prefix").
+attention took a quarter of the step (docs/results/benchmarks.md, "Attention over the shared prefix").
 
 :func:`attend_with_shared_prefix` splits each row's attention in two: its queries against the
 shared prefix's keys, computed for all rows at once (one product per key/value head, the prefix

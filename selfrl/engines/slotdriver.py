@@ -1,5 +1,5 @@
 """Who runs the slot engine's decoding steps when it has no worker thread (``driver="caller"``):
-the threads that wait for results, one at a time (docs/engines.md, "Which thread steps").
+the threads that wait for results, one at a time (docs/concepts/engines.md, "Which thread steps").
 
 :class:`CallerDriven` is a part of :class:`selfrl.engines.slots.SlotEngine`; it uses the
 engine's queue, rows, lock, condition, ``_guarded_step`` and ``_give_back_idle_cache``.

@@ -106,7 +106,7 @@ class SlotEngine(SlotSteps, CallerDriven, SlotPrefill, SlotDecode):
             ``model`` with each LoRA merged into its weight (merged again whenever the LoRA
             changes) and small batches' products arranged for the CPU: 1.2-2.0x faster decoding
             steps at 1-8 rows on this machine, for a second copy of the targeted weights
-            (docs/benchmarks.md, "Merged LoRA and the small-batch product"). False: the peft
+            (docs/results/benchmarks.md, "Merged LoRA and the small-batch product"). False: the peft
             model's own forward pass.
         shared_prefix_attention: with ``share_prefix`` and ``merge_lora``, a decoding pass whose rows all
             start with one stored prefix (a batch's system prompt) attends to that prefix's keys and
@@ -128,7 +128,7 @@ class SlotEngine(SlotSteps, CallerDriven, SlotPrefill, SlotDecode):
         idle_cache_bytes: an engine with no row queued or running keeps its key/value cache up to
             this size, so that the next batch writes into it as it is; a larger cache is freed and
             the next batch allocates and zero-fills its own (the demo's 64 rows x 384 columns: 1.08 GB,
-            0.3-1.4 s of a 5-9 s rollout batch on this machine; docs/benchmarks.md). vLLM likewise
+            0.3-1.4 s of a 5-9 s rollout batch on this machine; docs/results/benchmarks.md). vLLM likewise
             keeps its cache for the server's life. 0: always freed.
         driver: who runs the decoding steps. ``"thread"``: a worker thread of the engine's
             own, which decodes while nobody waits (a server's streams). ``"caller"``: the
@@ -138,7 +138,7 @@ class SlotEngine(SlotSteps, CallerDriven, SlotPrefill, SlotDecode):
             runs torch operators gets its own OpenMP team, and with more OpenMP threads than
             cores libgomp stops spinning at its barriers and sleeps in the kernel instead;
             a slot engine's worker beside a learner in the main thread then decoded 20-40 %
-            slower (docs/benchmarks.md, "One thread for torch"). With ``"caller"``, a future
+            slower (docs/results/benchmarks.md, "One thread for torch"). With ``"caller"``, a future
             from :meth:`submit` makes progress only while someone waits on it: wait with
             :meth:`wait` or its ``result()``, never ``concurrent.futures.wait`` alone.
 

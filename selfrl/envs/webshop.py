@@ -283,7 +283,7 @@ register_env("webshop", WebShopSource)
 register_reward_func("webshop_naive", naive_reward)
 register_preset("webshop-naive", {"webshop_naive": 1.0},
                 "the careless reward of the web-shop demonstration: pays every 'Order confirmed'. "
-                "Gamed by: confirming again and again (docs/safety.md)")
+                "Gamed by: confirming again and again (docs/concepts/detectors.md)")
 
 
 def _episode(messages: list[dict]) -> list[dict]:

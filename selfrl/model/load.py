@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -67,6 +68,8 @@ def embedded_model_dir() -> Path:
     except OSError as e:
         raise ModelLoadError(f"cannot write the model cache in {target.parent}: {e}; set SELFRL_CACHE to a "
                              "writable directory") from e
+    # said before transformers' own progress bars, which name neither the model nor the wait
+    print("converting the embedded model (once, about 30 s)", file=sys.stderr, flush=True)
     try:
         gguf_dir = Path(list(spec.submodule_search_locations)[0])
         tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
@@ -138,6 +141,28 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path
 
 
+def hub_offline() -> bool:
+    """True when ``HF_HUB_OFFLINE`` forbids downloads (``selfrl`` sets it to 1 unless it is set)."""
+    return os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() in ("1", "on", "yes", "true")
+
+
+def not_found_message(name: str, cause: str) -> str:
+    """The error for a model that is neither a local directory nor in the Hugging Face cache.
+
+    Offline (the default of ``selfrl``), transformers' own text ("couldn't connect") would
+    blame a network that was never tried, so the message names the three ways out instead.
+    Online, the hub's own cause is kept and the ways out follow it.
+    """
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1:  # a path, not a hub id
+        return f"cannot load model {name!r}: no such directory (a model is a local directory or a hub id org/name)"
+    ways = (f"download it first (hf download {name}), allow downloads for this run (HF_HUB_OFFLINE=0), "
+            "or pass a local directory that holds the model (--model /path/to/model)")
+    if hub_offline():
+        return (f"cannot load model {name!r}: it is not a local directory and not in the Hugging Face cache, "
+                f"and downloads are off (HF_HUB_OFFLINE=1, which selfrl sets unless you do). Three ways out: {ways}")
+    return f"cannot load model {name!r}: not a local directory, and the hub gave: {cause} Ways out: {ways}"
+
+
 def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32):
     """Load ``(model, tokenizer)`` for a causal LM, in eval mode, fp32 by default.
 
@@ -156,8 +181,9 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError) as e:
-        hint = "" if Path(path).exists() else " (no such local directory, and not in the Hugging Face cache)"
-        raise ModelLoadError(f"cannot load model {name_or_path!r}{hint}: {e}") from e
+        if Path(path).exists():
+            raise ModelLoadError(f"cannot load model {name_or_path!r}: {e}") from e
+        raise ModelLoadError(not_found_message(name_or_path, str(e))) from e
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     model.eval()

@@ -170,7 +170,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
     The copy is laid out once in oneDNN's blocked format, so that a product need not reorder the
     weight at every call: the demo's rollout batches 1.13-1.39 times faster than with plain
-    weights (docs/benchmarks.md, "The matrix library"). It is a snapshot:
+    weights (docs/results/benchmarks.md, "The matrix library"). It is a snapshot:
     pack again after the weight changes. Memory: as much as the weight."""
     if (weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or weight.requires_grad
             or weight.numel() == 0 or not packing_available()):

@@ -9,6 +9,8 @@ adapter folders.
 - :mod:`selfrl.record.adapters`: adapter versions on disk, written atomically and verified.
 - :mod:`selfrl.record.served`: what ``selfrl serve`` stores beside the trajectories (served
   turns, feedback, conversations).
-- :mod:`selfrl.record.runlock`, :mod:`selfrl.record.storage_errors`: one writer per run
-  directory, and the storage faults a write may meet.
+- :mod:`selfrl.record.rundir`, :mod:`selfrl.record.runlock`, :mod:`selfrl.record.retention`:
+  the run directory's layout (it may be moved), its one writer, what to prune after weeks.
+- :mod:`selfrl.record.storage_errors`, :mod:`selfrl.record.write_errors`: the storage faults a
+  write may meet (the server's answers), and a refused write said in one line (the console's).
 """

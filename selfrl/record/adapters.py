@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 
 from selfrl.core import faults
 from selfrl.model.adapter_check import check_adapter
+from selfrl.record.rundir import VERSIONS
 
 MARKER = "selfrl_version.json"
 
@@ -34,8 +35,8 @@ class CorruptVersionError(ValueError):
 
 
 def version_dir(run_dir: Path, version: int) -> Path:
-    """The folder of ``version`` inside ``run_dir``."""
-    return Path(run_dir) / "adapters" / f"v{version:06d}"
+    """The folder of ``version`` inside ``run_dir`` (the layout of :mod:`selfrl.record.rundir`)."""
+    return Path(run_dir) / VERSIONS / f"v{version:06d}"
 
 
 def _sha256(path: Path) -> str:
@@ -92,9 +93,9 @@ def save_version(model, run_dir: Path, version: int) -> Path:
 def verify_version(path: Path) -> str | None:
     """None when the version folder at ``path`` is complete; else why it is not (one line).
 
-    Complete: the marker exists, names ``adapter_model.safetensors``, and every
-    file it names exists with the recorded SHA-256 (reads each file once: about
-    0.03 s for an 18.7 MB adapter).
+    Complete: the marker exists, names ``adapter_model.safetensors`` and the version the
+    folder is named after (``v000003``: 3), and every file it names exists with the
+    recorded SHA-256 (reads each file once: about 0.03 s for an 18.7 MB adapter).
     """
     path = Path(path)
     marker = path / MARKER
@@ -103,9 +104,13 @@ def verify_version(path: Path) -> str | None:
     if not marker.is_file():
         return f"no completion marker {MARKER} (a save that did not finish, or not a selfrl version)"
     try:
-        files = json.loads(marker.read_text())["sha256"]
+        info = json.loads(marker.read_text())
+        files = info["sha256"]
     except (ValueError, KeyError, TypeError) as e:
         return f"unreadable completion marker: {e}"
+    named = int(path.name[1:]) if path.name[:1] == "v" and path.name[1:].isdigit() else None
+    if named is not None and info.get("version", named) != named:  # a folder copied over another version's
+        return f"it holds version {info.get('version')}'s files, not version {named}'s"
     if "adapter_model.safetensors" not in files:
         return "the marker names no adapter_model.safetensors"
     for name, digest in files.items():
@@ -137,7 +142,7 @@ def load_version_state(path: Path, verify: bool = True) -> dict[str, torch.Tenso
 def stray_dirs(run_dir: Path, recorded: set[int]) -> list[Path]:
     """Folders under ``<run_dir>/adapters`` that a killed process left: temporary
     ``.vNNNNNN-*`` folders, and version folders whose number the store does not hold."""
-    root = Path(run_dir) / "adapters"
+    root = Path(run_dir) / VERSIONS
     if not root.is_dir():
         return []
     out = []

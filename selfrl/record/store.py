@@ -11,6 +11,13 @@ foreign keys enforced.
 JSON columns are written with ``json.dumps(allow_nan=False)`` after NaN and
 infinities have been replaced by ``None``; REAL columns get NULL for them too.
 So a non-finite value is stored as "unknown", never as a crash or as invalid JSON.
+
+A run directory is self-contained and can be moved: an adapter version's folder is stored
+relative to the store's own folder (``adapters/v000003``) and read back resolved against
+where the store is now (:func:`resolve_version_path`). Rows that older versions of selfrl
+wrote (the folder as given: absolute, or relative to the working directory) are read the
+same way when they follow the layout ``.../adapters/v<N>``, and a writable store rewrites
+them to the relative form when it opens.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from selfrl.record.rundir import resolve_version_path, run_relative, storable_path
 from selfrl.core.trajectory import Trajectory
 
 SPLITS = ("train", "val")
@@ -144,8 +152,15 @@ class Store:
     step, or around ``self.conn`` used directly. Without ``shared`` it belongs to the
     thread that opened it.
 
+    About 370 lines, past the 300 we aim for: it is the one place that writes the run's SQLite
+    file, a short method per table's read or write, each one transaction under ``self.lock``;
+    kept together, every write and the lock it takes are read beside the schema above. What
+    is not a table's read or write lives beside it (``selfrl.record.rundir``'s paths, the
+    serve tables in ``selfrl.record.served``, the ledger's rules in ``selfrl.record.versions``).
+
     Args:
-        path: database file; created, with its parent folder, if missing.
+        path: database file; created, with its parent folder, if missing. Its folder is the
+            run directory that stored version paths are relative to.
         shared: allow use from several threads (serialised by ``self.lock``).
         readonly: open an existing store for reading only (SQLite ``mode=ro``); a
             writer, such as a run in progress, may keep writing meanwhile.
@@ -160,8 +175,7 @@ class Store:
         if readonly:  # a report of a run in progress (or of someone else's run) writes nothing
             if not self.path.exists():
                 raise FileNotFoundError(f"no store at {self.path}")
-            self.conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=not shared)
-            self.conn.row_factory = sqlite3.Row
+            self.conn = self._open_readonly(shared)
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.conn = sqlite3.connect(self.path, check_same_thread=not shared)
@@ -171,6 +185,49 @@ class Store:
         self.conn.execute("PRAGMA foreign_keys=ON")
         with self.conn:
             self.conn.executescript(SCHEMA)
+        self.migrate_version_paths()
+
+    @property
+    def root(self) -> Path:
+        """The run directory: the store's folder, which stored version paths are relative to."""
+        return self.path.parent
+
+    @locked
+    def migrate_version_paths(self) -> int:
+        """Rewrite version paths stored by older selfrl (absolute, or relative to the working
+        directory) that follow the layout ``.../adapters/v<N>`` to the relative form; returns
+        how many rows changed. Reading needs no migration (:func:`resolve_version_path`)."""
+        rows = self.conn.execute("SELECT version, path FROM adapter_versions WHERE path IS NOT NULL").fetchall()
+        fix = [(rel, r["version"]) for r in rows if (rel := run_relative(r["path"])) not in (None, r["path"])]
+        if fix:
+            with self.conn:
+                self.conn.executemany("UPDATE adapter_versions SET path = ? WHERE version = ?", fix)
+        return len(fix)
+
+    def _open_readonly(self, shared: bool) -> sqlite3.Connection:
+        """A ``mode=ro`` connection. A process killed inside a write of a store that is not in WAL
+        mode yet (its first transaction) leaves a hot journal, which a read-only connection may not
+        roll back ("attempt to write a readonly database"); an ordinary connection rolls it back
+        once, as SQLite does on any open, and then the store is read."""
+        def connect() -> sqlite3.Connection:
+            conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=not shared)
+            conn.row_factory = sqlite3.Row
+            return conn
+
+        conn = connect()
+        try:
+            conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+        except sqlite3.OperationalError as e:
+            conn.close()
+            if "readonly" not in str(e):
+                raise
+            recover = sqlite3.connect(self.path)
+            try:
+                recover.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()  # rolls the hot journal back
+            finally:
+                recover.close()
+            conn = connect()
+        return conn
 
     @locked
     def close(self) -> None:
@@ -322,7 +379,8 @@ class Store:
         status: str,
         metrics: dict[str, Any] | None = None,
     ) -> None:
-        """Record adapter ``version`` (trained from ``parent``, saved at ``path``).
+        """Record adapter ``version`` (trained from ``parent``, saved at ``path``; a path inside
+        the run directory is stored relative to it).
 
         Raises:
             ValueError: unknown ``status``.
@@ -333,7 +391,8 @@ class Store:
             self.conn.execute(
                 "INSERT INTO adapter_versions (version, parent, path, status, created_at, metrics_json)"
                 " VALUES (?, ?, ?, ?, ?, ?)",
-                (version, parent, None if path is None else str(path), status, time.time(), to_json(metrics or {})),
+                (version, parent, None if path is None else storable_path(path, self.root), status, time.time(),
+                 to_json(metrics or {})),
             )
 
     @locked
@@ -359,9 +418,16 @@ class Store:
 
     @locked
     def versions(self) -> list[dict[str, Any]]:
-        """All versions in order: dicts with version, parent, path, status, created_at, metrics."""
+        """All versions in order: dicts with version, parent, path (resolved against the run
+        directory: :func:`resolve_version_path`), status, created_at, metrics."""
         rows = self.conn.execute("SELECT * FROM adapter_versions ORDER BY version")
-        return [version_dict(r) for r in rows]
+        return [version_dict(r, self.root) for r in rows]
+
+    @locked
+    def version(self, version: int) -> dict[str, Any] | None:
+        """The row of ``version`` as :meth:`versions` gives it, or None."""
+        row = self.conn.execute("SELECT * FROM adapter_versions WHERE version = ?", (version,)).fetchone()
+        return None if row is None else version_dict(row, self.root)
 
     @locked
     def latest_promoted(self) -> dict[str, Any] | None:
@@ -373,7 +439,7 @@ class Store:
         row = self.conn.execute(
             "SELECT * FROM adapter_versions WHERE status IN ('promoted', 'base') ORDER BY version DESC LIMIT 1"
         ).fetchone()
-        return None if row is None else version_dict(row)
+        return None if row is None else version_dict(row, self.root)
 
     @locked
     def next_version(self) -> int:
@@ -458,8 +524,10 @@ def check_status(status: str) -> None:
         raise ValueError(f"unknown adapter status {status!r}; valid: {', '.join(VERSION_STATUSES)}")
 
 
-def version_dict(row: sqlite3.Row) -> dict[str, Any]:
-    """An ``adapter_versions`` row as a dict with ``metrics`` decoded."""
+def version_dict(row: sqlite3.Row, root: Path) -> dict[str, Any]:
+    """An ``adapter_versions`` row as a dict with ``metrics`` decoded and ``path`` resolved
+    against the run directory ``root``."""
     d = dict(row)
     d["metrics"] = json.loads(d.pop("metrics_json"))
+    d["path"] = resolve_version_path(d["path"], root)
     return d

@@ -7,6 +7,12 @@
                                                      \\-> roll_back_collapse (candidates since the champion)
     roll_back_to (an admin's rollback, serve) ... latest_servable (restart / resume)
 
+At a restart, :meth:`Ledger.latest_servable` checks the folder of every base and promoted
+version. A folder that is not there is *missing* (a run directory moved or copied without
+it, a disk not mounted): said, and not served by this process, its row left as it is, so
+it serves again once the folder is back. A folder that is there but incomplete or damaged
+is *corrupt*: marked ``rolled_back`` with the reason, never served again.
+
 The *champion* is the version both ends fall back to: the best validated version,
 its held-out success and its LoRA tensors (:class:`Champion`). Every step records
 the same row change and the same event (kind from :class:`EventKind`, the same
@@ -37,6 +43,7 @@ class EventKind(str, enum.Enum):
     PROMOTE = "promote"  # a validated candidate became the champion
     REJECT = "reject"  # the gate turned a candidate down; the champion serves again
     CORRUPT_VERSION = "corrupt_version"  # a version folder is incomplete: never served, marked
+    MISSING_VERSION = "missing_version"  # a version folder is not there: not served by this process, row kept
     COLLAPSE = "collapse"  # a collapse rule fired: the candidates since the champion are rolled back
     COLLAPSE_STOP = "collapse_stop"  # the collapse rollback budget is spent
     ROLLBACK = "rollback"  # an admin rolled the server back to an earlier version
@@ -141,22 +148,22 @@ class Ledger:
         self.store, self.run_id, self.run_dir = store, run_id, Path(run_dir)
         self.lock = store.lock  # held by every step; hold it to make several steps one
         self.champion: Champion | None = None
+        self.missing: dict[int, str] = {}  # version -> why this process does not serve it (its folder is not there)
 
     # -- reading -----------------------------------------------------------------------
 
     def get(self, version: int) -> VersionRecord | None:
         """The row of ``version``, or None."""
-        with self.store.lock:
-            row = self.store.conn.execute("SELECT * FROM adapter_versions WHERE version = ?", (version,)).fetchone()
-        if row is None:
-            return None
-        from selfrl.record.store import version_dict
-
-        return VersionRecord.from_row(version_dict(row))
+        row = self.store.version(version)
+        return None if row is None else VersionRecord.from_row(row)
 
     def all(self) -> list[VersionRecord]:
         """Every row, in version order."""
         return [VersionRecord.from_row(v) for v in self.store.versions()]
+
+    def servable(self) -> list[VersionRecord]:
+        """The versions this process serves, oldest first: base and promoted, their folder not missing."""
+        return [v for v in self.all() if v.servable and v.version not in self.missing]
 
     def event(self, kind: EventKind, message: str, data: dict[str, Any] | None = None) -> None:
         """Record an event of ``kind``."""
@@ -333,20 +340,35 @@ class Ledger:
         return later
 
     def latest_servable(self) -> VersionRecord:
-        """The latest base or promoted version whose folder is complete. One that is not is
-        marked ``rolled_back`` (reason kept) with a ``corrupt_version`` event, and the next
-        older one is tried.
+        """Check the folder of every base and promoted version and return the latest complete one.
+
+        A folder that is not there is *missing*: recorded in :attr:`missing` (this process does not
+        serve it) with a ``missing_version`` event, its row left as it is. One that is there but not
+        complete is *corrupt*: marked ``rolled_back`` (reason kept) with a ``corrupt_version`` event.
 
         Raises:
             adapters.CorruptVersionError: no base or promoted version is complete.
         """
+        good = None
         for rec in reversed(self.all()):
             if not rec.servable:
                 continue
+            if rec.path and not Path(rec.path).exists():
+                reason = (f"version {rec.version}'s folder {rec.path} is missing: not served by this process "
+                          "(its record is kept; put the folder back and restart to serve it again)")
+                self.missing[rec.version] = reason
+                self.event(EventKind.MISSING_VERSION, reason, {"version": rec.version, "path": rec.path})
+                continue
+            self.missing.pop(rec.version, None)
             reason = adapters.verify_version(Path(rec.path)) if rec.path else "never saved"
             if reason is None:
-                return rec
+                good = good or rec
+                continue
             self._set(rec.version, VersionStatus.ROLLED_BACK, {"corrupt": reason})
             self.event(EventKind.CORRUPT_VERSION, f"version {rec.version} is not served: {reason}",
                        {"version": rec.version})
-        raise adapters.CorruptVersionError(f"no complete adapter version to serve in {self.run_dir}")
+        if good is None:
+            missing = "; ".join(self.missing.values())
+            raise adapters.CorruptVersionError(f"no complete adapter version to serve in {self.run_dir}"
+                                               + (f" ({missing})" if missing else ""))
+        return good

@@ -16,8 +16,10 @@ needs a display nor changes the process-wide matplotlib backend.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from selfrl.report.figures import overview_figure, save
+from selfrl.record.runlock import RunDirLock
 from selfrl.report.serve import write_serve_report
 from selfrl.report.stats import paired_difference_ci, wilson_interval
 from selfrl.record.store import Store
@@ -330,8 +333,10 @@ def rebuild_report(run_dir: Path, out: Path | None = None) -> Path:
     """Write the report of ``run_dir`` from its store alone (``selfrl report``).
 
     The store is opened read-only, so this works while the run is still going (it shows
-    what was committed so far) and after a kill. A ``selfrl serve`` run directory gets
-    the serving report (:func:`selfrl.report.serve.write_serve_report`).
+    what was committed so far) and after a kill. Written into ``run_dir`` itself, the report
+    is that directory's one writer for the while (:mod:`selfrl.record.runlock`): refused while a
+    run or server writes it; ``out`` elsewhere only reads. A ``selfrl serve`` run directory
+    gets the serving report (:func:`selfrl.report.serve.write_serve_report`).
 
     Args:
         run_dir: a folder holding ``selfrl.db``.
@@ -342,13 +347,16 @@ def rebuild_report(run_dir: Path, out: Path | None = None) -> Path:
 
     Raises:
         FileNotFoundError: ``run_dir`` holds no ``selfrl.db``.
+        selfrl.record.runlock.RunDirLocked: ``out`` is ``run_dir`` and another process writes it.
     """
     run_dir = Path(run_dir)
     db = run_dir / "selfrl.db"
     if not db.exists():
         raise FileNotFoundError(f"no run at {run_dir}: {db} does not exist")
     out = Path(out) if out is not None else run_dir
-    with Store(db, readonly=True) as store:
+    inside = os.path.abspath(out) == os.path.abspath(run_dir)
+    with (RunDirLock(run_dir, "selfrl report", f"write the report elsewhere: selfrl report {run_dir} --out DIR")
+          if inside else contextlib.nullcontext()), Store(db, readonly=True) as store:
         runs = store.runs()
         if runs and "serve" in runs[-1]["config"]:
             return write_serve_report(out, store, run_dir.name)

@@ -31,7 +31,7 @@ depth of overlap fixed at one batch:
   ``[swap_check]``) before its rollouts count: the probe's log-probs under the
   sampler's copy must equal the learner's.
 
-What it costs and gains on this 2-core CPU: docs/benchmarks.md, "Overlapping rollouts
+What it costs and gains on this 2-core CPU: docs/results/benchmarks.md, "Overlapping rollouts
 with updates". A seeded asynchronous run is not the same run as a synchronous one with
 the same seed (the batches are sampled by other versions).
 """

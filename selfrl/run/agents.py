@@ -18,7 +18,7 @@ Several agents (different environments, task sets, or users of different
   much, and on which tasks (the held-out tasks the champion solved and the candidate
   did not).
 
-Per-agent adapters over a shared one are not implemented (docs/distributed.md).
+Per-agent adapters over a shared one are not implemented (docs/guides/many-agents.md).
 """
 
 from __future__ import annotations

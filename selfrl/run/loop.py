@@ -12,6 +12,7 @@ version whose weights are loaded. An update saves its result as a new
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import time
@@ -352,6 +353,14 @@ class Runner:
         s.cycle.resume(s.store)
 
     def run(self) -> RunResult:
+        """The whole run (see :func:`selfrl.run.main.run`); the run directory's lock is released however it ends."""
+        try:
+            return self.run_loop()
+        finally:
+            if self.s.lock is not None:
+                self.s.lock.release()
+
+    def run_loop(self) -> RunResult:
         s = self.s
         try:
             start = self.start()

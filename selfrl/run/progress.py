@@ -36,14 +36,28 @@ class PlainProgress:
 
 
 class RichProgress:
-    """Two rich bars: iterations overall, and the current phase. Use as a context manager."""
+    """Two rich bars: iterations overall, and the current phase. Use as a context manager.
+
+    Each bar shows its elapsed time and an estimate of the time left. Log lines carry the
+    time but not the source line that printed them (rich's ``log_path``, which only named
+    this module). The default console writes to stderr.
+    """
+
+    # Iterations take minutes: the estimate of the time left averages over the whole run,
+    # not over rich's default 30 s window, which would often hold one step and show no estimate.
+    SPEED_WINDOW_S = 24 * 3600.0
 
     def __init__(self, iterations: int, console=None):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.console import Console
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
 
+        if console is None:
+            console = Console(stderr=True, log_path=False)
         self.bars = Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            console=console, transient=False,
+            TextColumn("eta"), TimeRemainingColumn(),
+            console=console, transient=False, speed_estimate_period=self.SPEED_WINDOW_S,
         )
         self.iterations = iterations
         self.overall = None

@@ -2,7 +2,7 @@
 the sampler's own copy of the adapter in this process (``selfrl run --async-rollouts``).
 
 The learner trains its own copy of the policy in this process; a sampler in another
-process (``selfrl sampler``, or the EXPERIMENTAL vLLM client) does every rollout and
+process (``selfrl sampler``, or a vLLM server) does every rollout and
 validation. Each time a version must serve there, it is pushed by version
 (``engine.swap``) and proved with the swap check (:mod:`selfrl.safety.swap_check`): the
 sampler's log-probs of a fixed probe sequence must match the learner's within the

@@ -15,6 +15,7 @@ here (:func:`check_names`), after the built-in environments have registered thei
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from selfrl.envs.builtin import load_builtin_envs
 from selfrl.envs.rewards import check_weights, get_preset
 from selfrl.model.load import build_policy
 from selfrl.core.atomic import write_atomic
+from selfrl.record.runlock import RunDirLock
 from selfrl.record.store import Store
 from selfrl.record.versions import Ledger
 from selfrl.rl.learner import Learner, kl_reference
@@ -90,27 +92,53 @@ class RunSetup:
     cycle: UpdateCycle
     # the sampler kept in step: remote (--sampler) or the local copy (--async-rollouts); None: the engine shares the model
     sampler: SamplerSync | None = None
+    lock: RunDirLock | None = None  # the run directory's one-writer lock, held until the run ends (Runner.run)
 
 
 def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
     """Tasks, tools, rewards, the policy and its engine, the learner, the store, the version
     ledger and the update cycle of one run (``cfg.run_dir``).
 
+    The names the config refers to are checked first (:func:`check_names`: nothing is created
+    for a config that cannot run). The run directory's lock (:mod:`selfrl.record.runlock`) is
+    taken next and held by the returned setup until :meth:`selfrl.run.loop.Runner.run` ends:
+    one process writes a run directory at a time.
+
     Raises:
-        FileExistsError / FileNotFoundError: as :func:`run`.
+        FileExistsError / FileNotFoundError: as :func:`selfrl.run.main.run`.
         selfrl.config.ConfigError: ``resume`` with settings the stored run cannot change, or a
             name no registry knows (:func:`check_names`; before any model loads).
+        selfrl.record.runlock.RunDirLocked: another process (a run, a resume, a server) writes ``run_dir``.
     """
+    check_names(cfg)  # before anything is created or loaded: the built-in environments first, then every name
     run_dir = Path(cfg.run_dir)
-    db = run_dir / "selfrl.db"
-    if resume and not db.exists():
+    if resume and not (run_dir / "selfrl.db").exists():
         raise FileNotFoundError(f"nothing to resume: no run at {run_dir}")
+    created = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunDirLock(run_dir, "selfrl run")
+    try:
+        setup = assemble_run(cfg, resume, run_dir)
+    except BaseException:
+        if created:  # a run that never started leaves no folder behind (the lock file goes while held)
+            lock.path.unlink(missing_ok=True)
+        lock.release()
+        if created:
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
+        raise
+    setup.lock = lock
+    return setup
+
+
+def assemble_run(cfg: RunConfig, resume: bool, run_dir: Path) -> RunSetup:
+    """:func:`build_run`'s parts, with the run directory's lock held."""
+    db = run_dir / "selfrl.db"
     if not resume and db.exists():
         raise FileExistsError(f"{run_dir} already holds a run; pass --resume or choose another --run-dir")
     stored = run_dir / "config.json"
     if resume and stored.exists():
         check_resumable(json.loads(stored.read_text()), cfg.to_dict())
-    check_names(cfg)  # before any model loads: the built-in environments first, then every name
     source = make_source(cfg)  # the environment (selfrl.envs), or the agents' ([[agents]])
     train, val = source.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     assert_disjoint(train, val)
@@ -128,7 +156,6 @@ def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
         engine = connect(cfg, tok, model)
     learner = Learner(model, cfg.train, cfg.rollout.temperature, tok.pad_token_id, cfg.max_completion_length,
                       ref_state=kl_reference(model, cfg.lora.init_adapter), tokenizer=tok)
-    run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
     store = Store(db)
     run_id = store.start_run(cfg.to_dict())

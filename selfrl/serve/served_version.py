@@ -75,6 +75,10 @@ class ServedVersion:
                 self.engine.swap(self.state_of(version), version)
                 self.pinned = version
             except ApiError as e:
+                if version in self.ledger.missing:  # its folder may come back: the pin is kept, not served now
+                    self.event(EventKind.PIN, f"restart: the pinned version {version} is not served: "
+                               f"{self.ledger.missing[version]}; serving version {best.version}, pin kept")
+                    return
                 self.event(EventKind.UNPIN, f"restart: the pinned version cannot be served ({e.message}); unpinned")
                 pin.unlink()
 
@@ -127,9 +131,10 @@ class ServedVersion:
         self.state_of(version)
 
     def version_ids(self) -> list[dict[str, Any]]:
-        """The servable versions as dicts: version, status, created_at, metrics."""
+        """The servable versions as dicts: version, status, created_at, metrics (a version whose
+        folder is missing is not served, so not listed: :meth:`selfrl.record.versions.Ledger.servable`)."""
         return [{"version": v.version, "status": v.status.value, "created_at": v.created_at, "metrics": v.metrics}
-                for v in self.ledger.all() if v.servable]
+                for v in self.ledger.servable()]
 
     def run_on_version(self, version: int, fn):
         """Run ``fn()`` with ``version`` swapped in, then swap the served version back."""

@@ -66,7 +66,7 @@ class Service:
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # one owner per run directory; replicas (selfrl.serve.replica) share its store and follow its versions
-        self.run_lock = None if cfg.replica else RunDirLock(self.run_dir)
+        self.run_lock = None if cfg.replica else RunDirLock(self.run_dir, "selfrl serve")
         if cfg.replica and not (self.run_dir / "selfrl.db").exists():
             from selfrl.serve.replica import NoOwner
 

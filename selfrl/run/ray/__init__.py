@@ -2,7 +2,7 @@
 sampling with a staleness bound, and several agents sharing one learner.
 
 Importing this package imports no Ray (``selfrl.run.ray.driver`` does, on use):
-``selfrl run`` without ``--ray`` never loads it. See ``docs/distributed.md``.
+``selfrl run`` without ``--ray`` never loads it. See ``docs/guides/ray.md``.
 
 The settings are :class:`selfrl.config.DistributedConfig` (``[distributed]``).
 - :mod:`selfrl.run.ray.worker`: the rollout worker (one engine per actor).
