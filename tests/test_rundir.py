@@ -190,7 +190,7 @@ def test_serve_on_a_moved_directory_lists_what_it_can_serve(tiny_tokenizer, tiny
         assert service.pinned is None and json.loads((moved / "pinned.json").read_text()) == {"version": 3}
         for v in (1, 3):
             with pytest.raises(ApiError) as e:
-                service.check_servable(v)
+                service.versions.check_servable(v)
             assert e.value.status == 409
     finally:
         service.close()
@@ -340,10 +340,10 @@ def always(*args):
 
 
 @pytest.mark.parametrize("where, target, when, exc, said", [
-    ("config", "selfrl.run.loop.write_atomic", always,
+    ("config", "selfrl.run.setup.write_atomic", always,
      OSError(errno.ENOSPC, "No space left on device", "{run}/config.json"),
      "disk full at {run}/config.json: free space and run the same command again"),
-    ("store", "selfrl.run.loop.Store", always, sqlite3.OperationalError("database or disk is full"),
+    ("store", "selfrl.run.setup.Store", always, sqlite3.OperationalError("database or disk is full"),
      "disk full at {run}/selfrl.db: free space and run the same command again"),
     ("metrics", "selfrl.record.store.Store.log_metrics", lambda store, run_id, step, metrics: "reward/mean" in metrics,
      sqlite3.OperationalError("database or disk is full"),
