@@ -26,6 +26,7 @@ from selfrl.judge.calibration import CalibrationPair, held_back, ranked_right
 from selfrl.judge.client import JudgeClient
 from selfrl.judge.prompt import Messages, content_hash, group_messages, pointwise_messages, split_messages
 from selfrl.judge.verdict import JudgeFailure, Verdict, group_schema, parse_group, parse_pointwise, pointwise_schema
+from selfrl.tasks import Task
 from selfrl.trajectory import Trajectory
 
 
@@ -89,22 +90,22 @@ class Judge:
 
     # -- a group ----------------------------------------------------------------------------
 
-    def judge_group(self, task_id: str, group: list[Trajectory], pairs: list[CalibrationPair]) -> GroupVerdicts:
-        """Verdicts on every member of ``group`` (trajectories of task ``task_id``), with the
+    def judge_group(self, task: Task, group: list[Trajectory], pairs: list[CalibrationPair]) -> GroupVerdicts:
+        """Verdicts on every member of ``group`` (trajectories of ``task``), with the
         calibration ``pairs`` judged in the same batch. Never raises for a failed call: the
         failure is recorded in the result. A group found whole in the cache makes no call (and
         so judges no pair)."""
         answers: dict[str, Messages] = {}  # distinct answers by content hash, in first-seen order
         members: dict[str, list[str]] = {}  # hash -> trajectory ids
         for t in group:
-            _, answer = split_messages(t.messages)
+            _, answer = split_messages(t.messages, task.question)
             h = content_hash(answer)
             answers.setdefault(h, answer)
             members.setdefault(h, []).append(t.id)
-        context = split_messages(group[0].messages)[0] if group else []
+        context = split_messages(group[0].messages, task.question)[0] if group else []
         group_hash = content_hash([{"role": "hash", "content": h} for h in sorted(answers)])
         relative = self.endpoint.mode == "group"
-        keys = {h: verdict_key(self.endpoint, task_id, h, group_hash if relative else "") for h in answers}
+        keys = {h: verdict_key(self.endpoint, task.id, h, group_hash if relative else "") for h in answers}
         found = {h: v for h in answers if self.cache is not None and (v := self.cache.get(keys[h])) is not None}
         if relative and len(found) < len(answers):
             found = {}  # a relative score is reused only with the whole group it was compared in

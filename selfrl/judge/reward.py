@@ -118,7 +118,7 @@ class JudgeReward:
         cfg, group = self.cfg, ctx.group
         pairs = self.calibration.pairs(ctx.task, ctx.source)
         with ThreadPoolExecutor(len(self.judges)) as pool:
-            verdicts = list(pool.map(lambda j: j.judge_group(ctx.task.id, group, pairs), self.judges))
+            verdicts = list(pool.map(lambda j: j.judge_group(ctx.task, group, pairs), self.judges))
         self.count_group(verdicts, len(group))
         outcomes = {t.id: self.outcome(t, ctx, verdicts) for t in group}
         scored = [o for o in outcomes.values() if o.failure is None]
