@@ -27,6 +27,7 @@ class Reply:
     status: int = 200
     delay_s: float = 0.0
     usage: tuple[int, int] | None = (100, 10)  # (prompt_tokens, completion_tokens)
+    finish_reason: str = "stop"
 
 
 def _block(text: str, label: str) -> str:
@@ -103,7 +104,7 @@ class ScriptedJudge:
                     data = {"error": {"message": reply.content, "type": "invalid_request_error"}}
                 else:
                     data = {"id": "x", "object": "chat.completion", "model": body.get("model"),
-                            "choices": [{"index": 0, "finish_reason": "stop",
+                            "choices": [{"index": 0, "finish_reason": reply.finish_reason,
                                          "message": {"role": "assistant", "content": reply.content}}]}
                     if reply.usage is not None:
                         data["usage"] = {"prompt_tokens": reply.usage[0], "completion_tokens": reply.usage[1],

@@ -96,6 +96,14 @@ def test_unreadable_verdict_is_a_recorded_failure_left_out_of_the_update():
     assert (m["judge/failed"], m["judge/scored"], m["judge/failed_calls"]) == (2.0, 0.0, 2.0)
 
 
+def test_a_verdict_cut_at_max_tokens_says_what_to_change():
+    with ScriptedJudge(lambda body: Reply('{"c1": {"reason": "fine", "sc', finish_reason="length")) as server:
+        configure(endpoint(server.url, mode="group", max_tokens=12))
+        group = [traj(RIGHT), traj("1")]
+        score_group(group, TASK, ENV, WEIGHTS)
+    assert all(t.reward is None and "cut at max_tokens = 12; raise max_tokens" in t.error for t in group)
+
+
 def test_a_verdict_out_of_range_or_missing_an_id_is_unreadable():
     with ScriptedJudge(lambda body: Reply(json.dumps({"c1": {"reason": "x", "score": 11}}))) as server:
         configure(endpoint(server.url, mode="group"))

@@ -104,7 +104,14 @@ class JudgeClient:
                 if attempt:
                     time.sleep(min(BACKOFF_S * 2 ** (attempt - 1), MAX_BACKOFF_S))
                 try:
-                    return parse(self._send(messages, schema))
+                    text, finish = self._send(messages, schema)
+                    try:
+                        return parse(text)
+                    except JudgeFailure as err:
+                        if finish == "length":  # say what to change
+                            raise JudgeFailure(f"{err} (the answer was cut at max_tokens = {e.max_tokens}; raise "
+                                               "max_tokens, or set explain = false)") from None
+                        raise
                 except TimeoutError:
                     self._count(timeouts=1)
                     last = f"no answer within deadline_s = {e.deadline_s:g} s"
@@ -122,8 +129,9 @@ class JudgeClient:
         finally:
             self._count(seconds=time.perf_counter() - t0)
 
-    def _send(self, messages: list[dict[str, Any]], schema: dict[str, Any]) -> str:
-        """One request (waiting for a slot first); returns the answer's text and counts its tokens.
+    def _send(self, messages: list[dict[str, Any]], schema: dict[str, Any]) -> tuple[str, str | None]:
+        """One request (waiting for a slot first); returns the answer's text and its
+        ``finish_reason``, and counts its tokens.
         A 400 or 422 to a structured request turns structured output off and asks again once."""
         e = self.endpoint
         with self.slots:
@@ -144,8 +152,9 @@ class JudgeClient:
         else:
             self._count(unmetered=1)
         try:
-            return answer["choices"][0]["message"]["content"] or ""
-        except (KeyError, IndexError, TypeError):
+            choice = answer["choices"][0]
+            return choice["message"]["content"] or "", choice.get("finish_reason")
+        except (KeyError, IndexError, TypeError, AttributeError):
             raise JudgeFailure(f"unreadable answer (no choices[0].message.content): {str(answer)[:200]!r}") from None
 
 
