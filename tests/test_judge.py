@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from judge_server import Reply, ScriptedJudge, candidates, grade, solves, verdict_json
@@ -332,6 +333,12 @@ base_url = "http://127.0.0.1:9/v1"
 rubric = "Correct final number."
 """)
     return str(path)
+
+
+def test_the_shipped_judge_config_loads():
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "judge.toml")
+    assert cfg.weights == {"judge": 1.0} and cfg.judge.endpoints[0].mode == "group"
+    assert cfg.judge.calibration == "reference"
 
 
 def test_config_reads_the_judge_section(tmp_path):
