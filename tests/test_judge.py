@@ -386,3 +386,34 @@ def test_config_checks_judge_names_without_importing_the_judge(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_an_unexpected_error_in_a_call_is_recorded_and_the_group_judged_once():
+    from selfrl.judge.client import JudgeClient
+
+    class Broken(JudgeClient):
+        calls = 0
+
+        def complete(self, messages, schema, parse):
+            Broken.calls += 1
+            raise RuntimeError("socket exploded")
+
+    e = endpoint("http://127.0.0.1:9/v1", mode="group")
+    JUDGE.configure(JudgeConfig(endpoints=[e], cache=False), clients={"j": Broken(e)})
+    group = [traj(RIGHT), traj("1"), traj("2")]
+    score_group(group, TASK, ENV, WEIGHTS)
+    assert Broken.calls == 1
+    assert all(t.reward is None and "RuntimeError: socket exploded" in t.error for t in group)
+
+
+def test_concurrent_calls_refused_structured_output_are_all_asked_again():
+    def no_schema(body):  # the refusals come late, so every first try is in flight before one returns
+        if "response_format" in body:
+            return Reply("response_format is not supported", status=400, delay_s=0.3)
+        return Reply(verdict_json(9))
+
+    with ScriptedJudge(no_schema) as server:
+        configure(endpoint(server.url, mode="pointwise", max_concurrency=4))
+        group = [traj(str(n)) for n in range(4)]
+        score_group(group, TASK, ENV, WEIGHTS)
+    assert [t.reward for t in group] == [0.9] * 4

@@ -188,6 +188,8 @@ class Judge:
                 out = fut.result()
             except JudgeFailure as err:
                 on_failure(str(err))
+            except Exception as err:  # anything else in a call is recorded too, never a score
+                on_failure(f"judge {self.endpoint.name}: {type(err).__name__}: {err}")
             else:
                 on_verdict(out)
         right = sum(g is not None and b is not None and ranked_right(g, b) for g, b in known)
