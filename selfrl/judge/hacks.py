@@ -12,8 +12,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from selfrl.judge.detectors import STOCK_PHRASES, judge_addressed
 from selfrl.config import DetectorConfig
+from selfrl.judge.detectors import STOCK_PHRASES, judge_addressed
 from selfrl.tasks import Task
 from selfrl.trajectory import Trajectory
 
