@@ -2,7 +2,8 @@
 
 A config file has one table per concern, named as the fields of :class:`RunConfig`
 (``[model]``, ``[lora]``, ``[task]``, ``[rollout]``, ``[train]``, ``[gate]``,
-``[collapse]``, ``[detectors]``, ``[distributed]``, ``[sampler]``, ``[swap_check]``, ``[warm_start]``) plus top-level keys; ``selfrl serve`` reads the same
+``[collapse]``, ``[detectors]``, ``[distributed]``, ``[sampler]``, ``[swap_check]``, ``[warm_start]``,
+``[judge]``) plus top-level keys; ``selfrl serve`` reads the same
 tables into :class:`selfrl.serve.config.ServeConfig`. Unknown keys are errors that
 list the valid ones, so a typo never silently falls back to a default.
 
@@ -12,8 +13,9 @@ names (:func:`check_names`), so a rule of ``run`` that applies to ``serve`` hold
 too. Allowed values are ``Literal`` types, defined once; derived values are properties.
 The rules every table uses (:class:`ConfigError`, ``require``, filling from TOML) live in
 :mod:`selfrl.config_base`; the tables for sampling outside one process (``[distributed]``,
-``[[agents]]``, ``[sampler]``, ``[swap_check]``) in :mod:`selfrl.config_remote`. Both are
-re-exported here. Importing this module imports no torch.
+``[[agents]]``, ``[sampler]``, ``[swap_check]``) in :mod:`selfrl.config_remote`, the LLM judge's
+(``[judge]``) in :mod:`selfrl.config_judge`. All are re-exported here. Importing this module
+imports no torch.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from selfrl.config_base import (  # noqa: F401  (re-exported)
     in_range,
     one_of,
     require,
+)
+from selfrl.config_judge import (  # noqa: F401  (re-exported)
+    JUDGE_DETECTORS, JUDGE_REWARD, JudgeConfig, JudgeEndpoint,
 )
 from selfrl.config_remote import (  # noqa: F401  (re-exported: every settings table is reachable from here)
     AgentAdapters, AgentConfig, DistributedConfig, SamplerConfig, SamplerKind, SwapCheckConfig,
@@ -271,6 +276,9 @@ class DetectorConfig:
     dominance_share: float = 0.8  # component_dominance: one component's rise is at least this share of the total's ...
     dominance_min_fall: float = 0.05  # ... while another weighted component falls by at least this much
     probe_tolerance: float = 0.1  # probe_regression: flag a version this far below the best earlier probe score
+    length_bias_corr: float = 0.8  # judge_length_bias: flag a group whose judge score rises with length (Spearman >= this) ...
+    length_bias_ratio: float = 2.0  # ... when its longest completion is at least this times its shortest
+    vacuous_stock_phrases: int = 2  # judge_vacuous: a paid answer with this many stock phrases and fewer task terms
 
     def check(self, where: str = "") -> None:
         require([(isinstance(self.names, list), "names must be a list of detector names"),
@@ -280,7 +288,10 @@ class DetectorConfig:
                  in_range(self.dominance_window, "dominance_window", 2, 10**6),
                  in_range(self.dominance_share, "dominance_share", 0, 1, low_open=True, interval=True),
                  in_range(self.dominance_min_fall, "dominance_min_fall", 0),
-                 in_range(self.probe_tolerance, "probe_tolerance", 0, 1)], where)
+                 in_range(self.probe_tolerance, "probe_tolerance", 0, 1),
+                 in_range(self.length_bias_corr, "length_bias_corr", -1, 1),
+                 in_range(self.length_bias_ratio, "length_bias_ratio", 1, 1000),
+                 in_range(self.vacuous_stock_phrases, "vacuous_stock_phrases", 1, 10**6)], where)
 
 
 @dataclass
@@ -351,13 +362,35 @@ def check_names(cfg: Any, weights: Callable[[], dict[str, float]]) -> None:
     from selfrl.rl.losses import get_loss_aggregation
     from selfrl.tools import resolve_tools
 
+    judge = getattr(cfg, "judge", None)  # selfrl run's [judge]; its names are checked without importing it
     try:
         get_loss_aggregation(cfg.train.loss_type)
-        check_weights(weights())
+        named = weights()
+        check_weights({n: w for n, w in named.items() if not (judge and n == JUDGE_REWARD)})
+        if judge is not None:
+            check_judge(judge, named)
         resolve_tools(cfg.rollout.tools)
-        check_detectors(cfg.detectors.names)
+        check_detectors([n for n in cfg.detectors.names if not (judge and n in JUDGE_DETECTORS)])
     except (KeyError, ValueError) as e:
         raise ConfigError(str(e).strip("'\"")) from e
+
+
+def check_judge(judge: JudgeConfig, weights: dict[str, float]) -> None:
+    """The ``judge`` reward is weighted exactly when ``[[judge.endpoints]]`` exist, and its rule
+    rewards and floor are registered reward functions.
+
+    Raises:
+        ConfigError: a judge without its reward, the reward without a judge, or an unknown rule name.
+    """
+    from selfrl.rewards import check_weights
+
+    require([
+        (JUDGE_REWARD in weights or not judge.endpoints, f"[[judge.endpoints]] is set but no reward weights "
+         f"{JUDGE_REWARD!r}: add reward_weights = {{{JUDGE_REWARD} = 1.0}} (or drop the endpoints)"),
+        (JUDGE_REWARD not in weights or bool(judge.endpoints), f"the reward {JUDGE_REWARD!r} needs a judge: "
+         "add a [[judge.endpoints]] table with base_url, model and rubric (docs/judge.md)"),
+    ])
+    check_weights({n: 1.0 for n in judge.reward_names()})
 
 
 def check_sampler(cfg: Any) -> None:
@@ -403,6 +436,7 @@ class RunConfig:
     sampler: SamplerConfig = field(default_factory=SamplerConfig)  # a remote sampler over HTTP (selfrl.sampler_sync)
     swap_check: SwapCheckConfig = field(default_factory=SwapCheckConfig)  # each push to the sampler, proved (selfrl.swap_check)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)  # own successes fine-tuned first (selfrl.warm_start)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # the LLM judge reward (selfrl.judge, docs/judge.md)
     run_dir: str = "runs/default"  # where the store, adapters, metrics and report go
     iterations: int = 16  # rollout + update cycles
     num_prompts: int = 8  # tasks per iteration
@@ -439,6 +473,7 @@ class RunConfig:
         check_sections(self)
         self.distributed.check("distributed.")
         self.warm_start.check("warm_start.")
+        self.judge.check("judge.")
         require([(not (self.warm_start.enabled and self.distributed.address is not None),
                   "warm_start.enabled with distributed.address (--ray) is not supported: the warm start samples "
                   "with the driver's engine, and its Ray workers would not get the warm-started weights; "

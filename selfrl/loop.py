@@ -148,6 +148,7 @@ class RunSetup:
     # the sampler kept in step: remote (--sampler) or the local copy (--async-rollouts); None: the engine shares the model
     sampler: SamplerSync | None = None
     lock: RunDirLock | None = None  # the run directory's one-writer lock, held until the run ends (Runner.run)
+    judge: object | None = None  # the configured judge reward (selfrl.judge.JudgeReward), or None without [judge]
 
 
 def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
@@ -194,6 +195,7 @@ def assemble_run(cfg: RunConfig, resume: bool, run_dir: Path) -> RunSetup:
     train, val = source.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     assert_disjoint(train, val)
     tools = resolve_tools(cfg.rollout.tools)
+    judge = setup_judge(cfg)
     weights = cfg.reward_weights or get_preset(cfg.preset)
     monitor = HackingMonitor(cfg.detectors, weights)
     model, tok = build_policy(cfg)
@@ -221,7 +223,19 @@ def assemble_run(cfg: RunConfig, resume: bool, run_dir: Path) -> RunSetup:
                         load=engine.swap if sync is None else sync.load, verify=None if sync is None else sync.verify,
                         agent_of=_agent_of() if cfg.agents else None)
     return RunSetup(cfg, resume, run_dir, source, train, val, tools, weights, monitor, engine, learner, store, run_id,
-                    ledger, cycle, sync)
+                    ledger, cycle, sync, judge)
+
+
+def setup_judge(cfg: RunConfig):
+    """The judge reward configured from ``[judge]`` (:func:`selfrl.judge.setup`), or None; the
+    judge package is imported (its reward and detectors registered) only when the config names it."""
+    from selfrl.config import JUDGE_DETECTORS
+
+    if not cfg.judge.endpoints and not set(cfg.detectors.names) & set(JUDGE_DETECTORS):
+        return None
+    from selfrl.judge import setup
+
+    return setup(cfg.judge, cfg.run_dir)
 
 
 def sampler_sync(cfg: RunConfig, engine, model, tokenizer, ledger: Ledger):
@@ -342,6 +356,7 @@ class Runner:
         faults.set_iteration(it)
         trajs, t_roll, sampled, lag = self.batch(it)
         score_batch(trajs, self.tasks_by_id, s.source, s.weights)
+        judged = s.judge.pop_metrics() if s.judge is not None else {}  # tokens, cost, calibration (selfrl.judge)
         adv, hacking = s.cycle.advantages(it, trajs)
         s.store.add_trajectories(s.run_id, it, trajs)
         faults.point("after_store")
@@ -371,6 +386,7 @@ class Runner:
             metrics["candidate_kl"] = step.candidate_kl
         metrics.update(rollout_metrics(trajs))
         metrics.update(hacking)
+        metrics.update(judged)
         metrics.update(lag)
         metrics.update({"frac_reward_zero_std": adv.frac_no_signal, "advantage_scale": adv.scale, "version": float(s.engine.version),
                         "time/rollout_s": t_roll, "sampled_version": float(sampled),
@@ -605,6 +621,8 @@ class Runner:
         report = write_report(s.run_dir, s.store, s.run_id, summary)
         base, final = s.store.evaluation(0), s.store.evaluation(champ.version)
         s.store.close()
+        if s.judge is not None:
+            s.judge.close()
         return RunResult(s.run_dir, _rate(base), _rate(final), 0, champ.version, stopped,
                          {**summary, "report": str(report)})
 

@@ -154,15 +154,17 @@ def test_probe_regression():
 
 def test_unknown_detector_lists_the_valid_ones():
     import selfrl.envs  # noqa: F401  environments register their own detectors (swe_*, web_*)
+    import selfrl.judge  # noqa: F401  and the judge its (judge_*)
 
-    with pytest.raises(ValueError, match="valid names: component_dominance, format_gaming, length_exploitation, "
+    with pytest.raises(ValueError, match="valid names: component_dominance, format_gaming, judge_addressed, "
+                                         "judge_length_bias, judge_vacuous, length_exploitation, "
                                          "probe_regression, repeated_action, swe_conftest, swe_hardcoded_output, "
                                          "swe_runner_tampering, swe_skip_marker, swe_test_edit, "
                                          "verifier_disagreement, web_confirm_spam, web_repeated_submit$"):
         check_detectors(["repeated_action", "nope"])
     with pytest.raises(ValueError, match="twice"):
         check_detectors(["repeated_action", "repeated_action"])
-    assert len(available_detectors()) == 13  # 6 generic + 5 swe + 2 web
+    assert len(available_detectors()) == 16  # 6 generic + 5 swe + 2 web + 3 judge
 
 
 def test_apply_detectors_flags_clamps_and_counts():

@@ -75,6 +75,8 @@ def test_no_import_cycle_in_selfrl():
 
 def test_config_imports_only_the_engine_registry_at_load():
     graph = import_graph()
-    assert graph["selfrl.config"] <= {"selfrl.config_base", "selfrl.config_remote", "selfrl.engines", "selfrl.engines.base"}
+    assert graph["selfrl.config"] <= {"selfrl.config_base", "selfrl.config_remote", "selfrl.config_judge",
+                                      "selfrl.engines", "selfrl.engines.base"}
     assert graph["selfrl.config_base"] == set()  # the rules every table uses: nothing of selfrl
     assert graph["selfrl.config_remote"] == {"selfrl.config_base"}
+    assert graph["selfrl.config_judge"] == {"selfrl.config_base"}  # the judge's values, never the judge itself

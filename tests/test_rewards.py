@@ -137,11 +137,13 @@ def test_format(task, source, text, expected):
 
 
 def test_registry_and_presets():
+    import selfrl.judge  # noqa: F401  registers "judge" (tests/test_judge.py imports it in the same process)
+
     assert set(REWARD_FUNCS) == {"verifier", "self_consistency", "tool_success", "format", "webshop_naive",
                                  "partial_credit", "agreement", "user_correction", "length_penalty", "web_naive",
-                                 "user_feedback"}
+                                 "user_feedback", "judge"}
     assert get_reward_func("format") is format_reward
-    with pytest.raises(ValueError, match="valid names: agreement, format, length_penalty, partial_credit, "
+    with pytest.raises(ValueError, match="valid names: agreement, format, judge, length_penalty, partial_credit, "
                        "self_consistency, tool_success, user_correction, user_feedback, verifier, web_naive, "
                        "webshop_naive"):
         get_reward_func("nope")
