@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from selfrl.config_base import one_of, require
+from selfrl.config_base import in_range, one_of, require
 
 JudgeMode = Literal["pointwise", "group"]  # one trajectory per call | the whole group in one call (RULER-style)
 Combine = Literal["mean", "min", "vote"]  # how several judges (and rule rewards) make one score
@@ -118,10 +118,10 @@ class JudgeConfig:
             (JUDGE_REWARD not in self.rules and self.floor != JUDGE_REWARD,
              f"{JUDGE_REWARD!r} cannot be one of its own rules or its floor"),
             one_of(self.combine, Combine, "combine"),
-            (0 <= self.vote_threshold <= 1, "vote_threshold must be in [0, 1]"),
-            (self.disagreement >= 0, "disagreement must be >= 0 (scores are in [0, 1]; 1 records nothing)"),
-            (self.calibration_pairs >= 1, "calibration_pairs must be >= 1"),
-            (0 <= self.calibration_max_errors < 1, "calibration_max_errors must be in [0, 1)"),
+            in_range(self.vote_threshold, "vote_threshold", 0, 1, interval=True),
+            in_range(self.disagreement, "disagreement", 0, 1),  # scores are in [0, 1]; 1 records nothing
+            in_range(self.calibration_pairs, "calibration_pairs", 1, 64),
+            in_range(self.calibration_max_errors, "calibration_max_errors", 0, 1, high_open=True, interval=True),
             (self.calibration in (CALIBRATION_OFF, CALIBRATION_REFERENCE) or Path(self.calibration).is_file(),
              f"calibration must be 'off', 'reference' or a JSONL file of pairs, got {self.calibration!r} "
              "(no such file)"),

@@ -223,7 +223,7 @@ def assemble_run(cfg: RunConfig, resume: bool, run_dir: Path) -> RunSetup:
                         load=engine.swap if sync is None else sync.load, verify=None if sync is None else sync.verify,
                         agent_of=_agent_of() if cfg.agents else None)
     return RunSetup(cfg, resume, run_dir, source, train, val, tools, weights, monitor, engine, learner, store, run_id,
-                    ledger, cycle, sync, judge)
+                    ledger, cycle, sync, judge=judge)
 
 
 def setup_judge(cfg: RunConfig):
