@@ -44,6 +44,7 @@ FLOORS = (
     "selfrl.rollout",
     "selfrl.safety",
     "selfrl.envs",
+    "selfrl.judge",  # rewards where no verifier exists: it registers a reward and detectors
     "selfrl.report",
     "selfrl.run",
     "selfrl.serve",

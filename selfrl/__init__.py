@@ -13,6 +13,7 @@ and those below it (``tests/test_import_graph.py`` holds it):
 - :mod:`selfrl.rollout`: the agent loop that samples trajectories.
 - :mod:`selfrl.safety`: the gate, collapse rules, reward-hacking detectors, swap check.
 - :mod:`selfrl.envs`: the environments, each whole, with the rewards and sandbox they use.
+- :mod:`selfrl.judge`: rewards where no verifier exists (an LLM judge) and its detectors.
 - :mod:`selfrl.report`: reports read from the store.
 - :mod:`selfrl.run` and :mod:`selfrl.serve`: the two recipes, ``selfrl run`` and ``selfrl serve``.
 - :mod:`selfrl.cli`: the console script.

@@ -156,15 +156,21 @@ def test_unknown_detector_lists_the_valid_ones():
     from selfrl.envs.builtin import load_builtin_envs
 
     load_builtin_envs()  # environments register their own detectors (swe_*, web_*)
+    import selfrl.judge  # noqa: F401  and the judge its (judge_*)
 
-    with pytest.raises(ValueError, match="valid names: component_dominance, format_gaming, length_exploitation, "
-                                         "probe_regression, repeated_action, swe_conftest, swe_hardcoded_output, "
-                                         "swe_runner_tampering, swe_skip_marker, swe_test_edit, "
-                                         "verifier_disagreement, web_confirm_spam, web_repeated_submit$"):
+    shipped = ["component_dominance", "format_gaming", "judge_addressed", "judge_length_bias", "judge_vacuous",
+               "length_exploitation", "probe_regression", "repeated_action", "swe_conftest", "swe_hardcoded_output",
+               "swe_runner_tampering", "swe_skip_marker", "swe_test_edit", "verifier_disagreement",
+               "web_confirm_spam", "web_repeated_submit"]
+    with pytest.raises(ValueError, match="valid names: ") as e:
         check_detectors(["repeated_action", "nope"])
+    named = str(e.value).split("valid names: ")[1].split(", ")
+    # other tests may register detectors of their own (the docs' worked example): every shipped one is named, sorted
+    assert [n for n in named if n in shipped] == shipped and named == sorted(named)
     with pytest.raises(ValueError, match="twice"):
         check_detectors(["repeated_action", "repeated_action"])
-    assert len(available_detectors()) == 13  # 6 generic + 5 swe + 2 web
+    assert set(shipped) <= set(available_detectors())  # 6 generic + 5 swe + 2 web + 3 judge
+    assert len(shipped) == 16
 
 
 def test_apply_detectors_flags_clamps_and_counts():

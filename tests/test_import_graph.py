@@ -109,6 +109,8 @@ def test_the_config_imports_no_environment_detector_or_reward(graph):
     assert reached <= {m for m in graph if ig.floor_of(m) <= ig.floor_of("selfrl.config")}
     assert graph["selfrl.config.base"] <= {"selfrl.core", "selfrl.core.errors"}  # the rules every table uses
     assert graph["selfrl.config.remote"] == {"selfrl.config.base"}
+    assert graph["selfrl.config.judge"] <= {"selfrl.config.base"}  # the judge's values, never the judge itself
+    assert not any(m.startswith("selfrl.judge") for m in reached)
 
 
 def test_a_replica_and_the_servers_parts_never_import_the_service(graph):

@@ -138,21 +138,27 @@ def test_format(task, source, text, expected):
 
 
 def test_registry_and_presets():
-    assert set(REWARD_FUNCS) == {"verifier", "self_consistency", "tool_success", "format", "webshop_naive",
-                                 "partial_credit", "agreement", "user_correction", "length_penalty", "web_naive",
-                                 "user_feedback"}
+    import selfrl.judge  # noqa: F401  registers "judge" (tests/test_judge.py imports it in the same process)
+
+    shipped = {"verifier", "self_consistency", "tool_success", "format", "webshop_naive", "partial_credit",
+               "agreement", "user_correction", "length_penalty", "web_naive", "user_feedback", "judge"}
+    # other tests may register rewards of their own (the docs' worked example): those come from outside selfrl
+    assert {n for n, f in REWARD_FUNCS.items() if f.__module__.startswith("selfrl")} == shipped
     assert get_reward_func("format") is format_reward
-    with pytest.raises(ValueError, match="valid names: agreement, format, length_penalty, partial_credit, "
-                       "self_consistency, tool_success, user_correction, user_feedback, verifier, web_naive, "
-                       "webshop_naive"):
+    with pytest.raises(ValueError, match="valid names: ") as e:
         get_reward_func("nope")
+    named = str(e.value).split("valid names: ")[1].split(", ")
+    assert [n for n in named if n in shipped] == sorted(shipped) and named == sorted(named)
     assert get_preset("verified") == {"verifier": 1.0, "tool_success": 0.2}
     assert all("verifier" not in w and "partial_credit" not in w
                for name, w in PRESETS.items() if name.endswith("label-free"))
     assert all("format" not in w for w in PRESETS.values())
-    with pytest.raises(ValueError, match="valid names: code, code-label-free, function_calling, "
-                       "function_calling-label-free, function_calling-partial, label-free, swe, verified, web-naive, webshop-naive"):
+    with pytest.raises(ValueError, match="valid names: ") as e:
         get_preset("nope")
+    presets = ["code", "code-label-free", "function_calling", "function_calling-label-free", "function_calling-partial",
+               "label-free", "swe", "verified", "web-naive", "webshop-naive"]
+    named = str(e.value).split("valid names: ")[1].split(", ")
+    assert [n for n in named if n in presets] == presets and named == sorted(named)
     assert set(PRESET_DOCS) == set(PRESETS) and all("Gamed by" in d for d in PRESET_DOCS.values())
     get_preset("verified")["verifier"] = 5.0  # a copy: the preset is unchanged
     assert PRESETS["verified"]["verifier"] == 1.0

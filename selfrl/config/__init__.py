@@ -2,9 +2,11 @@
 
 - :mod:`selfrl.config.base`: the rules every table uses (the error, rule lists, ``Literal``
   choices, finite floats, filling a dataclass from TOML and dotted overrides).
-- :mod:`selfrl.config.run`: the tables of ``selfrl run`` and :class:`RunConfig`.
+- :mod:`selfrl.config.sections`: the tables ``selfrl run`` and ``selfrl serve`` share, and their checks.
+- :mod:`selfrl.config.run`: :class:`RunConfig` and loading it (``load_config``).
 - :mod:`selfrl.config.remote`: sampling outside one process (Ray, agents, a remote sampler).
 - :mod:`selfrl.config.serve`: :class:`ServeConfig`, the same sections plus the server's own.
+- :mod:`selfrl.config.judge`: the LLM judge's table (``[judge]``); its values, never the judge.
 
 Importing it imports no torch.
 """
@@ -29,6 +31,15 @@ from selfrl.config.remote import (  # noqa: F401
     AgentConfig,
     SwapCheckConfig,
     SamplerConfig,
+)
+from selfrl.config.judge import (  # noqa: F401
+    JudgeMode,
+    Combine,
+    StructuredOutput,
+    JUDGE_REWARD,
+    JUDGE_DETECTORS,
+    JudgeEndpoint,
+    JudgeConfig,
 )
 from selfrl.config.run import (  # noqa: F401
     MAX_BATCH,

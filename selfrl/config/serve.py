@@ -1,4 +1,4 @@
-"""Settings of ``selfrl serve``: the same sections as ``selfrl run`` (``selfrl.config``),
+"""Settings of ``selfrl serve``: the same sections as ``selfrl run`` (``selfrl.config.sections``),
 checked by the same validators, plus the server's own and its learner's."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from selfrl.config.run import (
+from selfrl.config.base import SECONDS_MAX, SEED_MAX, in_range, non_finite_weights, one_of, require
+from selfrl.config.sections import (
     CollapseConfig,
     DetectorConfig,
     GateConfig,
@@ -19,11 +20,7 @@ from selfrl.config.run import (
     TrainConfig,
     check_engine,
     check_sections,
-    in_range,
-    one_of,
-    require,
 )
-from selfrl.config.base import SECONDS_MAX, SEED_MAX, non_finite_weights
 from selfrl.engines import DEFAULT_SERVE_ENGINE
 from selfrl.engines.base import MAX_TEMPERATURE, MIN_TEMPERATURE
 

@@ -73,6 +73,9 @@ class Trajectory:
             detector flagged it (see ``selfrl.safety.detectors``).
         env_state: JSON summary of a stateful environment's final state (e.g. the
             web shop's order), what its task source scores; None without one.
+        reward_details: what a reward function recorded beside its value, by reward name,
+            e.g. ``{"judge": {"judges": {"smol": {"model": ..., "rubric_version": ..., "score": ...}}}}``
+            (``selfrl.judge``); empty when none did.
         constraints: the turns sampled under a grammar (``rollout.constrain``), each
             ``{"start", "end", "kind", "grammar"}``: ``token_ids[start:end]`` was sampled
             under the llguidance ``grammar``; the learner replays its masks
@@ -100,6 +103,7 @@ class Trajectory:
     flags: dict[str, str] = field(default_factory=dict)
     env_state: dict[str, Any] | None = None
     constraints: list[dict[str, Any]] = field(default_factory=list)
+    reward_details: dict[str, Any] = field(default_factory=dict)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     parent_id: str | None = None
 

@@ -79,6 +79,7 @@ def write_report(run_dir: Path, store: Store, run_id: int, summary: dict[str, An
     lines += time_section(summary)
     lines += versions_section(store)
     lines += agents_section(store)
+    lines += judge_section(store)
     lines += other_summary_section(summary)
     lines += events_section(store)
     lines += ["## Metrics", ""]
@@ -254,6 +255,17 @@ def agents_section(store: Store) -> list[str]:
                      f"(down {d.get('drop', float('nan')):.3f}, tolerance {d.get('tolerance')}); lost tasks: "
                      f"{', '.join(d.get('lost_tasks') or []) or 'none'}")
     return lines + [""]
+
+
+def judge_section(store: Store) -> list[str]:
+    """The LLM judge's calls, tokens, cost per update and per promoted version, and calibration
+    (:func:`selfrl.judge.report.judge_lines`); empty when no judge metric was logged."""
+    rows = [r for r in store.metrics() if r["name"].startswith("judge/")]
+    if not rows:
+        return []
+    from selfrl.judge.report import judge_lines
+
+    return judge_lines(rows, store.events())
 
 
 def events_section(store: Store) -> list[str]:

@@ -184,6 +184,7 @@ class Runner:
         faults.set_iteration(it)
         trajs, t_roll, sampled, lag = self.batch(it)
         score_batch(trajs, self.tasks_by_id, s.source, s.weights)
+        judged = s.judge.pop_metrics() if s.judge is not None else {}  # tokens, cost, calibration (selfrl.judge)
         adv, hacking = s.cycle.advantages(it, trajs)
         s.store.add_trajectories(s.run_id, it, trajs)
         faults.point("after_store")
@@ -213,6 +214,7 @@ class Runner:
             metrics["candidate_kl"] = step.candidate_kl
         metrics.update(rollout_metrics(trajs))
         metrics.update(hacking)
+        metrics.update(judged)
         metrics.update(lag)
         metrics.update({"frac_reward_zero_std": adv.frac_no_signal, "advantage_scale": adv.scale, "version": float(s.engine.version),
                         "time/rollout_s": t_roll, "sampled_version": float(sampled),
@@ -432,6 +434,8 @@ class Runner:
         report = write_report(s.run_dir, s.store, s.run_id, summary)
         base, final = s.store.evaluation(0), s.store.evaluation(champ.version)
         s.store.close()
+        if s.judge is not None:
+            s.judge.close()
         return RunResult(s.run_dir, _rate(base), _rate(final), 0, champ.version, stopped,
                          {**summary, "report": str(report)})
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from selfrl.config import ConfigError, RunConfig, check_resumable
+from selfrl.config import JUDGE_DETECTORS, JUDGE_REWARD, ConfigError, JudgeConfig, RunConfig, check_resumable, require
 from selfrl.core.tasks import Task, TaskSource, assert_disjoint
 from selfrl.core.tools import Tool, resolve_tools
 from selfrl.engines import make_engine
@@ -62,13 +62,33 @@ def check_names(cfg: Any, weights: dict[str, float] | None = None) -> None:
         ConfigError: an unknown name (the message lists the valid ones) or a bad weight.
     """
     load_builtin_envs()
+    judge = getattr(cfg, "judge", None)  # selfrl run's [judge]; its names are checked without importing it
     try:
         get_loss_aggregation(cfg.train.loss_type)
-        check_weights(reward_weights(cfg) if weights is None else weights)
+        named = reward_weights(cfg) if weights is None else weights
+        check_weights({n: w for n, w in named.items() if not (judge and n == JUDGE_REWARD)})
+        if judge is not None:
+            check_judge(judge, named)
         resolve_tools(cfg.rollout.tools)
-        check_detectors(cfg.detectors.names)
+        check_detectors([n for n in cfg.detectors.names if not (judge and n in JUDGE_DETECTORS)])
     except (KeyError, ValueError) as e:
         raise ConfigError(str(e).strip("'\"")) from e
+
+
+def check_judge(judge: JudgeConfig, weights: dict[str, float]) -> None:
+    """The ``judge`` reward is weighted exactly when ``[[judge.endpoints]]`` exist, and its rule
+    rewards and floor are registered reward functions.
+
+    Raises:
+        ConfigError: a judge without its reward, the reward without a judge, or an unknown rule name.
+    """
+    require([
+        (JUDGE_REWARD in weights or not judge.endpoints, f"[[judge.endpoints]] is set but no reward weights "
+         f"{JUDGE_REWARD!r}: add reward_weights = {{{JUDGE_REWARD} = 1.0}} (or drop the endpoints)"),
+        (JUDGE_REWARD not in weights or bool(judge.endpoints), f"the reward {JUDGE_REWARD!r} needs a judge: "
+         "add a [[judge.endpoints]] table with base_url, model and rubric (docs/judge.md)"),
+    ])
+    check_weights({n: 1.0 for n in judge.reward_names()})
 
 
 @dataclass
@@ -93,6 +113,7 @@ class RunSetup:
     # the sampler kept in step: remote (--sampler) or the local copy (--async-rollouts); None: the engine shares the model
     sampler: SamplerSync | None = None
     lock: RunDirLock | None = None  # the run directory's one-writer lock, held until the run ends (Runner.run)
+    judge: object | None = None  # the configured judge reward (selfrl.judge.JudgeReward), or None without [judge]
 
 
 def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
@@ -143,6 +164,7 @@ def assemble_run(cfg: RunConfig, resume: bool, run_dir: Path) -> RunSetup:
     train, val = source.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     assert_disjoint(train, val)
     tools = resolve_tools(cfg.rollout.tools)
+    judge = setup_judge(cfg)
     weights = reward_weights(cfg)
     monitor = HackingMonitor(cfg.detectors, weights)
     model, tok = build_policy(cfg)
@@ -170,7 +192,19 @@ def assemble_run(cfg: RunConfig, resume: bool, run_dir: Path) -> RunSetup:
                         load=engine.swap if sync is None else sync.load, verify=None if sync is None else sync.verify,
                         agent_of=_agent_of() if cfg.agents else None)
     return RunSetup(cfg, resume, run_dir, source, train, val, tools, weights, monitor, engine, learner, store, run_id,
-                    ledger, cycle, sync)
+                    ledger, cycle, sync, judge=judge)
+
+
+def setup_judge(cfg: RunConfig):
+    """The judge reward configured from ``[judge]`` (:func:`selfrl.judge.setup`), or None; the
+    judge package is imported (its reward and detectors registered) only when the config names it."""
+    from selfrl.config import JUDGE_DETECTORS
+
+    if not cfg.judge.endpoints and not set(cfg.detectors.names) & set(JUDGE_DETECTORS):
+        return None
+    from selfrl.judge import setup
+
+    return setup(cfg.judge, cfg.run_dir)
 
 
 def sampler_sync(cfg: RunConfig, engine, model, tokenizer, ledger: Ledger):

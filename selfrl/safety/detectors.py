@@ -41,7 +41,7 @@ from selfrl.core.trajectory import Trajectory
 __all__ = [
     "DetectorConfig", "HackingMonitor", "Verdict", "apply_detectors", "available_detectors", "check_detectors",
     "component_dominance", "format_gaming", "length_exploitation", "probe_regression", "register_detector",
-    "repeated_action", "verifier_disagreement",
+    "register_group_detector", "repeated_action", "verifier_disagreement",
 ]
 
 PENALTY_KEY = "hacking_penalty"
@@ -244,6 +244,18 @@ def register_detector(name: str, fn: TrajectoryDetector) -> None:
     if name in available_detectors():
         raise ValueError(f"detector {name!r} is already registered")
     TRAJECTORY_DETECTORS[name] = fn
+
+
+def register_group_detector(name: str, fn: GroupDetector) -> None:
+    """Register a group detector ``fn(group, cfg) -> list[Verdict]`` (one verdict per member, in
+    order) under ``name``, once (e.g. ``selfrl.judge.detectors``' length bias).
+
+    Raises:
+        ValueError: ``name`` is already a detector.
+    """
+    if name in available_detectors():
+        raise ValueError(f"detector {name!r} is already registered")
+    GROUP_DETECTORS[name] = fn
 
 
 def available_detectors() -> list[str]:
