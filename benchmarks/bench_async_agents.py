@@ -107,7 +107,7 @@ def make_cfg(model: str, run_dir: Path, args, mode: str):
 def curve(run_dir: Path) -> list[tuple[float, float, int, str]]:
     """``(seconds since the run's first metric, held-out success, version, its status)`` of each
     validation (the version validated is the ``version`` metric of the same step)."""
-    from selfrl.store import Store
+    from selfrl.record.store import Store
 
     with Store(run_dir / "selfrl.db", readonly=True) as store:
         rows = store.metrics()
@@ -124,8 +124,8 @@ def curve(run_dir: Path) -> list[tuple[float, float, int, str]]:
 
 def agents_table(run_dir: Path) -> dict:
     """Per validated version: its status and each agent's held-out success; and the conflicts."""
-    from selfrl.distributed.agents_env import agent_results
-    from selfrl.store import Store
+    from selfrl.envs.agents import agent_results
+    from selfrl.record.store import Store
 
     with Store(run_dir / "selfrl.db", readonly=True) as store:
         versions = []
@@ -144,7 +144,7 @@ def plot_curves(curves: dict[str, list], path: Path, title: str) -> None:
     """The served (champion's) held-out success as a step line; rejected candidates as crosses."""
     from matplotlib.figure import Figure
 
-    from selfrl.figures import RUN_COLOURS, save
+    from selfrl.report.figures import RUN_COLOURS, save
 
     fig = Figure(figsize=(6.4, 3.8))
     ax = fig.add_subplot()
@@ -167,8 +167,8 @@ def plot_curves(curves: dict[str, list], path: Path, title: str) -> None:
 def plot_agents(table: dict, path: Path, title: str) -> None:
     from matplotlib.figure import Figure
 
-    from selfrl.figures import MARK_STYLE, RUN_COLOURS, save
-    from selfrl.timeline import Mark
+    from selfrl.report.figures import MARK_STYLE, RUN_COLOURS, save
+    from selfrl.report.timeline import Mark
 
     fig = Figure(figsize=(6.4, 3.6))
     ax = fig.add_subplot()
@@ -210,8 +210,8 @@ def main() -> int:
     # Ray workers import LengthEnv by its dotted path: they inherit this PYTHONPATH
     os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), str(ROOT),
                                                 os.environ.get("PYTHONPATH", "")])
-    from selfrl.loop import run
-    from selfrl.rewards import REWARD_FUNCS
+    from selfrl.run.main import run
+    from selfrl.envs.rewards import REWARD_FUNCS
 
     REWARD_FUNCS["length_goal"] = length_goal
     sys.modules.setdefault("bench_async_agents", sys.modules[__name__])

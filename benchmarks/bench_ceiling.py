@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_ceiling.py --tiny                                    # seconds
 
 * **matmul**: one N x N fp32 matrix product (N = 4096; 2 N^3 FLOPs), median of repeats, through
-  the faster of torch's BLAS and oneDNN (``selfrl.matmul``; until 2026-12-02 torch's BLAS only,
+  the faster of torch's BLAS and oneDNN (``selfrl.model.matmul``; until 2026-12-02 torch's BLAS only,
   which on this AMD CPU reaches about half of oneDNN's rate).
 * **generation**: ``Engine.generate`` on the batch a ``selfrl run`` iteration samples
   (``num_prompts x num_generations`` rollouts of real chain_sum prompts, the demo's
@@ -47,10 +47,10 @@ def matmul_params(model) -> int:
 def matmul_flops_by_library(n: int, repeats: int) -> dict[str, Stats]:
     """FLOP/s of an (n x n) @ (n x n) fp32 product (2 n^3 FLOPs), as :class:`Stats`, per matrix
     library: ``torch`` (``a @ b``: torch's BLAS, MKL in the CPU wheels) and, where
-    :func:`selfrl.matmul.available`, ``onednn`` (:func:`selfrl.matmul.linear`)."""
+    :func:`selfrl.model.matmul.available`, ``onednn`` (:func:`selfrl.model.matmul.linear`)."""
     import torch
 
-    from selfrl.matmul import available, linear
+    from selfrl.model.matmul import available, linear
 
     a, b = torch.randn(n, n), torch.randn(n, n)
     products = {"torch": lambda: a @ b}
@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     import torch
 
-    from selfrl.engine import Engine
-    from selfrl.rollout import rollout
+    from selfrl.engines.reference import Engine
+    from selfrl.rollout.agent import rollout
 
     result = envelope(args, command_line("bench_ceiling.py", argv))
     work = iteration_work(args, CONFIG, "bench-ceiling-")

@@ -34,7 +34,7 @@ ANSWER = '{"name":"get_weather","arguments":{"city":"Paris, France","days":14}}'
 
 def tokenizer(tiny: bool):
     if not tiny:
-        from selfrl.model import cache_dir
+        from selfrl.model.load import cache_dir
 
         path = cache_dir() / "smollm2-135m-instruct"
         if (path / "tokenizer.json").exists():
@@ -51,7 +51,7 @@ def tokenizer(tiny: bool):
 def per_token_llguidance(tok, repeats: int) -> tuple[Stats, float, int]:
     """Seconds per token for llguidance (mask + unpack to a bool tensor + advance); and
     the one-off seconds to wrap the tokenizer; and the number of tokens replayed."""
-    from selfrl.constrain import grammar_tokenizer, tool_call_constraint, unpack_mask
+    from selfrl.chat.constrain import grammar_tokenizer, tool_call_constraint, unpack_mask
 
     t = time.perf_counter()
     llt = grammar_tokenizer(tok, len(tok), [tok.eos_token_id])
@@ -109,9 +109,9 @@ def engine_rows(repeats: int) -> list[list]:
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import build_tiny_model, build_tiny_tokenizer
 
-    from selfrl.chat import prompt_ids
-    from selfrl.constrain import tool_call_constraint
-    from selfrl.engine import Engine
+    from selfrl.chat.template import prompt_ids
+    from selfrl.chat.constrain import tool_call_constraint
+    from selfrl.engines.reference import Engine
 
     tok = build_tiny_tokenizer()
     engine = Engine(build_tiny_model(tok), tok)

@@ -10,7 +10,7 @@ Read from the run's store (``time/rollout_s``, ``time/update_s``, ``time/validat
 run's iterations with min and max (``--repeats`` does not apply: one run, many
 iterations). Tokens generated count the sampled completion tokens of every rollout;
 tokens trained count the completion tokens of the sequences that went into the update
-(those with a non-zero advantage; the others are skipped, see ``selfrl.learner``).
+(those with a non-zero advantage; the others are skipped, see ``selfrl.rl.learner``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def cost_figures(run_dir: Path) -> dict:
         FileNotFoundError: no run there.
         ValueError: the run has no completed iteration.
     """
-    from selfrl.store import Store
+    from selfrl.record.store import Store
 
     run_dir = Path(run_dir)
     if not (run_dir / "selfrl.db").exists():
@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir = args.run_dir
     if run_dir is None:
         from selfrl.config import load_config
-        from selfrl.loop import run
-        from selfrl.progress import PlainProgress
+        from selfrl.run.main import run
+        from selfrl.run.progress import PlainProgress
 
         keep = ROOT / "runs" if (ROOT / "runs").exists() and not args.tiny else None  # tiny runs go to /tmp
         work = Path(tempfile.mkdtemp(prefix="bench-cost-", dir=keep))

@@ -52,7 +52,7 @@ def make_cfg(model: str, run_dir: Path, args):
 
 
 def throughput(run_dir: Path, per_iteration: int) -> dict:
-    from selfrl.store import Store
+    from selfrl.record.store import Store
 
     store = Store(run_dir / "selfrl.db")
     rows = store.metrics()
@@ -86,9 +86,9 @@ def main() -> None:
     import ray
 
     from selfrl.config import DistributedConfig
-    from selfrl.distributed.driver import run_distributed
-    from selfrl.loop import run
-    from selfrl.rewards import REWARD_FUNCS
+    from selfrl.run.ray.driver import run_distributed
+    from selfrl.run.main import run
+    from selfrl.envs.rewards import REWARD_FUNCS
 
     REWARD_FUNCS["short"] = short
     load0, rows, results = loadavg(), [], {}

@@ -8,7 +8,7 @@
 - **passes**: what a forward pass of the sampling view costs at ``rows`` rows x ``ids`` ids a row (no
   cache: the linear layers and the output layer, which dominate), the fastest of ``--repeats``: where
   feeding more ids a pass stays nearly free (bound by reading the weights) and where it does not.
-- **validation**: the gate's greedy pass over the first 64 held-out tasks (``selfrl.gate.validate``'s
+- **validation**: the gate's greedy pass over the first 64 held-out tasks (``selfrl.safety.gate.validate``'s
   rollouts), each engine in turn.
 
 Both engines sample the same ids (the drafts are verified exactly); the table says whether they did.
@@ -34,7 +34,7 @@ def timed_rollouts(engine, tasks, tools, cfg, seed: int, greedy: bool = False) -
     """(seconds, sampled tokens, the sampled ids, the engine's pass and draft counts) of one rollout batch."""
     import torch
 
-    from selfrl.rollout import rollout
+    from selfrl.rollout.agent import rollout
 
     before = (engine.steps, engine.drafted_ids, engine.accepted_ids)
     torch.manual_seed(seed)
@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> dict:
                    "(the first is the baseline)")
     args = p.parse_args(argv)
     from selfrl.engines.slots import SlotEngine
-    from selfrl.tasks import get_task_source, split_tasks
-    from selfrl.tools import resolve_tools
+    from selfrl.core.tasks import split_tasks
+    from selfrl.envs import get_env
+    from selfrl.core.tools import resolve_tools
 
     result = envelope(args, command_line("bench_drafts.py", argv))
     cfg = bench_config(args, CONFIG, "bench-drafts-")
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
                 ["rows", *(f"{i} ids a row" for i in passes[rows])], rows_out)
 
     tasks, tools = first_batch(cfg)
-    source = get_task_source(cfg.task.source, **cfg.task.options)
+    source = get_env(cfg.task.source, **cfg.task.options)
     _, val = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     val = val[:8 if args.tiny else 64]
     for e in engines.values():  # warm-up: allocations, the first stored prefix

@@ -41,10 +41,11 @@ def child(args) -> None:
     import torch
 
     from selfrl.engines import make_engine
-    from selfrl.gate import validate
-    from selfrl.learner import Learner
-    from selfrl.loop import build_policy, make_source
-    from selfrl.rollout import rollout
+    from selfrl.safety.gate import validate
+    from selfrl.rl.learner import Learner
+    from selfrl.model.load import build_policy
+    from selfrl.run.setup import make_source
+    from selfrl.rollout.agent import rollout
 
     cfg = bench_config(args, CONFIG, "bench-driver-")
     model, tok = build_policy(cfg)

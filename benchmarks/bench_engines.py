@@ -38,7 +38,7 @@ def rollout_once(engine, tasks, tools, rollout_cfg, num_generations: int, seed: 
     """(seconds, sampled tokens) of one iteration's rollouts."""
     import torch
 
-    from selfrl.rollout import rollout
+    from selfrl.rollout.agent import rollout
 
     torch.manual_seed(seed)
     t = time.perf_counter()
@@ -49,13 +49,13 @@ def rollout_once(engine, tasks, tools, rollout_cfg, num_generations: int, seed: 
 def policy_with_adapter(cfg, adapter: Path | None, result: dict):
     """``(model, tokenizer)`` of run config ``cfg``, with the saved adapter version ``adapter`` (a
     run's ``adapters/vNNNNNN``: a trained policy) loaded when given (recorded in ``result``)."""
-    from selfrl.loop import build_policy
+    from selfrl.model.load import build_policy
 
     model, tok = build_policy(cfg)
     if adapter is not None:
         from peft import set_peft_model_state_dict
 
-        from selfrl.adapters import load_version_state
+        from selfrl.record.adapters import load_version_state
 
         set_peft_model_state_dict(model, load_version_state(adapter))
         result["adapter"] = str(adapter)
@@ -88,7 +88,7 @@ def alternating_rollouts(engines: dict, cfg, repeats: int, bound: float) -> tupl
 
 def serve_level(engine, tok, clients: int, requests: int, max_tokens: int, max_batch: int) -> dict:
     """TTFT (s) and tokens/s of ``clients`` concurrent streaming clients through a Batcher."""
-    from selfrl.chat import prompt_ids
+    from selfrl.chat.template import prompt_ids
     from selfrl.serve.batcher import Batcher, Job
 
     batcher = Batcher(engine, lambda version, fn: fn(), max_batch=max_batch)
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from selfrl.engines import make_engine
-    from selfrl.loop import build_policy
+    from selfrl.model.load import build_policy
 
     result = envelope(args, command_line("bench_engines.py", argv))
     cfg = bench_config(args, CONFIG, "bench-engines-")

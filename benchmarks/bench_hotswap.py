@@ -39,9 +39,9 @@ def main(argv: list[str] | None = None) -> dict:
     from safetensors.torch import load_file
 
     from selfrl.config import load_config
-    from selfrl.engine import Engine
-    from selfrl.loop import build_policy
-    from selfrl.model import load_model, resolve_model_path
+    from selfrl.engines.reference import Engine
+    from selfrl.model.load import build_policy
+    from selfrl.model.load import load_model, resolve_model_path
 
     result = envelope(args, command_line("bench_hotswap.py", argv))
     work = Path(tempfile.mkdtemp(prefix="bench-hotswap-"))

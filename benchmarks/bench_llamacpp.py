@@ -25,7 +25,7 @@ What is measured (``--parts``, default all):
   ``min_p 0``), so both sides sample the full distribution at temperature 1.
 * **batch**: one rollout-shaped batch, 32 chat prompts x at most 48 new tokens at
   temperature 1, token ids in and ids plus log-probs out: llama-server (32 concurrent
-  ``/completion`` requests), ``selfrl sampler`` over HTTP (:mod:`selfrl.engines.sampler_app`)
+  ``/completion`` requests), ``selfrl sampler`` over HTTP (:mod:`selfrl.serve.sampler_app`)
   and the in-process ``reference`` and ``slots`` engines. Useful tokens/s = sampled tokens
   over wall time, median of ``--repeats`` (the backends take turns).
 * **rl**: whether llama-server returns the sampled ids and their log-probs; which
@@ -105,14 +105,14 @@ def mismatch_stats(sampler: list[list[float]], learner: list[list[float]], cap: 
 
 def learner_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
     """The fp32 learner's log-probs of ``completion`` after ``prompt`` under ``logits / temperature``."""
-    from selfrl.swap_check import sequence_logprobs
+    from selfrl.rl.logprobs import sequence_logprobs
 
     return sequence_logprobs(model, prompt + completion, temperature)[len(prompt) - 1:]
 
 
 def start_sampler(engine, model_name: str):
     """``selfrl sampler``'s app over ``engine`` on a free loopback port; returns (url, uvicorn server, thread)."""
-    from selfrl.engines.sampler_app import create_sampler_app
+    from selfrl.serve.sampler_app import create_sampler_app
 
     return serve_app(create_sampler_app(engine, None, model_name), "the selfrl sampler")
 
@@ -251,8 +251,8 @@ def part_lora(args, gguf: Path, model, tok, prompts: list[list[int]], cap: float
 
     import torch
 
-    from selfrl.adapters import save_version
-    from selfrl.model import resolve_model_path
+    from selfrl.record.adapters import save_version
+    from selfrl.model.load import resolve_model_path
 
     src = Path(args.llama_src)
     g = torch.Generator().manual_seed(0)
@@ -331,10 +331,10 @@ def main(argv: list[str] | None = None) -> dict | None:
         raise SystemExit(f"unknown variants {sorted(unknown)}; valid: {', '.join(VARIANTS)}")
     import torch
 
-    from selfrl.chat import prompt_ids
+    from selfrl.chat.template import prompt_ids
     from selfrl.engines import make_engine
     from selfrl.engines.remote import RemoteEngine
-    from selfrl.loop import build_policy
+    from selfrl.model.load import build_policy
     from selfrl.serve.main import load_serve_config
 
     from bench_serve import start_server

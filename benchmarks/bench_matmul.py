@@ -1,4 +1,4 @@
-"""Frozen fp32 products through oneDNN (``model.cpu_matmul = "auto"``, ``selfrl.matmul``) against
+"""Frozen fp32 products through oneDNN (``model.cpu_matmul = "auto"``, ``selfrl.model.matmul``) against
 torch's BLAS (``"torch"``, MKL in the CPU wheels), side by side in one process.
 
 - **ceiling**: one 4096 x 4096 fp32 product per library, FLOP/s (the bound the other benchmarks
@@ -39,7 +39,7 @@ def pass_products(model, rows: int, repeats: int) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
 
-    from selfrl.matmul import available, linear
+    from selfrl.model.matmul import available, linear
 
     shapes: dict[tuple[int, int], int] = {}
     for m in model.modules():
@@ -62,10 +62,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     from peft import set_peft_model_state_dict
 
-    from selfrl.adapters import lora_state
+    from selfrl.record.adapters import lora_state
     from selfrl.engines.slots import SlotEngine
-    from selfrl.learner import Learner, kl_reference
-    from selfrl.matmul import is_routed
+    from selfrl.rl.learner import Learner, kl_reference
+    from selfrl.model.matmul import is_routed
 
     from bench_update import sampled_batch
 

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     import torch
 
-    from selfrl.chat import prompt_ids
+    from selfrl.chat.template import prompt_ids
     from selfrl.engines.slots import SlotEngine
 
     result = envelope(args, command_line("bench_merged.py", argv))

@@ -9,7 +9,7 @@ GRPO update on 64 rollouts (every one given a non-zero advantage, so the whole b
 Each repeat times, side by side in one process:
 
 * **serial**: the rollouts, then the update (what ``selfrl run`` does by default);
-* **overlapped**: the rollouts sampled in a thread by a :func:`selfrl.async_rollouts.shadow_policy`
+* **overlapped**: the rollouts sampled in a thread by a :func:`selfrl.rollout.prefetch.shadow_policy`
   copy while the update trains the policy (what ``--async-rollouts`` does in every iteration
   but the last).
 
@@ -37,9 +37,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     import torch
 
-    from selfrl.async_rollouts import shadow_policy
+    from selfrl.rollout.prefetch import shadow_policy
     from selfrl.engines import make_engine
-    from selfrl.rollout import rollout
+    from selfrl.rollout.agent import rollout
 
     result = envelope(args, command_line("bench_overlap.py", argv))
     work = iteration_work(args, CONFIG, "bench-overlap-")

@@ -13,14 +13,14 @@ per-iteration statistics of the label-free signal are pooled per backend: tool u
 answers, the share of groups with no reward spread (no gradient), distinct completions and
 answers per group, the mean reward, and the advantage summed over tool-using rollouts (what
 pushes the policy toward the calculator in the first update). Two-sample tests
-(:mod:`selfrl.two_sample`) say whether the backends differ: chi-square on first tokens, tool
+(:mod:`selfrl.engines.two_sample`) say whether the backends differ: chi-square on first tokens, tool
 use and turn counts; Mann-Whitney on completion lengths, rewards and distinct completions per group.
 
 ``--store`` prints the same per-iteration statistics from the stores of finished runs instead;
 with ``--pit`` it also checks each store's first-iteration sampling on its own: the model's
 logits are recomputed at every sampled position, and the randomized probability integral
 transforms of the sampled ids under ``softmax(logits / temperature)`` must be i.i.d.
-uniform (:func:`selfrl.two_sample.sampling_pit`, Kolmogorov-Smirnov). A sampler that is too
+uniform (:func:`selfrl.engines.two_sample.sampling_pit`, Kolmogorov-Smirnov). A sampler that is too
 sharp, too flat, truncated (top-k, top-p) or off the logits fails it, whatever the task.
 """
 
@@ -80,7 +80,7 @@ def store_pit(path: Path, model, temperature: float, iteration: int = 0, batch: 
     they were sampled with: the base model for iteration 0 of a run whose LoRA starts at zero)."""
     import torch
 
-    from selfrl.two_sample import ks_uniform, sampling_pit
+    from selfrl.engines.two_sample import ks_uniform, sampling_pit
 
     con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     trajs = [json.loads(d) for (d,) in con.execute("SELECT data_json FROM trajectories WHERE iteration = ?",
@@ -111,7 +111,7 @@ def store_pit(path: Path, model, temperature: float, iteration: int = 0, batch: 
 
 def compare(a: list[dict], b: list[dict]) -> dict[str, float]:
     """p-values of two-sample tests between two backends' pooled rollouts (stored dicts)."""
-    from selfrl.two_sample import chi_square_homogeneity, mann_whitney
+    from selfrl.engines.two_sample import chi_square_homogeneity, mann_whitney
 
     def per_group(ts: list[dict]) -> list[int]:
         groups: dict[str, set] = defaultdict(set)
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> Path:
             result["stores"][path] = per_it
             print_table(f"{path}, per iteration", COLUMNS, [_rows(f"iteration {i}", s) for i, s in per_it.items()])
         if args.pit:
-            from selfrl.model import load_model
+            from selfrl.model.load import load_model
 
             model, _ = load_model(model_name(args, Path(tempfile.mkdtemp(prefix="bench-parity-"))))
             result["pit"] = {}
@@ -174,22 +174,24 @@ def main(argv: list[str] | None = None) -> Path:
     import torch
 
     from selfrl.engines import make_engine
-    from selfrl.loop import build_policy, iteration_tasks
-    from selfrl.rewards import get_preset, score_batch
+    from selfrl.model.load import build_policy
+    from selfrl.run.loop import iteration_tasks
+    from selfrl.envs.rewards import get_preset, score_batch
     from selfrl.rl.advantages import group_advantages
-    from selfrl.tasks import get_task_source, split_tasks
-    from selfrl.tools import resolve_tools
+    from selfrl.core.tasks import split_tasks
+    from selfrl.envs import get_env
+    from selfrl.core.tools import resolve_tools
 
     tiny = {"num_prompts": 2, "num_generations": 4, "rollout.max_new_tokens": 8, "task.num_train": 16, "gate.val_size": 2}
     cfg = bench_config(args, CONFIG, "bench-parity-", tiny, preset=args.preset)
     names = args.engines.split(",")
     model, tok = build_policy(cfg)
     engines = {n: make_engine(n, model, tok) for n in names}
-    source = get_task_source(cfg.task.source, **cfg.task.options)
+    source = get_env(cfg.task.source, **cfg.task.options)
     train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     tools = resolve_tools(cfg.rollout.tools)
     weights = get_preset(args.preset)
-    from selfrl.rollout import rollout
+    from selfrl.rollout.agent import rollout
 
     pooled: dict[str, list[dict]] = {n: [] for n in names}
     per_seed: dict[str, list[dict]] = {n: [] for n in names}

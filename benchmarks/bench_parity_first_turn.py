@@ -1,6 +1,6 @@
 """Real model, first turn only: the first 4 sampled tokens of the demo's first turn, 128 rows for
 each of the 8 tasks of iteration 0, per engine (rollout path: batched on the reference, per-row seeded
-``submit`` on the slot engine), compared per task by chi-square (selfrl.two_sample).
+``submit`` on the slot engine), compared per task by chi-square (selfrl.engines.two_sample).
 
     OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/bench_parity_first_turn.py 128   # ~10 min on 2 busy cores
 """
@@ -15,14 +15,16 @@ import torch
 
 from selfrl.config import load_config
 from selfrl.engines import make_engine
-from selfrl.loop import build_policy, iteration_tasks
-from selfrl.tasks import get_task_source, split_tasks
-from selfrl.tools import resolve_tools
-from selfrl.rollout import rollout
-from selfrl.two_sample import chi_square_homogeneity, combine_chi_square
+from selfrl.model.load import build_policy
+from selfrl.run.loop import iteration_tasks
+from selfrl.core.tasks import split_tasks
+from selfrl.envs import get_env
+from selfrl.core.tools import resolve_tools
+from selfrl.rollout.agent import rollout
+from selfrl.engines.two_sample import chi_square_homogeneity, combine_chi_square
 cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "demo.toml", {"preset": "label-free", "rollout.max_new_tokens": 4, "rollout.max_turns": 1})
 model, tok = build_policy(cfg)
-source = get_task_source(cfg.task.source, **cfg.task.options)
+source = get_env(cfg.task.source, **cfg.task.options)
 train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
 tasks = iteration_tasks(train, 0, 8, cfg.task.train_seed)
 tools = resolve_tools(cfg.rollout.tools)

@@ -33,7 +33,7 @@ def synthetic_batch(tok, prompts: list[list[int]], num_generations: int, complet
     Advantages alternate +1/-1 within each group (all carry signal); the sampling logprobs
     are -2.0 per token (only the update's cost is measured, not what it learns).
     """
-    from selfrl.trajectory import Trajectory
+    from selfrl.core.trajectory import Trajectory
 
     rng = random.Random(seed)
     special = set(tok.all_special_ids)
@@ -55,13 +55,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--num-prompts", type=int, default=2, help="prompts per update (groups)")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG plot here (e.g. docs/scaling.png)")
     args = p.parse_args(argv)
-    from selfrl.chat import prompt_ids
+    from selfrl.chat.template import prompt_ids
     from selfrl.config import load_config
-    from selfrl.loop import build_policy
-    from selfrl.rollout import initial_messages
-    from selfrl.tasks import get_task_source, split_tasks
-    from selfrl.tools import resolve_tools
-    from selfrl.learner import Learner
+    from selfrl.model.load import build_policy
+    from selfrl.rollout.agent import initial_messages
+    from selfrl.core.tasks import split_tasks
+    from selfrl.envs import get_env
+    from selfrl.core.tools import resolve_tools
+    from selfrl.rl.learner import Learner
 
     result = envelope(args, command_line("bench_scaling.py", argv))
     name = model_name(args, Path(tempfile.mkdtemp(prefix="bench-scaling-")))
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
             cfg = load_config(ROOT / "configs" / "demo.toml", {"model.name": name, "lora.r": r, "lora.lora_alpha": 2 * r,
                                                                "task.num_train": 16, "gate.val_size": 4})
             model, tok = build_policy(cfg)
-            source = get_task_source(cfg.task.source, **cfg.task.options)
+            source = get_env(cfg.task.source, **cfg.task.options)
             train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
             tools = resolve_tools(cfg.rollout.tools)
             prompts = [prompt_ids(tok, initial_messages(t, tools, cfg.rollout, tok)) for t in train]

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
         return lv
     import torch
 
-    from selfrl.loop import build_policy
+    from selfrl.model.load import build_policy
     from selfrl.serve.main import load_serve_config
 
     result = envelope(args, command_line("bench_serve.py", argv))

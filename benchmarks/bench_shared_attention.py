@@ -75,7 +75,7 @@ def kernel_table(repeats: int, tiny: bool) -> list[dict]:
 def long_prompts(tok, rows: int, system_tokens: int) -> list[list[int]]:
     """``rows`` chat prompts: one system prompt of about ``system_tokens`` tokens (tool descriptions),
     a different question each."""
-    from selfrl.chat import prompt_ids
+    from selfrl.chat.template import prompt_ids
 
     tools, i = "You are an agent with tools.", 0
     while len(tok(tools)["input_ids"]) < system_tokens:

@@ -4,7 +4,7 @@ with no reward spread, per rollout spent.
 Each task has a fixed true pass rate; a group is ``G`` Bernoulli samples. The mix is what a
 small model meets on a hard benchmark: most tasks never solved, a few always, the rest in
 between. Both choosers walk the same shuffled order; ``SignalChooser`` skips tasks predicted
-to give constant groups (``selfrl.signal``). Writes benchmarks/results/signal_choice.json.
+to give constant groups (``selfrl.run.signal``). Writes benchmarks/results/signal_choice.json.
 
     python benchmarks/bench_signal_choice.py [--iterations 40] [--seeds 5]
 
@@ -19,9 +19,9 @@ import json
 import random
 from pathlib import Path
 
-from selfrl.signal import SignalChooser
-from selfrl.tasks import Task
-from selfrl.trajectory import Trajectory
+from selfrl.run.signal import SignalChooser
+from selfrl.core.tasks import Task
+from selfrl.core.trajectory import Trajectory
 
 
 def simulate(choice: str, iterations: int, seed: int, n_tasks: int = 200, prompts: int = 8, group: int = 8,

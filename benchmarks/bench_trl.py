@@ -5,11 +5,11 @@
 
 Three processes, one after the other (each its own peak RSS, no thread pools fighting):
 
-1. ``selfrl``: ``selfrl.loop.run`` with ``configs/demo.toml`` (validation only at the end),
+1. ``selfrl``: ``selfrl.run.main.run`` with ``configs/demo.toml`` (validation only at the end),
    every update saved as a version folder.
 2. ``trl``: ``trl.GRPOTrainer`` with a peft ``LoraConfig`` of the same shape, on the same
    training tasks in the same order, an adapter saved after every step.
-3. ``eval``: every adapter needed for the comparison scored by ``selfrl.gate.validate``
+3. ``eval``: every adapter needed for the comparison scored by ``selfrl.safety.gate.validate``
    (greedy pass@1 on the same held-out tasks, multi-turn with the calculator), so both
    trainers' results are measured the same way.
 
@@ -58,11 +58,11 @@ def bench_config(model: str, run_dir: Path, updates: int, num_prompts: int, num_
 
 
 def worker_selfrl(cfg_dict: dict, out: Path) -> None:
-    """Run ``selfrl.loop.run``; write per-update times, versions and peak RSS to ``out``."""
+    """Run ``selfrl.run.main.run``; write per-update times, versions and peak RSS to ``out``."""
     from selfrl.config import load_config
-    from selfrl.loop import run
-    from selfrl.progress import PlainProgress
-    from selfrl.store import Store
+    from selfrl.run.main import run
+    from selfrl.run.progress import PlainProgress
+    from selfrl.record.store import Store
 
     cfg = load_config(base=cfg_dict)
     t = time.perf_counter()
@@ -96,17 +96,18 @@ def worker_trl(cfg_dict: dict, out: Path) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from selfrl.config import load_config
-    from selfrl.loop import iteration_tasks
-    from selfrl.model import load_model
-    from selfrl.rewards import get_preset, score_batch
-    from selfrl.rollout import initial_messages
-    from selfrl.tasks import get_task_source, split_tasks
-    from selfrl.toolcall import execute_call, parse_tool_calls
-    from selfrl.tools import resolve_tools
-    from selfrl.trajectory import Trajectory
+    from selfrl.run.loop import iteration_tasks
+    from selfrl.model.load import load_model
+    from selfrl.envs.rewards import get_preset, score_batch
+    from selfrl.rollout.agent import initial_messages
+    from selfrl.core.tasks import split_tasks
+    from selfrl.envs import get_env
+    from selfrl.chat.toolcall import execute_call, parse_tool_calls
+    from selfrl.core.tools import resolve_tools
+    from selfrl.core.trajectory import Trajectory
 
     cfg = load_config(base=cfg_dict)
-    source = get_task_source(cfg.task.source, **cfg.task.options)
+    source = get_env(cfg.task.source, **cfg.task.options)
     train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     tasks = [t for it in range(cfg.iterations) for t in iteration_tasks(train, it, cfg.num_prompts, cfg.task.train_seed)]
     by_id = {t.id: t for t in tasks}
@@ -177,18 +178,19 @@ def worker_trl(cfg_dict: dict, out: Path) -> None:
 
 
 def worker_eval(cfg_dict: dict, adapters: dict[str, str | None], out: Path) -> None:
-    """Held-out greedy pass@1 of each adapter (None = the base model) with ``selfrl.gate.validate``."""
+    """Held-out greedy pass@1 of each adapter (None = the base model) with ``selfrl.safety.gate.validate``."""
     from safetensors.torch import load_file
 
     from selfrl.config import load_config
-    from selfrl.engine import Engine
-    from selfrl.gate import validate
-    from selfrl.loop import build_policy
-    from selfrl.tasks import get_task_source, split_tasks
-    from selfrl.tools import resolve_tools
+    from selfrl.engines.reference import Engine
+    from selfrl.safety.gate import validate
+    from selfrl.model.load import build_policy
+    from selfrl.core.tasks import split_tasks
+    from selfrl.envs import get_env
+    from selfrl.core.tools import resolve_tools
 
     cfg = load_config(base=cfg_dict)
-    source = get_task_source(cfg.task.source, **cfg.task.options)
+    source = get_env(cfg.task.source, **cfg.task.options)
     _, val = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     tools = resolve_tools(cfg.rollout.tools)
     model, tok = build_policy(cfg)  # B = 0: the base model until a version is swapped in

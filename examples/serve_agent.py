@@ -35,9 +35,10 @@ from pathlib import Path
 
 from openai import OpenAI
 
-from selfrl.rollout import DEFAULT_SYSTEM_PROMPT
-from selfrl.tasks import Task, assert_disjoint, get_task_source, split_tasks
-from selfrl.tools import get_tool
+from selfrl.rollout.agent import DEFAULT_SYSTEM_PROMPT
+from selfrl.core.tasks import Task, assert_disjoint, split_tasks
+from selfrl.envs import get_env
+from selfrl.core.tools import get_tool
 
 CALCULATOR = get_tool("calculator")
 TOOLS = [CALCULATOR.openai_schema()]
@@ -133,7 +134,7 @@ def main() -> int:
     else:
         proc, base = start_server(args.run_dir, key, args)
     client = OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=600)
-    source = get_task_source("chain_sum")
+    source = get_env("chain_sum")
     n_train = args.rounds * args.tasks_per_round
     traffic, held = split_tasks(source, n_train, args.held_out, train_seed=5000, val_seed=6000)
     assert_disjoint(traffic, held)

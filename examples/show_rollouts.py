@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from selfrl.store import Store
+from selfrl.record.store import Store
 
 
 def show(traj) -> str:

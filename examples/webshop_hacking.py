@@ -15,10 +15,10 @@ import json
 import sys
 from pathlib import Path
 
-from selfrl.detectors import DetectorConfig, HackingMonitor
+from selfrl.safety.detectors import DetectorConfig, HackingMonitor
 from selfrl.envs.webshop import WebShopSource, hacking_policy, honest_policy
-from selfrl.rewards import get_preset, score_batch
-from selfrl.rollout import RolloutConfig, scripted_rollout
+from selfrl.envs.rewards import get_preset, score_batch
+from selfrl.rollout.agent import RolloutConfig, scripted_rollout
 
 LABEL_FREE = ["repeated_action", "format_gaming", "length_exploitation"]  # need no reference answers
 ALL = LABEL_FREE + ["verifier_disagreement"]
@@ -72,8 +72,8 @@ def train(out: Path, iterations: int, model: str | None, names: list[str], tempe
     """One short ``selfrl run`` on the web shop with the naive reward; per-iteration figures
     read back from the store (naive reward before detectors, true success, flagged share)."""
     from selfrl.config import load_config
-    from selfrl.loop import run
-    from selfrl.store import Store
+    from selfrl.run.main import run
+    from selfrl.record.store import Store
 
     overrides = {"run_dir": str(out), "iterations": iterations, "detectors.names": names + ["probe_regression"],
                  "rollout.temperature": temperature, "model.name": model,

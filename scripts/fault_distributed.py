@@ -66,7 +66,7 @@ def check_driver_kill(fault: str, run_dir: Path, before: dict[str, str], last_go
 
 def newest_servable(run_dir: Path) -> int | None:
     """The version a resume must start from: the newest base or promoted version with a complete folder."""
-    from selfrl import adapters
+    from selfrl.record import adapters
 
     servable = [v["version"] for v in read_run(run_dir)["versions"] if v["status"] in ("promoted", "base")
                 and adapters.verify_version(Path(v["path"])) is None]
@@ -103,7 +103,7 @@ def distributed_faults() -> list[str]:
         import ray  # noqa: F401
     except ModuleNotFoundError:
         return []
-    from selfrl.distributed.worker import WORKER_FAULT_POINTS
+    from selfrl.run.ray.worker import WORKER_FAULT_POINTS
 
     return ([f"worker:kill:{p}" for p in WORKER_FAULT_POINTS] + ["worker:stop:mid_rollout"]
             + ["ray:kill:after_store@1", "ray:kill:during_update@1"])

@@ -125,8 +125,8 @@ def snapshot(run_dir: Path) -> dict[str, str]:
 
 
 def read_run(run_dir: Path) -> dict:
-    """Versions, events and per-step metrics of a finished run (read with ``selfrl.store.Store``)."""
-    from selfrl.store import Store
+    """Versions, events and per-step metrics of a finished run (read with ``selfrl.record.store.Store``)."""
+    from selfrl.record.store import Store
 
     with Store(run_dir / "selfrl.db") as store:
         metrics: dict[int, dict[str, float]] = {}
@@ -138,7 +138,7 @@ def read_run(run_dir: Path) -> dict:
 def corrupt_served(run_dir: Path, versions: list[dict], final: int | None) -> list[int]:
     """Versions marked served (promoted or base) whose folder is not complete, plus the
     run's final served version ``final`` when its folder does not load with matching checksums."""
-    from selfrl import adapters
+    from selfrl.record import adapters
 
     bad = [v["version"] for v in versions
            if v["status"] in ("promoted", "base") and adapters.verify_version(Path(v["path"])) is not None]

@@ -34,7 +34,7 @@ class Response:
 
 def serve_config(model_dir: Path, run_dir: Path):
     """A tiny ``ServeConfig`` whose learner updates on every 8 rated turns and validates on 4 tasks."""
-    from selfrl.serve.config import ServeConfig
+    from selfrl.config.serve import ServeConfig
 
     cfg = ServeConfig(run_dir=str(run_dir), max_tokens_default=8, batch_window_s=0.02)
     cfg.model.name, cfg.lora.r = str(model_dir), 4
@@ -178,9 +178,9 @@ def run_serve_fault(fault: str, model_dir: Path, work: Path, clients: int = SERV
 
     import uvicorn
 
-    from selfrl import faults
-    from selfrl.model import build_policy
-    from selfrl.serve import records
+    from selfrl.core import faults
+    from selfrl.model.load import build_policy
+    from selfrl.record import served as records
     from selfrl.serve.app import create_app
     from selfrl.serve.main import bind
     from selfrl.serve.service import Service

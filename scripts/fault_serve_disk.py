@@ -239,8 +239,8 @@ def judge_disk_full(responses: list[Response], probes: dict, marks: dict, run_di
     (nothing acknowledged lost); the learner paused (one log line), resumed by itself (a log line
     and a ``learner_resumed`` event) and made a new version after space came back; ``/health``
     answered ``ok`` again; and no response named a bad version (:func:`bad_served`)."""
-    from selfrl.serve import records
-    from selfrl.store import Store
+    from selfrl.record import served as records
+    from selfrl.record.store import Store
 
     if "error" in marks:
         return ServeOutcome("serve:disk_full", False, marks["error"], notes=[marks["error"]])

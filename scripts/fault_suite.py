@@ -4,14 +4,14 @@
 
 Every fault runs ``selfrl run`` as a subprocess (``python scripts/fault_suite.py child ...``,
 which registers the test reward ``short`` and calls ``selfrl.cli.main``) on a tiny
-random Phi saved to a temporary folder, with ``SELFRL_FAULT`` set (see ``selfrl/faults.py``):
+random Phi saved to a temporary folder, with ``SELFRL_FAULT`` set (see ``selfrl/core/faults.py``):
 
 * ``lr_x1000@1``, ``noise@1``: a destructive update at iteration 1; recovered when a
   ``collapse`` event rolled that version back within one validation cycle and it is
   never served.
 * ``nan_loss@1``: recovered when iteration 1's update was skipped as not finite and
   made no version.
-* ``kill:<point>@1`` for every point of ``selfrl.faults.POINTS``: the process must die
+* ``kill:<point>@1`` for every point of ``selfrl.core.faults.POINTS``: the process must die
   by SIGKILL; then ``--resume`` must finish the run; recovered when every trajectory
   stored before the kill is still there, byte for byte, and every version marked
   served (promoted or base) is complete (``adapters.verify_version``).
@@ -46,7 +46,7 @@ Run-directory faults (in ``scripts/fault_rundir.py``, whose docstring has the de
 Distributed faults (``selfrl run --ray local``, 2 rollout workers; only when Ray is installed; in
 ``scripts/fault_distributed.py``):
 
-* ``worker:kill:<point>`` for each point of ``selfrl.distributed.worker.WORKER_FAULT_POINTS``
+* ``worker:kill:<point>`` for each point of ``selfrl.run.ray.worker.WORKER_FAULT_POINTS``
   (``before_sampling``, ``mid_rollout``, ``after_sending``): the first worker to reach the
   point SIGKILLs itself (``SELFRL_WORKER_FAULT``); ``worker:stop:mid_rollout`` SIGSTOPs it
   instead (alive and silent, as a worker partitioned from the driver), and the driver
@@ -56,7 +56,7 @@ Distributed faults (``selfrl run --ray local``, 2 rollout workers; only when Ray
   (trajectories lost: the groups missing), no group stored twice, every trained group
   within the staleness bound, and no corrupt version served.
 * ``ray:kill:<point>@1``: the *driver* of a distributed run is SIGKILLed at a point of
-  ``selfrl.faults.POINTS``, then ``--resume`` (with ``--ray``) must finish the run from
+  ``selfrl.core.faults.POINTS``, then ``--resume`` (with ``--ray``) must finish the run from
   the last good version: every trajectory stored before the kill unchanged, no group id
   stored twice, the ``resume`` event naming the version that was the newest servable one
   at the kill, and no corrupt version served.
@@ -90,7 +90,7 @@ from fault_serve_disk import run_serve_disk_full, serve_faults  # noqa: E402
 
 
 def all_faults() -> list[str]:
-    from selfrl.faults import POINTS
+    from selfrl.core.faults import POINTS
 
     return (["lr_x1000@1", "noise@1", "nan_loss@1"] + [f"kill:{p}@1" for p in POINTS] + list(RUNDIR_FAULTS)
             + [f"serve:{f}" for f in serve_faults()] + distributed_faults())
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
 def child(argv: list[str]) -> int:
     """``selfrl`` with the test reward ``short`` registered (the subprocess side)."""
     from selfrl.cli import main as cli_main
-    from selfrl.rewards import REWARD_FUNCS
+    from selfrl.envs.rewards import REWARD_FUNCS
 
     REWARD_FUNCS["short"] = short
     return cli_main(argv)

@@ -220,7 +220,7 @@ def config_rows(cls: type, prefix: str = "") -> list[tuple[str, type, list[dict[
 
 def _run_and_serve() -> list[tuple[str, type]]:
     from selfrl.config import RunConfig
-    from selfrl.serve.config import ServeConfig
+    from selfrl.config.serve import ServeConfig
 
     return [("selfrl run", RunConfig), ("selfrl serve", ServeConfig)]
 
@@ -280,12 +280,13 @@ def registries_reference() -> str:
     """The page ``docs/reference/registries.md``: every registered environment, reward preset,
     reward function, detector and tool, with the line each was registered with."""
     envs = _module("selfrl.envs")
-    rewards = _module("selfrl.rewards", "selfrl.rl.rewards")
-    detectors = _module("selfrl.detectors", "selfrl.safety.detectors")
-    tools = _module("selfrl.tools", "selfrl.core.tools")
+    rewards = _module("selfrl.envs.rewards")
+    detectors = _module("selfrl.safety.detectors")
+    tools = _module("selfrl.core.tools")
+    envs.load_builtin_envs()  # the built-in environments register their presets, rewards, detectors and tools
     out = [GENERATED, "# Presets, rewards, detectors, environments and tools\n\n",
            "What the code registers, generated from the registries (the built-in environments register "
-           "theirs on import). An unknown name anywhere in a config is an error that lists these.\n\n",
+           "theirs when they load). An unknown name anywhere in a config is an error that lists these.\n\n",
            "## Environments\n\n`--env NAME` or `[task] source`; `selfrl envs` prints the same list.\n\n",
            "| name | description |\n|---|---|\n"]
     out += [f"| `{name}` | {_cell(desc)} |\n" for name, desc in envs.describe_envs()]

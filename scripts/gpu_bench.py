@@ -74,7 +74,7 @@ def synthetic(model, n=32, prompt=64, completion=192):
     """``n`` trajectories of random ids with recorded logprobs equal to the policy's (ratio 1)."""
     from selfrl.rl.batch import collate
     from selfrl.rl.logprobs import per_token_logps
-    from selfrl.trajectory import Trajectory
+    from selfrl.core.trajectory import Trajectory
 
     vocab = SHAPE["vocab_size"]
     g = torch.Generator().manual_seed(0)
@@ -96,7 +96,7 @@ def synthetic(model, n=32, prompt=64, completion=192):
 
 
 def bench_learner(tok, dtype, checkpointing, steps=3):
-    from selfrl.learner import Learner, TrainConfig
+    from selfrl.rl.learner import Learner, TrainConfig
 
     model = with_lora(qwen05(tok, dtype)).to(DEVICE)
     trajs = synthetic(model)
@@ -123,7 +123,7 @@ def bench_learner(tok, dtype, checkpointing, steps=3):
 
 
 def bench_generate(tok, dtype, rows=32, new=128):
-    from selfrl.engine import Engine
+    from selfrl.engines.reference import Engine
 
     model = with_lora(qwen05(tok, dtype)).to(DEVICE)
     engine = Engine(model, tok)
@@ -192,7 +192,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     from conftest import build_tiny_tokenizer, save_tiny_phi
 
-    from selfrl.rewards import REWARD_FUNCS
+    from selfrl.envs.rewards import REWARD_FUNCS
 
     REWARD_FUNCS["even"] = even_share
     tok = build_tiny_tokenizer()

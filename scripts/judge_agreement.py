@@ -36,9 +36,9 @@ def sample(a: argparse.Namespace) -> None:
     from selfrl.config import RunConfig
     from selfrl.engines import make_engine
     from selfrl.envs import get_env
-    from selfrl.model import build_policy
-    from selfrl.rollout import rollout
-    from selfrl.tools import resolve_tools
+    from selfrl.model.load import build_policy
+    from selfrl.rollout.agent import rollout
+    from selfrl.core.tools import resolve_tools
 
     cfg = RunConfig()
     cfg.model.name = a.model
@@ -71,8 +71,8 @@ def judge(a: argparse.Namespace) -> None:
     from selfrl.envs import get_env
     from selfrl.judge import JUDGE
     from selfrl.judge.detectors import spearman
-    from selfrl.rewards import score_group
-    from selfrl.trajectory import Trajectory
+    from selfrl.envs.rewards import score_group
+    from selfrl.core.trajectory import Trajectory
 
     env = get_env("chain_sum")
     trajs = [Trajectory.from_dict(json.loads(line)) for line in Path(a.rollouts).read_text().splitlines()]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import random
 
-from selfrl.detectors import DetectorConfig, apply_detectors
+from selfrl.safety.detectors import DetectorConfig, apply_detectors
 from selfrl.envs import get_env
 from selfrl.judge.hacks import AGENTS, scripted_group, support_tasks
 

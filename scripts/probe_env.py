@@ -4,7 +4,7 @@
         --tasks 16 --group 8 --preset function_calling-partial [--greedy 32] [--config configs/x.toml]
 
 Prints, per category when the tasks have one: pass@1, pass@k, tool use and the share of
-zero-signal groups (``selfrl.signal.probe_report``), mean reward under the preset, and greedy
+zero-signal groups (``selfrl.run.signal.probe_report``), mean reward under the preset, and greedy
 pass@1 on ``--greedy`` held-out tasks. Nothing is trained or stored.
 """
 
@@ -30,14 +30,14 @@ def main() -> None:
 
     import torch
 
-    from selfrl.engine import Engine
+    from selfrl.engines.reference import Engine
     from selfrl.envs import get_env, load_run_config
-    from selfrl.gate import validate
-    from selfrl.model import build_policy
-    from selfrl.rewards import get_preset, score_batch
-    from selfrl.rollout import rollout
-    from selfrl.signal import diagnose, probe_report
-    from selfrl.tools import resolve_tools
+    from selfrl.safety.gate import validate
+    from selfrl.model.load import build_policy
+    from selfrl.envs.rewards import get_preset, score_batch
+    from selfrl.rollout.agent import rollout
+    from selfrl.run.signal import diagnose, probe_report
+    from selfrl.core.tools import resolve_tools
 
     overrides = {"task.source": a.env, "task.options": json.loads(a.options)}
     overrides.update({k: json.loads(v) for k, v in (s.split("=", 1) for s in a.set)})

@@ -6,11 +6,11 @@ k worked examples, against what RL reached on the same tasks.
 
 For each ``k`` in ``--shots`` the environment is built with ``options.shots = k`` (the
 environment must take a ``shots`` option; ``function_calling`` does) and the base model
-is evaluated greedily exactly as the gate evaluates (``selfrl.gate.validate``), on the
+is evaluated greedily exactly as the gate evaluates (``selfrl.safety.gate.validate``), on the
 held-out split of the config (the same tasks as the run's, by ``task.val_seed``). Prints
 success with its 95 % Wilson interval; with ``--run-dir``, also the paired difference of
 the run's final (latest promoted) version against each prompt on the tasks both were
-evaluated on (``selfrl.stats.paired_difference_ci``). Nothing is trained or stored;
+evaluated on (``selfrl.report.stats.paired_difference_ci``). Nothing is trained or stored;
 ``--per-task FILE`` writes ``{k: {task id: solved}}`` as JSON, to pair with a run measured later.
 """
 
@@ -42,13 +42,13 @@ def baseline() -> int:
 
     import torch
 
-    from selfrl.compare import load_outcome
-    from selfrl.engine import Engine
+    from selfrl.report.compare import load_outcome
+    from selfrl.engines.reference import Engine
     from selfrl.envs import get_env, load_run_config
-    from selfrl.gate import validate
-    from selfrl.model import build_policy
-    from selfrl.stats import paired_difference_ci, wilson_interval
-    from selfrl.tools import resolve_tools
+    from selfrl.safety.gate import validate
+    from selfrl.model.load import build_policy
+    from selfrl.report.stats import paired_difference_ci, wilson_interval
+    from selfrl.core.tools import resolve_tools
 
     overrides = {}
     for item in a.set:

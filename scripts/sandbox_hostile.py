@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/sandbox_hostile.py [--isolation bwrap rlimit] [--runs 20]
 
-For each isolation level: the table of ``selfrl.sandbox_suite.run_suite`` (what
+For each isolation level: the table of ``selfrl.envs.sandbox_suite.run_suite`` (what
 each program tried, what happened, whether the host stayed unchanged), then
 the start-up cost: the wall seconds of ``print(1)`` over ``--runs`` runs
 (median, min, max). Exits 1 if any program escaped under bwrap.
@@ -15,8 +15,8 @@ import statistics
 import sys
 import time
 
-from selfrl.sandbox import Limits, Sandbox, bwrap_problem
-from selfrl.sandbox_suite import format_table, run_suite
+from selfrl.envs.sandbox import Limits, Sandbox, bwrap_problem
+from selfrl.envs.sandbox_suite import format_table, run_suite
 
 
 def startup_seconds(box: Sandbox, runs: int) -> list[float]:

@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from selfrl.detectors import DetectorConfig, apply_detectors
+from selfrl.safety.detectors import DetectorConfig, apply_detectors
 from selfrl.envs import get_env
 from selfrl.envs.swe import TRICKS, hacking_policy, honest_policy
 from selfrl.envs.swe_detectors import SWE_DETECTORS
-from selfrl.rollout import RolloutConfig, scripted_rollout
+from selfrl.rollout.agent import RolloutConfig, scripted_rollout
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ import time
 
 from selfrl.envs import get_env
 from selfrl.envs.web import honest_policy
-from selfrl.rollout import RolloutConfig, scripted_rollout
+from selfrl.rollout.agent import RolloutConfig, scripted_rollout
 
 
 def timed_factory(env, first: list[float], rest: list[float]):

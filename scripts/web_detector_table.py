@@ -13,11 +13,11 @@ import argparse
 import time
 from collections import Counter
 
-from selfrl.detectors import DetectorConfig, apply_detectors
+from selfrl.safety.detectors import DetectorConfig, apply_detectors
 from selfrl.envs import get_env
 from selfrl.envs.web import HACKS, hacking_policy, honest_policy
-from selfrl.rewards import get_preset, score_group
-from selfrl.rollout import RolloutConfig, scripted_rollout
+from selfrl.envs.rewards import get_preset, score_group
+from selfrl.rollout.agent import RolloutConfig, scripted_rollout
 
 DETECTORS = ["repeated_action", "verifier_disagreement", "web_confirm_spam", "web_repeated_submit"]
 

@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 
 CPU_MATMUL_HELP = ("auto | onednn | torch: frozen fp32 products on the CPU through oneDNN (auto, where available) "
-                   "or torch's BLAS (selfrl/matmul.py)")
+                   "or torch's BLAS (selfrl/model/matmul.py)")
 
 RUN_FLAGS = {
     # flag: (dotted config key, type, help)
@@ -31,7 +31,7 @@ RUN_FLAGS = {
     "--env": ("task.source", str, "environment: arithmetic | webshop | code | function_calling | swe | web (selfrl envs), "
               "rg:<dataset>, or package.module:Name"),
     "--task": ("task.source", str, "same as --env (older name), e.g. chain_sum, basic_arithmetic, rg:<dataset>"),
-    "--preset": ("preset", str, "reward preset (selfrl.rewards.PRESETS; an environment sets its own): verified, label-free, code, function_calling, ..."),
+    "--preset": ("preset", str, "reward preset (selfrl.envs.rewards.PRESETS; an environment sets its own): verified, label-free, code, function_calling, ..."),
     "--iterations": ("iterations", int, "total rollout + update cycles of the run (with --resume: the new total)"),
     "--num-prompts": ("num_prompts", int, "tasks per iteration"),
     "--num-generations": ("num_generations", int, "samples per task (GRPO group size)"),
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--no-async-rollouts samples and trains in turn")
     sub.add_parser("envs", help="list the installed environments, one line each")
     s = sub.add_parser("serve", help="OpenAI-compatible server that records, learns and hot-swaps adapters")
-    s.add_argument("--config", help="TOML file with ServeConfig keys (see selfrl/serve/config.py)")
+    s.add_argument("--config", help="TOML file with ServeConfig keys (see selfrl/config/serve.py)")
     s.add_argument("--api-key-file", help="file whose first line is the API key (else SELFRL_API_KEY)")
     s.add_argument("--no-learn", action="store_true", help="serve and record only; no background learner")
     s.add_argument("--protect-completions", action="store_true", help="require the API key for completions too")
@@ -130,11 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def machine_failure(e: BaseException, where: str | Path, then: str) -> int | None:
     """Print one line and return exit code 1 for an error that is the machine's, not the input's:
-    the run directory is held by another writer (:mod:`selfrl.runlock`), or a write was refused
-    (a full disk, a read-only one, ...: :mod:`selfrl.write_errors`; ``then`` says how to go on
+    the run directory is held by another writer (:mod:`selfrl.record.runlock`), or a write was refused
+    (a full disk, a read-only one, ...: :mod:`selfrl.record.write_errors`; ``then`` says how to go on
     once it is fixed). None for any other error."""
-    from selfrl.runlock import RunDirLocked
-    from selfrl.write_errors import write_failure
+    from selfrl.record.runlock import RunDirLocked
+    from selfrl.record.write_errors import write_failure
 
     if isinstance(e, RunDirLocked):
         print(f"selfrl: error: {e}", file=sys.stderr)
@@ -151,11 +151,11 @@ def report_command(args: argparse.Namespace) -> int:
     out = Path(args.out if args.command == "compare" or args.out else args.run_dir)
     try:
         if args.command == "report":
-            from selfrl.report import rebuild_report
+            from selfrl.report.run import rebuild_report
 
             path = rebuild_report(Path(args.run_dir), None if args.out is None else Path(args.out))
         else:
-            from selfrl.compare import compare_runs
+            from selfrl.report.compare import compare_runs
 
             path = compare_runs([Path(d) for d in args.run_dirs], Path(args.out))
     except Exception as e:
@@ -196,8 +196,8 @@ def _main(args: argparse.Namespace) -> int:
     # A deprecation inside transformers, raised on every run; not ours to fix.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     from selfrl.config import ConfigError
-    from selfrl.model import ModelLoadError
-    from selfrl.swap_check import SwapCheckError
+    from selfrl.model.load import ModelLoadError
+    from selfrl.safety.swap_check import SwapCheckError
 
     if args.command == "envs":
         from selfrl.envs import describe_envs
@@ -222,7 +222,7 @@ def _main(args: argparse.Namespace) -> int:
             return code
 
     if args.command == "sampler":
-        from selfrl.engines.sampler_main import sampler
+        from selfrl.serve.sampler_main import sampler
 
         overrides = {RUN_FLAGS[f][0]: getattr(args, f[2:].replace("-", "_"))
                      for f in SAMPLER_FLAGS}
@@ -242,17 +242,17 @@ def _main(args: argparse.Namespace) -> int:
         stored = Path(args.resume) / "config.json"
         if stored.exists() and not args.config:
             base = json.loads(stored.read_text())  # resume with the run's own settings
-    from selfrl.shutdown import GracefulStop, exit_code
+    from selfrl.run.shutdown import GracefulStop, exit_code
 
     try:
         from selfrl.envs import load_run_config
 
         cfg = load_run_config(args.config, overrides, base)  # the environment's defaults under file and flags
         run_dir = cfg.run_dir
-        from selfrl.loop import run
-        from selfrl.progress import RichProgress
+        from selfrl.run.main import run
+        from selfrl.run.progress import RichProgress
 
-        # SIGTERM and SIGHUP stop the run as Ctrl-C does (selfrl.shutdown); a second one stops at once
+        # SIGTERM and SIGHUP stop the run as Ctrl-C does (selfrl.run.shutdown); a second one stops at once
         with GracefulStop() as stop, RichProgress(cfg.iterations) as progress:
             result = run(cfg, resume=bool(args.resume), progress=progress)
     except KeyboardInterrupt as e:  # before the first update (after it, the loop stops and reports)

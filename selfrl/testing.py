@@ -120,11 +120,11 @@ def add_lora(model, seed: int = 0, r: int = 4, default_init: bool = False, cpu_m
     no-op: the LoRA path contributes to every logit from the start. With
     ``default_init`` peft's own initialisation is used instead (A random, B = 0:
     the adapter starts as a no-op), as in ``selfrl run``. The frozen layers then compute as
-    ``selfrl run``'s do on the CPU (``cpu_matmul``: :func:`selfrl.matmul.route_frozen_linears`).
+    ``selfrl run``'s do on the CPU (``cpu_matmul``: :func:`selfrl.model.matmul.route_frozen_linears`).
     """
     from peft import LoraConfig, get_peft_model
 
-    from selfrl.matmul import route_frozen_linears
+    from selfrl.model.matmul import route_frozen_linears
 
     torch.manual_seed(seed)
     cfg = LoraConfig(r=r, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",

@@ -78,7 +78,7 @@ def short(traj, ctx):
 @pytest.fixture(scope="module")
 def short_reward():
     """:func:`short` registered as the reward ``"short"`` for the test module."""
-    from selfrl.rewards import REWARD_FUNCS
+    from selfrl.envs.rewards import REWARD_FUNCS
 
     mp = pytest.MonkeyPatch()
     mp.setitem(REWARD_FUNCS, "short", short)

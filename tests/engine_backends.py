@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from selfrl.chat import prompt_ids
+from selfrl.chat.template import prompt_ids
 from selfrl.engines import ENGINES
 from selfrl.engines.base import SamplingEngine
 
@@ -98,9 +98,9 @@ def stop_loopback_servers() -> None:
 
 def _http_sampler(model, tokenizer, version: int = 0) -> SamplingEngine:
     """``selfrl sampler`` (the reference engine behind HTTP) on loopback, used through RemoteEngine."""
-    from selfrl.engine import Engine
+    from selfrl.engines.reference import Engine
     from selfrl.engines.remote import RemoteEngine
-    from selfrl.engines.sampler_app import create_sampler_app
+    from selfrl.serve.sampler_app import create_sampler_app
 
     url = start_loopback(create_sampler_app(Engine(model, tokenizer, version=version)))
     return RemoteEngine(url, tokenizer, timeout_s=120)
@@ -111,7 +111,7 @@ BACKENDS["http"] = _http_sampler
 
 def _fake_vllm(model, tokenizer, version: int = 0) -> SamplingEngine:
     """The vLLM client against tests/fake_vllm.py on loopback (the real vLLM: tests/real_vllm/)."""
-    from selfrl.engine import Engine
+    from selfrl.engines.reference import Engine
     from selfrl.engines.vllm import VLLMEngine
     from tests.fake_vllm import create_fake_vllm
 

@@ -30,8 +30,8 @@ from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse
 from safetensors.torch import load_file
 
-from selfrl.engine import Engine, check_adapter_state
-from selfrl.swap_check import sequence_logprobs
+from selfrl.engines.reference import Engine, check_adapter_state
+from selfrl.rl.logprobs import sequence_logprobs
 
 
 def create_fake_vllm(engine: Engine, base_name: str = "base-model"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from peft import set_peft_model_state_dict
 
-from selfrl import adapters
-from selfrl.loop import build_policy
+from selfrl.record import adapters
+from selfrl.model.load import build_policy
 from selfrl.rl.logprobs import per_token_logps
 
 

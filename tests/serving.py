@@ -14,7 +14,7 @@ import torch
 
 from selfrl.rl.logprobs import per_token_logps
 from selfrl.serve.app import create_app
-from selfrl.serve.config import ServeConfig
+from selfrl.config.serve import ServeConfig
 from selfrl.serve.service import Service
 
 API_KEY = "test-key-0123456789abcdef"
@@ -74,7 +74,7 @@ def add_version(service: Service, state: dict, version: int, parent: int = 0, st
     """Save ``state`` as a complete adapter version of ``service``'s run and record it."""
     from peft import set_peft_model_state_dict
 
-    from selfrl import adapters
+    from selfrl.record import adapters
 
     holder = copy.deepcopy(service.engine.model)
     set_peft_model_state_dict(holder, state)
@@ -86,8 +86,8 @@ def add_version(service: Service, state: dict, version: int, parent: int = 0, st
 def rated_turns(service: Service, n: int = 4) -> list[tuple]:
     """``n`` served turns of one group (``"arith"``), rated +1 / -1 in turn and stored as the
     server stores them: the ``(trajectory, info)`` batch a learner update takes."""
-    from selfrl.serve import records
-    from selfrl.trajectory import Trajectory
+    from selfrl.record import served as records
+    from selfrl.core.trajectory import Trajectory
 
     batch = []
     with service.store.lock:

@@ -1,5 +1,5 @@
 """Adapters selfrl cannot train and hot-swap are refused wherever they come in, before any
-training and before the base weights load (selfrl.adapter_check)."""
+training and before the base weights load (selfrl.model.adapter_check)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import socket
 import pytest
 import torch
 
-from selfrl import adapters
-from selfrl import model as model_module
-from selfrl.adapter_check import AdapterError, check_adapter
+from selfrl.record import adapters
+from selfrl.model import load as model_module
+from selfrl.model.adapter_check import AdapterError, check_adapter
 from selfrl.cli import main
 from selfrl.config import RunConfig
-from selfrl.model import build_policy
+from selfrl.model.load import build_policy
 
 
 def cfg_for(model_dir, run_dir=None, **lora) -> RunConfig:
@@ -116,8 +116,8 @@ def test_a_stored_version_that_trains_the_output_layer_is_refused_when_loaded(mo
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from selfrl.engine import Engine
-    from selfrl.engines.sampler_app import create_sampler_app
+    from selfrl.engines.reference import Engine
+    from selfrl.serve.sampler_app import create_sampler_app
 
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), lora_config(modules_to_save=["lm_head"]))
     path = adapters.save_version(peft_model, tmp_path / "run", 3)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from selfrl.distributed.agents import balance_agents, judge_agents
+from selfrl.run.agents import balance_agents, judge_agents
 
 
 def test_balance_gives_each_agent_the_same_share():
@@ -40,7 +40,7 @@ def test_candidate_that_helps_a_and_hurts_b_is_not_promoted():
     assert "agent B" in verdict.report() and "b2, b3" in verdict.report() and "agent A" not in verdict.report()
     # within B's tolerance the same candidate is promoted
     assert judge_agents(champion, candidate, {"A": 0.1, "B": 0.5}).promoted
-    # a drop of exactly the tolerance passes (candidate >= best - tolerance, as selfrl.gate.passes_gate)
+    # a drop of exactly the tolerance passes (candidate >= best - tolerance, as selfrl.record.versions.passes_gate)
     assert judge_agents({"A": {"x": True, "y": True}}, {"A": {"x": True, "y": False}}, {"A": 0.5}).promoted
 
 

@@ -16,9 +16,9 @@ from conftest import save_tiny_phi
 
 from selfrl.cli import main
 from selfrl.config import AgentConfig, ConfigError, load_config
-from selfrl.distributed.agents_env import AgentsEnv, agent_of, agent_results, tag, untag
+from selfrl.envs.agents import AgentsEnv, agent_of, agent_results, tag, untag
 from selfrl.envs.arithmetic import ReasoningGymEnv
-from selfrl.store import Store
+from selfrl.record.store import Store
 
 
 def long(traj, ctx):
@@ -100,7 +100,7 @@ def test_agents_env_splits_per_agent_and_routes_each_task_to_its_environment():
 
 @pytest.fixture(scope="module")
 def short_model(tmp_path_factory, tiny_tokenizer):
-    from selfrl.rewards import REWARD_FUNCS
+    from selfrl.envs.rewards import REWARD_FUNCS
 
     mp = pytest.MonkeyPatch()
     mp.setitem(REWARD_FUNCS, "long", long)

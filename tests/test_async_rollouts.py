@@ -5,12 +5,13 @@ copy is swap-checked, and a batch made staler by a rejection is dropped and samp
 import pytest
 import torch
 
-from selfrl.async_rollouts import LocalSampler, shadow_policy
+from selfrl.rollout.prefetch import LocalSampler, shadow_policy
 from selfrl.cli import main
 from selfrl.config import ConfigError, RunConfig
-from selfrl.engine import Engine
-from selfrl.loop import Runner, run
-from selfrl.store import Store
+from selfrl.engines.reference import Engine
+from selfrl.run.loop import Runner
+from selfrl.run.main import run
+from selfrl.record.store import Store
 from tests.recorded_logps import assert_sampled_by_recorded_versions
 
 pytestmark = pytest.mark.usefixtures("short_reward")
@@ -147,7 +148,7 @@ def test_async_rollouts_is_refused_with_ray_and_set_by_the_flag(model_dir, tmp_p
         seen.append(c.async_rollouts)
         raise SystemExit(0)
 
-    monkeypatch.setattr("selfrl.loop.run", fake_run)
+    monkeypatch.setattr("selfrl.run.main.run", fake_run)
     for flags in (["--async-rollouts"], []):
         with pytest.raises(SystemExit):
             main(["run", "--model", str(model_dir), "--run-dir", str(tmp_path / "c"), *flags])

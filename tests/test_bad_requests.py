@@ -127,7 +127,7 @@ def test_a_schema_that_fails_mid_generation_is_a_400_and_the_rest_goes_on(server
 
 @pytest.mark.parametrize("text, param", [("<tool_call>{\"name\": \"f\", \"arg", "tools"), ('{"a": "xy', "response_format")])
 def test_where_a_call_or_an_answer_was_allowed_the_error_names_the_one_begun(tiny_tokenizer, text, param):
-    from selfrl.constrain import Constraint, ConstraintError
+    from selfrl.chat.constrain import Constraint, ConstraintError
     from selfrl.engines.base import Generation
     from selfrl.serve.batcher import Job, _grammar_failed
     from selfrl.serve.disconnect import generation_failed
@@ -358,7 +358,7 @@ def test_an_unexpected_exception_is_a_json_500_with_its_class_and_no_traceback(s
     def broken(*_a, **_k):
         raise KeyError("injected failure")
 
-    monkeypatch.setattr(service, "check_model_name", broken)
+    monkeypatch.setattr(service.turns, "check_model_name", broken)
     with caplog.at_level(logging.ERROR, logger="selfrl.serve"):
         status, body = chat(url)
     assert status == 500
@@ -376,8 +376,8 @@ def test_an_unexpected_exception_is_a_json_500_with_its_class_and_no_traceback(s
 
 @pytest.fixture(scope="module")
 def sampler(tiny_tokenizer, tiny_model_factory):
-    from selfrl.engine import Engine
-    from selfrl.engines.sampler_app import create_sampler_app
+    from selfrl.engines.reference import Engine
+    from selfrl.serve.sampler_app import create_sampler_app
 
     model = tiny_model_factory(lora=True, eos_bias=3.0)
     model.config.max_position_embeddings = 1024  # a short context, so that "exactly the context" is cheap to sample

@@ -215,8 +215,8 @@ def test_merged_tiny(tmp_path):
     r = bench_merged.main(TINY + ["--rows", "1,3", "--out", str(tmp_path)])
     # tiny Llama, LoRA on its 2 x 7 linear layers: q 32x32, k 16x32, v 16x32, o 32x32, gate and up
     # 64x32, down 32x64 = 9,216 weights a layer, merged copies in fp32; and oneDNN's packed copies of
-    # those 14 merged weights (selfrl.matmul.pack)
-    from selfrl.matmul import packing_available
+    # those 14 merged weights (selfrl.model.matmul.pack)
+    from selfrl.model.matmul import packing_available
 
     packed = 2 * 9216 * 4 if packing_available() else 0
     assert (r["merged_layers"], r["merged_extra_bytes"]) == (14, 2 * 9216 * 4 + packed)
@@ -264,7 +264,7 @@ def test_shared_attention_tiny(tmp_path):
 def test_matmul_tiny(tmp_path):
     import bench_matmul
 
-    from selfrl.matmul import available
+    from selfrl.model.matmul import available
 
     r = bench_matmul.main(TINY + ["--rows", "1,16", "--out", str(tmp_path)])
     frozen = r["routed_layers"]["auto"]

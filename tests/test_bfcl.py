@@ -1,4 +1,4 @@
-"""selfrl.bfcl: BFCL data from the bfcl-eval wheel, the AST checker (parity with bfcl-eval's), agreement."""
+"""selfrl.envs.bfcl: BFCL data from the bfcl-eval wheel, the AST checker (parity with bfcl-eval's), agreement."""
 
 import copy
 import sys
@@ -7,7 +7,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from selfrl.bfcl import (
+from selfrl.envs.bfcl import (
     CATEGORIES,
     AstResult,
     ast_match,
@@ -144,7 +144,7 @@ def test_ast_match_agrees_with_bfcl_evals_checker_on_every_task(tasks, monkeypat
 
 
 def test_ast_match_rules_by_hand():
-    from selfrl.bfcl import BfclTask
+    from selfrl.envs.bfcl import BfclTask
 
     fn = {"name": "book", "parameters": {"type": "dict", "required": ["city"], "properties": {
         "city": {"type": "string"}, "nights": {"type": "integer"}, "price": {"type": "float"},

@@ -2,7 +2,7 @@ import copy
 
 import pytest
 
-from selfrl.chat import between_turns_ids, prompt_ids, render, template_supports_tools
+from selfrl.chat.template import between_turns_ids, prompt_ids, render, template_supports_tools
 
 
 def ids(tok, text):

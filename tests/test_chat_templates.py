@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from conftest import _CORPUS, build_tiny_model
-from selfrl.chat import between_turns_ids, prompt_ids, render, template_supports_tools
-from selfrl.rollout import RolloutConfig, initial_messages, rollout
+from selfrl.chat.template import between_turns_ids, prompt_ids, render, template_supports_tools
+from selfrl.rollout.agent import RolloutConfig, initial_messages, rollout
 from selfrl.serve.logprobs import token_bytes
-from selfrl.tasks import Task
-from selfrl.tools import CALCULATOR
+from selfrl.core.tasks import Task
+from selfrl.core.tools import CALCULATOR
 from test_rollout import ScriptedEngine
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
@@ -167,7 +167,7 @@ def test_tool_definitions_with_control_token_text_are_refused_where_the_template
 
 
 def test_a_call_whose_tags_are_special_tokens_reaches_the_client_and_the_rollout():
-    from selfrl.chat import control_tokens, decode_turn
+    from selfrl.chat.template import control_tokens, decode_turn
     from selfrl.serve.logprobs import bytes_text
     from selfrl.serve.protocol import split_completion
 

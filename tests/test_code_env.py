@@ -6,9 +6,9 @@ import pytest
 
 from selfrl.envs import get_env
 from selfrl.envs.code import CodeEnv, extract_program, run_python
-from selfrl.rewards import get_preset, score_group
-from selfrl.rollout import RolloutConfig, scripted_rollout
-from selfrl.tools import resolve_tools
+from selfrl.envs.rewards import get_preset, score_group
+from selfrl.rollout.agent import RolloutConfig, scripted_rollout
+from selfrl.core.tools import resolve_tools
 
 ENV = CodeEnv()
 

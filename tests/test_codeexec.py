@@ -1,10 +1,10 @@
-"""selfrl.codeexec: hidden tests in the sandbox (per-test verdicts), task loaders, label-free agreement."""
+"""selfrl.envs.codeexec: hidden tests in the sandbox (per-test verdicts), task loaders, label-free agreement."""
 
 from pathlib import Path
 
 import pytest
 
-from selfrl.codeexec import (
+from selfrl.envs.codeexec import (
     CodeTask,
     codet_scores,
     execution_agreement,
@@ -14,7 +14,7 @@ from selfrl.codeexec import (
     run_on_inputs,
     run_tests,
 )
-from selfrl.sandbox import Limits, Sandbox
+from selfrl.envs.sandbox import Limits, Sandbox
 
 FIX = Path(__file__).parent / "fixtures"
 

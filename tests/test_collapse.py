@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from selfrl.collapse import (
+from selfrl.safety.collapse import (
     CollapseConfig,
     UpdateRecord,
     cheap_alarms,
@@ -16,7 +16,7 @@ from selfrl.collapse import (
     safer_setting,
     validation_alarm,
 )
-from selfrl.trajectory import Trajectory
+from selfrl.core.trajectory import Trajectory
 
 CFG = CollapseConfig()  # baseline_window 2, max_kl 0.5, entropy ratios 0.25 / 3, degenerate_rise 0.35
 
@@ -147,7 +147,7 @@ def test_safer_setting_compounds():
 
 
 def test_history_rebuilt_from_stored_metrics_skips_unfinished_iterations():
-    from selfrl.collapse import history_from_metrics
+    from selfrl.safety.collapse import history_from_metrics
 
     def rows(step, **m):
         return [{"step": step, "name": k.replace("__", "/"), "value": v} for k, v in m.items()]

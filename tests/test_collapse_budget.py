@@ -1,9 +1,9 @@
-"""The collapse budget per window of time (selfrl.collapse_budget), on a hand-driven clock."""
+"""The collapse budget per window of time (selfrl.safety.collapse_budget), on a hand-driven clock."""
 
 import pytest
 
-from selfrl.collapse import safer_setting
-from selfrl.collapse_budget import Action, BudgetPolicy, CollapseBudget
+from selfrl.safety.collapse import safer_setting
+from selfrl.safety.collapse_budget import Action, BudgetPolicy, CollapseBudget
 from selfrl.config import CollapseConfig
 
 

@@ -1,7 +1,7 @@
 import pytest
 
 from selfrl.config import ConfigError, RunConfig, load_config
-from selfrl.model import DEFAULT_MODEL
+from selfrl.model.load import DEFAULT_MODEL
 
 
 def test_defaults_validate():
@@ -91,23 +91,65 @@ def test_out_of_range_values(overrides, message):
     "override, message",
     [
         ({"reward_weights": {"verifier": "a"}}, "finite"),
-        # "judge" is listed once selfrl.judge is imported (tests/test_judge.py imports it in the same process)
-        ({"reward_weights": {"nope": 1.0}}, "valid names: agreement, format, (judge, )?length_penalty, partial_credit, self_consistency, tool_success, user_correction, user_feedback, verifier"),
         ({"train.scale_rewards": "x"}, "train.scale_rewards"),
         ({"rollout.tools_prompt": "x"}, "rollout.tools_prompt"),
-        ({"rollout.tools": ["calculator", "nope"]}, "nope"),
         ({"gate.batch_size": 0}, "gate.batch_size"),
         ({"task.num_train": 0}, "task.num_train"),
-        ({"train.loss_type": "x"}, "valid: dapo, dr_grpo, grpo"),
     ],
 )
-def test_registry_names_and_ranges_fail_before_any_model_is_loaded(override, message):
+def test_values_out_of_range_fail_when_the_config_loads(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, override)
 
 
+# Names that refer to registries: valid values as far as the config knows, checked at setup.
+NAME_RULES = [
+    # "judge" is listed once selfrl.judge is imported (tests/test_judge.py imports it in the same process)
+    ({"reward_weights": {"nope": 1.0}}, "valid names: agreement, format, (judge, )?length_penalty, partial_credit, self_consistency, tool_success, user_correction, user_feedback, verifier"),
+    ({"preset": "nope"}, "unknown reward preset 'nope'"),
+    ({"rollout.tools": ["calculator", "nope"]}, "nope"),
+    ({"train.loss_type": "x"}, "valid: dapo, dr_grpo, grpo"),
+    ({"detectors.names": ["no_such_detector"]}, "no_such_detector"),
+]
+
+
+@pytest.mark.parametrize("override, message", NAME_RULES)
+def test_registry_names_fail_at_setup_before_any_model_is_loaded(override, message, tmp_path, monkeypatch):
+    from selfrl.run import setup
+    from selfrl.run.main import run
+
+    cfg = load_config(None, {**override, "run_dir": str(tmp_path / "run")})  # a value the config accepts
+    with pytest.raises(ConfigError, match=message):
+        setup.check_names(cfg)
+    loaded = []
+    monkeypatch.setattr(setup, "build_policy", lambda cfg: loaded.append(cfg))  # must not be reached
+    with pytest.raises(ConfigError, match=message):
+        run(cfg)
+    assert loaded == [] and not (tmp_path / "run").exists()
+
+
+def test_names_an_environment_registers_are_known_at_setup():
+    from selfrl.run.setup import check_names
+
+    # the web shop's preset, the code environment's tool, the repair
+    # environment's detector: registered by built-in environments, which setup loads first
+    cfg = load_config(None, {"preset": "webshop-naive", "rollout.tools": ["run_python"], "detectors.names": ["swe_test_edit"]})
+    assert check_names(cfg) is None
+
+
+def test_loading_and_validating_the_config_imports_no_environment_detector_or_reward():
+    import subprocess
+    import sys
+
+    code = ("import sys, selfrl.config; selfrl.config.load_config(); import selfrl.config.serve as s; "
+            "s.ServeConfig().validate(); print(sorted(m for m in sys.modules if m.startswith(('selfrl.envs', "
+            "'selfrl.safety', 'selfrl.rl')) or m in ('torch', 'selfrl.envs.rewards')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_resume_may_change_iterations_but_not_the_task():
-    from selfrl.loop import check_resumable
+    from selfrl.config import check_resumable
 
     stored = load_config().to_dict()
     more = load_config(None, {"iterations": 40, "train.learning_rate": 5e-5}).to_dict()
@@ -141,7 +183,6 @@ SHARED_RULES = [
     ("rollout.max_turns", 0, "rollout.max_turns must be >= 1"),
     ("rollout.max_new_tokens", 0, "rollout.max_new_tokens must be >= 1"),
     ("rollout.tools_prompt", "xml", "rollout.tools_prompt must be one of 'compact', 'json'"),
-    ("rollout.tools", ["calculator", "nope"], "nope"),
     ("train.learning_rate", 0.0, "train.learning_rate must be > 0"),
     ("train.beta", -1.0, "train.beta must be >= 0"),
     ("train.epsilon", 1.5, "train.epsilon must be in"),
@@ -154,7 +195,6 @@ SHARED_RULES = [
     ("train.skip_max_reward_spread", 0.0, "train.skip_max_reward_spread must be > 0"),
     ("train.skip_max_kl", 0.0, "train.skip_max_kl must be > 0"),
     ("train.skip_max_grad_norm", 0.0, "train.skip_max_grad_norm must be > 0"),
-    ("train.loss_type", "x", "valid: dapo, dr_grpo, grpo"),
     ("gate.val_size", 0, "gate.val_size must be >= 1"),
     ("gate.eval_every", 0, "gate.eval_every must be >= 1"),
     ("gate.tolerance", -0.1, "gate.tolerance must be >= 0"),
@@ -172,6 +212,11 @@ SHARED_RULES = [
     ("collapse.beta_min", -1.0, "collapse.beta_min must be >= 0"),
     ("collapse.repeat_ngram", 0, "collapse.repeat_ngram must be >= 1"),
     ("collapse.repeat_share", 0.0, "collapse.repeat_share must be in (0, 1]"),
+]
+# Every shared section's registry names, with one its registry does not know.
+SHARED_NAME_RULES = [
+    ("rollout.tools", ["calculator", "nope"], "nope"),
+    ("train.loss_type", "x", "valid: dapo, dr_grpo, grpo"),
     ("detectors.names", ["no_such_detector"], "no_such_detector"),
 ]
 
@@ -188,13 +233,27 @@ def test_a_shared_rule_refuses_the_same_value_in_run_and_serve(key, value, messa
     assert str(serve_err.value) == str(run_err.value)
 
 
+@pytest.mark.parametrize("key, value, message", SHARED_NAME_RULES, ids=[r[0] for r in SHARED_NAME_RULES])
+def test_a_shared_name_is_refused_the_same_at_the_setup_of_run_and_serve(key, value, message):
+    from selfrl.run.setup import check_names
+    from selfrl.serve.main import load_serve_config
+
+    run_cfg, serve_cfg = load_config(None, {key: value}), load_serve_config(None, {key: value})
+    with pytest.raises(ConfigError) as run_err:
+        check_names(run_cfg)
+    with pytest.raises(ConfigError) as serve_err:
+        check_names(serve_cfg, serve_cfg.learner.reward_weights)
+    assert message in str(run_err.value)
+    assert str(serve_err.value) == str(run_err.value)
+
+
 def test_the_rules_walked_cover_every_shared_section_and_serve_holds_them_all():
     import dataclasses
 
     from selfrl.config import SHARED_SECTIONS
-    from selfrl.serve.config import ServeConfig
+    from selfrl.config.serve import ServeConfig
 
-    assert {key.split(".")[0] for key, _, _ in SHARED_RULES} == set(SHARED_SECTIONS)
+    assert {key.split(".")[0] for key, _, _ in SHARED_RULES + SHARED_NAME_RULES} == set(SHARED_SECTIONS)
     run_types = {f.name: f.type for f in dataclasses.fields(RunConfig)}
     serve_types = {f.name: f.type for f in dataclasses.fields(ServeConfig)}
     assert all(serve_types[name] == run_types[name] for name in SHARED_SECTIONS)
@@ -204,7 +263,7 @@ def test_importing_the_config_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, selfrl.config, selfrl.serve.config; print('torch' in sys.modules)"
+    code = "import sys, selfrl.config, selfrl.config.serve; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -1,6 +1,6 @@
 """Every numeric setting has a bound, checked before anything loads, refused in one line that
 names the field, the value and the allowed range; the bounds a model sets (LoRA rank, token
-limits) are checked from its config before its weights load (selfrl.model_fit)."""
+limits) are checked from its config before its weights load (selfrl.model.fit)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import typing
 
 import pytest
 
-from selfrl import model as model_module
+from selfrl.model import load as model_module
 from selfrl.cli import main
 from selfrl.config import ConfigError, RunConfig, load_config
-from selfrl.model import build_policy
-from selfrl.serve.config import ServeConfig
+from selfrl.model.load import build_policy
+from selfrl.config.serve import ServeConfig
 from selfrl.serve.main import load_serve_config
 
 # Fields whose huge values mean "never" (a threshold that never fires) or that are in reward
@@ -158,8 +158,8 @@ def test_selfrl_run_refuses_a_rank_the_model_cannot_take_in_one_line(model_dir, 
 def test_the_sampler_refuses_a_temperature_beyond_the_bound(tiny_model_factory, tiny_tokenizer):
     from fastapi.testclient import TestClient
 
-    from selfrl.engine import Engine
-    from selfrl.engines.sampler_app import create_sampler_app
+    from selfrl.engines.reference import Engine
+    from selfrl.serve.sampler_app import create_sampler_app
 
     engine = Engine(tiny_model_factory(lora=True), tiny_tokenizer)
     with TestClient(create_sampler_app(engine)) as client:

@@ -9,8 +9,8 @@ import llguidance
 import pytest
 import torch
 
-from selfrl.chat import prompt_ids
-from selfrl.constrain import (
+from selfrl.chat.template import prompt_ids
+from selfrl.chat.constrain import (
     ConstraintError,
     check_constraint,
     grammar_tokenizer,
@@ -18,12 +18,12 @@ from selfrl.constrain import (
     tool_call_constraint,
     unpack_mask,
 )
-from selfrl.engine import Engine
+from selfrl.engines.reference import Engine
 from selfrl.serve.structured import request_constraint
-from selfrl.toolcall import parse_tool_calls
-from selfrl.tools import Tool, validate_arguments
-from selfrl.learner import Learner, TrainConfig
-from selfrl.trajectory import Trajectory
+from selfrl.chat.toolcall import parse_tool_calls
+from selfrl.core.tools import Tool, validate_arguments
+from selfrl.rl.learner import Learner, TrainConfig
+from selfrl.core.trajectory import Trajectory
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
        "required": ["a", "b"], "additionalProperties": False}
@@ -161,17 +161,18 @@ def test_a_backend_without_constraints_refuses_constrained_requests(tiny_tokeniz
     from types import SimpleNamespace
 
     from selfrl.serve.protocol import ChatCompletionRequest
-    from selfrl.serve.service import ApiError, Service
+    from selfrl.serve.errors import ApiError
+    from selfrl.serve.turns import Turns
 
     holder = SimpleNamespace(engine=SimpleNamespace(name="plain"), tok=tiny_tokenizer)
     tool = {"type": "function", "function": {"name": "add", "parameters": ADD}}
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[tool],
                                 tool_choice="required")
     with pytest.raises(ApiError, match="plain engine cannot constrain decoding") as e:
-        Service.constraint_for(holder, req)
+        Turns.constraint_for(holder, req)
     assert e.value.status == 501 and e.value.param == "tool_choice"
     free = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[tool])
-    assert Service.constraint_for(holder, free) is None
+    assert Turns.constraint_for(holder, free) is None
 
 
 # A schema whose free string outlasts check_constraint's walk, then requires a value with no end
@@ -209,8 +210,8 @@ def test_a_grammar_that_fails_mid_generation_ends_its_own_row_only(tiny_tokenize
 
 def test_the_call_grammar_lets_a_string_argument_hold_the_closing_tag(tiny_tokenizer):
     # the grammar reads the body as JSON, so "</tool_call>" inside a string does not end the call;
-    # the parser agrees (selfrl.toolcall.scan_blocks): one call with the whole string
-    from selfrl.constrain import replay_masks
+    # the parser agrees (selfrl.chat.toolcall.scan_blocks): one call with the whole string
+    from selfrl.chat.constrain import replay_masks
 
     schema = {"type": "object", "properties": {"content": {"type": "string"}}, "required": ["content"]}
     text = '<tool_call>{"name":"write","arguments":{"content":"x </tool_call> y"}}</tool_call>'

@@ -7,17 +7,17 @@ import dataclasses
 import pytest
 import torch
 
-from selfrl.chat import prompt_ids
+from selfrl.chat.template import prompt_ids
 from selfrl.config import RolloutConfig
-from selfrl.constrain import ConstraintError, GrammarMasks, replay_masks, tool_call_constraint, unpack_mask
-from selfrl.engine import Engine
-from selfrl.learner import Learner, TrainConfig
+from selfrl.chat.constrain import ConstraintError, GrammarMasks, replay_masks, tool_call_constraint, unpack_mask
+from selfrl.engines.reference import Engine
+from selfrl.rl.learner import Learner, TrainConfig
 from selfrl.rl.batch import collate
-from selfrl.rollout import rollout
-from selfrl.tasks import Task
-from selfrl.toolcall import parse_tool_calls
-from selfrl.tools import Tool
-from selfrl.trajectory import Trajectory
+from selfrl.rollout.agent import rollout
+from selfrl.core.tasks import Task
+from selfrl.chat.toolcall import parse_tool_calls
+from selfrl.core.tools import Tool
+from selfrl.core.trajectory import Trajectory
 
 # small enums keep a random model's calls short (an unbounded integer can run past the token limit)
 ADD = {"type": "object", "properties": {"a": {"type": "integer", "enum": [17, 25, 42]},

@@ -4,14 +4,14 @@ version and are recorded (issue 17 cases 2 and 6)."""
 import pytest
 import torch
 
-from selfrl.collapse import CollapseGuard
+from selfrl.safety.collapse import CollapseGuard
 from selfrl.config import CollapseConfig, TrainConfig
-from selfrl.cycle import UpdateCycle
+from selfrl.run.cycle import UpdateCycle
 from selfrl.rl.logprobs import per_token_logps
-from selfrl.store import Store
-from selfrl.learner import Learner, SkipReason
-from selfrl.trajectory import Trajectory
-from selfrl.versions import Ledger
+from selfrl.record.store import Store
+from selfrl.rl.learner import Learner, SkipReason
+from selfrl.core.trajectory import Trajectory
+from selfrl.record.versions import Ledger
 
 TEMPERATURE = 0.7
 
@@ -41,7 +41,7 @@ def make_cycle(model, tmp_path, **train):
     store = Store(tmp_path / "s.db")
     ledger = Ledger(store, store.start_run({}), tmp_path)
     ledger.ensure_base(model)
-    from selfrl.adapters import lora_state
+    from selfrl.record.adapters import lora_state
 
     ledger.set_champion(0, lora_state(model))
     cycle = UpdateCycle(ledger, learner, CollapseGuard(CollapseConfig()), None, CollapseConfig(), 0.02, "group",

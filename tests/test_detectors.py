@@ -3,7 +3,7 @@ must NOT flag the honest look-alike."""
 
 import pytest
 
-from selfrl.detectors import (
+from selfrl.safety.detectors import (
     PENALTY_KEY,
     DetectorConfig,
     HackingMonitor,
@@ -17,8 +17,8 @@ from selfrl.detectors import (
     repeated_action,
     verifier_disagreement,
 )
-from selfrl.store import Store
-from selfrl.trajectory import ToolCallRecord, Trajectory
+from selfrl.record.store import Store
+from selfrl.core.trajectory import ToolCallRecord, Trajectory
 
 CFG = DetectorConfig()
 
@@ -153,7 +153,9 @@ def test_probe_regression():
 
 
 def test_unknown_detector_lists_the_valid_ones():
-    import selfrl.envs  # noqa: F401  environments register their own detectors (swe_*, web_*)
+    from selfrl.envs.builtin import load_builtin_envs
+
+    load_builtin_envs()  # environments register their own detectors (swe_*, web_*)
     import selfrl.judge  # noqa: F401  and the judge its (judge_*)
 
     shipped = ["component_dominance", "format_gaming", "judge_addressed", "judge_length_bias", "judge_vacuous",

@@ -1,4 +1,4 @@
-"""Device and dtype placement (selfrl.device): the same tests on every device this
+"""Device and dtype placement (selfrl.model.device): the same tests on every device this
 machine has (the CPU always, CUDA when a GPU is visible), and the refusals of
 impossible settings checked with the GPU hidden.
 """
@@ -7,18 +7,18 @@ import pytest
 import torch
 from conftest import add_lora, build_tiny_model, save_tiny_phi
 
-from selfrl import device as dev
-from selfrl.adapters import lora_state
+from selfrl.model import device as dev
+from selfrl.record.adapters import lora_state
 from selfrl.cli import main
 from selfrl.config import ConfigError, RunConfig
-from selfrl.engine import Engine
-from selfrl.model import build_policy
+from selfrl.engines.reference import Engine
+from selfrl.model.load import build_policy
 from selfrl.rl.batch import collate
 from selfrl.rl.logprobs import per_token_logps, tree_supported
-from selfrl.rollout import RolloutConfig, rollout
-from selfrl.tasks import Task
-from selfrl.tools import CALCULATOR
-from selfrl.learner import Learner, TrainConfig
+from selfrl.rollout.agent import RolloutConfig, rollout
+from selfrl.core.tasks import Task
+from selfrl.core.tools import CALCULATOR
+from selfrl.rl.learner import Learner, TrainConfig
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 TEMPERATURE = 0.7
@@ -114,7 +114,7 @@ def test_cli_flags_reach_the_config(no_gpu, tmp_path, monkeypatch):
         seen["cfg"] = cfg
         raise ValueError("stop here")
 
-    monkeypatch.setattr("selfrl.loop.run", fake_run)
+    monkeypatch.setattr("selfrl.run.main.run", fake_run)
     assert main(["run", "--device", "cpu", "--dtype", "bfloat16", "--gradient-checkpointing",
                  "--run-dir", str(tmp_path / "r")]) == 2
     cfg = seen["cfg"]

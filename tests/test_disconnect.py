@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from selfrl.chat import prompt_ids
-from selfrl.engine import Engine
-from selfrl.serve import records
+from selfrl.chat.template import prompt_ids
+from selfrl.engines.reference import Engine
+from selfrl.record import served as records
 from serving import SERVE_ENGINES, running_server, serve_config
 
 LIMIT = 900  # the tiny model never samples EOS (bias -30): a turn runs to its limit unless cut

@@ -15,8 +15,8 @@ import pytest
 from conftest import save_tiny_phi
 
 from selfrl.config import ConfigError, DistributedConfig, load_config
-from selfrl.distributed.staleness import staleness, within_bound
-from selfrl.store import Store
+from selfrl.rollout.staleness import staleness, within_bound
+from selfrl.record.store import Store
 
 
 def test_staleness_counts_weight_changes():
@@ -45,8 +45,8 @@ def test_distributed_config_from_flags_and_its_checks():
 
 
 def test_no_ray_without_the_flag():
-    code = ("import sys, selfrl.cli, selfrl.loop, selfrl.distributed, selfrl.distributed.staleness, "
-            "selfrl.distributed.agents, selfrl.distributed.worker; "
+    code = ("import sys, selfrl.cli, selfrl.run.loop, selfrl.run.ray, selfrl.rollout.staleness, "
+            "selfrl.run.agents, selfrl.run.ray.worker; "
             "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
 
@@ -55,10 +55,10 @@ def test_run_hands_a_distributed_config_to_the_driver(monkeypatch):
     import types
 
     calls = []
-    fake = types.ModuleType("selfrl.distributed.driver")
+    fake = types.ModuleType("selfrl.run.ray.driver")
     fake.run_distributed = lambda cfg, resume, progress: calls.append((cfg.distributed.address, resume)) or "ran"
-    monkeypatch.setitem(sys.modules, "selfrl.distributed.driver", fake)
-    from selfrl.loop import run
+    monkeypatch.setitem(sys.modules, "selfrl.run.ray.driver", fake)
+    from selfrl.run.main import run
 
     cfg = load_config(None, {"distributed.address": "auto"})
     assert run(cfg, resume=True) == "ran" and calls == [("auto", True)]
@@ -69,7 +69,7 @@ def short_model(tmp_path_factory, tiny_tokenizer):
     """(model folder, make_cfg) of tests/test_loop.py, with its ``short`` reward registered."""
     from test_loop import make_cfg, short
 
-    from selfrl.rewards import REWARD_FUNCS
+    from selfrl.envs.rewards import REWARD_FUNCS
 
     mp = pytest.MonkeyPatch()
     mp.setitem(REWARD_FUNCS, "short", short)
@@ -93,7 +93,7 @@ def ray_cluster():
 
 
 def test_async_run_bounds_staleness_and_survives_a_killed_worker(tmp_path, short_model, ray_cluster):
-    from selfrl.distributed.driver import run_distributed
+    from selfrl.run.ray.driver import run_distributed
 
     model_dir, make_cfg = short_model
     cfg = make_cfg(model_dir, tmp_path / "run", iterations=4)
@@ -132,18 +132,18 @@ def test_async_run_bounds_staleness_and_survives_a_killed_worker(tmp_path, short
 
 
 def test_a_partitioned_worker_is_timed_out_replaced_and_its_job_redone(tmp_path, short_model, ray_cluster):
-    from selfrl import adapters
-    from selfrl.distributed.driver import WorkerPool
-    from selfrl.distributed.worker import Job
-    from selfrl.model import build_policy
-    from selfrl.tasks import get_task_source
+    from selfrl.record import adapters
+    from selfrl.run.ray.driver import WorkerPool
+    from selfrl.run.ray.worker import Job
+    from selfrl.model.load import build_policy
+    from selfrl.envs import get_env
 
     model_dir, make_cfg = short_model
     cfg = make_cfg(model_dir, tmp_path / "run")
     events = []
     pool = WorkerPool(cfg, DistributedConfig(num_workers=1, job_timeout_s=3), events.append)
     weights = [ray_cluster.put(adapters.lora_state(build_policy(cfg)[0]))]
-    task = get_task_source("chain_sum").sample(1, seed=0)[0]
+    task = get_env("chain_sum").sample(1, seed=0)[0]
     [stopped] = pool.pids()
     os.kill(stopped, signal.SIGSTOP)  # partitioned: alive, never answers
     try:
@@ -162,10 +162,10 @@ def test_rollouts_drop_groups_older_than_the_bound():
     current version are kept; the others are counted as dropped, and the loop's batch is whole."""
     from types import SimpleNamespace
 
-    from selfrl.distributed.driver import AsyncRunner
-    from selfrl.distributed.worker import JobResult
-    from selfrl.progress import PlainProgress
-    from selfrl.trajectory import Trajectory
+    from selfrl.run.ray.driver import AsyncRunner
+    from selfrl.run.ray.worker import JobResult
+    from selfrl.run.progress import PlainProgress
+    from selfrl.core.trajectory import Trajectory
 
     versions = [3, 1, 3, 2, 3]  # the versions of the groups, in the order they come back
 
@@ -207,8 +207,8 @@ def test_several_agents_run_on_ray_workers_into_one_learner(tmp_path, short_mode
     and sample both agents' tagged tasks; jobs alternate between the agents (an iteration takes
     the first groups back, so its own mix may vary), and each agent's held-out success is logged."""
     from selfrl.config import AgentConfig
-    from selfrl.distributed.agents_env import agent_of
-    from selfrl.distributed.driver import run_distributed
+    from selfrl.envs.agents import agent_of
+    from selfrl.run.ray.driver import run_distributed
 
     model_dir, make_cfg = short_model
     cfg = make_cfg(model_dir, tmp_path / "run", iterations=2)
@@ -237,11 +237,11 @@ def test_a_worker_killed_at_each_point_of_a_job_loses_nothing(point, tmp_path, s
     comes back exactly once, whole."""
     import time
 
-    from selfrl import adapters
-    from selfrl.distributed.driver import WorkerPool
-    from selfrl.distributed.worker import Job
-    from selfrl.model import build_policy
-    from selfrl.tasks import get_task_source
+    from selfrl.record import adapters
+    from selfrl.run.ray.driver import WorkerPool
+    from selfrl.run.ray.worker import Job
+    from selfrl.model.load import build_policy
+    from selfrl.envs import get_env
 
     model_dir, make_cfg = short_model
     cfg = make_cfg(model_dir, tmp_path / "run")
@@ -249,7 +249,7 @@ def test_a_worker_killed_at_each_point_of_a_job_loses_nothing(point, tmp_path, s
     events = []
     pool = WorkerPool(cfg, DistributedConfig(num_workers=1, job_timeout_s=120), events.append, fault=f"kill:{point}")
     weights = [ray_cluster.put(adapters.lora_state(build_policy(cfg)[0]))]
-    tasks = get_task_source("chain_sum").sample(2, seed=0)
+    tasks = get_env("chain_sum").sample(2, seed=0)
     [first_pid] = pool.pids()
     results = []
     try:
@@ -272,7 +272,7 @@ def test_a_worker_killed_at_each_point_of_a_job_loses_nothing(point, tmp_path, s
 
 
 def test_worker_fault_specs_are_checked():
-    from selfrl.distributed.worker import parse_worker_fault
+    from selfrl.run.ray.worker import parse_worker_fault
 
     assert parse_worker_fault("stop:mid_rollout") == ("stop", "mid_rollout") and parse_worker_fault("") is None
     with pytest.raises(ValueError, match="POINT one of before_sampling, mid_rollout, after_sending"):

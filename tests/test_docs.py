@@ -338,7 +338,7 @@ def test_a_command_in_the_docs_is_real(item, tiny_run, tmp_path, capsys, monkeyp
 
 def _config_classes():
     from selfrl.config import RunConfig
-    from selfrl.serve.config import ServeConfig
+    from selfrl.config.serve import ServeConfig
 
     return RunConfig, ServeConfig
 

@@ -24,7 +24,7 @@ def _custom_env_block() -> str:
 @pytest.fixture(scope="module")
 def reverse_env():
     from selfrl.envs import registry
-    from selfrl.tools import _REGISTRY as TOOLS
+    from selfrl.core.tools import _REGISTRY as TOOLS
 
     code = _custom_env_block()
     module = types.ModuleType("docs_reverse_env")
@@ -41,9 +41,9 @@ def test_the_page_shows_a_whole_environment_in_under_50_lines(reverse_env):
 
 def test_the_custom_environment_is_found_split_and_solved(reverse_env):
     from selfrl.envs import describe_envs, get_env
-    from selfrl.rewards import get_preset, score_group
-    from selfrl.rollout import RolloutConfig, scripted_rollout
-    from selfrl.tools import resolve_tools
+    from selfrl.envs.rewards import get_preset, score_group
+    from selfrl.rollout.agent import RolloutConfig, scripted_rollout
+    from selfrl.core.tools import resolve_tools
 
     module, _ = reverse_env
     env = get_env("reverse")
@@ -62,8 +62,8 @@ def test_the_custom_environment_is_found_split_and_solved(reverse_env):
 
 def test_selfrl_run_env_reverse_runs_on_a_tiny_model(reverse_env, tmp_path, tiny_tokenizer):
     from selfrl.envs import load_run_config
-    from selfrl.loop import run
-    from selfrl.store import Store
+    from selfrl.run.main import run
+    from selfrl.record.store import Store
 
     model = save_tiny_phi(tmp_path / "model", tiny_tokenizer)
     cfg = load_run_config(None, {"task.source": "reverse", "model.name": str(model), "run_dir": str(tmp_path / "r"),
@@ -87,9 +87,9 @@ def guess_env():
     """``examples/guess_env.py`` imported by its dotted path, as the guide's command does."""
     import sys
 
-    from selfrl.detectors import TRAJECTORY_DETECTORS
+    from selfrl.safety.detectors import TRAJECTORY_DETECTORS
     from selfrl.envs import get_env, registry
-    from selfrl.rewards import PRESET_DOCS, PRESETS, REWARD_FUNCS
+    from selfrl.envs.rewards import PRESET_DOCS, PRESETS, REWARD_FUNCS
 
     sys.path.insert(0, str(ROOT))
     try:
@@ -113,9 +113,9 @@ def _play(module, guesses_for):
 
 
 def test_the_guide_example_is_found_split_and_registered(guess_env):
-    from selfrl.detectors import available_detectors
+    from selfrl.safety.detectors import available_detectors
     from selfrl.envs import describe_envs
-    from selfrl.rewards import get_preset
+    from selfrl.envs.rewards import get_preset
 
     env, module = guess_env
     assert isinstance(env, module.GuessEnv) and "guess" in dict(describe_envs())
@@ -127,9 +127,9 @@ def test_the_guide_example_is_found_split_and_registered(guess_env):
 
 def test_binary_search_is_paid_and_spraying_is_clamped(guess_env):
     from selfrl.config import DetectorConfig
-    from selfrl.detectors import apply_detectors
-    from selfrl.rewards import get_preset, score_group
-    from selfrl.rollout import RolloutConfig, scripted_rollout
+    from selfrl.safety.detectors import apply_detectors
+    from selfrl.envs.rewards import get_preset, score_group
+    from selfrl.rollout.agent import RolloutConfig, scripted_rollout
 
     env, module = guess_env
     task = env.sample(1, 7)[0]
@@ -156,7 +156,7 @@ def test_binary_search_is_paid_and_spraying_is_clamped(guess_env):
 
 
 def test_a_bad_guess_is_a_failed_call_not_a_crash(guess_env):
-    from selfrl.rollout import RolloutConfig, scripted_rollout
+    from selfrl.rollout.agent import RolloutConfig, scripted_rollout
 
     env, module = guess_env
     task = env.sample(1, 3)[0]
@@ -167,8 +167,8 @@ def test_a_bad_guess_is_a_failed_call_not_a_crash(guess_env):
 
 def test_selfrl_run_env_guess_runs_on_a_tiny_model(guess_env, tmp_path, tiny_tokenizer):
     from selfrl.envs import load_run_config
-    from selfrl.loop import run
-    from selfrl.store import Store
+    from selfrl.run.main import run
+    from selfrl.record.store import Store
 
     model = save_tiny_phi(tmp_path / "model", tiny_tokenizer)
     cfg = load_run_config(None, {"task.source": "examples.guess_env:GuessEnv", "model.name": str(model),

@@ -2,7 +2,7 @@ import pytest
 import torch
 from peft import get_peft_model_state_dict
 
-from selfrl.engine import Engine, Generation, eos_ids
+from selfrl.engines.reference import Engine, Generation, eos_ids
 from selfrl.rl.logprobs import per_token_logps
 from tests.engine_backends import chat_prompts, naive_logps
 

@@ -17,13 +17,13 @@ import pytest
 import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-from selfrl import adapters
+from selfrl.record import adapters
 from selfrl.engines.base import EngineHealth, Generation, SamplingEngine
 from tests.engine_backends import BACKENDS, UNAVAILABLE, chat_prompts, naive_logps
 
 ATOL = 1e-5  # fp32: sampled logprobs equal the recomputed ones to this, plus RTOL of their size
 # fp32 rounding grows with the logits: over 8 tiny models with random adapters (x 2 engines x 8 prompts)
-# the largest gap was 1.34e-5 through MKL and 1.10e-5 through oneDNN (selfrl.matmul), never more than
+# the largest gap was 1.34e-5 through MKL and 1.10e-5 through oneDNN (selfrl.model.matmul), never more than
 # 1e-5 + 6.2e-7 |logprob|; a stale or wrong weight is 1e-2 to 3 nats off
 RTOL = 2e-6
 
@@ -246,7 +246,7 @@ def _grammar_replay(model, tok, prompt, g, constraint, temperature: float) -> tu
     one unpadded row's full logits, and per id whether the mask removed any id."""
     import llguidance
 
-    from selfrl.constrain import grammar_tokenizer, unpack_mask
+    from selfrl.chat.constrain import grammar_tokenizer, unpack_mask
 
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + g.token_ids])).logits[0, len(prompt) - 1:-1].float()  # (n, V)
@@ -264,9 +264,9 @@ def _grammar_replay(model, tok, prompt, g, constraint, temperature: float) -> tu
 
 def test_constrained_rows_equal_the_reference_and_record_the_masked_distribution(backend, tiny_tokenizer,
                                                                                   tiny_model_factory):
-    from selfrl.constrain import json_constraint, tool_call_constraint
-    from selfrl.engine import Engine
-    from selfrl.toolcall import parse_tool_calls
+    from selfrl.chat.constrain import json_constraint, tool_call_constraint
+    from selfrl.engines.reference import Engine
+    from selfrl.chat.toolcall import parse_tool_calls
 
     model = tiny_model_factory(lora=True)
     engine = served(backend, model, tiny_tokenizer)
@@ -321,8 +321,8 @@ def test_a_cancelled_row_stops_at_the_next_step_and_keeps_its_ids(backend, tiny_
 
 
 def test_top_logprobs_equal_the_reference(backend, tiny_tokenizer, tiny_model_factory):
-    from selfrl.constrain import tool_call_constraint
-    from selfrl.engine import Engine
+    from selfrl.chat.constrain import tool_call_constraint
+    from selfrl.engines.reference import Engine
 
     model = tiny_model_factory(lora=True, eos_bias=1.0)
     engine = served(backend, model, tiny_tokenizer)

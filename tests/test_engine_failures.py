@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from selfrl.engine import Engine
+from selfrl.engines.reference import Engine
 from selfrl.engines.slots import SlotEngine
 from tests.test_slot_engine import prompts_with_system
 

@@ -4,9 +4,9 @@ The conformance suite checks that each backend *records* exact logprobs; it cann
 backend that samples from another distribution (a temperature or nucleus applied twice,
 per-row seeds correlated within a GRPO group, a turn cut or continued differently). Here
 both backends sample many completions of fixed prompts from one tiny model, and two-sample
-tests (:mod:`selfrl.two_sample`) compare what they drew: first tokens and later tokens per
+tests (:mod:`selfrl.engines.two_sample`) compare what they drew: first tokens and later tokens per
 prompt (chi-square), lengths with the finish reason, the share of distinct completions per
-group, and, through :func:`selfrl.rollout.rollout` with tools (the path ``selfrl run``
+group, and, through :func:`selfrl.rollout.agent.rollout` with tools (the path ``selfrl run``
 takes: batched turns on the reference, pipelined ``submit`` with per-row seeds on the slot
 engine), turn counts, tool calls, the second turn's first token and the label-free rewards.
 
@@ -28,9 +28,9 @@ from collections import defaultdict
 import pytest
 import torch
 
-from selfrl.engine import Engine
+from selfrl.engines.reference import Engine
 from selfrl.engines.slots import SlotEngine
-from selfrl.two_sample import (
+from selfrl.engines.two_sample import (
     TwoSampleResult,
     chi_square_homogeneity,
     combine_chi_square,
@@ -70,7 +70,7 @@ def engines():
 
 
 def _prompts(tok) -> list[list[int]]:
-    from selfrl.chat import prompt_ids
+    from selfrl.chat.template import prompt_ids
 
     system = {"role": "system", "content": "You are a careful assistant. Use the calculator tool for arithmetic."}
     return [prompt_ids(tok, [system, {"role": "user", "content": q}]) for q in QUESTIONS]
@@ -197,12 +197,12 @@ def independence_p(labels: list, groups: list[str], strata: list, permutations: 
 
 def _tool_rollouts(engine, seed: int, groups_per_task: int = 12, greedy: bool = False, stop_at_tool_call: bool = True):
     from selfrl.config import RolloutConfig
-    from selfrl.rewards import get_preset, score_batch
-    from selfrl.rollout import rollout
-    from selfrl.tasks import get_task_source
-    from selfrl.tools import CALCULATOR
+    from selfrl.envs.rewards import get_preset, score_batch
+    from selfrl.rollout.agent import rollout
+    from selfrl.envs import get_env
+    from selfrl.core.tools import CALCULATOR
 
-    source = get_task_source("chain_sum")
+    source = get_env("chain_sum")
     tasks = source.sample(3, seed=7)
     batch = [t for t in tasks for _ in range(groups_per_task * GROUP)]
     gids = [f"{t.id}-{j // GROUP}" for t in tasks for j in range(groups_per_task * GROUP)]

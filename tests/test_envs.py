@@ -9,10 +9,10 @@ import types
 import pytest
 
 from selfrl.config import ConfigError
-from selfrl.envs import Env, available_envs, describe_envs, get_env, load_run_config, register_env
+from selfrl.envs import Env, available_envs, describe_envs, get_env, get_task_source, load_run_config, register_env
 from selfrl.envs.arithmetic import CHAIN_SUM_SMALL, ReasoningGymEnv
-from selfrl.rewards import get_preset
-from selfrl.tasks import Task, get_task_source
+from selfrl.envs.rewards import get_preset
+from selfrl.core.tasks import Task
 
 
 def test_builtin_environments_are_listed_one_line_each(capsys):
@@ -25,7 +25,7 @@ def test_builtin_environments_are_listed_one_line_each(capsys):
 
 
 def test_arithmetic_alias_keeps_the_task_ids_of_older_runs():
-    old = get_task_source("chain_sum")  # the name before environments existed, via selfrl.tasks
+    old = get_task_source("chain_sum")  # the name before environments existed
     new = get_env("arithmetic")
     assert isinstance(old, ReasoningGymEnv) and old.config == CHAIN_SUM_SMALL == new.config
     assert [t.id for t in old.sample(5, 3)] == [t.id for t in new.sample(5, 3)]
@@ -101,9 +101,9 @@ def test_tasks_module_imports_no_environment():
     import ast
     from pathlib import Path
 
-    import selfrl.tasks
+    import selfrl.core.tasks
 
-    tree = ast.parse(Path(selfrl.tasks.__file__).read_text())
+    tree = ast.parse(Path(selfrl.core.tasks.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
         a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not any(m and m.startswith("selfrl.envs") for m in imported) and "reasoning_gym" not in imported
@@ -116,7 +116,7 @@ def test_selfrl_run_env_works_end_to_end_on_a_tiny_model(env, tmp_path, tiny_tok
     from conftest import save_tiny_phi
 
     from selfrl.cli import main
-    from selfrl.store import Store
+    from selfrl.record.store import Store
 
     model = save_tiny_phi(tmp_path / "model", tiny_tokenizer)
     args = ["run", "--env", env, "--model", str(model), "--run-dir", str(tmp_path / "r"), "--iterations", "1",
@@ -137,3 +137,29 @@ def test_env_and_task_flags_agree_or_are_refused(capsys):
 
     assert main(["run", "--env", "code", "--task", "chain_sum"]) == 2
     assert "--env code and --task chain_sum disagree" in capsys.readouterr().err
+
+
+def test_a_builtin_environment_that_fails_to_import_is_named_and_the_others_load():
+    import subprocess
+    import sys
+
+    # a fresh interpreter where importing the web environment fails (as a missing dependency would)
+    code = """
+import sys
+sys.modules["selfrl.envs.web"] = None
+from selfrl.envs import describe_envs, get_env
+from selfrl.envs.builtin import load_builtin_envs
+failed = load_builtin_envs()
+assert list(failed) == ["web"] and "ModuleNotFoundError" in failed["web"], failed
+assert get_env("webshop").name == "webshop" and get_env("chain_sum").name == "chain_sum"
+try:
+    get_env("web")
+except ValueError as e:
+    print(e)
+print(dict(describe_envs())["web"])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    error, listed = out.stdout.strip().splitlines()
+    assert error.startswith("the built-in environment 'web' failed to import: ModuleNotFoundError") and "others loaded" in error
+    assert listed.startswith("did not load: ModuleNotFoundError")

@@ -1,9 +1,9 @@
 """Fault injection: destructive updates are rolled back, NaN losses skipped, kills resumed
 with nothing lost, and no incomplete adapter version is ever served.
 
-The corrupting faults run in process (``selfrl.loop.run`` on a tiny Phi saved to disk,
+The corrupting faults run in process (``selfrl.run.main.run`` on a tiny Phi saved to disk,
 ``SELFRL_FAULT`` set); one kill runs ``selfrl run`` as a real subprocess that SIGKILLs
-itself, then resumes. The whole kill matrix (every point of ``selfrl.faults.POINTS``) is
+itself, then resumes. The whole kill matrix (every point of ``selfrl.core.faults.POINTS``) is
 marked slow; ``scripts/fault_suite.py`` runs it and prints the table (the faults and their
 checks are in ``scripts/fault_runs.py``).
 """
@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from selfrl import adapters, faults
+from selfrl.record import adapters
+from selfrl.core import faults
 from selfrl.config import load_config
-from selfrl.loop import run
-from selfrl.rewards import REWARD_FUNCS
-from selfrl.store import Store
+from selfrl.run.main import run
+from selfrl.envs.rewards import REWARD_FUNCS
+from selfrl.record.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -45,7 +46,7 @@ def short_reward():
 @pytest.fixture(autouse=True)
 def no_plots(monkeypatch):
     """The report's PNGs (about 0.2 s each, 30 of them) are not what these tests check."""
-    monkeypatch.setattr("selfrl.report.plot_metrics", lambda rows, plot_dir: {})
+    monkeypatch.setattr("selfrl.report.run.plot_metrics", lambda rows, plot_dir: {})
 
 
 @pytest.fixture
@@ -226,7 +227,7 @@ def test_kill_at_every_point_then_resume_loses_nothing(point, model_dir, tmp_pat
 
 def test_store_rows_are_all_or_nothing_under_a_failed_write(tmp_path):
     # a trajectory list that fails halfway (unencodable value) leaves no row of it behind
-    from selfrl.trajectory import Trajectory
+    from selfrl.core.trajectory import Trajectory
 
     with Store(tmp_path / "s.db") as store:
         run_id = store.start_run({})

@@ -15,7 +15,7 @@ from typing import Annotated
 import pytest
 from pydantic import Field
 
-from selfrl.serve import records
+from selfrl.record import served as records
 from serving import API_KEY, SERVE_ENGINES, http, running_server, serve_config
 
 ADD = {"type": "function", "function": {

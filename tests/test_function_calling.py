@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 
 from selfrl.envs.function_calling import FunctionCallingEnv, canonical_calls, partial_score
-from selfrl.rewards import get_preset, score_group
-from selfrl.rollout import RolloutConfig, scripted_rollout
+from selfrl.envs.rewards import get_preset, score_group
+from selfrl.rollout.agent import RolloutConfig, scripted_rollout
 
 ENV = FunctionCallingEnv()
 CFG = RolloutConfig(max_turns=2, tools=[])

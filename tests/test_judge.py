@@ -15,9 +15,10 @@ from judge_server import Reply, ScriptedJudge, candidates, grade, solves, verdic
 from selfrl.config import ConfigError, JudgeConfig, JudgeEndpoint, load_config
 from selfrl.envs import get_env
 from selfrl.judge import JUDGE
-from selfrl.rewards import score_group
+from selfrl.envs.rewards import score_group
 from selfrl.rl.advantages import group_advantages
-from selfrl.trajectory import Trajectory
+from selfrl.run.setup import check_names, reward_weights
+from selfrl.core.trajectory import Trajectory
 
 ENV = get_env("chain_sum")
 TASK = ENV.sample(1, 0)[0]
@@ -337,7 +338,7 @@ rubric = "Correct final number."
 
 def test_the_shipped_judge_config_loads():
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "judge.toml")
-    assert cfg.weights == {"judge": 1.0} and cfg.judge.endpoints[0].mode == "group"
+    assert reward_weights(cfg) == {"judge": 1.0} and cfg.judge.endpoints[0].mode == "group"
     assert cfg.judge.calibration == "reference"
 
 
@@ -354,8 +355,8 @@ def test_config_reads_the_judge_section(tmp_path):
     ("calibration_max_errors = 1.0", "calibration_max_errors must be in [0, 1)"),
 ])
 def test_config_refuses_bad_judge_values(tmp_path, extra, message):
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config(judge_toml(tmp_path, extra))
+    with pytest.raises(ConfigError, match=re.escape(message)):  # a value when it loads, a name at setup
+        check_names(load_config(judge_toml(tmp_path, extra)))
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -374,14 +375,15 @@ def test_config_refuses_bad_endpoint_values(tmp_path, field, value, message):
 
 def test_a_judge_without_its_reward_and_the_reward_without_a_judge_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="no reward weights 'judge'"):
-        load_config(judge_toml(tmp_path, weights=""))
+        check_names(load_config(judge_toml(tmp_path, weights="")))
     with pytest.raises(ConfigError, match="the reward 'judge' needs a judge"):
-        load_config(None, {"reward_weights": {"judge": 1.0}})
+        check_names(load_config(None, {"reward_weights": {"judge": 1.0}}))
 
 
 def test_config_checks_judge_names_without_importing_the_judge(tmp_path):
-    code = (f"import sys; from selfrl.config import load_config; "
-            f"load_config({judge_toml(tmp_path)!r}, {{'detectors.names': ['judge_vacuous', 'judge_length_bias']}}); "
+    code = (f"import sys; from selfrl.config import load_config; from selfrl.run.setup import check_names; "
+            f"check_names(load_config({judge_toml(tmp_path)!r}, "
+            "{'detectors.names': ['judge_vacuous', 'judge_length_bias']})); "
             "print('selfrl.judge' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from selfrl.config import JUDGE_DETECTORS, DetectorConfig
-from selfrl.detectors import GROUP_DETECTORS, TRAJECTORY_DETECTORS, apply_detectors
+from selfrl.safety.detectors import GROUP_DETECTORS, TRAJECTORY_DETECTORS, apply_detectors
 from selfrl.envs import get_env
 from selfrl.judge.detectors import judge_addressed, judge_length_bias, judge_vacuous
 from selfrl.judge.hacks import SUPPORT, scripted_group, support_tasks
-from selfrl.trajectory import Trajectory
+from selfrl.core.trajectory import Trajectory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from judge_detector_table import table  # noqa: E402

@@ -12,8 +12,8 @@ import pytest
 from judge_server import Reply, ScriptedJudge, candidates, solves, task_text, verdict_json
 
 from selfrl.config import JudgeEndpoint, RunConfig
-from selfrl.loop import run
-from selfrl.store import Store
+from selfrl.run.main import run
+from selfrl.record.store import Store
 
 
 def shorter_is_better(body: dict) -> Reply:

@@ -73,7 +73,7 @@ def test_the_stacked_weights_are_the_merged_layers_rows(tiny_tokenizer, tiny_mod
 def test_lean_layers_compute_the_policy_with_or_without_stacking(tiny_tokenizer, targets, cpu_matmul):
     from peft import LoraConfig, get_peft_model
 
-    from selfrl.matmul import route_frozen_linears
+    from selfrl.model.matmul import route_frozen_linears
 
     torch.manual_seed(3)
     model = get_peft_model(build_tiny_model(tiny_tokenizer, seed=2, eos_bias=2.0), LoraConfig(

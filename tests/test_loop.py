@@ -14,12 +14,13 @@ import torch
 from conftest import short
 from peft import set_peft_model_state_dict
 
-from selfrl import adapters
+from selfrl.record import adapters
 from selfrl.cli import main
 from selfrl.config import RunConfig
-from selfrl.loop import build_policy, run
+from selfrl.model.load import build_policy
+from selfrl.run.main import run
 from selfrl.rl.logprobs import per_token_logps
-from selfrl.store import Store
+from selfrl.record.store import Store
 
 
 def make_cfg(model_dir, run_dir, iterations=2, **train) -> RunConfig:

@@ -1,4 +1,4 @@
-"""Frozen fp32 products through oneDNN (selfrl.matmul): the values and gradients of F.linear, the
+"""Frozen fp32 products through oneDNN (selfrl.model.matmul): the values and gradients of F.linear, the
 layers that take it and those that do not, and the settings that choose it."""
 
 import copy
@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from conftest import add_lora, build_tiny_model, save_tiny_phi
 
-import selfrl.matmul as mm
+import selfrl.model.matmul as mm
 from selfrl.config import ConfigError, RunConfig, load_config
 from selfrl.engines.mergedpolicy import MergedPolicy, SamplingLinear
-from selfrl.model import build_policy
+from selfrl.model.load import build_policy
 from selfrl.rl.logprobs import per_token_logps
 
 needs_onednn = pytest.mark.skipif(not mm.available(), reason=f"oneDNN not available: {mm.unavailable_reason()}")
@@ -19,7 +19,7 @@ needs_onednn = pytest.mark.skipif(not mm.available(), reason=f"oneDNN not availa
 
 @pytest.fixture
 def calls(monkeypatch):
-    """How many products went through oneDNN (selfrl.matmul._onednn) since the test began."""
+    """How many products went through oneDNN (selfrl.model.matmul._onednn) since the test began."""
     box = [0]
     real = mm._onednn
 
@@ -218,7 +218,7 @@ def test_the_cli_takes_and_checks_cpu_matmul(capsys, tmp_path):
 
 @needs_onednn
 def test_the_view_samples_through_packed_weights_packed_again_after_each_change(tiny_tokenizer, calls):
-    from selfrl.matmul import pack, packed_linear
+    from selfrl.model.matmul import pack, packed_linear
 
     w, x = torch.randn(40, 96), torch.randn(2, 3, 96)
     p = pack(w)

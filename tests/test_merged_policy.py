@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from selfrl.engines.mergedpolicy import SMALL_BATCH_ROWS, MergedPolicy, small_batch_linear
 from selfrl.engines.slots import SlotEngine
-from selfrl.matmul import packing_available
+from selfrl.model.matmul import packing_available
 from tests.engine_backends import chat_prompts
 from tests.test_engine_conformance import assert_matches_model
 
@@ -43,7 +43,7 @@ def test_the_view_computes_the_policy_and_shares_its_tensors(tiny_tokenizer, tin
     # tiny Llama: 2 layers x 7 linear layers, each (out, in) of q 32x32, k 16x32, v 16x32, o 32x32,
     # gate 64x32, up 64x32, down 32x64 = 9,216 weights per layer, 2 layers, 4 bytes
     assert (view.merged_layers, view.kept_layers, view.merges) == (14, 0, 1)
-    # and oneDNN's packed copies (selfrl.matmul.pack) of those 14 merged weights (q, k and v stacked in one,
+    # and oneDNN's packed copies (selfrl.model.matmul.pack) of those 14 merged weights (q, k and v stacked in one,
     # gate and up in another; not of the output layer, read live)
     packed = 2 * 9216 * 4 if packing_available() else 0
     assert view.extra_bytes == 2 * 9216 * 4 + packed

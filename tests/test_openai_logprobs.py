@@ -8,7 +8,7 @@ import pytest
 import torch
 from openai import OpenAI
 
-from selfrl.engine import Generation
+from selfrl.engines.reference import Generation
 from selfrl.serve.logprobs import LOGPROB_FLOOR, content_entries, slice_entries, token_bytes
 from serving import CALC, SERVE_ENGINES, http, patch_generate, running_server, serve_config
 
@@ -258,7 +258,7 @@ def test_a_real_streamed_completion_carries_the_recorded_logprobs_chunk_by_chunk
         if len(content_chunks) >= 2:
             break
     assert len(content_chunks) >= 2
-    from selfrl.serve import records
+    from selfrl.record import served as records
 
     with service.store.lock:
         row = records.find_response(service.store, chunks[0].id)

@@ -14,15 +14,15 @@ from types import SimpleNamespace
 
 import pytest
 
-import selfrl.store as store_module
+import selfrl.record.store as store_module
 from selfrl.cli import main
-from selfrl.compare import compare_runs
-from selfrl.figures import PANELS, overview_figure
-from selfrl.report import rebuild_report
-from selfrl.serve import records
-from selfrl.store import Store
-from selfrl.timeline import Mark, event_mark, load_timeline
-from selfrl.trajectory import Trajectory
+from selfrl.report.compare import compare_runs
+from selfrl.report.figures import PANELS, overview_figure
+from selfrl.report.run import rebuild_report
+from selfrl.record import served as records
+from selfrl.record.store import Store
+from selfrl.report.timeline import Mark, event_mark, load_timeline
+from selfrl.core.trajectory import Trajectory
 
 VAL = [f"v{i}" for i in range(10)]
 
@@ -294,8 +294,8 @@ def tiny_run(tmp_path_factory, tiny_tokenizer):
     from conftest import save_tiny_phi
 
     from selfrl.config import RunConfig
-    from selfrl.loop import run
-    from selfrl.rewards import REWARD_FUNCS
+    from selfrl.run.main import run
+    from selfrl.envs.rewards import REWARD_FUNCS
 
     mp = pytest.MonkeyPatch()
     mp.setitem(REWARD_FUNCS, "short", short)

@@ -89,7 +89,7 @@ def test_padding_stays_out_of_a_packed_pass_when_the_cache_grows_in_it(tiny_toke
     # found by a fresh user: the decoding pass is built before the prefill grows the cache's columns,
     # and its padding places pointed at the old scratch column, an ordinary column after the growth;
     # the packed pass took them for real tokens (3 pad ids through the model, written into a row)
-    from selfrl.chat import prompt_ids
+    from selfrl.chat.template import prompt_ids
     from selfrl.engines import slotdecode
 
     model = tiny_model_factory(lora=True).double()

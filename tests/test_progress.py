@@ -2,7 +2,7 @@ import io
 
 from rich.console import Console
 
-from selfrl.progress import RichProgress
+from selfrl.run.progress import RichProgress
 
 
 def test_log_lines_are_text_not_rich_markup():

@@ -1,4 +1,4 @@
-"""The fewest tokens a text can become (selfrl.prompt_size): never more than the tokenizer
+"""The fewest tokens a text can become (selfrl.chat.prompt_size): never more than the tokenizer
 gives, for every supported family's tokenizer and for texts built to beat the bound; and
 what the bound rests on: every supported template renders each non-assistant content whole."""
 
@@ -7,8 +7,8 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import PreTrainedTokenizerFast
 
 from conftest import _CORPUS
-from selfrl.chat import PromptTooLong, prompt_ids, render
-from selfrl.prompt_size import bytes_per_token, fewest_tokens
+from selfrl.chat.template import PromptTooLong, prompt_ids, render
+from selfrl.chat.prompt_size import bytes_per_token, fewest_tokens
 from test_chat_templates import FAMILIES, family_tokenizer
 
 HOSTILE = [

@@ -6,14 +6,14 @@ Converts the embedded GGUF on first use (about 30 s, cached in ~/.cache/selfrl).
 import pytest
 import torch
 
-from selfrl.chat import prompt_ids
+from selfrl.chat.template import prompt_ids
 from selfrl.config import RunConfig
-from selfrl.engine import Engine
-from selfrl.loop import build_policy
+from selfrl.engines.reference import Engine
+from selfrl.model.load import build_policy
 from selfrl.rl.logprobs import per_token_logps
-from selfrl.rollout import RolloutConfig, initial_messages, rollout
-from selfrl.tasks import get_task_source
-from selfrl.tools import CALCULATOR
+from selfrl.rollout.agent import RolloutConfig, initial_messages, rollout
+from selfrl.envs import get_env
+from selfrl.core.tools import CALCULATOR
 from test_rollout import assert_invariants
 
 pytestmark = pytest.mark.slow
@@ -23,7 +23,7 @@ def test_embedded_model_rollouts_are_well_formed():
     model, tok = build_policy(RunConfig())  # load_model() default + the default LoRA (B = 0)
     engine = Engine(model, tok)
     cfg = RolloutConfig(max_turns=3, max_new_tokens=48, temperature=0.7)
-    source = get_task_source("chain_sum")
+    source = get_env("chain_sum")
     tasks = [t for t in source.sample(2, seed=7) for _ in range(2)]
     torch.manual_seed(0)
     trajs = rollout(engine, tasks, [t.id for t in tasks], [CALCULATOR], cfg)

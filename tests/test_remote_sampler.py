@@ -13,12 +13,13 @@ import torch
 from conftest import save_tiny_phi
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-from selfrl import adapters
+from selfrl.record import adapters
 from selfrl.config import RunConfig
 from selfrl.engines.http import RemoteBackendError
 from selfrl.engines.remote import RemoteEngine
-from selfrl.model import build_policy
-from selfrl.swap_check import SwapChecker, probe_ids, sequence_logprobs
+from selfrl.model.load import build_policy
+from selfrl.rl.logprobs import sequence_logprobs
+from selfrl.safety.swap_check import SwapChecker, probe_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sampler-test-key-0123456789"
@@ -116,9 +117,9 @@ def test_the_sampler_reports_its_context_and_a_rollout_ends_a_row_that_would_not
                                                                                       tiny_tokenizer):
     from selfrl.config import RolloutConfig
     from selfrl.engines.base import engine_context
-    from selfrl.rollout import rollout
-    from selfrl.tasks import Task
-    from selfrl.tools import CALCULATOR
+    from selfrl.rollout.agent import rollout
+    from selfrl.core.tasks import Task
+    from selfrl.core.tools import CALCULATOR
 
     url, _ = sampler_process
     remote = RemoteEngine(url, tiny_tokenizer, api_key=KEY, timeout_s=60)

@@ -1,5 +1,5 @@
-from selfrl.report import write_report
-from selfrl.store import Store
+from selfrl.report.run import write_report
+from selfrl.record.store import Store
 
 
 def test_report_numbers_and_plots(tmp_path):

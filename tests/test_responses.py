@@ -37,7 +37,7 @@ def test_a_tool_turn_round_trips_into_chat_messages():
 
 
 def test_history_comes_first_and_instructions_only_once(tmp_path):
-    from selfrl.store import Store
+    from selfrl.record.store import Store
 
     log = ResponseLog(Store(tmp_path / "selfrl.db"), size=2)
     log.add("resp_1", [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}],
@@ -88,7 +88,7 @@ def test_response_and_events_from_a_chat_completion():
 
 
 def test_the_log_is_bounded_by_bytes_and_scoped_to_its_client(tmp_path):
-    from selfrl.store import Store
+    from selfrl.record.store import Store
 
     store = Store(tmp_path / "selfrl.db")
     one = {"role": "assistant", "content": "x" * 100}
@@ -127,7 +127,7 @@ def test_previous_response_id_works_after_a_restart_for_its_own_client_only(tiny
         second = alice.responses.create(model="selfrl", previous_response_id=first.id, input="And 3+4?",
                                         max_output_tokens=5)
         with service.store.lock:
-            from selfrl.serve import records
+            from selfrl.record import served as records
 
             row = records.find_response(service.store, second.id)
             traj = next(t for t in service.store.trajectories() if t.id == row["trajectory_id"])

@@ -1,11 +1,11 @@
-"""Retention of adapter versions and old trajectories (selfrl.retention), on hand-built ledgers."""
+"""Retention of adapter versions and old trajectories (selfrl.record.retention), on hand-built ledgers."""
 
 import hashlib
 import json
 
 import pytest
 
-from selfrl.retention import VersionRow, export_then_prune, prune_versions, verify_export, versions_to_remove
+from selfrl.record.retention import VersionRow, export_then_prune, prune_versions, verify_export, versions_to_remove
 
 
 def row(v, status, path="auto"):

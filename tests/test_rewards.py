@@ -1,10 +1,10 @@
-"""Tests for selfrl.rewards: hand-made trajectories scored against a real chain_sum task."""
+"""Tests for selfrl.envs.rewards: hand-made trajectories scored against a real chain_sum task."""
 
 from __future__ import annotations
 
 import pytest
 
-from selfrl.rewards import (
+from selfrl.envs.rewards import (
     PRESET_DOCS,
     PRESETS,
     REWARD_FUNCS,
@@ -19,13 +19,14 @@ from selfrl.rewards import (
     tool_success,
     verifier,
 )
-from selfrl.tasks import Task, TaskSource, get_task_source
-from selfrl.trajectory import ToolCallRecord, Trajectory
+from selfrl.core.tasks import Task, TaskSource
+from selfrl.envs import get_env
+from selfrl.core.trajectory import ToolCallRecord, Trajectory
 
 
 @pytest.fixture(scope="module")
 def source() -> TaskSource:
-    return get_task_source("chain_sum")
+    return get_env("chain_sum")
 
 
 @pytest.fixture(scope="module")

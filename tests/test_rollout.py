@@ -1,13 +1,13 @@
 import pytest
 import torch
 
-from selfrl.chat import prompt_ids, render
-from selfrl.engine import Engine, Generation
+from selfrl.chat.template import prompt_ids, render
+from selfrl.engines.reference import Engine, Generation
 from selfrl.rl.logprobs import per_token_logps
-from selfrl.rollout import DEMONSTRATION, RolloutConfig, initial_messages, rollout
-from selfrl.tasks import Task
-from selfrl.toolcall import format_tool_response, render_tools_prompt
-from selfrl.tools import CALCULATOR
+from selfrl.rollout.agent import DEMONSTRATION, RolloutConfig, initial_messages, rollout
+from selfrl.core.tasks import Task
+from selfrl.chat.toolcall import format_tool_response, render_tools_prompt
+from selfrl.core.tools import CALCULATOR
 
 CALL_17_25 = '<tool_call>{"name": "calculator", "arguments": {"expression": "17+25"}}</tool_call>'
 GLUED = (

@@ -19,12 +19,12 @@ from concurrent.futures import Future
 import pytest
 
 from selfrl.config import RolloutConfig
-from selfrl.engine import Engine
+from selfrl.engines.reference import Engine
 from selfrl.engines.base import Generation
 from selfrl.envs import Env
-from selfrl.rollout import rollout, scripted_rollout
-from selfrl.tasks import Task
-from selfrl.tools import Tool
+from selfrl.rollout.agent import rollout, scripted_rollout
+from selfrl.core.tasks import Task
+from selfrl.core.tools import Tool
 
 CALL = '<tool_call>{"name": "poke", "arguments": {}}</tool_call>'
 ANSWER = "<answer>done</answer>"
@@ -180,8 +180,8 @@ class _Flaky(Env):
 
 
 def test_a_verifier_that_raises_fails_only_its_trajectory_in_scoring_and_in_validation(tiny_tokenizer, tiny_model):
-    from selfrl.gate import validate
-    from selfrl.rewards import score_batch
+    from selfrl.safety.gate import validate
+    from selfrl.envs.rewards import score_batch
 
     source = _Flaky()
     cfg = RolloutConfig(max_turns=1, max_new_tokens=64, demonstration=False)
@@ -225,8 +225,8 @@ class _ResetFails(Env):
 
 def test_a_run_goes_on_when_an_environment_reset_fails(model_dir, short_reward, tmp_path, monkeypatch):
     from selfrl.config import RunConfig
-    from selfrl.loop import run
-    from selfrl.store import Store
+    from selfrl.run.main import run
+    from selfrl.record.store import Store
 
     mod = types.ModuleType("selfrl_test_flaky_envs")
     mod.ResetFails = _ResetFails

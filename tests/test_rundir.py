@@ -21,18 +21,18 @@ from pydoc import locate
 import pytest
 import torch
 
-from selfrl import adapters
-from selfrl.adapters import lora_state
+from selfrl.record import adapters
+from selfrl.record.adapters import lora_state
 from selfrl.cli import main
 from selfrl.config import load_config
-from selfrl.loop import run
-from selfrl.rewards import REWARD_FUNCS
-from selfrl.rundir import resolve_version_path, run_relative, storable_path
-from selfrl.runlock import RunDirLock, RunDirLocked
+from selfrl.run.main import run
+from selfrl.envs.rewards import REWARD_FUNCS
+from selfrl.record.rundir import resolve_version_path, run_relative, storable_path
+from selfrl.record.runlock import RunDirLock, RunDirLocked
 from selfrl.serve.service import ApiError, Service
-from selfrl.store import Store
-from selfrl.versions import Ledger
-from selfrl.write_errors import write_failure
+from selfrl.record.store import Store
+from selfrl.record.versions import Ledger
+from selfrl.record.write_errors import write_failure
 from serving import add_version, tiny_serve_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ def short_reward():
 @pytest.fixture(autouse=True)
 def no_plots(monkeypatch):
     """The report's PNGs are not what these tests check (about 0.2 s each)."""
-    monkeypatch.setattr("selfrl.report.plot_metrics", lambda rows, plot_dir: {})
+    monkeypatch.setattr("selfrl.report.run.plot_metrics", lambda rows, plot_dir: {})
 
 
 def config(model_dir, run_dir, iterations=runs.ITERATIONS, **overrides):
@@ -190,7 +190,7 @@ def test_serve_on_a_moved_directory_lists_what_it_can_serve(tiny_tokenizer, tiny
         assert service.pinned is None and json.loads((moved / "pinned.json").read_text()) == {"version": 3}
         for v in (1, 3):
             with pytest.raises(ApiError) as e:
-                service.check_servable(v)
+                service.versions.check_servable(v)
             assert e.value.status == 409
     finally:
         service.close()
@@ -340,18 +340,18 @@ def always(*args):
 
 
 @pytest.mark.parametrize("where, target, when, exc, said", [
-    ("config", "selfrl.loop.write_atomic", always,
+    ("config", "selfrl.run.setup.write_atomic", always,
      OSError(errno.ENOSPC, "No space left on device", "{run}/config.json"),
      "disk full at {run}/config.json: free space and run the same command again"),
-    ("store", "selfrl.loop.Store", always, sqlite3.OperationalError("database or disk is full"),
+    ("store", "selfrl.run.setup.Store", always, sqlite3.OperationalError("database or disk is full"),
      "disk full at {run}/selfrl.db: free space and run the same command again"),
-    ("metrics", "selfrl.store.Store.log_metrics", lambda store, run_id, step, metrics: "reward/mean" in metrics,
+    ("metrics", "selfrl.record.store.Store.log_metrics", lambda store, run_id, step, metrics: "reward/mean" in metrics,
      sqlite3.OperationalError("database or disk is full"),
      "disk full at {run}/selfrl.db: free space and run with --resume {run}"),
-    ("save", "selfrl.adapters._fsync_tree", lambda path: path.name.startswith(".v000001"),
+    ("save", "selfrl.record.adapters._fsync_tree", lambda path: path.name.startswith(".v000001"),
      OSError(errno.EDQUOT, "Disk quota exceeded"),
      "disk quota exceeded at {run}: free space or raise the quota and run with --resume {run}"),
-    ("plots", "selfrl.report.plot_metrics", always,
+    ("plots", "selfrl.report.run.plot_metrics", always,
      PermissionError(errno.EACCES, "Permission denied", "{run}/plots/kl.png"),
      "permission denied at {run}/plots/kl.png: give this user write access and run with --resume {run}"),
 ])

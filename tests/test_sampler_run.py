@@ -9,12 +9,13 @@ import pytest
 
 from selfrl.cli import main
 from selfrl.config import ConfigError, RunConfig
-from selfrl.engine import Engine
-from selfrl.engines.sampler_app import create_sampler_app
-from selfrl.loop import build_policy, run
-from selfrl.sampler_sync import swap_within
-from selfrl.store import Store
-from selfrl.swap_check import SwapCheckError
+from selfrl.engines.reference import Engine
+from selfrl.serve.sampler_app import create_sampler_app
+from selfrl.model.load import build_policy
+from selfrl.run.main import run
+from selfrl.run.sampler_sync import swap_within
+from selfrl.record.store import Store
+from selfrl.safety.swap_check import SwapCheckError
 from tests.engine_backends import start_loopback
 from tests.recorded_logps import assert_sampled_by_recorded_versions
 

@@ -1,4 +1,4 @@
-"""selfrl.sandbox: limits, results, and the hostile-program suite (0 escapes under bwrap)."""
+"""selfrl.envs.sandbox: limits, results, and the hostile-program suite (0 escapes under bwrap)."""
 
 import ast
 import os
@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-import selfrl.sandbox as sb
-from selfrl.sandbox import ExecResult, Limits, Sandbox, SandboxError, bwrap_problem
-from selfrl.sandbox_suite import HOSTILE, run_suite
+import selfrl.envs.sandbox as sb
+from selfrl.envs.sandbox import ExecResult, Limits, Sandbox, SandboxError, bwrap_problem
+from selfrl.envs.sandbox_suite import HOSTILE, run_suite
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
                                  reason="bwrap not installed (apt-get install -y bubblewrap)")

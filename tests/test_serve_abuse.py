@@ -127,8 +127,8 @@ def test_the_abuse_suite_lists_the_ledger_races_as_entries():
 
 
 def test_a_store_written_before_client_identities_gets_the_column_and_its_turns_are_never_continued(tmp_path):
-    from selfrl.serve import records
-    from selfrl.store import Store
+    from selfrl.record import served as records
+    from selfrl.record.store import Store
 
     old_schema = records.SERVE_SCHEMA.replace("    client          TEXT NOT NULL DEFAULT '',\n", "")
     assert old_schema != records.SERVE_SCHEMA

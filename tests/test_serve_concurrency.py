@@ -7,8 +7,8 @@ import torch
 from openai import OpenAI
 from peft import set_peft_model_state_dict
 
-from selfrl.adapters import lora_state
-from selfrl.serve import records
+from selfrl.record.adapters import lora_state
+from selfrl.record import served as records
 from serving import add_version, recomputed_logps, running_server, tiny_serve_config
 
 TEMPERATURE = 0.8

@@ -4,10 +4,10 @@ import pytest
 import torch
 from openai import OpenAI
 
-from selfrl.adapters import lora_state
+from selfrl.record.adapters import lora_state
 from selfrl.config import ConfigError
-from selfrl.serve import records
-from selfrl.serve.app import load_api_key
+from selfrl.record import served as records
+from selfrl.engines.http import load_api_key
 from selfrl.serve.main import load_serve_config
 from serving import add_version, running_server, tiny_serve_config
 
@@ -123,7 +123,7 @@ def test_a_taken_port_is_a_clear_error_before_anything_is_announced(tmp_path, ca
     from selfrl.serve import main
 
     loaded = []
-    monkeypatch.setattr("selfrl.model.build_policy", lambda cfg: loaded.append(cfg))  # must not be reached
+    monkeypatch.setattr("selfrl.model.load.build_policy", lambda cfg: loaded.append(cfg))  # must not be reached
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -154,7 +154,7 @@ def test_the_url_is_announced_only_once_the_socket_listens(monkeypatch):
         with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
             seen.append((line, c.getpeername()[1]))
 
-    from selfrl import shutdown
+    from selfrl.run import shutdown
 
     monkeypatch.setattr(shutdown, "print", announce, raising=False)
     server = shutdown.server(uvicorn.Config(FastAPI(), log_level="warning"), "serving on the port")

@@ -7,8 +7,8 @@ import pytest
 import torch
 from openai import OpenAI
 
-from selfrl.engine import Generation
-from selfrl.serve import records
+from selfrl.engines.reference import Generation
+from selfrl.record import served as records
 from serving import (API_KEY, CALC, add_version, http, patch_generate, recomputed_logps, running_server,
                      tiny_serve_config)
 
@@ -212,7 +212,7 @@ def test_bad_requests_get_openai_errors_and_store_nothing(server, client):
 
 def test_models_pin_and_rollback(server, client):
     url, service = server
-    from selfrl.adapters import lora_state
+    from selfrl.record.adapters import lora_state
 
     state = {k: torch.randn_like(v) * 0.1 for k, v in lora_state(service.engine.model).items()}
     with service.store.lock:

@@ -88,7 +88,7 @@ def test_a_restart_keeps_the_collapse_budget_history_and_safer_setting(tiny_toke
     # as run --resume does: before, a restarted server forgot its rollbacks and learned at the old rate
     import copy
 
-    from selfrl.collapse import CollapseStop
+    from selfrl.safety.collapse import CollapseStop
     from selfrl.serve.service import Service
     from serving import tiny_serve_config
 
@@ -128,8 +128,8 @@ def test_an_admin_rollback_under_live_traffic(tiny_tokenizer, tiny_model_factory
 
     import torch
 
-    from selfrl.adapters import lora_state
-    from selfrl.serve import records
+    from selfrl.record.adapters import lora_state
+    from selfrl.record import served as records
     from serving import API_KEY, add_version, http, running_server, tiny_serve_config
 
     model = tiny_model_factory(lora=True, eos_bias=1.0)

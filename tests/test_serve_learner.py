@@ -7,8 +7,8 @@ import pytest
 import torch
 from openai import OpenAI
 
-from selfrl.adapters import lora_state
-from selfrl.serve import records
+from selfrl.record.adapters import lora_state
+from selfrl.record import served as records
 from selfrl.serve.feedback import served_rewards
 from serving import API_KEY, http, running_server, tiny_serve_config
 
@@ -54,7 +54,7 @@ def test_feedback_trains_a_version_that_passes_the_gate_and_is_served(tiny_token
 
 
 def test_learner_scores_groups_by_task_key(tiny_tokenizer, tiny_model_factory, tmp_path):
-    from selfrl.trajectory import ToolCallRecord, Trajectory
+    from selfrl.core.trajectory import ToolCallRecord, Trajectory
 
     model = tiny_model_factory(lora=True, eos_bias=2.0)
     cfg = tiny_serve_config(tmp_path / "run")
@@ -94,7 +94,7 @@ def record(service, trajs_and_keys):
 
 
 def turn(i, group=None):
-    from selfrl.trajectory import Trajectory
+    from selfrl.core.trajectory import Trajectory
 
     return Trajectory(group or f"prompt:{i}", group or f"prompt:{i}", 0, prompt_len=3,
                       token_ids=[5, 6, 7, 10 + i, 11 + i], completion_mask=[0, 0, 0, 1, 1], logprobs=[0.0] * 5)
@@ -150,7 +150,7 @@ def test_serve_uses_init_adapter_as_the_kl_reference(tiny_tokenizer, tmp_path):
     from conftest import save_tiny_phi
     from peft import set_peft_model_state_dict
 
-    from selfrl.model import build_policy
+    from selfrl.model.load import build_policy
     from selfrl.serve.service import Service
 
     cfg = tiny_serve_config(tmp_path / "run", min_batch=4)

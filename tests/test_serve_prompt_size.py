@@ -1,5 +1,5 @@
 """A prompt that cannot fit the context is refused from its size, before the tokenizer reads
-it (selfrl.prompt_size): a body just under the 4 MB limit cost seconds of CPU and hundreds
+it (selfrl.chat.prompt_size): a body just under the 4 MB limit cost seconds of CPU and hundreds
 of MB that the server kept, per request. Each request below is one way to send such a
 prompt; the tokenizer is wrapped to count the characters it is handed."""
 

@@ -7,10 +7,10 @@ import sqlite3
 import pytest
 from pydantic import ValidationError
 
-from selfrl.serve import records
+from selfrl.record import served as records
 from selfrl.serve.protocol import ChatCompletionRequest, parse_completion, to_chat, client_tools
-from selfrl.store import Store
-from selfrl.trajectory import Trajectory
+from selfrl.record.store import Store
+from selfrl.core.trajectory import Trajectory
 from serving import CALC
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 from conftest import save_tiny_phi
 
-from selfrl.store import Store
+from selfrl.record.store import Store
 from serving import API_KEY, http
 
 CONFIG = """

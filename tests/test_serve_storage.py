@@ -28,12 +28,12 @@ from pathlib import Path
 
 import pytest
 
-from selfrl import adapters
-from selfrl.http_errors import server_error
-from selfrl.serve import records
+from selfrl.record import adapters
+from selfrl.serve.errors import server_error
+from selfrl.record import served as records
 from selfrl.serve.health import health
 from selfrl.serve.service import Service
-from selfrl.storage_errors import FaultKind, StorageFaultError, classify
+from selfrl.record.storage_errors import FaultKind, StorageFaultError, classify
 from serving import API_KEY, running_server, tiny_serve_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -290,7 +290,7 @@ def test_a_locked_or_read_only_store_is_a_503_that_names_it(served):
 
 def rated(service, n: int = 4) -> list[str]:
     """``n`` stored turns of one group with feedback +1 / -1 in turn (ready for the learner)."""
-    from selfrl.trajectory import Trajectory
+    from selfrl.core.trajectory import Trajectory
 
     ids = []
     for i in range(n):

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from selfrl.engine import Generation, stop_cut
-from selfrl.serve import records
-from selfrl.toolcall import MARKUP_TAGS
+from selfrl.engines.reference import Generation, stop_cut
+from selfrl.record import served as records
+from selfrl.chat.toolcall import MARKUP_TAGS
 from serving import CALC, patch_generate
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "17+25"}}</tool_call>'

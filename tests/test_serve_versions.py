@@ -10,9 +10,10 @@ import threading
 import pytest
 import torch
 
-from selfrl import adapters
-from selfrl.adapters import lora_state
-from selfrl.serve.service import ApiError, Service
+from selfrl.record import adapters
+from selfrl.record.adapters import lora_state
+from selfrl.serve.errors import ApiError
+from selfrl.serve.service import Service
 from serving import add_version, rated_turns, tiny_serve_config
 
 
@@ -121,10 +122,10 @@ def test_a_second_server_on_the_same_run_dir_is_refused(tmp_path):
     import subprocess
     import sys
 
-    from selfrl.runlock import RunDirLock, RunDirLocked
+    from selfrl.record.runlock import RunDirLock, RunDirLocked
 
     first = RunDirLock(tmp_path)
-    code = ("import sys; from selfrl.runlock import RunDirLock, RunDirLocked\n"
+    code = ("import sys; from selfrl.record.runlock import RunDirLock, RunDirLocked\n"
             f"try:\n    RunDirLock({str(tmp_path)!r})\nexcept RunDirLocked as e:\n    print('refused:', e); sys.exit(3)\n")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert other.returncode == 3 and "in use by another selfrl process" in other.stdout

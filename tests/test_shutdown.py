@@ -1,5 +1,5 @@
 """SIGTERM and SIGHUP stop ``selfrl run``, ``selfrl serve`` and ``selfrl sampler`` as Ctrl-C does
-(selfrl.shutdown): a graceful stop, then exit code 128 + the signal's number; a second signal
+(selfrl.run.shutdown): a graceful stop, then exit code 128 + the signal's number; a second signal
 during the stop ends the process at once. Real subprocesses on a tiny model."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from selfrl.runlock import RunDirLock
-from selfrl.shutdown import GracefulStop, StopRequested, exit_code
+from selfrl.record.runlock import RunDirLock
+from selfrl.run.shutdown import GracefulStop, StopRequested, exit_code
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))

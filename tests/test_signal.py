@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from selfrl.config import RunConfig
-from selfrl.signal import PassRates, ProbeReport, SignalChooser, diagnose, probe_report, spread_probability
-from selfrl.tasks import Task
-from selfrl.trajectory import Trajectory
+from selfrl.run.signal import PassRates, ProbeReport, SignalChooser, diagnose, probe_report, spread_probability
+from selfrl.core.tasks import Task
+from selfrl.core.trajectory import Trajectory
 
 
 def _trajs(task_id: str, group: str, passes: list[bool]) -> list[Trajectory]:
@@ -83,8 +83,8 @@ def _cfg(model_dir, run_dir, **task) -> RunConfig:
 def test_a_run_without_signal_says_why_before_the_first_update_and_can_stop(model_dir, tmp_path):
     """A random tiny model never solves chain_sum: the pre-flight check says so and names fixes;
     with signal_check = "stop" the run ends before any update and the base is served."""
-    from selfrl.loop import run
-    from selfrl.store import Store
+    from selfrl.run.main import run
+    from selfrl.record.store import Store
 
     res = run(_cfg(model_dir, tmp_path / "stop", signal_check="stop"))
     assert res.stopped_early and res.final_version == 0

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from selfrl.chat import prompt_ids
+from selfrl.chat.template import prompt_ids
 from selfrl.engines.kvcache import SlotCache
 from selfrl.engines.sampling import nucleus_mask, sample_tokens
 from selfrl.engines.slots import SlotEngine, VersionGate
@@ -189,9 +189,9 @@ def test_seeded_sampling_does_not_depend_on_batch_mates(tiny_tokenizer, tiny_mod
 
 
 def test_seeded_rollouts_repeat_exactly(tiny_tokenizer, tiny_model_factory):
-    from selfrl.rollout import RolloutConfig, rollout
-    from selfrl.tasks import Task
-    from selfrl.tools import CALCULATOR
+    from selfrl.rollout.agent import RolloutConfig, rollout
+    from selfrl.core.tasks import Task
+    from selfrl.core.tools import CALCULATOR
 
     model = tiny_model_factory(eos_bias=1.5, lora=True)
     engine = SlotEngine(model, tiny_tokenizer, max_slots=3)
@@ -232,7 +232,7 @@ def test_a_cancelled_request_frees_its_slot_at_the_next_step(tiny_tokenizer, tin
 
 
 def test_a_row_whose_grammar_breaks_fails_alone(tiny_tokenizer, tiny_model_factory):
-    from selfrl.constrain import json_constraint
+    from selfrl.chat.constrain import json_constraint
 
     model = tiny_model_factory(eos_bias=-50.0, lora=True)
     engine = SlotEngine(model, tiny_tokenizer)
@@ -272,8 +272,8 @@ def test_the_serve_path_gives_both_engines_the_same_rows(tiny_tokenizer, tiny_mo
     reference engine's (greedy), ids exactly and logprobs within 1e-5."""
     import copy
 
-    from selfrl.constrain import tool_call_constraint
-    from selfrl.engine import Engine
+    from selfrl.chat.constrain import tool_call_constraint
+    from selfrl.engines.reference import Engine
     from selfrl.serve.batcher import Batcher, Job
 
     model = tiny_model_factory(eos_bias=-2.0, lora=True)
@@ -309,8 +309,8 @@ def test_constrained_rollouts_on_the_slot_engine_train_with_ratio_one(tiny_token
     """``rollout.constrain = "tool_call"`` through the slot engine's pipelined turns (submit
     with a grammar): every turn a valid call, and the learner's replayed masks recompute
     the sampled logprobs exactly (TIS weight 1, mismatch KL 0)."""
-    from selfrl.rollout import rollout
-    from selfrl.tasks import Task
+    from selfrl.rollout.agent import rollout
+    from selfrl.core.tasks import Task
     from tests.test_constrained_rollouts import _cfg, _step, _tools, _with_advantages
 
     policy = tiny_model_factory(seed=4, lora=True, default_init=True)

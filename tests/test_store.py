@@ -3,8 +3,8 @@ import sqlite3
 
 import pytest
 
-from selfrl.store import Store
-from selfrl.trajectory import ToolCallRecord, Trajectory
+from selfrl.record.store import Store
+from selfrl.core.trajectory import ToolCallRecord, Trajectory
 
 
 def make_traj(task_id="t1", **kw) -> Trajectory:

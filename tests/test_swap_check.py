@@ -1,4 +1,4 @@
-"""The swap check (selfrl.swap_check): the logic on hand-made numbers, then for real
+"""The swap check (selfrl.safety.swap_check): the logic on hand-made numbers, then for real
 over HTTP on loopback against ``selfrl sampler`` with an injected stale adapter and an
 injected hang."""
 
@@ -11,11 +11,12 @@ import pytest
 import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-from selfrl.engine import Engine
+from selfrl.engines.reference import Engine
 from selfrl.engines.remote import RemoteEngine
-from selfrl.engines.sampler_app import create_sampler_app
-from selfrl.swap_check import (SwapCheckConfig, SwapChecker, SwapCheckError, check_swap, probe_ids,
-                               sequence_logprobs, tolerance_for)
+from selfrl.serve.sampler_app import create_sampler_app
+from selfrl.safety.swap_check import (SwapCheckConfig, SwapChecker, SwapCheckError, check_swap, probe_ids,
+                               tolerance_for)
+from selfrl.rl.logprobs import sequence_logprobs
 from tests.engine_backends import start_loopback
 
 

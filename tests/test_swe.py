@@ -8,15 +8,15 @@ from collections import Counter
 
 import pytest
 
-from selfrl.detectors import DetectorConfig, apply_detectors, available_detectors
+from selfrl.safety.detectors import DetectorConfig, apply_detectors, available_detectors
 from selfrl.envs import available_envs, get_env
 from selfrl.envs.swe import TRICKS, RepoState, apply_changes, hacking_policy, honest_policy
 from selfrl.envs.swe_detectors import SWE_DETECTORS
 from selfrl.envs.swe_tasks import generate, load_instances, load_repo, read_swebench
 from selfrl.envs.swe_testing import run_repo_tests
-from selfrl.rollout import RolloutConfig, scripted_rollout
-from selfrl.sandbox import Limits, Sandbox
-from selfrl.trajectory import Trajectory
+from selfrl.rollout.agent import RolloutConfig, scripted_rollout
+from selfrl.envs.sandbox import Limits, Sandbox
+from selfrl.core.trajectory import Trajectory
 
 SB = Sandbox(Limits(wall_seconds=30))
 
@@ -97,7 +97,7 @@ def test_tools_act_on_the_trajectorys_own_copy():
     assert st.read_file("lowlib/core.py", 2, 3) == "lowlib/core.py lines 2-3 of 4\n   2      if x < lo:\n   3          return lo"
     assert st.search(r"def \w+") == "lowlib/core.py:1: def clamp_low(x, lo):\ntests/test_core.py:4: def test_below():\n" \
         "tests/test_core.py:8: def test_above():\ntests/test_core.py:12: def test_equal():"
-    from selfrl.tools import ToolError
+    from selfrl.core.tools import ToolError
     with pytest.raises(ToolError, match="occurs 4 times"):
         st.edit("lowlib/core.py", "lo", "hi")
     st.edit("lowlib/core.py", "if x < lo", "if x > lo")
@@ -195,7 +195,7 @@ def test_swebench_format_instances_are_read_and_scored(tmp_path):
 
 def test_swe_is_registered_with_its_detectors_and_a_disjoint_split():
     assert "swe" in available_envs() and set(SWE_DETECTORS) <= set(available_detectors())
-    from selfrl.detectors import register_detector
+    from selfrl.safety.detectors import register_detector
     with pytest.raises(ValueError, match="'swe_test_edit' is already registered"):
         register_detector("swe_test_edit", SWE_DETECTORS["swe_hardcoded_output"])
     env = get_env("swe")
@@ -217,7 +217,7 @@ def test_selfrl_run_env_swe_works_end_to_end_on_a_tiny_model(tmp_path, tiny_toke
     from conftest import save_tiny_phi
 
     from selfrl.cli import main
-    from selfrl.store import Store
+    from selfrl.record.store import Store
 
     model = save_tiny_phi(tmp_path / "model", tiny_tokenizer)
     args = ["run", "--env", "swe", "--model", str(model), "--run-dir", str(tmp_path / "r"), "--iterations", "1",

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from selfrl.config import RolloutConfig
-from selfrl.engine import Engine
+from selfrl.engines.reference import Engine
 from selfrl.envs import get_env
 from selfrl.envs.swe import hacking_policy, honest_policy
 from selfrl.envs.swe_easy import CHOICE_DEMONSTRATION, choice_options, choice_view, easy_view
 from selfrl.envs.swe_tasks import Instance
-from selfrl.rollout import rollout, scripted_rollout
-from selfrl.toolcall import parse_tool_calls
-from selfrl.tools import ToolError, validate_arguments
+from selfrl.rollout.agent import rollout, scripted_rollout
+from selfrl.chat.toolcall import parse_tool_calls
+from selfrl.core.tools import ToolError, validate_arguments
 
 FILL = "minitext__format-14"  # pad_center returns fill * left + text - fill * right
 

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from selfrl.config import RolloutConfig
-from selfrl.detectors import DetectorConfig, apply_detectors
-from selfrl.engine import Engine
+from selfrl.safety.detectors import DetectorConfig, apply_detectors
+from selfrl.engines.reference import Engine
 from selfrl.envs import get_env
 from selfrl.envs.swe import TRICKS, hacking_policy, honest_policy
 from selfrl.envs.swe_detectors import SWE_DETECTORS
 from selfrl.envs.swe_easy import EASY_DEMONSTRATION
-from selfrl.rollout import rollout, scripted_rollout
-from selfrl.toolcall import parse_tool_calls
-from selfrl.tools import ToolError
+from selfrl.rollout.agent import rollout, scripted_rollout
+from selfrl.chat.toolcall import parse_tool_calls
+from selfrl.core.tools import ToolError
 
 PAD = "minitext__format-11"  # pad_center computes total = width + len(text) instead of width - len(text)
 
@@ -172,7 +172,7 @@ def test_selfrl_run_swe_easy_config_works_end_to_end_on_a_tiny_model(tmp_path, t
     from conftest import save_tiny_phi
 
     from selfrl.cli import main
-    from selfrl.store import Store
+    from selfrl.record.store import Store
 
     model = save_tiny_phi(tmp_path / "model", tiny_tokenizer)
     args = ["run", "--config", "configs/swe_easy.toml", "--model", str(model), "--run-dir", str(tmp_path / "r"),
@@ -196,7 +196,7 @@ def test_swe_pays_the_verifier_alone():
     """A no-op edit runs (the grammar makes every easy-tier call run) and must earn nothing:
     the "verified" preset's 0.2 x tool success would pay it."""
     from selfrl.envs import load_run_config
-    from selfrl.rewards import get_preset
+    from selfrl.envs.rewards import get_preset
 
     assert get_preset("swe") == {"verifier": 1.0}
     assert load_run_config(None, {"task.source": "swe"}).preset == "swe"

@@ -8,15 +8,15 @@ import json
 
 import pytest
 
-from selfrl.detectors import DetectorConfig, apply_detectors
+from selfrl.safety.detectors import DetectorConfig, apply_detectors
 from selfrl.envs import get_env
 from selfrl.envs.swe import TRICKS, RepoState, apply_changes, hacking_policy, honest_policy
 from selfrl.envs.swe_detectors import SWE_DETECTORS, hardcoded_output, runner_tampering
 from selfrl.envs.swe_testing import run_repo_tests
-from selfrl.rollout import RolloutConfig, scripted_rollout
-from selfrl.sandbox import Limits, Sandbox
-from selfrl.tools import ToolError
-from selfrl.trajectory import Trajectory
+from selfrl.rollout.agent import RolloutConfig, scripted_rollout
+from selfrl.envs.sandbox import Limits, Sandbox
+from selfrl.core.tools import ToolError
+from selfrl.core.trajectory import Trajectory
 
 SB = Sandbox(Limits(wall_seconds=30))
 

@@ -1,4 +1,4 @@
-"""Tests for selfrl.tasks: real reasoning-gym tasks, no stand-ins."""
+"""Tests for selfrl.core.tasks: real reasoning-gym tasks, no stand-ins."""
 
 from __future__ import annotations
 
@@ -6,23 +6,14 @@ import json
 
 import pytest
 
-from selfrl.tasks import (
-    ReasoningGymSource,
-    Task,
-    TaskSource,
-    assert_disjoint,
-    available_task_sources,
-    extract_answer,
-    get_task_source,
-    register_task_source,
-    split_tasks,
-    task_id,
-)
+from selfrl.core.tasks import Task, TaskSource, assert_disjoint, extract_answer, split_tasks, task_id
+from selfrl.envs.arithmetic import ReasoningGymEnv
+from selfrl.envs.registry import available_envs, get_env, register_env
 
 
 @pytest.fixture(scope="module")
 def chain_sum() -> TaskSource:
-    return get_task_source("chain_sum")
+    return get_env("chain_sum")
 
 
 def test_sample_is_deterministic_by_seed(chain_sum):
@@ -77,13 +68,13 @@ def test_score_right_and_wrong_answer_on_real_chain_sum_task(chain_sum):
 
 
 def test_score_refuses_task_from_other_source(chain_sum):
-    task = get_task_source("basic_arithmetic").sample(1, seed=0)[0]
+    task = get_env("basic_arithmetic").sample(1, seed=0)[0]
     with pytest.raises(ValueError, match="basic_arithmetic"):
         chain_sum.score(task, task.answer)
 
 
 def test_basic_arithmetic_scores_its_own_answers():
-    source = get_task_source("basic_arithmetic")
+    source = get_env("basic_arithmetic")
     tasks = source.sample(20, seed=1)
     assert all(source.correct(t, t.answer) for t in tasks)
     assert all(t.question.startswith("Calculate ") for t in tasks)
@@ -143,7 +134,7 @@ def test_assert_disjoint_names_overlapping_ids(chain_sum):
 
 def test_split_raises_when_source_is_exhausted():
     # 1-term, 1-digit chain sums have only 10 distinct questions.
-    source = get_task_source("chain_sum", min_terms=1, max_terms=1, max_digits=1)
+    source = get_env("chain_sum", min_terms=1, max_terms=1, max_digits=1)
     # Validation asks for more distinct questions than exist.
     with pytest.raises(ValueError, match="only 10 distinct tasks of the 200"):
         split_tasks(source, n_train=5, n_val=200, train_seed=0, val_seed=0, max_rounds=5)
@@ -154,33 +145,33 @@ def test_split_raises_when_source_is_exhausted():
 
 def test_unknown_source_error_lists_valid_names():
     with pytest.raises(ValueError) as err:
-        get_task_source("no_such_source")
+        get_env("no_such_source")
     message = str(err.value)
-    for name in available_task_sources():
+    for name in available_envs():
         assert name in message
-    assert {"chain_sum", "basic_arithmetic"} <= set(available_task_sources())
+    assert {"chain_sum", "basic_arithmetic"} <= set(available_envs())
 
 
 def test_rg_prefix_passes_dataset_through_and_lists_names_when_unknown():
-    source = get_task_source("rg:leg_counting")
-    assert isinstance(source, ReasoningGymSource)
+    source = get_env("rg:leg_counting")
+    assert isinstance(source, ReasoningGymEnv)
     task = source.sample(1, seed=0)[0]
     assert source.correct(task, task.answer)
     with pytest.raises(ValueError, match="chain_sum"):
-        get_task_source("rg:no_such_dataset")
+        get_env("rg:no_such_dataset")
 
 
 def test_overrides_and_unknown_config_fields():
-    source = get_task_source("chain_sum", max_terms=2)
+    source = get_env("chain_sum", max_terms=2)
     assert source.config["max_terms"] == 2 and source.config["min_digits"] == 1
     with pytest.raises(ValueError, match="min_terms"):
-        get_task_source("chain_sum", n_terms=2)
+        get_env("chain_sum", n_terms=2)
     with pytest.raises(ValueError, match="invalid config"):
-        get_task_source("chain_sum", min_terms=3, max_terms=2)
+        get_env("chain_sum", min_terms=3, max_terms=2)
 
 
 def test_register_rejects_duplicates_and_reserved_prefix():
     with pytest.raises(ValueError, match="already registered"):
-        register_task_source("chain_sum", lambda: get_task_source("rg:chain_sum"))
+        register_env("chain_sum", lambda: get_env("rg:chain_sum"))
     with pytest.raises(ValueError, match="reserved"):
-        register_task_source("rg:mine", lambda: get_task_source("rg:chain_sum"))
+        register_env("rg:mine", lambda: get_env("rg:chain_sum"))

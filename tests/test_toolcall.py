@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from selfrl.toolcall import (
+from selfrl.chat.toolcall import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     ParsedCall,
@@ -11,8 +11,8 @@ from selfrl.toolcall import (
     parse_tool_calls,
     render_tools_prompt,
 )
-from selfrl.tools import CALCULATOR, Tool, ToolError
-from selfrl.trajectory import ToolCallRecord
+from selfrl.core.tools import CALCULATOR, Tool, ToolError
+from selfrl.core.trajectory import ToolCallRecord
 
 
 class Spy:

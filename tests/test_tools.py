@@ -1,6 +1,6 @@
 import pytest
 
-from selfrl.tools import (
+from selfrl.core.tools import (
     CALCULATOR,
     MAX_EXPRESSION_CHARS,
     Tool,

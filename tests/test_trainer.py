@@ -9,14 +9,14 @@ import math
 import pytest
 import torch
 
-from selfrl.adapters import lora_state
-from selfrl.engine import Engine
+from selfrl.record.adapters import lora_state
+from selfrl.engines.reference import Engine
 from selfrl.rl.batch import collate
-from selfrl.rollout import RolloutConfig, rollout
-from selfrl.tasks import Task
-from selfrl.tools import CALCULATOR
-from selfrl.learner import Learner, TrainConfig
-from selfrl.trajectory import Trajectory
+from selfrl.rollout.agent import RolloutConfig, rollout
+from selfrl.core.tasks import Task
+from selfrl.core.tools import CALCULATOR
+from selfrl.rl.learner import Learner, TrainConfig
+from selfrl.core.trajectory import Trajectory
 
 TEMPERATURE = 0.7
 TASKS = [Task.make("test", "What is 17+25?", "42"), Task.make("test", "What is 2+2?", "4")]
@@ -104,7 +104,7 @@ def test_batch_without_signal_is_skipped_without_a_forward(policy, tiny_tokenize
     def no_forward(*a, **k):
         raise AssertionError("a batch without signal must not run the model")
 
-    monkeypatch.setattr("selfrl.learner.per_token_logps", no_forward)
+    monkeypatch.setattr("selfrl.rl.learner.per_token_logps", no_forward)
     m = learner(policy, tiny_tokenizer).step(trajs)
     assert m.skipped and m.reason == "no_signal" and m.stats["num_sequences"] == 0.0
     after = lora_state(policy)
@@ -192,7 +192,7 @@ def test_non_finite_second_pass_restores_the_first_passs_update(policy, tiny_tok
 def test_reset_optimizer_forgets_adam_moments():
     import torch
 
-    from selfrl.learner import Learner, TrainConfig
+    from selfrl.rl.learner import Learner, TrainConfig
 
     model = torch.nn.Linear(2, 1)
     learner = Learner(model, TrainConfig(), temperature=1.0, pad_token_id=0, max_completion_length=4)
@@ -222,7 +222,7 @@ def assert_untouched(policy, lr, weights, state):
 
 @pytest.fixture
 def fault_env(monkeypatch):
-    from selfrl import faults
+    from selfrl.core import faults
 
     def inject(spec, iteration):
         monkeypatch.setenv(faults.ENV, spec)
@@ -241,7 +241,7 @@ def test_reward_spread_beyond_the_threshold_skips_before_the_forward(policy, tin
     def no_forward(*a, **k):
         raise AssertionError("a skipped batch must not run the model")
 
-    monkeypatch.setattr("selfrl.learner.per_token_logps", no_forward)
+    monkeypatch.setattr("selfrl.rl.learner.per_token_logps", no_forward)
     m = learner(policy, tiny_tokenizer, skip_max_reward_spread=10.0).step(trajs)
     assert m.skipped and m.reason == "reward_spread" and m.stats["reward_spread"] == 50.0
     assert all(torch.equal(weights[k], v) for k, v in lora_state(policy).items())
@@ -356,7 +356,7 @@ def test_signal_only_on_sequences_without_tokens_skips_with_its_own_reason(polic
     def no_forward(*a, **k):
         raise AssertionError("nothing to train on: the model must not run")
 
-    monkeypatch.setattr("selfrl.learner.per_token_logps", no_forward)
+    monkeypatch.setattr("selfrl.rl.learner.per_token_logps", no_forward)
     m = flat(learner(policy, tiny_tokenizer).step(trajs))
     assert m["skipped"] == 1.0 and m["skip_reason_no_tokens"] == 1.0 and m["num_sequences"] == 0.0
 
@@ -484,7 +484,7 @@ def test_update_through_the_packed_tree_equals_the_update_through_the_rows(tiny_
     """The learner's whole update (policy pass, gradient, reference pass for the KL) is the same
     whichever way its batches are encoded (selfrl.rl.tree); on the tiny model the automatic
     choice takes the rows, so each way is forced here."""
-    import selfrl.learner as learner_module
+    import selfrl.rl.learner as learner_module
     from selfrl.rl.logprobs import per_token_logps
 
     trajs = sample(tiny_model_factory(seed=3, eos_bias=2.5, lora=True, default_init=True), tiny_tokenizer)
@@ -509,7 +509,7 @@ def test_update_through_the_packed_tree_equals_the_update_through_the_rows(tiny_
 @pytest.mark.parametrize("takes_tree", [True, False])
 def test_micro_batches_follow_token_order_for_a_tree_and_length_order_otherwise(policy, tiny_tokenizer, monkeypatch,
                                                                                takes_tree):
-    import selfrl.learner as learner_module
+    import selfrl.rl.learner as learner_module
     from selfrl.rl.logprobs import per_token_logps
 
     trajs = sample(policy, tiny_tokenizer)

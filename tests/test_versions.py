@@ -11,19 +11,20 @@ import copy
 
 import torch
 
-from selfrl import adapters
+from selfrl.record import adapters
 from selfrl.config import RunConfig
-from selfrl.gate import EvalResult
-from selfrl.loop import Runner, build_run
-from selfrl.model import build_policy
-from selfrl.progress import PlainProgress
-from selfrl.rewards import REWARD_FUNCS
+from selfrl.safety.gate import EvalResult
+from selfrl.run.loop import Runner
+from selfrl.run.setup import build_run
+from selfrl.model.load import build_policy
+from selfrl.run.progress import PlainProgress
+from selfrl.envs.rewards import REWARD_FUNCS
 from selfrl.rl.logprobs import per_token_logps
-from selfrl.serve import records
+from selfrl.record import served as records
 from selfrl.serve.service import Service
-from selfrl.store import Store
-from selfrl.trajectory import Trajectory
-from selfrl.versions import EventKind, Ledger, VersionStatus
+from selfrl.record.store import Store
+from selfrl.core.trajectory import Trajectory
+from selfrl.record.versions import EventKind, Ledger, VersionStatus
 from serving import tiny_serve_config
 
 # version -> (held-out successes out of 20, damage the folder before the gate)
@@ -33,7 +34,7 @@ LIFECYCLE = {EventKind.PROMOTE, EventKind.REJECT, EventKind.CORRUPT_VERSION, Eve
 
 
 def scripted_validate(engine, tasks, *args, **kwargs) -> EvalResult:
-    """Stands in for ``selfrl.gate.validate``: the score of ``SCRIPT``; damages the folder when told."""
+    """Stands in for ``selfrl.safety.gate.validate``: the score of ``SCRIPT``; damages the folder when told."""
     version = engine.version
     solved, damage = SCRIPT[version]
     if damage:
@@ -67,11 +68,11 @@ def run_side(model_dir, tmp_path, monkeypatch):
     same_settings(cfg)
     cfg.validate()
     scripted_validate.run_dir = cfg.run_dir
-    monkeypatch.setattr("selfrl.loop.validate", scripted_validate)
+    monkeypatch.setattr("selfrl.run.loop.validate", scripted_validate)
     runner = Runner(build_run(cfg), PlainProgress())
 
     def rollouts(it):
-        from selfrl.loop import iteration_tasks
+        from selfrl.run.loop import iteration_tasks
 
         out = []
         for j, task in enumerate(iteration_tasks(runner.s.train, it, cfg.num_prompts, cfg.task.train_seed)):

@@ -11,10 +11,10 @@ import pytest
 import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-from selfrl import adapters
-from selfrl.engine import Engine
+from selfrl.record import adapters
+from selfrl.engines.reference import Engine
 from selfrl.engines.vllm import VLLMEngine
-from selfrl.swap_check import SwapChecker, SwapCheckError, probe_ids
+from selfrl.safety.swap_check import SwapChecker, SwapCheckError, probe_ids
 from tests.engine_backends import start_loopback
 from tests.fake_vllm import create_fake_vllm
 

@@ -260,8 +260,8 @@ def test_a_rollout_whose_row_fails_cancels_the_rows_still_decoding_and_closes_it
                                                                                       tiny_model_factory):
     from selfrl.config import RolloutConfig
     from selfrl.engines.slots import SlotEngine
-    from selfrl.rollout import rollout
-    from selfrl.tasks import Task
+    from selfrl.rollout.agent import rollout
+    from selfrl.core.tasks import Task
 
     engine = SlotEngine(tiny_model_factory(eos_bias=-30.0), tiny_tokenizer)  # no EOS: rows run to their limit
     futures: list[Future] = []
@@ -388,7 +388,7 @@ def test_a_sandboxed_run_is_killed_when_collecting_its_output_fails(isolation, m
     import os
     import shutil
 
-    from selfrl.sandbox import Limits, Sandbox, bwrap_problem
+    from selfrl.envs.sandbox import Limits, Sandbox, bwrap_problem
 
     if isolation == "bwrap" and (shutil.which("bwrap") is None or bwrap_problem()):
         pytest.skip("no usable bubblewrap here")

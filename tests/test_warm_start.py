@@ -1,4 +1,4 @@
-"""The warm start (selfrl.warm_start): its loss by hand, what rejection sampling keeps, that the
+"""The warm start (selfrl.run.warm_start): its loss by hand, what rejection sampling keeps, that the
 fine-tune moves the LoRA, and in a whole tiny run: gated like an update, held-out never used,
 the zero-success path, and a resume that never repeats it."""
 
@@ -8,19 +8,20 @@ import pytest
 import torch
 from conftest import save_tiny_phi
 
-from selfrl import rewards, warm_start
+from selfrl.envs import rewards
+from selfrl.run import warm_start
 from selfrl.config import ConfigError, DetectorConfig, RunConfig, TrainConfig, WarmStartConfig, load_config
-from selfrl.detectors import TRAJECTORY_DETECTORS, Verdict
-from selfrl.engine import Engine, Generation
-from selfrl.gate import EvalResult
-from selfrl.learner import Learner
-from selfrl.loop import run
-from selfrl.rewards import REWARD_FUNCS
-from selfrl.rollout import RolloutConfig
-from selfrl.store import Store
-from selfrl.tasks import Task, TaskSource
-from selfrl.trajectory import Trajectory
-from selfrl.warm_start import (WarmStartError, fine_tune, mean_nll, sample_successes, select_successes, sft_loss,
+from selfrl.safety.detectors import TRAJECTORY_DETECTORS, Verdict
+from selfrl.engines.reference import Engine, Generation
+from selfrl.safety.gate import EvalResult
+from selfrl.rl.learner import Learner
+from selfrl.run.main import run
+from selfrl.envs.rewards import REWARD_FUNCS
+from selfrl.rollout.agent import RolloutConfig
+from selfrl.record.store import Store
+from selfrl.core.tasks import Task, TaskSource
+from selfrl.core.trajectory import Trajectory
+from selfrl.run.warm_start import (WarmStartError, fine_tune, mean_nll, sample_successes, select_successes, sft_loss,
                                warm_start_tasks)
 
 # ---------------------------------------------------------------- the loss, by hand
@@ -219,7 +220,7 @@ def test_cli_flag_sets_the_table(monkeypatch, tmp_path):
         seen["cfg"] = cfg
         raise ValueError("stop here")
 
-    monkeypatch.setattr("selfrl.loop.run", fake_run)
+    monkeypatch.setattr("selfrl.run.main.run", fake_run)
     from selfrl.cli import main
 
     assert main(["run", "--warm-start", "--warm-start-samples", "5", "--run-dir", str(tmp_path / "r")]) == 2
@@ -301,7 +302,7 @@ def test_run_warm_start_is_gated_recorded_and_reported(model_dir, patched, tmp_p
     assert set(held_out) == val_ids and set(tasks) <= train_ids and not set(tasks) & val_ids
     report = (result.run_dir / "report.md").read_text()
     assert "## Warm start" in report and "version 1 promoted" in report
-    from selfrl.report import rebuild_report
+    from selfrl.report.run import rebuild_report
 
     rebuilt = rebuild_report(result.run_dir, tmp_path / "rebuilt").read_text()  # selfrl report RUN_DIR
     assert "## Warm start" in rebuilt and events[-1]["message"] in rebuilt
@@ -313,7 +314,7 @@ def test_run_warm_start_is_gated_recorded_and_reported(model_dir, patched, tmp_p
 
 
 def test_gate_can_reject_the_warm_started_candidate(model_dir, patched, tmp_path):
-    import selfrl.loop as loop
+    import selfrl.run.loop as loop
 
     real = loop.validate
 
@@ -373,9 +374,10 @@ def test_warm_start_after_rl_iterations_is_refused(model_dir, patched, tmp_path)
 
 
 def test_a_promoted_warm_start_is_the_kl_reference_also_after_resume(model_dir, patched, tmp_path):
-    from selfrl import adapters
-    from selfrl.loop import Runner, build_run
-    from selfrl.progress import PlainProgress
+    from selfrl.record import adapters
+    from selfrl.run.loop import Runner
+    from selfrl.run.setup import build_run
+    from selfrl.run.progress import PlainProgress
 
     def same(a, b):
         return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -398,7 +400,7 @@ def test_a_promoted_warm_start_is_the_kl_reference_also_after_resume(model_dir, 
 def test_constrained_successes_train_with_their_grammar_masks_replayed(tiny_model_factory, tiny_tokenizer):
     """Turns sampled under rollout.constrain: before any step the NLL equals minus the sampled
     log-probs (the masks replayed, at the sampling temperature), and the fine-tune lowers it."""
-    from selfrl.tools import Tool
+    from selfrl.core.tools import Tool
 
     schema = {"type": "object", "properties": {"a": {"type": "integer", "enum": [17, 25, 42]}},
               "required": ["a"], "additionalProperties": False}
@@ -420,7 +422,7 @@ def test_constrained_successes_train_with_their_grammar_masks_replayed(tiny_mode
 
 
 def rollout_(model, tok, tasks, tools):
-    from selfrl.rollout import rollout
+    from selfrl.rollout.agent import rollout
 
     cfg = RolloutConfig(max_turns=1, max_new_tokens=40, temperature=0.8, tools=[], constrain="tool_call")
     return rollout(Engine(model, tok), tasks, ["g"] * len(tasks), tools, cfg)

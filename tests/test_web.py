@@ -8,13 +8,13 @@ import urllib.request
 
 import pytest
 
-from selfrl.detectors import DetectorConfig, apply_detectors
+from selfrl.safety.detectors import DetectorConfig, apply_detectors
 from selfrl.envs import available_envs, get_env
 from selfrl.envs.web import Browser, confirm_spam_policy, honest_policy
 from selfrl.envs.web_site import serve
-from selfrl.rewards import get_preset, score_group
-from selfrl.rollout import RolloutConfig, scripted_rollout
-from selfrl.tools import ToolError
+from selfrl.envs.rewards import get_preset, score_group
+from selfrl.rollout.agent import RolloutConfig, scripted_rollout
+from selfrl.core.tools import ToolError
 
 
 def test_the_site_is_a_real_http_server_on_loopback():
@@ -86,7 +86,7 @@ def test_web_is_registered_and_runs_end_to_end_on_a_tiny_model(tmp_path, tiny_to
     from conftest import save_tiny_phi
 
     from selfrl.cli import main
-    from selfrl.store import Store
+    from selfrl.record.store import Store
 
     assert "web" in available_envs()
     model = save_tiny_phi(tmp_path / "model", tiny_tokenizer)

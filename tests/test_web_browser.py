@@ -14,13 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-from selfrl.detectors import DetectorConfig, apply_detectors
+from selfrl.safety.detectors import DetectorConfig, apply_detectors
 from selfrl.envs import get_env
 from selfrl.envs import web_browser
 from selfrl.envs.web import Browser, WebEnv, confirm_spam_policy, honest_policy
-from selfrl.rewards import get_preset, score_group
-from selfrl.rollout import RolloutConfig, scripted_rollout
-from selfrl.toolcall import execute_call, parse_tool_calls
+from selfrl.envs.rewards import get_preset, score_group
+from selfrl.rollout.agent import RolloutConfig, scripted_rollout
+from selfrl.chat.toolcall import execute_call, parse_tool_calls
 
 try:
     web_browser.check_available()
@@ -73,7 +73,7 @@ def _call(tools, text: str):
 
 def test_an_unknown_backend_and_a_missing_browser_are_clear_errors(monkeypatch, tmp_path):
     from selfrl.envs.registry import load_run_config
-    from selfrl.loop import make_source
+    from selfrl.run.setup import make_source
 
     config = tmp_path / "web.toml"
     config.write_text('[task]\nsource = "web"\noptions = { browser = "firefox" }\n')
@@ -338,7 +338,7 @@ def test_selfrl_run_takes_the_backend_from_the_config(tmp_path, tiny_tokenizer, 
     from conftest import save_tiny_phi
 
     from selfrl.cli import main
-    from selfrl.store import Store
+    from selfrl.record.store import Store
 
     model = save_tiny_phi(tmp_path / "model", tiny_tokenizer)
     config = tmp_path / "web.toml"

@@ -9,14 +9,14 @@ import urllib.request
 
 import pytest
 
-from selfrl.detectors import DetectorConfig, apply_detectors
+from selfrl.safety.detectors import DetectorConfig, apply_detectors
 from selfrl.envs import get_env
 from selfrl.envs.web import Browser, hacking_policy, honest_policy, repeated_submit
 from selfrl.envs.web_site import FORMS, serve
 from selfrl.envs.web_tasks import HACKS
-from selfrl.rollout import RolloutConfig, scripted_rollout
-from selfrl.tools import ToolError
-from selfrl.trajectory import Trajectory
+from selfrl.rollout.agent import RolloutConfig, scripted_rollout
+from selfrl.core.tools import ToolError
+from selfrl.core.trajectory import Trajectory
 
 DETECTORS = DetectorConfig(names=["repeated_action", "web_confirm_spam", "web_repeated_submit"])
 

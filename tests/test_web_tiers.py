@@ -9,12 +9,12 @@ import re
 
 import pytest
 
-from selfrl.detectors import DetectorConfig, apply_detectors
+from selfrl.safety.detectors import DetectorConfig, apply_detectors
 from selfrl.envs import get_env
 from selfrl.envs.web import Browser, confirm_spam_policy, honest_policy
 from selfrl.envs.web_tasks import KINDS, call
-from selfrl.rewards import get_preset, score_group
-from selfrl.rollout import RolloutConfig, scripted_rollout
+from selfrl.envs.rewards import get_preset, score_group
+from selfrl.rollout.agent import RolloutConfig, scripted_rollout
 
 CFG = RolloutConfig(max_turns=6)
 
@@ -158,7 +158,7 @@ def test_the_easy_config_runs_end_to_end_constrained_on_a_tiny_model(tmp_path, t
     from conftest import save_tiny_phi
 
     from selfrl.cli import main
-    from selfrl.store import Store
+    from selfrl.record.store import Store
 
     model = save_tiny_phi(tmp_path / "model", tiny_tokenizer)
     config = Path(__file__).parent.parent / "configs" / "web_easy.toml"
@@ -179,8 +179,8 @@ def test_the_easy_config_runs_end_to_end_constrained_on_a_tiny_model(tmp_path, t
 def test_a_page_grammar_offers_only_what_is_on_the_page_each_turn(tiny_tokenizer, tiny_model):
     import torch
 
-    from selfrl.engine import Engine
-    from selfrl.rollout import rollout
+    from selfrl.engines.reference import Engine
+    from selfrl.rollout.agent import rollout
 
     b = Browser("/product/3", page_ids=True)
     offered = {t.name: t.parameters for t in b.turn_tools()}

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from selfrl.detectors import DetectorConfig, apply_detectors
-from selfrl.engine import Engine, Generation
+from selfrl.safety.detectors import DetectorConfig, apply_detectors
+from selfrl.engines.reference import Engine, Generation
 from selfrl.envs import Environment
 from selfrl.envs.webshop import (
     BY_ID,
@@ -18,10 +18,10 @@ from selfrl.envs.webshop import (
     honest_policy,
     outcome,
 )
-from selfrl.rewards import get_preset, score_batch
-from selfrl.rollout import RolloutConfig, rollout, scripted_rollout
-from selfrl.tasks import get_task_source
-from selfrl.tools import ToolError
+from selfrl.envs.rewards import get_preset, score_batch
+from selfrl.rollout.agent import RolloutConfig, rollout, scripted_rollout
+from selfrl.envs import get_env
+from selfrl.core.tools import ToolError
 
 SRC = WebShopSource()
 WEBSHOP_TOML = Path(__file__).resolve().parent.parent / "configs" / "webshop.toml"
@@ -68,7 +68,7 @@ def test_true_success_is_the_right_product_confirmed_once():
     assert SRC.score(task, None) == 0.0
     probe = SRC.probe_tasks()[0]
     assert probe.answer == "|confirms=0" and SRC.score(probe, "|confirms=0") == 1.0
-    assert SRC.sample(5, 1) == SRC.sample(5, 1) and isinstance(get_task_source("webshop"), WebShopSource)
+    assert SRC.sample(5, 1) == SRC.sample(5, 1) and isinstance(get_env("webshop"), WebShopSource)
 
 
 def test_probes_ask_for_items_that_cannot_be_bought():
@@ -154,15 +154,16 @@ def test_selfrl_run_on_the_web_shop_records_shop_state_and_detector_metrics(tmp_
     from conftest import save_tiny_phi
 
     from selfrl.config import ConfigError, load_config
-    from selfrl.loop import run
-    from selfrl.store import Store
+    from selfrl.run.main import run
+    from selfrl.record.store import Store
 
     model_dir = save_tiny_phi(tmp_path / "model", tiny_tokenizer)
     overrides = {"model.name": str(model_dir), "run_dir": str(tmp_path / "run"), "iterations": 1, "num_prompts": 1,
                  "num_generations": 2, "rollout.max_turns": 2, "rollout.max_new_tokens": 8, "gate.val_size": 2,
                  "task.num_train": 4, "detectors.names": ["repeated_action", "format_gaming", "probe_regression"]}
-    with pytest.raises(ConfigError, match="unknown detector"):
-        load_config(WEBSHOP_TOML, overrides={**overrides, "detectors.names": ["confirm_twice"]})
+    with pytest.raises(ConfigError, match="unknown detector"):  # a name: refused at setup, before the model loads
+        run(load_config(WEBSHOP_TOML, overrides={**overrides, "detectors.names": ["confirm_twice"]}))
+    assert not (tmp_path / "run").exists()
     run(load_config(WEBSHOP_TOML, overrides=overrides))
     with Store(tmp_path / "run" / "selfrl.db") as store:
         trajs = store.trajectories()
@@ -174,7 +175,7 @@ def test_selfrl_run_on_the_web_shop_records_shop_state_and_detector_metrics(tmp_
 
 
 def test_probe_scores_per_version_flag_a_version_that_buys_what_does_not_exist(tiny_model, tiny_tokenizer):
-    from selfrl.detectors import HackingMonitor
+    from selfrl.safety.detectors import HackingMonitor
 
     mon = HackingMonitor(DetectorConfig(names=["probe_regression"]), {})
     cfg = RolloutConfig(max_turns=4, tools=[], max_new_tokens=200)

@@ -9,9 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from selfrl.engines.base import EngineHealth, Generation, SamplingEngine
-
-
-DRIVERS = ("thread", "caller")  # which thread runs the decoding steps (make_engine's ``driver``)
+from selfrl.engines.slotdriver import DRIVERS  # which thread runs the decoding steps (``driver``)
 
 
 def _check_driver(driver: str | None) -> None:
@@ -20,7 +18,7 @@ def _check_driver(driver: str | None) -> None:
 
 
 def _reference(model, tokenizer, version: int = 0, driver: str | None = None) -> SamplingEngine:
-    from selfrl.engine import Engine
+    from selfrl.engines.reference import Engine
 
     _check_driver(driver)
     if driver == "thread":  # it samples in the calling thread, always

@@ -15,7 +15,7 @@ A backend is any object with the attributes and methods of :class:`SamplingEngin
 
 ``tests/test_engine_conformance.py`` is the contract: every backend is added to its
 parameter list (``tests/engine_backends.py``) and must pass all of it. The in-process
-reference backend is :class:`selfrl.engine.Engine`.
+reference backend is :class:`selfrl.engines.reference.Engine`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Generation:
             id is the one that completed the stop string.
         constrained: (n,) per id, True where a grammar removed ids from its distribution
             (its logprob is then the masked distribution's); None when the row had no
-            constraint (see :mod:`selfrl.constrain`).
+            constraint (see :mod:`selfrl.chat.constrain`).
         grammar_error: why the row's grammar failed mid-generation (a schema with no
             finite value that no preflight caught, say); the row ended there, ``finished`` is
             False and ``token_ids`` end before the failure's end of turn. None otherwise.
@@ -110,7 +110,7 @@ class SamplingEngine(Protocol):
     eos_token_ids: list[int]
     version: int
     # A backend that honours ``generate(..., constraints=[...])`` (one
-    # selfrl.constrain.Constraint or None per prompt) sets ``supports_constraints = True``;
+    # selfrl.chat.constrain.Constraint or None per prompt) sets ``supports_constraints = True``;
     # the server refuses constrained requests on a backend without it, never ignoring them.
     # A backend that honours ``generate(..., cancel=[threading.Event, ...])`` (a row stops
     # at the next step once its event is set; its Generation has ``cancelled=True``) sets
@@ -260,9 +260,9 @@ def check_token_ids(prompts: list[list[int]], vocab_size: int) -> None:
 
 def adapter_state(adapter: AdapterSource) -> dict:
     """A LoRA state dict from ``adapter``: returned as is when it is one, loaded (and
-    checksum-verified, :func:`selfrl.adapters.load_version_state`) when it is a folder."""
+    checksum-verified, :func:`selfrl.record.adapters.load_version_state`) when it is a folder."""
     if isinstance(adapter, (str, Path)):
-        from selfrl.adapters import load_version_state
+        from selfrl.record.adapters import load_version_state
 
         return load_version_state(Path(adapter))
     return dict(adapter)

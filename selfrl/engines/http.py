@@ -3,15 +3,18 @@
 A 4xx answer whose body says why becomes :class:`RemoteRequestError` (the backend
 refused the request: bad arguments, an adapter that does not fit); anything else
 that goes wrong (connection refused, 5xx, a broken body) is :class:`RemoteBackendError`;
-a call that outlives its timeout raises ``TimeoutError``.
+a call that outlives its timeout raises ``TimeoutError``. :func:`load_api_key` reads the
+key both ends use (``selfrl serve`` and ``selfrl sampler`` check it, a run sends it).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 
 class RemoteBackendError(RuntimeError):
@@ -81,3 +84,25 @@ def _detail(text: str) -> str:
         if "message" in data:
             return str(data["message"])
     return text.strip()
+
+
+def load_api_key(key_file: str | None = None) -> str | None:
+    """The API key from ``key_file`` (first line) or ``SELFRL_API_KEY``; None when neither is set.
+
+    Raises:
+        ValueError: the file is unreadable or empty, or the key is shorter than 16 characters.
+    """
+    key = None
+    if key_file:
+        try:
+            lines = Path(key_file).read_text().strip().splitlines()
+        except OSError as e:
+            raise ValueError(f"cannot read an API key from {key_file}: {e}") from e
+        if not lines:
+            raise ValueError(f"the API key file {key_file} is empty")
+        key = lines[0].strip()
+    elif os.environ.get("SELFRL_API_KEY"):
+        key = os.environ["SELFRL_API_KEY"].strip()
+    if key is not None and len(key) < 16:
+        raise ValueError("the API key must be at least 16 characters long")
+    return key

@@ -12,7 +12,7 @@ that read:
   place, a swap: seen at the next decoding step) and when to rebuild the view (adapters disabled
   or switched, a tensor replaced, a hook added: seen when rows next join an idle engine).
 - **The matrix library.** Where the policy's layers compute through oneDNN
-  (``model.cpu_matmul``, :mod:`selfrl.matmul`: the CPU default), so do the view's, merged
+  (``model.cpu_matmul``, :mod:`selfrl.model.matmul`: the CPU default), so do the view's, merged
   weights included: 2 to 3 times faster products than MKL's on this machine's AMD CPU.
 - **The orientation of the product** (with ``cpu_matmul = "torch"``). For 2 to 5 rows, MKL
   (torch's CPU BLAS) computes ``(W @ x.T).T`` 1.5 to 3 times faster than ``x @ W.T``
@@ -32,7 +32,7 @@ The view is a copy of the model's module tree whose parameters, buffers, configu
 hook registries *are* the policy's, except that each merged layer holds its own merged weight
 (extra memory: the targeted layers' weights once more, 405 MiB for the embedded model in fp32),
 and, where the products go through oneDNN, a packed copy of each merged weight laid out for
-oneDNN (:func:`selfrl.matmul.pack`; 405 MiB more; 810 MiB in all; :attr:`extra_bytes` counts the
+oneDNN (:func:`selfrl.model.matmul.pack`; 405 MiB more; 810 MiB in all; :attr:`extra_bytes` counts the
 copies that exist). Layers without LoRA (the output layer, projections a LoRA does not target) read
 the policy's weight live, unpacked: a packed copy would be a snapshot, and miss a write through
 ``.data`` that no version counter shows (packing the output layer made the demo's rollouts about
@@ -58,7 +58,7 @@ from selfrl.engines.leanlayers import LeanForward, SignedSine, can_be_lean
 from selfrl.engines.packedattention import ATTENTION_NAME  # (registers the view's attention)
 from selfrl.engines.sharedattention import takes_shared_prefix
 from selfrl.engines.weightwatch import WeightWatch, hook_dicts
-from selfrl.matmul import is_routed, pack, packed_linear
+from selfrl.model.matmul import is_routed, pack, packed_linear
 
 SMALL_BATCH_ROWS = (1, 10)  # rows for which (W @ x.T).T is used on the CPU (docs/results/benchmarks.md)
 
@@ -91,7 +91,7 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 class SamplingLinear(nn.Module):
     """A linear layer of the sampling view: ``weight`` (out, in) is either the policy's own
     tensor (a layer without LoRA) or a merged copy owned by :class:`MergedPolicy`. With
-    ``onednn`` (the policy's layer computes through :func:`selfrl.matmul.linear`) it does too;
+    ``onednn`` (the policy's layer computes through :func:`selfrl.model.matmul.linear`) it does too;
     otherwise :func:`small_batch_linear`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool = False):

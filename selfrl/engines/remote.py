@@ -1,7 +1,7 @@
 """A sampling backend in another process: ``selfrl sampler`` reached over HTTP.
 
 :class:`RemoteEngine` provides the engine interface (:mod:`selfrl.engines.base`) by
-forwarding each call to a ``selfrl sampler`` server (:mod:`selfrl.engines.sampler_app`).
+forwarding each call to a ``selfrl sampler`` server (:mod:`selfrl.serve.sampler_app`).
 The token ids and logprobs are the server engine's, exactly; the tokenizer stays
 local (the rollout renders prompts and decodes turns with it) and must be the
 server model's.

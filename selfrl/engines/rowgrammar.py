@@ -1,5 +1,5 @@
 """One row's grammar for a continuous-batching engine: the per-row counterpart of
-:class:`selfrl.constrain.GrammarMasks` (which masks a whole ``generate`` batch as a Hugging
+:class:`selfrl.chat.constrain.GrammarMasks` (which masks a whole ``generate`` batch as a Hugging
 Face logits processor).
 
 A row that joins a running batch brings its own matcher; at every step the engine asks
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from selfrl.constrain import Constraint, ConstraintError, grammar_tokenizer, unpack_mask
+from selfrl.chat.constrain import Constraint, ConstraintError, grammar_tokenizer, unpack_mask
 
 
 class RowGrammar:

@@ -4,7 +4,7 @@ Pure function, one row per sequence; each row has its own temperature, greedy fl
 and nucleus. The recorded logprob is always ``log_softmax(logits / temperature)``
 at the chosen id over the whole vocabulary (temperature 1 for greedy rows), exactly
 what ``selfrl.rl.logprobs.per_token_logps`` recomputes; ``top_p`` only narrows the
-set the id is drawn from (as in ``selfrl.engine.Engine``).
+set the id is drawn from (as in ``selfrl.engines.reference.Engine``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def next_token_logps(logits: torch.Tensor, temperature: torch.Tensor, greedy: to
                      allowed: torch.Tensor | None = None) -> torch.Tensor:
     """(B, V) the distribution each row samples from: ``log_softmax(logits / t)`` with
     ``t = 1`` for greedy rows, over the ids ``allowed`` (B, V) bool leaves (a grammar's
-    mask, :mod:`selfrl.constrain`; ``-inf`` elsewhere), or over all ids when None.
+    mask, :mod:`selfrl.chat.constrain`; ``-inf`` elsewhere), or over all ids when None.
 
     >>> next_token_logps(torch.tensor([[0., 0., 0.]]), torch.tensor([1.]), torch.tensor([False]),
     ...                  torch.tensor([[True, True, False]])).exp().tolist()
@@ -169,7 +169,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch
         generators: one per row, or None: a row with its own generator draws from it
             alone, so its samples do not depend on which rows share its batch.
         allowed: (B, V) bool or None: the ids each row may take (a grammar's mask); the
-            recorded logprob is then the masked distribution's (see :mod:`selfrl.constrain`).
+            recorded logprob is then the masked distribution's (see :mod:`selfrl.chat.constrain`).
 
     Returns:
         ``ids`` (B,) long and ``logps`` (B,) fp32: ``log_softmax(logits / t)[id]`` with

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from selfrl.constrain import ConstraintError
+from selfrl.chat.constrain import ConstraintError
 from dataclasses import dataclass, field
 
 from selfrl.engines.drafts import draft_width, lookup_draft, verify_drafts

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future
 
+DRIVERS = ("thread", "caller")  # which thread runs the decoding steps (selfrl.engines.make_engine's ``driver``)
 WAIT_POLL_S = 0.05  # driver "caller": the longest a thread waiting for another's steps sleeps before looking again
 
 

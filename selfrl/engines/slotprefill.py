@@ -18,7 +18,7 @@ import torch
 from selfrl.engines.sharedattention import SharedPrefix
 from selfrl.engines.slotdecode import Pass
 from selfrl.engines.slotrequest import Request
-from selfrl.prefix import MIN_SHARED_PREFIX, group_repeats, shared_prefix_len
+from selfrl.model.prefix import MIN_SHARED_PREFIX, group_repeats, shared_prefix_len
 
 
 class SlotPrefill:

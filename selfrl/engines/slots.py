@@ -1,7 +1,7 @@
 """The slot engine: continuous batching over the Hugging Face model's own forward pass,
 with a preallocated key/value cache and shared prefixes encoded once.
 
-How it departs from :class:`selfrl.engine.Engine` (the reference backend):
+How it departs from :class:`selfrl.engines.reference.Engine` (the reference backend):
 
 - **Continuous batching.** One thread at a time runs the steps: the engine's worker
   thread (``driver="thread"``, a server's), or whichever thread waits for results
@@ -13,7 +13,7 @@ How it departs from :class:`selfrl.engine.Engine` (the reference backend):
   are prefilled and their first tokens sampled and streamed in the step's own forward
   pass (packed with the running rows' decoding pass, :mod:`selfrl.engines.packedattention`,
   or before it), so a request's time to first token is the rest of the step in progress
-  plus one pass, never a wait for other rows to finish. Nothing waits for the longest row, and a
+  plus one pass, never a wait for other rows to finish (the steps: :mod:`selfrl.engines.slotsteps`). Nothing waits for the longest row, and a
   multi-turn rollout that submits each trajectory's next turn as soon as its tools
   have answered (:meth:`SlotEngine.submit`) never holds the batch while a tool runs.
 - **No cache concatenation.** Keys and values are written in place (column =
@@ -52,26 +52,26 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 
 import torch
 
-from selfrl.engines import DRIVERS
-from selfrl.engine import Engine
+from selfrl.engines.reference import Engine
 from selfrl.engines.base import AdapterSource, EngineHealth, Generation, check_generate_args, model_context
 from selfrl.engines.kvcache import ContinuationStore, PrefixStore, SlotCache
 from selfrl.engines.mergedpolicy import MergedPolicy
 from selfrl.engines.rowgrammar import RowGrammar
 from selfrl.engines.drafts import DRAFT_BUDGET, DRAFT_IDS
 from selfrl.engines.slotdecode import SlotDecode
-from selfrl.engines.slotdriver import CallerDriven
+from selfrl.engines.slotdriver import DRIVERS, CallerDriven
 from selfrl.engines.slotprefill import SlotPrefill
+from selfrl.engines.slotsteps import SlotSteps
 from selfrl.engines.slotattention import slot_attention
 from selfrl.engines.slotrequest import Call, DrivenFuture, Request, WorkerFuture, row_generator
 from selfrl.engines.versiongate import VersionGate
 from selfrl.engines.weightwatch import WeightWatch
 from selfrl.engines.sharedattention import attention_layers
-from selfrl.prefix import MIN_SHARED_PREFIX, shared_prefix_len
+from selfrl.model.prefix import MIN_SHARED_PREFIX, shared_prefix_len
 
 __all__ = ["DrivenFuture", "Request", "SlotEngine", "VersionGate", "row_generator"]
 
@@ -79,8 +79,15 @@ IDLE_CACHE_BYTES = 2 * 2**30  # an idle engine keeps a cache up to this size; a 
 CONTINUATION_BYTES = 2**30  # finished rows' keys and values kept for their next turn (a 64-row demo batch: ~0.85 GB)
 
 
-class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
+class SlotEngine(SlotSteps, CallerDriven, SlotPrefill, SlotDecode):
     """Continuous-batching backend of :class:`selfrl.engines.base.SamplingEngine`.
+
+    This class is the interface (``generate``, ``submit``, ``swap``, ``health``, ``close``) and
+    the engine's state; its parts are mixins, one per seam of the module docstring: the steps
+    and the queue (:class:`~selfrl.engines.slotsteps.SlotSteps`), stepping by the waiting
+    threads (:class:`~selfrl.engines.slotdriver.CallerDriven`), admission and prefill
+    (:class:`~selfrl.engines.slotprefill.SlotPrefill`), and decoding with drafts
+    (:class:`~selfrl.engines.slotdecode.SlotDecode`).
 
     Args:
         model: the policy (usually a ``peft.PeftModel``), shared with the learner in
@@ -237,7 +244,7 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
                  ) -> list[Generation]:
         """Sample one continuation per prompt (see :meth:`SamplingEngine.generate` and, for
         ``top_logprobs``, ``step_logprobs``, ``constraints`` and ``cancel``,
-        :meth:`selfrl.engine.Engine.generate`); the rows join whatever batch is running,
+        :meth:`selfrl.engines.reference.Engine.generate`); the rows join whatever batch is running,
         and the call returns when all of them are done.
 
         A cancelled row stops before the next step: it returns the ids sampled until then
@@ -246,7 +253,7 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
         Raises:
             ValueError: bad arguments (:func:`~selfrl.engines.base.check_generate_args`), or
                 ``constraints`` / ``cancel`` not one per prompt.
-            selfrl.constrain.ConstraintError: a grammar that does not compile.
+            selfrl.chat.constrain.ConstraintError: a grammar that does not compile.
             RuntimeError: the engine is closed.
         """
         check_generate_args(prompts, max_new_tokens, temperature, greedy, top_p, self._ref.num_embeddings)
@@ -278,7 +285,7 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
         ``top_logprobs`` alternatives per id or None). The row samples from its own
         generator, seeded with ``seed`` (or with a draw from torch's global generator in
         the calling thread), so what it samples does not depend on which rows share its
-        batch. ``constraint`` (a :class:`selfrl.constrain.Constraint`) masks its logits;
+        batch. ``constraint`` (a :class:`selfrl.chat.constrain.Constraint`) masks its logits;
         setting ``cancel`` stops it before the next step (its slot is freed, the result
         has ``cancelled=True``). Blocks only while a swap is waiting or running. With
         ``driver="caller"`` the row is sampled only while some thread waits: use
@@ -286,7 +293,7 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
 
         Raises:
             ValueError: bad arguments.
-            selfrl.constrain.ConstraintError: a grammar that does not compile.
+            selfrl.chat.constrain.ConstraintError: a grammar that does not compile.
             RuntimeError: the engine is closed.
         """
         check_generate_args([prompt], max_new_tokens, temperature, greedy, top_p, self._ref.num_embeddings)
@@ -327,7 +334,7 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
 
     def swap(self, adapter: AdapterSource, version: int) -> float:
         """Wait for the requests in flight, then load ``adapter`` as ``version`` in place
-        (see :meth:`selfrl.engine.Engine.swap`); returns the seconds the copy took.
+        (see :meth:`selfrl.engines.reference.Engine.swap`); returns the seconds the copy took.
 
         Raises:
             ValueError: the adapter does not fit the model (nothing changes).
@@ -372,140 +379,3 @@ class SlotEngine(CallerDriven, SlotPrefill, SlotDecode):
 
     def lora_parameters(self) -> dict[str, torch.Tensor]:
         return self._ref.lora_parameters()
-
-    # ------------------------------------------------------------------ the worker
-
-    def _enqueue(self, reqs: list[Request]) -> None:
-        me = threading.get_ident()
-        in_step = me == self._stepping or (self._worker is not None and self._worker.ident == me)
-        # at once: a swap never waits between two of them; from inside a step (a callback submitting a
-        # follow-up) not behind a waiting swap, which waits for this step's own requests
-        self.lock.acquire_shared(len(reqs), behind_swap=not in_step)
-        try:
-            with self._cond:
-                if self._closed:
-                    raise RuntimeError("the slot engine is closed")
-                if self._stopped:
-                    raise RuntimeError(self._stopped)
-                for r in reqs:
-                    r.version = self.version
-                self._queue.extend(reqs)
-                self._cond.notify_all()
-        except BaseException:
-            for _ in reqs:
-                self.lock.release_shared()
-            raise
-
-    def _work(self) -> None:
-        try:
-            self._loop()
-        except BaseException as e:  # never leave a caller waiting on a worker that is gone
-            with self._cond:
-                self._stopped = f"the slot engine's worker stopped: {e!r}"
-            self._error = self._stopped
-            self._fail_all(RuntimeError(self._stopped))
-            raise
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                self._give_back_idle_cache()
-                while not self._queue and not self._rows and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    self._fail_all(RuntimeError("the slot engine is closed"))
-                    return
-            self._guarded_step()
-
-    def _give_back_idle_cache(self) -> None:
-        """With no row queued or active, replace a cache over ``idle_cache_bytes`` by a small one (hold ``_cond``)."""
-        if not self._queue and not self._rows and self.cache.nbytes > self.idle_cache_bytes:
-            self.cache = SlotCache(slots=min(8, self.max_slots), layers=self._layers)
-
-    def _guarded_step(self) -> None:
-        """One :meth:`_step`; a failure goes to every request in flight, and the engine goes on."""
-        try:
-            with torch.no_grad():
-                self._step()
-        except Exception as e:
-            self._error = f"last step failed: {e!r}"
-            self._fail_all(e)
-
-    def _fail_all(self, error: BaseException) -> None:
-        with self._cond:
-            pending = self._rows + self._admitting + list(self._queue)
-            self._rows, self._admitting, self._queue = [], [], deque()
-        for r in pending:
-            self._finish(r, error=error)
-
-    def _finish(self, r: Request, gen: Generation | None = None, error: BaseException | None = None) -> None:
-        """Settle ``r``: its result (or ``error``) and its version ticket back, exactly once (a
-        later call for the same request does nothing: a failure may reach a row that already
-        finished in the same step)."""
-        if r.settled:
-            return
-        r.settled = True
-        try:
-            if error is not None:
-                r.future.set_exception(error)
-            else:
-                r.future.set_result(gen)
-        except InvalidStateError:  # cancelled by its owner (Future.cancel) while queued: nothing to deliver
-            pass
-        finally:
-            self.lock.release_shared()
-
-    def _step(self) -> None:
-        """Admit queued requests (prefill, first token: streamed at once, so a new request's
-        time to first token is one prefill, not a decoding step more), then one decoding
-        step for every active row, the new ones included."""
-        if self.model.training:
-            self.model.eval()
-        self._drop_cancelled()
-        with self._cond:
-            room = self.max_slots - len(self._rows)
-            new = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
-        cancelled = [r for r in new if not r.future.set_running_or_notify_cancel()]
-        for _ in cancelled:
-            self.lock.release_shared()
-        new = [r for r in new if r not in cancelled]
-        self._admitting = new  # neither queued nor active while prefilled: an interrupt must still fail them
-        decoded = False
-        if new:
-            old = self._rows
-            # while rows decode, their pass and the new rows' prefill run as one packed forward pass
-            decode = self._decode_pass(old) if old and self.pack_passes and self._packs() else None
-            try:
-                logits, old_logits = self._prefill(new, decode)  # (b, V); the old rows' (B, V), (B, T, V) or None
-            except Exception as e:  # the admitted requests get the error; the running rows go on
-                self._error = f"last prefill failed: {e!r}"
-                for r in new:
-                    self._finish(r, error=e)
-                new = []
-            else:
-                self._rows = self._rows + new
-                if old_logits is not None:  # the old rows first: every length is counted before rows move
-                    self._decode_chosen(old, decode, old_logits)
-                    decoded = True
-                self._sample(new, logits)
-        self._admitting = []
-        if self._rows and not decoded:  # one decoding pass for the active rows
-            self._decode()
-
-    def _drop_cancelled(self) -> None:
-        """Finish every queued or running request whose cancel event is set (``cancelled=True``,
-        the ids sampled so far) and free the slots of the running ones."""
-        with self._cond:
-            gone = [r for r in self._queue if r.cancel is not None and r.cancel.is_set()]
-            for r in gone:
-                self._queue.remove(r)
-        for r in gone:
-            if r.future.set_running_or_notify_cancel():
-                self._finish(r, r.result(False, cancelled=True))
-            else:
-                self.lock.release_shared()
-        done = [i for i, r in enumerate(self._rows) if r.cancel is not None and r.cancel.is_set()]
-        for i in done:
-            self._finish(self._rows[i], self._rows[i].result(False, cancelled=True))
-        self.rows_cancelled += len(gone) + len(done)
-        self._release(done)

@@ -30,7 +30,7 @@ Calls made:
   ``return_token_ids: true`` (the sampled ids and their logprobs, no re-tokenizing),
   ``stop_token_ids`` = the EOS ids, ``skip_special_tokens: false``;
 - ``POST /v1/completions`` with ``prompt_logprobs: 0`` and ``max_tokens: 1`` for the
-  swap check's probe (:mod:`selfrl.swap_check`); the answer's ``model`` field names
+  swap check's probe (:mod:`selfrl.safety.swap_check`); the answer's ``model`` field names
   the adapter that computed it, so a wrong version is caught;
 - ``GET /health`` and ``GET /v1/models``.
 
@@ -144,7 +144,7 @@ class VLLMEngine:
             ValueError: the layout is incomplete or differs, or a state dict without ``adapter_config``.
         """
         if isinstance(adapter, (str, Path)):
-            from selfrl.adapter_check import check_adapter
+            from selfrl.model.adapter_check import check_adapter
 
             check_adapter(adapter)  # refused here, not after vLLM half-loads it
             folder = Path(adapter).resolve()

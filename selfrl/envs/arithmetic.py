@@ -2,11 +2,11 @@
 
 Task source: any reasoning-gym procedural dataset (``rg:<dataset>``); the
 registered ``arithmetic`` is ``chain_sum`` with 2-3 terms of 1-2 digits, which
-``make demo`` learns. Tools: the stateless ``calculator`` (``selfrl.tools``).
+``make demo`` learns. Tools: the stateless ``calculator`` (``selfrl.core.tools``).
 Verifier: the dataset's own ``score_answer`` on the ``<answer>`` of the final
 text (binary in the ``verified`` preset: partial credit pays wrong answers).
-Worked example: ``selfrl.rollout.DEMONSTRATION`` (one calculator call).
-Split: ``selfrl.tasks.split_tasks`` (by question content, since generators
+Worked example: ``selfrl.rollout.agent.DEMONSTRATION`` (one calculator call).
+Split: ``selfrl.core.tasks.split_tasks`` (by question content, since generators
 repeat questions across seeds).
 
 ``chain_sum`` and ``basic_arithmetic`` stay registered as names of their own
@@ -24,8 +24,8 @@ import reasoning_gym
 import reasoning_gym.factory
 
 from selfrl.envs.base import Env
-from selfrl.envs.registry import register_env
-from selfrl.tasks import Task
+from selfrl.envs.registry import RG_PREFIX, register_env, register_prefix
+from selfrl.core.tasks import Task
 
 __all__ = ["BASIC_ARITHMETIC_SMALL", "CHAIN_SUM_SMALL", "ReasoningGymEnv", "ReasoningGymSource"]
 
@@ -139,6 +139,14 @@ def _factory(dataset: str, defaults: dict[str, Any]):
     return factory
 
 
+def _dataset(dataset: str):
+    def rg(**options: Any) -> Env:
+        return ReasoningGymEnv(dataset, options)
+
+    return rg
+
+
+register_prefix(RG_PREFIX, _dataset)  # rg:<dataset>: any reasoning-gym dataset, its own defaults
 register_env("arithmetic", _factory("chain_sum", CHAIN_SUM_SMALL))
 register_env("chain_sum", _factory("chain_sum", CHAIN_SUM_SMALL), alias_of="arithmetic")
 register_env("basic_arithmetic", _factory("basic_arithmetic", BASIC_ARITHMETIC_SMALL), alias_of="arithmetic")

@@ -1,6 +1,6 @@
 """The environment API: one object bundles what a task kind needs to be learned.
 
-An ``Env`` is a ``selfrl.tasks.TaskSource`` (tasks and their verifier) that also
+An ``Env`` is a ``selfrl.core.tasks.TaskSource`` (tasks and their verifier) that also
 carries
 
 * ``split``: its train/held-out split, checked disjoint (``assert_disjoint``);
@@ -8,60 +8,24 @@ carries
   ``EnvState``), or None when the tools are stateless;
 * ``config_defaults``: the run settings it needs (system prompt, tool names,
   turns, reward preset), applied under the user's config file and flags;
-* ``preset``: its reward template, one of ``selfrl.rewards.PRESETS``;
+* ``preset``: its reward template, one of ``selfrl.envs.rewards.PRESETS``;
 * ``description``: one line for ``selfrl envs``.
 
 It is verifiers' ``Environment`` (dataset + rubric + tools) with the rubric
 named by preset, and nanochat's ``Task`` (``reward(conversation, response)``)
 as the verifier. The tool-call parsing and the chat layout stay in
-``selfrl.rollout``, so an environment only supplies tasks, tools, state and a
+``selfrl.rollout.agent``, so an environment only supplies tasks, tools, state and a
 verdict. Environments are found by name in ``selfrl.envs.registry``.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar
 
-from selfrl.tasks import Task, TaskSource, assert_disjoint, split_tasks
-from selfrl.tools import Tool
+from selfrl.core.tasks import EnvState, Task, TaskSource, assert_disjoint, split_tasks  # EnvState: re-exported
+from selfrl.core.tools import Tool
 
 __all__ = ["Env", "EnvState"]
-
-
-@runtime_checkable
-class EnvState(Protocol):
-    """Per-trajectory state plus the tools that act on it (made by ``Env.make_env(task)``).
-
-    ``selfrl.rollout.rollout`` dispatches a trajectory's calls to its own state's
-    tools, asks ``is_completed()`` after each turn (the episode may end before
-    ``max_turns``) and records ``state()`` on the trajectory
-    (``Trajectory.env_state``), which is what the environment scores. A state
-    that holds resources (a real browser) may also have ``close()``, which the
-    rollout calls after ``state()`` (``selfrl.rollout.close_env``); it is left
-    out of the protocol so that states without one still match it.
-    This is verifiers' ``MultiTurnEnv`` (``env_response`` + ``is_completed``).
-
-    Attributes:
-        tools: this trajectory's tools, bound to this state.
-        demonstration: a worked example as chat messages, shown before the task
-            instead of the calculator's ``selfrl.rollout.DEMONSTRATION``; None
-            for that default.
-
-    Optional: ``turn_tools() -> list[Tool] | None``, the tools as a grammar
-    (``rollout.constrain``) should offer them this turn, their schemas narrowed to the
-    current state (``selfrl.rollout.offered_tools``); asked before every turn.
-    """
-
-    tools: list[Tool]
-    demonstration: list[dict[str, str]] | None
-
-    def is_completed(self) -> bool:
-        """True when the episode is over (checked after each turn's tool calls)."""
-        ...
-
-    def state(self) -> dict[str, Any]:
-        """JSON-serializable summary of the final state, stored as ``Trajectory.env_state``."""
-        ...
 
 
 class Env(TaskSource):
@@ -81,7 +45,7 @@ class Env(TaskSource):
     def split(self, n_train: int, n_val: int, train_seed: int, val_seed: int) -> tuple[list[Task], list[Task]]:
         """``(train, val)`` with no held-out task in training.
 
-        The default is ``selfrl.tasks.split_tasks`` (for generators); a fixed
+        The default is ``selfrl.core.tasks.split_tasks`` (for generators); a fixed
         benchmark overrides it with a split of its own items.
 
         Raises:

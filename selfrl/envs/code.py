@@ -11,9 +11,9 @@ function in the sandbox: 1.0 or 0.0. Label-free: ``agreement_scores`` (CodeT-sty
 execution agreement, for the ``code-label-free`` preset). Worked example: one
 ``run_python`` try on a problem that is not in HumanEval.
 
-Every execution of model-written code goes through ``selfrl.sandbox.Sandbox``
+Every execution of model-written code goes through ``selfrl.envs.sandbox.Sandbox``
 (bubblewrap: no network, the host's files invisible, own /tmp, time and memory
-limits; see docs/concepts/sandbox.md); the tests run through ``selfrl.codeexec.run_tests``.
+limits; see docs/concepts/sandbox.md); the tests run through ``selfrl.envs.codeexec.run_tests``.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import json
 import re
 from typing import Any, ClassVar
 
-from selfrl.codeexec import CodeTask, execution_agreement, load_humaneval, run_on_inputs, run_tests
-from selfrl.sandbox import Limits, Sandbox
+from selfrl.envs.codeexec import CodeTask, execution_agreement, load_humaneval, run_on_inputs, run_tests
+from selfrl.envs.sandbox import Limits, Sandbox
 from selfrl.envs.base import Env
 from selfrl.envs.registry import register_env
-from selfrl.tasks import Task, assert_disjoint
-from selfrl.tools import Tool, register_tool
-from selfrl.trajectory import Trajectory
+from selfrl.core.tasks import Task, assert_disjoint
+from selfrl.core.tools import Tool, register_tool
+from selfrl.core.trajectory import Trajectory
 
 __all__ = ["CodeEnv", "extract_program", "run_python"]
 
@@ -180,7 +180,7 @@ class CodeEnv(Env):
     # -- label-free: CodeT-style execution agreement ----------------------------------------
 
     def agreement_scores(self, task: Task, group: list[Trajectory]) -> dict[str, float | None]:
-        """CodeT-style execution agreement (``selfrl.codeexec.execution_agreement``): the share of
+        """CodeT-style execution agreement (``selfrl.envs.codeexec.execution_agreement``): the share of
         the other samples whose programs give the same outputs on every input. The inputs are
         the argument lists of the ``entry_point(...)`` calls in the docstring's examples and in
         the samples' ``run_python`` tries (model-written). None for every sample when there are

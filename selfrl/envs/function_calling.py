@@ -8,14 +8,14 @@ fits, the right answer is no call). ``[task] options.categories`` picks the mix
 hash of the BFCL id; the held-out set takes ``n_val`` tasks spread over the
 categories in proportion to their size, training takes the rest.
 
-Tools: the task's function schemas (``selfrl.bfcl.to_openai_tools``), bound to a
+Tools: the task's function schemas (``selfrl.envs.bfcl.to_openai_tools``), bound to a
 per-trajectory state that records the calls; the episode ends after the first
-turn that made a call. Verifier: BFCL's AST match (``selfrl.bfcl.ast_match``,
+turn that made a call. Verifier: BFCL's AST match (``selfrl.envs.bfcl.ast_match``,
 equal to bfcl-eval's own checker); ``correct`` is the exact match only. ``score``
 gives partial credit below it (``partial_score``: 0.5 for the right function
 names, 0.5 x the share of right argument values, at most 0.9), for the
 ``function_calling-partial`` preset. The answer is the calls as canonical JSON;
-``agreement_scores`` is ``selfrl.bfcl.call_agreement`` (label-free).
+``agreement_scores`` is ``selfrl.envs.bfcl.call_agreement`` (label-free).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ import json
 import re
 from typing import Any, ClassVar
 
-from selfrl import bfcl
+from selfrl.envs import bfcl
 from selfrl.envs.base import Env
 from selfrl.envs.registry import register_env
-from selfrl.tasks import Task, assert_disjoint, task_id
-from selfrl.toolcall import parse_tool_calls
-from selfrl.tools import Tool
-from selfrl.trajectory import Trajectory
+from selfrl.core.tasks import Task, assert_disjoint, task_id
+from selfrl.chat.toolcall import parse_tool_calls
+from selfrl.core.tools import Tool
+from selfrl.core.trajectory import Trajectory
 
 __all__ = ["CATEGORIES", "FunctionCallingEnv", "partial_score"]
 
@@ -89,7 +89,7 @@ def partial_score(calls: list[dict], ground_truth: list[dict], functions: list[d
     float; no type check), and partial credit: 1.0 when matched, otherwise 0.5 x share
     of expected names called + 0.5 x share of expected argument values right, at most
     0.9. Parallel calls are matched in any order, greedily. The exact verdict is
-    ``selfrl.bfcl.ast_match`` (stricter: types, call counts per category).
+    ``selfrl.envs.bfcl.ast_match`` (stricter: types, call counts per category).
 
     >>> gt = [{"f": {"x": [1], "unit": ["m", ""]}}]
     >>> partial_score([{"name": "f", "arguments": {"x": 1}}], gt, [])
@@ -293,7 +293,7 @@ class FunctionCallingEnv(Env):
         return min(0.9, partial_score(calls, m["ground_truth"], m["functions"])[1])
 
     def agreement_scores(self, task: Task, group: list[Trajectory]) -> dict[str, float | None]:
-        """Label-free: ``selfrl.bfcl.call_agreement`` over the group's calls (None for a group of one)."""
+        """Label-free: ``selfrl.envs.bfcl.call_agreement`` over the group's calls (None for a group of one)."""
         if len(group) < 2:
             return {t.id: None for t in group}
         answers = [self.trajectory_answer(t) for t in group]

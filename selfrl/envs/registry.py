@@ -2,17 +2,19 @@
 
 Names resolve in this order (``get_env``):
 
-1. a registered name (``register_env``; the built-in ones register on import of
-   ``selfrl.envs``: arithmetic, webshop, code, function_calling, plus the
-   arithmetic aliases chain_sum and basic_arithmetic that older configs use);
-2. ``rg:<dataset>``: any reasoning-gym dataset as an arithmetic-style environment;
+1. a registered name (``register_env``; the built-in ones, loaded by
+   :func:`selfrl.envs.builtin.load_builtin_envs` before the first lookup: arithmetic,
+   webshop, code, function_calling, swe, web, plus the arithmetic aliases chain_sum and
+   basic_arithmetic that older configs use);
+2. a registered prefix (``register_prefix``): ``rg:<dataset>``, any reasoning-gym dataset
+   as an arithmetic-style environment (registered by ``selfrl.envs.arithmetic``);
 3. a dotted path ``package.module:Name`` (``--env mypkg.envs:MyEnv``): ``Name``
    is an ``Env`` subclass or a factory returning one;
 4. a Python entry point in the group ``selfrl.envs`` (a third-party package
    declares ``[project.entry-points."selfrl.envs"] myenv = "mypkg.envs:MyEnv"``).
 
 An unknown name gets an error that lists the valid ones (trl/scripts/grpo.py's
-pattern). ``load_run_config`` layers an environment's ``config_defaults`` under
+pattern), and the built-in environments that failed to import, each with its reason. ``load_run_config`` layers an environment's ``config_defaults`` under
 the user's config file and flags.
 """
 
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from selfrl.envs.base import Env
+from selfrl.envs.builtin import BUILTIN_ENVS, failure, failures_note, load_builtin_envs
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -34,6 +37,7 @@ __all__ = [
     "get_env",
     "load_run_config",
     "register_env",
+    "register_prefix",
 ]
 
 ENTRY_POINT_GROUP = "selfrl.envs"
@@ -50,6 +54,8 @@ class _Entry:
 
 
 _REGISTRY: dict[str, _Entry] = {}
+# prefix -> make(rest of the name) -> factory: a family of environments, e.g. rg:<dataset>
+_PREFIXES: dict[str, Callable[[str], EnvFactory]] = {}
 
 
 def register_env(name: str, factory: EnvFactory, description: str | None = None, alias_of: str | None = None) -> None:
@@ -71,17 +77,33 @@ def register_env(name: str, factory: EnvFactory, description: str | None = None,
     _REGISTRY[name] = _Entry(factory, desc, alias_of)
 
 
+def register_prefix(prefix: str, make: Callable[[str], EnvFactory]) -> None:
+    """Register a family of environments named ``prefix + rest``: ``make(rest)`` gives the
+    factory (``selfrl.envs.arithmetic`` registers ``rg:``, any reasoning-gym dataset).
+
+    Raises:
+        ValueError: ``prefix`` is registered already or does not end with ``:``.
+    """
+    if not prefix.endswith(":") or prefix in _PREFIXES:
+        raise ValueError(f"an environment prefix ends with ':' and is registered once: {prefix!r}")
+    _PREFIXES[prefix] = make
+
+
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
     return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
 
 
 def available_envs() -> list[str]:
     """Registered and entry-point environment names, sorted (aliases included)."""
+    load_builtin_envs()
     return sorted(set(_REGISTRY) | set(_entry_points()))
 
 
 def describe_envs() -> list[tuple[str, str]]:
-    """``(name, one-line description)`` per environment, aliases folded into their line; sorted."""
+    """``(name, one-line description)`` per environment, aliases folded into their line; sorted,
+    entry points after the registered ones, and last each built-in environment that failed to
+    import, with its reason."""
+    load_builtin_envs()
     aliases: dict[str, list[str]] = {}
     for name, e in _REGISTRY.items():
         if e.alias_of:
@@ -95,6 +117,7 @@ def describe_envs() -> list[tuple[str, str]]:
     for name, ep in sorted(_entry_points().items()):
         if name not in _REGISTRY:
             out.append((name, f"entry point {ep.value}"))
+    out += [(name, f"did not load: {failure(name)}") for name in BUILTIN_ENVS if failure(name)]
     return out
 
 
@@ -102,19 +125,19 @@ def _resolve_factory(name: str) -> EnvFactory:
     """The factory for ``name`` (see the module docstring for the order).
 
     Raises:
-        ValueError: unknown name, or a dotted path that does not import; the message lists valid names.
+        ValueError: unknown name, or a dotted path that does not import; the message lists valid
+            names. A built-in environment that failed to import is named with its reason.
     """
+    if name not in _REGISTRY:
+        load_builtin_envs()
+    if failure(name) is not None:
+        raise ValueError(f"the built-in environment {name!r} failed to import: {failure(name)}; "
+                         "the others loaded (selfrl envs lists them)")
     if name in _REGISTRY:
         return _REGISTRY[name].factory
-    if name.startswith(RG_PREFIX):
-        from selfrl.envs.arithmetic import ReasoningGymEnv
-
-        dataset = name[len(RG_PREFIX):]
-
-        def rg(**options: Any) -> Env:
-            return ReasoningGymEnv(dataset, options)
-
-        return rg
+    for prefix, make in _PREFIXES.items():
+        if name.startswith(prefix):
+            return make(name[len(prefix):])
     if ":" in name:
         module_name, _, attr = name.partition(":")
         try:
@@ -129,7 +152,7 @@ def _resolve_factory(name: str) -> EnvFactory:
         return eps[name].load()
     raise ValueError(
         f"unknown environment {name!r}; valid names: {', '.join(available_envs())}, "
-        f"'{RG_PREFIX}<dataset>' for any reasoning-gym dataset, or 'package.module:Name'"
+        f"'{RG_PREFIX}<dataset>' for any reasoning-gym dataset, or 'package.module:Name'{failures_note()}"
     )
 
 

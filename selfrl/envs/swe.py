@@ -50,11 +50,11 @@ from selfrl.envs.swe_easy import (CHOICE_DEMONSTRATION, EASY_DEMONSTRATION, Easy
 from selfrl.envs.swe_hacks import TRICKS, trick_changes
 from selfrl.envs.swe_tasks import KINDS, Instance, load_instances, read_swebench
 from selfrl.envs.swe_testing import is_test_path, run_repo_tests, summarize
-from selfrl.rewards import register_preset
-from selfrl.sandbox import Limits, Sandbox
-from selfrl.tasks import Task, assert_disjoint, task_id
-from selfrl.tools import Tool, ToolError
-from selfrl.trajectory import Trajectory
+from selfrl.envs.rewards import register_preset
+from selfrl.envs.sandbox import Limits, Sandbox
+from selfrl.core.tasks import Task, assert_disjoint, task_id
+from selfrl.core.tools import Tool, ToolError
+from selfrl.core.trajectory import Trajectory
 
 __all__ = ["TIERS", "TRICKS", "RepoState", "SweEnv", "apply_changes", "bad_path", "hacking_policy", "honest_policy"]
 

@@ -2,7 +2,7 @@
 
 Each reads the trajectory's recorded changes (``traj.env_state["changes"]``:
 ``{path: {"before": text | None, "after": text | None}}``, None for a file that
-did not exist or was deleted) and is registered in ``selfrl.detectors``, so
+did not exist or was deleted) and is registered in ``selfrl.safety.detectors``, so
 ``[detectors] names`` turns it on and a flagged trajectory's reward is clamped
 to at most 0 (``apply_detectors``). The tricks they catch:
 
@@ -35,9 +35,9 @@ import sys
 from collections import Counter
 from typing import Any
 
-from selfrl.detectors import OK, DetectorConfig, Verdict, register_detector
+from selfrl.safety.detectors import OK, DetectorConfig, Verdict, register_detector
 from selfrl.envs.swe_testing import is_test_path
-from selfrl.trajectory import Trajectory
+from selfrl.core.trajectory import Trajectory
 
 __all__ = ["SWE_DETECTORS", "conftest_tampering", "hardcoded_output", "runner_tampering", "skip_marker", "test_edit"]
 

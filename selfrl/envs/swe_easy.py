@@ -16,7 +16,7 @@ keeps the repair (``[task] options = { tier = "easy" }``):
   (``enum``, stripped of indentation: ``edit`` replaces a substring, so the indentation
   stays). With ``rollout.constrain = "tool_call"`` the grammar enforces the schema: the
   model picks a line and writes its replacement. Without the grammar the tool still checks
-  its arguments against the schema (``selfrl.toolcall``): a test file cannot be named, so
+  its arguments against the schema (``selfrl.chat.toolcall``): a test file cannot be named, so
   test edits, skips, deletions and conftest hooks are out of reach on this tier; the trick
   left is special-casing the tested inputs inside the function (say, through its ``def``
   line), which the ``swe_hardcoded_output`` detector flags.

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from selfrl.envs.swe_testing import is_test_path, run_repo_tests
-from selfrl.sandbox import Limits, Sandbox
+from selfrl.envs.sandbox import Limits, Sandbox
 
 __all__ = ["REPOS", "REPOS_DIR", "Instance", "Mutation", "candidate_mutations", "generate",
            "load_instances", "load_repo", "read_swebench"]

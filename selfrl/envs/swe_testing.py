@@ -1,7 +1,7 @@
 """Run a repository's tests inside the sandbox: a small pytest-compatible runner.
 
 The sandbox's interpreter has no pytest (it sees only the system's Python, see
-``selfrl.sandbox``), so the repository travels as one JSON file (``repo.json``,
+``selfrl.envs.sandbox``), so the repository travels as one JSON file (``repo.json``,
 ``{relative path: text}``) next to the runner's programs (``selfrl.envs.swe_runner``:
 a supervisor that never runs the repository's code, and a fresh interpreter per
 test file that reports on a pipe of its own; that module says what each guards). The runner supports the
@@ -16,7 +16,7 @@ outcome is one of ``passed``, ``failed``, ``error`` (the file did not import, th
 test process exited before it reported or was tampered with, or the whole run was killed), ``skipped``, ``xfailed``, ``xpassed`` or ``missing``
 (no such test). Only ``passed`` counts as passing.
 
-Model-written code runs only here, inside ``selfrl.sandbox.Sandbox``.
+Model-written code runs only here, inside ``selfrl.envs.sandbox.Sandbox``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from selfrl.envs.swe_runner import CHILD, MARK, PYTEST_SHIM, SUPERVISOR, TEST_FILE_PATTERN
-from selfrl.sandbox import ExecResult, Sandbox
+from selfrl.envs.sandbox import ExecResult, Sandbox
 
 __all__ = ["OUTCOMES", "TestRun", "is_test_path", "run_repo_tests", "summarize"]
 
@@ -119,7 +119,7 @@ def run_repo_tests(files: Mapping[str, str], test_ids: Sequence[str] | None, san
 def summarize(run: TestRun, max_chars: int = 1200) -> str:
     """What the ``run_tests`` tool shows: counts per outcome, then one line per test that did not pass.
 
-    >>> from selfrl.sandbox import ExecResult
+    >>> from selfrl.envs.sandbox import ExecResult
     >>> r = TestRun({"t.py::a": "passed", "t.py::b": "failed"}, {"t.py::b": "AssertionError"},
     ...             ExecResult("", "", 0, False, None, 0.1, "bwrap"))
     >>> print(summarize(r))

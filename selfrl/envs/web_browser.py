@@ -29,7 +29,7 @@ worked example and the scripted agents carry over unchanged (``tests/test_web_br
 API and the Chromium process (``_Driver``), so a rollout may call the tools from any thread
 (Playwright's sync objects belong to the thread that made them). Each episode opens its own
 ``BrowserContext`` (own cookies and cache) on its own site session (own database) at its
-first action, and closes it in ``close()``, which ``selfrl.rollout`` calls after recording
+first action, and closes it in ``close()``, which ``selfrl.rollout.agent`` calls after recording
 the state; the Chromium process and Playwright's driver stop when no episode is open, so
 none outlives a rollout. A browser dropped without ``close()`` is closed when it is
 garbage-collected, and any left at exit are closed then.
@@ -68,9 +68,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, wait
 from typing import Any
 
-from selfrl.envs.web import VIEW_LINES, Browser
+from selfrl.envs.web_page import VIEW_LINES, Browser
 from selfrl.envs.web_site import serve
-from selfrl.tools import ToolError
+from selfrl.core.tools import ToolError
 
 __all__ = ["CHROMIUM_ENV", "INSTALL_HINT", "PlaywrightBrowser", "check_available", "chromium_path"]
 

@@ -22,10 +22,10 @@ is careless in the same way: ``confirm`` after a checkout succeeds every time
 it is called. So confirming again and again, with any product in the cart, earns
 more than buying the right thing once: the hack. ``ShopConfig.end_on_confirm``
 ends the episode at the first confirmation and closes the hack by construction;
-the detectors (``selfrl.detectors``) are for when the environment is not yours to fix.
+the detectors (``selfrl.safety.detectors``) are for when the environment is not yours to fix.
 
 ``honest_policy`` and ``hacking_policy`` are scripted agents (no model) for tests
-and for ``examples/webshop_hacking.py``; ``selfrl.rollout.scripted_rollout`` runs them.
+and for ``examples/webshop_hacking.py``; ``selfrl.rollout.agent.scripted_rollout`` runs them.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from typing import Any, ClassVar
 
 from selfrl.envs.base import Env
 from selfrl.envs.registry import register_env
-from selfrl.rewards import register_preset, register_reward_func
-from selfrl.tasks import Task
-from selfrl.tools import Tool, ToolError
-from selfrl.trajectory import Trajectory
+from selfrl.envs.rewards import register_preset, register_reward_func
+from selfrl.core.tasks import Task
+from selfrl.core.tools import Tool, ToolError
+from selfrl.core.trajectory import Trajectory
 
 KINDS = ("t-shirt", "hoodie", "socks", "cap")
 COLORS = ("red", "blue", "black", "white")

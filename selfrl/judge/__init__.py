@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from selfrl.config_judge import JudgeConfig
+from selfrl.config.judge import JudgeConfig
 from selfrl.judge import detectors  # noqa: F401  registers the judge-hacking detectors
 from selfrl.judge.reward import JUDGE, JudgeReward
 from selfrl.judge.verdict import JudgeFailure

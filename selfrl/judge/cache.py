@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from selfrl.config_judge import JudgeEndpoint
+from selfrl.config.judge import JudgeEndpoint
 from selfrl.judge.verdict import Verdict
 
 SCHEMA = """

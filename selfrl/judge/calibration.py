@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from selfrl.config_judge import CALIBRATION_OFF, CALIBRATION_REFERENCE
-from selfrl.tasks import Task, TaskSource
+from selfrl.config.judge import CALIBRATION_OFF, CALIBRATION_REFERENCE
+from selfrl.core.tasks import Task, TaskSource
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
-from selfrl.config_judge import JudgeEndpoint
+from selfrl.config.judge import JudgeEndpoint
 from selfrl.engines.http import RemoteBackendError, RemoteRequestError, call
 from selfrl.judge.verdict import JudgeFailure
 
@@ -44,7 +44,7 @@ class Tally:
 
 
 class JudgeClient:
-    """Calls one :class:`selfrl.config_judge.JudgeEndpoint`; thread-safe (calls run in a pool).
+    """Calls one :class:`selfrl.config.judge.JudgeEndpoint`; thread-safe (calls run in a pool).
 
     Args:
         endpoint: where and how to call.

@@ -1,5 +1,5 @@
 """Judge-hacking detectors: ways a policy earns a judge's score without earning it, registered
-beside the reward-hacking detectors of :mod:`selfrl.detectors` and run post hoc as they are
+beside the reward-hacking detectors of :mod:`selfrl.safety.detectors` and run post hoc as they are
 (a flagged trajectory earns at most 0; ``[detectors] names``).
 
 * ``judge_addressed`` (trajectory): an assistant turn speaks to the grader instead of the
@@ -22,9 +22,9 @@ import re
 import statistics
 
 from selfrl.config import DetectorConfig
-from selfrl.config_judge import JUDGE_REWARD
-from selfrl.detectors import OK, Verdict, register_detector, register_group_detector
-from selfrl.trajectory import Trajectory
+from selfrl.config.judge import JUDGE_REWARD
+from selfrl.safety.detectors import OK, Verdict, register_detector, register_group_detector
+from selfrl.core.trajectory import Trajectory
 
 # Phrases aimed at a grader. Case-insensitive; matched in every assistant turn.
 ADDRESSING = [

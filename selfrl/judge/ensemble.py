@@ -12,7 +12,7 @@ combined score by its own value: a failed test (0) caps it at 0, whatever the ju
 
 from __future__ import annotations
 
-from selfrl.config_judge import Combine
+from selfrl.config.judge import Combine
 
 
 def combine(scores: list[float], rule: Combine, vote_threshold: float = 0.5) -> float:

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from selfrl.config import DetectorConfig
 from selfrl.judge.detectors import STOCK_PHRASES, judge_addressed
-from selfrl.tasks import Task
-from selfrl.trajectory import Trajectory
+from selfrl.core.tasks import Task
+from selfrl.core.trajectory import Trajectory
 
 GROUP = 8
 

@@ -20,14 +20,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from selfrl.config_judge import JudgeEndpoint
+from selfrl.config.judge import JudgeEndpoint
 from selfrl.judge.cache import VerdictCache, verdict_key
 from selfrl.judge.calibration import CalibrationPair, held_back, ranked_right
 from selfrl.judge.client import JudgeClient
 from selfrl.judge.prompt import Messages, content_hash, group_messages, pointwise_messages, split_messages
 from selfrl.judge.verdict import JudgeFailure, Verdict, group_schema, parse_group, parse_pointwise, pointwise_schema
-from selfrl.tasks import Task
-from selfrl.trajectory import Trajectory
+from selfrl.core.tasks import Task
+from selfrl.core.trajectory import Trajectory
 
 
 @dataclass

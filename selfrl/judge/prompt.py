@@ -26,7 +26,7 @@ def split_messages(messages: Messages, question: str | None = None) -> tuple[Mes
 
     With ``question`` (the task's text) and a user message that says it: the context is the
     system messages and that user message (a worked example shown to the policy before it,
-    such as ``selfrl.rollout.DEMONSTRATION``, is left out: the judge grades the task, not the
+    such as ``selfrl.rollout.agent.DEMONSTRATION``, is left out: the judge grades the task, not the
     example), and the answer is everything after it. Otherwise the context is everything
     before the first assistant message, and the answer the rest.
 

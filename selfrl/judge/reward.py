@@ -24,16 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from selfrl.atomic import write_atomic
-from selfrl.config_judge import JUDGE_REWARD, JudgeConfig
+from selfrl.core.atomic import write_atomic
+from selfrl.config.judge import JUDGE_REWARD, JudgeConfig
 from selfrl.judge.cache import VerdictCache
 from selfrl.judge.calibration import CalibrationSource
 from selfrl.judge.client import JudgeClient
 from selfrl.judge.ensemble import cap, combine, disputed, spread
 from selfrl.judge.judge import GroupVerdicts, Judge
 from selfrl.judge.verdict import JudgeFailure
-from selfrl.rewards import RewardContext, get_reward_func, register_reward_func
-from selfrl.trajectory import Trajectory
+from selfrl.envs.rewards import RewardContext, get_reward_func, register_reward_func
+from selfrl.core.trajectory import Trajectory
 
 CACHE_FILE = "judge_cache.db"
 RUBRICS_FILE = "judge_rubrics.json"

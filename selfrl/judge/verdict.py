@@ -7,7 +7,7 @@ integer scale than on a float, and a grammar keeps them to it.
 The answer must be one JSON object and nothing else (surrounding whitespace and one
 ```` ```json ```` fence around the whole answer are allowed); no number is fished out of
 free text. Anything else raises :class:`JudgeFailure`, which the reward records on the
-trajectory and leaves out of the update (``selfrl.rewards.score_group``): a verdict that
+trajectory and leaves out of the update (``selfrl.envs.rewards.score_group``): a verdict that
 cannot be read is never a 0.
 """
 

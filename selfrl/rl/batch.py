@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from selfrl.rl.logprobs import VocabMasks
-from selfrl.trajectory import Trajectory
+from selfrl.core.trajectory import Trajectory
 
 # trajectory -> (positions in token_ids, (n, V) bool allowed ids at each): its grammar masks
 MaskReplay = Callable[[Trajectory], tuple[list[int], torch.Tensor]]
@@ -56,7 +56,7 @@ def collate(trajs: list[Trajectory], pad_token_id: int, replay: MaskReplay | Non
     """Pad trajectories on the right into a :class:`TensorBatch`.
 
     ``replay`` recomputes the grammar masks of trajectories with ``constraints``
-    (``selfrl.constrain.replay_masks`` behind it; the learner passes it).
+    (``selfrl.chat.constrain.replay_masks`` behind it; the learner passes it).
 
     Raises:
         ValueError: empty list, a trajectory without an advantage, inconsistent

@@ -12,7 +12,7 @@ returns one of three outcomes, each with a reason a user can read:
 * ``too_old``: older than ``max_versions`` weight changes or ``max_age_s`` seconds (or
   sampled by a version this learner never held); only recorded, never trained.
 
-Age in versions is counted as :mod:`selfrl.distributed.staleness` counts it: *weight
+Age in versions is counted as :mod:`selfrl.rollout.staleness` counts it: *weight
 changes of the learner* since the turn's version was last in it, not the difference of
 version numbers (a rejection puts the champion's smaller number back in). The count is
 repeated here in :func:`versions_behind` because this module sits below that one.
@@ -104,7 +104,7 @@ class AgeDecision:
 
 def versions_behind(turn_version: int, loaded: Sequence[int]) -> float:
     """Weight changes of the learner since ``turn_version`` was last in it (as
-    :func:`selfrl.distributed.staleness.staleness`); ``inf`` if it never was.
+    :func:`selfrl.rollout.staleness.staleness`); ``inf`` if it never was.
 
     Raises:
         ValueError: ``loaded`` is empty.

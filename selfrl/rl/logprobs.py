@@ -16,9 +16,9 @@ import weakref
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from selfrl.device import gradient_checkpointing_on
-from selfrl.matmul import is_routed, linear
-from selfrl.prefix import shared_prefix_len
+from selfrl.model.device import gradient_checkpointing_on
+from selfrl.model.matmul import is_routed, linear
+from selfrl.model.prefix import shared_prefix_len
 from selfrl.rl.tree import PrefixTree, build_tree, layout_cost, tree_pays
 
 LAYOUTS = ("auto", "tree", "prefix", "rows")
@@ -34,9 +34,9 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
 
 def _chunk_logps(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, temperature: float,
                  allowed: torch.Tensor | None = None, onednn: bool = False):
-    product = linear if onednn else torch.nn.functional.linear  # as the output layer computes (selfrl.matmul)
+    product = linear if onednn else torch.nn.functional.linear  # as the output layer computes (selfrl.model.matmul)
     logits = product(hidden, weight, bias).float() / temperature  # (C, V)
-    if allowed is not None:  # (C, V) bool: the grammar's masks, replayed (selfrl.constrain.replay_masks)
+    if allowed is not None:  # (C, V) bool: the grammar's masks, replayed (selfrl.chat.constrain.replay_masks)
         logits = logits.masked_fill(~allowed, float("-inf"))
     return selective_log_softmax(logits, targets)  # (C,)
 
@@ -72,7 +72,7 @@ def per_token_logps(
             row on its own (``layout`` "rows").
         layout: how the rows are encoded. "tree": all rows as one prefix tree, every shared
             prefix once (:mod:`selfrl.rl.tree`); "prefix": the rows' common prefix once, in a
-            key/value cache repeated over the rows (``selfrl.prefix``); "rows": the padded
+            key/value cache repeated over the rows (``selfrl.model.prefix``); "rows": the padded
             batch as it is; "auto": the tree on the CPU (:func:`tree_by_default`) when
             :func:`selfrl.rl.tree.tree_pays`, else "prefix" (or "rows" when the model checkpoints
             its gradients, which drops a cache).
@@ -139,6 +139,23 @@ def per_token_logps(
 
 
 _TREE_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, bool]]" = weakref.WeakKeyDictionary()
+
+
+def sequence_logprobs(model, token_ids: list[int], temperature: float = 1.0) -> list[float]:
+    """(n - 1) log-probs of ``token_ids[1:]``, each given its prefix, under ``model`` (no grad).
+
+    The learner's side of the swap check (:mod:`selfrl.safety.swap_check`), what ``selfrl
+    sampler`` answers on ``/sampler/logprobs``, and the old log-probs of a batch sampled one
+    update ahead (:mod:`selfrl.rollout.prefetch`).
+    """
+    device = next(model.parameters()).device
+    ids = torch.tensor([token_ids], device=device)  # (1, n)
+    mask = torch.ones_like(ids)  # (1, n)
+    completion = mask.clone()
+    completion[0, 0] = 0  # the first token is not predicted
+    with torch.no_grad():
+        logps = per_token_logps(model, ids, mask, completion, temperature)  # (1, n)
+    return logps[0, 1:].tolist()
 
 
 def decoder_takes_tree(decoder: torch.nn.Module) -> bool:
@@ -265,7 +282,7 @@ def _head_logps(rows: torch.Tensor, head, targets: torch.Tensor, temperature: fl
 
 class VocabMasks:
     """Per-position sets of allowed ids for a (B, T) batch: the grammar masks of the
-    constrained tokens, replayed by :func:`selfrl.constrain.replay_masks`.
+    constrained tokens, replayed by :func:`selfrl.chat.constrain.replay_masks`.
 
     Args:
         index: (B, T) long, ``k`` where the token at ``(b, t)`` was sampled under mask

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
-from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -45,36 +43,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from selfrl.serve.feedback import client_identity
 from selfrl.serve.health import health as health_of
 from selfrl.serve.limits import BodyLimit
-from selfrl.http_errors import add_server_error_handler, error_body, validation_message
+from selfrl.serve.errors import add_server_error_handler, error_body, validation_message
 from selfrl.serve.protocol import ChatCompletionRequest, FeedbackRequest, VersionRequest
 from selfrl.serve.responses import ResponseLog, ResponsesRequest, create_response, sse, stream_events
-from selfrl.serve.service import ApiError, Service, start_learning
+from selfrl.serve.errors import ApiError
+from selfrl.serve.service import Service, start_learning
 from selfrl.serve.streaming import stream_chunks
 
 VERSION_HEADER = "X-Selfrl-Adapter-Version"
 log = logging.getLogger("selfrl.serve")
-
-
-def load_api_key(key_file: str | None = None) -> str | None:
-    """The API key from ``key_file`` (first line) or ``SELFRL_API_KEY``; None when neither is set.
-
-    Raises:
-        ValueError: the file is unreadable or empty, or the key is shorter than 16 characters.
-    """
-    key = None
-    if key_file:
-        try:
-            lines = Path(key_file).read_text().strip().splitlines()
-        except OSError as e:
-            raise ValueError(f"cannot read an API key from {key_file}: {e}") from e
-        if not lines:
-            raise ValueError(f"the API key file {key_file} is empty")
-        key = lines[0].strip()
-    elif os.environ.get("SELFRL_API_KEY"):
-        key = os.environ["SELFRL_API_KEY"].strip()
-    if key is not None and len(key) < 16:
-        raise ValueError("the API key must be at least 16 characters long")
-    return key
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None) -> JSONResponse:

@@ -1,6 +1,6 @@
 """The background learner of ``selfrl serve``: served turns with complete rewards ->
 rewards (``score_group``, the ``user_feedback`` reward) -> detectors -> group
-advantages -> the same update cycle as ``selfrl run`` (:class:`selfrl.cycle.UpdateCycle`:
+advantages -> the same update cycle as ``selfrl run`` (:class:`selfrl.run.cycle.UpdateCycle`:
 anomaly skip, candidate version, KL probe, collapse rules, gate) -> published to the
 serving engine, or rejected / rolled back.
 
@@ -24,7 +24,7 @@ Departures from ``selfrl run``, on purpose:
   trained on (``run`` scores such a rollout 0).
 * Every candidate is validated before it is served (``selfrl run`` validates every
   ``eval_every`` updates).
-* A storage fault (disk full, store locked, ...: :mod:`selfrl.storage_errors`) pauses the
+* A storage fault (disk full, store locked, ...: :mod:`selfrl.record.storage_errors`) pauses the
   learner instead of stopping it: it waits ``learner.retry_s`` seconds, doubling up to
   ``learner.retry_max_s``, until a probe write succeeds, undoes what the failed step left
   (as a restart would: the version it made is rejected unless it became the champion, a
@@ -45,26 +45,28 @@ from typing import Any
 
 import torch
 
-from selfrl import collapse, faults
-from selfrl.collapse import CollapseGuard, CollapseStop
-from selfrl.cycle import UpdateCycle
-from selfrl.detectors import HackingMonitor
+from selfrl.safety import collapse
+from selfrl.core import faults
+from selfrl.safety.collapse import CollapseGuard, CollapseStop
+from selfrl.run.cycle import UpdateCycle
+from selfrl.safety.detectors import HackingMonitor
 from selfrl.engines import make_engine
-from selfrl.gate import validate
-from selfrl.rewards import score_group
+from selfrl.safety.gate import validate
+from selfrl.envs.rewards import score_group
 from selfrl.rl.batch import collate
 from selfrl.rl.logprobs import per_token_logps
-from selfrl.serve import records
-from selfrl.serve.config import ServeConfig
+from selfrl.record import served as records
+from selfrl.config.serve import ServeConfig
 from selfrl.serve.feedback import SERVED, served_task
 from selfrl.serve.health import StorageWatch
-from selfrl.storage_errors import StorageFault
-from selfrl.store import Store
-from selfrl.tasks import assert_disjoint, get_task_source, split_tasks
-from selfrl.tools import resolve_tools
-from selfrl.learner import Learner, kl_reference
-from selfrl.trajectory import Trajectory
-from selfrl.versions import Champion, EventKind, Ledger, VersionStatus
+from selfrl.record.storage_errors import StorageFault
+from selfrl.record.store import Store
+from selfrl.core.tasks import assert_disjoint, split_tasks
+from selfrl.envs.registry import get_env
+from selfrl.core.tools import resolve_tools
+from selfrl.rl.learner import Learner, kl_reference
+from selfrl.core.trajectory import Trajectory
+from selfrl.record.versions import Champion, EventKind, Ledger, VersionStatus
 
 Publish = Callable[[int, dict, str], "float | None"]
 log = logging.getLogger("selfrl.serve")
@@ -72,7 +74,7 @@ log = logging.getLogger("selfrl.serve")
 
 def score_served(batch: list[tuple[Trajectory, dict]], weights: dict[str, float]) -> tuple[list[Trajectory],
                                                                                          list[Trajectory]]:
-    """Rewards of served turns through :func:`selfrl.rewards.score_group` (the ``user_feedback``
+    """Rewards of served turns through :func:`selfrl.envs.rewards.score_group` (the ``user_feedback``
     reward reads the feedback each turn's ``served`` row holds); ``group_id`` becomes the row's
     group key. Returns (scored, left out because no reward component applied)."""
     by_task: dict[str, list[Trajectory]] = defaultdict(list)
@@ -126,7 +128,7 @@ class BackgroundLearner(threading.Thread):
         lc = cfg.learner
         self.learner = Learner(model, cfg.train, lc.temperature, tokenizer.pad_token_id, cfg.max_completion_length,
                                ref_state=ref_state, tokenizer=tokenizer)
-        self.source = get_task_source(cfg.task.source, **cfg.task.options)
+        self.source = get_env(cfg.task.source, **cfg.task.options)
         _, self.val = split_tasks(self.source, 0, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
         assert_disjoint([], self.val)
         self.tools = resolve_tools(cfg.rollout.tools)

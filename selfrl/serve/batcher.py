@@ -53,7 +53,7 @@ class Job:
             (a list per token of ``(id, logprob)``, or None).
         top_logprobs: how many alternatives per token to return (0-20; not part of the
             batch key: a batch computes the most any of its jobs asks for).
-        constraint: a :class:`selfrl.constrain.Constraint` for this row, or None; rows
+        constraint: a :class:`selfrl.chat.constrain.Constraint` for this row, or None; rows
             with and without one share a batch (the engine masks per row).
         cancel: set it when the client went away: a job not started yet resolves with an
             empty cancelled :class:`Generation`; a running row stops at the next step on
@@ -102,11 +102,11 @@ def _fail(jobs: list[Job], e: BaseException) -> None:
 
 def _grammar_failed(gen: Generation, job: Job, tokenizer) -> Exception:
     """The error a job whose grammar failed mid-generation (``gen.grammar_error``) settles
-    with: a :class:`selfrl.constrain.ConstraintError` whose ``param`` names the request field
+    with: a :class:`selfrl.chat.constrain.ConstraintError` whose ``param`` names the request field
     whose schema failed: ``response_format`` for a JSON answer, ``tools`` for a tool call
     (where either was allowed, the one the sampled text had begun)."""
-    from selfrl.constrain import ConstraintError
-    from selfrl.toolcall import TOOL_CALL_OPEN
+    from selfrl.chat.constrain import ConstraintError
+    from selfrl.chat.toolcall import TOOL_CALL_OPEN
 
     e = ConstraintError(gen.grammar_error)
     kind = getattr(job.constraint, "kind", "json")

@@ -7,7 +7,7 @@ non-streaming request whose connection closed while it waited), the server:
    starts, and a running row stops at the engine's next step (engines with
    ``supports_cancel``; the slot is free for other requests);
 2. once the jobs have resolved, records the partial turn as any other turn
-   (``Service.finish``), then marks it cut off (:func:`selfrl.serve.records.mark_cut_off`):
+   (``Service.finish``), then marks it cut off (:func:`selfrl.record.served.mark_cut_off`):
    ``truncated``, ``error = "client disconnected"`` and served status ``skipped``, so
    the learner never trains on it and it still shows in the store.
 
@@ -27,20 +27,20 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 
-from selfrl.serve import records
+from selfrl.record import served as records
 
 REASON = "client disconnected"
 
 
 def generation_failed(jobs: list, e: BaseException):
     """Cancel ``jobs`` (a request's, one of which failed with ``e``) and return the
-    :class:`selfrl.serve.service.ApiError` its client gets: 500, ``server_error``, with the
+    :class:`selfrl.serve.errors.ApiError` its client gets: 500, ``server_error``, with the
     engine's reason; but 400 ``invalid_schema`` naming ``tools`` or ``response_format`` when
-    the request's own grammar failed mid-generation (a :class:`selfrl.constrain.ConstraintError`:
+    the request's own grammar failed mid-generation (a :class:`selfrl.chat.constrain.ConstraintError`:
     its schema has no finite value along the path sampled, which no check before generation
     reached)."""
-    from selfrl.constrain import ConstraintError
-    from selfrl.serve.service import ApiError
+    from selfrl.chat.constrain import ConstraintError
+    from selfrl.serve.errors import ApiError
 
     for j in jobs:
         j.cancel.set()

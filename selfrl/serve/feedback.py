@@ -5,7 +5,8 @@ conversation links, and the reward of a served turn.
 when one is given, else -1 when the user says they corrected the answer, else 0.
 
 **Implicit correction.** When a conversation comes back with a new *user* message
-right after our answer, that message is read as a correction when
+right after our answer, that message is read as a correction
+(:func:`selfrl.envs.rewards.correction_reason`, the rule of the ``user_correction`` reward) when
 
 1. it opens with a correction phrase (:data:`CORRECTION_RE`: "no", "wrong",
    "that's not right", "try again", "actually", ...), or
@@ -37,43 +38,12 @@ feedback (``POST /v1/feedback``) needs the server's API key.
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
-import re
 from typing import Any
 
-from selfrl.tasks import Task, TaskSource
-
-CORRECTION_RE = re.compile(
-    r"^\W*(no\b|nope\b|wrong\b|incorrect\b|not (quite|right|correct)\b|that'?s (not|wrong|incorrect)\b"
-    r"|that is (not|wrong|incorrect)\b|try again\b|actually\b|you made a mistake|you are wrong|you're wrong)",
-    re.IGNORECASE,
-)
-REPEAT_SIMILARITY = 0.85
-
-
-def _norm(text: str) -> str:
-    return " ".join(text.lower().split())
-
-
-def correction_reason(new_user_text: str, previous_user_text: str | None) -> str | None:
-    """Why ``new_user_text`` counts as a correction of our last answer, or None.
-
-    >>> correction_reason("No, that's wrong. It is 42.", "What is 6*7?")
-    'opens with a correction phrase'
-    >>> correction_reason("what is 6 * 7?", "What is 6*7?")
-    'repeats the previous request'
-    >>> correction_reason("Thanks! Now add 3.", "What is 6*7?") is None
-    True
-    """
-    if CORRECTION_RE.match(new_user_text or ""):
-        return "opens with a correction phrase"
-    if previous_user_text and new_user_text:
-        ratio = difflib.SequenceMatcher(None, _norm(new_user_text), _norm(previous_user_text)).ratio()
-        if ratio >= REPEAT_SIMILARITY:
-            return "repeats the previous request"
-    return None
+from selfrl.core.tasks import Task, TaskSource
+from selfrl.envs.rewards import CORRECTION_RE, REPEAT_SIMILARITY, correction_reason  # noqa: F401  (the rule)
 
 
 def explicit_value(rating: float | None, corrected: bool) -> float:

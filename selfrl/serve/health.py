@@ -2,13 +2,13 @@
 learns. ``GET /health`` answers from :func:`health`.
 
 **Storage.** Every storage fault the server meets (a request, a feedback, the learner:
-disk full, quota spent, store locked, ...; :mod:`selfrl.storage_errors`) is reported to
+disk full, quota spent, store locked, ...; :mod:`selfrl.record.storage_errors`) is reported to
 one :class:`StorageWatch`, which also reads ``statvfs`` before each request and health
 check (a file system mounted read-only, or with less than ``probe_bytes`` free, is a fault
 before any write meets it). While it holds a fault, requests that would record are
 refused up front with the fault's 507/503 (no generation is spent on a turn that cannot
 be stored), and at most once every ``probe_every_s`` a probe write
-(:func:`selfrl.storage_errors.probe_writable`) checks whether the run directory is
+(:func:`selfrl.record.storage_errors.probe_writable`) checks whether the run directory is
 writable again; the first that succeeds clears the fault. A log line (``selfrl.serve``,
 WARNING) marks where a fault begins and where it ends.
 
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from selfrl.storage_errors import (
+from selfrl.record.storage_errors import (
     PROBE_BYTES,
     StorageFault,
     StorageFaultError,
@@ -61,7 +61,7 @@ class StorageWatch:
         self._probed = 0.0  # time.monotonic() of the last probe or fault
 
     def failed(self, e: BaseException) -> StorageFault | None:
-        """Record ``e`` when it is a storage fault (:func:`selfrl.storage_errors.classify`) and
+        """Record ``e`` when it is a storage fault (:func:`selfrl.record.storage_errors.classify`) and
         return the fault; None for any other exception (nothing recorded)."""
         fault = classify(e, WHERE)
         if fault is None:
@@ -78,7 +78,7 @@ class StorageWatch:
     def current(self) -> StorageFault | None:
         """The fault that lasts, or None; while one is held, a probe (at most every
         ``probe_every_s``) clears it when the run directory is writable again. Without one,
-        ``statvfs`` is read (:func:`selfrl.storage_errors.free_space_error`)."""
+        ``statvfs`` is read (:func:`selfrl.record.storage_errors.free_space_error`)."""
         if self._fault is None:
             seen = free_space_error(self.run_dir, self.probe_bytes)
             return None if seen is None else self.failed(seen)
@@ -97,7 +97,7 @@ class StorageWatch:
             return None
 
     def check(self) -> None:
-        """Raise :class:`selfrl.storage_errors.StorageFaultError` while a fault lasts."""
+        """Raise :class:`selfrl.record.storage_errors.StorageFaultError` while a fault lasts."""
         fault = self.current()
         if fault is not None:
             raise StorageFaultError(fault)

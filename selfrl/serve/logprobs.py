@@ -34,7 +34,7 @@ import threading
 from functools import lru_cache
 from typing import Any
 
-from selfrl.toolcall import MARKUP_TAGS
+from selfrl.chat.toolcall import MARKUP_TAGS
 
 LOGPROB_FLOOR = -9999.0
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
@@ -63,7 +63,7 @@ def _is_byte_level(tokenizer) -> bool:
 
 def token_bytes(tokenizer, ids: list[int]) -> list[bytes]:
     """The raw bytes each of ``ids`` stands for in decoded text; ``b""`` for special tokens,
-    except a tag of the call format (``selfrl.toolcall.MARKUP_TAGS``) that the tokenizer
+    except a tag of the call format (``selfrl.chat.toolcall.MARKUP_TAGS``) that the tokenizer
     marks special (Hermes models' ``<tool_call>``): its text, so the call is parsed.
 
     For a byte-level tokenizer the pieces go through GPT-2's byte map; for a

@@ -9,7 +9,7 @@ import socket
 import sys
 from typing import Any
 
-from selfrl.serve.config import ServeConfig
+from selfrl.config.serve import ServeConfig
 
 
 def load_serve_config(path: str | None, overrides: dict[str, Any]) -> ServeConfig:
@@ -56,22 +56,22 @@ def bind(host: str, port: int) -> socket.socket:
 def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | None, learn: bool = True,
           protect_completions: bool = False) -> int:
     """Run the server until Ctrl-C, SIGTERM or SIGHUP; returns the exit code: 2 for bad input, 128 + the
-    signal's number after a stop signal (130, 143, 129; :mod:`selfrl.shutdown`)."""
+    signal's number after a stop signal (130, 143, 129; :mod:`selfrl.run.shutdown`)."""
     from selfrl.config import ConfigError
-    from selfrl.model import ModelLoadError
+    from selfrl.model.load import ModelLoadError
 
     try:
         cfg = load_serve_config(config, overrides)
-        from selfrl.serve.app import load_api_key
+        from selfrl.engines.http import load_api_key
 
         api_key = load_api_key(api_key_file)
         if protect_completions and api_key is None:
             raise ConfigError("--protect-completions needs an API key (SELFRL_API_KEY or --api-key-file)")
-        from selfrl.tasks import get_task_source
-        from selfrl.tools import resolve_tools
+        from selfrl.envs.registry import get_env
+        from selfrl.run.setup import check_names
 
-        get_task_source(cfg.task.source, **cfg.task.options)  # fail before the model loads
-        resolve_tools(cfg.rollout.tools)
+        check_names(cfg, cfg.learner.reward_weights)  # fail before the model loads
+        get_env(cfg.task.source, **cfg.task.options)
     except (ConfigError, ValueError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"selfrl: error: {msg}", file=sys.stderr)
@@ -84,13 +84,13 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
     try:
         import uvicorn
 
-        from selfrl.loop import build_policy
+        from selfrl.model.load import build_policy
         from selfrl.serve.app import create_app
         from selfrl.serve.service import Service
 
         from pathlib import Path
 
-        from selfrl.storage_errors import free_space_error
+        from selfrl.record.storage_errors import free_space_error
 
         where = next(p for p in (Path(cfg.run_dir).absolute(), *Path(cfg.run_dir).absolute().parents) if p.exists())
         if (full := free_space_error(where)) is not None:
@@ -109,7 +109,7 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
         print(f"selfrl: error: {msg}", file=sys.stderr)
         return 2
     except Exception as e:  # a storage fault at start (disk full, store locked): one line, not a traceback
-        from selfrl.storage_errors import classify
+        from selfrl.record.storage_errors import classify
 
         fault = classify(e, cfg.run_dir)
         if fault is None:
@@ -124,7 +124,7 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
               file=sys.stderr)
     app = create_app(service, api_key, protect_completions, learn=learn)
     port = sock.getsockname()[1]
-    from selfrl.shutdown import exit_code, server as stoppable_server
+    from selfrl.run.shutdown import exit_code, server as stoppable_server
 
     server = stoppable_server(uvicorn.Config(app, log_level="warning"),
                               f"selfrl: serving {cfg.model.name} as {cfg.served_model_name!r} (version "
@@ -132,7 +132,7 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
                               + (" (replica: its owner learns; promoted versions are followed)" if cfg.replica else ""),
                               "stopping: requests in flight finish, the learner stops, the store closes")
     server.run(sockets=[sock])
-    if server.stop_signal is not None:  # SIGINT 130, SIGTERM 143, SIGHUP 129 (selfrl.shutdown)
+    if server.stop_signal is not None:  # SIGINT 130, SIGTERM 143, SIGHUP 129 (selfrl.run.shutdown)
         print(f"selfrl: stopped by {signal.Signals(server.stop_signal).name}", file=sys.stderr)
         return exit_code(server.stop_signal)
     return 0 if server.started else 1

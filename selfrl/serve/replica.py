@@ -1,13 +1,13 @@
 """Serve replicas: several ``selfrl serve`` processes on one machine share one learner.
 
-One process *owns* the run directory: it holds the run lock (``selfrl.runlock``), runs
+One process *owns* the run directory: it holds the run lock (``selfrl.record.runlock``), runs
 the background learner and writes the adapter versions. Any number of *replicas*
 (``selfrl serve --replica``, same ``run_dir``) serve traffic beside it, with the least
 machinery we could find: nothing but the run directory is shared.
 
 * **Trajectories**: a replica records every turn (and the feedback on it) in the same
   SQLite store, opened in WAL mode, as the owner does; the owner's learner takes every
-  pending turn of the store, whoever served it (``selfrl.serve.records.ready``). So a
+  pending turn of the store, whoever served it (``selfrl.record.served.ready``). So a
   replica's traffic trains the one learner, and a turn is trained once.
 * **Versions**: a replica follows the version ledger. Every ``follow_s`` seconds
   :class:`Follower` reads the newest servable version (the base or the latest promoted
@@ -29,13 +29,10 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from selfrl import adapters
-from selfrl.versions import Ledger, VersionRecord
-
-if TYPE_CHECKING:
-    from selfrl.serve.service import Service
+from selfrl.record import adapters
+from selfrl.record.versions import Ledger, VersionRecord
 
 
 class NoOwner(ValueError):
@@ -44,24 +41,39 @@ class NoOwner(ValueError):
 
 def newest_servable(ledger: Ledger) -> VersionRecord | None:
     """The newest base or promoted version whose folder verifies, read only (a replica never
-    marks a version, unlike :meth:`selfrl.versions.Ledger.latest_servable`); None when none is."""
+    marks a version, unlike :meth:`selfrl.record.versions.Ledger.latest_servable`); None when none is."""
     for rec in reversed(ledger.all()):
         if rec.servable and rec.path and adapters.verify_version(Path(rec.path)) is None:
             return rec
     return None
 
 
+class Publisher(Protocol):
+    """What a follower needs of the server it feeds: the version served, and ``publish``
+    (:class:`selfrl.serve.served_version.ServedVersion` is one)."""
+
+    @property
+    def served(self) -> int:
+        """The version the engine serves now."""
+        ...
+
+    def publish(self, version: int, state: dict[str, Any], reason: str) -> float | None:
+        """Serve ``version`` (its LoRA tensors ``state``) unless that is refused; the swap seconds, or None."""
+        ...
+
+
 class Follower(threading.Thread):
     """Swaps each version the owner promotes into a replica's engine (see the module docstring).
 
     Args:
-        service: the replica's service (its ledger, engine and ``publish``).
+        ledger: the run directory's version ledger, read only.
+        publisher: the replica's served version (:class:`Publisher`).
         every_s: seconds between two looks at the ledger.
     """
 
-    def __init__(self, service: "Service", every_s: float):
+    def __init__(self, ledger: Ledger, publisher: Publisher, every_s: float):
         super().__init__(name="selfrl-follower", daemon=True)
-        self.service, self.every_s = service, every_s
+        self.ledger, self.publisher, self.every_s = ledger, publisher, every_s
         self._halt = threading.Event()
         self.swaps = 0
         self.error: str | None = None
@@ -76,12 +88,11 @@ class Follower(threading.Thread):
     def follow(self) -> int | None:
         """Serve the owner's newest servable version if it is not the one served; returns it
         when it was swapped in, else None."""
-        svc = self.service
-        rec = newest_servable(svc.ledger)
-        if rec is None or rec.version == svc.engine.version:
+        rec = newest_servable(self.ledger)
+        if rec is None or rec.version == self.publisher.served:
             return None
-        state = svc.ledger.load_state(rec.version)
-        if svc.publish(rec.version, state, "followed the owner's ledger") is None:
+        state = self.ledger.load_state(rec.version)
+        if self.publisher.publish(rec.version, state, "followed the owner's ledger") is None:
             return None
         self.swaps += 1
         self.error = None

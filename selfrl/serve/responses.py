@@ -38,7 +38,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from selfrl.http_errors import array_of_objects
+from selfrl.serve.errors import array_of_objects
 from selfrl.serve.protocol import ChatCompletionRequest, check_depth, finite_fields
 
 RESPONSE_LOG_SIZE = 10_000  # responses whose conversation previous_response_id can continue
@@ -357,7 +357,7 @@ def sse(events: list[dict[str, Any]]) -> str:
 
 class ResponseLog:
     """The conversation behind each recent response id, for ``previous_response_id``: kept
-    in the run's store (:func:`selfrl.serve.records.remember_response`), so it outlives a
+    in the run's store (:func:`selfrl.record.served.remember_response`), so it outlives a
     restart; the last ``size`` responses, at most ``max_bytes`` of JSON in all, each one
     visible only to the client that made it.
 
@@ -368,7 +368,7 @@ class ResponseLog:
     """
 
     def __init__(self, store, size: int = RESPONSE_LOG_SIZE, max_bytes: int = RESPONSE_LOG_BYTES):
-        from selfrl.serve import records
+        from selfrl.record import served as records
 
         records.init(store)
         self.store, self.size, self.max_bytes = store, size, max_bytes
@@ -379,7 +379,7 @@ class ResponseLog:
         Raises:
             KeyError: the id is unknown to ``client`` (never served to it, or forgotten).
         """
-        from selfrl.serve import records
+        from selfrl.record import served as records
 
         if response_id is None:
             return []
@@ -390,7 +390,7 @@ class ResponseLog:
 
     def add(self, response_id: str, messages: list[dict[str, Any]], message: dict[str, Any],
             client: str = "") -> None:
-        from selfrl.serve import records
+        from selfrl.record import served as records
 
         records.remember_response(self.store, response_id, client,
                                   [*messages, {k: v for k, v in message.items() if k != "refusal"}],
@@ -403,12 +403,12 @@ async def create_response(service, log: ResponseLog, req: ResponsesRequest, clie
     remember its conversation in ``log``, and return the Responses object.
 
     Raises:
-        selfrl.serve.service.ApiError: 404 for an unknown ``previous_response_id``, 400 for
+        selfrl.serve.errors.ApiError: 404 for an unknown ``previous_response_id``, 400 for
             a request outside the subset, and whatever a chat completion raises.
     """
     from pydantic import ValidationError
 
-    from selfrl.serve.service import ApiError
+    from selfrl.serve.errors import ApiError
 
     try:
         history = log.history(req.previous_response_id, client)
@@ -421,7 +421,7 @@ async def create_response(service, log: ResponseLog, req: ResponsesRequest, clie
     except ResponsesError as e:
         raise ApiError(400, str(e), e.param) from e
     except ValidationError as e:
-        from selfrl.http_errors import error_param
+        from selfrl.serve.errors import error_param
 
         first = e.errors()[0]
         where = responses_param(error_param(first.get("loc", ()), first.get("ctx")))

@@ -20,7 +20,7 @@ A generation that fails after the first chunk ends the stream with an OpenAI err
 ``[DONE]``; one that fails before is a 500, or a 400 when the request's own grammar failed
 (``selfrl.serve.disconnect.generation_failed``). Any other failure after the first chunk
 (the turn cannot be recorded: disk full, store locked) ends the stream the same way, with
-the error the server would have answered (``selfrl.http_errors.server_error``), never with
+the error the server would have answered (``selfrl.serve.errors.server_error``), never with
 a cut body: the client is not told that a turn which was not stored succeeded.
 """
 
@@ -33,7 +33,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from selfrl.http_errors import server_error
+from selfrl.serve.errors import server_error
 from selfrl.serve.disconnect import cut_off, generation_failed
 from selfrl.serve.logprobs import (
     bytes_text,
@@ -45,7 +45,7 @@ from selfrl.serve.logprobs import (
 )
 from selfrl.serve.protocol import ChatCompletionRequest, error_body, split_completion
 from selfrl.serve.service import Service
-from selfrl.toolcall import THINK_CLOSE, THINK_OPEN, TOOL_CALL_OPEN
+from selfrl.chat.toolcall import THINK_CLOSE, THINK_OPEN, TOOL_CALL_OPEN
 
 log = logging.getLogger("selfrl.serve")
 

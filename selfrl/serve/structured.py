@@ -1,5 +1,5 @@
 """Which grammar a request's decoding follows: OpenAI's ``tool_choice`` and
-``response_format`` turned into a :class:`selfrl.constrain.Constraint` (pure functions).
+``response_format`` turned into a :class:`selfrl.chat.constrain.Constraint` (pure functions).
 
 * ``tool_choice: "required"`` -> one call of any offered tool;
   ``{"type": "function", "function": {"name": N}}`` -> one call of N;
@@ -12,7 +12,7 @@ A ``json_schema`` without ``schema`` means any JSON object. The schema is enforc
 whether or not the request says ``strict`` (OpenAI only guarantees it with ``strict``).
 
 :func:`checked_constraint` compiles the grammar and takes its first steps before any
-generation (``selfrl.constrain.check_constraint``); a grammar that fails is refused with
+generation (``selfrl.chat.constrain.check_constraint``); a grammar that fails is refused with
 the request field it came from (``tools[i].function.parameters``,
 ``response_format.json_schema.schema``).
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from selfrl.constrain import Constraint, ConstraintError, check_integer_bounds, json_constraint, tool_call_constraint
+from selfrl.chat.constrain import Constraint, ConstraintError, check_integer_bounds, json_constraint, tool_call_constraint
 
 
 class SchemaError(ValueError):
@@ -83,7 +83,7 @@ def checked_constraint(tools: list[tuple[str, dict[str, Any]]], tool_choice: str
                        response_format: dict[str, Any] | None,
                        check: Callable[[Constraint], None]) -> Constraint | None:
     """:func:`request_constraint`, refused before any generation when ``check`` (for the
-    serving tokenizer: ``selfrl.constrain.check_constraint``) finds it cannot be decoded.
+    serving tokenizer: ``selfrl.chat.constrain.check_constraint``) finds it cannot be decoded.
 
     Each schema the grammar holds is checked on its own first (the tools it may call, in
     order, then the answer schema), so the error names the field at fault and a broken

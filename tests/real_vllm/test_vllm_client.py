@@ -14,11 +14,11 @@ import threading
 import pytest
 import torch
 
-from selfrl import adapters
+from selfrl.record import adapters
 from selfrl.engines import http
 from selfrl.engines.vllm import VLLMEngine
 from selfrl.rl.logprobs import per_token_logps
-from selfrl.swap_check import TOLERANCE, SwapChecker, probe_ids
+from selfrl.safety.swap_check import TOLERANCE, SwapChecker, probe_ids
 from tests.engine_backends import chat_prompts
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from selfrl.cli import main
 from selfrl.config import load_config
-from selfrl.store import Store
+from selfrl.record.store import Store
 from tests.recorded_logps import assert_sampled_by_recorded_versions
 
 
@@ -24,7 +24,7 @@ def even_share(traj, ctx):
 
 @pytest.fixture(autouse=True)
 def even_reward():
-    from selfrl.rewards import REWARD_FUNCS
+    from selfrl.envs.rewards import REWARD_FUNCS
 
     mp = pytest.MonkeyPatch()
     mp.setitem(REWARD_FUNCS, "even_share", even_share)

@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
-from selfrl import adapters
+from selfrl.record import adapters
 from selfrl.config import RunConfig
 from selfrl.engines.vllm import VLLMEngine
-from selfrl.loop import build_policy
+from selfrl.model.load import build_policy
 from selfrl.rl.logprobs import per_token_logps
-from selfrl.swap_check import TOLERANCE, SwapChecker, probe_ids
+from selfrl.safety.swap_check import TOLERANCE, SwapChecker, probe_ids
 from tests.engine_backends import chat_prompts
 
 
@@ -22,7 +22,7 @@ from tests.engine_backends import chat_prompts
 def embedded_dir(tmp_path_factory):
     """The converted embedded model as a folder vLLM takes: its files linked, its ``config.json``
     without a ``quantization_config`` (vLLM refuses a GGUF one on fp32 weights)."""
-    from selfrl.model import embedded_model_dir
+    from selfrl.model.load import embedded_model_dir
 
     src, dst = embedded_model_dir(), tmp_path_factory.mktemp("smollm2")
     for f in src.iterdir():

@@ -1,0 +1,338 @@
+"""What the server stores besides the trajectories themselves: one ``served`` row per
+returned choice (response id, conversation link, group key, training status, the
+user feedback that reached it), every feedback message as it arrived, and the
+conversation behind each recent Responses API id (``previous_response_id``).
+
+The tables live in the run's SQLite store next to ``trajectories``. The choices of a
+response are written with their trajectories in one transaction (all or none), and
+feedback is applied in one transaction, so a crash, a bad request or a full disk never
+leaves half a record. A response is acknowledged (its client gets a 200, or a stream's
+last chunk and ``[DONE]``) only after its transaction committed.
+Every function here takes ``store.lock`` itself (the server shares one connection
+between threads).
+
+Training status of a served trajectory: ``pending`` (waiting for a reward),
+``trained`` (used by the update that made version ``trained_in``), ``skipped``
+(no reward component applied; never trained).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from selfrl.record.store import Store, real, to_json
+from selfrl.core.trajectory import Trajectory
+
+SERVE_SCHEMA = """
+CREATE TABLE IF NOT EXISTS served (
+    trajectory_id   TEXT PRIMARY KEY REFERENCES trajectories(id),
+    response_id     TEXT NOT NULL,
+    choice          INTEGER NOT NULL,
+    conversation_id TEXT NOT NULL,
+    parent_id       TEXT REFERENCES trajectories(id),
+    group_key       TEXT NOT NULL,
+    continuation    TEXT NOT NULL,
+    created_at      REAL NOT NULL,
+    status          TEXT NOT NULL CHECK (status IN ('pending', 'trained', 'skipped')),
+    trained_in      INTEGER,
+    feedback        REAL,
+    feedback_source TEXT CHECK (feedback_source IN ('explicit', 'inherited', 'implicit')),
+    client          TEXT NOT NULL DEFAULT '',
+    UNIQUE (response_id, choice)
+);
+CREATE INDEX IF NOT EXISTS served_continuation ON served(continuation);
+CREATE INDEX IF NOT EXISTS served_status ON served(status, created_at);
+CREATE TABLE IF NOT EXISTS feedback (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    response_id TEXT NOT NULL,
+    choice      INTEGER NOT NULL,
+    source      TEXT NOT NULL CHECK (source IN ('explicit', 'implicit')),
+    value       REAL NOT NULL,
+    rating      REAL,
+    corrected   INTEGER NOT NULL,
+    correction  TEXT,
+    comment     TEXT,
+    created_at  REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS response_history (
+    seq           INTEGER PRIMARY KEY AUTOINCREMENT,
+    response_id   TEXT NOT NULL UNIQUE,
+    client        TEXT NOT NULL,
+    created_at    REAL NOT NULL,
+    bytes         INTEGER NOT NULL,
+    messages_json TEXT NOT NULL
+);
+"""
+
+# A stronger source replaces a weaker one, never the other way round: the user's own
+# verdict on a turn beats a verdict on a later turn of the conversation, which beats
+# a correction guessed from the next user message.
+SOURCE_RANK = {"implicit": 1, "inherited": 2, "explicit": 3}
+
+
+def locked(fn):
+    """Run a function of this module under its store's own lock (the first argument)."""
+
+    @functools.wraps(fn)
+    def call(store: Store, *args, **kwargs):
+        with store.lock:
+            return fn(store, *args, **kwargs)
+
+    return call
+
+
+@locked
+def init(store: Store) -> None:
+    """Create the server's tables in ``store`` (idempotent; adds the ``client`` column to a
+    store written before it existed: its turns belong to no client and are never continued)."""
+    with store.conn:
+        store.conn.executescript(SERVE_SCHEMA)
+        columns = {r[1] for r in store.conn.execute("PRAGMA table_info(served)")}
+        if "client" not in columns:
+            store.conn.execute("ALTER TABLE served ADD COLUMN client TEXT NOT NULL DEFAULT ''")
+
+
+@dataclass(frozen=True)
+class ServedTurn:
+    """One returned choice to store: its trajectory and the ``served`` row's fields.
+    ``client`` is the requesting client's identity (``feedback.client_identity``)."""
+
+    traj: Trajectory
+    response_id: str
+    choice: int
+    conversation_id: str
+    group_key: str
+    continuation: str
+    client: str = ""
+
+
+@locked
+def add_turns(store: Store, run_id: int, turns: list[ServedTurn]) -> None:
+    """Store the choices of one response, each trajectory with its ``served`` row, all in
+    one transaction: a response is recorded whole or not at all.
+
+    Raises:
+        sqlite3.IntegrityError: a duplicate id; nothing is written.
+        sqlite3.OperationalError: the store cannot be written (disk full, locked; see
+            ``selfrl.record.storage_errors``); nothing is written.
+    """
+    now = time.time()
+    with store.conn:
+        for t in turns:
+            store.insert_trajectory(run_id, 0, t.traj, now)
+            store.conn.execute(
+                "INSERT INTO served (trajectory_id, response_id, choice, conversation_id, parent_id, group_key,"
+                " continuation, created_at, status, client) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?)",
+                (t.traj.id, t.response_id, t.choice, t.conversation_id, t.traj.parent_id, t.group_key,
+                 t.continuation, now, t.client),
+            )
+
+
+def add_turn(store: Store, run_id: int, traj: Trajectory, response_id: str, choice: int,
+             conversation_id: str, group_key: str, continuation: str, client: str = "") -> None:
+    """Store one served choice: :func:`add_turns` of one :class:`ServedTurn`."""
+    add_turns(store, run_id, [ServedTurn(traj, response_id, choice, conversation_id, group_key, continuation,
+                                         client)])
+
+
+@locked
+def find_by_continuation(store: Store, key: str, client: str) -> dict[str, Any] | None:
+    """The latest turn served to ``client`` whose conversation-so-far hashes to ``key``, or
+    None (always None for an anonymous client, ``""``: see ``selfrl.serve.feedback``)."""
+    if not client:
+        return None
+    row = store.conn.execute(
+        "SELECT * FROM served WHERE continuation = ? AND client = ? ORDER BY created_at DESC LIMIT 1", (key, client)
+    ).fetchone()
+    return None if row is None else dict(row)
+
+
+@locked
+def find_response(store: Store, response_id: str, choice: int = 0) -> dict[str, Any] | None:
+    """The ``served`` row of a response's choice, or None."""
+    row = store.conn.execute(
+        "SELECT * FROM served WHERE response_id = ? AND choice = ?", (response_id, choice)
+    ).fetchone()
+    return None if row is None else dict(row)
+
+
+@locked
+def chain(store: Store, trajectory_id: str, limit: int = 100) -> list[str]:
+    """``trajectory_id`` and its ancestors (earlier turns of the conversation), latest first."""
+    out, cur = [], trajectory_id
+    while cur is not None and len(out) < limit:
+        out.append(cur)
+        row = store.conn.execute("SELECT parent_id FROM served WHERE trajectory_id = ?", (cur,)).fetchone()
+        cur = None if row is None else row["parent_id"]
+    return out
+
+
+@dataclass(frozen=True)
+class FeedbackApplied:
+    """Where a feedback value landed.
+
+    Attributes:
+        updated: pending turns whose value changed; a later update trains on it.
+        too_late: turns already trained or skipped whose value changed for the record
+            only: no update will use it (the learner never trains a turn twice).
+    """
+
+    updated: int
+    too_late: int
+
+
+@locked
+def apply_feedback(store: Store, response_id: str, choice: int, source: str, value: float,
+                   rating: float | None = None, corrected: bool = False, correction: str | None = None,
+                   comment: str | None = None) -> FeedbackApplied:
+    """Record feedback on a response and attach its value to the turn and its earlier turns.
+
+    The turn itself gets ``source`` (``explicit`` or ``implicit``); its ancestors get
+    ``inherited`` (explicit) or ``implicit``. A value never replaces one from a
+    stronger source (:data:`SOURCE_RANK`). Turns already trained or skipped keep the
+    value for the record but are never trained on: they count as ``too_late``.
+
+    Raises:
+        KeyError: no such response (nothing is written).
+    """
+    row = find_response(store, response_id, choice)
+    if row is None:
+        raise KeyError(f"no response {response_id!r} with choice {choice}")
+    changed = late = 0
+    with store.conn:
+        store.conn.execute(
+            "INSERT INTO feedback (response_id, choice, source, value, rating, corrected, correction, comment,"
+            " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (response_id, choice, source, value, rating, int(corrected), correction, comment, time.time()),
+        )
+        for i, tid in enumerate(chain(store, row["trajectory_id"])):
+            src = source if i == 0 else ("inherited" if source == "explicit" else "implicit")
+            cur = store.conn.execute("SELECT feedback_source, status FROM served WHERE trajectory_id = ?",
+                                     (tid,)).fetchone()
+            if cur["feedback_source"] is not None and SOURCE_RANK[cur["feedback_source"]] > SOURCE_RANK[src]:
+                continue
+            store.conn.execute("UPDATE served SET feedback = ?, feedback_source = ? WHERE trajectory_id = ?",
+                               (value, src, tid))
+            if cur["status"] == "pending":
+                changed += 1
+            else:
+                late += 1
+    return FeedbackApplied(changed, late)
+
+
+@locked
+def ready(store: Store, wait_s: float, limit: int, now: float | None = None) -> list[tuple[Trajectory, dict[str, Any]]]:
+    """Pending turns whose reward is complete: feedback arrived, or ``wait_s`` seconds passed.
+
+    Returns:
+        up to ``limit`` ``(trajectory, served row)`` pairs, oldest first.
+    """
+    now = time.time() if now is None else now
+    rows = store.conn.execute(
+        "SELECT s.*, t.data_json FROM served s JOIN trajectories t ON t.id = s.trajectory_id"
+        " WHERE s.status = 'pending' AND (s.feedback IS NOT NULL OR s.created_at <= ?)"
+        " ORDER BY s.created_at LIMIT ?", (now - wait_s, limit),
+    ).fetchall()
+    out = []
+    for r in rows:
+        d = dict(r)
+        out.append((Trajectory.from_dict(json.loads(d.pop("data_json"))), d))
+    return out
+
+
+@locked
+def mark(store: Store, scored: list[Trajectory], status: str, version: int | None) -> None:
+    """Write the rewards the learner gave ``scored`` and set their status, in one transaction."""
+    with store.conn:
+        for t in scored:
+            store.conn.execute(
+                "UPDATE trajectories SET reward = ?, data_json = ? WHERE id = ?", (real(t.reward), to_json(t.to_dict()), t.id)
+            )
+            store.conn.executemany(
+                "INSERT OR REPLACE INTO rewards (trajectory_id, name, value) VALUES (?, ?, ?)",
+                [(t.id, name, real(v)) for name, v in t.rewards.items()],
+            )
+            store.conn.execute("UPDATE served SET status = ?, trained_in = ? WHERE trajectory_id = ?",
+                               (status, version, t.id))
+
+
+@locked
+def mark_cut_off(store: Store, response_id: str, reason: str) -> int:
+    """Mark every choice of ``response_id`` cut off: its trajectory gets ``error`` =
+    ``reason`` and ``truncated``, its served row ``skipped`` (never trained on), in one
+    transaction. Returns the number of turns marked."""
+    rows = store.conn.execute(
+        "SELECT t.id, t.data_json FROM served s JOIN trajectories t ON t.id = s.trajectory_id"
+        " WHERE s.response_id = ?", (response_id,)).fetchall()
+    with store.conn:
+        for r in rows:
+            data = json.loads(r["data_json"])
+            data.update(error=reason, truncated=True)
+            store.conn.execute("UPDATE trajectories SET data_json = ? WHERE id = ?", (to_json(data), r["id"]))
+            store.conn.execute("UPDATE served SET status = 'skipped' WHERE trajectory_id = ?", (r["id"],))
+    return len(rows)
+
+
+@locked
+def counts(store: Store) -> dict[str, int]:
+    """Served turns by status, and how many pending ones have feedback."""
+    out = {s: 0 for s in ("pending", "trained", "skipped")}
+    for r in store.conn.execute("SELECT status, COUNT(*) AS n FROM served GROUP BY status"):
+        out[r["status"]] = int(r["n"])
+    out["pending_with_feedback"] = int(store.conn.execute(
+        "SELECT COUNT(*) FROM served WHERE status = 'pending' AND feedback IS NOT NULL").fetchone()[0])
+    out["feedback_messages"] = int(store.conn.execute("SELECT COUNT(*) FROM feedback").fetchone()[0])
+    return out
+
+
+def turn_history(store: Store) -> list[dict[str, Any]]:
+    """Every served turn, oldest first: ``{run_id, created_at, adapter_version, status,
+    trained_in, feedback, feedback_source}`` (for the serving report)."""
+    rows = store.conn.execute(
+        "SELECT t.run_id, s.created_at, t.adapter_version, s.status, s.trained_in, s.feedback, s.feedback_source"
+        " FROM served s JOIN trajectories t ON t.id = s.trajectory_id ORDER BY s.created_at"
+    )
+    return [dict(r) for r in rows]
+
+
+def feedback_history(store: Store) -> list[dict[str, Any]]:
+    """Every feedback message as it arrived, oldest first: ``{created_at, source, value}``."""
+    rows = store.conn.execute("SELECT created_at, source, value FROM feedback ORDER BY created_at, id")
+    return [dict(r) for r in rows]
+
+
+@locked
+def remember_response(store: Store, response_id: str, client: str, messages: list[dict[str, Any]],
+                      max_items: int, max_bytes: int) -> None:
+    """Store the conversation up to and including ``response_id``'s output, for ``client``;
+    then forget the oldest ones beyond ``max_items`` rows or ``max_bytes`` of JSON. One
+    transaction: a crash keeps all of it or none."""
+    data = to_json(messages)
+    with store.conn:
+        store.conn.execute(
+            "INSERT INTO response_history (response_id, client, created_at, bytes, messages_json) VALUES (?, ?, ?, ?, ?)",
+            (response_id, client, time.time(), len(data), data))
+        store.conn.execute(
+            "DELETE FROM response_history WHERE seq <= (SELECT MAX(seq) FROM response_history) - ?", (max_items,))
+        total = store.conn.execute("SELECT COALESCE(SUM(bytes), 0) FROM response_history").fetchone()[0]
+        if total > max_bytes:  # oldest first, until what is left fits (the newest always stays)
+            drop, cut = total - max_bytes, None
+            for seq, size in store.conn.execute("SELECT seq, bytes FROM response_history ORDER BY seq"):
+                cut, drop = seq, drop - size
+                if drop <= 0:
+                    break
+            store.conn.execute("DELETE FROM response_history WHERE seq <= ? AND response_id != ?", (cut, response_id))
+
+
+@locked
+def recall_response(store: Store, response_id: str, client: str) -> list[dict[str, Any]] | None:
+    """The conversation stored for ``response_id`` when ``client`` made it; None when it was
+    never stored, was forgotten, or belongs to another client (the same answer, so an id
+    reveals nothing about other clients' conversations)."""
+    row = store.conn.execute("SELECT messages_json FROM response_history WHERE response_id = ? AND client = ?",
+                             (response_id, client)).fetchone()
+    return None if row is None else json.loads(row[0])

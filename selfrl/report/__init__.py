@@ -1,0 +1,11 @@
+"""Reports read from the store alone: a run's, a server's, and several runs side by side.
+
+- :mod:`selfrl.report.run`: ``report.md`` of a run, and ``selfrl report`` for any run directory.
+- :mod:`selfrl.report.serve`: the serving report of a ``selfrl serve`` run directory.
+- :mod:`selfrl.report.compare`: ``selfrl compare``, with paired held-out differences.
+- :mod:`selfrl.report.figures`, :mod:`selfrl.report.timeline`: the overview figure and the
+  timeline it is drawn from.
+- :mod:`selfrl.report.stats`: confidence intervals for success rates and their changes.
+
+It imports only the record, so both recipes below write with it.
+"""

@@ -1,0 +1,184 @@
+"""The report of a ``selfrl serve`` run directory (``selfrl report RUN_DIR``).
+
+``report.md`` with one figure, ``plots/serve_overview.png``, of four panels against
+wall-clock time (sessions joined as in :mod:`selfrl.report.timeline`):
+
+1. the version each recorded turn was served by (one dot per turn);
+2. turns served, feedback messages received and turns trained, cumulative; the gap
+   between served and trained is what still waits for a reward or was skipped;
+3. each candidate's held-out success at the time it was saved, with its 95 % Wilson
+   interval, coloured by the gate's result; the base model's level dashed;
+4. the mean reward of the turns each learner update trained on.
+
+Promotions (swaps), rejections and rollbacks are marked on every panel, as in the
+run overview (:func:`selfrl.report.figures.draw_events`). Below the figure: the turn counts
+(pending, with feedback, trained, skipped), each version's gate result, and the events.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from selfrl.report.figures import TimeUnit, add_figure_legend, draw_events, save
+from selfrl.record import served as records
+from selfrl.report.stats import wilson_interval
+from selfrl.record.store import Store
+from selfrl.report.timeline import duration, load_timeline, session_clock
+
+STATUS_COLOURS = {"base": "#555555", "promoted": "#2ca02c", "rejected": "#ff7f0e", "rolled_back": "#9467bd",
+                  "candidate": "#7f7f7f"}
+GATE_RESULT = {
+    "base": "base model",
+    "promoted": "passed the gate; served",
+    "rejected": "failed the gate; never served",
+    "rolled_back": "passed the gate; later rolled back",
+    "candidate": "saved; not yet decided",
+}
+
+
+def has_serve_tables(store: Store) -> bool:
+    """Whether ``store`` holds the server's tables (``served`` and ``feedback``)."""
+    names = {r[0] for r in store.conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    return {"served", "feedback"} <= names
+
+
+def write_serve_report(out: Path, store: Store, label: str) -> Path:
+    """Write ``out/report.md`` and ``out/plots/serve_overview.png`` for a serve run.
+
+    Args:
+        out: output folder (created if missing).
+        store: the serve run's store (read-only is enough).
+        label: the run's name in the title.
+
+    Returns:
+        The path of ``report.md``.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    served = has_serve_tables(store)
+    turns = records.turn_history(store) if served else []
+    feedback = records.feedback_history(store) if served else []
+    clock = session_clock(store)
+    timeline = load_timeline(store, label)
+    versions = store.versions()
+    fig = serve_figure(store, label, turns, feedback, versions, clock, timeline)
+    save(fig, out / "plots" / "serve_overview.png")
+    lines = [f"# selfrl serve report: {label}", "", "![serving overview](plots/serve_overview.png)", ""]
+    lines += counts_section(store if served else None, len(turns))
+    lines += versions_section(store, versions, clock)
+    lines += events_section(store, clock)
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def serve_figure(store: Store, label: str, turns: list[dict], feedback: list[dict], versions: list[dict],
+                 clock, timeline) -> Figure:
+    """The four panels described in the module docstring."""
+    unit = TimeUnit(clock.total_s)
+    fig = Figure(figsize=(13, 8.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    (a, b), (c, d) = fig.subplots(2, 2, sharex=True)
+    ts = [unit(clock.elapsed(t["run_id"], t["created_at"])) for t in turns]
+
+    a.scatter(ts, [t["adapter_version"] for t in turns], s=10, color="#1f77b4", label="served turn")
+    a.yaxis.set_major_locator(MaxNLocator(integer=True))
+    a.set(title="version serving each turn", ylabel="adapter version")
+
+    created = {v["version"]: clock.elapsed(None, v["created_at"]) for v in versions}
+    trained = sorted(unit(created[t["trained_in"]]) for t in turns if t["trained_in"] in created)
+    fb = [unit(clock.elapsed(None, f["created_at"])) for f in feedback]
+    for xs, name, colour in ((ts, "turns served", "#1f77b4"), (fb, "feedback messages", "#ff7f0e"),
+                             (trained, "turns trained", "#2ca02c")):
+        if xs:
+            b.step([0.0, *sorted(xs)], range(len(xs) + 1), where="post", color=colour, label=f"{name} ({len(xs)})")
+    pending = sum(t["status"] == "pending" for t in turns)
+    b.yaxis.set_major_locator(MaxNLocator(integer=True))
+    b.set(title=f"turns and feedback (pending a reward now: {pending})", ylabel="count (cumulative)")
+
+    for v in versions:
+        success = v["metrics"].get("val/success")
+        if not isinstance(success, (int, float)):
+            continue
+        res = store.evaluation(v["version"])
+        colour = STATUS_COLOURS.get(v["status"], "#7f7f7f")
+        if v["version"] == 0:
+            c.axhline(success, ls="--", color=colour, lw=1, label=f"base {success:.2f}", gid="base-level")
+            continue
+        x = unit(created[v["version"]])
+        if res:
+            low, high = wilson_interval(sum(res.values()), len(res))
+            c.errorbar([x], [success], yerr=[[success - low], [high - success]], fmt="o", color=colour, capsize=3)
+        else:
+            c.plot([x], [success], "o", color=colour)
+        c.annotate(f"v{v['version']}", (x, success), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    for status in ("promoted", "rejected", "rolled_back"):
+        if any(v["status"] == status and v["version"] for v in versions):
+            c.plot([], [], "o", color=STATUS_COLOURS[status], label=GATE_RESULT[status])
+    c.set(title="gate: held-out success of each candidate (95 % Wilson)", ylabel="held-out success", ylim=(-0.03, 1.03))
+
+    xs, ys = timeline.xy("reward/mean", "elapsed")
+    if xs:
+        d.plot([unit(x) for x in xs], ys, marker="o", color="#1f77b4", label="mean reward of the trained turns")
+    else:
+        d.text(0.5, 0.5, "no learner update yet", transform=d.transAxes, ha="center", color="#555555")
+    d.set(title="learner updates", ylabel="reward", xlim=(0, unit(clock.total_s) * 1.02 or 1.0))
+
+    for ax in (a, b, c, d):
+        draw_events(ax, timeline, "elapsed", unit, None, {})
+        ax.set_xlabel(f"wall-clock ({unit.name})")
+        ax.xaxis.set_tick_params(labelbottom=True)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="best", framealpha=0.85)
+    fig.suptitle(f"{label}: {len(turns)} turns served, {len(versions) - 1} candidate versions, "
+                 f"{duration(clock.total_s)}", fontsize=13)
+    add_figure_legend(fig, [timeline], True)
+    return fig
+
+
+def counts_section(store: Store | None, n_turns: int) -> list[str]:
+    """Turn counts by training status (``records.counts``)."""
+    lines = ["## Turns", ""]
+    if store is None or not n_turns:
+        return lines + ["No turn was recorded.", ""]
+    counts = records.counts(store)
+    lines += ["| served | pending a reward | pending, feedback arrived | trained | skipped | feedback messages |",
+              "|---|---|---|---|---|---|",
+              f"| {n_turns} | {counts['pending']} | {counts['pending_with_feedback']} | {counts['trained']} "
+              f"| {counts['skipped']} | {counts['feedback_messages']} |"]
+    return lines + [""]
+
+
+def versions_section(store: Store, versions: list[dict], clock) -> list[str]:
+    """Each version: when it was saved, its parent, held-out success and the gate's result."""
+    lines = ["## Versions and gate results", "", "| version | parent | saved at | held-out success, 95% Wilson CI "
+             "| gate result |", "|---|---|---|---|---|"]
+    for v in versions:
+        res = store.evaluation(v["version"])
+        if res:
+            k, n = sum(res.values()), len(res)
+            low, high = wilson_interval(k, n)
+            success = f"{k}/{n} = {k / n:.3f} [{low:.3f}, {high:.3f}]"
+        elif isinstance(v["metrics"].get("val/success"), (int, float)):
+            success = f"{v['metrics']['val/success']:.3f}"
+        else:
+            success = "not evaluated"
+        parent = "" if v["parent"] is None else v["parent"]
+        when = duration(clock.elapsed(None, v["created_at"]))
+        lines.append(f"| {v['version']} | {parent} | {when} | {success} | {GATE_RESULT.get(v['status'], v['status'])} |")
+    return lines + [""]
+
+
+def events_section(store: Store, clock) -> list[str]:
+    events = store.events()
+    if not events:
+        return []
+    lines = ["## Events", "", "| at | kind | message |", "|---|---|---|"]
+    lines += [f"| {duration(clock.elapsed(e['run_id'], e['time']))} | {e['kind']} | {e['message']} |" for e in events]
+    return lines + [""]
+

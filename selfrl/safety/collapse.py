@@ -1,0 +1,325 @@
+"""Collapse detection: rules over a per-update record, and the safer setting after a rollback.
+
+A *collapse* is a candidate that has gone bad in a way that should not wait for
+the next promotion decision: the policy drifts far from its reference, its
+entropy falls to nothing (or explodes), it starts looping, stops answering or
+runs into the length limit, or it earns more training reward while solving
+fewer held-out tasks (the classic sign of reward hacking). Each rule is a pure
+function of an :class:`UpdateRecord` history and a :class:`CollapseConfig`
+threshold, and returns an :class:`Alarm` (rule, value, threshold) or None.
+
+* Cheap rules (:func:`cheap_alarms`) use only what every iteration measures
+  anyway, so they run after every update and roll back at once, between gate checks.
+* Held-out rules (:func:`heldout_alarms`) need a validation and run at the gate.
+* :class:`CollapseGuard` owns the history, the rollback budget and the safer setting,
+  for ``selfrl run`` and ``selfrl serve`` alike (``selfrl.run.cycle``).
+
+Entropy is estimated for free from the stored sampling log-probs: the mean of
+``-log p(token)`` over sampled completion tokens is an unbiased Monte-Carlo
+estimate of the policy's per-token entropy at the sampling temperature (the
+expectation of ``-log p`` under ``p``), no extra forward pass needed.
+Baselines are the first ``baseline_window`` records of the run (the starting
+policy), so a model that always truncates, say, is not called collapsed for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from selfrl.config import CollapseConfig
+from selfrl.rl.advantages import mean_std
+from selfrl.core.trajectory import Trajectory
+
+
+@dataclass
+class UpdateRecord:
+    """What one iteration measured, about the version that sampled its rollouts.
+
+    Attributes:
+        step: iteration number.
+        version: adapter version that sampled the rollouts (and whose KL the update measured).
+        reward: mean training reward of the batch.
+        entropy: mean ``-logprob`` per sampled completion token (nats), see :func:`entropy_estimate`.
+        degenerate: share of degenerate rollouts, 0..1, see :func:`degenerate_share`.
+        kl: mean per-token KL to the reference from the update's forward pass (the sampling
+            version's weights), None when not measured (``beta == 0`` or no forward pass).
+        candidate_kl: the same for the new candidate made by the update, measured on a few of
+            the batch's sequences (``Learner.probe_kl``), None when not measured.
+    """
+
+    step: int
+    version: int
+    reward: float
+    entropy: float
+    degenerate: float
+    kl: float | None = None
+    candidate_kl: float | None = None
+
+
+@dataclass
+class Alarm:
+    """A rule that fired: its name, the measured value and the threshold it crossed."""
+
+    rule: str
+    value: float
+    threshold: float
+    message: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------ measurements
+
+
+def entropy_estimate(trajs: list[Trajectory]) -> float:
+    """Mean ``-logprob`` over all sampled completion tokens of ``trajs`` (nats per token; NaN if none).
+
+    Unbiased for the policy's entropy at the sampling temperature (``logprobs``
+    are the sampling distribution's). Greedy rollouts do not qualify.
+
+    >>> t = Trajectory("a", "g", 0, token_ids=[1, 2, 3], completion_mask=[0, 1, 1], logprobs=[0.0, -1.0, -3.0])
+    >>> entropy_estimate([t])
+    2.0
+    """
+    total, n = 0.0, 0
+    for t in trajs:
+        for lp, m in zip(t.logprobs, t.completion_mask):
+            if m:
+                total, n = total - lp, n + 1
+    return total / n if n else math.nan
+
+
+def repeated_ngram_share(tokens: list[int], n: int) -> float:
+    """Share of the ``n``-grams of ``tokens`` that already occurred earlier in it (0 when fewer than 2n tokens).
+
+    >>> repeated_ngram_share([1, 2, 3, 1, 2, 3, 1, 2, 3], 3), repeated_ngram_share(list(range(9)), 3)
+    (0.5714285714285714, 0.0)
+    """
+    if len(tokens) < 2 * n:
+        return 0.0
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return (len(grams) - len(set(grams))) / len(grams)
+
+
+def degenerate_reasons(traj: Trajectory, cfg: CollapseConfig) -> list[str]:
+    """Why a rollout is degenerate: ``truncated`` (a turn hit the token limit), ``empty``
+    (no final answer text), ``loop`` (repeated n-gram share above ``cfg.repeat_share``); [] if none."""
+    out = []
+    if traj.truncated:
+        out.append("truncated")
+    if not (traj.final_answer or "").strip():
+        out.append("empty")
+    completion = [tok for tok, m in zip(traj.token_ids, traj.completion_mask) if m]
+    if repeated_ngram_share(completion, cfg.repeat_ngram) > cfg.repeat_share:
+        out.append("loop")
+    return out
+
+
+def degenerate_share(trajs: list[Trajectory], cfg: CollapseConfig) -> float:
+    """Share (0..1) of ``trajs`` with at least one :func:`degenerate_reasons`; NaN for none."""
+    return sum(bool(degenerate_reasons(t, cfg)) for t in trajs) / len(trajs) if trajs else math.nan
+
+
+# ------------------------------------------------------------------ history
+
+
+def record_from_metrics(it: int, metrics: dict[str, float]) -> UpdateRecord:
+    """The record of iteration ``it`` from the metrics the loop logs for it: ``sampled_version``,
+    ``reward/mean``, ``train/entropy``, ``train/degenerate``, ``kl`` and ``candidate_kl`` (the
+    last two may be missing: no forward pass, no candidate; with ``beta == 0`` the update logs
+    KL 0, which never fires)."""
+    kl = metrics.get("kl")
+    return UpdateRecord(it, int(metrics["sampled_version"]), metrics["reward/mean"], metrics["train/entropy"],
+                        metrics["train/degenerate"], kl, metrics.get("candidate_kl"))
+
+
+def history_from_metrics(rows: list[dict]) -> list[UpdateRecord]:
+    """The collapse history rebuilt from stored metric rows (for ``--resume``); the
+    iterations a killed session left unfinished (no ``reward/mean``) are not in it."""
+    by_step: dict[int, dict[str, float]] = {}
+    for r in rows:
+        by_step.setdefault(r["step"], {})[r["name"]] = math.nan if r["value"] is None else r["value"]
+    out = []
+    for step in sorted(by_step):
+        m = by_step[step]
+        if all(k in m for k in ("reward/mean", "sampled_version", "train/entropy", "train/degenerate")):
+            out.append(record_from_metrics(step, m))
+    return out
+
+
+# ------------------------------------------------------------------------- rules
+
+
+def _baseline(history: list[UpdateRecord], field: str, window: int) -> float:
+    vals = [getattr(r, field) for r in history[:window] if math.isfinite(getattr(r, field))]
+    return mean_std(vals)[0] if vals else math.nan
+
+
+def kl_rule(rec: UpdateRecord, cfg: CollapseConfig) -> Alarm | None:
+    """``kl``: the KL to the reference of the sampling version (measured in the update) or of
+    the new candidate (measured after it) exceeds ``cfg.max_kl``, or is not finite."""
+    for name, kl in (("new candidate", rec.candidate_kl), ("sampling version", rec.kl)):
+        if kl is not None and not (math.isfinite(kl) and kl <= cfg.max_kl):
+            return Alarm("kl", kl, cfg.max_kl, f"KL to the reference of the {name} {kl:.4g} > {cfg.max_kl:g}")
+    return None
+
+
+def entropy_rule(history: list[UpdateRecord], cfg: CollapseConfig) -> Alarm | None:
+    """``entropy_collapse`` / ``entropy_blowup``: the last record's entropy outside
+    ``[entropy_min_ratio, entropy_max_ratio]`` times the baseline (silent while inside the baseline window).
+
+    A policy that learns becomes confident, so low entropy alone is not a collapse: on
+    ``make demo`` the entropy fell from 0.36 to 0.075 nats/token while held-out success went
+    from 7 % to 100 %. ``entropy_collapse`` therefore fires only while the training reward has
+    not risen by ``entropy_reward_gain`` over its baseline (a policy that stops exploring
+    without getting better)."""
+    rec = history[-1]
+    if len(history) <= cfg.baseline_window:
+        return None
+    base = _baseline(history, "entropy", cfg.baseline_window)
+    if not (math.isfinite(base) and base > 0):
+        return None
+    if math.isnan(rec.entropy):  # no completion token sampled: nothing measured
+        return None
+    lo, hi = cfg.entropy_min_ratio * base, cfg.entropy_max_ratio * base
+    reward_base = _baseline(history, "reward", cfg.baseline_window)
+    learning = math.isfinite(reward_base) and rec.reward >= reward_base + cfg.entropy_reward_gain
+    if rec.entropy < lo and not learning:
+        return Alarm("entropy_collapse", rec.entropy, lo,
+                     f"entropy {rec.entropy:.3f} nats/token < {cfg.entropy_min_ratio:g} x baseline {base:.3f}")
+    if rec.entropy > hi:
+        return Alarm("entropy_blowup", rec.entropy, hi,
+                     f"entropy {rec.entropy:.3f} nats/token > {cfg.entropy_max_ratio:g} x baseline {base:.3f}")
+    return None
+
+
+def degenerate_rule(history: list[UpdateRecord], cfg: CollapseConfig) -> Alarm | None:
+    """``degenerate``: the last record's degenerate share exceeds the baseline share plus ``cfg.degenerate_rise``."""
+    rec = history[-1]
+    if len(history) <= cfg.baseline_window:
+        return None
+    base = _baseline(history, "degenerate", cfg.baseline_window)
+    if not math.isfinite(base) or not math.isfinite(rec.degenerate):
+        return None
+    limit = base + cfg.degenerate_rise
+    if rec.degenerate > limit:
+        return Alarm("degenerate", rec.degenerate, limit,
+                     f"degenerate rollouts {rec.degenerate:.2f} > baseline {base:.2f} + {cfg.degenerate_rise:g}")
+    return None
+
+
+def cheap_alarms(history: list[UpdateRecord], cfg: CollapseConfig) -> list[Alarm]:
+    """Every cheap rule that fires on the last record of ``history`` (run after each update)."""
+    if not cfg.enabled or not history:
+        return []
+    found = [kl_rule(history[-1], cfg), entropy_rule(history, cfg), degenerate_rule(history, cfg)]
+    return [a for a in found if a is not None]
+
+
+def heldout_alarms(success: float, best_success: float, candidate_rewards: list[float], best_rewards: list[float],
+                   tolerance: float, cfg: CollapseConfig) -> list[Alarm]:
+    """Held-out rules, run when a candidate has been validated.
+
+    Args:
+        success: the candidate's held-out success (0..1).
+        best_success: the best version's held-out success.
+        candidate_rewards: mean training rewards of the iterations since the best
+            version last served (the candidate's chain).
+        best_rewards: mean training rewards of iterations sampled by the best version.
+        tolerance: the gate's tolerance; ``reward_vs_heldout`` needs held-out below best minus it.
+
+    Rules: ``heldout_drop`` (success < best - ``cfg.heldout_drop``) and
+    ``reward_vs_heldout`` (mean candidate reward >= mean best reward + ``cfg.reward_rise``
+    while success < best - tolerance).
+    """
+    if not cfg.enabled:
+        return []
+    out = []
+    if success < best_success - cfg.heldout_drop:
+        out.append(Alarm("heldout_drop", success, best_success - cfg.heldout_drop,
+                         f"held-out success {success:.3f} < best {best_success:.3f} - {cfg.heldout_drop:g}"))
+    candidate_rewards = [r for r in candidate_rewards if math.isfinite(r)]  # a resumed run's records may hold inf
+    best_rewards = [r for r in best_rewards if math.isfinite(r)]
+    if candidate_rewards and best_rewards and success < best_success - tolerance:
+        rise = mean_std(candidate_rewards)[0] - mean_std(best_rewards)[0]  # inf only past 1.8e308
+        if rise >= cfg.reward_rise:
+            out.append(Alarm("reward_vs_heldout", rise, cfg.reward_rise,
+                             f"training reward up {rise:+.3f} while held-out fell to {success:.3f} "
+                             f"(best {best_success:.3f})"))
+    return out
+
+
+def validation_alarm(degenerate: float, base_degenerate: float, cfg: CollapseConfig) -> Alarm | None:
+    """``degenerate`` at validation: the candidate's share of degenerate greedy held-out
+    rollouts exceeds the base version's share plus ``cfg.degenerate_rise``."""
+    if not cfg.enabled or not (math.isfinite(degenerate) and math.isfinite(base_degenerate)):
+        return None
+    limit = base_degenerate + cfg.degenerate_rise
+    if degenerate > limit:
+        return Alarm("degenerate", degenerate, limit, f"degenerate held-out rollouts {degenerate:.2f} > base "
+                     f"{base_degenerate:.2f} + {cfg.degenerate_rise:g}")
+    return None
+
+
+def safer_setting(learning_rate: float, beta: float, cfg: CollapseConfig) -> tuple[float, float]:
+    """The ``(learning_rate, beta)`` to continue with after a collapse rollback.
+
+    >>> safer_setting(1e-4, 0.0, CollapseConfig())
+    (5e-05, 0.01)
+    >>> safer_setting(1e-4, 0.02, CollapseConfig())
+    (5e-05, 0.04)
+    """
+    return learning_rate * cfg.lr_factor, max(beta * cfg.beta_factor, cfg.beta_min)
+
+
+# ------------------------------------------------------------------------- guard
+
+
+class CollapseStop(Exception):
+    """The collapse rollback budget is spent; the run stops with the best version served."""
+
+
+class CollapseGuard:
+    """Owns the collapse history, the rollback budget and the safer setting.
+
+    One record per update (:meth:`observe`, which runs the cheap rules); the held-out
+    rules at the gate (:meth:`heldout`); :meth:`rolled_back` counts a rollback and
+    returns the safer ``(learning_rate, beta)``; :meth:`check_budget` raises
+    :class:`CollapseStop` once the rollbacks exceed ``cfg.max_rollbacks``. A *chain*
+    is the run of updates since the champion last served (reset by :meth:`new_chain`).
+    """
+
+    def __init__(self, cfg: CollapseConfig, history: list[UpdateRecord] | None = None, rollbacks: int = 0):
+        self.cfg = cfg
+        self.history: list[UpdateRecord] = list(history or [])
+        self.rollbacks = rollbacks
+        self.chain_start = len(self.history)
+
+    def observe(self, rec: UpdateRecord) -> list[Alarm]:
+        """Add one update's record; the cheap rules that fire on it."""
+        self.history.append(rec)
+        return cheap_alarms(self.history, self.cfg)
+
+    def heldout(self, success: float, best_success: float, best_version: int, tolerance: float,
+                degenerate: float, base_degenerate: float | None) -> list[Alarm]:
+        """Held-out rules for a validated candidate (see :func:`heldout_alarms`, :func:`validation_alarm`)."""
+        chain = self.history[self.chain_start:]
+        alarms = heldout_alarms(success, best_success, [r.reward for r in chain if r.version != best_version],
+                                [r.reward for r in self.history if r.version == best_version], tolerance, self.cfg)
+        bad = validation_alarm(degenerate, math.nan if base_degenerate is None else base_degenerate, self.cfg)
+        return alarms + ([bad] if bad else [])
+
+    def new_chain(self) -> None:
+        self.chain_start = len(self.history)
+
+    def rolled_back(self, learning_rate: float, beta: float) -> tuple[float, float]:
+        """Count one collapse rollback; the safer ``(learning_rate, beta)`` to continue with."""
+        self.rollbacks += 1
+        self.new_chain()
+        return safer_setting(learning_rate, beta, self.cfg)
+
+    def over_budget(self) -> bool:
+        return self.rollbacks > self.cfg.max_rollbacks
