@@ -75,7 +75,9 @@ def test_every_numeric_serve_setting_refuses_a_huge_value_in_one_line(field, kin
 
 @pytest.mark.parametrize("field", sorted(THRESHOLDS))
 def test_a_threshold_takes_any_finite_value(field):
-    load_config(None, {field: 1e300})  # "never": accepted
+    cfg = load_config(None, {field: 1e300})  # "never": accepted
+    section, _, name = field.rpartition(".")
+    assert getattr(getattr(cfg, section) if section else cfg, name) == 1e300
 
 
 @pytest.mark.parametrize("override", [
@@ -85,7 +87,10 @@ def test_a_threshold_takes_any_finite_value(field):
     {"collapse.degenerate_rise": 1.0}, {"warm_start.temperature": 0.01},
 ])
 def test_unusual_but_sane_values_still_pass(override):
-    load_config(None, override)
+    cfg = load_config(None, override)
+    (field, value), = override.items()
+    section, _, name = field.rpartition(".")
+    assert getattr(getattr(cfg, section) if section else cfg, name) == value
 
 
 @pytest.mark.parametrize("flags, line", [
