@@ -52,7 +52,7 @@ FLOORS = (
     "selfrl.cli",
 )
 # Folders under the package that hold data (fixture repositories), not selfrl modules.
-SKIP_DIRS = ("swe_repos",)
+SKIP_DIRS = ("swe-repos",)
 
 
 @dataclass(frozen=True)

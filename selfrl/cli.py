@@ -101,7 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sample the next iteration's rollouts while the update trains (one batch ahead: staleness "
                         "<= 1, importance-corrected; every version the sampler copy serves is swap-checked); "
                         "--no-async-rollouts samples and trains in turn")
-    sub.add_parser("envs", help="list the installed environments, one line each")
+    e = sub.add_parser("envs", help="list the installed environments, one line each")
+    e.add_argument("modules", nargs="*", metavar="MODULE",
+                   help="modules to import first, so that the environments they register are listed "
+                        "(e.g. examples.guess_env, with the module's folder on PYTHONPATH)")
     s = sub.add_parser("serve", help="OpenAI-compatible server that records, learns and hot-swaps adapters")
     s.add_argument("--config", help="TOML file with ServeConfig keys (see selfrl/config/serve.py)")
     s.add_argument("--api-key-file", help="file whose first line is the API key (else SELFRL_API_KEY)")
@@ -200,8 +203,17 @@ def _main(args: argparse.Namespace) -> int:
     from selfrl.safety.swap_check import SwapCheckError
 
     if args.command == "envs":
+        import importlib
+
         from selfrl.envs import describe_envs
 
+        for module in args.modules:
+            try:
+                importlib.import_module(module.partition(":")[0])
+            except ImportError as err:
+                print(f"selfrl: error: cannot import {module!r}: {err}; put its folder on PYTHONPATH "
+                      "(PYTHONPATH=. from the repository root)", file=sys.stderr)
+                return 2
         rows = describe_envs()
         width = max(len(name) for name, _ in rows)
         for name, desc in rows:

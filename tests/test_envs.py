@@ -71,6 +71,22 @@ def test_dotted_path_and_entry_point_load_a_third_party_env(monkeypatch):
         get_env("thirdparty_envs:NotEnv")
 
 
+class _NeedsPath(_Echo):
+    def __init__(self, path, *, level=1, mode):
+        super().__init__()
+
+
+def test_a_dotted_env_missing_required_options_is_one_line_that_names_them(monkeypatch):
+    mod = types.ModuleType("thirdparty_needs")
+    mod.Needs = _NeedsPath
+    monkeypatch.setitem(sys.modules, "thirdparty_needs", mod)
+    with pytest.raises(ValueError, match=r"needs the option\(s\) 'path', 'mode': set them in the config's \[task\] options"):
+        get_env("thirdparty_needs:Needs")
+    with pytest.raises(ValueError, match=r"needs the option\(s\) 'mode':"):
+        get_env("thirdparty_needs:Needs", path="p")
+    assert isinstance(get_env("thirdparty_needs:Needs", path="p", mode="m"), _NeedsPath)
+
+
 def test_env_defaults_sit_under_file_and_flags(monkeypatch, tmp_path):
     mod = types.ModuleType("thirdparty_envs")
     mod.Echo = _Echo
@@ -163,3 +179,24 @@ print(dict(describe_envs())["web"])
     error, listed = out.stdout.strip().splitlines()
     assert error.startswith("the built-in environment 'web' failed to import: ModuleNotFoundError") and "others loaded" in error
     assert listed.startswith("did not load: ModuleNotFoundError")
+
+
+def test_selfrl_envs_imports_the_named_modules_first(monkeypatch, capsys):
+    from pathlib import Path
+
+    from selfrl.cli import main
+    from selfrl.envs import registry
+    from selfrl.envs.rewards import PRESET_DOCS, PRESETS, REWARD_FUNCS
+    from selfrl.safety.detectors import TRAJECTORY_DETECTORS
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # the repository root: examples/
+    try:
+        assert main(["envs", "examples.guess_env"]) == 0
+        assert any(line.split()[0] == "guess" for line in capsys.readouterr().out.splitlines())
+        assert main(["envs", "no_such_module_here"]) == 2
+        assert "cannot import 'no_such_module_here'" in capsys.readouterr().err
+    finally:  # what the example registers on import, gone again (tests/test_docs_environments.py imports it too)
+        for table, key in ((registry._REGISTRY, "guess"), (TRAJECTORY_DETECTORS, "guess_spray"),
+                           (REWARD_FUNCS, "guess_economy"), (PRESETS, "guess"), (PRESET_DOCS, "guess")):
+            table.pop(key, None)
+        sys.modules.pop("examples.guess_env", None)

@@ -231,3 +231,8 @@ def _check_option_names(name: str, factory, options: dict) -> None:
     if unknown:
         raise ValueError(f"environment {name!r} has no option {', '.join(map(repr, unknown))}; "
                          f"valid: {', '.join(valid) or '(none)'}")
+    missing = [k for k, p in params.items() if k != "self" and k not in options and p.default is p.empty
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if missing:
+        raise ValueError(f"environment {name!r} needs the option(s) {', '.join(map(repr, missing))}: set them in "
+                         "the config's [task] options table (options = { ... })")

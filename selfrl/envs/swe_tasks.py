@@ -2,7 +2,7 @@
 from SWE-bench-format files kept locally.
 
 **Generated instances** (``generate``). The repositories are small pure-Python
-packages shipped with selfrl (``selfrl/envs/swe_repos/<name>``: ``ministats``,
+packages shipped with selfrl (``selfrl/envs/swe-repos/<name>``: ``ministats``,
 ``minitext``, ``intervals``), each with its own tests, all passing. Every
 non-test module is parsed and each candidate mutation site is enumerated:
 
@@ -47,7 +47,7 @@ from selfrl.envs.sandbox import Limits, Sandbox
 __all__ = ["REPOS", "REPOS_DIR", "Instance", "Mutation", "candidate_mutations", "generate",
            "load_instances", "load_repo", "read_swebench"]
 
-REPOS_DIR = Path(__file__).with_name("swe_repos")
+REPOS_DIR = Path(__file__).with_name("swe-repos")
 REPOS = ("ministats", "minitext", "intervals")
 TASKS_FILE = REPOS_DIR / "tasks.json"  # the generated instances, shipped (``python -m selfrl.envs.swe_tasks``)
 KINDS = ("flip_comparison", "boundary", "off_by_one", "swap_operator", "remove_branch")
