@@ -50,7 +50,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -66,7 +66,22 @@ from selfrl.record.versions import EventKind, VersionStatus
 
 if TYPE_CHECKING:
     from selfrl.rl.learner import Learner
-    from selfrl.run.loop import Runner
+
+
+class Runner(Protocol):
+    """What the warm start uses of the run it belongs to (:class:`selfrl.run.loop.Runner` is one):
+    its setup ``s`` (store, ledger, learner, engine), config, progress, champion, held-out
+    validation and the many-agents gate. Named here so that this module does not import the loop
+    that calls it."""
+
+    s: Any
+    cfg: Any
+    progress: Any
+    champion: Any
+
+    def validate(self) -> Any: ...
+
+    def agents_gate(self, step: int, res: Any) -> str | None: ...
 
 __all__ = ["FineTuneStats", "Selection", "WarmStartError", "WarmStartResult", "fine_tune", "mean_nll",
            "run_warm_start", "sample_successes", "select_successes", "sft_loss", "stored_phase",
@@ -331,7 +346,7 @@ def no_success_hint(cfg: WarmStartConfig, tasks: int) -> str:
             "environment's options)")
 
 
-def run_warm_start(runner: "Runner", start: int) -> WarmStartResult:
+def run_warm_start(runner: Runner, start: int) -> WarmStartResult:
     """The warm start of ``runner``'s run, before RL iteration ``start`` (see the module docstring).
 
     A resumed run continues it: finished, it is not repeated ("already_done"); a saved
@@ -402,7 +417,7 @@ def run_warm_start(runner: "Runner", start: int) -> WarmStartResult:
     return gate_candidate(runner, cand.version, trained, resumed=False)
 
 
-def gate_candidate(runner: "Runner", version: int, data: dict[str, Any], resumed: bool) -> WarmStartResult:
+def gate_candidate(runner: Runner, version: int, data: dict[str, Any], resumed: bool) -> WarmStartResult:
     """Validate the warm-started ``version`` (loaded first when ``resumed``) and gate it as an RL
     update; records the ``warm_start`` event of phase "done" and returns the result. A candidate
     an earlier session already gated is not gated again (its status is reported)."""
@@ -436,7 +451,7 @@ def gate_candidate(runner: "Runner", version: int, data: dict[str, Any], resumed
     return WarmStartResult(outcome, msg, version, out)
 
 
-def adopt_reference(runner: "Runner", version: int) -> None:
+def adopt_reference(runner: Runner, version: int) -> None:
     """With ``warm_start.kl_reference = "warm_start"``, the promoted warm-started ``version``
     becomes RL's KL reference (the learner's ``ref_state``; also on every resume), as an SFT
     model is the reference of the RL that follows it; with "initial" the reference stays the
