@@ -42,7 +42,7 @@ def create_fake_vllm(engine: Engine, base_name: str = "base-model"):
     adapters: dict[str, dict] = {}
     app.state.log, app.state.stale = [], set()
     app.state.delay_s, app.state.overlaps, app.state.dead = 0.0, [], False
-    app.state.script = None
+    app.state.script, app.state.answers = None, []  # answers: every sampling request answered, in order
     busy = {"probe": 0, "other": 0}  # completion requests at the server now, by kind
     busy_lock = threading.Lock()
     versions: dict[str, int] = {}  # name -> the engine version id it is swapped in as
@@ -122,7 +122,10 @@ def create_fake_vllm(engine: Engine, base_name: str = "base-model"):
                 return error(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.")
             if kind == "other":
                 time.sleep(app.state.delay_s)
-            return answer(body)
+            out = answer(body)
+            if isinstance(out, dict) and kind == "other":
+                app.state.answers.append(out)
+            return out
         finally:
             leave(kind)
 
