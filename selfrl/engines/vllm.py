@@ -24,8 +24,10 @@ Calls made:
   older version is served again after a rollback (vLLM keys its adapter cache by
   name, so a reused name could serve the old weights: the stale-sync failure);
   ``POST /v1/unload_lora_adapter {lora_name}`` for names older than the last
-  ``keep_loaded``. vLLM accepts an adapter with a LoRA matrix missing, so the client
-  checks each adapter's layout first (:func:`check_lora_layout`);
+  ``keep_loaded``, once no request in flight uses them (a request finishes on its version).
+  :meth:`VLLMEngine.load` and :meth:`VLLMEngine.use` split a swap in two, so that ``selfrl
+  serve`` checks a version on its own name before any request goes to it. vLLM accepts an
+  adapter with a LoRA matrix missing, so the client checks each adapter's layout first (:func:`check_lora_layout`);
 - ``POST /v1/completions`` with token-id prompts, ``logprobs: 0`` and
   ``return_token_ids: true`` (the sampled ids and their logprobs, no re-tokenizing),
   ``stop_token_ids`` = the EOS ids, ``skip_special_tokens: false``;
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import secrets
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -96,6 +99,8 @@ class VLLMEngine:
         self.loaded: list[str] = []
         self.layout: dict[str, tuple[int, ...]] | None = None  # the first adapter's tensor shapes, by name
         self.gate = ProbeGate()  # the swap check's probe goes out alone (see the module docstring)
+        self._using: dict[str, int] = {}  # name -> requests in flight on it (never unloaded under them)
+        self._names_lock = threading.Lock()
 
     def _call(self, path: str, body=None, timeout_s: float | None = None):
         return http.call(self.base_url, path, body, timeout_s=timeout_s or self.timeout_s, api_key=self.api_key)
@@ -108,7 +113,18 @@ class VLLMEngine:
             ValueError: arguments every backend refuses, or the server's refusal (4xx).
         """
         check_generate_args(prompts, max_new_tokens, temperature, greedy, top_p)
-        name, version = self.model_name, self.version
+        with self._names_lock:  # the name is taken and counted at once: a swap never unloads it under us
+            name, version = self.model_name, self.version
+            self._using[name] = self._using.get(name, 0) + 1
+        try:
+            return self._generate(name, version, prompts, max_new_tokens, temperature, greedy, top_p, on_step, stop)
+        finally:
+            with self._names_lock:
+                self._using[name] -= 1
+            self._unload_old()
+
+    def _generate(self, name: str, version: int, prompts, max_new_tokens, temperature, greedy, top_p, on_step,
+                  stop) -> list[Generation]:
         body = {"model": name, "prompt": prompts, "max_tokens": max_new_tokens, "n": 1,
                 "temperature": 0.0 if greedy else temperature, "top_p": 1.0 if greedy else top_p,
                 "logprobs": 0, "return_token_ids": True, "stop_token_ids": self.eos_token_ids,
@@ -168,13 +184,23 @@ class VLLMEngine:
         return folder.resolve(), layout
 
     def swap(self, adapter: AdapterSource, version: int) -> float:
-        """Load ``adapter`` into vLLM under a new name and serve it as ``version``.
+        """Load ``adapter`` into vLLM under a new name and serve it as ``version`` (:meth:`load`, then :meth:`use`).
 
         Raises:
             ValueError: vLLM refused it, or it does not have the layout of the adapters before it
                 (the message names the version); the served one is unchanged.
         """
         t = time.perf_counter()
+        self.use(self.load(adapter, version))
+        return time.perf_counter() - t
+
+    def load(self, adapter: AdapterSource, version: int) -> str:
+        """Load ``adapter`` into vLLM as ``version`` under a new name, and return the name; requests
+        still go to the served one until :meth:`use` (``selfrl serve`` checks a version before).
+
+        Raises:
+            ValueError: as :meth:`swap`; nothing was loaded.
+        """
         self.loads += 1
         name = f"{self.prefix}-v{int(version)}-{self.client_id}-{self.loads}"
         folder, layout = self._folder(adapter, name, int(version))
@@ -184,11 +210,31 @@ class VLLMEngine:
             raise ValueError(f"vLLM refused adapter version {version} ({name}): {e}") from None
         self.layout = self.layout or layout
         self.names[name] = int(version)
-        self.model_name, self.version = name, int(version)
-        self.loaded.append(name)
-        while len(self.loaded) > self.keep_loaded:
-            self._call("/v1/unload_lora_adapter", {"lora_name": self.loaded.pop(0)})
-        return time.perf_counter() - t
+        return name
+
+    def use(self, name: str) -> None:
+        """Send every later request to ``name`` (one :meth:`load` returned); names older than the
+        newest ``keep_loaded`` are unloaded once no request in flight uses them."""
+        with self._names_lock:
+            self.model_name, self.version = name, self.names[name]
+            self.loaded.append(name)
+        self._unload_old()
+
+    def discard(self, name: str) -> None:
+        """Unload ``name``, loaded and never used (it failed its check); a failure to unload is left
+        to vLLM (the name is never asked for again)."""
+        try:
+            self._call("/v1/unload_lora_adapter", {"lora_name": name})
+        except (http.RemoteBackendError, http.RemoteRequestError, TimeoutError):
+            pass
+
+    def _unload_old(self) -> None:
+        """Unload the names beyond the newest ``keep_loaded`` that no request in flight uses."""
+        with self._names_lock:
+            old = [n for n in self.loaded[:-self.keep_loaded] if not self._using.get(n)]
+            self.loaded = [n for n in self.loaded if n not in old]
+        for name in old:
+            self._call("/v1/unload_lora_adapter", {"lora_name": name})
 
     def health(self) -> EngineHealth:
         try:
@@ -197,9 +243,11 @@ class VLLMEngine:
             return EngineHealth(False, self.version, self.name, str(e))
         return EngineHealth(True, self.version, self.name, f"serving {self.model_name}")
 
-    def prompt_logprobs(self, token_ids: list[int], timeout_s: float | None = None) -> tuple[list[float], int]:
+    def prompt_logprobs(self, token_ids: list[int], timeout_s: float | None = None,
+                        name: str | None = None) -> tuple[list[float], int]:
         """(n - 1) temperature-1 log-probs of ``token_ids[1:]`` from vLLM's ``prompt_logprobs``, and
-        the version of the adapter that computed them (from the answer's ``model`` name).
+        the version of the adapter that computed them (from the answer's ``model`` name), on the
+        served name or on ``name`` (one :meth:`load` returned).
 
         The request goes out alone (:class:`ProbeGate`): requests in flight are waited for,
         new ones wait until it is answered. ``timeout_s`` (default ``timeout_s`` of the client)
@@ -211,7 +259,7 @@ class VLLMEngine:
             TimeoutError: no answer within the deadline.
         """
         deadline = timeout_s or self.timeout_s
-        body = {"model": self.model_name, "prompt": token_ids, "max_tokens": 1, "temperature": 1.0,
+        body = {"model": name or self.model_name, "prompt": token_ids, "max_tokens": 1, "temperature": 1.0,
                 "prompt_logprobs": 0, "return_token_ids": True}
         with self.gate.alone(deadline) as left:
             if left <= 0:

@@ -28,13 +28,18 @@ silently. After fixing the sampler, ``--resume`` pushes and checks the champion 
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 
 from selfrl.record import adapters
-from selfrl.safety.swap_check import SwapChecker, SwapCheckError, SwapCheckResult
-from selfrl.record.versions import EventKind, Ledger
+from selfrl.record.versions import Ledger
+from selfrl.safety.swap_check import (  # noqa: F401  (swap_within: where it was)
+    SwapChecker,
+    SwapCheckError,
+    SwapCheckResult,
+    checked_swap,
+    record_check,
+    swap_within,
+)
 
 
 def connect(cfg, tokenizer, model):
@@ -94,13 +99,9 @@ class SamplerSync:
             adapter = Path(rec.path)
         else:
             adapter = adapters.lora_state(self.model)
-        if self.checker is None:
-            self.engine.swap(adapter, version)
-            self._served(version)
-            return None
-        failed = swap_within(self.engine, adapter, version, self.checker.deadline_s, self.checker.tolerance)
-        res = failed or self.checker.check(self.engine, self.model, version)
-        res = self._record(res, stage)
+        res = checked_swap(self.engine, adapter, version, self.checker, self.model)
+        if res is not None:
+            self._record(res, stage)
         self._served(version)
         return res
 
@@ -130,38 +131,11 @@ class SamplerSync:
         self.push(version, stage)
 
     def _record(self, res: SwapCheckResult, stage: str) -> SwapCheckResult:
-        data = {**res.to_dict(), "stage": stage}
+        record_check(self.ledger, res, stage)
         if res.ok:
-            self.ledger.event(EventKind.SWAP_CHECK, f"{stage}: {res.message}", data)
             return res
-        self.ledger.event(EventKind.SWAP_CHECK_FAILED, f"{stage}: {res.message}", data)
         self.ledger.reject_unverified(res.version, res.reason, res.mean_abs_diff)
         raise SwapCheckError(res)
-
-
-def swap_within(engine, adapter, version: int, deadline_s: float, tolerance: float) -> SwapCheckResult | None:
-    """``engine.swap(adapter, version)`` given ``deadline_s`` seconds; None when it was acknowledged
-    in time, else a failed :class:`SwapCheckResult` (``timeout``, or ``error`` with the sampler's reason).
-    A swap still under way at the deadline is left to its daemon thread."""
-    t0, box = time.monotonic(), {}
-
-    def call() -> None:
-        try:
-            engine.swap(adapter, version)
-        except Exception as e:  # reported as the result's reason, never swallowed
-            box["error"] = e
-
-    worker = threading.Thread(target=call, daemon=True, name=f"sampler-swap-v{version}")
-    worker.start()
-    worker.join(timeout=deadline_s)
-    base = dict(version=version, ok=False, tolerance=tolerance, seconds=time.monotonic() - t0)
-    if worker.is_alive() or isinstance(box.get("error"), TimeoutError):
-        return SwapCheckResult(reason="timeout", **base,
-                               detail=f"the sampler did not acknowledge the swap within {deadline_s:g} s")
-    if "error" in box:
-        e = box["error"]
-        return SwapCheckResult(reason="error", **base, detail=f"the swap failed: {type(e).__name__}: {e}")
-    return None
 
 
 __all__ = ["SamplerSync", "connect", "swap_within"]

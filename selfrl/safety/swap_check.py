@@ -261,3 +261,54 @@ class SwapChecker:
         if not res.ok:
             raise SwapCheckError(res)
         return res
+
+
+def swap_within(engine, adapter, version: int, deadline_s: float, tolerance: float) -> SwapCheckResult | None:
+    """``engine.swap(adapter, version)`` given ``deadline_s`` seconds; None when it was acknowledged
+    in time, else a failed :class:`SwapCheckResult` (``timeout``, or ``error`` with the sampler's reason).
+    A swap still under way at the deadline is left to its daemon thread."""
+    t0, box = time.monotonic(), {}
+
+    def call() -> None:
+        try:
+            engine.swap(adapter, version)
+        except Exception as e:  # reported as the result's reason, never swallowed
+            box["error"] = e
+
+    worker = threading.Thread(target=call, daemon=True, name=f"sampler-swap-v{version}")
+    worker.start()
+    worker.join(timeout=deadline_s)
+    base = dict(version=version, ok=False, tolerance=tolerance, seconds=time.monotonic() - t0)
+    if worker.is_alive() or isinstance(box.get("error"), TimeoutError):
+        return SwapCheckResult(reason="timeout", **base,
+                               detail=f"the sampler did not acknowledge the swap within {deadline_s:g} s")
+    if "error" in box:
+        e = box["error"]
+        return SwapCheckResult(reason="error", **base, detail=f"the swap failed: {type(e).__name__}: {e}")
+    return None
+
+
+def checked_swap(engine, adapter, version: int, checker: "SwapChecker | None", model) -> SwapCheckResult | None:
+    """Swap ``adapter`` into ``engine`` as ``version`` within the check's deadline, then prove it with
+    ``checker`` against ``model`` (holding ``version``'s weights): the one way both ``selfrl run``
+    (:class:`selfrl.run.sampler_sync.SamplerSync`) and ``selfrl serve`` (:mod:`selfrl.serve.remote`)
+    put a version into a separate sampler.
+
+    Returns:
+        The check's result, passed or failed (a swap that failed or timed out is a failed result);
+        None when ``checker`` is None (checks off: the swap is trusted and any error raised).
+    """
+    if checker is None:
+        engine.swap(adapter, version)
+        return None
+    failed = swap_within(engine, adapter, version, checker.deadline_s, checker.tolerance)
+    return failed or checker.check(engine, model, version)
+
+
+def record_check(ledger, res: SwapCheckResult, stage: str) -> None:
+    """Record ``res`` in ``ledger`` (a :class:`selfrl.record.versions.Ledger`) as a ``swap_check`` or
+    ``swap_check_failed`` event, its numbers and ``stage`` in the data."""
+    from selfrl.record.versions import EventKind
+
+    kind = EventKind.SWAP_CHECK if res.ok else EventKind.SWAP_CHECK_FAILED
+    ledger.event(kind, f"{stage}: {res.message}", {**res.to_dict(), "stage": stage})

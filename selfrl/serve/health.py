@@ -20,7 +20,9 @@ WARNING) marks where a fault begins and where it ends.
   would be refused: a load balancer should send traffic elsewhere), and HTTP 200 when
   only the learner is affected (``learner_paused``: it waits for storage and resumes by
   itself; ``learner_stopped``: it stopped for good, e.g. the collapse budget is spent;
-  requests are served and recorded either way).
+  requests are served and recorded either way), and when a version failed its swap check on
+  the vLLM server (``swap_check_failed``: the version before it is served; ``selfrl.serve.remote``);
+  HTTP 503 when the vLLM server does not answer (``sampler_unreachable``).
 """
 
 from __future__ import annotations
@@ -126,6 +128,13 @@ def health(service) -> tuple[int, dict[str, Any], dict[str, str]]:
         reasons.append({"code": "learner_stopped", "message": "the learner stopped (GET /admin/status and the "
                         "server log say why); requests are served and recorded, nothing is learned until the "
                         "server is restarted"})
+    failed = getattr(service.engine, "failed", None)  # a remote sampler's swap check (selfrl.serve.remote)
+    if failed is not None:
+        reasons.append({"code": "swap_check_failed", "message": f"{failed.message}; requests are served by version "
+                        f"{service.engine.version}, the last version that passed"})
+    if getattr(service.engine, "checks_swaps", False) and not (h := service.engine.health()).ok:
+        reasons.append({"code": "sampler_unreachable", "message": f"the vLLM server does not answer: {h.detail}"})
+        status = 503
     body: dict[str, Any] = {"status": "degraded" if reasons else "ok", "served_version": service.engine.version}
     if reasons:
         body["reasons"] = reasons

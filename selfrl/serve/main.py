@@ -59,6 +59,7 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
     signal's number after a stop signal (130, 143, 129; :mod:`selfrl.run.shutdown`)."""
     from selfrl.config import ConfigError
     from selfrl.model.load import ModelLoadError
+    from selfrl.safety.swap_check import SwapCheckError
 
     try:
         cfg = load_serve_config(config, overrides)
@@ -108,6 +109,11 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"selfrl: error: {msg}", file=sys.stderr)
         return 2
+    except (ConnectionError, SwapCheckError) as e:  # the vLLM server (sampler.url) is down, or serves other weights
+        sock.close()
+        print(f"selfrl: error: cannot start: {e}; fix the vLLM server at {cfg.sampler.url} (docs/guides/vllm.md) "
+              "and start again", file=sys.stderr)
+        return 1
     except Exception as e:  # a storage fault at start (disk full, store locked): one line, not a traceback
         from selfrl.record.storage_errors import classify
 

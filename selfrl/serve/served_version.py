@@ -10,6 +10,12 @@ replica (``selfrl.serve.replica``) restores read-only and refuses the admin's ch
 
 The promotion itself is the version ledger's (:meth:`selfrl.record.versions.Ledger.judge`);
 this module only decides what the engine serves.
+
+With a sampler that checks its swaps (vLLM: :class:`selfrl.serve.remote.CheckedSampler`) every
+change is proved by the swap check, the start version included; one that fails leaves the
+previous version served: a promotion is recorded as not served, a pin, unpin or rollback is
+answered 502 ``swap_check_failed`` (the rollback stays recorded in the ledger), and ``GET /health``
+says degraded until a later check passes.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from selfrl.record import adapters
 from selfrl.record.adapters import lora_state
 from selfrl.core.atomic import write_atomic
 from selfrl.record.versions import Champion, EventKind, Ledger
+from selfrl.safety.swap_check import SwapCheckError
 from selfrl.serve.errors import ApiError
 
 
@@ -58,22 +65,45 @@ class ServedVersion:
         """The version the engine serves now."""
         return self.engine.version
 
+    @property
+    def checked(self) -> bool:
+        """True when the engine proves each swap (a remote sampler): it takes the stage, and the start version."""
+        return getattr(self.engine, "checks_swaps", False)
+
+    def _swap(self, state, version: int, stage: str) -> float:
+        """``engine.swap``; a checking engine is told the stage (the event's name).
+
+        Raises:
+            SwapCheckError: the check failed; the previous version is still served.
+        """
+        if self.checked:
+            return self.engine.swap(state, version, stage=stage)
+        return self.engine.swap(state, version)
+
+    def _failed(self, e: SwapCheckError, what: str) -> ApiError:
+        """The 502 an admin gets when ``what`` failed its swap check."""
+        return ApiError(502, f"{what}: {e}; still serving version {self.served} (GET /health says why)", "version",
+                        "swap_check_failed", type_="server_error")
+
     def restore(self) -> None:
         """Record (or repair) the base version, move aside what a killed save left, and serve
         the latest complete promoted version (the champion) or the pinned one, as ``run`` does."""
         self.ledger.recover_strays()
         self.ledger.ensure_base(self.engine.model)
         best = self.ledger.latest_servable()
-        if best.version != 0:
-            self.engine.swap(self.state_of(best.version), best.version)
+        if best.version != 0 or self.checked:  # a remote sampler proves the base it serves too
+            self._swap(self.state_of(best.version), best.version, "start")
         self.ledger.set_champion(best.version, lora_state(self.engine.model))
         pin = self.run_dir / "pinned.json"
         if pin.exists():  # a pin outlives a restart
             version = json.loads(pin.read_text())["version"]
             try:
                 self.check_servable(version, "version")
-                self.engine.swap(self.state_of(version), version)
+                self._swap(self.state_of(version), version, "restart-pin")
                 self.pinned = version
+            except SwapCheckError as e:  # the pin is kept; the champion serves until it passes (pin it again)
+                self.event(EventKind.PIN, f"restart: the pinned version {version} is not served: {e}; serving "
+                           f"version {best.version}, pin kept")
             except ApiError as e:
                 if version in self.ledger.missing:  # its folder may come back: the pin is kept, not served now
                     self.event(EventKind.PIN, f"restart: the pinned version {version} is not served: "
@@ -137,7 +167,15 @@ class ServedVersion:
                 for v in self.ledger.servable()]
 
     def run_on_version(self, version: int, fn):
-        """Run ``fn()`` with ``version`` swapped in, then swap the served version back."""
+        """Run ``fn()`` with ``version`` swapped in, then swap the served version back.
+
+        Raises:
+            RuntimeError: the engine is a remote sampler, which serves one version at a time (its
+                requests for another version are refused with a 400 before they get here).
+        """
+        if self.checked:
+            raise RuntimeError(f"version {version} is no longer served (now {self.served}); the remote sampler "
+                               "serves one version at a time")
         state = self.state_of(version)
         with self.engine.lock:
             served, served_state = self.engine.version, lora_state(self.engine.model)
@@ -162,7 +200,12 @@ class ServedVersion:
                 self.event(EventKind.SWAP, f"version {version} {reason}; not served: version {self.pinned} is pinned",
                            {"version": version, "served": False})
                 return None
-            seconds = self.engine.swap(state, version)
+            try:
+                seconds = self._swap(state, version, "promote")
+            except SwapCheckError as e:  # the sampler keeps the version before: said, never silent
+                self.event(EventKind.SWAP, f"version {version} {reason}; not served: {e}",
+                           {"version": version, "served": False, "swap_check": e.result.reason})
+                return None
             self.swap_seconds.append(seconds)
             self.event(EventKind.SWAP, f"serving version {version} ({reason}); swap took {seconds * 1000:.1f} ms",
                        {"version": version, "swap_s": seconds})
@@ -176,8 +219,14 @@ class ServedVersion:
         with self.admin:
             self.check_servable(version, "version")
             state = self.state_of(version)
-            write_atomic(self.run_dir / "pinned.json", json.dumps({"version": version}))
-            self.engine.swap(state, version)
+            pin = self.run_dir / "pinned.json"
+            before = pin.read_text() if pin.exists() else None
+            write_atomic(pin, json.dumps({"version": version}))
+            try:
+                self._swap(state, version, "pin")
+            except SwapCheckError as e:
+                write_atomic(pin, before) if before is not None else pin.unlink(missing_ok=True)
+                raise self._failed(e, f"pinning version {version}") from e
             self.pinned = version
             self.event(EventKind.PIN, f"version {version} pinned")
 
@@ -186,8 +235,11 @@ class ServedVersion:
         with self.admin:
             best = self.ledger.latest_servable()
             state = self.state_of(best.version)
+            try:
+                self._swap(state, best.version, "unpin")
+            except SwapCheckError as e:  # still pinned
+                raise self._failed(e, f"unpinning (to serve version {best.version})") from e
             (self.run_dir / "pinned.json").unlink(missing_ok=True)
-            self.engine.swap(state, best.version)
             self.pinned = None
             self.event(EventKind.UNPIN, f"unpinned; serving the latest promoted version {best.version}")
 
@@ -209,7 +261,12 @@ class ServedVersion:
             (self.run_dir / "pinned.json").unlink(missing_ok=True)
             self.pinned = None
             champ = self.ledger.champion
-            self.engine.swap(champ.state, version)
+            try:
+                self._swap(champ.state, version, "rollback")
+            except SwapCheckError as e:  # the ledger holds the rollback; the learner follows it all the same
+                if self.on_rollback is not None:
+                    self.on_rollback(champ)
+                raise self._failed(e, f"rolled back to version {version} in the ledger, but serving it") from e
             if self.on_rollback is not None:
                 self.on_rollback(champ)  # the learner's reset_to: applied before its next update
 

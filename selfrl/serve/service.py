@@ -11,6 +11,7 @@ the HTTP layer talks to:
 - :class:`selfrl.serve.served_version.ServedVersion`: which adapter version the engine
   serves (restore, publish a promotion, pin, unpin, roll back, a request's own version);
 - :class:`selfrl.serve.batcher.Batcher`: the jobs of concurrent requests, batched;
+- the engine: in process (``engine``), or a vLLM server (``[sampler]``, :mod:`selfrl.serve.remote`);
 - the background learner (:mod:`selfrl.serve.background`) or, on a replica, the follower
   of the owner's versions (:mod:`selfrl.serve.replica`);
 - the feedback of a response (:meth:`Service.feedback`).
@@ -47,7 +48,8 @@ class Service:
     """Serving state: engine, batcher, store, versions and (optionally) the learner.
 
     Args:
-        model: the serving policy (a ``peft.PeftModel``).
+        model: the serving policy (a ``peft.PeftModel``); with ``sampler.url``, the local copy whose
+            weights follow the version vLLM serves (the swap check's reference).
         tokenizer: its tokenizer.
         cfg: :class:`ServeConfig`.
         learner_model: a separate copy of the policy for the background learner, or
@@ -57,6 +59,8 @@ class Service:
         selfrl.config.ConfigError: a value out of range, or a name no registry knows.
         ValueError: the stored versions do not fit the model.
         selfrl.record.runlock.RunDirLocked: another process serves (or runs) this run directory.
+        ConnectionError: ``sampler.url`` cannot be reached.
+        selfrl.safety.swap_check.SwapCheckError: the start version failed its swap check on vLLM.
     """
 
     def __init__(self, model, tokenizer, cfg: ServeConfig, learner_model=None):
@@ -77,7 +81,12 @@ class Service:
         records.init(self.store)
         self.run_id = self.store.start_run({"serve": cfg.to_dict()})
         self.ledger = Ledger(self.store, self.run_id, self.run_dir)
-        self.engine = make_engine(cfg.engine, model, tokenizer)
+        if cfg.sampler.url is not None:  # samples from vLLM; every version proved there (selfrl.serve.remote)
+            from selfrl.serve.remote import connect_sampler
+
+            self.engine = connect_sampler(cfg, model, tokenizer, self.ledger)
+        else:
+            self.engine = make_engine(cfg.engine, model, tokenizer)
         self.context = engine_context(self.engine) or model_context(model, tokenizer)  # (a slot engine: a window)
         self.native_tools = template_supports_tools(tokenizer)
         self.control = tuple(control_tokens(tokenizer))  # their text is never content (split_completion)
@@ -148,6 +157,9 @@ class Service:
             "turns": counts, "swap_ms": [round(s * 1000, 2) for s in self.versions.swap_seconds[-10:]],
             "learner": None if self.learner is None else self.learner.status(),
             "replica": None if self.follower is None else {"swaps": self.follower.swaps, "error": self.follower.error},
+            "sampler": None if self.cfg.sampler.url is None else {
+                "url": self.cfg.sampler.url, "kind": self.cfg.sampler.kind, "name": self.engine.remote.model_name,
+                "swap_check_failed": None if self.engine.failed is None else self.engine.failed.to_dict()},
         }
 
     # -- requests (selfrl.serve.turns) ---------------------------------------------------

@@ -125,6 +125,9 @@ class Turns:
             raise ApiError(400, problem, problem.split()[0])
         if req.record:  # refused before any generation: its turn could not be stored
             self.storage.check()
+        refusal = getattr(self.engine, "refusal", None)  # a remote sampler's own limits (selfrl.serve.remote)
+        if refusal is not None and (why := refusal(req)) is not None:
+            raise ApiError(400, why[0], why[1], "unsupported_by_backend")
         if req.logprobs and req.top_logprobs and not self.batcher.supports("top_logprobs"):
             raise ApiError(400, f"top_logprobs is not supported by the {self.cfg.engine!r} engine backend; "
                            "the reference engine supports it", "top_logprobs")
@@ -184,7 +187,8 @@ class Turns:
             return None
         param = "response_format" if constraint.kind == "json" else "tool_choice"
         if not getattr(self.engine, "supports_constraints", False):
-            raise ApiError(501, f"the {getattr(self.engine, 'name', type(self.engine).__name__)} engine cannot "
+            # a remote sampler refuses it as a request it cannot take (400); an in-process engine without it is ours (501)
+            raise ApiError(400 if hasattr(self.engine, "refusal") else 501, f"the {getattr(self.engine, 'name', type(self.engine).__name__)} engine cannot "
                            f"constrain decoding, which this request's {param} needs; serve with the reference "
                            "engine", param, "constraints_unsupported")
         vocab = self.engine.model.get_output_embeddings().weight.shape[0]
