@@ -45,7 +45,8 @@ class EventKind(str, enum.Enum):
     CORRUPT_VERSION = "corrupt_version"  # a version folder is incomplete: never served, marked
     MISSING_VERSION = "missing_version"  # a version folder is not there: not served by this process, row kept
     COLLAPSE = "collapse"  # a collapse rule fired: the candidates since the champion are rolled back
-    COLLAPSE_STOP = "collapse_stop"  # the collapse rollback budget is spent
+    COLLAPSE_STOP = "collapse_stop"  # collapse.max_rollbacks is set and spent: learning stops for good
+    STEP_BACK = "step_back"  # a stable stretch after a collapse: one backoff level back toward the configured setting
     ROLLBACK = "rollback"  # an admin rolled the server back to an earlier version
     SKIP = "skip"  # an update was skipped (UpdateResult.reason says why); no version made
     RECOVER = "recover"  # a stray folder left by a killed save was moved aside, or the base re-saved

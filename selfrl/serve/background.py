@@ -109,10 +109,12 @@ class BackgroundLearner(threading.Thread):
         publish: ``publish(version, state, reason)`` serves a promoted version.
         storage: the server's watch over its run directory (storage faults are reported to
             it; its probe says when to retry); None: one of the learner's own.
+        clock: seconds (``time.time``): the collapse budget's window, cool-down and stable stretch
+            run on it (a fake clock plays days without waiting).
     """
 
     def __init__(self, cfg: ServeConfig, model, tokenizer, store: Store, ledger: Ledger, publish: Publish,
-                 storage: StorageWatch | None = None):
+                 storage: StorageWatch | None = None, clock: Callable[[], float] = time.time):
         super().__init__(name="selfrl-learner", daemon=True)
         self.cfg, self.model, self.tok, self.store, self.ledger, self.publish = (
             cfg, model, tokenizer, store, ledger, publish)
@@ -133,13 +135,14 @@ class BackgroundLearner(threading.Thread):
         assert_disjoint([], self.val)
         self.tools = resolve_tools(cfg.rollout.tools)
         self.monitor = HackingMonitor(cfg.detectors, lc.reward_weights)
+        self.clock = clock
         self.cycle = UpdateCycle(ledger, self.learner, CollapseGuard(cfg.collapse), self.monitor, cfg.collapse,
-                                 cfg.gate.tolerance, cfg.train.scale_rewards, load=self._load)
+                                 cfg.gate.tolerance, cfg.train.scale_rewards, load=self._load, clock=clock)
         self.lock = threading.RLock()
         self._halt = threading.Event()
         done = [m["step"] for m in store.metrics() if m["name"] == "reward/mean"]
         self.updates = max(done) + 1 if done else 0  # numbered on from the run directory's earlier sessions
-        self.cycle.resume(store)  # their collapse rollbacks, history and safer setting, as run --resume
+        self.cycle.resume(store)  # their collapse budget, history and setting, as run --resume
         self.last: dict[str, Any] = {}
         self.error: str | None = None
         self.busy = False  # between taking a batch and finishing its gate
@@ -175,7 +178,8 @@ class BackgroundLearner(threading.Thread):
         paused = None if self.paused is None else {"code": self.paused.kind.value, "message": self.paused.message,
                                                    "since": self.paused_since}
         return {"alive": self.is_alive(), "busy": self.busy, "updates": self.updates, "best_version": champ.version,
-                "best_val_success": champ.success, "last_update": self.last, "error": self.error, "paused": paused}
+                "best_val_success": champ.success, "last_update": self.last, "error": self.error, "paused": paused,
+                "backoff": self.cycle.backoff()}
 
     # -- storage faults: pause, undo, resume -------------------------------------------
 
@@ -266,8 +270,15 @@ class BackgroundLearner(threading.Thread):
         return res
 
     def tick(self) -> bool:
-        """One update if enough turns are ready; returns True when one ran."""
+        """One update if enough turns are ready and the collapse budget allows one (no cool-down);
+        returns True when one ran.
+
+        Raises:
+            CollapseStop: only with ``collapse.max_rollbacks`` set, once it is spent.
+        """
         lc = self.cfg.learner
+        if self.cycle.check_budget() > 0:  # a cool-down: the turns wait, serving goes on
+            return False
         batch = records.ready(self.store, lc.feedback_wait_s, lc.max_batch)
         if len(batch) < lc.min_batch:
             return False
@@ -308,7 +319,9 @@ class BackgroundLearner(threading.Thread):
         t0, cycle = time.perf_counter(), self.cycle
         faults.set_iteration(self.updates)  # SELFRL_FAULT counts the learner's updates as iterations
         self._apply_reset()
-        cycle.check_budget()
+        if (wait := cycle.check_budget()) > 0:
+            self.last = {"turns": len(batch), "result": f"paused (collapse cool-down, {wait:.0f} s left)"}
+            return self.last
         scored, unscored = self.score(batch)
         records.mark(self.store, unscored, "skipped", None)
         usable = [t for t in scored if t.advantage]

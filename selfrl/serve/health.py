@@ -15,6 +15,10 @@ WARNING) marks where a fault begins and where it ends.
 **Health** (``GET /health``):
 
 * healthy: 200 ``{"status": "ok", "served_version": N}``;
+* with a learner, also ``"backoff"``: the collapse budget's state
+  (:meth:`selfrl.run.cycle.UpdateCycle.backoff`: ``backing_off``, ``level``, the current
+  ``learning_rate`` and ``beta``, ``paused_until`` of a cool-down, ...); backing off or pausing
+  is not a fault: the answer stays 200 ``ok`` and requests are served as usual;
 * degraded: ``{"status": "degraded", "served_version": N, "reasons": [{"code", "message"}]}``,
   with HTTP 503 and ``Retry-After`` while a storage fault lasts (a request that records
   would be refused: a load balancer should send traffic elsewhere), and HTTP 200 when
@@ -127,6 +131,8 @@ def health(service) -> tuple[int, dict[str, Any], dict[str, str]]:
                         "server log say why); requests are served and recorded, nothing is learned until the "
                         "server is restarted"})
     body: dict[str, Any] = {"status": "degraded" if reasons else "ok", "served_version": service.engine.version}
+    if learner is not None:  # the collapse budget: level 0 is the configured setting (a backoff serves as usual)
+        body["backoff"] = learner.cycle.backoff()
     if reasons:
         body["reasons"] = reasons
     return status, body, headers

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,9 @@ class Service:
         cfg: :class:`ServeConfig`.
         learner_model: a separate copy of the policy for the background learner, or
             None to serve and record without learning.
+        clock: seconds (``time.time``), used for ages and budgets in time (the feedback age, the
+            collapse budget's window and cool-down): tests and the user simulator pass a fake
+            clock to play days without waiting. Stored row times stay real.
 
     Raises:
         selfrl.config.ConfigError: a value out of range, or a name no registry knows.
@@ -59,8 +63,10 @@ class Service:
         selfrl.record.runlock.RunDirLocked: another process serves (or runs) this run directory.
     """
 
-    def __init__(self, model, tokenizer, cfg: ServeConfig, learner_model=None):
+    def __init__(self, model, tokenizer, cfg: ServeConfig, learner_model=None,
+                 clock: Callable[[], float] = time.time):
         self.cfg = cfg.validate()
+        self.clock = clock
         check_names(cfg, cfg.learner.reward_weights)  # the built-in environments' names included
         self.tok = tokenizer
         self.run_dir = Path(cfg.run_dir)
@@ -96,7 +102,7 @@ class Service:
             from selfrl.serve.background import BackgroundLearner
 
             self.learner = BackgroundLearner(cfg, learner_model, tokenizer, self.store, self.ledger, self.publish,
-                                             self.storage)
+                                             self.storage, clock=clock)
             self.versions.on_rollback = self.learner.reset_to
 
     # -- versions (selfrl.serve.served_version) ------------------------------------------
