@@ -55,10 +55,11 @@ from selfrl.safety.gate import validate
 from selfrl.envs.rewards import score_group
 from selfrl.rl.batch import collate
 from selfrl.rl.logprobs import per_token_logps
-from selfrl.record import served as records
+from selfrl.record import adapters, served as records
 from selfrl.config.serve import ServeConfig
 from selfrl.serve.feedback import SERVED, served_task
 from selfrl.serve.health import StorageWatch
+from selfrl.serve.late_feedback import FeedbackAges
 from selfrl.record.storage_errors import StorageFault
 from selfrl.record.store import Store
 from selfrl.core.tasks import assert_disjoint, split_tasks
@@ -136,6 +137,7 @@ class BackgroundLearner(threading.Thread):
         self.tools = resolve_tools(cfg.rollout.tools)
         self.monitor = HackingMonitor(cfg.detectors, lc.reward_weights)
         self.clock = clock
+        self.ages = FeedbackAges.from_config(lc, ledger, clock)  # the age rule of late turns (selfrl.serve.late_feedback)
         self.cycle = UpdateCycle(ledger, self.learner, CollapseGuard(cfg.collapse), self.monitor, cfg.collapse,
                                  cfg.gate.tolerance, cfg.train.scale_rewards, load=self._load, clock=clock)
         self.lock = threading.RLock()
@@ -279,7 +281,7 @@ class BackgroundLearner(threading.Thread):
         lc = self.cfg.learner
         if self.cycle.check_budget() > 0:  # a cool-down: the turns wait, serving goes on
             return False
-        batch = records.ready(self.store, lc.feedback_wait_s, lc.max_batch)
+        batch = records.ready(self.store, lc.feedback_wait_s, lc.max_batch, now=self.clock())
         if len(batch) < lc.min_batch:
             return False
         with self.lock:
@@ -322,16 +324,22 @@ class BackgroundLearner(threading.Thread):
         if (wait := cycle.check_budget()) > 0:
             self.last = {"turns": len(batch), "result": f"paused (collapse cool-down, {wait:.0f} s left)"}
             return self.last
+        n_turns = len(batch)
+        batch, too_old = self.ages.split(batch)  # past an age cutoff: only recorded
+        records.mark(self.store, [t for t, _ in too_old], "skipped", None)
         scored, unscored = self.score(batch)
         records.mark(self.store, unscored, "skipped", None)
         usable = [t for t in scored if t.advantage]
         parent = self.ledger.champion.version
         step_no = self.updates
-        step = cycle.update(step_no, self.recompute_old_logps(usable) if usable else scored, parent)
+        train, ages = (self.recompute_old_logps(usable), {}) if usable else (scored, {})
+        if usable:  # a turn of an older version: its advantage times its sequence weight
+            ages = self.ages.weigh(train, usable, self._logps_under)
+        step = cycle.update(step_no, train, parent)
         self.updates += 1
         reward_mean = sum(t.reward for t in scored) / max(len(scored), 1)
-        info: dict[str, Any] = {"turns": len(batch), "scored": len(scored), "with_signal": len(usable),
-                                "reward_mean": reward_mean}
+        info: dict[str, Any] = {"turns": n_turns, "scored": len(scored), "with_signal": len(usable),
+                                "reward_mean": reward_mean, "too_old": len(too_old)}
         if step.candidate is not None:
             self._made = step.candidate.version
         if step.candidate is None:
@@ -342,10 +350,10 @@ class BackgroundLearner(threading.Thread):
             return info
         version = step.candidate.version
         # the names run logs, so that a restart rebuilds the collapse history (UpdateCycle.resume)
-        metrics = step.result.metrics() | {"reward/mean": reward_mean, "version": float(version),
-                                           "sampled_version": float(parent),
-                                           "train/entropy": collapse.entropy_estimate(scored),
-                                           "train/degenerate": collapse.degenerate_share(scored, self.cfg.collapse)}
+        metrics = step.result.metrics() | ages | {
+            "feedback/too_old": float(len(too_old)), "reward/mean": reward_mean, "version": float(version),
+            "sampled_version": float(parent), "train/entropy": collapse.entropy_estimate(scored),
+            "train/degenerate": collapse.degenerate_share(scored, self.cfg.collapse)}
         if step.candidate_kl is not None:
             metrics["candidate_kl"] = step.candidate_kl
         records.mark(self.store, scored, "trained", version)
@@ -369,6 +377,23 @@ class BackgroundLearner(threading.Thread):
         info["seconds"] = time.perf_counter() - t0
         self.last = info
         return info
+
+    def _logps_under(self, version: int, trajs: list[Trajectory]) -> list[list[float]]:
+        """(T,) log-probs of each of ``trajs`` under ``version``'s stored weights at
+        ``learner.temperature``; the champion's weights are loaded back after.
+
+        Raises:
+            FileNotFoundError, ValueError: the version's weights are not stored (any more).
+        """
+        try:
+            state, champ = self.ledger.load_state(version), self.ledger.champion
+        except (KeyError, OSError, adapters.CorruptVersionError) as e:
+            raise FileNotFoundError(f"version {version}: {e}") from e
+        try:
+            self._load(state, version)
+            return [t.logprobs for t in self.recompute_old_logps(trajs)]
+        finally:
+            self._load(champ.state, champ.version)
 
     def _load(self, state: dict, version: int) -> None:
         from peft import set_peft_model_state_dict

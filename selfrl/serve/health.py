@@ -15,7 +15,7 @@ WARNING) marks where a fault begins and where it ends.
 **Health** (``GET /health``):
 
 * healthy: 200 ``{"status": "ok", "served_version": N}``;
-* with a learner, also ``"backoff"``: the collapse budget's state
+* while the learner backs off after a collapse, also ``"backoff"``: the collapse budget's state
   (:meth:`selfrl.run.cycle.UpdateCycle.backoff`: ``backing_off``, ``level``, the current
   ``learning_rate`` and ``beta``, ``paused_until`` of a cool-down, ...); backing off or pausing
   is not a fault: the answer stays 200 ``ok`` and requests are served as usual;
@@ -131,8 +131,9 @@ def health(service) -> tuple[int, dict[str, Any], dict[str, str]]:
                         "server log say why); requests are served and recorded, nothing is learned until the "
                         "server is restarted"})
     body: dict[str, Any] = {"status": "degraded" if reasons else "ok", "served_version": service.engine.version}
-    if learner is not None:  # the collapse budget: level 0 is the configured setting (a backoff serves as usual)
-        body["backoff"] = learner.cycle.backoff()
+    backoff = learner.cycle.backoff() if learner is not None else None
+    if backoff and (backoff["backing_off"] or backoff["paused_until"] is not None or backoff["stopped"]):
+        body["backoff"] = backoff  # the collapse budget off its configured setting (serving goes on as usual)
     if reasons:
         body["reasons"] = reasons
     return status, body, headers

@@ -37,6 +37,7 @@ from selfrl.serve.batcher import Batcher
 from selfrl.serve.errors import ApiError
 from selfrl.serve.feedback import explicit_value
 from selfrl.serve.health import StorageWatch
+from selfrl.serve.late_feedback import FeedbackAges
 from selfrl.serve.protocol import ChatCompletionRequest, FeedbackRequest
 from selfrl.serve.served_version import ServedVersion
 from selfrl.serve.turns import Prepared, Turns
@@ -91,8 +92,9 @@ class Service:
         self.versions.restore_replica() if cfg.replica else self.versions.restore()
         self.batcher = Batcher(self.engine, self.versions.run_on_version, cfg.max_batch, cfg.batch_window_s)
         self.turns = Turns(cfg, tokenizer, self.engine, self.batcher, self.store, self.run_id, self.versions,
-                           self.context, self.native_tools, self.storage, self.control)
+                           self.context, self.native_tools, self.storage, self.control, clock)
         self.learner = self.follower = None
+        self.ages = FeedbackAges.from_config(cfg.learner, self.ledger, clock)
         if cfg.replica:  # no learner: the owner's trains on this replica's turns too
             from selfrl.serve.replica import Follower
 
@@ -201,8 +203,24 @@ class Service:
             raise ApiError(499, "the client disconnected", code="client_disconnected")
         return await asyncio.to_thread(self.finish, p, gens, time.perf_counter() - t0)
 
+    def age_rule(self, version: int, created_at: float) -> tuple[str, str]:
+        """The outcome of feedback on a turn of ``version`` stored at ``created_at``: the age rule
+        of the learner that trains it (this server's, or a replica's owner's), else only recorded."""
+        outcome, reason = self.ages.at_feedback(version, created_at)
+        if self.learner is None and not self.cfg.replica and outcome != "too_old":
+            return "queued", ("queued: this server does not learn (learner.enabled = false, or no learner model); "
+                              "a learning server on this run directory trains it within the age cutoffs")
+        return outcome, reason
+
     def feedback(self, f: FeedbackRequest) -> dict[str, Any]:
         """Attach a user's feedback to a response (and its conversation's earlier turns).
+
+        The answer says what became of it (:mod:`selfrl.serve.late_feedback`): ``outcome`` is
+        ``used`` (the next update trains on it at full weight), ``queued`` (the learner has
+        moved since the turn: the next update weighs it) or ``too_old`` (only recorded: past
+        an age cutoff, already trained, cut off, or a server that does not learn), with a
+        ``reason``; ``turns_updated`` / ``turns_too_late`` count the turns of the conversation
+        it reached.
 
         Raises:
             ApiError: 404 when the response (or that choice) was never served or recorded.
@@ -210,11 +228,12 @@ class Service:
         value = explicit_value(f.rating, f.corrected)
         try:
             applied = records.apply_feedback(self.store, f.response_id, f.choice, "explicit", value, f.rating,
-                                             f.corrected, f.correction, f.comment)
+                                             f.corrected, f.correction, f.comment, now=self.clock(), age=self.age_rule)
         except KeyError:
             raise ApiError(404, f"no recorded response {f.response_id!r} with choice {f.choice}",
                            "response_id", "response_not_found") from None
         out = {"object": "feedback", "response_id": f.response_id, "choice": f.choice, "reward": value,
+               "outcome": applied.outcome, "reason": applied.reason,
                "turns_updated": applied.updated, "turns_too_late": applied.too_late}
         if applied.too_late:
             note = (f"came too late for {applied.too_late} turn(s): already trained on or skipped (a turn waits "
