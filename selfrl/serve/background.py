@@ -39,7 +39,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -52,12 +51,11 @@ from selfrl.run.cycle import UpdateCycle
 from selfrl.safety.detectors import HackingMonitor
 from selfrl.engines import make_engine
 from selfrl.safety.gate import validate
-from selfrl.envs.rewards import score_group
 from selfrl.rl.batch import collate
 from selfrl.rl.logprobs import per_token_logps
 from selfrl.record import adapters, served as records
 from selfrl.config.serve import ServeConfig
-from selfrl.serve.feedback import SERVED, served_task
+from selfrl.serve.feedback import score_served
 from selfrl.serve.health import StorageWatch
 from selfrl.serve.late_feedback import FeedbackAges
 from selfrl.record.storage_errors import StorageFault
@@ -71,30 +69,6 @@ from selfrl.record.versions import Champion, EventKind, Ledger, VersionStatus
 
 Publish = Callable[[int, dict, str], "float | None"]
 log = logging.getLogger("selfrl.serve")
-
-
-def score_served(batch: list[tuple[Trajectory, dict]], weights: dict[str, float]) -> tuple[list[Trajectory],
-                                                                                         list[Trajectory]]:
-    """Rewards of served turns through :func:`selfrl.envs.rewards.score_group` (the ``user_feedback``
-    reward reads the feedback each turn's ``served`` row holds); ``group_id`` becomes the row's
-    group key. Returns (scored, left out because no reward component applied)."""
-    by_task: dict[str, list[Trajectory]] = defaultdict(list)
-    feedback: dict[str, dict[str, float | None]] = defaultdict(dict)
-    for traj, row in batch:
-        traj.group_id = row["group_key"]
-        by_task[traj.task_id].append(traj)
-        feedback[traj.task_id][traj.id] = row["feedback"]
-    for task_id, trajs in by_task.items():
-        score_group(trajs, served_task(task_id, feedback[task_id]), SERVED, weights)
-    scored, unscored = [], []
-    for traj, _ in batch:
-        traj.correct = None  # served turns have no reference answer
-        if traj.reward is None or all(v is None for v in traj.rewards.values()):
-            traj.reward = None
-            unscored.append(traj)
-        else:
-            scored.append(traj)
-    return scored, unscored
 
 
 class BackgroundLearner(threading.Thread):
