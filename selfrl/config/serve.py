@@ -63,6 +63,17 @@ class LearnerSettings:
 
 
 @dataclass
+class RetentionSettings:
+    """Which adapter version folders are kept (``selfrl.record.retention``), applied after every update."""
+
+    keep_newest: int = 0  # keep the newest N versions' folders, and every base, promoted, pinned and served one; 0: keep all
+    delete: bool = False  # delete the pruned folders (False: move them to adapters/.pruned, to delete by hand)
+
+    def check(self, where: str = "") -> None:
+        require([in_range(self.keep_newest, "keep_newest", 0, 10**6)], where)
+
+
+@dataclass
 class ServeConfig:
     """Everything ``selfrl serve`` needs (defaults serve the embedded SmolLM2 on 127.0.0.1:8000)."""
 
@@ -89,6 +100,7 @@ class ServeConfig:
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(temperature=1.0))  # how validation runs
     collapse: CollapseConfig = field(default_factory=CollapseConfig)  # collapse rules and rollback, as in run
     detectors: DetectorConfig = field(default_factory=DetectorConfig)  # reward-hacking detectors, as in run
+    retention: RetentionSettings = field(default_factory=RetentionSettings)  # which version folders are kept
 
     @property
     def max_completion_length(self) -> int:
@@ -105,6 +117,7 @@ class ServeConfig:
         """
         check_sections(self)
         self.learner.check("learner.")
+        self.retention.check("retention.")
         require([
             (1 <= self.port <= 65535, "port must be in 1..65535"),
             (bool(self.served_model_name) and "@" not in self.served_model_name,

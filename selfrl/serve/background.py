@@ -86,10 +86,12 @@ class BackgroundLearner(threading.Thread):
             it; its probe says when to retry); None: one of the learner's own.
         clock: seconds (``time.time``): the collapse budget's window, cool-down and stable stretch
             run on it (a fake clock plays days without waiting).
+        prune: called after every update that made a version (retention); None: nothing pruned.
     """
 
     def __init__(self, cfg: ServeConfig, model, tokenizer, store: Store, ledger: Ledger, publish: Publish,
-                 storage: StorageWatch | None = None, clock: Callable[[], float] = time.time):
+                 storage: StorageWatch | None = None, clock: Callable[[], float] = time.time,
+                 prune: Callable[[], object] | None = None):
         super().__init__(name="selfrl-learner", daemon=True)
         self.cfg, self.model, self.tok, self.store, self.ledger, self.publish = (
             cfg, model, tokenizer, store, ledger, publish)
@@ -110,8 +112,8 @@ class BackgroundLearner(threading.Thread):
         assert_disjoint([], self.val)
         self.tools = resolve_tools(cfg.rollout.tools)
         self.monitor = HackingMonitor(cfg.detectors, lc.reward_weights)
-        self.clock = clock
-        self.ages = FeedbackAges.from_config(lc, ledger, clock)  # the age rule of late turns (selfrl.serve.late_feedback)
+        self.clock, self.prune = clock, prune
+        self.ages = FeedbackAges.from_config(lc, ledger, clock)  # the age rule (selfrl.serve.late_feedback)
         self.cycle = UpdateCycle(ledger, self.learner, CollapseGuard(cfg.collapse), self.monitor, cfg.collapse,
                                  cfg.gate.tolerance, cfg.train.scale_rewards, load=self._load, clock=clock)
         self.lock = threading.RLock()
@@ -348,6 +350,8 @@ class BackgroundLearner(threading.Thread):
                 info["result"] = "rolled back (collapse)"
         self._apply_reset()
         self._made = None
+        if self.prune is not None:
+            self.prune()
         info["seconds"] = time.perf_counter() - t0
         self.last = info
         return info

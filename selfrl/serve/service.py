@@ -104,7 +104,7 @@ class Service:
             from selfrl.serve.background import BackgroundLearner
 
             self.learner = BackgroundLearner(cfg, learner_model, tokenizer, self.store, self.ledger, self.publish,
-                                             self.storage, clock=clock)
+                                             self.storage, clock=clock, prune=self.prune_versions)
             self.versions.on_rollback = self.learner.reset_to
 
     # -- versions (selfrl.serve.served_version) ------------------------------------------
@@ -125,6 +125,25 @@ class Service:
     def publish(self, version: int, state, reason: str) -> float | None:
         """:meth:`ServedVersion.publish`: serve a promoted version unless one is pinned (the learner's callback)."""
         return self.versions.publish(version, state, reason)
+
+    def prune_versions(self) -> list[int]:
+        """Retention (``[retention]``, :mod:`selfrl.record.retention`): the folders of versions outside
+        the newest ``keep_newest`` that are not base, promoted, pinned or served are moved to
+        ``adapters/.pruned`` (deleted with ``retention.delete``), each marked in the ledger with a
+        ``prune`` event; returns the versions pruned ([] with ``keep_newest = 0``)."""
+        rc = self.cfg.retention
+        if not rc.keep_newest:
+            return []
+        from selfrl.record.retention import VersionRow, prune_versions, versions_to_remove
+
+        with self.ledger.lock:  # an admin's rollback or pin comes before or after, never inside
+            rows = [VersionRow(v.version, v.status.value, v.path) for v in self.ledger.all()
+                    if not v.metrics.get("pruned")]
+            remove = versions_to_remove(rows, rc.keep_newest, [] if self.pinned is None else [self.pinned],
+                                        self.engine.version)
+            where = "deleted" if rc.delete else "moved to adapters/.pruned"
+            prune_versions(self.run_dir, rows, remove, lambda v: self.ledger.mark_pruned(v, where), rc.delete)
+        return remove
 
     def pin(self, version: int) -> dict[str, Any]:
         """:meth:`ServedVersion.pin`, then the :meth:`status`."""
