@@ -95,7 +95,7 @@ def rated_turns(service: Service, n: int = 4) -> list[tuple]:
             t = Trajectory("arith", "arith", service.engine.version, prompt_len=3, token_ids=[5, 6, 7, 10 + i, 11],
                            completion_mask=[0, 0, 0, 1, 1], logprobs=[0.0] * 5)
             records.add_turn(service.store, service.run_id, t, t.id, 0, t.id, "arith", t.id)
-            batch.append((t, {"feedback": (-1.0) ** i, "group_key": "arith"}))
+            batch.append((t, {"feedback": (-1.0) ** i, "created_at": time.time(), "group_key": "arith"}))
     return batch
 
 

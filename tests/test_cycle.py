@@ -33,19 +33,20 @@ def trajectories(model, shift: float, groups=("g", "g", "h", "h")) -> list[Traje
     return out
 
 
-def make_cycle(model, tmp_path, **train):
+def make_cycle(model, tmp_path, collapse_cfg=None, clock=None, store=None, **train):
     # tis_cap 0: the PPO ratio is taken against the sampler's logprobs (the off-policy correction,
     # on by default, takes it against the learner's own, so a shifted sampler is never clipped)
     cfg = TrainConfig(**{"beta": 0.0, "learning_rate": 1e-2, "micro_batch_size": 4, "tis_cap": 0.0, **train})
     learner = Learner(model, cfg, TEMPERATURE, 0, max_completion_length=8)
-    store = Store(tmp_path / "s.db")
+    store = store or Store(tmp_path / "s.db")
     ledger = Ledger(store, store.start_run({}), tmp_path)
     ledger.ensure_base(model)
     from selfrl.record.adapters import lora_state
 
     ledger.set_champion(0, lora_state(model))
-    cycle = UpdateCycle(ledger, learner, CollapseGuard(CollapseConfig()), None, CollapseConfig(), 0.02, "group",
-                        load=lambda state, version: None)
+    cc = collapse_cfg or CollapseConfig()
+    cycle = UpdateCycle(ledger, learner, CollapseGuard(cc), None, cc, 0.02, "group",
+                        load=lambda state, version: None, **({"clock": clock} if clock else {}))
     return cycle, ledger, store
 
 
@@ -98,4 +99,70 @@ def test_no_group_with_two_samples_is_named_as_such(tiny_peft_model, tmp_path):
     for t in same:
         t.reward, t.advantage = 1.0, 0.0
     assert cycle.update(1, same, parent=0).result.reason == SkipReason.NO_SIGNAL
+    store.close()
+
+
+class Clock:
+    def __init__(self, t=1000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def record(step, kl=0.0):
+    from selfrl.safety.collapse import UpdateRecord
+
+    return UpdateRecord(step, 0, reward=0.5, entropy=1.0, degenerate=0.0, kl=kl)
+
+
+def test_a_collapse_backs_off_recovers_and_a_second_one_in_the_window_pauses_never_stops(tiny_peft_model, tmp_path):
+    # before: the learning rate only fell, and the 4th collapse of a run stopped it for good
+    clock = Clock()
+    cc = CollapseConfig(stable_updates=2, stable_s=600.0, window_s=3600.0, max_per_window=1, cooldown_s=900.0)
+    cycle, ledger, store = make_cycle(tiny_peft_model, tmp_path, cc, clock)
+    lr = lambda: (cycle.learner.cfg.learning_rate, cycle.learner.cfg.beta)  # noqa: E731
+    assert cycle.observe(record(0)) is None and cycle.observe(record(1)) is None and lr() == (1e-2, 0.0)
+
+    msg = cycle.observe(record(2, kl=5.0))  # the kl rule fires: level 1
+    assert "backing off to level 1" in msg and lr() == (5e-3, 0.01) and cycle.check_budget() == 0.0
+    event = store.events()[-1]
+    assert event["kind"] == "collapse" and event["data"]["action"] == "backoff" and event["data"]["level"] == 1
+    assert cycle.backoff()["backing_off"] and cycle.backoff()["next_step_back_after_updates"] == 2
+
+    clock.t += 10
+    assert cycle.observe(record(3)) is None and lr() == (5e-3, 0.01)
+    assert cycle.observe(record(4)) is None and lr() == (1e-2, 0.0)  # the stable stretch: back to the configured
+    event = store.events()[-1]
+    assert event["kind"] == "step_back" and event["data"]["level"] == 0 and not cycle.backoff()["backing_off"]
+
+    clock.t += 100  # a second collapse within the hour: more than max_per_window = 1, a cool-down
+    msg = cycle.observe(record(5, kl=5.0))
+    assert "paused for 900 s" in msg and lr() == (5e-3, 0.01)
+    assert cycle.check_budget() == 900.0 and cycle.backoff()["paused_until"] == 1110.0 + 900.0
+    clock.t += 899
+    assert cycle.check_budget() == 1.0
+    clock.t += 1
+    assert cycle.check_budget() == 0.0 and not cycle.budget.stopped  # learning resumes at level 1
+
+    # a restart rebuilds the budget from the recorded events (at their budget-clock times)
+    again, _, _ = make_cycle(tiny_peft_model, tmp_path, cc, clock, store=store)
+    store.log_metrics(ledger.run_id, 6, {"reward/mean": 0.5})  # one update after the last collapse
+    assert again.resume(store) == 2
+    b = again.backoff()
+    assert (b["level"], b["collapses"], b["collapses_in_window"], b["next_step_back_after_updates"]) == (1, 2, 2, 1)
+    assert (again.learner.cfg.learning_rate, again.learner.cfg.beta) == (5e-3, 0.01)
+    store.close()
+
+
+def test_max_rollbacks_asks_for_the_old_stop(tiny_peft_model, tmp_path):
+    from selfrl.safety.collapse import CollapseStop
+
+    cycle, _, store = make_cycle(tiny_peft_model, tmp_path, CollapseConfig(max_rollbacks=1), Clock())
+    cycle.observe(record(0, kl=5.0))
+    assert cycle.check_budget() == 0.0
+    cycle.observe(record(1, kl=5.0))
+    with pytest.raises(CollapseStop, match="2 collapse rollbacks exceed collapse.max_rollbacks = 1"):
+        cycle.check_budget()
+    assert store.events()[-1]["kind"] == "collapse_stop"
     store.close()

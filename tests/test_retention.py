@@ -144,3 +144,38 @@ def test_export_row_without_time_refused(tmp_path):
     with pytest.raises(ValueError, match="lacks 'created_at'"):
         export_then_prune([{"id": 1}], 25.0, tmp_path / "t.jsonl", lambda ids: len(ids))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_serve_prunes_after_an_update_and_never_offers_a_pruned_version(tiny_tokenizer, tiny_model_factory, tmp_path):
+    # before: every candidate's folder stayed for ever
+    import copy
+
+    from selfrl.record.adapters import lora_state
+    from selfrl.serve.errors import ApiError
+    from selfrl.serve.service import Service
+    from serving import add_version, tiny_serve_config
+
+    cfg = tiny_serve_config(tmp_path / "run")
+    cfg.retention.keep_newest = 1
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    service = Service(model, tiny_tokenizer, cfg, learner_model=copy.deepcopy(model))
+    try:
+        state = lora_state(model)
+        for v, status in [(1, "promoted"), (2, "rolled_back"), (3, "rejected"), (4, "candidate")]:
+            add_version(service, state, v, parent=0, status=status)
+        assert service.prune_versions() == [2, 3]  # 0 base, 1 promoted, 4 the newest
+        adapters_dir = tmp_path / "run" / "adapters"
+        assert sorted(p.name for p in (adapters_dir / ".pruned").iterdir()) == ["v000002", "v000003"]
+        assert not (adapters_dir / "v000002").exists() and (adapters_dir / "v000004").exists()
+        events = [e for e in service.store.events() if e["kind"] == "prune"]
+        assert [e["data"]["version"] for e in events] == [2, 3] and "moved to adapters/.pruned" in events[0]["message"]
+        assert [v["version"] for v in service.version_ids()] == [0, 1]
+        with pytest.raises(ApiError, match="pruned by retention"):
+            service.rollback(2)  # a rolled-back version could be rolled back to, until it was pruned
+        assert service.prune_versions() == []  # nothing more to prune: already marked
+        cfg.retention.delete = True
+        add_version(service, state, 5, parent=0, status="rejected")
+        assert service.prune_versions() == [4]  # 5 is now the newest
+        assert not (adapters_dir / "v000004").exists() and not (adapters_dir / ".pruned" / "v000004").exists()
+    finally:
+        service.close()

@@ -106,7 +106,7 @@ def test_a_restart_keeps_the_collapse_budget_history_and_safer_setting(tiny_toke
     again = Service(model, tiny_tokenizer, cfg, learner_model=copy.deepcopy(model))
     try:
         learner = again.learner
-        assert learner.updates == 1 and learner.cycle.guard.rollbacks == 1
+        assert learner.updates == 1 and learner.cycle.budget.collapses == 1
         assert [(r.step, r.version) for r in learner.cycle.guard.history] == [(0, 0)]
         assert learner.learner.cfg.learning_rate == pytest.approx(5e-3)  # x 0.5 once, not reset to 1e-2
         assert learner.learner.cfg.beta == pytest.approx(0.1)
@@ -118,6 +118,51 @@ def test_a_restart_keeps_the_collapse_budget_history_and_safer_setting(tiny_toke
         assert {(0, "train/entropy"), (1, "train/entropy"), (1, "sampled_version")} <= metrics
     finally:
         again.close()
+
+
+def test_the_learner_backs_off_pauses_and_says_so_in_health_never_stopping(tiny_tokenizer, tiny_model_factory,
+                                                                          tmp_path, monkeypatch):
+    # before: with max_rollbacks = 1 the second collapse stopped the learner for good
+    import copy
+
+    from selfrl.serve.health import health
+    from selfrl.serve.service import Service
+    from serving import tiny_serve_config
+
+    clock = type("Clock", (), {"t": 5000.0, "__call__": lambda self: self.t})()
+    cfg = tiny_serve_config(tmp_path / "run", min_batch=4)
+    cfg.train.learning_rate, cfg.train.beta = 1e-2, 0.05
+    cfg.collapse.max_kl, cfg.collapse.max_per_window, cfg.collapse.cooldown_s = 1e-12, 1, 600.0
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    service = Service(model, tiny_tokenizer, cfg, learner_model=copy.deepcopy(model), clock=clock)
+    try:
+        learner = service.learner
+        code, body, _ = health(service)
+        assert (code, body) == (200, {"status": "ok", "served_version": 0})  # at the configured setting: unchanged
+        assert service.status()["learner"]["backoff"]["level"] == 0
+        assert learner.update(rated_turns(service))["result"] == "rolled back (collapse)"
+        code, body, _ = health(service)
+        b = body["backoff"]
+        assert (code, b["backing_off"], b["level"], b["paused_until"]) == (200, True, 1, None)
+        assert (b["learning_rate"], b["beta"]) == pytest.approx((5e-3, 0.1))
+        clock.t += 10
+        assert learner.update(rated_turns(service))["result"] == "rolled back (collapse)"  # 2 > 1 in the window
+        b = health(service)[1]["backoff"]
+        assert (b["level"], b["paused_until"]) == (2, 5010.0 + 600.0)
+        assert service.status()["learner"]["backoff"]["paused_until"] == 5610.0
+        pending, taken = rated_turns(service), []
+        monkeypatch.setattr("selfrl.serve.background.records.ready", lambda *a: taken.append(1) or pending)
+        assert not learner.tick() and taken == []  # the cool-down: no batch taken, the turns stay pending
+        assert learner.update(pending)["result"].startswith("paused (collapse cool-down, 600 s left)")
+        clock.t += 600
+        assert learner.update(pending)["result"] == "rolled back (collapse)"  # learning again, never stopped
+        assert learner.error is None and not learner.cycle.budget.stopped
+        from selfrl.report.serve import write_serve_report
+
+        text = write_serve_report(tmp_path / "report", service.store, "x").read_text()
+        assert "3 collapse(s) rolled back" in text and "backing off: level 3, learning rate 0.00125, beta 0.4" in text
+    finally:
+        service.close()
 
 
 def test_an_admin_rollback_under_live_traffic(tiny_tokenizer, tiny_model_factory, tmp_path):

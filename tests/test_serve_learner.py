@@ -64,13 +64,13 @@ def test_learner_scores_groups_by_task_key(tiny_tokenizer, tiny_model_factory, t
         bad = ToolCallRecord("calculator", {}, "", False, "", "x")
         tokens = {"token_ids": [1, 2], "completion_mask": [0, 1], "logprobs": [0.0, -1.0]}  # one sampled token
         batch = [
-            (Trajectory("a", "", 0, **tokens), {"feedback": 1.0, "group_key": "g"}),
-            (Trajectory("b", "", 0, tool_calls=[bad], **tokens), {"feedback": -1.0, "group_key": "g"}),
-            (Trajectory("c", "", 0, tool_calls=[ok], **tokens), {"feedback": None, "group_key": "h"}),
-            (Trajectory("d", "", 0, **tokens), {"feedback": None, "group_key": "h"}),
+            (Trajectory("a", "", 0, **tokens), {"feedback": 1.0, "created_at": time.time(), "group_key": "g"}),
+            (Trajectory("b", "", 0, tool_calls=[bad], **tokens), {"feedback": -1.0, "created_at": time.time(), "group_key": "g"}),
+            (Trajectory("c", "", 0, tool_calls=[ok], **tokens), {"feedback": None, "created_at": time.time(), "group_key": "h"}),
+            (Trajectory("d", "", 0, **tokens), {"feedback": None, "created_at": time.time(), "group_key": "h"}),
             # a turn with no sampled token: rated, but nothing to train on, so not in its group's statistics
             (Trajectory("e", "", 0, token_ids=[1, 2], completion_mask=[0, 0], logprobs=[0.0, 0.0]),
-             {"feedback": 0.0, "group_key": "g"}),
+             {"feedback": 0.0, "created_at": time.time(), "group_key": "g"}),
         ]
         scored, unscored = service.learner.score(batch)
     # rewards: 1.0, -1.0 + 0.2 * 0 = -1.0, 0.2 * 1 = 0.2 (alone in its group), none, 0.0
@@ -89,7 +89,7 @@ def record(service, trajs_and_keys):
     with service.store.lock:
         for t, key, feedback in trajs_and_keys:
             records.add_turn(service.store, service.run_id, t, t.id, 0, t.id, key, t.id)
-            batch.append((t, {"feedback": feedback, "group_key": key}))
+            batch.append((t, {"feedback": feedback, "created_at": time.time(), "group_key": key}))
     return batch
 
 
@@ -119,10 +119,12 @@ def test_no_group_of_two_is_named_with_its_fix(tiny_tokenizer, tiny_model_factor
         service.close()
 
 
-def test_late_feedback_says_it_changed_nothing(tiny_tokenizer, tiny_model_factory, tmp_path):
+def test_late_feedback_revives_a_skipped_turn_and_says_when_it_changed_nothing(tiny_tokenizer, tiny_model_factory,
+                                                                                tmp_path):
+    # before: feedback on a turn skipped for want of a reward was only recorded, however young the turn
     model = tiny_model_factory(lora=True, eos_bias=2.0)
-    cfg = tiny_serve_config(tmp_path / "run", feedback_wait_s=120.0)
-    with running_server(model, tiny_tokenizer, cfg) as (url, service):
+    cfg = tiny_serve_config(tmp_path / "run", feedback_wait_s=120.0)  # min_batch 32: no update in this test
+    with running_server(model, tiny_tokenizer, cfg, learn=True) as (url, service):
         client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         first = client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": "q"}],
                                                max_tokens=3)
@@ -134,15 +136,23 @@ def test_late_feedback_says_it_changed_nothing(tiny_tokenizer, tiny_model_factor
             traj = next(t for t in service.store.trajectories() if t.id == row["trajectory_id"])
             records.mark(service.store, [traj], "skipped", None)
         status, body = http("POST", url + "/v1/feedback", {"response_id": first.id, "rating": 1.0}, key=API_KEY)
-        assert status == 200 and body["turns_updated"] == 0 and body["turns_too_late"] == 1
+        assert status == 200 and (body["outcome"], body["turns_updated"], body["turns_too_late"]) == ("used", 1, 0)
+        assert body["reason"] == "used now at full weight: version 0 is still the current one"
+        with service.store.lock:
+            assert records.find_response(service.store, first.id)["status"] == "pending"  # trained at the next update
+            records.mark(service.store, [traj], "trained", 1)  # now it was trained: a turn is never trained twice
+        status, body = http("POST", url + "/v1/feedback", {"response_id": first.id, "rating": -1.0}, key=API_KEY)
+        assert status == 200 and (body["outcome"], body["turns_updated"], body["turns_too_late"]) == ("too_old", 0, 1)
+        assert body["reason"] == "only recorded: the turn was already trained on (version 1)"
         assert "came too late" in body["message"] and "changes no update" in body["message"]
         assert service.store.events()[-1]["kind"] == "late_feedback"
         # on the later turn: it is still pending and counts; the parent keeps its own explicit value
         status, body = http("POST", url + "/v1/feedback", {"response_id": second.id, "rating": -1.0}, key=API_KEY)
         assert status == 200 and (body["turns_updated"], body["turns_too_late"]) == (1, 0) and "message" not in body
+        assert body["outcome"] == "used"
         with service.store.lock:
             assert records.find_response(service.store, second.id)["status"] == "pending"
-            assert records.find_response(service.store, first.id)["feedback"] == 1.0
+            assert records.find_response(service.store, first.id)["feedback"] == -1.0
 
 
 def test_serve_uses_init_adapter_as_the_kl_reference(tiny_tokenizer, tmp_path):

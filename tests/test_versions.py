@@ -7,6 +7,7 @@ success far below the champion's) and a candidate whose folder is damaged before
 Both ends must leave the same version rows, statuses, events and champion.
 """
 
+import time
 import copy
 
 import torch
@@ -108,7 +109,7 @@ def serve_side(model_dir, tiny_tokenizer, tmp_path, monkeypatch):
                            completion_mask=[0, 0, 0, 1], logprobs=[0.0] * 4)
             with service.store.lock:
                 records.add_turn(service.store, service.run_id, t, t.id, 0, "c", "g", t.id)
-            batch.append((t, {"feedback": feedback, "group_key": "g"}))
+            batch.append((t, {"feedback": feedback, "created_at": time.time(), "group_key": "g"}))
         learner.update(batch)
     return service
 

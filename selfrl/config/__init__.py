@@ -78,5 +78,6 @@ from selfrl.config.run import (  # noqa: F401
 )
 from selfrl.config.serve import (  # noqa: F401
     LearnerSettings,
+    RetentionSettings,
     ServeConfig,
 )

@@ -11,8 +11,6 @@ are checked at setup (:func:`selfrl.run.setup.check_names`). Imports no torch.
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +31,7 @@ MAX_TASKS = 1_000_000  # tasks generated and held in memory (about 1 kB each)
 MAX_VAL = 100_000  # held-out tasks validated at every gate
 MAX_BATCH = 65536  # sequences in one batch, micro-batch or iteration
 MAX_BETA = 1000.0  # KL coefficient
+DAY_S = 86400.0  # seconds in a day (the bound of a time window)
 
 ScaleRewards = Literal["group", "none"]  # advantage scaling: group (GRPO) | none (Dr. GRPO)
 ToolsPrompt = Literal["compact", "json"]  # how tool schemas are shown to a template without tool support
@@ -211,10 +210,17 @@ class CollapseConfig:
     reward_rise: float = 0.10  # reward_vs_heldout: training reward up by this since the best version while held-out fell
     repeat_ngram: int = 4  # a rollout loops when the share of repeated n-grams of its completion exceeds repeat_share
     repeat_share: float = 0.5  # see repeat_ngram
-    max_rollbacks: int = 3  # collapse rollbacks allowed per run; one more stops the run with the best version served
-    lr_factor: float = 0.5  # after a rollback: learning rate times this
+    max_rollbacks: int | None = None  # unset: never stop (back off, pause); N: stop for good once collapses exceed N (the old per-run rule)
+    lr_factor: float = 0.5  # after a rollback: learning rate times this (one backoff level)
     beta_factor: float = 2.0  # after a rollback: beta times this ...
     beta_min: float = 0.01  # ... and at least this (so beta = 0 becomes beta_min)
+    lr_floor: float = 0.0  # backing off never lowers the learning rate below this (at most train.learning_rate)
+    beta_max: float = 1.0  # backing off never raises beta above this (or above train.beta / beta_min when larger)
+    stable_updates: int = 20  # updates without a collapse that earn one step back toward the configured setting ...
+    stable_s: float = 3600.0  # ... or seconds without a collapse or step back, whichever comes first
+    window_s: float = 3600.0  # collapses are counted over a sliding window of this many seconds ...
+    max_per_window: int = 3  # ... and one more than this many pauses updates for cooldown_s (serving goes on)
+    cooldown_s: float = 1800.0  # the pause after the window budget is exceeded, seconds (then learning resumes)
 
     def check(self, where: str = "") -> None:
         require([
@@ -227,7 +233,14 @@ class CollapseConfig:
             in_range(self.degenerate_rise, "degenerate_rise", 0, 1, low_open=True),  # a share rises by 1 at most
             in_range(self.heldout_drop, "heldout_drop", 0, 1, low_open=True),
             in_range(self.reward_rise, "reward_rise", 0),
-            in_range(self.max_rollbacks, "max_rollbacks", 0, 1000),
+            in_range(self.max_rollbacks, "max_rollbacks", 0, 1000) if self.max_rollbacks is not None else (True, ""),
+            in_range(self.lr_floor, "lr_floor", 0, 1),
+            in_range(self.beta_max, "beta_max", 0, MAX_BETA),
+            in_range(self.stable_updates, "stable_updates", 1, 10**9),
+            in_range(self.stable_s, "stable_s", 0, DAY_S * 3650, low_open=True),
+            in_range(self.window_s, "window_s", 0, DAY_S * 3650, low_open=True),
+            in_range(self.max_per_window, "max_per_window", 1, 10**6),
+            in_range(self.cooldown_s, "cooldown_s", 0, DAY_S * 365),
             in_range(self.lr_factor, "lr_factor", 0, 1, low_open=True, interval=True),
             in_range(self.beta_factor, "beta_factor", 1, 1000),
             in_range(self.beta_min, "beta_min", 0, MAX_BETA),
@@ -313,6 +326,9 @@ def check_sections(cfg: Any, names: tuple[str, ...] = SHARED_SECTIONS) -> None:
     check_finite(cfg)
     for name in names:
         getattr(cfg, name).check(f"{name}.")
+    if "collapse" in names and "train" in names:
+        require([(cfg.collapse.lr_floor <= cfg.train.learning_rate, f"collapse.lr_floor ({cfg.collapse.lr_floor:g}) "
+                  f"must be at most train.learning_rate ({cfg.train.learning_rate:g}); lower it")])
 
 
 def check_engine(cfg: Any) -> None:

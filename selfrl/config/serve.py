@@ -38,6 +38,9 @@ class LearnerSettings:
     retry_s: float = 1.0  # seconds a learner paused by a storage fault (disk full, ...) waits before a retry
     retry_max_s: float = 60.0  # the wait doubles after each failed retry, up to this many seconds
     temperature: float = 1.0  # temperature of the learner's logprobs (old ones are recomputed at it)
+    max_feedback_age_versions: int = 4  # a turn trains only while the learner's weights changed at most this many times since its version
+    max_feedback_age_s: float = 604800.0  # ... and only while it is at most this many seconds old; older feedback is only recorded
+    feedback_tis_cap: float = 2.0  # cap C of a late turn's weight min(exp(sum of log-ratios since its version), C) (truncated, as TIS)
     reward_weights: dict[str, float] = field(
         default_factory=lambda: {"user_feedback": 1.0, "tool_success": 0.2})  # registered rewards (selfrl.envs.rewards)
 
@@ -51,10 +54,24 @@ class LearnerSettings:
             (0 < self.retry_s <= self.retry_max_s, "retry_s must be > 0 and <= learner.retry_max_s"),
             in_range(self.retry_max_s, "retry_max_s", 0, SECONDS_MAX, low_open=True),
             in_range(self.temperature, "temperature", MIN_TEMPERATURE, MAX_TEMPERATURE),
+            in_range(self.max_feedback_age_versions, "max_feedback_age_versions", 0, 10**6),
+            in_range(self.max_feedback_age_s, "max_feedback_age_s", 0, SECONDS_MAX * 10, low_open=True),
+            in_range(self.feedback_tis_cap, "feedback_tis_cap", 0, 1000, low_open=True),
             (isinstance(self.reward_weights, dict), "reward_weights must be a table of name = weight"),
             (not non_finite_weights(self.reward_weights),
              f"reward_weights must be finite, got {non_finite_weights(self.reward_weights)}"),
         ], where)
+
+
+@dataclass
+class RetentionSettings:
+    """Which adapter version folders are kept (``selfrl.record.retention``), applied after every update."""
+
+    keep_newest: int = 0  # keep the newest N versions' folders, and every base, promoted, pinned and served one; 0: keep all
+    delete: bool = False  # delete the pruned folders (False: move them to adapters/.pruned, to delete by hand)
+
+    def check(self, where: str = "") -> None:
+        require([in_range(self.keep_newest, "keep_newest", 0, 10**6)], where)
 
 
 @dataclass
@@ -87,6 +104,7 @@ class ServeConfig:
     # sample through a vLLM server instead of in process (selfrl.serve.remote; docs/guides/vllm.md)
     sampler: SamplerConfig = field(default_factory=lambda: SamplerConfig(kind="vllm"))
     swap_check: SwapCheckConfig = field(default_factory=SwapCheckConfig)  # each version loaded into vLLM, proved
+    retention: RetentionSettings = field(default_factory=RetentionSettings)  # which version folders are kept
 
     @property
     def max_completion_length(self) -> int:
@@ -103,6 +121,7 @@ class ServeConfig:
         """
         check_sections(self)
         self.learner.check("learner.")
+        self.retention.check("retention.")
         require([
             (1 <= self.port <= 65535, "port must be in 1..65535"),
             (bool(self.served_model_name) and "@" not in self.served_model_name,

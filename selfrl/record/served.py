@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,16 +112,17 @@ class ServedTurn:
 
 
 @locked
-def add_turns(store: Store, run_id: int, turns: list[ServedTurn]) -> None:
+def add_turns(store: Store, run_id: int, turns: list[ServedTurn], now: float | None = None) -> None:
     """Store the choices of one response, each trajectory with its ``served`` row, all in
-    one transaction: a response is recorded whole or not at all.
+    one transaction: a response is recorded whole or not at all. ``now``: the ``created_at``
+    of the rows (the server's clock, ``time.time()`` by default), from which a turn's age counts.
 
     Raises:
         sqlite3.IntegrityError: a duplicate id; nothing is written.
         sqlite3.OperationalError: the store cannot be written (disk full, locked; see
             ``selfrl.record.storage_errors``); nothing is written.
     """
-    now = time.time()
+    now = time.time() if now is None else now
     with store.conn:
         for t in turns:
             store.insert_trajectory(run_id, 0, t.traj, now)
@@ -183,12 +185,19 @@ class FeedbackApplied:
 
     updated: int
     too_late: int
+    outcome: str = "used"  # the judged turn's: used | queued | too_old (only recorded)
+    reason: str = ""
+
+
+# The judged turn's age decision: ``age(adapter_version, created_at) -> (outcome, reason)``.
+AgeRule = Callable[[int, float], tuple[str, str]]
 
 
 @locked
 def apply_feedback(store: Store, response_id: str, choice: int, source: str, value: float,
                    rating: float | None = None, corrected: bool = False, correction: str | None = None,
-                   comment: str | None = None) -> FeedbackApplied:
+                   comment: str | None = None, now: float | None = None,
+                   age: AgeRule | None = None) -> FeedbackApplied:
     """Record feedback on a response and attach its value to the turn and its earlier turns.
 
     The turn itself gets ``source`` (``explicit`` or ``implicit``); its ancestors get
@@ -196,19 +205,32 @@ def apply_feedback(store: Store, response_id: str, choice: int, source: str, val
     stronger source (:data:`SOURCE_RANK`). Turns already trained or skipped keep the
     value for the record but are never trained on: they count as ``too_late``.
 
+    With ``age`` (the learner's age rule), the judged turn itself is decided: ``too_old``
+    leaves it only recorded (a pending turn is marked ``skipped``); ``used`` or ``queued``
+    keeps it pending, or brings back a turn that was skipped for want of a reward (not cut
+    off, never trained) so that the feedback reaches an update however late it came. A
+    turn already trained is never trained twice (``too_old``, "already trained").
+    ``now``: the feedback's ``created_at`` (the server's clock; ``time.time()`` by default).
+
     Raises:
         KeyError: no such response (nothing is written).
     """
     row = find_response(store, response_id, choice)
     if row is None:
         raise KeyError(f"no response {response_id!r} with choice {choice}")
+    now = time.time() if now is None else now
     changed = late = 0
+    outcome, reason = _judged_turn(store, row, age)
     with store.conn:
         store.conn.execute(
             "INSERT INTO feedback (response_id, choice, source, value, rating, corrected, correction, comment,"
             " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (response_id, choice, source, value, rating, int(corrected), correction, comment, time.time()),
+            (response_id, choice, source, value, rating, int(corrected), correction, comment, now),
         )
+        if age is not None and outcome != "too_old" and row["status"] == "skipped":
+            store.conn.execute("UPDATE served SET status = 'pending' WHERE trajectory_id = ?", (row["trajectory_id"],))
+        elif age is not None and outcome == "too_old" and row["status"] == "pending":
+            store.conn.execute("UPDATE served SET status = 'skipped' WHERE trajectory_id = ?", (row["trajectory_id"],))
         for i, tid in enumerate(chain(store, row["trajectory_id"])):
             src = source if i == 0 else ("inherited" if source == "explicit" else "implicit")
             cur = store.conn.execute("SELECT feedback_source, status FROM served WHERE trajectory_id = ?",
@@ -221,7 +243,22 @@ def apply_feedback(store: Store, response_id: str, choice: int, source: str, val
                 changed += 1
             else:
                 late += 1
-    return FeedbackApplied(changed, late)
+    return FeedbackApplied(changed, late, outcome, reason)
+
+
+def _judged_turn(store: Store, row: dict[str, Any], age: AgeRule | None) -> tuple[str, str]:
+    """The outcome of feedback on the turn ``row`` (see :func:`apply_feedback`)."""
+    status = row["status"]
+    if status == "trained":
+        return "too_old", f"only recorded: the turn was already trained on (version {row['trained_in']})"
+    t = store.conn.execute("SELECT adapter_version, data_json FROM trajectories WHERE id = ?",
+                           (row["trajectory_id"],)).fetchone()
+    if status == "skipped" and json.loads(t["data_json"]).get("error"):
+        return "too_old", "only recorded: the turn was cut off and is never trained"
+    if age is None:
+        return ("used", "a later update trains on it") if status == "pending" else (
+            "too_old", "only recorded: the turn was already skipped")
+    return age(int(t["adapter_version"]), float(row["created_at"]))
 
 
 @locked

@@ -45,7 +45,8 @@ class EventKind(str, enum.Enum):
     CORRUPT_VERSION = "corrupt_version"  # a version folder is incomplete: never served, marked
     MISSING_VERSION = "missing_version"  # a version folder is not there: not served by this process, row kept
     COLLAPSE = "collapse"  # a collapse rule fired: the candidates since the champion are rolled back
-    COLLAPSE_STOP = "collapse_stop"  # the collapse rollback budget is spent
+    COLLAPSE_STOP = "collapse_stop"  # collapse.max_rollbacks is set and spent: learning stops for good
+    STEP_BACK = "step_back"  # a stable stretch after a collapse: one backoff level back toward the configured setting
     ROLLBACK = "rollback"  # an admin rolled the server back to an earlier version
     SKIP = "skip"  # an update was skipped (UpdateResult.reason says why); no version made
     RECOVER = "recover"  # a stray folder left by a killed save was moved aside, or the base re-saved
@@ -67,6 +68,7 @@ class EventKind(str, enum.Enum):
     DISTRIBUTED = "distributed"  # a distributed run's totals: jobs, stale groups dropped, workers lost
     WARM_START = "warm_start"  # the warm start's phases and numbers: sampled, kept, fine-tuned, gated (selfrl.run.warm_start)
     ENGINE = "engine"  # the sampling backend a session runs on (engine = "auto" resolves by device)
+    PRUNE = "prune"  # retention moved (or deleted) a version's folder; never served or rolled back to
 
 
 def passes_gate(candidate: float, best: float, tolerance: float) -> bool:
@@ -162,8 +164,19 @@ class Ledger:
         return [VersionRecord.from_row(v) for v in self.store.versions()]
 
     def servable(self) -> list[VersionRecord]:
-        """The versions this process serves, oldest first: base and promoted, their folder not missing."""
-        return [v for v in self.all() if v.servable and v.version not in self.missing]
+        """The versions this process serves, oldest first: base and promoted, their folder not
+        missing, not pruned."""
+        return [v for v in self.all() if v.servable and v.version not in self.missing and not v.metrics.get("pruned")]
+
+    def mark_pruned(self, version: int, where: str) -> None:
+        """Record that retention moved ``version``'s folder to ``where`` (or deleted it): the row
+        keeps its status with ``pruned`` in its metrics, and a ``prune`` event."""
+        rec = self.get(version)
+        if rec is None:
+            raise KeyError(f"adapter version {version} does not exist")
+        self._set(version, rec.status, {"pruned": True, "pruned_to": where})
+        self.event(EventKind.PRUNE, f"version {version} ({rec.status.value}) pruned by retention: {where}",
+                   {"version": version, "status": rec.status.value, "to": where})
 
     def event(self, kind: EventKind, message: str, data: dict[str, Any] | None = None) -> None:
         """Record an event of ``kind``."""
@@ -325,6 +338,9 @@ class Ledger:
         rec = self.get(version)
         if rec is None:
             raise KeyError(f"adapter version {version} does not exist")
+        if rec.metrics.get("pruned"):
+            raise ValueError(f"adapter version {version} was pruned by retention ({rec.metrics.get('pruned_to')}); "
+                             "roll back to a version that is kept (GET /v1/models lists them)")
         if rec.status not in (*SERVABLE, VersionStatus.ROLLED_BACK):
             raise ValueError(f"adapter version {version} is {rec.status.value} (never validated); roll back to "
                              "the base or a promoted version")

@@ -69,6 +69,7 @@ def write_serve_report(out: Path, store: Store, label: str) -> Path:
     save(fig, out / "plots" / "serve_overview.png")
     lines = [f"# selfrl serve report: {label}", "", "![serving overview](plots/serve_overview.png)", ""]
     lines += counts_section(store if served else None, len(turns))
+    lines += backoff_section(store)
     lines += versions_section(store, versions, clock)
     lines += events_section(store, clock)
     path = out / "report.md"
@@ -182,3 +183,21 @@ def events_section(store: Store, clock) -> list[str]:
     lines += [f"| {duration(clock.elapsed(e['run_id'], e['time']))} | {e['kind']} | {e['message']} |" for e in events]
     return lines + [""]
 
+
+
+def backoff_section(store: Store) -> list[str]:
+    """The collapse budget's last word (the last ``collapse`` or ``step_back`` event): backing off
+    at level N with its learning rate and ``beta``, paused, stopped, or at the configured setting."""
+    last = [e for e in store.events() if e["kind"] in ("collapse", "step_back", "collapse_stop")]
+    if not last:
+        return []
+    e, n = last[-1], sum(1 for x in last if x["kind"] == "collapse")
+    d = e["data"]
+    if e["kind"] == "collapse_stop":
+        now = "stopped for good (collapse.max_rollbacks is set and spent)"
+    elif d.get("level", 0) > 0:
+        now = (f"backing off: level {d['level']}, learning rate {d['learning_rate']:.3g}, beta {d['beta']:.3g}"
+               + (" (a cool-down followed the last collapse)" if d.get("action") == "pause" else ""))
+    else:
+        now = f"at the configured setting again (learning rate {d['learning_rate']:.3g}, beta {d['beta']:.3g})"
+    return ["## Collapse budget", "", f"{n} collapse(s) rolled back; at the last of them or its step back: {now}.", ""]

@@ -12,10 +12,10 @@ returns one of three outcomes, each with a reason a user can read:
 * ``too_old``: older than ``max_versions`` weight changes or ``max_age_s`` seconds (or
   sampled by a version this learner never held); only recorded, never trained.
 
-Age in versions is counted as :mod:`selfrl.rollout.staleness` counts it: *weight
-changes of the learner* since the turn's version was last in it, not the difference of
-version numbers (a rejection puts the champion's smaller number back in). The count is
-repeated here in :func:`versions_behind` because this module sits below that one.
+Age in versions is counted in *weight changes of the learner* since the turn's version
+was last in it, not the difference of version numbers (a rejection puts the champion's
+smaller number back in): :func:`versions_behind`, the one count, which
+:mod:`selfrl.rollout.staleness` also uses for the staleness of rollouts.
 
 The weight is the truncated importance ratio of the whole completion (Yao et al. 2025,
 "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"; truncation as
@@ -103,8 +103,8 @@ class AgeDecision:
 
 
 def versions_behind(turn_version: int, loaded: Sequence[int]) -> float:
-    """Weight changes of the learner since ``turn_version`` was last in it (as
-    :func:`selfrl.rollout.staleness.staleness`); ``inf`` if it never was.
+    """Weight changes of the learner since ``turn_version`` was last in it; ``inf`` if it never
+    was (a turn of another run). The staleness of rollouts (:mod:`selfrl.rollout.staleness`) too.
 
     Raises:
         ValueError: ``loaded`` is empty.

@@ -20,11 +20,12 @@ knob and still train on samples whose TIS weights are mostly at the cap.
 
 from __future__ import annotations
 
-import math
+from selfrl.rl.feedback_age import versions_behind
 
 
 def staleness(sampled_version: int, loaded: list[int]) -> float:
-    """Weight changes of the learner since ``sampled_version`` was last loaded.
+    """Weight changes of the learner since ``sampled_version`` was last loaded
+    (:func:`selfrl.rl.feedback_age.versions_behind`, the one count, also the age of late feedback).
 
     Args:
         sampled_version: the version whose weights sampled the group.
@@ -44,12 +45,7 @@ def staleness(sampled_version: int, loaded: list[int]) -> float:
     >>> staleness(3, [0, 1, 2, 3, 1])  # 3 rejected, champion 1 back in: one change
     1
     """
-    if not loaded:
-        raise ValueError("no version was loaded yet")
-    for k, v in enumerate(reversed(loaded)):
-        if v == sampled_version:
-            return k
-    return math.inf
+    return versions_behind(sampled_version, loaded)
 
 
 def within_bound(sampled_versions: list[int], loaded: list[int], max_staleness: int) -> list[bool]:

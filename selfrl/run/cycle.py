@@ -12,6 +12,8 @@ callbacks).
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +21,7 @@ from selfrl.record import adapters
 from selfrl.safety import collapse
 from selfrl.core import faults
 from selfrl.safety.collapse import Alarm, CollapseConfig, CollapseGuard, CollapseStop, UpdateRecord
+from selfrl.safety.collapse_budget import CollapseBudget, policy_from_config
 from selfrl.safety.detectors import HackingMonitor
 from selfrl.rl.advantages import AdvantageResult, group_advantages
 from selfrl.rl.learner import Learner, UpdateResult
@@ -41,7 +44,7 @@ class UpdateCycle:
     Args:
         ledger: the run directory's versions (its champion must be set before :meth:`update`).
         learner: the GRPO learner over the model being trained.
-        guard: the collapse history and budget.
+        guard: the collapse history.
         monitor: reward-hacking detectors (None: none).
         collapse_cfg: collapse settings (the KL probe size).
         tolerance: the gate's tolerance (``gate.tolerance``).
@@ -55,15 +58,24 @@ class UpdateCycle:
             serves the validated candidate before the gate may promote it, raising
             :class:`selfrl.safety.swap_check.SwapCheckError` otherwise (a remote sampler,
             :mod:`selfrl.run.sampler_sync`); None: the engine shares the trained model.
+        clock: seconds (``time.time``), the collapse budget's clock: its window, cool-down and stable
+            stretch (tests and the user simulator pass a fake one to play days without waiting).
+
+    The collapse budget (:class:`selfrl.safety.collapse_budget.CollapseBudget`, built from
+    ``collapse_cfg`` around the learner's configured learning rate and ``beta``) decides what a
+    collapse costs: a backoff level (applied to the learner), a cool-down, or, only with
+    ``collapse.max_rollbacks`` set, a stop.
     """
 
     def __init__(self, ledger: Ledger, learner: Learner, guard: CollapseGuard, monitor: HackingMonitor | None,
                  collapse_cfg: CollapseConfig, tolerance: float, scale_rewards: str,
                  load: Callable[[dict, int], None], agent_of: Callable[[str], str] | None = None,
-                 verify: Callable[[int], object] | None = None):
+                 verify: Callable[[int], object] | None = None, clock: Callable[[], float] = time.time):
         self.ledger, self.learner, self.guard, self.monitor = ledger, learner, guard, monitor
         self.collapse_cfg, self.tolerance, self.scale_rewards, self.load = collapse_cfg, tolerance, scale_rewards, load
         self.agent_of, self.verify = agent_of, verify
+        self.budget = CollapseBudget(policy_from_config(collapse_cfg, learner.cfg.learning_rate, learner.cfg.beta),
+                                     clock)
 
     # -- update --------------------------------------------------------------------------
 
@@ -117,9 +129,27 @@ class UpdateCycle:
 
     def observe(self, rec: UpdateRecord) -> str | None:
         """Record one update for the collapse rules; when a cheap rule fires, roll back now and
-        return the ``collapse`` event's message (None when no rule fired)."""
+        return the ``collapse`` event's message (None when no rule fired). An update without an
+        alarm counts toward the budget's stable stretch (:meth:`stable_update`)."""
         alarms = self.guard.observe(rec)
-        return self.roll_back(rec.step, alarms) if alarms else None
+        if alarms:
+            return self.roll_back(rec.step, alarms)
+        self.stable_update(rec.step)
+        return None
+
+    def stable_update(self, step: int) -> None:
+        """One update without a collapse: when the stable stretch earns it, step one backoff level
+        back toward the configured setting, applied to the learner, with a ``step_back`` event."""
+        setting = self.budget.update_done()
+        if setting is None:
+            return
+        lr, beta = setting
+        self.learner.set_hyperparameters(lr, beta)
+        level = self.budget.level
+        self.ledger.event(EventKind.STEP_BACK, f"iteration {step}: stable since the last collapse or step: backoff "
+                          f"level {level}, learning rate {lr:.3g}, beta {beta:.3g}",
+                          {"iteration": step, "level": level, "learning_rate": lr, "beta": beta,
+                           "at": self.budget.clock()})
 
     # -- gate ----------------------------------------------------------------------------
 
@@ -156,48 +186,71 @@ class UpdateCycle:
 
     def roll_back(self, step: int, alarms: list[Alarm]) -> str:
         """A collapse: the candidates since the champion are marked ``rolled_back``, the
-        champion serves again, AdamW is reset and the setting made safer; one ``collapse``
-        event, whose message is returned."""
+        champion serves again, AdamW is reset and the budget decides the setting to go on with
+        (a lower learning rate and a larger ``beta``, maybe a cool-down or, on request, a stop);
+        one ``collapse`` event, whose message is returned."""
         with self.ledger.lock:
             bad = self.ledger.roll_back_collapse(alarms[0].rule)
             self.restore_champion()
-        lr, beta = self.guard.rolled_back(self.learner.cfg.learning_rate, self.learner.cfg.beta)
-        self.learner.set_hyperparameters(lr, beta)
-        cc, champ = self.collapse_cfg, self.ledger.champion
+        self.guard.new_chain()
+        decision = self.budget.collapse()
+        self.learner.set_hyperparameters(decision.learning_rate, decision.beta)
+        champ, state = self.ledger.champion, self.budget.state()
         msg = (f"iteration {step}: collapse: {'; '.join(a.message for a in alarms)}. Versions {bad} rolled back, "
-               f"serving version {champ.version}; now learning rate {lr:.3g}, beta {beta:.3g} "
-               f"(rollback {self.guard.rollbacks} of {cc.max_rollbacks} allowed)")
+               f"serving version {champ.version}; {decision.reason}")
         self.ledger.event(EventKind.COLLAPSE, msg, {
             "iteration": step, "alarms": [a.to_dict() for a in alarms], "rolled_back": bad,
-            "serving": champ.version, "learning_rate": lr, "beta": beta, "rollbacks": self.guard.rollbacks})
+            "serving": champ.version, "learning_rate": decision.learning_rate, "beta": decision.beta,
+            "rollbacks": self.budget.collapses, "action": decision.action.value, "level": state.level,
+            "paused_until": decision.paused_until, "collapses_in_window": state.collapses_in_window,
+            "at": self.budget.clock()})
         return msg
 
-    def check_budget(self) -> None:
-        """Raise :class:`CollapseStop` (after a ``collapse_stop`` event) once the collapse
-        rollbacks exceed ``collapse.max_rollbacks``."""
-        if self.guard.over_budget():
+    def check_budget(self) -> float:
+        """Before an update: the seconds until updates may run again (0.0: now; > 0 during a
+        cool-down, when the caller waits or serves without learning).
+
+        Raises:
+            CollapseStop: ``collapse.max_rollbacks`` is set and the collapses exceed it (after a
+                ``collapse_stop`` event).
+        """
+        if self.budget.stopped:
             champ = self.ledger.champion
             best = champ.success if champ.success is not None else float("nan")
-            msg = (f"stopping: {self.guard.rollbacks} collapse rollbacks exceed collapse.max_rollbacks = "
+            n = self.budget.collapses
+            msg = (f"stopping: {n} collapse rollbacks exceed collapse.max_rollbacks = "
                    f"{self.collapse_cfg.max_rollbacks}; serving the best version {champ.version} "
-                   f"(held-out {best:.3f})")
-            self.ledger.event(EventKind.COLLAPSE_STOP, msg, {"rollbacks": self.guard.rollbacks})
+                   f"(held-out {best:.3f}); unset collapse.max_rollbacks to back off and keep learning instead")
+            self.ledger.event(EventKind.COLLAPSE_STOP, msg, {"rollbacks": n})
             raise CollapseStop(msg)
+        paused = self.budget.state().paused_until
+        return 0.0 if paused is None else max(paused - self.budget.clock(), 0.0)
 
     def resume(self, store) -> int:
         """After a restart (``run --resume``, or ``serve`` on a run directory it served before):
-        the collapse rollbacks counted from the ``collapse`` events of ``store``, the history
-        rebuilt from its metrics (:func:`selfrl.safety.collapse.history_from_metrics`), and the safer
-        setting applied once per rollback, so the budget and the setting outlive the process.
-        Returns the number of rollbacks."""
-        self.guard.rollbacks = sum(1 for e in store.events() if e["kind"] == EventKind.COLLAPSE.value)
-        self.guard.history = collapse.history_from_metrics(store.metrics())
+        the collapse budget replayed from the ``collapse`` and ``step_back`` events of ``store``
+        at their budget-clock times (``data.at``; the event's time when older stores lack it):
+        level, window, cool-down, a stop; the updates since the last of them counted from the metrics, the history rebuilt from the metrics
+        (:func:`selfrl.safety.collapse.history_from_metrics`), and the budget's setting applied
+        to the learner, so that the budget and the setting outlive the process. Returns the
+        number of collapses."""
+        last = None  # the iteration of the last collapse or step back
+        for e in store.events():
+            if e["kind"] in (EventKind.COLLAPSE.value, EventKind.STEP_BACK.value):
+                at = e["data"].get("at", e["time"])
+                self.budget.collapse(at=at) if e["kind"] == EventKind.COLLAPSE.value else self.budget.step_back(at)
+                last = e["data"].get("iteration", -1)
+        rows = store.metrics()
+        if last is not None:
+            self.budget.updates_since(sum(1 for m in rows if m["name"] == "reward/mean" and m["step"] > last))
+        self.guard.history = collapse.history_from_metrics(rows)
         self.guard.new_chain()
-        self.restore_setting()
-        return self.guard.rollbacks
+        self.learner.set_hyperparameters(*self.budget.setting())
+        return self.budget.collapses
 
-    def restore_setting(self) -> None:
-        """On resume: apply the safer setting once per earlier collapse rollback."""
-        for _ in range(self.guard.rollbacks):
-            lr, beta = collapse.safer_setting(self.learner.cfg.learning_rate, self.learner.cfg.beta, self.collapse_cfg)
-            self.learner.set_hyperparameters(lr, beta)
+    def backoff(self) -> dict:
+        """The budget's state for ``/health``, ``/admin/status`` and the report: ``backing_off``,
+        ``level``, ``learning_rate``, ``beta``, ``collapses``, ``collapses_in_window``,
+        ``paused_until`` (clock seconds or None), ``next_step_back_at``,
+        ``next_step_back_after_updates``, ``stopped``."""
+        return dataclasses.asdict(self.budget.state())

@@ -388,7 +388,10 @@ class Runner:
         try:
             for it in range(start, self.cfg.iterations):
                 self.step = it
-                s.cycle.check_budget()
+                if (wait := s.cycle.check_budget()) > 0:  # a collapse cool-down: the run waits, then learns on
+                    self.progress.log(f"collapse cool-down: {wait:.0f} s without updates "
+                                      "(collapse.max_per_window, collapse.cooldown_s)")
+                    time.sleep(wait)
                 log.log(it, self.iteration(it))
                 due = (it + 1) % self.cfg.gate.eval_every == 0 or it == self.cfg.iterations - 1
                 if due and s.engine.version != self.champion.version:  # nothing new to validate otherwise
@@ -454,7 +457,7 @@ def run_summary(s: RunSetup, final_version: int, stopped: bool, session_s: float
         "time_inference_s": inference, "time_training_s": training,
         "time_validation_s": totals.get("time/validation_s", 0.0),
         "cost_ratio": (inference + training) / inference if inference else float("nan"),
-        "stopped_early": stopped, "collapse_rollbacks": s.cycle.guard.rollbacks,
+        "stopped_early": stopped, "collapse_rollbacks": s.cycle.budget.collapses,
         "model": cfg.model.name, "task": cfg.task.source, "preset": cfg.preset,
         "reward_weights": s.weights, "num_prompts": cfg.num_prompts,
         "num_generations": cfg.num_generations, "iterations": cfg.iterations,

@@ -11,8 +11,8 @@ threshold, and returns an :class:`Alarm` (rule, value, threshold) or None.
 * Cheap rules (:func:`cheap_alarms`) use only what every iteration measures
   anyway, so they run after every update and roll back at once, between gate checks.
 * Held-out rules (:func:`heldout_alarms`) need a validation and run at the gate.
-* :class:`CollapseGuard` owns the history, the rollback budget and the safer setting,
-  for ``selfrl run`` and ``selfrl serve`` alike (``selfrl.run.cycle``).
+* :class:`CollapseGuard` owns the history, for ``selfrl run`` and ``selfrl serve`` alike
+  (``selfrl.run.cycle``); what a collapse costs is :mod:`selfrl.safety.collapse_budget`'s.
 
 Entropy is estimated for free from the stored sampling log-probs: the mean of
 ``-log p(token)`` over sampled completion tokens is an unbiased Monte-Carlo
@@ -279,23 +279,21 @@ def safer_setting(learning_rate: float, beta: float, cfg: CollapseConfig) -> tup
 
 
 class CollapseStop(Exception):
-    """The collapse rollback budget is spent; the run stops with the best version served."""
+    """``collapse.max_rollbacks`` is set and spent; the run stops with the best version served."""
 
 
 class CollapseGuard:
-    """Owns the collapse history, the rollback budget and the safer setting.
+    """Owns the collapse history.
 
     One record per update (:meth:`observe`, which runs the cheap rules); the held-out
-    rules at the gate (:meth:`heldout`); :meth:`rolled_back` counts a rollback and
-    returns the safer ``(learning_rate, beta)``; :meth:`check_budget` raises
-    :class:`CollapseStop` once the rollbacks exceed ``cfg.max_rollbacks``. A *chain*
-    is the run of updates since the champion last served (reset by :meth:`new_chain`).
+    rules at the gate (:meth:`heldout`). A *chain* is the run of updates since the champion
+    last served (reset by :meth:`new_chain`). What a collapse costs (the backoff, the pause,
+    a stop on request) is :class:`selfrl.safety.collapse_budget.CollapseBudget`'s.
     """
 
-    def __init__(self, cfg: CollapseConfig, history: list[UpdateRecord] | None = None, rollbacks: int = 0):
+    def __init__(self, cfg: CollapseConfig, history: list[UpdateRecord] | None = None):
         self.cfg = cfg
         self.history: list[UpdateRecord] = list(history or [])
-        self.rollbacks = rollbacks
         self.chain_start = len(self.history)
 
     def observe(self, rec: UpdateRecord) -> list[Alarm]:
@@ -314,12 +312,3 @@ class CollapseGuard:
 
     def new_chain(self) -> None:
         self.chain_start = len(self.history)
-
-    def rolled_back(self, learning_rate: float, beta: float) -> tuple[float, float]:
-        """Count one collapse rollback; the safer ``(learning_rate, beta)`` to continue with."""
-        self.rollbacks += 1
-        self.new_chain()
-        return safer_setting(learning_rate, beta, self.cfg)
-
-    def over_budget(self) -> bool:
-        return self.rollbacks > self.cfg.max_rollbacks

@@ -19,7 +19,7 @@ rolled back; a service that learns for days must survive its collapses. Today
   which the learner does not update (:meth:`CollapseBudget.may_update`). A pause, never a stop.
 * **Today's behaviour on request.** With ``stop_after = max_rollbacks`` the collapse that
   brings the count above it answers ``stop`` (the caller raises
-  :class:`selfrl.safety.collapse.CollapseStop`), as ``CollapseGuard.over_budget`` does.
+  :class:`selfrl.safety.collapse.CollapseStop`), as ``CollapseGuard.over_budget`` did before.
 
 The clock is injectable (seconds, ``time.time`` by default, so that ``state()`` can be shown
 as wall-clock times in ``/health`` and the report). This module only decides; it does not
@@ -101,6 +101,15 @@ class BudgetPolicy:
         return lr, beta
 
 
+def policy_from_config(cfg, learning_rate: float, beta: float) -> BudgetPolicy:
+    """The :class:`BudgetPolicy` of a ``[collapse]`` table (:class:`selfrl.config.CollapseConfig`)
+    around the configured ``learning_rate`` and ``beta`` (``[train]``); ``cfg.max_rollbacks``
+    set is ``stop_after`` (today's stop, on request), unset never stops."""
+    return BudgetPolicy(learning_rate, beta, cfg.lr_factor, cfg.beta_factor, cfg.beta_min, cfg.lr_floor,
+                        max(cfg.beta_max, beta, cfg.beta_min), cfg.stable_updates, cfg.stable_s, cfg.window_s,
+                        cfg.max_per_window, cfg.cooldown_s, cfg.max_rollbacks)
+
+
 class Action(str, enum.Enum):
     BACKOFF = "backoff"  # keep learning at a safer setting
     PAUSE = "pause"  # the window budget is exceeded: no update until the cool-down ends
@@ -154,9 +163,10 @@ class CollapseBudget:
             self._window.popleft()
         return len(self._window)
 
-    def collapse(self) -> BudgetDecision:
-        """Count one collapse (rolled back by the caller); the setting to continue with."""
-        p, now = self.policy, self.clock()
+    def collapse(self, at: float | None = None) -> BudgetDecision:
+        """Count one collapse (rolled back by the caller); the setting to continue with.
+        ``at``: its clock time when replayed from a recorded event (default: now)."""
+        p, now = self.policy, self.clock() if at is None else at
         self.collapses += 1
         self._window.append(now)
         if p.setting(self.level + 1) != p.setting(self.level):  # no level beyond the floor and the ceiling
@@ -191,10 +201,19 @@ class CollapseBudget:
         if self.level == 0 or self.stopped:
             return None
         if self._stable_updates >= self.policy.stable_updates or now - self._stable_since >= self.policy.stable_s:
-            self.level -= 1
-            self._stable_since, self._stable_updates = now, 0
-            return self.policy.setting(self.level)
+            return self.step_back(now)
         return None
+
+    def step_back(self, at: float) -> tuple[float, float]:
+        """Move one level toward the configured setting at clock time ``at`` (by :meth:`update_done`,
+        or replayed from a recorded step-back); the new ``(learning_rate, beta)``."""
+        self.level = max(self.level - 1, 0)
+        self._stable_since, self._stable_updates = at, 0
+        return self.policy.setting(self.level)
+
+    def updates_since(self, n: int) -> None:
+        """On a restart: ``n`` updates have run without a collapse since the last collapse or step."""
+        self._stable_updates = n
 
     def setting(self) -> tuple[float, float]:
         """The current ``(learning_rate, beta)``."""

@@ -39,7 +39,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -52,13 +51,13 @@ from selfrl.run.cycle import UpdateCycle
 from selfrl.safety.detectors import HackingMonitor
 from selfrl.engines import make_engine
 from selfrl.safety.gate import validate
-from selfrl.envs.rewards import score_group
 from selfrl.rl.batch import collate
 from selfrl.rl.logprobs import per_token_logps
-from selfrl.record import served as records
+from selfrl.record import adapters, served as records
 from selfrl.config.serve import ServeConfig
-from selfrl.serve.feedback import SERVED, served_task
+from selfrl.serve.feedback import score_served
 from selfrl.serve.health import StorageWatch
+from selfrl.serve.late_feedback import FeedbackAges
 from selfrl.record.storage_errors import StorageFault
 from selfrl.record.store import Store
 from selfrl.core.tasks import assert_disjoint, split_tasks
@@ -70,30 +69,6 @@ from selfrl.record.versions import Champion, EventKind, Ledger, VersionStatus
 
 Publish = Callable[[int, dict, str], "float | None"]
 log = logging.getLogger("selfrl.serve")
-
-
-def score_served(batch: list[tuple[Trajectory, dict]], weights: dict[str, float]) -> tuple[list[Trajectory],
-                                                                                         list[Trajectory]]:
-    """Rewards of served turns through :func:`selfrl.envs.rewards.score_group` (the ``user_feedback``
-    reward reads the feedback each turn's ``served`` row holds); ``group_id`` becomes the row's
-    group key. Returns (scored, left out because no reward component applied)."""
-    by_task: dict[str, list[Trajectory]] = defaultdict(list)
-    feedback: dict[str, dict[str, float | None]] = defaultdict(dict)
-    for traj, row in batch:
-        traj.group_id = row["group_key"]
-        by_task[traj.task_id].append(traj)
-        feedback[traj.task_id][traj.id] = row["feedback"]
-    for task_id, trajs in by_task.items():
-        score_group(trajs, served_task(task_id, feedback[task_id]), SERVED, weights)
-    scored, unscored = [], []
-    for traj, _ in batch:
-        traj.correct = None  # served turns have no reference answer
-        if traj.reward is None or all(v is None for v in traj.rewards.values()):
-            traj.reward = None
-            unscored.append(traj)
-        else:
-            scored.append(traj)
-    return scored, unscored
 
 
 class BackgroundLearner(threading.Thread):
@@ -109,10 +84,14 @@ class BackgroundLearner(threading.Thread):
         publish: ``publish(version, state, reason)`` serves a promoted version.
         storage: the server's watch over its run directory (storage faults are reported to
             it; its probe says when to retry); None: one of the learner's own.
+        clock: seconds (``time.time``): the collapse budget's window, cool-down and stable stretch
+            run on it (a fake clock plays days without waiting).
+        prune: called after every update that made a version (retention); None: nothing pruned.
     """
 
     def __init__(self, cfg: ServeConfig, model, tokenizer, store: Store, ledger: Ledger, publish: Publish,
-                 storage: StorageWatch | None = None):
+                 storage: StorageWatch | None = None, clock: Callable[[], float] = time.time,
+                 prune: Callable[[], object] | None = None):
         super().__init__(name="selfrl-learner", daemon=True)
         self.cfg, self.model, self.tok, self.store, self.ledger, self.publish = (
             cfg, model, tokenizer, store, ledger, publish)
@@ -133,13 +112,15 @@ class BackgroundLearner(threading.Thread):
         assert_disjoint([], self.val)
         self.tools = resolve_tools(cfg.rollout.tools)
         self.monitor = HackingMonitor(cfg.detectors, lc.reward_weights)
+        self.clock, self.prune = clock, prune
+        self.ages = FeedbackAges.from_config(lc, ledger, clock)  # the age rule (selfrl.serve.late_feedback)
         self.cycle = UpdateCycle(ledger, self.learner, CollapseGuard(cfg.collapse), self.monitor, cfg.collapse,
-                                 cfg.gate.tolerance, cfg.train.scale_rewards, load=self._load)
+                                 cfg.gate.tolerance, cfg.train.scale_rewards, load=self._load, clock=clock)
         self.lock = threading.RLock()
         self._halt = threading.Event()
         done = [m["step"] for m in store.metrics() if m["name"] == "reward/mean"]
         self.updates = max(done) + 1 if done else 0  # numbered on from the run directory's earlier sessions
-        self.cycle.resume(store)  # their collapse rollbacks, history and safer setting, as run --resume
+        self.cycle.resume(store)  # their collapse budget, history and setting, as run --resume
         self.last: dict[str, Any] = {}
         self.error: str | None = None
         self.busy = False  # between taking a batch and finishing its gate
@@ -175,7 +156,8 @@ class BackgroundLearner(threading.Thread):
         paused = None if self.paused is None else {"code": self.paused.kind.value, "message": self.paused.message,
                                                    "since": self.paused_since}
         return {"alive": self.is_alive(), "busy": self.busy, "updates": self.updates, "best_version": champ.version,
-                "best_val_success": champ.success, "last_update": self.last, "error": self.error, "paused": paused}
+                "best_val_success": champ.success, "last_update": self.last, "error": self.error, "paused": paused,
+                "backoff": self.cycle.backoff()}
 
     # -- storage faults: pause, undo, resume -------------------------------------------
 
@@ -266,9 +248,16 @@ class BackgroundLearner(threading.Thread):
         return res
 
     def tick(self) -> bool:
-        """One update if enough turns are ready; returns True when one ran."""
+        """One update if enough turns are ready and the collapse budget allows one (no cool-down);
+        returns True when one ran.
+
+        Raises:
+            CollapseStop: only with ``collapse.max_rollbacks`` set, once it is spent.
+        """
         lc = self.cfg.learner
-        batch = records.ready(self.store, lc.feedback_wait_s, lc.max_batch)
+        if self.cycle.check_budget() > 0:  # a cool-down: the turns wait, serving goes on
+            return False
+        batch = records.ready(self.store, lc.feedback_wait_s, lc.max_batch, now=self.clock())
         if len(batch) < lc.min_batch:
             return False
         with self.lock:
@@ -308,17 +297,25 @@ class BackgroundLearner(threading.Thread):
         t0, cycle = time.perf_counter(), self.cycle
         faults.set_iteration(self.updates)  # SELFRL_FAULT counts the learner's updates as iterations
         self._apply_reset()
-        cycle.check_budget()
+        if (wait := cycle.check_budget()) > 0:
+            self.last = {"turns": len(batch), "result": f"paused (collapse cool-down, {wait:.0f} s left)"}
+            return self.last
+        n_turns = len(batch)
+        batch, too_old = self.ages.split(batch)  # past an age cutoff: only recorded
+        records.mark(self.store, [t for t, _ in too_old], "skipped", None)
         scored, unscored = self.score(batch)
         records.mark(self.store, unscored, "skipped", None)
         usable = [t for t in scored if t.advantage]
         parent = self.ledger.champion.version
         step_no = self.updates
-        step = cycle.update(step_no, self.recompute_old_logps(usable) if usable else scored, parent)
+        train, ages = (self.recompute_old_logps(usable), {}) if usable else (scored, {})
+        if usable:  # a turn of an older version: its advantage times its sequence weight
+            ages = self.ages.weigh(train, usable, self._logps_under)
+        step = cycle.update(step_no, train, parent)
         self.updates += 1
         reward_mean = sum(t.reward for t in scored) / max(len(scored), 1)
-        info: dict[str, Any] = {"turns": len(batch), "scored": len(scored), "with_signal": len(usable),
-                                "reward_mean": reward_mean}
+        info: dict[str, Any] = {"turns": n_turns, "scored": len(scored), "with_signal": len(usable),
+                                "reward_mean": reward_mean, "too_old": len(too_old)}
         if step.candidate is not None:
             self._made = step.candidate.version
         if step.candidate is None:
@@ -329,10 +326,10 @@ class BackgroundLearner(threading.Thread):
             return info
         version = step.candidate.version
         # the names run logs, so that a restart rebuilds the collapse history (UpdateCycle.resume)
-        metrics = step.result.metrics() | {"reward/mean": reward_mean, "version": float(version),
-                                           "sampled_version": float(parent),
-                                           "train/entropy": collapse.entropy_estimate(scored),
-                                           "train/degenerate": collapse.degenerate_share(scored, self.cfg.collapse)}
+        metrics = step.result.metrics() | ages | {
+            "feedback/too_old": float(len(too_old)), "reward/mean": reward_mean, "version": float(version),
+            "sampled_version": float(parent), "train/entropy": collapse.entropy_estimate(scored),
+            "train/degenerate": collapse.degenerate_share(scored, self.cfg.collapse)}
         if step.candidate_kl is not None:
             metrics["candidate_kl"] = step.candidate_kl
         records.mark(self.store, scored, "trained", version)
@@ -353,9 +350,28 @@ class BackgroundLearner(threading.Thread):
                 info["result"] = "rolled back (collapse)"
         self._apply_reset()
         self._made = None
+        if self.prune is not None:
+            self.prune()
         info["seconds"] = time.perf_counter() - t0
         self.last = info
         return info
+
+    def _logps_under(self, version: int, trajs: list[Trajectory]) -> list[list[float]]:
+        """(T,) log-probs of each of ``trajs`` under ``version``'s stored weights at
+        ``learner.temperature``; the champion's weights are loaded back after.
+
+        Raises:
+            FileNotFoundError, ValueError: the version's weights are not stored (any more).
+        """
+        try:
+            state, champ = self.ledger.load_state(version), self.ledger.champion
+        except (KeyError, OSError, adapters.CorruptVersionError) as e:
+            raise FileNotFoundError(f"version {version}: {e}") from e
+        try:
+            self._load(state, version)
+            return [t.logprobs for t in self.recompute_old_logps(trajs)]
+        finally:
+            self._load(champ.state, champ.version)
 
     def _load(self, state: dict, version: int) -> None:
         from peft import set_peft_model_state_dict

@@ -42,8 +42,12 @@ import hashlib
 import json
 from typing import Any
 
+from collections import defaultdict
+
 from selfrl.core.tasks import Task, TaskSource
+from selfrl.core.trajectory import Trajectory
 from selfrl.envs.rewards import CORRECTION_RE, REPEAT_SIMILARITY, correction_reason  # noqa: F401  (the rule)
+from selfrl.envs.rewards import score_group
 
 
 def explicit_value(rating: float | None, corrected: bool) -> float:
@@ -151,3 +155,27 @@ def served_task(task_id: str, feedback: dict[str, float | None]) -> Task:
     """The task of served turns ``task_id`` (their group key), holding each turn's feedback
     ``{trajectory id: value or None}`` for the ``user_feedback`` reward."""
     return Task(task_id, "served", "", "", {"feedback": dict(feedback)})
+
+
+def score_served(batch: list[tuple[Trajectory, dict]], weights: dict[str, float]) -> tuple[list[Trajectory],
+                                                                                         list[Trajectory]]:
+    """Rewards of served turns through :func:`selfrl.envs.rewards.score_group` (the ``user_feedback``
+    reward reads the feedback each turn's ``served`` row holds); ``group_id`` becomes the row's
+    group key. Returns (scored, left out because no reward component applied)."""
+    by_task: dict[str, list[Trajectory]] = defaultdict(list)
+    feedback: dict[str, dict[str, float | None]] = defaultdict(dict)
+    for traj, row in batch:
+        traj.group_id = row["group_key"]
+        by_task[traj.task_id].append(traj)
+        feedback[traj.task_id][traj.id] = row["feedback"]
+    for task_id, trajs in by_task.items():
+        score_group(trajs, served_task(task_id, feedback[task_id]), SERVED, weights)
+    scored, unscored = [], []
+    for traj, _ in batch:
+        traj.correct = None  # served turns have no reference answer
+        if traj.reward is None or all(v is None for v in traj.rewards.values()):
+            traj.reward = None
+            unscored.append(traj)
+        else:
+            scored.append(traj)
+    return scored, unscored

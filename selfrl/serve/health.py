@@ -15,6 +15,10 @@ WARNING) marks where a fault begins and where it ends.
 **Health** (``GET /health``):
 
 * healthy: 200 ``{"status": "ok", "served_version": N}``;
+* while the learner backs off after a collapse, also ``"backoff"``: the collapse budget's state
+  (:meth:`selfrl.run.cycle.UpdateCycle.backoff`: ``backing_off``, ``level``, the current
+  ``learning_rate`` and ``beta``, ``paused_until`` of a cool-down, ...); backing off or pausing
+  is not a fault: the answer stays 200 ``ok`` and requests are served as usual;
 * degraded: ``{"status": "degraded", "served_version": N, "reasons": [{"code", "message"}]}``,
   with HTTP 503 and ``Retry-After`` while a storage fault lasts (a request that records
   would be refused: a load balancer should send traffic elsewhere), and HTTP 200 when
@@ -136,6 +140,9 @@ def health(service) -> tuple[int, dict[str, Any], dict[str, str]]:
         reasons.append({"code": "sampler_unreachable", "message": f"the vLLM server does not answer: {h.detail}"})
         status = 503
     body: dict[str, Any] = {"status": "degraded" if reasons else "ok", "served_version": service.engine.version}
+    backoff = learner.cycle.backoff() if learner is not None else None
+    if backoff and (backoff["backing_off"] or backoff["paused_until"] is not None or backoff["stopped"]):
+        body["backoff"] = backoff  # the collapse budget off its configured setting (serving goes on as usual)
     if reasons:
         body["reasons"] = reasons
     return status, body, headers

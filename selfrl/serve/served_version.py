@@ -141,6 +141,11 @@ class ServedVersion:
                 folder is not complete.
         """
         if version not in self._states:
+            rec = self.ledger.get(version)
+            if rec is not None and rec.metrics.get("pruned"):  # never served or rolled back to again
+                raise ApiError(409, f"adapter version {version} was pruned by retention "
+                               f"({rec.metrics.get('pruned_to')}); GET /v1/models lists the versions kept",
+                               "model", "version_pruned")
             try:
                 self._states[version] = self.ledger.load_state(version)
             except KeyError:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from selfrl.serve.batcher import Batcher
 from selfrl.serve.errors import ApiError
 from selfrl.serve.feedback import explicit_value
 from selfrl.serve.health import StorageWatch
+from selfrl.serve.late_feedback import FeedbackAges
 from selfrl.serve.protocol import ChatCompletionRequest, FeedbackRequest
 from selfrl.serve.served_version import ServedVersion
 from selfrl.serve.turns import Prepared, Turns
@@ -54,6 +56,9 @@ class Service:
         cfg: :class:`ServeConfig`.
         learner_model: a separate copy of the policy for the background learner, or
             None to serve and record without learning.
+        clock: seconds (``time.time``), used for ages and budgets in time (the feedback age, the
+            collapse budget's window and cool-down): tests and the user simulator pass a fake
+            clock to play days without waiting. Stored row times stay real.
 
     Raises:
         selfrl.config.ConfigError: a value out of range, or a name no registry knows.
@@ -63,8 +68,10 @@ class Service:
         selfrl.safety.swap_check.SwapCheckError: the start version failed its swap check on vLLM.
     """
 
-    def __init__(self, model, tokenizer, cfg: ServeConfig, learner_model=None):
+    def __init__(self, model, tokenizer, cfg: ServeConfig, learner_model=None,
+                 clock: Callable[[], float] = time.time):
         self.cfg = cfg.validate()
+        self.clock = clock
         check_names(cfg, cfg.learner.reward_weights)  # the built-in environments' names included
         self.tok = tokenizer
         self.run_dir = Path(cfg.run_dir)
@@ -94,8 +101,9 @@ class Service:
         self.versions.restore_replica() if cfg.replica else self.versions.restore()
         self.batcher = Batcher(self.engine, self.versions.run_on_version, cfg.max_batch, cfg.batch_window_s)
         self.turns = Turns(cfg, tokenizer, self.engine, self.batcher, self.store, self.run_id, self.versions,
-                           self.context, self.native_tools, self.storage, self.control)
+                           self.context, self.native_tools, self.storage, self.control, clock)
         self.learner = self.follower = None
+        self.ages = FeedbackAges.from_config(cfg.learner, self.ledger, clock)
         if cfg.replica:  # no learner: the owner's trains on this replica's turns too
             from selfrl.serve.replica import Follower
 
@@ -105,7 +113,7 @@ class Service:
             from selfrl.serve.background import BackgroundLearner
 
             self.learner = BackgroundLearner(cfg, learner_model, tokenizer, self.store, self.ledger, self.publish,
-                                             self.storage)
+                                             self.storage, clock=clock, prune=self.prune_versions)
             self.versions.on_rollback = self.learner.reset_to
 
     # -- versions (selfrl.serve.served_version) ------------------------------------------
@@ -126,6 +134,25 @@ class Service:
     def publish(self, version: int, state, reason: str) -> float | None:
         """:meth:`ServedVersion.publish`: serve a promoted version unless one is pinned (the learner's callback)."""
         return self.versions.publish(version, state, reason)
+
+    def prune_versions(self) -> list[int]:
+        """Retention (``[retention]``, :mod:`selfrl.record.retention`): the folders of versions outside
+        the newest ``keep_newest`` that are not base, promoted, pinned or served are moved to
+        ``adapters/.pruned`` (deleted with ``retention.delete``), each marked in the ledger with a
+        ``prune`` event; returns the versions pruned ([] with ``keep_newest = 0``)."""
+        rc = self.cfg.retention
+        if not rc.keep_newest:
+            return []
+        from selfrl.record.retention import VersionRow, prune_versions, versions_to_remove
+
+        with self.ledger.lock:  # an admin's rollback or pin comes before or after, never inside
+            rows = [VersionRow(v.version, v.status.value, v.path) for v in self.ledger.all()
+                    if not v.metrics.get("pruned")]
+            remove = versions_to_remove(rows, rc.keep_newest, [] if self.pinned is None else [self.pinned],
+                                        self.engine.version)
+            where = "deleted" if rc.delete else "moved to adapters/.pruned"
+            prune_versions(self.run_dir, rows, remove, lambda v: self.ledger.mark_pruned(v, where), rc.delete)
+        return remove
 
     def pin(self, version: int) -> dict[str, Any]:
         """:meth:`ServedVersion.pin`, then the :meth:`status`."""
@@ -207,8 +234,24 @@ class Service:
             raise ApiError(499, "the client disconnected", code="client_disconnected")
         return await asyncio.to_thread(self.finish, p, gens, time.perf_counter() - t0)
 
+    def age_rule(self, version: int, created_at: float) -> tuple[str, str]:
+        """The outcome of feedback on a turn of ``version`` stored at ``created_at``: the age rule
+        of the learner that trains it (this server's, or a replica's owner's), else only recorded."""
+        outcome, reason = self.ages.at_feedback(version, created_at)
+        if self.learner is None and not self.cfg.replica and outcome != "too_old":
+            return "queued", ("queued: this server does not learn (learner.enabled = false, or no learner model); "
+                              "a learning server on this run directory trains it within the age cutoffs")
+        return outcome, reason
+
     def feedback(self, f: FeedbackRequest) -> dict[str, Any]:
         """Attach a user's feedback to a response (and its conversation's earlier turns).
+
+        The answer says what became of it (:mod:`selfrl.serve.late_feedback`): ``outcome`` is
+        ``used`` (the next update trains on it at full weight), ``queued`` (the learner has
+        moved since the turn: the next update weighs it) or ``too_old`` (only recorded: past
+        an age cutoff, already trained, cut off, or a server that does not learn), with a
+        ``reason``; ``turns_updated`` / ``turns_too_late`` count the turns of the conversation
+        it reached.
 
         Raises:
             ApiError: 404 when the response (or that choice) was never served or recorded.
@@ -216,11 +259,12 @@ class Service:
         value = explicit_value(f.rating, f.corrected)
         try:
             applied = records.apply_feedback(self.store, f.response_id, f.choice, "explicit", value, f.rating,
-                                             f.corrected, f.correction, f.comment)
+                                             f.corrected, f.correction, f.comment, now=self.clock(), age=self.age_rule)
         except KeyError:
             raise ApiError(404, f"no recorded response {f.response_id!r} with choice {f.choice}",
                            "response_id", "response_not_found") from None
         out = {"object": "feedback", "response_id": f.response_id, "choice": f.choice, "reward": value,
+               "outcome": applied.outcome, "reason": applied.reason,
                "turns_updated": applied.updated, "turns_too_late": applied.too_late}
         if applied.too_late:
             note = (f"came too late for {applied.too_late} turn(s): already trained on or skipped (a turn waits "

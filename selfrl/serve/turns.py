@@ -87,8 +87,8 @@ class Turns:
 
     def __init__(self, cfg: ServeConfig, tokenizer, engine, batcher: Batcher, store: Store, run_id: int,
                  versions: ServedVersion, context: int, native_tools: bool, storage: StorageWatch,
-                 control: tuple[str, ...] = ()):
-        self.cfg, self.tok, self.engine, self.batcher = cfg, tokenizer, engine, batcher
+                 control: tuple[str, ...] = (), clock=time.time):
+        self.cfg, self.tok, self.engine, self.batcher, self.clock = cfg, tokenizer, engine, batcher, clock
         self.store, self.run_id, self.versions = store, run_id, versions
         self.context, self.native_tools, self.storage, self.control = context, native_tools, storage, control
 
@@ -264,7 +264,7 @@ class Turns:
             if p.req.record:
                 turns.append(self._turn(p, i, g, message, records_, content, not (finished or stopped), seconds))
         if turns:
-            records.add_turns(self.store, self.run_id, turns)
+            records.add_turns(self.store, self.run_id, turns, now=self.clock())  # a turn's age runs on the clock
         return {
             "id": p.response_id, "object": "chat.completion", "created": p.created,
             "model": self.cfg.served_model_name + (f"@v{version}" if p.version is not None else ""),

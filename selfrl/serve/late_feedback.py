@@ -1,0 +1,167 @@
+"""The age rule (:mod:`selfrl.rl.feedback_age`) in ``selfrl serve``: what a served turn and the
+feedback on it are worth when they reach the learner, minutes or days after the turn.
+
+A served turn is stored with its exact token ids, the adapter version that sampled them and
+its time (``served.created_at``, on the server's clock). Its judgement joins it there, however
+late (:func:`selfrl.record.served.apply_feedback`). Then:
+
+* **At the feedback** (:meth:`FeedbackAges.at_feedback`, the ``POST /v1/feedback`` answer):
+  ``used`` when the learner still holds the turn's version (full weight at its next update),
+  ``queued`` when the learner has moved since but the turn is within the cutoffs (it is weighed
+  at the next update), ``too_old`` when it is past ``learner.max_feedback_age_versions`` weight
+  changes or ``learner.max_feedback_age_s`` seconds (only recorded, never trained).
+* **At the update** (:meth:`FeedbackAges.split` and :meth:`FeedbackAges.weights`): turns past a
+  cutoff are left out (marked ``skipped``, the decision kept in ``reward_details``); a turn of
+  an older version is trained with the truncated sequence weight ``min(exp(sum_t m_t (logp_now_t
+  - logp_then_t)), learner.feedback_tis_cap)``, multiplied into its advantage.
+
+Which correction, and why only one. The learner's per-token TIS (``train.tis_cap``,
+:mod:`selfrl.rl.off_policy`) corrects each token for the sampler's own numerics. In ``serve``
+the "sampler" log-probs it sees are the learner's recomputed ones (the served log-probs are
+at the client's temperature, see :mod:`selfrl.serve.background`), so its weight is exactly 1
+and the sequence weight is the only correction: it is the right one here because a judgement
+is one reward for the whole turn (:mod:`selfrl.rl.feedback_age`). Multiplying both would count
+the version gap twice. Both log-prob sequences are at ``learner.temperature``: ``logp_then``
+is the turn's version loaded into the learner for one no-grad pass, ``logp_now`` the learner's
+current weights.
+
+The learner's weight history (``loaded``) is rebuilt from the version ledger, so it outlives a
+restart: every candidate was trained from its parent, which the weights held just before it
+(:func:`weight_history`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from selfrl.core.trajectory import Trajectory
+from selfrl.record.versions import Ledger
+from selfrl.rl.feedback_age import AgeDecision, AgePolicy, Outcome, decide, sequence_weight, versions_behind
+
+
+def weight_history(ledger: Ledger) -> list[int]:
+    """The versions the learner's weights held, oldest first, the champion last.
+
+    Every version after the base was trained from its ``parent``, so the weights held the
+    parent just before it; a parent that is not the previous entry was loaded back (a
+    rejection, a rollback).
+
+    >>> class L:  # versions 1 (promoted) and 2 (rejected), then 3 from 1; champion 3
+    ...     champion = type("C", (), {"version": 3})
+    ...     def all(self):
+    ...         return [type("V", (), {"version": v, "parent": p}) for v, p in [(0, None), (1, 0), (2, 1), (3, 1)]]
+    >>> weight_history(L())
+    [0, 1, 2, 1, 3]
+    """
+    loaded: list[int] = []
+    for v in ledger.all():
+        if v.parent is not None and (not loaded or loaded[-1] != v.parent):
+            loaded.append(v.parent)
+        loaded.append(v.version)
+    champ = ledger.champion.version
+    if not loaded or loaded[-1] != champ:
+        loaded.append(champ)
+    return loaded
+
+
+class FeedbackAges:
+    """The age rule of one learner: its policy (``[learner]``), the ledger and the clock."""
+
+    def __init__(self, policy: AgePolicy, ledger: Ledger, clock: Callable[[], float] = time.time):
+        self.policy, self.ledger, self.clock = policy, ledger, clock
+
+    @classmethod
+    def from_config(cls, lc, ledger: Ledger, clock: Callable[[], float] = time.time) -> "FeedbackAges":
+        """From ``[learner]``: ``max_feedback_age_versions``, ``max_feedback_age_s``, ``feedback_tis_cap``."""
+        return cls(AgePolicy(lc.max_feedback_age_versions, lc.max_feedback_age_s, lc.feedback_tis_cap), ledger, clock)
+
+    def at_feedback(self, version: int, created_at: float) -> tuple[str, str]:
+        """``(outcome, reason)`` for feedback on a turn of ``version`` stored at ``created_at``
+        (see the module docstring); the rule :func:`selfrl.record.served.apply_feedback` applies."""
+        now = max(self.clock(), created_at)  # a clock behind the stored time (a restart) reads as age 0
+        d = decide(version, weight_history(self.ledger), created_at, now, self.policy)
+        return d.outcome.value, d.reason
+
+    def split(self, batch: list[tuple[Trajectory, dict]]) -> tuple[list[tuple[Trajectory, dict]],
+                                                                 list[tuple[Trajectory, AgeDecision]]]:
+        """Turns within the cutoffs, and those past one with their decision (to leave out)."""
+        loaded, now = weight_history(self.ledger), self.clock()
+        kept, old = [], []
+        for traj, row in batch:
+            d = decide(traj.adapter_version, loaded, row["created_at"], max(now, row["created_at"]), self.policy)
+            if d.outcome is Outcome.TOO_OLD:
+                traj.reward_details.setdefault("user_feedback", {})["age"] = describe(d)
+                old.append((traj, d))
+            else:
+                kept.append((traj, row))
+        return kept, old
+
+    def behind(self, trajs: list[Trajectory]) -> dict[int, list[Trajectory]]:
+        """The turns sampled by a version the learner has moved from, by version."""
+        loaded = weight_history(self.ledger)
+        out: dict[int, list[Trajectory]] = {}
+        for t in trajs:
+            if versions_behind(t.adapter_version, loaded) > 0:
+                out.setdefault(t.adapter_version, []).append(t)
+        return out
+
+    def weights(self, trajs: list[Trajectory], now_logps: dict[str, list[float]],
+                then_logps: dict[str, list[float]]) -> list[float]:
+        """The sequence weight of each turn (1.0 for one of the current version).
+
+        Args:
+            trajs: the turns, with ``completion_mask`` (T,).
+            now_logps: ``{id: (T,) log-probs under the current weights}`` at ``learner.temperature``.
+            then_logps: the same under the turn's own version, for the turns that are behind.
+        """
+        out = []
+        for t in trajs:
+            if t.id in then_logps:
+                w = sequence_weight(now_logps[t.id], then_logps[t.id], t.completion_mask, self.policy.tis_cap)
+            else:
+                w = 1.0
+            t.reward_details.setdefault("user_feedback", {})["age"] = {"outcome": "used", "weight": w}
+            out.append(w)
+        return out
+
+
+    def weigh(self, train: list[Trajectory], originals: list[Trajectory],
+              logps_under: Callable[[int, list[Trajectory]], list[list[float]]]) -> dict[str, float]:
+        """Multiply each training copy's advantage by its turn's sequence weight.
+
+        Args:
+            train: the copies the update trains on; their ``logprobs`` are the current weights'.
+            originals: the stored turns, in the same order (they keep the decision for the record).
+            logps_under: ``logps_under(version, turns)``: (T,) log-probs of each turn under
+                ``version``'s weights at ``learner.temperature`` (the learner loads it for one
+                no-grad pass and loads its own back); raises ``FileNotFoundError`` or
+                ``ValueError`` when the version's weights are gone (such turns get weight 0).
+
+        Returns:
+            metrics: ``feedback/behind`` (turns of an older version), ``feedback/weight_mean``.
+        """
+        then: dict[str, list[float]] = {}
+        gone: set[str] = set()
+        for version, turns in self.behind(train).items():
+            try:
+                then.update({t.id: lp for t, lp in zip(turns, logps_under(version, turns))})
+            except (FileNotFoundError, ValueError):
+                gone.update(t.id for t in turns)
+        weights = self.weights(originals, {t.id: t.logprobs for t in train}, then)
+        for copy, orig, w in zip(train, originals, weights):
+            if copy.id in gone:
+                w = 0.0
+                orig.reward_details["user_feedback"]["age"] = {"outcome": "too_old", "weight": None, "reason": (
+                    f"only recorded: the weights of version {copy.adapter_version} are no longer stored")}
+            copy.advantage = copy.advantage * w
+        return {"feedback/behind": float(len(then) + len(gone)),
+                "feedback/weight_mean": sum(weights) / len(weights) if weights else 1.0}
+
+
+def describe(d: AgeDecision) -> dict:
+    """An age decision as stored in a turn's ``reward_details["user_feedback"]["age"]``
+    (``versions_behind`` None for a version the learner never held)."""
+    k = None if d.versions_behind == float("inf") else d.versions_behind
+    return {"outcome": d.outcome.value, "weight": d.weight, "versions_behind": k, "age_s": d.age_s,
+            "reason": d.reason}
