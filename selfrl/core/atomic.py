@@ -1,4 +1,5 @@
-"""Atomic small-file writes: a crash leaves the old file or the new one, never half of one."""
+"""Atomic small-file writes: a crash leaves the old file or the new one, never half of one; and the
+directory fsync that makes a rename or a new entry durable."""
 
 from __future__ import annotations
 
@@ -14,3 +15,16 @@ def write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync the directory ``path``, so that a rename into it or an entry made in it survives a power loss.
+
+    Raises:
+        OSError: ``path`` cannot be opened (it does not exist, or is not readable).
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from selfrl.core import faults
+from selfrl.core.atomic import fsync_dir
 from selfrl.model.adapter_check import check_adapter
 from selfrl.record.rundir import VERSIONS
 
@@ -47,19 +48,11 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(path: Path) -> None:
     for f in path.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
-    _fsync_dir(path)
+    fsync_dir(path)
 
 
 def save_version(model, run_dir: Path, version: int) -> Path:
@@ -83,7 +76,7 @@ def save_version(model, run_dir: Path, version: int) -> Path:
         (tmp / MARKER).write_text(json.dumps({"version": version, "sha256": files}, indent=1))
         _fsync_tree(tmp)
         os.rename(tmp, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     faults.point("after_save")
@@ -162,7 +155,7 @@ def quarantine(path: Path) -> Path:
     dest = path.parent / ".recovered" / f"{path.name.lstrip('.')}-{time.time_ns()}"
     dest.parent.mkdir(exist_ok=True)
     os.rename(path, dest)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return dest
 
 

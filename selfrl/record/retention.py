@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from selfrl.core.atomic import fsync_dir
+
 KEEP_STATUSES = frozenset({"base", "promoted"})  # selfrl.record.versions.SERVABLE
 PRUNED = ".pruned"  # under <run_dir>/adapters
 
@@ -80,14 +82,6 @@ def versions_to_remove(versions: Sequence[VersionRow], keep_newest: int, pinned:
     return sorted(r.version for r in versions if r.version not in keep and r.path and r.path not in kept_paths)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def prune_versions(run_dir: Path, versions: Sequence[VersionRow], remove: Iterable[int],
                    mark_pruned: Callable[[int], None], delete: bool = False) -> list[Path]:
     """Move the folders of ``remove`` into ``<run_dir>/adapters/.pruned/`` and mark each.
@@ -121,12 +115,12 @@ def prune_versions(run_dir: Path, versions: Sequence[VersionRow], remove: Iterab
         if dest.exists():
             dest = dest.with_name(f"{src.name}-{time.time_ns()}")
         os.rename(src, dest)
-        _fsync_dir(root)
+        fsync_dir(root)
         try:
             mark_pruned(v)
         except BaseException:
             os.rename(dest, src)
-            _fsync_dir(root)
+            fsync_dir(root)
             raise
         if delete:
             shutil.rmtree(dest)
@@ -202,7 +196,7 @@ def export_then_prune(rows: Iterable[Mapping[str, Any]], cutoff: float, out_path
     os.rename(tmp, out_path)
     digest = h.hexdigest()
     Path(f"{out_path}.sha256").write_text(f"{digest}  {out_path.name}\n")
-    _fsync_dir(out_path.parent)
+    fsync_dir(out_path.parent)
     n = verify_export(out_path)
     back = [json.loads(line)[id_key] for line in out_path.read_bytes().splitlines()]
     if n != len(ids) or back != ids:
