@@ -152,7 +152,7 @@ class Simulator:
         if route == "chat" and reply.ok:
             event["response_id"] = reply.body["id"]
         elif route == "feedback":
-            event["response_id"] = body.get("response_id")
+            event.update({k: body[k] for k in ("response_id", "rating", "corrected") if k in body})
         if reply.error is not None:
             event["error"] = reply.error
         self._emit(event)

@@ -4,8 +4,8 @@ Every field is counted from the events (``events.jsonl``, one JSON object a line
 summary can be rebuilt from the log alone:
 
 * ``request`` events: one per HTTP request, with its ``route`` (chat, feedback), ``purpose``
-  (turn, correction_turn, rating, correction, hostile:<action>), ``status`` (0: no answer) and
-  real ``latency_s``;
+  (turn, correction_turn, rating, correction, hostile:<action>), ``status`` (0: no answer), real
+  ``latency_s``, its ``response_id`` and, for feedback, the ``rating`` or ``corrected`` it sent;
 * ``outcome``: a conversation's final answer and the verifier's verdict on it (``correct``);
 * ``judgement``: an honest user's verdict, reaction and its delay;
 * ``hostile``: a hostile user's action;
