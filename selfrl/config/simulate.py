@@ -106,9 +106,9 @@ def _default_families() -> list[FamilySettings]:
 
 
 def _default_phases() -> list[PhaseSettings]:
-    return [PhaseSettings(4 * 3600.0, {"arithmetic": 1.0}),
-            PhaseSettings(4 * 3600.0, {"arithmetic": 0.5, "function_calling": 0.5}),
-            PhaseSettings(4 * 3600.0, {"arithmetic": 0.2, "function_calling": 0.4, "web": 0.4})]
+    return [PhaseSettings(3600.0, {"arithmetic": 1.0}),
+            PhaseSettings(3600.0, {"arithmetic": 0.5, "function_calling": 0.5}),
+            PhaseSettings(3600.0, {"arithmetic": 0.2, "function_calling": 0.4, "web": 0.4})]
 
 
 @dataclass
@@ -120,7 +120,7 @@ class SimulateConfig:
     seed: int = 0  # one seed for the whole traffic: schedule, users, tasks, noise, delays, hostile acts
     max_requests: int = 1000  # most HTTP requests sent (completions and feedback together)
     max_seconds: float = 3600.0  # most real seconds the simulation runs
-    arrivals_per_hour: float = 120.0  # conversations that start per simulated hour (a Poisson process)
+    arrivals_per_hour: float = 20.0  # conversations that start per simulated hour (a Poisson process)
     day_s: float = 0.0  # real seconds one simulated day lasts; 0: simulated time never waits (a day passes at once)
     window_s: float = 3600.0  # simulated seconds of one window of the served-success table
     temperature: float = 1.0  # sampling temperature of each completion

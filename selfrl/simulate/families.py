@@ -108,15 +108,20 @@ class Episode:
         """The environment says the episode is over (a state's ``is_completed``)."""
         return self.state is not None and bool(self.state.is_completed())
 
-    def close(self) -> dict[str, Any] | None:
-        """The state's final summary (None without a state); releases what the state holds."""
+    def close(self) -> tuple[dict[str, Any] | None, str | None]:
+        """``(the state's final summary, None)``, or ``(None, error)`` when the state's ``state()`` or
+        ``close()`` raised (the conversation is then logged with that error and not judged);
+        ``(None, None)`` without a state."""
         if self.state is None:
-            return None
-        summary = self.state.state()
-        close = getattr(self.state, "close", None)
-        if callable(close):
-            close()
-        return summary
+            return None, None
+        try:
+            summary = self.state.state()
+            close = getattr(self.state, "close", None)
+            if callable(close):
+                close()
+        except Exception as e:
+            return None, f"environment failed: {type(e).__name__}: {e}"[:300]
+        return summary, None
 
 
 class Family:

@@ -202,10 +202,11 @@ class Simulator:
                 if ep.done():
                     break
         finally:
-            state = ep.close()
-        if last is None:
+            state, error = ep.close()
+        if last is None or error is not None:  # nothing served, or the environment failed: nothing to judge
             self._emit({"event": "outcome", "conversation": p.index, "family": p.family, "user": p.user,
-                        "phase": p.phase, "hostile": p.hostile, "served": False, "turns": turns})
+                        "phase": p.phase, "hostile": p.hostile, "served": False, "turns": turns,
+                        **({"error": error} if error else {})})
             return
         reply, body = last
         final = reply.body["choices"][0]["message"].get("content") or ""
