@@ -35,11 +35,11 @@ def simulated(tiny_tokenizer, tiny_model_factory, tmp_path_factory):
         sim = Simulator(sim_cfg, client, clock=FakeClock(1_700_000_000.0), log=out / "events.jsonl")
         summary = sim.run()
         client.close()
-        yield service, sim, summary, out
+        yield service, sim, summary, out, url
 
 
 def test_the_store_holds_what_the_simulator_sent(simulated):
-    service, sim, summary, _ = simulated
+    service, sim, summary, _, _ = simulated
     reqs = [e for e in sim.events if e["event"] == "request"]
     assert summary["requests"]["total"] == len(reqs) == 60 and summary["stopped_by"] == "max_requests"
     chat_ok = {e["response_id"] for e in reqs if e["route"] == "chat" and e["status"] == 200}
@@ -64,7 +64,7 @@ def test_the_store_holds_what_the_simulator_sent(simulated):
 
 
 def test_families_metadata_phases_and_hostile_users_reach_the_server(simulated):
-    service, sim, summary, out = simulated
+    service, sim, summary, out, _ = simulated
     assert set(summary["requests"]["chat_by_family_phase"]) >= {"arithmetic"}
     assert set(summary["requests"]["chat_by_family_phase"]["arithmetic"]) <= {"0", "1"}
     assert summary["http"]["server_errors"] == 0  # every hostile act got a 2xx or a 4xx
@@ -81,3 +81,20 @@ def test_families_metadata_phases_and_hostile_users_reach_the_server(simulated):
     assert logged == json.loads(json.dumps(sim.events))  # the JSONL log is every event
     turns = [e for e in logged if e["event"] == "request" and e["route"] == "chat"]
     assert {e["family"] for e in turns} <= {"arithmetic", "function_calling", "web"}
+
+
+def test_the_command_writes_its_summary_and_log(simulated, tmp_path, monkeypatch, capsys):
+    from selfrl.cli import main
+
+    url = simulated[4]
+    monkeypatch.setenv("SELFRL_API_KEY", API_KEY)
+    assert main(["simulate", "--config", "configs/simulate.toml", "--base-url", url, "--max-requests", "6",
+                 "--seed", "5", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert summary["requests"]["total"] == 6 == sum(e["event"] == "request" for e in events)
+    assert summary["stopped_by"] == "max_requests" and events[-1] == {**events[-1], "event": "stop",
+                                                                      "reason": "max_requests"}
+    assert "requests: 6" in capsys.readouterr().out
+    monkeypatch.setenv("SELFRL_API_KEY", "wrong-key")  # feedback would be refused: the command says so first
+    assert main(["simulate", "--base-url", url, "--max-requests", "6", "--out", str(tmp_path / "b")]) == 2

@@ -91,12 +91,15 @@ class Client:
                      None if r.is_success else r.text[:300])
 
     def reachable(self) -> str | None:
-        """None when the server answers ``GET /v1/models``; else why not, as one line."""
+        """None when the server answers ``GET /admin/status`` under the API key (so that feedback will
+        be accepted too); else why not, as one line."""
         try:
-            r = self.http.get(self.base_url + "/v1/models", headers={"Authorization": f"Bearer {self.api_key}"})
+            r = self.http.get(self.base_url + "/admin/status", headers={"Authorization": f"Bearer {self.api_key}"})
         except httpx.HTTPError as e:
-            return f"cannot reach {self.base_url}: {type(e).__name__}: {e}"
-        return None if r.is_success else f"{self.base_url}/v1/models answered {r.status_code}: {r.text[:200]}"
+            return f"cannot reach {self.base_url}: {type(e).__name__}: {e}; start selfrl serve first or pass --base-url"
+        if r.status_code in (401, 403):
+            return f"{self.base_url} refuses the API key ({r.status_code}): give the key selfrl serve was started with"
+        return None if r.is_success else f"{self.base_url}/admin/status answered {r.status_code}: {r.text[:200]}"
 
     def close(self) -> None:
         self.http.close()

@@ -38,7 +38,7 @@ def simulate(config: str | None, overrides: dict[str, Any], api_key_file: str | 
         return 2
     client = default_client(cfg, key)
     if (why := client.reachable()) is not None:
-        print(f"selfrl: error: {why}; start selfrl serve first or pass --base-url", file=sys.stderr)
+        print(f"selfrl: error: {why}", file=sys.stderr)
         return 2
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
