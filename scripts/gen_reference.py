@@ -8,9 +8,10 @@ not committed (``.gitignore``).
 
 - **CLI**: every subcommand of ``selfrl`` and every flag, read from the argparse parser
   (:func:`selfrl.cli.build_parser`): usage, type, default, the config key a flag sets
-  (``selfrl.cli.RUN_FLAGS`` / ``SERVE_FLAGS``) and its help.
-- **Config**: every field of ``selfrl run``'s :class:`selfrl.config.RunConfig` and of
-  ``selfrl serve``'s ``ServeConfig``, one table per section, with its type, default and help.
+  (``selfrl.cli.RUN_FLAGS`` / ``SERVE_FLAGS`` / ``SIMULATE_FLAGS``) and its help.
+- **Config**: every field of ``selfrl run``'s :class:`selfrl.config.RunConfig`, of
+  ``selfrl serve``'s ``ServeConfig`` and of ``selfrl simulate``'s ``SimulateConfig``, one table
+  per section, with its type, default and help.
   A field's help is ``field(metadata={"help": ...})`` where given, else the comment on its
   line (``lr: float = 1e-4  # AdamW learning rate``), else the comment lines right above it;
   a section's help may also be its class docstring's first line.
@@ -87,7 +88,8 @@ def cli_reference() -> str:
     from selfrl import cli
 
     parser = cli.build_parser()
-    keys = {"run": cli.RUN_FLAGS, "serve": cli.SERVE_FLAGS, "sampler": {f: cli.RUN_FLAGS[f] for f in cli.SAMPLER_FLAGS}}
+    keys = {"run": cli.RUN_FLAGS, "serve": cli.SERVE_FLAGS, "sampler": {f: cli.RUN_FLAGS[f] for f in cli.SAMPLER_FLAGS},
+            "simulate": cli.SIMULATE_FLAGS}
     helps = subcommand_help(parser)
     out = [GENERATED, "# Command line\n\n",
            "Every subcommand of `selfrl` and every flag, generated from the parser. A flag that sets a "
@@ -221,8 +223,9 @@ def config_rows(cls: type, prefix: str = "") -> list[tuple[str, type, list[dict[
 def _run_and_serve() -> list[tuple[str, type]]:
     from selfrl.config import RunConfig
     from selfrl.config.serve import ServeConfig
+    from selfrl.config.simulate import SimulateConfig
 
-    return [("selfrl run", RunConfig), ("selfrl serve", ServeConfig)]
+    return [("selfrl run", RunConfig), ("selfrl serve", ServeConfig), ("selfrl simulate", SimulateConfig)]
 
 
 def config_reference() -> str:

@@ -45,6 +45,7 @@ FLOORS = (
     "selfrl.safety",
     "selfrl.envs",
     "selfrl.judge",  # rewards where no verifier exists: it registers a reward and detectors
+    "selfrl.simulate",  # simulated users: clients of a server, built on the environments
     "selfrl.report",
     "selfrl.run",
     "selfrl.serve",

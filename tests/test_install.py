@@ -83,7 +83,7 @@ def test_the_core_alone_runs_a_loop_and_its_report(tmp_path):
 
 
 @pytest.mark.parametrize("argv, extra", [(["serve", "--run-dir", "s"], "serve"),
-                                         (["sampler"], "serve")])
+                                         (["sampler"], "serve"), (["simulate"], "simulate")])
 def test_a_command_that_needs_an_extra_names_it(tmp_path, argv, extra):
     result = _python(f'''
         from selfrl.cli import main
