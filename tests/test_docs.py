@@ -388,3 +388,21 @@ def test_every_section_field_named_in_the_prose_exists():
             if span[0] in sections and span[1] not in sections[span[0]]:
                 missing.append(f"{path.relative_to(ROOT)}: {'.'.join(span)}")
     assert not missing, "\n".join(missing)
+
+
+DOC_PATH = re.compile(r"\bdocs/[A-Za-z0-9_./-]+\.md\b")
+
+
+def _doc_paths_named_in_code() -> list[tuple[str, str]]:
+    """``(file, docs/....md)`` for every docs page named in code, configs, scripts and the Makefile
+    (error messages and docstrings send users there)."""
+    files = [p for d in ("selfrl", "scripts", "configs", "examples", "benchmarks") for p in (ROOT / d).rglob("*")
+             if p.suffix in (".py", ".toml") and "swe-repos" not in p.parts] + [ROOT / "Makefile"]
+    return sorted({(str(f.relative_to(ROOT)), m) for f in files for m in DOC_PATH.findall(f.read_text())})
+
+
+def test_every_docs_page_named_in_the_code_exists():
+    named = _doc_paths_named_in_code()
+    assert len(named) > 10  # the scan reads the tree (selfrl names dozens of pages)
+    missing = [f"{where}: {page}" for where, page in named if not (ROOT / page).is_file()]
+    assert not missing, "pages named in the code that the docs do not have:\n" + "\n".join(missing)

@@ -88,7 +88,7 @@ class JudgeEndpoint:
 @dataclass
 class JudgeConfig:
     """The ``judge`` reward: one or more judges (``[[judge.endpoints]]``), combined with rule
-    rewards, capped by a floor, checked by calibration pairs (docs/judge.md). Empty
+    rewards, capped by a floor, checked by calibration pairs (docs/guides/judge.md). Empty
     ``endpoints``: no judge."""
 
     endpoints: list[JudgeEndpoint] = field(default_factory=list, metadata={"table_of": JudgeEndpoint})

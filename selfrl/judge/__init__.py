@@ -1,6 +1,6 @@
 """Rewards where no verifier exists: LLM judges (pointwise, or a whole group ranked in one
 call), ensembles with rule rewards and a floor, calibration, a verdict cache, token and cost
-accounting, and judge-hacking detectors (docs/judge.md).
+accounting, and judge-hacking detectors (docs/guides/judge.md).
 
 Importing this package registers the reward function ``judge`` (:data:`selfrl.judge.reward.JUDGE`)
 and the detectors ``judge_addressed``, ``judge_vacuous`` and ``judge_length_bias``;

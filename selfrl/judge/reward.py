@@ -101,7 +101,7 @@ class JudgeReward:
         """
         if not self.judges:
             raise RuntimeError(f"the {JUDGE_REWARD!r} reward has no judge: add a [[judge.endpoints]] table "
-                               "(docs/judge.md), or call selfrl.judge.setup")
+                               "(docs/guides/judge.md), or call selfrl.judge.setup")
         if JUDGE_REWARD not in ctx.cache:
             ctx.cache[JUDGE_REWARD] = self.judge_group(ctx)
         outcome = ctx.cache[JUDGE_REWARD].get(traj.id)

@@ -86,7 +86,7 @@ def check_judge(judge: JudgeConfig, weights: dict[str, float]) -> None:
         (JUDGE_REWARD in weights or not judge.endpoints, f"[[judge.endpoints]] is set but no reward weights "
          f"{JUDGE_REWARD!r}: add reward_weights = {{{JUDGE_REWARD} = 1.0}} (or drop the endpoints)"),
         (JUDGE_REWARD not in weights or bool(judge.endpoints), f"the reward {JUDGE_REWARD!r} needs a judge: "
-         "add a [[judge.endpoints]] table with base_url, model and rubric (docs/judge.md)"),
+         "add a [[judge.endpoints]] table with base_url, model and rubric (docs/guides/judge.md)"),
     ])
     check_weights({n: 1.0 for n in judge.reward_names()})
 
