@@ -155,3 +155,16 @@ def test_the_run_serves_by_its_rule_and_says_so(model_dir, tmp_path, monkeypatch
     stored = adapters.load_version_state(adapters.version_dir(tmp_path / "run", served))
     live = adapters.lora_state(runner.s.engine.model)
     assert runner.s.engine.version == served and all(torch.equal(live[k], stored[k]) for k in stored)
+
+
+def test_compare_takes_the_version_each_run_serves(tmp_path):
+    """selfrl compare and prompt_baseline --run-dir read the run's final version by its rule."""
+    from selfrl.report.compare import load_outcome
+
+    for rule, final in (("newest", 8), ("best", 4)):
+        d = tmp_path / rule
+        d.mkdir()
+        issue_store(d)[0].close()
+        (d / "config.json").write_text(f'{{"gate": {{"rule": "{rule}", "tolerance": 0.05}}}}')
+        o = load_outcome(d, rule)
+        assert o.final_version == final and sum(o.final.values()) == {8: 17, 4: 19}[final]

@@ -31,7 +31,7 @@ from matplotlib.ticker import MaxNLocator
 from selfrl.report.figures import overview_figure, save
 from selfrl.config import GateConfig
 from selfrl.record.runlock import RunDirLock
-from selfrl.record.serve_rule import choose_served
+from selfrl.record.serve_rule import ServedChoice, choose_served
 from selfrl.record.versions import VersionRecord
 from selfrl.report.serve import write_serve_report
 from selfrl.report.stats import paired_difference_ci, wilson_interval
@@ -337,6 +337,17 @@ def overview_title(tl: Timeline) -> str:
     return f"{tl.label}: " + ", ".join(parts)
 
 
+def served_choice(store: Store, config: dict[str, Any]) -> ServedChoice | None:
+    """The version a run serves by its config's ``gate.rule`` and ``gate.tolerance`` (the
+    defaults of :class:`selfrl.config.GateConfig` for a config without them), or None when the
+    store holds no base or promoted version."""
+    gate, default = config.get("gate") or {}, GateConfig()
+    versions = [VersionRecord.from_row(v) for v in store.versions()]
+    if not any(v.servable for v in versions):
+        return None
+    return choose_served(versions, gate.get("rule", default.rule), gate.get("tolerance", default.tolerance))
+
+
 def summary_from_store(store: Store, config: dict[str, Any]) -> dict[str, Any]:
     """The summary :func:`write_report` reads, rebuilt from the store and the run config:
     time totals over every session, the final version (the one ``gate.rule`` serves at the end:
@@ -347,10 +358,9 @@ def summary_from_store(store: Store, config: dict[str, Any]) -> dict[str, Any]:
         if row["name"].startswith("time/") and row["value"] is not None:
             totals[row["name"]] = totals.get(row["name"], 0.0) + row["value"]
     inference, training = totals.get("time/rollout_s", 0.0), totals.get("time/update_s", 0.0)
-    gate, default = config.get("gate") or {}, GateConfig()
-    rule, tolerance = gate.get("rule", default.rule), gate.get("tolerance", default.tolerance)
-    versions = [VersionRecord.from_row(v) for v in store.versions()]
-    final = choose_served(versions, rule, tolerance).served if any(v.servable for v in versions) else 0
+    choice = served_choice(store, config)
+    final = 0 if choice is None else choice.served
+    rule, tolerance = (None, None) if choice is None else (choice.rule.value, choice.tolerance)
     marks = [event_mark(e["kind"], e["message"]) for e in store.events()]
     summary: dict[str, Any] = {
         "base_version": 0, "final_version": final, "gate_rule": rule, "gate_tolerance": tolerance,
