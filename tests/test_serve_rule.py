@@ -152,6 +152,8 @@ def test_the_run_serves_by_its_rule_and_says_so(model_dir, tmp_path, monkeypatch
             "served: v1 (0.700), the best held-out version (--gate-rule best); --gate-rule newest serves v2 (0.650)")
     assert result.summary["served"] == line
     assert capsys.readouterr().out.rstrip().endswith(line)  # the run's last log line
+    log = (tmp_path / "run" / "progress.log").read_text()  # and in the run directory's log file
+    assert "base model: held-out success 0.500 on 6 tasks" in log and log.rstrip().endswith(line)
     stored = adapters.load_version_state(adapters.version_dir(tmp_path / "run", served))
     live = adapters.lora_state(runner.s.engine.model)
     assert runner.s.engine.version == served and all(torch.equal(live[k], stored[k]) for k in stored)

@@ -35,7 +35,7 @@ from selfrl.safety.collapse import CollapseStop
 from selfrl.safety.gate import EvalResult, validate
 from selfrl.safety.swap_check import SwapCheckError
 from selfrl.envs.rewards import score_batch
-from selfrl.run.progress import Progress
+from selfrl.run.progress import PROGRESS_LOG, Progress, ProgressLog
 from selfrl.run.setup import RunSetup
 from selfrl.run.signal import SignalChooser, diagnose, probe_report
 from selfrl.run.warm_start import WarmStartError, run_warm_start
@@ -103,7 +103,8 @@ class Runner:
     """
 
     def __init__(self, setup: RunSetup, progress: Progress):
-        self.s, self.cfg, self.progress = setup, setup.cfg, progress
+        # every line also in RUN_DIR/progress.log, with a heartbeat during long phases
+        self.s, self.cfg, self.progress = setup, setup.cfg, ProgressLog(progress, setup.run_dir / PROGRESS_LOG)
         self.tasks_by_id = {t.id: t for t in setup.train}
         self.step = 0  # the iteration under way, for metrics logged outside an iteration
         self.t_start = time.perf_counter()
@@ -360,6 +361,7 @@ class Runner:
         try:
             return self.run_loop()
         finally:
+            self.progress.close()
             if self.s.lock is not None:
                 self.s.lock.release()
 
