@@ -158,8 +158,10 @@ class ProgressLog:
             self.handler = logging.handlers.RotatingFileHandler(self.path, maxBytes=LOG_MAX_BYTES,
                                                                 backupCount=LOG_BACKUPS, encoding="utf-8")
             self.handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-            self.logger = logging.getLogger(f"selfrl.progress.{id(self)}")
-            self.logger.propagate = False  # only this file: never the root logger's handlers
+            # a logger of its own, not in logging's registry (which keeps every named logger for
+            # good), that never passes records to the root logger's handlers
+            self.logger = logging.Logger(f"selfrl.progress.{self.path}")
+            self.logger.propagate = False
             self.logger.setLevel(logging.INFO)
             self.logger.addHandler(self.handler)
         self.logger.info(message)  # the handler flushes after each record
@@ -197,7 +199,7 @@ class ProgressLog:
         return line
 
     def _beat_loop(self) -> None:
-        while not self.stop.wait(min(self.heartbeat_s, 5.0)):
+        while not self.stop.wait(min(self.heartbeat_s, 1.0)):
             self.beat()  # a failed write is logging's to report (Handler.handleError), never this thread's end
 
     def close(self) -> None:
