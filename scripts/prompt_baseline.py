@@ -2,12 +2,16 @@
 k worked examples, against what RL reached on the same tasks.
 
     python scripts/prompt_baseline.py --config configs/function_calling.toml --shots 0 3 5 \
-        [--run-dir runs/fc] [--set rollout.constrain='"none"']
+        [--run-dir runs/fc] [--engine auto] [--batch-size 64] [--set rollout.constrain='"none"']
 
 For each ``k`` in ``--shots`` the environment is built with ``options.shots = k`` (the
-environment must take a ``shots`` option; ``function_calling`` does) and the base model
-is evaluated greedily exactly as the gate evaluates (``selfrl.safety.gate.validate``), on the
-held-out split of the config (the same tasks as the run's, by ``task.val_seed``). Prints
+environment must take a ``shots`` option; ``function_calling``, ``arithmetic``, ``swe`` and
+``web`` do) and the base model is evaluated greedily exactly as the gate evaluates
+(``selfrl.safety.gate.validate``), on the held-out split of the config (the same tasks as the
+run's, by ``task.val_seed``), on the run's engine (``--engine``, default the config's
+``engine``: ``auto`` is the slot engine on the CPU) in batches of at most ``--batch-size``
+tasks (default the config's ``gate.batch_size``), so memory stays bounded whatever
+``gate.val_size`` is. A line on stderr after each batch shows progress. Prints
 success with its 95 % Wilson interval; with ``--run-dir``, also the paired difference of
 the run's final (latest promoted) version against each prompt on the tasks both were
 evaluated on (``selfrl.report.stats.paired_difference_ci``). Nothing is trained or stored;
@@ -23,27 +27,30 @@ import time
 from pathlib import Path
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     try:
-        return baseline()
+        return baseline(argv)
     except (OSError, ValueError) as e:  # ConfigError and JSONDecodeError are ValueErrors
         print(f"prompt_baseline: error: {e}", file=sys.stderr)
         return 2
 
 
-def baseline() -> int:
+def baseline(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)
     p.add_argument("--shots", type=int, nargs="+", default=[0, 3])
     p.add_argument("--run-dir")
+    p.add_argument("--engine", help="sampling backend: auto | reference | slots (default: the config's engine)")
+    p.add_argument("--batch-size", type=int,
+                   help="held-out tasks per generation batch (default: the config's gate.batch_size)")
     p.add_argument("--per-task", help="write {shots: {task id: solved}} as JSON to this file")
     p.add_argument("--set", action="append", default=[], help="dotted config override KEY=JSON")
-    a = p.parse_args()
+    a = p.parse_args(argv)
 
     import torch
 
     from selfrl.report.compare import load_outcome
-    from selfrl.engines.reference import Engine
+    from selfrl.engines import make_engine
     from selfrl.envs import get_env, load_run_config
     from selfrl.safety.gate import validate
     from selfrl.model.load import build_policy
@@ -59,7 +66,14 @@ def baseline() -> int:
             overrides[key] = json.loads(value)
         except json.JSONDecodeError as e:
             raise ValueError(f"--set {item!r}: the value is not JSON ({e.msg}); quote strings: '\"none\"'") from e
-    cfg = load_run_config(a.config, overrides)
+    if a.engine is not None:
+        overrides["engine"] = a.engine
+    if a.batch_size is not None:
+        overrides["gate.batch_size"] = a.batch_size
+    cfg = load_run_config(a.config, overrides)  # checks engine and gate.batch_size as a run would
+    if any(k > 0 for k in a.shots) and not cfg.rollout.demonstration:
+        raise ValueError("--shots above 0 shows worked examples, and this config sets rollout.demonstration = false "
+                         "(no example is shown); drop it or pass --set rollout.demonstration=true")
     run = load_outcome(Path(a.run_dir), "run") if a.run_dir else None  # before the model loads
     if run is not None and run.final_version is None:
         raise ValueError(f"run {a.run_dir} promoted no version: there is no RL result to compare")
@@ -67,7 +81,9 @@ def baseline() -> int:
         raise ValueError(f"run {a.run_dir}'s final version {run.final_version} was never evaluated")
     torch.manual_seed(cfg.seed)
     model, tok = build_policy(cfg)
-    engine = Engine(model, tok)
+    engine = make_engine(cfg.engine, model, tok)
+    print(f"engine: {getattr(engine, 'name', type(engine).__name__)} (engine = {cfg.engine!r}), "
+          f"batches of at most {cfg.gate.batch_size} tasks", flush=True)
     tools = resolve_tools(cfg.rollout.tools)
     if run is not None:
         n = len(run.final)
@@ -81,8 +97,15 @@ def baseline() -> int:
         except ValueError as e:
             raise ValueError(f"the k-shot baseline needs an environment with a 'shots' option: {e}") from e
         _, val = env.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
-        t0 = time.perf_counter()
-        res = validate(engine, val, env, tools, cfg.rollout)
+        t0, done = time.perf_counter(), 0
+
+        def progress(n: int, k: int = k, total: int = len(val)) -> None:
+            nonlocal done
+            done += n
+            print(f"{k}-shot: {done}/{total} tasks, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+        res = validate(engine, val, env, tools, cfg.rollout, cfg.gate.batch_size, on_batch=progress,
+                       collapse=cfg.collapse)
         solved = {tid: ok for tid, ok, _ in res.results}
         per_task[str(k)] = solved
         if a.per_task:

@@ -42,6 +42,8 @@ RUN_FLAGS = {
     "--lora-r": ("lora.r", int, "LoRA rank"),
     "--val-size": ("gate.val_size", int, "held-out tasks"),
     "--eval-every": ("gate.eval_every", int, "updates between validations"),
+    "--gate-rule": ("gate.rule", str, "version served when the run ends: newest (the newest promoted, default) | "
+                    "best (the highest held-out success)"),
     "--run-dir": ("run_dir", str, "output folder"),
     "--seed": ("seed", int, "random seed"),
     "--device": ("model.device", str, "auto | cpu | cuda: where the policy, learner and reference pass run"),
@@ -317,7 +319,8 @@ def _main(args: argparse.Namespace) -> int:
         print(f"selfrl: error: {e}", file=sys.stderr)
         return 2
     print(f"held-out success: base {result.base_success:.3f} -> final {result.final_success:.3f} "
-          f"(version {result.final_version})")
+          f"(version {result.final_version}, the version served)")
+    print(result.summary["served"])
     print(f"report: {result.summary['report']}")
     if stop.received is not None:  # Ctrl-C 130, SIGTERM 143, SIGHUP 129: the run did not finish
         print(f"selfrl: stopped by {signal.Signals(stop.received).name}; continue with --resume", file=sys.stderr)

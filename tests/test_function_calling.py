@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from selfrl.envs.function_calling import FunctionCallingEnv, canonical_calls, partial_score
+from selfrl.envs.function_calling import LIVE_CATEGORIES, FunctionCallingEnv, _shots, canonical_calls, partial_score
 from selfrl.envs.rewards import get_preset, score_group
 from selfrl.rollout.agent import RolloutConfig, scripted_rollout
 
@@ -87,3 +87,56 @@ def test_one_turn_calls_are_parsed_from_the_text_and_scored():
     assert good.env_state == {"calls": []} and good.tool_calls == []  # nothing ran
     assert ENV.score(task, ENV.trajectory_answer(good)) == 1.0
     assert ENV.trajectory_answer(broken) == "[]" and ENV.score(task, "[]") == 0.0
+
+
+LIVE = FunctionCallingEnv(categories=list(LIVE_CATEGORIES))
+
+
+def _live(bfcl_id: str):
+    return next(t for ts in LIVE.by_category.values() for t in ts if t.metadata["bfcl_id"] == bfcl_id)
+
+
+def test_live_categories_are_tasks_and_what_is_left_out_is_counted():
+    assert {c: len(v) for c, v in LIVE.by_category.items()} == {
+        "live_simple": 258, "live_multiple": 1053, "live_parallel": 16, "live_parallel_multiple": 24,
+        "live_irrelevance": 871, "live_relevance": 16}
+    assert LIVE.left_out == {"live_irrelevance": {"a conversation, not one request": 9, "no function offered": 4}}
+    train, val = LIVE.split(400, 96, 0, 0)
+    assert len(val) == 96 and not {t.id for t in train} & {t.id for t in val}
+    assert ENV.left_out == {}  # the default categories lose nothing
+
+
+def test_a_live_system_message_comes_before_the_request():
+    task = _live("live_simple_257-137-1")
+    assert task.question.startswith("call HANDOVER function to transfer the request if user asks a question.\n\n")
+    assert task.question.endswith("Can you tell me what is the minimum package arrival time? ")
+
+
+def test_live_answers_score_with_nested_values():
+    """live_multiple_0-0-0 expects new_preferences as a dict of accepted values per key: the
+    worked-example form of its answer (first value of each) passes BFCL's check."""
+    task = _live("live_multiple_0-0-0")
+    (answer,) = _shots([task])[1:2]
+    calls = [json.loads(c.removesuffix("</tool_call>")) for c in answer["content"].split("<tool_call>")[1:]]
+    assert isinstance(calls[0]["arguments"]["new_preferences"], dict)
+    assert _score(task, calls) == 1.0
+
+
+def test_live_relevance_is_right_with_a_call_and_gets_no_partial_credit():
+    task = LIVE.by_category["live_relevance"][0]
+    name = task.metadata["functions"][0]["name"]
+    assert _score(task, [{"name": name, "arguments": {}}]) == 1.0
+    assert _score(task, []) == 0.0  # not 0.9: no call is the one wrong answer
+
+
+def test_shots_never_come_from_live_relevance():
+    env = FunctionCallingEnv(categories=["live_relevance", "live_parallel"], shots=2)
+    users = [m["content"] for m in env.demonstration if m["role"] == "user"]
+    parallel = {t.question for t in load_bfcl_tasks("live_parallel")}
+    assert len(users) == 2 and set(users) <= parallel
+    with pytest.raises(ValueError, match="live_relevance has no possible answer"):
+        FunctionCallingEnv(categories=["live_relevance"], shots=1)
+
+
+def load_bfcl_tasks(category):
+    return FunctionCallingEnv(categories=[category]).by_category[category]

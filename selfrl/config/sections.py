@@ -19,6 +19,7 @@ from selfrl.config.base import SEED_MAX, ConfigError, check_finite, in_range, on
 from selfrl.engines import ENGINES  # the backend registry (imports no torch)
 from selfrl.engines.base import MAX_TEMPERATURE, MIN_TEMPERATURE
 from selfrl.model import DEFAULT_MODEL
+from selfrl.record.serve_rule import ServeRule  # gate.rule's values (imports no torch)
 
 DEFAULT_SYSTEM_PROMPT = "You are a careful assistant. Give the final answer as <answer>NUMBER</answer>."
 
@@ -184,13 +185,16 @@ class GateConfig:
     eval_every: int = 4  # updates between validations (run; serve validates every candidate)
     tolerance: float = 0.02  # a candidate may trail the best by at most this (absolute)
     batch_size: int = 64  # trajectories per generation batch during validation
+    rule: str = "newest"  # served at the end of selfrl run: newest (promoted) | best (highest held-out success)
 
     def check(self, where: str = "") -> None:
+        rules = [r.value for r in ServeRule]
         require([
             in_range(self.val_size, "val_size", 1, MAX_VAL),  # and at most the source's tasks (its split)
             in_range(self.eval_every, "eval_every", 1, 10**6),
             in_range(self.tolerance, "tolerance", 0, 1),  # success rates are in [0, 1]; 1 never rejects
             in_range(self.batch_size, "batch_size", 1, MAX_BATCH),
+            (self.rule in rules, f"rule must be one of {', '.join(map(repr, rules))}, got {self.rule!r}"),
         ], where)
 
 

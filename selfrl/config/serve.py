@@ -137,6 +137,9 @@ class ServeConfig:
             in_range(self.seed, "seed", 0, SEED_MAX),
             in_range(self.follow_s, "follow_s", 0, 3600, low_open=True),
             one_of(self.tools_prompt, ToolsPrompt, "tools_prompt"),
+            (self.gate.rule == "newest", f"gate.rule = {self.gate.rule!r} chooses what selfrl run serves at its end; "
+             "selfrl serve serves its newest promoted version (roll back to another through the admin API): "
+             "drop gate.rule"),
         ])
         check_engine(self)
         check_serve_sampler(self)

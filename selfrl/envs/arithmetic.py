@@ -5,7 +5,11 @@ registered ``arithmetic`` is ``chain_sum`` with 2-3 terms of 1-2 digits, which
 ``make demo`` learns. Tools: the stateless ``calculator`` (``selfrl.core.tools``).
 Verifier: the dataset's own ``score_answer`` on the ``<answer>`` of the final
 text (binary in the ``verified`` preset: partial credit pays wrong answers).
-Worked example: ``selfrl.rollout.agent.DEMONSTRATION`` (one calculator call).
+Worked example: ``selfrl.rollout.agent.DEMONSTRATION`` (one calculator call); with
+``options.shots = k`` (k > 0), k of the dataset's own tasks solved instead (a calculator
+call on the item's ``expression`` where it has one, else the answer alone), never one of
+the held-out tasks (:meth:`ReasoningGymEnv.demonstration`). It is shown when
+``rollout.demonstration`` is true and the run has tools, as the default example is.
 Split: ``selfrl.core.tasks.split_tasks`` (by question content, since generators
 repeat questions across seeds).
 
@@ -26,6 +30,10 @@ import reasoning_gym.factory
 from selfrl.envs.base import Env
 from selfrl.envs.registry import RG_PREFIX, register_env, register_prefix
 from selfrl.core.tasks import Task
+from selfrl.core.tools import evaluate_expression
+
+# Worked examples (``shots``) are drawn from this seed of the dataset, skipping held-out tasks.
+SHOTS_SEED = 1_000_003
 
 __all__ = ["BASIC_ARITHMETIC_SMALL", "CHAIN_SUM_SMALL", "ReasoningGymEnv", "ReasoningGymSource"]
 
@@ -45,18 +53,28 @@ class ReasoningGymEnv(Env):
     boards are tuples) are refused at ``sample`` time rather than mis-scored.
     """
 
-    def __init__(self, dataset: str, config: dict[str, Any] | None = None, name: str | None = None):
+    def __init__(self, dataset: str, config: dict[str, Any] | None = None, name: str | None = None,
+                 shots: int = 0):
         """Build a source for reasoning-gym ``dataset`` with config fields ``config``.
 
         Args:
             dataset: a reasoning-gym dataset name, e.g. ``"chain_sum"``.
             config: fields of that dataset's config dataclass, without ``seed`` and ``size``.
             name: the source name written into each ``Task.source`` (default: ``dataset``).
+            shots: worked examples shown before each task: 0 is the one fixed calculator
+                example (``selfrl.rollout.agent.DEMONSTRATION``), k > 0 is k tasks of the
+                dataset solved (the k-shot prompt baseline, ``scripts/prompt_baseline.py``).
 
         Raises:
             ValueError: unknown dataset (the message lists the valid ones), unknown
-                config field (lists the valid fields), or a config the dataset rejects.
+                config field (lists the valid fields), a config the dataset rejects, or
+                ``shots`` not an integer >= 0.
         """
+        if isinstance(shots, bool) or not isinstance(shots, int) or shots < 0:
+            raise ValueError(f"shots must be an integer >= 0, got {shots!r}")
+        self.shots = shots
+        self.held_out: set[str] = set()  # ids of the last split's held-out tasks: never a worked example
+        self._examples: list[dict[str, str]] | None = None
         valid = _reasoning_gym_names()
         if dataset not in valid:
             raise ValueError(f"unknown reasoning-gym dataset {dataset!r}; valid names: {', '.join(valid)}")
@@ -96,6 +114,36 @@ class ReasoningGymEnv(Env):
             tasks.append(Task.make(self.name, item["question"], str(item["answer"]), metadata))
         return tasks
 
+    def split(self, n_train: int, n_val: int, train_seed: int, val_seed: int) -> tuple[list[Task], list[Task]]:
+        """:meth:`Env.split`; the held-out ids are kept so that no worked example is one of them."""
+        train, val = super().split(n_train, n_val, train_seed, val_seed)
+        self.held_out, self._examples = {t.id for t in val}, None
+        return train, val
+
+    def demonstration(self) -> list[dict[str, str]] | None:
+        """The ``shots`` worked examples as chat messages (None for ``shots = 0``: the default
+        example): the first ``shots`` tasks of seed :data:`SHOTS_SEED` whose id is not held out
+        by the last :meth:`split`, each its question, a calculator call on its ``expression``
+        (when the item has one) with the calculator's result, and ``<answer>ANSWER</answer>``.
+
+        Raises:
+            ValueError: fewer than ``shots`` distinct tasks outside the held-out set.
+        """
+        if not self.shots:
+            return None
+        if self._examples is None:
+            pool = [t for t in self.sample(self.shots + len(self.held_out), SHOTS_SEED) if t.id not in self.held_out]
+            picked = list({t.id: t for t in pool}.values())[:self.shots]
+            if len(picked) < self.shots:
+                raise ValueError(f"{self.name}: only {len(picked)} distinct tasks outside the held-out set for "
+                                 f"{self.shots} shots; ask for fewer")
+            self._examples = [m for t in picked for m in _worked(t)]
+        return self._examples
+
+    def make_env(self, task: Task) -> "_Shown | None":
+        """None (stateless calculator) unless ``shots``: a state that only shows the worked examples."""
+        return _Shown(self.demonstration()) if self.shots else None
+
     def score(self, task: Task, answer: str | None) -> float:
         """Score ``answer`` with reasoning-gym's ``score_answer(answer, entry)``.
 
@@ -122,6 +170,32 @@ class ReasoningGymEnv(Env):
 
 ReasoningGymSource = ReasoningGymEnv  # the name before environments existed
 
+
+class _Shown:
+    """The per-trajectory state of a k-shot arithmetic task: no tools of its own, its worked
+    examples, never completed early (the episode ends as it does without an environment)."""
+
+    def __init__(self, demonstration: list[dict[str, str]]):
+        self.tools: list = []
+        self.demonstration = demonstration
+
+    def is_completed(self) -> bool:
+        return False
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+
+def _worked(task: Task) -> list[dict[str, str]]:
+    """One solved task as chat messages, in the shape of ``selfrl.rollout.agent.DEMONSTRATION``."""
+    expression = (task.metadata["entry"].get("metadata") or {}).get("expression")
+    out = [{"role": "user", "content": task.question}]
+    if isinstance(expression, str):
+        call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+        out += [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                {"role": "tool", "content": f"<tool_response>\n{evaluate_expression(expression)}\n</tool_response>"}]
+    return out + [{"role": "assistant", "content": f"<answer>{task.answer}</answer>"}]
+
 # Small configs: 2-3 terms of 1-2 digit numbers.
 CHAIN_SUM_SMALL: dict[str, Any] = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
 # Keeps reasoning-gym's default allow_parentheses=True: its parenthesis-free generator
@@ -131,8 +205,8 @@ BASIC_ARITHMETIC_SMALL: dict[str, Any] = {"min_terms": 2, "max_terms": 3, "min_d
 
 
 def _factory(dataset: str, defaults: dict[str, Any]):
-    def factory(**overrides: Any) -> Env:
-        return ReasoningGymEnv(dataset, {**defaults, **overrides})
+    def factory(shots: int = 0, **overrides: Any) -> Env:
+        return ReasoningGymEnv(dataset, {**defaults, **overrides}, shots=shots)
 
     factory.description = ReasoningGymEnv.description  # type: ignore[attr-defined]
     factory.config_defaults = {}  # type: ignore[attr-defined]
@@ -140,8 +214,8 @@ def _factory(dataset: str, defaults: dict[str, Any]):
 
 
 def _dataset(dataset: str):
-    def rg(**options: Any) -> Env:
-        return ReasoningGymEnv(dataset, options)
+    def rg(shots: int = 0, **options: Any) -> Env:
+        return ReasoningGymEnv(dataset, options, shots=shots)
 
     return rg
 

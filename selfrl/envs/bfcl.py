@@ -13,7 +13,12 @@ another copy of the folder.
 
 Categories (counts in v4): simple_python 400 (alias "simple"), multiple 200,
 parallel 200, parallel_multiple 200, irrelevance 240 (no possible answer: the
-right output is no call), and the live_* categories in the same format.
+right output is no call), and the user-contributed live categories in the same
+format (``LIVE_CATEGORIES``): live_simple 258, live_multiple 1,053, live_parallel 16,
+live_parallel_multiple 24, live_irrelevance 884 (no possible answer, as irrelevance),
+live_relevance 16 (no possible answer: the right output is any call, bfcl-eval's
+``relevance_file_runner``). Some live questions carry a system message, a few an earlier
+assistant turn or no function at all; they load as they are.
 
 ``ast_match`` re-implements the rules of
 ``bfcl_eval/eval_checker/ast_eval/ast_checker.py`` for Python (Apache-2.0,
@@ -27,8 +32,9 @@ lists of dicts key by key; other values by ``in``; an optional parameter may
 be left out only if its possible answers contain "". parallel: the calls
 match the answers in any order, one to one; multiple: exactly one call, to
 the expected function; simple: exactly one call. Irrelevance: correct when
-there is no call. ``tests/test_bfcl.py`` runs it on every possible answer in
-the wheel and on perturbed answers with hand-known verdicts.
+there is no call; relevance: correct when there is at least one. ``tests/test_bfcl.py``
+runs it, and bfcl-eval's own checker, on every possible answer in the wheel (live ones
+included) and on perturbed answers, and compares the verdicts.
 
 ``call_agreement`` is the label-free variant: agreement of the samples'
 calls (after the same normalisation) with one another.
@@ -49,6 +55,7 @@ from typing import Any
 
 __all__ = [
     "CATEGORIES",
+    "LIVE_CATEGORIES",
     "AstResult",
     "BfclTask",
     "ast_match",
@@ -60,7 +67,9 @@ __all__ = [
 ]
 
 CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple", "irrelevance")
-_LIVE = ("live_simple", "live_multiple", "live_parallel", "live_parallel_multiple", "live_irrelevance")
+LIVE_CATEGORIES = ("live_simple", "live_multiple", "live_parallel", "live_parallel_multiple", "live_irrelevance",
+                   "live_relevance")
+_NO_ANSWER = ("irrelevance", "live_irrelevance", "live_relevance")  # no possible_answer file
 _ALIASES = {"simple": "simple_python"}
 _PY_TYPES: dict[str, type] = {"string": str, "integer": int, "float": float, "boolean": bool,
                               "array": list, "tuple": list, "dict": dict, "any": str}
@@ -94,7 +103,7 @@ class BfclTask:
 
     @property
     def relevant(self) -> bool:
-        """True when a call is expected (False for irrelevance)."""
+        """True when a call is expected (False for irrelevance and live_irrelevance)."""
         return "irrelevance" not in self.category
 
 
@@ -148,14 +157,15 @@ def load_bfcl(categories: Sequence[str] = CATEGORIES, data_dir: str | Path | Non
     tasks = []
     for name in categories:
         cat = _ALIASES.get(name, name)
-        if cat not in CATEGORIES + _LIVE:
-            raise ValueError(f"unknown BFCL category {name!r}; valid: {sorted(CATEGORIES + _LIVE + ('simple',))}")
+        if cat not in CATEGORIES + LIVE_CATEGORIES:
+            raise ValueError(f"unknown BFCL category {name!r}; valid: "
+                             f"{sorted(CATEGORIES + LIVE_CATEGORIES + ('simple',))}")
         questions = _read_lines(root / f"BFCL_v4_{cat}.json")
         answers: dict[str, list] = {}
-        if "irrelevance" not in cat:
+        if cat not in _NO_ANSWER:
             answers = {row["id"]: row["ground_truth"] for row in _read_lines(root / "possible_answer" / f"BFCL_v4_{cat}.json")}
         for q in questions:
-            if "irrelevance" not in cat and q["id"] not in answers:
+            if cat not in _NO_ANSWER and q["id"] not in answers:
                 raise ValueError(f"BFCL question {q['id']} has no possible answer")
             tasks.append(BfclTask(q["id"], cat, tuple(q["question"][0]), tuple(q["function"]),
                                   tuple(answers.get(q["id"], ()))))
@@ -398,7 +408,8 @@ def _well_formed(calls) -> bool:
 def ast_match(task: BfclTask, calls: Sequence[Call]) -> AstResult:
     """BFCL's AST verdict for ``calls`` (the decoded form ``[{name: {param: value}}, ...]``).
 
-    Irrelevance: valid iff there is no call. Otherwise see the module docstring.
+    Irrelevance: valid iff there is no call; live_relevance: valid iff there is one. Otherwise
+    see the module docstring.
     """
     calls = list(calls)
     if not _well_formed(calls):
@@ -408,6 +419,11 @@ def ast_match(task: BfclTask, calls: Sequence[Call]) -> AstResult:
         if calls:
             return AstResult(False, "Valid syntax. Successfully decode AST when it should not.",
                              "irrelevance_error:decoder_success")
+        return _OK
+    if task.category == "live_relevance":  # any call; its values are not checked (no possible answer)
+        if not calls:
+            return AstResult(False, "Invalid syntax. Failed to decode AST when it should have.",
+                             "relevance_error:decoder_failed")
         return _OK
     answers = list(task.ground_truth)
     if "parallel" in task.category:

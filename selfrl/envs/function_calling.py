@@ -4,9 +4,17 @@ Task source: BFCL v4 from the ``bfcl-eval`` wheel, the categories ``simple``
 (simple_python, 400), ``multiple`` (200), ``parallel`` (200),
 ``parallel_multiple`` (200) and ``irrelevance`` (240: none of the functions
 fits, the right answer is no call). ``[task] options.categories`` picks the mix
-(default: all five, 1,240 tasks). Split: per category, a fixed order by content
-hash of the BFCL id; the held-out set takes ``n_val`` tasks spread over the
-categories in proportion to their size, training takes the rest.
+(default: all five, 1,240 tasks); it may also name the live categories
+(``LIVE_CATEGORIES``, user-contributed questions): ``live_simple`` (258),
+``live_multiple`` (1,053), ``live_parallel`` (16), ``live_parallel_multiple`` (24),
+``live_irrelevance`` (871 of 884) and ``live_relevance`` (16: some function fits; any call
+is right, as bfcl-eval scores it). A live question's system message is put before its
+user message in the task's question (the run's ``rollout.system_prompt`` stays the system
+prompt). Left out, and counted in ``left_out``: a question that is a conversation (an
+earlier assistant turn; 9 of live_irrelevance: a task here is one request) and one that
+offers no function (4 of live_irrelevance: a grammar-constrained turn needs a tool).
+Split: per category, a fixed order by content hash of the BFCL id; the held-out set takes
+``n_val`` tasks spread over the categories in proportion to their size, training takes the rest.
 
 Tools: the task's function schemas (``selfrl.envs.bfcl.to_openai_tools``), bound to a
 per-trajectory state that records the calls; the episode ends after the first
@@ -14,7 +22,8 @@ turn that made a call. Verifier: BFCL's AST match (``selfrl.envs.bfcl.ast_match`
 equal to bfcl-eval's own checker); ``correct`` is the exact match only. ``score``
 gives partial credit below it (``partial_score``: 0.5 for the right function
 names, 0.5 x the share of right argument values, at most 0.9), for the
-``function_calling-partial`` preset. The answer is the calls as canonical JSON;
+``function_calling-partial`` preset. live_relevance has no right values, so no partial credit (1.0 for a call, else 0.0).
+The answer is the calls as canonical JSON;
 ``agreement_scores`` is ``selfrl.envs.bfcl.call_agreement`` (label-free).
 """
 
@@ -23,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections import Counter
 from typing import Any, ClassVar
 
 from selfrl.envs import bfcl
@@ -33,9 +43,10 @@ from selfrl.chat.toolcall import parse_tool_calls
 from selfrl.core.tools import Tool
 from selfrl.core.trajectory import Trajectory
 
-__all__ = ["CATEGORIES", "FunctionCallingEnv", "partial_score"]
+__all__ = ["CATEGORIES", "LIVE_CATEGORIES", "FunctionCallingEnv", "partial_score"]
 
-CATEGORIES = ("simple", "multiple", "parallel", "parallel_multiple", "irrelevance")
+CATEGORIES = ("simple", "multiple", "parallel", "parallel_multiple", "irrelevance")  # the default mix
+LIVE_CATEGORIES = bfcl.LIVE_CATEGORIES  # accepted in options.categories too
 
 
 def _norm(value: Any) -> Any:
@@ -186,7 +197,8 @@ class FunctionCallingEnv(Env):
 
     def __init__(self, categories: list[str] | None = None, max_per_category: int | None = None,
                  shots: int = 0, max_params: int | None = None):
-        """``categories``: the BFCL categories to use (default: all of ``CATEGORIES``);
+        """``categories``: the BFCL categories to use (default: all of ``CATEGORIES``; the
+        ``LIVE_CATEGORIES`` may be named too);
         ``max_per_category``: keep only the first tasks of each (in hash order);
         ``shots``: worked examples shown before each task: 0 is the one fixed ``get_weather``
         example, k > 0 is k real BFCL tasks of the same categories solved with their first
@@ -196,16 +208,27 @@ class FunctionCallingEnv(Env):
         each (an easier subset).
 
         Raises:
-            ValueError: an unknown category (lists the valid ones).
+            ValueError: an unknown category (lists the valid ones), or more shots than the
+                categories can give (live_relevance gives none: it has no answer to show).
         """
         cats = list(categories or CATEGORIES)
-        bad = [c for c in cats if c not in CATEGORIES]
+        bad = [c for c in cats if c not in CATEGORIES + LIVE_CATEGORIES]
         if bad:
-            raise ValueError(f"unknown BFCL categories {bad}; valid: {', '.join(CATEGORIES)}")
+            raise ValueError(f"unknown BFCL categories {bad}; valid: {', '.join(CATEGORIES + LIVE_CATEGORIES)}")
         self.categories = cats
         self.by_category: dict[str, list[Task]] = {}
+        self.left_out: dict[str, Counter] = {}  # category -> why -> questions not made tasks
         for c in cats:
-            tasks = sorted((self._task(c, item) for item in bfcl.load_bfcl([c])),
+            items, skipped = [], Counter()
+            for item in bfcl.load_bfcl([c]):
+                why = _unfit(item)
+                if why is None:
+                    items.append(item)
+                else:
+                    skipped[why] += 1
+            if skipped:
+                self.left_out[c] = skipped
+            tasks = sorted((self._task(c, item) for item in items),
                            key=lambda t: hashlib.sha256(t.metadata["bfcl_id"].encode()).hexdigest())
             if max_params is not None:
                 tasks = [t for t in tasks if all(len(f.get("parameters", {}).get("properties", {})) <= max_params
@@ -214,15 +237,20 @@ class FunctionCallingEnv(Env):
         if shots < 0:
             raise ValueError(f"shots must be >= 0, got {shots}")
         examples: list[Task] = []
+        showable = [c for c in cats if c != "live_relevance"]  # no right answer to show
+        if shots and not showable:
+            raise ValueError("live_relevance has no possible answer to show as a worked example; "
+                             "use shots = 0 or add another category")
         for i in range(shots):  # round-robin over the categories, from the end of each list
-            c = cats[i % len(cats)]
+            c = showable[i % len(showable)]
             if len(self.by_category[c]) < 2:
                 raise ValueError(f"category {c!r} has too few tasks for {shots} shots")
             examples.append(self.by_category[c].pop())
         self.demonstration = _shots(examples) if examples else DEMONSTRATION
 
     def _task(self, category: str, item: bfcl.BfclTask) -> Task:
-        question = "\n".join(m["content"] for m in item.messages if m["role"] == "user")
+        # a live question's system message comes first (the run's system prompt stays the system's)
+        question = "\n\n".join(m["content"] for m in item.messages if m["role"] in ("system", "user"))
         meta = {"bfcl_id": item.id, "category": category, "bfcl_category": item.category,
                 "messages": list(item.messages), "functions": list(item.functions),
                 "ground_truth": list(item.ground_truth)}
@@ -290,6 +318,8 @@ class FunctionCallingEnv(Env):
         m = task.metadata
         if bfcl.ast_match(_bfcl_task(task), bfcl.calls_from_openai(calls)).valid:
             return 1.0
+        if m["bfcl_category"] == "live_relevance":  # no right values: nothing to be partly right about
+            return 0.0
         return min(0.9, partial_score(calls, m["ground_truth"], m["functions"])[1])
 
     def agreement_scores(self, task: Task, group: list[Trajectory]) -> dict[str, float | None]:
@@ -307,11 +337,36 @@ def _bfcl_task(task: Task) -> bfcl.BfclTask:
                          tuple(m["ground_truth"]))
 
 
+def _unfit(item: bfcl.BfclTask) -> str | None:
+    """Why a BFCL question is not made a task here, or None: a conversation (an assistant turn
+    before the request: a task is one request) or no function offered (nothing to call)."""
+    if [m["role"] for m in item.messages if m["role"] != "system"] != ["user"]:
+        return "a conversation, not one request"
+    if not item.functions:
+        return "no function offered"
+    return None
+
+
+def _first(value: Any) -> Any:
+    """A possible answer's value as a call would give it: a dict of accepted values per key
+    (live answers nest them) becomes the first of each, a key whose first is "" (optional)
+    left out, as at the top level.
+
+    >>> _first({"size": ["large"], "milk": ["", "oat"]})
+    {'size': 'large'}
+    """
+    if isinstance(value, dict):
+        return {k: _first(v[0]) for k, v in value.items() if v and v[0] != ""}
+    if isinstance(value, list) and value and all(isinstance(x, dict) for x in value):
+        return [_first(x) for x in value]
+    return value
+
+
 def _shots(examples: list[Task]) -> list[dict[str, str]]:
     """Worked examples: each task's question, then its first possible answer as calls."""
     out: list[dict[str, str]] = []
     for t in examples:
-        calls = [{"name": name, "arguments": {p: v[0] for p, v in args.items() if v and v[0] != ""}}
+        calls = [{"name": name, "arguments": {p: _first(v[0]) for p, v in args.items() if v and v[0] != ""}}
                  for answer in t.metadata["ground_truth"] for name, args in answer.items()]
         out.append({"role": "user", "content": t.question})
         if calls:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from selfrl.report.figures import overview_figure, save
-from selfrl.report.run import run_config
+from selfrl.report.run import run_config, served_choice
 from selfrl.report.stats import paired_difference_ci, wilson_interval
 from selfrl.record.store import Store
 from selfrl.report.timeline import Timeline, duration, load_timeline
@@ -33,7 +33,7 @@ class RunOutcome:
     label: str
     run_dir: Path
     timeline: Timeline
-    final_version: int | None
+    final_version: int | None  # the version it serves (gate.rule); None when it promoted none
     final: dict[str, bool]  # task id -> solved
     base: dict[str, bool]
     config: dict[str, Any]
@@ -50,11 +50,11 @@ def load_outcome(run_dir: Path, label: str) -> RunOutcome:
         raise FileNotFoundError(f"no run at {run_dir}: {db} does not exist")
     with Store(db, readonly=True) as store:
         timeline = load_timeline(store, label)
-        final = store.latest_promoted()
-        version = None if final is None else final["version"]
+        config = run_config(Path(run_dir), store)
+        choice = served_choice(store, config)  # by the run's gate.rule
+        version = None if store.latest_promoted() is None or choice is None else choice.served
         return RunOutcome(label, Path(run_dir), timeline, version,
-                          {} if version is None else store.evaluation(version), store.evaluation(0),
-                          run_config(Path(run_dir), store))
+                          {} if version is None else store.evaluation(version), store.evaluation(0), config)
 
 
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -29,7 +29,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from selfrl.report.figures import overview_figure, save
+from selfrl.config import GateConfig
 from selfrl.record.runlock import RunDirLock
+from selfrl.record.serve_rule import ServedChoice, choose_served
+from selfrl.record.versions import VersionRecord
 from selfrl.report.serve import write_serve_report
 from selfrl.report.stats import paired_difference_ci, wilson_interval
 from selfrl.record.store import Store
@@ -54,7 +57,8 @@ def write_report(run_dir: Path, store: Store, run_id: int, summary: dict[str, An
         store: the run's store.
         run_id: which run's metrics to plot.
         summary: run totals. Read: ``base_version`` and ``final_version``
-            (adapter versions to compare on the held-out set),
+            (adapter versions to compare on the held-out set; the final one is the one served),
+            ``gate_rule`` and ``gate_tolerance`` (the rule that chose it: :func:`served_lines`),
             ``time_inference_s``, ``time_training_s``, ``time_validation_s``
             (seconds). Any other keys are listed as they are. Missing keys are
             reported as "n/a".
@@ -75,6 +79,7 @@ def write_report(run_dir: Path, store: Store, run_id: int, summary: dict[str, An
         save(overview_figure([timeline], "update", overview_title(timeline)), run_dir / "plots" / "overview.png")
         lines += ["![overview](plots/overview.png)", "", OVERVIEW_CAPTION, ""]
     lines += heldout_section(store, summary.get("base_version"), summary.get("final_version"))
+    lines += served_lines(store, summary.get("gate_rule"), summary.get("gate_tolerance"))
     lines += warm_start_section(store)
     lines += time_section(summary)
     lines += versions_section(store)
@@ -151,7 +156,7 @@ def heldout_section(store: Store, base: int | None, final: int | None) -> list[s
         return lines + ["Base or final version not given; no comparison.", ""]
     before, after = store.evaluation(base), store.evaluation(final)
     lines += ["| | version | success, 95% Wilson CI |", "|---|---|---|"]
-    for label, version, res in (("before", base, before), ("after", final, after)):
+    for label, version, res in (("before", base, before), ("after (served)", final, after)):
         lines.append(f"| {label} | {version} | {rate_with_ci(res) if res else 'not evaluated'} |")
     lines.append("")
     shared = sorted(before.keys() & after.keys())
@@ -164,6 +169,35 @@ def heldout_section(store: Store, base: int | None, final: int | None) -> list[s
     )
     if len(shared) < max(len(before), len(after)):
         lines.append("Tasks evaluated on only one of the two versions are left out of the paired difference.")
+    return lines + [""]
+
+
+RULES = {"newest": "the newest promoted version serves; each promotion was within gate.tolerance = {tol:g} "
+                   "of the best held-out success so far",
+         "best": "the version with the highest held-out success serves (the newer on a tie)"}
+
+
+def served_lines(store: Store, rule: str | None, tolerance: float | None) -> list[str]:
+    """Which version serves and why (:meth:`selfrl.record.serve_rule.ServedChoice.line`), the rule
+    in words, and, when the best held-out version is another, the paired difference of the two;
+    empty without a rule (a report written before runs recorded it)."""
+    if rule is None or tolerance is None:
+        return []
+    versions = [VersionRecord.from_row(v) for v in store.versions()]
+    if not any(v.servable for v in versions):
+        return []
+    choice = choose_served(versions, rule, tolerance)
+    line = choice.line()
+    lines = [line[0].upper() + line[1:] + ".", "",
+             f"Rule (gate.rule = {rule!r}): " + RULES[rule].format(tol=tolerance) + "."]
+    other = choice.best if choice.served != choice.best else choice.newest
+    if other != choice.served:
+        served, alt = store.evaluation(choice.served), store.evaluation(other)
+        shared = sorted(served.keys() & alt.keys())
+        if shared:
+            d, lo, hi = paired_difference_ci([alt[t] for t in shared], [served[t] for t in shared])
+            lines.append(f"Served version {choice.served} - version {other} on {len(shared)} shared held-out "
+                         f"tasks: {d:+.3f}, 95% CI [{lo:+.3f}, {hi:+.3f}].")
     return lines + [""]
 
 
@@ -280,7 +314,7 @@ def events_section(store: Store) -> list[str]:
 
 def other_summary_section(summary: dict[str, Any]) -> list[str]:
     """Every summary key not shown elsewhere, as a two-column table."""
-    shown = {"base_version", "final_version", *TIME_KEYS}
+    shown = {"base_version", "final_version", "gate_rule", "gate_tolerance", "served", *TIME_KEYS}
     rest = {k: v for k, v in summary.items() if k not in shown}
     if not rest:
         return []
@@ -303,19 +337,33 @@ def overview_title(tl: Timeline) -> str:
     return f"{tl.label}: " + ", ".join(parts)
 
 
+def served_choice(store: Store, config: dict[str, Any]) -> ServedChoice | None:
+    """The version a run serves by its config's ``gate.rule`` and ``gate.tolerance`` (the
+    defaults of :class:`selfrl.config.GateConfig` for a config without them), or None when the
+    store holds no base or promoted version."""
+    gate, default = config.get("gate") or {}, GateConfig()
+    versions = [VersionRecord.from_row(v) for v in store.versions()]
+    if not any(v.servable for v in versions):
+        return None
+    return choose_served(versions, gate.get("rule", default.rule), gate.get("tolerance", default.tolerance))
+
+
 def summary_from_store(store: Store, config: dict[str, Any]) -> dict[str, Any]:
     """The summary :func:`write_report` reads, rebuilt from the store and the run config:
-    time totals over every session, the final version (the latest promoted one, else the
-    base), counts of marked events, and the run's main settings."""
+    time totals over every session, the final version (the one ``gate.rule`` serves at the end:
+    :func:`selfrl.record.serve_rule.choose_served`), counts of marked events, and the run's main
+    settings."""
     totals: dict[str, float] = {}
     for row in store.metrics():
         if row["name"].startswith("time/") and row["value"] is not None:
             totals[row["name"]] = totals.get(row["name"], 0.0) + row["value"]
     inference, training = totals.get("time/rollout_s", 0.0), totals.get("time/update_s", 0.0)
-    final = store.latest_promoted()
+    choice = served_choice(store, config)
+    final = 0 if choice is None else choice.served
+    rule, tolerance = (None, None) if choice is None else (choice.rule.value, choice.tolerance)
     marks = [event_mark(e["kind"], e["message"]) for e in store.events()]
     summary: dict[str, Any] = {
-        "base_version": 0, "final_version": 0 if final is None else final["version"],
+        "base_version": 0, "final_version": final, "gate_rule": rule, "gate_tolerance": tolerance,
         "time_inference_s": inference, "time_training_s": training,
         "time_validation_s": totals.get("time/validation_s", 0.0),
         "cost_ratio": (inference + training) / inference if inference else float("nan"),

@@ -25,6 +25,7 @@ from selfrl.core.tasks import Task
 from selfrl.core.trajectory import Trajectory
 from selfrl.record import adapters
 from selfrl.run.metrics import MetricsLog, rollout_metrics
+from selfrl.record.serve_rule import ServedChoice, serve_by_rule
 from selfrl.record.versions import Champion, EventKind
 from selfrl.rl.learner import UpdateResult
 from selfrl.rollout.agent import env_offers_tools, rollout
@@ -34,7 +35,7 @@ from selfrl.safety.collapse import CollapseStop
 from selfrl.safety.gate import EvalResult, validate
 from selfrl.safety.swap_check import SwapCheckError
 from selfrl.envs.rewards import score_batch
-from selfrl.run.progress import Progress
+from selfrl.run.progress import PROGRESS_LOG, Progress, ProgressLog
 from selfrl.run.setup import RunSetup
 from selfrl.run.signal import SignalChooser, diagnose, probe_report
 from selfrl.run.warm_start import WarmStartError, run_warm_start
@@ -102,7 +103,8 @@ class Runner:
     """
 
     def __init__(self, setup: RunSetup, progress: Progress):
-        self.s, self.cfg, self.progress = setup, setup.cfg, progress
+        # every line also in RUN_DIR/progress.log, with a heartbeat during long phases
+        self.s, self.cfg, self.progress = setup, setup.cfg, ProgressLog(progress, setup.run_dir / PROGRESS_LOG)
         self.tasks_by_id = {t.id: t for t in setup.train}
         self.step = 0  # the iteration under way, for metrics logged outside an iteration
         self.t_start = time.perf_counter()
@@ -359,6 +361,7 @@ class Runner:
         try:
             return self.run_loop()
         finally:
+            self.progress.close()
             if self.s.lock is not None:
                 self.s.lock.release()
 
@@ -421,10 +424,15 @@ class Runner:
         return result
 
     def finish(self, stopped: bool) -> RunResult:
-        """Serve the best version, write the report, close the store."""
+        """Serve the version ``gate.rule`` chooses (:func:`selfrl.record.serve_rule.serve_by_rule`),
+        say which and why, write the report, close the store."""
         from selfrl.report.run import write_report
 
-        s, champ = self.s, self.champion
+        s = self.s
+        choice, note = serve_by_rule(s.ledger, self.cfg.gate.rule, self.cfg.gate.tolerance)
+        if note:
+            self.progress.log(note)
+        champ = self.champion
         # Always: an interrupted update may have changed the weights without saving a version.
         if s.sampler is None:
             s.engine.swap(champ.state, champ.version)
@@ -433,7 +441,8 @@ class Runner:
                 s.sampler.load(champ.state, champ.version, "finish")
             except SwapCheckError as e:  # the run is ending: reported, the learner holds the champion
                 self.progress.log(f"the sampler could not be put back on version {champ.version}: {e}")
-        summary = run_summary(s, champ.version, stopped, time.perf_counter() - self.t_start)
+        summary = run_summary(s, champ.version, stopped, time.perf_counter() - self.t_start, choice)
+        self.progress.log(summary["served"])
         report = write_report(s.run_dir, s.store, s.run_id, summary)
         base, final = s.store.evaluation(0), s.store.evaluation(champ.version)
         s.store.close()
@@ -443,9 +452,10 @@ class Runner:
                          {**summary, "report": str(report)})
 
 
-def run_summary(s: RunSetup, final_version: int, stopped: bool, session_s: float) -> dict:
+def run_summary(s: RunSetup, final_version: int, stopped: bool, session_s: float, choice: ServedChoice) -> dict:
     """The totals ``report.md`` opens with: time in rollouts, updates and validation over every
-    session of the run directory (seconds), the cost ratio, the final version and the main settings."""
+    session of the run directory (seconds), the cost ratio, the final version (the one served),
+    the rule that chose it and its line (``choice``) and the main settings."""
     cfg = s.cfg
     totals: dict[str, float] = {}
     for row in s.store.metrics():  # every session of this run directory, not only this one
@@ -454,6 +464,7 @@ def run_summary(s: RunSetup, final_version: int, stopped: bool, session_s: float
     inference, training = totals.get("time/rollout_s", 0.0), totals.get("time/update_s", 0.0)
     return {
         "base_version": 0, "final_version": final_version,
+        "gate_rule": choice.rule.value, "gate_tolerance": choice.tolerance, "served": choice.line(),
         "time_inference_s": inference, "time_training_s": training,
         "time_validation_s": totals.get("time/validation_s", 0.0),
         "cost_ratio": (inference + training) / inference if inference else float("nan"),
