@@ -10,7 +10,7 @@ is evaluated greedily exactly as the gate evaluates (``selfrl.safety.gate.valida
 held-out split of the config (the same tasks as the run's, by ``task.val_seed``). Prints
 success with its 95 % Wilson interval; with ``--run-dir``, also the paired difference of
 the run's final (latest promoted) version against each prompt on the tasks both were
-evaluated on (``selfrl.report.stats.paired_difference_ci``). Nothing is trained or stored;
+evaluated on (``selfrl.core.stats.paired_difference_ci``). Nothing is trained or stored;
 ``--per-task FILE`` writes ``{k: {task id: solved}}`` as JSON, to pair with a run measured later.
 """
 
@@ -47,7 +47,7 @@ def baseline() -> int:
     from selfrl.envs import get_env, load_run_config
     from selfrl.safety.gate import validate
     from selfrl.model.load import build_policy
-    from selfrl.report.stats import paired_difference_ci, wilson_interval
+    from selfrl.core.stats import paired_difference_ci, wilson_interval
     from selfrl.core.tools import resolve_tools
 
     overrides = {}
