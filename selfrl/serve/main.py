@@ -73,6 +73,10 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
 
         check_names(cfg, cfg.learner.reward_weights)  # fail before the model loads
         get_env(cfg.task.source, **cfg.task.options)
+        if cfg.families:
+            from selfrl.serve.families import check_family_sources
+
+            check_family_sources(cfg)
     except (ConfigError, ValueError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"selfrl: error: {msg}", file=sys.stderr)
