@@ -137,6 +137,8 @@ class ServeConfig:
     engine: str = DEFAULT_SERVE_ENGINE  # sampling backend: reference (batches) | slots (requests join the running batch)
     replica: bool = False  # serve beside the run_dir's owner: record into its store, follow its versions (selfrl.serve.replica)
     follow_s: float = 1.0  # replica: seconds between two looks at the owner's version ledger
+    log_max_bytes: int = 10_000_000  # run_dir/serve.log rotates at this size (serve.log.1, ...); 0: no log file
+    log_backups: int = 5  # rotated log files kept beside serve.log (the oldest is deleted)
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -184,6 +186,8 @@ class ServeConfig:
             in_range(self.max_request_bytes, "max_request_bytes", 1, 2**31 - 1),
             in_range(self.seed, "seed", 0, SEED_MAX),
             in_range(self.follow_s, "follow_s", 0, 3600, low_open=True),
+            in_range(self.log_max_bytes, "log_max_bytes", 0, 2**40),
+            in_range(self.log_backups, "log_backups", 1, 1000),
             one_of(self.tools_prompt, ToolsPrompt, "tools_prompt"),
         ])
         check_engine(self)
