@@ -14,7 +14,7 @@ tasks (default the config's ``gate.batch_size``), so memory stays bounded whatev
 ``gate.val_size`` is. A line on stderr after each batch shows progress. Prints
 success with its 95 % Wilson interval; with ``--run-dir``, also the paired difference of
 the run's final (latest promoted) version against each prompt on the tasks both were
-evaluated on (``selfrl.report.stats.paired_difference_ci``). Nothing is trained or stored;
+evaluated on (``selfrl.core.stats.paired_difference_ci``). Nothing is trained or stored;
 ``--per-task FILE`` writes ``{k: {task id: solved}}`` as JSON, to pair with a run measured later.
 """
 
@@ -54,7 +54,7 @@ def baseline(argv: list[str] | None = None) -> int:
     from selfrl.envs import get_env, load_run_config
     from selfrl.safety.gate import validate
     from selfrl.model.load import build_policy
-    from selfrl.report.stats import paired_difference_ci, wilson_interval
+    from selfrl.core.stats import paired_difference_ci, wilson_interval
     from selfrl.core.tools import resolve_tools
 
     overrides = {}

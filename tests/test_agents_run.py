@@ -168,6 +168,12 @@ def test_a_candidate_that_helps_one_agent_and_hurts_another_is_not_promoted(tmp_
     assert d["drop"] == pytest.approx(drop) and d["tolerance"] == 0.1 and d["lost_tasks"] == lost
     [reject] = [e for e in store.events() if e["kind"] == "reject"]
     assert "agent keep: held-out" in reject["message"] and "agent change" not in reject["message"]
+    # the no-forgetting rule's numbers (selfrl.safety.families): the reject event's data names the
+    # agent, its reference version, the paired difference with its interval, and the lost tasks
+    [agent] = reject["data"]["agents"]
+    assert (agent["family"], agent["reference_version"], agent["lost_tasks"]) == ("keep", 0, lost)
+    assert agent["paired_difference"] == pytest.approx(-drop) and agent["paired_interval"][1] <= 1.0
+    assert agent["reference_interval"][1] == 1.0 and "paired difference" in reject["message"]
     # per-agent held-out success logged, the shared adapter trained on both agents' groups
     val = {m["name"]: m["value"] for m in store.metrics() if m["name"].startswith("val/")}
     assert val["val/keep"] == pytest.approx(1 - drop) and val["val/change"] == pytest.approx(drop)
@@ -180,6 +186,7 @@ def test_a_candidate_that_helps_one_agent_and_hurts_another_is_not_promoted(tmp_
     assert main(["report", str(tmp_path / "run")]) == 0
     report = (tmp_path / "run" / "report.md").read_text()
     assert "## Agents" in report and f"agent **keep** fell from 1.000 to {1 - drop:.3f}" in report
+    assert f"paired difference {-drop:+.3f} (95% CI" in report
     assert lost[0] in report and "agent **change**" not in report
 
     # the same run with keep's tolerance above its loss: promoted

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from selfrl.report.stats import paired_difference_ci, unpaired_difference_ci, wilson_interval
+from selfrl.core.stats import paired_difference_ci, unpaired_difference_ci, wilson_interval
 
 
 def test_wilson_10_of_100():

@@ -77,6 +77,7 @@ from selfrl.config.run import (  # noqa: F401
     load_config,
 )
 from selfrl.config.serve import (  # noqa: F401
+    FamilyConfig,
     LearnerSettings,
     RetentionSettings,
     ServeConfig,

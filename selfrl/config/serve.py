@@ -64,6 +64,51 @@ class LearnerSettings:
 
 
 @dataclass
+class FamilyConfig:
+    """One family of ``selfrl serve``'s traffic (``[[families]]``; :mod:`selfrl.safety.families`): requests
+    whose ``metadata.family`` names it, a held-out set of its environment's tasks and a tolerance.
+    Once the learner has trained on one of its turns, no candidate that drops it beyond its
+    tolerance is promoted. Unset fields take ``[gate]``'s and ``[task]``'s values."""
+
+    name: str = ""  # the family's name, as clients send it in metadata.family: unique, no "/"
+    source: str = "chain_sum"  # its environment: a name (selfrl envs), rg:<dataset>, or package.module:Name
+    options: dict[str, Any] = field(default_factory=dict)  # the environment's options (as [task] options)
+    tolerance: float | None = None  # largest held-out drop this family accepts (None: gate.tolerance)
+    val_size: int | None = None  # its held-out tasks (None: gate.val_size)
+    val_seed: int | None = None  # seed of its held-out tasks (None: task.val_seed); training traffic must come from other tasks
+
+    def check(self, where: str = "") -> None:
+        require([
+            (isinstance(self.name, str) and bool(self.name) and "/" not in self.name,
+             "name must be a non-empty name without '/'"),
+            (isinstance(self.source, str) and bool(self.source), "source must not be empty"),
+            (isinstance(self.options, dict), "options must be a table"),
+            *[in_range(value, key, low, high) for key, value, low, high in (
+                ("tolerance", self.tolerance, 0, 1), ("val_size", self.val_size, 1, 100_000),
+                ("val_seed", self.val_seed, 0, SEED_MAX)) if value is not None],
+        ], where)
+
+
+def check_families(cfg: "ServeConfig") -> None:
+    """``[[families]]``: each family's fields, unique names, and no ``[task]`` source or options
+    beside them (the held-out sets are the families').
+
+    Raises:
+        selfrl.config.ConfigError: a bad field (named), a repeated name, or ``task.source`` /
+            ``task.options`` set beside families.
+    """
+    names = [f.name for f in cfg.families]
+    for i, fam in enumerate(cfg.families):
+        fam.check(f"families[{i}] ({fam.name or 'unnamed'}).")
+    require([
+        (len(set(names)) == len(names), f"family names must be unique, got {names}"),
+        (not cfg.families or (not cfg.task.options and cfg.task.source == TaskConfig().source),
+         "task.source and task.options do not apply with [[families]]: each family's held-out set comes from "
+         "its own source and options; add [task]'s environment as a family instead"),
+    ])
+
+
+@dataclass
 class RetentionSettings:
     """Which adapter version folders are kept (``selfrl.record.retention``), applied after every update."""
 
@@ -92,12 +137,16 @@ class ServeConfig:
     engine: str = DEFAULT_SERVE_ENGINE  # sampling backend: reference (batches) | slots (requests join the running batch)
     replica: bool = False  # serve beside the run_dir's owner: record into its store, follow its versions (selfrl.serve.replica)
     follow_s: float = 1.0  # replica: seconds between two looks at the owner's version ledger
+    log_max_bytes: int = 10_000_000  # run_dir/serve.log rotates at this size (serve.log.1, ...); 0: no log file
+    log_backups: int = 5  # rotated log files kept beside serve.log (the oldest is deleted)
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
     train: TrainConfig = field(default_factory=TrainConfig)
     learner: LearnerSettings = field(default_factory=LearnerSettings)
     gate: GateConfig = field(default_factory=lambda: GateConfig(val_size=64))
-    task: TaskConfig = field(default_factory=TaskConfig)  # the validation tasks of the gate
+    task: TaskConfig = field(default_factory=TaskConfig)  # the validation tasks of the gate (with [[families]]: only val_seed, their default)
+    # families of traffic, each with its own held-out set and tolerance ([[families]] tables; empty: [task]'s)
+    families: list[FamilyConfig] = field(default_factory=list, metadata={"table_of": FamilyConfig})
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(temperature=1.0))  # how validation runs
     collapse: CollapseConfig = field(default_factory=CollapseConfig)  # collapse rules and rollback, as in run
     detectors: DetectorConfig = field(default_factory=DetectorConfig)  # reward-hacking detectors, as in run
@@ -122,6 +171,7 @@ class ServeConfig:
         check_sections(self)
         self.learner.check("learner.")
         self.retention.check("retention.")
+        check_families(self)
         require([
             (1 <= self.port <= 65535, "port must be in 1..65535"),
             (bool(self.served_model_name) and "@" not in self.served_model_name,
@@ -136,6 +186,8 @@ class ServeConfig:
             in_range(self.max_request_bytes, "max_request_bytes", 1, 2**31 - 1),
             in_range(self.seed, "seed", 0, SEED_MAX),
             in_range(self.follow_s, "follow_s", 0, 3600, low_open=True),
+            in_range(self.log_max_bytes, "log_max_bytes", 0, 2**40),
+            in_range(self.log_backups, "log_backups", 1, 1000),
             one_of(self.tools_prompt, ToolsPrompt, "tools_prompt"),
             (self.gate.rule == "newest", f"gate.rule = {self.gate.rule!r} chooses what selfrl run serves at its end; "
              "selfrl serve serves its newest promoted version (roll back to another through the admin API): "

@@ -8,5 +8,7 @@ of selfrl outside this package.
 - :mod:`selfrl.core.tools`: tools and their registry (the safe calculator among them).
 - :mod:`selfrl.core.errors`: ``ConfigError``, a setting that cannot be honoured, raised on any floor.
 - :mod:`selfrl.core.atomic`: atomic small-file writes.
+- :mod:`selfrl.core.stats`: confidence intervals for success rates and their changes (Wilson,
+  paired, Newcombe), for the gates and the reports.
 - :mod:`selfrl.core.faults`: fault injection for the crash-safety tests (``SELFRL_FAULT``).
 """

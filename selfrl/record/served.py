@@ -43,6 +43,7 @@ CREATE TABLE IF NOT EXISTS served (
     feedback        REAL,
     feedback_source TEXT CHECK (feedback_source IN ('explicit', 'inherited', 'implicit')),
     client          TEXT NOT NULL DEFAULT '',
+    family          TEXT,
     UNIQUE (response_id, choice)
 );
 CREATE INDEX IF NOT EXISTS served_continuation ON served(continuation);
@@ -88,19 +89,23 @@ def locked(fn):
 
 @locked
 def init(store: Store) -> None:
-    """Create the server's tables in ``store`` (idempotent; adds the ``client`` column to a
-    store written before it existed: its turns belong to no client and are never continued)."""
+    """Create the server's tables in ``store`` (idempotent; adds the ``client`` and ``family``
+    columns to a store written before they existed: its turns belong to no client, and are never
+    continued, and to no family)."""
     with store.conn:
         store.conn.executescript(SERVE_SCHEMA)
         columns = {r[1] for r in store.conn.execute("PRAGMA table_info(served)")}
         if "client" not in columns:
             store.conn.execute("ALTER TABLE served ADD COLUMN client TEXT NOT NULL DEFAULT ''")
+        if "family" not in columns:
+            store.conn.execute("ALTER TABLE served ADD COLUMN family TEXT")
 
 
 @dataclass(frozen=True)
 class ServedTurn:
     """One returned choice to store: its trajectory and the ``served`` row's fields.
-    ``client`` is the requesting client's identity (``feedback.client_identity``)."""
+    ``client`` is the requesting client's identity (``feedback.client_identity``); ``family`` the
+    request's ``metadata.family`` (``[[families]]``, :mod:`selfrl.safety.families`), or None."""
 
     traj: Trajectory
     response_id: str
@@ -109,6 +114,7 @@ class ServedTurn:
     group_key: str
     continuation: str
     client: str = ""
+    family: str | None = None
 
 
 @locked
@@ -128,9 +134,9 @@ def add_turns(store: Store, run_id: int, turns: list[ServedTurn], now: float | N
             store.insert_trajectory(run_id, 0, t.traj, now)
             store.conn.execute(
                 "INSERT INTO served (trajectory_id, response_id, choice, conversation_id, parent_id, group_key,"
-                " continuation, created_at, status, client) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?)",
+                " continuation, created_at, status, client, family) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
                 (t.traj.id, t.response_id, t.choice, t.conversation_id, t.traj.parent_id, t.group_key,
-                 t.continuation, now, t.client),
+                 t.continuation, now, t.client, t.family),
             )
 
 
@@ -295,6 +301,14 @@ def mark(store: Store, scored: list[Trajectory], status: str, version: int | Non
             )
             store.conn.execute("UPDATE served SET status = ?, trained_in = ? WHERE trajectory_id = ?",
                                (status, version, t.id))
+
+
+@locked
+def learned_families(store: Store) -> set[str]:
+    """The families the learner has trained on: those named by at least one turn marked
+    ``trained`` (whatever became of the version it went into)."""
+    rows = store.conn.execute("SELECT DISTINCT family FROM served WHERE status = 'trained' AND family IS NOT NULL")
+    return {r[0] for r in rows}
 
 
 @locked

@@ -168,6 +168,14 @@ class Ledger:
         missing, not pruned."""
         return [v for v in self.all() if v.servable and v.version not in self.missing and not v.metrics.get("pruned")]
 
+    def reference_evaluations(self) -> dict[int, dict[str, bool]]:
+        """Per-task held-out results ``{version: {task id: solved}}`` of the versions a gate may
+        compare a candidate with: the base and every promoted version (their folders may be
+        pruned: the results stay facts). Rejected, rolled-back and candidate versions never are
+        (the no-forgetting rule, :mod:`selfrl.safety.families`)."""
+        with self.store.lock:
+            return {v.version: self.store.evaluation(v.version) for v in self.all() if v.servable}
+
     def mark_pruned(self, version: int, where: str) -> None:
         """Record that retention moved ``version``'s folder to ``where`` (or deleted it): the row
         keeps its status with ``pruned`` in its metrics, and a ``prune`` event."""
@@ -258,14 +266,15 @@ class Ledger:
                                  {k: v.detach().clone() for k, v in state.items()})
         return self.champion
 
-    def judge(self, version: int, success: float, tolerance: float, alarms: list, veto: str | None = None) -> Verdict:
+    def judge(self, version: int, success: float, tolerance: float, alarms: list, veto: str | None = None,
+              veto_data: dict[str, Any] | None = None) -> Verdict:
         """The gate for a validated candidate, recorded: a collapse alarm rolls the chain back
         (the caller's :class:`selfrl.safety.collapse.CollapseGuard` does it), an incomplete folder
         is rejected as corrupt, a success within ``tolerance`` of the champion's is promoted,
         anything else rejected. Promote and reject write the row and the event here; the
         caller then serves the champion (promoted: the candidate, with :meth:`set_champion`).
         ``veto`` (several agents: the conflicts of their gates) rejects an intact candidate,
-        with the veto as the reason."""
+        with the veto as the reason and ``veto_data`` in its ``reject`` event's data."""
         champ = self.champion
         best = champ.success if champ.success is not None else 0.0
         rec = self.get(version)
@@ -287,7 +296,7 @@ class Ledger:
         if veto is not None:
             msg = f"version {version} rejected: {veto}; serving version {champ.version} again"
             self._set(version, VersionStatus.REJECTED, {"val/success": success, "veto": veto})
-            self.event(EventKind.REJECT, msg, {"version": version})
+            self.event(EventKind.REJECT, msg, {"version": version, **(veto_data or {})})
             return Verdict("rejected", msg)
         if passes_gate(success, best, tolerance):
             msg = f"version {version} promoted: held-out {success:.3f} (best was {best:.3f})"

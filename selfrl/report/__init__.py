@@ -5,7 +5,8 @@
 - :mod:`selfrl.report.compare`: ``selfrl compare``, with paired held-out differences.
 - :mod:`selfrl.report.figures`, :mod:`selfrl.report.timeline`: the overview figure and the
   timeline it is drawn from.
-- :mod:`selfrl.report.stats`: confidence intervals for success rates and their changes.
+- :mod:`selfrl.core.stats` (below every floor): the confidence intervals for success rates the
+  reports use.
 
 It imports only the record, so both recipes below write with it.
 """

@@ -4,7 +4,7 @@ Writes ``compare.md`` with two overview figures (:func:`selfrl.report.figures.ov
 one colour per run): against rollouts generated and against wall-clock time. Below
 them, a table of each run's final held-out result with its 95 % Wilson interval, and
 the paired difference of each run against the first on the held-out tasks both final
-versions were evaluated on (:func:`selfrl.report.stats.paired_difference_ci`). Pairing on the
+versions were evaluated on (:func:`selfrl.core.stats.paired_difference_ci`). Pairing on the
 same tasks removes the between-task variance, so the interval is the one to read when
 the runs share their held-out set (same task source and ``task.val_seed``).
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from selfrl.report.figures import overview_figure, save
 from selfrl.report.run import run_config, served_choice
-from selfrl.report.stats import paired_difference_ci, wilson_interval
+from selfrl.core.stats import paired_difference_ci, wilson_interval
 from selfrl.record.store import Store
 from selfrl.report.timeline import Timeline, duration, load_timeline
 

@@ -3,7 +3,7 @@
 Everything comes from the store (metrics, events, adapter versions, per-task held-out
 evaluations) and from a small ``summary`` dict of run totals. The before/after
 comparison is paired: the base and the final version are compared on the held-out
-tasks both were evaluated on (:func:`selfrl.report.stats.paired_difference_ci`).
+tasks both were evaluated on (:func:`selfrl.core.stats.paired_difference_ci`).
 
 :func:`rebuild_report` writes the same report from a run directory alone, at any
 time: for a finished run, a run in progress (the store is opened read-only) or a
@@ -34,7 +34,7 @@ from selfrl.record.runlock import RunDirLock
 from selfrl.record.serve_rule import ServedChoice, choose_served
 from selfrl.record.versions import VersionRecord
 from selfrl.report.serve import write_serve_report
-from selfrl.report.stats import paired_difference_ci, wilson_interval
+from selfrl.core.stats import paired_difference_ci, wilson_interval
 from selfrl.record.store import Store
 from selfrl.report.timeline import Mark, Timeline, duration, event_mark, load_timeline
 
@@ -284,9 +284,13 @@ def agents_section(store: Store) -> list[str]:
     lines += ["", f"Conflicts (a candidate that hurt an agent beyond its tolerance is not promoted): {len(conflicts)}", ""]
     for e in conflicts:
         d = e["data"] or {}
+        ref = d.get("reference_success", d.get("champion_success", float("nan")))  # (older stores: the champion's)
+        paired = d.get("paired_interval")
+        ci = "" if not paired else (f", paired difference {d.get('paired_difference'):+.3f} "
+                                    f"(95% CI {paired[0]:+.3f} to {paired[1]:+.3f})")
         lines.append(f"- version {d.get('version')}: agent **{d.get('agent')}** fell from "
-                     f"{d.get('champion_success', float('nan')):.3f} to {d.get('candidate_success', float('nan')):.3f} "
-                     f"(down {d.get('drop', float('nan')):.3f}, tolerance {d.get('tolerance')}); lost tasks: "
+                     f"{ref:.3f} to {d.get('candidate_success', float('nan')):.3f} "
+                     f"(down {d.get('drop', float('nan')):.3f}, tolerance {d.get('tolerance')}{ci}); lost tasks: "
                      f"{', '.join(d.get('lost_tasks') or []) or 'none'}")
     return lines + [""]
 

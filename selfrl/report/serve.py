@@ -25,7 +25,7 @@ from matplotlib.ticker import MaxNLocator
 
 from selfrl.report.figures import TimeUnit, add_figure_legend, draw_events, save
 from selfrl.record import served as records
-from selfrl.report.stats import wilson_interval
+from selfrl.core.stats import wilson_interval
 from selfrl.record.store import Store
 from selfrl.report.timeline import duration, load_timeline, session_clock
 

@@ -30,7 +30,7 @@ from typing import Literal
 
 import numpy as np
 
-from selfrl.report.stats import wilson_interval
+from selfrl.core.stats import wilson_interval
 from selfrl.record.store import Store
 
 Axis = Literal["update", "rollouts", "elapsed"]

@@ -153,10 +153,12 @@ class UpdateCycle:
 
     # -- gate ----------------------------------------------------------------------------
 
-    def gate(self, step: int, version: int, success: float, degenerate: float, veto: str | None = None) -> Verdict:
+    def gate(self, step: int, version: int, success: float, degenerate: float, veto: str | None = None,
+             veto_data: dict | None = None) -> Verdict:
         """Decide a validated candidate (its validation already recorded): collapse rules at
         the gate, then the ledger's verdict; a rejected candidate gives way to the champion.
-        ``veto`` (the agents' gate's conflicts) rejects a candidate the collapse rules let through.
+        ``veto`` (the no-forgetting rule's drops, :mod:`selfrl.safety.families`) rejects a
+        candidate the collapse rules let through; ``veto_data`` goes into its ``reject`` event.
 
         Raises:
             selfrl.safety.swap_check.SwapCheckError: ``verify`` failed (the candidate is rejected, not promoted).
@@ -168,7 +170,7 @@ class UpdateCycle:
             base = self.ledger.get(0)
             alarms = self.guard.heldout(success, champ.success if champ.success is not None else 0.0, champ.version,
                                         self.tolerance, degenerate, base.metrics.get("val/degenerate") if base else None)
-            verdict = self.ledger.judge(version, success, self.tolerance, alarms, veto=veto)
+            verdict = self.ledger.judge(version, success, self.tolerance, alarms, veto=veto, veto_data=veto_data)
             if verdict.outcome == "collapse":
                 verdict = Verdict("collapse", self.roll_back(step, alarms))
             elif verdict.outcome == "promoted":

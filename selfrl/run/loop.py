@@ -323,30 +323,33 @@ class Runner:
         With ``[[agents]]`` every agent gates it too (:meth:`agents_gate`)."""
         if res.version == self.champion.version:
             return
-        veto = self.agents_gate(it, res) if self.cfg.agents else None
-        verdict = self.s.cycle.gate(it, res.version, res.success, res.degenerate, veto=veto)
+        veto, data = (self.agents_gate(it, res) if self.cfg.agents else None) or (None, None)
+        verdict = self.s.cycle.gate(it, res.version, res.success, res.degenerate, veto=veto, veto_data=data)
         self.progress.log(verdict.message if verdict.outcome == "collapse" else f"iteration {it}: {verdict.message}")
 
-    def agents_gate(self, it: int, res: EvalResult) -> str | None:
-        """Each agent's gate on its own held-out tasks against the champion's stored results
-        (:func:`selfrl.run.agents.judge_agents`): logs ``val/<agent>`` and records one
+    def agents_gate(self, it: int, res: EvalResult) -> tuple[str, dict] | None:
+        """Each agent's gate on its own held-out tasks, by the no-forgetting rule
+        (:func:`selfrl.safety.families.judge_families`) against the best stored result of a
+        promoted version (or the base) per agent: logs ``val/<agent>`` and records one
         ``agent_conflict`` event per agent the candidate hurts beyond its tolerance; returns the
-        conflicts' message (the candidate's veto), or None when no agent loses."""
-        from selfrl.run.agents import judge_agents
+        veto (the conflicts' message, and the ``reject`` event's data), or None when no agent loses."""
         from selfrl.envs.agents import agent_results
+        from selfrl.safety.families import best_per_family, judge_families
 
         s = self.s
-        verdict = judge_agents(agent_results(s.store.evaluation(self.champion.version)), agent_results(res.results),
-                               s.source.tolerance)
+        candidate = agent_results(res.results)
+        refs = {v: agent_results(ev) for v, ev in s.ledger.reference_evaluations().items()}
+        reference, versions = best_per_family(refs, candidate)
+        verdict = judge_families(reference, candidate, s.source.tolerance, reference_version=versions)
         s.store.log_metrics(s.run_id, it, {f"val/{a}": new for a, (_, new) in verdict.success.items()})
-        for c in verdict.conflicts:
-            s.ledger.event(EventKind.AGENT_CONFLICT, f"iteration {it}: version {res.version}: {c.message()}", {
-                "version": res.version, "champion": self.champion.version, **dataclasses.asdict(c)})
+        for c in verdict.dropped:
+            s.ledger.event(EventKind.AGENT_CONFLICT, f"iteration {it}: version {res.version}: {c.message('agent')}", {
+                "version": res.version, "champion": self.champion.version, "agent": c.family, **c.to_dict()})
         self.progress.log(f"iteration {it}: agents' gate for version {res.version}: " +
                           "; ".join(f"{a} {old:.3f} -> {new:.3f}" for a, (old, new) in verdict.success.items()))
-        if verdict.promoted:
+        if verdict.passed:
             return None
-        return "; ".join(c.message() for c in verdict.conflicts)
+        return verdict.message("agent"), {"agents": [c.to_dict() for c in verdict.dropped]}
 
     def recover(self) -> None:
         """On resume: move aside what a killed save left (never recorded), and restore the

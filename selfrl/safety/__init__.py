@@ -6,6 +6,8 @@
 - :mod:`selfrl.safety.detectors`: reward-hacking detectors; a flagged trajectory earns no
   positive reward.
 - :mod:`selfrl.safety.swap_check`: proof that a sampling backend serves the weights trained.
+- :mod:`selfrl.safety.families`: the no-forgetting rule, one per family (or agent) against its
+  best, with Wilson intervals and paired differences.
 
 The promotion rule itself is the ledger's (:func:`selfrl.record.versions.passes_gate`).
 """

@@ -12,7 +12,9 @@ validated adapter versions under load.
   :mod:`selfrl.serve.streaming`, :mod:`selfrl.serve.logprobs`, :mod:`selfrl.serve.structured`:
   the OpenAI wire formats both ways.
 - :mod:`selfrl.serve.feedback`, :mod:`selfrl.serve.background`: user feedback as reward, and
-  the learner that trains on served turns (through :mod:`selfrl.run.cycle`, as ``selfrl run``).
+  the learner that trains on served turns (through :mod:`selfrl.run.cycle`, as ``selfrl run``);
+  :mod:`selfrl.serve.families`: a held-out set per family of traffic, none forgotten.
+- :mod:`selfrl.serve.logfile`: ``RUN_DIR/serve.log``, rotated by size.
 - :mod:`selfrl.serve.replica`, :mod:`selfrl.serve.disconnect`, :mod:`selfrl.serve.limits`,
   :mod:`selfrl.serve.health`, :mod:`selfrl.serve.errors`: replicas, clients that leave, limits,
   storage health and the errors every part raises.

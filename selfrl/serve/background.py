@@ -55,13 +55,12 @@ from selfrl.rl.batch import collate
 from selfrl.rl.logprobs import per_token_logps
 from selfrl.record import adapters, served as records
 from selfrl.config.serve import ServeConfig
+from selfrl.serve.families import held_out_sets
 from selfrl.serve.feedback import score_served
 from selfrl.serve.health import StorageWatch
 from selfrl.serve.late_feedback import FeedbackAges
 from selfrl.record.storage_errors import StorageFault
 from selfrl.record.store import Store
-from selfrl.core.tasks import assert_disjoint, split_tasks
-from selfrl.envs.registry import get_env
 from selfrl.core.tools import resolve_tools
 from selfrl.rl.learner import Learner, kl_reference
 from selfrl.core.trajectory import Trajectory
@@ -107,9 +106,8 @@ class BackgroundLearner(threading.Thread):
         lc = cfg.learner
         self.learner = Learner(model, cfg.train, lc.temperature, tokenizer.pad_token_id, cfg.max_completion_length,
                                ref_state=ref_state, tokenizer=tokenizer)
-        self.source = get_env(cfg.task.source, **cfg.task.options)
-        _, self.val = split_tasks(self.source, 0, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
-        assert_disjoint([], self.val)
+        # the gate's held-out tasks; with [[families]] one set per family, none forgotten (selfrl.serve.families)
+        self.source, self.val, self.families = held_out_sets(cfg, store, ledger)
         self.tools = resolve_tools(cfg.rollout.tools)
         self.monitor = HackingMonitor(cfg.detectors, lc.reward_weights)
         self.clock, self.prune = clock, prune
@@ -157,7 +155,7 @@ class BackgroundLearner(threading.Thread):
                                                    "since": self.paused_since}
         return {"alive": self.is_alive(), "busy": self.busy, "updates": self.updates, "best_version": champ.version,
                 "best_val_success": champ.success, "last_update": self.last, "error": self.error, "paused": paused,
-                "backoff": self.cycle.backoff()}
+                "backoff": self.cycle.backoff(), "families_learned": self.families.learned() if self.families else None}
 
     # -- storage faults: pause, undo, resume -------------------------------------------
 
@@ -228,9 +226,9 @@ class BackgroundLearner(threading.Thread):
     # -- steps -------------------------------------------------------------------------
 
     def ensure_champion_validated(self) -> None:
-        """Validate the champion once (stored; reused when known)."""
+        """Validate the champion once (stored; reused when known, unless it lacks a family's held-out tasks)."""
         champ = self.ledger.champion
-        if champ.success is None:
+        if champ.success is None or (self.families is not None and not self.families.covers(champ.version)):
             self.busy = True
             try:
                 champ.success = self.validate(champ.version).success
@@ -340,7 +338,8 @@ class BackgroundLearner(threading.Thread):
             info["result"] = "rolled back (collapse)"
         else:
             res = self.validate(version)
-            verdict = cycle.gate(step_no, version, res.success, res.degenerate)
+            veto, data = self.families.veto(step_no, res.results) if self.families else (None, None)  # no forgetting
+            verdict = cycle.gate(step_no, version, res.success, res.degenerate, veto=veto, veto_data=data)
             info.update(val_success=res.success, result=verdict.outcome)
             if verdict.outcome == "promoted":
                 champ = self.ledger.champion

@@ -73,6 +73,10 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
 
         check_names(cfg, cfg.learner.reward_weights)  # fail before the model loads
         get_env(cfg.task.source, **cfg.task.options)
+        if cfg.families:
+            from selfrl.serve.families import check_family_sources
+
+            check_family_sources(cfg)
     except (ConfigError, ValueError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"selfrl: error: {msg}", file=sys.stderr)
@@ -96,6 +100,10 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
         where = next(p for p in (Path(cfg.run_dir).absolute(), *Path(cfg.run_dir).absolute().parents) if p.exists())
         if (full := free_space_error(where)) is not None:
             raise full  # before the model loads: a full or read-only disk fails in a second
+        from selfrl.serve.logfile import open_log
+
+        open_log(cfg.run_dir, cfg.log_max_bytes, cfg.log_backups,  # run_dir/serve.log, rotated by size
+                 f"serve-replica-{os.getpid()}.log" if cfg.replica else "serve.log")
         model, tok = build_policy(cfg)
         # serve.seed made the adapter's initialisation reproducible; sampling draws from a fresh
         # stream per process, so a restart or a --replica never repeats another process's samples

@@ -73,6 +73,10 @@ class Service:
         self.cfg = cfg.validate()
         self.clock = clock
         check_names(cfg, cfg.learner.reward_weights)  # the built-in environments' names included
+        if cfg.families:  # their environments, before anything is started (selfrl.serve.families)
+            from selfrl.serve.families import check_family_sources
+
+            check_family_sources(cfg)
         self.tok = tokenizer
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)

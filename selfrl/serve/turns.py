@@ -63,6 +63,7 @@ class Prepared:
     group_key: str
     client: str = ""  # the client identity (selfrl.serve.feedback.client_identity)
     constraint: Any = None  # a selfrl.chat.constrain.Constraint when tool_choice/response_format constrain decoding
+    family: str | None = None  # the request's metadata.family ([[families]]), recorded on its turns
     response_id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -142,6 +143,7 @@ class Turns:
         except ValueError as e:
             raise ApiError(404, f"model {req.model[:64]!r}...: {e}", "model", "model_not_found") from None
         self.check_model_name(req.model, version)
+        family = self.family_of(req)
         if version is not None:
             self.versions.check_servable(version)
         try:
@@ -168,7 +170,22 @@ class Turns:
         parent = self._link(messages, client) if req.record else None
         group = req.task_key or (parent["group_key"] if parent else default_group_key(messages))
         return Prepared(req, messages, chat, prompt, limit, version, parent, group, client,
-                        constraint=constraint)
+                        constraint=constraint, family=family)
+
+    def family_of(self, req: ChatCompletionRequest) -> str | None:
+        """The family ``metadata.family`` names (recorded on the turn: once trained on, the family
+        is gated, :mod:`selfrl.safety.families`), or None.
+
+        Raises:
+            ApiError: 400 when ``[[families]]`` is configured and the name is not one of them (the
+                message lists them); a server without families records any name.
+        """
+        family = (req.metadata or {}).get("family")
+        names = [f.name for f in self.cfg.families]
+        if family is not None and names and family not in names:
+            raise ApiError(400, f"metadata.family {family[:64]!r} is not a family of this server; valid: "
+                           f"{', '.join(names)} ([[families]] of its config)", "metadata.family", "unknown_family")
+        return family
 
     def constraint_for(self, req: ChatCompletionRequest):
         """The grammar ``req``'s decoding must follow (``selfrl.serve.structured``), or None.
@@ -292,4 +309,4 @@ class Turns:
         )
         conversation = p.parent["conversation_id"] if p.parent else uuid.uuid4().hex
         key = conversation_key([*p.messages, message])
-        return records.ServedTurn(traj, p.response_id, i, conversation, p.group_key, key, p.client)
+        return records.ServedTurn(traj, p.response_id, i, conversation, p.group_key, key, p.client, p.family)

@@ -1,0 +1,134 @@
+"""No forgetting in selfrl serve: a held-out set per family ([[families]]), the family of each
+turn recorded from metadata.family, and a candidate that forgets a learned family not promoted."""
+
+import copy
+import re
+import time
+
+import pytest
+
+from selfrl.config import ConfigError, FamilyConfig
+from selfrl.core.trajectory import Trajectory
+from selfrl.record import served as records
+from selfrl.safety.gate import EvalResult
+from serving import API_KEY, http, running_server, tiny_serve_config
+
+# held-out tasks failed per version and family: version 1 forgets half of "long" while "long" was
+# never trained on (not gated: promoted); version 2 forgets it again after a "long" turn was trained on
+FORGOTTEN = {1: {"long": 2}, 2: {"long": 2}}
+
+
+def scripted_validate(engine, tasks, *args, **kwargs) -> EvalResult:
+    """Stands in for ``selfrl.safety.gate.validate``: every task solved, but ``FORGOTTEN`` says how many
+    of a family's tasks the version fails (its first ones, in task order)."""
+    results, failed = [], {}
+    for t in tasks:
+        family = t.id.partition("/")[0]
+        failed[family] = failed.get(family, 0) + 1
+        results.append((t.id, failed[family] > FORGOTTEN.get(engine.version, {}).get(family, 0), None))
+    return EvalResult(engine.version, results, 0.01, 0.0)
+
+
+def family_config(tmp_path):
+    cfg = tiny_serve_config(tmp_path / "run", min_batch=4)
+    cfg.families = [FamilyConfig("arith", "chain_sum", tolerance=0.1),
+                    FamilyConfig("long", "chain_sum", {"min_terms": 3, "max_terms": 4}, tolerance=0.1, val_seed=7)]
+    cfg.train.learning_rate, cfg.train.beta, cfg.collapse.beta_min = 1e-2, 0.0, 0.0
+    cfg.train.micro_batch_size = 4
+    cfg.gate.tolerance = 1.0  # the aggregate gate lets anything through: the families decide
+    cfg.collapse.heldout_drop, cfg.collapse.reward_rise, cfg.collapse.max_kl = 1.0, 1e9, 1e9
+    cfg.collapse.baseline_window = 100
+    return cfg
+
+
+def served_batch(service, family: str, k: int):
+    """Four turns of ``family`` (rewards +-1), stored as the server stores them; the learner's batch."""
+    batch = []
+    for i, feedback in enumerate((1.0, -1.0, 1.0, -1.0)):
+        t = Trajectory(f"{family}:{k}", f"{family}:{k}", service.engine.version, prompt_len=3,
+                       token_ids=[5, 6, 7, 8 + i], completion_mask=[0, 0, 0, 1], logprobs=[0.0] * 4)
+        turn = records.ServedTurn(t, t.id, 0, t.id, t.task_id, t.id, family=family)
+        with service.store.lock:
+            records.add_turns(service.store, service.run_id, [turn])
+        batch.append((t, {"feedback": feedback, "created_at": time.time(), "group_key": t.task_id}))
+    return batch
+
+
+def test_a_candidate_that_forgets_a_learned_family_is_not_promoted(tiny_tokenizer, tiny_model_factory, tmp_path,
+                                                                   monkeypatch):
+    from selfrl.report.serve import write_serve_report
+    from selfrl.serve.service import Service
+
+    monkeypatch.setattr("selfrl.serve.background.validate", scripted_validate)
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    service = Service(model, tiny_tokenizer, family_config(tmp_path), learner_model=copy.deepcopy(model))
+    learner = service.learner
+    try:
+        val = [t.id for t in learner.val]
+        assert len(val) == 8 and {v.partition("/")[0] for v in val} == {"arith", "long"}
+        learner.ensure_champion_validated()
+        # arith learned, long not: version 1 drops long by 0.5 but long is not gated
+        info = learner.update(served_batch(service, "arith", 0))
+        assert (info["version"], info["result"]) == (1, "promoted")
+        assert learner.status()["families_learned"] == ["arith"]
+        # a long turn trained on: version 2 drops long by 0.5 against its best (the base), beyond 0.1
+        info = learner.update(served_batch(service, "long", 1))
+        assert (info["version"], info["result"]) == (2, "rejected") and service.ledger.champion.version == 1
+        assert learner.status()["families_learned"] == ["arith", "long"]
+        [reject] = [e for e in service.store.events() if e["kind"] == "reject"]
+        [drop] = reject["data"]["families"]
+        assert (drop["family"], drop["drop"], drop["tolerance"], drop["reference_version"]) == ("long", 0.5, 0.1, 0)
+        assert drop["lost_tasks"] == sorted(scripted_lost(learner.val, "long"))
+        assert drop["paired_difference"] == -0.5 and drop["reference_interval"][1] == 1.0
+        assert reject["message"].startswith("version 2 rejected: family long: held-out 0.500 < 1.000 of version 0")
+        assert "arith" not in reject["message"] and all(t in reject["message"] for t in drop["lost_tasks"])
+        metrics = {(m["step"], m["name"]): m["value"] for m in service.store.metrics() if m["name"].startswith("val/")}
+        assert metrics[(1, "val/long")] == 0.5 and metrics[(1, "val/arith")] == 1.0
+        report = write_serve_report(tmp_path / "report", service.store, "families").read_text()
+        assert "| reject | version 2 rejected: family long: held-out 0.500" in report
+    finally:
+        service.close()
+
+
+def scripted_lost(tasks, family):
+    """The tasks ``scripted_validate`` fails for ``family``: its first two, in task order."""
+    return [t.id for t in tasks if t.id.startswith(family + "/")][:2]
+
+
+def test_metadata_family_is_recorded_and_an_unknown_one_refused(tiny_tokenizer, tiny_model_factory, tmp_path):
+    cfg = family_config(tmp_path)
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    with running_server(model, tiny_tokenizer, cfg) as (url, service):
+        body = {"model": "selfrl", "messages": [{"role": "user", "content": "q"}], "max_tokens": 2,
+                "metadata": {"family": "long", "user": "long-3"}}
+        status, out = http("POST", url + "/v1/chat/completions", body, key=API_KEY)
+        assert status == 200
+        with service.store.lock:
+            row = records.find_response(service.store, out["id"])
+        assert row["family"] == "long"
+        body["metadata"]["family"] = "chess"
+        status, out = http("POST", url + "/v1/chat/completions", body, key=API_KEY)
+        assert status == 400 and out["error"]["code"] == "unknown_family"
+        assert "'chess' is not a family of this server; valid: arith, long" in out["error"]["message"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: setattr(c.families[1], "name", "arith"), "family names must be unique"),
+    (lambda c: setattr(c.families[0], "tolerance", 1.5), "families[0] (arith).tolerance must be >= 0 and <= 1, got 1.5"),
+    (lambda c: setattr(c.families[0], "name", "a/b"), "without '/'"),
+    (lambda c: setattr(c.task, "source", "arithmetic"), "task.source and task.options do not apply"),
+])
+def test_families_are_validated(tmp_path, change, message):
+    cfg = family_config(tmp_path)
+    change(cfg)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        cfg.validate()
+
+
+def test_an_unknown_family_source_is_refused_with_the_valid_names(tiny_tokenizer, tiny_model_factory, tmp_path):
+    from selfrl.serve.service import Service
+
+    cfg = family_config(tmp_path)
+    cfg.families[1].source = "chess"
+    with pytest.raises(ConfigError, match=r"families\[1\] \(long\).source: unknown environment 'chess'; valid names"):
+        Service(tiny_model_factory(lora=True), tiny_tokenizer, cfg)
