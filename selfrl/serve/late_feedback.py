@@ -53,14 +53,20 @@ def weight_history(ledger: Ledger) -> list[int]:
     ...         return [type("V", (), {"version": v, "parent": p}) for v, p in [(0, None), (1, 0), (2, 1), (3, 1)]]
     >>> weight_history(L())
     [0, 1, 2, 1, 3]
+
+    On a replica, which holds no champion, the owner's is the newest servable row.
     """
     loaded: list[int] = []
-    for v in ledger.all():
+    records = ledger.all()
+    for v in records:
         if v.parent is not None and (not loaded or loaded[-1] != v.parent):
             loaded.append(v.parent)
         loaded.append(v.version)
-    champ = ledger.champion.version
-    if not loaded or loaded[-1] != champ:
+    if ledger.champion is not None:
+        champ = ledger.champion.version
+    else:  # a replica (selfrl.serve.replica) holds no champion: the owner's is the newest servable row
+        champ = next((v.version for v in reversed(records) if v.servable), None)
+    if champ is not None and (not loaded or loaded[-1] != champ):
         loaded.append(champ)
     return loaded
 
