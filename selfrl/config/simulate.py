@@ -124,6 +124,7 @@ class SimulateConfig:
     day_s: float = 0.0  # real seconds one simulated day lasts; 0: simulated time never waits (a day passes at once)
     window_s: float = 3600.0  # simulated seconds of one window of the served-success table
     temperature: float = 1.0  # sampling temperature of each completion
+    concurrency: int = 1  # conversations and reactions in flight at once (a pool of users; 1: one at a time)
     per_user_tokens: bool = True  # each user sends its own bearer token on completions (false: the API key, for --protect-completions)
     timeout_s: float = 300.0  # real seconds one HTTP request may take
     out_dir: str = "runs/simulate"  # where summary.json and events.jsonl are written
@@ -150,6 +151,7 @@ class SimulateConfig:
             in_range(self.day_s, "day_s", 0, SECONDS_MAX),
             in_range(self.window_s, "window_s", 0, MAX_SIM_S, low_open=True),
             in_range(self.temperature, "temperature", 0, 2),
+            in_range(self.concurrency, "concurrency", 1, 1024),
             in_range(self.timeout_s, "timeout_s", 0, SECONDS_MAX, low_open=True),
             (bool(self.families), "[[families]] must name at least one family"),
             (len(set(names)) == len(names), f"family names must differ, got {names}"),
