@@ -305,6 +305,18 @@ def test_a_failure_in_a_pool_thread_is_raised_by_run(arithmetic):
         sim.run()
 
 
+def test_group_by_sets_the_task_key_of_every_turn(arithmetic):
+    keys = {}
+    for group_by in ("task", "family"):
+        clock = FakeClock(0.0)
+        server = ScriptedServer(clock)
+        Simulator(arithmetic_config(max_requests=30, group_by=group_by), server, clock=clock,
+                  families={"arithmetic": arithmetic}).run()
+        keys[group_by] = [body["task_key"] for route, _, body in server.calls if route == "chat"]
+    assert len(set(keys["task"])) > 5 and all(k.startswith("arithmetic:") for k in keys["task"])
+    assert set(keys["family"]) == {"arithmetic"} and len(keys["family"]) == len(keys["task"])
+
+
 def test_time_stops_at_max_seconds(arithmetic):
     ticks = itertools.count()
     clock = FakeClock(0.0)
@@ -409,6 +421,7 @@ def test_environments_that_run_model_code_are_refused():
     ("max_requests", 0, "max_requests must be >= 1"),
     ("base_url", "localhost:8000", "base_url must start with http"),
     ("concurrency", 0, "concurrency must be >= 1"),
+    ("group_by", "user", "group_by must be one of task, family"),
 ])
 def test_bad_settings_are_refused_with_their_name(key, value, message):
     with pytest.raises(ConfigError, match=message):

@@ -251,7 +251,7 @@ class Simulator:
     def _body(self, p: Plan, fam: Family, messages, tools, task_id: str) -> dict[str, Any]:
         body = {"model": self.cfg.model, "messages": [dict(m) for m in messages], "max_tokens": fam.settings.max_tokens,
                 "temperature": self.cfg.temperature, "metadata": {"family": p.family, "user": p.user},
-                "task_key": f"{p.family}:{task_id}"}
+                "task_key": f"{p.family}:{task_id}" if self.cfg.group_by == "task" else p.family}
         if tools:
             body["tools"] = tools
         return body
