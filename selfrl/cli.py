@@ -94,6 +94,7 @@ SIMULATE_FLAGS = {
     "--max-requests": ("max_requests", int, "most HTTP requests sent (completions and feedback together)"),
     "--max-seconds": ("max_seconds", float, "most real seconds the simulation runs"),
     "--day-seconds": ("day_s", float, "real seconds one simulated day lasts (0: simulated time never waits)"),
+    "--concurrency": ("concurrency", int, "conversations and reactions in flight at once (1: one at a time)"),
     "--out": ("out_dir", str, "folder of summary.json and events.jsonl"),
 }
 

@@ -58,9 +58,11 @@ def start_uvicorn(app) -> tuple[str, object, threading.Thread]:
 
 
 @contextlib.contextmanager
-def running_server(model, tok, cfg: ServeConfig, learn: bool = False, api_key: str | None = API_KEY):
-    """Yield ``(base_url, service)`` for a server on a free loopback port; stops it after."""
-    service = Service(model, tok, cfg, learner_model=copy.deepcopy(model) if learn else None)
+def running_server(model, tok, cfg: ServeConfig, learn: bool = False, api_key: str | None = API_KEY,
+                   clock=time.time):
+    """Yield ``(base_url, service)`` for a server on a free loopback port (``clock``: the
+    ``Service``'s, e.g. the user simulator's fake one); stops it after."""
+    service = Service(model, tok, cfg, learner_model=copy.deepcopy(model) if learn else None, clock=clock)
     url, server, thread = start_uvicorn(create_app(service, api_key, learn=learn))
     try:
         yield url, service

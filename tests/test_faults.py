@@ -93,6 +93,30 @@ def test_kill_point_fires_only_at_its_point_and_iteration(inject, monkeypatch):
 # --------------------------------------------------------- complete versions only
 
 
+def test_fault_file_is_read_at_each_hook_so_a_running_process_can_be_told_later(monkeypatch, tmp_path):
+    trigger = tmp_path / "fault"
+    monkeypatch.delenv(faults.ENV, raising=False)
+    monkeypatch.setenv(faults.ENV_FILE, str(trigger))
+    faults.set_iteration(3)
+    try:
+        assert not faults.active("noise")  # no file yet: nothing injected
+        trigger.write_text("noise@3\n")
+        assert faults.active("noise") and not faults.active("nan_loss")
+        faults.set_iteration(4)
+        assert not faults.active("noise")  # only at its iteration
+        trigger.write_text("nan_loss@4")
+        assert faults.active("nan_loss")
+        monkeypatch.setenv(faults.ENV, "lr_x1000@4")  # both sources count
+        assert faults.active("lr_x1000") and faults.active("nan_loss")
+        trigger.write_text("boom@4")
+        with pytest.raises(ValueError, match="unknown fault kind 'boom'"):
+            faults.active("noise")
+        monkeypatch.delenv(faults.ENV_FILE)  # without the variable the file is never read
+        assert not faults.active("nan_loss")
+    finally:
+        faults.set_iteration(-1)
+
+
 def test_saved_version_verifies_and_damage_is_detected(tiny_peft_model, tmp_path):
     path = adapters.save_version(tiny_peft_model, tmp_path, 3)
     assert adapters.verify_version(path) is None

@@ -322,7 +322,15 @@ def learning(tiny_tokenizer, tiny_model_factory, tmp_path):
     service.close()
 
 
-def test_the_learner_pauses_on_a_full_disk_and_resumes_by_itself(learning, monkeypatch, caplog):
+class SafetensorError(Exception):
+    """As safetensors' native writer raises it: the OS's text, no errno."""
+
+
+@pytest.mark.parametrize("refusal", [
+    OSError(errno.ENOSPC, "No space left on device"),
+    SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+], ids=["oserror", "safetensors"])
+def test_the_learner_pauses_on_a_full_disk_and_resumes_by_itself(learning, monkeypatch, caplog, refusal):
     service = learning
     learner = service.learner
     served_state = adapters.lora_state(service.engine.model)
@@ -331,7 +339,7 @@ def test_the_learner_pauses_on_a_full_disk_and_resumes_by_itself(learning, monke
     with monkeypatch.context() as disk:  # the disk is full: the adapter's save and every probe fail
         def save_pretrained(path, *args, **kwargs):
             (Path(path) / "adapter_model.safetensors").write_bytes(b"half")
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise refusal
 
         def probe(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")

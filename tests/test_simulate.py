@@ -246,6 +246,77 @@ def test_requests_stop_at_max_requests(arithmetic):
     assert len(server.calls) == summary["requests"]["total"] == 7 and summary["stopped_by"] == "max_requests"
 
 
+class SlowServer(ScriptedServer):
+    """:class:`ScriptedServer` whose completions take ``seconds`` of real time; counts how many
+    requests it holds at once (``most``)."""
+
+    def __init__(self, clock=None, seconds: float = 0.03):
+        super().__init__(clock)
+        self.seconds, self.now, self.most = seconds, 0, 0
+        self.lock = __import__("threading").Lock()
+
+    def chat(self, user, body):
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            __import__("time").sleep(self.seconds)
+            return super().chat(user, body)
+        finally:
+            with self.lock:
+                self.now -= 1
+
+
+def test_a_pool_of_users_talks_at_once_and_sends_the_same_conversations(arithmetic):
+    def run(concurrency):
+        clock = FakeClock(0.0)
+        server = SlowServer(clock)
+        cfg = arithmetic_config(concurrency=concurrency, arrivals_per_hour=40.0,
+                                phases=[PhaseSettings(3600.0, {"arithmetic": 1.0})])
+        sim = Simulator(cfg, server, clock=clock, families={"arithmetic": arithmetic})
+        return sim.run(), sim.events, server
+
+    (one, ev1, s1), (four, ev4, s4) = run(1), run(4)
+    assert s1.most == 1 and s4.most == 4  # one at a time, then four at once
+    assert one["stopped_by"] == four["stopped_by"] == "done"
+    served = [sorted((e["conversation"], e["correct"]) for e in ev if e["event"] == "outcome") for ev in (ev1, ev4)]
+    assert served[0] == served[1] and len(served[0]) > 20  # the same conversations, the same verdicts
+    assert one["feedback"]["reactions"] == four["feedback"]["reactions"]
+    assert one["requests"]["total"] == four["requests"]["total"] == len(s4.calls)
+
+
+def test_a_pool_stops_at_max_requests_exactly(arithmetic):
+    clock = FakeClock(0.0)
+    server = SlowServer(clock)
+    summary = Simulator(arithmetic_config(max_requests=9, concurrency=3, arrivals_per_hour=40.0), server, clock=clock,
+                        families={"arithmetic": arithmetic}).run()
+    assert len(server.calls) == summary["requests"]["total"] == 9 and summary["stopped_by"] == "max_requests"
+
+
+def test_a_failure_in_a_pool_thread_is_raised_by_run(arithmetic):
+    class Broken(SlowServer):
+        def feedback(self, body):
+            raise RuntimeError("the stand-in broke")
+
+    clock = FakeClock(0.0)
+    sim = Simulator(arithmetic_config(concurrency=2, arrivals_per_hour=40.0), Broken(clock), clock=clock,
+                    families={"arithmetic": arithmetic})
+    with pytest.raises(RuntimeError, match="the stand-in broke"):
+        sim.run()
+
+
+def test_group_by_sets_the_task_key_of_every_turn(arithmetic):
+    keys = {}
+    for group_by in ("task", "family"):
+        clock = FakeClock(0.0)
+        server = ScriptedServer(clock)
+        Simulator(arithmetic_config(max_requests=30, group_by=group_by), server, clock=clock,
+                  families={"arithmetic": arithmetic}).run()
+        keys[group_by] = [body["task_key"] for route, _, body in server.calls if route == "chat"]
+    assert len(set(keys["task"])) > 5 and all(k.startswith("arithmetic:") for k in keys["task"])
+    assert set(keys["family"]) == {"arithmetic"} and len(keys["family"]) == len(keys["task"])
+
+
 def test_time_stops_at_max_seconds(arithmetic):
     ticks = itertools.count()
     clock = FakeClock(0.0)
@@ -349,6 +420,8 @@ def test_environments_that_run_model_code_are_refused():
     ("users.hostile_actions", ["bite"], "users.hostile_actions must be a non-empty list"),
     ("max_requests", 0, "max_requests must be >= 1"),
     ("base_url", "localhost:8000", "base_url must start with http"),
+    ("concurrency", 0, "concurrency must be >= 1"),
+    ("group_by", "user", "group_by must be one of task, family"),
 ])
 def test_bad_settings_are_refused_with_their_name(key, value, message):
     with pytest.raises(ConfigError, match=message):

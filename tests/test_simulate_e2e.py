@@ -18,7 +18,8 @@ from serving import API_KEY, running_server, tiny_serve_config
 def simulated(tiny_tokenizer, tiny_model_factory, tmp_path_factory):
     model = tiny_model_factory(lora=True, eos_bias=3.0)
     cfg = tiny_serve_config(tmp_path_factory.mktemp("serve"))
-    with running_server(model, tiny_tokenizer, cfg) as (url, service):
+    clock = FakeClock(1_700_000_000.0)  # one simulated time for the users and the server
+    with running_server(model, tiny_tokenizer, cfg, clock=clock) as (url, service):
         sim_cfg = SimulateConfig(
             base_url=url, seed=11, max_requests=60, arrivals_per_hour=6.0, temperature=1.0,
             families=[FamilySettings("arithmetic", "chain_sum", users=4, max_turns=2, max_tokens=8),
@@ -32,14 +33,14 @@ def simulated(tiny_tokenizer, tiny_model_factory, tmp_path_factory):
         client = default_client(sim_cfg.validate(), API_KEY)
         assert client.reachable() is None
         out = tmp_path_factory.mktemp("sim")
-        sim = Simulator(sim_cfg, client, clock=FakeClock(1_700_000_000.0), log=out / "events.jsonl")
+        sim = Simulator(sim_cfg, client, clock=clock, log=out / "events.jsonl")
         summary = sim.run()
         client.close()
-        yield service, sim, summary, out, url
+        yield service, sim, summary, out, url, clock
 
 
 def test_the_store_holds_what_the_simulator_sent(simulated):
-    service, sim, summary, _, _ = simulated
+    service, sim, summary, _, _, _ = simulated
     reqs = [e for e in sim.events if e["event"] == "request"]
     assert summary["requests"]["total"] == len(reqs) == 60 and summary["stopped_by"] == "max_requests"
     chat_ok = {e["response_id"] for e in reqs if e["route"] == "chat" and e["status"] == 200}
@@ -61,10 +62,41 @@ def test_the_store_holds_what_the_simulator_sent(simulated):
         assert row[3] == body.get("correction")
     users = {e["user"] for e in reqs if e["route"] == "chat" and e["status"] == 200}
     assert len(clients) == len(users)  # one bearer token per user: the server tells them apart
+    # this server does not learn: every judgement within max_feedback_age_s (7 days) is queued for a learner
+    assert summary["feedback"]["outcomes"] == {"queued": len(accepted)}
+
+
+def test_a_judgement_older_than_the_age_cutoff_comes_back_too_old(simulated, tmp_path):
+    """The server reads the simulator's clock: a rating sent d simulated days after its answer is
+    d days old for the server too, and past learner.max_feedback_age_s (7 days) it is only recorded."""
+    service, _, _, _, url, clock = simulated
+    assert service.cfg.learner.max_feedback_age_s == 7 * 86400.0
+    cfg = SimulateConfig(base_url=url, seed=3, max_requests=400, arrivals_per_hour=2.0,
+                         families=[FamilySettings("arithmetic", "chain_sum", users=4, max_turns=1, max_tokens=4)],
+                         phases=[PhaseSettings(4 * 3600.0, {"arithmetic": 1.0})])
+    cfg.users.hostile_share, cfg.users.rating_p, cfg.users.correction_p = 0.0, 1.0, 0.0
+    cfg.users.min_delay_s, cfg.users.max_delay_s = 86400.0, 20 * 86400.0  # one to twenty days
+    client = default_client(cfg.validate(), API_KEY)
+    sim = Simulator(cfg, client, clock=clock)
+    summary = sim.run()
+    client.close()
+    served_at = {e["response_id"]: e["t_sim"] for e in sim.events if e["event"] == "request" and e["route"] == "chat"
+                 and e["status"] == 200}
+    ratings = [e for e in sim.events if e["event"] == "request" and e["purpose"] == "rating"]
+    assert summary["stopped_by"] == "done" and len(ratings) >= 4 and all(e["status"] == 200 for e in ratings)
+    ages = [(e["t_sim"] - served_at[e["response_id"]]) / 86400.0 for e in ratings]
+    assert [e["outcome"] for e in ratings] == ["too_old" if age > 7.0 else "queued" for age in ages]
+    assert any(age > 7.0 for age in ages) and any(age < 7.0 for age in ages)
+    assert summary["feedback"]["outcomes"] == {k: sum(e["outcome"] == k for e in ratings) for k in ("queued", "too_old")}
+    with service.store.lock:  # too old: recorded all the same
+        stored = service.store.conn.execute("SELECT COUNT(*) FROM feedback WHERE source = 'explicit' AND "
+                                            "response_id IN (%s)" % ",".join("?" * len(ratings)),
+                                            [e["response_id"] for e in ratings]).fetchone()[0]
+    assert stored == len(ratings)
 
 
 def test_families_metadata_phases_and_hostile_users_reach_the_server(simulated):
-    service, sim, summary, out, _ = simulated
+    service, sim, summary, out, _, _ = simulated
     assert set(summary["requests"]["chat_by_family_phase"]) >= {"arithmetic"}
     assert set(summary["requests"]["chat_by_family_phase"]["arithmetic"]) <= {"0", "1"}
     assert summary["http"]["server_errors"] == 0  # every hostile act got a 2xx or a 4xx

@@ -13,6 +13,8 @@ from selfrl.config.base import SECONDS_MAX, SEED_MAX, check_finite, fill, in_ran
 
 HostileAction = Literal["random_rating", "flood", "replay_turn", "replay_feedback"]
 HOSTILE_ACTIONS: tuple[str, ...] = get_args(HostileAction)
+GroupBy = Literal["task", "family"]
+GROUP_BY: tuple[str, ...] = get_args(GroupBy)
 MAX_TURNS = 32  # turns of one conversation (tool calls and answers)
 MAX_SIM_S = 10 * 365 * 24 * 3600.0  # ten simulated years: a schedule, a delay
 
@@ -124,6 +126,8 @@ class SimulateConfig:
     day_s: float = 0.0  # real seconds one simulated day lasts; 0: simulated time never waits (a day passes at once)
     window_s: float = 3600.0  # simulated seconds of one window of the served-success table
     temperature: float = 1.0  # sampling temperature of each completion
+    concurrency: int = 1  # conversations and reactions in flight at once (a pool of users; 1: one at a time)
+    group_by: GroupBy = "task"  # the task_key sent: task ("<family>:<task id>", the turns of one task) | family (every turn of a family: one learner group per family)
     per_user_tokens: bool = True  # each user sends its own bearer token on completions (false: the API key, for --protect-completions)
     timeout_s: float = 300.0  # real seconds one HTTP request may take
     out_dir: str = "runs/simulate"  # where summary.json and events.jsonl are written
@@ -150,6 +154,8 @@ class SimulateConfig:
             in_range(self.day_s, "day_s", 0, SECONDS_MAX),
             in_range(self.window_s, "window_s", 0, MAX_SIM_S, low_open=True),
             in_range(self.temperature, "temperature", 0, 2),
+            in_range(self.concurrency, "concurrency", 1, 1024),
+            (self.group_by in GROUP_BY, f"group_by must be one of {', '.join(GROUP_BY)}, got {self.group_by!r}"),
             in_range(self.timeout_s, "timeout_s", 0, SECONDS_MAX, low_open=True),
             (bool(self.families), "[[families]] must name at least one family"),
             (len(set(names)) == len(names), f"family names must differ, got {names}"),

@@ -9,7 +9,13 @@
   with Gaussian noise (std 1), as a corrupted checkpoint would be.
 * ``nan_loss@N`` -- the loss of the update of iteration N is NaN.
 
-Without the variable every hook is a no-op. Iteration -1 is the base validation
+``SELFRL_FAULT_FILE`` names a file whose text is read the same way at every hook, so that a
+running process can be told to fault later (``scripts/soak.py`` writes ``noise@7`` into it
+while ``selfrl serve`` runs): only the environment of the process's start decides whether the
+file is read at all, and only whoever can write that file can inject. A missing or empty file
+injects nothing.
+
+Without either variable every hook is a no-op. Iteration -1 is the base validation
 before the first iteration. The loop calls :func:`set_iteration` at the start of
 each iteration, :func:`point` at the named points and :func:`active` where a
 corrupting fault applies. In ``selfrl serve`` the background learner's update
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 ENV = "SELFRL_FAULT"
+ENV_FILE = "SELFRL_FAULT_FILE"
 POINTS = ("after_rollout", "after_store", "during_update", "during_save", "after_save", "during_validation")
 KINDS = ("kill", "lr_x1000", "noise", "nan_loss")
 
@@ -73,8 +80,20 @@ def set_iteration(iteration: int) -> None:
 
 
 def _faults() -> list[Fault]:
+    """The faults of ``SELFRL_FAULT`` and of the file ``SELFRL_FAULT_FILE`` names (read each call).
+
+    Raises:
+        ValueError: a bad spec in either (see :func:`parse`).
+    """
     spec = os.environ.get(ENV, "")
-    return parse(spec) if spec else []
+    path = os.environ.get(ENV_FILE, "")
+    if path:
+        try:
+            with open(path) as f:
+                spec = f"{spec},{f.read()}"
+        except FileNotFoundError:
+            pass
+    return parse(spec) if spec.strip(", \n") else []
 
 
 def active(kind: str) -> bool:

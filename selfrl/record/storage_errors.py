@@ -32,6 +32,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from selfrl.record.write_errors import OS_TEXT
+
 
 class FaultKind(str, enum.Enum):
     """What is wrong with the storage; the ``code`` of the error a client gets."""
@@ -128,6 +130,10 @@ def _kind(e: BaseException) -> FaultKind | None:
             return _SQLITE.get(code & 0xFF)
         text = str(e).lower()
         return next((kind for needle, kind in _SQLITE_TEXT if needle in text), None)
+    if not isinstance(e, OSError):  # a native writer's error (safetensors' SafetensorError) carries only the OS's text
+        text = str(e).lower()
+        code = next((c for needle, c in OS_TEXT.items() if needle in text), None)
+        return _ERRNO.get(code) if code is not None else None
     return None
 
 
@@ -146,6 +152,8 @@ def classify(e: BaseException, where: str | Path = "the run directory") -> Stora
     503
     >>> classify(ValueError("no")) is None
     True
+    >>> classify(RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")).status
+    507
     """
     seen: set[int] = set()
     cur: BaseException | None = e

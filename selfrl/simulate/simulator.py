@@ -4,8 +4,13 @@ One queue of events ordered by simulated time (ties: the order they were queued)
 conversation's arrival (then the next arrival is queued), and a user's delayed reaction.
 Each event is handled when the clock reaches it (``clock.wait_until``: at once with a
 :class:`~selfrl.simulate.clock.FakeClock`, after a real sleep with a
-:class:`~selfrl.simulate.clock.ScaledClock`). Conversations run one after another; a
-conversation takes no simulated time under a fake clock.
+:class:`~selfrl.simulate.clock.ScaledClock`). With ``concurrency = 1`` conversations run one
+after another, and a conversation takes no simulated time under a fake clock. With
+``concurrency = n`` a pool of ``n`` threads handles the events: an event due is handed to a
+free thread, and the loop waits while all ``n`` are busy (a user who finds the server busy waits
+its turn, as a client with a connection pool does). Under a fake clock the time then jumps to
+the next event's even while earlier conversations are in flight, so their reactions are queued
+from that later time; the plans and their draws are the same for every ``concurrency``.
 
 * **A conversation** (:meth:`Simulator.converse`): the plan's task is sent as chat messages
   with the environment's tools and ``metadata = {"family", "user"}``; the model's tool calls
@@ -30,7 +35,9 @@ import heapq
 import itertools
 import json
 import random
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -84,6 +91,10 @@ class Simulator:
         self._seq = itertools.count()
         self.requests = 0
         self.sent_feedback: list[dict[str, Any]] = []  # bodies of feedback that was accepted (replay_feedback's pool)
+        self._lock = threading.Condition()  # guards the queue, the counters and the log (concurrency > 1)
+        self._in_flight = 0
+        self._stopped: str | None = None  # a bound met in a pool thread: every thread stops at its next request
+        self._failure: BaseException | None = None  # an error in a pool thread, raised again by run()
 
     # -- the plans --------------------------------------------------------------------------
 
@@ -97,34 +108,100 @@ class Simulator:
 
     def run(self) -> dict[str, Any]:
         """Run until the schedule ends and no reaction is queued, or a bound stops it; returns the
-        summary (``selfrl.simulate.summary.summarize``) of everything logged."""
+        summary (``selfrl.simulate.summary.summarize``) of everything logged.
+
+        Raises:
+            Exception: whatever a pool thread raised that is no bound (after the others finished).
+        """
         self.t0, self.real0 = self.clock(), self._monotonic()
         plans = self.plans()
         self._push_arrival(plans)
         stopped = "done"
+        pool = ThreadPoolExecutor(self.cfg.concurrency, "simulate") if self.cfg.concurrency > 1 else None
         try:
-            while self._queue:
-                due, _, kind, item = self._queue[0]
-                self._check_time(due)
-                heapq.heappop(self._queue)
-                self.clock.wait_until(due)
+            while (nxt := self._next(pool)) is not None:
+                kind, item = nxt
                 if kind == "arrival":
                     self._push_arrival(plans)
-                    self.converse(item)
+                if pool is None:
+                    self._handle(kind, item)
                 else:
-                    self.react(kind, item)
+                    with self._lock:
+                        self._in_flight += 1
+                    pool.submit(self._work, kind, item)
         except _Stop as e:
             stopped = e.reason
+        finally:
+            if pool is not None:
+                with self._lock:
+                    if stopped != "done" and self._stopped is None:
+                        self._stopped = stopped  # the threads in flight stop at their next request
+                pool.shutdown(wait=True)
+        if self._failure is not None:
+            raise self._failure
+        stopped = self._stopped or stopped
         pending = sum(1 for _, _, kind, _ in self._queue if kind != "arrival")
         self._emit({"event": "stop", "reason": stopped, "pending": pending})
         if self._log is not None:
             self._log.close()
         return summarize(self.events, self.cfg, stopped, pending)
 
+    def _next(self, pool) -> tuple[str, Any] | None:
+        """The next event ``(kind, item)`` once it is due and a thread is free, or None when nothing
+        is queued or in flight.
+
+        Raises:
+            _Stop: a bound is reached (here or in a pool thread).
+        """
+        wait = getattr(self.clock, "real_seconds_until", None)
+        while True:
+            with self._lock:
+                if self._stopped is not None or self._failure is not None:
+                    raise _Stop(self._stopped or "error")
+                if not self._queue and not self._in_flight:
+                    return None
+                if not self._queue or (pool is not None and self._in_flight >= self.cfg.concurrency):
+                    self._lock.wait(0.1)  # a thread finishes, or queues a reaction
+                    continue
+                due = self._queue[0][0]
+                self._check_time(due)
+                if pool is not None and wait is not None and wait(due) > 0:
+                    self._lock.wait(min(wait(due), 0.1))  # an earlier reaction may be queued meanwhile
+                    continue
+                _, _, kind, item = heapq.heappop(self._queue)
+            self.clock.wait_until(due)
+            return kind, item
+
+    def _handle(self, kind: str, item) -> None:
+        if kind == "arrival":
+            self.converse(item)
+        else:
+            self.react(kind, item)
+
+    def _work(self, kind: str, item) -> None:
+        """One event in a pool thread; a bound stops every thread, an error stops the run."""
+        try:
+            self._handle(kind, item)
+        except _Stop as e:
+            with self._lock:
+                self._stopped = self._stopped or e.reason
+        except BaseException as e:  # noqa: BLE001 - raised again by run() once the pool is done
+            with self._lock:
+                self._failure = self._failure or e
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self._lock.notify_all()
+
+    def _push(self, due: float, kind: str, item) -> None:
+        with self._lock:
+            heapq.heappush(self._queue, (due, next(self._seq), kind, item))
+            self._lock.notify_all()
+
     def _push_arrival(self, plans) -> None:
         p = next(plans, None)
         if p is not None:
-            heapq.heappush(self._queue, (self.t0 + p.at_s, next(self._seq), "arrival", p))
+            self._push(self.t0 + p.at_s, "arrival", p)
 
     def _check_time(self, due: float | None = None) -> None:
         left = self.cfg.max_seconds - (self._monotonic() - self.real0)
@@ -133,31 +210,40 @@ class Simulator:
             raise _Stop("max_seconds")
 
     def _emit(self, event: dict[str, Any]) -> None:
-        event = {"t_sim": round(self.clock() - self.t0, 3), "t_real": round(self._monotonic() - self.real0, 3), **event}
-        self.events.append(event)
-        if self._log is not None:
-            self._log.write(json.dumps(event) + "\n")
-            self._log.flush()
+        with self._lock:
+            event = {"t_sim": round(self.clock() - self.t0, 3), "t_real": round(self._monotonic() - self.real0, 3),
+                     **event}
+            self.events.append(event)
+            if self._log is not None:
+                self._log.write(json.dumps(event) + "\n")
+                self._log.flush()
 
     def _request(self, route: str, purpose: str, p: Plan, body: dict[str, Any]) -> Reply:
         """One HTTP request within the bounds, logged."""
-        if self.requests >= self.cfg.max_requests:
-            raise _Stop("max_requests")
-        self._check_time()
-        self.requests += 1
+        with self._lock:
+            if self._stopped is not None:
+                raise _Stop(self._stopped)
+            if self.requests >= self.cfg.max_requests:
+                raise _Stop("max_requests")
+            self._check_time()
+            self.requests += 1
         reply = self.client.chat(p.user, body) if route == "chat" else self.client.feedback(body)
         event = {"event": "request", "route": route, "purpose": purpose, "conversation": p.index,
                  "family": p.family, "user": p.user, "phase": p.phase, "status": reply.status,
                  "latency_s": round(reply.latency_s, 4)}
         if route == "chat" and reply.ok:
             event["response_id"] = reply.body["id"]
+            event["version"] = reply.body.get("adapter_version")  # the adapter version the server says served it
         elif route == "feedback":
             event.update({k: body[k] for k in ("response_id", "rating", "corrected") if k in body})
+            if reply.ok and isinstance(reply.body, dict) and "outcome" in reply.body:
+                event["outcome"] = reply.body["outcome"]  # used | queued | too_old (the age rule's answer)
         if reply.error is not None:
             event["error"] = reply.error
         self._emit(event)
         if route == "feedback" and reply.ok:
-            self.sent_feedback.append(body)
+            with self._lock:
+                self.sent_feedback.append(body)
         return reply
 
     # -- a conversation ---------------------------------------------------------------------
@@ -165,7 +251,7 @@ class Simulator:
     def _body(self, p: Plan, fam: Family, messages, tools, task_id: str) -> dict[str, Any]:
         body = {"model": self.cfg.model, "messages": [dict(m) for m in messages], "max_tokens": fam.settings.max_tokens,
                 "temperature": self.cfg.temperature, "metadata": {"family": p.family, "user": p.user},
-                "task_key": f"{p.family}:{task_id}"}
+                "task_key": f"{p.family}:{task_id}" if self.cfg.group_by == "task" else p.family}
         if tools:
             body["tools"] = tools
         return body
@@ -214,12 +300,13 @@ class Simulator:
         response_id = reply.body["id"]
         self._emit({"event": "outcome", "conversation": p.index, "family": p.family, "user": p.user,
                     "phase": p.phase, "hostile": p.hostile, "served": True, "turns": turns, "correct": correct,
-                    "response_id": response_id, "start_s": round(p.at_s, 3)})
+                    "response_id": response_id, "start_s": round(p.at_s, 3),
+                    "version": reply.body.get("adapter_version")})
         due = self.clock() + p.delay_s
         if p.hostile:
             self._emit({"event": "hostile", "conversation": p.index, "family": p.family, "user": p.user,
                         "action": p.hostile_action, "delay_s": round(p.delay_s, 3)})
-            heapq.heappush(self._queue, (due, next(self._seq), "hostile", (p, response_id, body)))
+            self._push(due, "hostile", (p, response_id, body))
             return
         judged = verdict(correct, p)
         kind = reaction(judged, p, self.cfg.users.rating_p, self.cfg.users.correction_p)
@@ -227,11 +314,10 @@ class Simulator:
                     "correct": correct, "judged_right": judged, "misjudged": p.misjudge, "reaction": kind,
                     "delay_s": round(p.delay_s, 3), "due_s": round(due - self.t0, 3)})
         if kind == "rating":
-            heapq.heappush(self._queue, (due, next(self._seq), "rating", (p, response_id, 1.0 if judged else -1.0)))
+            self._push(due, "rating", (p, response_id, 1.0 if judged else -1.0))
         elif kind == "correction":
             cut = max(i for i, m in enumerate(messages) if m["role"] == "assistant") + 1
-            heapq.heappush(self._queue, (due, next(self._seq), "correction",
-                                         (p, response_id, messages[:cut], ep.task, fam, tools)))
+            self._push(due, "correction", (p, response_id, messages[:cut], ep.task, fam, tools))
 
     # -- reactions --------------------------------------------------------------------------
 
@@ -259,7 +345,8 @@ class Simulator:
         elif p.hostile_action == "replay_turn":
             self._request("chat", purpose, p, body)
         else:  # replay_feedback
-            pool = self.sent_feedback
+            with self._lock:
+                pool = list(self.sent_feedback)
             again = pool[min(int(p.pick * len(pool)), len(pool) - 1)] if pool else \
                 {"response_id": f"chatcmpl-never-served-{p.index}", "choice": 0, "rating": 1.0}
             self._request("feedback", purpose, p, dict(again))

@@ -5,8 +5,11 @@ summary can be rebuilt from the log alone:
 
 * ``request`` events: one per HTTP request, with its ``route`` (chat, feedback), ``purpose``
   (turn, correction_turn, rating, correction, hostile:<action>), ``status`` (0: no answer), real
-  ``latency_s``, its ``response_id`` and, for feedback, the ``rating`` or ``corrected`` it sent;
-* ``outcome``: a conversation's final answer and the verifier's verdict on it (``correct``);
+  ``latency_s``, its ``response_id`` (and the adapter ``version`` that answered a completion)
+  and, for feedback, the ``rating`` or ``corrected`` it sent and the server's ``outcome`` (``used``,
+  ``queued`` or ``too_old``: what the age rule made of it);
+* ``outcome``: a conversation's final answer, the verifier's verdict on it (``correct``) and the
+  adapter ``version`` that gave it;
 * ``judgement``: an honest user's verdict, reaction and its delay;
 * ``hostile``: a hostile user's action;
 * ``stop``: why the loop ended.
@@ -93,6 +96,7 @@ def summarize(events: list[dict[str, Any]], cfg, stopped: str, pending: int) -> 
             "sent_by_status": _nested(Counter((e["purpose"], e["status"]) for e in reqs
                                               if e["purpose"] in ("rating", "correction", "correction_turn"))),
             "pending": pending,
+            "outcomes": dict(sorted(Counter(e["outcome"] for e in reqs if "outcome" in e).items())),
         },
         "hostile": {
             "users": len({e["user"] for e in hostile}),

@@ -1,0 +1,384 @@
+"""The soak: ``selfrl serve`` learning from simulated users for ``--minutes``, with faults injected
+at random (seeded) times, sampled every ``--sample-s`` seconds, then judged against the targets
+of continual learning (``scripts/soak_report.py``).
+
+What runs:
+
+* ``selfrl serve`` as a subprocess (the embedded SmolLM2-135M-Instruct, or ``--tiny``: the tests'
+  tiny random model) on ``<out>/disk/run``; where a tmpfs can be mounted (root) ``<out>/disk`` is
+  one of ``--disk-mb`` MB, so that the disk can be filled; else the disk fault is left out (said).
+* ``selfrl simulate``'s :class:`~selfrl.simulate.Simulator` in a thread, a pool of
+  ``--concurrency`` users of arithmetic, function calling and the web's easy tier, in three
+  phases (arithmetic; + function calling; + the web), on a scaled clock (``--day-s`` real
+  seconds a simulated day); a request during an outage is counted (status 0), never a crash.
+* The faults, one each at a time drawn uniformly inside its own slice of the run:
+  ``collapse`` (noise in the weights of one update, or a learning rate x1000, by the seed) and
+  ``nan_loss``, both written into ``SELFRL_FAULT_FILE`` for the learner's next update
+  (:mod:`selfrl.core.faults`) and armed again when that update made no step; ``kill`` (SIGKILL,
+  a few seconds down, then a restart on the same run directory); ``disk`` (the tmpfs filled but
+  for 64 KiB for ``--disk-hold-s`` seconds, then freed).
+* A sample every ``--sample-s`` seconds into ``timeline.jsonl``: the server's RSS, the run
+  directory's size, the completions' latency p95 and each family's served success (the
+  simulator's verifier verdicts) in the window, and the learner's status.
+
+At the end, before the server stops, each family's held-out pairs: the same ``--eval-tasks``
+tasks (a seed no user drew) asked of version 0 and of the champion (``selfrl@v<N>``,
+temperature 0); then ``soak_report.py`` writes ``soak.png``, ``targets.md`` and ``targets.json``.
+
+    python scripts/soak.py --minutes 90 --out runs/soak        # the soak (docs/results/soak.md)
+    python scripts/soak.py --minutes 2 --tiny --out /tmp/soak   # a smoke run on the tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from soak_server import KEY, SERVE_TOML, Server, call, disk_mb, free_port, rss_mb  # noqa: E402
+
+FAULTS = ("collapse", "nan_loss", "kill", "disk")
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--minutes", type=float, default=90.0, help="real minutes of traffic (the faults fall inside)")
+    p.add_argument("--out", default="runs/soak", help="folder of the run, the logs, the timeline, the figure, the table")
+    p.add_argument("--tiny", action="store_true", help="serve the tests' tiny random model instead of the embedded one")
+    p.add_argument("--model", default="embedded:smollm2-135m-instruct", help="the served model (without --tiny)")
+    p.add_argument("--seed", type=int, default=0, help="the users' seed and the faults' times")
+    p.add_argument("--concurrency", type=int, default=4, help="users in flight at once")
+    p.add_argument("--faults", default=",".join(FAULTS), help=f"which faults to inject, of {', '.join(FAULTS)}")
+    p.add_argument("--sample-s", type=float, default=10.0, help="real seconds between two samples of the timeline")
+    p.add_argument("--day-s", type=float, default=1440.0, help="real seconds one simulated day lasts")
+    p.add_argument("--arrivals-per-hour", type=float, default=30.0, help="conversations per simulated hour")
+    p.add_argument("--eval-tasks", type=int, default=16, help="held-out tasks per family asked of base and champion")
+    p.add_argument("--tolerance", type=float, default=0.1, help="no-forgetting tolerance of a family's served success")
+    p.add_argument("--rss-warmup-min", type=float, default=15.0, help="RSS growth is measured after this many minutes")
+    p.add_argument("--disk-mb", type=int, default=512, help="size of the tmpfs the run directory lives on")
+    p.add_argument("--disk-hold-s", type=float, default=30.0, help="seconds the disk stays nearly full")
+    p.add_argument("--outage-s", type=float, default=5.0, help="seconds the server stays down after kill -9")
+    p.add_argument("--keep-newest", type=int, default=3, help="the server's retention.keep_newest")
+    args = p.parse_args(argv)
+    args.faults = [f for f in args.faults.split(",") if f]
+    if bad := [f for f in args.faults if f not in FAULTS]:
+        p.error(f"unknown faults {bad}; valid: {', '.join(FAULTS)}")
+    return args
+
+
+def simulate_config(args, url: str, minutes: float, out: Path):
+    """The users: three families in three phases spread over ``minutes`` real minutes."""
+    from selfrl.config.simulate import FamilySettings, PhaseSettings, SimulateConfig
+
+    tokens = 16 if args.tiny else 96
+    sim_span = minutes * 60.0 * 86400.0 / args.day_s  # simulated seconds the traffic lasts
+    cfg = SimulateConfig(
+        base_url=url, seed=args.seed, max_requests=10**7, max_seconds=minutes * 60.0, day_s=args.day_s,
+        arrivals_per_hour=args.arrivals_per_hour, window_s=sim_span / 10, concurrency=args.concurrency,
+        timeout_s=120.0, out_dir=str(out), group_by="family",  # one learner group per family: its mean is the baseline
+        families=[FamilySettings("arithmetic", "chain_sum", users=20, max_turns=3, max_tokens=tokens, heldout_size=8),
+                  FamilySettings("function_calling", "function_calling", {"categories": ["simple"]}, users=20,
+                                 max_turns=2, max_tokens=tokens, heldout_size=8),
+                  FamilySettings("web", "web", {"tier": "easy"}, users=20, max_turns=3, max_tokens=tokens,
+                                 heldout_size=8)],
+        phases=[PhaseSettings(sim_span / 3, {"arithmetic": 1.0}),
+                PhaseSettings(sim_span / 3, {"arithmetic": 0.5, "function_calling": 0.5}),
+                PhaseSettings(sim_span / 3, {"arithmetic": 0.3, "function_calling": 0.35, "web": 0.35})])
+    cfg.users.max_delay_s = min(8 * 3600.0, sim_span / 4)  # judgements reach the server within the run
+    return cfg.validate()
+
+
+def fault_times(faults: list[str], seconds: float, seed: int) -> list[tuple[float, str]]:
+    """One time per fault, each drawn uniformly in its own slice of the middle 80 % of the run
+    (in a seeded random order), so that no two overlap and each has traffic before and after."""
+    rng = random.Random(f"soak:{seed}")
+    order = list(faults)
+    rng.shuffle(order)
+    lo, span = 0.1 * seconds, 0.8 * seconds / max(len(order), 1)
+    return sorted((lo + span * (i + rng.uniform(0.1, 0.7)), f) for i, f in enumerate(order))
+
+
+class Soak:
+    """The run's state: the server, the simulator, the fault log and the timeline."""
+
+    def __init__(self, args):
+        self.args, self.out = args, Path(args.out).absolute()
+        self.disk = self.out / "disk"
+        self.run_dir = self.disk / "run"
+        self.fault_file = self.out / "fault_trigger"
+        self.faults: list[dict] = []  # every injection: kind, time, and what became of it
+        self.pending: list[dict] = []  # the learner fault armed (one at a time), waiting for its update
+        self.waiting: list[dict] = []  # learner faults injected while another was armed
+        self.t0 = time.time()
+        self.mounted = False
+        self.rng = random.Random(f"soak:{args.seed}:kinds")
+
+    def log_fault(self, **row) -> dict:
+        row = {"t": round(time.time() - self.t0, 2), **row}
+        self.faults.append(row)
+        with open(self.out / "faults.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"soak: {row['t']:7.1f} s  fault {row}", flush=True)
+        return row
+
+    # -- the learner's faults ---------------------------------------------------------------
+
+    def arm(self, row: dict) -> bool:
+        """Write ``row``'s fault for the learner's next update; False while the server is down."""
+        status, st = call(self.server.url, "/admin/status")
+        learner = st.get("learner") or {}
+        if status != 200 or "updates" not in learner:
+            return False
+        target = learner["updates"] + (1 if learner.get("busy") else 0)
+        row["update"] = target
+        row.setdefault("armed", []).append(target)
+        self.fault_file.write_text(f"{row['spec']}@{target}\n")
+        return True
+
+    def check_pending(self) -> None:
+        """A learner fault whose update has run: applied (it made a version, or a NaN loss was
+        skipped as such), or armed again for the next update (the update made no step)."""
+        from selfrl.record.store import Store
+
+        status, st = call(self.server.url, "/admin/status")
+        learner = st.get("learner") or {}
+        for row in list(self.pending):
+            if status == 200 and row.get("update") is None:  # the server was down when it was injected
+                self.arm(row)
+                continue
+            if status != 200 or learner.get("updates", 0) <= row["update"] or learner.get("busy"):
+                continue
+            with Store(self.run_dir / "selfrl.db", readonly=True) as store:
+                events = [e for e in store.events() if e["data"].get("iteration") == row["update"]]
+                made = [m for m in store.metrics() if m["step"] == row["update"] and m["name"] == "version"]
+            skip = next((e for e in events if e["kind"] == "skip"), None)
+            applied = bool(made) if row["kind"] == "collapse" else (
+                skip is not None and skip["data"].get("reason") == "not_finite")
+            if applied or len(row["armed"]) >= 8:
+                row["applied"] = applied
+                self.pending.remove(row)
+                self.fault_file.write_text("")
+                with open(self.out / "faults.jsonl", "a") as f:
+                    f.write(json.dumps({**row, "event": "applied" if applied else "gave_up"}) + "\n")
+                if self.waiting:
+                    self.pending.append(self.waiting.pop(0))
+            else:
+                self.arm(row)
+
+    # -- the faults -------------------------------------------------------------------------
+
+    def inject(self, kind: str) -> None:
+        if kind in ("collapse", "nan_loss"):
+            spec = self.rng.choice(["noise", "lr_x1000"]) if kind == "collapse" else "nan_loss"
+            row = self.log_fault(kind=kind, spec=spec)
+            if self.pending:  # one learner fault at a time: this one waits for the one armed
+                row["update"], row["armed"] = None, []
+                self.waiting.append(row)
+            else:
+                self.pending.append(row)
+                if not self.arm(row):
+                    row["update"], row["armed"] = None, []
+        elif kind == "kill":
+            row = self.log_fault(kind="kill", pid=self.server.proc.pid)
+            self.server.kill9()
+            time.sleep(self.args.outage_s)
+            t = time.time()
+            self.server.start(self.port)
+            row["down_s"] = round(time.time() - t + self.args.outage_s, 1)
+            self.log_fault(kind="restart", pid=self.server.proc.pid, down_s=row["down_s"])
+        elif kind == "disk":
+            if not self.mounted:
+                self.log_fault(kind="disk", skipped="no tmpfs: mounting one needs root")
+                return
+            from fault_serve_disk import fill_disk
+
+            filler = fill_disk(self.disk)
+            with open(filler, "r+b") as f:  # nearly full: 64 KiB left
+                f.truncate(max(0, filler.stat().st_size - 65536))
+            self.log_fault(kind="disk", free_kb=shutil.disk_usage(self.disk).free // 1024)
+            time.sleep(self.args.disk_hold_s)
+            filler.unlink()
+            self.log_fault(kind="disk_freed")
+
+    # -- the timeline -----------------------------------------------------------------------
+
+    def sample(self, sim, last: float) -> dict:
+        from selfrl.simulate.summary import percentile
+
+        now = time.time() - self.t0
+        with sim._lock:
+            events = list(sim.events)
+        lo, hi = last, now
+        real0 = getattr(sim, "real0", None)
+        shift = 0.0 if real0 is None else (self.sim_started - self.t0)
+        window = [e for e in events if lo < e["t_real"] + shift <= hi]
+        lat = [e["latency_s"] for e in window if e["event"] == "request" and e["route"] == "chat" and e["status"] == 200]
+        fam: dict[str, list[bool]] = {}
+        for e in window:
+            if e["event"] == "outcome" and e["served"]:
+                fam.setdefault(e["family"], []).append(bool(e["correct"]))
+        status, st = call(self.server.url, "/admin/status", timeout=5)
+        pid = self.server.proc.pid if self.server.proc is not None else None
+        row = {"t": round(now, 1), "rss_mb": rss_mb(pid) if pid else None, "pid": pid,
+               "disk_mb": round(disk_mb(self.run_dir), 3), "latency_p95_s": percentile(lat, 0.95),
+               "completions": len(lat), "failed": sum(1 for e in window if e["event"] == "request" and e["status"] != 200),
+               "success": {f: {"n": len(v), "correct": sum(v)} for f, v in fam.items()},
+               "up": status == 200, "learner": (st.get("learner") or {}) if status == 200 else None}
+        with open(self.out / "timeline.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        return row
+
+    # -- the run ----------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """The folders, the tmpfs (where it can be mounted), the model, the key and the server's config."""
+        from fault_serve_disk import tmpfs_unavailable
+
+        a = self.args
+        if self.out.exists() and any(self.out.iterdir()):
+            raise SystemExit(f"soak: {self.out} is not empty; give a new --out")
+        self.disk.mkdir(parents=True)
+        why = tmpfs_unavailable(self.out) if "disk" in a.faults else "no disk fault asked"
+        if why is None:
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={a.disk_mb}m", "tmpfs", str(self.disk)], check=True)
+            self.mounted = True
+        elif "disk" in a.faults:
+            print(f"soak: the disk fault is left out: {why}", file=sys.stderr)
+        model = a.model
+        if a.tiny:
+            from fault_runs import save_tiny_model
+
+            model = str(save_tiny_model(self.out / "tiny-model", eos_bias=3.0))
+        (self.out / "key").write_text(KEY + "\n")
+        self.port = free_port()
+        tiny = a.tiny
+        (self.out / "serve.toml").write_text(SERVE_TOML.format(
+            run_dir=self.run_dir, port=self.port, model=model, tokens=16 if tiny else 96, lora_r=4 if tiny else 8,
+            val_size=4 if tiny else 8, min_batch=8 if tiny else 12, max_batch=16 if tiny else 24,
+            feedback_wait_s=5.0 if tiny else 60.0, max_kl=0.1 if tiny else 0.5, keep_newest=a.keep_newest,
+            lr=1e-3 if tiny else 1e-4))
+        self.fault_file.write_text("")
+        self.server = Server(self.out, self.out / "serve.toml", self.fault_file)
+
+    def run(self) -> dict:
+        """Start the server, drive it, inject, sample; returns the run's record (``soak.json``)."""
+        from selfrl.simulate import Simulator
+        from selfrl.simulate.simulator import default_client
+
+        a = self.args
+        self.server.start(self.port)
+        self.t0 = time.time()
+        seconds = a.minutes * 60.0
+        plan = fault_times(a.faults, seconds, a.seed)
+        cfg = simulate_config(a, self.server.url, a.minutes, self.out)
+        client = default_client(cfg, KEY)
+        sim = Simulator(cfg, client, log=self.out / "events.jsonl")
+        result: dict = {}
+        self.sim_started = time.time()
+        thread = threading.Thread(target=lambda: result.update(summary=sim.run()), daemon=True)
+        thread.start()
+        last, busy = 0.0, None
+        while thread.is_alive():
+            now = time.time() - self.t0
+            while plan and plan[0][0] <= now and not (busy and busy.is_alive()):
+                kind = plan.pop(0)[1]
+                if kind in ("kill", "disk"):  # these take a while: the samples go on meanwhile
+                    busy = threading.Thread(target=self.inject, args=(kind,), daemon=True)
+                    busy.start()
+                else:
+                    self.inject(kind)
+            self.check_pending()
+            if time.time() - self.t0 - last >= a.sample_s:
+                self.sample(sim, last)
+                last = time.time() - self.t0
+            thread.join(timeout=1.0)
+        if busy is not None:
+            busy.join()
+        for _ in range(60):  # the learner faults still armed get a last chance to be applied
+            if not self.pending:
+                break
+            self.check_pending()
+            time.sleep(2.0)
+        self.sample(sim, last)
+        client.close()
+        (self.out / "summary.json").write_text(json.dumps(result.get("summary", {}), indent=2) + "\n")
+        pairs = self.held_out_pairs(cfg)
+        self.sample(sim, time.time() - self.t0)
+        self.server.stop()
+        return {"args": vars(a), "started": self.t0, "seconds": time.time() - self.t0, "faults": self.faults,
+                "not_injected": [k for _, k in plan], "pending": self.pending + self.waiting, "pairs": pairs,
+                "server_starts": self.server.starts, "tmpfs": self.mounted}
+
+    def held_out_pairs(self, cfg) -> dict:
+        """Each family's verdicts on ``--eval-tasks`` tasks of one seed no user drew, asked of
+        version 0 and of the champion at temperature 0 (``{family: {base, champion, version}}``)."""
+        import copy
+
+        from selfrl.simulate import FakeClock, Simulator
+        from selfrl.simulate.simulator import default_client
+
+        _, st = call(self.server.url, "/admin/status")
+        champ = (st.get("learner") or {}).get("best_version", 0)
+        out: dict = {"champion": champ}
+        for fam in cfg.families:
+            verdicts = {}
+            for name, version in (("base", 0), ("champion", champ)):
+                c = copy.deepcopy(cfg)
+                c.model, c.temperature, c.day_s, c.max_seconds = f"selfrl@v{version}", 0.0, 0.0, 3600.0
+                c.seed, c.concurrency = cfg.seed + 10_000, min(cfg.concurrency, 4)
+                c.arrivals_per_hour, c.families = 3600.0, [fam]
+                c.phases = [type(cfg.phases[0])(self.args.eval_tasks * 5.0, {fam.name: 1.0})]
+                c.users.rating_p = c.users.correction_p = c.users.hostile_share = 0.0
+                client = default_client(c.validate(), KEY)
+                sim = Simulator(c, client, clock=FakeClock(0.0), monotonic=time.monotonic)
+                sim.plans = _first(sim.plans, self.args.eval_tasks)
+                sim.run()
+                client.close()
+                verdicts[name] = {e["conversation"]: bool(e["correct"]) for e in sim.events
+                                  if e["event"] == "outcome" and e["served"]}
+            both = sorted(set(verdicts["base"]) & set(verdicts["champion"]))
+            out[fam.name] = {"base": [verdicts["base"][i] for i in both],
+                             "champion": [verdicts["champion"][i] for i in both]}
+        return out
+
+    def close(self) -> None:
+        """Copy the run directory out of the tmpfs, then unmount it."""
+        self.server.stop()
+        if self.mounted:
+            shutil.copytree(self.run_dir, self.out / "run", symlinks=True, dirs_exist_ok=True)
+            subprocess.run(["umount", "-l", str(self.disk)], check=False)
+            self.mounted = False
+        elif self.run_dir.exists() and not (self.out / "run").exists():
+            (self.out / "run").symlink_to(self.run_dir)
+
+
+def _first(plans, n: int):
+    """``plans`` limited to its first ``n`` plans (the arrivals are 1 simulated second apart)."""
+    import itertools
+
+    return lambda: itertools.islice(plans(), n)
+
+
+def main(argv=None) -> int:
+    from soak_report import report
+
+    args = parse_args(argv)
+    soak = Soak(args)
+    soak.setup()
+    try:
+        record = soak.run()
+    finally:
+        soak.close()
+    (soak.out / "soak.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    table = report(soak.out)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

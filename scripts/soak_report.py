@@ -1,0 +1,290 @@
+"""The soak's verdict (``scripts/soak.py``): the targets measured, and the figure.
+
+Reads ``<out>``: ``soak.json`` (the faults and the held-out pairs), ``timeline.jsonl`` (the
+samples), ``events.jsonl`` (every request and verdict of the simulator) and ``run/selfrl.db``
+(the server's store: versions, events, metrics, served turns). Writes ``targets.md``,
+``targets.json`` and ``soak.png``; returns the markdown table.
+
+How each target is measured:
+
+* **above base**: per family, the paired difference champion - base on the same held-out tasks
+  (``selfrl.report.stats.paired_difference_ci``, 95 %); met when the interval is above 0 for
+  arithmetic and at least one more family.
+* **no forgetting at promoted versions**: the simulator's served success of each family under
+  each promoted version (its verifier's verdicts on the answers that version gave), against the
+  best of the versions before it: a version fails a family when the upper end of its Wilson
+  interval is below that best minus ``--tolerance``. The served tasks differ from version to
+  version, so this is a coarse check; the server's own per-family held-out gate is not measured here.
+* **collapses caught**: each injected collapse that was applied (its update made a version) is
+  caught when a ``collapse`` event of that update rolled its version back, or the gate rejected
+  it; it was never served in either case. A NaN loss is caught when its update was skipped as
+  ``not_finite``.
+* **trajectories lost**: every completion the simulator got with a 200 has its stored turn.
+* **unpromoted versions served**: every version a 200 named is 0, promoted at some point, or pinned.
+* **learner never stopped**: no ``collapse_stop`` or ``learner_error`` event, and the last sample
+  shows the learner alive.
+* **RSS growth**: per server process, the least-squares slope of RSS over the samples after
+  ``--rss-warmup-min`` minutes of that process, in % of its RSS then, per hour; the largest.
+* **disk within retention**: at the end, every adapter folder is one of the newest
+  ``keep_newest``, a base, promoted, pinned or served version.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def load(out: Path) -> dict:
+    from selfrl.record.store import Store
+
+    run = out / "run"
+    with Store(run / "selfrl.db", readonly=True) as store:
+        versions = {v["version"]: v for v in store.versions()}
+        events = store.events()
+        metrics = store.metrics()
+        served = {r[0]: r[1] for r in store.conn.execute("SELECT response_id, trajectory_id FROM served")}
+    return {"soak": json.loads((out / "soak.json").read_text()), "timeline": _read_jsonl(out / "timeline.jsonl"),
+            "sim": _read_jsonl(out / "events.jsonl"), "versions": versions, "events": events, "metrics": metrics,
+            "served": served, "run": run}
+
+
+def above_base(d: dict) -> dict:
+    from selfrl.report.stats import paired_difference_ci
+
+    rows = {}
+    for fam, p in d["soak"]["pairs"].items():
+        if fam == "champion":
+            continue
+        mean, lo, hi = paired_difference_ci(p["base"], p["champion"])
+        rows[fam] = {"n": len(p["base"]), "base": sum(p["base"]), "champion": sum(p["champion"]),
+                     "diff": mean, "low": lo, "high": hi, "above": lo > 0}
+    met = rows.get("arithmetic", {}).get("above", False) and sum(r["above"] for f, r in rows.items()
+                                                                  if f != "arithmetic") >= 1
+    return {"met": met, "champion": d["soak"]["pairs"].get("champion"), "families": rows}
+
+
+def no_forgetting(d: dict, tolerance: float) -> dict:
+    from selfrl.report.stats import wilson_interval
+
+    promoted = sorted(v for v in _promoted(d) if v != 0)
+    per: dict[tuple[str, int], list[bool]] = {}
+    for e in d["sim"]:
+        if e["event"] == "outcome" and e.get("served") and e.get("version") is not None:
+            per.setdefault((e["family"], int(e["version"])), []).append(bool(e["correct"]))
+    fails, checked = [], 0
+    for fam in sorted({f for f, _ in per}):
+        best = None
+        for v in [0, *promoted]:
+            got = per.get((fam, v))
+            if not got:
+                continue
+            rate = sum(got) / len(got)
+            if best is not None and v != 0:
+                checked += 1
+                if wilson_interval(sum(got), len(got))[1] < best - tolerance:
+                    fails.append({"family": fam, "version": v, "success": rate, "n": len(got), "best": best})
+            best = rate if best is None else max(best, rate)
+    table = {f"{f}@v{v}": {"n": len(x), "correct": sum(x)} for (f, v), x in sorted(per.items())}
+    return {"met": not fails, "checked": checked, "fails": fails, "served_success": table}
+
+
+def _promoted(d: dict) -> set[int]:
+    return {0} | {e["data"].get("version") for e in d["events"] if e["kind"] == "promote"} | {
+        v for v, r in d["versions"].items() if r["status"] in ("base", "promoted")}
+
+
+def collapses_caught(d: dict) -> dict:
+    rows = []
+    by_step = {int(m["step"]): int(m["value"]) for m in d["metrics"] if m["name"] == "version"}
+    for f in d["soak"]["faults"]:
+        if f["kind"] not in ("collapse", "nan_loss"):
+            continue
+        step = f.get("update")
+        row = {"kind": f["kind"], "spec": f.get("spec"), "update": step, "applied": f.get("applied", False)}
+        at = [e for e in d["events"] if e["data"].get("iteration") == step]
+        if f["kind"] == "nan_loss":
+            row["caught"] = any(e["kind"] == "skip" and e["data"].get("reason") == "not_finite" for e in at)
+            row["how"] = "skipped (not_finite)" if row["caught"] else "not skipped"
+        else:
+            v = by_step.get(step)
+            row["version"] = v
+            rolled = any(e["kind"] == "collapse" and v in e["data"].get("rolled_back", []) for e in d["events"])
+            status = d["versions"].get(v, {}).get("status")
+            row["caught"] = v is not None and (rolled or status == "rejected")
+            row["how"] = "collapse event, rolled back" if rolled else f"version status {status}"
+            row["served"] = any(e.get("version") == v for e in d["sim"] if e["event"] == "request")
+            row["caught"] = row["caught"] and not row["served"]
+        rows.append(row)
+    applied = [r for r in rows if r["applied"]]
+    return {"met": bool(applied) and all(r["caught"] for r in applied), "faults": rows,
+            "caught": sum(r["caught"] for r in applied), "applied": len(applied), "injected": len(rows)}
+
+
+def trajectories(d: dict) -> dict:
+    ok = [e["response_id"] for e in d["sim"] if e["event"] == "request" and e["route"] == "chat"
+          and e["status"] == 200]
+    lost = [r for r in ok if r not in d["served"]]
+    outage = sum(1 for e in d["sim"] if e["event"] == "request" and e["status"] == 0)
+    return {"met": not lost, "acknowledged": len(ok), "lost": len(lost), "unanswered_during_outages": outage}
+
+
+def versions_served(d: dict) -> dict:
+    allowed = _promoted(d) | {e["data"].get("version") for e in d["events"] if e["kind"] == "pin"}
+    named = [e.get("version") for e in d["sim"] if e["event"] == "request" and e["route"] == "chat"
+             and e["status"] == 200]
+    bad = sorted({v for v in named if v not in allowed})
+    return {"met": not bad and None not in named, "responses": len(named), "versions": sorted(set(named) - {None}),
+            "bad": bad}
+
+
+def learner_alive(d: dict) -> dict:
+    stops = [e["kind"] for e in d["events"] if e["kind"] in ("collapse_stop", "learner_error")]
+    last = next((t for t in reversed(d["timeline"]) if t.get("learner")), {})
+    alive = bool((last.get("learner") or {}).get("alive"))
+    backoffs = sum(1 for e in d["events"] if e["kind"] == "collapse")
+    return {"met": not stops and alive, "stops": stops, "alive_at_end": alive, "collapse_events": backoffs,
+            "updates": (last.get("learner") or {}).get("updates")}
+
+
+def rss_growth(d: dict, warmup_min: float) -> dict:
+    segs: dict[int, list[tuple[float, float]]] = {}
+    for t in d["timeline"]:
+        if t.get("rss_mb") and t.get("pid"):
+            segs.setdefault(t["pid"], []).append((t["t"], t["rss_mb"]))
+    growth = []
+    for pid, pts in segs.items():
+        start = pts[0][0]
+        later = [(x, y) for x, y in pts if x - start >= warmup_min * 60]
+        if len(later) < 3:
+            continue
+        mx, my = sum(x for x, _ in later) / len(later), sum(y for _, y in later) / len(later)
+        slope = sum((x - mx) * (y - my) for x, y in later) / sum((x - mx) ** 2 for x, _ in later)
+        growth.append({"pid": pid, "samples": len(later), "rss_mb_at_warmup": later[0][1],
+                       "pct_per_hour": 100 * slope * 3600 / later[0][1]})
+    worst = max((g["pct_per_hour"] for g in growth), default=None)
+    return {"met": worst is not None and worst < 10.0, "pct_per_hour": worst, "segments": growth,
+            "max_rss_mb": max((t["rss_mb"] for t in d["timeline"] if t.get("rss_mb")), default=None)}
+
+
+def disk_retention(d: dict, keep: int) -> dict:
+    folders = sorted(int(p.name[1:]) for p in (d["run"] / "adapters").glob("v*") if p.name[1:].isdigit()) \
+        if (d["run"] / "adapters").exists() else []
+    newest = set(sorted(d["versions"])[-keep:]) if keep else set(d["versions"])
+    kept_ok = _promoted(d) | newest | {e["data"].get("version") for e in d["events"] if e["kind"] in ("pin", "swap")}
+    extra = [v for v in folders if v not in kept_ok]
+    return {"met": not extra, "folders": len(folders), "versions": len(d["versions"]), "outside_policy": extra,
+            "max_disk_mb": max((t["disk_mb"] for t in d["timeline"]), default=None)}
+
+
+def measure(out: Path) -> dict:
+    d = load(out)
+    args = d["soak"]["args"]
+    return {"above_base": above_base(d), "no_forgetting": no_forgetting(d, args["tolerance"]),
+            "collapses_caught": collapses_caught(d), "trajectories_lost": trajectories(d),
+            "unpromoted_served": versions_served(d), "learner_never_stopped": learner_alive(d),
+            "rss_growth": rss_growth(d, args["rss_warmup_min"]),
+            "disk_within_retention": disk_retention(d, args["keep_newest"])}, d
+
+
+def markdown(t: dict, d: dict) -> str:
+    def yes(ok):
+        return "met" if ok else "**not met**"
+
+    ab, nf, cc = t["above_base"], t["no_forgetting"], t["collapses_caught"]
+    fams = "; ".join(f"{f} {r['base']}/{r['n']} -> {r['champion']}/{r['n']}, diff {r['diff']:+.2f} "
+                     f"[{r['low']:+.2f}, {r['high']:+.2f}]" for f, r in ab["families"].items())
+    faults = "; ".join(f"{r['spec']} at update {r['update']}: " + (r["how"] if r["applied"] else "never applied")
+                       for r in cc["faults"])
+    tl, us, la = t["trajectories_lost"], t["unpromoted_served"], t["learner_never_stopped"]
+    rss, disk = t["rss_growth"], t["disk_within_retention"]
+    growth = "not measured (no process ran past the warm-up)" if rss["pct_per_hour"] is None else \
+        f"{rss['pct_per_hour']:+.1f} %/h (max RSS {rss['max_rss_mb']:.0f} MB)"
+    rows = [
+        ("each learned family above its base (paired 95 % CI > 0: arithmetic and one more)",
+         f"champion v{ab['champion']}: {fams}", yes(ab["met"])),
+        ("no family below its best minus tolerance at a promoted version (served success, Wilson)",
+         f"{nf['checked']} version x family checks, {len(nf['fails'])} below", yes(nf["met"])),
+        ("100 % of injected collapses caught", f"{cc['caught']}/{cc['applied']} applied ({cc['injected']} injected): "
+         f"{faults}", yes(cc["met"])),
+        ("0 trajectories lost", f"{tl['lost']} of {tl['acknowledged']} acknowledged turns missing; "
+         f"{tl['unanswered_during_outages']} requests unanswered during outages", yes(tl["met"])),
+        ("0 versions served that were neither promoted nor pinned", f"{len(us['bad'])} bad of versions "
+         f"{us['versions']} over {us['responses']} responses", yes(us["met"])),
+        ("the learner never stopped for good", f"alive at the end, {la['updates']} updates, {la['collapse_events']} "
+         f"collapse events, stops: {la['stops'] or 'none'}", yes(la["met"])),
+        ("RSS growth after the warm-up < 10 %/h", growth, yes(rss["met"])),
+        ("disk within the retention policy", f"{disk['folders']} adapter folders for {disk['versions']} versions, "
+         f"{len(disk['outside_policy'])} outside the policy; max run dir {disk['max_disk_mb']:.1f} MB",
+         yes(disk["met"])),
+    ]
+    lines = ["| target | measured | |", "|---|---|---|", *(f"| {a} | {b} | {c} |" for a, b, c in rows)]
+    return "\n".join(lines) + "\n"
+
+
+def figure(d: dict, path: Path, smooth: int = 3) -> None:
+    """Per-family served success (over ``smooth`` samples) against wall-clock minutes, faults
+    (red) and promotions (green) marked; below it the latency p95, the RSS and the run dir's size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tl, t0 = d["timeline"], d["soak"]["started"]
+    minutes = [t["t"] / 60 for t in tl]
+    fig, axes = plt.subplots(4, 1, figsize=(10, 10), sharex=True, height_ratios=[3, 1, 1, 1])
+    ax = axes[0]
+    for fam in sorted({f for t in tl for f in t["success"]}):
+        xs, ys = [], []
+        for i in range(len(tl)):
+            span = tl[max(0, i - smooth + 1):i + 1]
+            n = sum(t["success"].get(fam, {}).get("n", 0) for t in span)
+            if n:
+                xs.append(minutes[i])
+                ys.append(sum(t["success"].get(fam, {}).get("correct", 0) for t in span) / n)
+        ax.plot(xs, ys, marker=".", label=fam)
+    for f in d["soak"]["faults"]:
+        if f["kind"] in ("restart", "disk_freed"):
+            continue
+        ax.axvline(f["t"] / 60, color="tab:red", ls="--", lw=1)
+        ax.text(f["t"] / 60, 1.02, f.get("spec") or f["kind"], color="tab:red", rotation=90, va="bottom", fontsize=8)
+    for e in d["events"]:
+        if e["kind"] == "promote" and e["time"] >= t0:
+            for a in axes:
+                a.axvline((e["time"] - t0) / 60, color="tab:green", lw=0.8, alpha=0.6)
+    ax.set_ylim(-0.02, 1.0)
+    ax.set_ylabel(f"served success\n(last {smooth} samples)")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title("soak: served success per family; faults red, promotions green", fontsize=10, pad=40)
+    for a, key, label in ((axes[1], "latency_p95_s", "latency p95 (s)"), (axes[2], "rss_mb", "server RSS (MB)"),
+                          (axes[3], "disk_mb", "run dir (MB)")):
+        pts = [(m, t[key]) for m, t in zip(minutes, tl) if t.get(key) is not None]
+        a.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", color="tab:gray")
+        a.set_ylabel(label)
+    axes[3].set_xlabel("wall-clock minutes since the start")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(out: Path) -> str:
+    """Measure the targets of the soak in ``out``, write ``targets.md``, ``targets.json`` and
+    ``soak.png``; returns the markdown table."""
+    out = Path(out)
+    targets, d = measure(out)
+    table = markdown(targets, d)
+    (out / "targets.md").write_text(table)
+    (out / "targets.json").write_text(json.dumps(targets, indent=2, default=str) + "\n")
+    figure(d, out / "soak.png")
+    return table
+
+
+if __name__ == "__main__":
+    print(report(Path(sys.argv[1])))

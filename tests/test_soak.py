@@ -1,0 +1,65 @@
+"""A short soak (``scripts/soak.py``): ``selfrl serve`` on the tiny random model as a subprocess,
+a pool of simulated users driving it for 45 s, one injected collapse (noise in the weights of one
+update) and one ``kill -9`` with a restart on the same run directory. The invariants that must
+hold however short the run: no acknowledged turn lost, the collapse caught and rolled back (never
+served), no version served that was never promoted, and the learner still running at the end."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import soak  # noqa: E402
+from soak_report import report  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def short_soak(tmp_path_factory):
+    out = tmp_path_factory.mktemp("soak") / "out"
+    args = ["--minutes", "0.75", "--tiny", "--out", str(out), "--faults", "collapse,kill", "--sample-s", "5",
+            "--eval-tasks", "3", "--outage-s", "2", "--day-s", "60", "--seed", "1"]
+    assert soak.main(args) == 0
+    return out, json.loads((out / "targets.json").read_text()), json.loads((out / "soak.json").read_text())
+
+
+def test_the_faults_were_injected_and_the_server_rode_through(short_soak):
+    out, targets, record = short_soak
+    kinds = [f["kind"] for f in record["faults"]]
+    assert kinds.count("collapse") == 1 and kinds.count("kill") == 1 and kinds.count("restart") == 1
+    assert record["server_starts"] == 2 and not record["not_injected"]
+    timeline = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
+    assert len(timeline) >= 5 and timeline[-1]["up"]
+    assert len({t["pid"] for t in timeline}) == 2  # one server process, then the one restarted
+    assert (out / "soak.png").stat().st_size > 10_000 and (out / "targets.md").read_text().startswith("| target")
+
+
+def test_no_acknowledged_turn_is_lost_and_outage_requests_are_counted(short_soak):
+    _, targets, _ = short_soak
+    t = targets["trajectories_lost"]
+    assert t["met"] and t["lost"] == 0 and t["acknowledged"] > 50
+    assert t["unanswered_during_outages"] > 0  # users kept sending while the server was down
+
+
+def test_the_injected_collapse_is_caught_and_rolled_back(short_soak):
+    _, targets, _ = short_soak
+    c = targets["collapses_caught"]
+    assert c["injected"] == c["applied"] == c["caught"] == 1 and c["met"]
+    row = c["faults"][0]
+    assert row["how"] == "collapse event, rolled back" and row["version"] is not None and not row["served"]
+
+
+def test_only_promoted_versions_were_served_and_the_learner_runs(short_soak):
+    _, targets, _ = short_soak
+    u, learner = targets["unpromoted_served"], targets["learner_never_stopped"]
+    assert u["met"] and u["bad"] == [] and len(u["versions"]) >= 2  # it learned: more than the base was served
+    assert learner["met"] and learner["alive_at_end"] and learner["stops"] == []
+
+
+def test_the_report_reads_the_same_from_the_folder_alone(short_soak):
+    out, targets, _ = short_soak
+    table = report(out)
+    assert json.loads((out / "targets.json").read_text()) == targets and "| 0 trajectories lost |" in table
