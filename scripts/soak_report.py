@@ -8,7 +8,7 @@ samples), ``events.jsonl`` (every request and verdict of the simulator) and ``ru
 How each target is measured:
 
 * **above base**: per family, the paired difference champion - base on the same held-out tasks
-  (``selfrl.report.stats.paired_difference_ci``, 95 %); met when the interval is above 0 for
+  (``selfrl.core.stats.paired_difference_ci``, 95 %); met when the interval is above 0 for
   arithmetic and at least one more family.
 * **no forgetting at promoted versions**: the simulator's served success of each family under
   each promoted version (its verifier's verdicts on the answers that version gave), against the
@@ -57,7 +57,7 @@ def load(out: Path) -> dict:
 
 
 def above_base(d: dict) -> dict:
-    from selfrl.report.stats import paired_difference_ci
+    from selfrl.core.stats import paired_difference_ci
 
     rows = {}
     for fam, p in d["soak"]["pairs"].items():
@@ -72,7 +72,7 @@ def above_base(d: dict) -> dict:
 
 
 def no_forgetting(d: dict, tolerance: float) -> dict:
-    from selfrl.report.stats import wilson_interval
+    from selfrl.core.stats import wilson_interval
 
     promoted = sorted(v for v in _promoted(d) if v != 0)
     per: dict[tuple[str, int], list[bool]] = {}
