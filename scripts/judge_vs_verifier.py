@@ -1,0 +1,185 @@
+"""Learning from a judge against learning from the verifier: the same run twice per seed, once
+rewarded by the LLM judge (``configs/judge.toml``) and once by the task's verifier
+(``configs/judge_verifier.toml``, which differs only in the reward), then the held-out success
+of each side by side. The held-out gate uses the verifier in both arms, on the same held-out
+tasks (``task.val_seed``), disjoint from the training tasks.
+
+    # runs both arms for each seed (starting the judge server if nothing answers at the judge's
+    # base_url), then prints the table; a run folder that already holds a finished run is kept
+    PYTHONPATH=$PWD python scripts/judge_vs_verifier.py run --seeds 0 1 2 --out runs/judge-vs-verifier
+    # the table alone, from the run folders
+    PYTHONPATH=$PWD python scripts/judge_vs_verifier.py table --out runs/judge-vs-verifier
+
+The judge is the endpoint of ``configs/judge.toml`` (``http://127.0.0.1:8231/v1``): this script
+starts ``selfrl serve --no-learn --port 8231 --run-dir OUT/judge-server`` for it when needed,
+and stops it at the end. ``--iterations`` and ``--val-size`` apply to both arms alike.
+
+Per seed the table gives each arm's base and final held-out success (final: the version the
+run serves at its end, its latest promoted version or the base) with the 95 % Wilson interval,
+its updates and promoted versions, and the paired difference judge - verifier of the two final
+versions on the held-out tasks both were evaluated on (normal approximation on per-task
+differences, :func:`selfrl.report.stats.paired_difference_ci`). The last row pools the seeds'
+per-task pairs (it treats them as independent, which tasks shared across seeds are not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = {"verifier": ROOT / "configs" / "judge_verifier.toml", "judge": ROOT / "configs" / "judge.toml"}
+
+
+def judge_url() -> str:
+    """The judge endpoint's base URL in ``configs/judge.toml``."""
+    return tomllib.loads(ARMS["judge"].read_text())["judge"]["endpoints"][0]["base_url"]
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/models", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def start_judge(out: Path, wait_s: float = 600.0) -> subprocess.Popen | None:
+    """Start ``selfrl serve --no-learn`` on the judge's port unless something answers there;
+    returns the process (None when one was running already).
+
+    Raises:
+        RuntimeError: the server exits, or does not answer within ``wait_s`` seconds.
+    """
+    url = judge_url()
+    if answers(url):
+        print(f"judge: using the server already answering at {url}", flush=True)
+        return None
+    port = url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1]
+    log = open(out / "judge-server.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "selfrl.cli", "serve", "--no-learn", "--port", port,
+                             "--run-dir", str(out / "judge-server")], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + wait_s
+    while not answers(url):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the judge server exited with {proc.returncode}; see {out / 'judge-server.log'}")
+        if time.monotonic() > deadline:
+            proc.terminate()
+            raise RuntimeError(f"the judge server did not answer at {url} within {wait_s:.0f} s")
+        time.sleep(2)
+    print(f"judge: started selfrl serve --no-learn at {url} (pid {proc.pid})", flush=True)
+    return proc
+
+
+def run_dir(out: Path, arm: str, seed: int) -> Path:
+    return out / f"{arm}-s{seed}"
+
+
+def run_arms(a: argparse.Namespace) -> None:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    judge = start_judge(out) if "judge" in a.arms else None
+    try:
+        for seed in a.seeds:
+            for arm in a.arms:
+                folder = run_dir(out, arm, seed)
+                if (folder / "report.md").exists():
+                    print(f"{folder}: finished already, kept", flush=True)
+                    continue
+                cmd = [sys.executable, "-m", "selfrl.cli", "run", "--config", str(ARMS[arm]), "--seed", str(seed),
+                       "--run-dir", str(folder)]
+                cmd += [] if a.iterations is None else ["--iterations", str(a.iterations)]
+                cmd += [] if a.val_size is None else ["--val-size", str(a.val_size)]
+                print("$ " + " ".join(cmd), flush=True)
+                started = time.monotonic()
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if a.quiet else None)
+                print(f"{folder}: {time.monotonic() - started:.0f} s", flush=True)
+    finally:
+        if judge is not None:
+            judge.terminate()
+            judge.wait(60)
+    print_table(out, a.seeds)
+
+
+def cell(results: dict[str, bool]) -> str:
+    from selfrl.report.stats import wilson_interval
+
+    k, n = sum(results.values()), len(results)
+    low, high = wilson_interval(k, n)
+    return f"{k}/{n} = {k / n:.3f} [{low:.2f}, {high:.2f}]" if n else "not evaluated"
+
+
+def updates(folder: Path) -> tuple[int, int, int]:
+    """``(updates trained, iterations, versions promoted)`` of one run: an iteration's update
+    was trained when its metrics row says ``skipped = 0`` (an update with no scored group, e.g.
+    every group held back by the judge's calibration, is skipped)."""
+    from selfrl.record.store import Store
+
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    skipped = [r["skipped"] for r in rows if "skipped" in r]
+    with Store(folder / "selfrl.db", readonly=True) as store:
+        promoted = sum(1 for v in store.versions() if v["status"] == "promoted")
+    return sum(1 for x in skipped if not x), len(skipped), promoted
+
+
+def print_table(out: Path, seeds: list[int] | None) -> None:
+    from selfrl.report.compare import load_outcome
+    from selfrl.report.stats import paired_difference_ci
+
+    if not seeds:
+        seeds = sorted({int(p.name.rsplit("-s", 1)[1]) for p in out.glob("judge-s*") if (p / "selfrl.db").exists()})
+    print("| seed | arm | base held-out, 95% Wilson CI | final held-out, 95% Wilson CI | final version "
+          "| updates trained | versions promoted | wall-clock |")
+    print("|---|---|---|---|---|---|---|---|")
+    pairs: list[tuple[int, int, list[bool], list[bool]]] = []
+    for seed in seeds:
+        outcomes = {}
+        for arm in ARMS:
+            o = load_outcome(run_dir(out, arm, seed), arm)
+            final = o.final or o.base
+            trained, iterations, promoted = updates(o.run_dir)
+            print(f"| {seed} | {arm} | {cell(o.base)} | {cell(final)} | {o.final_version} | {trained} of {iterations} "
+                  f"| {promoted} | {o.timeline.elapsed_s:.0f} s |")
+            outcomes[arm] = final
+        shared = sorted(outcomes["verifier"].keys() & outcomes["judge"].keys())
+        pairs.append((seed, len(shared), [outcomes["verifier"][t] for t in shared], [outcomes["judge"][t] for t in shared]))
+    print()
+    print("| seed | shared held-out tasks | judge - verifier (final versions), paired, 95% CI |")
+    print("|---|---|---|")
+    for seed, n, ver, jud in pairs:
+        diff, low, high = paired_difference_ci(ver, jud)
+        print(f"| {seed} | {n} | {diff:+.3f} [{low:+.3f}, {high:+.3f}] |")
+    ver = [x for p in pairs for x in p[2]]
+    jud = [x for p in pairs for x in p[3]]
+    diff, low, high = paired_difference_ci(ver, jud)
+    print(f"| all ({len(pairs)} seeds pooled) | {len(ver)} | {diff:+.3f} [{low:+.3f}, {high:+.3f}] |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run both arms for each seed, then print the table")
+    r.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    r.add_argument("--out", default="runs/judge-vs-verifier", help="folder of the run folders <arm>-s<seed>")
+    r.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    r.add_argument("--iterations", type=int, help="iterations of both arms (default: the configs')")
+    r.add_argument("--val-size", type=int, help="held-out tasks of both arms (default: the configs')")
+    r.add_argument("--quiet", action="store_true", help="hide the runs' progress output")
+    t = sub.add_parser("table", help="print the table from the run folders")
+    t.add_argument("--out", default="runs/judge-vs-verifier")
+    t.add_argument("--seeds", type=int, nargs="*")
+    a = p.parse_args()
+    if a.command == "run":
+        run_arms(a)
+    else:
+        print_table(Path(a.out), a.seeds)
+
+
+if __name__ == "__main__":
+    main()
