@@ -7,6 +7,8 @@ tasks (``task.val_seed``), disjoint from the training tasks.
     # runs both arms for each seed (starting the judge server if nothing answers at the judge's
     # base_url), then prints the table; a run folder that already holds a finished run is kept
     PYTHONPATH=$PWD python scripts/judge_vs_verifier.py run --seeds 0 1 2 --out runs/judge-vs-verifier
+    # a third arm: the judge without calibration (configs/judge_uncalibrated.toml)
+    PYTHONPATH=$PWD python scripts/judge_vs_verifier.py run --seeds 0 1 2 --arms judge-uncalibrated --out runs/judge-vs-verifier
     # the table alone, from the run folders
     PYTHONPATH=$PWD python scripts/judge_vs_verifier.py table --out runs/judge-vs-verifier
 
@@ -34,7 +36,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = {"verifier": ROOT / "configs" / "judge_verifier.toml", "judge": ROOT / "configs" / "judge.toml"}
+ARMS = {"verifier": ROOT / "configs" / "judge_verifier.toml", "judge": ROOT / "configs" / "judge.toml",
+        "judge-uncalibrated": ROOT / "configs" / "judge_uncalibrated.toml"}
+DEFAULT_ARMS = ["verifier", "judge"]
 
 
 def judge_url() -> str:
@@ -84,7 +88,7 @@ def run_dir(out: Path, arm: str, seed: int) -> Path:
 def run_arms(a: argparse.Namespace) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    judge = start_judge(out) if "judge" in a.arms else None
+    judge = start_judge(out) if any(arm != "verifier" for arm in a.arms) else None
     try:
         for seed in a.seeds:
             for arm in a.arms:
@@ -129,36 +133,45 @@ def updates(folder: Path) -> tuple[int, int, int]:
 
 
 def print_table(out: Path, seeds: list[int] | None) -> None:
+    """Print the two tables (per seed and arm; judge arms against the verifier arm, paired) from
+    the run folders ``OUT/<arm>-s<seed>``; an arm without a folder for a seed is left out."""
     from selfrl.report.compare import load_outcome
     from selfrl.report.stats import paired_difference_ci
 
     if not seeds:
-        seeds = sorted({int(p.name.rsplit("-s", 1)[1]) for p in out.glob("judge-s*") if (p / "selfrl.db").exists()})
+        seeds = sorted({int(p.name.rsplit("-s", 1)[1]) for p in out.glob("*-s*") if (p / "selfrl.db").exists()})
     print("| seed | arm | base held-out, 95% Wilson CI | final held-out, 95% Wilson CI | final version "
           "| updates trained | versions promoted | wall-clock |")
     print("|---|---|---|---|---|---|---|---|")
-    pairs: list[tuple[int, int, list[bool], list[bool]]] = []
+    finals: dict[str, dict[int, dict[str, bool]]] = {arm: {} for arm in ARMS}
     for seed in seeds:
-        outcomes = {}
         for arm in ARMS:
-            o = load_outcome(run_dir(out, arm, seed), arm)
+            folder = run_dir(out, arm, seed)
+            if not (folder / "selfrl.db").exists():
+                continue
+            o = load_outcome(folder, arm)
             final = o.final or o.base
-            trained, iterations, promoted = updates(o.run_dir)
+            trained, iterations, promoted = updates(folder)
             print(f"| {seed} | {arm} | {cell(o.base)} | {cell(final)} | {o.final_version} | {trained} of {iterations} "
                   f"| {promoted} | {o.timeline.elapsed_s:.0f} s |")
-            outcomes[arm] = final
-        shared = sorted(outcomes["verifier"].keys() & outcomes["judge"].keys())
-        pairs.append((seed, len(shared), [outcomes["verifier"][t] for t in shared], [outcomes["judge"][t] for t in shared]))
+            finals[arm][seed] = final
     print()
-    print("| seed | shared held-out tasks | judge - verifier (final versions), paired, 95% CI |")
-    print("|---|---|---|")
-    for seed, n, ver, jud in pairs:
-        diff, low, high = paired_difference_ci(ver, jud)
-        print(f"| {seed} | {n} | {diff:+.3f} [{low:+.3f}, {high:+.3f}] |")
-    ver = [x for p in pairs for x in p[2]]
-    jud = [x for p in pairs for x in p[3]]
-    diff, low, high = paired_difference_ci(ver, jud)
-    print(f"| all ({len(pairs)} seeds pooled) | {len(ver)} | {diff:+.3f} [{low:+.3f}, {high:+.3f}] |")
+    print("| seed | arm | shared held-out tasks | arm - verifier (final versions), paired, 95% CI |")
+    print("|---|---|---|---|")
+    for arm in (a for a in ARMS if a != "verifier"):
+        ver_all: list[bool] = []
+        arm_all: list[bool] = []
+        paired_seeds = [s for s in seeds if s in finals[arm] and s in finals["verifier"]]
+        for seed in paired_seeds:
+            ver, other = finals["verifier"][seed], finals[arm][seed]
+            shared = sorted(ver.keys() & other.keys())
+            ver_all += [ver[t] for t in shared]
+            arm_all += [other[t] for t in shared]
+            diff, low, high = paired_difference_ci([ver[t] for t in shared], [other[t] for t in shared])
+            print(f"| {seed} | {arm} | {len(shared)} | {diff:+.3f} [{low:+.3f}, {high:+.3f}] |")
+        if len(paired_seeds) > 1:
+            diff, low, high = paired_difference_ci(ver_all, arm_all)
+            print(f"| all ({len(paired_seeds)} seeds pooled) | {arm} | {len(ver_all)} | {diff:+.3f} [{low:+.3f}, {high:+.3f}] |")
 
 
 def main() -> None:
@@ -167,7 +180,8 @@ def main() -> None:
     r = sub.add_parser("run", help="run both arms for each seed, then print the table")
     r.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     r.add_argument("--out", default="runs/judge-vs-verifier", help="folder of the run folders <arm>-s<seed>")
-    r.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    r.add_argument("--arms", nargs="+", choices=list(ARMS), default=DEFAULT_ARMS,
+                   help="judge-uncalibrated: configs/judge_uncalibrated.toml, the judge without calibration")
     r.add_argument("--iterations", type=int, help="iterations of both arms (default: the configs')")
     r.add_argument("--val-size", type=int, help="held-out tasks of both arms (default: the configs')")
     r.add_argument("--quiet", action="store_true", help="hide the runs' progress output")
