@@ -18,7 +18,9 @@ and stops it at the end. ``--iterations`` and ``--val-size`` apply to both arms 
 
 Per seed the table gives each arm's base and final held-out success (final: the version the
 run serves at its end, its latest promoted version or the base) with the 95 % Wilson interval,
-its updates and promoted versions, and the paired difference judge - verifier of the two final
+its updates and promoted versions, the share of the judge's verdicts that reached the update
+(the rest were held back by calibration or failed), the share of rollouts that called the
+calculator in the last iteration, and the paired difference judge - verifier of the two final
 versions on the held-out tasks both were evaluated on (normal approximation on per-task
 differences, :func:`selfrl.report.stats.paired_difference_ci`). The last row pools the seeds'
 per-task pairs (it treats them as independent, which tasks shared across seeds are not).
@@ -119,17 +121,25 @@ def cell(results: dict[str, bool]) -> str:
     return f"{k}/{n} = {k / n:.3f} [{low:.2f}, {high:.2f}]" if n else "not evaluated"
 
 
-def updates(folder: Path) -> tuple[int, int, int]:
-    """``(updates trained, iterations, versions promoted)`` of one run: an iteration's update
-    was trained when its metrics row says ``skipped = 0`` (an update with no scored group, e.g.
-    every group held back by the judge's calibration, is skipped)."""
+def updates(folder: Path) -> tuple[int, int, int, str, float]:
+    """``(updates trained, iterations, versions promoted, verdicts used, tool use)`` of one run.
+
+    An iteration's update was trained when its metrics row says ``skipped = 0`` (an update with
+    no scored group, e.g. every group held back by the judge's calibration, is skipped). Verdicts
+    used: the judge's scored trajectories out of those it was asked about (``judge/scored`` and
+    ``judge/failed`` summed), "-" without a judge. Tool use: ``train/tool_use`` of the last iteration.
+    """
     from selfrl.record.store import Store
 
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
     skipped = [r["skipped"] for r in rows if "skipped" in r]
+    scored = sum(r.get("judge/scored", 0) for r in rows)
+    asked = scored + sum(r.get("judge/failed", 0) for r in rows)
+    tool_use = [r["train/tool_use"] for r in rows if "train/tool_use" in r]
     with Store(folder / "selfrl.db", readonly=True) as store:
         promoted = sum(1 for v in store.versions() if v["status"] == "promoted")
-    return sum(1 for x in skipped if not x), len(skipped), promoted
+    used = f"{scored:.0f} of {asked:.0f}" if asked else "-"
+    return sum(1 for x in skipped if not x), len(skipped), promoted, used, tool_use[-1] if tool_use else float("nan")
 
 
 def print_table(out: Path, seeds: list[int] | None) -> None:
@@ -139,21 +149,21 @@ def print_table(out: Path, seeds: list[int] | None) -> None:
     from selfrl.report.stats import paired_difference_ci
 
     if not seeds:
-        seeds = sorted({int(p.name.rsplit("-s", 1)[1]) for p in out.glob("*-s*") if (p / "selfrl.db").exists()})
+        seeds = sorted({int(p.name.rsplit("-s", 1)[1]) for p in out.glob("*-s*") if (p / "report.md").exists()})
     print("| seed | arm | base held-out, 95% Wilson CI | final held-out, 95% Wilson CI | final version "
-          "| updates trained | versions promoted | wall-clock |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| updates trained | versions promoted | judge verdicts used | tool use (last iteration) | wall-clock |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     finals: dict[str, dict[int, dict[str, bool]]] = {arm: {} for arm in ARMS}
     for seed in seeds:
         for arm in ARMS:
             folder = run_dir(out, arm, seed)
-            if not (folder / "selfrl.db").exists():
+            if not (folder / "report.md").exists():  # not run, or not finished
                 continue
             o = load_outcome(folder, arm)
             final = o.final or o.base
-            trained, iterations, promoted = updates(folder)
+            trained, iterations, promoted, used, tool_use = updates(folder)
             print(f"| {seed} | {arm} | {cell(o.base)} | {cell(final)} | {o.final_version} | {trained} of {iterations} "
-                  f"| {promoted} | {o.timeline.elapsed_s:.0f} s |")
+                  f"| {promoted} | {used} | {tool_use:.2f} | {o.timeline.elapsed_s:.0f} s |")
             finals[arm][seed] = final
     print()
     print("| seed | arm | shared held-out tasks | arm - verifier (final versions), paired, 95% CI |")
