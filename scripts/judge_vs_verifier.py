@@ -18,7 +18,7 @@ and stops it at the end. ``--iterations`` and ``--val-size`` apply to both arms 
 
 Per seed the table gives each arm's base and final held-out success (final: the version the
 run serves at its end, its latest promoted version or the base) with the 95 % Wilson interval,
-its updates and promoted versions, the share of the judge's verdicts that reached the update
+its updates, the last candidate the gate evaluated (promoted or rejected), the share of the judge's verdicts that reached the update
 (the rest were held back by calibration or failed), the share of rollouts that called the
 calculator in the last iteration, and the paired difference judge - verifier of the two final
 versions on the held-out tasks both were evaluated on (normal approximation on per-task
@@ -121,13 +121,14 @@ def cell(results: dict[str, bool]) -> str:
     return f"{k}/{n} = {k / n:.3f} [{low:.2f}, {high:.2f}]" if n else "not evaluated"
 
 
-def updates(folder: Path) -> tuple[int, int, int, str, float]:
-    """``(updates trained, iterations, versions promoted, verdicts used, tool use)`` of one run.
+def updates(folder: Path) -> tuple[int, int, str, str, float]:
+    """``(updates trained, iterations, last gated candidate, verdicts used, tool use)`` of one run.
 
     An iteration's update was trained when its metrics row says ``skipped = 0`` (an update with
     no scored group, e.g. every group held back by the judge's calibration, is skipped). Verdicts
     used: the judge's scored trajectories out of those it was asked about (``judge/scored`` and
     ``judge/failed`` summed), "-" without a judge. Tool use: ``train/tool_use`` of the last iteration.
+    Last gated candidate: the highest version the gate evaluated, its status and held-out successes.
     """
     from selfrl.record.store import Store
 
@@ -137,9 +138,11 @@ def updates(folder: Path) -> tuple[int, int, int, str, float]:
     asked = scored + sum(r.get("judge/failed", 0) for r in rows)
     tool_use = [r["train/tool_use"] for r in rows if "train/tool_use" in r]
     with Store(folder / "selfrl.db", readonly=True) as store:
-        promoted = sum(1 for v in store.versions() if v["status"] == "promoted")
+        gated = [(v["version"], v["status"], store.evaluation(v["version"])) for v in store.versions() if v["version"]]
+    gated = [g for g in gated if g[2]]  # versions the gate evaluated
+    last = "none" if not gated else f"v{gated[-1][0]} {gated[-1][1]}, {sum(gated[-1][2].values())}/{len(gated[-1][2])}"
     used = f"{scored:.0f} of {asked:.0f}" if asked else "-"
-    return sum(1 for x in skipped if not x), len(skipped), promoted, used, tool_use[-1] if tool_use else float("nan")
+    return sum(1 for x in skipped if not x), len(skipped), last, used, tool_use[-1] if tool_use else float("nan")
 
 
 def print_table(out: Path, seeds: list[int] | None) -> None:
@@ -151,7 +154,7 @@ def print_table(out: Path, seeds: list[int] | None) -> None:
     if not seeds:
         seeds = sorted({int(p.name.rsplit("-s", 1)[1]) for p in out.glob("*-s*") if (p / "report.md").exists()})
     print("| seed | arm | base held-out, 95% Wilson CI | final held-out, 95% Wilson CI | final version "
-          "| updates trained | versions promoted | judge verdicts used | tool use (last iteration) | wall-clock |")
+          "| updates trained | last gated candidate | judge verdicts used | tool use (last iteration) | wall-clock |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     finals: dict[str, dict[int, dict[str, bool]]] = {arm: {} for arm in ARMS}
     for seed in seeds:
@@ -161,9 +164,9 @@ def print_table(out: Path, seeds: list[int] | None) -> None:
                 continue
             o = load_outcome(folder, arm)
             final = o.final or o.base
-            trained, iterations, promoted, used, tool_use = updates(folder)
+            trained, iterations, gated, used, tool_use = updates(folder)
             print(f"| {seed} | {arm} | {cell(o.base)} | {cell(final)} | {o.final_version} | {trained} of {iterations} "
-                  f"| {promoted} | {used} | {tool_use:.2f} | {o.timeline.elapsed_s:.0f} s |")
+                  f"| {gated} | {used} | {tool_use:.2f} | {o.timeline.elapsed_s:.0f} s |")
             finals[arm][seed] = final
     print()
     print("| seed | arm | shared held-out tasks | arm - verifier (final versions), paired, 95% CI |")
