@@ -23,7 +23,9 @@ its updates, the last candidate the gate evaluated (promoted or rejected), the s
 calculator in the last iteration, and the paired difference judge - verifier of the two final
 versions on the held-out tasks both were evaluated on (normal approximation on per-task
 differences, :func:`selfrl.report.stats.paired_difference_ci`). The last row pools the seeds'
-per-task pairs (it treats them as independent, which tasks shared across seeds are not).
+per-task pairs (it treats them as independent, which tasks shared across seeds are not). A last
+table gives, per judge arm, the judge's mean score for the training rollouts the verifier finds
+right and for those it finds wrong.
 """
 
 from __future__ import annotations
@@ -185,6 +187,33 @@ def print_table(out: Path, seeds: list[int] | None) -> None:
         if len(paired_seeds) > 1:
             diff, low, high = paired_difference_ci(ver_all, arm_all)
             print(f"| all ({len(paired_seeds)} seeds pooled) | {arm} | {len(ver_all)} | {diff:+.3f} [{low:+.3f}, {high:+.3f}] |")
+    print()
+    print("| arm | training rollouts the judge scored | mean judge score: right answers (n) | wrong answers (n) |")
+    print("|---|---|---|---|")
+    for arm in (a for a in ARMS if a != "verifier"):
+        right, wrong = judge_scores([run_dir(out, arm, seed) for seed in seeds if seed in finals[arm]])
+        if right or wrong:
+            print(f"| {arm} | {len(right) + len(wrong)} | {mean(right)} ({len(right)}) | {mean(wrong)} ({len(wrong)}) |")
+
+
+def mean(values: list[float]) -> str:
+    return f"{sum(values) / len(values):.2f}" if values else "-"
+
+
+def judge_scores(folders: list[Path]) -> tuple[list[float], list[float]]:
+    """The judge's score (``rewards["judge"]``, in [0, 1]) of every stored training rollout it
+    scored in ``folders``, split by the verifier's verdict (``correct``, which the learner never saw)."""
+    from selfrl.record.store import Store
+
+    right: list[float] = []
+    wrong: list[float] = []
+    for folder in folders:
+        with Store(folder / "selfrl.db", readonly=True) as store:
+            for t in store.trajectories():
+                score = t.rewards.get("judge")
+                if score is not None and t.correct is not None:
+                    (right if t.correct else wrong).append(score)
+    return right, wrong
 
 
 def main() -> None:
