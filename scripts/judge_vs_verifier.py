@@ -6,15 +6,15 @@ tasks (``task.val_seed``), disjoint from the training tasks.
 
     # runs both arms for each seed (starting the judge server if nothing answers at the judge's
     # base_url), then prints the table; a run folder that already holds a finished run is kept
-    PYTHONPATH=$PWD python scripts/judge_vs_verifier.py run --seeds 0 1 2 --out runs/judge-vs-verifier
+    PYTHONPATH=$PWD python scripts/judge_vs_verifier.py run --seeds 0 1 2 3 4 --out runs/judge-vs-verifier
     # a third arm: the judge without calibration (configs/judge_uncalibrated.toml)
-    PYTHONPATH=$PWD python scripts/judge_vs_verifier.py run --seeds 0 1 2 --arms judge-uncalibrated --out runs/judge-vs-verifier
+    PYTHONPATH=$PWD python scripts/judge_vs_verifier.py run --seeds 0 1 2 3 4 --arms judge-uncalibrated --out runs/judge-vs-verifier
     # the table alone, from the run folders
     PYTHONPATH=$PWD python scripts/judge_vs_verifier.py table --out runs/judge-vs-verifier
 
 The judge is the endpoint of ``configs/judge.toml`` (``http://127.0.0.1:8231/v1``): this script
 starts ``selfrl serve --no-learn --port 8231 --run-dir OUT/judge-server`` for it when needed,
-and stops it at the end. ``--iterations`` and ``--val-size`` apply to both arms alike.
+and stops it at the end. ``--iterations`` and ``--val-size`` apply to every arm alike (the docs' table uses the configs' own).
 
 Per seed the table gives each arm's base and final held-out success (final: the version the
 run serves at its end, its latest promoted version or the base) with the 95 % Wilson interval,
