@@ -167,6 +167,29 @@ def test_resume_may_change_iterations_but_not_the_task():
         check_resumable(stored, signal)
 
 
+
+def test_resume_may_change_how_the_judge_is_reached_but_not_what_it_pays():
+    from selfrl.config import check_resumable
+
+    judge = {"endpoints": [{"name": "smol", "rubric": "exact value", "deadline_s": 60.0}], "calibration": "reference"}
+    stored = load_config(None, {"reward_weights": {"judge": 1.0}, "judge": judge}).to_dict()
+    reached = {"endpoints": [{"name": "smol", "rubric": "exact value", "deadline_s": 300.0, "retries": 5,
+                              "max_concurrency": 1, "api_key_env": "JUDGE_KEY", "price_input_per_m": 0.5}],
+               "calibration": "reference", "cache": False}
+    assert check_resumable(stored, load_config(None, {"reward_weights": {"judge": 1.0}, "judge": reached}).to_dict()) is None
+    for changed in ({**judge, "endpoints": [{"name": "smol", "rubric": "any value"}]},
+                    {**judge, "endpoints": [{"name": "smol", "rubric": "exact value", "rubric_version": "2"}]},
+                    {**judge, "endpoints": [{"name": "smol", "rubric": "exact value", "mode": "pointwise"}]},
+                    {**judge, "endpoints": judge["endpoints"] + [{"name": "other", "rubric": "exact value"}]},
+                    {**judge, "calibration": "off"}, {**judge, "floor": "verifier"}):
+        new = load_config(None, {"reward_weights": {"judge": 1.0}, "judge": changed}).to_dict()
+        with pytest.raises(ConfigError, match="cannot change judge of the stored run"):
+            check_resumable(stored, new)
+    before_judges = {k: v for k, v in load_config().to_dict().items() if k != "judge"}  # stored before [judge] existed
+    assert check_resumable(before_judges, load_config().to_dict()) is None
+    with pytest.raises(ConfigError, match="cannot change reward_weights, judge"):
+        check_resumable(before_judges, stored)
+
 # Every rule of a section that `selfrl run` and `selfrl serve` share, with a value it refuses.
 SHARED_RULES = [
     ("lora.modules_to_save", ["lm_head"], "lora.modules_to_save is not supported"),

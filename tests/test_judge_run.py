@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -66,3 +67,18 @@ def test_run_with_a_judge_records_verdicts_tokens_and_cost(model_dir, tmp_path):
     rubrics = json.loads((tmp_path / "run" / "judge_rubrics.json").read_text())
     assert rubrics["scripted"]["rubric"] == "Shorter is better."
     assert (tmp_path / "run" / "judge_cache.db").exists()
+
+
+def test_the_other_arms_differ_from_the_judge_config_only_in_the_reward_or_its_calibration():
+    from selfrl.config import load_config
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    judge, verifier = (load_config(configs / f"{name}.toml").to_dict() for name in ("judge", "judge_verifier"))
+    assert (judge.pop("reward_weights"), verifier.pop("reward_weights")) == ({"judge": 1.0}, {"verifier": 1.0})
+    uncalibrated = load_config(configs / "judge_uncalibrated.toml").to_dict()
+    assert uncalibrated.pop("reward_weights") == {"judge": 1.0}
+    judged = judge.pop("judge")
+    assert judged["endpoints"] and not verifier.pop("judge")["endpoints"]
+    assert (judged.pop("calibration"), uncalibrated["judge"].pop("calibration")) == ("reference", "off")
+    assert uncalibrated.pop("judge") == judged
+    assert judge == verifier == uncalibrated

@@ -167,3 +167,22 @@ def test_the_url_is_announced_only_once_the_socket_listens(monkeypatch):
     server.should_exit = True
     thread.join(timeout=30)
     assert seen == [("serving on the port", port)]
+
+
+def test_serve_refuses_the_judge_reward_in_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    import selfrl.judge  # noqa: F401  registered, as in a process that imported it: the names check alone passed it
+
+    from selfrl.serve import main
+
+    toml = tmp_path / "serve.toml"
+    toml.write_text("[learner]\nreward_weights = { judge = 1.0 }\n")
+    with pytest.raises(ConfigError, match="learner.reward_weights: selfrl serve does not offer the 'judge' reward"):
+        load_serve_config(str(toml), {})
+    loaded = []
+    monkeypatch.setattr("selfrl.model.load.build_policy", lambda cfg: loaded.append(cfg))  # must not be reached
+    code = main.serve(str(toml), {"run_dir": str(tmp_path / "run")}, None)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and loaded == [] and len(err.splitlines()) == 1
+    assert "train with a judge through selfrl run" in err and "user_feedback" in err
+    cfg = load_serve_config(None, {})  # the default weights still load
+    assert cfg.learner.reward_weights == {"user_feedback": 1.0, "tool_success": 0.2}

@@ -182,22 +182,49 @@ class RunConfig:
 
 
 # Settings a resumed run must share with the run it continues: the same policy, tasks,
-# held-out set and agent. Anything else (iterations, learning rate, ...) may change.
-RESUME_FIXED = ("model", "lora", "task", "rollout", "preset", "reward_weights", "agents")
+# held-out set, agent and reward (the judge is part of the reward). Anything else
+# (iterations, learning rate, ...) may change.
+RESUME_FIXED = ("model", "lora", "task", "rollout", "preset", "reward_weights", "agents", "judge")
+# Fields of a [[judge.endpoints]] table that say how the judge is reached and paid for, not what
+# it pays: a resumed run may change them (its verdicts stay the same judge's, by the cache key).
+JUDGE_RESUME_FREE = ("api_key_env", "deadline_s", "retries", "max_concurrency", "price_input_per_m",
+                     "price_output_per_m")
+
+
+def judge_identity(judge: dict | None) -> dict:
+    """The stored ``[judge]`` table as a resumed run compares it: without the fields of
+    :data:`JUDGE_RESUME_FREE` and ``cache``; a run stored before ``[judge]`` existed had none.
+
+    >>> judge_identity(None)["endpoints"]
+    []
+    >>> judge_identity({"endpoints": [{"rubric": "r", "deadline_s": 9.0}], "cache": False})
+    {'endpoints': [{'rubric': 'r'}]}
+    """
+    judge = dataclasses.asdict(JudgeConfig()) if judge is None else judge
+    out = {k: v for k, v in judge.items() if k != "cache"}
+    if isinstance(out.get("endpoints"), list):
+        out["endpoints"] = [{k: v for k, v in e.items() if k not in JUDGE_RESUME_FREE} if isinstance(e, dict) else e
+                            for e in out["endpoints"]]
+    return out
 
 
 def check_resumable(stored: dict, new: dict) -> None:
     """Raise ConfigError naming the settings that differ from the stored run's.
 
     Raises:
-        ConfigError: a key of ``RESUME_FIXED`` or ``gate.val_size`` differs.
+        ConfigError: a key of ``RESUME_FIXED`` (of ``[judge]``, a field not in
+            :data:`JUDGE_RESUME_FREE`) or ``gate.val_size`` differs.
     """
     def same(a, b) -> bool:  # a table compares on the stored keys: fields added since then keep their defaults
         if isinstance(a, dict) and isinstance(b, dict):
             return all(k in b and same(v, b[k]) for k, v in a.items())
+        if isinstance(a, list) and isinstance(b, list):  # e.g. [[judge.endpoints]]: table by table
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
         return a == b
 
-    changed = [k for k in RESUME_FIXED if not same(stored.get(k), new.get(k))]
+    compared = {"judge": judge_identity}  # the judge's reachability may change, what it pays may not
+    changed = [k for k in RESUME_FIXED
+               if not same(*(compared.get(k, lambda v: v)(d.get(k)) for d in (stored, new)))]
     if stored.get("gate", {}).get("val_size") != new.get("gate", {}).get("val_size"):
         changed.append("gate.val_size")
     if changed:

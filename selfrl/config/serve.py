@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from selfrl.config.base import SECONDS_MAX, SEED_MAX, ConfigError, in_range, non_finite_weights, one_of, require
+from selfrl.config.judge import JUDGE_REWARD
 from selfrl.config.sections import (
     CollapseConfig,
     DetectorConfig,
@@ -60,6 +61,10 @@ class LearnerSettings:
             (isinstance(self.reward_weights, dict), "reward_weights must be a table of name = weight"),
             (not non_finite_weights(self.reward_weights),
              f"reward_weights must be finite, got {non_finite_weights(self.reward_weights)}"),
+            (not isinstance(self.reward_weights, dict) or JUDGE_REWARD not in self.reward_weights,
+             f"reward_weights: selfrl serve does not offer the {JUDGE_REWARD!r} reward (it has no [judge] "
+             "endpoints to call); train with a judge through selfrl run (docs/guides/judge.md), or weight "
+             "user_feedback here"),
         ], where)
 
 
