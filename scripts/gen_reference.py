@@ -343,13 +343,16 @@ def _code(text: str) -> str:
     return f"`{text.replace('|', chr(92) + '|')}`" if text else ""
 
 
+PAGES = ("cli.md", "config.md", "registries.md")
+"""The pages this script writes into ``docs/reference/`` (generated, so not in git)."""
+
+
 def write(out_dir: Path = OUT) -> list[Path]:
-    """Write the two pages into ``out_dir`` (only where the text changed: ``mkdocs serve`` rebuilds
+    """Write the three pages into ``out_dir`` (only where the text changed: ``mkdocs serve`` rebuilds
     on every write); returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    pages = (("cli.md", cli_reference()), ("config.md", config_reference()), ("registries.md", registries_reference()))
-    for name, text in pages:
+    for name, text in zip(PAGES, (cli_reference(), config_reference(), registries_reference()), strict=True):
         path = out_dir / name
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
