@@ -82,6 +82,7 @@ def test_a_candidate_that_forgets_a_learned_family_is_not_promoted(tiny_tokenize
         assert drop["paired_difference"] == -0.5 and drop["reference_interval"][1] == 1.0
         assert reject["message"].startswith("version 2 rejected: family long: held-out 0.500 < 1.000 of version 0")
         assert "arith" not in reject["message"] and all(t in reject["message"] for t in drop["lost_tasks"])
+        assert reject["message"].endswith("; held-out 0.750 overall (best 1.000); serving version 1 again")
         metrics = {(m["step"], m["name"]): m["value"] for m in service.store.metrics() if m["name"].startswith("val/")}
         assert metrics[(1, "val/long")] == 0.5 and metrics[(1, "val/arith")] == 1.0
         report = write_serve_report(tmp_path / "report", service.store, "families").read_text()

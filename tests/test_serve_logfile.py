@@ -1,16 +1,24 @@
 """selfrl serve's log file: run_dir/serve.log, rotated by size (selfrl.serve.logfile)."""
 
+import copy
+import io
 import logging
+import re
+import time
 
 import pytest
 
 from selfrl.config import ConfigError
 from selfrl.config.serve import ServeConfig
+from selfrl.core.trajectory import Trajectory
+from selfrl.record import served as records
+from selfrl.safety.gate import EvalResult
 from selfrl.serve.logfile import close_log, open_log
+from serving import tiny_serve_config
 
 
 def test_the_log_rotates_and_keeps_its_backups(tmp_path):
-    handler = open_log(tmp_path, 2000, 2)
+    handler = open_log(tmp_path, 2000, 2, stream=io.StringIO())
     try:
         log = logging.getLogger("selfrl.serve")
         for i in range(200):  # about 20 kB of lines: ten rotations
@@ -22,7 +30,7 @@ def test_the_log_rotates_and_keeps_its_backups(tmp_path):
     assert all((tmp_path / f).stat().st_size <= 2000 for f in files)
     last = (tmp_path / "serve.log").read_text().splitlines()[-1]
     assert last.endswith("line 199 " + "x" * 60) and " INFO selfrl.serve: " in last
-    assert handler not in logging.getLogger("selfrl").handlers  # detached
+    assert not {handler.file, handler.console} & set(logging.getLogger("selfrl").handlers)  # detached
 
 
 def test_warnings_still_reach_the_console_and_zero_means_no_file(tmp_path, capsys):
@@ -35,7 +43,13 @@ def test_warnings_still_reach_the_console_and_zero_means_no_file(tmp_path, capsy
     err = capsys.readouterr().err
     assert "the background learner paused" in err and "an info line" not in err
     assert "an info line" in (tmp_path / "a" / "serve.log").read_text()
-    assert open_log(tmp_path / "b", 0, 1) is None and not (tmp_path / "b").exists()
+    nofile = open_log(tmp_path / "b", 0, 1)
+    try:
+        logging.getLogger("selfrl.serve").warning("still on the console")
+    finally:
+        close_log(nofile)
+    assert nofile.file is None and not (tmp_path / "b").exists()
+    assert "selfrl: still on the console" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("field, value", [("log_max_bytes", -1), ("log_backups", 0)])
@@ -44,3 +58,63 @@ def test_log_settings_are_validated(field, value):
     setattr(cfg, field, value)
     with pytest.raises(ConfigError, match=field):
         cfg.validate()
+
+
+# held-out tasks each version solves, of 4: the base 2, version 1 all (promoted), version 2 three
+# (rejected: 0.75 < 1.0 - 0.02, within the collapse rule's 0.5), version 3 none (a collapse)
+SOLVED = {0: 2, 1: 4, 2: 3, 3: 0}
+
+
+def scripted_validate(engine, tasks, *args, **kwargs) -> EvalResult:
+    """Stands in for ``selfrl.safety.gate.validate``: the first ``SOLVED[version]`` tasks solved."""
+    return EvalResult(engine.version, [(t.id, i < SOLVED[engine.version], None) for i, t in enumerate(tasks)],
+                      0.01, 0.0)
+
+
+def rated_batch(service, k: int):
+    """Four served turns of one group, rated +-1, stored as the server stores them; the learner's batch."""
+    batch = []
+    for i, feedback in enumerate((1.0, -1.0, 1.0, -1.0)):
+        t = Trajectory(f"g{k}", f"g{k}", service.engine.version, prompt_len=3, token_ids=[5, 6, 7, 8 + i],
+                       completion_mask=[0, 0, 0, 1], logprobs=[0.0] * 4)
+        with service.store.lock:
+            records.add_turns(service.store, service.run_id, [records.ServedTurn(t, t.id, 0, t.id, t.task_id, t.id)])
+        batch.append((t, {"feedback": feedback, "created_at": time.time(), "group_key": t.task_id}))
+    return batch
+
+
+def test_promotions_rejections_and_collapses_are_lines_in_serve_log_and_on_the_console(
+        tiny_tokenizer, tiny_model_factory, tmp_path, monkeypatch):
+    from selfrl.serve.service import Service
+
+    monkeypatch.setattr("selfrl.serve.background.validate", scripted_validate)
+    cfg = tiny_serve_config(tmp_path / "run", min_batch=4)
+    cfg.train.learning_rate, cfg.train.beta, cfg.collapse.beta_min, cfg.train.micro_batch_size = 1e-2, 0.0, 0.0, 4
+    cfg.collapse.heldout_drop, cfg.collapse.max_kl, cfg.collapse.reward_rise = 0.5, 1e9, 1e9
+    console = io.StringIO()
+    handlers = open_log(cfg.run_dir, 100_000, 1, stream=console)
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    service = Service(model, tiny_tokenizer, cfg, learner_model=copy.deepcopy(model))
+    try:
+        service.learner.ensure_champion_validated()
+        results = [service.learner.update(rated_batch(service, k))["result"] for k in range(3)]
+    finally:
+        service.close()
+        close_log(handlers)
+    assert results == ["promoted", "rejected", "rolled back (collapse)"]
+    log = (tmp_path / "run" / "serve.log").read_text().splitlines()
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO "
+    promoted = [line for line in log if "selfrl.events.promote:" in line]
+    assert len(promoted) == 1 and re.match(stamp + r"selfrl\.events\.promote: version 1 promoted: held-out 1\.000 "
+                                           r"\(best was 0\.500\)$", promoted[0]), log
+    rejected = [line for line in log if "selfrl.events.reject:" in line]
+    assert len(rejected) == 1 and rejected[0].endswith(
+        "version 2 rejected: held-out 0.750 < best 1.000 - 0.02; serving version 1 again"), log
+    [collapse] = [line for line in log if "selfrl.events.collapse:" in line]
+    assert "held-out success 0.000 < best 1.000 - 0.5" in collapse and "Versions [3] rolled back" in collapse
+    assert "serving version 1; backing off to level 1: learning rate 0.005, beta 0" in collapse
+    # the console shows the same three with their time; the routine events (a swap) only the file
+    shown = console.getvalue().splitlines()
+    assert [line[20:40] for line in shown] == ["selfrl: version 1 pr", "selfrl: version 2 re", "selfrl: iteration 2:"]
+    assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d selfrl: ", line) for line in shown), shown
+    assert any("selfrl.events.swap: serving version 1" in line for line in log)

@@ -21,11 +21,18 @@ candidates through ``run`` and ``serve`` and compares the rows, events and champ
 
 The ledger takes the store's lock around each step, so the server's threads (HTTP
 handlers, the background learner) may share it.
+
+Every event is also one ``INFO`` record of the standard library's :mod:`logging`, on the
+logger ``selfrl.events.<kind>`` (``selfrl.events.promote``, ...) with the event's message:
+``selfrl serve`` writes them to ``serve.log`` and shows the version lifecycle's on the console
+(:mod:`selfrl.serve.logfile`); where nothing is configured (``selfrl run``, which prints its own
+lines to ``progress.log``) they go nowhere.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import shutil
 import sqlite3
@@ -69,6 +76,18 @@ class EventKind(str, enum.Enum):
     WARM_START = "warm_start"  # the warm start's phases and numbers: sampled, kept, fine-tuned, gated (selfrl.run.warm_start)
     ENGINE = "engine"  # the sampling backend a session runs on (engine = "auto" resolves by device)
     PRUNE = "prune"  # retention moved (or deleted) a version's folder; never served or rolled back to
+
+
+EVENT_LOGGER = "selfrl.events"  # the parent of one logger per kind
+
+
+def event_logger(kind: EventKind) -> logging.Logger:
+    """The logger an event of ``kind`` is logged on: ``selfrl.events.<kind>``.
+
+    >>> event_logger(EventKind.PROMOTE).name
+    'selfrl.events.promote'
+    """
+    return logging.getLogger(f"{EVENT_LOGGER}.{EventKind(kind).value}")
 
 
 def passes_gate(candidate: float, best: float, tolerance: float) -> bool:
@@ -187,8 +206,16 @@ class Ledger:
                    {"version": version, "status": rec.status.value, "to": where})
 
     def event(self, kind: EventKind, message: str, data: dict[str, Any] | None = None) -> None:
-        """Record an event of ``kind``."""
-        self.store.log_event(self.run_id, EventKind(kind).value, message, data)
+        """Record an event of ``kind`` in the store, then log ``message`` at ``INFO`` on the
+        logger ``selfrl.events.<kind>`` (:func:`event_logger`).
+
+        Raises:
+            ValueError: ``kind`` is no :class:`EventKind`.
+            sqlite3.Error: the store could not write it (nothing is logged then).
+        """
+        kind = EventKind(kind)
+        self.store.log_event(self.run_id, kind.value, message, data)
+        event_logger(kind).info(message)
 
     def load_state(self, version: int) -> dict:
         """The LoRA tensors of ``version``, checked against their checksums.
@@ -294,7 +321,8 @@ class Ledger:
             self.event(EventKind.CORRUPT_VERSION, msg, {"version": version})
             return Verdict("corrupt", msg)
         if veto is not None:
-            msg = f"version {version} rejected: {veto}; serving version {champ.version} again"
+            msg = (f"version {version} rejected: {veto}; held-out {success:.3f} overall (best {best:.3f}); "
+                   f"serving version {champ.version} again")
             self._set(version, VersionStatus.REJECTED, {"val/success": success, "veto": veto})
             self.event(EventKind.REJECT, msg, {"version": version, **(veto_data or {})})
             return Verdict("rejected", msg)
@@ -360,7 +388,8 @@ class Ledger:
         for v in later:
             self._set(v, VersionStatus.ROLLED_BACK)
         self.champion = Champion(version, rec.val_success, state)
-        self.event(EventKind.ROLLBACK, f"rolled back to version {version}; versions {later} marked rolled_back",
+        self.event(EventKind.ROLLBACK, f"rolled back to version {version} on an admin's request; versions {later} "
+                   "marked rolled_back",
                    {"version": version, "rolled_back": later})
         return later
 

@@ -138,7 +138,7 @@ class BackgroundLearner(threading.Thread):
             self.error = str(e)
         except Exception as e:  # the server keeps serving; the failure is visible in status and events
             self.error = f"{type(e).__name__}: {e}"
-            log.error("selfrl: the background learner stopped: %s", self.error, exc_info=e)
+            log.error("the background learner stopped: %s", self.error, exc_info=e)
             try:
                 self.ledger.event(EventKind.LEARNER_ERROR, f"the background learner stopped: {self.error}")
             except Exception as again:  # the store itself may be what failed: the log line above says it
@@ -191,7 +191,7 @@ class BackgroundLearner(threading.Thread):
     def _pause(self, fault: StorageFault, wait: float) -> None:
         if self.paused is None:
             self.paused_since = time.time()
-            log.warning("selfrl: the background learner paused: %s (%s); it retries in %g s, then at most every "
+            log.warning("the background learner paused: %s (%s); it retries in %g s, then at most every "
                         "%g s", fault.kind.value, fault.detail, wait, self.cfg.learner.retry_max_s)
         self.paused = fault
 
@@ -202,7 +202,7 @@ class BackgroundLearner(threading.Thread):
                           f"{seconds:.0f} s ({fault.kind.value})", {"kind": fault.kind.value, "since": since,
                                                                     "paused_s": seconds})
         self.paused = self.paused_since = None
-        log.warning("selfrl: the background learner resumed after %.0f s (%s)", seconds, fault.kind.value)
+        log.warning("the background learner resumed after %.0f s (%s)", seconds, fault.kind.value)
 
     def _undo_failed_step(self) -> None:
         """Before a step runs again after a storage fault, undo what the failed one left, as a

@@ -23,8 +23,8 @@ WARNING) marks where a fault begins and where it ends.
   with HTTP 503 and ``Retry-After`` while a storage fault lasts (a request that records
   would be refused: a load balancer should send traffic elsewhere), and HTTP 200 when
   only the learner is affected (``learner_paused``: it waits for storage and resumes by
-  itself; ``learner_stopped``: it stopped for good, e.g. the collapse budget is spent;
-  requests are served and recorded either way), and when a version failed its swap check on
+  itself; ``learner_stopped``: it stopped on an error, or once ``collapse.max_rollbacks``,
+  when set, is exceeded; requests are served and recorded either way), and when a version failed its swap check on
   the vLLM server (``swap_check_failed``: the version before it is served; ``selfrl.serve.remote``);
   HTTP 503 when the vLLM server does not answer (``sampler_unreachable``).
 """
@@ -76,7 +76,7 @@ class StorageWatch:
             if self._fault is None:
                 self._since = time.time()
             if self._fault is None or self._fault.kind != fault.kind:
-                log.warning("selfrl: storage fault (%s) in %s: %s [%s]", fault.kind.value, self.run_dir,
+                log.warning("storage fault (%s) in %s: %s [%s]", fault.kind.value, self.run_dir,
                             fault.message, fault.detail)
             self._fault, self._probed = fault, time.monotonic()
         return fault
@@ -97,7 +97,7 @@ class StorageWatch:
             except OSError as e:
                 self._fault = classify(e, WHERE) or self._fault
                 return self._fault
-            log.warning("selfrl: storage writable again after %.0f s (%s): %s", time.time() - self._since,
+            log.warning("storage writable again after %.0f s (%s): %s", time.time() - self._since,
                         self._fault.kind.value, self.run_dir)
             self._fault = None
             return None

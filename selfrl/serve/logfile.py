@@ -1,58 +1,94 @@
-"""The server's log file: ``RUN_DIR/serve.log``, rotated by size so that weeks of serving keep
-at most ``log_max_bytes * (log_backups + 1)`` bytes of it.
+"""The server's log: ``RUN_DIR/serve.log``, rotated by size so that weeks of serving keep
+at most ``log_max_bytes * (log_backups + 1)`` bytes of it, and the lines on the console.
 
-What goes there: every record of the ``selfrl`` loggers at INFO and above (the background
-learner's pauses, resumes and errors, among them), with its time. The console keeps what it
-showed before: WARNING and above on stderr (uvicorn's own messages stay on the console: uvicorn
-configures its loggers itself when it starts). The rotation is the standard
-library's :class:`logging.handlers.RotatingFileHandler` (``serve.log`` -> ``serve.log.1`` -> ...,
-the oldest deleted).
+What goes to the file: every record of the ``selfrl`` loggers at INFO and above, with its time:
+every event the store records (logged by :meth:`selfrl.record.versions.Ledger.event` on
+``selfrl.events.<kind>``: a promotion with the candidate's held-out success and the champion's,
+a rejection with its reason, a collapse with its rollback and back-off, ...), the background
+learner's pauses, resumes and errors, refused requests. What goes to stderr, with the time:
+WARNING and above, and the events in :data:`CONSOLE_EVENTS`, the version lifecycle a person
+watching the server wants to see as it happens. uvicorn's own messages stay on the console
+(uvicorn configures its loggers itself when it starts). The rotation is the standard library's
+:class:`logging.handlers.RotatingFileHandler` (``serve.log`` -> ``serve.log.1`` -> ..., the
+oldest deleted).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
 
+from selfrl.record.versions import EventKind, event_logger
+
 LOG_NAME = "serve.log"
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+CONSOLE_FORMAT = "%(asctime)s selfrl: %(message)s"
+CONSOLE_TIME = "%Y-%m-%d %H:%M:%S"  # local wall-clock time, to the second
+
+# the events shown on the console as well as in the file: versions promoted, rejected, rolled
+# back (a collapse, or an admin), the back-off stepping back, a stop, pins, alerts at restart
+# and from the detectors; the routine ones (swap, skip, late feedback, disconnect, prune, ...)
+# are in the file only; the learner's pauses, resumes and errors are WARNING lines of their own
+CONSOLE_EVENTS = frozenset({
+    EventKind.PROMOTE, EventKind.REJECT, EventKind.CORRUPT_VERSION, EventKind.MISSING_VERSION,
+    EventKind.COLLAPSE, EventKind.COLLAPSE_STOP, EventKind.STEP_BACK, EventKind.ROLLBACK, EventKind.PIN,
+    EventKind.UNPIN, EventKind.RECOVER, EventKind.HACKING, EventKind.SWAP_CHECK_FAILED})
 
 
-def open_log(run_dir: str | Path, max_bytes: int, backups: int, name: str = LOG_NAME) -> RotatingFileHandler | None:
+class ConsoleFilter(logging.Filter):
+    """Passes WARNING and above, and the records of the events in ``kinds``."""
+
+    def __init__(self, kinds=CONSOLE_EVENTS):
+        super().__init__()
+        self.names = frozenset(event_logger(k).name for k in kinds)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or record.name in self.names
+
+
+@dataclass
+class ServeLog:
+    """What :func:`open_log` attached to the ``selfrl`` logger: the file (None without one) and the console."""
+
+    file: RotatingFileHandler | None
+    console: logging.Handler
+
+
+def open_log(run_dir: str | Path, max_bytes: int, backups: int, name: str = LOG_NAME,
+             stream=None) -> ServeLog:
     """Attach ``run_dir/<name>`` (``serve.log``; a replica writes its own file, since two processes
-    must not rotate one; rotated at ``max_bytes``, ``backups`` old files kept) to the
-    server's loggers, and a WARNING handler on stderr to ``selfrl`` (which had none: Python's
-    last-resort handler printed its warnings). Returns the file handler (None with ``max_bytes = 0``:
-    no file); :func:`close_log` detaches it.
+    must not rotate one; rotated at ``max_bytes``, ``backups`` old files kept; ``max_bytes = 0``:
+    no file) and a console handler on ``stream`` (None: stderr; :class:`ConsoleFilter`) to the
+    ``selfrl`` logger, and let its INFO records through. :func:`close_log` detaches them.
 
     Raises:
         OSError: the log file cannot be opened (a read-only run directory).
     """
-    if max_bytes == 0:
-        return None
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    handler = RotatingFileHandler(Path(run_dir) / name, maxBytes=max_bytes, backupCount=backups,
-                                  encoding="utf-8")
-    handler.setFormatter(logging.Formatter(FORMAT))
-    handler.setLevel(logging.INFO)
-    console = logging.StreamHandler(sys.stderr)
-    console.setLevel(logging.WARNING)
-    handler.console = console  # detached with it
     ours = logging.getLogger("selfrl")
+    file = None
+    if max_bytes:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        file = RotatingFileHandler(Path(run_dir) / name, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
+        file.setFormatter(logging.Formatter(FORMAT))
+        file.setLevel(logging.INFO)
+        ours.addHandler(file)
+    console = logging.StreamHandler(sys.stderr if stream is None else stream)
+    console.setFormatter(logging.Formatter(CONSOLE_FORMAT, CONSOLE_TIME))
+    console.setLevel(logging.INFO)
+    console.addFilter(ConsoleFilter())
     ours.addHandler(console)
-    ours.addHandler(handler)
     if ours.getEffectiveLevel() > logging.INFO:
         ours.setLevel(logging.INFO)
-    return handler
+    return ServeLog(file, console)
 
 
-def close_log(handler: RotatingFileHandler | None) -> None:
+def close_log(handlers: ServeLog) -> None:
     """Detach and close what :func:`open_log` attached."""
-    if handler is None:
-        return
     ours = logging.getLogger("selfrl")
-    ours.removeHandler(handler)
-    ours.removeHandler(handler.console)
-    handler.close()
+    for h in (handlers.file, handlers.console):
+        if h is not None:
+            ours.removeHandler(h)
+            h.close()
