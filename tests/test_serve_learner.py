@@ -202,3 +202,37 @@ def test_serve_runs_the_probe_detector_at_each_validation_as_run_does(tiny_token
         assert metrics["hacking/probe_score"] * n == pytest.approx(round(metrics["hacking/probe_score"] * n))
     finally:
         service.close()
+
+
+def test_a_flood_of_ratings_on_one_turn_is_trained_once_with_the_last_one(tiny_tokenizer, tiny_model_factory,
+                                                                         tmp_path):
+    # docs/reference/http-api.md, "Several ratings on one turn": every message is stored and answered,
+    # the last explicit rating before the update is the turn's reward, the turn is one sample of one
+    # update, and a rating after it is only recorded
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    cfg = tiny_serve_config(tmp_path / "run", min_batch=2, max_batch=8, feedback_wait_s=600.0)
+    cfg.collapse.max_kl = 5.0  # the tiny model's first step at the default learning rate is not what this tests
+    with running_server(model, tiny_tokenizer, cfg, learn=True) as (url, service):
+        service.learner.stop()  # the test runs the update itself, after the flood
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        a, b = (client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": q}],
+                                               max_tokens=3, extra_body={"task_key": "k"}) for q in ("qa", "qb"))
+        answers = [http("POST", url + "/v1/feedback", {"response_id": a.id, "rating": r}, key=API_KEY)
+                   for r in (0.5, -1.0, 1.0, -0.25, 0.75)]
+        assert [(code, body["outcome"], body["turns_updated"], body["reward"]) for code, body in answers] == [
+            (200, "used", 1, r) for r in (0.5, -1.0, 1.0, -0.25, 0.75)]
+        assert http("POST", url + "/v1/feedback", {"response_id": b.id, "rating": -1.0}, key=API_KEY)[0] == 200
+        with service.store.lock:
+            assert records.counts(service.store)["feedback_messages"] == 6  # every message kept
+            assert records.find_response(service.store, a.id)["feedback"] == 0.75  # the last one
+            batch = records.ready(service.store, cfg.learner.feedback_wait_s, cfg.learner.max_batch)
+        assert len(batch) == 2  # one row per turn, however many ratings it got
+        info = service.learner.update(batch)
+        assert (info["turns"], info["scored"], info["with_signal"]) == (2, 2, 2)
+        code, late = http("POST", url + "/v1/feedback", {"response_id": a.id, "rating": -1.0}, key=API_KEY)
+        assert code == 200 and (late["outcome"], late["turns_updated"], late["turns_too_late"]) == ("too_old", 0, 1)
+        with service.store.lock:
+            row = records.find_response(service.store, a.id)
+            trained = {t.id: t for t in service.store.trajectories()}[row["trajectory_id"]]
+            assert records.counts(service.store)["feedback_messages"] == 7
+        assert row["status"] == "trained" and trained.rewards["user_feedback"] == 0.75  # the late -1 changed nothing
