@@ -439,3 +439,41 @@ def test_the_shipped_config_is_the_default():
     from pathlib import Path
 
     assert load_simulate_config(Path(__file__).parents[1] / "configs" / "simulate.toml") == SimulateConfig().validate()
+
+
+def test_the_shipped_serve_families_config_holds_out_only_tasks_the_simulated_users_never_ask():
+    # configs/serve_families.toml beside configs/simulate.toml (docs/guides/simulate.md): the server's
+    # held-out sets, built as its gate builds them, are tasks the simulator redraws, so no user asks one
+    import dataclasses
+    from pathlib import Path
+
+    from selfrl.serve.families import FamilyGate
+    from selfrl.serve.main import load_serve_config
+
+    configs = Path(__file__).parents[1] / "configs"
+    serve = load_serve_config(str(configs / "serve_families.toml"), {})
+    sim_cfg = load_simulate_config(configs / "simulate.toml")
+    assert [(f.name, f.source, f.options, f.val_size, f.val_seed, f.tolerance) for f in serve.families] == [
+        ("arithmetic", "chain_sum", {}, 64, 2000, 0.05),
+        ("function_calling", "function_calling", {"categories": ["simple"]}, 96, 2000, 0.05),
+        ("web", "web", {"tier": "easy"}, 24, 2000, 0.05)]
+    assert [(f.name, f.env, f.options, f.heldout_size, f.heldout_seed) for f in sim_cfg.families] == [
+        (f.name, f.source, f.options, f.val_size, f.val_seed) for f in serve.families]
+    held: dict[str, set[str]] = {}
+    for t in FamilyGate(serve, store=None, ledger=None).val:  # ids "<family>/<task id>"
+        family, _, task_id = t.id.partition("/")
+        held.setdefault(family, set()).add(task_id)
+    assert {f: len(ids) for f, ids in held.items()} == {"arithmetic": 64, "function_calling": 96, "web": 24}
+    # the simulator's users at 30 times the shipped arrival rate: 1,693 conversations of the shipped schedule
+    sim = Simulator(dataclasses.replace(sim_cfg, arrivals_per_hour=600.0), client=None)
+    assert all(held[name] <= fam.held_out for name, fam in sim.families.items())  # each is redrawn
+    asked: dict[str, set[str]] = {}
+    redrawn = dict.fromkeys(held, 0)  # draws the held-out set turned away, per family
+    for p in sim.plans():
+        fam = sim.families[p.family]
+        asked.setdefault(p.family, set()).add(fam.task(p.task_seed).id)
+        [first] = fam.env.sample(1, p.task_seed)
+        redrawn[p.family] += first.id in held[p.family]
+    assert {f: len(ids) for f, ids in asked.items()} == {"arithmetic": 834, "function_calling": 207, "web": 160}
+    assert all(not asked[f] & held[f] for f in held)
+    assert redrawn == {"arithmetic": 11, "function_calling": 114, "web": 27}  # each would have been a held-out task
