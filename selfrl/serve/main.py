@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import signal
@@ -56,7 +57,14 @@ def bind(host: str, port: int) -> socket.socket:
 def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | None, learn: bool = True,
           protect_completions: bool = False) -> int:
     """Run the server until Ctrl-C, SIGTERM or SIGHUP; returns the exit code: 2 for bad input, 128 + the
-    signal's number after a stop signal (130, 143, 129; :mod:`selfrl.run.shutdown`)."""
+    signal's number after a stop signal (130, 143, 129; :mod:`selfrl.run.shutdown`). The log handlers
+    it attaches (:mod:`selfrl.serve.logfile`) are detached when it returns."""
+    with contextlib.ExitStack() as logs:
+        return _serve(config, overrides, api_key_file, learn, protect_completions, logs)
+
+
+def _serve(config: str | None, overrides: dict[str, Any], api_key_file: str | None, learn: bool,
+           protect_completions: bool, logs: contextlib.ExitStack) -> int:
     from selfrl.config import ConfigError
     from selfrl.model.load import ModelLoadError
     from selfrl.safety.swap_check import SwapCheckError
@@ -100,10 +108,10 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
         where = next(p for p in (Path(cfg.run_dir).absolute(), *Path(cfg.run_dir).absolute().parents) if p.exists())
         if (full := free_space_error(where)) is not None:
             raise full  # before the model loads: a full or read-only disk fails in a second
-        from selfrl.serve.logfile import open_log
+        from selfrl.serve.logfile import close_log, open_log
 
-        open_log(cfg.run_dir, cfg.log_max_bytes, cfg.log_backups,  # run_dir/serve.log, rotated by size
-                 f"serve-replica-{os.getpid()}.log" if cfg.replica else "serve.log")
+        logs.callback(close_log, open_log(cfg.run_dir, cfg.log_max_bytes, cfg.log_backups,  # rotated by size
+                                          f"serve-replica-{os.getpid()}.log" if cfg.replica else "serve.log"))
         model, tok = build_policy(cfg)
         # serve.seed made the adapter's initialisation reproducible; sampling draws from a fresh
         # stream per process, so a restart or a --replica never repeats another process's samples
