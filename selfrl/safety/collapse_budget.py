@@ -1,9 +1,9 @@
 """A collapse budget per window of time, not per run: back off, keep learning, step back.
 
 The paper selfrl follows ran 240 hours of continuous learning and saw 7 collapses, each
-rolled back; a service that learns for days must survive its collapses. Today
-:class:`selfrl.safety.collapse.CollapseGuard` stops a run for good once its rollbacks exceed
-``max_rollbacks``, even where a lower learning rate would have been stable.
+rolled back; a service that learns for days must survive its collapses. A rule per run
+(stop once the rollbacks exceed ``max_rollbacks``) would stop for good even where a lower
+learning rate would have been stable; it is kept only on request (``stop_after`` below).
 :class:`CollapseBudget` keeps the learner going instead:
 
 * **Back off.** Each collapse moves one *level* down: level ``n`` is the configured

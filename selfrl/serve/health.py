@@ -131,7 +131,8 @@ def health(service) -> tuple[int, dict[str, Any], dict[str, str]]:
     elif learner is not None and learner.error is not None:
         reasons.append({"code": "learner_stopped", "message": "the learner stopped (GET /admin/status and the "
                         "server log say why); requests are served and recorded, nothing is learned until the "
-                        "server is restarted"})
+                        "cause is removed and the server restarted (a stop by collapse.max_rollbacks "
+                        "recurs on restart: unset it or raise it)"})
     failed = getattr(service.engine, "failed", None)  # a remote sampler's swap check (selfrl.serve.remote)
     if failed is not None:
         reasons.append({"code": "swap_check_failed", "message": f"{failed.message}; requests are served by version "
