@@ -477,3 +477,9 @@ def test_the_shipped_serve_families_config_holds_out_only_tasks_the_simulated_us
     assert {f: len(ids) for f, ids in asked.items()} == {"arithmetic": 834, "function_calling": 207, "web": 160}
     assert all(not asked[f] & held[f] for f in held)
     assert redrawn == {"arithmetic": 11, "function_calling": 114, "web": 27}  # each would have been a held-out task
+
+
+def test_users_send_one_key_per_family_by_default():
+    # "task" keys rarely repeat (each conversation draws its own task), so the learner would find
+    # no groups (docs/guides/simulate.md#groups-for-the-learner)
+    assert SimulateConfig().group_by == "family"

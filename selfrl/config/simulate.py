@@ -127,7 +127,7 @@ class SimulateConfig:
     window_s: float = 3600.0  # simulated seconds of one window of the served-success table
     temperature: float = 1.0  # sampling temperature of each completion
     concurrency: int = 1  # conversations and reactions in flight at once (a pool of users; 1: one at a time)
-    group_by: GroupBy = "task"  # the task_key sent: task ("<family>:<task id>", the turns of one task) | family (every turn of a family: one learner group per family)
+    group_by: GroupBy = "family"  # the task_key sent: family (every turn of a family: one learner group per family) | task ("<family>:<task id>": a task rarely repeats, so few groups)
     per_user_tokens: bool = True  # each user sends its own bearer token on completions (false: the API key, for --protect-completions)
     timeout_s: float = 300.0  # real seconds one HTTP request may take
     out_dir: str = "runs/simulate"  # where summary.json and events.jsonl are written
