@@ -134,3 +134,27 @@ def test_a_second_server_on_the_same_run_dir_is_refused(tmp_path):
     assert again.returncode == 0, again.stdout + again.stderr
     with pytest.raises(RunDirLocked):  # a second lock in the same process is refused too
         RunDirLock(tmp_path), RunDirLock(tmp_path)
+
+
+def test_the_kept_lora_states_are_bounded_and_an_evicted_version_is_read_again(tiny_tokenizer, tiny_model_factory,
+                                                                               tmp_path):
+    # a server promoting a version every few minutes kept every state it had served: memory grew
+    # by one LoRA state a version (docs/results/soak.md)
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    service = Service(model, tiny_tokenizer, tiny_serve_config(tmp_path / "run"))
+    try:
+        states = {}
+        for v in range(1, 9):
+            states[v] = new_state(model)
+            add_version(service, states[v], v, metrics={"val/success": 0.5})
+            service.versions.publish(v, states[v], "promoted")
+            assert service.engine.version == v
+        kept = service.versions._states
+        assert len(kept) == service.versions.STATES_KEPT == 4
+        assert list(kept) == [5, 6, 7, 8]  # the least recently used went first
+        service.rollback(2)  # long evicted: read from its folder again
+        assert service.engine.version == 2
+        assert all(torch.equal(states[2][k], v) for k, v in lora_state(service.engine.model).items())
+        assert list(kept) == [6, 7, 8, 2]
+    finally:
+        service.close()

@@ -46,6 +46,7 @@ import torch
 
 from selfrl.safety import collapse
 from selfrl.core import faults
+from selfrl.core.memory import trim_heap
 from selfrl.safety.collapse import CollapseGuard, CollapseStop
 from selfrl.run.cycle import UpdateCycle
 from selfrl.safety.detectors import HackingMonitor
@@ -264,6 +265,7 @@ class BackgroundLearner(threading.Thread):
                 self.update(batch)
             finally:
                 self.busy = False
+                trim_heap()  # the update's freed tensors back to the OS: RSS stays flat for days
         return True
 
     def score(self, batch: list[tuple[Trajectory, dict]]) -> tuple[list[Trajectory], list[Trajectory]]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,14 @@ class ServedVersion:
         swap_seconds: how long each published swap took.
         on_rollback: called with the champion after an admin rollback, under the admin lock
             (the background learner's ``reset_to``), or None.
+
+    The LoRA tensors of the versions used last are kept in memory, at most
+    :attr:`STATES_KEPT` of them (one version of the embedded model's default LoRA is about
+    20 MB); an older one is read from its folder again when asked for. Kept without a bound,
+    a server that promotes a version every few minutes grew by one state per version.
     """
+
+    STATES_KEPT = 4  # LoRA states kept in memory: the served one, the champion and a few recent ones
 
     def __init__(self, engine, ledger: Ledger, run_dir: Path, replica: bool = False):
         self.engine, self.ledger, self.run_dir, self.replica = engine, ledger, Path(run_dir), replica
@@ -58,7 +66,8 @@ class ServedVersion:
         self.admin = threading.Lock()  # pin, unpin, rollback and publish: one at a time, each whole
         self.swap_seconds: list[float] = []
         self.on_rollback: Callable[[Champion], None] | None = None
-        self._states: dict[int, Any] = {}
+        self._states: OrderedDict[int, Any] = OrderedDict()  # version -> its LoRA tensors, least recently used first
+        self._states_lock = threading.Lock()  # request threads read it while the learner publishes
 
     @property
     def served(self) -> int:
@@ -134,26 +143,40 @@ class ServedVersion:
                            "server that owns it (it holds the learner and the versions)", code="replica")
 
     def state_of(self, version: int):
-        """The LoRA tensors of a stored version (cached).
+        """The LoRA tensors of a stored version (the last few used kept in memory).
 
         Raises:
             ApiError: 404 when the version does not exist or was never saved; 409 when its
-                folder is not complete.
+                folder is not complete, or was pruned by retention.
         """
-        if version not in self._states:
-            rec = self.ledger.get(version)
-            if rec is not None and rec.metrics.get("pruned"):  # never served or rolled back to again
-                raise ApiError(409, f"adapter version {version} was pruned by retention "
-                               f"({rec.metrics.get('pruned_to')}); GET /v1/models lists the versions kept",
-                               "model", "version_pruned")
-            try:
-                self._states[version] = self.ledger.load_state(version)
-            except KeyError:
-                raise ApiError(404, f"adapter version {version} does not exist", "model", "model_not_found") from None
-            except (adapters.CorruptVersionError, FileNotFoundError) as e:
-                raise ApiError(409, f"adapter version {version} cannot be served: {e}", "model",
-                               "version_incomplete") from e
-        return self._states[version]
+        with self._states_lock:
+            state = self._states.get(version)
+            if state is not None:
+                self._states.move_to_end(version)
+                return state
+        rec = self.ledger.get(version)
+        if rec is not None and rec.metrics.get("pruned"):  # never served or rolled back to again
+            raise ApiError(409, f"adapter version {version} was pruned by retention "
+                           f"({rec.metrics.get('pruned_to')}); GET /v1/models lists the versions kept",
+                           "model", "version_pruned")
+        try:
+            state = self.ledger.load_state(version)
+        except KeyError:
+            raise ApiError(404, f"adapter version {version} does not exist", "model", "model_not_found") from None
+        except (adapters.CorruptVersionError, FileNotFoundError) as e:
+            raise ApiError(409, f"adapter version {version} cannot be served: {e}", "model",
+                           "version_incomplete") from e
+        self._keep(version, state)
+        return state
+
+    def _keep(self, version: int, state) -> None:
+        """Keep ``state`` as ``version``'s, the most recently used; drop the least recently used
+        beyond :attr:`STATES_KEPT` (read again from its folder when asked for)."""
+        with self._states_lock:
+            self._states[version] = state
+            self._states.move_to_end(version)
+            while len(self._states) > self.STATES_KEPT:
+                self._states.popitem(last=False)
 
     def check_servable(self, version: int, param: str = "model") -> None:
         """Raise ApiError unless ``version`` is the base or a promoted version with a complete folder."""
@@ -194,7 +217,7 @@ class ServedVersion:
         """Serve ``version`` now, unless a version is pinned or an admin rolled it back
         meanwhile (it is no longer servable); returns the swap seconds."""
         with self.admin:
-            self._states[version] = {k: v.clone() for k, v in state.items()}
+            self._keep(version, {k: v.clone() for k, v in state.items()})
             rec = self.ledger.get(version)
             if rec is None or not rec.servable:
                 status = "unknown" if rec is None else rec.status.value
