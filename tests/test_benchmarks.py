@@ -336,3 +336,18 @@ def test_vllm_skips_without_a_vllm(capsys):
     assert bench_vllm.main(["--tiny"]) is None and bench_vllm.main([]) is None
     out = capsys.readouterr().out
     assert "--tiny has no vLLM model" in out and "no --vllm-python" in out
+
+
+def test_serve_memory_tiny(tmp_path):
+    import bench_serve_memory
+
+    assert bench_serve_memory.slope([1.0, 3.0, 5.0]) == 2.0
+    r = bench_serve_memory.main(["--tiny", "--rounds", "6", "--tokens", "4", "--val-size", "2", "--out", str(tmp_path)])
+    arms = r["arms"]
+    assert list(arms) == ["unbounded", "bounded", "bounded+trim"]
+    for data in arms.values():
+        assert len(data["rss_mb"]) == 6 and all(x > 100 for x in data["rss_mb"])
+        assert data["outcomes"] == ["promoted"] * 6  # tolerance 1: a state a version
+    # the server's bound (ServedVersion.STATES_KEPT) holds in the bounded arms only
+    assert arms["unbounded"]["states_kept"] == 6 and arms["bounded"]["states_kept"] == 4
+    assert (tmp_path / "serve_memory.json").exists()
