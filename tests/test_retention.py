@@ -32,6 +32,16 @@ def test_all_promoted_removes_nothing():
     assert versions_to_remove(rows, keep_newest=1) == []
 
 
+def test_keep_promoted_bounds_the_promoted_versions_kept():
+    rows = [row(0, "base")] + [row(v, "promoted") for v in range(1, 8)] + [row(8, "rejected")]
+    # the newest 3 promoted (5, 6, 7), the newest version (8), the base, a pinned champion (2)
+    assert versions_to_remove(rows, keep_newest=1, keep_promoted=3, pinned=[2]) == [1, 3, 4]
+    assert versions_to_remove(rows, keep_newest=1, keep_promoted=3, served=1) == [2, 3, 4]
+    assert versions_to_remove(rows, keep_newest=1, keep_promoted=0) == []  # 0: every promoted one
+    with pytest.raises(ValueError, match="keep_promoted must be >= 0"):
+        versions_to_remove(rows, keep_newest=1, keep_promoted=-1)
+
+
 def test_folder_shared_with_a_kept_row_stays():
     rows = [row(0, "base"), row(1, "rejected", "adapters/v000002"), row(2, "promoted"), row(3, "rejected"),
             row(4, "candidate", None), row(5, "candidate")]
@@ -179,3 +189,31 @@ def test_serve_prunes_after_an_update_and_never_offers_a_pruned_version(tiny_tok
         assert not (adapters_dir / "v000004").exists() and not (adapters_dir / ".pruned" / "v000004").exists()
     finally:
         service.close()
+
+
+def test_serve_keeps_the_newest_promoted_versions_and_the_champion(tiny_tokenizer, tiny_model_factory, tmp_path):
+    # before: every promoted version's folder stayed for ever (the soak's disk filled with them)
+    import copy
+
+    from selfrl.config import ConfigError
+    from selfrl.record.adapters import lora_state
+    from selfrl.serve.service import Service
+    from serving import add_version, tiny_serve_config
+
+    cfg = tiny_serve_config(tmp_path / "run")
+    cfg.retention.keep_newest, cfg.retention.keep_promoted = 1, 2
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    service = Service(model, tiny_tokenizer, cfg, learner_model=copy.deepcopy(model))
+    try:
+        state = lora_state(model)
+        for v in range(1, 6):
+            add_version(service, state, v, parent=v - 1, status="promoted", metrics={"val/success": 0.5})
+        champion = service.ledger.champion.version
+        kept = {0, 4, 5, champion}
+        assert service.prune_versions() == sorted({1, 2, 3} - {champion})
+        assert {v["version"] for v in service.version_ids()} == kept
+    finally:
+        service.close()
+    cfg.retention.keep_newest = 0
+    with pytest.raises(ConfigError, match="keep_promoted applies only with keep_newest"):
+        cfg.validate()

@@ -118,10 +118,15 @@ class RetentionSettings:
     """Which adapter version folders are kept (``selfrl.record.retention``), applied after every update."""
 
     keep_newest: int = 0  # keep the newest N versions' folders, and every base, promoted, pinned and served one; 0: keep all
+    keep_promoted: int = 0  # with keep_newest: keep only the newest M promoted versions (and the champion); 0: every promoted one
     delete: bool = False  # delete the pruned folders (False: move them to adapters/.pruned, to delete by hand)
 
     def check(self, where: str = "") -> None:
-        require([in_range(self.keep_newest, "keep_newest", 0, 10**6)], where)
+        require([in_range(self.keep_newest, "keep_newest", 0, 10**6),
+                 in_range(self.keep_promoted, "keep_promoted", 0, 10**6),
+                 (not self.keep_promoted or self.keep_newest,
+                  "keep_promoted applies only with keep_newest >= 1 (0 keeps every version): set keep_newest too")],
+                where)
 
 
 @dataclass

@@ -5,10 +5,11 @@ follows ran for 240 hours. Disk stays bounded only if old versions and old traje
 go. The rules, in the spirit of ART's ``local/checkpoints.py`` (keep the last N step
 folders) but stricter, because a version folder here may be served again:
 
-* :func:`versions_to_remove` keeps the newest ``keep_newest`` versions, every ``base``
-  and ``promoted`` version (any of them can be rolled back to), every pinned version, the
-  served one, and never removes a folder that a kept row also points to. ``rolled_back``,
-  ``rejected`` and ``candidate`` versions outside the newest N go; pin one to keep it.
+* :func:`versions_to_remove` keeps the newest ``keep_newest`` versions, the ``base``, every
+  ``promoted`` version (any of them can be rolled back to) or only the newest ``keep_promoted``
+  of them, every pinned version, the served one, and never removes a folder that a kept row
+  also points to. ``rolled_back``, ``rejected`` and ``candidate`` versions outside the newest N
+  go; pin one to keep it.
 * :func:`prune_versions` applies it to a run directory: each folder is moved into
   ``adapters/.pruned/`` (one rename, so a crash leaves it whole in one of two places),
   the caller's ``mark_pruned`` callback records it in the ledger, and only then, if asked,
@@ -34,7 +35,6 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from selfrl.core.atomic import fsync_dir
 
-KEEP_STATUSES = frozenset({"base", "promoted"})  # selfrl.record.versions.SERVABLE
 PRUNED = ".pruned"  # under <run_dir>/adapters
 
 
@@ -49,14 +49,18 @@ class VersionRow:
 
 
 def versions_to_remove(versions: Sequence[VersionRow], keep_newest: int, pinned: Iterable[int] = (),
-                       served: int | None = None) -> list[int]:
+                       served: int | None = None, keep_promoted: int = 0) -> list[int]:
     """The versions whose folders may go, ascending.
 
     Args:
         versions: every row of the ledger.
         keep_newest: keep this many of the highest version numbers, whatever their status (>= 1).
-        pinned: versions a user asked to keep.
+        pinned: versions a user asked to keep (and the caller's champion).
         served: the version served now.
+        keep_promoted: keep only the newest this many promoted versions (beside the newest
+            ``keep_newest``, the pinned and the served ones); 0 keeps every promoted version. A
+            server that promotes every few minutes for weeks needs a bound here: each version's
+            folder is a few MB to hundreds.
 
     Raises:
         ValueError: ``keep_newest`` < 1, a duplicate version, or a pinned or served version not in ``versions``.
@@ -65,6 +69,9 @@ def versions_to_remove(versions: Sequence[VersionRow], keep_newest: int, pinned:
     ...         VersionRow(2, "promoted", "adapters/v000002"), VersionRow(3, "candidate", "adapters/v000003")]
     >>> versions_to_remove(rows, keep_newest=1)
     [1]
+    >>> rows += [VersionRow(4, "promoted", "adapters/v000004"), VersionRow(5, "promoted", "adapters/v000005")]
+    >>> versions_to_remove(rows, keep_newest=1, keep_promoted=2)
+    [1, 2, 3]
     """
     if keep_newest < 1:
         raise ValueError(f"keep_newest must be >= 1 (the newest version is the learner's), got {keep_newest}")
@@ -75,9 +82,14 @@ def versions_to_remove(versions: Sequence[VersionRow], keep_newest: int, pinned:
     unknown = sorted(pinned - set(numbers)) + ([served] if served is not None and served not in numbers else [])
     if unknown:
         raise ValueError(f"pinned or served versions {unknown} are not in the ledger; check the version numbers")
+    if keep_promoted < 0:
+        raise ValueError(f"keep_promoted must be >= 0 (0: keep every promoted version), got {keep_promoted}")
     newest = set(sorted(numbers)[-keep_newest:])
-    keep = {r.version for r in versions if r.version in newest or r.status in KEEP_STATUSES
-            or r.version in pinned or r.version == served}
+    statuses = {r.version: r.status for r in versions}
+    promoted = sorted(v for v, status in statuses.items() if status == "promoted")
+    kept_promoted = set(promoted[-keep_promoted:]) if keep_promoted else set(promoted)
+    keep = {v for v, status in statuses.items() if v in newest or v in pinned or v == served
+            or status == "base" or v in kept_promoted}
     kept_paths = {r.path for r in versions if r.version in keep and r.path}
     return sorted(r.version for r in versions if r.version not in keep and r.path and r.path not in kept_paths)
 

@@ -141,9 +141,10 @@ class Service:
 
     def prune_versions(self) -> list[int]:
         """Retention (``[retention]``, :mod:`selfrl.record.retention`): the folders of versions outside
-        the newest ``keep_newest`` that are not base, promoted, pinned or served are moved to
-        ``adapters/.pruned`` (deleted with ``retention.delete``), each marked in the ledger with a
-        ``prune`` event; returns the versions pruned ([] with ``keep_newest = 0``)."""
+        the newest ``keep_newest`` that are not base, promoted (the newest ``keep_promoted`` of
+        them, when set), the champion, pinned or served are moved to ``adapters/.pruned``
+        (deleted with ``retention.delete``), each marked in the ledger with a ``prune`` event;
+        returns the versions pruned ([] with ``keep_newest = 0``)."""
         rc = self.cfg.retention
         if not rc.keep_newest:
             return []
@@ -152,8 +153,8 @@ class Service:
         with self.ledger.lock:  # an admin's rollback or pin comes before or after, never inside
             rows = [VersionRow(v.version, v.status.value, v.path) for v in self.ledger.all()
                     if not v.metrics.get("pruned")]
-            remove = versions_to_remove(rows, rc.keep_newest, [] if self.pinned is None else [self.pinned],
-                                        self.engine.version)
+            keep = {self.ledger.champion.version} | ({self.pinned} if self.pinned is not None else set())
+            remove = versions_to_remove(rows, rc.keep_newest, keep, self.engine.version, rc.keep_promoted)
             where = "deleted" if rc.delete else "moved to adapters/.pruned"
             prune_versions(self.run_dir, rows, remove, lambda v: self.ledger.mark_pruned(v, where), rc.delete)
         return remove
