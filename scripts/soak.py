@@ -64,6 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--disk-hold-s", type=float, default=30.0, help="seconds the disk stays nearly full")
     p.add_argument("--outage-s", type=float, default=5.0, help="seconds the server stays down after kill -9")
     p.add_argument("--keep-newest", type=int, default=3, help="the server's retention.keep_newest")
+    p.add_argument("--keep-promoted", type=int, default=3,
+                   help="the server's retention.keep_promoted (0: every promoted version's folder stays)")
+    p.add_argument("--keep-pruned", action="store_true",
+                   help="move pruned folders to adapters/.pruned (on the same disk) instead of deleting them")
     args = p.parse_args(argv)
     args.faults = [f for f in args.faults.split(",") if f]
     if bad := [f for f in args.faults if f not in FAULTS]:
@@ -261,6 +265,7 @@ class Soak:
             run_dir=self.run_dir, port=self.port, model=model, tokens=16 if tiny else 96, lora_r=4 if tiny else 8,
             val_size=4 if tiny else 8, min_batch=8 if tiny else 12, max_batch=16 if tiny else 24,
             feedback_wait_s=5.0 if tiny else 60.0, max_kl=0.1 if tiny else 0.5, keep_newest=a.keep_newest,
+            keep_promoted=a.keep_promoted, delete=str(not a.keep_pruned).lower(),
             lr=1e-3 if tiny else 1e-4))
         self.fault_file.write_text("")
         self.server = Server(self.out, self.out / "serve.toml", self.fault_file)

@@ -26,7 +26,8 @@ How each target is measured:
 * **RSS growth**: per server process, the least-squares slope of RSS over the samples after
   ``--rss-warmup-min`` minutes of that process, in % of its RSS then, per hour; the largest.
 * **disk within retention**: at the end, every adapter folder is one of the newest
-  ``keep_newest``, a base, promoted, pinned or served version.
+  ``keep_newest``, a base, promoted, pinned or served version (with ``--keep-promoted`` the server
+  keeps fewer promoted ones: the check allows every promoted version, so it is an upper bound).
 """
 
 from __future__ import annotations

@@ -44,6 +44,8 @@ stable_s = 600.0
 cooldown_s = 120.0
 [retention]
 keep_newest = {keep_newest}
+keep_promoted = {keep_promoted}
+delete = {delete}
 [train]
 learning_rate = {lr}
 """
