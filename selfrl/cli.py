@@ -231,11 +231,18 @@ def _main(args: argparse.Namespace) -> int:
         from selfrl.envs import describe_envs
 
         for module in args.modules:
+            module_name, _, attr = module.partition(":")
             try:
-                importlib.import_module(module.partition(":")[0])
+                imported = importlib.import_module(module_name)
             except ImportError as err:
                 print(f"selfrl: error: cannot import {module!r}: {err}; put its folder on PYTHONPATH "
                       "(PYTHONPATH=. from the repository root)", file=sys.stderr)
+                return 2
+            if attr and not callable(getattr(imported, attr, None)):
+                found = "is not a class or factory" if hasattr(imported, attr) else "does not exist"
+                print(f"selfrl: error: {module!r}: {module_name}.{attr} {found}; name an Env class or factory "
+                      f"defined in {module_name}, or give the module alone (selfrl envs {module_name})",
+                      file=sys.stderr)
                 return 2
         rows = describe_envs()
         width = max(len(name) for name, _ in rows)
