@@ -180,6 +180,21 @@ def test_combinations_a_remote_sampler_cannot_honour_are_refused(change, message
         cfg.validate()
 
 
+def test_a_sampler_setting_without_a_sampler_url_is_refused_not_ignored(tmp_path):
+    from selfrl.config import load_config
+
+    with pytest.raises(ConfigError, match=r"^sampler\.kind \(--sampler-kind\) has no effect without sampler\.url: "
+                       r"the run samples in process .*; add --sampler URL, or leave it out$"):
+        load_config(None, {"sampler.kind": "vllm"})
+    toml = tmp_path / "c.toml"
+    toml.write_text("[sampler]\ntimeout_s = 5.0\napi_key_file = 'k'\n")
+    with pytest.raises(ConfigError, match=r"^sampler\.api_key_file, sampler\.timeout_s have no effect"):
+        load_config(toml)
+    assert load_config(None, {"sampler.kind": "vllm", "sampler.url": "http://h:1"}).sampler.kind == "vllm"
+    # a stored run's config (--resume) and an environment's defaults are not the user's settings
+    assert load_config(None, None, {"sampler": {"kind": "vllm"}}).sampler.kind == "vllm"
+
+
 def test_cli_an_unreachable_sampler_is_a_clear_error(model_dir, tmp_path, capsys):
     code = main(["run", "--model", str(model_dir), "--device", "cpu", "--lora-r", "4", "--run-dir",
                  str(tmp_path / "r"), "--sampler", "http://127.0.0.1:9", "--iterations", "1"])

@@ -1,5 +1,7 @@
 """`selfrl serve` settings, API keys, and a restart that continues the run directory."""
 
+import re
+
 import pytest
 import torch
 from openai import OpenAI
@@ -186,3 +188,43 @@ def test_serve_refuses_the_judge_reward_in_one_line_before_the_model_loads(tmp_p
     assert "train with a judge through selfrl run" in err and "user_feedback" in err
     cfg = load_serve_config(None, {})  # the default weights still load
     assert cfg.learner.reward_weights == {"user_feedback": 1.0, "tool_success": 0.2}
+
+
+def test_a_sampler_setting_without_a_sampler_url_is_refused_not_ignored():
+    """serve's default kind is vllm: --sampler-kind (or a [swap_check] key) without --sampler would
+    change nothing, so it is refused; a kind serve does not take is refused listing the one it does."""
+    for overrides, key in (({"sampler.kind": "vllm"}, "sampler.kind (--sampler-kind) has"),
+                           ({"swap_check.deadline_s": 5.0}, "swap_check.deadline_s (--swap-check-deadline) has")):
+        with pytest.raises(ConfigError, match="^" + re.escape(key) + " no effect without sampler.url: .* add "
+                           "--sampler URL, or leave it out$"):
+            load_serve_config(None, overrides)
+    for kind in ("selfrl", "bogus"):
+        with pytest.raises(ConfigError) as err:
+            load_serve_config(None, {"sampler.kind": kind})
+        assert str(err.value).startswith(f"sampler.kind must be 'vllm', got {kind!r}: selfrl serve samples remotely "
+                                         "through a vLLM server only")
+    cfg = load_serve_config(None, {"sampler.url": "http://127.0.0.1:9", "sampler.kind": "vllm",
+                                   "swap_check.deadline_s": 5.0})
+    assert (cfg.sampler.kind, cfg.swap_check.deadline_s) == ("vllm", 5.0)
+
+
+def test_task_source_beside_families_is_refused_even_at_its_default(tmp_path):
+    toml = tmp_path / "serve.toml"
+    families = '[[families]]\nname = "a"\nsource = "arithmetic"\n'
+    for task, flags in (('[task]\nsource = "chain_sum"\n', {}),  # chain_sum: the default value
+                        ("[task]\noptions = {}\n", {}),
+                        ("", {"task.source": "chain_sum"})):  # --task chain_sum
+        toml.write_text(task + families)
+        with pytest.raises(ConfigError, match=r"^task\.(source|options) cannot be set with \[\[families\]\] "
+                           r"\(nor --task\): each family's held-out set comes from its own source and options"):
+            load_serve_config(str(toml), flags)
+    toml.write_text("[task]\nval_seed = 7\n" + families)  # the families' default held-out seed: it applies
+    assert load_serve_config(str(toml), {}).task.val_seed == 7
+
+
+def test_run_only_task_settings_are_refused_by_serve(tmp_path):
+    toml = tmp_path / "serve.toml"
+    toml.write_text('[task]\nnum_train = 50\nchoice = "signal"\n')
+    with pytest.raises(ConfigError, match=r"^task\.num_train, task\.choice: selfrl run's task settings, which selfrl "
+                       r"serve does not use .*; remove them from \[task\]$"):
+        load_serve_config(str(toml), {})

@@ -21,7 +21,8 @@ def load_serve_config(path: str | None, overrides: dict[str, Any]) -> ServeConfi
     """
     from selfrl.config import fill
 
-    return fill(ServeConfig(), path, overrides).validate()
+    given: set[str] = set()  # the keys the file and flags set: a setting with no effect is refused
+    return fill(ServeConfig(), path, overrides, given=given).validate(given)
 
 
 class BindError(OSError):
