@@ -228,3 +228,19 @@ def test_run_only_task_settings_are_refused_by_serve(tmp_path):
     with pytest.raises(ConfigError, match=r"^task\.num_train, task\.choice: selfrl run's task settings, which selfrl "
                        r"serve does not use .*; remove them from \[task\]$"):
         load_serve_config(str(toml), {})
+
+
+def test_an_unreachable_vllm_sampler_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    import time
+
+    from selfrl.serve import main
+
+    loaded = []
+    monkeypatch.setattr("selfrl.model.load.build_policy", lambda cfg: loaded.append(cfg))  # must not be reached
+    t = time.monotonic()
+    code = main.serve(None, {"run_dir": str(tmp_path / "run"), "sampler.url": "http://127.0.0.1:9"}, None)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and loaded == [] and time.monotonic() - t < 30 and len(err.splitlines()) == 1
+    assert err.startswith("selfrl: error: cannot reach the vllm sampler at http://127.0.0.1:9 (sampler.url, "
+                          "--sampler) within 5 s: http://127.0.0.1:9/health: ")
+    assert "start it (vllm serve MODEL --enable-lora (docs/guides/vllm.md)) or correct the URL" in err

@@ -3,7 +3,8 @@
 A 4xx answer whose body says why becomes :class:`RemoteRequestError` (the backend
 refused the request: bad arguments, an adapter that does not fit); anything else
 that goes wrong (connection refused, 5xx, a broken body) is :class:`RemoteBackendError`;
-a call that outlives its timeout raises ``TimeoutError``. :func:`load_api_key` reads the
+a call that outlives its timeout raises ``TimeoutError``. :func:`unreachable` says why a
+server does not answer a short GET (checked before a model loads). :func:`load_api_key` reads the
 key both ends use (``selfrl serve`` and ``selfrl sampler`` check it, a run sends it).
 """
 
@@ -67,6 +68,18 @@ def call(base_url: str, path: str, body=None, *, timeout_s: float, api_key: str 
         return json.loads(text)
     except ValueError:
         return text
+
+
+def unreachable(base_url: str, path: str, timeout_s: float = 5.0) -> str | None:
+    """Why ``GET base_url + path`` gets no 2xx answer within ``timeout_s`` seconds (no connection,
+    no answer in time, an HTTP error: the reason in one line), or None when it does."""
+    try:
+        call(base_url, path, timeout_s=timeout_s)
+    except RemoteRequestError as e:
+        return f"{base_url.rstrip('/')}{path}: HTTP {e.status}: {e}"
+    except (RemoteBackendError, TimeoutError, OSError) as e:
+        return str(e)
+    return None
 
 
 def _detail(text: str) -> str:

@@ -78,7 +78,11 @@ def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | Non
             from selfrl.serve.families import check_family_sources
 
             check_family_sources(cfg)
-    except (ConfigError, ValueError, KeyError) as e:
+        if cfg.sampler.url is not None:  # a wrong URL fails in seconds, not after the model loads
+            from selfrl.run.sampler_sync import check_reachable
+
+            check_reachable(cfg.sampler.url, cfg.sampler.kind)
+    except (ConfigError, ValueError, KeyError, ConnectionError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"selfrl: error: {msg}", file=sys.stderr)
         return 2
