@@ -244,3 +244,16 @@ def test_an_unreachable_vllm_sampler_is_one_line_before_the_model_loads(tmp_path
     assert err.startswith("selfrl: error: cannot reach the vllm sampler at http://127.0.0.1:9 (sampler.url, "
                           "--sampler) within 5 s: http://127.0.0.1:9/health: ")
     assert "start it (vllm serve MODEL --enable-lora (docs/guides/vllm.md)) or correct the URL" in err
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"learner.min_batch": 64, "learner.max_batch": 48},
+     "learner.min_batch (64) must be at most learner.max_batch (48): lower the first or raise the second"),
+    ({"learner.retry_max_s": 0.5}, "learner.retry_s (1) must be at most learner.retry_max_s (0.5)"),
+    ({"learner.retry_s": 0.0}, "learner.retry_s must be > 0"),
+    ({"learner.min_batch": 1}, "learner.min_batch must be >= 2"),
+])
+def test_the_learner_s_bound_pairs_name_both_keys(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_serve_config(None, overrides)
+    assert str(err.value).startswith(message)

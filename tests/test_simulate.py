@@ -416,7 +416,9 @@ def test_environments_that_run_model_code_are_refused():
 @pytest.mark.parametrize("key,value,message", [
     ("users.noise", 1.5, "users.noise must be in"),
     ("users.rating_p", 0.8, "rating_p \\+ correction_p must be <= 1"),
-    ("users.max_delay_s", 1.0, "users.max_delay_s must be >= 5"),
+    ("users.max_delay_s", 1.0, r"users.min_delay_s \(5\) must be at most users.max_delay_s \(1\): lower the first"),
+    ("users.min_delay_s", 4e5, r"^users.min_delay_s \(400000\) must be at most users.max_delay_s \(259200\)"),
+    ("users.max_delay_s", 0.0, r"^users.max_delay_s must be > 0"),
     ("users.hostile_actions", ["bite"], "users.hostile_actions must be a non-empty list"),
     ("max_requests", 0, "max_requests must be >= 1"),
     ("base_url", "localhost:8000", "base_url must start with http"),

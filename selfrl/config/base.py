@@ -57,6 +57,17 @@ def in_range(value: Any, name: str, low: float | None = None, high: float | None
     return ok, f"{name} must be {rng}, got {value!r}"
 
 
+def at_most(low: Any, low_name: str, high: Any, high_name: str) -> tuple[bool, str]:
+    """A rule for two fields that bound one range: ``low <= high``. The message names both, with
+    their values (the full dotted names: either may be the one set wrongly), as one line.
+
+    >>> at_most(2.0, "collapse.beta_min", 1.0, "collapse.beta_max")
+    (False, 'collapse.beta_min (2) must be at most collapse.beta_max (1): lower the first or raise the second')
+    """
+    ok = not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high)) or low <= high
+    return ok, f"{low_name} ({_num(low)}) must be at most {high_name} ({_num(high)}): lower the first or raise the second"
+
+
 def one_of(value: Any, allowed: Any, name: str) -> tuple[bool, str]:
     """A rule: ``value`` is one of the values of the ``Literal`` type ``allowed``."""
     options = get_args(allowed)

@@ -8,7 +8,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from selfrl.config.base import SECONDS_MAX, SEED_MAX, ConfigError, in_range, non_finite_weights, one_of, require
+from selfrl.config.base import (
+    SECONDS_MAX, SEED_MAX, ConfigError, at_most, in_range, non_finite_weights, one_of, require,
+)
 from selfrl.config.judge import JUDGE_REWARD
 from selfrl.config.sections import (
     CollapseConfig,
@@ -48,12 +50,11 @@ class LearnerSettings:
 
     def check(self, where: str = "") -> None:
         require([
-            (self.min_batch >= 2 and self.max_batch >= self.min_batch,
-             f"min_batch must be >= 2 and <= learner.max_batch, got {self.min_batch!r} (max_batch {self.max_batch!r})"),
+            in_range(self.min_batch, "min_batch", 2, 65536),
             in_range(self.max_batch, "max_batch", 2, 65536),
             in_range(self.feedback_wait_s, "feedback_wait_s", 0, SECONDS_MAX),
             in_range(self.poll_s, "poll_s", 0, 3600, low_open=True),
-            (0 < self.retry_s <= self.retry_max_s, "retry_s must be > 0 and <= learner.retry_max_s"),
+            in_range(self.retry_s, "retry_s", 0, SECONDS_MAX, low_open=True),
             in_range(self.retry_max_s, "retry_max_s", 0, SECONDS_MAX, low_open=True),
             in_range(self.temperature, "temperature", MIN_TEMPERATURE, MAX_TEMPERATURE),
             in_range(self.max_feedback_age_versions, "max_feedback_age_versions", 0, 10**6),
@@ -67,6 +68,8 @@ class LearnerSettings:
              "endpoints to call); train with a judge through selfrl run (docs/guides/judge.md), or weight "
              "user_feedback here"),
         ], where)
+        require([at_most(self.min_batch, f"{where}min_batch", self.max_batch, f"{where}max_batch"),
+                 at_most(self.retry_s, f"{where}retry_s", self.retry_max_s, f"{where}retry_max_s")])
 
 
 @dataclass
