@@ -23,8 +23,13 @@ def test_api_key_from_env_or_file(tmp_path, monkeypatch):
     f.write_text("fedcba9876543210fedcba\nsecond line ignored\n")
     assert load_api_key(str(f)) == "fedcba9876543210fedcba"  # the file wins over the environment
     f.write_text("short\n")
-    with pytest.raises(ValueError, match="16 characters"):
+    with pytest.raises(ValueError) as err:
         load_api_key(str(f))
+    assert str(err.value).startswith(f"the API key from the API key file {f} is 5 characters long; it must be at "
+                                     "least 16 (make one with: ")
+    monkeypatch.setenv("SELFRL_API_KEY", "tiny")
+    with pytest.raises(ValueError, match="^the API key from the environment variable SELFRL_API_KEY is 4 characters"):
+        load_api_key(None)
     with pytest.raises(ValueError, match="cannot read"):
         load_api_key(str(tmp_path / "missing"))
 

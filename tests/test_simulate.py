@@ -441,3 +441,38 @@ def test_the_shipped_config_is_the_default():
     from pathlib import Path
 
     assert load_simulate_config(Path(__file__).parents[1] / "configs" / "simulate.toml") == SimulateConfig().validate()
+
+
+def test_a_refused_or_short_api_key_is_named_by_where_it_was_read(tmp_path, monkeypatch, capsys):
+    """selfrl simulate says whether the key came from --api-key-file (which file) or SELFRL_API_KEY."""
+    import http.server
+    import threading
+
+    from selfrl.cli import main
+
+    class Refuses(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(401)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Refuses)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    key_file = tmp_path / "key"
+    key_file.write_text("0123456789abcdef-file\n")
+    monkeypatch.setenv("SELFRL_API_KEY", "0123456789abcdef-env")
+    try:
+        for extra, source in (([], "the environment variable SELFRL_API_KEY"),
+                              (["--api-key-file", str(key_file)], f"the API key file {key_file}")):
+            assert main(["simulate", "--base-url", url, "--out", str(tmp_path / "sim"), *extra]) == 2
+            err = capsys.readouterr().err.strip()
+            assert err == (f"selfrl: error: {url} refuses the API key read from {source} (401): give the key "
+                           "selfrl serve was started with (--api-key-file, else SELFRL_API_KEY)")
+        key_file.write_text("")
+        assert main(["simulate", "--base-url", url, "--api-key-file", str(key_file)]) == 2
+        assert capsys.readouterr().err.strip() == f"selfrl: error: the API key file {key_file} is empty"
+    finally:
+        server.shutdown()

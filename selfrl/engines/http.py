@@ -99,11 +99,18 @@ def _detail(text: str) -> str:
     return text.strip()
 
 
+def api_key_source(key_file: str | None = None) -> str:
+    """Where :func:`load_api_key` reads the key from, as a message names it: the file, else the
+    environment variable."""
+    return f"the API key file {key_file}" if key_file else "the environment variable SELFRL_API_KEY"
+
+
 def load_api_key(key_file: str | None = None) -> str | None:
     """The API key from ``key_file`` (first line) or ``SELFRL_API_KEY``; None when neither is set.
 
     Raises:
-        ValueError: the file is unreadable or empty, or the key is shorter than 16 characters.
+        ValueError: the file is unreadable or empty, or the key is shorter than 16 characters
+            (the message says where it was read from).
     """
     key = None
     if key_file:
@@ -117,5 +124,6 @@ def load_api_key(key_file: str | None = None) -> str | None:
     elif os.environ.get("SELFRL_API_KEY"):
         key = os.environ["SELFRL_API_KEY"].strip()
     if key is not None and len(key) < 16:
-        raise ValueError("the API key must be at least 16 characters long")
+        raise ValueError(f"the API key from {api_key_source(key_file)} is {len(key)} characters long; it must be "
+                         "at least 16 (make one with: python -c 'import secrets; print(secrets.token_hex(16))')")
     return key
