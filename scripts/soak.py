@@ -45,8 +45,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak_server import KEY, SERVE_TOML, Server, call, disk_mb, free_port, rss_mb  # noqa: E402
 
 FAULTS = ("collapse", "nan_loss", "kill", "disk")
+class Help(argparse.RawTextHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring's lines as they are, and each flag's default after its help."""
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=Help)
     p.add_argument("--minutes", type=float, default=90.0, help="real minutes of traffic (the faults fall inside)")
     p.add_argument("--out", default="runs/soak", help="folder of the run, the logs, the timeline, the figure, the table")
     p.add_argument("--tiny", action="store_true", help="serve the tests' tiny random model instead of the embedded one")

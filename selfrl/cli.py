@@ -99,12 +99,35 @@ SIMULATE_FLAGS = {
 }
 
 
+CONFIG_DOCS = "every key in docs/reference/config.md"
+
+
+def with_default(help_: str, cfg: object, key: str) -> str:
+    """``help_`` and the default of the config field ``key`` (dotted) of ``cfg``, as argparse's
+    ``(default: ...)``, unless the help says its default already or the field has none (None).
+
+    >>> from selfrl.config.simulate import SimulateConfig
+    >>> with_default("most real seconds", SimulateConfig(), "max_seconds")
+    'most real seconds (default: 3600)'
+    """
+    value = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    if "default" in help_ or value is None:
+        return help_
+    return f"{help_} (default: {f'{value:g}' if isinstance(value, float) else value})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``selfrl`` parser with every subcommand (also read by scripts/gen_reference.py for the docs)."""
+    from selfrl.config.serve import ServeConfig
+    from selfrl.config.simulate import SimulateConfig
+
     p = argparse.ArgumentParser(prog="selfrl", description="Continual self-improvement of LLM agents by online RL.")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run the self-improvement loop")
-    r.add_argument("--config", help="TOML config file (see configs/)")
+    r.add_argument("--config", help=f"TOML config file of selfrl run, one table per concern ({CONFIG_DOCS}; "
+                                    "examples in configs/); flags override it")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue the run stored in RUN_DIR")
     for flag, (_, typ, help_) in RUN_FLAGS.items():
         r.add_argument(flag, type=typ, help=help_)
@@ -123,17 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="modules to import first, so that the environments they register are listed "
                         "(e.g. examples.guess_env, with the module's folder on PYTHONPATH)")
     s = sub.add_parser("serve", help="OpenAI-compatible server that records, learns and hot-swaps adapters")
-    s.add_argument("--config", help="TOML file with ServeConfig keys (see selfrl/config/serve.py)")
+    s.add_argument("--config", help=f"TOML config file of selfrl serve: selfrl run's tables plus the server's "
+                                    f"own ([learner], [[families]], ...; {CONFIG_DOCS}); flags override it")
     s.add_argument("--api-key-file", help="file whose first line is the API key (else SELFRL_API_KEY)")
     s.add_argument("--no-learn", action="store_true", help="serve and record only; no background learner")
     s.add_argument("--protect-completions", action="store_true", help="require the API key for completions too")
     s.add_argument("--replica", action="store_true", default=None,
                    help="serve beside the server that owns --run-dir: share its store and learner, swap in each "
                         "version it promotes (docs/guides/ray.md)")
-    for flag, (_, typ, help_) in SERVE_FLAGS.items():
-        s.add_argument(flag, type=typ, help=help_)
+    for flag, (key, typ, help_) in SERVE_FLAGS.items():
+        s.add_argument(flag, type=typ, help=with_default(help_, ServeConfig(), key))
     m = sub.add_parser("sampler", help="serve the policy as a remote sampling backend for other selfrl processes")
-    m.add_argument("--config", help="TOML file of selfrl run (model, device, dtype and LoRA shape are used)")
+    m.add_argument("--config", help=f"TOML config file of selfrl run: its model, device, dtype and LoRA shape "
+                                    f"are used ({CONFIG_DOCS})")
     m.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     m.add_argument("--port", type=int, default=8100, help="port (default 8100)")
     m.add_argument("--api-key-file", help="file whose first line is the API key (else SELFRL_API_KEY)")
@@ -141,10 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
         m.add_argument(flag, type=RUN_FLAGS[flag][1], help=RUN_FLAGS[flag][2])
     sim = sub.add_parser("simulate", help="simulated users against a running selfrl serve: tasks, tools, "
                          "delayed ratings and corrections, hostile users")
-    sim.add_argument("--config", help="TOML file with SimulateConfig keys (configs/simulate.toml)")
+    sim.add_argument("--config", help=f"TOML config file of selfrl simulate: users, [[families]], [[phases]] "
+                                      f"({CONFIG_DOCS}; example: configs/simulate.toml); flags override it")
     sim.add_argument("--api-key-file", help="file whose first line is the server's API key (else SELFRL_API_KEY)")
-    for flag, (_, typ, help_) in SIMULATE_FLAGS.items():
-        sim.add_argument(flag, type=typ, help=help_)
+    for flag, (key, typ, help_) in SIMULATE_FLAGS.items():
+        sim.add_argument(flag, type=typ, help=with_default(help_, SimulateConfig(), key))
     rep = sub.add_parser("report", help="rebuild report.md and its figures from a run's store")
     rep.add_argument("run_dir", metavar="RUN_DIR", help="a run (or serve) folder holding selfrl.db")
     rep.add_argument("--out", help="output folder (default: RUN_DIR)")
@@ -231,11 +257,18 @@ def _main(args: argparse.Namespace) -> int:
         from selfrl.envs import describe_envs
 
         for module in args.modules:
+            module_name, _, attr = module.partition(":")
             try:
-                importlib.import_module(module.partition(":")[0])
+                imported = importlib.import_module(module_name)
             except ImportError as err:
                 print(f"selfrl: error: cannot import {module!r}: {err}; put its folder on PYTHONPATH "
                       "(PYTHONPATH=. from the repository root)", file=sys.stderr)
+                return 2
+            if attr and not callable(getattr(imported, attr, None)):
+                found = "is not a class or factory" if hasattr(imported, attr) else "does not exist"
+                print(f"selfrl: error: {module!r}: {module_name}.{attr} {found}; name an Env class or factory "
+                      f"defined in {module_name}, or give the module alone (selfrl envs {module_name})",
+                      file=sys.stderr)
                 return 2
         rows = describe_envs()
         width = max(len(name) for name, _ in rows)

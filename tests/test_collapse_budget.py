@@ -110,7 +110,8 @@ def test_stop_after_reproduces_stop_after_max_rollbacks():
     d = b.collapse()
     assert d.action == Action.STOP and "3 collapses, more than stop_after = 2" in d.reason
     assert b.stopped and not b.may_update() and b.state().stopped
-    assert CollapseBudget(policy(stop_after=0), Clock()).collapse().action == Action.STOP
+    d = CollapseBudget(policy(stop_after=0), Clock()).collapse()
+    assert d.action == Action.STOP and d.reason.startswith("stopped: 1 collapse, more than stop_after = 0;")
 
 
 def test_never_stops_without_stop_after():

@@ -233,6 +233,10 @@ SHARED_RULES = [
     ("collapse.lr_factor", 2.0, "collapse.lr_factor must be in"),
     ("collapse.beta_factor", 0.5, "collapse.beta_factor must be >= 1"),
     ("collapse.beta_min", -1.0, "collapse.beta_min must be >= 0"),
+    ("collapse.beta_min", 2.0, "collapse.beta_min (2) must be at most collapse.beta_max (1): lower the first or "
+     "raise the second"),
+    ("collapse.beta_max", 0.001, "collapse.beta_min (0.01) must be at most collapse.beta_max (0.001)"),
+    ("collapse.lr_floor", 0.01, "collapse.lr_floor (0.01) must be at most train.learning_rate (0.0001)"),
     ("collapse.repeat_ngram", 0, "collapse.repeat_ngram must be >= 1"),
     ("collapse.repeat_share", 0.0, "collapse.repeat_share must be in (0, 1]"),
 ]

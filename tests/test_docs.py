@@ -145,6 +145,29 @@ def test_the_help_check_fails_on_a_field_or_flag_without_help():
     assert {r["name"]: r["help"] for r in gen.flag_rows(p)} == {"--with-help": "says what", "--without-help": ""}
 
 
+def test_the_help_says_what_a_config_file_is_and_shows_the_defaults():
+    """--config is a TOML file documented in docs/reference/config.md (not a source file to read);
+    every flag of simulate and serve that sets a field with a default shows it."""
+    from selfrl.cli import SERVE_FLAGS, SIMULATE_FLAGS, build_parser
+
+    gen = _gen()
+    subs = gen.subcommands(build_parser())
+    for name in ("run", "serve", "sampler", "simulate"):
+        [help_] = [a.help for a in subs[name]._actions if "--config" in a.option_strings]
+        of = "run" if name == "sampler" else name  # the sampler reads a run's config
+        assert help_.startswith(f"TOML config file of selfrl {of}") and "docs/reference/config.md" in help_, name
+        assert ".py" not in help_ and "ServeConfig" not in help_ and "SimulateConfig" not in help_, name
+    for name, flags, expected in (("simulate", SIMULATE_FLAGS, {"--seed": "(default: 0)", "--max-seconds":
+                                   "(default: 3600)", "--out": "(default: runs/simulate)"}),
+                                  ("serve", SERVE_FLAGS, {"--min-batch": "(default: 32)", "--val-size": "(default: 64)",
+                                                          "--feedback-wait": "(default: 120)"})):
+        helps = {a.option_strings[0]: a.help for a in subs[name]._actions if a.option_strings}
+        for flag, shown in expected.items():
+            assert helps[flag].endswith(shown), (flag, helps[flag])
+        missing = [f for f in flags if "default" not in helps[f] and f not in ("--sampler",)]  # --sampler: none
+        assert missing == [], name
+
+
 def test_the_generated_reference_lists_every_flag_and_field():
     import argparse
 

@@ -80,7 +80,8 @@ def test_a_dotted_env_missing_required_options_is_one_line_that_names_them(monke
     mod = types.ModuleType("thirdparty_needs")
     mod.Needs = _NeedsPath
     monkeypatch.setitem(sys.modules, "thirdparty_needs", mod)
-    with pytest.raises(ValueError, match=r"needs the option\(s\) 'path', 'mode': set them in the config's \[task\] options"):
+    with pytest.raises(ValueError, match=r"needs the option\(s\) 'path', 'mode': set them in the options of \[task\] "
+                       r"in the config file \(--config\), e\.g\. options = \{ path = \.\.\., mode = \.\.\. \}"):
         get_env("thirdparty_needs:Needs")
     with pytest.raises(ValueError, match=r"needs the option\(s\) 'mode':"):
         get_env("thirdparty_needs:Needs", path="p")
@@ -200,3 +201,85 @@ def test_selfrl_envs_imports_the_named_modules_first(monkeypatch, capsys):
                            (REWARD_FUNCS, "guess_economy"), (PRESETS, "guess"), (PRESET_DOCS, "guess")):
             table.pop(key, None)
         sys.modules.pop("examples.guess_env", None)
+
+
+def test_selfrl_envs_refuses_a_dotted_name_whose_attribute_is_missing(monkeypatch, capsys):
+    from pathlib import Path
+
+    from selfrl.cli import main
+    from selfrl.envs import registry
+    from selfrl.envs.rewards import PRESET_DOCS, PRESETS, REWARD_FUNCS
+    from selfrl.safety.detectors import TRAJECTORY_DETECTORS
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    try:
+        assert main(["envs", "examples.guess_env:Nope"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == ("selfrl: error: 'examples.guess_env:Nope': examples.guess_env.Nope does not exist; name an "
+                       "Env class or factory defined in examples.guess_env, or give the module alone "
+                       "(selfrl envs examples.guess_env)")
+        assert main(["envs", "examples.guess_env:LOW"]) == 2  # a number, not a factory
+        assert "examples.guess_env.LOW is not a class or factory" in capsys.readouterr().err
+        assert main(["envs", "examples.guess_env:GuessEnv"]) == 0
+        assert any(line.split()[0] == "guess" for line in capsys.readouterr().out.splitlines())
+    finally:
+        for table, key in ((registry._REGISTRY, "guess"), (TRAJECTORY_DETECTORS, "guess_spray"),
+                           (REWARD_FUNCS, "guess_economy"), (PRESETS, "guess"), (PRESET_DOCS, "guess")):
+            table.pop(key, None)
+        sys.modules.pop("examples.guess_env", None)
+
+
+def _forwards(**options):  # a factory whose signature hides what it needs: the check cannot see 'path'
+    return _NeedsPath(**options)
+
+
+def _by_position(path, /):
+    return _Echo()
+
+
+@pytest.fixture
+def needy_envs(monkeypatch):
+    mod = types.ModuleType("needy_envs")
+    mod.Needs, mod.forwards, mod.by_position = _NeedsPath, _forwards, _by_position
+    monkeypatch.setitem(sys.modules, "needy_envs", mod)
+
+
+def test_an_env_that_refuses_its_arguments_is_a_value_error_naming_the_table(needy_envs):
+    from selfrl.envs.agents import AgentsEnv
+    from selfrl.config import AgentConfig
+
+    with pytest.raises(ValueError, match=r"environment 'needy_envs:forwards' cannot be built with the options given "
+                       r"\(none\): TypeError: .*'path'.*; set the options it takes in the options of \[task\]"):
+        get_env("needy_envs:forwards")
+    with pytest.raises(ValueError, match=r"cannot be built with the options given \(path\): TypeError: .*'mode'"):
+        get_env("needy_envs:forwards", path="p")
+    with pytest.raises(ValueError, match=r"takes 'path' by position only, which options cannot give"):
+        get_env("needy_envs:by_position")
+    with pytest.raises(ValueError, match=r"agent a: .* needs the option\(s\) 'path', 'mode': set them in the "
+                       r"options of \[\[agents\]\] 'a' in the config file"):
+        AgentsEnv([AgentConfig(name="a", source="needy_envs:Needs")])
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("needy_envs:Needs", "needs the option(s) 'path', 'mode': set them in the options of {table} in the config file"),
+    ("needy_envs:forwards", "cannot be built with the options given (none): TypeError:"),
+])
+def test_every_command_that_builds_an_env_refuses_missing_arguments_in_one_line(
+        needy_envs, source, expected, tmp_path, capsys, monkeypatch):
+    """selfrl run --env, selfrl serve --task and serve's [[families]]: exit 2, one line that names
+    the table to set the options in; nothing loads."""
+    from selfrl.cli import main
+
+    loaded = []
+    monkeypatch.setattr("selfrl.model.load.build_policy", lambda cfg: loaded.append(cfg))  # must not be reached
+    toml = tmp_path / "families.toml"
+    toml.write_text(f'[[families]]\nname = "fam"\nsource = "{source}"\n')
+    for args, table in ((["run", "--env", source, "--run-dir", str(tmp_path / "r")], "[task]"),
+                        (["serve", "--task", source, "--run-dir", str(tmp_path / "s")], "[task]"),
+                        (["serve", "--config", str(toml), "--run-dir", str(tmp_path / "s")], "[[families]] 'fam'")):
+        assert main(args) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("selfrl: error: "), err
+        assert expected.format(table=table) in err, (args, err)
+        assert table in err, (args, err)
+    assert loaded == [] and not (tmp_path / "r").exists()

@@ -22,7 +22,7 @@ def test_moved_policy_weight_hand_computed():
     d = decide(6, [5, 6, 7], 0.0, 60.0, POLICY, [-1.0, -1.0, -1.0], BEHAVIOUR, [1, 1, 1])
     assert d.outcome == Outcome.USED and d.versions_behind == 1
     assert d.weight == pytest.approx(1.6487212707, abs=1e-9)
-    assert "weight 1.65" in d.reason and "changed 1 times" in d.reason
+    assert "weight 1.65" in d.reason and "changed 1 time since" in d.reason
 
 
 def test_weight_capped():
@@ -46,7 +46,7 @@ def test_weight_below_one_when_current_policy_likes_it_less():
 def test_queued_when_moved_and_current_logprobs_unknown():
     d = decide(6, [5, 6, 7], 0.0, 60.0, POLICY)
     assert (d.outcome, d.weight) == (Outcome.QUEUED, None)
-    assert d.reason == ("queued: the policy changed 1 times since version 6; "
+    assert d.reason == ("queued: the policy changed 1 time since version 6; "
                         "waits for the learner to weigh it under version 7")
 
 
@@ -56,7 +56,7 @@ def test_too_old_in_versions_counts_weight_changes_not_numbers():
     assert versions_behind(3, [1, 2, 3, 2]) == 1
     d = decide(5, [5, 6, 7, 8], 0.0, 1.0, POLICY)  # 3 changes > max_versions 2
     assert d.outcome == Outcome.TOO_OLD and d.weight is None and d.versions_behind == 3
-    assert "max_versions = 2" in d.reason
+    assert "only recorded: the policy changed 3 times since version 5, more than max_versions = 2" == d.reason
     assert decide(6, [5, 6, 7, 8], 0.0, 1.0, POLICY).outcome == Outcome.QUEUED  # exactly 2: still in
 
 

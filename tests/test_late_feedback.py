@@ -85,7 +85,7 @@ def test_hand_computed_cutoffs_and_weights():
 
     # at the feedback: used (the learner holds the version), queued (moved, within the cutoffs), too old
     assert ages.at_feedback(2, 9_000.0)[0] == "used"
-    assert ages.at_feedback(1, 9_000.0) == ("queued", "queued: the policy changed 1 times since version 1; waits "
+    assert ages.at_feedback(1, 9_000.0) == ("queued", "queued: the policy changed 1 time since version 1; waits "
                                                       "for the learner to weigh it under version 2")
     assert ages.at_feedback(0, 9_000.0)[0] == "too_old"
 
@@ -116,7 +116,7 @@ def test_the_served_learner_drops_too_old_turns_weighs_late_ones_and_answers_fee
         assert learner.update(early)["result"] == "promoted" and service.ledger.champion.version == 1
         answer = feedback(late[1][0])
         assert (answer["outcome"], answer["turns_updated"]) == ("queued", 1)
-        assert answer["reason"].startswith("queued: the policy changed 1 times since version 0")
+        assert answer["reason"].startswith("queued: the policy changed 1 time since version 0")
 
         info = learner.update(late)  # one weight change behind: weighed under version 0's stored weights
         assert info["too_old"] == 0 and info["version"] == 2

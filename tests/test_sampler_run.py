@@ -180,13 +180,61 @@ def test_combinations_a_remote_sampler_cannot_honour_are_refused(change, message
         cfg.validate()
 
 
-def test_cli_an_unreachable_sampler_is_a_clear_error(model_dir, tmp_path, capsys):
+def test_a_sampler_setting_without_a_sampler_url_is_refused_not_ignored(tmp_path):
+    from selfrl.config import load_config
+
+    with pytest.raises(ConfigError, match=r"^sampler\.kind \(--sampler-kind\) has no effect without sampler\.url: "
+                       r"the run samples in process .*; add --sampler URL, or leave it out$"):
+        load_config(None, {"sampler.kind": "vllm"})
+    toml = tmp_path / "c.toml"
+    toml.write_text("[sampler]\ntimeout_s = 5.0\napi_key_file = 'k'\n")
+    with pytest.raises(ConfigError, match=r"^sampler\.api_key_file, sampler\.timeout_s have no effect"):
+        load_config(toml)
+    assert load_config(None, {"sampler.kind": "vllm", "sampler.url": "http://h:1"}).sampler.kind == "vllm"
+    # a stored run's config (--resume) and an environment's defaults are not the user's settings
+    assert load_config(None, None, {"sampler": {"kind": "vllm"}}).sampler.kind == "vllm"
+
+
+def test_cli_an_unreachable_sampler_is_a_clear_error_before_the_model_loads(model_dir, tmp_path, capsys, monkeypatch):
+    loaded = []
+    monkeypatch.setattr("selfrl.run.setup.build_policy", lambda cfg: loaded.append(cfg))  # must not be reached
+    t = time.monotonic()
     code = main(["run", "--model", str(model_dir), "--device", "cpu", "--lora-r", "4", "--run-dir",
                  str(tmp_path / "r"), "--sampler", "http://127.0.0.1:9", "--iterations", "1"])
-    assert code == 2
-    err = capsys.readouterr().err
-    assert "cannot reach the selfrl sampler at http://127.0.0.1:9 (sampler.url)" in err
+    assert code == 2 and loaded == [] and time.monotonic() - t < 30
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("selfrl: error: cannot reach the selfrl sampler at http://127.0.0.1:9 (sampler.url, "
+                          "--sampler) within 5 s: http://127.0.0.1:9/sampler/health: ")
+    assert err.endswith("; start it (selfrl sampler --port PORT, with the run's model) or correct the URL, then "
+                        "start again")
     assert not (tmp_path / "r").exists()  # nothing was started
+
+
+def test_a_server_that_is_not_the_sampler_kind_named_is_unreachable_with_its_status():
+    """--sampler-kind vllm pointed at something without /health (a selfrl sampler, a typo'd port
+    of another server) is named by the status it answered."""
+    import http.server
+
+    from selfrl.engines.http import unreachable
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404 if self.path == "/health" else 200)
+            self.end_headers()
+            self.wfile.write(b'{"detail": "Not Found"}')
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        assert unreachable(url, "/health") == f"{url}/health: HTTP 404: Not Found"
+        assert unreachable(url, "/sampler/health") is None
+    finally:
+        server.shutdown()
 
 
 def test_cli_a_stale_sampler_exits_1_and_resume_on_a_fixed_one_goes_on(model_dir, tiny_tokenizer, tmp_path, capsys):

@@ -1,5 +1,7 @@
 """`selfrl serve` settings, API keys, and a restart that continues the run directory."""
 
+import re
+
 import pytest
 import torch
 from openai import OpenAI
@@ -21,8 +23,13 @@ def test_api_key_from_env_or_file(tmp_path, monkeypatch):
     f.write_text("fedcba9876543210fedcba\nsecond line ignored\n")
     assert load_api_key(str(f)) == "fedcba9876543210fedcba"  # the file wins over the environment
     f.write_text("short\n")
-    with pytest.raises(ValueError, match="16 characters"):
+    with pytest.raises(ValueError) as err:
         load_api_key(str(f))
+    assert str(err.value).startswith(f"the API key from the API key file {f} is 5 characters long; it must be at "
+                                     "least 16 (make one with: ")
+    monkeypatch.setenv("SELFRL_API_KEY", "tiny")
+    with pytest.raises(ValueError, match="^the API key from the environment variable SELFRL_API_KEY is 4 characters"):
+        load_api_key(None)
     with pytest.raises(ValueError, match="cannot read"):
         load_api_key(str(tmp_path / "missing"))
 
@@ -186,3 +193,72 @@ def test_serve_refuses_the_judge_reward_in_one_line_before_the_model_loads(tmp_p
     assert "train with a judge through selfrl run" in err and "user_feedback" in err
     cfg = load_serve_config(None, {})  # the default weights still load
     assert cfg.learner.reward_weights == {"user_feedback": 1.0, "tool_success": 0.2}
+
+
+def test_a_sampler_setting_without_a_sampler_url_is_refused_not_ignored():
+    """serve's default kind is vllm: --sampler-kind (or a [swap_check] key) without --sampler would
+    change nothing, so it is refused; a kind serve does not take is refused listing the one it does."""
+    for overrides, key in (({"sampler.kind": "vllm"}, "sampler.kind (--sampler-kind) has"),
+                           ({"swap_check.deadline_s": 5.0}, "swap_check.deadline_s (--swap-check-deadline) has")):
+        with pytest.raises(ConfigError, match="^" + re.escape(key) + " no effect without sampler.url: .* add "
+                           "--sampler URL, or leave it out$"):
+            load_serve_config(None, overrides)
+    for kind in ("selfrl", "bogus"):
+        with pytest.raises(ConfigError) as err:
+            load_serve_config(None, {"sampler.kind": kind})
+        assert str(err.value).startswith(f"sampler.kind must be 'vllm', got {kind!r}: selfrl serve samples remotely "
+                                         "through a vLLM server only")
+    cfg = load_serve_config(None, {"sampler.url": "http://127.0.0.1:9", "sampler.kind": "vllm",
+                                   "swap_check.deadline_s": 5.0})
+    assert (cfg.sampler.kind, cfg.swap_check.deadline_s) == ("vllm", 5.0)
+
+
+def test_task_source_beside_families_is_refused_even_at_its_default(tmp_path):
+    toml = tmp_path / "serve.toml"
+    families = '[[families]]\nname = "a"\nsource = "arithmetic"\n'
+    for task, flags in (('[task]\nsource = "chain_sum"\n', {}),  # chain_sum: the default value
+                        ("[task]\noptions = {}\n", {}),
+                        ("", {"task.source": "chain_sum"})):  # --task chain_sum
+        toml.write_text(task + families)
+        with pytest.raises(ConfigError, match=r"^task\.(source|options) cannot be set with \[\[families\]\] "
+                           r"\(nor --task\): each family's held-out set comes from its own source and options"):
+            load_serve_config(str(toml), flags)
+    toml.write_text("[task]\nval_seed = 7\n" + families)  # the families' default held-out seed: it applies
+    assert load_serve_config(str(toml), {}).task.val_seed == 7
+
+
+def test_run_only_task_settings_are_refused_by_serve(tmp_path):
+    toml = tmp_path / "serve.toml"
+    toml.write_text('[task]\nnum_train = 50\nchoice = "signal"\n')
+    with pytest.raises(ConfigError, match=r"^task\.num_train, task\.choice: selfrl run's task settings, which selfrl "
+                       r"serve does not use .*; remove them from \[task\]$"):
+        load_serve_config(str(toml), {})
+
+
+def test_an_unreachable_vllm_sampler_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    import time
+
+    from selfrl.serve import main
+
+    loaded = []
+    monkeypatch.setattr("selfrl.model.load.build_policy", lambda cfg: loaded.append(cfg))  # must not be reached
+    t = time.monotonic()
+    code = main.serve(None, {"run_dir": str(tmp_path / "run"), "sampler.url": "http://127.0.0.1:9"}, None)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and loaded == [] and time.monotonic() - t < 30 and len(err.splitlines()) == 1
+    assert err.startswith("selfrl: error: cannot reach the vllm sampler at http://127.0.0.1:9 (sampler.url, "
+                          "--sampler) within 5 s: http://127.0.0.1:9/health: ")
+    assert "start it (vllm serve MODEL --enable-lora (docs/guides/vllm.md)) or correct the URL" in err
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"learner.min_batch": 64, "learner.max_batch": 48},
+     "learner.min_batch (64) must be at most learner.max_batch (48): lower the first or raise the second"),
+    ({"learner.retry_max_s": 0.5}, "learner.retry_s (1) must be at most learner.retry_max_s (0.5)"),
+    ({"learner.retry_s": 0.0}, "learner.retry_s must be > 0"),
+    ({"learner.min_batch": 1}, "learner.min_batch must be >= 2"),
+])
+def test_the_learner_s_bound_pairs_name_both_keys(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_serve_config(None, overrides)
+    assert str(err.value).startswith(message)

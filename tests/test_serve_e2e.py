@@ -156,6 +156,7 @@ def test_feedback_needs_the_key_and_an_existing_response(server, client):
     assert status == 404 and body["error"]["code"] == "response_not_found"
     status, body = http("POST", url + "/v1/feedback", {"response_id": resp.id, "rating": 3}, key=API_KEY)
     assert status == 400 and body["error"]["param"] == "rating"
+    assert body["error"]["message"].startswith("rating must be in [-1, 1] (-1 thumbs down, +1 thumbs up")
     status, body = http("POST", url + "/v1/feedback",
                         {"response_id": resp.id, "corrected": True, "correction": "hello"}, key=API_KEY)
     assert status == 200 and body["reward"] == -1.0

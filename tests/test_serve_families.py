@@ -117,7 +117,7 @@ def test_metadata_family_is_recorded_and_an_unknown_one_refused(tiny_tokenizer, 
     (lambda c: setattr(c.families[1], "name", "arith"), "family names must be unique"),
     (lambda c: setattr(c.families[0], "tolerance", 1.5), "families[0] (arith).tolerance must be >= 0 and <= 1, got 1.5"),
     (lambda c: setattr(c.families[0], "name", "a/b"), "without '/'"),
-    (lambda c: setattr(c.task, "source", "arithmetic"), "task.source and task.options do not apply"),
+    (lambda c: setattr(c.task, "source", "arithmetic"), "task.source cannot be set with [[families]]"),
 ])
 def test_families_are_validated(tmp_path, change, message):
     cfg = family_config(tmp_path)

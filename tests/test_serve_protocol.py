@@ -157,3 +157,16 @@ def test_what_openai_accepts_is_accepted():
                              {"role": "tool", "tool_call_id": "call_1", "content": "5"},
                              {"role": "assistant", "refusal": "no"}, {"role": "user", "content": ""}])
     assert [m.role for m in accepted.messages] == ["user", "assistant", "tool", "assistant", "user"]
+
+
+@pytest.mark.parametrize("rating", [5, -2, "1.5"])
+def test_a_rating_out_of_range_says_the_range_in_one_line(rating):
+    from selfrl.serve.errors import validation_message
+    from selfrl.serve.protocol import FeedbackRequest
+
+    with pytest.raises(ValidationError) as err:
+        FeedbackRequest(response_id="chatcmpl-1", rating=rating)
+    message, param = validation_message(err.value.errors(), skip=0)
+    assert param == "rating"
+    assert message == (f"rating must be in [-1, 1] (-1 thumbs down, +1 thumbs up; scale other ratings into it), "
+                       f"got {rating!r} (at rating)")

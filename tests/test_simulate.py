@@ -416,7 +416,9 @@ def test_environments_that_run_model_code_are_refused():
 @pytest.mark.parametrize("key,value,message", [
     ("users.noise", 1.5, "users.noise must be in"),
     ("users.rating_p", 0.8, "rating_p \\+ correction_p must be <= 1"),
-    ("users.max_delay_s", 1.0, "users.max_delay_s must be >= 5"),
+    ("users.max_delay_s", 1.0, r"users.min_delay_s \(5\) must be at most users.max_delay_s \(1\): lower the first"),
+    ("users.min_delay_s", 4e5, r"^users.min_delay_s \(400000\) must be at most users.max_delay_s \(259200\)"),
+    ("users.max_delay_s", 0.0, r"^users.max_delay_s must be > 0"),
     ("users.hostile_actions", ["bite"], "users.hostile_actions must be a non-empty list"),
     ("max_requests", 0, "max_requests must be >= 1"),
     ("base_url", "localhost:8000", "base_url must start with http"),
@@ -483,3 +485,38 @@ def test_users_send_one_key_per_family_by_default():
     # "task" keys rarely repeat (each conversation draws its own task), so the learner would find
     # no groups (docs/guides/simulate.md#groups-for-the-learner)
     assert SimulateConfig().group_by == "family"
+
+
+def test_a_refused_or_short_api_key_is_named_by_where_it_was_read(tmp_path, monkeypatch, capsys):
+    """selfrl simulate says whether the key came from --api-key-file (which file) or SELFRL_API_KEY."""
+    import http.server
+    import threading
+
+    from selfrl.cli import main
+
+    class Refuses(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(401)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Refuses)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    key_file = tmp_path / "key"
+    key_file.write_text("0123456789abcdef-file\n")
+    monkeypatch.setenv("SELFRL_API_KEY", "0123456789abcdef-env")
+    try:
+        for extra, source in (([], "the environment variable SELFRL_API_KEY"),
+                              (["--api-key-file", str(key_file)], f"the API key file {key_file}")):
+            assert main(["simulate", "--base-url", url, "--out", str(tmp_path / "sim"), *extra]) == 2
+            err = capsys.readouterr().err.strip()
+            assert err == (f"selfrl: error: {url} refuses the API key read from {source} (401): give the key "
+                           "selfrl serve was started with (--api-key-file, else SELFRL_API_KEY)")
+        key_file.write_text("")
+        assert main(["simulate", "--base-url", url, "--api-key-file", str(key_file)]) == 2
+        assert capsys.readouterr().err.strip() == f"selfrl: error: the API key file {key_file} is empty"
+    finally:
+        server.shutdown()

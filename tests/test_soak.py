@@ -26,6 +26,15 @@ def short_soak(tmp_path_factory):
     return out, json.loads((out / "targets.json").read_text()), json.loads((out / "soak.json").read_text())
 
 
+def test_the_help_shows_each_default(capsys):
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal's width
+    for shown in ("(default: 90.0)", "(default: runs/soak)", "(default: collapse,nan_loss,kill,disk)",
+                  "(default: 1440.0)", "(default: 3)"):
+        assert shown in out, shown
+
+
 def test_the_faults_were_injected_and_the_server_rode_through(short_soak):
     out, targets, record = short_soak
     kinds = [f["kind"] for f in record["faults"]]

@@ -57,6 +57,17 @@ def in_range(value: Any, name: str, low: float | None = None, high: float | None
     return ok, f"{name} must be {rng}, got {value!r}"
 
 
+def at_most(low: Any, low_name: str, high: Any, high_name: str) -> tuple[bool, str]:
+    """A rule for two fields that bound one range: ``low <= high``. The message names both, with
+    their values (the full dotted names: either may be the one set wrongly), as one line.
+
+    >>> at_most(2.0, "collapse.beta_min", 1.0, "collapse.beta_max")
+    (False, 'collapse.beta_min (2) must be at most collapse.beta_max (1): lower the first or raise the second')
+    """
+    ok = not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high)) or low <= high
+    return ok, f"{low_name} ({_num(low)}) must be at most {high_name} ({_num(high)}): lower the first or raise the second"
+
+
 def one_of(value: Any, allowed: Any, name: str) -> tuple[bool, str]:
     """A rule: ``value`` is one of the values of the ``Literal`` type ``allowed``."""
     options = get_args(allowed)
@@ -103,12 +114,15 @@ def non_finite_weights(weights: Any) -> dict[str, Any]:
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)}
 
 
-def _apply(obj, values: dict[str, Any], where: str) -> None:
-    """Set dataclass fields from a dict, recursing into nested dataclasses."""
+def _apply(obj, values: dict[str, Any], where: str, given: set[str] | None = None) -> None:
+    """Set dataclass fields from a dict, recursing into nested dataclasses; each dotted key set
+    (a table's own name too) is added to ``given`` when it is a set."""
     fields = {f.name: f for f in dataclasses.fields(obj)}
     for key, value in values.items():
         if key not in fields:
             raise ConfigError(f"unknown key {where}{key!r}; valid: {', '.join(sorted(fields))}")
+        if given is not None:
+            given.add(where + key)
         current = getattr(obj, key)
         item = fields[key].metadata.get("table_of")
         if item is not None:  # an array of tables ([[agents]]): each one a fresh dataclass
@@ -117,13 +131,13 @@ def _apply(obj, values: dict[str, Any], where: str) -> None:
             items = []
             for i, v in enumerate(value):
                 items.append(item())
-                _apply(items[-1], v, f"{where}{key}[{i}].")
+                _apply(items[-1], v, f"{where}{key}[{i}].", given)
             setattr(obj, key, items)
             continue
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}{key} must be a table")
-            _apply(current, value, f"{where}{key}.")
+            _apply(current, value, f"{where}{key}.", given)
             continue
         # the declared type, not the default's: "all-linear" must not forbid a list of modules
         declared = fields[key].type if isinstance(fields[key].type, str) else getattr(fields[key].type, "__name__", "")
@@ -138,10 +152,15 @@ def _apply(obj, values: dict[str, Any], where: str) -> None:
 
 
 def fill(cfg, path: str | Path | None = None, overrides: dict[str, Any] | None = None,
-         base: dict[str, Any] | None = None):
+         base: dict[str, Any] | None = None, given: set[str] | None = None):
     """Set the fields of a config dataclass from ``base``, then a TOML file, then dotted
     ``overrides`` (None values skipped); returns ``cfg``. Shared by ``selfrl run`` and
     ``selfrl serve``.
+
+    ``given``, when a set, receives the dotted key of every value the file and ``overrides``
+    set, whatever the value (``task.source``; a table's name too: ``task``, ``families``,
+    ``families[0].source``), so that a check can refuse a setting that would have no effect;
+    ``base``'s keys are not added (a stored run's config, an environment's defaults: not the user's).
 
     Raises:
         ConfigError: unreadable file, unknown key or wrong type.
@@ -153,7 +172,7 @@ def fill(cfg, path: str | Path | None = None, overrides: dict[str, Any] | None =
             data = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"cannot read config {path}: {e}") from e
-        _apply(cfg, data, "")
+        _apply(cfg, data, "", given)
     for dotted, value in (overrides or {}).items():
         if value is None:
             continue
@@ -161,5 +180,5 @@ def fill(cfg, path: str | Path | None = None, overrides: dict[str, Any] | None =
         nested: dict[str, Any] = {leaf: value}
         for p in reversed(parents):
             nested = {p: nested}
-        _apply(cfg, nested, "")
+        _apply(cfg, nested, "", given)
     return cfg

@@ -24,6 +24,7 @@ Importing this module imports no torch.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,13 +57,15 @@ from selfrl.model import DEFAULT_MODEL  # noqa: F401  (re-exported)
 
 
 
-def check_sampler(cfg: Any) -> None:
+def check_sampler(cfg: Any, given: Collection[str] = ()) -> None:
     """The swap check's settings, and, with ``sampler.url``, no setting that needs the policy
-    in this process's engine.
+    in this process's engine; without it, no ``[sampler]`` key set (``given``: the keys the file
+    and flags set, :func:`selfrl.config.fill`), as it would have no effect.
 
     Raises:
-        ConfigError: a bad ``[sampler]`` or ``[swap_check]`` value, or a combination the remote
-            sampler cannot honour (the message names both settings).
+        ConfigError: a bad ``[sampler]`` or ``[swap_check]`` value, a combination the remote
+            sampler cannot honour (the message names both settings), or a ``[sampler]`` key
+            without ``sampler.url``.
     """
     cfg.sampler.check("sampler.")
     try:
@@ -70,6 +73,11 @@ def check_sampler(cfg: Any) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from e
     if cfg.sampler.url is None:
+        unused = [k + (" (--sampler-kind)" if k == "sampler.kind" else "") for k in sorted(given)
+                  if k.startswith("sampler.")]
+        require([(not unused, f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect without "
+                  "sampler.url: the run samples in process unless --sampler URL names a sampler (selfrl sampler, "
+                  f"or a vLLM server); add --sampler URL, or leave {'it' if len(unused) == 1 else 'them'} out")])
         return
     require([
         (cfg.distributed.address is None, "sampler.url (--sampler) and distributed.address (--ray) are two ways "
@@ -120,11 +128,15 @@ class RunConfig:
         """Completion tokens one trajectory may hold (the ``dr_grpo`` normaliser)."""
         return self.rollout.max_completion_length
 
-    def validate(self) -> "RunConfig":
+    def validate(self, given: Collection[str] = ()) -> "RunConfig":
         """Check every section and the run's own fields; returns self.
 
+        Args:
+            given: the dotted keys the config file and flags set (:func:`selfrl.config.fill`): a
+                setting that would have no effect is refused when it was set.
+
         Raises:
-            ConfigError: a value out of range, with the field named.
+            ConfigError: a value out of range, with the field named, or a setting that would have no effect.
         """
         check_sections(self)
         self.distributed.check("distributed.")
@@ -153,7 +165,7 @@ class RunConfig:
         ])
         self.check_agents()
         check_engine(self)
-        check_sampler(self)
+        check_sampler(self, given)
         return self
 
     def check_agents(self) -> None:
@@ -244,4 +256,5 @@ def load_config(
     Raises:
         ConfigError: unreadable file, unknown key, wrong type or invalid value.
     """
-    return fill(RunConfig(), path, overrides, base).validate()
+    given: set[str] = set()  # the keys the file and flags set (not base's): a setting with no effect is refused
+    return fill(RunConfig(), path, overrides, base, given).validate(given)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from selfrl.config.base import SEED_MAX, ConfigError, check_finite, in_range, one_of, require
+from selfrl.config.base import SEED_MAX, ConfigError, at_most, check_finite, in_range, one_of, require
 from selfrl.engines import ENGINES  # the backend registry (imports no torch)
 from selfrl.engines.base import MAX_TEMPERATURE, MIN_TEMPERATURE
 from selfrl.model import DEFAULT_MODEL
@@ -219,7 +219,7 @@ class CollapseConfig:
     beta_factor: float = 2.0  # after a rollback: beta times this ...
     beta_min: float = 0.01  # ... and at least this (so beta = 0 becomes beta_min)
     lr_floor: float = 0.0  # backing off never lowers the learning rate below this (at most train.learning_rate)
-    beta_max: float = 1.0  # backing off never raises beta above this (or above train.beta / beta_min when larger)
+    beta_max: float = 1.0  # backing off never raises beta above this (or above train.beta when larger); at least beta_min
     stable_updates: int = 20  # updates without a collapse that earn one step back toward the configured setting ...
     stable_s: float = 3600.0  # ... or seconds without a collapse or step back, whichever comes first
     window_s: float = 3600.0  # collapses are counted over a sliding window of this many seconds ...
@@ -251,6 +251,7 @@ class CollapseConfig:
             in_range(self.repeat_ngram, "repeat_ngram", 1, 1000),
             in_range(self.repeat_share, "repeat_share", 0, 1, low_open=True, interval=True),
         ], where)
+        require([at_most(self.beta_min, f"{where}beta_min", self.beta_max, f"{where}beta_max")])
 
 
 @dataclass
@@ -331,8 +332,7 @@ def check_sections(cfg: Any, names: tuple[str, ...] = SHARED_SECTIONS) -> None:
     for name in names:
         getattr(cfg, name).check(f"{name}.")
     if "collapse" in names and "train" in names:
-        require([(cfg.collapse.lr_floor <= cfg.train.learning_rate, f"collapse.lr_floor ({cfg.collapse.lr_floor:g}) "
-                  f"must be at most train.learning_rate ({cfg.train.learning_rate:g}); lower it")])
+        require([at_most(cfg.collapse.lr_floor, "collapse.lr_floor", cfg.train.learning_rate, "train.learning_rate")])
 
 
 def check_engine(cfg: Any) -> None:

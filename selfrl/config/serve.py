@@ -4,10 +4,13 @@ checked by the same validators, plus the server's own and its learner's."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from selfrl.config.base import SECONDS_MAX, SEED_MAX, ConfigError, in_range, non_finite_weights, one_of, require
+from selfrl.config.base import (
+    SECONDS_MAX, SEED_MAX, ConfigError, at_most, in_range, non_finite_weights, one_of, require,
+)
 from selfrl.config.judge import JUDGE_REWARD
 from selfrl.config.sections import (
     CollapseConfig,
@@ -47,12 +50,11 @@ class LearnerSettings:
 
     def check(self, where: str = "") -> None:
         require([
-            (self.min_batch >= 2 and self.max_batch >= self.min_batch,
-             f"min_batch must be >= 2 and <= learner.max_batch, got {self.min_batch!r} (max_batch {self.max_batch!r})"),
+            in_range(self.min_batch, "min_batch", 2, 65536),
             in_range(self.max_batch, "max_batch", 2, 65536),
             in_range(self.feedback_wait_s, "feedback_wait_s", 0, SECONDS_MAX),
             in_range(self.poll_s, "poll_s", 0, 3600, low_open=True),
-            (0 < self.retry_s <= self.retry_max_s, "retry_s must be > 0 and <= learner.retry_max_s"),
+            in_range(self.retry_s, "retry_s", 0, SECONDS_MAX, low_open=True),
             in_range(self.retry_max_s, "retry_max_s", 0, SECONDS_MAX, low_open=True),
             in_range(self.temperature, "temperature", MIN_TEMPERATURE, MAX_TEMPERATURE),
             in_range(self.max_feedback_age_versions, "max_feedback_age_versions", 0, 10**6),
@@ -66,6 +68,8 @@ class LearnerSettings:
              "endpoints to call); train with a judge through selfrl run (docs/guides/judge.md), or weight "
              "user_feedback here"),
         ], where)
+        require([at_most(self.min_batch, f"{where}min_batch", self.max_batch, f"{where}max_batch"),
+                 at_most(self.retry_s, f"{where}retry_s", self.retry_max_s, f"{where}retry_max_s")])
 
 
 @dataclass
@@ -94,9 +98,16 @@ class FamilyConfig:
         ], where)
 
 
-def check_families(cfg: "ServeConfig") -> None:
+# [task] keys of selfrl run that selfrl serve has no use for: it draws no training tasks (its
+# traffic is what it trains on), so it has no task choice and no pre-flight signal check.
+RUN_ONLY_TASK_KEYS = ("num_train", "choice", "min_spread", "retry_after", "signal_check")
+FAMILY_TASK_KEYS = ("source", "options")  # replaced by each family's own with [[families]]
+
+
+def check_families(cfg: "ServeConfig", given: Collection[str] = ()) -> None:
     """``[[families]]``: each family's fields, unique names, and no ``[task]`` source or options
-    beside them (the held-out sets are the families').
+    beside them (the held-out sets are the families'), whether they hold a value of their own
+    or were set (``given``, the keys the file and flags set: :func:`selfrl.config.fill`) to the default.
 
     Raises:
         selfrl.config.ConfigError: a bad field (named), a repeated name, or ``task.source`` /
@@ -105,11 +116,14 @@ def check_families(cfg: "ServeConfig") -> None:
     names = [f.name for f in cfg.families]
     for i, fam in enumerate(cfg.families):
         fam.check(f"families[{i}] ({fam.name or 'unnamed'}).")
+    set_here = [f"task.{k}" for k in FAMILY_TASK_KEYS if f"task.{k}" in given
+                or getattr(cfg.task, k) != getattr(TaskConfig(), k)]
     require([
         (len(set(names)) == len(names), f"family names must be unique, got {names}"),
-        (not cfg.families or (not cfg.task.options and cfg.task.source == TaskConfig().source),
-         "task.source and task.options do not apply with [[families]]: each family's held-out set comes from "
-         "its own source and options; add [task]'s environment as a family instead"),
+        (not cfg.families or not set_here,
+         f"{' and '.join(set_here)} cannot be set with [[families]] (nor --task): each family's held-out set "
+         "comes from its own source and options; remove [task]'s and list that environment as a [[families]] "
+         "table instead"),
     ])
 
 
@@ -171,17 +185,25 @@ class ServeConfig:
         ``dr_grpo`` normaliser of the learner)."""
         return self.max_tokens_default
 
-    def validate(self) -> "ServeConfig":
+    def validate(self, given: Collection[str] = ()) -> "ServeConfig":
         """Check every section with ``selfrl run``'s validators, then the server's own fields; returns self.
+
+        Args:
+            given: the dotted keys the config file and flags set (:func:`selfrl.config.fill`): a
+                setting that has no effect in ``selfrl serve`` is refused when it was set.
 
         Raises:
             selfrl.config.ConfigError: a value out of range, with the field named (names are checked
-                at setup: :func:`selfrl.run.setup.check_names`).
+                at setup: :func:`selfrl.run.setup.check_names`), or a setting that would have no effect.
         """
         check_sections(self)
         self.learner.check("learner.")
         self.retention.check("retention.")
-        check_families(self)
+        check_families(self, given)
+        unused = [f"task.{k}" for k in RUN_ONLY_TASK_KEYS if f"task.{k}" in given]
+        require([(not unused, f"{', '.join(unused)}: selfrl run's task settings, which selfrl serve does not "
+                  "use (it draws no training tasks: its traffic is what it trains on); remove "
+                  f"{'it' if len(unused) == 1 else 'them'} from [task]")])
         require([
             (1 <= self.port <= 65535, "port must be in 1..65535"),
             (bool(self.served_model_name) and "@" not in self.served_model_name,
@@ -204,30 +226,39 @@ class ServeConfig:
              "drop gate.rule"),
         ])
         check_engine(self)
-        check_serve_sampler(self)
+        check_serve_sampler(self, given)
         return self
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def check_serve_sampler(cfg: ServeConfig) -> None:
-    """``[sampler]`` and ``[swap_check]`` of ``selfrl serve``: with ``sampler.url``, a vLLM server
-    (``kind = "vllm"``) samples and the server keeps no replica of another's run directory.
+def check_serve_sampler(cfg: ServeConfig, given: Collection[str] = ()) -> None:
+    """``[sampler]`` and ``[swap_check]`` of ``selfrl serve``: a vLLM server (``kind = "vllm"``, the
+    only kind serve takes) samples when ``sampler.url`` is set, and the server keeps no replica of
+    another's run directory; without ``sampler.url``, no ``[sampler]`` or ``[swap_check]`` key may be
+    set (``given``: the keys the file and flags set), as neither would have an effect.
 
     Raises:
-        selfrl.config.ConfigError: a bad value, or a combination serve cannot honour (the message says which).
+        selfrl.config.ConfigError: a bad value, a combination serve cannot honour, or a setting that
+            would have no effect (the message says which).
     """
+    require([(cfg.sampler.kind == "vllm", f"sampler.kind must be 'vllm', got {cfg.sampler.kind!r}: selfrl serve "
+              "samples remotely through a vLLM server only (--sampler-kind vllm, or leave it out); selfrl "
+              "sampler serves selfrl run")])
     cfg.sampler.check("sampler.")
     try:
         cfg.swap_check.validate()
     except ValueError as e:
         raise ConfigError(str(e)) from e
     if cfg.sampler.url is None:
+        flags = {"sampler.kind": " (--sampler-kind)", "swap_check.deadline_s": " (--swap-check-deadline)"}
+        unused = [k + flags.get(k, "") for k in sorted(given) if k.startswith(("sampler.", "swap_check."))]
+        require([(not unused, f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect without "
+                  "sampler.url: selfrl serve samples in process unless --sampler URL names a vLLM server; add "
+                  f"--sampler URL, or leave {'it' if len(unused) == 1 else 'them'} out")])
         return
     require([
-        (cfg.sampler.kind == "vllm", f"sampler.kind = {cfg.sampler.kind!r}: selfrl serve samples remotely through "
-         "a vLLM server only (sampler.kind = \"vllm\", --sampler-kind vllm); selfrl sampler serves selfrl run"),
         (not cfg.replica, "replica = true and sampler.url (--sampler) cannot be combined: a replica samples in "
          "its own process; point one selfrl serve at the vLLM server"),
     ])

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from selfrl.config.base import SECONDS_MAX, SEED_MAX, check_finite, fill, in_range, require
+from selfrl.config.base import SECONDS_MAX, SEED_MAX, at_most, check_finite, fill, in_range, require
 
 HostileAction = Literal["random_rating", "flood", "replay_turn", "replay_feedback"]
 HOSTILE_ACTIONS: tuple[str, ...] = get_args(HostileAction)
@@ -42,13 +42,14 @@ class UserSettings:
             (self.rating_p + self.correction_p <= 1.0,
              f"rating_p + correction_p must be <= 1 (the rest is silence), got {self.rating_p + self.correction_p!r}"),
             in_range(self.min_delay_s, "min_delay_s", 0, MAX_SIM_S, low_open=True),
-            in_range(self.max_delay_s, "max_delay_s", self.min_delay_s, MAX_SIM_S),
+            in_range(self.max_delay_s, "max_delay_s", 0, MAX_SIM_S, low_open=True),
             in_range(self.hostile_share, "hostile_share", 0, 1, interval=True),
             (not unknown and (self.hostile_actions or self.hostile_share == 0),
              f"hostile_actions must be a non-empty list of {', '.join(HOSTILE_ACTIONS)} (or hostile_share = 0), "
              f"got {self.hostile_actions!r}"),
             in_range(self.flood_size, "flood_size", 1, 10_000),
         ], where)
+        require([at_most(self.min_delay_s, f"{where}min_delay_s", self.max_delay_s, f"{where}max_delay_s")])
 
 
 @dataclass

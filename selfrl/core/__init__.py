@@ -11,4 +11,5 @@ of selfrl outside this package.
 - :mod:`selfrl.core.stats`: confidence intervals for success rates and their changes (Wilson,
   paired, Newcombe), for the gates and the reports.
 - :mod:`selfrl.core.faults`: fault injection for the crash-safety tests (``SELFRL_FAULT``).
+- :mod:`selfrl.core.wording`: counts in messages (``1 time``, ``2 times``).
 """

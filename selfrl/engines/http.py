@@ -3,7 +3,8 @@
 A 4xx answer whose body says why becomes :class:`RemoteRequestError` (the backend
 refused the request: bad arguments, an adapter that does not fit); anything else
 that goes wrong (connection refused, 5xx, a broken body) is :class:`RemoteBackendError`;
-a call that outlives its timeout raises ``TimeoutError``. :func:`load_api_key` reads the
+a call that outlives its timeout raises ``TimeoutError``. :func:`unreachable` says why a
+server does not answer a short GET (checked before a model loads). :func:`load_api_key` reads the
 key both ends use (``selfrl serve`` and ``selfrl sampler`` check it, a run sends it).
 """
 
@@ -69,6 +70,18 @@ def call(base_url: str, path: str, body=None, *, timeout_s: float, api_key: str 
         return text
 
 
+def unreachable(base_url: str, path: str, timeout_s: float = 5.0) -> str | None:
+    """Why ``GET base_url + path`` gets no 2xx answer within ``timeout_s`` seconds (no connection,
+    no answer in time, an HTTP error: the reason in one line), or None when it does."""
+    try:
+        call(base_url, path, timeout_s=timeout_s)
+    except RemoteRequestError as e:
+        return f"{base_url.rstrip('/')}{path}: HTTP {e.status}: {e}"
+    except (RemoteBackendError, TimeoutError, OSError) as e:
+        return str(e)
+    return None
+
+
 def _detail(text: str) -> str:
     """The reason in an error body: FastAPI's ``detail``, OpenAI's ``error.message``, or the text."""
     try:
@@ -86,11 +99,18 @@ def _detail(text: str) -> str:
     return text.strip()
 
 
+def api_key_source(key_file: str | None = None) -> str:
+    """Where :func:`load_api_key` reads the key from, as a message names it: the file, else the
+    environment variable."""
+    return f"the API key file {key_file}" if key_file else "the environment variable SELFRL_API_KEY"
+
+
 def load_api_key(key_file: str | None = None) -> str | None:
     """The API key from ``key_file`` (first line) or ``SELFRL_API_KEY``; None when neither is set.
 
     Raises:
-        ValueError: the file is unreadable or empty, or the key is shorter than 16 characters.
+        ValueError: the file is unreadable or empty, or the key is shorter than 16 characters
+            (the message says where it was read from).
     """
     key = None
     if key_file:
@@ -104,5 +124,6 @@ def load_api_key(key_file: str | None = None) -> str | None:
     elif os.environ.get("SELFRL_API_KEY"):
         key = os.environ["SELFRL_API_KEY"].strip()
     if key is not None and len(key) < 16:
-        raise ValueError("the API key must be at least 16 characters long")
+        raise ValueError(f"the API key from {api_key_source(key_file)} is {len(key)} characters long; it must be "
+                         "at least 16 (make one with: python -c 'import secrets; print(secrets.token_hex(16))')")
     return key

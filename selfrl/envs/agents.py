@@ -92,7 +92,7 @@ class AgentsEnv(Env):
     description = "several agents, each on its own environment, into one learner ([[agents]])"
 
     def __init__(self, agents: list[AgentConfig], task: TaskConfig | None = None, gate: GateConfig | None = None):
-        from selfrl.envs import get_env
+        from selfrl.envs.registry import build_env
 
         if not agents:
             raise ValueError("AgentsEnv needs at least one agent")
@@ -100,8 +100,8 @@ class AgentsEnv(Env):
         self.envs: dict[str, Env] = {}
         for a in agents:
             try:
-                self.envs[a.name] = get_env(a.source, **a.options)
-            except (ValueError, TypeError) as e:
+                self.envs[a.name] = build_env(a.source, a.options, f"[[agents]] {a.name!r}")
+            except ValueError as e:
                 raise ValueError(f"agent {a.name}: {e}") from e
 
     @property

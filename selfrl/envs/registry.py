@@ -31,7 +31,9 @@ from selfrl.envs.builtin import BUILTIN_ENVS, failure, failures_note, load_built
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "TASK_TABLE",
     "available_envs",
+    "build_env",
     "describe_envs",
     "env_config_defaults",
     "get_env",
@@ -156,6 +158,9 @@ def _resolve_factory(name: str) -> EnvFactory:
     )
 
 
+TASK_TABLE = "[task]"  # the config table whose ``options`` selfrl run's and serve's environment takes
+
+
 def get_env(name: str, **options: Any) -> Env:
     """Build the environment ``name`` with ``options`` (the ``[task] options`` table).
 
@@ -163,9 +168,28 @@ def get_env(name: str, **options: Any) -> Env:
         ValueError: unknown name (lists the valid ones), bad options, or a factory
             that returns something other than an ``Env``.
     """
+    return build_env(name, options)
+
+
+def build_env(name: str, options: dict[str, Any] | None = None, where: str = TASK_TABLE) -> Env:
+    """Build the environment ``name`` with ``options``, the ``options`` of the config table ``where``
+    (``"[task]"``, or e.g. ``"[[families]] 'web'"``: an error names the table to fix).
+
+    Raises:
+        ValueError: unknown name (lists the valid ones); an option the factory does not take, or
+            a required one not given (the message names them and ``where``); a factory that
+            refuses its arguments (a ``TypeError``, named with the options given); or a factory
+            that returns something other than an ``Env``.
+    """
+    options = dict(options or {})
     factory = _resolve_factory(name)
-    _check_option_names(name, factory, options)
-    env = factory(**options)
+    _check_option_names(name, factory, options, where)
+    try:
+        env = factory(**options)
+    except TypeError as e:  # a signature the check cannot read (**kwargs passed on, a C type), or a bug in it
+        given = ", ".join(sorted(options)) or "none"
+        raise ValueError(f"environment {name!r} cannot be built with the options given ({given}): TypeError: "
+                         f"{e}; set the options it takes in the options of {where} in the config file (--config)") from e
     if not isinstance(env, Env):
         raise ValueError(f"environment {name!r} built a {type(env).__name__}, not a selfrl.envs.Env")
     return env
@@ -214,10 +238,11 @@ def load_run_config(path=None, overrides: dict[str, Any] | None = None, base: di
     return load_config(path, overrides, _nest(defaults)) if defaults else cfg
 
 
-def _check_option_names(name: str, factory, options: dict) -> None:
+def _check_option_names(name: str, factory, options: dict, where: str = TASK_TABLE) -> None:
     """Raise ValueError for an option ``factory`` does not take (a misspelled key would
-    otherwise be a bare TypeError), naming the valid ones; a factory taking ``**kwargs`` or
-    without a readable signature is left to check its own options."""
+    otherwise be a bare TypeError), naming the valid ones, and for a required one not given,
+    naming it and ``where`` to set it; a factory taking ``**kwargs`` or without a readable
+    signature is left to check its own options."""
     import inspect
 
     try:
@@ -231,8 +256,13 @@ def _check_option_names(name: str, factory, options: dict) -> None:
     if unknown:
         raise ValueError(f"environment {name!r} has no option {', '.join(map(repr, unknown))}; "
                          f"valid: {', '.join(valid) or '(none)'}")
+    positional = [k for k, p in params.items() if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+    if positional:
+        raise ValueError(f"environment {name!r} takes {', '.join(map(repr, positional))} by position only, which "
+                         "options cannot give; wrap it in a factory that takes them by name")
     missing = [k for k, p in params.items() if k != "self" and k not in options and p.default is p.empty
                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if missing:
+        example = ", ".join(f"{k} = ..." for k in missing)
         raise ValueError(f"environment {name!r} needs the option(s) {', '.join(map(repr, missing))}: set them in "
-                         "the config's [task] options table (options = { ... })")
+                         f"the options of {where} in the config file (--config), e.g. options = {{ {example} }}")

@@ -35,6 +35,7 @@ from selfrl.record.serve_rule import ServedChoice, choose_served
 from selfrl.record.versions import VersionRecord
 from selfrl.report.serve import write_serve_report
 from selfrl.core.stats import paired_difference_ci, wilson_interval
+from selfrl.core.wording import plural
 from selfrl.record.store import Store
 from selfrl.report.timeline import Mark, Timeline, duration, event_mark, load_timeline
 
@@ -336,7 +337,7 @@ def overview_title(tl: Timeline) -> str:
         first = f"{tl.base.k}/{tl.base.n}" if tl.base.n else f"{tl.base.at.value:.2f}"
         final = f"{last.k}/{last.n}" if last.n else f"{last.at.value:.2f}"
         parts.append(f"held-out {first} → {final} (last validation)")
-    parts += [f"{tl.updates} update{'' if tl.updates == 1 else 's'}", f"{tl.rollouts} rollouts",
+    parts += [plural(tl.updates, "update"), plural(tl.rollouts, "rollout"),
               duration(tl.elapsed_s)]
     return f"{tl.label}: " + ", ".join(parts)
 

@@ -26,6 +26,7 @@ from matplotlib.ticker import MaxNLocator
 from selfrl.report.figures import TimeUnit, add_figure_legend, draw_events, save
 from selfrl.record import served as records
 from selfrl.core.stats import wilson_interval
+from selfrl.core.wording import plural
 from selfrl.record.store import Store
 from selfrl.report.timeline import duration, load_timeline, session_clock
 
@@ -136,7 +137,7 @@ def serve_figure(store: Store, label: str, turns: list[dict], feedback: list[dic
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8, loc="best", framealpha=0.85)
-    fig.suptitle(f"{label}: {len(turns)} turns served, {len(versions) - 1} candidate versions, "
+    fig.suptitle(f"{label}: {plural(len(turns), 'turn')} served, {plural(len(versions) - 1, 'candidate version')}, "
                  f"{duration(clock.total_s)}", fontsize=13)
     add_figure_legend(fig, [timeline], True)
     return fig

@@ -53,6 +53,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from selfrl.core.wording import plural
+
 LOG_RATIO_BOUND = 20.0  # the same bound as selfrl.rl.losses.LOG_RATIO_BOUND, for a whole sequence
 
 
@@ -183,17 +185,17 @@ def decide(turn_version: int, loaded: Sequence[int], turn_time: float, now: floa
         return AgeDecision(Outcome.TOO_OLD, None, k, age, f"only recorded: the turn is {age:.0f} s old, "
                            f"more than max_age_s = {policy.max_age_s:g}")
     if k > policy.max_versions:
-        return AgeDecision(Outcome.TOO_OLD, None, k, age, f"only recorded: the policy changed {k} times since "
+        return AgeDecision(Outcome.TOO_OLD, None, k, age, f"only recorded: the policy changed {plural(k, 'time')} since "
                            f"version {turn_version}, more than max_versions = {policy.max_versions}")
     if k == 0:
         return AgeDecision(Outcome.USED, 1.0, k, age, f"used now at full weight: version {turn_version} is "
                            "still the current one")
     if current_logps is None:
-        return AgeDecision(Outcome.QUEUED, None, k, age, f"queued: the policy changed {k} times since version "
+        return AgeDecision(Outcome.QUEUED, None, k, age, f"queued: the policy changed {plural(k, 'time')} since version "
                            f"{turn_version}; waits for the learner to weigh it under version {current}")
     if behaviour_logps is None or completion_mask is None:
         raise ValueError("current log-probs given without the behaviour log-probs and the completion mask")
     w = sequence_weight(current_logps, behaviour_logps, completion_mask, policy.tis_cap)
     capped = " (capped)" if w == policy.tis_cap else ""
     return AgeDecision(Outcome.USED, w, k, age, f"used now with weight {w:.3g}{capped}: the policy changed "
-                       f"{k} times since version {turn_version}")
+                       f"{plural(k, 'time')} since version {turn_version}")

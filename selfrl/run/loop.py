@@ -23,6 +23,7 @@ from pathlib import Path
 from selfrl.core import faults
 from selfrl.core.tasks import Task
 from selfrl.core.trajectory import Trajectory
+from selfrl.core.wording import plural
 from selfrl.record import adapters
 from selfrl.run.metrics import MetricsLog, rollout_metrics
 from selfrl.record.serve_rule import ServedChoice, serve_by_rule
@@ -158,7 +159,7 @@ class Runner:
             pushed = 0
         if base.val_success is None:
             res = self.validate()
-            self.progress.log(f"base model: held-out success {res.success:.3f} on {len(s.val)} tasks "
+            self.progress.log(f"base model: held-out success {res.success:.3f} on {plural(len(s.val), 'task')} "
                               f"({res.seconds:.0f} s)")
         best = s.ledger.latest_servable()
         if s.sampler is not None:

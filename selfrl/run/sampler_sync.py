@@ -42,6 +42,28 @@ from selfrl.safety.swap_check import (  # noqa: F401  (swap_within: where it was
 )
 
 
+# Where each kind of sampler answers a GET without an API key, and how to start one.
+HEALTH_PATHS = {"selfrl": "/sampler/health", "vllm": "/health"}
+START_HINTS = {"selfrl": "selfrl sampler --port PORT, with the run's model", "vllm": "vllm serve MODEL --enable-lora "
+               "(docs/guides/vllm.md)"}
+REACH_TIMEOUT_S = 5.0  # seconds the sampler has to answer the reachability check before the model loads
+
+
+def check_reachable(url: str, kind: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """The sampler of ``kind`` (``selfrl`` or ``vllm``) at ``url`` answers its health check within
+    ``timeout_s`` seconds; called before the model loads, so that a wrong URL fails in seconds.
+
+    Raises:
+        ConnectionError: it does not (the message names the URL, the reason and how to start one).
+    """
+    from selfrl.engines.http import unreachable
+
+    if (why := unreachable(url, HEALTH_PATHS[kind], timeout_s)) is not None:
+        raise ConnectionError(f"cannot reach the {kind} sampler at {url} (sampler.url, --sampler) within "
+                              f"{timeout_s:g} s: {why}; start it ({START_HINTS[kind]}) or correct the URL, "
+                              "then start again")
+
+
 def connect(cfg, tokenizer, model):
     """The remote engine of ``cfg.sampler`` (a :class:`selfrl.config.RunConfig`'s), over ``tokenizer``.
 

@@ -38,7 +38,7 @@ from selfrl.rl.learner import Learner, kl_reference
 from selfrl.rl.losses import get_loss_aggregation
 from selfrl.rollout.prefetch import LocalSampler, shadow_policy
 from selfrl.run.cycle import UpdateCycle
-from selfrl.run.sampler_sync import SamplerSync
+from selfrl.run.sampler_sync import SamplerSync, check_reachable
 from selfrl.safety.collapse import CollapseGuard
 from selfrl.safety.detectors import HackingMonitor, check_detectors
 
@@ -130,8 +130,11 @@ def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
         selfrl.config.ConfigError: ``resume`` with settings the stored run cannot change, or a
             name no registry knows (:func:`check_names`; before any model loads).
         selfrl.record.runlock.RunDirLocked: another process (a run, a resume, a server) writes ``run_dir``.
+        ConnectionError: ``sampler.url`` does not answer (before any model loads).
     """
     check_names(cfg)  # before anything is created or loaded: the built-in environments first, then every name
+    if cfg.sampler.url is not None:  # a wrong URL fails in seconds, not after the model loads
+        check_reachable(cfg.sampler.url, cfg.sampler.kind)
     run_dir = Path(cfg.run_dir)
     if resume and not (run_dir / "selfrl.db").exists():
         raise FileNotFoundError(f"nothing to resume: no run at {run_dir}")

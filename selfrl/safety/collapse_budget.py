@@ -34,6 +34,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from selfrl.core.wording import plural
+
 
 @dataclass(frozen=True)
 class BudgetPolicy:
@@ -175,7 +177,7 @@ class CollapseBudget:
         lr, beta = p.setting(self.level)
         if p.stop_after is not None and self.collapses > p.stop_after:
             self.stopped = True
-            return BudgetDecision(Action.STOP, lr, beta, None, f"stopped: {self.collapses} collapses, more than "
+            return BudgetDecision(Action.STOP, lr, beta, None, f"stopped: {plural(self.collapses, 'collapse')}, more than "
                                   f"stop_after = {p.stop_after}; the best version stays served")
         n = self._in_window(now)
         if n > p.max_per_window:

@@ -113,10 +113,10 @@ def check_family_sources(cfg: ServeConfig) -> None:
             with the family named.
     """
     from selfrl.config import ConfigError
-    from selfrl.envs import get_env
+    from selfrl.envs.registry import build_env
 
     for i, f in enumerate(cfg.families):
         try:
-            get_env(f.source, **f.options)
-        except (ValueError, TypeError) as e:
+            build_env(f.source, f.options, f"[[families]] {f.name!r}")
+        except ValueError as e:
             raise ConfigError(f"families[{i}] ({f.name}).source: {e}") from e

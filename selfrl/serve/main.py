@@ -22,7 +22,8 @@ def load_serve_config(path: str | None, overrides: dict[str, Any]) -> ServeConfi
     """
     from selfrl.config import fill
 
-    return fill(ServeConfig(), path, overrides).validate()
+    given: set[str] = set()  # the keys the file and flags set: a setting with no effect is refused
+    return fill(ServeConfig(), path, overrides, given=given).validate(given)
 
 
 class BindError(OSError):
@@ -85,7 +86,11 @@ def _serve(config: str | None, overrides: dict[str, Any], api_key_file: str | No
             from selfrl.serve.families import check_family_sources
 
             check_family_sources(cfg)
-    except (ConfigError, ValueError, KeyError) as e:
+        if cfg.sampler.url is not None:  # a wrong URL fails in seconds, not after the model loads
+            from selfrl.run.sampler_sync import check_reachable
+
+            check_reachable(cfg.sampler.url, cfg.sampler.kind)
+    except (ConfigError, ValueError, KeyError, ConnectionError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"selfrl: error: {msg}", file=sys.stderr)
         return 2

@@ -357,13 +357,16 @@ class FeedbackRequest(_Strict):
     @classmethod
     def _finite(cls, v):
         """NaN and infinity (JSON ``NaN``, ``Infinity`` or the strings) are named as what they are,
-        not as out of range."""
+        and a number out of range with the range and its meaning (not pydantic's bound alone)."""
         try:
             x = float(v) if isinstance(v, (int, float, str)) and not isinstance(v, bool) else None
         except ValueError:
             return v  # not a number at all: pydantic's own message says so
         if x is not None and not math.isfinite(x):
             raise ValueError(f"rating must be a finite number in [-1, 1], got {v!r}")
+        if x is not None and not -1.0 <= x <= 1.0:
+            raise ValueError(f"rating must be in [-1, 1] (-1 thumbs down, +1 thumbs up; scale other "
+                             f"ratings into it), got {v!r}")
         return v
 
 

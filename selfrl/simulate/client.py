@@ -90,15 +90,17 @@ class Client:
         return Reply(r.status_code, time.perf_counter() - t0, data if isinstance(data, dict) else None,
                      None if r.is_success else r.text[:300])
 
-    def reachable(self) -> str | None:
+    def reachable(self, key_source: str = "the API key given") -> str | None:
         """None when the server answers ``GET /admin/status`` under the API key (so that feedback will
-        be accepted too); else why not, as one line."""
+        be accepted too); else why not, as one line (a refused key is named by ``key_source``, where
+        it was read from)."""
         try:
             r = self.http.get(self.base_url + "/admin/status", headers={"Authorization": f"Bearer {self.api_key}"})
         except httpx.HTTPError as e:
             return f"cannot reach {self.base_url}: {type(e).__name__}: {e}; start selfrl serve first or pass --base-url"
         if r.status_code in (401, 403):
-            return f"{self.base_url} refuses the API key ({r.status_code}): give the key selfrl serve was started with"
+            return (f"{self.base_url} refuses the API key read from {key_source} ({r.status_code}): give the key "
+                    "selfrl serve was started with (--api-key-file, else SELFRL_API_KEY)")
         return None if r.is_success else f"{self.base_url}/admin/status answered {r.status_code}: {r.text[:200]}"
 
     def close(self) -> None:

@@ -33,7 +33,7 @@ from selfrl.config.simulate import FamilySettings
 from selfrl.core.tasks import Task, distinct_sample
 from selfrl.core.tools import Tool, resolve_tools
 from selfrl.core.trajectory import ToolCallRecord, Trajectory
-from selfrl.envs import get_env
+from selfrl.envs.registry import build_env
 
 SANDBOXED = ("code", "swe")  # environments whose tools run model-written code: not for a client
 MAX_REDRAWS = 1000  # seeds tried before a family gives up finding a task outside the held-out set
@@ -137,7 +137,7 @@ class Family:
                              "simulated client must not run; use arithmetic, function_calling, web or webshop")
         self.settings = s
         self.name = s.name
-        self.env = get_env(s.env, **s.options)
+        self.env = build_env(s.env, s.options, f"[[families]] {s.name!r}")
         defaults = getattr(self.env, "config_defaults", {}) or {}
         self.system_prompt = defaults.get("rollout.system_prompt", DEFAULT_SYSTEM_PROMPT)
         self.shared_tools = resolve_tools(defaults.get("rollout.tools", RolloutConfig().tools))

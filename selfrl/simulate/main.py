@@ -7,7 +7,6 @@ Writes ``<out_dir>/events.jsonl`` (every event as it happens) and ``<out_dir>/su
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,29 +14,24 @@ from typing import Any
 from selfrl.config.simulate import load_simulate_config
 
 
-def read_api_key(api_key_file: str | None) -> str | None:
-    """The server's API key: the first line of ``api_key_file``, else ``SELFRL_API_KEY``, else None."""
-    if api_key_file:
-        return Path(api_key_file).read_text().splitlines()[0].strip()
-    return os.environ.get("SELFRL_API_KEY") or None
-
-
 def simulate(config: str | None, overrides: dict[str, Any], api_key_file: str | None) -> int:
     """Run ``selfrl simulate``; returns the exit code (0 done, 2 bad input or no server).
 
     Raises:
         selfrl.config.ConfigError: a bad config (the CLI prints it).
+        ValueError: the API key file is unreadable or empty, or the key is shorter than 16 characters.
     """
+    from selfrl.engines.http import api_key_source, load_api_key
     from selfrl.simulate.simulator import Simulator, default_client
 
     cfg = load_simulate_config(config, overrides)
-    key = read_api_key(api_key_file)
+    key = load_api_key(api_key_file)  # the file's first line, else SELFRL_API_KEY (ValueError: unreadable, short)
     if not key:
         print("selfrl: error: feedback needs the server's API key: set SELFRL_API_KEY or pass --api-key-file "
               "(the key selfrl serve was started with)", file=sys.stderr)
         return 2
     client = default_client(cfg, key)
-    if (why := client.reachable()) is not None:
+    if (why := client.reachable(api_key_source(api_key_file))) is not None:
         print(f"selfrl: error: {why}", file=sys.stderr)
         return 2
     out = Path(cfg.out_dir)
