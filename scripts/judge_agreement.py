@@ -19,8 +19,8 @@ grammar, turns) come from ``--config`` with the environment's own defaults under
 ``task.source``). ``judge`` must be given the same ``--config``/``--env``, ``--tasks`` and
 ``--seed`` as ``sample``: it rebuilds the tasks to find the verifier's verdicts.
 
-Prints one markdown row: trajectories judged and failed (unreadable or timed out), the AUC of
-the judge's score against the verifier's verdict over all trajectories, the within-group
+Prints one markdown row: the environment, trajectories judged and failed (unreadable or timed
+out), the AUC of the judge's score against the verifier's verdict over all trajectories, the within-group
 pairwise accuracy (over every pair of one correct and one wrong answer to the same task: the
 share the judge orders right, a tie counting one half; 0.5 is chance, and it is what GRPO's
 group-centred advantages depend on), the mean within-group Spearman correlation (groups with
@@ -148,11 +148,12 @@ def judge(a: argparse.Namespace) -> None:
         if rho is not None:
             rhos.append(rho)
     failed = len(trajs) - len(scored)
-    print("| judge | mode | reasons | judged | failed | right (verifier) | AUC | within-group pairwise accuracy "
+    print("| judge | task | mode | reasons | judged | failed | right (verifier) | AUC | within-group pairwise accuracy "
           "(pairs) | within-group Spearman (groups) | mean score right / wrong | input / output tokens | seconds |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     mean = lambda v: statistics.fmean(v) if v else float("nan")  # noqa: E731
-    print(f"| {a.label} | {a.mode} | {'yes' if a.explain else 'no'} | {len(scored)} | {failed} | {len(pos)} | "
+    print(f"| {a.label} | {cfg.task.source} | {a.mode} | {'yes' if a.explain else 'no'} | {len(scored)} | {failed} | "
+          f"{len(pos)} | "
           f"{auc(pos, neg):.3f} | {mean(pairs):.3f} ({len(pairs)}) | {mean(rhos):.3f} ({len(rhos)}) | "
           f"{mean(pos):.2f} / {mean(neg):.2f} | {metrics['judge/input_tokens']:.0f} / "
           f"{metrics['judge/output_tokens']:.0f} | {seconds:.0f} |")

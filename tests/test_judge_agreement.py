@@ -70,7 +70,8 @@ def test_function_calling_calls_are_judged_without_the_reference(script, tmp_pat
                      "--tasks", "2", "--generations", "4", "--mode", "group"])
     row = _row(capsys.readouterr().out)
     # judged, failed, right; AUC: each right call (10) beats the unknown value (0), ties the swap (10)
-    assert row[3:9] == ["8", "0", "4", "0.750", "0.750 (8)", "0.577 (2)"] and row[9] == "1.00 / 0.50"
+    assert row[1] == "function_calling" and row[10] == "1.00 / 0.50"
+    assert row[4:10] == ["8", "0", "4", "0.750", "0.750 (8)", "0.577 (2)"]
     assert len(judge.requests) == 2  # one call per group, its three distinct answers
     for body, task in zip(judge.requests, tasks):
         system, user = (m["content"] for m in body["messages"])
@@ -93,7 +94,7 @@ def test_the_default_environment_is_still_arithmetic(script, tmp_path, capsys):
     with ScriptedJudge(grade(solves, explain=False)) as judge:
         script.main(["judge", "--rollouts", str(tmp_path / "a.jsonl"), "--base-url", judge.url, "--tasks", "1",
                      "--mode", "pointwise"])
-    assert _row(capsys.readouterr().out)[3:8] == ["3", "0", "2", "1.000", "1.000 (2)"]
+    assert _row(capsys.readouterr().out)[1:9] == ["chain_sum", "pointwise", "no", "3", "0", "2", "1.000", "1.000 (2)"]
     assert script.ARITHMETIC_RUBRIC in judge.requests[0]["messages"][0]["content"]
 
 
