@@ -247,8 +247,7 @@ class BackgroundLearner(threading.Thread):
         return res
 
     def tick(self) -> bool:
-        """One update if enough turns are ready and the collapse budget allows one (no cool-down);
-        returns True when one ran.
+        """One update if enough turns are ready and the collapse budget allows one; True when one ran.
 
         Raises:
             CollapseStop: only with ``collapse.max_rollbacks`` set, once it is spent.
