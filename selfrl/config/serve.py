@@ -123,7 +123,7 @@ class RetentionSettings:
     delete: bool = False  # delete the pruned folders (False: move them to adapters/.pruned, to delete by hand)
     trajectories_max_age_s: float = 0.0  # export, then prune, served turns older than this (>= learner.max_feedback_age_s); 0: keep all
     trajectories_export_dir: str = ""  # where the exports go (JSONL + .sha256); "": <run_dir>/exports; a relative path is under run_dir
-    trajectories_per_pass: int = 1000  # most turns one pass exports and prunes (>= learner.max_batch, so that pruning keeps up)
+    trajectories_per_pass: int = 256  # most turns one pass exports and prunes (>= learner.max_batch, so that pruning keeps up)
 
     def check(self, where: str = "") -> None:
         require([in_range(self.keep_newest, "keep_newest", 0, 10**6),

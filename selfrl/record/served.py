@@ -14,6 +14,9 @@ between threads).
 Training status of a served trajectory: ``pending`` (waiting for a reward),
 ``trained`` (used by the update that made version ``trained_in``), ``skipped``
 (no reward component applied; never trained).
+
+Old turns leave through retention (:mod:`selfrl.serve.retention`): :func:`old_turns` reads
+them as export rows, :func:`delete_turns` deletes them with their feedback, in one transaction.
 """
 
 from __future__ import annotations
@@ -362,10 +365,10 @@ def feedback_history(store: Store) -> list[dict[str, Any]]:
     return [dict(r) for r in rows]
 
 
-@locked
 def old_turns(store: Store, cutoff: float, limit: int, keep: tuple[str, ...] = ()) -> tuple[list[dict[str, Any]], int]:
     """The oldest served turns stored before ``cutoff``, as export rows, for retention
-    (:mod:`selfrl.serve.retention` decides the cutoff).
+    (:mod:`selfrl.serve.retention` decides the cutoff). The store's lock is held while the rows
+    are read, not while their records are decoded.
 
     Args:
         cutoff: ``served.created_at`` (the server's clock, seconds) a turn must be older than.
@@ -379,25 +382,26 @@ def old_turns(store: Store, cutoff: float, limit: int, keep: tuple[str, ...] = (
         ``feedback``: every feedback message on its response's choice, oldest first), and the
         highest ``feedback.id`` when they were read (:func:`delete_turns` checks that none came since).
     """
-    kept = set()
-    for family in keep:
-        row = store.conn.execute("SELECT trajectory_id FROM served WHERE status = 'trained' AND family = ?"
-                                 " ORDER BY created_at DESC LIMIT 1", (family,)).fetchone()
-        if row is not None:
-            kept.add(row[0])
-    rows = store.conn.execute(
-        "SELECT s.*, t.run_id, t.data_json FROM served s JOIN trajectories t ON t.id = s.trajectory_id"
-        " WHERE s.created_at < ? ORDER BY s.created_at, s.rowid LIMIT ?", (cutoff, limit + len(kept))).fetchall()
-    last_feedback = int(store.conn.execute("SELECT COALESCE(MAX(id), 0) FROM feedback").fetchone()[0])
-    out = []
-    for r in rows:
-        if r["trajectory_id"] in kept or len(out) == limit:
-            continue
-        served = {k: r[k] for k in r.keys() if k not in ("run_id", "data_json")}
-        feedback = [dict(f) for f in store.conn.execute(
+    with store.lock:
+        kept = set()
+        for family in keep:
+            row = store.conn.execute("SELECT trajectory_id FROM served WHERE status = 'trained' AND family = ?"
+                                     " ORDER BY created_at DESC LIMIT 1", (family,)).fetchone()
+            if row is not None:
+                kept.add(row[0])
+        rows = store.conn.execute(
+            "SELECT s.*, t.run_id, t.data_json FROM served s JOIN trajectories t ON t.id = s.trajectory_id"
+            " WHERE s.created_at < ? ORDER BY s.created_at, s.rowid LIMIT ?", (cutoff, limit + len(kept))).fetchall()
+        rows = [r for r in rows if r["trajectory_id"] not in kept][:limit]
+        last_feedback = int(store.conn.execute("SELECT COALESCE(MAX(id), 0) FROM feedback").fetchone()[0])
+        feedback = [[dict(f) for f in store.conn.execute(
             "SELECT * FROM feedback WHERE response_id = ? AND choice = ? ORDER BY id", (r["response_id"], r["choice"]))]
+            for r in rows]
+    out = []
+    for r, messages in zip(rows, feedback):
+        served = {k: r[k] for k in r.keys() if k not in ("run_id", "data_json")}
         out.append({"id": r["trajectory_id"], "created_at": r["created_at"], "run_id": r["run_id"],
-                    "trajectory": json.loads(r["data_json"]), "served": served, "feedback": feedback})
+                    "trajectory": json.loads(r["data_json"]), "served": served, "feedback": messages})
     return out, last_feedback
 
 
