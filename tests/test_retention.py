@@ -217,3 +217,34 @@ def test_serve_keeps_the_newest_promoted_versions_and_the_champion(tiny_tokenize
     cfg.retention.keep_newest = 0
     with pytest.raises(ConfigError, match="keep_promoted applies only with keep_newest"):
         cfg.validate()
+
+
+def test_export_that_cannot_be_written_leaves_nothing_and_deletes_nothing(tmp_path, monkeypatch):
+    # a full disk fails the write at fsync; old code left the temporary file behind
+    import errno
+
+    from selfrl.record import retention
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(retention.os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        export_then_prune(TRAJS, 25.0, tmp_path / "t.jsonl", lambda ids: pytest.fail("nothing may be deleted"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_whose_sidecar_cannot_be_written_is_removed(tmp_path, monkeypatch):
+    from selfrl.record import retention
+
+    calls = []
+
+    def fsync_once(fd):  # the export's own fsync passes; the sidecar's fails
+        calls.append(fd)
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(retention.os, "fsync", fsync_once)
+    with pytest.raises(OSError):
+        export_then_prune(TRAJS, 25.0, tmp_path / "t.jsonl", lambda ids: pytest.fail("nothing may be deleted"))
+    assert list(tmp_path.iterdir()) == []

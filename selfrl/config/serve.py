@@ -129,18 +129,51 @@ def check_families(cfg: "ServeConfig", given: Collection[str] = ()) -> None:
 
 @dataclass
 class RetentionSettings:
-    """Which adapter version folders are kept (``selfrl.record.retention``), applied after every update."""
+    """What a server that runs for weeks keeps (``selfrl.record.retention``), applied by the learner
+    after every update: adapter version folders, and served turns (exported, then pruned:
+    :mod:`selfrl.serve.retention` says which turns may go)."""
 
     keep_newest: int = 0  # keep the newest N versions' folders, and every base, promoted, pinned and served one; 0: keep all
     keep_promoted: int = 0  # with keep_newest: keep only the newest M promoted versions (and the champion); 0: every promoted one
     delete: bool = False  # delete the pruned folders (False: move them to adapters/.pruned, to delete by hand)
+    trajectories_max_age_s: float = 0.0  # export, then prune, served turns older than this (>= learner.max_feedback_age_s); 0: keep all
+    trajectories_export_dir: str = ""  # where the exports go (JSONL + .sha256); "": <run_dir>/exports; a relative path is under run_dir
+    trajectories_per_pass: int = 256  # most turns one pass exports and prunes (>= learner.max_batch, so that pruning keeps up)
 
     def check(self, where: str = "") -> None:
         require([in_range(self.keep_newest, "keep_newest", 0, 10**6),
                  in_range(self.keep_promoted, "keep_promoted", 0, 10**6),
                  (not self.keep_promoted or self.keep_newest,
-                  "keep_promoted applies only with keep_newest >= 1 (0 keeps every version): set keep_newest too")],
-                where)
+                  "keep_promoted applies only with keep_newest >= 1 (0 keeps every version): set keep_newest too"),
+                 in_range(self.trajectories_max_age_s, "trajectories_max_age_s", 0, SECONDS_MAX * 10),
+                 in_range(self.trajectories_per_pass, "trajectories_per_pass", 1, 10**6),
+                 (isinstance(self.trajectories_export_dir, str), "trajectories_export_dir must be a path")], where)
+
+
+def check_retention(cfg: "ServeConfig") -> None:
+    """``[retention]``'s turn pruning against the settings it depends on: a turn is pruned only
+    once no feedback can make it trainable, by the learner, between its updates (a replica
+    prunes nothing: its owner prunes the store they share).
+
+    Raises:
+        selfrl.config.ConfigError: a combination that cannot be honoured (the message says what to change).
+    """
+    rc, lc = cfg.retention, cfg.learner
+    if not rc.trajectories_max_age_s:
+        return
+    require([
+        (rc.trajectories_max_age_s >= lc.max_feedback_age_s,
+         f"retention.trajectories_max_age_s = {rc.trajectories_max_age_s:g} s is below learner.max_feedback_age_s = "
+         f"{lc.max_feedback_age_s:g} s: a younger turn may still get feedback and be trained on; raise it, or lower "
+         "learner.max_feedback_age_s"),
+        (rc.trajectories_per_pass >= lc.max_batch,
+         f"retention.trajectories_per_pass = {rc.trajectories_per_pass} is below learner.max_batch = {lc.max_batch}: "
+         "one pass after each update would prune fewer turns than an update can take, and old turns would pile up; "
+         "raise it"),
+        (lc.enabled or cfg.replica, "retention.trajectories_max_age_s needs the background learner (it prunes "
+         "after each update), but learner.enabled = false: enable the learner, or set "
+         "retention.trajectories_max_age_s = 0"),
+    ])  # a replica prunes nothing: the owner of the run directory prunes the store they share
 
 
 @dataclass
@@ -177,7 +210,7 @@ class ServeConfig:
     # sample through a vLLM server instead of in process (selfrl.serve.remote; docs/guides/vllm.md)
     sampler: SamplerConfig = field(default_factory=lambda: SamplerConfig(kind="vllm"))
     swap_check: SwapCheckConfig = field(default_factory=SwapCheckConfig)  # each version loaded into vLLM, proved
-    retention: RetentionSettings = field(default_factory=RetentionSettings)  # which version folders are kept
+    retention: RetentionSettings = field(default_factory=RetentionSettings)  # which version folders and served turns are kept
 
     @property
     def max_completion_length(self) -> int:
@@ -199,6 +232,7 @@ class ServeConfig:
         check_sections(self)
         self.learner.check("learner.")
         self.retention.check("retention.")
+        check_retention(self)
         check_families(self, given)
         unused = [f"task.{k}" for k in RUN_ONLY_TASK_KEYS if f"task.{k}" in given]
         require([(not unused, f"{', '.join(unused)}: selfrl run's task settings, which selfrl serve does not "

@@ -182,37 +182,46 @@ def export_then_prune(rows: Iterable[Mapping[str, Any]], cutoff: float, out_path
     Raises:
         FileExistsError: ``out_path`` exists (an export is never overwritten).
         ValueError: a row lacks ``time_key`` or ``id_key``; the file read back differs.
+        OSError: the file cannot be written (a full disk: ``ENOSPC``).
         RuntimeError: ``delete`` reports another count than the rows exported (the file is kept).
+        In the first three cases ``delete`` is not called, and what was written is removed.
     """
     out_path = Path(out_path)
     if out_path.exists():
         raise FileExistsError(f"{out_path} exists; choose a new file name for this export")
     tmp = out_path.with_name(f".{out_path.name}.tmp")
+    sidecar = Path(f"{out_path}.sha256")
     h, ids = hashlib.sha256(), []
-    with open(tmp, "wb") as f:
-        for row in rows:
-            if time_key not in row or id_key not in row:
-                f.close()
-                tmp.unlink()
-                raise ValueError(f"a row lacks {time_key!r} or {id_key!r}: keys {sorted(row)}")
-            if row[time_key] < cutoff:
-                line = (json.dumps(dict(row), sort_keys=True) + "\n").encode()
-                h.update(line)
-                f.write(line)
-                ids.append(row[id_key])
-        f.flush()
-        os.fsync(f.fileno())
-    if not ids:
-        tmp.unlink()
-        return ExportResult(None, 0, None, 0)
-    os.rename(tmp, out_path)
-    digest = h.hexdigest()
-    Path(f"{out_path}.sha256").write_text(f"{digest}  {out_path.name}\n")
-    fsync_dir(out_path.parent)
-    n = verify_export(out_path)
-    back = [json.loads(line)[id_key] for line in out_path.read_bytes().splitlines()]
-    if n != len(ids) or back != ids:
-        raise ValueError(f"{out_path} holds {n} rows read back, {len(ids)} written; nothing deleted")
+    try:
+        with open(tmp, "wb") as f:
+            for row in rows:
+                if time_key not in row or id_key not in row:
+                    raise ValueError(f"a row lacks {time_key!r} or {id_key!r}: keys {sorted(row)}")
+                if row[time_key] < cutoff:
+                    line = (json.dumps(dict(row), sort_keys=True) + "\n").encode()
+                    h.update(line)
+                    f.write(line)
+                    ids.append(row[id_key])
+            f.flush()
+            os.fsync(f.fileno())
+        if not ids:
+            tmp.unlink()
+            return ExportResult(None, 0, None, 0)
+        os.rename(tmp, out_path)
+        digest = h.hexdigest()
+        with open(sidecar, "w") as f:
+            f.write(f"{digest}  {out_path.name}\n")
+            f.flush()
+            os.fsync(f.fileno())  # on disk before any row is deleted, as the export itself
+        fsync_dir(out_path.parent)
+        n = verify_export(out_path)
+        back = [json.loads(line)[id_key] for line in out_path.read_bytes().splitlines()]
+        if n != len(ids) or back != ids:
+            raise ValueError(f"{out_path} holds {n} rows read back, {len(ids)} written; nothing deleted")
+    except BaseException:  # nothing is deleted yet: a partial or unverified export is removed (a full disk)
+        for leftover in (tmp, out_path, sidecar):
+            leftover.unlink(missing_ok=True)
+        raise
     deleted = delete(ids)
     if deleted != len(ids):
         raise RuntimeError(f"{deleted} rows deleted of {len(ids)} exported to {out_path}; the export is kept, "

@@ -14,6 +14,9 @@ between threads).
 Training status of a served trajectory: ``pending`` (waiting for a reward),
 ``trained`` (used by the update that made version ``trained_in``), ``skipped``
 (no reward component applied; never trained).
+
+Old turns leave through retention (:mod:`selfrl.serve.retention`): :func:`old_turns` reads
+them as export rows, :func:`delete_turns` deletes them with their feedback, in one transaction.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ CREATE TABLE IF NOT EXISTS served (
 );
 CREATE INDEX IF NOT EXISTS served_continuation ON served(continuation);
 CREATE INDEX IF NOT EXISTS served_status ON served(status, created_at);
+CREATE INDEX IF NOT EXISTS served_created ON served(created_at);
+CREATE INDEX IF NOT EXISTS served_parent ON served(parent_id);
 CREATE TABLE IF NOT EXISTS feedback (
     id          INTEGER PRIMARY KEY AUTOINCREMENT,
     response_id TEXT NOT NULL,
@@ -68,6 +73,7 @@ CREATE TABLE IF NOT EXISTS response_history (
     bytes         INTEGER NOT NULL,
     messages_json TEXT NOT NULL
 );
+CREATE INDEX IF NOT EXISTS feedback_response ON feedback(response_id, choice);
 """
 
 # A stronger source replaces a weaker one, never the other way round: the user's own
@@ -122,6 +128,8 @@ def add_turns(store: Store, run_id: int, turns: list[ServedTurn], now: float | N
     """Store the choices of one response, each trajectory with its ``served`` row, all in
     one transaction: a response is recorded whole or not at all. ``now``: the ``created_at``
     of the rows (the server's clock, ``time.time()`` by default), from which a turn's age counts.
+    A parent turn pruned by retention meanwhile (:func:`delete_turns`) is no link: the row's
+    ``parent_id`` is NULL (the trajectory's record keeps the id).
 
     Raises:
         sqlite3.IntegrityError: a duplicate id; nothing is written.
@@ -134,7 +142,8 @@ def add_turns(store: Store, run_id: int, turns: list[ServedTurn], now: float | N
             store.insert_trajectory(run_id, 0, t.traj, now)
             store.conn.execute(
                 "INSERT INTO served (trajectory_id, response_id, choice, conversation_id, parent_id, group_key,"
-                " continuation, created_at, status, client, family) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
+                " continuation, created_at, status, client, family) VALUES (?, ?, ?, ?,"
+                " (SELECT id FROM trajectories WHERE id = ?), ?, ?, ?, 'pending', ?, ?)",  # a pruned parent: NULL
                 (t.traj.id, t.response_id, t.choice, t.conversation_id, t.traj.parent_id, t.group_key,
                  t.continuation, now, t.client, t.family),
             )
@@ -354,6 +363,93 @@ def feedback_history(store: Store) -> list[dict[str, Any]]:
     """Every feedback message as it arrived, oldest first: ``{created_at, source, value}``."""
     rows = store.conn.execute("SELECT created_at, source, value FROM feedback ORDER BY created_at, id")
     return [dict(r) for r in rows]
+
+
+def old_turns(store: Store, cutoff: float, limit: int, keep: tuple[str, ...] = ()) -> tuple[list[dict[str, Any]], int]:
+    """The oldest served turns stored before ``cutoff``, as export rows, for retention
+    (:mod:`selfrl.serve.retention` decides the cutoff). The store's lock is held while the rows
+    are read, not while their records are decoded.
+
+    Args:
+        cutoff: ``served.created_at`` (the server's clock, seconds) a turn must be older than.
+        limit: at most this many turns.
+        keep: families (``served.family``) whose newest trained turn stays whatever its age: it is
+            what makes the family learned (:func:`learned_families`).
+
+    Returns:
+        ``(rows, last_feedback)``: one dict per turn, oldest first, ``{id, created_at, run_id,
+        trajectory, served, feedback}`` (``trajectory``: its full record; ``served``: its served row;
+        ``feedback``: every feedback message on its response's choice, oldest first), and the
+        highest ``feedback.id`` when they were read (:func:`delete_turns` checks that none came since).
+    """
+    with store.lock:
+        kept = set()
+        for family in keep:
+            row = store.conn.execute("SELECT trajectory_id FROM served WHERE status = 'trained' AND family = ?"
+                                     " ORDER BY created_at DESC LIMIT 1", (family,)).fetchone()
+            if row is not None:
+                kept.add(row[0])
+        rows = store.conn.execute(
+            "SELECT s.*, t.run_id, t.data_json FROM served s JOIN trajectories t ON t.id = s.trajectory_id"
+            " WHERE s.created_at < ? ORDER BY s.created_at, s.rowid LIMIT ?", (cutoff, limit + len(kept))).fetchall()
+        rows = [r for r in rows if r["trajectory_id"] not in kept][:limit]
+        last_feedback = int(store.conn.execute("SELECT COALESCE(MAX(id), 0) FROM feedback").fetchone()[0])
+        feedback = [[dict(f) for f in store.conn.execute(
+            "SELECT * FROM feedback WHERE response_id = ? AND choice = ? ORDER BY id", (r["response_id"], r["choice"]))]
+            for r in rows]
+    out = []
+    for r, messages in zip(rows, feedback):
+        served = {k: r[k] for k in r.keys() if k not in ("run_id", "data_json")}
+        out.append({"id": r["trajectory_id"], "created_at": r["created_at"], "run_id": r["run_id"],
+                    "trajectory": json.loads(r["data_json"]), "served": served, "feedback": messages})
+    return out, last_feedback
+
+
+class ChangedSinceRead(RuntimeError):
+    """Feedback reached a turn between its export and its deletion; nothing was deleted."""
+
+
+@locked
+def delete_turns(store: Store, ids: list[str], feedback_after: int | None = None) -> int:
+    """Delete served turns by trajectory id, in one transaction: their feedback messages, their
+    ``served`` rows, their trajectories and reward rows (:meth:`Store.remove_trajectories`). A
+    kept turn whose parent goes loses the link (``served.parent_id`` NULL; its trajectory's
+    record keeps the id). Returns how many were deleted: ``len(ids)``, or nothing is.
+
+    Args:
+        ids: trajectory ids of served turns.
+        feedback_after: the ``feedback.id`` the caller read up to (:func:`old_turns`); a newer
+            message on one of the turns means its export misses it.
+
+    Raises:
+        ChangedSinceRead: a feedback message newer than ``feedback_after`` reached one of them.
+        KeyError: an id that is not a served turn.
+        sqlite3.OperationalError: the store cannot be written (disk full, locked).
+        In each case nothing is deleted.
+    """
+    with store.conn:
+        store.conn.execute("BEGIN IMMEDIATE")  # a replica's feedback comes before the check or after the commit
+        pairs = {}
+        for tid in ids:
+            row = store.conn.execute("SELECT response_id, choice FROM served WHERE trajectory_id = ?",
+                                     (tid,)).fetchone()
+            if row is None:
+                raise KeyError(f"no served turn {tid!r}; nothing deleted")
+            pairs[(row[0], row[1])] = tid
+        if feedback_after is not None:
+            late = [pairs[(r[0], r[1])] for r in store.conn.execute(
+                "SELECT response_id, choice FROM feedback WHERE id > ?", (feedback_after,)).fetchall()
+                if (r[0], r[1]) in pairs]
+            if late:
+                raise ChangedSinceRead(f"feedback reached {len(late)} turn(s) after they were read, e.g. {late[0]}; "
+                                       "nothing deleted")
+        store.conn.executemany("DELETE FROM feedback WHERE response_id = ? AND choice = ?", list(pairs))
+        store.conn.executemany("UPDATE served SET parent_id = NULL WHERE parent_id = ?", [(t,) for t in ids])
+        store.conn.executemany("DELETE FROM served WHERE trajectory_id = ?", [(t,) for t in ids])
+        n = store.remove_trajectories(ids)
+        if n != len(ids):
+            raise KeyError(f"{n} trajectories found for {len(ids)} served turns; nothing deleted")
+    return n
 
 
 @locked

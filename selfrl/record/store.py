@@ -335,6 +335,23 @@ class Store:
         )
 
     @locked
+    def remove_trajectories(self, ids: Iterable[str]) -> int:
+        """Delete trajectories and their reward rows by id *without committing*; for callers that
+        delete the rows of their own tables that point at them in the same transaction (``with
+        store.conn:``; :func:`selfrl.record.served.delete_turns`). Returns how many trajectories
+        were deleted (an unknown id counts nothing).
+
+        Raises:
+            sqlite3.IntegrityError: a row that stays still references one of them (the caller's
+                transaction then rolls back, and nothing is deleted).
+        """
+        n = 0
+        for tid in ids:
+            self.conn.execute("DELETE FROM rewards WHERE trajectory_id = ?", (tid,))
+            n += self.conn.execute("DELETE FROM trajectories WHERE id = ?", (tid,)).rowcount
+        return n
+
+    @locked
     def trajectories(self, run_id: int | None = None, iteration: int | None = None) -> list[Trajectory]:
         """Stored trajectories, optionally filtered, in insertion order.
 

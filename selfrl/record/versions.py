@@ -76,6 +76,8 @@ class EventKind(str, enum.Enum):
     WARM_START = "warm_start"  # the warm start's phases and numbers: sampled, kept, fine-tuned, gated (selfrl.run.warm_start)
     ENGINE = "engine"  # the sampling backend a session runs on (engine = "auto" resolves by device)
     PRUNE = "prune"  # retention moved (or deleted) a version's folder; never served or rolled back to
+    PRUNE_TURNS = "prune_turns"  # retention exported old served turns (a JSONL file, checksummed), then deleted them
+    RETENTION_FAILED = "retention_failed"  # a retention pass failed (a full disk, ...): nothing was deleted
 
 
 EVENT_LOGGER = "selfrl.events"  # the parent of one logger per kind

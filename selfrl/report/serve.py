@@ -12,7 +12,8 @@ wall-clock time (sessions joined as in :mod:`selfrl.report.timeline`):
 
 Promotions (swaps), rejections and rollbacks are marked on every panel, as in the
 run overview (:func:`selfrl.report.figures.draw_events`). Below the figure: the turn counts
-(pending, with feedback, trained, skipped), each version's gate result, and the events.
+(pending, with feedback, trained, skipped), the turns retention exported and deleted (the
+counts and the figure show only the turns still stored), each version's gate result, and the events.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def write_serve_report(out: Path, store: Store, label: str) -> Path:
     save(fig, out / "plots" / "serve_overview.png")
     lines = [f"# selfrl serve report: {label}", "", "![serving overview](plots/serve_overview.png)", ""]
     lines += counts_section(store if served else None, len(turns))
+    lines += retention_section(store)
     lines += backoff_section(store)
     lines += versions_section(store, versions, clock)
     lines += events_section(store, clock)
@@ -153,6 +155,27 @@ def counts_section(store: Store | None, n_turns: int) -> list[str]:
               "|---|---|---|---|---|---|",
               f"| {n_turns} | {counts['pending']} | {counts['pending_with_feedback']} | {counts['trained']} "
               f"| {counts['skipped']} | {counts['feedback_messages']} |"]
+    return lines + [""]
+
+
+def retention_section(store: Store) -> list[str]:
+    """The served turns that retention exported and deleted (``prune_turns`` events), where they
+    went, and the passes that failed (``retention_failed``); nothing when retention never ran."""
+    events = store.events()
+    done = [e for e in events if e["kind"] == "prune_turns"]
+    failed = [e for e in events if e["kind"] == "retention_failed"]
+    if not done and not failed:
+        return []
+    rows = sum(int(e["data"].get("rows", 0)) for e in done)
+    folders = sorted({str(Path(e["data"]["path"]).parent) for e in done if e["data"].get("path")})
+    lines = ["## Retention", "", f"{rows} served turns were exported and then deleted from the store, in "
+             f"{len(done)} file(s) (JSONL, each with a `.sha256` sidecar: `sha256sum -c` checks it) under "
+             f"{', '.join(f'`{d}`' for d in folders) or 'no folder'}; the turn counts and the figure above show "
+             "only the turns still stored."]
+    if done:
+        lines += ["", f"Newest export: `{done[-1]['data']['path']}` ({done[-1]['data']['rows']} turns)."]
+    if failed:
+        lines += ["", f"{len(failed)} pass(es) failed and deleted nothing; the last: {failed[-1]['message']}"]
     return lines + [""]
 
 

@@ -86,7 +86,7 @@ class BackgroundLearner(threading.Thread):
             it; its probe says when to retry); None: one of the learner's own.
         clock: seconds (``time.time``): the collapse budget's window, cool-down and stable stretch
             run on it (a fake clock plays days without waiting).
-        prune: called after every update that made a version (retention); None: nothing pruned.
+        prune: called after every update, whatever its outcome, under :attr:`lock` (retention); None: none.
     """
 
     def __init__(self, cfg: ServeConfig, model, tokenizer, store: Store, ledger: Ledger, publish: Publish,
@@ -265,6 +265,8 @@ class BackgroundLearner(threading.Thread):
             finally:
                 self.busy = False
                 trim_heap()  # the update's freed tensors back to the OS: RSS stays flat for days
+            if self.prune is not None:  # between updates: nothing it prunes is in one
+                self.prune()
         return True
 
     def score(self, batch: list[tuple[Trajectory, dict]]) -> tuple[list[Trajectory], list[Trajectory]]:
@@ -350,8 +352,6 @@ class BackgroundLearner(threading.Thread):
                 info["result"] = "rolled back (collapse)"
         self._apply_reset()
         self._made = None
-        if self.prune is not None:
-            self.prune()
         info["seconds"] = time.perf_counter() - t0
         self.last = info
         return info

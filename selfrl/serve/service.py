@@ -77,6 +77,11 @@ class Service:
             from selfrl.serve.families import check_family_sources
 
             check_family_sources(cfg)
+        prunes_turns = bool(cfg.retention.trajectories_max_age_s) and not cfg.replica  # a replica's owner prunes
+        if prunes_turns:
+            from selfrl.serve.retention import check_turn_retention
+
+            check_turn_retention(cfg, learner_model is not None)
         self.tok = tokenizer
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -106,7 +111,12 @@ class Service:
         self.batcher = Batcher(self.engine, self.versions.run_on_version, cfg.max_batch, cfg.batch_window_s)
         self.turns = Turns(cfg, tokenizer, self.engine, self.batcher, self.store, self.run_id, self.versions,
                            self.context, self.native_tools, self.storage, self.control, clock)
-        self.learner = self.follower = None
+        self.learner = self.follower = self.turn_retention = None
+        if prunes_turns:  # old served turns exported, then pruned, after each update (selfrl.serve.retention)
+            from selfrl.serve.retention import TurnRetention
+
+            self.turn_retention = TurnRetention(self.store, cfg.retention, self.run_dir,
+                                                tuple(f.name for f in cfg.families), self.ledger.event, clock)
         self.ages = FeedbackAges.from_config(cfg.learner, self.ledger, clock)
         if cfg.replica:  # no learner: the owner's trains on this replica's turns too
             from selfrl.serve.replica import Follower
@@ -117,7 +127,7 @@ class Service:
             from selfrl.serve.background import BackgroundLearner
 
             self.learner = BackgroundLearner(cfg, learner_model, tokenizer, self.store, self.ledger, self.publish,
-                                             self.storage, clock=clock, prune=self.prune_versions)
+                                             self.storage, clock=clock, prune=self.retain)
             self.versions.on_rollback = self.learner.reset_to
 
     # -- versions (selfrl.serve.served_version) ------------------------------------------
@@ -159,6 +169,14 @@ class Service:
             prune_versions(self.run_dir, rows, remove, lambda v: self.ledger.mark_pruned(v, where), rc.delete)
         return remove
 
+    def retain(self) -> None:
+        """Retention after every update (the learner's callback, in its thread): old served turns
+        exported, then pruned (:class:`selfrl.serve.retention.TurnRetention`; it never raises), then
+        version folders (:meth:`prune_versions`)."""
+        if self.turn_retention is not None:
+            self.turn_retention.run_pass()
+        self.prune_versions()
+
     def pin(self, version: int) -> dict[str, Any]:
         """:meth:`ServedVersion.pin`, then the :meth:`status`."""
         self.versions.pin(version)
@@ -179,7 +197,7 @@ class Service:
 
     def status(self) -> dict[str, Any]:
         """``GET /admin/status``: the served and pinned version, every version, the queue, the turns'
-        counts, the last swaps, and the learner's or the follower's state."""
+        counts, the last swaps, the learner's or the follower's state, and the turns retention pruned."""
         versions = [{"version": v.version, "status": v.status.value, "parent": v.parent,
                      "val_success": v.val_success} for v in self.ledger.all()]
         counts = records.counts(self.store)
@@ -189,6 +207,7 @@ class Service:
             "turns": counts, "swap_ms": [round(s * 1000, 2) for s in self.versions.swap_seconds[-10:]],
             "learner": None if self.learner is None else self.learner.status(),
             "replica": None if self.follower is None else {"swaps": self.follower.swaps, "error": self.follower.error},
+            "retention": None if self.turn_retention is None else self.turn_retention.status(),
             "sampler": None if self.cfg.sampler.url is None else {
                 "url": self.cfg.sampler.url, "kind": self.cfg.sampler.kind, "name": self.engine.remote.model_name,
                 "swap_check_failed": None if self.engine.failed is None else self.engine.failed.to_dict()},
