@@ -52,6 +52,40 @@ def test_warnings_still_reach_the_console_and_zero_means_no_file(tmp_path, capsy
     assert "selfrl: still on the console" in capsys.readouterr().err
 
 
+def test_a_log_file_that_cannot_be_written_is_one_line_not_a_traceback_per_record(tmp_path, capsys):
+    # on a full disk the standard handler printed "--- Logging error ---" and a traceback for every
+    # record (199 of them in a 90-minute soak)
+    import errno
+
+    class FullDisk(io.StringIO):
+        full = True
+
+        def write(self, text):
+            if self.full:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().write(text)
+
+    console = io.StringIO()
+    handler = open_log(tmp_path, 10_000, 1, stream=console)
+    good, handler.file.stream = handler.file.stream, FullDisk()
+    log = logging.getLogger("selfrl.serve")
+    try:
+        for i in range(5):
+            log.info("lost %d", i)
+        err = capsys.readouterr().err
+        assert err == (f"selfrl: {tmp_path / 'serve.log'} cannot be written ([Errno 28] No space left on device); "
+                       "its lines are lost until it can\n")
+        assert handler.file.lost == 5
+        handler.file.stream = good  # space again
+        log.info("written again")
+    finally:
+        close_log(handler)
+    lines = (tmp_path / "serve.log").read_text().splitlines()
+    assert [line.split(": ", 1)[1] for line in lines] == [
+        "5 lines of this log were lost while it could not be written", "written again"]
+    assert "Logging error" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("field, value", [("log_max_bytes", -1), ("log_backups", 0)])
 def test_log_settings_are_validated(field, value):
     cfg = ServeConfig()

@@ -49,11 +49,44 @@ class ConsoleFilter(logging.Filter):
         return record.levelno >= logging.WARNING or record.name in self.names
 
 
+class LogFile(RotatingFileHandler):
+    """The rotated file, quiet when its disk refuses a write: the standard handler prints a
+    traceback to stderr for every record it cannot write, and a full disk (which the server
+    answers with 507s and the learner waits out) would fill the console with them. The first
+    failure is one line on stderr; the records that fail are lost from the file only (the
+    console keeps its own); the first record written again says how many were lost."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lost = 0  # records not written since the last failure began
+        self._failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.lost and self._write(logging.makeLogRecord({
+                "name": "selfrl", "levelno": logging.WARNING, "levelname": "WARNING",
+                "msg": f"{self.lost} lines of this log were lost while it could not be written"})):
+            self.lost = 0
+        if not self._write(record):
+            self.lost += 1
+
+    def _write(self, record: logging.LogRecord) -> bool:
+        self._failed = False
+        super().emit(record)  # the standard emit catches the error and calls handleError
+        return not self._failed
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if not self.lost and not self._failed:
+            print(f"selfrl: {self.baseFilename} cannot be written ({error}); its lines are lost until it can",
+                  file=sys.stderr, flush=True)
+        self._failed = True
+
+
 @dataclass
 class ServeLog:
     """What :func:`open_log` attached to the ``selfrl`` logger: the file (None without one) and the console."""
 
-    file: RotatingFileHandler | None
+    file: LogFile | None
     console: logging.Handler
 
 
@@ -71,7 +104,7 @@ def open_log(run_dir: str | Path, max_bytes: int, backups: int, name: str = LOG_
     file = None
     if max_bytes:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        file = RotatingFileHandler(Path(run_dir) / name, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
+        file = LogFile(Path(run_dir) / name, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
         file.setFormatter(logging.Formatter(FORMAT))
         file.setLevel(logging.INFO)
         ours.addHandler(file)
