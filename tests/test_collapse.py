@@ -128,6 +128,21 @@ def test_degenerate_reasons_and_share():
     assert degenerate_reasons(traj([1, 2], final_answer="  "), cfg) == ["empty"]
     assert degenerate_reasons(traj([1, 2, 3], truncated=True, final_answer=None), cfg) == ["truncated", "empty"]
     assert degenerate_share([ok, loop, ok, traj([1], truncated=True)], cfg) == 0.5
+    # a turn whose output is a tool call is not empty (each calculator turn of served traffic was);
+    # a rollout that got the tool's result and never answered still is
+    from selfrl.core.trajectory import ToolCallRecord
+
+    call = ToolCallRecord("calculator", {"expression": "1+1"}, "<tool_call>...</tool_call>", True, "2")
+    on_call = traj([1, 2], final_answer=None)
+    on_call.tool_calls, on_call.messages = [call], [{"role": "user", "content": "1+1?"},
+                                                    {"role": "assistant", "content": "<tool_call>...</tool_call>"}]
+    assert degenerate_reasons(on_call, cfg) == []
+    unanswered = traj([1, 2], final_answer=None)
+    unanswered.tool_calls, unanswered.messages = [call], on_call.messages + [{"role": "tool", "content": "2"}]
+    assert degenerate_reasons(unanswered, cfg) == ["empty"]
+    no_call = traj([1, 2], final_answer=None)
+    no_call.messages = on_call.messages[:1] + [{"role": "assistant", "content": ""}]
+    assert degenerate_reasons(no_call, cfg) == ["empty"]
     assert math.isnan(degenerate_share([], cfg))
 
 

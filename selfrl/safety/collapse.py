@@ -106,16 +106,28 @@ def repeated_ngram_share(tokens: list[int], n: int) -> float:
 
 def degenerate_reasons(traj: Trajectory, cfg: CollapseConfig) -> list[str]:
     """Why a rollout is degenerate: ``truncated`` (a turn hit the token limit), ``empty``
-    (no final answer text), ``loop`` (repeated n-gram share above ``cfg.repeat_share``); [] if none."""
+    (no final answer text, and it did not end on a tool call), ``loop`` (repeated n-gram share
+    above ``cfg.repeat_share``); [] if none.
+
+    A trajectory that ends on the model's tool call (its last message is the assistant's, with
+    the call: a served turn the client's tool answers next, or a rollout stopped at the call)
+    has given its output as the call, so it is not empty; one that called a tool, got the result
+    and then ran out of turns without answering still is."""
     out = []
     if traj.truncated:
         out.append("truncated")
-    if not (traj.final_answer or "").strip():
+    if not (traj.final_answer or "").strip() and not ends_on_tool_call(traj):
         out.append("empty")
     completion = [tok for tok, m in zip(traj.token_ids, traj.completion_mask) if m]
     if repeated_ngram_share(completion, cfg.repeat_ngram) > cfg.repeat_share:
         out.append("loop")
     return out
+
+
+def ends_on_tool_call(traj: Trajectory) -> bool:
+    """True when the trajectory made a tool call and its last message is the assistant's (no tool
+    result after it)."""
+    return bool(traj.tool_calls) and bool(traj.messages) and traj.messages[-1].get("role") == "assistant"
 
 
 def degenerate_share(trajs: list[Trajectory], cfg: CollapseConfig) -> float:
