@@ -362,7 +362,7 @@ def test_the_learner_pauses_on_a_full_disk_and_resumes_by_itself(learning, monke
         assert records.counts(service.store)["pending"] == 4  # the turns wait; none is lost
         assert learner.updates == 0
     # space is back: the learner resumes by itself and trains on the same turns
-    wait_for(lambda: learner.updates == 1 and not learner.busy)
+    wait_for(lambda: learner.updates == 1 and not learner.busy and learner.paused is None)  # resumed after the step
     assert learner.paused is None and learner.is_alive() and learner.error is None
     assert learner.last["turns"] == 4 and learner.last["version"] == 1
     assert [v.version for v in service.ledger.all()] == [0, 1]

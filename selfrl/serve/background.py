@@ -262,11 +262,11 @@ class BackgroundLearner(threading.Thread):
             self.busy = True
             try:
                 self.update(batch)
+                if self.prune is not None:  # between updates: nothing it prunes is in one
+                    self.prune()
             finally:
-                self.busy = False
                 trim_heap()  # the update's freed tensors back to the OS: RSS stays flat for days
-            if self.prune is not None:  # between updates: nothing it prunes is in one
-                self.prune()
+                self.busy = False  # last: whoever sees it idle sees the update, the prune and the trim done
         return True
 
     def score(self, batch: list[tuple[Trajectory, dict]]) -> tuple[list[Trajectory], list[Trajectory]]:
