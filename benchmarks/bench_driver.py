@@ -65,6 +65,7 @@ def child(args) -> None:
     res = validate(engine, val, source, tools, cfg.rollout, cfg.gate.batch_size)
     seconds, ru1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
     cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    engine.close()  # the driver thread joined before the interpreter exits (else an abort under load)
     Path(args.result).write_text(json.dumps({"driver": args.child, "update_s": update_s, "validate_s": seconds,
                                              "validate_cpu_s": cpu, "tasks": len(val), "success": res.success}))
 
