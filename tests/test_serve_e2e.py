@@ -298,3 +298,14 @@ def test_a_non_finite_rating_is_named_as_such(server, client, rating):
     assert status == 400 and body["error"]["param"] == "rating"
     assert "rating must be a finite number" in body["error"]["message"]
     assert "less than or equal" not in body["error"]["message"]
+
+
+@pytest.mark.parametrize("rating", [b"true", b"false"])
+def test_a_boolean_rating_is_refused(server, client, rating):
+    # pydantic took true as a reward of 1.0
+    url, _ = server
+    resp = client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    raw = b'{"response_id": "' + resp.id.encode() + b'", "rating": ' + rating + b"}"
+    status, body = http("POST", url + "/v1/feedback", raw=raw, key=API_KEY)
+    assert status == 400 and body["error"]["param"] == "rating"
+    assert body["error"]["message"] == f"rating must be a number in [-1, 1], got the boolean {rating.decode()} (at rating)"

@@ -153,10 +153,13 @@ def _serve(config: str | None, overrides: dict[str, Any], api_key_file: str | No
     port = sock.getsockname()[1]
     from selfrl.run.shutdown import exit_code, server as stoppable_server
 
-    server = stoppable_server(uvicorn.Config(app, log_level="warning"),
-                              f"selfrl: serving {cfg.model.name} as {cfg.served_model_name!r} (version "
-                               f"{service.engine.version}) on http://{cfg.host}:{port}/v1; run dir {cfg.run_dir}"
-                              + (" (replica: its owner learns; promoted versions are followed)" if cfg.replica else ""),
+    started = (f"serving {cfg.model.name} as {cfg.served_model_name!r} (version {service.engine.version}) on "
+               f"http://{cfg.host}:{port}/v1; run dir {cfg.run_dir}"
+               + (" (replica: its owner learns; promoted versions are followed)" if cfg.replica else ""))
+    import logging
+
+    logging.getLogger("selfrl.serve").info(started)  # serve.log's first line (the console gets the print)
+    server = stoppable_server(uvicorn.Config(app, log_level="warning"), f"selfrl: {started}",
                               "stopping: requests in flight finish, the learner stops, the store closes")
     server.run(sockets=[sock])
     if server.stop_signal is not None:  # SIGINT 130, SIGTERM 143, SIGHUP 129 (selfrl.run.shutdown)

@@ -358,8 +358,10 @@ class FeedbackRequest(_Strict):
     def _finite(cls, v):
         """NaN and infinity (JSON ``NaN``, ``Infinity`` or the strings) are named as what they are,
         and a number out of range with the range and its meaning (not pydantic's bound alone)."""
+        if isinstance(v, bool):  # pydantic would take true as 1.0: a client's flag is not a rating
+            raise ValueError(f"rating must be a number in [-1, 1], got the boolean {str(v).lower()}")
         try:
-            x = float(v) if isinstance(v, (int, float, str)) and not isinstance(v, bool) else None
+            x = float(v) if isinstance(v, (int, float, str)) else None
         except ValueError:
             return v  # not a number at all: pydantic's own message says so
         if x is not None and not math.isfinite(x):
