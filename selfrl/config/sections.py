@@ -204,7 +204,8 @@ class CollapseConfig:
 
     enabled: bool = True  # run the rules; False leaves only the gate and the anomaly skip
     kl_probe_size: int = 4  # sequences on which a new candidate's KL is measured right after its update (0: off)
-    baseline_window: int = 2  # the first N updates of the run are the baseline for entropy and degenerate share
+    baseline_window: int = 2  # the first N updates of the run are the baseline for entropy and degenerate share (in serve, of each family)
+    family_min_turns: int = 4  # serve: an update judges a family, or counts toward its baseline, only with this many of its turns
     max_kl: float = 0.5  # kl: mean per-token KL to the reference (sampling version or new candidate) above this
     entropy_min_ratio: float = 0.25  # entropy_collapse: entropy below this times the baseline entropy ...
     entropy_reward_gain: float = 0.1  # ... unless the training reward rose at least this much over its baseline
@@ -230,6 +231,7 @@ class CollapseConfig:
         require([
             in_range(self.kl_probe_size, "kl_probe_size", 0, 4096),
             in_range(self.baseline_window, "baseline_window", 1, 10**6),
+            in_range(self.family_min_turns, "family_min_turns", 1, 10**6),
             in_range(self.entropy_min_ratio, "entropy_min_ratio", 0, 1, high_open=True, interval=True),
             in_range(self.entropy_reward_gain, "entropy_reward_gain", 0),
             in_range(self.entropy_max_ratio, "entropy_max_ratio", 1, 10**6, low_open=True),

@@ -20,6 +20,16 @@ estimate of the policy's per-token entropy at the sampling temperature (the
 expectation of ``-log p`` under ``p``), no extra forward pass needed.
 Baselines are the first ``baseline_window`` records of the run (the starting
 policy), so a model that always truncates, say, is not called collapsed for it.
+
+Served traffic drifts (arithmetic first, then function calling joins, whose turns hit the
+token limit more often and whose grammar-constrained calls have their own entropy per
+token), so in ``selfrl serve`` a turn's family (its request's ``metadata.family``) splits
+each update into groups (:func:`family_stats`), and each group is judged against its own
+baseline: the first ``baseline_window`` earlier updates with at least ``family_min_turns``
+of its turns. A family without a baseline yet is not judged by the entropy and degenerate
+rules; its updates build the baseline. Turns without a family are the group :data:`NO_FAMILY`;
+a record with no family at all (``selfrl run``, a server whose clients send none) is that
+group whole, so without families the rules are the run-wide ones above.
 """
 
 from __future__ import annotations
@@ -31,6 +41,28 @@ from dataclasses import dataclass
 from selfrl.config import CollapseConfig
 from selfrl.rl.advantages import mean_std
 from selfrl.core.trajectory import Trajectory
+
+
+NO_FAMILY = "(none)"  # the group of served turns whose request named no family
+
+FAMILY_FIELDS = ("turns", "reward", "entropy", "degenerate")  # logged as family/<name>/<field>
+
+
+@dataclass(frozen=True)
+class FamilyStats:
+    """One family's share of an update's batch.
+
+    Attributes:
+        turns: the family's trajectories in the batch (count).
+        reward: their mean training reward.
+        entropy: mean ``-logprob`` per sampled completion token over their tokens (nats), NaN if none.
+        degenerate: their share of degenerate rollouts, 0..1.
+    """
+
+    turns: int
+    reward: float
+    entropy: float
+    degenerate: float
 
 
 @dataclass
@@ -47,6 +79,9 @@ class UpdateRecord:
             version's weights), None when not measured (``beta == 0`` or no forward pass).
         candidate_kl: the same for the new candidate made by the update, measured on a few of
             the batch's sequences (``Learner.probe_kl``), None when not measured.
+        families: the batch split by the turns' family (:func:`family_stats`; turns without one
+            under :data:`NO_FAMILY`), None when no turn named a family: then the whole record is
+            one group, judged against the run's first records.
     """
 
     step: int
@@ -56,6 +91,7 @@ class UpdateRecord:
     degenerate: float
     kl: float | None = None
     candidate_kl: float | None = None
+    families: dict[str, FamilyStats] | None = None
 
 
 @dataclass
@@ -135,6 +171,43 @@ def degenerate_share(trajs: list[Trajectory], cfg: CollapseConfig) -> float:
     return sum(bool(degenerate_reasons(t, cfg)) for t in trajs) / len(trajs) if trajs else math.nan
 
 
+def family_stats(trajs: list[Trajectory], families: list[str | None],
+                 cfg: CollapseConfig) -> dict[str, FamilyStats] | None:
+    """``trajs`` split by family: ``{family: FamilyStats}`` (turns whose family is None under
+    :data:`NO_FAMILY`), or None when no turn has a family (the batch is one group).
+
+    Args:
+        trajs: the update's scored trajectories, (N,).
+        families: the family of each, (N,), from its request's ``metadata.family``.
+
+    Raises:
+        ValueError: the two lists differ in length.
+
+    >>> a = Trajectory("a", "g", 0, token_ids=[1, 2], completion_mask=[0, 1], logprobs=[0.0, -2.0], final_answer="4")
+    >>> b = Trajectory("b", "g", 0, token_ids=[1, 2], completion_mask=[0, 1], logprobs=[0.0, -1.0], truncated=True)
+    >>> a.reward, b.reward = 1.0, 0.0
+    >>> family_stats([a, b], ["math", None], CollapseConfig())
+    {'math': FamilyStats(turns=1, reward=1.0, entropy=2.0, degenerate=0.0), '(none)': FamilyStats(turns=1, reward=0.0, entropy=1.0, degenerate=1.0)}
+    >>> family_stats([a, b], [None, None], CollapseConfig()) is None
+    True
+    """
+    if len(trajs) != len(families):
+        raise ValueError(f"family_stats: {len(trajs)} trajectories but {len(families)} families")
+    if all(f is None for f in families):
+        return None
+    groups: dict[str, list[Trajectory]] = {}
+    for t, f in zip(trajs, families):
+        groups.setdefault(NO_FAMILY if f is None else f, []).append(t)
+    return {f: FamilyStats(len(ts), sum(t.reward for t in ts) / len(ts), entropy_estimate(ts),
+                           degenerate_share(ts, cfg)) for f, ts in groups.items()}
+
+
+def family_metrics(families: dict[str, FamilyStats] | None) -> dict[str, float]:
+    """The metric rows of :func:`family_stats`: ``family/<name>/<field>`` for each of
+    :data:`FAMILY_FIELDS` ({} for None), read back by :func:`record_from_metrics`."""
+    return {f"family/{name}/{k}": float(getattr(st, k)) for name, st in (families or {}).items() for k in FAMILY_FIELDS}
+
+
 # ------------------------------------------------------------------ history
 
 
@@ -142,10 +215,19 @@ def record_from_metrics(it: int, metrics: dict[str, float]) -> UpdateRecord:
     """The record of iteration ``it`` from the metrics the loop logs for it: ``sampled_version``,
     ``reward/mean``, ``train/entropy``, ``train/degenerate``, ``kl`` and ``candidate_kl`` (the
     last two may be missing: no forward pass, no candidate; with ``beta == 0`` the update logs
-    KL 0, which never fires)."""
+    KL 0, which never fires), and the per-family ``family/<name>/<field>`` of :func:`family_metrics`
+    (missing in rows written before families were recorded, or with no family: ``families`` None;
+    a family missing one of its fields is left out)."""
     kl = metrics.get("kl")
+    fields: dict[str, dict[str, float]] = {}
+    for name, value in metrics.items():
+        if name.startswith("family/") and name.count("/") >= 2:
+            family, field = name[len("family/"):].rsplit("/", 1)
+            fields.setdefault(family, {})[field] = value
+    families = {f: FamilyStats(int(v["turns"]), v["reward"], v["entropy"], v["degenerate"])
+                for f, v in fields.items() if all(k in v for k in FAMILY_FIELDS) and math.isfinite(v["turns"])}
     return UpdateRecord(it, int(metrics["sampled_version"]), metrics["reward/mean"], metrics["train/entropy"],
-                        metrics["train/degenerate"], kl, metrics.get("candidate_kl"))
+                        metrics["train/degenerate"], kl, metrics.get("candidate_kl"), families or None)
 
 
 def history_from_metrics(rows: list[dict]) -> list[UpdateRecord]:
@@ -165,9 +247,54 @@ def history_from_metrics(rows: list[dict]) -> list[UpdateRecord]:
 # ------------------------------------------------------------------------- rules
 
 
-def _baseline(history: list[UpdateRecord], field: str, window: int) -> float:
-    vals = [getattr(r, field) for r in history[:window] if math.isfinite(getattr(r, field))]
+def groups(rec: UpdateRecord, min_turns: int) -> dict[str, tuple[FamilyStats, bool]]:
+    """The groups ``rec`` is judged in: ``{family: (stats, enough turns)}``.
+
+    A record without families is one group, :data:`NO_FAMILY`, holding its run-wide values,
+    and always has enough turns (so ``selfrl run`` is judged exactly as before families);
+    with families, a group has enough with at least ``min_turns`` turns.
+    """
+    if rec.families is None:
+        return {NO_FAMILY: (FamilyStats(0, rec.reward, rec.entropy, rec.degenerate), True)}
+    return {f: (st, st.turns >= min_turns) for f, st in rec.families.items()}
+
+
+def family_baseline(history: list[UpdateRecord], family: str, cfg: CollapseConfig) -> list[FamilyStats] | None:
+    """The baseline records of ``family`` for judging ``history[-1]``: its stats in the first
+    ``cfg.baseline_window`` earlier records where it had ``cfg.family_min_turns`` turns
+    (:func:`groups`), or None while fewer exist (the family is still building its baseline)."""
+    base = []
+    for rec in history[:-1]:
+        st, enough = groups(rec, cfg.family_min_turns).get(family, (None, False))
+        if enough:
+            base.append(st)
+            if len(base) == cfg.baseline_window:
+                return base
+    return None
+
+
+def _mean(stats: list[FamilyStats], field: str) -> float:
+    """Mean of ``field`` over ``stats``, skipping values that are not finite (NaN if none is)."""
+    vals = [getattr(st, field) for st in stats if math.isfinite(getattr(st, field))]
     return mean_std(vals)[0] if vals else math.nan
+
+
+def _judged(history: list[UpdateRecord], cfg: CollapseConfig) -> list[tuple[str, FamilyStats, list[FamilyStats]]]:
+    """``(family, its stats in history[-1], its baseline)`` for each group of the last record
+    that has enough turns and a baseline (see :func:`family_baseline`)."""
+    out = []
+    for family, (st, enough) in groups(history[-1], cfg.family_min_turns).items():
+        base = family_baseline(history, family, cfg) if enough else None
+        if base is not None:
+            out.append((family, st, base))
+    return out
+
+
+def _named(rec: UpdateRecord, family: str) -> str:
+    """`` (family f)`` appended to an alarm message of a record with families; nothing without."""
+    if rec.families is None:
+        return ""
+    return " (turns without a family)" if family == NO_FAMILY else f" (family {family})"
 
 
 def kl_rule(rec: UpdateRecord, cfg: CollapseConfig) -> Alarm | None:
@@ -179,56 +306,55 @@ def kl_rule(rec: UpdateRecord, cfg: CollapseConfig) -> Alarm | None:
     return None
 
 
-def entropy_rule(history: list[UpdateRecord], cfg: CollapseConfig) -> Alarm | None:
-    """``entropy_collapse`` / ``entropy_blowup``: the last record's entropy outside
-    ``[entropy_min_ratio, entropy_max_ratio]`` times the baseline (silent while inside the baseline window).
+def entropy_rule(history: list[UpdateRecord], cfg: CollapseConfig) -> list[Alarm]:
+    """``entropy_collapse`` / ``entropy_blowup``: a group's entropy (nats/token) in the last record
+    outside ``[entropy_min_ratio, entropy_max_ratio]`` times its baseline; one alarm per group
+    that fires (silent for a group without a baseline yet, see :func:`family_baseline`).
 
     A policy that learns becomes confident, so low entropy alone is not a collapse: on
     ``make demo`` the entropy fell from 0.36 to 0.075 nats/token while held-out success went
-    from 7 % to 100 %. ``entropy_collapse`` therefore fires only while the training reward has
-    not risen by ``entropy_reward_gain`` over its baseline (a policy that stops exploring
-    without getting better)."""
-    rec = history[-1]
-    if len(history) <= cfg.baseline_window:
-        return None
-    base = _baseline(history, "entropy", cfg.baseline_window)
-    if not (math.isfinite(base) and base > 0):
-        return None
-    if math.isnan(rec.entropy):  # no completion token sampled: nothing measured
-        return None
-    lo, hi = cfg.entropy_min_ratio * base, cfg.entropy_max_ratio * base
-    reward_base = _baseline(history, "reward", cfg.baseline_window)
-    learning = math.isfinite(reward_base) and rec.reward >= reward_base + cfg.entropy_reward_gain
-    if rec.entropy < lo and not learning:
-        return Alarm("entropy_collapse", rec.entropy, lo,
-                     f"entropy {rec.entropy:.3f} nats/token < {cfg.entropy_min_ratio:g} x baseline {base:.3f}")
-    if rec.entropy > hi:
-        return Alarm("entropy_blowup", rec.entropy, hi,
-                     f"entropy {rec.entropy:.3f} nats/token > {cfg.entropy_max_ratio:g} x baseline {base:.3f}")
-    return None
+    from 7 % to 100 %. ``entropy_collapse`` therefore fires only while the group's training
+    reward has not risen by ``entropy_reward_gain`` over its baseline (a policy that stops
+    exploring without getting better)."""
+    rec, out = history[-1], []
+    for family, st, base_stats in _judged(history, cfg):
+        base = _mean(base_stats, "entropy")
+        if not (math.isfinite(base) and base > 0) or math.isnan(st.entropy):  # NaN: no completion token sampled
+            continue
+        lo, hi = cfg.entropy_min_ratio * base, cfg.entropy_max_ratio * base
+        reward_base = _mean(base_stats, "reward")
+        learning = math.isfinite(reward_base) and st.reward >= reward_base + cfg.entropy_reward_gain
+        if st.entropy < lo and not learning:
+            out.append(Alarm("entropy_collapse", st.entropy, lo, f"entropy {st.entropy:.3f} nats/token < "
+                             f"{cfg.entropy_min_ratio:g} x baseline {base:.3f}{_named(rec, family)}"))
+        elif st.entropy > hi:
+            out.append(Alarm("entropy_blowup", st.entropy, hi, f"entropy {st.entropy:.3f} nats/token > "
+                             f"{cfg.entropy_max_ratio:g} x baseline {base:.3f}{_named(rec, family)}"))
+    return out
 
 
-def degenerate_rule(history: list[UpdateRecord], cfg: CollapseConfig) -> Alarm | None:
-    """``degenerate``: the last record's degenerate share exceeds the baseline share plus ``cfg.degenerate_rise``."""
-    rec = history[-1]
-    if len(history) <= cfg.baseline_window:
-        return None
-    base = _baseline(history, "degenerate", cfg.baseline_window)
-    if not math.isfinite(base) or not math.isfinite(rec.degenerate):
-        return None
-    limit = base + cfg.degenerate_rise
-    if rec.degenerate > limit:
-        return Alarm("degenerate", rec.degenerate, limit,
-                     f"degenerate rollouts {rec.degenerate:.2f} > baseline {base:.2f} + {cfg.degenerate_rise:g}")
-    return None
+def degenerate_rule(history: list[UpdateRecord], cfg: CollapseConfig) -> list[Alarm]:
+    """``degenerate``: a group's degenerate share (0..1) in the last record exceeds its baseline
+    share plus ``cfg.degenerate_rise``; one alarm per group that fires (silent for a group
+    without a baseline yet, see :func:`family_baseline`)."""
+    rec, out = history[-1], []
+    for family, st, base_stats in _judged(history, cfg):
+        base = _mean(base_stats, "degenerate")
+        if not math.isfinite(base) or not math.isfinite(st.degenerate):
+            continue
+        limit = base + cfg.degenerate_rise
+        if st.degenerate > limit:
+            out.append(Alarm("degenerate", st.degenerate, limit, f"degenerate rollouts {st.degenerate:.2f} > "
+                             f"baseline {base:.2f} + {cfg.degenerate_rise:g}{_named(rec, family)}"))
+    return out
 
 
 def cheap_alarms(history: list[UpdateRecord], cfg: CollapseConfig) -> list[Alarm]:
     """Every cheap rule that fires on the last record of ``history`` (run after each update)."""
     if not cfg.enabled or not history:
         return []
-    found = [kl_rule(history[-1], cfg), entropy_rule(history, cfg), degenerate_rule(history, cfg)]
-    return [a for a in found if a is not None]
+    kl = kl_rule(history[-1], cfg)
+    return ([kl] if kl else []) + entropy_rule(history, cfg) + degenerate_rule(history, cfg)
 
 
 def heldout_alarms(success: float, best_success: float, candidate_rewards: list[float], best_rewards: list[float],

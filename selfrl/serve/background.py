@@ -326,8 +326,11 @@ class BackgroundLearner(threading.Thread):
             self.last = info
             return info
         version = step.candidate.version
-        # the names run logs, so that a restart rebuilds the collapse history (UpdateCycle.resume)
-        metrics = step.result.metrics() | ages | {
+        family_of = {t.id: row.get("family") for t, row in batch}  # the request's metadata.family, or None
+        families = collapse.family_stats(scored, [family_of[t.id] for t in scored], self.cfg.collapse)
+        # the names run logs, so that a restart rebuilds the collapse history (UpdateCycle.resume);
+        # with families, each family's share too: each is judged against its own baseline
+        metrics = step.result.metrics() | ages | collapse.family_metrics(families) | {
             "feedback/too_old": float(len(too_old)), "reward/mean": reward_mean, "version": float(version),
             "sampled_version": float(parent), "train/entropy": collapse.entropy_estimate(scored),
             "train/degenerate": collapse.degenerate_share(scored, self.cfg.collapse)}
