@@ -133,3 +133,36 @@ def test_an_unknown_family_source_is_refused_with_the_valid_names(tiny_tokenizer
     cfg.families[1].source = "chess"
     with pytest.raises(ConfigError, match=r"families\[1\] \(long\).source: unknown environment 'chess'; valid names"):
         Service(tiny_model_factory(lora=True), tiny_tokenizer, cfg)
+
+
+def test_the_learner_records_each_family_of_an_update_for_the_collapse_rules(tiny_tokenizer, tiny_model_factory,
+                                                                             tmp_path, monkeypatch):
+    # the batch as the server reads it (records.ready: each row with its family), two families mixed
+    from selfrl.safety.collapse import FamilyStats, history_from_metrics
+    from selfrl.serve.service import Service
+
+    monkeypatch.setattr("selfrl.serve.background.validate", scripted_validate)
+    cfg = family_config(tmp_path)
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    service = Service(model, tiny_tokenizer, cfg, learner_model=copy.deepcopy(model))
+    learner = service.learner
+    try:
+        learner.ensure_champion_validated()
+        stored = served_batch(service, "arith", 0)[:3] + served_batch(service, "long", 1)
+        with service.store.lock:
+            for t, row in stored:
+                records.apply_feedback(service.store, t.id, 0, "explicit", row["feedback"])
+            batch = records.ready(service.store, 1e9, 100)
+        assert sorted(row["family"] for _, row in batch) == ["arith"] * 3 + ["long"] * 4
+        info = learner.update(batch)
+        assert info["version"] == 1
+        metrics = {m["name"]: m["value"] for m in service.store.metrics() if m["step"] == 0}
+        assert (metrics["family/arith/turns"], metrics["family/long/turns"]) == (3.0, 4.0)
+        # served turns without an answer or a tool call are empty: every one degenerate; logprobs 0: entropy 0
+        assert metrics["family/long/degenerate"] == 1.0 and metrics["family/long/entropy"] == 0.0
+        [rec] = learner.cycle.guard.history
+        assert rec.families == {"arith": FamilyStats(3, 1 / 3, 0.0, 1.0), "long": FamilyStats(4, 0.0, 0.0, 1.0)}
+        # a restart rebuilds the same history (UpdateCycle.resume)
+        assert history_from_metrics(service.store.metrics()) == [rec]
+    finally:
+        service.close()
