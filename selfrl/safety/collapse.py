@@ -171,28 +171,24 @@ def degenerate_share(trajs: list[Trajectory], cfg: CollapseConfig) -> float:
     return sum(bool(degenerate_reasons(t, cfg)) for t in trajs) / len(trajs) if trajs else math.nan
 
 
-def family_stats(trajs: list[Trajectory], families: list[str | None],
+def family_stats(trajs: list[Trajectory], family_of: dict[str, str | None],
                  cfg: CollapseConfig) -> dict[str, FamilyStats] | None:
-    """``trajs`` split by family: ``{family: FamilyStats}`` (turns whose family is None under
+    """``trajs`` split by family: ``{family: FamilyStats}`` (turns without one under
     :data:`NO_FAMILY`), or None when no turn has a family (the batch is one group).
 
     Args:
         trajs: the update's scored trajectories, (N,).
-        families: the family of each, (N,), from its request's ``metadata.family``.
-
-    Raises:
-        ValueError: the two lists differ in length.
+        family_of: trajectory id -> its request's ``metadata.family`` (None, or missing: no family).
 
     >>> a = Trajectory("a", "g", 0, token_ids=[1, 2], completion_mask=[0, 1], logprobs=[0.0, -2.0], final_answer="4")
     >>> b = Trajectory("b", "g", 0, token_ids=[1, 2], completion_mask=[0, 1], logprobs=[0.0, -1.0], truncated=True)
     >>> a.reward, b.reward = 1.0, 0.0
-    >>> family_stats([a, b], ["math", None], CollapseConfig())
+    >>> family_stats([a, b], {a.id: "math"}, CollapseConfig())
     {'math': FamilyStats(turns=1, reward=1.0, entropy=2.0, degenerate=0.0), '(none)': FamilyStats(turns=1, reward=0.0, entropy=1.0, degenerate=1.0)}
-    >>> family_stats([a, b], [None, None], CollapseConfig()) is None
+    >>> family_stats([a, b], {}, CollapseConfig()) is None
     True
     """
-    if len(trajs) != len(families):
-        raise ValueError(f"family_stats: {len(trajs)} trajectories but {len(families)} families")
+    families = [family_of.get(t.id) for t in trajs]
     if all(f is None for f in families):
         return None
     groups: dict[str, list[Trajectory]] = {}
@@ -200,6 +196,14 @@ def family_stats(trajs: list[Trajectory], families: list[str | None],
         groups.setdefault(NO_FAMILY if f is None else f, []).append(t)
     return {f: FamilyStats(len(ts), sum(t.reward for t in ts) / len(ts), entropy_estimate(ts),
                            degenerate_share(ts, cfg)) for f, ts in groups.items()}
+
+
+def batch_metrics(trajs: list[Trajectory], family_of: dict[str, str | None], cfg: CollapseConfig) -> dict[str, float]:
+    """What the cheap rules read of an update's batch, as metric rows: ``train/entropy`` (nats per
+    token), ``train/degenerate`` (0..1) and, where turns name a family, each family's
+    (:func:`family_stats`, :func:`family_metrics`). ``family_of`` as in :func:`family_stats`."""
+    return family_metrics(family_stats(trajs, family_of, cfg)) | {
+        "train/entropy": entropy_estimate(trajs), "train/degenerate": degenerate_share(trajs, cfg)}
 
 
 def family_metrics(families: dict[str, FamilyStats] | None) -> dict[str, float]:

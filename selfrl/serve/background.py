@@ -326,14 +326,11 @@ class BackgroundLearner(threading.Thread):
             self.last = info
             return info
         version = step.candidate.version
-        family_of = {t.id: row.get("family") for t, row in batch}  # the request's metadata.family, or None
-        families = collapse.family_stats(scored, [family_of[t.id] for t in scored], self.cfg.collapse)
-        # the names run logs, so that a restart rebuilds the collapse history (UpdateCycle.resume);
-        # with families, each family's share too: each is judged against its own baseline
-        metrics = step.result.metrics() | ages | collapse.family_metrics(families) | {
+        # the names run logs, so that a restart rebuilds the collapse history (UpdateCycle.resume); each family's too
+        metrics = step.result.metrics() | ages | {
             "feedback/too_old": float(len(too_old)), "reward/mean": reward_mean, "version": float(version),
-            "sampled_version": float(parent), "train/entropy": collapse.entropy_estimate(scored),
-            "train/degenerate": collapse.degenerate_share(scored, self.cfg.collapse)}
+            "sampled_version": float(parent)} | collapse.batch_metrics(
+                scored, {t.id: row.get("family") for t, row in batch}, self.cfg.collapse)
         if step.candidate_kl is not None:
             metrics["candidate_kl"] = step.candidate_kl
         records.mark(self.store, scored, "trained", version)
