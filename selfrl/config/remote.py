@@ -54,8 +54,13 @@ class AgentConfig:
     num_train: int | None = None  # this agent's training tasks (None: task.num_train)
     train_seed: int | None = None  # seed of its training tasks (None: task.train_seed)
     val_seed: int | None = None  # seed of its held-out tasks (None: task.val_seed)
+    # its own [rollout] settings, in training and validation (constrain, max_turns, stop_at_tool_call,
+    # system_prompt, tools, demonstration); a key not set takes [rollout]'s value
+    rollout: dict[str, Any] = field(default_factory=dict)
 
     def check(self, where: str = "") -> None:
+        """Raise ConfigError for a bad field (``rollout``'s keys are checked by
+        :meth:`selfrl.config.RunConfig.check_agents`, beside ``[rollout]``)."""
         require([
             (bool(self.name) and "/" not in self.name, "name must be a non-empty name without '/'"),
             (bool(self.source), "source must not be empty"),

@@ -88,6 +88,9 @@ def check_sampler(cfg: Any, given: Collection[str] = ()) -> None:
          f"--engine {DEFAULT_ENGINE})"),
         (cfg.rollout.constrain == "none", f"rollout.constrain = {cfg.rollout.constrain!r} needs the in-process "
          "engine's grammar constraints; a remote sampler (--sampler) has none"),
+        *[(a.rollout.get("constrain", "none") == "none", f"agents[{i}] ({a.name}).rollout.constrain = "
+           f"{a.rollout['constrain']!r} needs the in-process engine's grammar constraints; a remote sampler "
+           "(--sampler) has none") for i, a in enumerate(cfg.agents)],
     ])
 
 
@@ -172,12 +175,14 @@ class RunConfig:
         """``[[agents]]``: each agent's fields, unique names, one shared adapter.
 
         Raises:
-            ConfigError: a bad agent field, a repeated name, ``task.options`` beside agents
+            ConfigError: a bad agent field (its ``rollout`` keys with ``[rollout]``'s values:
+                :meth:`RolloutConfig.with_overrides`), a repeated name, ``task.options`` beside agents
                 (each agent has its own), or ``agent_adapters`` other than "shared".
         """
         names = [a.name for a in self.agents]
         for i, agent in enumerate(self.agents):
             agent.check(f"agents[{i}] ({agent.name or 'unnamed'}).")
+            self.rollout.with_overrides(agent.rollout, f"agents[{i}] ({agent.name or 'unnamed'}).rollout.")
         require([
             (self.agent_adapters != "per_agent",
              "agent_adapters = 'per_agent' is not offered: several agents train one shared adapter with "

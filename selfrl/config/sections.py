@@ -136,6 +136,43 @@ class RolloutConfig:
             (isinstance(self.tools, list), "tools must be a list of tool names"),
         ], where)
 
+    def with_overrides(self, overrides: dict[str, Any], where: str = "rollout.") -> "RolloutConfig":
+        """This config with one agent's or family's own values (``rollout = {...}`` of an
+        ``[[agents]]`` or ``[[families]]`` table) in place of these; keys it does not set keep
+        these values. Only :data:`ROLLOUT_OVERRIDES` may differ per task: the others are one
+        batch's (the token limit and temperature of each engine call).
+
+        >>> RolloutConfig().with_overrides({"constrain": "tool_call", "max_turns": 1}).max_turns
+        1
+
+        Raises:
+            ConfigError: a key not in :data:`ROLLOUT_OVERRIDES` (the valid ones listed), a value of
+                the wrong type, or one ``RolloutConfig.check`` refuses; ``where`` prefixes the message.
+        """
+        from dataclasses import replace
+
+        require([(isinstance(overrides, dict), "must be a table of [rollout] settings")], where)
+        unknown = sorted(set(overrides) - set(ROLLOUT_OVERRIDES))
+        require([(not unknown, f"{', '.join(unknown)} cannot differ per agent or family (one value for every "
+                  f"trajectory of a batch); the keys that can: {', '.join(ROLLOUT_OVERRIDES)}")], where)
+        v = overrides
+        require([
+            (not isinstance(v.get("constrain", "none"), bool), "constrain must be a string"),
+            (isinstance(v.get("stop_at_tool_call", False), bool), "stop_at_tool_call must be true or false"),
+            (isinstance(v.get("demonstration", False), bool), "demonstration must be true or false"),
+            (isinstance(v.get("system_prompt", ""), str), "system_prompt must be a string"),
+            (isinstance(v.get("tools", []), list) and all(isinstance(t, str) for t in v.get("tools", [])),
+             "tools must be a list of tool names"),
+        ], where)
+        out = replace(self, **overrides)
+        out.check(where)
+        return out
+
+
+# The [rollout] settings an agent or family may set for its own tasks (rollout = {...} in
+# [[agents]] / [[families]]); each trajectory's turns run under them (selfrl.rollout.agent).
+ROLLOUT_OVERRIDES = ("constrain", "max_turns", "stop_at_tool_call", "system_prompt", "tools", "demonstration")
+
 
 @dataclass
 class TrainConfig:

@@ -85,6 +85,9 @@ class FamilyConfig:
     tolerance: float | None = None  # largest held-out drop this family accepts (None: gate.tolerance)
     val_size: int | None = None  # its held-out tasks (None: gate.val_size)
     val_seed: int | None = None  # seed of its held-out tasks (None: task.val_seed); training traffic must come from other tasks
+    # its own [rollout] settings for validating it (constrain, max_turns, stop_at_tool_call, system_prompt,
+    # tools, demonstration); a key not set takes [rollout]'s value
+    rollout: dict[str, Any] = field(default_factory=dict)
 
     def check(self, where: str = "") -> None:
         require([
@@ -110,12 +113,14 @@ def check_families(cfg: "ServeConfig", given: Collection[str] = ()) -> None:
     or were set (``given``, the keys the file and flags set: :func:`selfrl.config.fill`) to the default.
 
     Raises:
-        selfrl.config.ConfigError: a bad field (named), a repeated name, or ``task.source`` /
+        selfrl.config.ConfigError: a bad field (named; ``rollout``'s keys with ``[rollout]``'s values:
+            :meth:`selfrl.config.RolloutConfig.with_overrides`), a repeated name, or ``task.source`` /
             ``task.options`` set beside families.
     """
     names = [f.name for f in cfg.families]
     for i, fam in enumerate(cfg.families):
         fam.check(f"families[{i}] ({fam.name or 'unnamed'}).")
+        cfg.rollout.with_overrides(fam.rollout, f"families[{i}] ({fam.name or 'unnamed'}).rollout.")
     set_here = [f"task.{k}" for k in FAMILY_TASK_KEYS if f"task.{k}" in given
                 or getattr(cfg.task, k) != getattr(TaskConfig(), k)]
     require([

@@ -4,7 +4,9 @@ with its name, routed to the agent's own environment.
 A run with agents trains one learner on every agent's tasks (the conflict policy is in
 :mod:`selfrl.run.agents`). The loop, the rollout workers and the gate see one
 environment, :class:`AgentsEnv`; it keeps the agents apart by task id: an agent's task
-``t`` becomes ``"<agent>/<t.id>"``, with ``metadata["agent"]`` naming the agent. Every
+``t`` becomes ``"<agent>/<t.id>"``, with ``metadata["agent"]`` naming the agent and, when the
+agent sets its own ``rollout = {...}``, ``metadata["rollout"]`` holding those settings (each of its
+trajectories runs under them: :mod:`selfrl.rollout.overrides`). Every
 call that takes a task (verifier, per-trajectory state, answer extraction, label-free
 agreement) is answered by that agent's environment on the original task, so an
 environment never sees another agent's tasks or a changed id. The tagging is stateless,
@@ -25,6 +27,7 @@ from typing import Any
 from selfrl.config import AgentConfig, GateConfig, TaskConfig
 from selfrl.envs.base import Env
 from selfrl.core.tasks import Task, assert_disjoint
+from selfrl.rollout.overrides import ROLLOUT_KEY
 
 AGENT_KEY = "agent"  # the metadata key that names a task's agent
 
@@ -44,21 +47,26 @@ def agent_of(task_id: str) -> str:
     return agent
 
 
-def tag(agent: str, task: Task) -> Task:
-    """``task`` as the agent's: id ``"<agent>/<id>"`` and ``metadata["agent"]``.
+def tag(agent: str, task: Task, rollout: dict[str, Any] | None = None) -> Task:
+    """``task`` as the agent's: id ``"<agent>/<id>"``, ``metadata["agent"]`` and, when ``rollout``
+    (the agent's own ``[rollout]`` settings) is not empty, ``metadata["rollout"]``.
 
     Raises:
-        ValueError: the environment's task metadata already uses the key ``"agent"``.
+        ValueError: the environment's task metadata already uses the key ``"agent"`` (or
+            ``"rollout"``, when the agent sets its own).
     """
-    if AGENT_KEY in task.metadata:
-        raise ValueError(f"agent {agent}: its environment's tasks already carry metadata[{AGENT_KEY!r}]")
-    return Task(f"{agent}/{task.id}", task.source, task.question, task.answer, {**task.metadata, AGENT_KEY: agent})
+    taken = [k for k in (AGENT_KEY, ROLLOUT_KEY if rollout else None) if k is not None and k in task.metadata]
+    if taken:
+        raise ValueError(f"agent {agent}: its environment's tasks already carry metadata[{taken[0]!r}]")
+    extra = {ROLLOUT_KEY: dict(rollout)} if rollout else {}
+    return Task(f"{agent}/{task.id}", task.source, task.question, task.answer,
+                {**task.metadata, AGENT_KEY: agent, **extra})
 
 
 def untag(task: Task) -> Task:
     """The agent's original task (inverse of :func:`tag`)."""
     agent = agent_of(task.id)
-    meta = {k: v for k, v in task.metadata.items() if k != AGENT_KEY}
+    meta = {k: v for k, v in task.metadata.items() if k not in (AGENT_KEY, ROLLOUT_KEY)}
     return Task(task.id[len(agent) + 1:], task.source, task.question, task.answer, meta)
 
 
@@ -85,7 +93,8 @@ class AgentsEnv(Env):
         gate: the run's ``[gate]`` (defaults for ``val_size`` and ``tolerance``).
 
     Raises:
-        ValueError: no agents, or an agent's environment cannot be built (unknown name, bad options).
+        ValueError: no agents, an agent's environment cannot be built (unknown name, bad options),
+            or its ``rollout.tools`` names an unknown tool (the valid ones listed).
     """
 
     name = "agents"
@@ -103,6 +112,13 @@ class AgentsEnv(Env):
                 self.envs[a.name] = build_env(a.source, a.options, f"[[agents]] {a.name!r}")
             except ValueError as e:
                 raise ValueError(f"agent {a.name}: {e}") from e
+            if "tools" in a.rollout:
+                from selfrl.core.tools import resolve_tools
+
+                try:
+                    resolve_tools(a.rollout["tools"])
+                except ValueError as e:  # UnknownToolError is one
+                    raise ValueError(f"agent {a.name}: rollout.tools: {e}") from e
 
     @property
     def tolerance(self) -> dict[str, float]:
@@ -126,8 +142,8 @@ class AgentsEnv(Env):
                                            n_val if a.val_size is None else a.val_size,
                                            train_seed if a.train_seed is None else a.train_seed,
                                            val_seed if a.val_seed is None else a.val_seed)
-            trains.append([tag(a.name, x) for x in t])
-            val += [tag(a.name, x) for x in v]
+            trains.append([tag(a.name, x, a.rollout) for x in t])
+            val += [tag(a.name, x, a.rollout) for x in v]
         train = [x for row in zip_longest(*trains) for x in row if x is not None]
         assert_disjoint(train, val)
         return train, val
@@ -136,11 +152,11 @@ class AgentsEnv(Env):
         """``n`` tasks, the agents in turn (agent ``k`` samples its share from ``seed``)."""
         k = len(self.agents)
         per = [self.envs[a.name].sample(n // k + (i < n % k), seed) for i, a in enumerate(self.agents)]
-        tagged = [[tag(a.name, x) for x in p] for a, p in zip(self.agents, per)]
+        tagged = [[tag(a.name, x, a.rollout) for x in p] for a, p in zip(self.agents, per)]
         return [x for row in zip_longest(*tagged) for x in row if x is not None]
 
     def probe_tasks(self) -> list[Task]:
-        return [tag(a.name, t) for a in self.agents for t in self.envs[a.name].probe_tasks()]
+        return [tag(a.name, t, a.rollout) for a in self.agents for t in self.envs[a.name].probe_tasks()]
 
     # -- verifier and state, answered by the task's agent --------------------------------
 

@@ -16,6 +16,9 @@ final ``state()`` is recorded as ``Trajectory.env_state`` (then its optional
 ``env_factory`` nothing changes. ``scripted_rollout`` runs the same tool
 handling with a scripted policy instead of a model (tests, demonstrations).
 
+A task may carry its own rollout settings (an agent's or family's: :mod:`selfrl.rollout.overrides`);
+its trajectory runs under them, so one batch may mix constrained and free rows.
+
 A failing environment fails only its own trajectory: when ``env_factory(task)`` (the
 reset), ``is_completed()``, ``turn_tools()``, ``state()`` or ``close()`` raises, the
 exception is recorded as that trajectory's ``error`` (it is left out of the update, as a
@@ -52,8 +55,9 @@ from selfrl.chat.toolcall import (
     parse_tool_calls,
     render_tools_prompt,
 )
-from selfrl.core.tools import Tool
+from selfrl.core.tools import Tool, resolve_tools
 from selfrl.core.trajectory import Trajectory
+from selfrl.rollout.overrides import task_overrides, task_rollout_config
 
 EnvFactory = Callable[[Task], "Environment | None"]
 ScriptedPolicy = Callable[[Task, list[dict]], str]  # (task, messages so far) -> next assistant text
@@ -118,6 +122,13 @@ def rollout(
         fails only its own trajectory (see the module docstring).
     """
     tok = engine.tokenizer
+    cfgs = [task_rollout_config(cfg, task) for task in tasks]
+    row_tools = [resolve_tools(own["tools"]) if "tools" in own else tools for own in map(task_overrides, tasks)]
+    for c, task in zip(cfgs, tasks):
+        if c.constrain != "none" and not getattr(engine, "supports_constraints", False):
+            whose = f"task {task.id}'s own rollout" if "constrain" in task_overrides(task) else "rollout"
+            raise ValueError(f"{whose}.constrain = {c.constrain!r} needs an engine with grammar constraints; "
+                             f"{type(engine).__name__} has none (use the reference or slots engine)")
     made = [make_env(env_factory, task) for task in tasks]
     envs = [env for env, _ in made]
     tool_maps = []
@@ -127,26 +138,23 @@ def rollout(
     eos_id = tok.eos_token_id if tok.eos_token else engine.eos_token_ids[0]
     trajs: list[Trajectory] = []
     constraints: list = []
-    if cfg.constrain != "none" and not getattr(engine, "supports_constraints", False):
-        raise ValueError(f"rollout.constrain = {cfg.constrain!r} needs an engine with grammar constraints; "
-                         f"{type(engine).__name__} has none (use the reference engine)")
     for i, (task, gid) in enumerate(zip(tasks, group_ids)):
-        error = made[i][1]
+        error, cfg_i, shared = made[i][1], cfgs[i], row_tools[i]
         try:  # the environment's tools, worked example and first grammar: its own failure, if any
             env_tools = envs[i].tools if envs[i] is not None else []
             demonstration = envs[i].demonstration if envs[i] is not None else None
-            offered = offered_tools(tools, envs[i])
+            offered = offered_tools(shared, envs[i])
         except Exception as e:
             error = env_failure("setup (tools, demonstration, turn_tools())", e)
-            env_tools, demonstration, offered = [], None, tools
-        t_tools = tools + env_tools
+            env_tools, demonstration, offered = [], None, shared
+        t_tools = shared + env_tools
         tool_maps.append({t.name: t for t in t_tools})
-        if cfg.constrain != "none" and not t_tools and error is None:
-            raise ValueError(f"rollout.constrain = {cfg.constrain!r} needs tools to call, and task {task.id} "
+        if cfg_i.constrain != "none" and not t_tools and error is None:
+            raise ValueError(f"rollout.constrain = {cfg_i.constrain!r} needs tools to call, and task {task.id} "
                              "has none (set rollout.tools, or constrain = \"none\")")
-        constraints.append(turn_constraint(cfg, offered))
+        constraints.append(turn_constraint(cfg_i, offered))
         native_tools = [t.openai_schema() for t in t_tools] if t_tools and template_supports_tools(tok) else None
-        msgs = initial_messages(task, t_tools, cfg, tok, demonstration)
+        msgs = initial_messages(task, t_tools, cfg_i, tok, demonstration)
         ids = prompt_ids(tok, msgs, tools=native_tools)
         trajs.append(
             Trajectory(
@@ -155,13 +163,13 @@ def rollout(
                 messages=msgs, timings={"generate": 0.0, "tools": 0.0}, error=error,
             )
         )
-    turn_ctx = _TurnContext(tok, cfg, eos_id, eos_text, constraints, tools, engine_context(engine))
-    stop = [TOOL_CALL_CLOSE] if cfg.stop_at_tool_call else None
+    turn_ctx = _TurnContext(tok, cfg, eos_id, eos_text, constraints, row_tools, engine_context(engine),
+                            cfgs)
     try:
         if callable(getattr(engine, "submit", None)):
-            _pipelined_turns(engine, trajs, tool_maps, envs, turn_ctx, greedy, stop, on_turn)
+            _pipelined_turns(engine, trajs, tool_maps, envs, turn_ctx, greedy, on_turn)
         else:
-            _batched_turns(engine, trajs, tool_maps, envs, turn_ctx, greedy, stop, on_turn)
+            _batched_turns(engine, trajs, tool_maps, envs, turn_ctx, greedy, on_turn)
     except BaseException as e:  # nothing of the failed rollout is kept: release what its environments hold
         for env in envs:
             if env is not None:
@@ -237,12 +245,21 @@ class _TurnContext:
     """What every turn of a rollout needs besides its own trajectory."""
 
     tok: object
-    cfg: RolloutConfig
+    cfg: RolloutConfig  # the batch's: token limit and temperature of every engine call
     eos_id: int
     eos_text: str
     constraints: list  # per trajectory: the grammar of each of its turns, or None
-    tools: list  # the tools every trajectory has (besides its environment's)
+    tools: list  # per trajectory: the tools it has besides its environment's
     context: int | None = None  # tokens the engine attends to (prompt + completion); None: unknown
+    cfgs: list | None = None  # per trajectory: its RolloutConfig (task_rollout_config); None: cfg for all
+
+    def row(self, i: int) -> RolloutConfig:
+        """Trajectory ``i``'s settings (its turn limit, stop, grammar kind)."""
+        return self.cfg if self.cfgs is None else self.cfgs[i]
+
+    def stop(self, i: int) -> list[str] | None:
+        """The stop strings of trajectory ``i``'s turns: ``</tool_call>`` with ``stop_at_tool_call``."""
+        return [TOOL_CALL_CLOSE] if self.row(i).stop_at_tool_call else None
 
 
 def _fits(tr: Trajectory, turn: int, ctx: _TurnContext) -> bool:
@@ -264,12 +281,12 @@ def _fits(tr: Trajectory, turn: int, ctx: _TurnContext) -> bool:
 
 
 def _after_turn(tr: Trajectory, g: Generation, turn: int, tool_map: dict[str, Tool], env: Environment | None,
-                ctx: _TurnContext, constraint=None) -> bool:
+                ctx: _TurnContext, constraint=None, cfg: RolloutConfig | None = None) -> bool:
     """Append the sampled turn ``g`` to ``tr`` (``constraint``: the grammar it was sampled
-    under, recorded in ``tr.constraints``) and run its tool calls; True when the
-    trajectory goes on to another turn (its tool results and the next turn's header are
-    appended then)."""
-    tok, cfg = ctx.tok, ctx.cfg
+    under, recorded in ``tr.constraints``; ``cfg``: the trajectory's settings, else ``ctx.cfg``)
+    and run its tool calls; True when the trajectory goes on to another turn (its tool results
+    and the next turn's header are appended then)."""
+    tok, cfg = ctx.tok, cfg or ctx.cfg
     tr.adapter_version = g.adapter_version
     if constraint is not None:
         start = len(tr.token_ids)
@@ -320,34 +337,39 @@ def _after_turn(tr: Trajectory, g: Generation, turn: int, tool_map: dict[str, To
 
 
 def _batched_turns(engine: SamplingEngine, trajs: list[Trajectory], tool_maps, envs, ctx: _TurnContext,
-                   greedy: bool, stop: list[str] | None, on_turn: Callable[[], None] | None) -> None:
-    """Turn by turn: one ``generate`` call per turn over every unfinished trajectory."""
+                   greedy: bool, on_turn: Callable[[], None] | None) -> None:
+    """Turn by turn: one ``generate`` call per turn over every unfinished trajectory (one per
+    stop setting, when the rows' own settings differ in it)."""
     cfg = ctx.cfg
     active = [i for i, tr in enumerate(trajs) if tr.error is None]  # a failed reset is never sampled
-    for turn in range(cfg.max_turns):
+    for turn in range(max(ctx.row(i).max_turns for i in range(len(trajs))) if trajs else 0):
         active = [i for i in active if _fits(trajs[i], turn, ctx)]
         if not active:
             break
-        t0 = time.perf_counter()
-        extra = {"stop": stop} if stop else {}
-        if any(ctx.constraints[i] is not None for i in active):
-            extra["constraints"] = [ctx.constraints[i] for i in active]
-        gens = engine.generate([trajs[i].token_ids for i in active], cfg.max_new_tokens, cfg.temperature,
-                               greedy=greedy, **extra)
-        dt = (time.perf_counter() - t0) / len(active)
         still = []
-        for i, g in zip(active, gens):
-            trajs[i].timings["generate"] += dt
-            if _after_turn(trajs[i], g, turn, tool_maps[i], envs[i], ctx, ctx.constraints[i]) and \
-                    _next_constraint(ctx, i, envs[i], trajs[i]):
-                still.append(i)
-        active = still
+        for stop in (None, [TOOL_CALL_CLOSE]):
+            rows = [i for i in active if ctx.stop(i) == stop]
+            if not rows:
+                continue
+            t0 = time.perf_counter()
+            extra = {"stop": stop} if stop else {}
+            if any(ctx.constraints[i] is not None for i in rows):
+                extra["constraints"] = [ctx.constraints[i] for i in rows]
+            gens = engine.generate([trajs[i].token_ids for i in rows], cfg.max_new_tokens, cfg.temperature,
+                                   greedy=greedy, **extra)
+            dt = (time.perf_counter() - t0) / len(rows)
+            for i, g in zip(rows, gens):
+                trajs[i].timings["generate"] += dt
+                if _after_turn(trajs[i], g, turn, tool_maps[i], envs[i], ctx, ctx.constraints[i], ctx.row(i)) and \
+                        _next_constraint(ctx, i, envs[i], trajs[i]):
+                    still.append(i)
+        active = sorted(still)
         if on_turn is not None:
             on_turn()
 
 
 def _pipelined_turns(engine, trajs: list[Trajectory], tool_maps, envs, ctx: _TurnContext, greedy: bool,
-                     stop: list[str] | None, on_turn: Callable[[], None] | None) -> None:
+                     on_turn: Callable[[], None] | None) -> None:
     """Each trajectory on its own: its next turn is submitted as soon as its tools have
     answered, so it joins the engine's running batch and nobody waits for the slowest
     row of a turn (engines with ``submit``, e.g. :class:`selfrl.engines.slots.SlotEngine`).
@@ -355,7 +377,7 @@ def _pipelined_turns(engine, trajs: list[Trajectory], tool_maps, envs, ctx: _Tur
     or before (as often as the batched path calls it)."""
     cfg = ctx.cfg
     pending: dict[Future, tuple[int, int]] = {}  # future -> (trajectory, turn)
-    at_turn = [0] * cfg.max_turns  # trajectories whose turn k is submitted and not back
+    at_turn = [0] * max((ctx.row(i).max_turns for i in range(len(trajs))), default=0)  # turn k submitted, not back
 
     started = 0  # highest turn index submitted so far
     import torch
@@ -378,7 +400,7 @@ def _pipelined_turns(engine, trajs: list[Trajectory], tool_maps, envs, ctx: _Tur
         extra = {"constraint": ctx.constraints[i]} if ctx.constraints[i] is not None else {}
         if takes_cancel:
             extra["cancel"] = threading.Event()
-        f = engine.submit(trajs[i].token_ids, cfg.max_new_tokens, cfg.temperature, greedy=greedy, stop=stop,
+        f = engine.submit(trajs[i].token_ids, cfg.max_new_tokens, cfg.temperature, greedy=greedy, stop=ctx.stop(i),
                           seed=seed, **extra)
         pending[f] = (i, turn)
         if takes_cancel:
@@ -398,8 +420,8 @@ def _pipelined_turns(engine, trajs: list[Trajectory], tool_maps, envs, ctx: _Tur
             for f in done:
                 i, turn = pending.pop(f)
                 at_turn[turn] -= 1
-                if _after_turn(trajs[i], f.result(), turn, tool_maps[i], envs[i], ctx, ctx.constraints[i]) and \
-                        _next_constraint(ctx, i, envs[i], trajs[i]):
+                if _after_turn(trajs[i], f.result(), turn, tool_maps[i], envs[i], ctx, ctx.constraints[i],
+                               ctx.row(i)) and _next_constraint(ctx, i, envs[i], trajs[i]):
                     submit(i, turn + 1)
             while reported <= started and not any(at_turn[:reported + 1]):
                 reported += 1
@@ -429,7 +451,7 @@ def _next_constraint(ctx: _TurnContext, i: int, env: Environment | None, tr: Tra
     tools per turn. False when ``turn_tools()`` raised (recorded as ``tr.error``: it ends)."""
     if ctx.constraints[i] is not None and callable(getattr(env, "turn_tools", None)):
         try:
-            ctx.constraints[i] = turn_constraint(ctx.cfg, offered_tools(ctx.tools, env))
+            ctx.constraints[i] = turn_constraint(ctx.row(i), offered_tools(ctx.tools[i], env))
         except Exception as e:
             tr.error = env_failure("turn_tools()", e)
             return False
@@ -473,24 +495,26 @@ def scripted_rollout(
     """
     out = []
     for j, task in enumerate(tasks):
+        cfg_j = task_rollout_config(cfg, task)
+        shared = resolve_tools(task_overrides(task)["tools"]) if "tools" in task_overrides(task) else tools
         env, error = make_env(env_factory, task)
         try:
             env_tools = env.tools if env is not None else []
             demonstration = env.demonstration if env is not None else None
         except Exception as e:
             error, env_tools, demonstration = env_failure("setup (tools, demonstration)", e), [], None
-        t_tools = tools + env_tools
+        t_tools = shared + env_tools
         tool_map = {t.name: t for t in t_tools}
-        msgs = initial_messages(task, t_tools, cfg, None, demonstration)
+        msgs = initial_messages(task, t_tools, cfg_j, None, demonstration)
         tr = Trajectory(task_id=task.id, group_id=group_ids[j] if group_ids else task.id, adapter_version=0,
                         messages=msgs, timings={"generate": 0.0, "tools": 0.0}, error=error)
-        for turn in range(cfg.max_turns if error is None else 0):
+        for turn in range(cfg_j.max_turns if error is None else 0):
             text = policy(task, tr.messages)
             tr.messages.append({"role": "assistant", "content": text})
             tr.num_turns += 1
             rest, calls = parse_tool_calls(text)
             tr.final_answer = rest
-            if not calls or turn == cfg.max_turns - 1:
+            if not calls or turn == cfg_j.max_turns - 1:
                 break
             run_tool_calls(tr, calls, tool_map)
             try:

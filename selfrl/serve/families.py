@@ -66,7 +66,7 @@ class FamilyGate:
     def __init__(self, cfg: ServeConfig, store: Store, ledger: Ledger):
         self.cfg, self.store, self.ledger = cfg, store, ledger
         agents = [AgentConfig(name=f.name, source=f.source, options=dict(f.options), tolerance=f.tolerance,
-                              val_size=f.val_size, val_seed=f.val_seed) for f in cfg.families]
+                              val_size=f.val_size, val_seed=f.val_seed, rollout=dict(f.rollout)) for f in cfg.families]
         self.source = AgentsEnv(agents, cfg.task, cfg.gate)
         _, self.val = self.source.split(0, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
         self.tolerance = self.source.tolerance  # {family: largest allowed drop}
