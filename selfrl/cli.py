@@ -99,7 +99,8 @@ SIMULATE_FLAGS = {
 }
 
 
-CONFIG_DOCS = "every key in docs/reference/config.md"
+# docs/reference/config.md is generated (gitignored): the help says how to make it in a fresh clone
+CONFIG_DOCS = "every key in docs/reference/config.md, which `make docs` writes; examples in configs/"
 
 
 def with_default(help_: str, cfg: object, key: str) -> str:
