@@ -235,9 +235,10 @@ class Runner:
         # also when the champion sampled them: the new candidate goes, the setting gets safer
         record = collapse.UpdateRecord(it, sampled, metrics["reward/mean"], metrics["train/entropy"],
                                        metrics["train/degenerate"], step.result.stats.get("kl"), step.candidate_kl)
-        rolled_back = s.cycle.observe(record)
-        if rolled_back:
-            self.progress.log(rolled_back)
+        observed = s.cycle.observe(record)  # a collapse rolled back, or a stable stretch stepped back
+        for line in (observed.rolled_back, observed.stepped_back):
+            if line:
+                self.progress.log(line)
         return metrics
 
     def choose(self, it: int) -> list[Task]:
