@@ -193,7 +193,7 @@ def plot_agents(table: dict, path: Path, title: str) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iterations", type=int, default=8)
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--num-generations", type=int, default=4)

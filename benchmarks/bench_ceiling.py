@@ -84,7 +84,7 @@ def profile_top(fn, rows: int = 8) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__)
     p.add_argument("--profile", action="store_true", help="add torch.profiler top operators")
     args = p.parse_args(argv)
     import torch

@@ -25,7 +25,7 @@ VOCAB = 49_152  # SmolLM2's
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__)
     p.add_argument("--rows", default="4,16,64", help="rows a call, comma-separated")
     p.add_argument("--draws", type=int, default=64 * 200, help="random points for the rounding count")
     args = p.parse_args(argv)

@@ -130,7 +130,7 @@ def engine_rows(repeats: int) -> list[list]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = base_parser(__doc__.splitlines()[0]).parse_args(argv)
+    args = base_parser(__doc__).parse_args(argv)
     result = envelope(args, "python benchmarks/bench_constrain.py" + (" --tiny" if args.tiny else ""))
     tok, name = tokenizer(args.tiny)
     result.update(tokenizer=name, vocab=len(tok))

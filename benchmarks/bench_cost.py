@@ -75,7 +75,7 @@ def cost_figures(run_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__)
     p.add_argument("--run-dir", type=Path, help="a finished run to read; without it, a run is made first")
     args = p.parse_args(argv)
     result = envelope(args, command_line("bench_cost.py", argv))

@@ -71,7 +71,7 @@ def throughput(run_dir: Path, per_iteration: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--iterations", type=int, default=5)
     p.add_argument("--num-prompts", type=int, default=4)

@@ -63,7 +63,7 @@ def pass_seconds(view, rows: int, ids: int, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__)
     p.add_argument("--adapter", type=Path, default=None,
                    help="a saved adapter version (a run's adapters/vNNNNNN): a trained policy")
     p.add_argument("--rows", default="1,4,9,16,64", help="rows of the passes table, comma-separated")

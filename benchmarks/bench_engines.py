@@ -118,7 +118,7 @@ def serve_level(engine, tok, clients: int, requests: int, max_tokens: int, max_b
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__)
     p.add_argument("--engines", default="reference,slots", help="backends, comma-separated (selfrl.engines)")
     p.add_argument("--clients", default="1,8,32", help="serve levels: concurrent clients, comma-separated")
     p.add_argument("--requests", type=int, default=2, help="requests per client at each serve level")

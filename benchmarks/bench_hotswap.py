@@ -33,7 +33,7 @@ def dir_bytes(path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = base_parser(__doc__.splitlines()[0]).parse_args(argv)
+    args = base_parser(__doc__).parse_args(argv)
     import torch
     from peft import PeftModel
     from safetensors.torch import load_file

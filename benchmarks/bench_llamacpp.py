@@ -302,7 +302,7 @@ def part_lora(args, gguf: Path, model, tok, prompts: list[list[int]], cap: float
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__)
     p.add_argument("--server", default=None, help="path of a llama-server binary (none: the benchmark skips)")
     p.add_argument("--variants", default="q4_1,f32,f32kv", help=f"llama.cpp model variants: {', '.join(VARIANTS)}")
     p.add_argument("--serve-variants", default="q4_1,f32", help="the variants that take part in the serve levels")

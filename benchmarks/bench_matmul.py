@@ -55,7 +55,7 @@ def pass_products(model, rows: int, repeats: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__)
     p.add_argument("--rows", default="1,16,64,2048", help="rows of the products table, comma-separated")
     p.add_argument("--adapter", type=Path, default=None,
                    help="a saved adapter version (a run's adapters/vNNNNNN) for both policies: a trained policy")

@@ -80,7 +80,7 @@ def worst_logprob_gap(engine, model, prompt: list[int], rows: int, max_new_token
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__)
     p.add_argument("--rows", default="1,2,4,8,16,32,64", help="active rows of the step table, comma-separated")
     p.add_argument("--skip-rollouts", action="store_true", help="the step table and exactness only")
     p.add_argument("--adapter", type=Path, default=None,

@@ -32,7 +32,7 @@ from common import (  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__)
     p.add_argument("--engines", default="reference,slots", help="comma-separated sampling backends")
     args = p.parse_args(argv)
     import torch

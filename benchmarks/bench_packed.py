@@ -28,7 +28,7 @@ SETTINGS = {"two passes": False, "one packed pass": True}  # name -> SlotEngine.
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__)
     p.add_argument("--adapter", type=Path, default=None,
                    help="a saved adapter version (a run's adapters/vNNNNNN): a trained policy")
     args = p.parse_args(argv)

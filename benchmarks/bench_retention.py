@@ -63,7 +63,7 @@ def fill(store: Store, turns: int, tokens: int, t0: float) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--turns", type=int, default=20000)
     ap.add_argument("--tokens", type=int, default=800)
     ap.add_argument("--per-pass", type=int, nargs="+", default=[64, 256, 1000])

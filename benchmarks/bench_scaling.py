@@ -51,7 +51,7 @@ def synthetic_batch(tok, prompts: list[list[int]], num_generations: int, complet
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__)
     p.add_argument("--num-prompts", type=int, default=2, help="prompts per update (groups)")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG plot here (e.g. docs/scaling.png)")
     args = p.parse_args(argv)

@@ -87,7 +87,7 @@ def long_prompts(tok, rows: int, system_tokens: int) -> list[list[int]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__)
     p.add_argument("--rows", default="64,16", help="rows of the long-system-prompt table, comma-separated")
     p.add_argument("--system-tokens", type=int, default=1000, help="tokens of the long system prompt")
     p.add_argument("--adapter", type=Path, default=None,

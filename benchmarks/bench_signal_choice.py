@@ -53,7 +53,7 @@ def simulate(choice: str, iterations: int, seed: int, n_tasks: int = 200, prompt
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=40)
     ap.add_argument("--seeds", type=int, default=5)
     a = ap.parse_args()

@@ -77,7 +77,7 @@ def sampled_batch(cfg, model, tok) -> list:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__)
     p.add_argument("--store", type=Path, default=None, help="a run's selfrl.db to take a recorded batch from")
     p.add_argument("--iteration", type=int, default=None, help="the iteration of --store whose batch to take")
     args = p.parse_args(argv)

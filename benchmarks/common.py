@@ -137,9 +137,10 @@ def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     Console(width=160).print(table)
 
 
-def base_parser(description: str) -> argparse.ArgumentParser:
-    """The flags every benchmark takes: ``--tiny``, ``--repeats``, ``--out``."""
-    p = argparse.ArgumentParser(description=description)
+def base_parser(doc: str) -> argparse.ArgumentParser:
+    """The flags every benchmark takes: ``--tiny``, ``--repeats``, ``--out``; the description is
+    the first paragraph of ``doc`` (the benchmark's docstring), whole sentences."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny random model built from a config (seconds; smoke test)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per figure (median, min, max)")
     p.add_argument("--out", type=Path, default=None, help="folder for the JSON result (default benchmarks/results)")

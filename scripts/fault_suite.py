@@ -123,7 +123,7 @@ def table(outcomes: list[Outcome]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/fault_suite.json", help="where the JSON rows go")
     p.add_argument("--keep", help="keep the run folders here (default: a temporary folder, removed)")
     p.add_argument("--faults", nargs="*", help="only these faults, e.g. noise@1 serve:noise@1 (default: all)")

@@ -105,6 +105,7 @@ def cli_reference() -> str:
             out.append(f"| `{row['name']}` | {row['kind']} | {_code(row['default'])} | "
                        f"{_code(key or '')} | {_cell(row['help'])} |\n")
         out.append("\n")
+    out.append(f"## Exit codes\n\n{parser.epilog[0].upper()}{parser.epilog[1:]}\n")
     return "".join(out)
 
 

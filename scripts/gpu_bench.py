@@ -1,4 +1,4 @@
-"""GPU checks for issue 15 part 5, in one process: seconds per update and peak memory of
+"""GPU checks in one process: seconds per update and peak memory of
 the learner (fp32 against bf16, with and without gradient checkpointing) on a randomly
 initialised model of Qwen2.5-0.5B's shape, sampling speed, and short ``selfrl run``s
 through the CLI on CUDA in bf16 with gradient checkpointing (the tiny test model and
@@ -180,7 +180,7 @@ enabled = false
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="one timed step")
     ap.add_argument("--cpu-smoke", action="store_true", help="a small model on the CPU: checks this script only")

@@ -261,7 +261,7 @@ def sizes(package: Path) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--package", default=str(Path(__file__).resolve().parents[1] / "selfrl"))
     p.add_argument("--floor-map", help="JSON {module or prefix: floor name} for another layout")
     p.add_argument("--top", type=int, default=5, help="largest modules and classes to list")

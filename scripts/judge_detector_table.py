@@ -37,7 +37,7 @@ def table(n: int, seed: int = 0) -> list[tuple[str, dict[str, float], float, flo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=32,
                     help="arithmetic tasks (sampled with --seed), plus 6 support questions")
     ap.add_argument("--seed", type=int, default=0)

@@ -1,10 +1,11 @@
-"""Learning from a judge against learning from the verifier: the same run twice per seed, once
-rewarded by the LLM judge (``configs/judge.toml``) and once by the task's verifier
-(``configs/judge_verifier.toml``, which differs only in the reward), then the held-out success
-of each side by side. The held-out gate uses the verifier in both arms, on the same held-out
-tasks (``task.val_seed``), disjoint from the training tasks.
+"""Learning from a judge against learning from the verifier: the same run once per arm and seed,
+rewarded by the LLM judge (``configs/judge.toml``), by the task's verifier
+(``configs/judge_verifier.toml``, which differs only in the reward) and, on request
+(``--arms``), by the judge without calibration (``configs/judge_uncalibrated.toml``); then the
+held-out success of each side by side. The held-out gate uses the verifier in every arm, on the
+same held-out tasks (``task.val_seed``), disjoint from the training tasks.
 
-    # runs both arms for each seed (starting the judge server if nothing answers at the judge's
+    # runs the judge and verifier arms for each seed (starting the judge server if nothing answers at the judge's
     # base_url), then prints the table; a run folder that already holds a finished run is kept
     PYTHONPATH=$PWD python scripts/judge_vs_verifier.py run --seeds 0 1 2 3 4 --out runs/judge-vs-verifier
     # a third arm: the judge without calibration (configs/judge_uncalibrated.toml)
@@ -219,13 +220,13 @@ def judge_scores(folders: list[Path]) -> tuple[list[float], list[float]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="run both arms for each seed, then print the table")
+    r = sub.add_parser("run", help="run each arm of --arms for each seed, then print the table")
     r.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     r.add_argument("--out", default="runs/judge-vs-verifier", help="folder of the run folders <arm>-s<seed>")
     r.add_argument("--arms", nargs="+", choices=list(ARMS), default=DEFAULT_ARMS,
-                   help="judge-uncalibrated: configs/judge_uncalibrated.toml, the judge without calibration")
-    r.add_argument("--iterations", type=int, help="iterations of both arms (default: the configs')")
-    r.add_argument("--val-size", type=int, help="held-out tasks of both arms (default: the configs')")
+                   help="the arms to run (default: verifier judge); judge-uncalibrated: configs/judge_uncalibrated.toml, the judge without calibration")
+    r.add_argument("--iterations", type=int, help="iterations of every arm (default: the configs')")
+    r.add_argument("--val-size", type=int, help="held-out tasks of every arm (default: the configs')")
     r.add_argument("--quiet", action="store_true", help="hide the runs' progress output")
     t = sub.add_parser("table", help="print the table from the run folders")
     t.add_argument("--out", default="runs/judge-vs-verifier")

@@ -17,7 +17,7 @@ from collections import defaultdict
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--env", required=True)
     p.add_argument("--options", default="{}")
     p.add_argument("--config")

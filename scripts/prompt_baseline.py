@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def baseline(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True)
     p.add_argument("--shots", type=int, nargs="+", default=[0, 3])
     p.add_argument("--run-dir")

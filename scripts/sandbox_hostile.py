@@ -29,7 +29,7 @@ def startup_seconds(box: Sandbox, runs: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--isolation", nargs="+", default=["bwrap", "rlimit"], choices=["bwrap", "rlimit"])
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--wall-seconds", type=float, default=5.0)

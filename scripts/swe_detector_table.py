@@ -25,7 +25,7 @@ from selfrl.rollout.agent import RolloutConfig, scripted_rollout
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--limit", type=int, default=None, help="first N instances (default: all)")
     ap.add_argument("--score", action="store_true", help="also score each trajectory in the sandbox")
     ap.add_argument("--tier", default="full", help="the swe tier (full, easy, line)")

@@ -47,7 +47,7 @@ def timed_factory(env, first: list[float], rest: list[float]):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=16, help="tasks (sampled with seed 0)")
     args = ap.parse_args()
     print("| backend | episodes | actions | s/action (mean) | s/action (median) | first action (mean s) "

@@ -23,7 +23,7 @@ DETECTORS = ["repeated_action", "verifier_disagreement", "web_confirm_spam", "we
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=64, help="tasks (sampled with seed 0)")
     ap.add_argument("--tier", default="full", help="the task tier (selfrl.envs.web_tasks.TIERS)")
     args = ap.parse_args()

@@ -11,6 +11,9 @@
     selfrl compare RUN_DIR... [--out DIR]  several runs side by side, with paired held-out differences
     selfrl envs                            list the installed environments, one line each
     selfrl simulate [--config FILE] [flags] simulated users against a running selfrl serve (docs/guides/simulate.md)
+
+Exit codes (:data:`EXIT_CODES`): 0 done; 1 the machine or another process is at fault; 2 bad
+input; 128 + the signal's number when a signal stopped it.
 """
 
 from __future__ import annotations
@@ -99,7 +102,13 @@ SIMULATE_FLAGS = {
 }
 
 
-CONFIG_DOCS = "every key in docs/reference/config.md"
+EXIT_CODES = ("exit codes: 0 done; 1 the machine or another process is at fault (a port in use, a run directory another process holds, a full or read-only disk, a "
+              "sampler or Ray cluster that does not answer or serves other weights); 2 bad input, refused "
+              "before anything starts (flags, the config file, an unknown name, a missing extra); 128 + the "
+              "signal's number when a signal stopped it (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP).")
+
+# docs/reference/config.md is generated (gitignored): the help says how to make it in a fresh clone
+CONFIG_DOCS = "every key in docs/reference/config.md, which `make docs` writes; examples in configs/"
 
 
 def with_default(help_: str, cfg: object, key: str) -> str:
@@ -123,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     from selfrl.config.serve import ServeConfig
     from selfrl.config.simulate import SimulateConfig
 
-    p = argparse.ArgumentParser(prog="selfrl", description="Continual self-improvement of LLM agents by online RL.")
+    p = argparse.ArgumentParser(prog="selfrl", description="Continual self-improvement of LLM agents by online RL.",
+                                epilog=EXIT_CODES)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run the self-improvement loop")
     r.add_argument("--config", help=f"TOML config file of selfrl run, one table per concern ({CONFIG_DOCS}; "
@@ -227,7 +237,7 @@ EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "pydanti
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2 for bad input or a missing extra)."""
+    """Entry point; returns the process exit code (:data:`EXIT_CODES`)."""
     args = build_parser().parse_args(argv)
     try:
         return _main(args)
@@ -347,8 +357,10 @@ def _main(args: argparse.Namespace) -> int:
         then = f"run with --resume {run_dir}" if stored else "run the same command again"
         if (code := machine_failure(e, where, then)) is not None:  # a full disk, another writer, ...
             return code
-        if not isinstance(e, (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError, ValueError,
-                              ConnectionError)):
+        if isinstance(e, ConnectionError):  # a sampler or a Ray cluster that does not answer: not the input's
+            print(f"selfrl: error: {e}", file=sys.stderr)
+            return 1
+        if not isinstance(e, (ConfigError, ModelLoadError, FileExistsError, FileNotFoundError, ValueError)):
             raise
         print(f"selfrl: error: {e}", file=sys.stderr)
         return 2

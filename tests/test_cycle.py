@@ -6,7 +6,7 @@ import torch
 
 from selfrl.safety.collapse import CollapseGuard
 from selfrl.config import CollapseConfig, TrainConfig
-from selfrl.run.cycle import UpdateCycle
+from selfrl.run.cycle import Observed, UpdateCycle
 from selfrl.rl.logprobs import per_token_logps
 from selfrl.record.store import Store
 from selfrl.rl.learner import Learner, SkipReason
@@ -122,22 +122,27 @@ def test_a_collapse_backs_off_recovers_and_a_second_one_in_the_window_pauses_nev
     cc = CollapseConfig(stable_updates=2, stable_s=600.0, window_s=3600.0, max_per_window=1, cooldown_s=900.0)
     cycle, ledger, store = make_cycle(tiny_peft_model, tmp_path, cc, clock)
     lr = lambda: (cycle.learner.cfg.learning_rate, cycle.learner.cfg.beta)  # noqa: E731
-    assert cycle.observe(record(0)) is None and cycle.observe(record(1)) is None and lr() == (1e-2, 0.0)
+    assert cycle.observe(record(0)) == cycle.observe(record(1)) == Observed() and lr() == (1e-2, 0.0)
 
-    msg = cycle.observe(record(2, kl=5.0))  # the kl rule fires: level 1
+    observed = cycle.observe(record(2, kl=5.0))  # the kl rule fires: level 1
+    msg = observed.rolled_back
+    assert observed.stepped_back is None and msg == store.events()[-1]["message"]
     assert "backing off to level 1" in msg and lr() == (5e-3, 0.01) and cycle.check_budget() == 0.0
     event = store.events()[-1]
     assert event["kind"] == "collapse" and event["data"]["action"] == "backoff" and event["data"]["level"] == 1
     assert cycle.backoff()["backing_off"] and cycle.backoff()["next_step_back_after_updates"] == 2
 
     clock.t += 10
-    assert cycle.observe(record(3)) is None and lr() == (5e-3, 0.01)
-    assert cycle.observe(record(4)) is None and lr() == (1e-2, 0.0)  # the stable stretch: back to the configured
+    assert cycle.observe(record(3)) == Observed() and lr() == (5e-3, 0.01)
+    observed = cycle.observe(record(4))  # the stable stretch: back to the configured setting
+    assert lr() == (1e-2, 0.0) and observed.rolled_back is None
     event = store.events()[-1]
     assert event["kind"] == "step_back" and event["data"]["level"] == 0 and not cycle.backoff()["backing_off"]
+    assert observed.stepped_back == event["message"] == ("iteration 4: stable since the last collapse or step: "
+                                                         "backoff level 0, learning rate 0.01, beta 0")
 
     clock.t += 100  # a second collapse within the hour: more than max_per_window = 1, a cool-down
-    msg = cycle.observe(record(5, kl=5.0))
+    msg = cycle.observe(record(5, kl=5.0)).rolled_back
     assert "paused for 900 s" in msg and lr() == (5e-3, 0.01)
     assert cycle.check_budget() == 900.0 and cycle.backoff()["paused_until"] == 1110.0 + 900.0
     clock.t += 899

@@ -433,6 +433,18 @@ def _generated_pages() -> set[str]:
     return {f"docs/reference/{name}" for name in module.PAGES}
 
 
+def test_help_that_names_a_generated_page_says_how_to_make_it():
+    """A fresh clone lacks the generated pages until ``make docs``: every help text of the
+    console script that points at one says so."""
+    from selfrl.cli import build_parser
+
+    gen, pages = _gen(), _generated_pages()
+    helps = [a.help or "" for sub in gen.subcommands(build_parser()).values() for a in sub._actions]
+    naming = [h for h in helps if any(page in h for page in pages)]
+    assert len(naming) >= 4  # --config of run, serve, sampler and simulate
+    assert [h for h in naming if "make docs" not in h] == []
+
+
 def test_the_generated_reference_pages_are_ignored_by_git():
     ignored = set((ROOT / ".gitignore").read_text().split())
     assert _generated_pages() == {"docs/reference/cli.md", "docs/reference/config.md", "docs/reference/registries.md"}

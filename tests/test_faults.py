@@ -189,6 +189,25 @@ def test_destructive_update_rolled_back_and_spent_budget_stops_cleanly(model_dir
     assert "collapse.max_rollbacks" in (tmp_path / "run" / "report.md").read_text()
 
 
+def test_run_prints_the_step_back_after_a_stable_stretch(model_dir, tmp_path, inject):
+    """As the collapse it follows: the ``step_back`` event's message is a progress line too."""
+    from selfrl.run.progress import PlainProgress
+
+    lines = []
+
+    class Lines(PlainProgress):
+        def log(self, message: str) -> None:
+            lines.append(message)
+
+    inject("lr_x1000@1")  # iteration 1 collapses (the kl rule); iteration 2 is the stable stretch
+    run(config(model_dir, tmp_path / "run", iterations=3, **{"collapse.stable_updates": 1}), progress=Lines())
+    with Store(tmp_path / "run" / "selfrl.db") as store:
+        events = {e["kind"]: e["message"] for e in store.events()}
+    assert events["step_back"].startswith("iteration 2: stable since the last collapse or step: backoff level 0, ")
+    assert events["collapse"] in lines and events["step_back"] in lines
+    assert lines.index(events["collapse"]) < lines.index(events["step_back"])
+
+
 # ------------------------------------------------------------------ crash safety
 
 

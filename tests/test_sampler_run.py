@@ -201,7 +201,7 @@ def test_cli_an_unreachable_sampler_is_a_clear_error_before_the_model_loads(mode
     t = time.monotonic()
     code = main(["run", "--model", str(model_dir), "--device", "cpu", "--lora-r", "4", "--run-dir",
                  str(tmp_path / "r"), "--sampler", "http://127.0.0.1:9", "--iterations", "1"])
-    assert code == 2 and loaded == [] and time.monotonic() - t < 30
+    assert code == 1 and loaded == [] and time.monotonic() - t < 30  # the machine's fault, as a taken port
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert err.startswith("selfrl: error: cannot reach the selfrl sampler at http://127.0.0.1:9 (sampler.url, "

@@ -220,14 +220,18 @@ def test_models_pin_and_rollback(server, client):
         v = service.store.next_version()
     add_version(service, state, v, metrics={"val/success": 0.0})
     service.publish(v, state, "test")
-    ids = [m.id for m in client.models.list().data]
-    assert f"selfrl@v{v}" in ids and "selfrl@v0" in ids
+    models = {m.id: m for m in client.models.list().data}
+    assert f"selfrl@v{v}" in models and "selfrl@v0" in models
+    # the alias is the version serving: created when that version was (as vLLM, a Unix time, never 0)
+    created = {r["version"]: int(r["created_at"]) for r in service.version_ids()}
+    assert models["selfrl"].created == models[f"selfrl@v{v}"].created == created[v] > 1_600_000_000
     assert client.chat.completions.create(model="selfrl", messages=[{"role": "user", "content": "a"}], max_tokens=2).system_fingerprint == f"selfrl-v{v}"
     old = client.chat.completions.create(model="selfrl@v0", messages=[{"role": "user", "content": "a"}], max_tokens=2)
     assert old.model_extra["adapter_version"] == 0 and service.engine.version == v  # swapped back after
     assert http("POST", url + "/admin/pin", {"version": 0})[0] == 401
     status, body = http("POST", url + "/admin/pin", {"version": 0}, key=API_KEY)
     assert status == 200 and body["served_version"] == 0 and body["pinned"] == 0
+    assert {m.id: m.created for m in client.models.list().data}["selfrl"] == created[0]
     assert http("POST", url + "/admin/pin", {"version": 77}, key=API_KEY)[0] == 404
     assert http("POST", url + "/admin/unpin", key=API_KEY)[1]["served_version"] == v
     status, body = http("POST", url + "/admin/rollback", {"version": 0}, key=API_KEY)

@@ -38,6 +38,16 @@ class CycleStep:
     candidate_kl: float | None = None
 
 
+@dataclass(frozen=True)
+class Observed:
+    """What the collapse rules made of one update (:meth:`UpdateCycle.observe`): the ``collapse``
+    event's message when a cheap rule fired and the chain was rolled back, or the ``step_back``
+    event's message when the stable stretch earned one backoff level back; None where neither."""
+
+    rolled_back: str | None = None
+    stepped_back: str | None = None
+
+
 class UpdateCycle:
     """The steps of one update, shared by the loop and the background learner.
 
@@ -127,29 +137,30 @@ class UpdateCycle:
             self.ledger.event(EventKind.HACKING, f"version {version}: {alert}")
         return probes
 
-    def observe(self, rec: UpdateRecord) -> str | None:
-        """Record one update for the collapse rules; when a cheap rule fires, roll back now and
-        return the ``collapse`` event's message (None when no rule fired). An update without an
-        alarm counts toward the budget's stable stretch (:meth:`stable_update`)."""
+    def observe(self, rec: UpdateRecord) -> Observed:
+        """Record one update for the collapse rules; when a cheap rule fires, roll back now. An
+        update without an alarm counts toward the budget's stable stretch (:meth:`stable_update`).
+        Returns the message of the event either recorded (each None when it recorded none)."""
         alarms = self.guard.observe(rec)
         if alarms:
-            return self.roll_back(rec.step, alarms)
-        self.stable_update(rec.step)
-        return None
+            return Observed(rolled_back=self.roll_back(rec.step, alarms))
+        return Observed(stepped_back=self.stable_update(rec.step))
 
-    def stable_update(self, step: int) -> None:
+    def stable_update(self, step: int) -> str | None:
         """One update without a collapse: when the stable stretch earns it, step one backoff level
-        back toward the configured setting, applied to the learner, with a ``step_back`` event."""
+        back toward the configured setting, applied to the learner, with a ``step_back`` event,
+        whose message is returned (None: no step back)."""
         setting = self.budget.update_done()
         if setting is None:
-            return
+            return None
         lr, beta = setting
         self.learner.set_hyperparameters(lr, beta)
         level = self.budget.level
-        self.ledger.event(EventKind.STEP_BACK, f"iteration {step}: stable since the last collapse or step: backoff "
-                          f"level {level}, learning rate {lr:.3g}, beta {beta:.3g}",
-                          {"iteration": step, "level": level, "learning_rate": lr, "beta": beta,
-                           "at": self.budget.clock()})
+        msg = (f"iteration {step}: stable since the last collapse or step: backoff level {level}, "
+               f"learning rate {lr:.3g}, beta {beta:.3g}")
+        self.ledger.event(EventKind.STEP_BACK, msg, {"iteration": step, "level": level, "learning_rate": lr,
+                                                     "beta": beta, "at": self.budget.clock()})
+        return msg
 
     # -- gate ----------------------------------------------------------------------------
 

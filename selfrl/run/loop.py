@@ -12,23 +12,18 @@ version whose weights are loaded. An update saves its result as a new
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import random
 import time
-from dataclasses import dataclass, field
-from itertools import zip_longest
-from pathlib import Path
 
 from selfrl.core import faults
 from selfrl.core.tasks import Task
 from selfrl.core.trajectory import Trajectory
 from selfrl.core.wording import plural
 from selfrl.record import adapters
-from selfrl.run.metrics import MetricsLog, rollout_metrics
-from selfrl.record.serve_rule import ServedChoice, serve_by_rule
+from selfrl.run.agents import agents_gate
+from selfrl.run.metrics import MetricsLog, iteration_line, iteration_metrics
+from selfrl.run.order import iteration_tasks, shuffled
+from selfrl.run.result import RunResult, finish_run
 from selfrl.record.versions import Champion, EventKind
-from selfrl.rl.learner import UpdateResult
 from selfrl.rollout.agent import env_offers_tools, rollout
 from selfrl.rollout.prefetch import Prefetch, staleness
 from selfrl.safety import collapse
@@ -41,51 +36,11 @@ from selfrl.run.setup import RunSetup
 from selfrl.run.signal import SignalChooser, diagnose, probe_report
 from selfrl.run.warm_start import WarmStartError, run_warm_start
 
-__all__ = ["CollapseStop", "NoSignalStop", "RunResult", "Runner", "iteration_tasks"]
-
-
-@dataclass
-class RunResult:
-    """What a run ends with (also written to ``report.md``)."""
-
-    run_dir: Path
-    base_success: float
-    final_success: float
-    base_version: int
-    final_version: int
-    stopped_early: bool = False
-    summary: dict = field(default_factory=dict)
+__all__ = ["NoSignalStop", "Runner"]
 
 
 class NoSignalStop(Exception):
     """``task.signal_check = "stop"`` and the first batch had no group with reward spread."""
-
-
-def walk_order(train: list[Task], seed: int) -> list[int]:
-    """The order the iterations walk the training set: shuffled by ``seed``; tasks tagged with
-    an agent (``metadata["agent"]``, ``[[agents]]``) then take turns, agent by agent, so every
-    batch of ``num_prompts`` holds the agents in equal numbers (when it is a multiple of them)."""
-    order = list(range(len(train)))
-    random.Random(seed).shuffle(order)
-    by_agent: dict[str, list[int]] = {}
-    for i in order:
-        by_agent.setdefault(train[i].metadata.get("agent", ""), []).append(i)
-    if len(by_agent) < 2:
-        return order
-    return [i for row in zip_longest(*by_agent.values()) for i in row if i is not None]
-
-
-def shuffled(train: list[Task], seed: int) -> list[Task]:
-    """The training set in the order the iterations walk it."""
-    return [train[i] for i in walk_order(train, seed)]
-
-
-def iteration_tasks(train: list[Task], iteration: int, num_prompts: int, seed: int) -> list[Task]:
-    """The tasks of one iteration: a deterministic walk through the shuffled training set (:func:`walk_order`)."""
-    order = walk_order(train, seed)
-    start = (iteration * num_prompts) % len(order)
-    idx = (order + order)[start:start + num_prompts]
-    return [train[i] for i in idx]
 
 
 class Runner:
@@ -94,13 +49,12 @@ class Runner:
     rewards, one update through the update cycle), :meth:`validate` and :meth:`gate` when due,
     and :meth:`finish`.
 
-    About 340 lines with this docstring, past the 300 we aim for: its methods are the phases of one run, and they
-    share the run's state (the chooser's pass rates, the batch sampled during the update, the
-    pre-flight check done once); the Ray driver overrides where rollouts come from
-    (:class:`selfrl.run.ray.driver.AsyncRunner`) and the warm start calls its validation and
-    gate. What is not state lives outside it: the setup (:mod:`selfrl.run.setup`), the update
-    cycle (:mod:`selfrl.run.cycle`), the task order (:func:`iteration_tasks`) and the
-    report's totals (:func:`run_summary`).
+    Its methods are the phases of one run, sharing the run's state (the chooser's pass rates, the
+    batch sampled during the update, the pre-flight check done once); the Ray driver overrides
+    where rollouts come from (:class:`selfrl.run.ray.driver.AsyncRunner`) and the warm start calls
+    its validation and gate. What is not state lives beside it: the setup (:mod:`selfrl.run.setup`),
+    the update cycle (:mod:`selfrl.run.cycle`), the task order (:mod:`selfrl.run.order`), the
+    agents' gate (:func:`selfrl.run.agents.agents_gate`) and the end (:mod:`selfrl.run.result`).
     """
 
     def __init__(self, setup: RunSetup, progress: Progress):
@@ -212,18 +166,10 @@ class Runner:
             s.engine.version = step.candidate.version
         else:
             self.progress.advance()  # close the update bar: no micro-batch ran
-        metrics = step.result.metrics()
-        if step.candidate_kl is not None:
-            metrics["candidate_kl"] = step.candidate_kl
-        metrics.update(rollout_metrics(trajs))
-        metrics.update(hacking)
-        metrics.update(judged)
-        metrics.update(lag)
-        metrics.update({"frac_reward_zero_std": adv.frac_no_signal, "advantage_scale": adv.scale, "version": float(s.engine.version),
-                        "time/rollout_s": t_roll, "sampled_version": float(sampled),
-                        "train/entropy": collapse.entropy_estimate(trajs),
-                        "train/degenerate": collapse.degenerate_share(trajs, cfg.collapse)})
-        metrics.update({"signal/pass_at_k": probe.pass_at_k, "signal/all_fail": probe.all_fail,
+        metrics = iteration_metrics(step.result, step.candidate_kl, trajs, cfg.collapse) | hacking | judged | lag
+        metrics.update({"frac_reward_zero_std": adv.frac_no_signal, "advantage_scale": adv.scale,
+                        "version": float(s.engine.version), "time/rollout_s": t_roll, "sampled_version": float(sampled),
+                        "signal/pass_at_k": probe.pass_at_k, "signal/all_fail": probe.all_fail,
                         "signal/all_pass": probe.all_pass})
         if self.chooser is not None:
             metrics["signal/skipped_tasks"] = float(self.chooser.last_skipped)
@@ -231,13 +177,14 @@ class Runner:
         if cause and (step.result.skipped or probe.zero_signal >= 0.75):  # say why it is not learning
             cause_note = cause
             s.ledger.event(EventKind.NO_SIGNAL, f"iteration {it}: {cause}", {"zero_signal": probe.zero_signal})
-        self.log_iteration(it, metrics, step.result, t_roll, cause_note)
+        self.progress.log(iteration_line(it, metrics, step.result, s.engine.version, t_roll, cause_note))
         # also when the champion sampled them: the new candidate goes, the setting gets safer
         record = collapse.UpdateRecord(it, sampled, metrics["reward/mean"], metrics["train/entropy"],
                                        metrics["train/degenerate"], step.result.stats.get("kl"), step.candidate_kl)
-        rolled_back = s.cycle.observe(record)
-        if rolled_back:
-            self.progress.log(rolled_back)
+        observed = s.cycle.observe(record)  # a collapse rolled back, or a stable stretch stepped back
+        for line in (observed.rolled_back, observed.stepped_back):
+            if line:
+                self.progress.log(line)
         return metrics
 
     def choose(self, it: int) -> list[Task]:
@@ -293,18 +240,6 @@ class Runner:
         return again, t_roll + t_again, self.s.engine.version, {"async/dropped_stale": float(len(p.tasks)),
                                                                 "async/mean_staleness": 0.0}
 
-    def log_iteration(self, it: int, metrics: dict[str, float], result: UpdateResult, t_roll: float,
-                      cause: str | None = None) -> None:
-        note = f" (update skipped: {result.note})" if result.skipped else ""
-        if cause:
-            note += f" [{cause}]"
-        self.progress.log(
-            f"iteration {it}: reward {metrics['reward/mean']:.3f} correct {metrics['train/correct']:.3f} "
-            f"tool use {metrics['train/tool_use']:.2f} kl {metrics.get('kl', 0.0):.4f} "
-            f"version {self.s.engine.version} (rollouts {t_roll:.0f} s, update "
-            f"{metrics.get('time/update_s', 0.0):.0f} s){note}"
-        )
-
     def preflight(self, it: int, line: str, cause: str | None) -> None:
         """The pre-flight signal check on the first batch, before the first update: log what the
         batch shows and, without signal, why and what to change; stop under ``signal_check = "stop"``.
@@ -329,28 +264,8 @@ class Runner:
         self.progress.log(verdict.message if verdict.outcome == "collapse" else f"iteration {it}: {verdict.message}")
 
     def agents_gate(self, it: int, res: EvalResult) -> tuple[str, dict] | None:
-        """Each agent's gate on its own held-out tasks, by the no-forgetting rule
-        (:func:`selfrl.safety.families.judge_families`) against the best stored result of a
-        promoted version (or the base) per agent: logs ``val/<agent>`` and records one
-        ``agent_conflict`` event per agent the candidate hurts beyond its tolerance; returns the
-        veto (the conflicts' message, and the ``reject`` event's data), or None when no agent loses."""
-        from selfrl.envs.agents import agent_results
-        from selfrl.safety.families import best_per_family, judge_families
-
-        s = self.s
-        candidate = agent_results(res.results)
-        refs = {v: agent_results(ev) for v, ev in s.ledger.reference_evaluations().items()}
-        reference, versions = best_per_family(refs, candidate)
-        verdict = judge_families(reference, candidate, s.source.tolerance, reference_version=versions)
-        s.store.log_metrics(s.run_id, it, {f"val/{a}": new for a, (_, new) in verdict.success.items()})
-        for c in verdict.dropped:
-            s.ledger.event(EventKind.AGENT_CONFLICT, f"iteration {it}: version {res.version}: {c.message('agent')}", {
-                "version": res.version, "champion": self.champion.version, "agent": c.family, **c.to_dict()})
-        self.progress.log(f"iteration {it}: agents' gate for version {res.version}: " +
-                          "; ".join(f"{a} {old:.3f} -> {new:.3f}" for a, (old, new) in verdict.success.items()))
-        if verdict.passed:
-            return None
-        return verdict.message("agent"), {"agents": [c.to_dict() for c in verdict.dropped]}
+        """:func:`selfrl.run.agents.agents_gate` on this run's ledger, its agents' tolerances."""
+        return agents_gate(self.s.ledger, self.s.source.tolerance, it, res, self.progress.log)
 
     def recover(self) -> None:
         """On resume: move aside what a killed save left (never recorded), and restore the
@@ -428,60 +343,9 @@ class Runner:
         return result
 
     def finish(self, stopped: bool) -> RunResult:
-        """Serve the version ``gate.rule`` chooses (:func:`selfrl.record.serve_rule.serve_by_rule`),
-        say which and why, write the report, close the store."""
-        from selfrl.report.run import write_report
-
-        s = self.s
-        choice, note = serve_by_rule(s.ledger, self.cfg.gate.rule, self.cfg.gate.tolerance)
-        if note:
-            self.progress.log(note)
-        champ = self.champion
-        # Always: an interrupted update may have changed the weights without saving a version.
-        if s.sampler is None:
-            s.engine.swap(champ.state, champ.version)
-        else:
-            try:
-                s.sampler.load(champ.state, champ.version, "finish")
-            except SwapCheckError as e:  # the run is ending: reported, the learner holds the champion
-                self.progress.log(f"the sampler could not be put back on version {champ.version}: {e}")
-        summary = run_summary(s, champ.version, stopped, time.perf_counter() - self.t_start, choice)
-        self.progress.log(summary["served"])
-        report = write_report(s.run_dir, s.store, s.run_id, summary)
-        base, final = s.store.evaluation(0), s.store.evaluation(champ.version)
-        s.store.close()
-        if s.judge is not None:
-            s.judge.close()
-        return RunResult(s.run_dir, _rate(base), _rate(final), 0, champ.version, stopped,
-                         {**summary, "report": str(report)})
-
-
-def run_summary(s: RunSetup, final_version: int, stopped: bool, session_s: float, choice: ServedChoice) -> dict:
-    """The totals ``report.md`` opens with: time in rollouts, updates and validation over every
-    session of the run directory (seconds), the cost ratio, the final version (the one served),
-    the rule that chose it and its line (``choice``) and the main settings."""
-    cfg = s.cfg
-    totals: dict[str, float] = {}
-    for row in s.store.metrics():  # every session of this run directory, not only this one
-        if row["name"].startswith("time/") and row["value"] is not None:
-            totals[row["name"]] = totals.get(row["name"], 0.0) + row["value"]
-    inference, training = totals.get("time/rollout_s", 0.0), totals.get("time/update_s", 0.0)
-    return {
-        "base_version": 0, "final_version": final_version,
-        "gate_rule": choice.rule.value, "gate_tolerance": choice.tolerance, "served": choice.line(),
-        "time_inference_s": inference, "time_training_s": training,
-        "time_validation_s": totals.get("time/validation_s", 0.0),
-        "cost_ratio": (inference + training) / inference if inference else float("nan"),
-        "stopped_early": stopped, "collapse_rollbacks": s.cycle.budget.collapses,
-        "model": cfg.model.name, "task": cfg.task.source, "preset": cfg.preset,
-        "reward_weights": s.weights, "num_prompts": cfg.num_prompts,
-        "num_generations": cfg.num_generations, "iterations": cfg.iterations,
-        "session_wall_time_s": session_s,
-    }
-
-
-def _rate(evaluation: dict[str, bool]) -> float:
-    return sum(evaluation.values()) / len(evaluation) if evaluation else float("nan")
+        """:func:`selfrl.run.result.finish_run`: serve the version ``gate.rule`` chooses, write the
+        report, close the store."""
+        return finish_run(self.s, self.progress, stopped, time.perf_counter() - self.t_start)
 
 
 def _task_row(t: Task) -> dict:

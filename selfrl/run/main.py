@@ -5,8 +5,9 @@
 from __future__ import annotations
 
 from selfrl.config import ConfigError, RunConfig
-from selfrl.run.loop import Runner, RunResult
+from selfrl.run.loop import Runner
 from selfrl.run.progress import PlainProgress, Progress
+from selfrl.run.result import RunResult
 from selfrl.run.setup import build_run
 
 

@@ -1,5 +1,5 @@
-"""Where a run's numbers go: the store, ``metrics.jsonl`` and TensorBoard, and the batch
-statistics of a set of rollouts."""
+"""Where a run's numbers go: the store, ``metrics.jsonl`` and TensorBoard; the numbers of one
+iteration (the batch statistics of its rollouts, the update's) and its progress line."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import time
 from pathlib import Path
 
 from selfrl.rl.advantages import mean_std
+from selfrl.rl.learner import UpdateResult
+from selfrl.safety import collapse
+from selfrl.safety.collapse import CollapseConfig
 from selfrl.record.store import Store
 from selfrl.core.trajectory import Trajectory
 
@@ -54,3 +57,30 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
         # left out of grouping and the loss (``group_advantages``): no token to train on
         "train/no_trainable_tokens": sum(t.num_completion_tokens == 0 for t in trajs) / n,
     }
+
+
+def iteration_metrics(result: UpdateResult, candidate_kl: float | None, trajs: list[Trajectory],
+                      collapse_cfg: CollapseConfig) -> dict[str, float]:
+    """The numbers of one iteration that come from its update and its rollouts: the update's
+    (:meth:`UpdateResult.metrics`), the candidate's KL probe (when it ran), :func:`rollout_metrics`,
+    and the collapse rules' entropy estimate and degenerate share."""
+    metrics = result.metrics()
+    if candidate_kl is not None:
+        metrics["candidate_kl"] = candidate_kl
+    metrics.update(rollout_metrics(trajs))
+    metrics.update({"train/entropy": collapse.entropy_estimate(trajs),
+                    "train/degenerate": collapse.degenerate_share(trajs, collapse_cfg)})
+    return metrics
+
+
+def iteration_line(it: int, metrics: dict[str, float], result: UpdateResult, version: int, t_roll: float,
+                   cause: str | None = None) -> str:
+    """The progress line of iteration ``it``: reward, correct, tool use, KL, the ``version`` serving
+    after it, seconds in rollouts (``t_roll``) and in the update; why the update was skipped, and
+    ``cause`` (why it is not learning), when there is one."""
+    note = f" (update skipped: {result.note})" if result.skipped else ""
+    if cause:
+        note += f" [{cause}]"
+    return (f"iteration {it}: reward {metrics['reward/mean']:.3f} correct {metrics['train/correct']:.3f} "
+            f"tool use {metrics['train/tool_use']:.2f} kl {metrics.get('kl', 0.0):.4f} "
+            f"version {version} (rollouts {t_roll:.0f} s, update {metrics.get('time/update_s', 0.0):.0f} s){note}")

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -79,6 +80,7 @@ def create_app(service: Service, api_key: str | None, protect_completions: bool 
                            code="invalid_api_key", type_="authentication_error")
 
     open_or_key = [Depends(require_key)] if protect_completions else []
+    started = int(time.time())  # /v1/models: the aliases' ``created`` when their version is not listed
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
@@ -131,11 +133,13 @@ def create_app(service: Service, api_key: str | None, protect_completions: bool 
 
     @app.get("/v1/models", dependencies=open_or_key)
     async def models():
-        name = service.cfg.served_model_name
-        data = [{"id": n, "object": "model", "created": 0, "owned_by": "selfrl",
-                 "adapter_version": service.engine.version, "base_model": service.cfg.model.name}
+        name, served, versions = service.cfg.served_model_name, service.engine.version, service.version_ids()
+        # the aliases name the version serving now: created when it was (the server's start if unlisted)
+        created = next((int(v["created_at"]) for v in versions if v["version"] == served), started)
+        data = [{"id": n, "object": "model", "created": created, "owned_by": "selfrl",
+                 "adapter_version": served, "base_model": service.cfg.model.name}
                 for n in (name, *service.cfg.model_aliases)]
-        for v in service.version_ids():
+        for v in versions:
             data.append({"id": f"{name}@v{v['version']}", "object": "model", "created": int(v["created_at"]),
                          "owned_by": "selfrl", "adapter_version": v["version"], "status": v["status"],
                          "val_success": v["metrics"].get("val/success")})

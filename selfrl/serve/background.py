@@ -337,7 +337,7 @@ class BackgroundLearner(threading.Thread):
         self.store.log_metrics(self.ledger.run_id, step_no, metrics)
         rec = collapse.record_from_metrics(step_no, metrics)
         info.update(version=version, update_s=step.result.stats.get("time/update_s"))
-        if cycle.observe(rec):  # a cheap collapse rule fired: rolled back before validation
+        if cycle.observe(rec).rolled_back:  # a cheap collapse rule fired: rolled back before validation
             info["result"] = "rolled back (collapse)"
         else:
             res = self.validate(version)

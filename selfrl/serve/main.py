@@ -57,8 +57,10 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | None, learn: bool = True,
           protect_completions: bool = False) -> int:
-    """Run the server until Ctrl-C, SIGTERM or SIGHUP; returns the exit code: 2 for bad input, 128 + the
-    signal's number after a stop signal (130, 143, 129; :mod:`selfrl.run.shutdown`). The log handlers
+    """Run the server until Ctrl-C, SIGTERM or SIGHUP; returns the exit code (``selfrl.cli.EXIT_CODES``):
+    2 for bad input, 1 when the machine or another process is at fault (a port in use, a sampler that
+    does not answer or serves other weights, a full disk), 128 + the signal's number after a stop
+    signal (130, 143, 129; :mod:`selfrl.run.shutdown`). The log handlers
     it attaches (:mod:`selfrl.serve.logfile`) are detached when it returns."""
     with contextlib.ExitStack() as logs:
         return _serve(config, overrides, api_key_file, learn, protect_completions, logs)
@@ -90,7 +92,10 @@ def _serve(config: str | None, overrides: dict[str, Any], api_key_file: str | No
             from selfrl.run.sampler_sync import check_reachable
 
             check_reachable(cfg.sampler.url, cfg.sampler.kind)
-    except (ConfigError, ValueError, KeyError, ConnectionError) as e:
+    except ConnectionError as e:  # the sampler does not answer: the machine's, as a taken port (exit code 1)
+        print(f"selfrl: error: {e}", file=sys.stderr)
+        return 1
+    except (ConfigError, ValueError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"selfrl: error: {msg}", file=sys.stderr)
         return 2

@@ -40,7 +40,8 @@ from selfrl.record import adapters
 from selfrl.config import DistributedConfig, RunConfig
 from selfrl.rollout.staleness import staleness
 from selfrl.run.ray.worker import WORKER_FAULT_ENV, Job, JobResult, RolloutWorker, parse_worker_fault
-from selfrl.run.loop import Runner, iteration_tasks
+from selfrl.run.loop import Runner
+from selfrl.run.order import iteration_tasks
 from selfrl.run.setup import build_run
 from selfrl.run.progress import PlainProgress, Progress
 from selfrl.core.trajectory import Trajectory
