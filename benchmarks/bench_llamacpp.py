@@ -1,5 +1,5 @@
 """llama.cpp's server against selfrl's own engines on the same model: serving, batch
-sampling, what it returns for RL, and the sampler/learner log-prob mismatch (issue 15).
+sampling, what it returns for RL, and the sampler/learner log-prob mismatch.
 
     nice -n 10 .venv/bin/python benchmarks/bench_llamacpp.py --server /path/to/llama-server   # ~20 min
     .venv/bin/python benchmarks/bench_llamacpp.py                                           # skips: no binary

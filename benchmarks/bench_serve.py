@@ -19,7 +19,7 @@ them alike.
   run in a child process, as a deployment's clients do. ``--client-process both`` measures
   both ways at each level, side by side.
 
-The issue's target (issue 15): a median time to first token under 0.5 s at 8 clients on
+The target: a median time to first token under 0.5 s at 8 clients on
 the embedded SmolLM2-135M. The load average at start and end is in the JSON and printed:
 on a loaded machine every figure is slower, the ratios less so.
 """

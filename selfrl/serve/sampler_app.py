@@ -2,7 +2,7 @@
 
 It serves one in-process engine (:class:`selfrl.engines.reference.Engine` over a peft model)
 to other selfrl processes, which use it through :class:`selfrl.engines.remote.RemoteEngine`.
-It is the CPU inference server of issue 15: it runs wherever selfrl runs, returns
+It is a CPU inference server: it runs wherever selfrl runs, returns
 exact token ids and logprobs (the engine's own), and loads adapters by version.
 
 Endpoints (JSON unless said otherwise; a refused request is a 400 whose ``detail``
