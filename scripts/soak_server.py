@@ -128,10 +128,11 @@ def call(url: str, path: str, body: dict | None = None, timeout: float = 30.0) -
 
 
 class Server:
-    """``selfrl serve`` as a subprocess on one run directory: start, kill -9, restart, stop."""
+    """``selfrl serve`` as a subprocess on one run directory: start, kill -9, restart, stop
+    (``extra``: more arguments of ``selfrl serve``, e.g. ``--no-learn``)."""
 
-    def __init__(self, out: Path, config: Path, fault_file: Path):
-        self.out, self.config, self.fault_file = out, config, fault_file
+    def __init__(self, out: Path, config: Path, fault_file: Path, extra: list[str] | None = None):
+        self.out, self.config, self.fault_file, self.extra = out, config, fault_file, list(extra or [])
         self.url = ""
         self.proc: subprocess.Popen | None = None
         self.starts = 0
@@ -149,7 +150,7 @@ class Server:
         self.starts += 1
         log = open(self.out / f"server-{self.starts}.log", "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "selfrl.cli", "serve", "--config", str(self.config),
-                                      "--api-key-file", str(self.out / "key")], env=env, stdout=log, stderr=log)
+                                      "--api-key-file", str(self.out / "key"), *self.extra], env=env, stdout=log, stderr=log)
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
