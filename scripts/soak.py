@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sample-s", type=float, default=10.0, help="real seconds between two samples of the timeline")
     p.add_argument("--day-s", type=float, default=1440.0, help="real seconds one simulated day lasts")
     p.add_argument("--arrivals-per-hour", type=float, default=30.0, help="conversations per simulated hour")
-    p.add_argument("--val-size", type=int, default=16,
+    p.add_argument("--val-size", type=int, default=8,
                    help="held-out tasks per family: the server validates every version on them, no user asks them, "
                         "and champion and base are compared on them at the end")
     p.add_argument("--tolerance", type=float, default=0.1,

@@ -64,7 +64,7 @@ class SoakFamily:
     source: str
     options: dict[str, Any]
     tool_choice: str  # what the users send: auto | required
-    max_turns: int  # completions of one conversation (the users'; the server's gate rollouts: see constrain)
+    max_turns: int  # completions of one users' conversation (the server's held-out rollouts take [rollout] max_turns)
     max_tokens: int | None  # max_tokens of each completion (None: the soak's default)
     constrain: str | None  # the server's per-family decoding of its held-out rollouts (None: the server's default)
     val_seed: int = 2000  # the family's held-out seed (the server's task.val_seed)
