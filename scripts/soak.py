@@ -11,6 +11,12 @@ What runs:
   ``--concurrency`` users of arithmetic, function calling and the web's easy tier, in three
   phases (arithmetic; + function calling; + the web), on a scaled clock (``--day-s`` real
   seconds a simulated day); a request during an outage is counted (status 0), never a crash.
+  The families (``soak_server.FAMILIES``) follow the shipped configs of ``selfrl run``:
+  function calling as configs/function_calling.toml (``tool_choice = "required"``: one call
+  under the server's grammar, the answer), the web as configs/web_easy.toml (two worked
+  episodes, ``page_ids``: each turn's tools narrowed to the page shown; ``tool_choice =
+  "required"``). The server holds the same three as ``[[families]]``, so its no-forgetting
+  gate is on, and the users never ask one of their ``--val-size`` held-out tasks.
 * The faults, one each at a time drawn uniformly inside its own slice of the run:
   ``collapse`` (noise in the weights of one update, or a learning rate x1000, by the seed) and
   ``nan_loss``, both written into ``SELFRL_FAULT_FILE`` for the learner's next update
@@ -21,9 +27,9 @@ What runs:
   directory's size, the completions' latency p95 and each family's served success (the
   simulator's verifier verdicts) in the window, and the learner's status.
 
-At the end, before the server stops, each family's held-out pairs: the same ``--eval-tasks``
-tasks (a seed no user drew) asked of version 0 and of the champion (``selfrl@v<N>``,
-temperature 0); then ``soak_report.py`` writes ``soak.png``, ``targets.md`` and ``targets.json``.
+At the end, each family's held-out pairs, version 0 against the champion: the server's own
+results on the family's held-out tasks (see :meth:`Soak.held_out_pairs`); then
+``soak_report.py`` writes ``soak.png``, ``targets.md`` and ``targets.json``.
 
     python scripts/soak.py --minutes 90 --out runs/soak        # the soak (docs/results/soak.md)
     python scripts/soak.py --minutes 2 --tiny --out /tmp/soak   # a smoke run on the tiny model
@@ -42,7 +48,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak_server import KEY, SERVE_TOML, Server, call, disk_mb, free_port, rss_mb  # noqa: E402
+from soak_server import FAMILIES, KEY, SERVE_TOML, Server, call, disk_mb, families_toml, free_port, rss_mb  # noqa: E402
 
 FAULTS = ("collapse", "nan_loss", "kill", "disk")
 class Help(argparse.RawTextHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -61,8 +67,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sample-s", type=float, default=10.0, help="real seconds between two samples of the timeline")
     p.add_argument("--day-s", type=float, default=1440.0, help="real seconds one simulated day lasts")
     p.add_argument("--arrivals-per-hour", type=float, default=30.0, help="conversations per simulated hour")
-    p.add_argument("--eval-tasks", type=int, default=16, help="held-out tasks per family asked of base and champion")
-    p.add_argument("--tolerance", type=float, default=0.1, help="no-forgetting tolerance of a family's served success")
+    p.add_argument("--val-size", type=int, default=8,
+                   help="held-out tasks per family: the server validates every version on them, no user asks them, "
+                        "and champion and base are compared on them at the end")
+    p.add_argument("--tolerance", type=float, default=0.1,
+                   help="each family's no-forgetting tolerance (the server's gate and the report's check)")
     p.add_argument("--rss-warmup-min", type=float, default=15.0, help="RSS growth is measured after this many minutes")
     p.add_argument("--disk-mb", type=int, default=512, help="size of the tmpfs the run directory lives on")
     p.add_argument("--disk-hold-s", type=float, default=30.0, help="seconds the disk stays nearly full")
@@ -76,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.faults = [f for f in args.faults.split(",") if f]
     if bad := [f for f in args.faults if f not in FAULTS]:
         p.error(f"unknown faults {bad}; valid: {', '.join(FAULTS)}")
+    if args.val_size < 1:
+        p.error(f"--val-size must be at least 1, got {args.val_size}")
     return args
 
 
@@ -84,16 +95,16 @@ def simulate_config(args, url: str, minutes: float, out: Path):
     from selfrl.config.simulate import FamilySettings, PhaseSettings, SimulateConfig
 
     tokens = 16 if args.tiny else 96
+    families = [FamilySettings(f.name, f.source, dict(f.options), users=20, max_turns=f.max_turns,
+                               max_tokens=tokens if args.tiny or f.max_tokens is None else f.max_tokens,
+                               tool_choice=f.tool_choice, heldout_size=args.val_size, heldout_seed=f.val_seed)
+                for f in FAMILIES]  # the server's held-out sets (families_toml): never asked
     sim_span = minutes * 60.0 * 86400.0 / args.day_s  # simulated seconds the traffic lasts
     cfg = SimulateConfig(
         base_url=url, seed=args.seed, max_requests=10**7, max_seconds=minutes * 60.0, day_s=args.day_s,
         arrivals_per_hour=args.arrivals_per_hour, window_s=sim_span / 10, concurrency=args.concurrency,
         timeout_s=120.0, out_dir=str(out), group_by="family",  # one learner group per family: its mean is the baseline
-        families=[FamilySettings("arithmetic", "chain_sum", users=20, max_turns=3, max_tokens=tokens, heldout_size=8),
-                  FamilySettings("function_calling", "function_calling", {"categories": ["simple"]}, users=20,
-                                 max_turns=2, max_tokens=tokens, heldout_size=8),
-                  FamilySettings("web", "web", {"tier": "easy"}, users=20, max_turns=3, max_tokens=tokens,
-                                 heldout_size=8)],
+        families=families,
         phases=[PhaseSettings(sim_span / 3, {"arithmetic": 1.0}),
                 PhaseSettings(sim_span / 3, {"arithmetic": 0.5, "function_calling": 0.5}),
                 PhaseSettings(sim_span / 3, {"arithmetic": 0.3, "function_calling": 0.35, "web": 0.35})])
@@ -267,7 +278,7 @@ class Soak:
         tiny = a.tiny
         (self.out / "serve.toml").write_text(SERVE_TOML.format(
             run_dir=self.run_dir, port=self.port, model=model, tokens=16 if tiny else 96, lora_r=4 if tiny else 8,
-            val_size=4 if tiny else 8, min_batch=8 if tiny else 12, max_batch=16 if tiny else 24,
+            val_size=a.val_size, families=families_toml(a.val_size, a.tolerance), min_batch=8 if tiny else 12, max_batch=16 if tiny else 24,
             feedback_wait_s=5.0 if tiny else 60.0, max_kl=0.1 if tiny else 0.5, keep_newest=a.keep_newest,
             keep_promoted=a.keep_promoted, delete=str(not a.keep_pruned).lower(),
             lr=1e-3 if tiny else 1e-4))
@@ -316,43 +327,35 @@ class Soak:
         self.sample(sim, last)
         client.close()
         (self.out / "summary.json").write_text(json.dumps(result.get("summary", {}), indent=2) + "\n")
-        pairs = self.held_out_pairs(cfg)
+        _, st = call(self.server.url, "/admin/status")
+        champion = (st.get("learner") or {}).get("best_version", 0)
         self.sample(sim, time.time() - self.t0)
         self.server.stop()
+        pairs = self.held_out_pairs(champion)
         return {"args": vars(a), "started": self.t0, "seconds": time.time() - self.t0, "faults": self.faults,
                 "not_injected": [k for _, k in plan], "pending": self.pending + self.waiting, "pairs": pairs,
                 "server_starts": self.server.starts, "tmpfs": self.mounted}
 
-    def held_out_pairs(self, cfg) -> dict:
-        """Each family's verdicts on ``--eval-tasks`` tasks of one seed no user drew, asked of
-        version 0 and of the champion at temperature 0 (``{family: {base, champion, version}}``)."""
-        import copy
+    def held_out_pairs(self, champion: int) -> dict:
+        """Each family's held-out results of version 0 and of ``champion`` on the same tasks:
+        ``{"champion": N, family: {"base": [bool], "champion": [bool], "tasks": [id]}}`` (tasks
+        sorted; a family without stored results on both sides has empty lists).
 
-        from selfrl.simulate import FakeClock, Simulator
-        from selfrl.simulate.simulator import default_client
+        Read from the server's store (``evaluations``, task ids ``<family>/<id>``), not asked
+        again: these are exactly the family's held-out tasks (``--val-size`` from its
+        ``val_seed``), which no simulated user ever asks, so the pair is disjoint from the
+        training traffic; both sides were decoded as the server's gate decodes (greedy, the
+        family's decoding), and the no-forgetting gate judged the champion on these very
+        results. Asking them again through the API would cost minutes per family and could
+        only differ by the decoding of a client's request."""
+        from selfrl.record.store import Store
 
-        _, st = call(self.server.url, "/admin/status")
-        champ = (st.get("learner") or {}).get("best_version", 0)
-        out: dict = {"champion": champ}
-        for fam in cfg.families:
-            verdicts = {}
-            for name, version in (("base", 0), ("champion", champ)):
-                c = copy.deepcopy(cfg)
-                c.model, c.temperature, c.day_s, c.max_seconds = f"selfrl@v{version}", 0.0, 0.0, 3600.0
-                c.seed, c.concurrency = cfg.seed + 10_000, min(cfg.concurrency, 4)
-                c.arrivals_per_hour, c.families = 3600.0, [fam]
-                c.phases = [type(cfg.phases[0])(self.args.eval_tasks * 5.0, {fam.name: 1.0})]
-                c.users.rating_p = c.users.correction_p = c.users.hostile_share = 0.0
-                client = default_client(c.validate(), KEY)
-                sim = Simulator(c, client, clock=FakeClock(0.0), monotonic=time.monotonic)
-                sim.plans = _first(sim.plans, self.args.eval_tasks)
-                sim.run()
-                client.close()
-                verdicts[name] = {e["conversation"]: bool(e["correct"]) for e in sim.events
-                                  if e["event"] == "outcome" and e["served"]}
-            both = sorted(set(verdicts["base"]) & set(verdicts["champion"]))
-            out[fam.name] = {"base": [verdicts["base"][i] for i in both],
-                             "champion": [verdicts["champion"][i] for i in both]}
+        with Store(self.run_dir / "selfrl.db", readonly=True) as store:
+            base, best = store.evaluation(0), store.evaluation(champion)
+        out: dict = {"champion": champion}
+        for fam in FAMILIES:
+            both = sorted(t for t in set(base) & set(best) if t.startswith(f"{fam.name}/"))
+            out[fam.name] = {"base": [base[t] for t in both], "champion": [best[t] for t in both], "tasks": both}
         return out
 
     def close(self) -> None:
@@ -364,13 +367,6 @@ class Soak:
             self.mounted = False
         elif self.run_dir.exists() and not (self.out / "run").exists():
             (self.out / "run").symlink_to(self.run_dir)
-
-
-def _first(plans, n: int):
-    """``plans`` limited to its first ``n`` plans (the arrivals are 1 simulated second apart)."""
-    import itertools
-
-    return lambda: itertools.islice(plans(), n)
 
 
 def main(argv=None) -> int:

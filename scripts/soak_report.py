@@ -10,11 +10,15 @@ How each target is measured:
 * **above base**: per family, the paired difference champion - base on the same held-out tasks
   (``selfrl.core.stats.paired_difference_ci``, 95 %); met when the interval is above 0 for
   arithmetic and at least one more family.
-* **no forgetting at promoted versions**: the simulator's served success of each family under
-  each promoted version (its verifier's verdicts on the answers that version gave), against the
-  best of the versions before it: a version fails a family when the upper end of its Wilson
-  interval is below that best minus ``--tolerance``. The served tasks differ from version to
-  version, so this is a coarse check; the server's own per-family held-out gate is not measured here.
+* **no forgetting at promoted versions**: each family's held-out success at each promoted
+  version (the server's stored results on that family's held-out tasks, the ones its gate
+  judged: ``evaluations``, ``<family>/<id>``), against the best the base or an earlier promoted
+  version had on the same tasks: a version fails a family when its success is below that best
+  minus ``--tolerance`` (the gate's own rule, :func:`selfrl.safety.families.judge_families`,
+  here on every family, learned or not). A promoted version without stored results on a family
+  is listed as unchecked. Secondary, labelled as such: the simulator's served success of each
+  family under each promoted version (its verifier's verdicts on the answers that version
+  gave), which compares different tasks from version to version.
 * **collapses caught**: each injected collapse that was applied (its update made a version) is
   caught when a ``collapse`` event of that update rolled its version back, or the gate rejected
   it; it was never served in either case. A NaN loss is caught when its update was skipped as
@@ -52,7 +56,9 @@ def load(out: Path) -> dict:
         events = store.events()
         metrics = store.metrics()
         served = {r[0]: r[1] for r in store.conn.execute("SELECT response_id, trajectory_id FROM served")}
-    return {"soak": json.loads((out / "soak.json").read_text()), "timeline": _read_jsonl(out / "timeline.jsonl"),
+        evaluations = {int(r[0]): store.evaluation(int(r[0]))
+                       for r in store.conn.execute("SELECT DISTINCT version FROM evaluations")}
+    return {"evaluations": evaluations, "soak": json.loads((out / "soak.json").read_text()), "timeline": _read_jsonl(out / "timeline.jsonl"),
             "sim": _read_jsonl(out / "events.jsonl"), "versions": versions, "events": events, "metrics": metrics,
             "served": served, "run": run}
 
@@ -73,14 +79,51 @@ def above_base(d: dict) -> dict:
 
 
 def no_forgetting(d: dict, tolerance: float) -> dict:
+    """Held-out success per family at each promoted version against the best earlier one (see
+    the module docstring): ``{met, checked, fails, unchecked, held_out, served_success}``."""
+    from selfrl.envs.agents import agent_results
+    from selfrl.safety.families import judge_families
+
+    promoted = sorted(v for v in _promoted(d) if v is not None)
+    by_version = {v: agent_results(d["evaluations"].get(v, {})) for v in promoted}
+    fails, checked, unchecked = [], 0, []
+    best: dict[str, tuple[int, dict[str, bool]]] = {}  # family -> (version, results) of the best so far
+    for v in promoted:
+        results = by_version[v]
+        families = sorted(set(results) | set(best))
+        for fam in families:
+            got = results.get(fam)
+            if not got:
+                unchecked.append({"family": fam, "version": v})
+                continue
+            if fam in best and v != 0:
+                ref_v, ref = best[fam]
+                if set(ref) == set(got):
+                    checked += 1
+                    verdict = judge_families({fam: ref}, {fam: got}, {fam: tolerance}, reference_version={fam: ref_v})
+                    fails += [{**c.to_dict(), "version": v} for c in verdict.dropped]
+                else:
+                    unchecked.append({"family": fam, "version": v, "why": "other held-out tasks than its reference"})
+            if fam not in best or sum(got.values()) / len(got) > sum(best[fam][1].values()) / len(best[fam][1]):
+                best[fam] = (v, got)
+    held_out = {f"{f}@v{v}": {"n": len(r), "correct": sum(r.values())} for v, rs in by_version.items()
+                for f, r in sorted(rs.items())}
+    return {"met": not fails and checked > 0, "checked": checked, "fails": fails, "unchecked": unchecked,
+            "held_out": held_out, "served_success": served_success(d, tolerance)}
+
+
+def served_success(d: dict, tolerance: float) -> dict:
+    """Secondary: the simulator's served success per family under each promoted version, each
+    against the best earlier one (a version is below when the upper end of its Wilson interval
+    is below that best minus ``tolerance``). Different tasks at each version: coarse."""
     from selfrl.core.stats import wilson_interval
 
-    promoted = sorted(v for v in _promoted(d) if v != 0)
+    promoted = sorted(v for v in _promoted(d) if v is not None and v != 0)
     per: dict[tuple[str, int], list[bool]] = {}
     for e in d["sim"]:
         if e["event"] == "outcome" and e.get("served") and e.get("version") is not None:
             per.setdefault((e["family"], int(e["version"])), []).append(bool(e["correct"]))
-    fails, checked = [], 0
+    below, checked = [], 0
     for fam in sorted({f for f, _ in per}):
         best = None
         for v in [0, *promoted]:
@@ -91,10 +134,10 @@ def no_forgetting(d: dict, tolerance: float) -> dict:
             if best is not None and v != 0:
                 checked += 1
                 if wilson_interval(sum(got), len(got))[1] < best - tolerance:
-                    fails.append({"family": fam, "version": v, "success": rate, "n": len(got), "best": best})
+                    below.append({"family": fam, "version": v, "success": rate, "n": len(got), "best": best})
             best = rate if best is None else max(best, rate)
     table = {f"{f}@v{v}": {"n": len(x), "correct": sum(x)} for (f, v), x in sorted(per.items())}
-    return {"met": not fails, "checked": checked, "fails": fails, "served_success": table}
+    return {"checked": checked, "below": below, "table": table}
 
 
 def _promoted(d: dict) -> set[int]:
@@ -200,6 +243,7 @@ def markdown(t: dict, d: dict) -> str:
         return "met" if ok else "**not met**"
 
     ab, nf, cc = t["above_base"], t["no_forgetting"], t["collapses_caught"]
+    dropped = ", ".join(sorted({f"{x['family']}@v{x['version']}" for x in nf["fails"]}))
     fams = "; ".join(f"{f} {r['base']}/{r['n']} -> {r['champion']}/{r['n']}, diff {r['diff']:+.2f} "
                      f"[{r['low']:+.2f}, {r['high']:+.2f}]" for f, r in ab["families"].items())
     faults = "; ".join(f"{r['spec']} at update {r['update']}: " + (r["how"] if r["applied"] else "never applied")
@@ -211,8 +255,12 @@ def markdown(t: dict, d: dict) -> str:
     rows = [
         ("each learned family above its base (paired 95 % CI > 0: arithmetic and one more)",
          f"champion v{ab['champion']}: {fams}", yes(ab["met"])),
-        ("no family below its best minus tolerance at a promoted version (served success, Wilson)",
-         f"{nf['checked']} version x family checks, {len(nf['fails'])} below", yes(nf["met"])),
+        ("no family below its best minus tolerance at a promoted version (held-out success)",
+         f"{nf['checked']} version x family checks on the server's held-out tasks, {len(nf['fails'])} below"
+         + (f" ({dropped})" if dropped else "")
+         + f"; {len(nf['unchecked'])} unchecked. Secondary, served success (different tasks per version, "
+         f"Wilson): {nf['served_success']['checked']} checks, {len(nf['served_success']['below'])} below",
+         yes(nf["met"])),
         ("100 % of injected collapses caught", f"{cc['caught']}/{cc['applied']} applied ({cc['injected']} injected): "
          f"{faults}", yes(cc["met"])),
         ("0 trajectories lost", f"{tl['lost']} of {tl['acknowledged']} acknowledged turns missing; "

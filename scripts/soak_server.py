@@ -1,15 +1,19 @@
 """``selfrl serve`` as a subprocess for ``scripts/soak.py``: its config, start, ``kill -9``,
-restart and stop; the admin calls; the server's RSS and the run directory's size."""
+restart and stop; its families (:data:`FAMILIES`, shared with the simulated users); the admin
+calls; the server's RSS and the run directory's size."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "soak-key-0123456789abcdef"
@@ -22,8 +26,6 @@ batch_window_s = 0.05
 name = "{model}"
 [lora]
 r = {lora_r}
-[task]
-source = "chain_sum"
 [gate]
 val_size = {val_size}
 batch_size = {val_size}
@@ -48,7 +50,63 @@ keep_promoted = {keep_promoted}
 delete = {delete}
 [train]
 learning_rate = {lr}
-"""
+{families}"""
+
+
+@dataclass(frozen=True)
+class SoakFamily:
+    """One family of the soak, for both ends: the server's ``[[families]]`` table (its held-out
+    set, tolerance and decoding) and the simulated users' ``FamilySettings`` (their options,
+    ``tool_choice`` and budget). The users' ``heldout_size``/``heldout_seed`` are this family's
+    ``val_size``/``val_seed``, so no user ever asks one of the server's held-out tasks."""
+
+    name: str
+    source: str
+    options: dict[str, Any]
+    tool_choice: str  # what the users send: auto | required
+    max_turns: int  # completions of one users' conversation (the server's held-out rollouts take [rollout] max_turns)
+    max_tokens: int | None  # max_tokens of each completion (None: the soak's default)
+    constrain: str | None  # the server's per-family decoding of its held-out rollouts (None: the server's default)
+    val_seed: int = 2000  # the family's held-out seed (the server's task.val_seed)
+
+
+# Each mirrors the shipped config of `selfrl run` where a client of `selfrl serve` can follow it:
+# configs/function_calling.toml (simple, at most 3 parameters; one turn: the call is the answer;
+# 64 tokens; every turn under the tool-call grammar, which serve gives tool_choice = "required")
+# and configs/web_easy.toml (easy tier, 2 worked episodes shown, page_ids: the users send each
+# turn the tools narrowed to the page shown, so the server's grammar offers only its ids; 3 turns
+# of 40 tokens). Arithmetic as before: the calculator offered, tool_choice auto.
+FAMILIES = (
+    SoakFamily("arithmetic", "chain_sum", {}, "auto", max_turns=3, max_tokens=None, constrain=None),
+    SoakFamily("function_calling", "function_calling", {"categories": ["simple"], "max_params": 3}, "required",
+               max_turns=1, max_tokens=64, constrain="tool_call"),
+    SoakFamily("web", "web", {"tier": "easy", "page_ids": True, "shots": 2}, "required",
+               max_turns=3, max_tokens=40, constrain="tool_call"),
+)
+CONSTRAIN_FIELD = False  # TODO(lead): True once [[families]] has `constrain` (FamilyConfig.constrain), after that merge
+
+
+def families_toml(val_size: int, tolerance: float) -> str:
+    """The server's ``[[families]]`` tables for :data:`FAMILIES`: each family's source, options,
+    held-out set (``val_size`` tasks from its ``val_seed``) and ``tolerance`` (the largest
+    held-out drop its no-forgetting gate accepts), and its decoding (``constrain``)."""
+    out = []
+    for f in FAMILIES:
+        lines = ["", "[[families]]", f"name = {json.dumps(f.name)}", f"source = {json.dumps(f.source)}",
+                 f"options = {_inline(f.options)}", f"val_size = {val_size}", f"val_seed = {f.val_seed}",
+                 f"tolerance = {tolerance}"]
+        if f.constrain is not None:
+            line = f"constrain = {json.dumps(f.constrain)}"
+            lines.append(line if CONSTRAIN_FIELD else
+                         f"# TODO(lead): enable once [[families]] has constrain (the held-out rollouts of {f.name} "
+                         f"are otherwise decoded free, unlike its users' turns): {line}")
+        out.append("\n".join(lines))
+    return "\n".join(out) + "\n"
+
+
+def _inline(options: dict[str, Any]) -> str:
+    """``options`` as a TOML inline table (strings, booleans, numbers and lists of them)."""
+    return "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in options.items()) + " }" if options else "{}"
 
 
 def free_port() -> int:
@@ -70,10 +128,11 @@ def call(url: str, path: str, body: dict | None = None, timeout: float = 30.0) -
 
 
 class Server:
-    """``selfrl serve`` as a subprocess on one run directory: start, kill -9, restart, stop."""
+    """``selfrl serve`` as a subprocess on one run directory: start, kill -9, restart, stop
+    (``extra``: more arguments of ``selfrl serve``, e.g. ``--no-learn``)."""
 
-    def __init__(self, out: Path, config: Path, fault_file: Path):
-        self.out, self.config, self.fault_file = out, config, fault_file
+    def __init__(self, out: Path, config: Path, fault_file: Path, extra: list[str] | None = None):
+        self.out, self.config, self.fault_file, self.extra = out, config, fault_file, list(extra or [])
         self.url = ""
         self.proc: subprocess.Popen | None = None
         self.starts = 0
@@ -91,7 +150,7 @@ class Server:
         self.starts += 1
         log = open(self.out / f"server-{self.starts}.log", "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "selfrl.cli", "serve", "--config", str(self.config),
-                                      "--api-key-file", str(self.out / "key")], env=env, stdout=log, stderr=log)
+                                      "--api-key-file", str(self.out / "key"), *self.extra], env=env, stdout=log, stderr=log)
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

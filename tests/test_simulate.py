@@ -317,6 +317,46 @@ def test_group_by_sets_the_task_key_of_every_turn(arithmetic):
     assert set(keys["family"]) == {"arithmetic"} and len(keys["family"]) == len(keys["task"])
 
 
+def test_each_family_sends_its_tool_choice_with_its_tools(arithmetic):
+    clock = FakeClock(0.0)
+    server = ScriptedServer(clock)
+    required = Family(FamilySettings("arithmetic", "chain_sum", tool_choice="required"))
+    Simulator(arithmetic_config(max_requests=20), server, clock=clock, families={"arithmetic": required}).run()
+    bodies = [body for route, _, body in server.calls if route == "chat"]
+    assert len(bodies) >= 10 and all(b["tool_choice"] == "required" and b["tools"] for b in bodies)
+    server = ScriptedServer(clock := FakeClock(0.0))
+    Simulator(arithmetic_config(max_requests=20), server, clock=clock, families={"arithmetic": arithmetic}).run()
+    assert {body["tool_choice"] for route, _, body in server.calls if route == "chat"} == {"auto"}
+
+
+def test_required_tool_choice_without_tools_is_refused_before_any_request(arithmetic):
+    class NoTools(Family):
+        def openai_tools(self, ep):
+            return []
+
+    fam = NoTools.__new__(NoTools)
+    fam.__dict__.update(arithmetic.__dict__)
+    fam.settings = FamilySettings("arithmetic", "chain_sum", tool_choice="required")
+    server = ScriptedServer(clock := FakeClock(0.0))
+    with pytest.raises(ValueError, match='tool_choice = "required" but its environment offers no tools'):
+        Simulator(arithmetic_config(max_requests=5), server, clock=clock, families={"arithmetic": fam}).run()
+    assert server.calls == []
+
+
+def test_page_ids_offers_each_turn_only_the_ids_of_the_page_shown():
+    web = Family(FamilySettings("web", "web", {"tier": "easy", "page_ids": True}))
+    ep = web.open(web.task(123))
+    first = {t["function"]["name"]: t["function"]["parameters"] for t in web.openai_tools(ep)}
+    ep.call("goto", json.dumps({"path": "/cart"}))
+    then = {t["function"]["name"]: t["function"]["parameters"] for t in web.openai_tools(ep)}
+    assert first["goto"]["properties"]["path"]["enum"] and first["click"]["properties"]["id"]["enum"]
+    assert then.get("click") != first["click"] and "back" in then and "back" not in first
+    plain = Family(FamilySettings("web", "web", {"tier": "easy"}))
+    ep = plain.open(plain.task(123))
+    assert plain.openai_tools(ep) == [t.openai_schema() for t in ep.tools.values()]  # without page_ids: as they are
+    assert "enum" not in json.dumps(plain.openai_tools(ep)[0]["function"]["parameters"]["properties"]["id"])
+
+
 def test_time_stops_at_max_seconds(arithmetic):
     ticks = itertools.count()
     clock = FakeClock(0.0)
@@ -424,6 +464,8 @@ def test_environments_that_run_model_code_are_refused():
     ("base_url", "localhost:8000", "base_url must start with http"),
     ("concurrency", 0, "concurrency must be >= 1"),
     ("group_by", "user", "group_by must be one of task, family"),
+    ("families", [{"name": "a", "tool_choice": "always"}],
+     r"families\[0\]\.tool_choice must be one of auto, required, none, got 'always'"),
 ])
 def test_bad_settings_are_refused_with_their_name(key, value, message):
     with pytest.raises(ConfigError, match=message):

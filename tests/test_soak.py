@@ -21,7 +21,7 @@ from soak_report import report  # noqa: E402
 def short_soak(tmp_path_factory):
     out = tmp_path_factory.mktemp("soak") / "out"
     args = ["--minutes", "0.75", "--tiny", "--out", str(out), "--faults", "collapse,kill", "--sample-s", "5",
-            "--eval-tasks", "3", "--outage-s", "2", "--day-s", "60", "--seed", "1"]
+            "--val-size", "3", "--outage-s", "2", "--day-s", "60", "--seed", "1"]
     assert soak.main(args) == 0
     return out, json.loads((out / "targets.json").read_text()), json.loads((out / "soak.json").read_text())
 
@@ -66,6 +66,29 @@ def test_only_promoted_versions_were_served_and_the_learner_runs(short_soak):
     u, learner = targets["unpromoted_served"], targets["learner_never_stopped"]
     assert u["met"] and u["bad"] == [] and len(u["versions"]) >= 2  # it learned: more than the base was served
     assert learner["met"] and learner["alive_at_end"] and learner["stops"] == []
+
+
+def test_the_server_gates_the_users_families_on_held_out_tasks_no_user_asked(short_soak):
+    import tomllib
+
+    from selfrl.simulate.families import Family
+
+    out, targets, record = short_soak
+    served = tomllib.loads((out / "serve.toml").read_text())["families"]
+    assert [f["name"] for f in served] == ["arithmetic", "function_calling", "web"]
+    cfg = soak.simulate_config(soak.parse_args(["--tiny", "--val-size", "3"]), "http://x", 1.0, out)
+    for users, server in zip(cfg.families, served):
+        assert (users.name, users.env, users.options) == (server["name"], server["source"], server["options"])
+        assert (users.heldout_size, users.heldout_seed) == (server["val_size"], server["val_seed"]) == (3, 2000)
+    assert [f.tool_choice for f in cfg.families] == ["auto", "required", "required"]
+    pairs = record["pairs"]
+    for fam in cfg.families:
+        held = {f"{fam.name}/{t}" for t in Family(fam).held_out}
+        p = pairs[fam.name]
+        assert len(p["tasks"]) == 3 and set(p["tasks"]) <= held and len(p["base"]) == len(p["champion"]) == 3
+    nf = targets["no_forgetting"]
+    assert nf["checked"] >= 3 and set(nf["held_out"]) >= {"arithmetic@v0", "function_calling@v0", "web@v0"}
+    assert "served_success" in nf and all(v["n"] == 3 for v in nf["held_out"].values())
 
 
 def test_the_report_reads_the_same_from_the_folder_alone(short_soak):

@@ -14,6 +14,8 @@ from selfrl.config.base import SECONDS_MAX, SEED_MAX, at_most, check_finite, fil
 HostileAction = Literal["random_rating", "flood", "replay_turn", "replay_feedback"]
 HOSTILE_ACTIONS: tuple[str, ...] = get_args(HostileAction)
 GroupBy = Literal["task", "family"]
+ToolChoice = Literal["auto", "required", "none"]
+TOOL_CHOICES: tuple[str, ...] = get_args(ToolChoice)
 GROUP_BY: tuple[str, ...] = get_args(GroupBy)
 MAX_TURNS = 32  # turns of one conversation (tool calls and answers)
 MAX_SIM_S = 10 * 365 * 24 * 3600.0  # ten simulated years: a schedule, a delay
@@ -63,6 +65,7 @@ class FamilySettings:
     max_turns: int = 4  # most completions of one conversation (each tool call asks for one more)
     max_tokens: int = 96  # max_tokens of each completion
     demonstration: bool = True  # show the environment's worked example before the task (as a few-shot client would)
+    tool_choice: ToolChoice = "auto"  # OpenAI tool_choice sent with the tools on each completion: auto | required (one call, decoded under the server's grammar) | none
     heldout_seed: int = 2000  # the server's task.val_seed for this family: its held-out tasks are never asked
     heldout_size: int = 64  # the server's gate.val_size for this family (held-out tasks excluded by id)
 
@@ -75,6 +78,8 @@ class FamilySettings:
             in_range(self.users, "users", 1, 1_000_000),
             in_range(self.max_turns, "max_turns", 1, MAX_TURNS),
             in_range(self.max_tokens, "max_tokens", 1, 1_000_000),
+            (self.tool_choice in TOOL_CHOICES,
+             f"tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {self.tool_choice!r}"),
             in_range(self.heldout_seed, "heldout_seed", 0, SEED_MAX),
             in_range(self.heldout_size, "heldout_size", 0, 100_000),
         ], where)

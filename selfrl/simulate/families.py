@@ -169,7 +169,16 @@ class Family:
         return [{"role": "system", "content": self.system_prompt}, *example, {"role": "user", "content": ep.task.question}]
 
     def openai_tools(self, ep: Episode) -> list[dict[str, Any]]:
-        return [t.openai_schema() for t in ep.tools.values()]
+        """The tools offered this turn, as OpenAI tool definitions: the shared tools, then the
+        state's, narrowed to its current state where it says so (``turn_tools()``: the web's
+        ``page_ids`` offers only the ids of the page shown, as ``selfrl run``'s per-turn grammar
+        does; with ``tool_choice = "required"`` the server decodes under exactly these schemas).
+        Calls still go to the episode's full tools, which check everything again."""
+        narrow = getattr(ep.state, "turn_tools", None) if ep.state is not None else None
+        turn = narrow() if callable(narrow) else None
+        if turn is None:
+            return [t.openai_schema() for t in ep.tools.values()]
+        return [t.openai_schema() for t in [*self.shared_tools, *turn]]
 
     def correct(self, ep: Episode, final_text: str, state: dict[str, Any] | None) -> bool:
         """The verifier's verdict on the conversation (``final_text``: the last answer's text)."""

@@ -13,7 +13,8 @@ the next event's even while earlier conversations are in flight, so their reacti
 from that later time; the plans and their draws are the same for every ``concurrency``.
 
 * **A conversation** (:meth:`Simulator.converse`): the plan's task is sent as chat messages
-  with the environment's tools and ``metadata = {"family", "user"}``; the model's tool calls
+  with the environment's tools (as that turn offers them: :meth:`Family.openai_tools`), the
+  family's ``tool_choice`` and ``metadata = {"family", "user"}``; the model's tool calls
   run on the environment's tools and go back as tool messages, up to the family's
   ``max_turns``; the final answer is scored by the verifier (the outcome, logged), judged by
   the user and the reaction queued at ``now + delay_s``.
@@ -254,17 +255,22 @@ class Simulator:
                 "task_key": f"{p.family}:{task_id}" if self.cfg.group_by == "task" else p.family}
         if tools:
             body["tools"] = tools
+            body["tool_choice"] = fam.settings.tool_choice
+        elif fam.settings.tool_choice == "required":
+            raise ValueError(f"family {p.family!r}: tool_choice = \"required\" but its environment offers no tools; "
+                             "use tool_choice = \"auto\"")
         return body
 
     def converse(self, p: Plan) -> None:
         """Run conversation ``p`` (see the module docstring)."""
         fam = self.families[p.family]
         ep = fam.open(fam.task(p.task_seed))
-        messages, tools = fam.first_messages(ep, f"call_demo{p.index}"), fam.openai_tools(ep)
+        messages = fam.first_messages(ep, f"call_demo{p.index}")
         last: tuple[Reply, dict[str, Any]] | None = None
         turns = 0
         try:
             for _ in range(fam.settings.max_turns):
+                tools = fam.openai_tools(ep)  # again each turn: an environment may narrow them to its state
                 body = self._body(p, fam, messages, tools, ep.task.id)
                 reply = self._request("chat", "turn", p, body)
                 turns += 1
