@@ -109,8 +109,8 @@ class _CodeState:
 
     tools: list[Tool] = []
 
-    def __init__(self, demonstration: list[dict[str, str]] = DEMONSTRATION):
-        self.demonstration = demonstration
+    def __init__(self, demonstration: list[dict[str, str]] | None = None):
+        self.demonstration = DEMONSTRATION if demonstration is None else demonstration
 
     def is_completed(self) -> bool:
         return False

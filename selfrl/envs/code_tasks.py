@@ -3,12 +3,8 @@
 HumanEval is too hard for a small model (the embedded 135M model solves about 3 %), so its
 groups are all failures and RL has no signal. This family is an easier tier: one-line
 functions that chain two or three simple steps on a list of ints or on a string, e.g.
-
-    def sum_times_3_over_5(xs: list) -> int:
-        \"\"\"Take the numbers of xs that are greater than 5, multiply each by 3, and return their sum.
-        >>> sum_times_3_over_5([6, 2])
-        18
-        ...
+``sum_times_3_over_5(xs: list) -> int``, "Take the numbers of xs that are greater than 5,
+multiply each by 3, and return their sum."
 
 Lists: an optional filter (greater / less than t, even, odd, divisible by k), an optional
 map (add n, subtract n, multiply by n, square), then a result (the list, the sum, the
@@ -159,7 +155,12 @@ def _task(shape: str, name: str, sentence: str, body: str, signature: str) -> Co
 @functools.cache
 def easy_tasks() -> tuple[CodeTask, ...]:
     """The whole family: ``N_TASKS`` distinct tasks, in draw order from ``FAMILY_SEED``, about 2 in 3
-    on lists (deterministic; see the module docstring)."""
+    on lists (deterministic; see the module docstring).
+
+    >>> task = next(t for t in easy_tasks() if t.entry_point == "sum_times_3_over_5")
+    >>> task.task_id, task.tests[2]
+    ('CodeEasy/filter-map-sum/sum_times_3_over_5', 'assert candidate([17]) == 51')
+    """
     rng = random.Random(FAMILY_SEED)
     tasks: dict[str, CodeTask] = {}
     while len(tasks) < N_TASKS:
