@@ -83,24 +83,31 @@ FAMILIES = (
     SoakFamily("web", "web", {"tier": "easy", "page_ids": True, "shots": 2}, "required",
                max_turns=3, max_tokens=40, constrain="tool_call"),
 )
-CONSTRAIN_FIELD = False  # TODO(lead): True once [[families]] has `constrain` (FamilyConfig.constrain), after that merge
+def rollout_table(f: "SoakFamily") -> dict[str, Any]:
+    """The family's own ``rollout = {...}`` in the server's ``[[families]]``: its users' turn limit,
+    and for a family its users decode under ``tool_choice = "required"``: the tool-call grammar,
+    a turn that ends at its call, no shared tools (the environment's own), and the environment's
+    system prompt, as the users send it (:class:`selfrl.simulate.families.Family`)."""
+    table: dict[str, Any] = {"max_turns": f.max_turns}
+    if f.constrain is not None:
+        from selfrl.envs.registry import build_env
+
+        defaults = getattr(build_env(f.source, f.options, f.name), "config_defaults", {}) or {}
+        table.update(constrain=f.constrain, stop_at_tool_call=True, tools=[])
+        if "rollout.system_prompt" in defaults:
+            table["system_prompt"] = defaults["rollout.system_prompt"]
+    return table
 
 
 def families_toml(val_size: int, tolerance: float) -> str:
     """The server's ``[[families]]`` tables for :data:`FAMILIES`: each family's source, options,
-    held-out set (``val_size`` tasks from its ``val_seed``) and ``tolerance`` (the largest
-    held-out drop its no-forgetting gate accepts), and its decoding (``constrain``)."""
+    held-out set (``val_size`` tasks from its ``val_seed``), ``tolerance`` (the largest held-out
+    drop its no-forgetting gate accepts) and its decoding (:func:`rollout_table`)."""
     out = []
     for f in FAMILIES:
-        lines = ["", "[[families]]", f"name = {json.dumps(f.name)}", f"source = {json.dumps(f.source)}",
-                 f"options = {_inline(f.options)}", f"val_size = {val_size}", f"val_seed = {f.val_seed}",
-                 f"tolerance = {tolerance}"]
-        if f.constrain is not None:
-            line = f"constrain = {json.dumps(f.constrain)}"
-            lines.append(line if CONSTRAIN_FIELD else
-                         f"# TODO(lead): enable once [[families]] has constrain (the held-out rollouts of {f.name} "
-                         f"are otherwise decoded free, unlike its users' turns): {line}")
-        out.append("\n".join(lines))
+        out.append("\n".join(["", "[[families]]", f"name = {json.dumps(f.name)}", f"source = {json.dumps(f.source)}",
+                              f"options = {_inline(f.options)}", f"val_size = {val_size}", f"val_seed = {f.val_seed}",
+                              f"tolerance = {tolerance}", f"rollout = {_inline(rollout_table(f))}"]))
     return "\n".join(out) + "\n"
 
 
