@@ -98,8 +98,11 @@ class BackgroundLearner(threading.Thread):
         self.storage = storage if storage is not None else StorageWatch(ledger.run_dir)
         ref_state = kl_reference(model, cfg.lora.init_adapter)  # before any other version is loaded (same rule as run)
         champ = ledger.champion
-        # validation runs here (in the learner's thread, driver "caller"), not on the server
-        self.engine = make_engine(cfg.engine, model, tokenizer, version=champ.version, driver="caller")
+        # validation runs here (in the learner's thread, driver "caller"), not on the server; between two
+        # gates its cache is held only up to learner.idle_kv_cache_mb (none by default)
+        self.engine = make_engine(cfg.engine, model, tokenizer, version=champ.version, driver="caller",
+                                  idle_cache_bytes=cfg.learner.idle_kv_cache_mb * 2**20,
+                                  continuation_bytes=cfg.kv_continuation_mb * 2**20)
         if champ.version != 0:
             from peft import set_peft_model_state_dict
 
