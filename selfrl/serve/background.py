@@ -71,6 +71,15 @@ Publish = Callable[[int, dict, str], "float | None"]
 log = logging.getLogger("selfrl.serve")
 
 
+def gate_engine(cfg: ServeConfig, model, tokenizer, version: int):
+    """The learner's own sampling engine, for its held-out gate: it runs in the learner's thread
+    (driver ``"caller"``), not on the server, and keeps its key/value cache between two gates only
+    up to ``learner.idle_kv_cache_mb`` (none by default: a gate runs once an update)."""
+    return make_engine(cfg.engine, model, tokenizer, version=version, driver="caller",
+                       idle_cache_bytes=cfg.learner.idle_kv_cache_mb * 2**20,
+                       continuation_bytes=cfg.kv_continuation_mb * 2**20)
+
+
 class BackgroundLearner(threading.Thread):
     """Trains on recorded traffic and publishes validated versions.
 
@@ -98,11 +107,7 @@ class BackgroundLearner(threading.Thread):
         self.storage = storage if storage is not None else StorageWatch(ledger.run_dir)
         ref_state = kl_reference(model, cfg.lora.init_adapter)  # before any other version is loaded (same rule as run)
         champ = ledger.champion
-        # validation runs here (in the learner's thread, driver "caller"), not on the server; between two
-        # gates its cache is held only up to learner.idle_kv_cache_mb (none by default)
-        self.engine = make_engine(cfg.engine, model, tokenizer, version=champ.version, driver="caller",
-                                  idle_cache_bytes=cfg.learner.idle_kv_cache_mb * 2**20,
-                                  continuation_bytes=cfg.kv_continuation_mb * 2**20)
+        self.engine = gate_engine(cfg, model, tokenizer, champ.version)
         if champ.version != 0:
             from peft import set_peft_model_state_dict
 
