@@ -280,6 +280,8 @@ def test_serve_bounds_the_key_value_memory_of_its_engines(tiny_tokenizer, tiny_m
         service.learner.ensure_champion_validated()  # the gate's batch, sampled by the learner's engine
         assert service.ledger.champion.success is not None
         assert learning.cache.nbytes == 0  # given back once the gate was done (it kept up to 2 GiB)
+        assert (len(learning._continuations), learning._continuations.nbytes) == (0, 0)  # stale by the next gate
+        assert learning._continuations.max_bytes == 16 * 2**20  # (still kept within a gate)
     finally:
         service.close()
     with pytest.raises(ConfigError, match=r"idle_kv_cache_mb must be >= 0 and <= 1048576, got -1"):

@@ -74,7 +74,9 @@ log = logging.getLogger("selfrl.serve")
 def gate_engine(cfg: ServeConfig, model, tokenizer, version: int):
     """The learner's own sampling engine, for its held-out gate: it runs in the learner's thread
     (driver ``"caller"``), not on the server, and keeps its key/value cache between two gates only
-    up to ``learner.idle_kv_cache_mb`` (none by default: a gate runs once an update)."""
+    up to ``learner.idle_kv_cache_mb`` (none by default: a gate runs once an update). What its
+    finished rows kept (``kv_continuation_mb``) serves the gate's own next turns, and is forgotten
+    after each gate (:meth:`BackgroundLearner.validate`): the next gate samples other weights."""
     return make_engine(cfg.engine, model, tokenizer, version=version, driver="caller",
                        idle_cache_bytes=cfg.learner.idle_kv_cache_mb * 2**20,
                        continuation_bytes=cfg.kv_continuation_mb * 2**20)
@@ -247,10 +249,14 @@ class BackgroundLearner(threading.Thread):
     def validate(self, version: int):
         """Held-out validation of the learner's current weights as ``version``, recorded."""
         self.engine.version = version
-        res = validate(self.engine, self.val, self.source, self.tools, self.cfg.rollout, self.cfg.gate.batch_size,
-                       collapse=self.cfg.collapse)
-        self.ledger.record_validation(version, res.success, res.degenerate, res.results)
-        probes = self.cycle.probe(version, self.engine, self.source, self.tools, self.cfg.rollout)  # as run does
+        try:
+            res = validate(self.engine, self.val, self.source, self.tools, self.cfg.rollout,
+                           self.cfg.gate.batch_size, collapse=self.cfg.collapse)
+            self.ledger.record_validation(version, res.success, res.degenerate, res.results)
+            probes = self.cycle.probe(version, self.engine, self.source, self.tools, self.cfg.rollout)  # as run does
+        finally:  # stale once the weights change: not held between updates (a slot engine's; the reference keeps none)
+            if (forget := getattr(self.engine, "forget_kept", None)) is not None:
+                forget()
         self.store.log_metrics(self.ledger.run_id, self.updates, {"time/validation_s": res.seconds, **probes})
         return res
 
