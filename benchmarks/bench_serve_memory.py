@@ -1,22 +1,27 @@
-"""Serve's memory over learner updates: resident size per update, with and without the two bounds.
+"""Serve's memory over learner updates: resident size per update, with and without its bounds.
 
     HF_HUB_OFFLINE=1 nice -n 10 .venv/bin/python benchmarks/bench_serve_memory.py --rounds 12   # embedded model, minutes
     .venv/bin/python benchmarks/bench_serve_memory.py --tiny --rounds 4                          # seconds
 
-Three arms, each in a process of its own, one after the other in one run:
+Four arms, each in a process of its own, one after the other in one run (``--arms``: some of them):
 
 * ``unbounded``: every LoRA state served is kept in memory (the server before
   :attr:`selfrl.serve.served_version.ServedVersion.STATES_KEPT`), no heap trim;
 * ``bounded``: at most ``STATES_KEPT`` states kept, no heap trim;
-* ``bounded+trim``: both, ``malloc_trim`` after each update (:mod:`selfrl.core.memory`), as
-  ``selfrl serve`` runs.
+* ``gate-kv-kept``: both, ``malloc_trim`` after each update (:mod:`selfrl.core.memory`), and the
+  learner's gate engine keeps its key/value cache (up to 2048 MB) and its finished rows' keys and
+  values between updates (the server before ``learner.idle_kv_cache_mb`` and
+  :meth:`selfrl.engines.slots.SlotEngine.forget_kept`);
+* ``bounded+trim``: the states bounded, the heap trimmed, the gate's key/value memory freed after
+  each gate, as ``selfrl serve`` runs.
 
 Each arm builds a :class:`selfrl.serve.service.Service` with its background learner on the same
 model and config, then runs ``--rounds`` learner updates on the same rated turns (synthetic
 token ids, ``--tokens`` completion tokens each, ratings alternating) through the whole update:
 the step, the candidate saved, the held-out gate on ``--val-size`` arithmetic tasks (generated
 by the learner's engine), and the promotion into the served engine. The resident size (VmRSS)
-is read after each update; growth is the least-squares slope over the updates after the first
+is read after each update, with the key/value MB each engine holds (its slot cache and its
+kept continuations); growth is the least-squares slope over the updates after the first
 two (warm-up: the engines' caches and the optimizer state come first), in MB per update.
 """
 
@@ -33,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import base_parser, command_line, envelope, finish, model_name, print_table, run_child  # noqa: E402
 
-ARMS = ("unbounded", "bounded", "bounded+trim")
+ARMS = ("unbounded", "bounded", "gate-kv-kept", "bounded+trim")
 WARMUP = 2  # updates left out of the slope
 
 
@@ -57,8 +62,15 @@ def slope(ys: list[float]) -> float:
     return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / sum((i - mx) ** 2 for i in range(n))
 
 
+def kv_mb(engine) -> float:
+    """Key/value MB a slot engine holds (its slot cache and kept continuations); 0 for another engine."""
+    cache, kept = getattr(engine, "cache", None), getattr(engine, "_continuations", None)
+    return ((cache.nbytes if cache is not None else 0) + (kept.nbytes if kept is not None else 0)) / 2**20
+
+
 def child(arm: str, model: str, rounds: int, tokens: int, val_size: int, out: Path) -> None:
-    """One arm: ``rounds`` learner updates; writes ``{"rss_mb": [...], "outcomes": [...]}`` to ``out``."""
+    """One arm: ``rounds`` learner updates; writes ``{"rss_mb": [...], "kv_mb": [[serving, learner], ...],
+    "outcomes": [...]}`` to ``out``."""
     import torch
 
     import selfrl.serve.background as background
@@ -72,7 +84,7 @@ def child(arm: str, model: str, rounds: int, tokens: int, val_size: int, out: Pa
     torch.manual_seed(0)
     if arm == "unbounded":
         ServedVersion.STATES_KEPT = 10**9
-    trim = arm == "bounded+trim"
+    trim = arm in ("gate-kv-kept", "bounded+trim")
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-serve-memory-{arm.replace('+', '-')}-"))
     cfg = ServeConfig(run_dir=str(run_dir), max_tokens_default=tokens)
     cfg.model.name = model
@@ -81,11 +93,15 @@ def child(arm: str, model: str, rounds: int, tokens: int, val_size: int, out: Pa
     cfg.collapse.max_kl = 1e9  # the synthetic turns may move the policy far; this measures memory, not learning
     cfg.rollout.max_new_tokens, cfg.rollout.max_turns = tokens, 1
     cfg.learner.min_batch, cfg.learner.max_batch = 8, 8
+    if arm == "gate-kv-kept":
+        cfg.learner.idle_kv_cache_mb = 2048  # the slot engine's own default, as the learner's engine had
     cfg.validate()
     model_, tok = build_policy(cfg)
     service = Service(model_, tok, cfg, learner_model=copy.deepcopy(model_))
     learner = service.learner
-    rss, outcomes = [], []
+    if arm == "gate-kv-kept":
+        learner.engine.forget_kept = lambda: 0  # the gate's continuations held until the next gate
+    rss, kv, outcomes = [], [], []
     try:
         for r in range(rounds):
             batch = []
@@ -101,10 +117,12 @@ def child(arm: str, model: str, rounds: int, tokens: int, val_size: int, out: Pa
                 background.trim_heap()
             outcomes.append(str(info.get("result")))
             rss.append(rss_mb())
-            print(f"{arm}: update {r}: {info.get('result')}, RSS {rss[-1]:.0f} MB", file=sys.stderr, flush=True)
+            kv.append([kv_mb(service.engine), kv_mb(learner.engine)])
+            print(f"{arm}: update {r}: {info.get('result')}, RSS {rss[-1]:.0f} MB, key/value MB serving "
+                  f"{kv[-1][0]:.0f}, learner {kv[-1][1]:.0f}", file=sys.stderr, flush=True)
     finally:
         service.close()
-    out.write_text(json.dumps({"rss_mb": rss, "outcomes": outcomes, "states_kept": len(service.versions._states)}))
+    out.write_text(json.dumps({"rss_mb": rss, "kv_mb": kv, "outcomes": outcomes, "states_kept": len(service.versions._states)}))
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -112,8 +130,12 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--rounds", type=int, default=12, help="learner updates per arm")
     p.add_argument("--tokens", type=int, default=24, help="completion tokens of each rated turn, and of each held-out answer")
     p.add_argument("--val-size", type=int, default=8, help="held-out arithmetic tasks of each gate")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms to run, of {', '.join(ARMS)}")
     p.add_argument("--child", nargs=2, metavar=("ARM", "OUT"), help=argparse_suppress())
     args = p.parse_args(argv)
+    arms = [a for a in args.arms.split(",") if a]
+    if not arms or set(arms) - set(ARMS):
+        p.error(f"--arms takes a comma-separated list of {', '.join(ARMS)}; got {args.arms!r}")
     work = Path(tempfile.mkdtemp(prefix="bench-serve-memory-"))
     model = model_name(args, work)
     if args.child:
@@ -122,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     result = envelope(args, command_line("bench_serve_memory.py", argv)) | {"rounds": args.rounds,
                                                                             "tokens": args.tokens, "arms": {}}
     rows = []
-    for arm in ARMS:
+    for arm in arms:
         out = work / f"{arm}.json"
         flags = ["--rounds", str(args.rounds), "--tokens", str(args.tokens), "--val-size", str(args.val_size)]
         data = run_child([__file__, *flags, *(["--tiny"] if args.tiny else []), "--child", arm, str(out)], out)
@@ -130,14 +152,15 @@ def main(argv: list[str] | None = None) -> dict | None:
         data["mb_per_update"] = slope(ys)
         result["arms"][arm] = data
         rows.append([arm, f"{data['rss_mb'][0]:.0f}", f"{data['rss_mb'][-1]:.0f}", f"{data['mb_per_update']:+.1f}",
-                     str(data["states_kept"]), str(sum(o == "promoted" for o in data["outcomes"]))])
-    base = result["arms"]["unbounded"]["mb_per_update"]
-    for row, arm in zip(rows, ARMS):
+                     str(data["states_kept"]), str(sum(o == "promoted" for o in data["outcomes"])),
+                     "{:.0f} / {:.0f}".format(*data["kv_mb"][-1])])
+    base = result["arms"][arms[0]]["mb_per_update"]
+    for row, arm in zip(rows, arms):
         growth = result["arms"][arm]["mb_per_update"]
         row.append(f"{growth / base:.2f}" if base > 0 else "n/a")
     print_table(f"RSS over {args.rounds} learner updates (slope after {WARMUP})",
                 ["arm", "RSS after the first update (MB)", "RSS at the end (MB)", "MB / update", "states kept",
-                 "promoted", "growth / unbounded"], rows)
+                 "promoted", "key/value MB at the end (serving / learner)", f"growth / {arms[0]}"], rows)
     print(f"wrote {finish(result, 'serve_memory', args.out)}")
     return result
 

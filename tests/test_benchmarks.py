@@ -344,10 +344,16 @@ def test_serve_memory_tiny(tmp_path):
     assert bench_serve_memory.slope([1.0, 3.0, 5.0]) == 2.0
     r = bench_serve_memory.main(["--tiny", "--rounds", "6", "--tokens", "4", "--val-size", "2", "--out", str(tmp_path)])
     arms = r["arms"]
-    assert list(arms) == ["unbounded", "bounded", "bounded+trim"]
+    assert list(arms) == ["unbounded", "bounded", "gate-kv-kept", "bounded+trim"]
     for data in arms.values():
         assert len(data["rss_mb"]) == 6 and all(x > 100 for x in data["rss_mb"])
         assert data["outcomes"] == ["promoted"] * 6  # tolerance 1: a state a version
     # the server's bound (ServedVersion.STATES_KEPT) holds in the bounded arms only
     assert arms["unbounded"]["states_kept"] == 6 and arms["bounded"]["states_kept"] == 4
+    # the learner's gate engine holds key/value memory between updates only where it was told to keep it
+    assert all(learner > 0 for _, learner in arms["gate-kv-kept"]["kv_mb"])
+    assert all(learner == 0 for _, learner in arms["bounded+trim"]["kv_mb"])
+    r = bench_serve_memory.main(["--tiny", "--rounds", "3", "--tokens", "4", "--val-size", "2", "--out", str(tmp_path),
+                                 "--arms", "gate-kv-kept,bounded+trim"])
+    assert list(r["arms"]) == ["gate-kv-kept", "bounded+trim"]
     assert (tmp_path / "serve_memory.json").exists()

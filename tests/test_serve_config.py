@@ -262,3 +262,31 @@ def test_the_learner_s_bound_pairs_name_both_keys(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_serve_config(None, overrides)
     assert str(err.value).startswith(message)
+
+
+def test_serve_bounds_the_key_value_memory_of_its_engines(tiny_tokenizer, tiny_model_factory, tmp_path):
+    import copy
+
+    from selfrl.serve.service import Service
+
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    cfg = tiny_serve_config(tmp_path / "run")
+    cfg.engine, cfg.idle_kv_cache_mb, cfg.kv_continuation_mb = "slots", 64, 16
+    service = Service(model, tiny_tokenizer, cfg, learner_model=copy.deepcopy(model))
+    try:
+        serving, learning = service.engine, service.learner.engine
+        assert (serving.idle_cache_bytes, serving._continuations.max_bytes) == (64 * 2**20, 16 * 2**20)
+        assert (learning.idle_cache_bytes, learning._continuations.max_bytes) == (0, 16 * 2**20)
+        service.learner.ensure_champion_validated()  # the gate's batch, sampled by the learner's engine
+        assert service.ledger.champion.success is not None
+        assert learning.cache.nbytes == 0  # given back once the gate was done (it kept up to 2 GiB)
+        assert (len(learning._continuations), learning._continuations.nbytes) == (0, 0)  # stale by the next gate
+        assert learning._continuations.max_bytes == 16 * 2**20  # (still kept within a gate)
+    finally:
+        service.close()
+    with pytest.raises(ConfigError, match=r"idle_kv_cache_mb must be >= 0 and <= 1048576, got -1"):
+        load_serve_config(None, {"idle_kv_cache_mb": -1})
+    with pytest.raises(ConfigError, match=r"learner.idle_kv_cache_mb must be >= 0"):
+        load_serve_config(None, {"learner.idle_kv_cache_mb": -5})
+    with pytest.raises(ConfigError, match="vLLM samples and holds its own cache.*drop idle_kv_cache_mb"):
+        load_serve_config(None, {"sampler.url": "http://127.0.0.1:1", "idle_kv_cache_mb": 64})

@@ -29,6 +29,8 @@ from selfrl.config.remote import SamplerConfig, SwapCheckConfig
 from selfrl.engines import DEFAULT_SERVE_ENGINE
 from selfrl.engines.base import MAX_TEMPERATURE, MIN_TEMPERATURE
 
+KV_MB_MAX = 1 << 20  # 1 TiB: the largest key/value bound in MB a setting takes
+
 
 @dataclass
 class LearnerSettings:
@@ -44,6 +46,7 @@ class LearnerSettings:
     temperature: float = 1.0  # temperature of the learner's logprobs (old ones are recomputed at it)
     max_feedback_age_versions: int = 4  # a turn trains only while the learner's weights changed at most this many times since its version
     max_feedback_age_s: float = 604800.0  # ... and only while it is at most this many seconds old; older feedback is only recorded
+    idle_kv_cache_mb: int = 0  # the learner's own slot engine (it samples the held-out gate once an update) keeps at most this many MB of key/value cache between updates (0: freed after each; the next gate allocates its own)
     feedback_tis_cap: float = 2.0  # cap C of a late turn's weight min(exp(sum of log-ratios since its version), C) (truncated, as TIS)
     reward_weights: dict[str, float] = field(
         default_factory=lambda: {"user_feedback": 1.0, "tool_success": 0.2})  # registered rewards (selfrl.envs.rewards)
@@ -60,6 +63,7 @@ class LearnerSettings:
             in_range(self.max_feedback_age_versions, "max_feedback_age_versions", 0, 10**6),
             in_range(self.max_feedback_age_s, "max_feedback_age_s", 0, SECONDS_MAX * 10, low_open=True),
             in_range(self.feedback_tis_cap, "feedback_tis_cap", 0, 1000, low_open=True),
+            in_range(self.idle_kv_cache_mb, "idle_kv_cache_mb", 0, KV_MB_MAX),
             (isinstance(self.reward_weights, dict), "reward_weights must be a table of name = weight"),
             (not non_finite_weights(self.reward_weights),
              f"reward_weights must be finite, got {non_finite_weights(self.reward_weights)}"),
@@ -197,6 +201,8 @@ class ServeConfig:
     tools_prompt: ToolsPrompt = "compact"  # how request tools are shown to a template without tool support
     seed: int = 0  # seeds the adapter's initialisation; sampling draws a fresh stream per process (restarts, replicas)
     engine: str = DEFAULT_SERVE_ENGINE  # sampling backend: reference (batches) | slots (requests join the running batch)
+    idle_kv_cache_mb: int = 2048  # the serving slot engine keeps its key/value cache up to this many MB while no request runs (a larger one is freed; 0: always freed)
+    kv_continuation_mb: int = 1024  # key/value MB of finished turns a slot engine keeps so that a conversation's next turn prefills only what is new (0: none kept)
     replica: bool = False  # serve beside the run_dir's owner: record into its store, follow its versions (selfrl.serve.replica)
     follow_s: float = 1.0  # replica: seconds between two looks at the owner's version ledger
     log_max_bytes: int = 10_000_000  # run_dir/serve.log rotates at this size (serve.log.1, ...); 0: no log file
@@ -257,6 +263,8 @@ class ServeConfig:
             in_range(self.max_request_bytes, "max_request_bytes", 1, 2**31 - 1),
             in_range(self.seed, "seed", 0, SEED_MAX),
             in_range(self.follow_s, "follow_s", 0, 3600, low_open=True),
+            in_range(self.idle_kv_cache_mb, "idle_kv_cache_mb", 0, KV_MB_MAX),
+            in_range(self.kv_continuation_mb, "kv_continuation_mb", 0, KV_MB_MAX),
             in_range(self.log_max_bytes, "log_max_bytes", 0, 2**40),
             in_range(self.log_backups, "log_backups", 1, 1000),
             one_of(self.tools_prompt, ToolsPrompt, "tools_prompt"),
@@ -300,4 +308,7 @@ def check_serve_sampler(cfg: ServeConfig, given: Collection[str] = ()) -> None:
     require([
         (not cfg.replica, "replica = true and sampler.url (--sampler) cannot be combined: a replica samples in "
          "its own process; point one selfrl serve at the vLLM server"),
+        ("idle_kv_cache_mb" not in given, f"idle_kv_cache_mb = {cfg.idle_kv_cache_mb} bounds the in-process "
+         "serving engine, and with sampler.url (--sampler) vLLM samples and holds its own cache "
+         "(VLLM_CPU_KVCACHE_SPACE, --gpu-memory-utilization): drop idle_kv_cache_mb"),
     ])

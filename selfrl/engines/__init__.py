@@ -17,7 +17,9 @@ def _check_driver(driver: str | None) -> None:
         raise ValueError(f"driver must be one of {', '.join(DRIVERS)} (or None: the backend's own), got {driver!r}")
 
 
-def _reference(model, tokenizer, version: int = 0, driver: str | None = None) -> SamplingEngine:
+def _reference(model, tokenizer, version: int = 0, driver: str | None = None, **cache) -> SamplingEngine:
+    """The reference engine (``cache``: the slot engine's cache bounds; this engine keeps no cache
+    between calls, so they hold as they are)."""
     from selfrl.engines.reference import Engine
 
     _check_driver(driver)
@@ -26,13 +28,13 @@ def _reference(model, tokenizer, version: int = 0, driver: str | None = None) ->
     return Engine(model, tokenizer, version=version)
 
 
-def _slots(model, tokenizer, version: int = 0, driver: str | None = None) -> SamplingEngine:
+def _slots(model, tokenizer, version: int = 0, driver: str | None = None, **cache) -> SamplingEngine:
     from selfrl.engines.slots import SlotEngine
 
-    return SlotEngine(model, tokenizer, version=version, driver="thread" if driver is None else driver)
+    return SlotEngine(model, tokenizer, version=version, driver="thread" if driver is None else driver, **cache)
 
 
-def _auto(model, tokenizer, version: int = 0, driver: str | None = None) -> SamplingEngine:
+def _auto(model, tokenizer, version: int = 0, driver: str | None = None, **cache) -> SamplingEngine:
     """``slots`` for a policy on the CPU (measured faster there, docs/results/benchmarks.md),
     ``reference`` on a GPU (the slot engine keeps its cache on the CPU) and for a model whose
     attention the slot engine's masks do not express (not SDPA or eager, or a sliding window:
@@ -44,7 +46,7 @@ def _auto(model, tokenizer, version: int = 0, driver: str | None = None) -> Samp
         slots_can = on_cpu and slot_attention(model)[1] is None
     except ValueError:
         slots_can = False
-    return (_slots if slots_can else _reference)(model, tokenizer, version=version, driver=driver)
+    return (_slots if slots_can else _reference)(model, tokenizer, version=version, driver=driver, **cache)
 
 
 # name -> factory(model, tokenizer, version) for the in-process backends
@@ -63,7 +65,8 @@ DEFAULT_ENGINE = "auto"
 DEFAULT_SERVE_ENGINE = "auto"
 
 
-def make_engine(name: str, model, tokenizer, version: int = 0, driver: str | None = None) -> SamplingEngine:
+def make_engine(name: str, model, tokenizer, version: int = 0, driver: str | None = None,
+                idle_cache_bytes: int | None = None, continuation_bytes: int | None = None) -> SamplingEngine:
     """The in-process backend registered as ``name``, over ``model`` (a peft model shared
     with the learner) with ``version`` in its weights.
 
@@ -73,13 +76,19 @@ def make_engine(name: str, model, tokenizer, version: int = 0, driver: str | Non
     work in one thread (:class:`selfrl.engines.slots.SlotEngine`, ``driver``); ``"thread"``,
     a worker thread (the slot engine only).
 
+    ``idle_cache_bytes`` and ``continuation_bytes`` bound the key/value memory the slot engine keeps
+    between requests (:class:`selfrl.engines.slots.SlotEngine`; None: its defaults,
+    ``IDLE_CACHE_BYTES`` and ``CONTINUATION_BYTES``); the reference engine keeps none.
+
     Raises:
         ValueError: an unknown name (the message lists the valid ones), or a ``driver`` the
             backend cannot honour.
     """
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r}; valid: {', '.join(sorted(ENGINES))}")
-    return ENGINES[name](model, tokenizer, version=version, driver=driver)
+    cache = {k: v for k, v in (("idle_cache_bytes", idle_cache_bytes), ("continuation_bytes", continuation_bytes))
+             if v is not None}
+    return ENGINES[name](model, tokenizer, version=version, driver=driver, **cache)
 
 
 __all__ = ["DEFAULT_ENGINE", "DEFAULT_SERVE_ENGINE", "ENGINES", "EngineHealth", "Generation", "SamplingEngine", "make_engine"]

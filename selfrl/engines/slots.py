@@ -351,6 +351,16 @@ class SlotEngine(SlotSteps, CallerDriven, SlotPrefill, SlotDecode):
         finally:
             self.lock.__exit__(None, None, None)
 
+    def forget_kept(self) -> int:
+        """Forget the stored prefixes and the finished rows' keys and values (the next requests prefill
+        in full): for a caller whose weights change before it samples again, which would find them stale.
+        Returns the bytes the finished rows' entries held."""
+        with self._cond:
+            freed = self._continuations.nbytes
+            self._prefixes.clear()
+            self._continuations.clear()
+        return freed
+
     def health(self) -> EngineHealth:
         """Ok while the engine is open (and its worker thread, if it has one, runs); the detail
         gives rows, queue and cache size."""

@@ -36,6 +36,7 @@ Departures from ``selfrl run``, on purpose:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -71,6 +72,31 @@ Publish = Callable[[int, dict, str], "float | None"]
 log = logging.getLogger("selfrl.serve")
 
 
+def gate_engine(cfg: ServeConfig, model, tokenizer, version: int):
+    """The learner's own sampling engine, for its held-out gate: it runs in the learner's thread
+    (driver ``"caller"``), not on the server, and keeps its key/value cache between two gates only
+    up to ``learner.idle_kv_cache_mb`` (none by default: a gate runs once an update). What its
+    finished rows kept (``kv_continuation_mb``) serves the gate's own next turns, and is forgotten
+    after each gate (:func:`gate_pass`): the next gate samples other weights."""
+    return make_engine(cfg.engine, model, tokenizer, version=version, driver="caller",
+                       idle_cache_bytes=cfg.learner.idle_kv_cache_mb * 2**20,
+                       continuation_bytes=cfg.kv_continuation_mb * 2**20)
+
+
+@contextlib.contextmanager
+def gate_pass(engine, version: int):
+    """``engine`` (:func:`gate_engine`'s) samples as ``version`` inside the block; after it, even
+    on an error, a slot engine forgets its stored prefixes and finished rows' keys and values
+    (:meth:`selfrl.engines.slots.SlotEngine.forget_kept`), stale once the weights change, so that
+    none is held between updates. The reference engine keeps none."""
+    engine.version = version
+    try:
+        yield engine
+    finally:
+        if (forget := getattr(engine, "forget_kept", None)) is not None:
+            forget()
+
+
 class BackgroundLearner(threading.Thread):
     """Trains on recorded traffic and publishes validated versions.
 
@@ -98,8 +124,7 @@ class BackgroundLearner(threading.Thread):
         self.storage = storage if storage is not None else StorageWatch(ledger.run_dir)
         ref_state = kl_reference(model, cfg.lora.init_adapter)  # before any other version is loaded (same rule as run)
         champ = ledger.champion
-        # validation runs here (in the learner's thread, driver "caller"), not on the server
-        self.engine = make_engine(cfg.engine, model, tokenizer, version=champ.version, driver="caller")
+        self.engine = gate_engine(cfg, model, tokenizer, champ.version)
         if champ.version != 0:
             from peft import set_peft_model_state_dict
 
@@ -238,11 +263,11 @@ class BackgroundLearner(threading.Thread):
 
     def validate(self, version: int):
         """Held-out validation of the learner's current weights as ``version``, recorded."""
-        self.engine.version = version
-        res = validate(self.engine, self.val, self.source, self.tools, self.cfg.rollout, self.cfg.gate.batch_size,
-                       collapse=self.cfg.collapse)
-        self.ledger.record_validation(version, res.success, res.degenerate, res.results)
-        probes = self.cycle.probe(version, self.engine, self.source, self.tools, self.cfg.rollout)  # as run does
+        with gate_pass(self.engine, version):
+            res = validate(self.engine, self.val, self.source, self.tools, self.cfg.rollout,
+                           self.cfg.gate.batch_size, collapse=self.cfg.collapse)
+            self.ledger.record_validation(version, res.success, res.degenerate, res.results)
+            probes = self.cycle.probe(version, self.engine, self.source, self.tools, self.cfg.rollout)  # as run does
         self.store.log_metrics(self.ledger.run_id, self.updates, {"time/validation_s": res.seconds, **probes})
         return res
 

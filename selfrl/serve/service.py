@@ -102,7 +102,8 @@ class Service:
 
             self.engine = connect_sampler(cfg, model, tokenizer, self.ledger)
         else:
-            self.engine = make_engine(cfg.engine, model, tokenizer)
+            self.engine = make_engine(cfg.engine, model, tokenizer, idle_cache_bytes=cfg.idle_kv_cache_mb * 2**20,
+                                      continuation_bytes=cfg.kv_continuation_mb * 2**20)
         self.context = engine_context(self.engine) or model_context(model, tokenizer)  # (a slot engine: a window)
         self.native_tools = template_supports_tools(tokenizer)
         self.control = tuple(control_tokens(tokenizer))  # their text is never content (split_completion)
