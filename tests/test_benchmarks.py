@@ -20,6 +20,7 @@ import bench_cost  # noqa: E402
 import bench_hotswap  # noqa: E402
 import bench_scaling  # noqa: E402
 import bench_trl  # noqa: E402
+import bench_trl_demo  # noqa: E402
 from common import Stats  # noqa: E402
 
 TINY = ["--tiny", "--repeats", "1"]
@@ -106,14 +107,14 @@ def test_cost_refuses_missing_run(tmp_path):
 
 def test_checkpoint_at_equal_wall_clock():
     steps = [{"step": 1, "seconds": 10.0}, {"step": 2, "seconds": 20.0}]
-    assert bench_trl.checkpoint_at(steps, 20.0)["step"] == 2
-    assert bench_trl.checkpoint_at(steps, 19.9)["step"] == 1
-    assert bench_trl.checkpoint_at(steps, 9.0) is None
+    assert bench_trl_demo.checkpoint_at(steps, 20.0)["step"] == 2
+    assert bench_trl_demo.checkpoint_at(steps, 19.9)["step"] == 1
+    assert bench_trl_demo.checkpoint_at(steps, 9.0) is None
 
 
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="the bench extra (trl) is not installed")
 def test_trl_tiny(tmp_path):
-    r = bench_trl.main(TINY + ["--inprocess", "--out", str(tmp_path), "--workdir", str(tmp_path / "work")])
+    r = bench_trl_demo.main(TINY + ["--inprocess", "--out", str(tmp_path), "--workdir", str(tmp_path / "work")])
     assert r["rollouts_per_trainer"] == 2 * 2 * 2
     assert [s["step"] for s in r["trl"]["steps"]] == [1, 2]
     assert len(r["selfrl"]["steps"]) == 2
