@@ -60,8 +60,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    RESULTS, ROOT, base_parser, command_line, envelope, finish, loadavg, model_name, peak_rss_bytes, print_table,
-    run_child,
+    RESULTS, ROOT, base_parser, command_line, envelope, finish, in_memory_dataset, loadavg, model_name,
+    peak_rss_bytes, print_table, run_child, write_result,
 )
 
 CONFIG = ROOT / "configs" / "function_calling.toml"
@@ -83,13 +83,16 @@ def arm_label(arm: str, grammar: bool) -> str:
 def arm_config(args: argparse.Namespace, workdir: Path):
     """The run config of one arm: ``configs/function_calling.toml`` (with the environment's
     defaults under it) with ``--seed``, the run folder in ``workdir``, no validation while
-    training, and ``rollout.constrain = "none"`` with ``--no-grammar``."""
+    training, ``rollout.constrain = "none"`` with ``--no-grammar`` and ``gate.batch_size`` =
+    ``--eval-batch-size`` when given."""
     from selfrl.envs import load_run_config
 
     overrides = {"model.name": model_name(args, workdir), "run_dir": str(workdir / "run"), "seed": args.seed,
                  "iterations": 1_000_000, "gate.eval_every": 1_000_000}
     if not args.grammar:
         overrides["rollout.constrain"] = "none"
+    if args.eval_batch_size is not None:
+        overrides["gate.batch_size"] = args.eval_batch_size
     if args.tiny:
         overrides.update(TINY)
     return load_run_config(CONFIG, overrides)
@@ -148,8 +151,6 @@ def worker_trl(cfg_dict: dict, budget_s: float, out: Path) -> None:
     tasks in selfrl's order, until an optimizer step ends past ``budget_s`` seconds; saves the
     adapter after every step and writes each step's end time and folder to ``out``."""
     import torch
-    from datasets import Dataset
-    from datasets.table import InMemoryTable
     from peft import LoraConfig
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -184,10 +185,7 @@ def worker_trl(cfg_dict: dict, budget_s: float, out: Path) -> None:
     # one whole cycle of selfrl's walk through the training set (num_prompts passes), which
     # TRL's epochs repeat without a seam; TRL stops on time
     order = [t for it in range(len(train)) for t in iteration_tasks(train, it, cfg.num_prompts, cfg.task.train_seed)]
-    # With an explicit fingerprint: hashing any Arrow table fails with datasets 5.x, dill 0.4.1 and
-    # pyarrow 25-26 here ("Can't pickle <class 'MonthDayNano'>"), and nothing here is cached.
-    data = Dataset(InMemoryTable.from_pylist([{"prompt": prompts[t.id], "task_id": t.id} for t in order]),
-                   fingerprint=f"bench-trl-seed{cfg.seed}")
+    data = in_memory_dataset([{"prompt": prompts[t.id], "task_id": t.id} for t in order], f"bench-trl-{cfg.seed}")
 
     def selfrl_reward(prompts, completions, task_id, **kwargs):
         """selfrl's reward preset on one-turn trajectories, grouped by prompt as TRL groups them."""
@@ -488,14 +486,8 @@ def plot(argv: list[str]) -> dict:
                  "s to TRL's final", "speed-up", "final - TRL's final [95 % CI]"], rows)
     result = {"command": command_line("bench_trl.py", ["plot", *map(str, args.results)]),
               "files": [str(r) for r in args.results], "png": str(args.png), **table}
-    print(f"wrote {args.png} and {write_json(result, args.out)}")
+    print(f"wrote {args.png} and {write_result('trl_compare', result, args.out)}")
     return result
-
-
-def write_json(result: dict, out: Path | None) -> Path:
-    from common import write_result
-
-    return write_result("trl_compare", result, out)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -511,6 +503,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eval-every", type=float, default=120.0, help="score the adapter reached every this many seconds")
     p.add_argument("--eval-constrain", choices=("tool_call", "none"), default=None,
                    help="the held-out evaluation's grammar (default: the config's, tool_call)")
+    p.add_argument("--eval-batch-size", type=int, default=None,
+                   help="held-out tasks decoded at once (default: the config's gate.batch_size, 64; less memory)")
     p.add_argument("--workdir", type=Path, default=ROOT / "runs" / "bench-trl", help="run folders and adapters")
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     p.add_argument("--input", type=Path, help=argparse.SUPPRESS)

@@ -35,8 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    ROOT, Stats, base_parser, command_line, envelope, finish, loadavg, model_name, peak_rss_bytes, print_table,
-    run_child,
+    ROOT, Stats, base_parser, command_line, envelope, finish, in_memory_dataset, loadavg, model_name, peak_rss_bytes,
+    print_table, run_child,
 )
 
 CONFIG = ROOT / "configs" / "demo.toml"
@@ -91,7 +91,6 @@ def worker_selfrl(cfg_dict: dict, out: Path) -> None:
 def worker_trl(cfg_dict: dict, out: Path) -> None:
     """Train with TRL's ``GRPOTrainer`` on the tasks selfrl sees, in the same order."""
     import torch
-    from datasets import Dataset
     from peft import LoraConfig
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -120,7 +119,8 @@ def worker_trl(cfg_dict: dict, out: Path) -> None:
     # weights are plain fp32 (dequantized); transformers' Trainer refuses to train such a model.
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
-    data = Dataset.from_list([{"prompt": initial_messages(t, tools, cfg.rollout, tok), "task_id": t.id} for t in tasks])
+    data = in_memory_dataset([{"prompt": initial_messages(t, tools, cfg.rollout, tok), "task_id": t.id} for t in tasks],
+                             "bench-trl-demo")
 
     def selfrl_reward(prompts, completions, task_id, **kwargs):
         """selfrl's reward preset on a one-turn trajectory (tool calls run, answer verified)."""
