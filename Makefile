@@ -8,7 +8,7 @@ RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install demo demo-label-free serve-demo test test-slow test-vllm docs clean
+.PHONY: install demo demo-label-free serve-demo test test-slow test-vllm bench-trl docs clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -63,6 +63,18 @@ $(VLLM_STAMP):
 # the client against a real vLLM on the CPU (tests/real_vllm/): it starts and stops the servers itself
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 SELFRL_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest tests/real_vllm -m vllm -q
+
+# selfrl against TRL's GRPOTrainer on BFCL (docs/results/benchmarks.md), each arm alone for MINUTES of
+# training, then the figure and table. TRL 1.16 installs into this venv without changing torch or
+# transformers (it adds datasets, pandas, pyarrow, dill, multiprocess): no venv of its own.
+MINUTES ?= 30
+SEED ?= 0
+bench-trl: $(STAMP)
+	$(BIN)/pip install -q -e '.[bench]'
+	for arm in "trl" "selfrl" "selfrl --no-grammar"; do \
+		HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_trl.py --arm $$arm --minutes $(MINUTES) --seed $(SEED) || exit 1; done
+	$(BIN)/python benchmarks/bench_trl.py plot benchmarks/results/trl_trl_seed$(SEED).json \
+		benchmarks/results/trl_selfrl_seed$(SEED).json benchmarks/results/trl_selfrl-free_seed$(SEED).json
 
 test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m slow -q

@@ -1,32 +1,58 @@
-"""selfrl against TRL's GRPOTrainer: same model, tasks, held-out set, LoRA, group size and rollouts.
+"""Held-out success against wall-clock time: selfrl and TRL's GRPOTrainer learning BFCL function calling.
 
-    flock /tmp/selfrl-heavy.lock nice -n 5 .venv/bin/python benchmarks/bench_trl.py   # real model, ~20 min
-    .venv/bin/python benchmarks/bench_trl.py --tiny                                    # seconds (smoke test)
+One arm per invocation, then one figure and table over the arms' JSON files:
 
-Three processes, one after the other (each its own peak RSS, no thread pools fighting):
+    nice -n 19 python benchmarks/bench_trl.py --arm trl --minutes 30 --seed 0
+    nice -n 19 python benchmarks/bench_trl.py --arm selfrl --minutes 30 --seed 0
+    nice -n 19 python benchmarks/bench_trl.py --arm selfrl --no-grammar --minutes 30 --seed 0
+    python benchmarks/bench_trl.py plot benchmarks/results/trl_*_seed0.json --png docs/results/trl_curve.png
+    python benchmarks/bench_trl.py --arm trl --tiny --minutes 1      # tiny random model (smoke test)
 
-1. ``selfrl``: ``selfrl.run.main.run`` with ``configs/demo.toml`` (validation only at the end),
-   every update saved as a version folder.
-2. ``trl``: ``trl.GRPOTrainer`` with a peft ``LoraConfig`` of the same shape, on the same
-   training tasks in the same order, an adapter saved after every step.
-3. ``eval``: every adapter needed for the comparison scored by ``selfrl.safety.gate.validate``
-   (greedy pass@1 on the same held-out tasks, multi-turn with the calculator), so both
-   trainers' results are measured the same way.
+The job is ``configs/function_calling.toml``: BFCL ``simple`` tasks whose functions take at
+most 3 parameters, one turn, the ``function_calling-partial`` reward (0.5 for the right
+function, 0.5 x the share of right argument values, 1 only for BFCL's exact AST match).
+Both arms train the same model (``embedded:smollm2-135m-instruct``, fp32, on the CPU) with a
+LoRA adapter of the same shape (r 16, alpha 32, no dropout, every linear layer), on selfrl's
+training split walked in selfrl's order (``selfrl.run.loop.iteration_tasks``: 4 tasks x 6
+samples per update), with the same sampling temperature (1.0, no top-k or top-p), learning rate
+(2e-4, constant), loss (``dapo``), clip range (0.2), KL weight (``beta`` 0.02), reward scaling
+(per group) and gradient clipping (1.0). An arm process trains for ``--minutes`` of training
+time and keeps every update's adapter; then a second process scores the adapters reached at
+every ``--eval-every`` seconds with selfrl's validation (``selfrl.safety.gate.validate``:
+greedy, the 64 held-out tasks of the config, success = exact AST match), the same way for both
+arms, and the base model (time 0).
 
-What differs, on purpose or by necessity (see docs/results/benchmarks.md):
+Training time: selfrl's is the sum of its iterations (rollouts, rewards, update, saving the
+candidate version); TRL's is the time since ``on_train_begin`` at the end of each optimizer
+step, less the time this script spends saving its adapters. Loading the model, selfrl's
+validation of the base model before its first update, and the evaluation are not counted.
+Each arm runs alone: run them one after the other on an otherwise idle machine.
 
-* TRL samples **single-turn** completions: its tool loop needs a chat template that renders
-  tools and a known response parser, and SmolLM2's template has neither. TRL therefore
-  gets the same prompt (system text with the tool description, the worked example, the
-  task) and a reward that is selfrl's ``verified`` preset applied to that one turn: tool
-  calls in the completion are run for ``tool_success``, the verifier checks the text
-  outside them. Evaluation is multi-turn for both.
-* Wall-clock counts only rollouts + updates (selfrl's ``time/rollout_s + time/update_s``;
-  TRL's step time minus our adapter saving); model loading and validation are left out.
+Where the arms cannot be the same:
+
+* **Grammar.** selfrl samples each turn under the config's ``tool_call`` grammar (one call to
+  the offered function, arguments valid against its schema); TRL's GRPOTrainer has no
+  constrained decoding and samples freely. ``--arm selfrl --no-grammar`` trains selfrl without
+  the grammar too (``rollout.constrain = "none"``): compare TRL with both. The held-out
+  evaluation uses the grammar for every arm (``--eval-constrain none`` evaluates without it).
+* **Stop.** selfrl stops a turn at ``</tool_call>`` (``rollout.stop_at_tool_call``); TRL stops
+  only at the end of turn or at 64 tokens, so it samples and trains on tokens after the call.
+  Its reward sees the completion up to the first ``</tool_call>``, as selfrl's would.
+* **Reward.** TRL calls selfrl's reward (``selfrl.envs.rewards.score_batch`` with the
+  ``function_calling-partial`` preset) on a one-turn trajectory holding its completion; a
+  reward function that raises fails the TRL step (TRL has no way to leave one sample out).
+* **The update.** selfrl skips sequences whose advantage is 0, and its update guards
+  (``train.skip_max_*``) may skip an update; TRL trains on every completion. selfrl's
+  collapse rules may roll back to an earlier version; TRL has none. Neither gates: the
+  held-out set is scored afterwards, not during training.
+* **Prompt.** TRL gets selfrl's prompt as text (system prompt, tool description, the worked
+  example, the question, rendered by the chat template); ``prompt_ids_match`` in the JSON
+  counts the tasks whose tokens TRL's tokenizer call gives exactly as selfrl's.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -34,101 +60,137 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    ROOT, Stats, base_parser, command_line, envelope, finish, loadavg, model_name, peak_rss_bytes, print_table,
-    run_child,
+    RESULTS, ROOT, base_parser, command_line, envelope, finish, in_memory_dataset, loadavg, model_name,
+    peak_rss_bytes, print_table, run_child, write_result,
 )
 
-CONFIG = ROOT / "configs" / "demo.toml"
-TINY_OVERRIDES = {"rollout.max_new_tokens": 8, "rollout.max_turns": 2, "gate.val_size": 4, "gate.batch_size": 4,
-                  "task.num_train": 16, "train.micro_batch_size": 4}
+CONFIG = ROOT / "configs" / "function_calling.toml"
+ARMS = ("trl", "selfrl")
+TOOL_CALL_CLOSE = "</tool_call>"
+# --tiny: a random 2-layer model, short turns, a small held-out set (the job itself is unchanged)
+TINY = {"rollout.max_new_tokens": 16, "gate.val_size": 8, "gate.batch_size": 8}
 
 
-def bench_config(model: str, run_dir: Path, updates: int, num_prompts: int, num_generations: int, tiny: bool):
-    """The demo config with validation only after the last update (the comparison evaluates itself)."""
-    from selfrl.config import load_config
+def arm_label(arm: str, grammar: bool) -> str:
+    """``trl``, ``selfrl`` or ``selfrl-free`` (selfrl sampling without the grammar).
 
-    overrides = {"model.name": model, "run_dir": str(run_dir), "iterations": updates, "num_prompts": num_prompts,
-                 "num_generations": num_generations, "gate.eval_every": updates}
-    if tiny:
-        overrides.update(TINY_OVERRIDES)
-    return load_config(CONFIG, overrides)
+    >>> arm_label("selfrl", False)
+    'selfrl-free'
+    """
+    return arm if grammar or arm == "trl" else f"{arm}-free"
+
+
+def arm_config(args: argparse.Namespace, workdir: Path):
+    """The run config of one arm: ``configs/function_calling.toml`` (with the environment's
+    defaults under it) with ``--seed``, the run folder in ``workdir``, no validation while
+    training, ``rollout.constrain = "none"`` with ``--no-grammar`` and ``gate.batch_size`` =
+    ``--eval-batch-size`` when given."""
+    from selfrl.envs import load_run_config
+
+    overrides = {"model.name": model_name(args, workdir), "run_dir": str(workdir / "run"), "seed": args.seed,
+                 "iterations": 1_000_000, "gate.eval_every": 1_000_000}
+    if not args.grammar:
+        overrides["rollout.constrain"] = "none"
+    if args.eval_batch_size is not None:
+        overrides["gate.batch_size"] = args.eval_batch_size
+    if args.tiny:
+        overrides.update(TINY)
+    return load_run_config(CONFIG, overrides)
 
 
 # ------------------------------------------------------------------ workers (one process each)
 
 
-def worker_selfrl(cfg_dict: dict, out: Path) -> None:
-    """Run ``selfrl.run.main.run``; write per-update times, versions and peak RSS to ``out``."""
+def worker_selfrl(cfg_dict: dict, budget_s: float, out: Path) -> None:
+    """``selfrl run``'s loop (:class:`selfrl.run.loop.Runner`), one iteration after another
+    until ``budget_s`` seconds of iterations have passed; writes each update's end time
+    (seconds of training), version folder, mean reward and update note to ``out``."""
     from selfrl.config import load_config
-    from selfrl.run.main import run
+    from selfrl.record.adapters import version_dir
+    from selfrl.run.loop import Runner
     from selfrl.run.progress import PlainProgress
-    from selfrl.record.store import Store
+    from selfrl.run.setup import build_run
 
     cfg = load_config(base=cfg_dict)
-    t = time.perf_counter()
-    result = run(cfg, progress=PlainProgress())
-    wall = time.perf_counter() - t
-    rows = [json.loads(line) for line in open(Path(cfg.run_dir) / "metrics.jsonl")]
-    steps, elapsed = [], 0.0
-    for r in rows:
-        if "time/rollout_s" not in r:
-            continue
-        elapsed += r["time/rollout_s"] + r.get("time/update_s", 0.0)
-        version = int(r["version"])
-        steps.append({"step": r["step"] + 1, "seconds": elapsed, "rollout_s": r["time/rollout_s"],
-                      "update_s": r.get("time/update_s", 0.0), "version": version,
-                      "adapter": str(Path(cfg.run_dir) / "adapters" / f"v{version:06d}"),
-                      "reward": r.get("reward/mean"), "correct": r.get("train/correct")})
-    store = Store(Path(cfg.run_dir) / "selfrl.db")
-    evals = {v["version"]: store.evaluation(v["version"]) for v in store.versions()}
-    store.close()
-    json.dump({"steps": steps, "wall_s": wall, "peak_rss_bytes": peak_rss_bytes(), **process_load(),
-               "evaluations": {str(k): v for k, v in evals.items() if v}, "summary": result.summary},
-              open(out, "w"), default=str)
+    runner = Runner(build_run(cfg), PlainProgress())
+    steps, elapsed, t_wall = [], 0.0, time.perf_counter()
+    try:
+        runner.start()  # validates the base model: not counted
+        while elapsed < budget_s:
+            it = len(steps)
+            t = time.perf_counter()
+            metrics = runner.iteration(it)
+            elapsed += time.perf_counter() - t
+            version = runner.s.engine.version
+            steps.append({"step": it + 1, "seconds": elapsed, "version": version,
+                          "adapter": str(version_dir(cfg.run_dir, version)), "reward": metrics["reward/mean"],
+                          "skipped": bool(metrics.get("skipped", 0.0))})
+        runner.finish(False)
+    finally:
+        runner.progress.close()
+        if runner.s.lock is not None:
+            runner.s.lock.release()
+    json.dump({"steps": steps, "wall_s": time.perf_counter() - t_wall, "peak_rss_bytes": peak_rss_bytes()},
+              open(out, "w"))
 
 
-def worker_trl(cfg_dict: dict, out: Path) -> None:
-    """Train with TRL's ``GRPOTrainer`` on the tasks selfrl sees, in the same order."""
+def completion_trajectory(text: str, task_id: str, group_id: str):
+    """A one-turn :class:`selfrl.core.trajectory.Trajectory` whose only assistant message is
+    ``text`` cut after its first ``</tool_call>`` (where selfrl's rollout stops), so that
+    selfrl's reward functions score it as they score a rollout of ``max_turns = 1``."""
+    from selfrl.core.trajectory import Trajectory
+
+    cut = text.find(TOOL_CALL_CLOSE)
+    text = text if cut < 0 else text[:cut + len(TOOL_CALL_CLOSE)]
+    return Trajectory(task_id=task_id, group_id=group_id, adapter_version=0, num_turns=1,
+                      messages=[{"role": "assistant", "content": text}], env_state={"calls": []})
+
+
+def worker_trl(cfg_dict: dict, budget_s: float, out: Path) -> None:
+    """TRL's ``GRPOTrainer`` with a peft ``LoraConfig`` of selfrl's shape on selfrl's training
+    tasks in selfrl's order, until an optimizer step ends past ``budget_s`` seconds; saves the
+    adapter after every step and writes each step's end time and folder to ``out``."""
     import torch
-    from datasets import Dataset
     from peft import LoraConfig
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from selfrl.chat.template import prompt_ids, render, template_supports_tools
     from selfrl.config import load_config
-    from selfrl.run.loop import iteration_tasks
-    from selfrl.model.load import load_model
-    from selfrl.envs.rewards import get_preset, score_batch
-    from selfrl.rollout.agent import initial_messages
     from selfrl.core.tasks import split_tasks
     from selfrl.envs import get_env
-    from selfrl.chat.toolcall import execute_call, parse_tool_calls
-    from selfrl.core.tools import resolve_tools
-    from selfrl.core.trajectory import Trajectory
+    from selfrl.envs.rewards import get_preset, score_batch
+    from selfrl.model.load import load_model
+    from selfrl.rollout.agent import initial_messages
+    from selfrl.run.loop import iteration_tasks
 
     cfg = load_config(base=cfg_dict)
     source = get_env(cfg.task.source, **cfg.task.options)
     train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
-    tasks = [t for it in range(cfg.iterations) for t in iteration_tasks(train, it, cfg.num_prompts, cfg.task.train_seed)]
-    by_id = {t.id: t for t in tasks}
-    tools = resolve_tools(cfg.rollout.tools)
-    tool_map = {t.name: t for t in tools}
+    by_id = {t.id: t for t in train}
     weights = cfg.reward_weights or get_preset(cfg.preset)
     model, tok = load_model(cfg.model.name)
     # The cached conversion of the embedded GGUF keeps a GGUF quantization_config although its
     # weights are plain fp32 (dequantized); transformers' Trainer refuses to train such a model.
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
-    data = Dataset.from_list([{"prompt": initial_messages(t, tools, cfg.rollout, tok), "task_id": t.id} for t in tasks])
+
+    prompts, matches = {}, 0
+    for t in train:  # the prompt of selfrl's rollout (selfrl.rollout.agent.rollout), as text
+        env = source.make_env(t)
+        native = [x.openai_schema() for x in env.tools] if template_supports_tools(tok) else None
+        msgs = initial_messages(t, env.tools, cfg.rollout, tok, env.demonstration)
+        prompts[t.id] = render(tok, msgs, add_generation_prompt=True, tools=native)
+        matches += tok(text=prompts[t.id])["input_ids"] == prompt_ids(tok, msgs, tools=native)
+    # one whole cycle of selfrl's walk through the training set (num_prompts passes), which
+    # TRL's epochs repeat without a seam; TRL stops on time
+    order = [t for it in range(len(train)) for t in iteration_tasks(train, it, cfg.num_prompts, cfg.task.train_seed)]
+    data = in_memory_dataset([{"prompt": prompts[t.id], "task_id": t.id} for t in order], f"bench-trl-{cfg.seed}")
 
     def selfrl_reward(prompts, completions, task_id, **kwargs):
-        """selfrl's reward preset on a one-turn trajectory (tool calls run, answer verified)."""
-        trajs = []
-        for c, tid in zip(completions, task_id):
-            text = c[-1]["content"] if isinstance(c, list) else c
-            rest, calls = parse_tool_calls(text)
-            trajs.append(Trajectory(task_id=tid, group_id=tid, adapter_version=0, final_answer=rest, num_turns=1,
-                                    tool_calls=[execute_call(x, tool_map) for x in calls]))
+        """selfrl's reward preset on one-turn trajectories, grouped by prompt as TRL groups them."""
+        trajs = [completion_trajectory(c, tid, f"{i // cfg.num_generations}-{tid}")
+                 for i, (c, tid) in enumerate(zip(completions, task_id))]
         score_batch(trajs, by_id, source, weights)
         return [t.reward for t in trajs]
 
@@ -136,32 +198,35 @@ def worker_trl(cfg_dict: dict, out: Path) -> None:
     steps: list[dict] = []
 
     class Timeline(TrainerCallback):
-        """Saves the adapter after every step and records the training time so far."""
+        """Saves the adapter after every optimizer step, records the training time, stops past the budget."""
 
         def on_train_begin(self, args, state, control, **kw):
-            self.t0, self.saving, self.cpu0 = time.perf_counter(), 0.0, time.process_time()
+            self.t0, self.saving = time.perf_counter(), 0.0
 
         def on_step_end(self, args, state, control, model=None, **kw):
             now = time.perf_counter()
             elapsed = now - self.t0 - self.saving
-            path = adapters_dir / f"step{state.global_step:04d}"
+            path = adapters_dir / f"step{state.global_step:05d}"
             model.save_pretrained(path)
+            steps.append({"step": state.global_step, "seconds": elapsed, "adapter": str(path)})
             self.saving += time.perf_counter() - now
-            prev = steps[-1]["seconds"] if steps else 0.0
-            steps.append({"step": state.global_step, "seconds": elapsed, "step_s": elapsed - prev, "adapter": str(path),
-                          "cpu_s": time.process_time() - self.cpu0, "loadavg": loadavg()})
+            if elapsed >= budget_s:
+                control.should_training_stop = True
 
     micro = cfg.train.micro_batch_size
     per_update = cfg.num_prompts * cfg.num_generations
+    if per_update % micro:
+        raise ValueError(f"num_prompts x num_generations ({per_update}) must be a multiple of "
+                         f"train.micro_batch_size ({micro}) for TRL's gradient accumulation")
     args = GRPOConfig(
         output_dir=str(Path(cfg.run_dir) / "trainer"), use_cpu=True, bf16=False, fp16=False,
-        gradient_checkpointing=False, per_device_train_batch_size=micro,
+        gradient_checkpointing=cfg.train.gradient_checkpointing, per_device_train_batch_size=micro,
         gradient_accumulation_steps=per_update // micro, num_generations=cfg.num_generations,
         max_completion_length=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_k=0, top_p=1.0,
         learning_rate=cfg.train.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.max_grad_norm, beta=cfg.train.beta,
         epsilon=cfg.train.epsilon, loss_type=cfg.train.loss_type, scale_rewards=cfg.train.scale_rewards,
-        num_iterations=cfg.train.num_iterations, max_steps=cfg.iterations, shuffle_dataset=False,
+        num_iterations=cfg.train.num_iterations, max_steps=10**9, shuffle_dataset=False,
         seed=cfg.seed, disable_dropout=True, report_to="none", logging_steps=1, save_strategy="no",
         optim="adamw_torch", dataloader_num_workers=0,
     )
@@ -172,165 +237,285 @@ def worker_trl(cfg_dict: dict, out: Path) -> None:
                           processing_class=tok, peft_config=peft_config, callbacks=[Timeline()])
     t = time.perf_counter()
     trainer.train()
-    wall = time.perf_counter() - t
-    json.dump({"steps": steps, "wall_s": wall, "peak_rss_bytes": peak_rss_bytes(), **process_load(),
-               "log_history": trainer.state.log_history, "config": args.to_dict()}, open(out, "w"), default=str)
+    rewards = {r["step"]: r["reward"] for r in trainer.state.log_history if "reward" in r and "step" in r}
+    for s in steps:  # the step's log is written after on_step_end
+        s["reward"] = rewards.get(s["step"])
+    json.dump({"steps": steps, "wall_s": time.perf_counter() - t, "peak_rss_bytes": peak_rss_bytes(),
+               "prompt_ids_match": [matches, len(train)], "trl_config": args.to_dict()},
+              open(out, "w"), default=str)
 
 
-def worker_eval(cfg_dict: dict, adapters: dict[str, str | None], out: Path) -> None:
-    """Held-out greedy pass@1 of each adapter (None = the base model) with ``selfrl.safety.gate.validate``."""
+def worker_eval(cfg_dict: dict, adapters: dict[str, str | None], constrain: str, out: Path) -> None:
+    """Held-out greedy success per task of each adapter (None: the base model) by selfrl's
+    validation on the config's held-out tasks, with ``rollout.constrain = constrain``."""
     from safetensors.torch import load_file
 
     from selfrl.config import load_config
-    from selfrl.engines.reference import Engine
-    from selfrl.safety.gate import validate
-    from selfrl.model.load import build_policy
     from selfrl.core.tasks import split_tasks
-    from selfrl.envs import get_env
     from selfrl.core.tools import resolve_tools
+    from selfrl.engines import make_engine
+    from selfrl.envs import get_env
+    from selfrl.model.load import build_policy
+    from selfrl.record.adapters import lora_state
+    from selfrl.safety.gate import validate
 
-    cfg = load_config(base=cfg_dict)
+    cfg = load_config(base=cfg_dict, overrides={"rollout.constrain": constrain})
     source = get_env(cfg.task.source, **cfg.task.options)
     _, val = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
-    tools = resolve_tools(cfg.rollout.tools)
-    model, tok = build_policy(cfg)  # B = 0: the base model until a version is swapped in
-    engine = Engine(model, tok)
+    model, tok = build_policy(cfg)  # B = 0: the base model until an adapter is swapped in
+    engine = make_engine(cfg.engine, model, tok, driver="caller")
+    base = lora_state(model)
     results = {}
     for k, (name, path) in enumerate(adapters.items(), start=1):
-        if path is not None:
-            engine.swap(load_file(str(Path(path) / "adapter_model.safetensors")), k)  # selfrl's and TRL's alike
-        res = validate(engine, val, source, tools, cfg.rollout, cfg.gate.batch_size)
+        state = base if path is None else load_file(str(Path(path) / "adapter_model.safetensors"))
+        engine.swap(state, k)  # selfrl's version folders and TRL's peft folders alike
+        res = validate(engine, val, source, resolve_tools(cfg.rollout.tools), cfg.rollout, cfg.gate.batch_size)
         results[name] = {t: c for t, c, _ in res.results}
     json.dump({"results": results, "peak_rss_bytes": peak_rss_bytes()}, open(out, "w"))
-
-
-def process_load() -> dict:
-    """This process's CPU seconds (user + system) and the load average now: a wall time
-    measured while other jobs ran shows as CPU seconds well below ``2 x wall``."""
-    import resource
-
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return {"cpu_s": ru.ru_utime + ru.ru_stime, "loadavg_end": loadavg()}
-
-
-def _call(args, worker: str, payload: dict, workdir: Path) -> dict:
-    out = workdir / f"{worker}.json"
-    if args.reuse and out.exists():  # finished in an earlier, interrupted invocation
-        return json.loads(out.read_text())
-    spec = workdir / f"{worker}-input.json"
-    spec.write_text(json.dumps(payload))
-    if args.inprocess:
-        WORKERS[worker](**payload, out=out)
-        return json.loads(out.read_text())
-    return run_child([__file__, "--worker", worker, "--input", str(spec), "--output", str(out)], out)
 
 
 WORKERS = {"selfrl": worker_selfrl, "trl": worker_trl, "eval": worker_eval}
 
 
-# ------------------------------------------------------------------ comparison
+# ------------------------------------------------------------------ one arm
 
 
-def checkpoint_at(steps: list[dict], seconds: float) -> dict | None:
-    """The last step finished within ``seconds`` of training time, or None (base model).
+def eval_points(steps: list[dict], every_s: float) -> list[tuple[float, dict | None]]:
+    """The ``(time, step)`` pairs to score: ``(0, None)`` (the base model), then at ``every_s``,
+    2 x ``every_s``, ... before the last step's time and at that time, the last step finished
+    by then (seconds of training); a step already listed, or none yet, is not listed again.
 
-    >>> checkpoint_at([{"seconds": 10.0}, {"seconds": 25.0}], 20.0)
-    {'seconds': 10.0}
-    >>> checkpoint_at([{"seconds": 10.0}], 5.0) is None
-    True
+    >>> s = [{"seconds": 50.0}, {"seconds": 130.0}, {"seconds": 170.0}]
+    >>> [(t, x["seconds"]) for t, x in eval_points(s, 60.0)[1:]]
+    [(60.0, 50.0), (170.0, 170.0)]
+
+    Raises:
+        ValueError: ``every_s`` is not positive.
     """
-    done = [s for s in steps if s["seconds"] <= seconds + 1e-9]
-    return done[-1] if done else None
+    if every_s <= 0:
+        raise ValueError(f"--eval-every must be > 0 seconds, got {every_s}")
+    end = steps[-1]["seconds"] if steps else 0.0
+    times = [k * every_s for k in range(1, int(end // every_s) + 1) if k * every_s < end] + [end]
+    points: list[tuple[float, dict | None]] = [(0.0, None)]
+    for t in times:
+        done = [s for s in steps if s["seconds"] <= t + 1e-9]
+        if done and all(done[-1] is not s for _, s in points):
+            points.append((t, done[-1]))
+    return points
+
+
+def run_arm(args: argparse.Namespace, argv: list[str] | None) -> dict:
+    """Train one arm in a child process, evaluate its adapters in another; write and return the result."""
+    if args.arm == "trl":
+        try:
+            import trl
+        except ModuleNotFoundError:
+            raise SystemExit("--arm trl needs TRL: pip install -e '.[bench]' (or make bench-trl)") from None
+        trl_version = trl.__version__
+    else:
+        trl_version = None
+    if args.minutes <= 0:
+        raise SystemExit(f"--minutes must be > 0, got {args.minutes}")
+    if args.arm == "trl" and not args.grammar:
+        raise SystemExit("--no-grammar is for --arm selfrl: TRL samples without a grammar anyway")
+    label = arm_label(args.arm, args.grammar)
+    result = envelope(args, command_line("bench_trl.py", argv))
+    workdir = args.workdir / f"{label}-seed{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    workdir.mkdir(parents=True)
+    cfg = arm_config(args, workdir)
+    budget = args.minutes * 60.0
+    train = _call(args.arm, {"cfg_dict": cfg.to_dict(), "budget_s": budget}, workdir)
+    points = eval_points(train["steps"], args.eval_every)
+    adapters = {"base": None, **{s["adapter"]: s["adapter"] for _, s in points if s is not None}}
+    constrain = args.eval_constrain or load_config_constrain()
+    scored = _call("eval", {"cfg_dict": cfg.to_dict(), "adapters": adapters, "constrain": constrain}, workdir)
+    curve = []
+    for t, s in points:
+        per_task = scored["results"]["base" if s is None else s["adapter"]]
+        curve.append({"seconds": t, "step": 0 if s is None else s["step"], "success": rate(per_task),
+                      "results": per_task})
+    result.update({
+        "arm": args.arm, "label": label, "grammar": args.grammar, "seed": args.seed, "minutes": args.minutes,
+        "eval_every_s": args.eval_every, "eval_constrain": constrain, "trl_version": trl_version,
+        "model": cfg.model.name, "updates": len(train["steps"]),
+        "training_s": train["steps"][-1]["seconds"] if train["steps"] else 0.0,
+        "curve": curve, "train": train, "eval_peak_rss_bytes": scored["peak_rss_bytes"],
+        "workdir": str(workdir), "config": cfg.to_dict(),
+    })
+    print_table(f"{label}, seed {args.seed}: held-out success ({len(curve[0]['results'])} tasks, "
+                f"{len(train['steps'])} updates in {result['training_s']:.0f} s)",
+                ["training s", "update", "held-out success"],
+                [[f"{c['seconds']:.0f}", c["step"], f"{c['success']:.3f}"] for c in curve])
+    print(f"load average: start {result['loadavg_start']:.2f}, end {loadavg():.2f}")
+    print(f"wrote {finish(result, f'trl_{label}_seed{args.seed}', args.out)}")
+    return result
+
+
+def load_config_constrain() -> str:
+    """``rollout.constrain`` of ``configs/function_calling.toml`` (the evaluation's default grammar)."""
+    from selfrl.envs import load_run_config
+
+    return load_run_config(CONFIG).rollout.constrain
+
+
+def _call(worker: str, payload: dict, workdir: Path) -> dict:
+    out, spec = workdir / f"{worker}.json", workdir / f"{worker}-input.json"
+    spec.write_text(json.dumps(payload))
+    return run_child([__file__, "--worker", worker, "--input", str(spec), "--output", str(out)], out)
+
+
+# ------------------------------------------------------------------ the comparison
 
 
 def rate(per_task: dict[str, bool]) -> float:
+    """Share of tasks solved (0.0 for none).
+
+    >>> rate({"a": True, "b": False})
+    0.5
+    """
     return sum(per_task.values()) / max(len(per_task), 1)
 
 
-def ratio(a: float, b: float) -> float | None:
-    return a / b if b else None
+def time_to_reach(curve: list[dict], level: float) -> float | None:
+    """Training seconds of the first evaluation with success >= ``level`` (None: never).
+
+    >>> time_to_reach([{"seconds": 0, "success": 0.2}, {"seconds": 60, "success": 0.5}], 0.4)
+    60
+    """
+    return next((c["seconds"] for c in curve if c["success"] >= level - 1e-12), None)
+
+
+def compare(arms: list[dict], levels: list[float]) -> dict:
+    """The table over arms' results: per arm its final success, the seconds to reach each of
+    ``levels`` and TRL's final success, the speed-up there (TRL's seconds / the arm's), and
+    the paired difference of its final version against TRL's on the held-out tasks both
+    were scored on (mean, 95 % low, high; :func:`selfrl.core.stats.paired_difference_ci`).
+
+    Raises:
+        SystemExit: more than one TRL result of one seed, or the arms scored on different held-out tasks.
+    """
+    from selfrl.core.stats import paired_difference_ci
+
+    tasks = {frozenset(a["curve"][0]["results"]) for a in arms}
+    if len(tasks) > 1:
+        raise SystemExit("the results were scored on different held-out tasks; compare runs of one config")
+    trl = {}
+    for a in arms:
+        if a["arm"] == "trl":
+            if a["seed"] in trl:
+                raise SystemExit(f"two TRL results for seed {a['seed']}; pass one")
+            trl[a["seed"]] = a
+    rows = []
+    for a in arms:
+        final = a["curve"][-1]
+        row = {"label": a["label"], "seed": a["seed"], "updates": a["updates"], "training_s": a["training_s"],
+               "base": a["curve"][0]["success"], "final": final["success"],
+               "reach": {str(lv): time_to_reach(a["curve"], lv) for lv in levels}}
+        ref = trl.get(a["seed"])
+        if ref is not None:
+            target = ref["curve"][-1]
+            row["trl_final"] = target["success"]
+            row["trl_final_s"] = time_to_reach(ref["curve"], target["success"])
+            row["reach_trl_final_s"] = time_to_reach(a["curve"], target["success"])
+            row["speedup"] = (row["trl_final_s"] / row["reach_trl_final_s"]
+                              if row["reach_trl_final_s"] and row["trl_final_s"] else None)
+            shared = sorted(set(final["results"]) & set(target["results"]))
+            row["paired_vs_trl"] = paired_difference_ci([target["results"][t] for t in shared],
+                                                        [final["results"][t] for t in shared])
+        rows.append(row)
+    return {"levels": levels, "rows": rows}
+
+
+def draw(arms: list[dict], png: Path) -> None:
+    """One line per arm: held-out success (y) against training minutes (x), steps between evaluations."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2))
+    ax = fig.add_subplot()
+    for a in arms:
+        xs = [c["seconds"] / 60 for c in a["curve"]]
+        ax.step(xs, [c["success"] for c in a["curve"]], where="post", marker="o", markersize=3,
+                label=f"{a['label']} (seed {a['seed']})")
+    ax.set_xlabel("training time (minutes)")
+    ax.set_ylabel(f"held-out exact match ({len(arms[0]['curve'][0]['results'])} tasks)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    model = "a tiny random model" if arms[0].get("tiny") else arms[0]["model"]
+    ax.set_title(f"BFCL simple (<= 3 parameters), {model} + LoRA")
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120, bbox_inches="tight")
+
+
+def plot(argv: list[str]) -> dict:
+    """``bench_trl.py plot RESULT.json ...``: the figure and the table over arms' results."""
+    p = argparse.ArgumentParser(prog="bench_trl.py plot", description="Draw and tabulate arms' results.")
+    p.add_argument("results", nargs="+", type=Path, help="arms' JSON files (benchmarks/results/trl_*.json)")
+    p.add_argument("--png", type=Path, default=RESULTS / "trl_curve.png", help="the figure (PNG)")
+    p.add_argument("--levels", default="0.3,0.4,0.5", help="held-out success levels to time, comma-separated")
+    p.add_argument("--out", type=Path, default=None, help="folder for trl_compare.json (default benchmarks/results)")
+    args = p.parse_args(argv)
+    missing = [str(r) for r in args.results if not r.is_file()]
+    if missing:
+        raise SystemExit(f"no such result file: {', '.join(missing)}; run an arm first (--arm trl|selfrl)")
+    try:
+        levels = [float(x) for x in args.levels.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--levels takes numbers in [0, 1] separated by commas, got {args.levels!r}") from None
+    arms = [json.loads(r.read_text()) for r in args.results]
+    if any("curve" not in a for a in arms):
+        raise SystemExit("a file is not an arm's result of bench_trl.py (it has no 'curve')")
+    table = compare(arms, levels)
+    draw(arms, args.png)
+
+    def sec(x):
+        return "never" if x is None else f"{x:.0f}"
+
+    rows = []
+    for r in table["rows"]:
+        ci = r.get("paired_vs_trl")
+        rows.append([f"{r['label']} (seed {r['seed']})", r["updates"], f"{r['training_s']:.0f}",
+                     f"{r['base']:.3f}", f"{r['final']:.3f}", *[sec(r["reach"][str(lv)]) for lv in levels],
+                     sec(r.get("reach_trl_final_s")), "-" if r.get("speedup") is None else f"{r['speedup']:.2f}",
+                     "-" if ci is None else f"{ci[0]:+.3f} [{ci[1]:+.3f}, {ci[2]:+.3f}]"])
+    print_table("Held-out success against training time (seconds)",
+                ["arm", "updates", "training s", "base", "final", *[f"s to {lv:g}" for lv in levels],
+                 "s to TRL's final", "speed-up", "final - TRL's final [95 % CI]"], rows)
+    result = {"command": command_line("bench_trl.py", ["plot", *map(str, args.results)]),
+              "files": [str(r) for r in args.results], "png": str(args.png), **table}
+    print(f"wrote {args.png} and {write_result('trl_compare', result, args.out)}")
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict:
+    raw = sys.argv[1:] if argv is None else argv
+    if raw[:1] == ["plot"]:
+        return plot(raw[1:])
     p = base_parser(__doc__)
-    p.add_argument("--updates", type=int, default=4, help="updates (optimizer steps) for each trainer")
-    p.add_argument("--num-prompts", type=int, default=8, help="tasks per update")
-    p.add_argument("--num-generations", type=int, default=8, help="samples per task (group size)")
+    p.add_argument("--arm", choices=ARMS, help="which trainer this invocation runs")
+    p.add_argument("--minutes", type=float, default=30.0, help="training time of the arm (minutes)")
+    p.add_argument("--seed", type=int, default=0, help="run seed (LoRA initialisation, sampling)")
+    p.add_argument("--no-grammar", dest="grammar", action="store_false",
+                   help="selfrl samples without the tool-call grammar, as TRL does")
+    p.add_argument("--eval-every", type=float, default=120.0, help="score the adapter reached every this many seconds")
+    p.add_argument("--eval-constrain", choices=("tool_call", "none"), default=None,
+                   help="the held-out evaluation's grammar (default: the config's, tool_call)")
+    p.add_argument("--eval-batch-size", type=int, default=None,
+                   help="held-out tasks decoded at once (default: the config's gate.batch_size, 64; less memory)")
     p.add_argument("--workdir", type=Path, default=ROOT / "runs" / "bench-trl", help="run folders and adapters")
-    p.add_argument("--reuse", type=Path, help="continue in this earlier workdir, keeping the workers that finished")
-    p.add_argument("--inprocess", action="store_true", help="run the workers in this process (smoke test)")
-    p.add_argument("--worker", choices=sorted(WORKERS), help=argparse_hidden())
-    p.add_argument("--input", type=Path, help=argparse_hidden())
-    p.add_argument("--output", type=Path, help=argparse_hidden())
+    p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    p.add_argument("--input", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--output", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         WORKERS[args.worker](**json.loads(args.input.read_text()), out=args.output)
         return {}
-    if args.tiny:
-        args.updates, args.num_prompts, args.num_generations = 2, 2, 2
-    import trl  # noqa: F401  fail early with a clear message when the extra is not installed
-
-    result = envelope(args, command_line("bench_trl.py", argv))
-    result["trl_version"] = trl.__version__
-    workdir = args.reuse or args.workdir / time.strftime("%Y%m%d-%H%M%S")
-    workdir.mkdir(parents=True, exist_ok=bool(args.reuse))
-    model = model_name(args, workdir)
-    cfgs = {name: bench_config(model, workdir / name, args.updates, args.num_prompts, args.num_generations, args.tiny)
-            for name in ("selfrl", "trl")}
-    if args.tiny:
-        cfgs["trl"].train.micro_batch_size = 2
-    ours = _call(args, "selfrl", {"cfg_dict": cfgs["selfrl"].to_dict()}, workdir)
-    theirs = _call(args, "trl", {"cfg_dict": cfgs["trl"].to_dict()}, workdir)
-    t_equal = min(ours["steps"][-1]["seconds"], theirs["steps"][-1]["seconds"])
-    picks = {"selfrl@budget": ours["steps"][-1], "trl@budget": theirs["steps"][-1],
-             "selfrl@time": checkpoint_at(ours["steps"], t_equal), "trl@time": checkpoint_at(theirs["steps"], t_equal)}
-    known = ours["evaluations"]  # selfrl's own run already evaluated the base and its last version
-    need = {"base": None} if "0" not in known else {}
-    for name, step in picks.items():
-        if step is not None and not (name.startswith("selfrl") and str(step["version"]) in known):
-            need[step["adapter"]] = step["adapter"]
-    evals = _call(args, "eval", {"cfg_dict": cfgs["selfrl"].to_dict(), "adapters": need}, workdir)["results"] if need else {}
-
-    def success(name: str) -> float:
-        step = picks[name]
-        if step is None:
-            return rate(known["0"] if "0" in known else evals["base"])
-        if name.startswith("selfrl") and str(step["version"]) in known:
-            return rate(known[str(step["version"])])
-        return rate(evals[step["adapter"]])
-
-    per_update = {n: Stats.of([s["rollout_s"] + s["update_s"] for s in ours["steps"]]) if n == "selfrl"
-                  else Stats.of([s["step_s"] for s in theirs["steps"]]) for n in ("selfrl", "trl")}
-    base = rate(known["0"]) if "0" in known else rate(evals["base"])
-    rows = {
-        "held-out success, equal rollouts": (success("selfrl@budget"), success("trl@budget")),
-        f"held-out success, equal wall-clock ({t_equal:.0f} s)": (success("selfrl@time"), success("trl@time")),
-        "seconds per update (median)": (per_update["selfrl"].median, per_update["trl"].median),
-        "training wall-clock, all updates (s)": (ours["steps"][-1]["seconds"], theirs["steps"][-1]["seconds"]),
-        "peak RSS (GB)": (ours["peak_rss_bytes"] / 1e9, theirs["peak_rss_bytes"] / 1e9),
-    }
-    result.update({
-        "updates": args.updates, "num_prompts": args.num_prompts, "num_generations": args.num_generations,
-        "rollouts_per_trainer": args.updates * args.num_prompts * args.num_generations,
-        "base_success": base, "equal_time_s": t_equal, "picks": picks,
-        "rows": {k: {"selfrl": a, "trl": b, "ratio": ratio(a, b)} for k, (a, b) in rows.items()},
-        "seconds_per_update": per_update, "selfrl": ours, "trl": theirs, "evaluated": list(need),
-        "workdir": str(workdir), "config": cfgs["selfrl"].to_dict(),
-    })
-    print_table(f"selfrl vs TRL {result['trl_version']} ({result['rollouts_per_trainer']} rollouts each; "
-                f"base {base:.3f})", ["figure", "selfrl", "TRL", "selfrl/TRL"],
-                [[k, f"{a:.3f}", f"{b:.3f}", "-" if ratio(a, b) is None else f"{ratio(a, b):.2f}"]
-                 for k, (a, b) in rows.items()] +
-                [["seconds per update [min, max]", per_update["selfrl"].fmt(".1f"), per_update["trl"].fmt(".1f"), ""]])
-    print(f"load average: start {result['loadavg_start']:.2f}, end {loadavg():.2f}")
-    print(f"wrote {finish(result, 'trl', args.out)}")
-    return result
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS
+    if args.arm is None:
+        p.error("pass --arm trl or --arm selfrl (or the plot subcommand: bench_trl.py plot RESULT.json ...)")
+    return run_arm(args, argv)
 
 
 if __name__ == "__main__":

@@ -299,6 +299,18 @@ def run_child(argv: list[str], result_file: Path, timeout: float | None = None) 
     return json.loads(Path(result_file).read_text())
 
 
+def in_memory_dataset(rows: list[dict[str, Any]], fingerprint: str):
+    """A ``datasets.Dataset`` of ``rows`` (for TRL's trainers) with the given fingerprint.
+
+    ``Dataset.from_list`` hashes the Arrow table for a fingerprint, and that fails with
+    datasets 5.1-5.2, dill 0.4.1 and pyarrow 25-26 ("Can't pickle <class 'MonthDayNano'>");
+    nothing here is cached, so a fixed fingerprint loses nothing."""
+    from datasets import Dataset
+    from datasets.table import InMemoryTable
+
+    return Dataset(InMemoryTable.from_pylist(rows), fingerprint=fingerprint)
+
+
 def serve_app(app: Any, what: str, timeout_s: float = 60.0) -> tuple[str, Any, threading.Thread]:
     """Run the ASGI ``app`` with uvicorn on a free loopback port, in a daemon thread.
 

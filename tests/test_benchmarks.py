@@ -20,6 +20,7 @@ import bench_cost  # noqa: E402
 import bench_hotswap  # noqa: E402
 import bench_scaling  # noqa: E402
 import bench_trl  # noqa: E402
+import bench_trl_demo  # noqa: E402
 from common import Stats  # noqa: E402
 
 TINY = ["--tiny", "--repeats", "1"]
@@ -106,14 +107,14 @@ def test_cost_refuses_missing_run(tmp_path):
 
 def test_checkpoint_at_equal_wall_clock():
     steps = [{"step": 1, "seconds": 10.0}, {"step": 2, "seconds": 20.0}]
-    assert bench_trl.checkpoint_at(steps, 20.0)["step"] == 2
-    assert bench_trl.checkpoint_at(steps, 19.9)["step"] == 1
-    assert bench_trl.checkpoint_at(steps, 9.0) is None
+    assert bench_trl_demo.checkpoint_at(steps, 20.0)["step"] == 2
+    assert bench_trl_demo.checkpoint_at(steps, 19.9)["step"] == 1
+    assert bench_trl_demo.checkpoint_at(steps, 9.0) is None
 
 
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="the bench extra (trl) is not installed")
 def test_trl_tiny(tmp_path):
-    r = bench_trl.main(TINY + ["--inprocess", "--out", str(tmp_path), "--workdir", str(tmp_path / "work")])
+    r = bench_trl_demo.main(TINY + ["--inprocess", "--out", str(tmp_path), "--workdir", str(tmp_path / "work")])
     assert r["rollouts_per_trainer"] == 2 * 2 * 2
     assert [s["step"] for s in r["trl"]["steps"]] == [1, 2]
     assert len(r["selfrl"]["steps"]) == 2
@@ -122,6 +123,78 @@ def test_trl_tiny(tmp_path):
     per = r["rows"]["seconds per update (median)"]
     assert per["ratio"] == pytest.approx(per["selfrl"] / per["trl"])
     assert 0.0 <= r["rows"]["held-out success, equal rollouts"]["trl"] <= 1.0
+
+
+def _arm(arm: str, label: str, curve: list[tuple[float, int, str]], training_s: float) -> dict:
+    """An arm's result as bench_trl.py writes it: ``curve`` is (seconds, step, solved task
+    letters) over the held-out tasks a, b, c, d."""
+    return {"arm": arm, "label": label, "seed": 0, "model": "m", "updates": curve[-1][1], "training_s": training_s,
+            "curve": [{"seconds": t, "step": k, "success": len(won) / 4, "results": {x: x in won for x in "abcd"}}
+                      for t, k, won in curve]}
+
+
+def test_trl_plot_times_each_arm_to_trls_final_success(tmp_path):
+    trl = _arm("trl", "trl", [(0.0, 0, ""), (600.0, 10, "a"), (1200.0, 20, "ab")], 1250.0)
+    ours = _arm("selfrl", "selfrl", [(0.0, 0, ""), (300.0, 12, "ab"), (900.0, 40, "abc")], 930.0)
+    files = []
+    for a in (trl, ours):
+        files.append(tmp_path / f"{a['label']}.json")
+        files[-1].write_text(json.dumps(a))
+    png = tmp_path / "curve.png"
+    r = bench_trl.main(["plot", *map(str, files), "--png", str(png), "--levels", "0.3,0.6", "--out", str(tmp_path)])
+    theirs, mine = r["rows"]
+    assert theirs["reach"] == {"0.3": 1200.0, "0.6": None} and mine["reach"] == {"0.3": 300.0, "0.6": 900.0}
+    assert (theirs["trl_final"], theirs["trl_final_s"], theirs["speedup"]) == (0.5, 1200.0, 1.0)
+    assert (mine["final"], mine["reach_trl_final_s"], mine["speedup"]) == (0.75, 300.0, 4.0)
+    # paired on a, b, c, d: TRL's final solves a b, selfrl's a b c: differences 0 0 1 0, mean 0.25,
+    # sample standard deviation 0.5, half width 1.96 x 0.5 / 2
+    assert mine["paired_vs_trl"] == pytest.approx((0.25, 0.25 - 0.49, 0.25 + 0.49))
+    assert theirs["paired_vs_trl"] == (0.0, 0.0, 0.0)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "trl_compare.json").read_text())["rows"][1]["speedup"] == 4.0
+
+
+def test_trl_plot_refuses_arms_scored_on_different_tasks(tmp_path):
+    a = _arm("trl", "trl", [(0.0, 0, "")], 0.0)
+    b = _arm("selfrl", "selfrl", [(0.0, 0, "")], 0.0)
+    b["curve"][0]["results"] = {"z": True}
+    for x in (a, b):
+        (tmp_path / f"{x['label']}.json").write_text(json.dumps(x))
+    with pytest.raises(SystemExit, match="different held-out tasks"):
+        bench_trl.main(["plot", str(tmp_path / "trl.json"), str(tmp_path / "selfrl.json"), "--png",
+                        str(tmp_path / "c.png"), "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no such result file"):
+        bench_trl.main(["plot", str(tmp_path / "missing.json")])
+
+
+def test_trl_eval_points_score_each_reached_step_once():
+    steps = [{"step": k, "seconds": s} for k, s in ((1, 50.0), (2, 130.0), (3, 170.0), (4, 250.0))]
+    # at 120 s step 1 is still the last, at 240 s step 3: neither is scored twice
+    assert [(t, s and s["step"]) for t, s in bench_trl.eval_points(steps, 60.0)] == [
+        (0.0, None), (60.0, 1), (180.0, 3), (250.0, 4)]
+    with pytest.raises(ValueError, match="--eval-every"):
+        bench_trl.eval_points(steps, 0.0)
+
+
+def test_trl_reward_scores_a_completion_as_selfrl_scores_its_rollout():
+    """TRL's reward is selfrl's on the completion cut after its first call (selfrl stops there):
+    the right call earns 1.0 whatever follows, a wrong argument value partial credit."""
+    from selfrl.envs import get_env, load_run_config
+    from selfrl.envs.rewards import get_preset, score_batch
+    from selfrl.core.tasks import split_tasks
+
+    cfg = load_run_config(bench_trl.CONFIG)
+    source = get_env(cfg.task.source, **cfg.task.options)
+    train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
+    task = train[0]
+    (name, args), = json.loads(task.answer)[0].items()
+    right = {"name": name, "arguments": {k: v[0] for k, v in args.items() if v[0] != ""}}
+    wrong = {"name": name, "arguments": {k: "no such value" for k in right["arguments"]}}
+    texts = [f"<tool_call>{json.dumps(right)}</tool_call> and then <tool_call>{json.dumps(wrong)}</tool_call>",
+             f"<tool_call>{json.dumps(wrong)}</tool_call>", "no call"]
+    trajs = [bench_trl.completion_trajectory(x, task.id, "g") for x in texts]
+    score_batch(trajs, {task.id: task}, source, get_preset(cfg.preset))
+    assert [t.reward for t in trajs] == [1.0, 0.5, 0.0]
 
 
 def test_overlap_tiny(tmp_path):
