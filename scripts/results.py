@@ -237,8 +237,8 @@ def run_outcome(run_dir: Path) -> tuple[int, bool, dict[str, bool], dict[str, bo
         raise FileNotFoundError(f"no run at {run_dir}: run `scripts/results.py run` first")
     with Store(db, readonly=True) as store:
         choice = served_choice(store, run_config(run_dir, store))
-        promoted = store.latest_promoted() is not None
-        version = choice.served if choice is not None and promoted else 0
+        promoted = any(v["status"] == "promoted" for v in store.versions())
+        version = 0 if choice is None else choice.served
         base, served = store.evaluation(0), store.evaluation(version)
         trained = store.trained_task_ids()
     if not base:
@@ -316,7 +316,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         best = r["best_prompt"]
         prompt = "not measured" if best is None else f"{cell(best)} (k = {best['shots']})"
-        version = f"v{r['rl']['version']}" if r["rl"]["promoted"] else "base: nothing promoted"
+        version = f"v{r['rl']['version']}" if r["rl"]["version"] else \
+            "the base, by gate.rule" if r["rl"]["promoted"] else "the base: nothing promoted"
         verdict = {None: "", True: "yes", False: "no"}[r["beats_best_prompt"]]
         prompt_s = sum(s for s in r["wall_s"]["prompts"].values() if s is not None) or None
         lines.append(f"| {r['environment']} | {r['seed']} | {r['held_out']} | {cell(r['base'])} | {prompt} "
