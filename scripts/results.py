@@ -324,6 +324,11 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                      f"| {cell(r['rl'])} ({version}) | {points(r['rl_minus_base'])} "
                      f"| {points(r['rl_minus_best_prompt'])} | {verdict} | {minutes(r['wall_s']['rl'])} "
                      f"| {minutes(prompt_s)} |")
+    lines.append("")
+    for name in dict.fromkeys(r["environment"] for r in rows):
+        verdicts = [r["beats_best_prompt"] for r in rows if r["environment"] == name]
+        if None not in verdicts:
+            lines.append(f"- {name}: RL beats the best prompt in {sum(verdicts)} of {len(verdicts)} seeds.")
     lines += ["", "## Every prompt", "", "| environment | k | held-out success |", "|---|---|---|"]
     seen = set()
     for r in rows:

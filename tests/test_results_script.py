@@ -85,6 +85,7 @@ def test_the_table_pairs_rl_with_the_base_and_the_best_prompt(tmp_path, tiny_env
     assert "| tiny | 0 | 5 | 2/5 = 40.0% [11.8%, 76.9%] | 3/5 = 60.0% [23.1%, 88.2%] (k = 3) " \
            "| 4/5 = 80.0% [37.6%, 96.4%] (v1) | +40.0 [-8.0, +88.0] | +20.0 [-19.2, +59.2] | no |" in text
     assert "(the base: nothing promoted) | +0.0 [+0.0, +0.0] | -20.0 [-59.2, +19.2] | no |" in text
+    assert "- tiny: RL beats the best prompt in 0 of 2 seeds." in text
 
 
 def test_the_served_version_follows_the_gate_rule(tmp_path, tiny_env):
