@@ -191,3 +191,14 @@ val_size = 6
     assert row["held_out"] == 6 and set(row["prompts"]) == {"0", "1"}
     assert row["best_prompt"]["shots"] in (0, 1) and row["wall_s"]["rl"] > 0
     assert row["commands"]["rl"] == f"selfrl run --config {config} --seed 0 --run-dir {out}/tiny/seed0"
+
+
+def test_a_seed_whose_interval_is_above_zero_beats_the_best_prompt(tmp_path, tiny_env, monkeypatch):
+    """Every prompt fails the 5 tasks and RL solves them all: d = 1 on each, the interval [+1, +1]."""
+    monkeypatch.setattr(sys.modules[__name__], "BASE", [False] * 5)
+    monkeypatch.setattr(sys.modules[__name__], "PROMPTS", {0: [False] * 5, 3: [False, False, False, False, True]})
+    write_run(tmp_path / "tiny" / "seed0", [True] * 5)
+    write_prompts(tmp_path / "tiny")
+    text = results.write_table(["tiny"], [0], tmp_path).read_text()
+    assert "(k = 3) | 5/5 = 100.0% [56.6%, 100.0%] (v1) | +100.0 [+100.0, +100.0] | +80.0 [+40.8, +100.0] | yes |" in text
+    assert "- tiny: RL beats the best prompt in 1 of 1 seeds." in text
