@@ -8,7 +8,7 @@ RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install demo demo-label-free serve-demo test test-slow test-vllm bench-trl docs clean
+.PHONY: install demo demo-label-free serve-demo results test test-slow test-vllm bench-trl docs clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -43,6 +43,17 @@ demo-label-free: $(STAMP)
 
 serve-demo: $(STAMP)
 	$(BIN)/python examples/serve_agent.py --run-dir $(RUN_DIR)-serve
+
+# Every learning result (docs/results/index.md): per environment its prompt baselines, then one RL run
+# per seed, each skipped when finished before (so the same command resumes); then the table
+# ($(RESULTS_DIR)/results.md and results.json). Hours on a CPU for all four environments.
+ENVS ?= arithmetic function_calling code_easy web_easy
+SEEDS ?= 0 1 2
+RESULTS_DIR ?= runs/results
+
+results: $(STAMP)
+	$(BIN)/python scripts/results.py run --envs $(ENVS) --seeds $(SEEDS) --out $(RESULTS_DIR)
+	$(BIN)/python scripts/results.py table --envs $(ENVS) --seeds $(SEEDS) --out $(RESULTS_DIR)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow and not vllm" -q

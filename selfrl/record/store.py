@@ -381,6 +381,12 @@ class Store:
         return [dict(r) for r in rows]
 
     @locked
+    def trained_task_ids(self) -> set[str]:
+        """Ids of the tasks any stored trajectory was sampled on: the tasks the run trained on
+        (held-out evaluations are stored apart, in ``evaluations``)."""
+        return {r["task_id"] for r in self.conn.execute("SELECT DISTINCT task_id FROM trajectories")}
+
+    @locked
     def count_trajectories(self) -> int:
         """Number of stored trajectories over all runs."""
         return int(self.conn.execute("SELECT COUNT(*) FROM trajectories").fetchone()[0])

@@ -1,0 +1,383 @@
+"""Every learning result re-run by one command, and one table of them: per environment and seed,
+the base model, the best k-shot prompt and RL, with paired 95 % intervals on the same held-out tasks.
+
+    python scripts/results.py run   --envs function_calling code_easy --seeds 0 1 2 [--out runs/results]
+    python scripts/results.py table --envs function_calling code_easy --seeds 0 1 2 [--out runs/results]
+    make results ENVS="function_calling code_easy" SEEDS="0 1 2"       # both, in turn
+
+``run``: for each environment, its shipped config (:data:`ENVIRONMENTS`) is run as it ships:
+``scripts/prompt_baseline.py`` once per shot count k (greedy, so one run per k is the result;
+``--per-task`` keeps each task's verdict in ``OUT/ENV/prompt-kK.json``), then
+``selfrl run --config CONFIG --seed S --run-dir OUT/ENV/seedS`` per seed. Each step's command and
+wall time go to ``OUT/ENV/steps.json`` when it ends; a step recorded as finished is skipped, so
+running the same command again resumes where it stopped (an interrupted RL run continues with
+``selfrl run --resume``, its wall time summed over the attempts). A failing step stops the run
+with its exit status.
+
+``table``: reads the run folders' stores and the prompt files and writes ``OUT/results.md`` and
+``OUT/results.json``: per environment and seed, the base (version 0's held-out evaluation), the
+best prompt (the k with the most held-out successes; a tie goes to the smaller k), RL (the version
+the run serves by its ``gate.rule``: the base when nothing was promoted), each with its Wilson
+interval, and the paired differences RL - base and RL - best prompt with their 95 % intervals
+(``selfrl.core.stats``). Every number is on the run's held-out tasks: the prompt files must hold
+exactly the same task ids, and no held-out task may appear among the tasks the run trained on;
+either mismatch stops the table with an error naming the files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Environment:
+    """One row group of the table: the shipped config and the shot counts of its prompt baseline."""
+
+    config: str  # relative to the repository root
+    shots: tuple[int, ...]
+
+
+ENVIRONMENTS = {
+    "arithmetic": Environment("configs/demo.toml", (0, 1, 2)),
+    "function_calling": Environment("configs/function_calling.toml", (0, 1, 3, 5)),
+    "code_easy": Environment("configs/code_easy.toml", (0, 1, 3)),
+    "web_easy": Environment("configs/web_easy.toml", (0, 1, 2, 3, 4)),
+}
+LEDGER = "steps.json"
+
+
+def environment(name: str) -> Environment:
+    """The :data:`ENVIRONMENTS` entry of ``name``.
+
+    Raises:
+        ValueError: an unknown name (the message lists the valid ones).
+    """
+    if name not in ENVIRONMENTS:
+        raise ValueError(f"unknown environment {name!r}; valid: {', '.join(ENVIRONMENTS)}")
+    return ENVIRONMENTS[name]
+
+
+# ------------------------------------------------------------------ run
+
+
+def selfrl_program() -> str:
+    """The ``selfrl`` console script beside this Python, else the one on PATH."""
+    beside = Path(sys.executable).parent / "selfrl"
+    found = str(beside) if beside.is_file() else shutil.which("selfrl")
+    if found is None:
+        raise OSError("no selfrl command beside this Python nor on PATH: install the project (make install)")
+    return found
+
+
+def execute(argv: list[str]) -> int:
+    """Run ``argv`` from the repository root, its output passed through; its exit status."""
+    return subprocess.run(argv, cwd=ROOT).returncode
+
+
+def read_ledger(folder: Path) -> dict[str, dict[str, Any]]:
+    """``{step: {"command", "wall_s", "attempts", "finished"}}`` of ``folder/steps.json`` ({} if none)."""
+    path = folder / LEDGER
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def record_step(folder: Path, step: str, command: str, wall_s: float, finished: bool) -> dict[str, Any]:
+    """Add one attempt of ``step`` to the ledger (wall time summed over attempts), written atomically."""
+    from selfrl.core.atomic import write_atomic
+
+    ledger = read_ledger(folder)
+    before = ledger.get(step, {})
+    entry = {"command": command, "wall_s": before.get("wall_s", 0.0) + wall_s,
+             "attempts": before.get("attempts", 0) + 1, "finished": finished}
+    ledger[step] = entry
+    write_atomic(folder / LEDGER, json.dumps(ledger, indent=1, sort_keys=True))
+    return entry
+
+
+def shown(argv: list[str]) -> str:
+    """``argv`` as a user types it: ``selfrl`` and ``python`` by name, paths relative to the repository."""
+    names = {sys.executable: "python"}
+    try:
+        names[selfrl_program()] = "selfrl"
+    except OSError:
+        pass
+    return shlex.join(names.get(a, a.removeprefix(f"{ROOT}/")) for a in argv)
+
+
+def steps(name: str, env: Environment, seeds: list[int], out: Path) -> list[tuple[str, list[str], Path]]:
+    """``[(step, argv, its output)]`` of one environment, prompt baselines first. An RL run whose
+    folder already holds a store (an interrupted attempt) continues with ``--resume``."""
+    folder = out / name
+    todo = []
+    for k in env.shots:
+        per_task = folder / f"prompt-k{k}.json"
+        todo.append((f"prompt-k{k}", [sys.executable, "scripts/prompt_baseline.py", "--config", env.config,
+                                      "--shots", str(k), "--per-task", str(per_task)], per_task))
+    for seed in seeds:
+        run_dir = folder / f"seed{seed}"
+        if (run_dir / "selfrl.db").exists():
+            argv = [selfrl_program(), "run", "--resume", str(run_dir)]
+        else:
+            argv = [selfrl_program(), "run", "--config", env.config, "--seed", str(seed), "--run-dir", str(run_dir)]
+        todo.append((f"seed{seed}", argv, run_dir / "selfrl.db"))
+    return todo
+
+
+def run_all(envs: list[str], seeds: list[int], out: Path, runner: Callable[[list[str]], int] = execute) -> int:
+    """Run every step not yet finished; 0, or the exit status of the first step that failed.
+
+    Args:
+        envs: names of :data:`ENVIRONMENTS`.
+        seeds: RL seeds, one run each.
+        out: the results folder (``OUT/ENV/...``), created if missing.
+        runner: runs one command and returns its exit status (:func:`execute`).
+
+    Raises:
+        ValueError: an unknown environment (before anything runs).
+    """
+    plan = [(name, environment(name)) for name in envs]
+    for name, env in plan:
+        folder = out / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for step, argv, output in steps(name, env, seeds, out):
+            done = read_ledger(folder).get(step, {})
+            if done.get("finished") and output.exists():
+                print(f"results: {name} {step}: finished before ({done['wall_s']:.0f} s), skipped", flush=True)
+                continue
+            print(f"results: {name} {step}: {shown(argv)}", flush=True)
+            t0 = time.perf_counter()
+            rc = runner(argv)
+            entry = record_step(folder, step, shown(argv), time.perf_counter() - t0, rc == 0)
+            if rc != 0:
+                print(f"results: error: {name} {step} exited with status {rc} after {entry['wall_s']:.0f} s; "
+                      "fix the cause and run the same command again to resume", file=sys.stderr)
+                return rc
+    return 0
+
+
+# ------------------------------------------------------------------ table
+
+
+def rate(results: dict[str, bool]) -> dict[str, Any]:
+    """``{"successes", "n", "rate", "low", "high"}``: the success rate with its 95 % Wilson interval."""
+    from selfrl.core.stats import wilson_interval
+
+    k, n = sum(results.values()), len(results)
+    low, high = wilson_interval(k, n)
+    return {"successes": k, "n": n, "rate": k / n if n else 0.0, "low": low, "high": high}
+
+
+def paired(before: dict[str, bool], after: dict[str, bool]) -> dict[str, float]:
+    """``{"diff", "low", "high"}``: mean of ``after - before`` over the shared task ids, 95 % CI.
+
+    Raises:
+        ValueError: the two hold different task ids.
+    """
+    from selfrl.core.stats import paired_difference_ci
+
+    if before.keys() != after.keys():
+        raise ValueError(f"paired results on different tasks: {len(before.keys() - after.keys())} only before, "
+                         f"{len(after.keys() - before.keys())} only after")
+    ids = sorted(before)
+    diff, low, high = paired_difference_ci([before[t] for t in ids], [after[t] for t in ids])
+    return {"diff": diff, "low": low, "high": high}
+
+
+def read_prompts(folder: Path, held_out: set[str], where: str) -> dict[int, dict[str, bool]]:
+    """``{k: {task id: solved}}`` of every ``prompt-kK.json`` in ``folder``.
+
+    Raises:
+        ValueError: a file's task ids are not exactly ``held_out`` (``where`` names the run).
+    """
+    prompts: dict[int, dict[str, bool]] = {}
+    for path in sorted(folder.glob("prompt-k*.json")):
+        for k, solved in json.loads(path.read_text()).items():
+            if set(solved) != held_out:
+                raise ValueError(
+                    f"{path}: its {len(solved)} tasks are not {where}'s {len(held_out)} held-out tasks "
+                    f"({len(set(solved) - held_out)} not held out there, {len(held_out - set(solved))} missing); "
+                    "were the baseline and the run made from the same config? Delete the file and rerun "
+                    "`scripts/results.py run` to measure it again")
+            prompts[int(k)] = solved
+    return prompts
+
+
+def best_prompt(prompts: dict[int, dict[str, bool]]) -> int | None:
+    """The k with the most successes (the smaller k on a tie); None without prompts.
+
+    >>> best_prompt({0: {"a": False, "b": True}, 3: {"a": True, "b": True}, 5: {"a": True, "b": True}})
+    3
+    """
+    return max(sorted(prompts), key=lambda k: sum(prompts[k].values()), default=None)
+
+
+def run_outcome(run_dir: Path) -> tuple[int, bool, dict[str, bool], dict[str, bool]]:
+    """``(served version, promoted anything, base per task, served per task)`` of one run's store.
+
+    Raises:
+        FileNotFoundError: no store in ``run_dir``.
+        ValueError: the base was never evaluated, the served version was evaluated on other
+            tasks, or a held-out task is among the tasks the run trained on.
+    """
+    from selfrl.record.store import Store
+    from selfrl.report.run import run_config, served_choice
+
+    db = run_dir / "selfrl.db"
+    if not db.exists():
+        raise FileNotFoundError(f"no run at {run_dir}: run `scripts/results.py run` first")
+    with Store(db, readonly=True) as store:
+        choice = served_choice(store, run_config(run_dir, store))
+        promoted = any(v["status"] == "promoted" for v in store.versions())
+        version = 0 if choice is None else choice.served
+        base, served = store.evaluation(0), store.evaluation(version)
+        trained = store.trained_task_ids()
+    if not base:
+        raise ValueError(f"{run_dir}: the base was never evaluated on the held-out tasks (an unfinished run? "
+                         "rerun `scripts/results.py run` to finish it)")
+    if served.keys() != base.keys():
+        raise ValueError(f"{run_dir}: version {version} was evaluated on other tasks than the base")
+    leaked = sorted(trained & base.keys())
+    if leaked:
+        raise ValueError(f"{run_dir}: {len(leaked)} held-out tasks were also trained on (e.g. {leaked[0]}): "
+                         "its held-out numbers are not held out")
+    return version, promoted, base, served
+
+
+def table_rows(envs: list[str], seeds: list[int], out: Path) -> list[dict[str, Any]]:
+    """One row per environment and seed (see the module docstring for the fields).
+
+    Raises:
+        FileNotFoundError, ValueError: from :func:`run_outcome` and :func:`read_prompts`.
+    """
+    rows = []
+    for name in envs:
+        env, folder = environment(name), out / name
+        ledger = read_ledger(folder)
+        for seed in seeds:
+            run_dir = folder / f"seed{seed}"
+            version, promoted, base, rl = run_outcome(run_dir)
+            prompts = read_prompts(folder, set(base), str(run_dir))
+            k = best_prompt(prompts)
+            step = ledger.get(f"seed{seed}", {})
+            rows.append({
+                "environment": name, "config": env.config, "seed": seed, "held_out": len(base),
+                "base": rate(base),
+                "prompts": {str(s): rate(p) for s, p in sorted(prompts.items())},
+                "best_prompt": None if k is None else {"shots": k, **rate(prompts[k])},
+                "rl": {"version": version, "promoted": promoted, **rate(rl)},
+                "rl_minus_base": paired(base, rl),
+                "rl_minus_best_prompt": None if k is None else paired(prompts[k], rl),
+                "wall_s": {"rl": step.get("wall_s"),
+                           "prompts": {s: ledger.get(f"prompt-k{s}", {}).get("wall_s") for s in sorted(prompts)}},
+                "commands": {"rl": step.get("command"),
+                             "prompts": {s: ledger.get(f"prompt-k{s}", {}).get("command") for s in sorted(prompts)}},
+            })
+            best = rows[-1]["rl_minus_best_prompt"]
+            rows[-1]["beats_best_prompt"] = None if best is None else best["low"] > 0
+    return rows
+
+
+def cell(r: dict[str, Any]) -> str:
+    """``"k/n = xx.x % [lo, hi]"`` of a :func:`rate` result."""
+    return f"{r['successes']}/{r['n']} = {r['rate']:.1%} [{r['low']:.1%}, {r['high']:.1%}]"
+
+
+def points(d: dict[str, float] | None) -> str:
+    """A paired difference in percentage points with its interval."""
+    if d is None:
+        return "no prompt measured"
+    return f"{100 * d['diff']:+.1f} [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}]"
+
+
+def minutes(s: float | None) -> str:
+    return "" if s is None else f"{s / 60:.1f} min"
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The table, then each row's commands."""
+    lines = ["# Results: base, best prompt and RL on the same held-out tasks", "",
+             "Greedy held-out success with 95 % Wilson intervals; differences in percentage points with 95 % "
+             "intervals, paired on the same held-out tasks. RL is the version the run serves (`gate.rule`); "
+             "the best prompt is the k with the most held-out successes, chosen on these same tasks, "
+             "which favours the prompt.", "",
+             "| environment | seed | held-out | base | best prompt (k) | RL (version) | RL − base | RL − best prompt "
+             "| beats the best prompt | RL wall time | prompts' wall time |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        best = r["best_prompt"]
+        prompt = "not measured" if best is None else f"{cell(best)} (k = {best['shots']})"
+        version = f"v{r['rl']['version']}" if r["rl"]["version"] else \
+            "the base, by gate.rule" if r["rl"]["promoted"] else "the base: nothing promoted"
+        verdict = {None: "", True: "yes", False: "no"}[r["beats_best_prompt"]]
+        prompt_s = sum(s for s in r["wall_s"]["prompts"].values() if s is not None) or None
+        lines.append(f"| {r['environment']} | {r['seed']} | {r['held_out']} | {cell(r['base'])} | {prompt} "
+                     f"| {cell(r['rl'])} ({version}) | {points(r['rl_minus_base'])} "
+                     f"| {points(r['rl_minus_best_prompt'])} | {verdict} | {minutes(r['wall_s']['rl'])} "
+                     f"| {minutes(prompt_s)} |")
+    lines.append("")
+    for name in dict.fromkeys(r["environment"] for r in rows):
+        verdicts = [r["beats_best_prompt"] for r in rows if r["environment"] == name]
+        if None not in verdicts:
+            lines.append(f"- {name}: RL beats the best prompt in {sum(verdicts)} of {len(verdicts)} seeds.")
+    lines += ["", "## Every prompt", "", "| environment | k | held-out success |", "|---|---|---|"]
+    seen = set()
+    for r in rows:
+        for k, p in r["prompts"].items():
+            if (r["environment"], k) not in seen:
+                seen.add((r["environment"], k))
+                lines.append(f"| {r['environment']} | {k} | {cell(p)} |")
+    lines += ["", "## Commands", "", "```bash"]
+    done = set()
+    for r in rows:
+        for command in [*r["commands"]["prompts"].values(), r["commands"]["rl"]]:
+            if command and command not in done:
+                done.add(command)
+                lines.append(command)
+    return "\n".join(lines + ["```", ""])
+
+
+def write_table(envs: list[str], seeds: list[int], out: Path) -> Path:
+    """Write ``out/results.md`` and ``out/results.json``; the path of the Markdown."""
+    rows = table_rows(envs, seeds, out)
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    path = out / "results.md"
+    path.write_text(markdown(rows))
+    return path
+
+
+# ------------------------------------------------------------------ command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, text in (("run", "run every step not yet finished"), ("table", "write results.md and results.json")):
+        s = sub.add_parser(name, help=text)
+        s.add_argument("--envs", nargs="+", default=list(ENVIRONMENTS),
+                       help=f"environments (default all: {' '.join(ENVIRONMENTS)})")
+        s.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="RL seeds (default 0 1 2)")
+        s.add_argument("--out", default="runs/results", help="results folder (default runs/results)")
+    a = p.parse_args(argv)
+    out = Path(a.out).resolve()  # the steps run from the repository root
+    try:
+        if a.command == "run":
+            return run_all(a.envs, a.seeds, out)
+        print(f"results: wrote {write_table(a.envs, a.seeds, out)} and {out / 'results.json'}")
+        return 0
+    except (OSError, ValueError) as e:
+        print(f"results: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""``scripts/results.py``: the table pairs RL with the base and the best prompt on the same
+held-out tasks (numbers computed by hand below), refuses a prompt measured on other tasks or a
+held-out task that was trained on, and a second ``run`` skips every finished step (an
+interrupted RL run continues with ``--resume``)."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from selfrl.core.trajectory import Trajectory
+from selfrl.record.store import Store
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("results_script", ROOT / "scripts" / "results.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["results_script"] = mod  # (dataclasses look their module up)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+results = load_script()
+
+TASKS = ["t1", "t2", "t3", "t4", "t5"]
+BASE = [False, False, True, True, False]  # 2/5
+RL = [True, False, True, True, True]  # 4/5
+PROMPTS = {
+    0: [False, True, False, True, False],  # 2/5
+    3: [True, False, True, True, False],  # 3/5: the best
+    5: [True, True, True, False, False],  # 3/5: a tie, the smaller k wins
+}
+
+
+def write_run(run_dir: Path, rl: list[bool] | None, trained: tuple[str, ...] = ("x1", "x2"), rule: str = "newest"):
+    """A finished run's store: base evaluated; version 1 promoted with ``rl`` (None: nothing promoted)."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps({"gate": {"rule": rule, "tolerance": 0.0}}))
+    with Store(run_dir / "selfrl.db") as store:
+        run = store.start_run({})
+        store.add_trajectories(run, 0, [Trajectory(t, t, 0) for t in trained])
+        store.add_version(0, None, None, "base", {"val/success": sum(BASE) / len(BASE)})
+        store.add_evaluation(0, [(t, ok, None) for t, ok in zip(TASKS, BASE)])
+        if rl is not None:
+            store.add_version(1, 0, None, "promoted", {"val/success": sum(rl) / len(rl)})
+            store.add_evaluation(1, [(t, ok, None) for t, ok in zip(TASKS, rl)])
+
+
+def write_prompts(folder: Path, tasks=TASKS):
+    for k, solved in PROMPTS.items():
+        (folder / f"prompt-k{k}.json").write_text(json.dumps({str(k): dict(zip(tasks, solved))}))
+
+
+@pytest.fixture
+def tiny_env(monkeypatch):
+    monkeypatch.setattr(results, "ENVIRONMENTS", {"tiny": results.Environment("configs/demo.toml", (0, 3, 5))})
+
+
+def test_the_table_pairs_rl_with_the_base_and_the_best_prompt(tmp_path, tiny_env):
+    write_run(tmp_path / "tiny" / "seed0", RL)
+    write_run(tmp_path / "tiny" / "seed1", None)  # nothing promoted: RL serves the base
+    write_prompts(tmp_path / "tiny")
+    path = results.write_table(["tiny"], [0, 1], tmp_path)
+    rows = json.loads((tmp_path / "results.json").read_text())
+    r0, r1 = rows
+    assert (r0["seed"], r0["held_out"], r0["base"]["successes"], r0["rl"]["successes"]) == (0, 5, 2, 4)
+    assert r0["rl"]["version"] == 1 and r0["rl"]["promoted"]
+    assert r0["best_prompt"]["shots"] == 3 and r0["best_prompt"]["successes"] == 3
+    # RL - base: d = [1, 0, 0, 0, 1], mean 0.4, s^2 = (2 x 0.36 + 3 x 0.16) / 4 = 0.3,
+    # half = 1.96 sqrt(0.3 / 5) = 0.48010
+    assert r0["rl_minus_base"] == pytest.approx({"diff": 0.4, "low": -0.08010, "high": 0.88010}, abs=1e-5)
+    # RL - k=3: d = [0, 0, 0, 0, 1], mean 0.2, s^2 = (4 x 0.04 + 0.64) / 4 = 0.2, half = 1.96 x 0.2 = 0.392
+    assert r0["rl_minus_best_prompt"] == pytest.approx({"diff": 0.2, "low": -0.192, "high": 0.592}, abs=1e-9)
+    assert r0["beats_best_prompt"] is False
+    # seed 1 serves the base: RL - base is 0 exactly; RL - k=3: d = [-1, 0, 0, 0, 0]
+    assert r1["rl"] == {**r1["base"], "version": 0, "promoted": False}
+    assert r1["rl_minus_base"] == {"diff": 0.0, "low": 0.0, "high": 0.0}
+    assert r1["rl_minus_best_prompt"] == pytest.approx({"diff": -0.2, "low": -0.592, "high": 0.192}, abs=1e-9)
+    text = path.read_text()
+    # 4/5: Wilson [0.376, 0.964] (tests/test_report.py); 3/5: [0.231, 0.882]
+    assert "| tiny | 0 | 5 | 2/5 = 40.0% [11.8%, 76.9%] | 3/5 = 60.0% [23.1%, 88.2%] (k = 3) " \
+           "| 4/5 = 80.0% [37.6%, 96.4%] (v1) | +40.0 [-8.0, +88.0] | +20.0 [-19.2, +59.2] | no |" in text
+    assert "(the base: nothing promoted) | +0.0 [+0.0, +0.0] | -20.0 [-59.2, +19.2] | no |" in text
+    assert "- tiny: RL beats the best prompt in 0 of 2 seeds." in text
+
+
+def test_the_served_version_follows_the_gate_rule(tmp_path, tiny_env):
+    """gate.rule = "best" serves the higher of two promoted versions, not the newest."""
+    write_run(tmp_path / "tiny" / "seed0", RL, rule="best")
+    with Store(tmp_path / "tiny" / "seed0" / "selfrl.db") as store:
+        store.add_version(2, 1, None, "promoted", {"val/success": 0.2})
+        store.add_evaluation(2, [(t, t == "t1", None) for t in TASKS])
+    write_prompts(tmp_path / "tiny")
+    (row,) = results.table_rows(["tiny"], [0], tmp_path)
+    assert row["rl"]["version"] == 1 and row["rl"]["successes"] == 4
+
+
+def test_a_prompt_measured_on_other_tasks_is_refused(tmp_path, tiny_env):
+    write_run(tmp_path / "tiny" / "seed0", RL)
+    write_prompts(tmp_path / "tiny", tasks=["t1", "t2", "t3", "t4", "other"])
+    with pytest.raises(ValueError, match=r"prompt-k0.json: its 5 tasks are not .*seed0's 5 held-out tasks "
+                                         r"\(1 not held out there, 1 missing\)"):
+        results.table_rows(["tiny"], [0], tmp_path)
+    assert results.main(["table", "--envs", "tiny", "--seeds", "0", "--out", str(tmp_path)]) == 2
+    assert not (tmp_path / "results.md").exists()
+
+
+def test_a_held_out_task_that_was_trained_on_is_refused(tmp_path, tiny_env):
+    write_run(tmp_path / "tiny" / "seed0", RL, trained=("x1", "t4"))
+    write_prompts(tmp_path / "tiny")
+    with pytest.raises(ValueError, match="1 held-out tasks were also trained on \\(e.g. t4\\)"):
+        results.table_rows(["tiny"], [0], tmp_path)
+
+
+def test_an_unknown_environment_is_refused_before_anything_runs(tmp_path, tiny_env):
+    calls = []
+    with pytest.raises(ValueError, match="unknown environment 'nope'; valid: tiny"):
+        results.run_all(["tiny", "nope"], [0], tmp_path, runner=calls.append)
+    assert calls == []
+
+
+def test_a_second_run_skips_what_is_finished_and_resumes_what_is_not(tmp_path, tiny_env):
+    calls, fail = [], {"seed1"}
+
+    def runner(argv):
+        calls.append(argv)
+        if "--per-task" in argv:
+            Path(argv[argv.index("--per-task") + 1]).write_text("{}")
+            return 0
+        run_dir = Path(argv[argv.index("--run-dir") + 1] if "--run-dir" in argv else argv[argv.index("--resume") + 1])
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "selfrl.db").write_text("")
+        return 1 if run_dir.name in fail else 0
+
+    assert results.run_all(["tiny"], [0, 1], tmp_path, runner) == 1  # seed 1 fails
+    assert [a[a.index("--shots") + 1] if "--shots" in a else a[a.index("--seed") + 1] for a in calls] == \
+        ["0", "3", "5", "0", "1"]
+    ledger = json.loads((tmp_path / "tiny" / "steps.json").read_text())
+    assert {s: e["finished"] for s, e in ledger.items()} == \
+        {"prompt-k0": True, "prompt-k3": True, "prompt-k5": True, "seed0": True, "seed1": False}
+    assert ledger["seed0"]["command"] == f"selfrl run --config configs/demo.toml --seed 0 --run-dir {tmp_path}/tiny/seed0"
+    assert ledger["prompt-k3"]["command"] == \
+        f"python scripts/prompt_baseline.py --config configs/demo.toml --shots 3 --per-task {tmp_path}/tiny/prompt-k3.json"
+
+    calls.clear()
+    fail.clear()
+    assert results.run_all(["tiny"], [0, 1], tmp_path, runner) == 0
+    assert [a[1:] for a in calls] == [["run", "--resume", str(tmp_path / "tiny" / "seed1")]]  # only the unfinished
+    ledger = json.loads((tmp_path / "tiny" / "steps.json").read_text())
+    assert ledger["seed1"]["finished"] and ledger["seed1"]["attempts"] == 2
+
+    calls.clear()
+    assert results.run_all(["tiny"], [0, 1], tmp_path, runner) == 0
+    assert calls == []
+    (tmp_path / "tiny" / "prompt-k5.json").unlink()  # a finished step whose output is gone runs again
+    assert results.run_all(["tiny"], [0, 1], tmp_path, runner) == 0
+    assert len(calls) == 1 and calls[0][calls[0].index("--shots") + 1] == "5"
+
+
+def test_a_tiny_model_end_to_end(tmp_path, model_dir, monkeypatch):
+    """The real steps on a tiny model: the prompt baseline and the run agree on the held-out
+    tasks (else the table refuses), and the table pairs them."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(f"""
+iterations = 1
+num_prompts = 2
+num_generations = 2
+[model]
+name = "{model_dir}"
+device = "cpu"
+[lora]
+r = 2
+[task]
+source = "arithmetic"
+num_train = 20
+[rollout]
+max_new_tokens = 6
+max_turns = 1
+[gate]
+val_size = 6
+""")
+    monkeypatch.setattr(results, "ENVIRONMENTS", {"tiny": results.Environment(str(config), (0, 1))})
+    out = tmp_path / "out"
+    assert results.main(["run", "--envs", "tiny", "--seeds", "0", "--out", str(out)]) == 0
+    assert results.main(["table", "--envs", "tiny", "--seeds", "0", "--out", str(out)]) == 0
+    (row,) = json.loads((out / "results.json").read_text())
+    assert row["held_out"] == 6 and set(row["prompts"]) == {"0", "1"}
+    assert row["best_prompt"]["shots"] in (0, 1) and row["wall_s"]["rl"] > 0
+    assert row["commands"]["rl"] == f"selfrl run --config {config} --seed 0 --run-dir {out}/tiny/seed0"
+
+
+def test_a_seed_whose_interval_is_above_zero_beats_the_best_prompt(tmp_path, tiny_env, monkeypatch):
+    """Every prompt fails the 5 tasks and RL solves them all: d = 1 on each, the interval [+1, +1]."""
+    monkeypatch.setattr(sys.modules[__name__], "BASE", [False] * 5)
+    monkeypatch.setattr(sys.modules[__name__], "PROMPTS", {0: [False] * 5, 3: [False, False, False, False, True]})
+    write_run(tmp_path / "tiny" / "seed0", [True] * 5)
+    write_prompts(tmp_path / "tiny")
+    text = results.write_table(["tiny"], [0], tmp_path).read_text()
+    assert "(k = 3) | 5/5 = 100.0% [56.6%, 100.0%] (v1) | +100.0 [+100.0, +100.0] | +80.0 [+40.8, +100.0] | yes |" in text
+    assert "- tiny: RL beats the best prompt in 1 of 1 seeds." in text
