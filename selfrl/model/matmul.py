@@ -57,7 +57,7 @@ from selfrl.model.device import CPU_MATMULS as CHOICES
 
 PROBE_RTOL = 1e-5  # the probe's largest |oneDNN - F.linear| over the largest |F.linear|
 EXACT_ROWS = 16  # products of at most this many rows (a decoding step's) keep their own shape
-PRIMITIVE_CACHE_CAPACITY = 256  # primitives each oneDNN cache keeps (the module docstring's "Memory")
+PRIMITIVE_CACHE_CAPACITY = 64  # primitives each oneDNN cache keeps (the module docstring's "Memory")
 CACHE_CAPACITY_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's, ideep's
 
 
