@@ -248,3 +248,68 @@ def test_the_view_samples_through_packed_weights_packed_again_after_each_change(
         with torch.no_grad():
             change()
             torch.testing.assert_close(view(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------- memory: oneDNN's primitive caches
+
+_SHAPES_CHILD = """
+import gc, sys
+import torch
+import selfrl.model.matmul as mm
+torch.set_num_threads(1)
+
+def rss_mb():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+
+w, b = torch.randn(64, 64), torch.randn(64)
+for rows in range(17, 60):  # warm up: the allocator's first pages, the first buckets
+    mm._onednn(torch.randn(rows, 64), w, b)
+gc.collect()
+before = rss_mb()
+for rows in range(60, 360):  # 300 row counts a server would meet: prompts of as many lengths
+    mm._onednn(torch.randn(rows, 64), w, b)
+gc.collect()
+print(rss_mb() - before)
+"""
+
+
+@needs_onednn
+def test_products_of_many_row_counts_keep_a_few_primitives():
+    # before: oneDNN built and kept one primitive (~0.5 MB of heap) per row count, up to 1,024 per
+    # cache: these 300 products grew the process by about 170 MB; padded to 8 sizes per doubling,
+    # they meet 22 shapes
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SHAPES_CHILD], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.split()[-1]) < 40.0
+    assert len({mm.padded_rows(n) for n in range(60, 360)}) == 22
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 16, 17, 100, 1000, 5000])
+def test_padded_rows_give_each_row_the_exact_result_of_its_own_shape(rows):
+    g = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(2, rows, 96, generator=g)[1], torch.randn(40, 96, generator=g), torch.randn(40, generator=g)
+    y = mm._onednn(x, w, b)
+    exact = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    assert y.shape == (rows, 40) and y.is_contiguous() and torch.equal(y, exact)
+    assert mm.padded_rows(rows) >= rows and mm.padded_rows(rows) <= rows * 9 // 8 + 1
+
+
+def test_importing_it_bounds_onednns_caches_and_keeps_a_value_given():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, selfrl.model.matmul; "
+            "print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'], os.environ['LRU_CACHE_CAPACITY'])")
+    env = {k: v for k, v in os.environ.items() if k not in mm.CACHE_CAPACITY_VARIABLES}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.split() == [str(mm.PRIMITIVE_CACHE_CAPACITY)] * 2, out.stderr
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=env | {"LRU_CACHE_CAPACITY": "7"})
+    assert out.stdout.split() == [str(mm.PRIMITIVE_CACHE_CAPACITY), "7"], out.stderr

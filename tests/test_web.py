@@ -65,6 +65,28 @@ def test_success_is_read_from_the_sites_database_never_from_the_text():
     assert env.score(addr, env.trajectory_answer(done)) == 1.0 and env.score(task, env.trajectory_answer(done)) == 0.0
 
 
+def test_every_rollout_ends_its_site_session():
+    # before: a browser never ended its session, so the site kept an in-memory SQLite database
+    # for each episode (up to 4096): a server's gate on web tasks added 8 every update
+    from fastapi import HTTPException
+
+    site, _ = serve()
+    env = get_env("web")
+    tasks = [t for t in env.sample(40, 3) if t.metadata["kind"] == "buy"][:3]
+    open_before = site.sessions()
+    for _ in range(3):
+        trajs = scripted_rollout(honest_policy, tasks, [], RolloutConfig(max_turns=10), env_factory=env.make_env)
+        assert all(t.env_state["orders"][0]["confirms"] == 1 for t in trajs)  # the state was read before the end
+        assert site.sessions() == open_before
+    b = Browser()
+    assert site.sessions() == open_before + 1
+    b.close()
+    b.close()  # idempotent
+    assert site.sessions() == open_before
+    with pytest.raises(HTTPException):
+        site.db(b.sid)
+
+
 def test_confirm_spam_pays_the_naive_reward_and_is_flagged_honest_never_is():
     env = get_env("web")
     tasks = [t for t in env.sample(12, 5) if t.metadata["kind"] == "buy"][:4]

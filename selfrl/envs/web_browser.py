@@ -502,6 +502,8 @@ class PlaywrightBrowser(Browser):
         return super().observation()
 
     def close(self) -> None:
-        """Close this episode's context (and Chromium, if it was the last open one). Idempotent."""
+        """Close this episode's context (and Chromium, if it was the last open one) and end its
+        site session. Idempotent."""
         if self._finalizer.detach() is not None:
             _DRIVER.run(self._episode.release)
+        self.site.end_session(self.sid)

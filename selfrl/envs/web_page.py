@@ -296,3 +296,8 @@ class Browser:
     def state(self) -> dict[str, Any]:
         """The session's database (``Site.snapshot``), the path last shown and the pages visited."""
         return {**self.site.snapshot(self.sid), "path": self.path, "pages": len(self.history) + 1}
+
+    def close(self) -> None:
+        """End this browser's site session (its database is closed; ``state()`` reads it no more).
+        Idempotent; ``selfrl.rollout.agent`` calls it once the state is recorded."""
+        self.site.end_session(self.sid)

@@ -80,6 +80,19 @@ class Site:
                 self._dbs.popitem(last=False)[1].close()
         return sid
 
+    def end_session(self, sid: str) -> None:
+        """Close the session's database and forget it (a later page of it answers 404). Idempotent:
+        an unknown or already ended session is left as it is."""
+        with self._lock:
+            db = self._dbs.pop(sid, None)
+            if db is not None:
+                db.close()
+
+    def sessions(self) -> int:
+        """How many sessions' databases are open."""
+        with self._lock:
+            return len(self._dbs)
+
     def prepare(self, sid: str, cart: list[list[int]] | None = None,
                 order: dict[str, Any] | None = None) -> None:
         """Put a session in a task's start state: ``cart`` lines ``[[product_id, qty]]``, and/or a

@@ -28,11 +28,25 @@ packs its layers at each merge (``selfrl.engines.mergedpolicy``).
 
 ``model.cpu_matmul`` chooses it: ``auto`` (oneDNN for such layers where :func:`available`),
 ``onednn`` (the same, refused where not available), ``torch`` (``F.linear`` everywhere).
+
+Memory: oneDNN builds one primitive (its compiled kernels, about 0.2-2 MB of heap) per product
+shape and keeps it in two caches, its own and that of torch's ideep layer, of 1,024 primitives
+each by default. A server meets a new row count with nearly every prompt length and batch, so
+those caches grew its resident memory by about 0.5 MB per new shape, for hours. So the rows of a
+product are padded with zeros to one of eight sizes per doubling (:func:`padded_rows`; at most
+1/8 more rows; a product of up to :data:`EXACT_ROWS` rows, a decoding step's, keeps its own),
+and importing this module bounds both caches to :data:`PRIMITIVE_CACHE_CAPACITY` primitives
+(least recently used out first; a shape met again after its eviction is built again, 1-3 ms) by
+setting their environment variables, ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` and
+``LRU_CACHE_CAPACITY``, unless they are set already: a value given in the environment is kept.
+They are read at the process's first oneDNN product, so they apply when this module is imported
+before any (selfrl imports it before it builds a model).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +56,20 @@ from torch.autograd import forward_ad
 from selfrl.model.device import CPU_MATMULS as CHOICES
 
 PROBE_RTOL = 1e-5  # the probe's largest |oneDNN - F.linear| over the largest |F.linear|
+EXACT_ROWS = 16  # products of at most this many rows (a decoding step's) keep their own shape
+PRIMITIVE_CACHE_CAPACITY = 64  # primitives each oneDNN cache keeps (the module docstring's "Memory")
+CACHE_CAPACITY_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's, ideep's
+
+
+def bound_primitive_caches(capacity: int = PRIMITIVE_CACHE_CAPACITY) -> dict[str, str]:
+    """Set oneDNN's and ideep's primitive cache capacities to ``capacity`` primitives where the
+    environment does not set them already; returns the values in force (variable -> value).
+    Effective only before the process's first oneDNN product (the module docstring's "Memory");
+    runs when this module is imported."""
+    return {name: os.environ.setdefault(name, str(capacity)) for name in CACHE_CAPACITY_VARIABLES}
+
+
+bound_primitive_caches()
 
 
 class MatmulError(ValueError):
@@ -89,12 +117,35 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
             and not torch.is_autocast_enabled("cpu") and available())
 
 
+def padded_rows(rows: int) -> int:
+    """The row count a product of ``rows`` rows is computed with (the module docstring's "Memory"):
+    ``rows`` itself up to :data:`EXACT_ROWS`, else rounded up to the next of eight steps per
+    doubling (at most 1/8 more rows), so that a server meets a few dozen shapes, not thousands.
+
+    >>> [padded_rows(n) for n in (1, 16, 17, 100, 1000, 4096)]
+    [1, 16, 18, 104, 1024, 4096]
+    """
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """(..., out) = x @ weight.T + bias through oneDNN (no autograd). The operator honours the
-    strides of ``x`` and ``weight`` but not of ``bias``: a strided bias is made contiguous."""
+    strides of ``x`` and ``weight`` but not of ``bias``: a strided bias is made contiguous. The
+    rows are padded with zeros to :func:`padded_rows` (each row's result is the same however many
+    rows share the product) and the padding cut off again."""
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    rows = x.numel() // x.shape[-1]
+    padded = padded_rows(rows)
+    if padded == rows:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    flat = x.new_zeros(padded, x.shape[-1])  # (padded, in)
+    flat[:rows] = x.reshape(rows, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")  # (padded, out)
+    return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
 
 class _FrozenLinear(torch.autograd.Function):
