@@ -36,8 +36,11 @@ those caches grew its resident memory by about 0.5 MB per new shape, for hours. 
 product are padded with zeros to one of eight sizes per doubling (:func:`padded_rows`; at most
 1/8 more rows; a product of up to :data:`EXACT_ROWS` rows, a decoding step's, keeps its own),
 and importing this module bounds both caches to :data:`PRIMITIVE_CACHE_CAPACITY` primitives
-(least recently used out first; a shape met again after its eviction is built again, 1-3 ms) by
-setting their environment variables, ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` and
+(least recently used out first; a shape met again after its eviction is built again, 1-3 ms;
+the library's own default, made explicit: a bound of 64 made one iteration's rollouts 4.4 times
+slower, 34.5 s against 7.9 s, in one side-by-side ``benchmarks/bench_engines.py --skip-serve
+--engines slots`` on a loaded 2-core machine, so memory is bounded by the padding, not a smaller
+cache) by setting their environment variables, ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` and
 ``LRU_CACHE_CAPACITY``, unless they are set already: a value given in the environment is kept.
 They are read at the process's first oneDNN product, so they apply when this module is imported
 before any (selfrl imports it before it builds a model).
@@ -57,7 +60,7 @@ from selfrl.model.device import CPU_MATMULS as CHOICES
 
 PROBE_RTOL = 1e-5  # the probe's largest |oneDNN - F.linear| over the largest |F.linear|
 EXACT_ROWS = 16  # products of at most this many rows (a decoding step's) keep their own shape
-PRIMITIVE_CACHE_CAPACITY = 64  # primitives each oneDNN cache keeps (the module docstring's "Memory")
+PRIMITIVE_CACHE_CAPACITY = 1024  # primitives each oneDNN cache keeps (the module docstring's "Memory")
 CACHE_CAPACITY_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's, ideep's
 
 
