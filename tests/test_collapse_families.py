@@ -10,6 +10,7 @@ import pytest
 from selfrl.core.trajectory import Trajectory
 from selfrl.safety.collapse import (
     NO_FAMILY,
+    SMALL_FAMILIES,
     CollapseConfig,
     FamilyStats,
     UpdateRecord,
@@ -116,10 +117,26 @@ def traj(tid, truncated=False, answer="42", logprob=-1.0):
 
 def test_family_stats_splits_the_batch_and_none_without_families():
     trajs = [traj("a"), traj("b", truncated=True, logprob=-2.0), traj("c", logprob=-3.0), traj("d", answer="")]
-    out = family_stats(trajs, {t.id: f for t, f in zip(trajs, ["math", "tools", "tools", None])}, CFG)
+    named = {t.id: f for t, f in zip(trajs, ["math", "tools", "tools", None])}
+    out = family_stats(trajs, named, CollapseConfig(family_min_turns=1))
     assert out == {"math": FamilyStats(1, 1.0, 1.0, 0.0), "tools": FamilyStats(2, 1.0, 2.5, 0.5),
                    NO_FAMILY: FamilyStats(1, 1.0, 1.0, 1.0)}
+    # below family_min_turns (4) each group is pooled: the whole batch is still judged, as one group
+    assert family_stats(trajs, named, CFG) == {SMALL_FAMILIES: FamilyStats(4, 1.0, 1.75, 0.5)}
+    assert family_stats(trajs, named, CollapseConfig(family_min_turns=2)) == {
+        "tools": FamilyStats(2, 1.0, 2.5, 0.5), SMALL_FAMILIES: FamilyStats(2, 1.0, 1.0, 0.5)}
     assert family_stats(trajs, {trajs[0].id: None}, CFG) is None
+
+
+def test_a_degenerate_batch_spread_over_many_small_families_still_fires():
+    healthy = [traj(f"h{i}") for i in range(32)]
+    broken = [traj(f"b{i}", answer="") for i in range(32)]
+    def record(step, trajs):  # every turn of its own family, as a client naming a new family per turn could
+        return UpdateRecord(step, step, 1.0, 1.0, 0.0, kl=0.01,
+                            families=family_stats(trajs, {t.id: f"user{t.id}" for t in trajs}, CFG))
+    hist = [record(0, healthy), record(1, healthy), record(2, broken)]
+    assert list(hist[2].families) == [SMALL_FAMILIES] and hist[2].families[SMALL_FAMILIES].degenerate == 1.0
+    assert [a.rule for a in cheap_alarms(hist, CFG)] == ["degenerate"]
 
 
 def rows(step, metrics):

@@ -143,6 +143,7 @@ def test_the_learner_records_each_family_of_an_update_for_the_collapse_rules(tin
 
     monkeypatch.setattr("selfrl.serve.background.validate", scripted_validate)
     cfg = family_config(tmp_path)
+    cfg.collapse.family_min_turns = 3  # both families of the batch (3 and 4 turns) are groups of their own
     model = tiny_model_factory(lora=True, eos_bias=2.0)
     service = Service(model, tiny_tokenizer, cfg, learner_model=copy.deepcopy(model))
     learner = service.learner

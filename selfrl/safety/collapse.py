@@ -44,6 +44,7 @@ from selfrl.core.trajectory import Trajectory
 
 
 NO_FAMILY = "(none)"  # the group of served turns whose request named no family
+SMALL_FAMILIES = "(small families)"  # an update's families with fewer than family_min_turns turns, pooled
 
 FAMILY_FIELDS = ("turns", "reward", "entropy", "degenerate")  # logged as family/<name>/<field>
 
@@ -174,7 +175,10 @@ def degenerate_share(trajs: list[Trajectory], cfg: CollapseConfig) -> float:
 def family_stats(trajs: list[Trajectory], family_of: dict[str, str | None],
                  cfg: CollapseConfig) -> dict[str, FamilyStats] | None:
     """``trajs`` split by family: ``{family: FamilyStats}`` (turns without one under
-    :data:`NO_FAMILY`), or None when no turn has a family (the batch is one group).
+    :data:`NO_FAMILY`), or None when no turn has a family (the batch is one group). The groups
+    with fewer than ``cfg.family_min_turns`` turns are pooled under :data:`SMALL_FAMILIES`, so
+    that a batch spread over many small families is still judged (as one group, against that
+    group's own baseline), and a client naming many families adds one group, not one each.
 
     Args:
         trajs: the update's scored trajectories, (N,).
@@ -183,8 +187,10 @@ def family_stats(trajs: list[Trajectory], family_of: dict[str, str | None],
     >>> a = Trajectory("a", "g", 0, token_ids=[1, 2], completion_mask=[0, 1], logprobs=[0.0, -2.0], final_answer="4")
     >>> b = Trajectory("b", "g", 0, token_ids=[1, 2], completion_mask=[0, 1], logprobs=[0.0, -1.0], truncated=True)
     >>> a.reward, b.reward = 1.0, 0.0
-    >>> family_stats([a, b], {a.id: "math"}, CollapseConfig())
+    >>> family_stats([a, b], {a.id: "math"}, CollapseConfig(family_min_turns=1))
     {'math': FamilyStats(turns=1, reward=1.0, entropy=2.0, degenerate=0.0), '(none)': FamilyStats(turns=1, reward=0.0, entropy=1.0, degenerate=1.0)}
+    >>> family_stats([a, b], {a.id: "math"}, CollapseConfig(family_min_turns=2))
+    {'(small families)': FamilyStats(turns=2, reward=0.5, entropy=1.5, degenerate=0.5)}
     >>> family_stats([a, b], {}, CollapseConfig()) is None
     True
     """
@@ -194,6 +200,9 @@ def family_stats(trajs: list[Trajectory], family_of: dict[str, str | None],
     groups: dict[str, list[Trajectory]] = {}
     for t, f in zip(trajs, families):
         groups.setdefault(NO_FAMILY if f is None else f, []).append(t)
+    small = [f for f, ts in groups.items() if len(ts) < cfg.family_min_turns]
+    if small:
+        groups[SMALL_FAMILIES] = [t for f in small for t in groups.pop(f)]
     return {f: FamilyStats(len(ts), sum(t.reward for t in ts) / len(ts), entropy_estimate(ts),
                            degenerate_share(ts, cfg)) for f, ts in groups.items()}
 
