@@ -8,9 +8,10 @@ What runs:
   tiny random model) on ``<out>/disk/run``; where a tmpfs can be mounted (root) ``<out>/disk`` is
   one of ``--disk-mb`` MB, so that the disk can be filled; else the disk fault is left out (said).
 * ``selfrl simulate``'s :class:`~selfrl.simulate.Simulator` in a thread, a pool of
-  ``--concurrency`` users of arithmetic, function calling and the web's easy tier, in three
-  phases (arithmetic; + function calling; + the web), on a scaled clock (``--day-s`` real
-  seconds a simulated day); a request during an outage is counted (status 0), never a crash.
+  ``--concurrency`` users of arithmetic, function calling and the web's easy tier, in the
+  phases of :data:`PHASES` (arithmetic; + function calling; + the web; then the mix shifts),
+  on a scaled clock (``--day-s`` real seconds a simulated day); a request during an outage is
+  counted (status 0), never a crash.
   The families (``soak_server.FAMILIES``) follow the shipped configs of ``selfrl run``:
   function calling as configs/function_calling.toml (``tool_choice = "required"``: one call
   under the server's grammar, the answer), the web as configs/web_easy.toml (two worked
@@ -48,7 +49,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak_server import FAMILIES, KEY, SERVE_TOML, Server, call, disk_mb, families_toml, free_port, rss_mb  # noqa: E402
+from soak_server import (FAMILIES, KEY, SERVE_TOML, Server, call, disk_mb, families_toml, free_port,  # noqa: E402
+                         rss_mb, val_size_of)
 
 FAULTS = ("collapse", "nan_loss", "kill", "disk")
 class Help(argparse.RawTextHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -67,8 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sample-s", type=float, default=10.0, help="real seconds between two samples of the timeline")
     p.add_argument("--day-s", type=float, default=1440.0, help="real seconds one simulated day lasts")
     p.add_argument("--arrivals-per-hour", type=float, default=30.0, help="conversations per simulated hour")
-    p.add_argument("--val-size", type=int, default=8,
-                   help="held-out tasks per family: the server validates every version on them, no user asks them, "
+    p.add_argument("--val-size", type=int, default=None,
+                   help="held-out tasks of every family (default: each family's own, soak_server.FAMILIES: function "
+                        "calling 48, the others 12): the server validates every version on them, no user asks them, "
                         "and champion and base are compared on them at the end")
     p.add_argument("--tolerance", type=float, default=0.1,
                    help="each family's no-forgetting tolerance (the server's gate and the report's check)")
@@ -85,29 +88,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.faults = [f for f in args.faults.split(",") if f]
     if bad := [f for f in args.faults if f not in FAULTS]:
         p.error(f"unknown faults {bad}; valid: {', '.join(FAULTS)}")
-    if args.val_size < 1:
+    if args.val_size is not None and args.val_size < 1:
         p.error(f"--val-size must be at least 1, got {args.val_size}")
     return args
 
 
+# The schedule: (share of the run, arrival weights). Arithmetic alone first (learned within minutes),
+# then function calling joins, then the web; after that the mix keeps shifting among the three.
+# Every family has joined by 15 % of the run (13.5 of 90 minutes), inside the RSS warm-up, so that
+# the memory measured after it is that of one steady set of families, and the two slow families
+# get most of the run to learn in.
+PHASES: tuple[tuple[float, dict[str, float]], ...] = (
+    (0.08, {"arithmetic": 1.0}),
+    (0.07, {"arithmetic": 0.5, "function_calling": 0.5}),
+    (0.40, {"arithmetic": 0.2, "function_calling": 0.4, "web": 0.4}),
+    (0.45, {"arithmetic": 0.3, "function_calling": 0.45, "web": 0.25}),
+)
+
+
 def simulate_config(args, url: str, minutes: float, out: Path):
-    """The users: three families in three phases spread over ``minutes`` real minutes."""
+    """The users: three families in the phases of :data:`PHASES`, spread over ``minutes`` real minutes."""
     from selfrl.config.simulate import FamilySettings, PhaseSettings, SimulateConfig
 
     tokens = 16 if args.tiny else 96
     families = [FamilySettings(f.name, f.source, dict(f.options), users=20, max_turns=f.max_turns,
                                max_tokens=tokens if args.tiny or f.max_tokens is None else f.max_tokens,
-                               tool_choice=f.tool_choice, heldout_size=args.val_size, heldout_seed=f.val_seed)
+                               tool_choice=f.tool_choice, heldout_size=val_size_of(f, args.val_size),
+                               heldout_seed=f.val_seed)
                 for f in FAMILIES]  # the server's held-out sets (families_toml): never asked
     sim_span = minutes * 60.0 * 86400.0 / args.day_s  # simulated seconds the traffic lasts
     cfg = SimulateConfig(
         base_url=url, seed=args.seed, max_requests=10**7, max_seconds=minutes * 60.0, day_s=args.day_s,
         arrivals_per_hour=args.arrivals_per_hour, window_s=sim_span / 10, concurrency=args.concurrency,
         timeout_s=120.0, out_dir=str(out), group_by="family",  # one learner group per family: its mean is the baseline
-        families=families,
-        phases=[PhaseSettings(sim_span / 3, {"arithmetic": 1.0}),
-                PhaseSettings(sim_span / 3, {"arithmetic": 0.5, "function_calling": 0.5}),
-                PhaseSettings(sim_span / 3, {"arithmetic": 0.3, "function_calling": 0.35, "web": 0.35})])
+        families=families, phases=[PhaseSettings(share * sim_span, dict(w)) for share, w in PHASES])
     cfg.users.max_delay_s = min(8 * 3600.0, sim_span / 4)  # judgements reach the server within the run
     return cfg.validate()
 
@@ -278,7 +292,7 @@ class Soak:
         tiny = a.tiny
         (self.out / "serve.toml").write_text(SERVE_TOML.format(
             run_dir=self.run_dir, port=self.port, model=model, tokens=16 if tiny else 96, lora_r=4 if tiny else 8,
-            val_size=a.val_size, families=families_toml(a.val_size, a.tolerance), min_batch=8 if tiny else 12, max_batch=16 if tiny else 24,
+            val_size=12, families=families_toml(a.val_size, a.tolerance), min_batch=8 if tiny else 12, max_batch=16 if tiny else 24,
             feedback_wait_s=5.0 if tiny else 60.0, max_kl=0.1 if tiny else 0.5, keep_newest=a.keep_newest,
             keep_promoted=a.keep_promoted, delete=str(not a.keep_pruned).lower(),
             lr=1e-3 if tiny else 1e-4))
