@@ -292,7 +292,7 @@ class Soak:
         tiny = a.tiny
         (self.out / "serve.toml").write_text(SERVE_TOML.format(
             run_dir=self.run_dir, port=self.port, model=model, tokens=16 if tiny else 96, lora_r=4 if tiny else 8,
-            val_size=12, families=families_toml(a.val_size, a.tolerance), min_batch=8 if tiny else 12, max_batch=16 if tiny else 24,
+            val_size=12, families=families_toml(a.val_size, a.tolerance), min_batch=8 if tiny else 12, max_batch=16 if tiny else 32,
             feedback_wait_s=5.0 if tiny else 60.0, max_kl=0.1 if tiny else 0.5, keep_newest=a.keep_newest,
             keep_promoted=a.keep_promoted, delete=str(not a.keep_pruned).lower(),
             lr=1e-3 if tiny else 1e-4))
