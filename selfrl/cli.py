@@ -103,7 +103,7 @@ SIMULATE_FLAGS = {
 
 
 EXIT_CODES = ("exit codes: 0 done; 1 the machine or another process is at fault (a port in use, a run directory another process holds, a full or read-only disk, a "
-              "sampler or Ray cluster that does not answer or serves other weights); 2 bad input, refused "
+              "sampler or Ray cluster that does not answer or serves other weights, a server selfrl simulate cannot reach); 2 bad input, refused "
               "before anything starts (flags, the config file, an unknown name, a missing extra); 128 + the "
               "signal's number when a signal stopped it (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP).")
 
@@ -303,11 +303,18 @@ def _main(args: argparse.Namespace) -> int:
         from selfrl.simulate.main import simulate
 
         overrides = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in SIMULATE_FLAGS.items()}
-        try:
-            return simulate(args.config, overrides, args.api_key_file)
+        from selfrl.run.shutdown import GracefulStop, exit_code
+
+        try:  # SIGTERM and SIGHUP stop it as Ctrl-C does: the requests in flight finish, summary.json is written
+            with GracefulStop("the simulation stops: requests in flight finish, then summary.json is written"):
+                return simulate(args.config, overrides, args.api_key_file)
         except (ConfigError, ValueError, OSError) as e:
             print(f"selfrl: error: {e}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt as e:  # before the first request (after it, the loop stops and writes the summary)
+            signum = getattr(e, "signum", signal.SIGINT)
+            print(f"selfrl: interrupted by {signal.Signals(signum).name} before any request was sent", file=sys.stderr)
+            return exit_code(signum)
 
     if args.command == "sampler":
         from selfrl.serve.sampler_main import sampler

@@ -125,3 +125,78 @@ def test_an_agent_constrained_with_a_remote_sampler_is_refused(tmp_path):
 def test_an_agent_with_an_unknown_tool_is_refused():
     with pytest.raises(ValueError, match="agent fc: rollout.tools: .*unknown tool 'abacus'"):
         AgentsEnv([AgentConfig("fc", "chain_sum", rollout={"tools": ["abacus"]})])
+
+
+VALID_KEYS = "constrain, max_turns, stop_at_tool_call, system_prompt, tools, demonstration"
+
+
+@pytest.mark.parametrize("own, message", [
+    ({"max_turn": 1}, f"unknown key 'max_turn' in families[0] (fc).rollout; valid keys: {VALID_KEYS}"),
+    ({"tool": ["calculator"], "sytem_prompt": "x"},
+     f"unknown keys 'sytem_prompt', 'tool' in families[0] (fc).rollout; valid keys: {VALID_KEYS}"),
+    ({"max_new_tokens": 8}, "families[0] (fc).rollout.max_new_tokens cannot differ per agent or family (one value "
+                            f"for every trajectory of a batch); the keys that can: {VALID_KEYS}"),
+    ({"tools_prompt": "json"}, "families[0] (fc).rollout.tools_prompt cannot differ per agent or family (one value "
+                               f"for every trajectory of a batch); the keys that can: {VALID_KEYS}"),
+])
+def test_an_unknown_key_in_a_family_rollout_table_is_named_with_its_table(tmp_path, own, message):
+    cfg = serve_config(tmp_path)
+    cfg.families[0].rollout = own
+    with pytest.raises(ConfigError) as err:
+        cfg.validate()
+    assert str(err.value) == message
+
+
+def test_an_unknown_key_in_an_agent_rollout_table_is_named_with_its_table(tmp_path):
+    toml = tmp_path / "a.toml"
+    toml.write_text('[[agents]]\nname = "fc"\nsource = "chain_sum"\nrollout = { max_turn = 1 }\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(toml)
+    assert str(err.value) == f"unknown key 'max_turn' in agents[0] (fc).rollout; valid keys: {VALID_KEYS}"
+
+
+def test_an_unknown_tool_of_a_family_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    from selfrl.serve import main
+
+    toml = tmp_path / "serve.toml"
+    toml.write_text('[[families]]\nname = "web"\nsource = "web"\noptions = { tier = "easy" }\n'
+                    'rollout = { tools = ["abacus"] }\n')
+    loaded = []
+    monkeypatch.setattr("selfrl.model.load.build_policy", lambda cfg: loaded.append(cfg))  # must not be reached
+    code = main.serve(str(toml), {"run_dir": str(tmp_path / "run")}, None)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and loaded == [] and len(err.splitlines()) == 1
+    assert err.startswith("selfrl: error: families[0] (web).rollout.tools: unknown tool 'abacus'; available tools: ")
+    assert "calculator" in err.split("available tools: ")[1].split(", ")
+
+
+def test_an_unknown_tool_of_an_agent_is_refused_with_the_names_check(tmp_path):
+    from selfrl.run.setup import check_names
+
+    toml = tmp_path / "a.toml"
+    toml.write_text('[[agents]]\nname = "fc"\nsource = "chain_sum"\nrollout = { tools = ["calculator", "abacus"] }\n')
+    with pytest.raises(ConfigError) as err:
+        check_names(load_config(toml))  # build_run calls it before anything is created or loaded
+    assert str(err.value).startswith("agents[0] (fc).rollout.tools: unknown tool 'abacus'; available tools: ")
+    toml.write_text('[[agents]]\nname = "fc"\nsource = "chain_sum"\nrollout = { tools = ["calculator"] }\n')
+    assert check_names(load_config(toml)) is None
+
+
+@pytest.mark.parametrize("cls, why", [
+    (FamilyConfig, "it names the metrics family/<name>/... and val/<name>"),
+    (AgentConfig, "it names the metric val/<name> and prefixes the task ids, <name>/<id>"),
+])
+def test_a_family_or_agent_name_is_at_most_64_characters(cls, why):
+    cls("f" * 64).check("t.")
+    with pytest.raises(ConfigError) as err:
+        cls("f" * 65).check("t.")
+    assert str(err.value) == f"t.name must be at most 64 characters ({why}), got 65: shorten it"
+
+
+def test_serve_refuses_a_family_name_longer_than_the_simulator_sends(tmp_path):
+    from selfrl.serve.main import load_serve_config
+
+    toml = tmp_path / "serve.toml"
+    toml.write_text(f'[[families]]\nname = "{"w" * 65}"\nsource = "chain_sum"\n')
+    with pytest.raises(ConfigError, match=re.escape(f"families[0] ({'w' * 65}).name must be at most 64 characters")):
+        load_serve_config(str(toml), {})

@@ -167,3 +167,34 @@ def test_the_learner_records_each_family_of_an_update_for_the_collapse_rules(tin
         assert history_from_metrics(service.store.metrics()) == [rec]
     finally:
         service.close()
+
+
+def test_a_held_out_set_larger_than_the_environment_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """web's easy tier has under a thousand distinct tasks: drawing 100,000 of them took minutes of
+    top-up rounds, after the model had loaded."""
+    from selfrl.serve import main
+
+    loaded = []
+    monkeypatch.setattr("selfrl.model.load.build_policy", lambda cfg: loaded.append(cfg))  # must not be reached
+    toml = tmp_path / "serve.toml"
+    for table, key in (('[[families]]\nname = "web"\nsource = "web"\noptions = { tier = "easy" }\n'
+                        'val_size = 100000\n', "families[0] (web).val_size = 100000"),
+                       ('[task]\nsource = "web"\noptions = { tier = "easy" }\n[gate]\nval_size = 100000\n',
+                        "gate.val_size = 100000")):
+        toml.write_text(table)
+        t = time.monotonic()
+        code = main.serve(str(toml), {"run_dir": str(tmp_path / "run")}, None)
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and loaded == [] and time.monotonic() - t < 30
+        assert err == (f"selfrl: error: {key}, but environment 'web' gives only 967 distinct tasks (sampled until "
+                       "no new one came): lower it below 967")
+    from selfrl.serve.families import check_family_sources
+    from selfrl.serve.main import load_serve_config
+
+    toml.write_text('[[families]]\nname = "web"\nsource = "web"\noptions = { tier = "easy" }\n[gate]\nval_size = 990\n')
+    with pytest.raises(ConfigError) as err:
+        check_family_sources(load_serve_config(str(toml), {}))
+    assert str(err.value) == ("families[0] (web) takes gate.val_size = 990, but environment 'web' gives only 967 "
+                              "distinct tasks (sampled until no new one came): lower it below 967")
+    toml.write_text('[[families]]\nname = "web"\nsource = "web"\noptions = { tier = "easy" }\nval_size = 24\n')
+    assert check_family_sources(load_serve_config(str(toml), {})) is None

@@ -8,6 +8,7 @@ import json
 import math
 import random
 import re
+import time
 
 import pytest
 
@@ -562,3 +563,216 @@ def test_a_refused_or_short_api_key_is_named_by_where_it_was_read(tmp_path, monk
         assert capsys.readouterr().err.strip() == f"selfrl: error: the API key file {key_file} is empty"
     finally:
         server.shutdown()
+
+
+# ------------------------------------------------------------------ refused at start, stopped cleanly
+
+
+class _Plain:
+    """An environment whose conversations offer no tools (no shared ones, no state): a text answer."""
+
+    @staticmethod
+    def make():
+        from selfrl.core.tasks import Task
+        from selfrl.envs import Env
+
+        class Plain(Env):
+            name = "plain"
+            description = "say a number"
+            config_defaults = {"rollout.tools": []}
+
+            def sample(self, n, seed):
+                return [Task.make(self.name, f"say {(seed + i) % 100_000}", str((seed + i) % 100_000)) for i in range(n)]
+
+            def score(self, task, answer):
+                return float(answer == task.answer)
+
+        return Plain
+
+
+@pytest.fixture
+def plain_env(monkeypatch):
+    """``plain_envs:Plain``, importable by its dotted name."""
+    import sys
+    import types
+
+    mod = types.ModuleType("plain_envs")
+    mod.Plain = _Plain.make()
+    monkeypatch.setitem(sys.modules, "plain_envs", mod)
+    return "plain_envs:Plain"
+
+
+@pytest.fixture
+def counting_server():
+    """A local HTTP server that answers 200 to everything and counts the requests it got."""
+    import http.server
+    import threading
+
+    hits = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            hits.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}", hits
+    server.shutdown()
+
+
+def simulate_cli(tmp_path, family: str, url: str) -> int:
+    from selfrl.cli import main
+
+    toml = tmp_path / "sim.toml"
+    toml.write_text(f'[[families]]\nname = "a"\n{family}\n[[phases]]\nduration_s = 3600.0\nweights = {{ a = 1.0 }}\n')
+    return main(["simulate", "--config", str(toml), "--base-url", url, "--out", str(tmp_path / "out")])
+
+
+def test_required_tool_choice_with_an_environment_without_tools_is_refused_before_the_server_is_contacted(
+        plain_env, counting_server, tmp_path, monkeypatch, capsys):
+    url, hits = counting_server
+    monkeypatch.setenv("SELFRL_API_KEY", "0123456789abcdef-env")
+    message = ('tool_choice: "required" asks every completion for a tool call, but environment '
+               f"'{plain_env}' offers no tools; set tool_choice = \"auto\" (or \"none\") for this family")
+    with pytest.raises(ValueError) as err:
+        Family(FamilySettings("a", plain_env, tool_choice="required"))
+    assert str(err.value) == message
+    assert simulate_cli(tmp_path, f'env = "{plain_env}"\ntool_choice = "required"', url) == 2
+    assert capsys.readouterr().err.strip() == f"selfrl: error: families[0] (a).{message}"
+    assert hits == [] and not (tmp_path / "out").exists()
+    assert Family(FamilySettings("a", plain_env, tool_choice="auto")).offers_tools() is False  # "auto": allowed
+    assert Family(FamilySettings("w", "web", {"tier": "easy"}, tool_choice="required")).offers_tools()  # its state's
+
+
+def test_an_unknown_environment_is_refused_with_the_valid_names_before_the_server_is_contacted(
+        counting_server, tmp_path, monkeypatch, capsys):
+    from selfrl.envs.registry import available_envs
+
+    url, hits = counting_server
+    monkeypatch.setenv("SELFRL_API_KEY", "0123456789abcdef-env")
+    assert simulate_cli(tmp_path, 'env = "chess"', url) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"selfrl: error: families[0] (a).env: unknown environment 'chess'; valid names: "
+                          f"{', '.join(available_envs())}, ")
+    assert hits == [] and len(err.splitlines()) == 1
+
+
+def test_a_held_out_set_larger_than_the_environment_is_refused_at_once():
+    import time
+
+    t = time.monotonic()
+    with pytest.raises(ValueError) as err:
+        Family(FamilySettings("w", "web", {"tier": "easy"}, heldout_size=100_000))
+    assert time.monotonic() - t < 30
+    assert str(err.value) == ("heldout_size: source 'web' gave only 967 distinct tasks of the 100000 asked for "
+                              "(sampled until no new one came); lower heldout_size, and the server's val_size for "
+                              "this family with it")
+
+
+def test_a_server_that_does_not_answer_is_the_machine_s_fault_with_its_url(tmp_path, monkeypatch, capsys):
+    import http.server
+    import socket
+    import threading
+
+    from selfrl.cli import main
+
+    monkeypatch.setenv("SELFRL_API_KEY", "0123456789abcdef-env")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    assert main(["simulate", "--base-url", url, "--out", str(tmp_path / "sim")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"selfrl: error: cannot reach {url}/admin/status (ConnectError: ")
+    assert err.endswith("): start selfrl serve first, or pass --base-url with the address it serves on")
+
+    class Fails(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(503)
+            self.end_headers()
+            self.wfile.write(b"overloaded")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Fails)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        assert main(["simulate", "--base-url", url, "--out", str(tmp_path / "sim")]) == 1
+    finally:
+        server.shutdown()
+    assert capsys.readouterr().err.strip() == (f"selfrl: error: {url}/admin/status answered 503 (overloaded): is "
+                                               "selfrl serve running there? check --base-url")
+
+
+class Interrupting(ScriptedServer):
+    """Answers as :class:`ScriptedServer`; its ``at``-th completion sends ``signum`` to this process
+    (SIGINT: as Ctrl-C does), whose handler raises in the main thread."""
+
+    def __init__(self, clock, at: int, signum: int = 2):
+        super().__init__(clock)
+        self.at, self.signum, self.chats, self._n = at, signum, 0, itertools.count(1)
+
+    def chat(self, user, body):
+        import os
+
+        self.chats = n = next(self._n)  # next() is atomic: pool threads count once each
+        if n == self.at:
+            os.kill(os.getpid(), self.signum)
+            time.sleep(1)  # in the main thread, the handler raises in this sleep; a pool thread sleeps it out
+        return super().chat(user, body)
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_ctrl_c_stops_the_loop_and_the_summary_says_so(arithmetic, concurrency):
+    clock = FakeClock(0.0)
+    server = Interrupting(clock, at=6)
+    sim = Simulator(arithmetic_config(concurrency=concurrency), server, clock=clock, families={"arithmetic": arithmetic})
+    summary = sim.run()
+    assert summary["stopped_by"] == "interrupted" and summary["signal"] == "SIGINT"
+    assert summary["requests"]["total"] == len(server.calls)  # every request answered is in the summary
+    if concurrency == 1:
+        assert summary["requests"]["chat"] == 5  # the sixth completion was cut by the signal
+    else:  # the sixth is answered, as are those of the threads in flight until the loop stopped them
+        assert 6 <= summary["requests"]["chat"] == server.chats <= 40
+    full = Simulator(arithmetic_config(concurrency=concurrency), ScriptedServer(c := FakeClock(0.0)), clock=c,
+                     families={"arithmetic": arithmetic}).run()
+    assert full["stopped_by"] == "done" and full["signal"] is None and full["requests"]["total"] > 150
+    assert sim.events[-1]["event"] == "stop" and sim.events[-1]["reason"] == "interrupted"
+
+
+@pytest.mark.parametrize("signame, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_stops_selfrl_simulate_with_its_summary_written(arithmetic, tmp_path, monkeypatch, capsys,
+                                                                 signame, code):
+    import signal
+
+    import selfrl.simulate.simulator as simulator
+    from selfrl.cli import main
+
+    server = Interrupting(None, at=4, signum=getattr(signal, signame))
+    server.reachable = lambda source: None
+    server.close = lambda: None
+    monkeypatch.setattr(simulator, "default_client", lambda cfg, key: server)
+    monkeypatch.setenv("SELFRL_API_KEY", "0123456789abcdef-env")
+    out = tmp_path / "sim"
+    toml = tmp_path / "sim.toml"
+    toml.write_text('arrivals_per_hour = 40.0\n[[families]]\nname = "arithmetic"\nenv = "chain_sum"\nheldout_size = 8\n'
+                    '[[phases]]\nduration_s = 86400.0\nweights = { arithmetic = 1.0 }\n')
+    assert main(["simulate", "--config", str(toml), "--out", str(out)]) == code
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_by"] == "interrupted" and summary["signal"] == signame
+    assert summary["requests"]["total"] == len(server.calls) >= 3
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "stop" and events[-1]["signal"] == signame
+    err = capsys.readouterr().err
+    assert f"selfrl: stopped by {signame}; summary.json holds what was sent" in err
+    assert signal.getsignal(signal.SIGTERM) is not None  # the handlers are put back

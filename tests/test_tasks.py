@@ -175,3 +175,34 @@ def test_register_rejects_duplicates_and_reserved_prefix():
         register_env("chain_sum", lambda: get_env("rg:chain_sum"))
     with pytest.raises(ValueError, match="reserved"):
         register_env("rg:mine", lambda: get_env("rg:chain_sum"))
+
+
+class _Counted(TaskSource):
+    """``size`` distinct questions, whatever the seed; counts the tasks drawn."""
+
+    name = "counted"
+
+    def __init__(self, size: int, repeat: int = 1):
+        self.size, self.repeat, self.drawn = size, repeat, 0
+
+    def sample(self, n, seed):
+        self.drawn += n
+        return [Task.make(self.name, f"q{(seed + i // self.repeat) % self.size}", "a") for i in range(n)]
+
+    def score(self, task, answer):
+        return 0.0
+
+
+def test_a_source_with_too_few_tasks_is_found_out_before_the_rounds_of_top_ups():
+    from selfrl.core.tasks import count_distinct, distinct_sample
+
+    source = _Counted(950)
+    with pytest.raises(ValueError) as err:
+        distinct_sample(source, 100_000, seed=3)
+    assert str(err.value) == ("source 'counted' gave only 950 distinct tasks of the 100000 asked for "
+                              "(sampled until no new one came)")
+    assert source.drawn == 100_000 + 4 * 2048  # the first round, then one probe that found 950 and three that found none
+    assert count_distinct(_Counted(950), 64, 3) == 64 and count_distinct(_Counted(40), 64, 3) == 40
+    twice = _Counted(5000, repeat=2)  # each question twice in a draw: the first round gives half, top-ups the rest
+    tasks = distinct_sample(twice, 3000, seed=1)
+    assert len({t.id for t in tasks}) == 3000 and tasks[:1500] == twice.sample(3000, 1)[::2]

@@ -26,6 +26,19 @@ def require(rules: list[tuple[bool, str]], where: str = "") -> None:
 
 SEED_MAX = 2**63 - 1  # seeds are int64 (torch.manual_seed, numpy and SQLite take them)
 SECONDS_MAX = 365 * 24 * 3600.0  # a year: waits and timeouts (threading refuses timeouts past ~292 years)
+NAME_MAX = 64  # characters of an agent's or family's name: it names metrics (val/<name>, family/<name>/...)
+
+
+def name_length(name: Any, why: str) -> tuple[bool, str]:
+    """A rule: the name ``name`` is at most :data:`NAME_MAX` characters (``why``: what it names, for
+    the message). A name that is no string passes (another rule refuses it).
+
+    >>> name_length("x" * 65, "it names the metrics family/<name>/...")
+    (False, 'name must be at most 64 characters (it names the metrics family/<name>/...), got 65: shorten it')
+    """
+    ok = not isinstance(name, str) or len(name) <= NAME_MAX
+    got = len(name) if isinstance(name, str) else 0
+    return ok, f"name must be at most {NAME_MAX} characters ({why}), got {got}: shorten it"
 
 
 def _num(x: float) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from selfrl.config.base import SECONDS_MAX, SEED_MAX, in_range, one_of, require
+from selfrl.config.base import SECONDS_MAX, SEED_MAX, in_range, name_length, one_of, require
 
 SamplerKind = Literal["selfrl", "vllm"]  # a remote sampler: selfrl sampler | a vLLM server
 
@@ -46,7 +46,7 @@ class AgentConfig:
     """One agent of a run with several (``[[agents]]``; ``selfrl.run.agents``): its own
     environment, held-out set and gate tolerance; unset fields take the run's value."""
 
-    name: str = ""  # the agent's name: unique, no "/" (it prefixes the agent's task ids)
+    name: str = ""  # the agent's name: unique, no "/", at most 64 characters (it prefixes the agent's task ids)
     source: str = "chain_sum"  # the agent's environment: a name (selfrl envs), rg:<dataset>, or package.module:Name
     options: dict[str, Any] = field(default_factory=dict)  # the environment's options (as [task] options)
     tolerance: float | None = None  # largest held-out drop this agent accepts (None: gate.tolerance)
@@ -63,6 +63,7 @@ class AgentConfig:
         :meth:`selfrl.config.RunConfig.check_agents`, beside ``[rollout]``)."""
         require([
             (bool(self.name) and "/" not in self.name, "name must be a non-empty name without '/'"),
+            name_length(self.name, "it names the metric val/<name> and prefixes the task ids, <name>/<id>"),
             (bool(self.source), "source must not be empty"),
             (isinstance(self.options, dict), "options must be a table"),
             *[in_range(value, key, low, high) for key, value, low, high in (

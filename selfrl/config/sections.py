@@ -11,6 +11,7 @@ are checked at setup (:func:`selfrl.run.setup.check_names`). Imports no torch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -146,14 +147,21 @@ class RolloutConfig:
         1
 
         Raises:
-            ConfigError: a key not in :data:`ROLLOUT_OVERRIDES` (the valid ones listed), a value of
-                the wrong type, or one ``RolloutConfig.check`` refuses; ``where`` prefixes the message.
+            ConfigError: a key that is no ``[rollout]`` setting (named with its table, ``where``
+                without its dot, and the valid keys listed), a ``[rollout]`` setting not in
+                :data:`ROLLOUT_OVERRIDES` (one per batch), a value of the wrong type, or one
+                ``RolloutConfig.check`` refuses; ``where`` prefixes the other messages.
         """
         from dataclasses import replace
 
         require([(isinstance(overrides, dict), "must be a table of [rollout] settings")], where)
-        unknown = sorted(set(overrides) - set(ROLLOUT_OVERRIDES))
-        require([(not unknown, f"{', '.join(unknown)} cannot differ per agent or family (one value for every "
+        fields = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - fields)
+        table = where.rstrip(".")
+        require([(not unknown, f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in "
+                  f"{table}; valid keys: {', '.join(ROLLOUT_OVERRIDES)}")])
+        refused = sorted(set(overrides) - set(ROLLOUT_OVERRIDES))
+        require([(not refused, f"{', '.join(refused)} cannot differ per agent or family (one value for every "
                   f"trajectory of a batch); the keys that can: {', '.join(ROLLOUT_OVERRIDES)}")], where)
         v = overrides
         require([

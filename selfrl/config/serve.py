@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from selfrl.config.base import (
-    SECONDS_MAX, SEED_MAX, ConfigError, at_most, in_range, non_finite_weights, one_of, require,
+    NAME_MAX, SECONDS_MAX, SEED_MAX, ConfigError, at_most, in_range, name_length, non_finite_weights, one_of, require,
 )
 from selfrl.config.judge import JUDGE_REWARD
 from selfrl.config.sections import (
@@ -83,7 +83,7 @@ class FamilyConfig:
     Once the learner has trained on one of its turns, no candidate that drops it beyond its
     tolerance is promoted. Unset fields take ``[gate]``'s and ``[task]``'s values."""
 
-    name: str = ""  # the family's name, as clients send it in metadata.family: unique, no "/"
+    name: str = ""  # the family's name, as clients send it in metadata.family: unique, no "/", at most 64 characters
     source: str = "chain_sum"  # its environment: a name (selfrl envs), rg:<dataset>, or package.module:Name
     options: dict[str, Any] = field(default_factory=dict)  # the environment's options (as [task] options)
     tolerance: float | None = None  # largest held-out drop this family accepts (None: gate.tolerance)
@@ -97,6 +97,7 @@ class FamilyConfig:
         require([
             (isinstance(self.name, str) and bool(self.name) and "/" not in self.name,
              "name must be a non-empty name without '/'"),
+            name_length(self.name, "it names the metrics family/<name>/... and val/<name>"),
             (isinstance(self.source, str) and bool(self.source), "source must not be empty"),
             (isinstance(self.options, dict), "options must be a table"),
             *[in_range(value, key, low, high) for key, value, low, high in (

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from selfrl.config.base import SECONDS_MAX, SEED_MAX, at_most, check_finite, fill, in_range, require
+from selfrl.config.base import NAME_MAX, SECONDS_MAX, SEED_MAX, at_most, check_finite, fill, in_range, require
 
 HostileAction = Literal["random_rating", "flood", "replay_turn", "replay_feedback"]
 HOSTILE_ACTIONS: tuple[str, ...] = get_args(HostileAction)
@@ -71,8 +71,8 @@ class FamilySettings:
 
     def check(self, where: str = "families[].") -> None:
         require([
-            (isinstance(self.name, str) and self.name.strip() != "" and len(self.name) <= 64,
-             f"name must be a non-empty string of at most 64 characters, got {self.name!r}"),
+            (isinstance(self.name, str) and self.name.strip() != "" and len(self.name) <= NAME_MAX,
+             f"name must be a non-empty string of at most {NAME_MAX} characters, got {self.name!r}"),
             (isinstance(self.env, str) and self.env != "", f"env must name an environment (selfrl envs), got {self.env!r}"),
             (isinstance(self.options, dict), "options must be a table"),
             in_range(self.users, "users", 1, 1_000_000),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import itertools
 import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -28,6 +29,7 @@ __all__ = [
     "Task",
     "TaskSource",
     "assert_disjoint",
+    "count_distinct",
     "distinct_sample",
     "extract_answer",
     "split_tasks",
@@ -232,10 +234,13 @@ def split_tasks(
 
 def distinct_sample(source: TaskSource, n: int, seed: int, max_rounds: int = 100) -> list[Task]:
     """``n`` tasks with distinct ids: ``source.sample(n, seed)`` with repeats dropped,
-    topped up from seeds derived from ``seed``; deterministic.
+    topped up from seeds derived from ``seed``; deterministic. Before topping up, a source
+    with fewer than ``n`` distinct tasks is found out at once (:func:`count_distinct`), not after
+    ``max_rounds`` rounds of the missing count.
 
     Raises:
-        ValueError: the source has fewer than ``n`` distinct questions within ``max_rounds`` rounds.
+        ValueError: the source has fewer than ``n`` distinct questions (the message gives how many
+            it gave), or they were not found within ``max_rounds`` rounds.
     """
     out: list[Task] = []
     seen: set[str] = set()
@@ -243,6 +248,9 @@ def distinct_sample(source: TaskSource, n: int, seed: int, max_rounds: int = 100
         missing = n - len(out)
         if missing <= 0:
             break
+        if round_ == 1 and (available := count_distinct(source, n, seed)) < n:
+            raise ValueError(f"source {source.name!r} gave only {available} distinct tasks of the {n} asked for "
+                             "(sampled until no new one came)")
         batch = source.sample(missing, seed if round_ == 0 else _topup_seed(seed, round_))
         for task in batch:
             if task.id not in seen:
@@ -251,6 +259,33 @@ def distinct_sample(source: TaskSource, n: int, seed: int, max_rounds: int = 100
     if len(out) < n:
         raise ValueError(f"source {source.name!r} gave only {len(out)} distinct tasks of the {n} asked for")
     return out[:n]
+
+
+PROBE_CHUNK = 2048  # tasks count_distinct draws at a time
+PROBE_PATIENCE = 3  # draws in a row without a new task after which count_distinct stops
+
+
+def count_distinct(source: TaskSource, n: int, seed: int) -> int:
+    """How many distinct tasks ``source`` gives, counted up to ``n``: it is sampled
+    :data:`PROBE_CHUNK` tasks at a time, from seeds derived from ``seed``, until ``n`` distinct ids
+    are seen or :data:`PROBE_PATIENCE` draws in a row add none (the source is exhausted). Costs
+    about ``n`` sampled tasks (at least one draw) when the source has them, a few draws when it has
+    few; deterministic, and the count of a source that has fewer is the same whatever ``n``.
+
+    Returns:
+        ``n`` when the source gave ``n`` distinct tasks, else the number it gave (< ``n``).
+    """
+    seen: set[str] = set()
+    stale = 0
+    for k in itertools.count():
+        before = len(seen)
+        seen.update(t.id for t in source.sample(PROBE_CHUNK, _topup_seed(seed, 1_000_000 + k)))
+        if len(seen) >= n:
+            return n
+        stale = stale + 1 if len(seen) == before else 0
+        if stale >= PROBE_PATIENCE:
+            return len(seen)
+    raise AssertionError("unreachable")
 
 
 def assert_disjoint(train: list[Task], val: list[Task]) -> None:

@@ -55,7 +55,7 @@ def reward_weights(cfg: Any) -> dict[str, float]:
 def check_names(cfg: Any, weights: dict[str, float] | None = None) -> None:
     """The names ``cfg`` refers to, against their registries: the loss type, the reward
     functions and their weights (``weights``; None: the run's, :func:`reward_weights`), the
-    tools and the detectors. The built-in environments are loaded first, so the names they
+    tools (``[rollout]``'s and each agent's or family's own: :func:`check_own_tools`) and the detectors. The built-in environments are loaded first, so the names they
     register (``webshop`` presets, ``run_python``, ``swe_*`` detectors) are known.
 
     Raises:
@@ -70,9 +70,28 @@ def check_names(cfg: Any, weights: dict[str, float] | None = None) -> None:
         if judge is not None:
             check_judge(judge, named)
         resolve_tools(cfg.rollout.tools)
+        check_own_tools(cfg)
         check_detectors([n for n in cfg.detectors.names if not (judge and n in JUDGE_DETECTORS)])
     except (KeyError, ValueError) as e:
         raise ConfigError(str(e).strip("'\"")) from e
+
+
+def check_own_tools(cfg: Any) -> None:
+    """The tools each ``[[agents]]`` (``selfrl run``) or ``[[families]]`` (``selfrl serve``) table names
+    in its own ``rollout = { tools = [...] }``, against the tool registry.
+
+    Raises:
+        ConfigError: an unknown or repeated tool, the table named
+            (``families[0] (web).rollout.tools: unknown tool 'abacus'; available tools: ...``).
+    """
+    for table in ("agents", "families"):
+        for i, item in enumerate(getattr(cfg, table, None) or []):
+            if isinstance(item.rollout, dict) and "tools" in item.rollout:
+                try:
+                    resolve_tools(item.rollout["tools"])
+                except (KeyError, ValueError) as e:  # UnknownToolError is one
+                    raise ConfigError(f"{table}[{i}] ({item.name or 'unnamed'}).rollout.tools: "
+                                      f"{e}") from e
 
 
 def check_judge(judge: JudgeConfig, weights: dict[str, float]) -> None:

@@ -83,11 +83,15 @@ def _serve(config: str | None, overrides: dict[str, Any], api_key_file: str | No
         from selfrl.run.setup import check_names
 
         check_names(cfg, cfg.learner.reward_weights)  # fail before the model loads
-        get_env(cfg.task.source, **cfg.task.options)
         if cfg.families:
             from selfrl.serve.families import check_family_sources
 
-            check_family_sources(cfg)
+            check_family_sources(cfg)  # each family's environment and the tasks of its held-out set
+        else:
+            from selfrl.serve.families import check_held_out_size
+
+            check_held_out_size(get_env(cfg.task.source, **cfg.task.options), cfg.gate.val_size, cfg.task.val_seed,
+                                "gate.val_size")
         if cfg.sampler.url is not None:  # a wrong URL fails in seconds, not after the model loads
             from selfrl.run.sampler_sync import check_reachable
 

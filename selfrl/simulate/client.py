@@ -36,6 +36,15 @@ class Reply:
         return 200 <= self.status < 300
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why the server cannot be used (one line), and the exit code of ``selfrl simulate`` for it
+    (``selfrl.cli.EXIT_CODES``: 1 the server is not there or fails, 2 the input is wrong)."""
+
+    message: str
+    exit_code: int
+
+
 class Client:
     """Completions and feedback against ``base_url`` (a ``selfrl serve``).
 
@@ -90,18 +99,24 @@ class Client:
         return Reply(r.status_code, time.perf_counter() - t0, data if isinstance(data, dict) else None,
                      None if r.is_success else r.text[:300])
 
-    def reachable(self, key_source: str = "the API key given") -> str | None:
+    def reachable(self, key_source: str = "the API key given") -> Refusal | None:
         """None when the server answers ``GET /admin/status`` under the API key (so that feedback will
-        be accepted too); else why not, as one line (a refused key is named by ``key_source``, where
-        it was read from)."""
+        be accepted too); else a :class:`Refusal`: no answer, or an error status, is the machine's
+        (exit code 1, the URL named); a refused key is the input's (exit code 2, named by
+        ``key_source``, where it was read from)."""
+        url = self.base_url + "/admin/status"
         try:
-            r = self.http.get(self.base_url + "/admin/status", headers={"Authorization": f"Bearer {self.api_key}"})
+            r = self.http.get(url, headers={"Authorization": f"Bearer {self.api_key}"})
         except httpx.HTTPError as e:
-            return f"cannot reach {self.base_url}: {type(e).__name__}: {e}; start selfrl serve first or pass --base-url"
+            return Refusal(f"cannot reach {url} ({type(e).__name__}: {e}): start selfrl serve first, or pass "
+                           "--base-url with the address it serves on", 1)
         if r.status_code in (401, 403):
-            return (f"{self.base_url} refuses the API key read from {key_source} ({r.status_code}): give the key "
-                    "selfrl serve was started with (--api-key-file, else SELFRL_API_KEY)")
-        return None if r.is_success else f"{self.base_url}/admin/status answered {r.status_code}: {r.text[:200]}"
+            return Refusal(f"{self.base_url} refuses the API key read from {key_source} ({r.status_code}): give "
+                           "the key selfrl serve was started with (--api-key-file, else SELFRL_API_KEY)", 2)
+        if r.is_success:
+            return None
+        return Refusal(f"{url} answered {r.status_code} ({r.text[:200].strip() or 'no body'}): is selfrl serve "
+                       "running there? check --base-url", 1)
 
     def close(self) -> None:
         self.http.close()

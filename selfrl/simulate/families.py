@@ -124,24 +124,65 @@ class Episode:
         return summary, None
 
 
+def build_families(cfg) -> dict[str, "Family"]:
+    """``{name: Family}`` of every ``[[families]]`` table of ``cfg`` (a :class:`SimulateConfig`):
+    ``selfrl simulate`` builds them before it contacts the server, so a family that cannot run is
+    refused before any request.
+
+    Raises:
+        ValueError: a family cannot be built (:class:`Family`); the message starts with
+            ``families[i] (<name>)``.
+    """
+    out = {}
+    for i, s in enumerate(cfg.families):
+        try:
+            out[s.name] = Family(s)
+        except ValueError as e:
+            raise ValueError(f"families[{i}] ({s.name}).{e}") from e
+    return out
+
+
 class Family:
     """One family's environment, held-out set and settings (see the module docstring).
 
     Raises:
-        ValueError: an unknown environment, bad options, or one that runs model-written code.
+        ValueError: an unknown environment (the valid names listed), bad options, one that runs
+            model-written code, ``tool_choice = "required"`` with an environment that offers no
+            tools, or a ``heldout_size`` above the distinct tasks the environment has. The message
+            starts with the setting at fault (``env: ...``, ``tool_choice: ...``, ``heldout_size: ...``).
     """
 
     def __init__(self, s: FamilySettings):
         if s.env in SANDBOXED:
-            raise ValueError(f"family {s.name!r}: environment {s.env!r} runs model-written code, which a "
-                             "simulated client must not run; use arithmetic, function_calling, web or webshop")
+            raise ValueError(f"env: environment {s.env!r} runs model-written code, which a simulated client "
+                             "must not run; use arithmetic, function_calling, web or webshop")
         self.settings = s
         self.name = s.name
-        self.env = build_env(s.env, s.options, f"[[families]] {s.name!r}")
+        try:
+            self.env = build_env(s.env, s.options, f"[[families]] {s.name!r}")
+        except ValueError as e:
+            raise ValueError(f"env: {e}") from e
         defaults = getattr(self.env, "config_defaults", {}) or {}
         self.system_prompt = defaults.get("rollout.system_prompt", DEFAULT_SYSTEM_PROMPT)
         self.shared_tools = resolve_tools(defaults.get("rollout.tools", RolloutConfig().tools))
-        self.held_out = held_out_ids(self.env, s.heldout_size, s.heldout_seed)
+        try:
+            self.held_out = held_out_ids(self.env, s.heldout_size, s.heldout_seed)
+        except ValueError as e:
+            raise ValueError(f"heldout_size: {e}; lower heldout_size, and the server's val_size for this "
+                             "family with it") from e
+        if s.tool_choice == "required" and not self.offers_tools():
+            raise ValueError(f"tool_choice: \"required\" asks every completion for a tool call, but environment "
+                             f"{s.env!r} offers no tools; set tool_choice = \"auto\" (or \"none\") for this family")
+
+    def offers_tools(self) -> bool:
+        """The first turn of a conversation offers tools: shared ones, or its state's (one task opened to see)."""
+        if self.shared_tools:
+            return True
+        ep = self.open(self.task(0))
+        try:
+            return bool(self.openai_tools(ep))
+        finally:
+            ep.close()
 
     def task(self, seed: int) -> Task:
         """The task of ``seed``: the environment's draw, or of the next seeds while it is held out.

@@ -1,4 +1,5 @@
-"""``selfrl simulate``: load the config, check the server answers, run, write the report.
+"""``selfrl simulate``: load the config, build the families, check the server answers, run (until the
+schedule ends, a bound, or Ctrl-C), write the report.
 
 Writes ``<out_dir>/events.jsonl`` (every event as it happens) and ``<out_dir>/summary.json``
 (``selfrl.simulate.summary``), and prints one line per family of served success.
@@ -7,6 +8,7 @@ Writes ``<out_dir>/events.jsonl`` (every event as it happens) and ``<out_dir>/su
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,29 +17,38 @@ from selfrl.config.simulate import load_simulate_config
 
 
 def simulate(config: str | None, overrides: dict[str, Any], api_key_file: str | None) -> int:
-    """Run ``selfrl simulate``; returns the exit code (0 done, 2 bad input or no server).
+    """Run ``selfrl simulate``; returns the exit code (``selfrl.cli.EXIT_CODES``): 0 done, 1 the
+    server does not answer (or answers with an error), 2 bad input (a family that cannot run is
+    refused before the server is contacted), 128 + the signal's number after Ctrl-C, which stops it
+    as a bound does: summary.json is written (``selfrl.cli`` makes SIGTERM and SIGHUP Ctrl-C, and a
+    second signal stop at once).
 
     Raises:
         selfrl.config.ConfigError: a bad config (the CLI prints it).
-        ValueError: the API key file is unreadable or empty, or the key is shorter than 16 characters.
+        ValueError: a family cannot be built (unknown environment, ``tool_choice = "required"``
+            without tools, ...: :func:`selfrl.simulate.families.build_families`), the API key file
+            is unreadable or empty, or the key is shorter than 16 characters.
     """
     from selfrl.engines.http import api_key_source, load_api_key
+    from selfrl.simulate.families import build_families
     from selfrl.simulate.simulator import Simulator, default_client
 
     cfg = load_simulate_config(config, overrides)
+    families = build_families(cfg)  # before the server is contacted: a family that cannot run is bad input
     key = load_api_key(api_key_file)  # the file's first line, else SELFRL_API_KEY (ValueError: unreadable, short)
     if not key:
         print("selfrl: error: feedback needs the server's API key: set SELFRL_API_KEY or pass --api-key-file "
               "(the key selfrl serve was started with)", file=sys.stderr)
         return 2
     client = default_client(cfg, key)
-    if (why := client.reachable(api_key_source(api_key_file))) is not None:
-        print(f"selfrl: error: {why}", file=sys.stderr)
-        return 2
+    if (refusal := client.reachable(api_key_source(api_key_file))) is not None:
+        client.close()
+        print(f"selfrl: error: {refusal.message}", file=sys.stderr)
+        return refusal.exit_code
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        summary = Simulator(cfg, client, log=out / "events.jsonl").run()
+    try:  # Ctrl-C stops the loop as a bound does (selfrl.cli makes SIGTERM and SIGHUP do the same)
+        summary = Simulator(cfg, client, families=families, log=out / "events.jsonl").run()
     finally:
         client.close()
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -47,4 +58,7 @@ def simulate(config: str | None, overrides: dict[str, Any], api_key_file: str | 
         n, ok = sum(w["n"] for w in windows), sum(w["correct"] for w in windows)
         print(f"  {family}: served success {ok}/{n}")
     print(f"summary: {out / 'summary.json'}")
+    if summary["signal"] is not None:  # Ctrl-C 130, SIGTERM 143, SIGHUP 129
+        print(f"selfrl: stopped by {summary['signal']}; summary.json holds what was sent", file=sys.stderr)
+        return 128 + signal.Signals[summary["signal"]].value
     return 0

@@ -27,7 +27,10 @@ from that later time; the plans and their draws are the same for every ``concurr
 Bounds: at most ``max_requests`` HTTP requests (completions and feedback alike) and
 ``max_seconds`` real seconds; reactions still queued when a bound or the schedule's end
 stops the loop are counted as ``pending`` and never sent. The schedule's end stops new
-conversations; queued reactions are still sent after it (within the bounds).
+conversations; queued reactions are still sent after it (within the bounds). Ctrl-C (a
+``KeyboardInterrupt`` in the loop's thread; ``selfrl simulate`` turns SIGTERM and SIGHUP into
+one too) stops it as a bound does: the requests in flight finish, and the summary of what was
+sent says ``stopped_by: "interrupted"`` and the signal.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import heapq
 import itertools
 import json
 import random
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +49,7 @@ from typing import Any, Callable
 from selfrl.config.simulate import SimulateConfig
 from selfrl.simulate.client import Client, Reply
 from selfrl.simulate.clock import FakeClock, ScaledClock
-from selfrl.simulate.families import Family
+from selfrl.simulate.families import Family, build_families
 from selfrl.simulate.schedule import Phase, Schedule
 from selfrl.simulate.summary import summarize
 from selfrl.simulate.users import Plan, plan, reaction, verdict
@@ -75,7 +79,7 @@ class Simulator:
 
     Raises:
         selfrl.config.ConfigError: a value out of range.
-        ValueError: a family's environment cannot be built.
+        ValueError: a family cannot be built (:func:`selfrl.simulate.families.build_families`).
     """
 
     def __init__(self, cfg: SimulateConfig, client, clock=None, families: dict[str, Family] | None = None,
@@ -84,7 +88,7 @@ class Simulator:
         self.client = client
         self.clock = clock if clock is not None else (ScaledClock(cfg.day_s) if cfg.day_s > 0 else FakeClock(time.time()))
         self.schedule = Schedule([Phase(p.duration_s, dict(p.weights)) for p in cfg.phases])
-        self.families = families if families is not None else {f.name: Family(f) for f in cfg.families}
+        self.families = families if families is not None else build_families(cfg)
         self.events: list[dict[str, Any]] = []
         self._log = None if log is None else open(log, "w")
         self._monotonic = monotonic
@@ -108,8 +112,8 @@ class Simulator:
     # -- the loop ---------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        """Run until the schedule ends and no reaction is queued, or a bound stops it; returns the
-        summary (``selfrl.simulate.summary.summarize``) of everything logged.
+        """Run until the schedule ends and no reaction is queued, or a bound or Ctrl-C stops it;
+        returns the summary (``selfrl.simulate.summary.summarize``) of everything logged.
 
         Raises:
             Exception: whatever a pool thread raised that is no bound (after the others finished).
@@ -117,7 +121,7 @@ class Simulator:
         self.t0, self.real0 = self.clock(), self._monotonic()
         plans = self.plans()
         self._push_arrival(plans)
-        stopped = "done"
+        stopped, signum = "done", None
         pool = ThreadPoolExecutor(self.cfg.concurrency, "simulate") if self.cfg.concurrency > 1 else None
         try:
             while (nxt := self._next(pool)) is not None:
@@ -132,20 +136,32 @@ class Simulator:
                     pool.submit(self._work, kind, item)
         except _Stop as e:
             stopped = e.reason
+        except KeyboardInterrupt as e:  # Ctrl-C; SIGTERM, SIGHUP under selfrl.run.shutdown.GracefulStop
+            stopped, signum = "interrupted", getattr(e, "signum", signal.SIGINT)
         finally:
             if pool is not None:
                 with self._lock:
                     if stopped != "done" and self._stopped is None:
                         self._stopped = stopped  # the threads in flight stop at their next request
                 pool.shutdown(wait=True)
+                self._drain()
         if self._failure is not None:
             raise self._failure
-        stopped = self._stopped or stopped
+        stopped = "interrupted" if signum is not None else self._stopped or stopped
+        name = None if signum is None else signal.Signals(signum).name
         pending = sum(1 for _, _, kind, _ in self._queue if kind != "arrival")
-        self._emit({"event": "stop", "reason": stopped, "pending": pending})
+        self._emit({"event": "stop", "reason": stopped, "pending": pending, **({"signal": name} if name else {})})
         if self._log is not None:
             self._log.close()
-        return summarize(self.events, self.cfg, stopped, pending)
+        return summarize(self.events, self.cfg, stopped, pending, name)
+
+    def _drain(self) -> None:
+        """Wait until no event is in flight, at most ``timeout_s`` + 5 real seconds: Ctrl-C in the middle
+        of handing an event to the pool can leave a thread the pool's shutdown does not wait for."""
+        deadline = time.monotonic() + self.cfg.timeout_s + 5.0
+        with self._lock:
+            while self._in_flight > 0 and (left := deadline - time.monotonic()) > 0:
+                self._lock.wait(min(left, 0.1))
 
     def _next(self, pool) -> tuple[str, Any] | None:
         """The next event ``(kind, item)`` once it is due and a thread is free, or None when nothing

@@ -12,7 +12,7 @@ summary can be rebuilt from the log alone:
   adapter ``version`` that gave it;
 * ``judgement``: an honest user's verdict, reaction and its delay;
 * ``hostile``: a hostile user's action;
-* ``stop``: why the loop ended.
+* ``stop``: why the loop ended (``reason``; ``interrupted`` with the ``signal`` after Ctrl-C).
 
 ``t_sim`` and ``t_real`` on every event are simulated and real seconds from the start.
 """
@@ -50,11 +50,15 @@ def _nested(counter_of_pairs: Counter) -> dict[str, dict[str, int]]:
     return dict(out)
 
 
-def summarize(events: list[dict[str, Any]], cfg, stopped: str, pending: int) -> dict[str, Any]:
+def summarize(events: list[dict[str, Any]], cfg, stopped: str, pending: int, signal: str | None = None) -> dict[str, Any]:
     """The summary of ``events`` (see the module docstring) under config ``cfg``.
 
+    Args:
+        stopped: what ended the loop: done, max_requests, max_seconds or interrupted.
+        signal: the signal that interrupted it (``SIGINT``: Ctrl-C), else None.
+
     Returns:
-        ``{seed, stopped_by, sim_seconds, real_seconds, requests, conversations, feedback,
+        ``{seed, stopped_by, signal, sim_seconds, real_seconds, requests, conversations, feedback,
         hostile, http, success, latency_s}``; ``success[family]`` is a list of windows of
         ``cfg.window_s`` simulated seconds (by the conversation's start), each ``{window,
         start_s, n, correct, success}``.
@@ -78,6 +82,7 @@ def summarize(events: list[dict[str, Any]], cfg, stopped: str, pending: int) -> 
     return {
         "seed": cfg.seed,
         "stopped_by": stopped,
+        "signal": signal,
         "sim_seconds": events[-1]["t_sim"] if events else 0.0,
         "real_seconds": events[-1]["t_real"] if events else 0.0,
         "requests": {
