@@ -137,3 +137,37 @@ def test_the_served_learner_drops_too_old_turns_weighs_late_ones_and_answers_fee
             assert {records.find_response(service.store, t.id)["status"] for t, _ in stale} == {"skipped"}
     finally:
         service.close()
+
+
+def test_turns_whose_version_weights_are_gone_are_too_old_and_the_skip_says_so(
+        tiny_tokenizer, tiny_model_factory, tmp_path):
+    # before: they stayed in the batch with advantage 0 and the update was skipped as "no group
+    # had reward spread", the cause nowhere
+    from selfrl.record import served as records
+    from selfrl.serve.service import Service
+    from serving import rated_turns, tiny_serve_config
+
+    cfg = tiny_serve_config(tmp_path / "run", min_batch=4)
+    cfg.train.learning_rate, cfg.gate.tolerance = 1e-2, 1.0  # every candidate is promoted
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    service = Service(model, tiny_tokenizer, cfg, learner_model=copy.deepcopy(model))
+    try:
+        learner = service.learner
+        learner.ensure_champion_validated()
+        early, late = rated_turns(service), rated_turns(service)  # both sampled by version 0
+        assert learner.update(early)["result"] == "promoted"
+
+        def gone(version, turns):
+            raise FileNotFoundError(f"version {version}: no folder")
+
+        learner._logps_under = gone
+        info = learner.update(late)
+        assert info["reason"] == "too_old" and info["too_old"] == 4 and info["with_signal"] == 0
+        assert "no longer stored (versions [0])" in info["result"]
+        skip = [e for e in service.store.events() if e["kind"] == "skip"][-1]
+        assert skip["data"]["reason"] == "too_old" and "no group had reward spread" not in skip["message"]
+        with service.store.lock:
+            assert {records.find_response(service.store, t.id)["status"] for t, _ in late} == {"skipped"}
+        assert service.ledger.champion.version == 1  # nothing trained on a weight of 0
+    finally:
+        service.close()

@@ -167,6 +167,7 @@ def test_serve_prunes_after_an_update_and_never_offers_a_pruned_version(tiny_tok
 
     cfg = tiny_serve_config(tmp_path / "run")
     cfg.retention.keep_newest = 1
+    cfg.learner.max_feedback_age_versions = 0  # no late judgement needs an older version's weights
     model = tiny_model_factory(lora=True, eos_bias=2.0)
     service = Service(model, tiny_tokenizer, cfg, learner_model=copy.deepcopy(model))
     try:
@@ -202,6 +203,7 @@ def test_serve_keeps_the_newest_promoted_versions_and_the_champion(tiny_tokenize
 
     cfg = tiny_serve_config(tmp_path / "run")
     cfg.retention.keep_newest, cfg.retention.keep_promoted = 1, 2
+    cfg.learner.max_feedback_age_versions = 0  # no late judgement needs an older version's weights
     model = tiny_model_factory(lora=True, eos_bias=2.0)
     service = Service(model, tiny_tokenizer, cfg, learner_model=copy.deepcopy(model))
     try:
@@ -217,6 +219,34 @@ def test_serve_keeps_the_newest_promoted_versions_and_the_champion(tiny_tokenize
     cfg.retention.keep_newest = 0
     with pytest.raises(ConfigError, match="keep_promoted applies only with keep_newest"):
         cfg.validate()
+
+
+def test_serve_keeps_the_versions_a_late_judgement_is_weighed_by(tiny_tokenizer, tiny_model_factory, tmp_path):
+    # before: keep_newest/keep_promoted pruned versions whose turns the age rule still trains on;
+    # a late judgement of such a turn was then weighed 0 and the update skipped as "no group had
+    # reward spread" (the 90-minute soak lost most of its rated turns so)
+    import copy
+
+    from selfrl.record.adapters import lora_state
+    from selfrl.serve.service import Service
+    from serving import add_version, tiny_serve_config
+
+    cfg = tiny_serve_config(tmp_path / "run")
+    cfg.retention.keep_newest, cfg.retention.keep_promoted = 1, 1
+    cfg.learner.max_feedback_age_versions = 2
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    service = Service(model, tiny_tokenizer, cfg, learner_model=copy.deepcopy(model))
+    try:
+        state = lora_state(model)
+        for v in range(1, 7):  # weights 0 -> 1 -> ... -> 6, then the champion (the base here) loaded back
+            add_version(service, state, v, parent=v - 1, status="promoted", metrics={"val/success": 0.1 * v})
+        assert service.ledger.champion.version == 0
+        assert service.prune_versions() == [1, 2, 3, 4]  # 6 and 5 are 1 and 2 weight changes back: kept
+        assert {v["version"] for v in service.version_ids()} == {0, 5, 6}
+        cfg.learner.max_feedback_age_versions = 0
+        assert service.prune_versions() == [5]  # 6 is the newest
+    finally:
+        service.close()
 
 
 def test_export_that_cannot_be_written_leaves_nothing_and_deletes_nothing(tmp_path, monkeypatch):

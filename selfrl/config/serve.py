@@ -143,7 +143,7 @@ class RetentionSettings:
     after every update: adapter version folders, and served turns (exported, then pruned:
     :mod:`selfrl.serve.retention` says which turns may go)."""
 
-    keep_newest: int = 0  # keep the newest N versions' folders, and every base, promoted, pinned and served one; 0: keep all
+    keep_newest: int = 0  # keep the newest N versions' folders, every base, promoted, pinned and served one, and those whose turns may still train (learner.max_feedback_age_versions); 0: keep all
     keep_promoted: int = 0  # with keep_newest: keep only the newest M promoted versions (and the champion); 0: every promoted one
     delete: bool = False  # delete the pruned folders (False: move them to adapters/.pruned, to delete by hand)
     trajectories_max_age_s: float = 0.0  # export, then prune, served turns older than this (>= learner.max_feedback_age_s); 0: keep all

@@ -122,6 +122,22 @@ def versions_behind(turn_version: int, loaded: Sequence[int]) -> float:
     return math.inf
 
 
+def trainable_versions(loaded: Sequence[int], max_versions: int) -> set[int]:
+    """The versions whose turns the age rule may still train on: those at most ``max_versions``
+    weight changes back in ``loaded`` (:func:`versions_behind`). A late judgement of such a turn
+    is weighed by its version's log-probs, so these versions' weights must stay stored; a turn
+    of any other version is ``too_old`` whatever its weights.
+
+    Args:
+        loaded: versions the learner's weights held, oldest first; the last is current.
+        max_versions: the cutoff in weight changes (``AgePolicy.max_versions``, >= 0).
+
+    >>> sorted(trainable_versions([0, 1, 2, 3, 1, 4], 2))  # 4 now, 1 one change back, 3 two
+    [1, 3, 4]
+    """
+    return {v for v in set(loaded) if versions_behind(v, loaded) <= max_versions} if loaded else set()
+
+
 def sequence_weight(current_logps: Sequence[float], behaviour_logps: Sequence[float],
                     completion_mask: Sequence[int], cap: float) -> float:
     """``min(exp(sum of m * (current - behaviour)), cap)`` over one turn's tokens.

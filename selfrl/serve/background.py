@@ -335,13 +335,29 @@ class BackgroundLearner(threading.Thread):
         parent = self.ledger.champion.version
         step_no = self.updates
         train, ages = (self.recompute_old_logps(usable), {}) if usable else (scored, {})
+        gone: list[Trajectory] = []
         if usable:  # a turn of an older version: its advantage times its sequence weight
             ages = self.ages.weigh(train, usable, self._logps_under)
+            gone = [t for t in usable if _age_outcome(t) == "too_old"]  # its version's weights are no longer stored
+            if gone:  # only recorded, as any turn past the age rule; never trained on with a weight of 0
+                ids = {t.id for t in gone}
+                train, scored = [t for t in train if t.id not in ids], [t for t in scored if t.id not in ids]
+                records.mark(self.store, gone, "skipped", None)
+        reward_mean = sum(t.reward for t in scored) / max(len(scored), 1)
+        info: dict[str, Any] = {"turns": n_turns, "scored": len(scored), "with_signal": len(usable) - len(gone),
+                                "reward_mean": reward_mean, "too_old": len(too_old) + len(gone)}
+        if gone and not train:
+            self.updates += 1
+            versions = sorted({t.adapter_version for t in gone})
+            note = (f"every turn with a signal ({len(gone)}) was sampled by a version whose weights are no longer "
+                    f"stored (versions {versions}): only recorded; version retention keeps every version the age "
+                    "rule may still train on, so a folder was removed by other means")
+            self.ledger.event(EventKind.SKIP, f"iteration {step_no}: update skipped: {note}",
+                              {"iteration": step_no, "reason": "too_old", "weights_gone": len(gone)})
+            self.last = {**info, "result": f"skipped ({note})", "reason": "too_old"}
+            return self.last
         step = cycle.update(step_no, train, parent)
         self.updates += 1
-        reward_mean = sum(t.reward for t in scored) / max(len(scored), 1)
-        info: dict[str, Any] = {"turns": n_turns, "scored": len(scored), "with_signal": len(usable),
-                                "reward_mean": reward_mean, "too_old": len(too_old)}
         if step.candidate is not None:
             self._made = step.candidate.version
         if step.candidate is None:
@@ -353,7 +369,7 @@ class BackgroundLearner(threading.Thread):
         version = step.candidate.version
         # the names run logs, so that a restart rebuilds the collapse history (UpdateCycle.resume); each family's too
         metrics = step.result.metrics() | ages | {
-            "feedback/too_old": float(len(too_old)), "reward/mean": reward_mean, "version": float(version),
+            "feedback/too_old": float(len(too_old) + len(gone)), "reward/mean": reward_mean, "version": float(version),
             "sampled_version": float(parent)} | collapse.batch_metrics(
                 scored, {t.id: row.get("family") for t, row in batch}, self.cfg.collapse)
         if step.candidate_kl is not None:
@@ -416,3 +432,8 @@ class BackgroundLearner(threading.Thread):
             self._load(champion.state, champion.version)
             self.learner.reset_optimizer()
             self.cycle.guard.new_chain()
+
+
+def _age_outcome(t: Trajectory) -> str | None:
+    """The age rule's outcome recorded on a turn (``used``, ``too_old``), None when none was."""
+    return ((t.reward_details.get("user_feedback") or {}).get("age") or {}).get("outcome")

@@ -37,7 +37,8 @@ from collections.abc import Callable
 
 from selfrl.core.trajectory import Trajectory
 from selfrl.record.versions import Ledger
-from selfrl.rl.feedback_age import AgeDecision, AgePolicy, Outcome, decide, sequence_weight, versions_behind
+from selfrl.rl.feedback_age import (AgeDecision, AgePolicy, Outcome, decide, sequence_weight, trainable_versions,
+                                    versions_behind)
 
 
 def weight_history(ledger: Ledger) -> list[int]:
@@ -102,6 +103,11 @@ class FeedbackAges:
             else:
                 kept.append((traj, row))
         return kept, old
+
+    def needed(self) -> set[int]:
+        """The versions whose weights a late judgement may still need (:func:`trainable_versions`
+        on the learner's weight history): version retention keeps their folders."""
+        return trainable_versions(weight_history(self.ledger), self.policy.max_versions)
 
     def behind(self, trajs: list[Trajectory]) -> dict[int, list[Trajectory]]:
         """The turns sampled by a version the learner has moved from, by version."""
