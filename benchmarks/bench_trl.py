@@ -450,24 +450,72 @@ def draw(arms: list[dict], png: Path) -> None:
     fig.savefig(png, dpi=120, bbox_inches="tight")
 
 
-def plot(argv: list[str]) -> dict:
-    """``bench_trl.py plot RESULT.json ...``: the figure and the table over arms' results."""
+ARM_KEYS = ("arm", "label", "seed", "model", "updates", "training_s", "curve")
+POINT_KEYS = ("seconds", "step", "success", "results")
+
+
+def read_arm(path: Path) -> dict:
+    """One arm's result file as :func:`run_arm` writes it.
+
+    Raises:
+        ValueError: the file cannot be read, is not JSON, or lacks a key of :data:`ARM_KEYS`, a
+            non-empty ``curve`` or a key of :data:`POINT_KEYS` in a point (the message names the
+            file and what is missing).
+    """
+    again = "pass the JSON file an arm wrote (benchmarks/results/trl_<label>_seed<S>.json), or run the arm again"
+    try:
+        arm = json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror or e}); {again}") from None
+    except ValueError as e:
+        raise ValueError(f"{path}: not JSON ({e}); {again}") from None
+    if not isinstance(arm, dict):
+        raise ValueError(f"{path}: holds a {type(arm).__name__}, not an arm's result; {again}")
+    missing = [k for k in ARM_KEYS if k not in arm]
+    if missing:
+        raise ValueError(f"{path}: not an arm's result of bench_trl.py (no {', '.join(map(repr, missing))}); {again}")
+    curve = arm["curve"]
+    if not isinstance(curve, list) or not curve or not all(isinstance(c, dict) for c in curve):
+        raise ValueError(f"{path}: its 'curve' is not a non-empty list of points; {again}")
+    for i, c in enumerate(curve):
+        lacking = [k for k in POINT_KEYS if k not in c]
+        if lacking:
+            raise ValueError(f"{path}: point {i} of its 'curve' has no {', '.join(map(repr, lacking))}; {again}")
+    return arm
+
+
+def plot_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench_trl.py plot", description="Draw and tabulate arms' results.")
     p.add_argument("results", nargs="+", type=Path, help="arms' JSON files (benchmarks/results/trl_*.json)")
     p.add_argument("--png", type=Path, default=RESULTS / "trl_curve.png", help="the figure (PNG)")
     p.add_argument("--levels", default="0.3,0.4,0.5", help="held-out success levels to time, comma-separated")
     p.add_argument("--out", type=Path, default=None, help="folder for trl_compare.json (default benchmarks/results)")
+    return p
+
+
+def plot(argv: list[str]) -> dict:
+    """``bench_trl.py plot RESULT.json ...``: the figure and the table over arms' results.
+
+    Raises:
+        SystemExit: 2 (argparse's usage error, on stderr) for a missing or malformed result file
+            or bad ``--levels``; the message names the file and what to pass instead.
+    """
+    p = plot_parser()
     args = p.parse_args(argv)
     missing = [str(r) for r in args.results if not r.is_file()]
     if missing:
-        raise SystemExit(f"no such result file: {', '.join(missing)}; run an arm first (--arm trl|selfrl)")
+        p.error(f"no such result file: {', '.join(missing)}; run an arm first (bench_trl.py --arm trl|selfrl), "
+                "then pass the JSON file it wrote")
     try:
         levels = [float(x) for x in args.levels.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"--levels takes numbers in [0, 1] separated by commas, got {args.levels!r}") from None
-    arms = [json.loads(r.read_text()) for r in args.results]
-    if any("curve" not in a for a in arms):
-        raise SystemExit("a file is not an arm's result of bench_trl.py (it has no 'curve')")
+        levels = []
+    if not levels or not all(0 <= lv <= 1 for lv in levels):
+        p.error(f"--levels takes numbers in [0, 1] separated by commas, got {args.levels!r}")
+    try:
+        arms = [read_arm(r) for r in args.results]
+    except ValueError as e:
+        p.error(str(e))
     table = compare(arms, levels)
     draw(arms, args.png)
 
@@ -490,11 +538,18 @@ def plot(argv: list[str]) -> dict:
     return result
 
 
+USAGE = """%(prog)s [-h] --arm {trl,selfrl} [--minutes MINUTES] [--seed SEED] [--no-grammar] [options]
+       %(prog)s plot RESULT.json [RESULT.json ...] [--png PNG] [--levels LEVELS] [--out OUT]"""
+EPILOG = ("Subcommand: bench_trl.py plot RESULT.json ... draws the figure and the table over the JSON files "
+          "the arms wrote (bench_trl.py plot --help lists its flags).")
+
+
 def main(argv: list[str] | None = None) -> dict:
     raw = sys.argv[1:] if argv is None else argv
     if raw[:1] == ["plot"]:
         return plot(raw[1:])
     p = base_parser(__doc__)
+    p.prog, p.usage, p.epilog = "bench_trl.py", USAGE, EPILOG
     p.add_argument("--arm", choices=ARMS, help="which trainer this invocation runs")
     p.add_argument("--minutes", type=float, default=30.0, help="training time of the arm (minutes)")
     p.add_argument("--seed", type=int, default=0, help="run seed (LoRA initialisation, sampling)")

@@ -163,8 +163,51 @@ def test_trl_plot_refuses_arms_scored_on_different_tasks(tmp_path):
     with pytest.raises(SystemExit, match="different held-out tasks"):
         bench_trl.main(["plot", str(tmp_path / "trl.json"), str(tmp_path / "selfrl.json"), "--png",
                         str(tmp_path / "c.png"), "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="no such result file"):
-        bench_trl.main(["plot", str(tmp_path / "missing.json")])
+
+
+def test_trl_help_names_the_plot_subcommand(capsys):
+    with pytest.raises(SystemExit) as stop:
+        bench_trl.main(["--help"])
+    out = capsys.readouterr().out
+    assert stop.value.code == 0
+    assert "bench_trl.py plot RESULT.json [RESULT.json ...] [--png PNG] [--levels LEVELS] [--out OUT]" in out
+    assert "Subcommand: bench_trl.py plot RESULT.json ... draws the figure" in out
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such result file: {path}; run an arm first (bench_trl.py --arm trl|selfrl)"),
+    ("{", "{path}: not JSON (Expecting property name"),
+    ("[1, 2]", "{path}: holds a list, not an arm's result"),
+    ('{"arm": "trl"}', "{path}: not an arm's result of bench_trl.py (no 'label', 'seed', 'model', 'updates', "
+                       "'training_s', 'curve')"),
+    ("ARM_EMPTY_CURVE", "{path}: its 'curve' is not a non-empty list of points"),
+    ("ARM_BAD_POINT", "{path}: point 0 of its 'curve' has no 'results'"),
+])
+def test_trl_plot_refuses_a_missing_or_malformed_file_without_a_traceback(tmp_path, capsys, content, message):
+    path = tmp_path / "arm.json"
+    arm = _arm("trl", "trl", [(0.0, 0, "")], 0.0)
+    if content == "ARM_EMPTY_CURVE":
+        content = json.dumps({**arm, "curve": []})
+    elif content == "ARM_BAD_POINT":
+        content = json.dumps({**arm, "curve": [{"seconds": 0, "step": 0, "success": 0.0}]})
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as stop:
+        bench_trl.main(["plot", str(path), "--png", str(tmp_path / "c.png"), "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert f"bench_trl.py plot: error: {message.format(path=path)}" in err
+    assert "Traceback" not in err and not (tmp_path / "c.png").exists()
+
+
+@pytest.mark.parametrize("levels", ["", "a,b", "0.3,1.5"])
+def test_trl_plot_refuses_levels_outside_0_1(tmp_path, capsys, levels):
+    path = tmp_path / "arm.json"
+    path.write_text(json.dumps(_arm("trl", "trl", [(0.0, 0, "")], 0.0)))
+    with pytest.raises(SystemExit) as stop:
+        bench_trl.main(["plot", str(path), "--levels", levels, "--png", str(tmp_path / "c.png")])
+    assert stop.value.code == 2
+    assert f"--levels takes numbers in [0, 1] separated by commas, got {levels!r}" in capsys.readouterr().err
 
 
 def test_trl_eval_points_score_each_reached_step_once():
