@@ -63,6 +63,7 @@ from common import (  # noqa: E402
     RESULTS, ROOT, base_parser, command_line, envelope, finish, in_memory_dataset, loadavg, model_name,
     peak_rss_bytes, print_table, run_child, write_result,
 )
+from trl_setup import grpo_args, grpo_trainer, load_trainable, step_timeline  # noqa: E402
 
 CONFIG = ROOT / "configs" / "function_calling.toml"
 ARMS = ("trl", "selfrl")
@@ -150,17 +151,11 @@ def worker_trl(cfg_dict: dict, budget_s: float, out: Path) -> None:
     """TRL's ``GRPOTrainer`` with a peft ``LoraConfig`` of selfrl's shape on selfrl's training
     tasks in selfrl's order, until an optimizer step ends past ``budget_s`` seconds; saves the
     adapter after every step and writes each step's end time and folder to ``out``."""
-    import torch
-    from peft import LoraConfig
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
     from selfrl.chat.template import prompt_ids, render, template_supports_tools
     from selfrl.config import load_config
     from selfrl.core.tasks import split_tasks
     from selfrl.envs import get_env
     from selfrl.envs.rewards import get_preset, score_batch
-    from selfrl.model.load import load_model
     from selfrl.rollout.agent import initial_messages
     from selfrl.run.loop import iteration_tasks
 
@@ -169,11 +164,7 @@ def worker_trl(cfg_dict: dict, budget_s: float, out: Path) -> None:
     train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     by_id = {t.id: t for t in train}
     weights = cfg.reward_weights or get_preset(cfg.preset)
-    model, tok = load_model(cfg.model.name)
-    # The cached conversion of the embedded GGUF keeps a GGUF quantization_config although its
-    # weights are plain fp32 (dequantized); transformers' Trainer refuses to train such a model.
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
+    model, tok = load_trainable(cfg.model.name)
 
     prompts, matches = {}, 0
     for t in train:  # the prompt of selfrl's rollout (selfrl.rollout.agent.rollout), as text
@@ -194,47 +185,10 @@ def worker_trl(cfg_dict: dict, budget_s: float, out: Path) -> None:
         score_batch(trajs, by_id, source, weights)
         return [t.reward for t in trajs]
 
-    adapters_dir = Path(cfg.run_dir) / "adapters"
-    steps: list[dict] = []
-
-    class Timeline(TrainerCallback):
-        """Saves the adapter after every optimizer step, records the training time, stops past the budget."""
-
-        def on_train_begin(self, args, state, control, **kw):
-            self.t0, self.saving = time.perf_counter(), 0.0
-
-        def on_step_end(self, args, state, control, model=None, **kw):
-            now = time.perf_counter()
-            elapsed = now - self.t0 - self.saving
-            path = adapters_dir / f"step{state.global_step:05d}"
-            model.save_pretrained(path)
-            steps.append({"step": state.global_step, "seconds": elapsed, "adapter": str(path)})
-            self.saving += time.perf_counter() - now
-            if elapsed >= budget_s:
-                control.should_training_stop = True
-
-    micro = cfg.train.micro_batch_size
-    per_update = cfg.num_prompts * cfg.num_generations
-    if per_update % micro:
-        raise ValueError(f"num_prompts x num_generations ({per_update}) must be a multiple of "
-                         f"train.micro_batch_size ({micro}) for TRL's gradient accumulation")
-    args = GRPOConfig(
-        output_dir=str(Path(cfg.run_dir) / "trainer"), use_cpu=True, bf16=False, fp16=False,
-        gradient_checkpointing=cfg.train.gradient_checkpointing, per_device_train_batch_size=micro,
-        gradient_accumulation_steps=per_update // micro, num_generations=cfg.num_generations,
-        max_completion_length=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_k=0, top_p=1.0,
-        learning_rate=cfg.train.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.max_grad_norm, beta=cfg.train.beta,
-        epsilon=cfg.train.epsilon, loss_type=cfg.train.loss_type, scale_rewards=cfg.train.scale_rewards,
-        num_iterations=cfg.train.num_iterations, max_steps=10**9, shuffle_dataset=False,
-        seed=cfg.seed, disable_dropout=True, report_to="none", logging_steps=1, save_strategy="no",
-        optim="adamw_torch", dataloader_num_workers=0,
-    )
-    peft_config = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.lora_alpha, lora_dropout=cfg.lora.lora_dropout,
-                             target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM")
-    torch.manual_seed(cfg.seed)
-    trainer = GRPOTrainer(model=model, reward_funcs=[selfrl_reward], args=args, train_dataset=data,
-                          processing_class=tok, peft_config=peft_config, callbacks=[Timeline()])
+    timeline = step_timeline(Path(cfg.run_dir) / "adapters", 5, budget_s=budget_s)
+    steps = timeline.steps
+    args = grpo_args(cfg, gradient_checkpointing=cfg.train.gradient_checkpointing, max_steps=10**9)
+    trainer = grpo_trainer(cfg, model, tok, selfrl_reward, args, data, timeline)
     t = time.perf_counter()
     trainer.train()
     rewards = {r["step"]: r["reward"] for r in trainer.state.log_history if "reward" in r and "step" in r}
