@@ -90,6 +90,29 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown faults {bad}; valid: {', '.join(FAULTS)}")
     if args.val_size is not None and args.val_size < 1:
         p.error(f"--val-size must be at least 1, got {args.val_size}")
+    inf = float("inf")
+    ranges = (  # (flag, low, high, whether the low end is excluded, what it is)
+        ("--minutes", 0, inf, True, "real minutes of traffic"),
+        ("--concurrency", 1, inf, False, "users in flight at once"),
+        ("--sample-s", 0, inf, True, "seconds between two samples"),
+        ("--day-s", 0, inf, True, "real seconds a simulated day lasts"),
+        ("--arrivals-per-hour", 0, inf, True, "conversations per simulated hour"),
+        ("--tolerance", 0, 1, False, "a drop in held-out success, a share"),
+        ("--rss-warmup-min", 0, inf, False, "minutes"),
+        ("--disk-mb", 64, inf, False, "MB of tmpfs: the run directory, its versions and the store must fit"),
+        ("--disk-hold-s", 0, inf, False, "seconds"),
+        ("--outage-s", 0, inf, False, "seconds"),
+        ("--keep-newest", 0, 10**6, False, "versions; 0 keeps every one"),
+        ("--keep-promoted", 0, 10**6, False, "promoted versions; 0 keeps every one"),
+    )
+    for flag, lo, hi, open_low, what in ranges:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if not ((lo < value) if open_low else (lo <= value)) or not value <= hi:  # NaN fails too
+            valid = (f"> {lo}" if open_low else f">= {lo}") if hi == inf else \
+                f"in ({lo}, {hi}]" if open_low else f"in [{lo}, {hi}]"
+            p.error(f"{flag} must be {valid} ({what}), got {value}")
+    if args.keep_promoted and not args.keep_newest:
+        p.error("--keep-promoted applies only with --keep-newest >= 1 (0 keeps every version): set --keep-newest too")
     return args
 
 

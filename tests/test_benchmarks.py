@@ -100,6 +100,17 @@ def test_cost_tiny(tmp_path):
     assert r["validations"] >= 1  # the base model at least
 
 
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_every_benchmark_refuses_fewer_than_one_repeat(value, capsys):
+    from common import base_parser
+
+    with pytest.raises(SystemExit) as stop:
+        base_parser("A benchmark.").parse_args(["--repeats", value])
+    assert stop.value.code == 2
+    assert f"argument --repeats: must be an integer >= 1, got {value!r}" in capsys.readouterr().err
+    assert base_parser("A benchmark.").parse_args(["--repeats", "1"]).repeats == 1
+
+
 def test_cost_refuses_missing_run(tmp_path):
     with pytest.raises(FileNotFoundError):
         bench_cost.cost_figures(tmp_path)
