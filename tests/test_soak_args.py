@@ -1,8 +1,13 @@
-"""``scripts/soak.py`` and ``scripts/soak_baseline.py`` without a soak: their flags' ranges."""
+"""``scripts/soak.py`` without a soak: its flags' ranges, and that every way a soak ends (SIGTERM,
+Ctrl-C, a setup failing after the mount) goes through the same close: the server stopped, the run
+directory kept, the tmpfs unmounted. Nothing here mounts or starts a server."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,6 +48,113 @@ def test_the_ends_of_each_range_are_accepted():
                          "--concurrency", "1", "--rss-warmup-min", "0", "--keep-newest", "0", "--keep-promoted", "0"])
     assert (a.tolerance, a.outage_s, a.disk_mb, a.concurrency, a.keep_newest, a.keep_promoted) == (0, 0, 64, 1, 0, 0)
     assert soak.parse_args(["--tolerance", "1"]).tolerance == 1.0
+
+
+class FakeServer:
+    """What :meth:`soak.Soak.close` uses of ``soak_server.Server``: ``stop``, ``start``, ``starts``."""
+
+    def __init__(self):
+        self.stops, self.starts = 0, 1
+
+    def stop(self):
+        self.stops += 1
+
+    def start(self, port):
+        raise AssertionError("not started in these tests")
+
+
+@pytest.fixture
+def fake_soak(tmp_path, monkeypatch):
+    """``soak.main`` on a Soak whose setup gives it a fake server and a run directory (no mount),
+    and whose close is recorded; ``umount`` calls are recorded, not run."""
+    calls: dict = {"close": 0, "umount": [], "sigterm_before": []}
+    setup = {"mounted": False, "fail": None}
+
+    def fake_setup(self):
+        self.disk.mkdir(parents=True)
+        self.run_dir.mkdir()
+        self.server = FakeServer()
+        self.mounted = setup["mounted"]
+        if setup["fail"]:
+            raise setup["fail"]
+
+    real_close = soak.Soak.close
+
+    def counted_close(self):
+        calls["close"] += 1
+        calls["sigterm_during_close"] = signal.getsignal(signal.SIGTERM)
+        real_close(self)
+        calls["server"] = self.server
+
+    def fake_run(argv, **kw):
+        calls["umount"].append(argv)
+
+    monkeypatch.setattr(soak.Soak, "setup", fake_setup)
+    monkeypatch.setattr(soak.Soak, "close", counted_close)
+    monkeypatch.setattr(soak.subprocess, "run", fake_run)
+    return tmp_path / "out", calls, setup
+
+
+def test_sigterm_during_the_run_ends_it_through_close(fake_soak, monkeypatch):
+    out, calls, _ = fake_soak
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda *a: seen.append("outer handler"))  # never the default: it kills pytest
+    try:
+        def run(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)  # the handler runs here (or the run ends without it: the test fails below)
+            return {}
+
+        monkeypatch.setattr(soak.Soak, "run", run)
+        with pytest.raises(SystemExit) as stop:
+            soak.main(["--out", str(out), "--tiny"])
+        assert stop.value.code == 128 + signal.SIGTERM
+        assert calls["close"] == 1 and seen == []
+        assert calls["sigterm_during_close"] == signal.SIG_IGN  # a second SIGTERM cannot cut the close short
+        assert calls["server"].stops == 2  # stopped, and once more at the end of the close
+        with pytest.raises(RuntimeError, match="the soak is closing"):
+            calls["server"].start(1234)
+        assert (out / "run").resolve() == (out / "disk" / "run").resolve()
+        assert not (out / "soak.json").exists()  # an interrupted soak has no record
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN  # the handler before main is back
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert seen == ["outer handler"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_ctrl_c_during_the_run_ends_it_through_close(fake_soak, monkeypatch):
+    out, calls, setup = fake_soak
+    setup["mounted"] = True
+
+    def run(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(soak.Soak, "run", run)
+    with pytest.raises(KeyboardInterrupt):
+        soak.main(["--out", str(out), "--tiny"])
+    assert calls["close"] == 1 and calls["umount"] == [["umount", "-l", str(out.absolute() / "disk")]]
+    assert (out / "run").is_dir() and not (out / "run").is_symlink()  # copied out of the tmpfs
+
+
+def test_a_setup_that_fails_after_the_mount_still_unmounts(fake_soak):
+    out, calls, setup = fake_soak
+    setup["mounted"], setup["fail"] = True, RuntimeError("selfrl serve did not start")
+    with pytest.raises(RuntimeError, match="did not start"):
+        soak.main(["--out", str(out), "--tiny"])
+    assert calls["close"] == 1 and calls["umount"] == [["umount", "-l", str(out.absolute() / "disk")]]
+
+
+def test_close_after_a_refused_out_touches_nothing(tmp_path):
+    """``--out`` not empty: setup refuses before making a server; close then leaves the folder alone."""
+    out = tmp_path / "out"
+    (out / "disk" / "run").mkdir(parents=True)
+    s = soak.Soak(soak.parse_args(["--out", str(out)]))
+    with pytest.raises(SystemExit, match="is not empty; give a new --out"):
+        s.setup()
+    s.close()
+    s.close()
+    assert sorted(p.name for p in out.iterdir()) == ["disk"]
 
 
 @pytest.mark.parametrize("flags, message", [
