@@ -63,6 +63,7 @@ from common import (  # noqa: E402
     RESULTS, ROOT, base_parser, command_line, envelope, finish, in_memory_dataset, loadavg, model_name,
     peak_rss_bytes, print_table, run_child, write_result,
 )
+from trl_setup import grpo_args, grpo_trainer, load_trainable, step_timeline  # noqa: E402
 
 CONFIG = ROOT / "configs" / "function_calling.toml"
 ARMS = ("trl", "selfrl")
@@ -150,17 +151,11 @@ def worker_trl(cfg_dict: dict, budget_s: float, out: Path) -> None:
     """TRL's ``GRPOTrainer`` with a peft ``LoraConfig`` of selfrl's shape on selfrl's training
     tasks in selfrl's order, until an optimizer step ends past ``budget_s`` seconds; saves the
     adapter after every step and writes each step's end time and folder to ``out``."""
-    import torch
-    from peft import LoraConfig
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
     from selfrl.chat.template import prompt_ids, render, template_supports_tools
     from selfrl.config import load_config
     from selfrl.core.tasks import split_tasks
     from selfrl.envs import get_env
     from selfrl.envs.rewards import get_preset, score_batch
-    from selfrl.model.load import load_model
     from selfrl.rollout.agent import initial_messages
     from selfrl.run.loop import iteration_tasks
 
@@ -169,11 +164,7 @@ def worker_trl(cfg_dict: dict, budget_s: float, out: Path) -> None:
     train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     by_id = {t.id: t for t in train}
     weights = cfg.reward_weights or get_preset(cfg.preset)
-    model, tok = load_model(cfg.model.name)
-    # The cached conversion of the embedded GGUF keeps a GGUF quantization_config although its
-    # weights are plain fp32 (dequantized); transformers' Trainer refuses to train such a model.
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
+    model, tok = load_trainable(cfg.model.name)
 
     prompts, matches = {}, 0
     for t in train:  # the prompt of selfrl's rollout (selfrl.rollout.agent.rollout), as text
@@ -194,47 +185,10 @@ def worker_trl(cfg_dict: dict, budget_s: float, out: Path) -> None:
         score_batch(trajs, by_id, source, weights)
         return [t.reward for t in trajs]
 
-    adapters_dir = Path(cfg.run_dir) / "adapters"
-    steps: list[dict] = []
-
-    class Timeline(TrainerCallback):
-        """Saves the adapter after every optimizer step, records the training time, stops past the budget."""
-
-        def on_train_begin(self, args, state, control, **kw):
-            self.t0, self.saving = time.perf_counter(), 0.0
-
-        def on_step_end(self, args, state, control, model=None, **kw):
-            now = time.perf_counter()
-            elapsed = now - self.t0 - self.saving
-            path = adapters_dir / f"step{state.global_step:05d}"
-            model.save_pretrained(path)
-            steps.append({"step": state.global_step, "seconds": elapsed, "adapter": str(path)})
-            self.saving += time.perf_counter() - now
-            if elapsed >= budget_s:
-                control.should_training_stop = True
-
-    micro = cfg.train.micro_batch_size
-    per_update = cfg.num_prompts * cfg.num_generations
-    if per_update % micro:
-        raise ValueError(f"num_prompts x num_generations ({per_update}) must be a multiple of "
-                         f"train.micro_batch_size ({micro}) for TRL's gradient accumulation")
-    args = GRPOConfig(
-        output_dir=str(Path(cfg.run_dir) / "trainer"), use_cpu=True, bf16=False, fp16=False,
-        gradient_checkpointing=cfg.train.gradient_checkpointing, per_device_train_batch_size=micro,
-        gradient_accumulation_steps=per_update // micro, num_generations=cfg.num_generations,
-        max_completion_length=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_k=0, top_p=1.0,
-        learning_rate=cfg.train.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.max_grad_norm, beta=cfg.train.beta,
-        epsilon=cfg.train.epsilon, loss_type=cfg.train.loss_type, scale_rewards=cfg.train.scale_rewards,
-        num_iterations=cfg.train.num_iterations, max_steps=10**9, shuffle_dataset=False,
-        seed=cfg.seed, disable_dropout=True, report_to="none", logging_steps=1, save_strategy="no",
-        optim="adamw_torch", dataloader_num_workers=0,
-    )
-    peft_config = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.lora_alpha, lora_dropout=cfg.lora.lora_dropout,
-                             target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM")
-    torch.manual_seed(cfg.seed)
-    trainer = GRPOTrainer(model=model, reward_funcs=[selfrl_reward], args=args, train_dataset=data,
-                          processing_class=tok, peft_config=peft_config, callbacks=[Timeline()])
+    timeline = step_timeline(Path(cfg.run_dir) / "adapters", 5, budget_s=budget_s)
+    steps = timeline.steps
+    args = grpo_args(cfg, gradient_checkpointing=cfg.train.gradient_checkpointing, max_steps=10**9)
+    trainer = grpo_trainer(cfg, model, tok, selfrl_reward, args, data, timeline)
     t = time.perf_counter()
     trainer.train()
     rewards = {r["step"]: r["reward"] for r in trainer.state.log_history if "reward" in r and "step" in r}
@@ -450,24 +404,72 @@ def draw(arms: list[dict], png: Path) -> None:
     fig.savefig(png, dpi=120, bbox_inches="tight")
 
 
-def plot(argv: list[str]) -> dict:
-    """``bench_trl.py plot RESULT.json ...``: the figure and the table over arms' results."""
+ARM_KEYS = ("arm", "label", "seed", "model", "updates", "training_s", "curve")
+POINT_KEYS = ("seconds", "step", "success", "results")
+
+
+def read_arm(path: Path) -> dict:
+    """One arm's result file as :func:`run_arm` writes it.
+
+    Raises:
+        ValueError: the file cannot be read, is not JSON, or lacks a key of :data:`ARM_KEYS`, a
+            non-empty ``curve`` or a key of :data:`POINT_KEYS` in a point (the message names the
+            file and what is missing).
+    """
+    again = "pass the JSON file an arm wrote (benchmarks/results/trl_<label>_seed<S>.json), or run the arm again"
+    try:
+        arm = json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror or e}); {again}") from None
+    except ValueError as e:
+        raise ValueError(f"{path}: not JSON ({e}); {again}") from None
+    if not isinstance(arm, dict):
+        raise ValueError(f"{path}: holds a {type(arm).__name__}, not an arm's result; {again}")
+    missing = [k for k in ARM_KEYS if k not in arm]
+    if missing:
+        raise ValueError(f"{path}: not an arm's result of bench_trl.py (no {', '.join(map(repr, missing))}); {again}")
+    curve = arm["curve"]
+    if not isinstance(curve, list) or not curve or not all(isinstance(c, dict) for c in curve):
+        raise ValueError(f"{path}: its 'curve' is not a non-empty list of points; {again}")
+    for i, c in enumerate(curve):
+        lacking = [k for k in POINT_KEYS if k not in c]
+        if lacking:
+            raise ValueError(f"{path}: point {i} of its 'curve' has no {', '.join(map(repr, lacking))}; {again}")
+    return arm
+
+
+def plot_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench_trl.py plot", description="Draw and tabulate arms' results.")
     p.add_argument("results", nargs="+", type=Path, help="arms' JSON files (benchmarks/results/trl_*.json)")
     p.add_argument("--png", type=Path, default=RESULTS / "trl_curve.png", help="the figure (PNG)")
     p.add_argument("--levels", default="0.3,0.4,0.5", help="held-out success levels to time, comma-separated")
     p.add_argument("--out", type=Path, default=None, help="folder for trl_compare.json (default benchmarks/results)")
+    return p
+
+
+def plot(argv: list[str]) -> dict:
+    """``bench_trl.py plot RESULT.json ...``: the figure and the table over arms' results.
+
+    Raises:
+        SystemExit: 2 (argparse's usage error, on stderr) for a missing or malformed result file
+            or bad ``--levels``; the message names the file and what to pass instead.
+    """
+    p = plot_parser()
     args = p.parse_args(argv)
     missing = [str(r) for r in args.results if not r.is_file()]
     if missing:
-        raise SystemExit(f"no such result file: {', '.join(missing)}; run an arm first (--arm trl|selfrl)")
+        p.error(f"no such result file: {', '.join(missing)}; run an arm first (bench_trl.py --arm trl|selfrl), "
+                "then pass the JSON file it wrote")
     try:
         levels = [float(x) for x in args.levels.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"--levels takes numbers in [0, 1] separated by commas, got {args.levels!r}") from None
-    arms = [json.loads(r.read_text()) for r in args.results]
-    if any("curve" not in a for a in arms):
-        raise SystemExit("a file is not an arm's result of bench_trl.py (it has no 'curve')")
+        levels = []
+    if not levels or not all(0 <= lv <= 1 for lv in levels):
+        p.error(f"--levels takes numbers in [0, 1] separated by commas, got {args.levels!r}")
+    try:
+        arms = [read_arm(r) for r in args.results]
+    except ValueError as e:
+        p.error(str(e))
     table = compare(arms, levels)
     draw(arms, args.png)
 
@@ -490,11 +492,18 @@ def plot(argv: list[str]) -> dict:
     return result
 
 
+USAGE = """%(prog)s [-h] --arm {trl,selfrl} [--minutes MINUTES] [--seed SEED] [--no-grammar] [options]
+       %(prog)s plot RESULT.json [RESULT.json ...] [--png PNG] [--levels LEVELS] [--out OUT]"""
+EPILOG = ("Subcommand: bench_trl.py plot RESULT.json ... draws the figure and the table over the JSON files "
+          "the arms wrote (bench_trl.py plot --help lists its flags).")
+
+
 def main(argv: list[str] | None = None) -> dict:
     raw = sys.argv[1:] if argv is None else argv
     if raw[:1] == ["plot"]:
         return plot(raw[1:])
     p = base_parser(__doc__)
+    p.prog, p.usage, p.epilog = "bench_trl.py", USAGE, EPILOG
     p.add_argument("--arm", choices=ARMS, help="which trainer this invocation runs")
     p.add_argument("--minutes", type=float, default=30.0, help="training time of the arm (minutes)")
     p.add_argument("--seed", type=int, default=0, help="run seed (LoRA initialisation, sampling)")

@@ -38,6 +38,7 @@ from common import (  # noqa: E402
     ROOT, Stats, base_parser, command_line, envelope, finish, in_memory_dataset, loadavg, model_name, peak_rss_bytes,
     print_table, run_child,
 )
+from trl_setup import grpo_args, grpo_trainer, load_trainable, step_timeline  # noqa: E402
 
 CONFIG = ROOT / "configs" / "demo.toml"
 TINY_OVERRIDES = {"rollout.max_new_tokens": 8, "rollout.max_turns": 2, "gate.val_size": 4, "gate.batch_size": 4,
@@ -90,14 +91,8 @@ def worker_selfrl(cfg_dict: dict, out: Path) -> None:
 
 def worker_trl(cfg_dict: dict, out: Path) -> None:
     """Train with TRL's ``GRPOTrainer`` on the tasks selfrl sees, in the same order."""
-    import torch
-    from peft import LoraConfig
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
     from selfrl.config import load_config
     from selfrl.run.loop import iteration_tasks
-    from selfrl.model.load import load_model
     from selfrl.envs.rewards import get_preset, score_batch
     from selfrl.rollout.agent import initial_messages
     from selfrl.core.tasks import split_tasks
@@ -114,11 +109,7 @@ def worker_trl(cfg_dict: dict, out: Path) -> None:
     tools = resolve_tools(cfg.rollout.tools)
     tool_map = {t.name: t for t in tools}
     weights = cfg.reward_weights or get_preset(cfg.preset)
-    model, tok = load_model(cfg.model.name)
-    # The cached conversion of the embedded GGUF keeps a GGUF quantization_config although its
-    # weights are plain fp32 (dequantized); transformers' Trainer refuses to train such a model.
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
+    model, tok = load_trainable(cfg.model.name)
     data = in_memory_dataset([{"prompt": initial_messages(t, tools, cfg.rollout, tok), "task_id": t.id} for t in tasks],
                              "bench-trl-demo")
 
@@ -133,44 +124,10 @@ def worker_trl(cfg_dict: dict, out: Path) -> None:
         score_batch(trajs, by_id, source, weights)
         return [t.reward for t in trajs]
 
-    adapters_dir = Path(cfg.run_dir) / "adapters"
-    steps: list[dict] = []
-
-    class Timeline(TrainerCallback):
-        """Saves the adapter after every step and records the training time so far."""
-
-        def on_train_begin(self, args, state, control, **kw):
-            self.t0, self.saving, self.cpu0 = time.perf_counter(), 0.0, time.process_time()
-
-        def on_step_end(self, args, state, control, model=None, **kw):
-            now = time.perf_counter()
-            elapsed = now - self.t0 - self.saving
-            path = adapters_dir / f"step{state.global_step:04d}"
-            model.save_pretrained(path)
-            self.saving += time.perf_counter() - now
-            prev = steps[-1]["seconds"] if steps else 0.0
-            steps.append({"step": state.global_step, "seconds": elapsed, "step_s": elapsed - prev, "adapter": str(path),
-                          "cpu_s": time.process_time() - self.cpu0, "loadavg": loadavg()})
-
-    micro = cfg.train.micro_batch_size
-    per_update = cfg.num_prompts * cfg.num_generations
-    args = GRPOConfig(
-        output_dir=str(Path(cfg.run_dir) / "trainer"), use_cpu=True, bf16=False, fp16=False,
-        gradient_checkpointing=False, per_device_train_batch_size=micro,
-        gradient_accumulation_steps=per_update // micro, num_generations=cfg.num_generations,
-        max_completion_length=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_k=0, top_p=1.0,
-        learning_rate=cfg.train.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.max_grad_norm, beta=cfg.train.beta,
-        epsilon=cfg.train.epsilon, loss_type=cfg.train.loss_type, scale_rewards=cfg.train.scale_rewards,
-        num_iterations=cfg.train.num_iterations, max_steps=cfg.iterations, shuffle_dataset=False,
-        seed=cfg.seed, disable_dropout=True, report_to="none", logging_steps=1, save_strategy="no",
-        optim="adamw_torch", dataloader_num_workers=0,
-    )
-    peft_config = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.lora_alpha, lora_dropout=cfg.lora.lora_dropout,
-                             target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM")
-    torch.manual_seed(cfg.seed)
-    trainer = GRPOTrainer(model=model, reward_funcs=[selfrl_reward], args=args, train_dataset=data,
-                          processing_class=tok, peft_config=peft_config, callbacks=[Timeline()])
+    timeline = step_timeline(Path(cfg.run_dir) / "adapters", 4, details=True)
+    steps = timeline.steps
+    args = grpo_args(cfg, gradient_checkpointing=False, max_steps=cfg.iterations)
+    trainer = grpo_trainer(cfg, model, tok, selfrl_reward, args, data, timeline)
     t = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t

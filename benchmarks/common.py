@@ -137,12 +137,28 @@ def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     Console(width=160).print(table)
 
 
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer of at least ``low``; anything else is a usage error naming
+    the flag (``argument --repeats: must be an integer >= 1, got '0'``)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
 def base_parser(doc: str) -> argparse.ArgumentParser:
     """The flags every benchmark takes: ``--tiny``, ``--repeats``, ``--out``; the description is
     the first paragraph of ``doc`` (the benchmark's docstring), whole sentences."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny random model built from a config (seconds; smoke test)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per figure (median, min, max)")
+    p.add_argument("--repeats", type=at_least(1), default=3, help="timed repeats per figure (median, min, max)")
     p.add_argument("--out", type=Path, default=None, help="folder for the JSON result (default benchmarks/results)")
     return p
 

@@ -6,7 +6,8 @@ held-out success of each side by side. The held-out gate uses the verifier in ev
 same held-out tasks (``task.val_seed``), disjoint from the training tasks.
 
     # runs the judge and verifier arms for each seed (starting the judge server if nothing answers at the judge's
-    # base_url), then prints the table; a run folder that already holds a finished run is kept
+    # base_url), then prints the table; a run folder that already holds a finished run is kept, an unfinished one
+    # (interrupted or killed midway) is resumed
     PYTHONPATH=$PWD python scripts/judge_vs_verifier.py run --seeds 0 1 2 3 4 --out runs/judge-vs-verifier
     # a third arm: the judge without calibration (configs/judge_uncalibrated.toml)
     PYTHONPATH=$PWD python scripts/judge_vs_verifier.py run --seeds 0 1 2 3 4 --arms judge-uncalibrated --out runs/judge-vs-verifier
@@ -23,10 +24,14 @@ its updates, the last candidate the gate evaluated (promoted or rejected), the s
 (the rest were held back by calibration or failed), the share of rollouts that called the
 calculator in the last iteration, and the paired difference judge - verifier of the two final
 versions on the held-out tasks both were evaluated on (normal approximation on per-task
-differences, :func:`selfrl.report.stats.paired_difference_ci`). The last row pools the seeds'
+differences, :func:`selfrl.core.stats.paired_difference_ci`). The last row pools the seeds'
 per-task pairs (it treats them as independent, which tasks shared across seeds are not). A last
 table gives, per judge arm, the judge's mean score for the training rollouts the verifier finds
 right and for those it finds wrong.
+
+A run that has not finished (fewer updates than its ``iterations``, or its last candidate not yet
+gated: :mod:`selfrl.report.finished`; an interrupted run writes ``report.md`` too) is left out of
+every table, and a line under the first table names it with how far it got.
 """
 
 from __future__ import annotations
@@ -90,6 +95,19 @@ def run_dir(out: Path, arm: str, seed: int) -> Path:
     return out / f"{arm}-s{seed}"
 
 
+def progress_line(folder: Path) -> str | None:
+    """``"finished"``, ``"unfinished: iteration 3 of 10"``, ... of the run in ``folder``; None without one."""
+    from selfrl.record.store import Store
+    from selfrl.report.finished import run_progress
+    from selfrl.report.run import run_config
+
+    if not (folder / "selfrl.db").exists():
+        return None
+    with Store(folder / "selfrl.db", readonly=True) as store:
+        progress = run_progress(store, run_config(folder, store))
+    return "finished" if progress.finished else progress.line()
+
+
 def run_arms(a: argparse.Namespace) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -98,13 +116,18 @@ def run_arms(a: argparse.Namespace) -> None:
         for seed in a.seeds:
             for arm in a.arms:
                 folder = run_dir(out, arm, seed)
-                if (folder / "report.md").exists():
+                state = progress_line(folder)
+                if state == "finished":
                     print(f"{folder}: finished already, kept", flush=True)
                     continue
-                cmd = [sys.executable, "-m", "selfrl.cli", "run", "--config", str(ARMS[arm]), "--seed", str(seed),
-                       "--run-dir", str(folder)]
-                cmd += [] if a.iterations is None else ["--iterations", str(a.iterations)]
-                cmd += [] if a.val_size is None else ["--val-size", str(a.val_size)]
+                if state is not None:  # interrupted or killed midway: go on where it stopped
+                    print(f"{folder}: {state}, resumed", flush=True)
+                    cmd = [sys.executable, "-m", "selfrl.cli", "run", "--resume", str(folder)]
+                else:
+                    cmd = [sys.executable, "-m", "selfrl.cli", "run", "--config", str(ARMS[arm]), "--seed", str(seed),
+                           "--run-dir", str(folder)]
+                    cmd += [] if a.iterations is None else ["--iterations", str(a.iterations)]
+                    cmd += [] if a.val_size is None else ["--val-size", str(a.val_size)]
                 print("$ " + " ".join(cmd), flush=True)
                 started = time.monotonic()
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if a.quiet else None)
@@ -117,7 +140,7 @@ def run_arms(a: argparse.Namespace) -> None:
 
 
 def cell(results: dict[str, bool]) -> str:
-    from selfrl.report.stats import wilson_interval
+    from selfrl.core.stats import wilson_interval
 
     k, n = sum(results.values()), len(results)
     low, high = wilson_interval(k, n)
@@ -150,20 +173,25 @@ def updates(folder: Path) -> tuple[int, int, str, str, float]:
 
 def print_table(out: Path, seeds: list[int] | None) -> None:
     """Print the two tables (per seed and arm; judge arms against the verifier arm, paired) from
-    the run folders ``OUT/<arm>-s<seed>``; an arm without a folder for a seed is left out."""
+    the run folders ``OUT/<arm>-s<seed>``; an arm without a finished run for a seed is left out
+    (an unfinished one is named under the first table)."""
     from selfrl.report.compare import load_outcome
-    from selfrl.report.stats import paired_difference_ci
+    from selfrl.core.stats import paired_difference_ci
 
     if not seeds:
-        seeds = sorted({int(p.name.rsplit("-s", 1)[1]) for p in out.glob("*-s*") if (p / "report.md").exists()})
+        seeds = sorted({int(p.name.rsplit("-s", 1)[1]) for p in out.glob("*-s*") if (p / "selfrl.db").exists()})
     print("| seed | arm | base held-out, 95% Wilson CI | final held-out, 95% Wilson CI | final version "
           "| updates trained | last gated candidate | judge verdicts used | tool use (last iteration) | wall-clock |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     finals: dict[str, dict[int, dict[str, bool]]] = {arm: {} for arm in ARMS}
+    unfinished = []
     for seed in seeds:
         for arm in ARMS:
             folder = run_dir(out, arm, seed)
-            if not (folder / "report.md").exists():  # not run, or not finished
+            state = progress_line(folder)
+            if state != "finished":  # not run, or not finished (an interrupted run writes report.md too)
+                if state is not None:
+                    unfinished.append(f"{folder.name} ({state})")
                 continue
             o = load_outcome(folder, arm)
             final = o.final or o.base
@@ -171,6 +199,8 @@ def print_table(out: Path, seeds: list[int] | None) -> None:
             print(f"| {seed} | {arm} | {cell(o.base)} | {cell(final)} | {o.final_version} | {trained} of {iterations} "
                   f"| {gated} | {used} | {tool_use:.2f} | {o.timeline.elapsed_s:.0f} s |")
             finals[arm][seed] = final
+    if unfinished:
+        print(f"\nLeft out, not finished: {', '.join(unfinished)}; `run` with the same --seeds resumes them.")
     print()
     print("| seed | arm | shared held-out tasks | arm - verifier (final versions), paired, 95% CI |")
     print("|---|---|---|---|")

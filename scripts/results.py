@@ -22,6 +22,15 @@ interval, and the paired differences RL - base and RL - best prompt with their 9
 (``selfrl.core.stats``). Every number is on the run's held-out tasks: the prompt files must hold
 exactly the same task ids, and no held-out task may appear among the tasks the run trained on;
 either mismatch stops the table with an error naming the files.
+
+A seed whose run has not finished (still running, interrupted or killed midway: fewer updates
+logged than its config's ``iterations``, or its last candidate not yet gated;
+:mod:`selfrl.report.finished`) keeps its row, with what it has so far, but the row says
+``unfinished: iteration K of N`` instead of a verdict, and the seed is left out of the
+"RL beats the best prompt in X of N seeds" count (the line says how many were left out); a
+note on stderr names it. A run that stopped itself for good (``collapse.max_rollbacks`` spent,
+``task.signal_check = "stop"``) is finished. A seed without a run, or whose base was not
+evaluated yet, stops the table with an error: finish it with ``run``, or leave it out with ``--seeds``.
 """
 
 from __future__ import annotations
@@ -35,7 +44,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from selfrl.report.finished import RunProgress
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -221,8 +233,9 @@ def best_prompt(prompts: dict[int, dict[str, bool]]) -> int | None:
     return max(sorted(prompts), key=lambda k: sum(prompts[k].values()), default=None)
 
 
-def run_outcome(run_dir: Path) -> tuple[int, bool, dict[str, bool], dict[str, bool]]:
-    """``(served version, promoted anything, base per task, served per task)`` of one run's store.
+def run_outcome(run_dir: Path) -> tuple[int, bool, dict[str, bool], dict[str, bool], RunProgress]:
+    """``(served version, promoted anything, base per task, served per task, how far it got)`` of
+    one run's store.
 
     Raises:
         FileNotFoundError: no store in ``run_dir``.
@@ -230,27 +243,31 @@ def run_outcome(run_dir: Path) -> tuple[int, bool, dict[str, bool], dict[str, bo
             tasks, or a held-out task is among the tasks the run trained on.
     """
     from selfrl.record.store import Store
+    from selfrl.report.finished import run_progress
     from selfrl.report.run import run_config, served_choice
 
     db = run_dir / "selfrl.db"
     if not db.exists():
-        raise FileNotFoundError(f"no run at {run_dir}: run `scripts/results.py run` first")
+        raise FileNotFoundError(f"no run at {run_dir}: run `scripts/results.py run` first, "
+                                "or leave the seed out with --seeds")
     with Store(db, readonly=True) as store:
-        choice = served_choice(store, run_config(run_dir, store))
+        config = run_config(run_dir, store)
+        choice = served_choice(store, config)
+        progress = run_progress(store, config)
         promoted = any(v["status"] == "promoted" for v in store.versions())
         version = 0 if choice is None else choice.served
         base, served = store.evaluation(0), store.evaluation(version)
         trained = store.trained_task_ids()
     if not base:
         raise ValueError(f"{run_dir}: the base was never evaluated on the held-out tasks (an unfinished run? "
-                         "rerun `scripts/results.py run` to finish it)")
+                         "rerun `scripts/results.py run` to finish it, or leave the seed out with --seeds)")
     if served.keys() != base.keys():
         raise ValueError(f"{run_dir}: version {version} was evaluated on other tasks than the base")
     leaked = sorted(trained & base.keys())
     if leaked:
         raise ValueError(f"{run_dir}: {len(leaked)} held-out tasks were also trained on (e.g. {leaked[0]}): "
                          "its held-out numbers are not held out")
-    return version, promoted, base, served
+    return version, promoted, base, served, progress
 
 
 def table_rows(envs: list[str], seeds: list[int], out: Path) -> list[dict[str, Any]]:
@@ -265,12 +282,14 @@ def table_rows(envs: list[str], seeds: list[int], out: Path) -> list[dict[str, A
         ledger = read_ledger(folder)
         for seed in seeds:
             run_dir = folder / f"seed{seed}"
-            version, promoted, base, rl = run_outcome(run_dir)
+            version, promoted, base, rl, progress = run_outcome(run_dir)
             prompts = read_prompts(folder, set(base), str(run_dir))
             k = best_prompt(prompts)
             step = ledger.get(f"seed{seed}", {})
             rows.append({
                 "environment": name, "config": env.config, "seed": seed, "held_out": len(base),
+                "finished": progress.finished, "status": progress.line(),
+                "iterations": {"done": progress.done, "of": progress.total},
                 "base": rate(base),
                 "prompts": {str(s): rate(p) for s, p in sorted(prompts.items())},
                 "best_prompt": None if k is None else {"shots": k, **rate(prompts[k])},
@@ -283,7 +302,8 @@ def table_rows(envs: list[str], seeds: list[int], out: Path) -> list[dict[str, A
                              "prompts": {s: ledger.get(f"prompt-k{s}", {}).get("command") for s in sorted(prompts)}},
             })
             best = rows[-1]["rl_minus_best_prompt"]
-            rows[-1]["beats_best_prompt"] = None if best is None else best["low"] > 0
+            # an unfinished seed has no verdict: its RL is not the run's result yet
+            rows[-1]["beats_best_prompt"] = None if best is None or not progress.finished else best["low"] > 0
     return rows
 
 
@@ -318,7 +338,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         prompt = "not measured" if best is None else f"{cell(best)} (k = {best['shots']})"
         version = f"v{r['rl']['version']}" if r["rl"]["version"] else \
             "the base, by gate.rule" if r["rl"]["promoted"] else "the base: nothing promoted"
-        verdict = {None: "", True: "yes", False: "no"}[r["beats_best_prompt"]]
+        verdict = {None: "", True: "yes", False: "no"}[r["beats_best_prompt"]] if r["finished"] else r["status"]
         prompt_s = sum(s for s in r["wall_s"]["prompts"].values() if s is not None) or None
         lines.append(f"| {r['environment']} | {r['seed']} | {r['held_out']} | {cell(r['base'])} | {prompt} "
                      f"| {cell(r['rl'])} ({version}) | {points(r['rl_minus_base'])} "
@@ -326,9 +346,14 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                      f"| {minutes(prompt_s)} |")
     lines.append("")
     for name in dict.fromkeys(r["environment"] for r in rows):
-        verdicts = [r["beats_best_prompt"] for r in rows if r["environment"] == name]
-        if None not in verdicts:
-            lines.append(f"- {name}: RL beats the best prompt in {sum(verdicts)} of {len(verdicts)} seeds.")
+        verdicts = [r["beats_best_prompt"] for r in rows if r["environment"] == name and r["finished"]]
+        unfinished = [str(r["seed"]) for r in rows if r["environment"] == name and not r["finished"]]
+        left_out = f" ({len(unfinished)} unfinished left out: seed {', '.join(unfinished)})" if unfinished else ""
+        if not verdicts:
+            lines.append(f"- {name}: no finished seed yet{left_out}.")
+        elif None not in verdicts:
+            lines.append(f"- {name}: RL beats the best prompt in {sum(verdicts)} of {len(verdicts)} seeds"
+                         f"{left_out}.")
     lines += ["", "## Every prompt", "", "| environment | k | held-out success |", "|---|---|---|"]
     seen = set()
     for r in rows:
@@ -347,8 +372,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def write_table(envs: list[str], seeds: list[int], out: Path) -> Path:
-    """Write ``out/results.md`` and ``out/results.json``; the path of the Markdown."""
+    """Write ``out/results.md`` and ``out/results.json``; the path of the Markdown. Each unfinished
+    seed gets a note on stderr."""
     rows = table_rows(envs, seeds, out)
+    for r in rows:
+        if not r["finished"]:
+            print(f"results: note: {r['environment']} seed {r['seed']} is {r['status']}: marked in the table and "
+                  "left out of its count; run `scripts/results.py run` to finish it", file=sys.stderr)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     path = out / "results.md"
     path.write_text(markdown(rows))

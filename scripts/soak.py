@@ -90,6 +90,29 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown faults {bad}; valid: {', '.join(FAULTS)}")
     if args.val_size is not None and args.val_size < 1:
         p.error(f"--val-size must be at least 1, got {args.val_size}")
+    inf = float("inf")
+    ranges = (  # (flag, low, high, whether the low end is excluded, what it is)
+        ("--minutes", 0, inf, True, "real minutes of traffic"),
+        ("--concurrency", 1, inf, False, "users in flight at once"),
+        ("--sample-s", 0, inf, True, "seconds between two samples"),
+        ("--day-s", 0, inf, True, "real seconds a simulated day lasts"),
+        ("--arrivals-per-hour", 0, inf, True, "conversations per simulated hour"),
+        ("--tolerance", 0, 1, False, "a drop in held-out success, a share"),
+        ("--rss-warmup-min", 0, inf, False, "minutes"),
+        ("--disk-mb", 64, inf, False, "MB of tmpfs: the run directory, its versions and the store must fit"),
+        ("--disk-hold-s", 0, inf, False, "seconds"),
+        ("--outage-s", 0, inf, False, "seconds"),
+        ("--keep-newest", 0, 10**6, False, "versions; 0 keeps every one"),
+        ("--keep-promoted", 0, 10**6, False, "promoted versions; 0 keeps every one"),
+    )
+    for flag, lo, hi, open_low, what in ranges:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if not ((lo < value) if open_low else (lo <= value)) or not value <= hi:  # NaN fails too
+            valid = (f"> {lo}" if open_low else f">= {lo}") if hi == inf else \
+                f"in ({lo}, {hi}]" if open_low else f"in [{lo}, {hi}]"
+            p.error(f"{flag} must be {valid} ({what}), got {value}")
+    if args.keep_promoted and not args.keep_newest:
+        p.error("--keep-promoted applies only with --keep-newest >= 1 (0 keeps every version): set --keep-newest too")
     return args
 
 
@@ -373,26 +396,64 @@ class Soak:
         return out
 
     def close(self) -> None:
-        """Copy the run directory out of the tmpfs, then unmount it."""
-        self.server.stop()
-        if self.mounted:
-            shutil.copytree(self.run_dir, self.out / "run", symlinks=True, dirs_exist_ok=True)
-            subprocess.run(["umount", "-l", str(self.disk)], check=False)
-            self.mounted = False
-        elif self.run_dir.exists() and not (self.out / "run").exists():
-            (self.out / "run").symlink_to(self.run_dir)
+        """The end of every soak, however it ends (a normal end, an error, Ctrl-C, SIGTERM): stop
+        the server, copy the run directory out of the tmpfs to ``<out>/run`` and unmount it
+        (without a tmpfs, ``<out>/run`` links to the run directory, once a server ran). Safe after
+        a setup that failed midway or refused ``--out`` (then nothing in it is touched), and
+        twice. A restart still under way in a fault's thread is refused from here on, and the
+        server is stopped once more at the end in case one began meanwhile."""
+        server = getattr(self, "server", None)
+        try:
+            if server is not None:
+                def refuse(*_args, **_kwargs):
+                    raise RuntimeError("the soak is closing: no server is started any more")
+
+                server.start = refuse  # a kill fault's restart must not outlive the soak
+                server.stop()
+        finally:
+            try:
+                if self.mounted:
+                    if self.run_dir.exists():
+                        shutil.copytree(self.run_dir, self.out / "run", symlinks=True, dirs_exist_ok=True)
+                elif server is not None and server.starts and self.run_dir.exists() and not (self.out / "run").exists():
+                    (self.out / "run").symlink_to(self.run_dir)
+            finally:
+                if self.mounted:
+                    subprocess.run(["umount", "-l", str(self.disk)], check=False)
+                    self.mounted = False
+                if server is not None:
+                    server.stop()
 
 
 def main(argv=None) -> int:
+    """Parse, set up, run, close, then write ``soak.json`` and the report; 0. SIGTERM and Ctrl-C
+    end the soak through the same :meth:`Soak.close` (then exit with 143, or raise
+    KeyboardInterrupt), with no ``soak.json`` or report; a second SIGTERM during the close is ignored."""
+    import signal
+
     from soak_report import report
 
     args = parse_args(argv)
     soak = Soak(args)
-    soak.setup()
+
+    def on_sigterm(signum, _frame):
+        print("soak: SIGTERM: stopping the server, copying the run directory out, unmounting the tmpfs",
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+
+    in_main = threading.current_thread() is threading.main_thread()  # only there can a handler be set
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
     try:
+        soak.setup()
         record = soak.run()
     finally:
-        soak.close()
+        if in_main:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the close is not cut short
+        try:
+            soak.close()
+        finally:
+            if in_main:
+                signal.signal(signal.SIGTERM, previous)
     (soak.out / "soak.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     table = report(soak.out)
     print(table)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak import simulate_config  # noqa: E402
-from soak_server import KEY, SERVE_TOML, Server, families_toml, free_port  # noqa: E402
+from soak_server import FAMILIES, KEY, SERVE_TOML, Server, families_toml, free_port  # noqa: E402
 
 OLD = {"function_calling": {"options": {"categories": ["simple"]}, "max_turns": 2, "max_tokens": 96,
                             "tool_choice": "auto"},
@@ -61,6 +61,14 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="the users' seed")
     p.add_argument("--concurrency", type=int, default=4, help="conversations in flight at once")
     a = p.parse_args(argv)
+    for flag, value in (("--conversations", a.conversations), ("--concurrency", a.concurrency)):
+        if value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
+    known = [f.name for f in FAMILIES]
+    if bad := [f for f in a.families.split(",") if f not in known]:
+        p.error(f"unknown families {bad} in --families; valid: {', '.join(known)}")
+    if bad := [s for s in a.settings.split(",") if s not in ("new", "old")]:
+        p.error(f"unknown settings {bad} in --settings; valid: new, old")
     out = Path(a.out).absolute()
     out.mkdir(parents=True, exist_ok=True)
     (out / "key").write_text(KEY + "\n")

@@ -100,6 +100,17 @@ def test_cost_tiny(tmp_path):
     assert r["validations"] >= 1  # the base model at least
 
 
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_every_benchmark_refuses_fewer_than_one_repeat(value, capsys):
+    from common import base_parser
+
+    with pytest.raises(SystemExit) as stop:
+        base_parser("A benchmark.").parse_args(["--repeats", value])
+    assert stop.value.code == 2
+    assert f"argument --repeats: must be an integer >= 1, got {value!r}" in capsys.readouterr().err
+    assert base_parser("A benchmark.").parse_args(["--repeats", "1"]).repeats == 1
+
+
 def test_cost_refuses_missing_run(tmp_path):
     with pytest.raises(FileNotFoundError):
         bench_cost.cost_figures(tmp_path)
@@ -163,8 +174,51 @@ def test_trl_plot_refuses_arms_scored_on_different_tasks(tmp_path):
     with pytest.raises(SystemExit, match="different held-out tasks"):
         bench_trl.main(["plot", str(tmp_path / "trl.json"), str(tmp_path / "selfrl.json"), "--png",
                         str(tmp_path / "c.png"), "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="no such result file"):
-        bench_trl.main(["plot", str(tmp_path / "missing.json")])
+
+
+def test_trl_help_names_the_plot_subcommand(capsys):
+    with pytest.raises(SystemExit) as stop:
+        bench_trl.main(["--help"])
+    out = capsys.readouterr().out
+    assert stop.value.code == 0
+    assert "bench_trl.py plot RESULT.json [RESULT.json ...] [--png PNG] [--levels LEVELS] [--out OUT]" in out
+    assert "Subcommand: bench_trl.py plot RESULT.json ... draws the figure" in out
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such result file: {path}; run an arm first (bench_trl.py --arm trl|selfrl)"),
+    ("{", "{path}: not JSON (Expecting property name"),
+    ("[1, 2]", "{path}: holds a list, not an arm's result"),
+    ('{"arm": "trl"}', "{path}: not an arm's result of bench_trl.py (no 'label', 'seed', 'model', 'updates', "
+                       "'training_s', 'curve')"),
+    ("ARM_EMPTY_CURVE", "{path}: its 'curve' is not a non-empty list of points"),
+    ("ARM_BAD_POINT", "{path}: point 0 of its 'curve' has no 'results'"),
+])
+def test_trl_plot_refuses_a_missing_or_malformed_file_without_a_traceback(tmp_path, capsys, content, message):
+    path = tmp_path / "arm.json"
+    arm = _arm("trl", "trl", [(0.0, 0, "")], 0.0)
+    if content == "ARM_EMPTY_CURVE":
+        content = json.dumps({**arm, "curve": []})
+    elif content == "ARM_BAD_POINT":
+        content = json.dumps({**arm, "curve": [{"seconds": 0, "step": 0, "success": 0.0}]})
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as stop:
+        bench_trl.main(["plot", str(path), "--png", str(tmp_path / "c.png"), "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert f"bench_trl.py plot: error: {message.format(path=path)}" in err
+    assert "Traceback" not in err and not (tmp_path / "c.png").exists()
+
+
+@pytest.mark.parametrize("levels", ["", "a,b", "0.3,1.5"])
+def test_trl_plot_refuses_levels_outside_0_1(tmp_path, capsys, levels):
+    path = tmp_path / "arm.json"
+    path.write_text(json.dumps(_arm("trl", "trl", [(0.0, 0, "")], 0.0)))
+    with pytest.raises(SystemExit) as stop:
+        bench_trl.main(["plot", str(path), "--levels", levels, "--png", str(tmp_path / "c.png")])
+    assert stop.value.code == 2
+    assert f"--levels takes numbers in [0, 1] separated by commas, got {levels!r}" in capsys.readouterr().err
 
 
 def test_trl_eval_points_score_each_reached_step_once():
@@ -430,3 +484,93 @@ def test_serve_memory_tiny(tmp_path):
                                  "--arms", "gate-kv-kept,bounded+trim"])
     assert list(r["arms"]) == ["gate-kv-kept", "bounded+trim"]
     assert (tmp_path / "serve_memory.json").exists()
+
+
+class _Recorder:
+    """Stands in for a TRL or peft class: keeps the keyword arguments it was built with."""
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
+@pytest.fixture
+def fake_trl(monkeypatch):
+    """``trl`` and ``peft`` modules whose classes record their arguments (TRL is an optional extra)."""
+    import types
+
+    trl_mod, peft_mod = types.ModuleType("trl"), types.ModuleType("peft")
+    trl_mod.GRPOConfig = type("GRPOConfig", (_Recorder,), {})
+    trl_mod.GRPOTrainer = type("GRPOTrainer", (_Recorder,), {})
+    peft_mod.LoraConfig = type("LoraConfig", (_Recorder,), {})
+    monkeypatch.setitem(sys.modules, "trl", trl_mod)
+    monkeypatch.setitem(sys.modules, "peft", peft_mod)
+
+
+def test_trl_setup_builds_grpo_and_lora_from_the_run_config(tmp_path, fake_trl):
+    """Both TRL benchmarks train with these settings (bench_trl.py and bench_trl_demo.py)."""
+    import torch
+    import trl_setup
+
+    from selfrl.config import load_config
+
+    cfg = load_config(BENCH.parent / "configs" / "demo.toml", {"run_dir": str(tmp_path), "num_prompts": 4,
+                                                               "num_generations": 6, "train.micro_batch_size": 8})
+    args = trl_setup.grpo_args(cfg, gradient_checkpointing=False, max_steps=7)
+    t = cfg.train
+    assert args.kwargs == {
+        "output_dir": str(tmp_path / "trainer"), "use_cpu": True, "bf16": False, "fp16": False,
+        "gradient_checkpointing": False, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 3,
+        "num_generations": 6, "max_completion_length": cfg.rollout.max_new_tokens,
+        "temperature": cfg.rollout.temperature, "top_k": 0, "top_p": 1.0, "learning_rate": t.learning_rate,
+        "lr_scheduler_type": "constant", "warmup_steps": 0, "weight_decay": t.weight_decay,
+        "max_grad_norm": t.max_grad_norm, "beta": t.beta, "epsilon": t.epsilon, "loss_type": t.loss_type,
+        "scale_rewards": t.scale_rewards, "num_iterations": t.num_iterations, "max_steps": 7,
+        "shuffle_dataset": False, "seed": cfg.seed, "disable_dropout": True, "report_to": "none",
+        "logging_steps": 1, "save_strategy": "no", "optim": "adamw_torch", "dataloader_num_workers": 0}
+    cfg.train.micro_batch_size = 5  # 24 completions per update are not whole micro-batches of 5
+    with pytest.raises(ValueError, match=r"num_prompts x num_generations \(24\) must be a multiple of "
+                                         r"train.micro_batch_size \(5\)"):
+        trl_setup.grpo_args(cfg, gradient_checkpointing=False, max_steps=7)
+
+    def reward(prompts, completions, **kw):
+        return [0.0] * len(completions)
+
+    torch.manual_seed(cfg.seed)
+    expected = torch.rand(1)
+    trainer = trl_setup.grpo_trainer(cfg, "model", "tok", reward, args, ["data"], "callback")
+    assert torch.rand(1) == expected  # seeded with cfg.seed just before
+    k = trainer.kwargs
+    assert (k["model"], k["reward_funcs"], k["args"], k["train_dataset"], k["processing_class"], k["callbacks"]) == \
+        ("model", [reward], args, ["data"], "tok", ["callback"])
+    assert k["peft_config"].kwargs == {"r": cfg.lora.r, "lora_alpha": cfg.lora.lora_alpha,
+                                       "lora_dropout": cfg.lora.lora_dropout,
+                                       "target_modules": cfg.lora.target_modules, "task_type": "CAUSAL_LM"}
+
+
+def test_trl_step_timeline_saves_every_step_and_stops_past_the_budget(tmp_path, monkeypatch):
+    import types
+
+    import trl_setup
+
+    clock = iter([0.0, 10.0, 12.0, 30.0, 31.0])  # begin; step 1 ends at 10, saved by 12; step 2 at 30, saved by 31
+    monkeypatch.setattr(trl_setup.time, "perf_counter", lambda: next(clock))
+    saved = []
+    model = types.SimpleNamespace(save_pretrained=saved.append)
+    control = types.SimpleNamespace(should_training_stop=False)
+    timeline = trl_setup.step_timeline(tmp_path, 5, budget_s=15.0)
+    timeline.on_train_begin(None, None, control)
+    for step in (1, 2):
+        timeline.on_step_end(None, types.SimpleNamespace(global_step=step), control, model=model)
+        assert control.should_training_stop is (step == 2)  # 10 s < 15 s; then 30 - 2 s of saving = 28 s
+    assert saved == [tmp_path / "step00001", tmp_path / "step00002"]
+    assert timeline.steps == [{"step": 1, "seconds": 10.0, "adapter": str(tmp_path / "step00001")},
+                              {"step": 2, "seconds": 28.0, "adapter": str(tmp_path / "step00002")}]
+
+    clock = iter([0.0, 10.0, 12.0, 30.0, 31.0])
+    detailed = trl_setup.step_timeline(tmp_path, 4, details=True)
+    detailed.on_train_begin(None, None, control)
+    for step in (1, 2):
+        detailed.on_step_end(None, types.SimpleNamespace(global_step=step), control, model=model)
+    assert [(s["adapter"], s["seconds"], s["step_s"]) for s in detailed.steps] == \
+        [(str(tmp_path / "step0001"), 10.0, 10.0), (str(tmp_path / "step0002"), 28.0, 18.0)]
+    assert all(s["cpu_s"] >= 0 and s["loadavg"] >= 0 for s in detailed.steps)

@@ -36,12 +36,16 @@ PROMPTS = {
 }
 
 
-def write_run(run_dir: Path, rl: list[bool] | None, trained: tuple[str, ...] = ("x1", "x2"), rule: str = "newest"):
-    """A finished run's store: base evaluated; version 1 promoted with ``rl`` (None: nothing promoted)."""
+def write_run(run_dir: Path, rl: list[bool] | None, trained: tuple[str, ...] = ("x1", "x2"), rule: str = "newest",
+              done: int = 2):
+    """A run's store: base evaluated; version 1 promoted with ``rl`` (None: nothing promoted);
+    ``done`` of its 2 iterations logged their update (2: a finished run)."""
     run_dir.mkdir(parents=True)
-    (run_dir / "config.json").write_text(json.dumps({"gate": {"rule": rule, "tolerance": 0.0}}))
+    (run_dir / "config.json").write_text(json.dumps({"iterations": 2, "gate": {"rule": rule, "tolerance": 0.0}}))
     with Store(run_dir / "selfrl.db") as store:
         run = store.start_run({})
+        for step in range(done):
+            store.log_metrics(run, step, {"reward/mean": 0.5})
         store.add_trajectories(run, 0, [Trajectory(t, t, 0) for t in trained])
         store.add_version(0, None, None, "base", {"val/success": sum(BASE) / len(BASE)})
         store.add_evaluation(0, [(t, ok, None) for t, ok in zip(TASKS, BASE)])
@@ -202,3 +206,78 @@ def test_a_seed_whose_interval_is_above_zero_beats_the_best_prompt(tmp_path, tin
     text = results.write_table(["tiny"], [0], tmp_path).read_text()
     assert "(k = 3) | 5/5 = 100.0% [56.6%, 100.0%] (v1) | +100.0 [+100.0, +100.0] | +80.0 [+40.8, +100.0] | yes |" in text
     assert "- tiny: RL beats the best prompt in 1 of 1 seeds." in text
+
+
+def test_an_unfinished_seed_is_marked_and_left_out_of_the_count(tmp_path, tiny_env, monkeypatch, capsys):
+    """Seed 1 was killed after 1 of its 2 iterations: its row says so instead of a verdict, and
+    the count is over the finished seed alone (seed 1 would beat the prompt, so counting it shows)."""
+    monkeypatch.setattr(sys.modules[__name__], "BASE", [False] * 5)
+    monkeypatch.setattr(sys.modules[__name__], "PROMPTS", {0: [False] * 5, 3: [False, False, False, False, True]})
+    write_run(tmp_path / "tiny" / "seed0", None)
+    write_run(tmp_path / "tiny" / "seed1", [True] * 5, done=1)
+    write_prompts(tmp_path / "tiny")
+    assert results.main(["table", "--envs", "tiny", "--seeds", "0", "1", "--out", str(tmp_path)]) == 0
+    r0, r1 = json.loads((tmp_path / "results.json").read_text())
+    assert (r0["finished"], r0["status"], r0["iterations"], r0["beats_best_prompt"]) == \
+        (True, "finished", {"done": 2, "of": 2}, False)
+    assert (r1["finished"], r1["status"], r1["iterations"], r1["beats_best_prompt"]) == \
+        (False, "unfinished: iteration 1 of 2", {"done": 1, "of": 2}, None)
+    assert r1["rl_minus_best_prompt"]["low"] > 0  # what it has so far is kept, not counted
+    text = (tmp_path / "results.md").read_text()
+    assert "| +80.0 [+40.8, +100.0] | unfinished: iteration 1 of 2 |" in text
+    assert "- tiny: RL beats the best prompt in 0 of 1 seeds (1 unfinished left out: seed 1)." in text
+    assert "results: note: tiny seed 1 is unfinished: iteration 1 of 2: marked in the table" in capsys.readouterr().err
+
+
+def test_a_run_whose_last_candidate_is_not_gated_is_unfinished(tmp_path, tiny_env):
+    """Every iteration logged, but killed while validating the last candidate."""
+    write_run(tmp_path / "tiny" / "seed0", RL)
+    with Store(tmp_path / "tiny" / "seed0" / "selfrl.db") as store:
+        store.add_version(2, 1, None, "candidate", {})
+    write_prompts(tmp_path / "tiny")
+    (row,) = results.table_rows(["tiny"], [0], tmp_path)
+    assert (row["finished"], row["status"], row["beats_best_prompt"]) == \
+        (False, "unfinished: iteration 2 of 2, v2 not yet gated", None)
+    assert "- tiny: no finished seed yet (1 unfinished left out: seed 0)." in results.markdown([row])
+
+
+def test_a_run_that_stopped_itself_for_good_is_finished(tmp_path, tiny_env):
+    """collapse.max_rollbacks spent after 1 of 2 iterations: resuming would not train further."""
+    write_run(tmp_path / "tiny" / "seed0", RL, done=1)
+    with Store(tmp_path / "tiny" / "seed0" / "selfrl.db") as store:
+        store.log_event(1, "collapse_stop", "stopping: 2 collapse rollbacks exceed collapse.max_rollbacks = 1")
+    write_prompts(tmp_path / "tiny")
+    (row,) = results.table_rows(["tiny"], [0], tmp_path)
+    assert (row["finished"], row["status"], row["beats_best_prompt"]) == \
+        (True, "stopped at iteration 1 of 2: collapse.max_rollbacks spent", False)
+
+
+def test_a_run_stopped_by_the_signal_check_is_finished_only_under_stop(tmp_path, tiny_env):
+    """A first batch without signal ends the run under task.signal_check = "stop" (and only there)."""
+    write_run(tmp_path / "tiny" / "seed0", None, done=0)
+    with Store(tmp_path / "tiny" / "seed0" / "selfrl.db") as store:
+        store.log_event(1, "preflight", "pre-flight (iteration 0, before the update): 0 of 2 groups. no signal: ...")
+    write_prompts(tmp_path / "tiny")
+    (row,) = results.table_rows(["tiny"], [0], tmp_path)
+    assert row["status"] == "unfinished: iteration 0 of 2"  # the default signal_check ("warn") goes on
+    config = tmp_path / "tiny" / "seed0" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "task": {"signal_check": "stop"}}))
+    (row,) = results.table_rows(["tiny"], [0], tmp_path)
+    assert row["status"] == 'stopped at iteration 0 of 2: no signal in the first batch (task.signal_check = "stop")'
+
+
+def test_judge_vs_verifier_leaves_an_interrupted_run_out_of_its_tables(tmp_path, capsys):
+    """An interrupted run writes report.md too; the table names it instead of reading it as a result."""
+    spec = importlib.util.spec_from_file_location("judge_vs_verifier", ROOT / "scripts" / "judge_vs_verifier.py")
+    jvv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(jvv)
+    for arm, done in (("verifier", 2), ("judge", 1)):
+        folder = tmp_path / f"{arm}-s0"
+        write_run(folder, RL, done=done)
+        (folder / "report.md").write_text("# report\n")
+        (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "skipped": 0}) + "\n" for s in range(done)))
+    jvv.print_table(tmp_path, None)
+    out = capsys.readouterr().out
+    assert "| 0 | verifier | 2/5 = 0.400 [0.12, 0.77] | 4/5 = 0.800 [0.38, 0.96] | 1 | 2 of 2 |" in out
+    assert "| 0 | judge |" not in out
+    assert "Left out, not finished: judge-s0 (unfinished: iteration 1 of 2)" in out

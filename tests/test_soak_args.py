@@ -1,0 +1,173 @@
+"""``scripts/soak.py`` without a soak: its flags' ranges, and that every way a soak ends (SIGTERM,
+Ctrl-C, a setup failing after the mount) goes through the same close: the server stopped, the run
+directory kept, the tmpfs unmounted. Nothing here mounts or starts a server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import soak  # noqa: E402
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--minutes", "-1"], "--minutes must be > 0 (real minutes of traffic), got -1.0"),
+    (["--minutes", "0"], "--minutes must be > 0 (real minutes of traffic), got 0.0"),
+    (["--minutes", "nan"], "--minutes must be > 0 (real minutes of traffic), got nan"),
+    (["--concurrency", "0"], "--concurrency must be >= 1 (users in flight at once), got 0"),
+    (["--sample-s", "0"], "--sample-s must be > 0 (seconds between two samples), got 0.0"),
+    (["--day-s", "-5"], "--day-s must be > 0 (real seconds a simulated day lasts), got -5.0"),
+    (["--arrivals-per-hour", "0"], "--arrivals-per-hour must be > 0 (conversations per simulated hour), got 0.0"),
+    (["--tolerance", "1.5"], "--tolerance must be in [0, 1] (a drop in held-out success, a share), got 1.5"),
+    (["--tolerance", "-0.1"], "--tolerance must be in [0, 1] (a drop in held-out success, a share), got -0.1"),
+    (["--rss-warmup-min", "-1"], "--rss-warmup-min must be >= 0 (minutes), got -1.0"),
+    (["--disk-mb", "8"], "--disk-mb must be >= 64 (MB of tmpfs: the run directory, its versions and the store "
+                         "must fit), got 8"),
+    (["--disk-hold-s", "-1"], "--disk-hold-s must be >= 0 (seconds), got -1.0"),
+    (["--outage-s", "-2"], "--outage-s must be >= 0 (seconds), got -2.0"),
+    (["--keep-newest", "-1"], "--keep-newest must be in [0, 1000000] (versions; 0 keeps every one), got -1"),
+    (["--keep-promoted", "-1"], "--keep-promoted must be in [0, 1000000] (promoted versions; 0 keeps every one), "
+                                "got -1"),
+    (["--keep-newest", "0"], "--keep-promoted applies only with --keep-newest >= 1 (0 keeps every version)"),
+])
+def test_a_flag_out_of_its_range_is_a_usage_error_naming_it(flags, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        soak.parse_args(flags)
+    assert stop.value.code == 2
+    assert f"error: {message}" in capsys.readouterr().err
+
+
+def test_the_ends_of_each_range_are_accepted():
+    a = soak.parse_args(["--tolerance", "0", "--outage-s", "0", "--disk-hold-s", "0", "--disk-mb", "64",
+                         "--concurrency", "1", "--rss-warmup-min", "0", "--keep-newest", "0", "--keep-promoted", "0"])
+    assert (a.tolerance, a.outage_s, a.disk_mb, a.concurrency, a.keep_newest, a.keep_promoted) == (0, 0, 64, 1, 0, 0)
+    assert soak.parse_args(["--tolerance", "1"]).tolerance == 1.0
+
+
+class FakeServer:
+    """What :meth:`soak.Soak.close` uses of ``soak_server.Server``: ``stop``, ``start``, ``starts``."""
+
+    def __init__(self):
+        self.stops, self.starts = 0, 1
+
+    def stop(self):
+        self.stops += 1
+
+    def start(self, port):
+        raise AssertionError("not started in these tests")
+
+
+@pytest.fixture
+def fake_soak(tmp_path, monkeypatch):
+    """``soak.main`` on a Soak whose setup gives it a fake server and a run directory (no mount),
+    and whose close is recorded; ``umount`` calls are recorded, not run."""
+    calls: dict = {"close": 0, "umount": [], "sigterm_before": []}
+    setup = {"mounted": False, "fail": None}
+
+    def fake_setup(self):
+        self.disk.mkdir(parents=True)
+        self.run_dir.mkdir()
+        self.server = FakeServer()
+        self.mounted = setup["mounted"]
+        if setup["fail"]:
+            raise setup["fail"]
+
+    real_close = soak.Soak.close
+
+    def counted_close(self):
+        calls["close"] += 1
+        calls["sigterm_during_close"] = signal.getsignal(signal.SIGTERM)
+        real_close(self)
+        calls["server"] = self.server
+
+    def fake_run(argv, **kw):
+        calls["umount"].append(argv)
+
+    monkeypatch.setattr(soak.Soak, "setup", fake_setup)
+    monkeypatch.setattr(soak.Soak, "close", counted_close)
+    monkeypatch.setattr(soak.subprocess, "run", fake_run)
+    return tmp_path / "out", calls, setup
+
+
+def test_sigterm_during_the_run_ends_it_through_close(fake_soak, monkeypatch):
+    out, calls, _ = fake_soak
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda *a: seen.append("outer handler"))  # never the default: it kills pytest
+    try:
+        def run(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)  # the handler runs here (or the run ends without it: the test fails below)
+            return {}
+
+        monkeypatch.setattr(soak.Soak, "run", run)
+        with pytest.raises(SystemExit) as stop:
+            soak.main(["--out", str(out), "--tiny"])
+        assert stop.value.code == 128 + signal.SIGTERM
+        assert calls["close"] == 1 and seen == []
+        assert calls["sigterm_during_close"] == signal.SIG_IGN  # a second SIGTERM cannot cut the close short
+        assert calls["server"].stops == 2  # stopped, and once more at the end of the close
+        with pytest.raises(RuntimeError, match="the soak is closing"):
+            calls["server"].start(1234)
+        assert (out / "run").resolve() == (out / "disk" / "run").resolve()
+        assert not (out / "soak.json").exists()  # an interrupted soak has no record
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN  # the handler before main is back
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert seen == ["outer handler"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_ctrl_c_during_the_run_ends_it_through_close(fake_soak, monkeypatch):
+    out, calls, setup = fake_soak
+    setup["mounted"] = True
+
+    def run(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(soak.Soak, "run", run)
+    with pytest.raises(KeyboardInterrupt):
+        soak.main(["--out", str(out), "--tiny"])
+    assert calls["close"] == 1 and calls["umount"] == [["umount", "-l", str(out.absolute() / "disk")]]
+    assert (out / "run").is_dir() and not (out / "run").is_symlink()  # copied out of the tmpfs
+
+
+def test_a_setup_that_fails_after_the_mount_still_unmounts(fake_soak):
+    out, calls, setup = fake_soak
+    setup["mounted"], setup["fail"] = True, RuntimeError("selfrl serve did not start")
+    with pytest.raises(RuntimeError, match="did not start"):
+        soak.main(["--out", str(out), "--tiny"])
+    assert calls["close"] == 1 and calls["umount"] == [["umount", "-l", str(out.absolute() / "disk")]]
+
+
+def test_close_after_a_refused_out_touches_nothing(tmp_path):
+    """``--out`` not empty: setup refuses before making a server; close then leaves the folder alone."""
+    out = tmp_path / "out"
+    (out / "disk" / "run").mkdir(parents=True)
+    s = soak.Soak(soak.parse_args(["--out", str(out)]))
+    with pytest.raises(SystemExit, match="is not empty; give a new --out"):
+        s.setup()
+    s.close()
+    s.close()
+    assert sorted(p.name for p in out.iterdir()) == ["disk"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--conversations", "0"], "--conversations must be >= 1, got 0"),
+    (["--concurrency", "-1"], "--concurrency must be >= 1, got -1"),
+    (["--families", "arithmetic,nope"], "unknown families ['nope'] in --families; valid: arithmetic, "
+                                        "function_calling, web"),
+    (["--settings", "new,older"], "unknown settings ['older'] in --settings; valid: new, old"),
+])
+def test_soak_baseline_refuses_flags_out_of_range_before_it_starts_a_server(flags, message, tmp_path, capsys):
+    import soak_baseline
+
+    with pytest.raises(SystemExit) as stop:
+        soak_baseline.main(["--out", str(tmp_path / "out"), *flags])
+    assert stop.value.code == 2 and f"error: {message}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
