@@ -34,7 +34,9 @@ How each target is measured:
   as too short, not failed; with none long enough the target is not measured.
 * **disk within retention**: at the end, every adapter folder is one of the newest
   ``keep_newest``, a base, promoted, pinned or served version (with ``--keep-promoted`` the server
-  keeps fewer promoted ones: the check allows every promoted version, so it is an upper bound).
+  keeps fewer promoted ones: the check allows every promoted version, so it is an upper bound; the
+  server also keeps the served versions whose turns a late judgement may still train on, at most
+  ``learner.max_feedback_age_versions`` weight changes back).
 """
 
 from __future__ import annotations

@@ -245,6 +245,10 @@ def test_serve_keeps_the_versions_a_late_judgement_is_weighed_by(tiny_tokenizer,
         assert {v["version"] for v in service.version_ids()} == {0, 5, 6}
         cfg.learner.max_feedback_age_versions = 0
         assert service.prune_versions() == [5]  # 6 is the newest
+        add_version(service, state, 7, parent=6, status="rejected")  # never served: no turn of it to weigh
+        add_version(service, state, 8, parent=6, status="candidate")
+        cfg.learner.max_feedback_age_versions = 4
+        assert service.prune_versions() == [7]
     finally:
         service.close()
 

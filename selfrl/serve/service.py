@@ -167,7 +167,8 @@ class Service:
             rows = [VersionRow(v.version, v.status.value, v.path) for v in self.ledger.all()
                     if not v.metrics.get("pruned")]
             keep = {self.ledger.champion.version} | ({self.pinned} if self.pinned is not None else set())
-            keep |= FeedbackAges.from_config(self.cfg.learner, self.ledger).needed()  # a late judgement weighs by them
+            served = {r.version for r in rows if r.status not in ("candidate", "rejected")}  # those turns came from
+            keep |= FeedbackAges.from_config(self.cfg.learner, self.ledger).needed() & served  # a late judgement weighs by them
             remove = versions_to_remove(rows, rc.keep_newest, keep, self.engine.version, rc.keep_promoted)
             where = "deleted" if rc.delete else "moved to adapters/.pruned"
             prune_versions(self.run_dir, rows, remove, lambda v: self.ledger.mark_pruned(v, where), rc.delete)
