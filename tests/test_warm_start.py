@@ -421,6 +421,42 @@ def test_constrained_successes_train_with_their_grammar_masks_replayed(tiny_mode
         mean_nll(no_tokenizer, trajs)
 
 
+def test_the_candidate_kl_probe_sees_weights_a_grammar_hides(tiny_model_factory, tiny_tokenizer):
+    """A damaged adapter on turns decoded under a grammar: the probe's KL is over the whole
+    vocabulary, so it exceeds what the masked KL shows (before: the masks were replayed, and a
+    learning rate x1000 on such turns probed under the collapse rule's max_kl)."""
+    from selfrl.core.tools import Tool
+    from selfrl.rl.losses import k3_kl
+    from selfrl.rl.logprobs import per_token_logps
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "enum": [17, 25, 42]}},
+              "required": ["a"], "additionalProperties": False}
+    tools = [Tool("pick", "Pick a number.", schema, lambda a: str(a))]
+    model = tiny_model_factory(lora=True)
+    torch.manual_seed(3)
+    trajs = rollout_(model, tiny_tokenizer, [Task("t1", "test", "Pick 42.", "42")] * 3, tools)
+    for t in trajs:
+        t.advantage = 1.0
+    learner = Learner(model, TrainConfig(micro_batch_size=2), 0.8, tiny_tokenizer.pad_token_id, 40,
+                      tokenizer=tiny_tokenizer)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.zero_()  # the adapter adds nothing: the policy is the reference (the base)
+    assert learner.probe_kl(trajs, 3) == pytest.approx(0.0, abs=1e-6)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn_like(p) * 0.5)  # as an update at a learning rate x1000 would
+    mb = learner._collate(trajs)
+    with torch.no_grad():
+        masked = per_token_logps(model, mb.input_ids, mb.attention_mask, mb.completion_mask, 0.8,
+                                 vocab_masks=mb.vocab_masks)
+        masked_kl = float((k3_kl(masked, learner._ref_logps(mb)) * mb.completion_mask).sum() / mb.completion_mask.sum())
+    probed = learner.probe_kl(trajs, 3)
+    assert probed > 0.1 and probed > 3 * masked_kl
+
+
 def rollout_(model, tok, tasks, tools):
     from selfrl.rollout.agent import rollout
 

@@ -242,11 +242,12 @@ class Learner:
     def _collate(self, trajs: list[Trajectory]) -> TensorBatch:
         return collate(trajs, self.pad_token_id, self.grammar_masks).to(self.device)
 
-    def _ref_logps(self, mb: TensorBatch) -> torch.Tensor:
+    def _ref_logps(self, mb: TensorBatch, constrained: bool = True) -> torch.Tensor:
         """(B, T) log-probs under the reference: the base model, or the starting adapter
-        copied in place for the pass and the current weights put back after it."""
+        copied in place for the pass and the current weights put back after it (``constrained``
+        False: over the whole vocabulary, the grammar's masks not replayed)."""
         args = (mb.input_ids, mb.attention_mask, mb.completion_mask, self.temperature)
-        kw = {"vocab_masks": mb.vocab_masks}
+        kw = {"vocab_masks": mb.vocab_masks if constrained else None}
         if self.ref_state is None:
             with torch.no_grad(), self.model.disable_adapter():
                 return per_token_logps(self.model, *args, **kw)
@@ -270,15 +271,19 @@ class Learner:
         Costs two no-grad forward passes of that many sequences (policy and reference).
         The loop runs it on a new candidate before it serves, so that a destructive update
         is caught at once (the update's own KL measures the weights *before* its step).
+
+        Over the whole vocabulary, also where a grammar constrained the sampling: a grammar that
+        leaves one token makes both log-probs 0 there, which hides what an update did to the
+        weights (on grammar-constrained turns a learning rate x1000 probed 0.02 with the masks,
+        below a ``max_kl`` of 0.1). The loss itself keeps the masks.
         """
         chosen = [t for t in trajs if t.advantage is not None and any(t.completion_mask)][:num_sequences]
         if not chosen:
             return None
         mb = self._collate(chosen)
         with torch.no_grad():
-            logps = per_token_logps(self.model, mb.input_ids, mb.attention_mask, mb.completion_mask, self.temperature,
-                                    vocab_masks=mb.vocab_masks)
-            kl = k3_kl(logps, self._ref_logps(mb))  # (B, T)
+            logps = per_token_logps(self.model, mb.input_ids, mb.attention_mask, mb.completion_mask, self.temperature)
+            kl = k3_kl(logps, self._ref_logps(mb, constrained=False))  # (B, T)
         mask = mb.completion_mask  # (B, T)
         return float((kl * mask).sum() / mask.sum())
 
