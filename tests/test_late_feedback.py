@@ -144,6 +144,7 @@ def test_turns_whose_version_weights_are_gone_are_too_old_and_the_skip_says_so(
     # before: they stayed in the batch with advantage 0 and the update was skipped as "no group
     # had reward spread", the cause nowhere
     from selfrl.record import served as records
+    from selfrl.serve.protocol import FeedbackRequest
     from selfrl.serve.service import Service
     from serving import rated_turns, tiny_serve_config
 
@@ -161,13 +162,21 @@ def test_turns_whose_version_weights_are_gone_are_too_old_and_the_skip_says_so(
             raise FileNotFoundError(f"version {version}: no folder")
 
         learner._logps_under = gone
-        info = learner.update(late)
+        flat = rated_turns(service)  # of version 1, all rated +1 in another group: no spread, no signal
+        for t, row in flat:
+            t.task_id = t.group_id = row["group_key"] = "flat"
+            row["feedback"] = 1.0
+        info = learner.update(late + flat)
         assert info["reason"] == "too_old" and info["too_old"] == 4 and info["with_signal"] == 0
-        assert "no longer stored (versions [0])" in info["result"]
+        assert "no longer stored or cannot be read (versions [0])" in info["result"]
         skip = [e for e in service.store.events() if e["kind"] == "skip"][-1]
         assert skip["data"]["reason"] == "too_old" and "no group had reward spread" not in skip["message"]
-        with service.store.lock:
-            assert {records.find_response(service.store, t.id)["status"] for t, _ in late} == {"skipped"}
+        with service.store.lock:  # every turn of the batch is closed, none left pending to come back
+            assert {records.find_response(service.store, t.id)["status"] for t, _ in late + flat} == {"skipped"}
         assert service.ledger.champion.version == 1  # nothing trained on a weight of 0
+        answer = service.feedback(FeedbackRequest(response_id=late[0][0].id, rating=1.0))
+        assert answer["outcome"] == "too_old" and "no longer stored" in answer["reason"]  # not brought back
+        with service.store.lock:
+            assert records.find_response(service.store, late[0][0].id)["status"] == "skipped"
     finally:
         service.close()

@@ -224,28 +224,44 @@ def test_serve_keeps_the_newest_promoted_versions_and_the_champion(tiny_tokenize
 def test_serve_keeps_the_versions_a_late_judgement_is_weighed_by(tiny_tokenizer, tiny_model_factory, tmp_path):
     # before: keep_newest/keep_promoted pruned versions whose turns the age rule still trains on;
     # a late judgement of such a turn was then weighed 0 and the update skipped as "no group had
-    # reward spread" (the 90-minute soak lost most of its rated turns so)
+    # reward spread" (a 90-minute soak lost most of its rated turns so)
     import copy
 
+    from selfrl.core.trajectory import Trajectory
+    from selfrl.record import served as records
     from selfrl.record.adapters import lora_state
     from selfrl.serve.service import Service
     from serving import add_version, tiny_serve_config
 
     cfg = tiny_serve_config(tmp_path / "run")
     cfg.retention.keep_newest, cfg.retention.keep_promoted = 1, 1
-    cfg.learner.max_feedback_age_versions = 2
+    cfg.learner.max_feedback_age_versions = 3
     model = tiny_model_factory(lora=True, eos_bias=2.0)
     service = Service(model, tiny_tokenizer, cfg, learner_model=copy.deepcopy(model))
+
+    def turn(version: int, status: str) -> None:
+        t = Trajectory("t", "t", version, prompt_len=3, token_ids=[5, 6, 7, 10], completion_mask=[0, 0, 0, 1],
+                       logprobs=[0.0] * 4)
+        with service.store.lock:
+            records.add_turn(service.store, service.run_id, t, t.id, 0, t.id, "g", t.id)
+            if status != "pending":
+                records.mark(service.store, [t], status, None)
+
     try:
         state = lora_state(model)
         for v in range(1, 7):  # weights 0 -> 1 -> ... -> 6, then the champion (the base here) loaded back
             add_version(service, state, v, parent=v - 1, status="promoted", metrics={"val/success": 0.1 * v})
         assert service.ledger.champion.version == 0
-        assert service.prune_versions() == [1, 2, 3, 4]  # 6 and 5 are 1 and 2 weight changes back: kept
-        assert {v["version"] for v in service.version_ids()} == {0, 5, 6}
+        turn(2, "pending")  # 5 weight changes back: past the cutoff, its folder may go
+        turn(4, "pending")  # 3 back: a judgement may still come
+        turn(5, "trained")  # 2 back, but trained: no judgement can train it again
+        turn(5, "trained")
+        assert service.prune_versions() == [1, 2, 3, 5]  # 0 base, 6 newest and promoted, 4 still needed
+        assert {v["version"] for v in service.version_ids()} == {0, 4, 6}
+        turn(6, "skipped")  # skipped for want of a reward: a late judgement brings it back
         cfg.learner.max_feedback_age_versions = 0
-        assert service.prune_versions() == [5]  # 6 is the newest
-        add_version(service, state, 7, parent=6, status="rejected")  # never served: no turn of it to weigh
+        assert service.prune_versions() == [4]
+        add_version(service, state, 7, parent=6, status="rejected")  # never served: no turn of it
         add_version(service, state, 8, parent=6, status="candidate")
         cfg.learner.max_feedback_age_versions = 4
         assert service.prune_versions() == [7]

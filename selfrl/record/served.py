@@ -270,6 +270,9 @@ def _judged_turn(store: Store, row: dict[str, Any], age: AgeRule | None) -> tupl
                            (row["trajectory_id"],)).fetchone()
     if status == "skipped" and json.loads(t["data_json"]).get("error"):
         return "too_old", "only recorded: the turn was cut off and is never trained"
+    age_note = ((json.loads(t["data_json"]).get("reward_details") or {}).get("user_feedback") or {}).get("age") or {}
+    if status == "skipped" and age_note.get("outcome") == "too_old":
+        return "too_old", age_note.get("reason") or "only recorded: the turn was left out as too old"
     if age is None:
         return ("used", "a later update trains on it") if status == "pending" else (
             "too_old", "only recorded: the turn was already skipped")
@@ -294,6 +297,19 @@ def ready(store: Store, wait_s: float, limit: int, now: float | None = None) -> 
         d = dict(r)
         out.append((Trajectory.from_dict(json.loads(d.pop("data_json"))), d))
     return out
+
+
+@locked
+def versions_with_untrained_turns(store: Store, versions: set[int]) -> set[int]:
+    """Those of ``versions`` that sampled a served turn not yet trained on (pending, or skipped
+    and so still open to late feedback): the versions a late judgement may be weighed by."""
+    if not versions:
+        return set()
+    marks = ",".join("?" * len(versions))
+    rows = store.conn.execute(
+        "SELECT DISTINCT t.adapter_version FROM served s JOIN trajectories t ON t.id = s.trajectory_id"
+        f" WHERE s.status != 'trained' AND t.adapter_version IN ({marks})", sorted(versions)).fetchall()
+    return {int(r[0]) for r in rows}
 
 
 @locked

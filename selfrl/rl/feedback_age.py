@@ -135,7 +135,7 @@ def trainable_versions(loaded: Sequence[int], max_versions: int) -> set[int]:
     >>> sorted(trainable_versions([0, 1, 2, 3, 1, 4], 2))  # 4 now, 1 one change back, 3 two
     [1, 3, 4]
     """
-    return {v for v in set(loaded) if versions_behind(v, loaded) <= max_versions} if loaded else set()
+    return set(loaded[-(max_versions + 1):])  # within N changes: its last entry is among the last N + 1
 
 
 def sequence_weight(current_logps: Sequence[float], behaviour_logps: Sequence[float],

@@ -348,10 +348,11 @@ class BackgroundLearner(threading.Thread):
                                 "reward_mean": reward_mean, "too_old": len(too_old) + len(gone)}
         if gone and not train:
             self.updates += 1
+            records.mark(self.store, scored, "skipped", None)  # the rest had no signal
             versions = sorted({t.adapter_version for t in gone})
             note = (f"every turn with a signal ({len(gone)}) was sampled by a version whose weights are no longer "
-                    f"stored (versions {versions}): only recorded; version retention keeps every version the age "
-                    "rule may still train on, so a folder was removed by other means")
+                    f"stored or cannot be read (versions {versions}): only recorded (version retention keeps "
+                    "every served version the age rule may still train on)")
             self.ledger.event(EventKind.SKIP, f"iteration {step_no}: update skipped: {note}",
                               {"iteration": step_no, "reason": "too_old", "weights_gone": len(gone)})
             self.last = {**info, "result": f"skipped ({note})", "reason": "too_old"}
@@ -406,7 +407,7 @@ class BackgroundLearner(threading.Thread):
         """
         try:
             state, champ = self.ledger.load_state(version), self.ledger.champion
-        except (KeyError, OSError, adapters.CorruptVersionError) as e:
+        except (KeyError, FileNotFoundError, adapters.CorruptVersionError) as e:  # any other OSError: a storage fault
             raise FileNotFoundError(f"version {version}: {e}") from e
         try:
             self._load(state, version)

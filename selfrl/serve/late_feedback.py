@@ -151,7 +151,9 @@ class FeedbackAges:
                 ``ValueError`` when the version's weights are gone (such turns get weight 0).
 
         Returns:
-            metrics: ``feedback/behind`` (turns of an older version), ``feedback/weight_mean``.
+            metrics: ``feedback/behind`` (turns of an older version whose weights are stored) and
+            ``feedback/weight_mean`` (over the turns whose version's weights are stored; the others
+            get weight 0, are marked ``too_old`` and are for the caller to leave out).
         """
         then: dict[str, list[float]] = {}
         gone: set[str] = set()
@@ -161,14 +163,15 @@ class FeedbackAges:
             except (FileNotFoundError, ValueError):
                 gone.update(t.id for t in turns)
         weights = self.weights(originals, {t.id: t.logprobs for t in train}, then)
-        for copy, orig, w in zip(train, originals, weights):
+        for copy, orig, i in zip(train, originals, range(len(weights))):
             if copy.id in gone:
-                w = 0.0
+                weights[i] = 0.0
                 orig.reward_details["user_feedback"]["age"] = {"outcome": "too_old", "weight": None, "reason": (
                     f"only recorded: the weights of version {copy.adapter_version} are no longer stored")}
-            copy.advantage = copy.advantage * w
-        return {"feedback/behind": float(len(then) + len(gone)),
-                "feedback/weight_mean": sum(weights) / len(weights) if weights else 1.0}
+            copy.advantage = copy.advantage * weights[i]
+        kept = [w for t, w in zip(train, weights) if t.id not in gone]  # the caller leaves the gone ones out
+        return {"feedback/behind": float(len(then)),
+                "feedback/weight_mean": sum(kept) / len(kept) if kept else 1.0}
 
 
 def describe(d: AgeDecision) -> dict:

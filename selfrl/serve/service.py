@@ -153,9 +153,10 @@ class Service:
     def prune_versions(self) -> list[int]:
         """Retention (``[retention]``, :mod:`selfrl.record.retention`): the folders of versions outside
         the newest ``keep_newest`` that are not base, promoted (the newest ``keep_promoted`` of
-        them, when set), the champion, pinned, served, or a version whose turns the age rule may
-        still train on (:meth:`FeedbackAges.needed`: at most ``learner.max_feedback_age_versions``
-        weight changes back; a late judgement is weighed by its log-probs) are moved to ``adapters/.pruned``
+        them, when set), the champion, pinned, served, or a version that sampled turns not yet
+        trained on which the age rule may still train on (:meth:`FeedbackAges.needed`: at most
+        ``learner.max_feedback_age_versions`` weight changes back; a late judgement is weighed by
+        its log-probs) are moved to ``adapters/.pruned``
         (deleted with ``retention.delete``), each marked in the ledger with a ``prune`` event;
         returns the versions pruned ([] with ``keep_newest = 0``)."""
         rc = self.cfg.retention
@@ -167,8 +168,8 @@ class Service:
             rows = [VersionRow(v.version, v.status.value, v.path) for v in self.ledger.all()
                     if not v.metrics.get("pruned")]
             keep = {self.ledger.champion.version} | ({self.pinned} if self.pinned is not None else set())
-            served = {r.version for r in rows if r.status not in ("candidate", "rejected")}  # those turns came from
-            keep |= FeedbackAges.from_config(self.cfg.learner, self.ledger).needed() & served  # a late judgement weighs by them
+            needed = FeedbackAges.from_config(self.cfg.learner, self.ledger).needed() & {r.version for r in rows}
+            keep |= records.versions_with_untrained_turns(self.store, needed)  # a late judgement is weighed by them
             remove = versions_to_remove(rows, rc.keep_newest, keep, self.engine.version, rc.keep_promoted)
             where = "deleted" if rc.delete else "moved to adapters/.pruned"
             prune_versions(self.run_dir, rows, remove, lambda v: self.ledger.mark_pruned(v, where), rc.delete)
