@@ -50,6 +50,7 @@ keep_promoted = {keep_promoted}
 delete = {delete}
 [train]
 learning_rate = {lr}
+micro_batch_tokens = 8192
 {families}"""
 
 

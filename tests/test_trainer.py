@@ -531,3 +531,34 @@ def test_micro_batches_follow_token_order_for_a_tree_and_length_order_otherwise(
         assert rows == expected
     else:
         assert [len(r) for r in rows] == [len(r) for r in expected]
+
+
+def test_a_token_budget_cuts_long_rows_into_more_micro_batches_with_the_same_update(tiny_model_factory, tiny_tokenizer):
+    # train.micro_batch_tokens: the forward/backward of a batch of long turns (a web episode's
+    # worked examples) held 22 GB in a soak and the kernel killed the server; the same rows in
+    # micro-batches of at most N padded tokens give the same loss, gradient and weights
+    a = tiny_model_factory(seed=3, eos_bias=2.5, lora=True, default_init=True)
+    b = tiny_model_factory(seed=3, eos_bias=2.5, lora=True, default_init=True)
+    trajs = sample(a, tiny_tokenizer)
+    longest = max(len(t.token_ids) for t in trajs)
+    shapes = []
+
+    def record(la):
+        def collate(chunk):
+            mb = la.__class__._collate(la, chunk)
+            shapes.append(tuple(mb.input_ids.shape))
+            return mb
+        la._collate = collate
+        return la
+
+    la = record(learner(a, tiny_tokenizer, micro_batch_size=len(trajs)))
+    ma = flat(la.step(trajs))
+    whole = shapes[:]
+    shapes.clear()
+    lb = record(learner(b, tiny_tokenizer, micro_batch_size=len(trajs), micro_batch_tokens=2 * longest))
+    mb = flat(lb.step(trajs))
+    assert len(whole) == 1 and len(shapes) >= len(trajs) // 2 and all(r * t <= 2 * longest for r, t in shapes)
+    assert ma["loss"] == pytest.approx(mb["loss"], rel=1e-5) and ma["grad_norm"] == pytest.approx(mb["grad_norm"], rel=1e-4)
+    after_a, after_b = lora_state(a), lora_state(b)
+    diff = max(float((after_a[k] - after_b[k]).abs().max()) for k in after_a)
+    assert diff < 1e-4, diff  # AdamW's first step moves each weight by about lr = 1e-2: the same update

@@ -194,6 +194,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # gradient clipping (L2 norm)
     num_iterations: int = 1  # optimisation passes over each batch (PPO epochs)
     micro_batch_size: int = 8  # sequences per forward/backward (memory bound)
+    micro_batch_tokens: int = 0  # most padded tokens (rows x longest row) per forward/backward: long turns go in smaller micro-batches (same gradient, bounded memory); 0: micro_batch_size alone
     weight_decay: float = 0.0  # AdamW weight decay
     scale_rewards: ScaleRewards = "group"  # advantage scaling: group (GRPO) | none (Dr. GRPO)
     skip_max_reward_spread: float = 10.0  # skip when the batch's max - min reward exceeds this (a broken reward)
@@ -211,6 +212,7 @@ class TrainConfig:
             else (True, ""),
             in_range(self.num_iterations, "num_iterations", 1, 100),
             in_range(self.micro_batch_size, "micro_batch_size", 1, MAX_BATCH),
+            in_range(self.micro_batch_tokens, "micro_batch_tokens", 0, 10**9),
             in_range(self.max_grad_norm, "max_grad_norm", 0, low_open=True),  # huge: no clipping
             in_range(self.weight_decay, "weight_decay", 0, 1),
             one_of(self.scale_rewards, ScaleRewards, "scale_rewards"),

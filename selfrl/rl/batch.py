@@ -52,6 +52,38 @@ class TensorBatch:
         return int(self.completion_mask.sum())
 
 
+def micro_batches(lengths: list[int], max_sequences: int, max_tokens: int = 0) -> list[range]:
+    """Consecutive index ranges that cut rows of ``lengths`` tokens into micro-batches of at most
+    ``max_sequences`` rows and, with ``max_tokens`` > 0, at most ``max_tokens`` padded tokens
+    (rows x the longest row, what one forward and backward holds); a row longer than
+    ``max_tokens`` goes alone. The loss's whole-batch normaliser makes the gradient the same
+    however the rows are cut (``selfrl.rl.losses.Normalizer``): this bounds memory only.
+
+    Like verl's dynamic batch size (``ppo_max_token_len_per_gpu``), but the rows keep their order.
+
+    Raises:
+        ValueError: ``max_sequences`` < 1 or ``max_tokens`` < 0.
+
+    >>> micro_batches([10, 10, 30, 5], 8, 40)
+    [range(0, 2), range(2, 3), range(3, 4)]
+    >>> micro_batches([10, 10, 30, 5], 3)
+    [range(0, 3), range(3, 4)]
+    """
+    if max_sequences < 1 or max_tokens < 0:
+        raise ValueError(f"max_sequences must be >= 1 and max_tokens >= 0, got {max_sequences} and {max_tokens}")
+    out: list[range] = []
+    start, longest = 0, 0
+    for i, n in enumerate(lengths):
+        rows, wide = i - start + 1, max(longest, n)
+        if i > start and (rows > max_sequences or (max_tokens and rows * wide > max_tokens)):
+            out.append(range(start, i))
+            start, wide = i, n
+        longest = wide
+    if lengths:
+        out.append(range(start, len(lengths)))
+    return out
+
+
 def collate(trajs: list[Trajectory], pad_token_id: int, replay: MaskReplay | None = None) -> TensorBatch:
     """Pad trajectories on the right into a :class:`TensorBatch`.
 

@@ -48,7 +48,7 @@ import torch
 from selfrl.core import faults
 from selfrl.config import TrainConfig
 from selfrl.model.device import PeakMemory, enable_gradient_checkpointing, gradient_checkpointing_on, model_device
-from selfrl.rl.batch import TensorBatch, collate
+from selfrl.rl.batch import TensorBatch, collate, micro_batches
 from selfrl.rl.logprobs import decoder_and_head, per_token_logps, tree_by_default
 from selfrl.rl.losses import Normalizer, get_loss_aggregation, k3_kl, per_token_loss
 from selfrl.rl.off_policy import mismatch_kl, tis_weights
@@ -263,6 +263,12 @@ class Learner:
         finally:
             set_peft_model_state_dict(self.model, current)
 
+    def micro_batches(self, trajs: list[Trajectory]) -> list[range]:
+        """Index ranges of ``trajs`` per forward/backward: ``train.micro_batch_size`` rows, and at
+        most ``train.micro_batch_tokens`` padded tokens when set (:func:`selfrl.rl.batch.micro_batches`)."""
+        return micro_batches([len(t.token_ids) for t in trajs], self.cfg.micro_batch_size,
+                             self.cfg.micro_batch_tokens)
+
     def probe_kl(self, trajs: list[Trajectory], num_sequences: int) -> float | None:
         """Mean per-token k3 KL(current weights || reference) on the first ``num_sequences``
         trajectories of ``trajs`` with an advantage and completion tokens; None when there is
@@ -318,8 +324,7 @@ class Learner:
         tree = tree_by_default(decoder_and_head(self.model)[0])
         usable.sort(key=(lambda t: t.token_ids) if tree else (lambda t: len(t.token_ids)))
         peak = PeakMemory(self.device)
-        micro = [self._collate(usable[i:i + self.cfg.micro_batch_size])
-                 for i in range(0, len(usable), self.cfg.micro_batch_size)]
+        micro = [self._collate(usable[r.start:r.stop]) for r in self.micro_batches(usable)]
         norm = Normalizer.of([m.completion_mask for m in micro], self.max_completion_length)
         refs = [self._ref_logps(m) if self.cfg.beta > 0 else None for m in micro]
         eps_high = self.cfg.epsilon_high if self.cfg.epsilon_high is not None else self.cfg.epsilon

@@ -243,10 +243,9 @@ class FineTuneStats:
 def _batches(learner: "Learner", trajs: list[Trajectory]):
     """Micro-batches of ``trajs`` (the learner's size), collated as the learner collates (grammar
     masks replayed), with the advantage set to 1 (unused here; ``collate`` requires one)."""
-    size = learner.cfg.micro_batch_size
     ready = [dataclasses.replace(t, advantage=1.0) for t in trajs]
-    for i in range(0, len(ready), size):
-        yield collate(ready[i:i + size], learner.pad_token_id, learner.grammar_masks).to(learner.device)
+    for r in learner.micro_batches(ready):
+        yield collate(ready[r.start:r.stop], learner.pad_token_id, learner.grammar_masks).to(learner.device)
 
 
 def _logps(learner: "Learner", mb) -> torch.Tensor:

@@ -306,8 +306,8 @@ class BackgroundLearner(threading.Thread):
         """Copies of ``trajs`` whose ``logprobs`` are the learner's own at its temperature."""
         out = []
         pad = self.tok.pad_token_id
-        for i in range(0, len(trajs), self.cfg.train.micro_batch_size):
-            chunk = trajs[i:i + self.cfg.train.micro_batch_size]
+        for r in self.learner.micro_batches(trajs):
+            chunk = trajs[r.start:r.stop]
             mb = collate(chunk, pad, self.learner.grammar_masks).to(self.learner.device)
             logps = per_token_logps(self.model, mb.input_ids, mb.attention_mask, mb.completion_mask,
                                     self.cfg.learner.temperature, vocab_masks=mb.vocab_masks)  # (B, T)
