@@ -732,8 +732,19 @@ class Interrupting(ScriptedServer):
         return super().chat(user, body)
 
 
+@pytest.fixture
+def default_sigint():
+    """Ctrl-C raises KeyboardInterrupt, as in a fresh process: a library an earlier test started in
+    this process (Ray's driver) may have put its own SIGINT handler in place."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("concurrency", [1, 3])
-def test_ctrl_c_stops_the_loop_and_the_summary_says_so(arithmetic, concurrency):
+def test_ctrl_c_stops_the_loop_and_the_summary_says_so(arithmetic, concurrency, default_sigint):
     clock = FakeClock(0.0)
     server = Interrupting(clock, at=6)
     sim = Simulator(arithmetic_config(concurrency=concurrency), server, clock=clock, families={"arithmetic": arithmetic})

@@ -301,22 +301,9 @@ class BackgroundLearner(threading.Thread):
             self.cycle.advantages(self.updates, scored)
         return scored, unscored
 
-    @torch.no_grad()
     def recompute_old_logps(self, trajs: list[Trajectory]) -> list[Trajectory]:
-        """Copies of ``trajs`` whose ``logprobs`` are the learner's own at its temperature."""
-        out = []
-        pad = self.tok.pad_token_id
-        for r in self.learner.micro_batches(trajs):
-            chunk = trajs[r.start:r.stop]
-            mb = collate(chunk, pad, self.learner.grammar_masks).to(self.learner.device)
-            logps = per_token_logps(self.model, mb.input_ids, mb.attention_mask, mb.completion_mask,
-                                    self.cfg.learner.temperature, vocab_masks=mb.vocab_masks)  # (B, T)
-            for j, t in enumerate(chunk):
-                copy = Trajectory.from_dict(t.to_dict())
-                copy.logprobs = (logps[j, :len(t.token_ids)] * mb.completion_mask[j, :len(t.token_ids)]).tolist()
-                copy.advantage = t.advantage
-                out.append(copy)
-        return out
+        """Copies of ``trajs`` whose ``logprobs`` are the learner's own at its temperature (:func:`own_logps`)."""
+        return own_logps(self.model, self.learner, self.cfg.learner.temperature, trajs)
 
     def update(self, batch: list[tuple[Trajectory, dict]]) -> dict[str, Any]:
         """Score, update, save a candidate, check the collapse rules, validate it, publish or reject it."""
@@ -338,11 +325,7 @@ class BackgroundLearner(threading.Thread):
         gone: list[Trajectory] = []
         if usable:  # a turn of an older version: its advantage times its sequence weight
             ages = self.ages.weigh(train, usable, self._logps_under)
-            gone = [t for t in usable if _age_outcome(t) == "too_old"]  # its version's weights are no longer stored
-            if gone:  # only recorded, as any turn past the age rule; never trained on with a weight of 0
-                ids = {t.id for t in gone}
-                train, scored = [t for t in train if t.id not in ids], [t for t in scored if t.id not in ids]
-                records.mark(self.store, gone, "skipped", None)
+            gone, train, scored = leave_out_gone(self.store, usable, train, scored)
         reward_mean = sum(t.reward for t in scored) / max(len(scored), 1)
         info: dict[str, Any] = {"turns": n_turns, "scored": len(scored), "with_signal": len(usable) - len(gone),
                                 "reward_mean": reward_mean, "too_old": len(too_old) + len(gone)}
@@ -435,6 +418,32 @@ class BackgroundLearner(threading.Thread):
             self.cycle.guard.new_chain()
 
 
-def _age_outcome(t: Trajectory) -> str | None:
-    """The age rule's outcome recorded on a turn (``used``, ``too_old``), None when none was."""
-    return ((t.reward_details.get("user_feedback") or {}).get("age") or {}).get("outcome")
+@torch.no_grad()
+def own_logps(model, learner: Learner, temperature: float, trajs: list[Trajectory]) -> list[Trajectory]:
+    """Copies of ``trajs`` whose ``logprobs`` (T,) are ``model``'s at ``temperature``, the grammar's
+    masks replayed, in the learner's micro-batches; each copy keeps its turn's advantage."""
+    out = []
+    for r in learner.micro_batches(trajs):
+        chunk = trajs[r.start:r.stop]
+        mb = collate(chunk, learner.pad_token_id, learner.grammar_masks).to(learner.device)
+        logps = per_token_logps(model, mb.input_ids, mb.attention_mask, mb.completion_mask, temperature,
+                                vocab_masks=mb.vocab_masks)  # (B, T)
+        for j, t in enumerate(chunk):
+            copy = Trajectory.from_dict(t.to_dict())
+            copy.logprobs = (logps[j, :len(t.token_ids)] * mb.completion_mask[j, :len(t.token_ids)]).tolist()
+            copy.advantage = t.advantage
+            out.append(copy)
+    return out
+
+
+def leave_out_gone(store: Store, usable: list[Trajectory], train: list[Trajectory], scored: list[Trajectory]):
+    """The turns :meth:`FeedbackAges.weigh` found too old (their version's weights are no longer
+    stored), marked ``skipped`` (only recorded, as any turn past the age rule; never trained on
+    with a weight of 0); returns ``(gone, train, scored)`` without them."""
+    gone = [t for t in usable if ((t.reward_details.get("user_feedback") or {}).get("age") or {}).get("outcome")
+            == "too_old"]
+    if gone:
+        ids = {t.id for t in gone}
+        train, scored = [t for t in train if t.id not in ids], [t for t in scored if t.id not in ids]
+        records.mark(store, gone, "skipped", None)
+    return gone, train, scored
