@@ -15,6 +15,7 @@ of all processes, the ratio of medians seed by seed, and whether both sampled th
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -74,8 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=2, help="processes per checkout")
     p.add_argument("--seeds", type=int, default=3, help="batches per process (seeds 0 to N - 1)")
     p.add_argument("--adapter", type=Path, default=None, help="a saved adapter version: a trained policy")
-    p.add_argument("--child", action="store_true", help=argparse_hidden())
-    p.add_argument("--result", type=Path, default=None, help=argparse_hidden())
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         return child(args)
@@ -120,12 +121,6 @@ def main(argv: list[str] | None = None) -> dict:
           + f"; same ids: {'yes' if same else 'no'}")
     print(f"wrote {finish(result, 'checkouts' if args.adapter is None else 'checkouts_trained', args.out)}")
     return result
-
-
-def argparse_hidden() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

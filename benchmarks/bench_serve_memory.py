@@ -27,6 +27,7 @@ two (warm-up: the engines' caches and the optimizer state come first), in MB per
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import statistics
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--tokens", type=int, default=24, help="completion tokens of each rated turn, and of each held-out answer")
     p.add_argument("--val-size", type=int, default=8, help="held-out arithmetic tasks of each gate")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms to run, of {', '.join(ARMS)}")
-    p.add_argument("--child", nargs=2, metavar=("ARM", "OUT"), help=argparse_suppress())
+    p.add_argument("--child", nargs=2, metavar=("ARM", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
     if not arms or set(arms) - set(ARMS):
@@ -163,12 +164,6 @@ def main(argv: list[str] | None = None) -> dict | None:
                  "promoted", "key/value MB at the end (serving / learner)", f"growth / {arms[0]}"], rows)
     print(f"wrote {finish(result, 'serve_memory', args.out)}")
     return result
-
-
-def argparse_suppress():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ What differs, on purpose or by necessity (see docs/results/benchmarks.md):
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -217,9 +218,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--workdir", type=Path, default=ROOT / "runs" / "bench-trl", help="run folders and adapters")
     p.add_argument("--reuse", type=Path, help="continue in this earlier workdir, keeping the workers that finished")
     p.add_argument("--inprocess", action="store_true", help="run the workers in this process (smoke test)")
-    p.add_argument("--worker", choices=sorted(WORKERS), help=argparse_hidden())
-    p.add_argument("--input", type=Path, help=argparse_hidden())
-    p.add_argument("--output", type=Path, help=argparse_hidden())
+    p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    p.add_argument("--input", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--output", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         WORKERS[args.worker](**json.loads(args.input.read_text()), out=args.output)
@@ -283,12 +284,6 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"load average: start {result['loadavg_start']:.2f}, end {loadavg():.2f}")
     print(f"wrote {finish(result, 'trl', args.out)}")
     return result
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":
