@@ -124,8 +124,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 PHASES: tuple[tuple[float, dict[str, float]], ...] = (
     (0.08, {"arithmetic": 1.0}),
     (0.07, {"arithmetic": 0.5, "function_calling": 0.5}),
-    (0.40, {"arithmetic": 0.2, "function_calling": 0.4, "web": 0.4}),
-    (0.45, {"arithmetic": 0.3, "function_calling": 0.45, "web": 0.25}),
+    (0.40, {"arithmetic": 0.2, "function_calling": 0.55, "web": 0.25}),
+    (0.45, {"arithmetic": 0.3, "function_calling": 0.5, "web": 0.2}),
 )
 
 
@@ -315,7 +315,9 @@ class Soak:
         tiny = a.tiny
         (self.out / "serve.toml").write_text(SERVE_TOML.format(
             run_dir=self.run_dir, port=self.port, model=model, tokens=16 if tiny else 96, lora_r=4 if tiny else 8,
-            val_size=12, families=families_toml(a.val_size, a.tolerance), min_batch=8 if tiny else 12, max_batch=16 if tiny else 32,
+            val_size=12, gate_batch=12 if tiny else 24, families=families_toml(a.val_size, a.tolerance),
+            min_batch=8 if tiny else 16, max_batch=16 if tiny else 64,
+            micro_batch_tokens=512 if tiny else 2048, checkpointing="true",
             feedback_wait_s=5.0 if tiny else 60.0, max_kl=0.1 if tiny else 0.5, keep_newest=a.keep_newest,
             keep_promoted=a.keep_promoted, delete=str(not a.keep_pruned).lower(),
             lr=1e-3 if tiny else 1e-4))

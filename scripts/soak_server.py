@@ -28,7 +28,7 @@ name = "{model}"
 r = {lora_r}
 [gate]
 val_size = {val_size}
-batch_size = {val_size}
+batch_size = {gate_batch}
 [rollout]
 max_new_tokens = {tokens}
 max_turns = 2
@@ -50,7 +50,8 @@ keep_promoted = {keep_promoted}
 delete = {delete}
 [train]
 learning_rate = {lr}
-micro_batch_tokens = 8192
+micro_batch_tokens = {micro_batch_tokens}
+gradient_checkpointing = {checkpointing}
 {families}"""
 
 
