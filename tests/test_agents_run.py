@@ -195,3 +195,23 @@ def test_a_candidate_that_helps_one_agent_and_hurts_another_is_not_promoted(tmp_
     with Store(tmp_path / "run2" / "selfrl.db") as store:
         assert [v["status"] for v in store.versions() if v["version"] == 2] == ["promoted"]
         assert not [e for e in store.events() if e["kind"] == "agent_conflict"]
+
+
+def test_a_held_out_set_larger_than_the_environment_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """1-term, 1-digit chain sums are 10 distinct tasks: ``selfrl run`` says so and names the setting to
+    lower, as ``selfrl serve`` does, before the model loads and without leaving a run directory behind."""
+    loaded = []
+    monkeypatch.setattr("selfrl.run.setup.build_policy", lambda cfg: loaded.append(cfg))  # must not be reached
+    ten = "options = { min_terms = 1, max_terms = 1, max_digits = 1 }\n"
+    toml = tmp_path / "run.toml"
+    for table, key in ((f'[task]\nsource = "chain_sum"\n{ten}[gate]\nval_size = 20\n', "gate.val_size = 20"),
+                       (f'[[agents]]\nname = "wide"\nsource = "chain_sum"\n[[agents]]\nname = "ten"\nsource = '
+                        f'"chain_sum"\n{ten}val_size = 12\n', "agents[1] (ten).val_size = 12"),
+                       (f'[gate]\nval_size = 11\n[[agents]]\nname = "ten"\nsource = "chain_sum"\n{ten}',
+                        "agents[0] (ten) takes gate.val_size = 11")):
+        toml.write_text(f'run_dir = "{tmp_path / "run"}"\n{table}')
+        assert main(["run", "--config", str(toml)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"selfrl: error: {key}, but environment 'chain_sum' gives only 10 distinct tasks "
+                       "(sampled until no new one came): lower it below 10")
+        assert loaded == [] and not (tmp_path / "run").exists()

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from selfrl.config import JUDGE_DETECTORS, JUDGE_REWARD, ConfigError, JudgeConfig, RunConfig, check_resumable, require
-from selfrl.core.tasks import Task, TaskSource, assert_disjoint
+from selfrl.core.tasks import Task, TaskSource, assert_disjoint, count_distinct
 from selfrl.core.tools import Tool, resolve_tools
 from selfrl.engines import make_engine
 from selfrl.engines.base import SamplingEngine
@@ -110,6 +110,41 @@ def check_judge(judge: JudgeConfig, weights: dict[str, float]) -> None:
     check_weights({n: 1.0 for n in judge.reward_names()})
 
 
+def check_held_out_size(env, size: int, seed: int, key: str) -> None:
+    """``env`` gives at least ``size`` distinct tasks from ``seed`` (:func:`selfrl.core.tasks.count_distinct`:
+    a second or two for a source that has few, where drawing the held-out set would take minutes).
+    ``selfrl run`` (:func:`check_held_out_sizes`) and ``selfrl serve`` (:mod:`selfrl.serve.families`) call it
+    before the model loads.
+
+    Raises:
+        ConfigError: fewer tasks than ``size``; the message names ``key`` (the setting
+            to lower), the environment and how many distinct tasks it gave.
+    """
+    if (available := count_distinct(env, size, seed)) < size:
+        raise ConfigError(f"{key} = {size}, but environment {env.name!r} gives only {available} distinct tasks "
+                          f"(sampled until no new one came): lower it below {available}")
+
+
+def check_held_out_sizes(cfg: RunConfig, source: TaskSource) -> None:
+    """The run's held-out set fits its environment (``source``, :func:`make_source`):
+    ``gate.val_size`` distinct tasks of ``task.source``, or with ``[[agents]]`` each agent's
+    ``val_size`` (else ``gate.val_size``) of its own environment (:func:`check_held_out_size`).
+
+    Raises:
+        ConfigError: an environment with fewer distinct tasks than its held-out size; the message
+            names the setting to lower (``gate.val_size``, ``agents[0] (math).val_size``, or
+            ``agents[0] (math) takes gate.val_size``) and how many tasks there are.
+    """
+    if not cfg.agents:
+        check_held_out_size(source, cfg.gate.val_size, cfg.task.val_seed, "gate.val_size")
+        return
+    for i, a in enumerate(cfg.agents):
+        check_held_out_size(source.envs[a.name], cfg.gate.val_size if a.val_size is None else a.val_size,
+                            cfg.task.val_seed if a.val_seed is None else a.val_seed,
+                            f"agents[{i}] ({a.name}).val_size" if a.val_size is not None else
+                            f"agents[{i}] ({a.name}) takes gate.val_size")
+
+
 @dataclass
 class RunSetup:
     """Everything a run is built from, made once by :func:`build_run`."""
@@ -146,8 +181,9 @@ def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
 
     Raises:
         FileExistsError / FileNotFoundError: as :func:`selfrl.run.main.run`.
-        selfrl.config.ConfigError: ``resume`` with settings the stored run cannot change, or a
-            name no registry knows (:func:`check_names`; before any model loads).
+        selfrl.config.ConfigError: ``resume`` with settings the stored run cannot change, a
+            name no registry knows (:func:`check_names`), or a held-out set larger than its
+            environment's distinct tasks (:func:`check_held_out_sizes`); all before any model loads.
         selfrl.record.runlock.RunDirLocked: another process (a run, a resume, a server) writes ``run_dir``.
         ConnectionError: ``sampler.url`` does not answer (before any model loads).
     """
@@ -183,6 +219,7 @@ def assemble_run(cfg: RunConfig, resume: bool, run_dir: Path) -> RunSetup:
     if resume and stored.exists():
         check_resumable(json.loads(stored.read_text()), cfg.to_dict())
     source = make_source(cfg)  # the environment (selfrl.envs), or the agents' ([[agents]])
+    check_held_out_sizes(cfg, source)  # in seconds, where a held-out set too large took minutes of top-up draws
     train, val = source.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     assert_disjoint(train, val)
     tools = resolve_tools(cfg.rollout.tools)

@@ -107,7 +107,7 @@ class FamilyGate:
 
 def check_family_sources(cfg: ServeConfig) -> None:
     """Each family's environment can be built from its ``source`` and ``options``, and has the
-    distinct tasks its held-out set asks for (:func:`check_held_out_size`).
+    distinct tasks its held-out set asks for (:func:`selfrl.run.setup.check_held_out_size`).
 
     Raises:
         selfrl.config.ConfigError: an unknown environment (the valid names listed), bad options,
@@ -115,6 +115,7 @@ def check_family_sources(cfg: ServeConfig) -> None:
     """
     from selfrl.config import ConfigError
     from selfrl.envs.registry import build_env
+    from selfrl.run.setup import check_held_out_size
 
     for i, f in enumerate(cfg.families):
         try:
@@ -126,18 +127,3 @@ def check_family_sources(cfg: ServeConfig) -> None:
                             f"families[{i}] ({f.name}).val_size" if f.val_size is not None else
                             f"families[{i}] ({f.name}) takes gate.val_size")
 
-
-def check_held_out_size(env, size: int, seed: int, key: str) -> None:
-    """``env`` gives at least ``size`` distinct tasks from ``seed`` (:func:`selfrl.core.tasks.count_distinct`:
-    a second or two for a source that has few, where drawing the held-out set would take minutes).
-
-    Raises:
-        selfrl.config.ConfigError: fewer tasks than ``size``; the message names ``key`` (the setting
-            to lower), the environment and how many distinct tasks it gave.
-    """
-    from selfrl.config import ConfigError
-    from selfrl.core.tasks import count_distinct
-
-    if (available := count_distinct(env, size, seed)) < size:
-        raise ConfigError(f"{key} = {size}, but environment {env.name!r} gives only {available} distinct tasks "
-                          f"(sampled until no new one came): lower it below {available}")

@@ -88,7 +88,7 @@ def _serve(config: str | None, overrides: dict[str, Any], api_key_file: str | No
 
             check_family_sources(cfg)  # each family's environment and the tasks of its held-out set
         else:
-            from selfrl.serve.families import check_held_out_size
+            from selfrl.run.setup import check_held_out_size
 
             check_held_out_size(get_env(cfg.task.source, **cfg.task.options), cfg.gate.val_size, cfg.task.val_seed,
                                 "gate.val_size")
