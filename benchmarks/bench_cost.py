@@ -11,6 +11,9 @@ run's iterations with min and max (``--repeats`` does not apply: one run, many
 iterations). Tokens generated count the sampled completion tokens of every rollout;
 tokens trained count the completion tokens of the sequences that went into the update
 (those with a non-zero advantage; the others are skipped, see ``selfrl.rl.learner``).
+A run that has not finished (:mod:`selfrl.report.finished`) is measured over the iterations it
+has, and marked: ``finished`` false and ``status`` ``unfinished: iteration K of N`` in the JSON,
+the status in the table's title and a note on stderr.
 """
 
 from __future__ import annotations
@@ -25,22 +28,25 @@ from common import ROOT, Stats, base_parser, command_line, envelope, finish, mod
 
 
 def cost_figures(run_dir: Path) -> dict:
-    """Times, ratios and token rates of the finished run in ``run_dir``.
+    """Times, ratios and token rates of the run in ``run_dir``, with ``finished`` and ``status``
+    (``"finished"``, ``"unfinished: iteration 3 of 10"``, ``"stopped at ..."``:
+    :meth:`selfrl.report.finished.RunProgress.line`).
 
     Raises:
         FileNotFoundError: no run there.
         ValueError: the run has no completed iteration.
     """
     from selfrl.record.store import Store
+    from selfrl.report.finished import run_progress
 
     run_dir = Path(run_dir)
     if not (run_dir / "selfrl.db").exists():
         raise FileNotFoundError(f"no selfrl run at {run_dir}")
     cfg = json.loads((run_dir / "config.json").read_text())
     per_iter = cfg["num_prompts"] * cfg["num_generations"]
-    store = Store(run_dir / "selfrl.db")
-    rows = store.metrics()
-    store.close()
+    with Store(run_dir / "selfrl.db", readonly=True) as store:
+        rows = store.metrics()
+        progress = run_progress(store, cfg)
     by_step: dict[int, dict[str, float]] = {}
     validation = []
     for r in rows:
@@ -59,7 +65,9 @@ def cost_figures(run_dir: Path) -> dict:
     trained = [m.get("num_tokens", 0.0) for m in iters]
     inference, training = sum(roll), sum(upd)
     return {
-        "run_dir": str(run_dir), "iterations": len(iters), "rollouts_per_iteration": per_iter,
+        "run_dir": str(run_dir), "finished": progress.finished,
+        "status": progress.line(),
+        "iterations": len(iters), "rollouts_per_iteration": per_iter,
         "inference_s": inference, "training_s": training, "validation_s": sum(validation),
         "validations": len(validation), "val_size": cfg["gate"]["val_size"],
         "cost_ratio": (inference + training) / inference,
@@ -95,6 +103,9 @@ def main(argv: list[str] | None = None) -> dict:
         run_dir = work / "run"
     fig = cost_figures(run_dir)
     result.update(fig)
+    if not fig["finished"]:
+        print(f"bench_cost: note: the run at {run_dir} is {fig['status']}: the figures are over the "
+              f"{fig['iterations']} iterations it has", file=sys.stderr)
     rows = [
         ["inference (rollouts)", f"{fig['inference_s']:.1f}", fig["inference_per_task_s"].fmt(".3f")],
         ["training (updates)", f"{fig['training_s']:.1f}", fig["training_per_task_s"].fmt(".3f")],
@@ -105,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
         ["tokens trained per second", f"{fig['trained_tokens']:.0f} tokens", fig["trained_tokens_per_s"].fmt(".1f")],
     ]
     print_table(f"cost of learning: {fig['iterations']} iterations x {fig['rollouts_per_iteration']} rollouts "
-                f"({fig['skipped_updates']} updates skipped)",
+                f"({fig['skipped_updates']} updates skipped)" + ("" if fig["finished"] else f"; {fig['status']}"),
                 ["figure", "run total (s)", "per task / iteration: median [min, max]"], rows)
     print(f"wrote {finish(result, 'cost', args.out)}")
     return result

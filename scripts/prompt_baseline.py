@@ -14,7 +14,9 @@ tasks (default the config's ``gate.batch_size``), so memory stays bounded whatev
 ``gate.val_size`` is. A line on stderr after each batch shows progress. Prints
 success with its 95 % Wilson interval; with ``--run-dir``, also the paired difference of
 the run's final (latest promoted) version against each prompt on the tasks both were
-evaluated on (``selfrl.core.stats.paired_difference_ci``). Nothing is trained or stored;
+evaluated on (``selfrl.core.stats.paired_difference_ci``); a run that has not finished
+(:mod:`selfrl.report.finished`: still going, interrupted or killed midway) is refused before the
+model loads, as its final version is not the run's result yet. Nothing is trained or stored;
 ``--per-task FILE`` writes ``{k: {task id: solved}}`` as JSON, to pair with a run measured later.
 """
 
@@ -33,6 +35,24 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:  # ConfigError and JSONDecodeError are ValueErrors
         print(f"prompt_baseline: error: {e}", file=sys.stderr)
         return 2
+
+
+def check_finished(run_dir: Path) -> None:
+    """The run in ``run_dir`` (which holds ``selfrl.db``) has finished (:func:`selfrl.report.finished.run_progress`).
+
+    Raises:
+        ValueError: it has not, with how far it got (``unfinished: iteration 3 of 10``) and what to do.
+    """
+    from selfrl.record.store import Store
+    from selfrl.report.finished import run_progress
+    from selfrl.report.run import run_config
+
+    with Store(run_dir / "selfrl.db", readonly=True) as store:
+        progress = run_progress(store, run_config(run_dir, store))
+    if not progress.finished:
+        raise ValueError(f"run {run_dir} is {progress.line()}: its final version is not the run's result yet; "
+                         f"let it finish (selfrl run --resume {run_dir}), or leave out --run-dir and pair the "
+                         "prompts with the run later (--per-task)")
 
 
 def baseline(argv: list[str] | None = None) -> int:
@@ -75,6 +95,8 @@ def baseline(argv: list[str] | None = None) -> int:
         raise ValueError("--shots above 0 shows worked examples, and this config sets rollout.demonstration = false "
                          "(no example is shown); drop it or pass --set rollout.demonstration=true")
     run = load_outcome(Path(a.run_dir), "run") if a.run_dir else None  # before the model loads
+    if run is not None:
+        check_finished(Path(a.run_dir))
     if run is not None and run.final_version is None:
         raise ValueError(f"run {a.run_dir} promoted no version: there is no RL result to compare")
     if run is not None and not run.final:

@@ -98,6 +98,7 @@ def test_cost_tiny(tmp_path):
     assert r["cost_ratio"] == pytest.approx((inference + training) / inference)
     assert r["generated_tokens"] == pytest.approx(sum(x["train/completion_tokens"] * 4 for x in its))
     assert r["validations"] >= 1  # the base model at least
+    assert (r["finished"], r["status"]) == (True, "finished")
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "two"])
@@ -114,6 +115,28 @@ def test_every_benchmark_refuses_fewer_than_one_repeat(value, capsys):
 def test_cost_refuses_missing_run(tmp_path):
     with pytest.raises(FileNotFoundError):
         bench_cost.cost_figures(tmp_path)
+
+
+def test_cost_marks_a_run_that_has_not_finished(tmp_path, capsys):
+    """Killed after 1 of its 3 iterations: the figures are over that one, and say so."""
+    from selfrl.record.store import Store
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps({"iterations": 3, "num_prompts": 2, "num_generations": 2,
+                                                     "gate": {"val_size": 4}}))
+    with Store(run_dir / "selfrl.db") as store:
+        run = store.start_run({})
+        store.log_metrics(run, 0, {"reward/mean": 0.5, "time/rollout_s": 2.0, "time/update_s": 1.0,
+                                   "train/completion_tokens": 5.0, "num_tokens": 12.0})
+    r = bench_cost.main(["--run-dir", str(run_dir), "--out", str(tmp_path)])
+    assert (r["finished"], r["status"], r["iterations"]) == (False, "unfinished: iteration 1 of 3", 1)
+    assert r["cost_ratio"] == pytest.approx(1.5) and r["generated_tokens"] == pytest.approx(20.0)
+    assert json.loads((tmp_path / "cost.json").read_text())["status"] == "unfinished: iteration 1 of 3"
+    out, err = capsys.readouterr()
+    assert "(0 updates skipped); unfinished: iteration 1 of 3" in out
+    assert f"bench_cost: note: the run at {run_dir} is unfinished: iteration 1 of 3: the figures are over the " \
+           "1 iterations it has" in err
 
 
 def test_checkpoint_at_equal_wall_clock():

@@ -110,3 +110,40 @@ def test_shots_without_demonstration_are_refused(tmp_path, model_dir, recorded, 
     cfg = write_config(tmp_path, model_dir)
     assert load_script().main(["--config", str(cfg), "--shots", "0", "2", "--set", "rollout.demonstration=false"]) == 2
     assert "rollout.demonstration" in capsys.readouterr().err and calls == []
+
+
+def test_an_unfinished_run_is_refused_before_the_model_loads(tmp_path, model_dir, monkeypatch, capsys):
+    """A run killed after 1 of its 2 iterations: its final version is not its result. The same run
+    finished gets past the check (to the model load, stopped here)."""
+    import json
+
+    from selfrl.record.store import Store
+
+    class Loaded(Exception):
+        pass
+
+    def build_policy(cfg):
+        raise Loaded
+
+    monkeypatch.setattr("selfrl.model.load.build_policy", build_policy)
+    cfg = write_config(tmp_path, model_dir)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps({"iterations": 2}))
+    with Store(run_dir / "selfrl.db") as store:
+        run = store.start_run({})
+        store.log_metrics(run, 0, {"reward/mean": 0.5})
+        store.add_version(0, None, None, "base", {"val/success": 0.5})
+        store.add_evaluation(0, [("t1", True, None), ("t2", False, None)])
+        store.add_version(1, 0, None, "promoted", {"val/success": 1.0})
+        store.add_evaluation(1, [("t1", True, None), ("t2", True, None)])
+    argv = ["--config", str(cfg), "--shots", "0", "--run-dir", str(run_dir)]
+    assert load_script().main(argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"prompt_baseline: error: run {run_dir} is unfinished: iteration 1 of 2: its final version is not the "
+        f"run's result yet; let it finish (selfrl run --resume {run_dir}), or leave out --run-dir and pair the "
+        "prompts with the run later (--per-task)")
+    with Store(run_dir / "selfrl.db") as store:
+        store.log_metrics(run, 1, {"reward/mean": 0.5})
+    with pytest.raises(Loaded):
+        load_script().main(argv)
