@@ -1,5 +1,7 @@
 """The soak's verdict (``scripts/soak.py``): the targets measured, and the figure.
 
+    python scripts/soak_report.py runs/soak   # the folder scripts/soak.py --out wrote
+
 Reads ``<out>``: ``soak.json`` (the faults and the held-out pairs), ``timeline.jsonl`` (the
 samples), ``events.jsonl`` (every request and verdict of the simulator) and ``run/selfrl.db``
 (the server's store: versions, events, metrics, served turns). Writes ``targets.md``,
@@ -41,6 +43,7 @@ How each target is measured:
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -375,5 +378,20 @@ def report(out: Path) -> str:
     return table
 
 
+def main(argv: list[str] | None = None) -> int:
+    """Print :func:`report` of the folder named on the command line; 0. A missing argument, or a
+    folder without ``soak.json`` or ``run/selfrl.db``, is a usage error (exit code 2, argparse's)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path, help="the soak's folder (scripts/soak.py --out, e.g. runs/soak): "
+                                          "soak.json, timeline.jsonl, events.jsonl and run/selfrl.db")
+    a = p.parse_args(argv)
+    missing = [name for name in ("soak.json", "run/selfrl.db") if not (a.out / name).exists()]
+    if missing:
+        p.error(f"{a.out} holds no finished soak (no {' and no '.join(missing)}): pass the folder given to "
+                "scripts/soak.py --out, after the soak ended (a soak stopped early writes no soak.json)")
+    print(report(a.out))
+    return 0
+
+
 if __name__ == "__main__":
-    print(report(Path(sys.argv[1])))
+    sys.exit(main())

@@ -1,6 +1,7 @@
 """``scripts/soak.py`` without a soak: its flags' ranges, and that every way a soak ends (SIGTERM,
 Ctrl-C, a setup failing after the mount) goes through the same close: the server stopped, the run
-directory kept, the tmpfs unmounted. Nothing here mounts or starts a server."""
+directory kept, the tmpfs unmounted; and ``scripts/soak_report.py``'s one argument, the soak's folder.
+Nothing here mounts or starts a server."""
 
 from __future__ import annotations
 
@@ -171,3 +172,24 @@ def test_soak_baseline_refuses_flags_out_of_range_before_it_starts_a_server(flag
         soak_baseline.main(["--out", str(tmp_path / "out"), *flags])
     assert stop.value.code == 2 and f"error: {message}" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "the following arguments are required: out"),
+    (["{tmp}/gone"], "{tmp}/gone holds no finished soak (no soak.json and no run/selfrl.db): pass the folder "
+                     "given to scripts/soak.py --out, after the soak ended (a soak stopped early writes no soak.json)"),
+    (["{tmp}"], "{tmp} holds no finished soak (no soak.json): pass the folder given to scripts/soak.py --out, "
+                "after the soak ended (a soak stopped early writes no soak.json)"),
+])
+def test_soak_report_without_a_soak_folder_is_a_usage_error(argv, message, tmp_path):
+    """It was a traceback (IndexError on sys.argv[1], or the store failing to open). ``{tmp}`` holds
+    ``run/selfrl.db`` but no ``soak.json``: a soak stopped early."""
+    import subprocess
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "selfrl.db").write_bytes(b"")
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    script = Path(__file__).resolve().parents[1] / "scripts" / "soak_report.py"
+    done = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"usage: soak_report.py [-h] out\nsoak_report.py: error: {message.format(tmp=tmp_path)}\n"
