@@ -123,7 +123,7 @@ def test_the_served_learner_drops_too_old_turns_weighs_late_ones_and_answers_fee
         m = {r["name"]: r["value"] for r in service.store.metrics() if r["step"] == 1}
         assert m["feedback/behind"] == 4.0 and 0.0 < m["feedback/weight_mean"] <= 2.0 and m["feedback/too_old"] == 0
 
-        stale = rated_turns(service)  # sampled by version 2, stored now
+        stale = rated_turns(service)  # sampled by the served version, stored now
         clock.t += 2 * 86400.0  # two days later, beyond max_feedback_age_s = 1 day
         answer = feedback(stale[0][0])
         assert answer["outcome"] == "too_old" and "more than max_age_s = 86400" in answer["reason"]
@@ -131,8 +131,13 @@ def test_the_served_learner_drops_too_old_turns_weighs_late_ones_and_answers_fee
             assert records.find_response(service.store, stale[0][0].id)["status"] == "skipped"  # never trained
         for _, row in stale:
             row["created_at"] = clock() - 2 * 86400.0
-        info = learner.update(stale)
-        assert info["too_old"] == 4 and info["result"].startswith("skipped")
+        info = learner.update(stale)  # a learner behind its traffic: the skip says so (it said "no group had reward spread")
+        assert info["too_old"] == 4 and info["reason"] == "too_old" and info["result"].startswith("skipped")
+        versions = sorted({t.adapter_version for t, _ in stale})
+        assert f"4 turn(s) sampled by versions {versions} were past the age rule" in info["result"]
+        assert "max_feedback_age_s = 86400" in info["result"] and "the learner is behind the traffic" in info["result"]
+        skip = [e for e in service.store.events() if e["kind"] == "skip"][-1]
+        assert skip["data"]["too_old"] == 4 and "no group had reward spread" not in skip["message"]
         with service.store.lock:
             assert {records.find_response(service.store, t.id)["status"] for t, _ in stale} == {"skipped"}
     finally:

@@ -329,15 +329,12 @@ class BackgroundLearner(threading.Thread):
         reward_mean = sum(t.reward for t in scored) / max(len(scored), 1)
         info: dict[str, Any] = {"turns": n_turns, "scored": len(scored), "with_signal": len(usable) - len(gone),
                                 "reward_mean": reward_mean, "too_old": len(too_old) + len(gone)}
-        if gone and not train:
+        if (gone or too_old) and not train:  # nothing left to train on: the skip names the age rule, not "no spread"
             self.updates += 1
             records.mark(self.store, scored, "skipped", None)  # the rest had no signal
-            versions = sorted({t.adapter_version for t in gone})
-            note = (f"every turn with a signal ({len(gone)}) was sampled by a version whose weights are no longer "
-                    f"stored or cannot be read (versions {versions}): only recorded (version retention keeps "
-                    "every served version the age rule may still train on)")
+            note = stale_note(too_old, gone, self.ages.policy)
             self.ledger.event(EventKind.SKIP, f"iteration {step_no}: update skipped: {note}",
-                              {"iteration": step_no, "reason": "too_old", "weights_gone": len(gone)})
+                              {"iteration": step_no, "reason": "too_old", "too_old": len(too_old), "weights_gone": len(gone)})
             self.last = {**info, "result": f"skipped ({note})", "reason": "too_old"}
             return self.last
         step = cycle.update(step_no, train, parent)
@@ -346,7 +343,8 @@ class BackgroundLearner(threading.Thread):
             self._made = step.candidate.version
         if step.candidate is None:
             records.mark(self.store, scored, "skipped", None)
-            info["result"] = f"skipped ({step.result.note})"
+            stale = f"; {len(too_old) + len(gone)} of its {n_turns} turns were too old" if too_old or gone else ""
+            info["result"] = f"skipped ({step.result.note}{stale})"
             info["reason"] = step.result.reason.value
             self.last = info
             return info
@@ -434,6 +432,25 @@ def own_logps(model, learner: Learner, temperature: float, trajs: list[Trajector
             copy.advantage = t.advantage
             out.append(copy)
     return out
+
+
+def stale_note(too_old: list, gone: list[Trajectory], policy) -> str:
+    """Why an update had nothing to train on but turns past the age rule (``too_old``: pairs of a
+    turn and its :class:`~selfrl.serve.late_feedback.AgeDecision`) or whose version's weights are
+    gone (``gone``): the counts, the versions, the cutoffs and what to change."""
+    parts = []
+    if too_old:
+        versions = sorted({t.adapter_version for t, _ in too_old})
+        parts.append(f"{len(too_old)} turn(s) sampled by versions {versions} were past the age rule "
+                     f"(learner.max_feedback_age_versions = {policy.max_versions} weight changes, "
+                     f"max_feedback_age_s = {policy.max_age_s:g}): the learner is behind the traffic; they are only "
+                     "recorded (raise the cutoff, send less traffic, or validate less often: gate.eval_every)")
+    if gone:
+        versions = sorted({t.adapter_version for t in gone})
+        parts.append(f"every turn with a signal ({len(gone)}) was sampled by a version whose weights are no longer "
+                     f"stored or cannot be read (versions {versions}): only recorded (version retention keeps "
+                     "every served version the age rule may still train on)")
+    return "; ".join(parts)
 
 
 def leave_out_gone(store: Store, usable: list[Trajectory], train: list[Trajectory], scored: list[Trajectory]):
