@@ -229,7 +229,7 @@ class GateConfig:
     """Validation settings."""
 
     val_size: int = 128  # held-out tasks (pass@1, greedy)
-    eval_every: int = 4  # updates between validations (run; serve validates every candidate)
+    eval_every: int = 4  # updates between validations (run's default; serve's is 1: every candidate validated)
     tolerance: float = 0.02  # a candidate may trail the best by at most this (absolute)
     batch_size: int = 64  # trajectories per generation batch during validation
     rule: str = "newest"  # served at the end of selfrl run: newest (promoted) | best (highest held-out success)

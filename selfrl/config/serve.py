@@ -186,6 +186,22 @@ def check_retention(cfg: "ServeConfig") -> None:
     ])  # a replica prunes nothing: the owner of the run directory prunes the store they share
 
 
+def check_chain(cfg: "ServeConfig") -> None:
+    """``gate.eval_every`` against the age rule: the k-th update of a chain (``selfrl.serve.chain``)
+    trains on turns sampled by the champion, k - 1 weight changes of the learner behind.
+
+    Raises:
+        selfrl.config.ConfigError: ``learner.max_feedback_age_versions`` below ``gate.eval_every - 1``:
+            every turn would be too old for the chain's later updates, and no chain would reach the gate.
+    """
+    every, ages = cfg.gate.eval_every, cfg.learner.max_feedback_age_versions
+    require([(every - 1 <= ages, f"gate.eval_every = {every} trains {every - 1} unvalidated candidates before the "
+              f"gate, but learner.max_feedback_age_versions = {ages}: the served turns (sampled by the champion, "
+              f"up to {every - 1} weight changes behind by then) would be too old to train on and no candidate would "
+              f"reach the gate; raise learner.max_feedback_age_versions to {every - 1} or more, or lower "
+              f"gate.eval_every to {ages + 1} or less")])
+
+
 @dataclass
 class ServeConfig:
     """Everything ``selfrl serve`` needs (defaults serve the embedded SmolLM2 on 127.0.0.1:8000)."""
@@ -212,7 +228,8 @@ class ServeConfig:
     lora: LoraSettings = field(default_factory=LoraSettings)
     train: TrainConfig = field(default_factory=TrainConfig)
     learner: LearnerSettings = field(default_factory=LearnerSettings)
-    gate: GateConfig = field(default_factory=lambda: GateConfig(val_size=64))
+    # eval_every 1: every candidate validated before it may be served (run's default is 4; selfrl.serve.chain)
+    gate: GateConfig = field(default_factory=lambda: GateConfig(val_size=64, eval_every=1))
     task: TaskConfig = field(default_factory=TaskConfig)  # the validation tasks of the gate (with [[families]]: only val_seed, their default)
     # families of traffic, each with its own held-out set and tolerance ([[families]] tables; empty: [task]'s)
     families: list[FamilyConfig] = field(default_factory=list, metadata={"table_of": FamilyConfig})
@@ -245,6 +262,7 @@ class ServeConfig:
         self.learner.check("learner.")
         self.retention.check("retention.")
         check_retention(self)
+        check_chain(self)
         check_families(self, given)
         unused = [f"task.{k}" for k in RUN_ONLY_TASK_KEYS if f"task.{k}" in given]
         require([(not unused, f"{', '.join(unused)}: selfrl run's task settings, which selfrl serve does not "

@@ -172,6 +172,9 @@ class Ledger:
         self.lock = store.lock  # held by every step; hold it to make several steps one
         self.champion: Champion | None = None
         self.missing: dict[int, str] = {}  # version -> why this process does not serve it (its folder is not there)
+        # serve's gate.eval_every: the unvalidated candidate whose weights the learner holds, trained on between
+        # two validations (selfrl.serve.chain); None: the learner holds the champion's (the age rule reads it)
+        self.chain_head: int | None = None
 
     # -- reading -----------------------------------------------------------------------
 
@@ -302,15 +305,20 @@ class Ledger:
         is rejected as corrupt, a success within ``tolerance`` of the champion's is promoted,
         anything else rejected. Promote and reject write the row and the event here; the
         caller then serves the champion (promoted: the candidate, with :meth:`set_champion`).
+        A candidate trained from a version rolled back meanwhile (an admin's rollback; its parent,
+        or, through a chain of unvalidated candidates, the version the chain started from) is rejected.
         ``veto`` (several agents: the conflicts of their gates) rejects an intact candidate,
         with the veto as the reason and ``veto_data`` in its ``reject`` event's data."""
         champ = self.champion
         best = champ.success if champ.success is not None else 0.0
         rec = self.get(version)
         parent = self.get(rec.parent) if rec.parent is not None else None
+        while parent is not None and parent.status == VersionStatus.CANDIDATE and parent.parent is not None:
+            parent = self.get(parent.parent)  # a chain of unvalidated candidates: where it was trained from
         if parent is not None and parent.status == VersionStatus.ROLLED_BACK:  # an admin rolled back meanwhile
-            msg = (f"version {version} rejected: its parent version {parent.version} was rolled back; "
-                   f"serving version {champ.version}")
+            whose = (f"its parent version {parent.version}" if parent.version == rec.parent
+                     else f"version {parent.version}, which its chain was trained from,")
+            msg = f"version {version} rejected: {whose} was rolled back; serving version {champ.version}"
             self._set(version, VersionStatus.REJECTED, {"parent_rolled_back": parent.version})
             self.event(EventKind.REJECT, msg, {"version": version})
             return Verdict("rejected", msg)

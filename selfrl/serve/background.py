@@ -22,8 +22,10 @@ Departures from ``selfrl run``, on purpose:
   skipped as ``no_group`` (the message says how to fix it).
 * A turn none of whose reward components applies (no feedback, no tool call) is not
   trained on (``run`` scores such a rollout 0).
-* Every candidate is validated before it is served (``selfrl run`` validates every
-  ``eval_every`` updates).
+* ``gate.eval_every`` defaults to 1 (``selfrl run``'s to 4): every candidate is validated before
+  it may be served. With k > 1 the learner trains on from k - 1 unvalidated candidates that are
+  never served and validates the k-th; rejected, it goes back to the champion and the chain's
+  candidates are rejected with it (:mod:`selfrl.serve.chain`). Nothing unvalidated is served.
 * A storage fault (disk full, store locked, ...: :mod:`selfrl.record.storage_errors`) pauses the
   learner instead of stopping it: it waits ``learner.retry_s`` seconds, doubling up to
   ``learner.retry_max_s``, until a probe write succeeds, undoes what the failed step left
@@ -57,6 +59,7 @@ from selfrl.rl.batch import collate
 from selfrl.rl.logprobs import per_token_logps
 from selfrl.record import adapters, served as records
 from selfrl.config.serve import ServeConfig
+from selfrl.serve.chain import CandidateChain
 from selfrl.serve.families import held_out_sets
 from selfrl.serve.feedback import score_served
 from selfrl.serve.health import StorageWatch
@@ -138,6 +141,7 @@ class BackgroundLearner(threading.Thread):
         self.monitor = HackingMonitor(cfg.detectors, lc.reward_weights)
         self.clock, self.prune = clock, prune
         self.ages = FeedbackAges.from_config(lc, ledger, clock)  # the age rule (selfrl.serve.late_feedback)
+        self.chain = CandidateChain(ledger, cfg.gate.eval_every)  # candidates between two validations
         self.cycle = UpdateCycle(ledger, self.learner, CollapseGuard(cfg.collapse), self.monitor, cfg.collapse,
                                  cfg.gate.tolerance, cfg.train.scale_rewards, load=self._load, clock=clock)
         self.lock = threading.RLock()
@@ -181,7 +185,8 @@ class BackgroundLearner(threading.Thread):
                                                    "since": self.paused_since}
         return {"alive": self.is_alive(), "busy": self.busy, "updates": self.updates, "best_version": champ.version,
                 "best_val_success": champ.success, "last_update": self.last, "error": self.error, "paused": paused,
-                "backoff": self.cycle.backoff(), "families_learned": self.families.learned() if self.families else None}
+                "backoff": self.cycle.backoff(), "families_learned": self.families.learned() if self.families else None,
+                "chained": self.chain.status()}
 
     # -- storage faults: pause, undo, resume -------------------------------------------
 
@@ -247,6 +252,7 @@ class BackgroundLearner(threading.Thread):
         self._made = None
         self.ledger.recover_strays()
         self.cycle.restore_champion()
+        self.chain.end(f"an update of its chain failed on a storage fault ({self.paused.kind.value})")
         self.cycle.guard.new_chain()
 
     # -- steps -------------------------------------------------------------------------
@@ -306,7 +312,7 @@ class BackgroundLearner(threading.Thread):
         return own_logps(self.model, self.learner, self.cfg.learner.temperature, trajs)
 
     def update(self, batch: list[tuple[Trajectory, dict]]) -> dict[str, Any]:
-        """Score, update, save a candidate, check the collapse rules, validate it, publish or reject it."""
+        """Score, update, save a candidate, check the collapse rules, validate it (or chain it: gate.eval_every)."""
         t0, cycle = time.perf_counter(), self.cycle
         faults.set_iteration(self.updates)  # SELFRL_FAULT counts the learner's updates as iterations
         self._apply_reset()
@@ -319,7 +325,7 @@ class BackgroundLearner(threading.Thread):
         scored, unscored = self.score(batch)
         records.mark(self.store, unscored, "skipped", None)
         usable = [t for t in scored if t.advantage]
-        parent = self.ledger.champion.version
+        parent, sampled = self.chain.current, self.ledger.champion.version  # a chain's candidate samples nothing
         step_no = self.updates
         train, ages = (self.recompute_old_logps(usable), {}) if usable else (scored, {})
         gone: list[Trajectory] = []
@@ -331,11 +337,7 @@ class BackgroundLearner(threading.Thread):
                                 "reward_mean": reward_mean, "too_old": len(too_old) + len(gone)}
         if (gone or too_old) and not train:  # nothing left to train on: the skip names the age rule, not "no spread"
             self.updates += 1
-            records.mark(self.store, scored, "skipped", None)  # the rest had no signal
-            note = stale_note(too_old, gone, self.ages.policy)
-            self.ledger.event(EventKind.SKIP, f"iteration {step_no}: update skipped: {note}",
-                              {"iteration": step_no, "reason": "too_old", "too_old": len(too_old), "weights_gone": len(gone)})
-            self.last = {**info, "result": f"skipped ({note})", "reason": "too_old"}
+            self.last = skip_stale(self.ledger, step_no, too_old, gone, scored, info, self.ages.policy)
             return self.last
         step = cycle.update(step_no, train, parent)
         self.updates += 1
@@ -352,7 +354,7 @@ class BackgroundLearner(threading.Thread):
         # the names run logs, so that a restart rebuilds the collapse history (UpdateCycle.resume); each family's too
         metrics = step.result.metrics() | ages | {
             "feedback/too_old": float(len(too_old) + len(gone)), "reward/mean": reward_mean, "version": float(version),
-            "sampled_version": float(parent)} | collapse.batch_metrics(
+            "sampled_version": float(sampled)} | collapse.batch_metrics(
                 scored, {t.id: row.get("family") for t, row in batch}, self.cfg.collapse)
         if step.candidate_kl is not None:
             metrics["candidate_kl"] = step.candidate_kl
@@ -362,6 +364,8 @@ class BackgroundLearner(threading.Thread):
         info.update(version=version, update_s=step.result.stats.get("time/update_s"))
         if cycle.observe(rec).rolled_back:  # a cheap collapse rule fired: rolled back before validation
             info["result"] = "rolled back (collapse)"
+        elif not self.chain.due(version):  # gate.eval_every: unvalidated, unserved; the next update trains on from it
+            info["result"] = self.chain.status()["message"]
         else:
             res = self.validate(version)
             veto, data = self.families.veto(step_no, res.results) if self.families else (None, None)  # no forgetting
@@ -373,6 +377,7 @@ class BackgroundLearner(threading.Thread):
                 info["swap_s"] = self.publish(version, champ.state, verdict.message)
             elif verdict.outcome == "collapse":
                 info["result"] = "rolled back (collapse)"
+        self.chain.settle(version)
         self._apply_reset()
         self._made = None
         info["seconds"] = time.perf_counter() - t0
@@ -381,20 +386,20 @@ class BackgroundLearner(threading.Thread):
 
     def _logps_under(self, version: int, trajs: list[Trajectory]) -> list[list[float]]:
         """(T,) log-probs of each of ``trajs`` under ``version``'s stored weights at
-        ``learner.temperature``; the champion's weights are loaded back after.
+        ``learner.temperature``; the weights it held (the champion's, or a chain's candidate's) are loaded back after.
 
         Raises:
             FileNotFoundError, ValueError: the version's weights are not stored (any more).
         """
         try:
-            state, champ = self.ledger.load_state(version), self.ledger.champion
+            state, held = self.ledger.load_state(version), adapters.lora_state(self.model)
         except (KeyError, FileNotFoundError, adapters.CorruptVersionError) as e:  # any other OSError: a storage fault
             raise FileNotFoundError(f"version {version}: {e}") from e
         try:
             self._load(state, version)
             return [t.logprobs for t in self.recompute_old_logps(trajs)]
         finally:
-            self._load(champ.state, champ.version)
+            self._load(held, self.chain.current)
 
     def _load(self, state: dict, version: int) -> None:
         from peft import set_peft_model_state_dict
@@ -414,6 +419,7 @@ class BackgroundLearner(threading.Thread):
             self._load(champion.state, champion.version)
             self.learner.reset_optimizer()
             self.cycle.guard.new_chain()
+            self.chain.end(f"an admin rolled back to version {champion.version}")
 
 
 @torch.no_grad()
@@ -464,3 +470,16 @@ def leave_out_gone(store: Store, usable: list[Trajectory], train: list[Trajector
         train, scored = [t for t in train if t.id not in ids], [t for t in scored if t.id not in ids]
         records.mark(store, gone, "skipped", None)
     return gone, train, scored
+
+
+def skip_stale(ledger: Ledger, step_no: int, too_old: list, gone: list[Trajectory], scored: list[Trajectory],
+               info: dict[str, Any], policy) -> dict[str, Any]:
+    """Update ``step_no`` skipped because nothing was left to train on but turns past the age rule
+    (``too_old``) or turns with a signal whose version's weights are gone (``gone``): ``scored`` (the
+    rest, without a signal) marked ``skipped``, a ``skip`` event (reason ``too_old``, :func:`stale_note`
+    its message); returns ``info`` with the result that says why."""
+    records.mark(ledger.store, scored, "skipped", None)  # the rest had no signal
+    note = stale_note(too_old, gone, policy)
+    ledger.event(EventKind.SKIP, f"iteration {step_no}: update skipped: {note}",
+                 {"iteration": step_no, "reason": "too_old", "too_old": len(too_old), "weights_gone": len(gone)})
+    return {**info, "result": f"skipped ({note})", "reason": "too_old"}

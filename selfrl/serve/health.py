@@ -19,6 +19,9 @@ WARNING) marks where a fault begins and where it ends.
   (:meth:`selfrl.run.cycle.UpdateCycle.backoff`: ``backing_off``, ``level``, the current
   ``learning_rate`` and ``beta``, ``paused_until`` of a cool-down, ...); backing off or pausing
   is not a fault: the answer stays 200 ``ok`` and requests are served as usual;
+* while candidates wait for the gate (``gate.eval_every`` > 1, :mod:`selfrl.serve.chain`), also
+  ``"chained"``: ``{"versions", "eval_every", "message": "chained: 1 of 2 before the gate"}``
+  (none of them is served);
 * degraded: ``{"status": "degraded", "served_version": N, "reasons": [{"code", "message"}]}``,
   with HTTP 503 and ``Retry-After`` while a storage fault lasts (a request that records
   would be refused: a load balancer should send traffic elsewhere), and HTTP 200 when
@@ -144,6 +147,8 @@ def health(service) -> tuple[int, dict[str, Any], dict[str, str]]:
     backoff = learner.cycle.backoff() if learner is not None else None
     if backoff and (backoff["backing_off"] or backoff["paused_until"] is not None or backoff["stopped"]):
         body["backoff"] = backoff  # the collapse budget off its configured setting (serving goes on as usual)
+    if learner is not None and (chained := learner.chain.status()) is not None:
+        body["chained"] = chained  # candidates trained on, not validated yet (gate.eval_every), none served
     if reasons:
         body["reasons"] = reasons
     return status, body, headers

@@ -27,7 +27,9 @@ current weights.
 
 The learner's weight history (``loaded``) is rebuilt from the version ledger, so it outlives a
 restart: every candidate was trained from its parent, which the weights held just before it
-(:func:`weight_history`).
+(:func:`weight_history`). With ``gate.eval_every`` above 1 the learner trains on from candidates
+that are never served (:mod:`selfrl.serve.chain`): each is a weight change, but no turn is ever
+sampled by one, so a turn's version is always a served one, behind by the chain's changes.
 """
 
 from __future__ import annotations
@@ -55,7 +57,10 @@ def weight_history(ledger: Ledger) -> list[int]:
     >>> weight_history(L())
     [0, 1, 2, 1, 3]
 
-    On a replica, which holds no champion, the owner's is the newest servable row.
+    While the learner trains on from an unvalidated candidate (``gate.eval_every``, the ledger's
+    ``chain_head``: :mod:`selfrl.serve.chain`), that candidate is last instead of the champion: a
+    served turn is behind by the chain's weight changes too. On a replica, which holds no
+    champion, the owner's is the newest servable row.
     """
     loaded: list[int] = []
     records = ledger.all()
@@ -63,7 +68,9 @@ def weight_history(ledger: Ledger) -> list[int]:
         if v.parent is not None and (not loaded or loaded[-1] != v.parent):
             loaded.append(v.parent)
         loaded.append(v.version)
-    if ledger.champion is not None:
+    if getattr(ledger, "chain_head", None) is not None:  # gate.eval_every: the learner holds a chained candidate
+        champ = ledger.chain_head
+    elif ledger.champion is not None:
         champ = ledger.champion.version
     else:  # a replica (selfrl.serve.replica) holds no champion: the owner's is the newest servable row
         champ = next((v.version for v in reversed(records) if v.servable), None)
