@@ -162,6 +162,30 @@ def test_a_missing_version_folder_is_said_and_skipped_not_rolled_back(model_dir,
         assert 2 in [v.version for v in ledger.servable()] and ledger.missing == {}
 
 
+def test_a_version_retention_pruned_is_not_said_missing_at_a_restart(tiny_peft_model, tmp_path):
+    # each restart of a soaked server said "version N's folder is missing ... put the folder back"
+    # for every version retention had deleted on purpose
+    run_dir = tmp_path / "run"
+    with Store(run_dir / "selfrl.db") as store:
+        store.start_run({})
+        ledger = Ledger(store, 1, run_dir)
+        for v in (0, 1, 2):
+            path = adapters.save_version(tiny_peft_model, run_dir, v)
+            store.conn.execute("INSERT INTO adapter_versions (version, parent, path, status, created_at, metrics_json)"
+                               " VALUES (?, ?, ?, ?, 0, '{}')", (v, v - 1 if v else None, str(path),
+                                                                   "base" if v == 0 else "promoted"))
+        store.conn.commit()
+        ledger.mark_pruned(1, "deleted")
+        shutil.rmtree(adapters.version_dir(run_dir, 1))
+    with Store(run_dir / "selfrl.db") as store:  # the restart
+        ledger = Ledger(store, 1, run_dir)
+        assert ledger.latest_servable().version == 2 and ledger.missing == {}
+        assert [e for e in store.events() if e["kind"] == "missing_version"] == []
+        shutil.rmtree(adapters.version_dir(run_dir, 2))  # one gone without retention is still said
+        assert Ledger(store, 1, run_dir).latest_servable().version == 0
+        assert [e["data"]["version"] for e in store.events() if e["kind"] == "missing_version"] == [2]
+
+
 def test_serve_on_a_moved_directory_lists_what_it_can_serve(tiny_tokenizer, tiny_model_factory, tmp_path):
     """A corrupt promoted version below the newest is marked at start and not listed; a missing
     one is not listed either, but keeps its row (and its pin); the newest complete one is served."""

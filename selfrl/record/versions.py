@@ -407,7 +407,8 @@ class Ledger:
         """Check the folder of every base and promoted version and return the latest complete one.
 
         A folder that is not there is *missing*: recorded in :attr:`missing` (this process does not
-        serve it) with a ``missing_version`` event, its row left as it is. One that is there but not
+        serve it) with a ``missing_version`` event, its row left as it is. A version that retention
+        pruned (``pruned`` in its metrics) is neither checked nor said missing. One that is there but not
         complete is *corrupt*: marked ``rolled_back`` (reason kept) with a ``corrupt_version`` event.
 
         Raises:
@@ -415,7 +416,7 @@ class Ledger:
         """
         good = None
         for rec in reversed(self.all()):
-            if not rec.servable:
+            if not rec.servable or rec.metrics.get("pruned"):  # retention removed it on purpose: not missing
                 continue
             if rec.path and not Path(rec.path).exists():
                 reason = (f"version {rec.version}'s folder {rec.path} is missing: not served by this process "
