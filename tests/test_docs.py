@@ -458,3 +458,12 @@ def test_every_docs_page_named_in_the_code_exists():
     missing = [f"{where}: {page}" for where, page in named
                if page not in generated and not (ROOT / page).is_file()]
     assert not missing, "pages named in the code that the docs do not have:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/get-started/install.md"])
+def test_the_extras_table_lists_every_extra_of_pyproject(page):
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    assert {"serve", "simulate", "browser", "bench"} <= extras  # the scan reads the real pyproject
+    listed = set(re.findall(r"^\| `([\w-]+)` \|", (ROOT / page).read_text(), re.M))
+    assert extras - listed == set(), f"{page}'s table of extras leaves out {sorted(extras - listed)}"
+    assert listed & extras == extras
