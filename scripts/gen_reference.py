@@ -11,7 +11,8 @@ not committed (``.gitignore``).
   (``selfrl.cli.RUN_FLAGS`` / ``SERVE_FLAGS`` / ``SIMULATE_FLAGS``) and its help.
 - **Config**: every field of ``selfrl run``'s :class:`selfrl.config.RunConfig`, of
   ``selfrl serve``'s ``ServeConfig`` and of ``selfrl simulate``'s ``SimulateConfig``, one table
-  per section, with its type, default and help.
+  per section, with its type, default and help; the defaults are those of the command's default
+  config object (``ServeConfig().gate``), not of each section's class.
   A field's help is ``field(metadata={"help": ...})`` where given, else the comment on its
   line (``lr: float = 1e-4  # AdamW learning rate``), else the comment lines right above it;
   a section's help may also be its class docstring's first line.
@@ -200,33 +201,44 @@ def _toml(value) -> str:
     return repr(value)
 
 
-def config_rows(cls: type, prefix: str = "") -> list[tuple[str, type, list[dict[str, str]]]]:
+def config_rows(cls: type, prefix: str = "", defaults=None) -> list[tuple[str, type, list[dict[str, str]]]]:
     """``[(section, class, rows)]`` for ``cls`` and every section under it, depth first; a row has
     ``key``, ``type``, ``default`` and ``help``. An array of tables (``[[agents]]``) is a section
-    named ``agents[]``."""
+    named ``agents[]``.
+
+    ``defaults``: an instance of ``cls`` whose values are the defaults shown (``ServeConfig()``,
+    whose ``[gate]`` is ``GateConfig(val_size=64, eval_every=1)``, not the class's 128 and 4), its
+    sections' defaults read from its own sections; None: each class's own field defaults. An
+    array of tables always shows its item class's defaults."""
+    if defaults is not None and not isinstance(defaults, cls):
+        raise TypeError(f"defaults must be a {cls.__name__}, got {type(defaults).__name__}")
     rows, sections = [], []
     for f in dataclasses.fields(cls):
         item = f.metadata.get("table_of")
         section = item or _section_type(cls, f)
         if section is not None:
             name = f"{prefix}{f.name}" + ("[]" if item else "")
-            sections.extend(config_rows(section, name + "."))
+            inner = None if item or defaults is None else getattr(defaults, f.name)
+            sections.extend(config_rows(section if inner is None else type(inner), name + ".", inner))
             rows.append({"key": f.name, "type": f"[[{f.name}]] table" if item else "table",
                          "default": "", "help": field_help(cls, f), "section": name})
             continue
-        default = _default(f)
+        default = _default(f) if defaults is None else getattr(defaults, f.name)
         rows.append({"key": f.name, "type": _type_name(cls, f),
                      "default": "" if default is dataclasses.MISSING else _toml(default),
                      "help": field_help(cls, f)})
     return [(prefix.rstrip("."), cls, rows)] + sections
 
 
-def _run_and_serve() -> list[tuple[str, type]]:
+def _run_and_serve() -> list[tuple[str, type, object]]:
+    """``[(command, config class, its default instance)]``: the instance holds the defaults each
+    command really uses (a section's default may differ from its class's own)."""
     from selfrl.config import RunConfig
     from selfrl.config.serve import ServeConfig
     from selfrl.config.simulate import SimulateConfig
 
-    return [("selfrl run", RunConfig), ("selfrl serve", ServeConfig), ("selfrl simulate", SimulateConfig)]
+    return [(command, cls, cls()) for command, cls in
+            [("selfrl run", RunConfig), ("selfrl serve", ServeConfig), ("selfrl simulate", SimulateConfig)]]
 
 
 def config_reference() -> str:
@@ -236,10 +248,10 @@ def config_reference() -> str:
            "top-level keys, then one table per section (`[train]`, `[gate]`, ...), as in "
            "`configs/demo.toml`. An unknown key or a wrong type is an error that names the valid keys. "
            "A [flag](cli.md) overrides the file; an environment's own defaults sit under both.\n\n"]
-    for command, cls in _run_and_serve():
+    for command, cls, defaults in _run_and_serve():
         anchor = command.replace(" ", "-")
         out.append(f"## `{command}`\n\n{_doc_line(cls)}\n\n")
-        for section, section_cls, rows in config_rows(cls):
+        for section, section_cls, rows in config_rows(cls, defaults=defaults):
             title = section if section else "top-level keys"
             if section:
                 out.append(f"### `[{section.replace('[]', '')}]`{' (array of tables)' if section.endswith('[]') else ''}"
@@ -326,8 +338,8 @@ def missing_help() -> list[str]:
     missing = []
     for name, sub in subcommands(cli.build_parser()).items():
         missing += [f"selfrl {name} {row['name']}" for row in flag_rows(sub) if not row["help"].strip()]
-    for command, cls in _run_and_serve():
-        for section, _, rows in config_rows(cls):
+    for command, cls, defaults in _run_and_serve():
+        for section, _, rows in config_rows(cls, defaults=defaults):
             missing += [f"{command}: {section + '.' if section else ''}{row['key']}" for row in rows
                         if not row["help"].strip()]
     return missing

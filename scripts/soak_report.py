@@ -51,23 +51,88 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+PASS_THE_FOLDER = "pass the folder written by scripts/soak.py --out"
+SOAK_KEYS = ("started", "args", "faults", "pairs")  # what the report reads of soak.json
+SAMPLE_KEYS = ("t", "disk_mb", "success")  # what it reads of every sample of timeline.jsonl
+
+
+class NotASoak(ValueError):
+    """A file of the soak's folder is missing or unreadable; the message names it and says what to pass."""
+
+
+def _read_json(path: Path) -> dict:
+    """``soak.json`` as a dict with :data:`SOAK_KEYS`. Raises NotASoak: not JSON, not an object, a key missing."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise NotASoak(f"{path} cannot be read as JSON ({e}): {PASS_THE_FOLDER}") from None
+    if not isinstance(record, dict):
+        raise NotASoak(f"{path} holds a {type(record).__name__}, not the soak's record (a JSON object): {PASS_THE_FOLDER}")
+    missing = [k for k in SOAK_KEYS if k not in record]
+    if missing:
+        raise NotASoak(f"{path} is not the soak's record (no {', '.join(missing)}): {PASS_THE_FOLDER}")
+    return record
+
+
 def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    """The JSON objects of ``path``, one a line (blank lines skipped). Raises NotASoak: ``path``
+    missing or unreadable, or a line that is not a JSON object."""
+    if not path.exists():
+        raise NotASoak(f"{path} is missing: {PASS_THE_FOLDER}")
+    rows = []
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise NotASoak(f"{path} cannot be read ({e}): {PASS_THE_FOLDER}") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise NotASoak(f"{path}, line {n}, is not JSON ({e}): {PASS_THE_FOLDER}") from None
+        if not isinstance(row, dict):
+            raise NotASoak(f"{path}, line {n}, is not a JSON object: {PASS_THE_FOLDER}")
+        rows.append(row)
+    return rows
 
 
 def load(out: Path) -> dict:
+    """Everything the report reads of the soak's folder ``out`` (see the module docstring).
+
+    Raises:
+        NotASoak: ``soak.json`` unreadable or not the soak's record; ``timeline.jsonl`` or
+            ``events.jsonl`` (the simulator's log, written from its start) missing or not JSON
+            lines, or a timeline without a sample or with a sample lacking one of :data:`SAMPLE_KEYS`;
+            ``run/selfrl.db`` not a server's store (not
+            SQLite, empty, or without the server's tables).
+    """
+    import sqlite3
+
     from selfrl.record.store import Store
 
+    soak, timeline = _read_json(out / "soak.json"), _read_jsonl(out / "timeline.jsonl")
+    if not timeline:
+        raise NotASoak(f"{out / 'timeline.jsonl'} holds no samples: {PASS_THE_FOLDER}")
+    for n, sample in enumerate(timeline, 1):
+        missing = [k for k in SAMPLE_KEYS if k not in sample]
+        if missing:
+            raise NotASoak(f"{out / 'timeline.jsonl'}: sample {n} is not a soak's sample (no {', '.join(missing)}): "
+                           f"{PASS_THE_FOLDER}")
+    sim = _read_jsonl(out / "events.jsonl")
     run = out / "run"
-    with Store(run / "selfrl.db", readonly=True) as store:
-        versions = {v["version"]: v for v in store.versions()}
-        events = store.events()
-        metrics = store.metrics()
-        served = {r[0]: r[1] for r in store.conn.execute("SELECT response_id, trajectory_id FROM served")}
-        evaluations = {int(r[0]): store.evaluation(int(r[0]))
-                       for r in store.conn.execute("SELECT DISTINCT version FROM evaluations")}
-    return {"evaluations": evaluations, "soak": json.loads((out / "soak.json").read_text()), "timeline": _read_jsonl(out / "timeline.jsonl"),
-            "sim": _read_jsonl(out / "events.jsonl"), "versions": versions, "events": events, "metrics": metrics,
+    try:
+        with Store(run / "selfrl.db", readonly=True) as store:
+            versions = {v["version"]: v for v in store.versions()}
+            events = store.events()
+            metrics = store.metrics()
+            served = {r[0]: r[1] for r in store.conn.execute("SELECT response_id, trajectory_id FROM served")}
+            evaluations = {int(r[0]): store.evaluation(int(r[0]))
+                           for r in store.conn.execute("SELECT DISTINCT version FROM evaluations")}
+    except sqlite3.DatabaseError as e:
+        raise NotASoak(f"{run / 'selfrl.db'} cannot be read as the server's store ({e}): {PASS_THE_FOLDER}") from None
+    return {"evaluations": evaluations, "soak": soak, "timeline": timeline,
+            "sim": sim, "versions": versions, "events": events, "metrics": metrics,
             "served": served, "run": run}
 
 
@@ -379,8 +444,9 @@ def report(out: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print :func:`report` of the folder named on the command line; 0. A missing argument, or a
-    folder without ``soak.json`` or ``run/selfrl.db``, is a usage error (exit code 2, argparse's)."""
+    """Print :func:`report` of the folder named on the command line; 0. A missing argument, a
+    folder without ``soak.json`` or ``run/selfrl.db``, or one whose files are damaged
+    (:class:`NotASoak`), is a usage error (exit code 2, argparse's) that names the file."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="the soak's folder (scripts/soak.py --out, e.g. runs/soak): "
                                           "soak.json, timeline.jsonl, events.jsonl and run/selfrl.db")
@@ -389,7 +455,10 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         p.error(f"{a.out} holds no finished soak (no {' and no '.join(missing)}): pass the folder given to "
                 "scripts/soak.py --out, after the soak ended (a soak stopped early writes no soak.json)")
-    print(report(a.out))
+    try:
+        print(report(a.out))
+    except NotASoak as e:
+        p.error(str(e))
     return 0
 
 

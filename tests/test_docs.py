@@ -187,6 +187,26 @@ def test_the_generated_reference_lists_every_flag_and_field():
     assert "{#selfrl-run-train}" in config and "`learning_rate` | `float` | `0.0001` | AdamW learning rate" in config
 
 
+def _section_table(config: str, anchor: str) -> dict[str, str]:
+    """``{key: default}`` of the table under the heading with ``{#anchor}`` of the config page."""
+    text = config.split("{#" + anchor + "}", 1)[1].split("\n### ", 1)[0]
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| [^|]*(?:\\\|[^|]*)* \| `?([^|`]*)`? \|", text, re.M)}
+
+
+def test_the_generated_reference_shows_the_defaults_each_command_really_uses():
+    from selfrl.config import GateConfig, RunConfig
+    from selfrl.config.serve import ServeConfig
+
+    config = _gen().config_reference()
+    serve_gate, run_gate = _section_table(config, "selfrl-serve-gate"), _section_table(config, "selfrl-run-gate")
+    assert (ServeConfig().gate.val_size, ServeConfig().gate.eval_every) == (64, 1)  # serve's own GateConfig
+    assert (GateConfig().val_size, GateConfig().eval_every) == (128, 4) == (RunConfig().gate.val_size, RunConfig().gate.eval_every)
+    assert (serve_gate["val_size"], serve_gate["eval_every"]) == ("64", "1")
+    assert (run_gate["val_size"], run_gate["eval_every"]) == ("128", "4")
+    assert _section_table(config, "selfrl-serve-sampler")["kind"] == '"vllm"'
+    assert _section_table(config, "selfrl-run-sampler")["kind"] == '"selfrl"'
+
+
 # ------------------------------------------------------------------ commands in the docs
 
 
@@ -458,3 +478,12 @@ def test_every_docs_page_named_in_the_code_exists():
     missing = [f"{where}: {page}" for where, page in named
                if page not in generated and not (ROOT / page).is_file()]
     assert not missing, "pages named in the code that the docs do not have:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/get-started/install.md"])
+def test_the_extras_table_lists_every_extra_of_pyproject(page):
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    assert {"serve", "simulate", "browser", "bench"} <= extras  # the scan reads the real pyproject
+    listed = set(re.findall(r"^\| `([\w-]+)` \|", (ROOT / page).read_text(), re.M))
+    assert extras - listed == set(), f"{page}'s table of extras leaves out {sorted(extras - listed)}"
+    assert listed & extras == extras

@@ -1,6 +1,6 @@
 """``scripts/soak.py`` without a soak: its flags' ranges, and that every way a soak ends (SIGTERM,
 Ctrl-C, a setup failing after the mount) goes through the same close: the server stopped, the run
-directory kept, the tmpfs unmounted; and ``scripts/soak_report.py``'s one argument, the soak's folder.
+directory kept, the tmpfs unmounted; and ``scripts/soak_report.py``'s one argument, the soak's folder, whole or damaged.
 Nothing here mounts or starts a server."""
 
 from __future__ import annotations
@@ -193,3 +193,70 @@ def test_soak_report_without_a_soak_folder_is_a_usage_error(argv, message, tmp_p
     done = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == f"usage: soak_report.py [-h] out\nsoak_report.py: error: {message.format(tmp=tmp_path)}\n"
+
+
+def _a_soak_folder(out: Path) -> None:
+    """The smallest folder ``scripts/soak_report.py`` reports on: a server's empty store, a
+    ``soak.json`` with the keys it reads, one sample, an empty simulator log."""
+    import json
+
+    from selfrl.record import served
+    from selfrl.record.store import Store
+
+    (out / "run").mkdir(parents=True)
+    with Store(out / "run" / "selfrl.db") as store:
+        served.init(store)
+    (out / "soak.json").write_text(json.dumps({"started": 0.0, "pairs": {}, "faults": [], "args": {
+        "tolerance": 0.05, "rss_warmup_min": 10.0, "keep_newest": 0, "keep_promoted": 0}}))
+    (out / "timeline.jsonl").write_text(json.dumps({"t": 10.0, "disk_mb": 1.5, "success": {}, "rss_mb": None,
+                                                    "pid": None}) + "\n")
+    (out / "events.jsonl").write_text("")
+
+
+def _soak_report(out: Path):
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "soak_report.py"
+    return subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=120)
+
+
+PASS = "pass the folder written by scripts/soak.py --out"
+
+
+def test_soak_report_reports_on_the_smallest_soak_folder(tmp_path):
+    """The folder the damaged cases below start from is whole: the report runs and writes its table."""
+    _a_soak_folder(tmp_path)
+    done = _soak_report(tmp_path)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr  # (matplotlib may warn: no legend)
+    assert "max run dir 1.5 MB" in done.stdout and (tmp_path / "targets.md").read_text() in done.stdout
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda o: (o / "timeline.jsonl").unlink(), "{tmp}/timeline.jsonl is missing: " + PASS),
+    (lambda o: (o / "timeline.jsonl").write_text(""), "{tmp}/timeline.jsonl holds no samples: " + PASS),
+    (lambda o: (o / "timeline.jsonl").write_text('{"t": 1}\n'),
+     "{tmp}/timeline.jsonl: sample 1 is not a soak's sample (no disk_mb, success): " + PASS),
+    (lambda o: (o / "timeline.jsonl").write_text('{"t": 1, "disk_mb": 1, "success": {}}\n{"t": 2, "disk'),
+     "{tmp}/timeline.jsonl, line 2, is not JSON (Unterminated string starting at: line 1 column 10 (char 9)): " + PASS),
+    (lambda o: (o / "events.jsonl").unlink(), "{tmp}/events.jsonl is missing: " + PASS),
+    (lambda o: (o / "soak.json").write_text("soak: not json"),
+     "{tmp}/soak.json cannot be read as JSON (Expecting value: line 1 column 1 (char 0)): " + PASS),
+    (lambda o: (o / "soak.json").write_text("[1, 2]"),
+     "{tmp}/soak.json holds a list, not the soak's record (a JSON object): " + PASS),
+    (lambda o: (o / "soak.json").write_text('{"started": 0}'),
+     "{tmp}/soak.json is not the soak's record (no args, faults, pairs): " + PASS),
+    (lambda o: (o / "run" / "selfrl.db").write_bytes(b"garbage, not SQLite " * 100),
+     "{tmp}/run/selfrl.db cannot be read as the server's store (file is not a database): " + PASS),
+    (lambda o: (o / "run" / "selfrl.db").write_bytes(b""),
+     "{tmp}/run/selfrl.db cannot be read as the server's store (no such table: adapter_versions): " + PASS),
+], ids=["timeline-missing", "timeline-empty", "sample-incomplete", "timeline-garbage", "events-missing",
+        "soak-json-garbage", "soak-json-list", "soak-json-keys", "db-garbage", "db-empty"])
+def test_soak_report_on_a_damaged_soak_folder_is_a_usage_error_naming_the_file(damage, message, tmp_path):
+    """It was a traceback: a TypeError formatting None (no timeline), a JSONDecodeError (soak.json),
+    a sqlite3 error (the store). Nothing is written."""
+    _a_soak_folder(tmp_path)
+    damage(tmp_path)
+    done = _soak_report(tmp_path)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"usage: soak_report.py [-h] out\nsoak_report.py: error: {message.format(tmp=tmp_path)}\n"
+    assert not (tmp_path / "targets.md").exists()
