@@ -27,13 +27,17 @@ def simulate(config: str | None, overrides: dict[str, Any], api_key_file: str | 
         selfrl.config.ConfigError: a bad config (the CLI prints it).
         ValueError: a family cannot be built (unknown environment, ``tool_choice = "required"``
             without tools, ...: :func:`selfrl.simulate.families.build_families`), the API key file
-            is unreadable or empty, or the key is shorter than 16 characters.
+            is unreadable or empty, or the key is shorter than 16 characters; ``out_dir`` is a file
+            (:class:`selfrl.record.rundir.NotAFolder`).
     """
     from selfrl.engines.http import api_key_source, load_api_key
     from selfrl.simulate.families import build_families
     from selfrl.simulate.simulator import Simulator, default_client
 
+    from selfrl.record.rundir import check_folder
+
     cfg = load_simulate_config(config, overrides)
+    check_folder(cfg.out_dir)  # a file given for the output folder: refused before anything is sent
     families = build_families(cfg)  # before the server is contacted: a family that cannot run is bad input
     key = load_api_key(api_key_file)  # the file's first line, else SELFRL_API_KEY (ValueError: unreadable, short)
     if not key:
