@@ -23,7 +23,6 @@ import json
 import os
 import signal
 import sys
-import warnings
 from pathlib import Path
 
 CPU_MATMUL_HELP = ("auto | onednn | torch: frozen fp32 products on the CPU through oneDNN (auto, where available) "
@@ -255,8 +254,9 @@ def _main(args: argparse.Namespace) -> int:
         return report_command(args)
     # Nothing is fetched from a model hub while a run goes; HF_HUB_OFFLINE=0 allows it.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # A deprecation inside transformers, raised on every run; not ours to fix.
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    from selfrl.core.quiet import silence_library_warnings
+
+    silence_library_warnings()  # a deprecation inside transformers, raised on every run; not ours to fix
     from selfrl.config import ConfigError
     from selfrl.model.load import ModelLoadError
     from selfrl.safety.swap_check import SwapCheckError
