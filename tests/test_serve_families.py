@@ -187,7 +187,7 @@ def test_a_held_out_set_larger_than_the_environment_is_refused_before_the_model_
         err = capsys.readouterr().err.strip()
         assert code == 2 and loaded == [] and time.monotonic() - t < 30
         assert err == (f"selfrl: error: {key}, but environment 'web' gives only 967 distinct tasks (sampled until "
-                       "no new one came): lower it below 967")
+                       "no new one came): lower it to at most 967")
     from selfrl.serve.families import check_family_sources
     from selfrl.serve.main import load_serve_config
 
@@ -195,6 +195,6 @@ def test_a_held_out_set_larger_than_the_environment_is_refused_before_the_model_
     with pytest.raises(ConfigError) as err:
         check_family_sources(load_serve_config(str(toml), {}))
     assert str(err.value) == ("families[0] (web) takes gate.val_size = 990, but environment 'web' gives only 967 "
-                              "distinct tasks (sampled until no new one came): lower it below 967")
+                              "distinct tasks (sampled until no new one came): lower it to at most 967")
     toml.write_text('[[families]]\nname = "web"\nsource = "web"\noptions = { tier = "easy" }\nval_size = 24\n')
     assert check_family_sources(load_serve_config(str(toml), {})) is None

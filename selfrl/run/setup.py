@@ -123,7 +123,7 @@ def check_held_out_size(env, size: int, seed: int, key: str) -> None:
     """
     if (available := count_distinct(env, size, seed)) < size:
         raise ConfigError(f"{key} = {size}, but environment {env.name!r} gives only {available} distinct tasks "
-                          f"(sampled until no new one came): lower it below {available}")
+                          f"(sampled until no new one came): lower it to at most {available}")
 
 
 def check_held_out_sizes(cfg: RunConfig, source: TaskSource) -> None:
