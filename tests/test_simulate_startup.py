@@ -57,6 +57,18 @@ def test_a_phase_naming_an_unknown_family_is_refused(tmp_path):
         load_simulate_config(p)
 
 
+def test_own_families_without_phases_are_told_to_add_phases(tmp_path):
+    toml = tmp_path / "sim.toml"
+    toml.write_text('[[families]]\nname = "sums"\nenv = "chain_sum"\n')
+    with pytest.raises(ConfigError) as err:
+        load_simulate_config(toml)
+    assert str(err.value) == ("[[families]] is set but [[phases]] is not, and the default schedule's phases name the "
+                              "families arithmetic, function_calling, web: add [[phases]] tables that weight your own "
+                              "families (sums), e.g. [[phases]] duration_s = 3600, weights = { sums = 1.0 }")
+    toml.write_text(toml.read_text() + '[[phases]]\nweights = { sums = 1.0 }\n')
+    assert [f.name for f in load_simulate_config(toml).families] == ["sums"]
+
+
 def test_the_shipped_config_is_the_default():
     from pathlib import Path
 
