@@ -46,7 +46,7 @@ RUN_FLAGS = {
     "--eval-every": ("gate.eval_every", int, "updates between validations"),
     "--gate-rule": ("gate.rule", str, "version served when the run ends: newest (the newest promoted, default) | "
                     "best (the highest held-out success)"),
-    "--run-dir": ("run_dir", str, "output folder"),
+    "--run-dir": ("run_dir", str, "output folder (default: runs/default; with --resume: RUN_DIR)"),
     "--seed": ("seed", int, "random seed"),
     "--device": ("model.device", str, "auto | cpu | cuda: where the policy, learner and reference pass run"),
     "--dtype": ("model.dtype", str, "auto | float32 | bfloat16 (auto: bf16 on a GPU that has it, else fp32)"),
@@ -186,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_ = sub.add_parser("compare", help="runs side by side: overview figures and paired held-out differences")
     cmp_.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="two or more run folders; the first is the reference")
     cmp_.add_argument("--out", default="selfrl-compare", help="output folder (default: ./selfrl-compare)")
+    p.subcommands = sub.choices  # name -> its parser (main says an unknown flag with the subcommand's usage)
     return p
 
 
@@ -237,7 +238,10 @@ EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "pydanti
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (:data:`EXIT_CODES`)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said with the subcommand's usage, not the top-level one
+        parser.subcommands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return _main(args)
     except ModuleNotFoundError as e:

@@ -109,3 +109,22 @@ def test_run_with_a_model_path_that_does_not_exist_leaves_no_run_directory(tmp_p
     assert capsys.readouterr().err == (f"selfrl: error: cannot load model '{missing}': no such directory (a model "
                                        "is a local directory or a hub id org/name)\n")
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("command", ["run", "simulate", "serve", "report"])
+def test_an_unknown_flag_is_said_with_the_subcommand_s_usage(command, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main([command, "--bogus", "x"] if command != "report" else [command, "RUN", "--bogus", "x"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: selfrl {command} [-h]")
+    assert err.endswith(f"selfrl {command}: error: unrecognized arguments: --bogus x\n"), err
+
+
+def test_run_help_gives_the_run_dir_default(capsys):
+    from selfrl.config import RunConfig
+
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    help_ = " ".join(capsys.readouterr().out.split())
+    assert f"--run-dir RUN_DIR output folder (default: {RunConfig().run_dir}; with --resume: RUN_DIR)" in help_
