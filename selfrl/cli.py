@@ -340,7 +340,12 @@ def _main(args: argparse.Namespace) -> int:
         overrides["run_dir"] = args.resume
         stored = Path(args.resume) / "config.json"
         if stored.exists() and not args.config:
-            base = json.loads(stored.read_text())  # resume with the run's own settings
+            try:
+                base = json.loads(stored.read_text())  # resume with the run's own settings
+            except (ValueError, OSError) as e:
+                print(f"selfrl: error: {stored} cannot be read as the run's settings ({e}): restore it from a "
+                      f"backup, or pass --config with the run's settings", file=sys.stderr)
+                return 2
     from selfrl.run.shutdown import GracefulStop, exit_code
 
     try:

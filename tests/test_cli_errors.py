@@ -128,3 +128,13 @@ def test_run_help_gives_the_run_dir_default(capsys):
         main(["run", "--help"])
     help_ = " ".join(capsys.readouterr().out.split())
     assert f"--run-dir RUN_DIR output folder (default: {RunConfig().run_dir}; with --resume: RUN_DIR)" in help_
+
+
+def test_resume_with_a_damaged_config_json_is_one_line(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    Store(run_dir / "selfrl.db").close()
+    (run_dir / "config.json").write_text("{not json")
+    assert main(["run", "--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"selfrl: error: {run_dir / 'config.json'} cannot be read as the run's settings (")
+    assert err.endswith("): restore it from a backup, or pass --config with the run's settings\n")
