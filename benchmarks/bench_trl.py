@@ -60,7 +60,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    RESULTS, ROOT, base_parser, command_line, envelope, finish, in_memory_dataset, loadavg, model_name,
+    RESULTS, ROOT, base_parser, command_line, envelope, finish, in_memory_dataset, loadavg, model_name, out_folder,
     peak_rss_bytes, print_table, run_child, write_result,
 )
 from trl_setup import grpo_args, grpo_trainer, load_trainable, step_timeline  # noqa: E402
@@ -443,7 +443,8 @@ def plot_parser() -> argparse.ArgumentParser:
     p.add_argument("results", nargs="+", type=Path, help="arms' JSON files (benchmarks/results/trl_*.json)")
     p.add_argument("--png", type=Path, default=RESULTS / "trl_curve.png", help="the figure (PNG)")
     p.add_argument("--levels", default="0.3,0.4,0.5", help="held-out success levels to time, comma-separated")
-    p.add_argument("--out", type=Path, default=None, help="folder for trl_compare.json (default benchmarks/results)")
+    p.add_argument("--out", type=out_folder, default=None,
+                   help="folder for trl_compare.json (default benchmarks/results)")
     return p
 
 

@@ -153,13 +153,27 @@ def at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def out_folder(text: str) -> Path:
+    """An argparse ``type`` for ``--out``: a folder path that is not a file (nor under one), so a
+    benchmark is refused at once rather than failing to write after its whole run
+    (``argument --out: X is a file, not a folder: give a folder path``); a missing folder passes."""
+    from selfrl.record.rundir import NotAFolder, check_folder
+
+    try:
+        check_folder(text)
+    except NotAFolder as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return Path(text)
+
+
 def base_parser(doc: str) -> argparse.ArgumentParser:
     """The flags every benchmark takes: ``--tiny``, ``--repeats``, ``--out``; the description is
     the first paragraph of ``doc`` (the benchmark's docstring), whole sentences."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny random model built from a config (seconds; smoke test)")
     p.add_argument("--repeats", type=at_least(1), default=3, help="timed repeats per figure (median, min, max)")
-    p.add_argument("--out", type=Path, default=None, help="folder for the JSON result (default benchmarks/results)")
+    p.add_argument("--out", type=out_folder, default=None,
+                   help="folder for the JSON result (default benchmarks/results); checked before any work")
     return p
 
 

@@ -55,23 +55,69 @@ def check_finished(run_dir: Path) -> None:
                          "prompts with the run later (--per-task)")
 
 
+def shot_count(text: str) -> int:
+    """An argparse ``type`` for ``--shots``: an integer >= 0 (the environment sets the most)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def build_shot_envs(cfg, shots: list[int]) -> list[tuple[int, object, list]]:
+    """``(k, environment, held-out tasks)`` for each ``k`` in ``shots``, all built before the model
+    loads and before any is evaluated, so that a count the environment refuses (more worked examples
+    than it can spare, or any above its most) fails at once.
+
+    Raises:
+        ValueError: names the count and the environment's reason.
+    """
+    from selfrl.envs import get_env
+
+    built = []
+    for k in shots:
+        try:
+            env = get_env(cfg.task.source, **{**cfg.task.options, "shots": k})
+            _, val = env.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
+        except ValueError as e:
+            if "no option 'shots'" in str(e):
+                raise ValueError(f"the k-shot baseline needs an environment with a 'shots' option: {e}") from e
+            raise ValueError(f"--shots {k}: {cfg.task.source} refuses it: {e}") from e
+        built.append((k, env, val))
+    return built
+
+
 def baseline(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True)
-    p.add_argument("--shots", type=int, nargs="+", default=[0, 3])
-    p.add_argument("--run-dir")
+    p.add_argument("--config", required=True,
+                   help="the run's TOML config (selfrl run --config): environment, held-out split, engine")
+    p.add_argument("--shots", type=shot_count, nargs="+", default=[0, 3],
+                   help="worked examples shown before each task, one evaluation per count (integers >= 0, at "
+                        "most what the environment can spare; default: 0 3)")
+    p.add_argument("--run-dir", help="a finished selfrl run of the same config: its final version is paired "
+                                     "against each prompt on the same held-out tasks")
     p.add_argument("--engine", help="sampling backend: auto | reference | slots (default: the config's engine)")
     p.add_argument("--batch-size", type=int,
                    help="held-out tasks per generation batch (default: the config's gate.batch_size)")
     p.add_argument("--per-task", help="write {shots: {task id: solved}} as JSON to this file")
     p.add_argument("--set", action="append", default=[], help="dotted config override KEY=JSON")
     a = p.parse_args(argv)
+    if a.per_task and not Path(a.per_task).absolute().parent.is_dir():
+        raise ValueError(f"--per-task {a.per_task}: the folder {Path(a.per_task).absolute().parent} does not exist; "
+                         "create it or give a path in an existing folder")
+    if a.per_task and Path(a.per_task).is_dir():
+        raise ValueError(f"--per-task {a.per_task} is a folder: give a file path")
 
+    from selfrl.core.quiet import silence_library_warnings
+
+    silence_library_warnings()
     import torch
 
     from selfrl.report.compare import load_outcome
     from selfrl.engines import make_engine
-    from selfrl.envs import get_env, load_run_config
+    from selfrl.envs import load_run_config
     from selfrl.safety.gate import validate
     from selfrl.model.load import build_policy
     from selfrl.core.stats import paired_difference_ci, wilson_interval
@@ -94,6 +140,7 @@ def baseline(argv: list[str] | None = None) -> int:
     if any(k > 0 for k in a.shots) and not cfg.rollout.demonstration:
         raise ValueError("--shots above 0 shows worked examples, and this config sets rollout.demonstration = false "
                          "(no example is shown); drop it or pass --set rollout.demonstration=true")
+    shot_envs = build_shot_envs(cfg, a.shots)  # every count checked before the model loads
     run = load_outcome(Path(a.run_dir), "run") if a.run_dir else None  # before the model loads
     if run is not None:
         check_finished(Path(a.run_dir))
@@ -113,12 +160,7 @@ def baseline(argv: list[str] | None = None) -> int:
         print(f"RL run {a.run_dir}: version {run.final_version}: {sum(run.final.values())}/{n} "
               f"= {sum(run.final.values()) / max(n, 1):.1%} [{lo:.1%}, {hi:.1%}]")
     per_task: dict[str, dict[str, bool]] = {}
-    for k in a.shots:
-        try:
-            env = get_env(cfg.task.source, **{**cfg.task.options, "shots": k})
-        except ValueError as e:
-            raise ValueError(f"the k-shot baseline needs an environment with a 'shots' option: {e}") from e
-        _, val = env.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
+    for k, env, val in shot_envs:
         t0, done = time.perf_counter(), 0
 
         def progress(n: int, k: int = k, total: int = len(val)) -> None:

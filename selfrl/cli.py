@@ -23,7 +23,6 @@ import json
 import os
 import signal
 import sys
-import warnings
 from pathlib import Path
 
 CPU_MATMUL_HELP = ("auto | onednn | torch: frozen fp32 products on the CPU through oneDNN (auto, where available) "
@@ -47,7 +46,7 @@ RUN_FLAGS = {
     "--eval-every": ("gate.eval_every", int, "updates between validations"),
     "--gate-rule": ("gate.rule", str, "version served when the run ends: newest (the newest promoted, default) | "
                     "best (the highest held-out success)"),
-    "--run-dir": ("run_dir", str, "output folder"),
+    "--run-dir": ("run_dir", str, "output folder (default: runs/default; with --resume: RUN_DIR)"),
     "--seed": ("seed", int, "random seed"),
     "--device": ("model.device", str, "auto | cpu | cuda: where the policy, learner and reference pass run"),
     "--dtype": ("model.dtype", str, "auto | float32 | bfloat16 (auto: bf16 on a GPU that has it, else fp32)"),
@@ -187,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_ = sub.add_parser("compare", help="runs side by side: overview figures and paired held-out differences")
     cmp_.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="two or more run folders; the first is the reference")
     cmp_.add_argument("--out", default="selfrl-compare", help="output folder (default: ./selfrl-compare)")
+    p.subcommands = sub.choices  # name -> its parser (main says an unknown flag with the subcommand's usage)
     return p
 
 
@@ -238,7 +238,10 @@ EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "pydanti
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (:data:`EXIT_CODES`)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said with the subcommand's usage, not the top-level one
+        parser.subcommands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return _main(args)
     except ModuleNotFoundError as e:
@@ -255,8 +258,9 @@ def _main(args: argparse.Namespace) -> int:
         return report_command(args)
     # Nothing is fetched from a model hub while a run goes; HF_HUB_OFFLINE=0 allows it.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # A deprecation inside transformers, raised on every run; not ours to fix.
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    from selfrl.core.quiet import silence_library_warnings
+
+    silence_library_warnings()  # a deprecation inside transformers, raised on every run; not ours to fix
     from selfrl.config import ConfigError
     from selfrl.model.load import ModelLoadError
     from selfrl.safety.swap_check import SwapCheckError
@@ -336,7 +340,12 @@ def _main(args: argparse.Namespace) -> int:
         overrides["run_dir"] = args.resume
         stored = Path(args.resume) / "config.json"
         if stored.exists() and not args.config:
-            base = json.loads(stored.read_text())  # resume with the run's own settings
+            try:
+                base = json.loads(stored.read_text())  # resume with the run's own settings
+            except (ValueError, OSError) as e:
+                print(f"selfrl: error: {stored} cannot be read as the run's settings ({e}): restore it from a "
+                      f"backup, or pass --config with the run's settings", file=sys.stderr)
+                return 2
     from selfrl.run.shutdown import GracefulStop, exit_code
 
     try:

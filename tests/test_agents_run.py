@@ -213,5 +213,5 @@ def test_a_held_out_set_larger_than_the_environment_is_refused_before_the_model_
         assert main(["run", "--config", str(toml)]) == 2
         err = capsys.readouterr().err.strip()
         assert err == (f"selfrl: error: {key}, but environment 'chain_sum' gives only 10 distinct tasks "
-                       "(sampled until no new one came): lower it below 10")
+                       "(sampled until no new one came): lower it to at most 10")
         assert loaded == [] and not (tmp_path / "run").exists()

@@ -174,6 +174,24 @@ def test_every_benchmark_refuses_fewer_than_one_repeat(value, capsys):
     assert base_parser("A benchmark.").parse_args(["--repeats", "1"]).repeats == 1
 
 
+def test_every_benchmark_refuses_a_file_for_its_out_folder_before_any_work(tmp_path, capsys):
+    from common import base_parser
+
+    afile = tmp_path / "result.json"
+    afile.write_text("{}")
+    for given in (afile, afile / "sub"):
+        with pytest.raises(SystemExit) as stop:
+            base_parser("A benchmark.").parse_args(["--out", str(given)])
+        assert stop.value.code == 2
+        under = "" if given == afile else f" ({given} lies under it)"
+        assert f"argument --out: {afile} is a file, not a folder{under}: give a folder path" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # the benchmark of the report: refused before its first measurement
+        bench_learner_memory.main(["--tiny", "--out", str(afile)])
+    assert stop.value.code == 2
+    assert afile.read_text() == "{}"
+    assert base_parser("A benchmark.").parse_args(["--out", str(tmp_path / "new")]).out == tmp_path / "new"
+
+
 def test_cost_refuses_missing_run(tmp_path):
     with pytest.raises(FileNotFoundError):
         bench_cost.cost_figures(tmp_path)

@@ -110,8 +110,13 @@ def test_split_is_disjoint_for_every_builtin_env():
                                    "function_calling": (200, 50)}.items():
         train, val = get_env(name).split(n_train, n_val, 1000, 2000)
         assert len(val) == n_val and not {t.id for t in train} & {t.id for t in val}, name
-    with pytest.raises(ValueError, match="exceed the 164"):
+    with pytest.raises(ValueError) as err:
         get_env("code").split(150, 48, 0, 0)
+    assert str(err.value) == ("code: 150 training + 48 held-out problems exceed the 164 there are in the humaneval "
+                              "tier; lower task.num_train or gate.val_size (with task.num_train = 150, gate.val_size "
+                              "can be at most 14)")
+    train, val = get_env("code").split(150, 14, 0, 0)  # the limit it names is accepted
+    assert (len(train), len(val)) == (150, 14)
 
 
 def test_tasks_module_imports_no_environment():

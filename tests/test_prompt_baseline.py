@@ -147,3 +147,61 @@ def test_an_unfinished_run_is_refused_before_the_model_loads(tmp_path, model_dir
         store.log_metrics(run, 1, {"reward/mean": 0.5})
     with pytest.raises(Loaded):
         load_script().main(argv)
+
+
+class Loaded(Exception):
+    """The model would load: every refusal below comes before it."""
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    def build_policy(cfg):
+        raise Loaded
+
+    monkeypatch.setattr("selfrl.model.load.build_policy", build_policy)
+
+
+@pytest.mark.parametrize("given", ["-1", "two"])
+def test_every_shot_count_is_checked_before_any_evaluation(given, tmp_path, model_dir, no_model, capsys):
+    cfg = write_config(tmp_path, model_dir)
+    with pytest.raises(SystemExit) as stop:
+        load_script().main(["--config", str(cfg), "--shots", "0", "3", given])
+    assert stop.value.code == 2
+    assert f"argument --shots: must be an integer >= 0, got {given!r}" in capsys.readouterr().err
+
+
+def test_more_shots_than_the_environment_allows_are_refused_at_once(tmp_path, model_dir, no_model, capsys):
+    cfg = write_config(tmp_path, model_dir)
+    text = cfg.read_text().replace('source = "arithmetic"', 'source = "code"\noptions = { tier = "easy" }')
+    cfg.write_text(text)
+    assert load_script().main(["--config", str(cfg), "--shots", "0", "100000"]) == 2
+    assert capsys.readouterr().err == ("prompt_baseline: error: --shots 100000: code refuses it: code: shots must be "
+                                       "an integer in 0-3, got 100000\n")
+
+
+def test_per_task_in_a_missing_folder_is_refused_before_any_work(tmp_path, model_dir, no_model, capsys):
+    cfg = write_config(tmp_path, model_dir)
+    where = tmp_path / "nowhere" / "per_task.json"
+    assert load_script().main(["--config", str(cfg), "--shots", "0", "--per-task", str(where)]) == 2
+    assert capsys.readouterr().err == (f"prompt_baseline: error: --per-task {where}: the folder {where.parent} does "
+                                       "not exist; create it or give a path in an existing folder\n")
+
+
+def test_flags_have_help_and_the_transformers_warning_is_silenced(tmp_path, model_dir, no_model, capsys):
+    import warnings
+
+    with pytest.raises(SystemExit):
+        load_script().main(["--help"])
+    help_ = " ".join(capsys.readouterr().out.split())
+    assert "the run's TOML config (selfrl run --config)" in help_
+    assert "worked examples shown before each task" in help_
+    assert "a finished selfrl run of the same config" in help_
+    cfg = write_config(tmp_path, model_dir)
+    with warnings.catch_warnings():  # the filters are restored after
+        warnings.resetwarnings()
+        with pytest.raises(Loaded):
+            load_script().main(["--config", str(cfg), "--shots", "0"])
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.warn("`is_gradient_checkpointing` is deprecated", FutureWarning)
+            warnings.warn("another deprecation", FutureWarning)
+        assert [str(w.message) for w in seen] == ["another deprecation"]

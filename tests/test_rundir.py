@@ -304,8 +304,9 @@ def test_a_second_writer_process_is_refused_and_a_killed_one_blocks_nothing(mode
 
 def test_a_reader_reads_a_store_whose_writer_was_killed_in_its_first_write(tmp_path):
     # a kill inside the first transaction, before the store is in WAL mode, leaves a hot journal
+    # (the committed part holds a runs table, as a store does: a file without one is not a store)
     db = tmp_path / "selfrl.db"
-    code = ("import os, sqlite3, sys\nc = sqlite3.connect(sys.argv[1]); c.execute('CREATE TABLE t (x)'); c.commit()\n"
+    code = ("import os, sqlite3, sys\nc = sqlite3.connect(sys.argv[1]); c.execute('CREATE TABLE runs (id)'); c.execute('CREATE TABLE t (x)'); c.commit()\n"
             "c.execute('BEGIN'); c.executemany('INSERT INTO t VALUES (?)', [('x' * 1000,)] * 5000)\nos._exit(9)\n")
     subprocess.run([sys.executable, "-c", code, str(db)], check=False)
     assert (tmp_path / "selfrl.db-journal").exists()

@@ -187,7 +187,7 @@ def test_a_held_out_set_larger_than_the_environment_is_refused_before_the_model_
         err = capsys.readouterr().err.strip()
         assert code == 2 and loaded == [] and time.monotonic() - t < 30
         assert err == (f"selfrl: error: {key}, but environment 'web' gives only 967 distinct tasks (sampled until "
-                       "no new one came): lower it below 967")
+                       "no new one came): lower it to at most 967")
     from selfrl.serve.families import check_family_sources
     from selfrl.serve.main import load_serve_config
 
@@ -195,6 +195,26 @@ def test_a_held_out_set_larger_than_the_environment_is_refused_before_the_model_
     with pytest.raises(ConfigError) as err:
         check_family_sources(load_serve_config(str(toml), {}))
     assert str(err.value) == ("families[0] (web) takes gate.val_size = 990, but environment 'web' gives only 967 "
-                              "distinct tasks (sampled until no new one came): lower it below 967")
+                              "distinct tasks (sampled until no new one came): lower it to at most 967")
     toml.write_text('[[families]]\nname = "web"\nsource = "web"\noptions = { tier = "easy" }\nval_size = 24\n')
     assert check_family_sources(load_serve_config(str(toml), {})) is None
+
+
+def test_a_gate_default_every_family_overrides_is_refused_not_ignored(tmp_path):
+    from selfrl.serve.main import load_serve_config
+
+    toml = tmp_path / "f.toml"
+    both = ('[[families]]\nname = "a"\nsource = "chain_sum"\nval_size = 8\nval_seed = 1\n'
+            '[[families]]\nname = "b"\nsource = "chain_sum"\nval_size = 8\nval_seed = 2\n')
+    toml.write_text(both)
+    with pytest.raises(ConfigError) as err:
+        load_serve_config(str(toml), {"gate.val_size": 5000})
+    assert str(err.value) == ("gate.val_size (--val-size) has no effect: every [[families]] sets val_size; set it "
+                              "there (or leave val_size out of a family to have it take this value)")
+    toml.write_text(both + "[task]\nval_seed = 7\n")
+    with pytest.raises(ConfigError) as err:
+        load_serve_config(str(toml), {})
+    assert str(err.value) == ("task.val_seed has no effect: every [[families]] sets val_seed; set it there (or "
+                              "leave val_seed out of a family to have it take this value)")
+    toml.write_text(both.replace("val_size = 8\nval_seed = 2\n", ""))  # family b takes both: they count
+    assert load_serve_config(str(toml), {"gate.val_size": 12}).gate.val_size == 12

@@ -152,3 +152,29 @@ def test_promotions_rejections_and_collapses_are_lines_in_serve_log_and_on_the_c
     assert [line[20:40] for line in shown] == ["selfrl: version 1 pr", "selfrl: version 2 re", "selfrl: iteration 2:"]
     assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d selfrl: ", line) for line in shown), shown
     assert any("selfrl.events.swap: serving version 1" in line for line in log)
+
+
+def test_a_stop_during_the_start_up_validation_ends_it_after_the_batch_under_way(tiny_tokenizer, tiny_model_factory,
+                                                                                tmp_path):
+    """Ctrl-C or SIGTERM while the base is validated (minutes on a large held-out set): the
+    validation ends between two generation batches, says so in serve.log and records nothing."""
+    from selfrl.serve.service import Service
+
+    cfg = tiny_serve_config(tmp_path / "run", min_batch=4)
+    cfg.gate.batch_size = 1  # four batches of one held-out task
+    handlers = open_log(cfg.run_dir, 100_000, 1, stream=io.StringIO())
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    service = Service(model, tiny_tokenizer, cfg, learner_model=copy.deepcopy(model))
+    learner = service.learner
+    try:
+        learner._halt.set()  # what stop() sets, from the thread that handles the signal
+        learner.ensure_champion_validated()
+        champ = learner.ledger.champion
+        assert champ.success is None and service.store.evaluation(champ.version) == {}
+        assert learner.busy is False
+    finally:
+        service.close()
+        close_log(handlers)
+    log = (tmp_path / "run" / "serve.log").read_text()
+    assert (f"WARNING selfrl.serve: the start-up validation of version {champ.version} stopped after 1 of 4 held-out tasks: the "
+            "server stops; the next start validates it again") in log

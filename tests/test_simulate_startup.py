@@ -57,6 +57,18 @@ def test_a_phase_naming_an_unknown_family_is_refused(tmp_path):
         load_simulate_config(p)
 
 
+def test_own_families_without_phases_are_told_to_add_phases(tmp_path):
+    toml = tmp_path / "sim.toml"
+    toml.write_text('[[families]]\nname = "sums"\nenv = "chain_sum"\n')
+    with pytest.raises(ConfigError) as err:
+        load_simulate_config(toml)
+    assert str(err.value) == ("[[families]] is set but [[phases]] is not, and the default schedule's phases name the "
+                              "families arithmetic, function_calling, web: add [[phases]] tables that weight your own "
+                              "families (sums), e.g. [[phases]] duration_s = 3600, weights = { sums = 1.0 }")
+    toml.write_text(toml.read_text() + '[[phases]]\nweights = { sums = 1.0 }\n')
+    assert [f.name for f in load_simulate_config(toml).families] == ["sums"]
+
+
 def test_the_shipped_config_is_the_default():
     from pathlib import Path
 
@@ -289,6 +301,80 @@ def test_a_server_that_does_not_answer_is_the_machine_s_fault_with_its_url(tmp_p
         server.shutdown()
     assert capsys.readouterr().err.strip() == (f"selfrl: error: {url}/admin/status answered 503 (overloaded): is "
                                                "selfrl serve running there? check --base-url")
+
+
+def answering(status_body: bytes, chat_status: int, chat_body: bytes):
+    """A local HTTP server (not selfrl serve): GET answers 200 with ``status_body``, POST answers
+    ``chat_status`` with ``chat_body``; returns ``(server, url)``."""
+    import http.server
+    import threading
+
+    class Other(http.server.BaseHTTPRequestHandler):
+        def reply(self, status, body):
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json" if body.startswith(b"{") else "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            self.reply(200, status_body)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.reply(chat_status, chat_body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_port}"
+
+
+SIM_TOML = ('day_s = 0.0\nmax_requests = 3\narrivals_per_hour = 60.0\n[users]\nhostile_share = 0.0\n'
+            '[[families]]\nname = "arithmetic"\nenv = "chain_sum"\n'
+            '[[phases]]\nduration_s = 86400.0\nweights = { arithmetic = 1.0 }\n')
+
+
+def test_a_server_that_is_not_selfrl_serve_is_named_with_what_it_answered(tmp_path, monkeypatch, capsys):
+    from selfrl.cli import main
+
+    monkeypatch.setenv("SELFRL_API_KEY", "0123456789abcdef-env")
+    server, url = answering(b"<html>hello</html>", 200, b"{}")
+    try:
+        assert main(["simulate", "--base-url", url, "--out", str(tmp_path / "sim")]) == 1
+    finally:
+        server.shutdown()
+    assert capsys.readouterr().err == (f"selfrl: error: {url}/admin/status answered 200 with something that is not "
+                                       "selfrl serve's JSON ('<html>hello</html>'): is selfrl serve running there? "
+                                       "check --base-url\n")
+
+
+@pytest.mark.parametrize("chat_status,chat_body,said", [
+    (404, b'{"detail": "Not Found"}', "3 x 404"),
+    (200, b"<html>not json</html>", "3 x no answer or not a completion"),
+    (200, b'{"object": "something else"}', "3 x no answer or not a completion"),
+])
+def test_when_every_completion_fails_simulate_says_so_and_exits_1(chat_status, chat_body, said, tmp_path,
+                                                                  monkeypatch, capsys):
+    from selfrl.cli import main
+
+    monkeypatch.setenv("SELFRL_API_KEY", "0123456789abcdef-env")
+    toml = tmp_path / "sim.toml"
+    toml.write_text(SIM_TOML)
+    server, url = answering(b"{}", chat_status, chat_body)
+    try:
+        code = main(["simulate", "--config", str(toml), "--base-url", url, "--out", str(tmp_path / "sim")])
+    finally:
+        server.shutdown()
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert "failed completions 3 of 3" in out
+    assert err == (f"selfrl: error: every completion failed ({said}): is selfrl serve running at {url}? each answer "
+                   f"is in {tmp_path / 'sim' / 'events.jsonl'}\n")
+    summary = json.loads((tmp_path / "sim" / "summary.json").read_text())
+    assert (summary["http"]["failed_completions"], summary["http"]["completions_asked"]) == (3, 3)
 
 
 class Interrupting(ScriptedServer):

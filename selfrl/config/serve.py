@@ -119,8 +119,9 @@ def check_families(cfg: "ServeConfig", given: Collection[str] = ()) -> None:
 
     Raises:
         selfrl.config.ConfigError: a bad field (named; ``rollout``'s keys with ``[rollout]``'s values:
-            :meth:`selfrl.config.RolloutConfig.with_overrides`), a repeated name, or ``task.source`` /
-            ``task.options`` set beside families.
+            :meth:`selfrl.config.RolloutConfig.with_overrides`), a repeated name, ``task.source`` /
+            ``task.options`` set beside families, or ``gate.val_size`` / ``task.val_seed`` set when
+            every family sets its own (they would have no effect).
     """
     names = [f.name for f in cfg.families]
     for i, fam in enumerate(cfg.families):
@@ -128,7 +129,13 @@ def check_families(cfg: "ServeConfig", given: Collection[str] = ()) -> None:
         cfg.rollout.with_overrides(fam.rollout, f"families[{i}] ({fam.name or 'unnamed'}).rollout.")
     set_here = [f"task.{k}" for k in FAMILY_TASK_KEYS if f"task.{k}" in given
                 or getattr(cfg.task, k) != getattr(TaskConfig(), k)]
+    # a default the families take only where they set none: with every family setting its own, it does nothing
+    shadowed = [(key + flag, field_) for key, flag, field_ in (("gate.val_size", " (--val-size)", "val_size"),
+                                                              ("task.val_seed", "", "val_seed"))
+                if key in given and cfg.families and all(getattr(f, field_) is not None for f in cfg.families)]
     require([
+        *[(False, f"{key} has no effect: every [[families]] sets {field_}; set it there (or leave {field_} out of "
+           "a family to have it take this value)") for key, field_ in shadowed],
         (len(set(names)) == len(names), f"family names must be unique, got {names}"),
         (not cfg.families or not set_here,
          f"{' and '.join(set_here)} cannot be set with [[families]] (nor --task): each family's held-out set "

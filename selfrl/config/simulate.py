@@ -170,6 +170,12 @@ class SimulateConfig:
         self.users.check()
         for i, f in enumerate(self.families):
             f.check(f"families[{i}].")
+        default = _default_phases()
+        named = sorted({n for p in default for n in p.weights})
+        require([(self.phases != default or set(named) <= set(names),
+                  f"[[families]] is set but [[phases]] is not, and the default schedule's phases name the families "
+                  f"{', '.join(named)}: add [[phases]] tables that weight your own families "
+                  f"({', '.join(names)}), e.g. [[phases]] duration_s = 3600, weights = {{ {names[0]} = 1.0 }}")])
         for i, p in enumerate(self.phases):
             p.check(names, f"phases[{i}].")
         return self

@@ -199,7 +199,8 @@ class CodeEnv(Env):
         tasks = self._ordered()
         if n_train + n_val > len(tasks):
             raise ValueError(f"code: {n_train} training + {n_val} held-out problems exceed the {len(tasks)} "
-                             f"there are in the {self.tier} tier; lower task.num_train or gate.val_size")
+                             f"there are in the {self.tier} tier; lower task.num_train or gate.val_size (with "
+                             f"task.num_train = {n_train}, gate.val_size can be at most {max(len(tasks) - n_train, 0)})")
         val, train = tasks[:n_val], tasks[n_val:n_val + n_train]
         assert_disjoint(train, val)
         return train, val

@@ -377,7 +377,8 @@ class SweEnv(Env):
         tasks = self._ordered()
         if n_train + n_val > len(tasks):
             raise ValueError(f"swe: {n_train} training + {n_val} held-out instances exceed the {len(tasks)} there "
-                             "are; lower task.num_train or gate.val_size")
+                             f"are; lower task.num_train or gate.val_size (with task.num_train = {n_train}, "
+                             f"gate.val_size can be at most {max(len(tasks) - n_train, 0)})")
         val = tasks[:n_val]
         held = {self.by_id[t.metadata["instance_id"]].problem_statement for t in val}
         rest = [t for t in tasks[n_val:] if self.by_id[t.metadata["instance_id"]].problem_statement not in held]

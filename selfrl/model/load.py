@@ -141,6 +141,17 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path
 
 
+def check_model_path(name_or_path: str) -> None:
+    """Refuse, before anything loads, a model named as a path (``/...``, ``./...``, ``~/...``) that
+    does not exist; a hub id or the embedded model passes (loading decides).
+
+    Raises:
+        ModelLoadError: the message of :func:`not_found_message`.
+    """
+    if name_or_path.startswith(("/", ".", "~")) and not Path(name_or_path).expanduser().exists():
+        raise ModelLoadError(not_found_message(name_or_path, "no such directory"))
+
+
 def hub_offline() -> bool:
     """True when ``HF_HUB_OFFLINE`` forbids downloads (``selfrl`` sets it to 1 unless it is set)."""
     return os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() in ("1", "on", "yes", "true")

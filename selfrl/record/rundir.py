@@ -24,6 +24,25 @@ VERSIONS = "adapters"  # the folder of the version folders
 VERSION_FOLDER = re.compile(r"v\d+")  # a version folder's name (selfrl.record.adapters.version_dir: v000003)
 
 
+class NotAFolder(ValueError):
+    """A path given for a folder (a run directory, an output folder) is a file, or lies under one."""
+
+
+def check_folder(path: str | Path) -> None:
+    """Refuse a folder path that is a file, or that lies under a file (``FILE/sub``); a missing
+    folder passes (it is created later). Call it before any work, so nothing is left half-done.
+
+    Raises:
+        NotAFolder: the message names the file and says to give a folder path.
+    """
+    for p in (Path(path), *Path(path).parents):
+        if p.exists():
+            if not p.is_dir():
+                where = "" if p == Path(path) else f" ({path} lies under it)"
+                raise NotAFolder(f"{p} is a file, not a folder{where}: give a folder path")
+            return
+
+
 def run_relative(stored: str) -> str | None:
     """The relative form ``adapters/v<N>`` of a stored version path that follows the run
     directory's layout (absolute, relative to the run directory, or relative to the working

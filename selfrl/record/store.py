@@ -36,6 +36,15 @@ from selfrl.record.rundir import resolve_version_path, run_relative, storable_pa
 from selfrl.core.trajectory import Trajectory
 
 SPLITS = ("train", "val")
+
+
+class NotAStore(ValueError):
+    """``selfrl.db`` exists but is not a selfrl store: not SQLite, damaged, or without a ``runs`` table."""
+
+    def __init__(self, path: Path):
+        super().__init__(f"{path} is not a selfrl store (not SQLite, or damaged / no runs table): give a run "
+                         "directory made by selfrl run/serve, or restore it from a backup")
+        self.path = path
 VERSION_STATUSES = ("candidate", "promoted", "rejected", "rolled_back", "base")
 
 SCHEMA = """
@@ -167,6 +176,8 @@ class Store:
 
     Raises:
         FileNotFoundError: ``readonly`` and there is no file at ``path``.
+        NotAStore: the file at ``path`` is not SQLite or is damaged, or (``readonly``, or a
+            non-empty file) has no ``runs`` table.
     """
 
     def __init__(self, path: str | Path, shared: bool = False, readonly: bool = False):
@@ -176,16 +187,39 @@ class Store:
             if not self.path.exists():
                 raise FileNotFoundError(f"no store at {self.path}")
             self.conn = self._open_readonly(shared)
+            self._check_is_store(self.conn)
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        existing = self.path.is_file() and self.path.stat().st_size > 0
         self.conn = sqlite3.connect(self.path, check_same_thread=not shared)
         self.conn.row_factory = sqlite3.Row
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=NORMAL")
-        self.conn.execute("PRAGMA foreign_keys=ON")
-        with self.conn:
-            self.conn.executescript(SCHEMA)
+        if existing:  # a file that is there already must be a store, never be turned into one
+            self._check_is_store(self.conn)
+        try:
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=NORMAL")
+            self.conn.execute("PRAGMA foreign_keys=ON")
+            with self.conn:
+                self.conn.executescript(SCHEMA)
+        except sqlite3.DatabaseError as e:
+            if isinstance(e, sqlite3.OperationalError) and "locked" in str(e):
+                raise
+            self.conn.close()
+            raise NotAStore(self.path) from e
         self.migrate_version_paths()
+
+    def _check_is_store(self, conn: sqlite3.Connection) -> None:
+        """Raise :class:`NotAStore` (closing ``conn``) unless the file is SQLite with a ``runs`` table."""
+        try:
+            found = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'runs'").fetchone()
+        except sqlite3.DatabaseError as e:
+            if isinstance(e, sqlite3.OperationalError) and "locked" in str(e):
+                raise
+            conn.close()
+            raise NotAStore(self.path) from e
+        if found is None:
+            conn.close()
+            raise NotAStore(self.path)
 
     @property
     def root(self) -> Path:
@@ -217,8 +251,10 @@ class Store:
         conn = connect()
         try:
             conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
-        except sqlite3.OperationalError as e:
+        except sqlite3.DatabaseError as e:
             conn.close()
+            if not isinstance(e, sqlite3.OperationalError):  # "file is not a database", a damaged file
+                raise NotAStore(self.path) from e
             if "readonly" not in str(e):
                 raise
             recover = sqlite3.connect(self.path)

@@ -22,6 +22,7 @@ from typing import Any
 from selfrl.report.figures import overview_figure, save
 from selfrl.report.run import run_config, served_choice
 from selfrl.core.stats import paired_difference_ci, wilson_interval
+from selfrl.record.rundir import check_folder
 from selfrl.record.store import Store
 from selfrl.report.timeline import Timeline, duration, load_timeline
 
@@ -144,6 +145,7 @@ def compare_runs(run_dirs: list[Path], out: Path) -> Path:
     """
     if len(run_dirs) < 2:
         raise ValueError(f"compare needs at least two run folders, got {len(run_dirs)}")
+    check_folder(out)  # before any run is read
     outcomes = [load_outcome(Path(d), label) for d, label in zip(run_dirs, run_labels(run_dirs))]
     timelines = [o.timeline for o in outcomes]
     out = Path(out)

@@ -30,6 +30,7 @@ from matplotlib.ticker import MaxNLocator
 
 from selfrl.report.figures import overview_figure, save
 from selfrl.config import GateConfig
+from selfrl.record.rundir import check_folder
 from selfrl.record.runlock import RunDirLock
 from selfrl.record.serve_rule import ServedChoice, choose_served
 from selfrl.record.versions import VersionRecord
@@ -412,16 +413,21 @@ def rebuild_report(run_dir: Path, out: Path | None = None) -> Path:
 
     Raises:
         FileNotFoundError: ``run_dir`` holds no ``selfrl.db``.
+        selfrl.record.rundir.NotAFolder: ``out`` (or ``run_dir``) is a file.
+        selfrl.record.store.NotAStore: ``selfrl.db`` is not a selfrl store.
         selfrl.record.runlock.RunDirLocked: ``out`` is ``run_dir`` and another process writes it.
     """
     run_dir = Path(run_dir)
+    check_folder(run_dir)
     db = run_dir / "selfrl.db"
     if not db.exists():
         raise FileNotFoundError(f"no run at {run_dir}: {db} does not exist")
     out = Path(out) if out is not None else run_dir
+    check_folder(out)
     inside = os.path.abspath(out) == os.path.abspath(run_dir)
-    with (RunDirLock(run_dir, "selfrl report", f"write the report elsewhere: selfrl report {run_dir} --out DIR")
-          if inside else contextlib.nullcontext()), Store(db, readonly=True) as store:
+    with Store(db, readonly=True) as store, (  # a file that is not a store is refused before the lock is taken
+            RunDirLock(run_dir, "selfrl report", f"write the report elsewhere: selfrl report {run_dir} --out DIR")
+            if inside else contextlib.nullcontext()):
         runs = store.runs()
         if runs and "serve" in runs[-1]["config"]:
             return write_serve_report(out, store, run_dir.name)

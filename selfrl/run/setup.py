@@ -29,8 +29,9 @@ from selfrl.engines.base import SamplingEngine
 from selfrl.envs import get_env
 from selfrl.envs.builtin import load_builtin_envs
 from selfrl.envs.rewards import check_weights, get_preset
-from selfrl.model.load import build_policy
+from selfrl.model.load import build_policy, check_model_path
 from selfrl.core.atomic import write_atomic
+from selfrl.record.rundir import check_folder
 from selfrl.record.runlock import RunDirLock
 from selfrl.record.store import Store
 from selfrl.record.versions import Ledger
@@ -122,7 +123,7 @@ def check_held_out_size(env, size: int, seed: int, key: str) -> None:
     """
     if (available := count_distinct(env, size, seed)) < size:
         raise ConfigError(f"{key} = {size}, but environment {env.name!r} gives only {available} distinct tasks "
-                          f"(sampled until no new one came): lower it below {available}")
+                          f"(sampled until no new one came): lower it to at most {available}")
 
 
 def check_held_out_sizes(cfg: RunConfig, source: TaskSource) -> None:
@@ -181,6 +182,8 @@ def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
 
     Raises:
         FileExistsError / FileNotFoundError: as :func:`selfrl.run.main.run`.
+        selfrl.record.rundir.NotAFolder: ``run_dir`` is a file (before anything loads).
+        selfrl.record.store.NotAStore: ``resume`` and ``run_dir/selfrl.db`` is not a selfrl store.
         selfrl.config.ConfigError: ``resume`` with settings the stored run cannot change, a
             name no registry knows (:func:`check_names`), or a held-out set larger than its
             environment's distinct tasks (:func:`check_held_out_sizes`); all before any model loads.
@@ -190,9 +193,13 @@ def build_run(cfg: RunConfig, resume: bool = False) -> RunSetup:
     check_names(cfg)  # before anything is created or loaded: the built-in environments first, then every name
     if cfg.sampler.url is not None:  # a wrong URL fails in seconds, not after the model loads
         check_reachable(cfg.sampler.url, cfg.sampler.kind)
+    check_model_path(cfg.model.name)  # a path that does not exist fails now, not after the run directory is made
     run_dir = Path(cfg.run_dir)
+    check_folder(run_dir)
     if resume and not (run_dir / "selfrl.db").exists():
         raise FileNotFoundError(f"nothing to resume: no run at {run_dir}")
+    if resume:  # a selfrl.db that is not a store fails now, not after the model loads
+        Store(run_dir / "selfrl.db", readonly=True).close()
     created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = RunDirLock(run_dir, "selfrl run")

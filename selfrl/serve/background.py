@@ -100,6 +100,14 @@ def gate_pass(engine, version: int):
             forget()
 
 
+class ValidationStopped(Exception):
+    """The server stops during the start-up validation; raised between two generation batches."""
+
+    def __init__(self, done: int, total: int):
+        super().__init__(f"{done} of {total} held-out tasks validated")
+        self.done, self.total = done, total
+
+
 class BackgroundLearner(threading.Thread):
     """Trains on recorded traffic and publishes validated versions.
 
@@ -258,20 +266,38 @@ class BackgroundLearner(threading.Thread):
     # -- steps -------------------------------------------------------------------------
 
     def ensure_champion_validated(self) -> None:
-        """Validate the champion once (stored; reused when known, unless it lacks a family's held-out tasks)."""
+        """Validate the champion once (stored; reused when known, unless it lacks a family's held-out tasks).
+        A stop of the server (:meth:`stop`: Ctrl-C, SIGTERM) ends it after the generation batch under
+        way, with a line in serve.log; nothing of it is recorded, so the next start validates again."""
         champ = self.ledger.champion
         if champ.success is None or (self.families is not None and not self.families.covers(champ.version)):
             self.busy = True
             try:
-                champ.success = self.validate(champ.version).success
+                champ.success = self.validate(champ.version, stoppable=True).success
+            except ValidationStopped as e:
+                log.warning("the start-up validation of version %d stopped after %d of %d held-out tasks: the "
+                            "server stops; the next start validates it again", champ.version, e.done, e.total)
             finally:
                 self.busy = False
 
-    def validate(self, version: int):
-        """Held-out validation of the learner's current weights as ``version``, recorded."""
+    def validate(self, version: int, stoppable: bool = False):
+        """Held-out validation of the learner's current weights as ``version``, recorded.
+
+        Raises:
+            ValidationStopped: ``stoppable`` and :meth:`stop` was called; checked between
+                generation batches (``gate.batch_size`` tasks), nothing recorded.
+        """
+        done = 0
+
+        def between_batches(n: int) -> None:
+            nonlocal done
+            done += n
+            if stoppable and self._halt.is_set() and done < len(self.val):
+                raise ValidationStopped(done, len(self.val))
+
         with gate_pass(self.engine, version):
             res = validate(self.engine, self.val, self.source, self.tools, self.cfg.rollout,
-                           self.cfg.gate.batch_size, collapse=self.cfg.collapse)
+                           self.cfg.gate.batch_size, on_batch=between_batches, collapse=self.cfg.collapse)
             self.ledger.record_validation(version, res.success, res.degenerate, res.results)
             probes = self.cycle.probe(version, self.engine, self.source, self.tools, self.cfg.rollout)  # as run does
         self.store.log_metrics(self.ledger.run_id, self.updates, {"time/validation_s": res.seconds, **probes})

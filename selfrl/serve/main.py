@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 from selfrl.config.serve import ServeConfig
@@ -55,6 +56,51 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_before_load(cfg: ServeConfig, learn: bool) -> None:
+    """The refusals that need no model, made before it loads (seconds) and before the run directory
+    or its log file is created: nothing is left behind.
+
+    Raises:
+        selfrl.record.rundir.NotAFolder: ``run_dir`` is a file.
+        selfrl.record.store.NotAStore: ``run_dir/selfrl.db`` is not a selfrl store.
+        selfrl.serve.replica.NoOwner: ``replica`` on a run directory no owner has served.
+        selfrl.config.ConfigError: ``retention.trajectories_max_age_s`` on a server that does not learn.
+        selfrl.model.load.ModelLoadError: ``model.name`` is a path that does not exist.
+    """
+    from pathlib import Path
+
+    from selfrl.record.rundir import check_folder
+    from selfrl.record.store import Store
+
+    check_folder(cfg.run_dir)
+    db = Path(cfg.run_dir) / "selfrl.db"
+    if db.exists():
+        Store(db, readonly=True).close()
+    elif cfg.replica:
+        from selfrl.serve.replica import no_owner
+
+        raise no_owner(cfg.run_dir)
+    if cfg.retention.trajectories_max_age_s and not cfg.replica and not learn:
+        from selfrl.serve.retention import check_turn_retention
+
+        check_turn_retention(cfg, learns=False)
+    from selfrl.model.load import check_model_path
+
+    check_model_path(cfg.model.name)
+
+
+def remove_if_unused(run_dir: Path, created: bool) -> None:
+    """After a refusal at start: remove the run directory this start created, with the empty log
+    files it holds (nothing else is touched; a folder with anything more in it stays)."""
+    if not created:
+        return
+    for log in run_dir.glob("serve*.log"):
+        if log.is_file() and log.stat().st_size == 0:
+            log.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        run_dir.rmdir()
+
+
 def serve(config: str | None, overrides: dict[str, Any], api_key_file: str | None, learn: bool = True,
           protect_completions: bool = False) -> int:
     """Run the server until Ctrl-C, SIGTERM or SIGHUP; returns the exit code (``selfrl.cli.EXIT_CODES``):
@@ -96,10 +142,11 @@ def _serve(config: str | None, overrides: dict[str, Any], api_key_file: str | No
             from selfrl.run.sampler_sync import check_reachable
 
             check_reachable(cfg.sampler.url, cfg.sampler.kind)
+        check_before_load(cfg, learn)
     except ConnectionError as e:  # the sampler does not answer: the machine's, as a taken port (exit code 1)
         print(f"selfrl: error: {e}", file=sys.stderr)
         return 1
-    except (ConfigError, ValueError, KeyError) as e:
+    except (ConfigError, ModelLoadError, ValueError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"selfrl: error: {msg}", file=sys.stderr)
         return 2
@@ -114,9 +161,6 @@ def _serve(config: str | None, overrides: dict[str, Any], api_key_file: str | No
         from selfrl.model.load import build_policy
         from selfrl.serve.app import create_app
         from selfrl.serve.service import Service
-
-        from pathlib import Path
-
         from selfrl.record.storage_errors import free_space_error
 
         where = next(p for p in (Path(cfg.run_dir).absolute(), *Path(cfg.run_dir).absolute().parents) if p.exists())
@@ -124,6 +168,8 @@ def _serve(config: str | None, overrides: dict[str, Any], api_key_file: str | No
             raise full  # before the model loads: a full or read-only disk fails in a second
         from selfrl.serve.logfile import close_log, open_log
 
+        created = not Path(cfg.run_dir).exists()
+        logs.callback(remove_if_unused, Path(cfg.run_dir), created)  # runs after the log is closed
         logs.callback(close_log, open_log(cfg.run_dir, cfg.log_max_bytes, cfg.log_backups,  # rotated by size
                                           f"serve-replica-{os.getpid()}.log" if cfg.replica else "serve.log"))
         model, tok = build_policy(cfg)

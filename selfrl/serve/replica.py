@@ -39,6 +39,12 @@ class NoOwner(ValueError):
     """A replica was started on a run directory whose owner never recorded a base version."""
 
 
+def no_owner(run_dir: str | Path) -> NoOwner:
+    """The refusal of a replica on ``run_dir``, which holds no store: its owner never served it."""
+    return NoOwner(f"{run_dir} has no servable version to follow: start its owner (selfrl serve "
+                   "without --replica) on it first")
+
+
 def newest_servable(ledger: Ledger) -> VersionRecord | None:
     """The newest base or promoted version whose folder verifies, read only (a replica never
     marks a version, unlike :meth:`selfrl.record.versions.Ledger.latest_servable`); None when none is."""

@@ -88,10 +88,9 @@ class Service:
         # one owner per run directory; replicas (selfrl.serve.replica) share its store and follow its versions
         self.run_lock = None if cfg.replica else RunDirLock(self.run_dir, "selfrl serve")
         if cfg.replica and not (self.run_dir / "selfrl.db").exists():
-            from selfrl.serve.replica import NoOwner
+            from selfrl.serve.replica import no_owner
 
-            raise NoOwner(f"{self.run_dir} has no servable version to follow: start its owner (selfrl serve "
-                          "without --replica) on it first")
+            raise no_owner(self.run_dir)
         self.storage = StorageWatch(self.run_dir)  # storage faults met while serving (selfrl.serve.health)
         self.store = Store(self.run_dir / "selfrl.db", shared=True)
         records.init(self.store)

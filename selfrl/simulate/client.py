@@ -23,7 +23,7 @@ import openai
 
 @dataclass
 class Reply:
-    """What one request got: HTTP ``status`` (0: no answer), real ``latency_s``, the JSON body
+    """What one request got: HTTP ``status`` (0: no answer, or an answer that is not JSON), real ``latency_s``, the JSON body
     (None when there was none) and, for a failure, the error's text."""
 
     status: int
@@ -77,7 +77,16 @@ class Client:
         t0 = time.perf_counter()
         try:
             raw = self._client(user).chat.completions.with_raw_response.create(**kwargs, extra_body=extra)
-            return Reply(raw.status_code, time.perf_counter() - t0, raw.parse().model_dump())
+            try:
+                parsed = raw.parse()
+                body_ = parsed.model_dump() if hasattr(parsed, "model_dump") else None
+            except ValueError:
+                body_ = None
+            if not isinstance(body_, dict) or not body_.get("id"):  # another server on the port: a failed request
+                return Reply(0, time.perf_counter() - t0, None,
+                             f"{self.base_url}/v1/chat/completions answered {raw.status_code} with something that is "
+                             f"not a chat completion: {raw.text[:200].strip()!r}")
+            return Reply(raw.status_code, time.perf_counter() - t0, body_)
         except openai.APIStatusError as e:
             body_ = e.body if isinstance(e.body, dict) else None
             return Reply(e.status_code, time.perf_counter() - t0, body_, str(e)[:300])
@@ -114,7 +123,14 @@ class Client:
             return Refusal(f"{self.base_url} refuses the API key read from {key_source} ({r.status_code}): give "
                            "the key selfrl serve was started with (--api-key-file, else SELFRL_API_KEY)", 2)
         if r.is_success:
-            return None
+            try:
+                if isinstance(r.json(), dict):
+                    return None
+            except ValueError:
+                pass
+            return Refusal(f"{url} answered {r.status_code} with something that is not selfrl serve's JSON "
+                           f"({r.text[:200].strip() or 'no body'!r}): is selfrl serve running there? check --base-url",
+                           1)
         return Refusal(f"{url} answered {r.status_code} ({r.text[:200].strip() or 'no body'}): is selfrl serve "
                        "running there? check --base-url", 1)
 

@@ -27,13 +27,17 @@ def simulate(config: str | None, overrides: dict[str, Any], api_key_file: str | 
         selfrl.config.ConfigError: a bad config (the CLI prints it).
         ValueError: a family cannot be built (unknown environment, ``tool_choice = "required"``
             without tools, ...: :func:`selfrl.simulate.families.build_families`), the API key file
-            is unreadable or empty, or the key is shorter than 16 characters.
+            is unreadable or empty, or the key is shorter than 16 characters; ``out_dir`` is a file
+            (:class:`selfrl.record.rundir.NotAFolder`).
     """
     from selfrl.engines.http import api_key_source, load_api_key
     from selfrl.simulate.families import build_families
     from selfrl.simulate.simulator import Simulator, default_client
 
+    from selfrl.record.rundir import check_folder
+
     cfg = load_simulate_config(config, overrides)
+    check_folder(cfg.out_dir)  # a file given for the output folder: refused before anything is sent
     families = build_families(cfg)  # before the server is contacted: a family that cannot run is bad input
     key = load_api_key(api_key_file)  # the file's first line, else SELFRL_API_KEY (ValueError: unreadable, short)
     if not key:
@@ -52,8 +56,10 @@ def simulate(config: str | None, overrides: dict[str, Any], api_key_file: str | 
     finally:
         client.close()
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    http = summary["http"]
     print(f"requests: {summary['requests']['total']} ({summary['requests']['chat']} completions), "
-          f"stopped by {summary['stopped_by']}, server errors {summary['http']['server_errors']}")
+          f"stopped by {summary['stopped_by']}, server errors {http['server_errors']}, failed completions "
+          f"{http['failed_completions']} of {http['completions_asked']}")
     for family, windows in summary["success"].items():
         n, ok = sum(w["n"] for w in windows), sum(w["correct"] for w in windows)
         print(f"  {family}: served success {ok}/{n}")
@@ -61,4 +67,9 @@ def simulate(config: str | None, overrides: dict[str, Any], api_key_file: str | 
     if summary["signal"] is not None:  # Ctrl-C 130, SIGTERM 143, SIGHUP 129
         print(f"selfrl: stopped by {summary['signal']}; summary.json holds what was sent", file=sys.stderr)
         return 128 + signal.Signals[summary["signal"]].value
+    if http["completions_asked"] and http["failed_completions"] == http["completions_asked"]:
+        answers = ", ".join(f"{n} x {'no answer or not a completion' if s == '0' else s}" for s, n in http["chat"].items())
+        print(f"selfrl: error: every completion failed ({answers}): is selfrl serve running at {cfg.base_url}? "
+              f"each answer is in {out / 'events.jsonl'}", file=sys.stderr)
+        return 1
     return 0

@@ -68,6 +68,7 @@ def summarize(events: list[dict[str, Any]], cfg, stopped: str, pending: int, sig
     judgements = [e for e in events if e["event"] == "judgement"]
     hostile = [e for e in events if e["event"] == "hostile"]
     chat = [e for e in reqs if e["route"] == "chat"]
+    asked = [e for e in chat if not e["purpose"].startswith("hostile:")]
     by_route = Counter((e["route"], e["status"]) for e in reqs)
     windows: dict[tuple[str, int], list[bool]] = defaultdict(list)
     for e in outcomes:
@@ -113,6 +114,9 @@ def summarize(events: list[dict[str, Any]], cfg, stopped: str, pending: int, sig
             "chat": {str(s): n for (r, s), n in sorted(by_route.items()) if r == "chat"},
             "feedback": {str(s): n for (r, s), n in sorted(by_route.items()) if r == "feedback"},
             "server_errors": sum(1 for e in reqs if e["status"] == 0 or e["status"] >= 500),
+            # completions of ordinary (not hostile) users answered with no 2xx, of how many were sent
+            "failed_completions": sum(1 for e in asked if not 200 <= e["status"] < 300),
+            "completions_asked": len(asked),
         },
         "success": dict(success),
         "latency_s": {"n": len(latencies), "p50": percentile(latencies, 0.5), "p95": percentile(latencies, 0.95)},
