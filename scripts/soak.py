@@ -170,12 +170,23 @@ class Soak:
         self.faults: list[dict] = []  # every injection: kind, time, and what became of it
         self.pending: list[dict] = []  # the learner fault armed (one at a time), waiting for its update
         self.waiting: list[dict] = []  # learner faults injected while another was armed
-        self.t0 = time.time()
+        self.t0 = time.time()  # the start as a date (soak.json's "started"); elapsed times are monotonic
+        self.mono0 = time.monotonic()
         self.mounted = False
         self.rng = random.Random(f"soak:{args.seed}:kinds")
 
+    def elapsed(self) -> float:
+        """Seconds since the start on the monotonic clock, the simulator's own (its events' ``t_real``):
+        the wall clock can be stepped by seconds mid-run (a time sync), which must not move the samples."""
+        return time.monotonic() - self.mono0
+
+    def sim_offset(self, sim) -> float:
+        """Seconds from the start to the simulator's start (its ``t_real`` 0); 0 before it started."""
+        real0 = getattr(sim, "real0", None)
+        return 0.0 if real0 is None else real0 - self.mono0
+
     def log_fault(self, **row) -> dict:
-        row = {"t": round(time.time() - self.t0, 2), **row}
+        row = {"t": round(self.elapsed(), 2), **row}
         self.faults.append(row)
         with open(self.out / "faults.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -243,9 +254,9 @@ class Soak:
             row = self.log_fault(kind="kill", pid=self.server.proc.pid)
             self.server.kill9()
             time.sleep(self.args.outage_s)
-            t = time.time()
+            t = time.monotonic()
             self.server.start(self.port)
-            row["down_s"] = round(time.time() - t + self.args.outage_s, 1)
+            row["down_s"] = round(time.monotonic() - t + self.args.outage_s, 1)
             self.log_fault(kind="restart", pid=self.server.proc.pid, down_s=row["down_s"])
         elif kind == "disk":
             if not self.mounted:
@@ -263,15 +274,16 @@ class Soak:
 
     # -- the timeline -----------------------------------------------------------------------
 
-    def sample(self, sim, last: float) -> dict:
+    def sample(self, sim, last: float) -> tuple[dict, float]:
+        """One row of ``timeline.jsonl``: the simulator's events in (``last``, now] (seconds since the
+        start, monotonic), the server's RSS and status, the run directory's size. Returns the row and
+        now (unrounded: the next sample's ``last``, so that no event falls between two windows)."""
         from selfrl.simulate.summary import percentile
 
-        now = time.time() - self.t0
+        now = self.elapsed()
         with sim._lock:
             events = list(sim.events)
-        lo, hi = last, now
-        real0 = getattr(sim, "real0", None)
-        shift = 0.0 if real0 is None else (self.sim_started - self.t0)
+        lo, hi, shift = last, now, self.sim_offset(sim)
         window = [e for e in events if lo < e["t_real"] + shift <= hi]
         lat = [e["latency_s"] for e in window if e["event"] == "request" and e["route"] == "chat" and e["status"] == 200]
         fam: dict[str, list[bool]] = {}
@@ -287,7 +299,7 @@ class Soak:
                "up": status == 200, "learner": (st.get("learner") or {}) if status == 200 else None}
         with open(self.out / "timeline.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
-        return row
+        return row, now
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -331,19 +343,18 @@ class Soak:
 
         a = self.args
         self.server.start(self.port)
-        self.t0 = time.time()
+        self.t0, self.mono0 = time.time(), time.monotonic()
         seconds = a.minutes * 60.0
         plan = fault_times(a.faults, seconds, a.seed)
         cfg = simulate_config(a, self.server.url, a.minutes, self.out)
         client = default_client(cfg, KEY)
         sim = Simulator(cfg, client, log=self.out / "events.jsonl")
         result: dict = {}
-        self.sim_started = time.time()
         thread = threading.Thread(target=lambda: result.update(summary=sim.run()), daemon=True)
         thread.start()
         last, busy = 0.0, None
         while thread.is_alive():
-            now = time.time() - self.t0
+            now = self.elapsed()
             while plan and plan[0][0] <= now and not (busy and busy.is_alive()):
                 kind = plan.pop(0)[1]
                 if kind in ("kill", "disk"):  # these take a while: the samples go on meanwhile
@@ -352,9 +363,8 @@ class Soak:
                 else:
                     self.inject(kind)
             self.check_pending()
-            if time.time() - self.t0 - last >= a.sample_s:
-                self.sample(sim, last)
-                last = time.time() - self.t0
+            if self.elapsed() - last >= a.sample_s:
+                _, last = self.sample(sim, last)
             thread.join(timeout=1.0)
         if busy is not None:
             busy.join()
@@ -363,15 +373,16 @@ class Soak:
                 break
             self.check_pending()
             time.sleep(2.0)
-        self.sample(sim, last)
+        _, last = self.sample(sim, last)
         client.close()
         (self.out / "summary.json").write_text(json.dumps(result.get("summary", {}), indent=2) + "\n")
         _, st = call(self.server.url, "/admin/status")
         champion = (st.get("learner") or {}).get("best_version", 0)
-        self.sample(sim, time.time() - self.t0)
+        self.sample(sim, last)
         self.server.stop()
         pairs = self.held_out_pairs(champion)
-        return {"args": vars(a), "started": self.t0, "seconds": time.time() - self.t0, "faults": self.faults,
+        return {"args": vars(a), "started": self.t0, "seconds": self.elapsed(), "sim_offset_s": self.sim_offset(sim),
+                "faults": self.faults,
                 "not_injected": [k for _, k in plan], "pending": self.pending + self.waiting, "pairs": pairs,
                 "server_starts": self.server.starts, "tmpfs": self.mounted}
 

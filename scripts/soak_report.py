@@ -34,6 +34,13 @@ How each target is measured:
   span at least ``RSS_MIN_SPAN_MIN`` (20) minutes; the target is these slopes weighted by their
   spans. Each process's segment is reported; a shorter one (a process restarted late) is reported
   as too short, not failed; with none long enough the target is not measured.
+* **the figure** (``soak.png``): each family's served success and the completions' latency p95
+  per sample window come from ``events.jsonl`` (the simulator's own log), each event placed at
+  its ``t_real`` plus ``soak.json``'s ``sim_offset_s`` (the simulator's start, in seconds after
+  the soak's) and counted in the window (previous sample's ``t``, this sample's ``t``] of
+  ``timeline.jsonl`` (:func:`windows`); the RSS and the run directory's size are the samples'
+  own. A ``soak.json`` without ``sim_offset_s`` (an older soak) is read with 0 (the simulator
+  starts within a second of the soak), and ``targets.md`` says so.
 * **disk within retention**: at the end, every adapter folder is one of the newest
   ``keep_newest``, a base, promoted, pinned or served version (with ``--keep-promoted`` the server
   keeps fewer promoted ones: the check allows every promoted version, so it is an upper bound; the
@@ -53,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PASS_THE_FOLDER = "pass the folder written by scripts/soak.py --out"
 SOAK_KEYS = ("started", "args", "faults", "pairs")  # what the report reads of soak.json
-SAMPLE_KEYS = ("t", "disk_mb", "success")  # what it reads of every sample of timeline.jsonl
+SAMPLE_KEYS = ("t", "disk_mb")  # what it reads of every sample of timeline.jsonl
 
 
 class NotASoak(ValueError):
@@ -337,10 +344,57 @@ def disk_retention(d: dict, keep: int) -> dict:
             "max_disk_mb": max((t["disk_mb"] for t in d["timeline"]), default=None)}
 
 
+NO_OFFSET_NOTE = ("soak.json has no sim_offset_s (an older soak): the simulator's events are placed on the "
+                  "samples' clock with an offset of 0 s (the simulator starts within a second of the soak); that "
+                  "soak's sample times are wall-clock seconds, which a step of the system clock moves against "
+                  "the events' monotonic ones")
+
+
+def sim_offset(d: dict) -> tuple[float, str | None]:
+    """Seconds from the soak's start to the simulator's (``soak.json``'s ``sim_offset_s``), and a
+    note when the record lacks it (0 then: :data:`NO_OFFSET_NOTE`)."""
+    offset = d["soak"].get("sim_offset_s")
+    return (0.0, NO_OFFSET_NOTE) if offset is None else (float(offset), None)
+
+
+def windows(d: dict) -> list[dict]:
+    """One row per sample of the timeline, from the simulator's log ``events.jsonl``: its events
+    whose ``t_real`` + :func:`sim_offset` (seconds since the soak's start) falls in (previous
+    sample's ``t``, this sample's ``t``] (the first from 0).
+
+    Returns ``[{"t": s, "completions": int, "latency_p95_s": float | None, "success": {family:
+    {"n", "correct"}}}]``: the chat requests answered with a 200, their latency p95 (None without
+    one), and each family's served outcomes (the verifier's verdicts on what the server answered)."""
+    from bisect import bisect_left
+
+    from selfrl.simulate.summary import percentile
+
+    offset, _ = sim_offset(d)
+    ends = [t["t"] for t in d["timeline"]]
+    lat: list[list[float]] = [[] for _ in ends]
+    fam: list[dict[str, dict[str, int]]] = [{} for _ in ends]
+    for e in d["sim"]:
+        i = bisect_left(ends, e["t_real"] + offset)  # the first sample at or after the event
+        if i == len(ends):  # after the last sample
+            continue
+        if e["event"] == "request" and e.get("route") == "chat" and e.get("status") == 200:
+            lat[i].append(e["latency_s"])
+        elif e["event"] == "outcome" and e.get("served"):
+            row = fam[i].setdefault(e["family"], {"n": 0, "correct": 0})
+            row["n"] += 1
+            row["correct"] += bool(e["correct"])
+    return [{"t": t, "completions": len(x), "latency_p95_s": percentile(x, 0.95), "success": f}
+            for t, x, f in zip(ends, lat, fam)]
+
+
 def measure(out: Path) -> dict:
     d = load(out)
     args = d["soak"]["args"]
-    return {"above_base": above_base(d), "no_forgetting": no_forgetting(d, args["tolerance"]),
+    offset, note = sim_offset(d)
+    d["windows"] = windows(d)
+    return {"figure": {"sim_offset_s": offset, "note": note, "samples": len(d["windows"]),
+                       "completions": sum(w["completions"] for w in d["windows"])},
+            "above_base": above_base(d), "no_forgetting": no_forgetting(d, args["tolerance"]),
             "collapses_caught": collapses_caught(d), "trajectories_lost": trajectories(d),
             "unpromoted_served": versions_served(d), "learner_never_stopped": learner_alive(d),
             "rss_growth": rss_growth(d, args["rss_warmup_min"]),
@@ -383,25 +437,30 @@ def markdown(t: dict, d: dict) -> str:
          yes(disk["met"])),
     ]
     lines = ["| target | measured | |", "|---|---|---|", *(f"| {a} | {b} | {c} |" for a, b, c in rows)]
-    return "\n".join(lines) + "\n"
+    note = t.get("figure", {}).get("note")
+    return "\n".join(lines) + "\n" + (f"\nNote on soak.png: {note}.\n" if note else "")
 
 
 def figure(d: dict, path: Path, smooth: int = 3) -> None:
-    """Per-family served success (over ``smooth`` samples) against wall-clock minutes, faults
-    (red) and promotions (green) marked; below it the latency p95, the RSS and the run dir's size."""
+    """Per-family served success (over ``smooth`` sample windows, :func:`windows`: from the
+    simulator's log) against minutes since the start, faults (red) and promotions (green) marked;
+    below it the latency p95 per window (also from the log), the RSS and the run dir's size (the
+    samples'). ``d`` is :func:`load`'s, with ``windows`` added by :func:`measure` (computed here
+    when absent)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     tl, t0 = d["timeline"], d["soak"]["started"]
+    win = d.get("windows") or windows(d)
     minutes = [t["t"] / 60 for t in tl]
     fig, axes = plt.subplots(4, 1, figsize=(10, 10), sharex=True, height_ratios=[3, 1, 1, 1])
     ax = axes[0]
-    for fam in sorted({f for t in tl for f in t["success"]}):
+    for fam in sorted({f for w in win for f in w["success"]}):
         xs, ys = [], []
-        for i in range(len(tl)):
-            span = tl[max(0, i - smooth + 1):i + 1]
+        for i in range(len(win)):
+            span = win[max(0, i - smooth + 1):i + 1]
             n = sum(t["success"].get(fam, {}).get("n", 0) for t in span)
             if n:
                 xs.append(minutes[i])
@@ -420,12 +479,12 @@ def figure(d: dict, path: Path, smooth: int = 3) -> None:
     ax.set_ylabel(f"served success\n(last {smooth} samples)")
     ax.legend(loc="upper left", fontsize=8)
     ax.set_title("soak: served success per family; faults red, promotions green", fontsize=10, pad=40)
-    for a, key, label in ((axes[1], "latency_p95_s", "latency p95 (s)"), (axes[2], "rss_mb", "server RSS (MB)"),
-                          (axes[3], "disk_mb", "run dir (MB)")):
-        pts = [(m, t[key]) for m, t in zip(minutes, tl) if t.get(key) is not None]
+    for a, rows, key, label in ((axes[1], win, "latency_p95_s", "latency p95 (s)"),
+                                (axes[2], tl, "rss_mb", "server RSS (MB)"), (axes[3], tl, "disk_mb", "run dir (MB)")):
+        pts = [(m, t[key]) for m, t in zip(minutes, rows) if t.get(key) is not None]
         a.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", color="tab:gray")
         a.set_ylabel(label)
-    axes[3].set_xlabel("wall-clock minutes since the start")
+    axes[3].set_xlabel("minutes since the start")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
