@@ -116,7 +116,7 @@ def load(out: Path) -> dict:
     """
     import sqlite3
 
-    from selfrl.record.store import Store
+    from selfrl.record.store import NotAStore, Store
 
     soak, timeline = _read_json(out / "soak.json"), _read_jsonl(out / "timeline.jsonl")
     if not timeline:
@@ -136,7 +136,7 @@ def load(out: Path) -> dict:
             served = {r[0]: r[1] for r in store.conn.execute("SELECT response_id, trajectory_id FROM served")}
             evaluations = {int(r[0]): store.evaluation(int(r[0]))
                            for r in store.conn.execute("SELECT DISTINCT version FROM evaluations")}
-    except sqlite3.DatabaseError as e:
+    except (sqlite3.DatabaseError, NotAStore) as e:
         raise NotASoak(f"{run / 'selfrl.db'} cannot be read as the server's store ({e}): {PASS_THE_FOLDER}") from None
     return {"evaluations": evaluations, "soak": soak, "timeline": timeline,
             "sim": sim, "versions": versions, "events": events, "metrics": metrics,

@@ -246,9 +246,11 @@ def test_soak_report_reports_on_the_smallest_soak_folder(tmp_path):
     (lambda o: (o / "soak.json").write_text('{"started": 0}'),
      "{tmp}/soak.json is not the soak's record (no args, faults, pairs): " + PASS),
     (lambda o: (o / "run" / "selfrl.db").write_bytes(b"garbage, not SQLite " * 100),
-     "{tmp}/run/selfrl.db cannot be read as the server's store (file is not a database): " + PASS),
+     "{tmp}/run/selfrl.db cannot be read as the server's store "
+     "({tmp}/run/selfrl.db is not a selfrl store (not SQLite, or damaged / no runs table): give a run directory made by selfrl run/serve, or restore it from a backup): " + PASS),
     (lambda o: (o / "run" / "selfrl.db").write_bytes(b""),
-     "{tmp}/run/selfrl.db cannot be read as the server's store (no such table: adapter_versions): " + PASS),
+     "{tmp}/run/selfrl.db cannot be read as the server's store "
+     "({tmp}/run/selfrl.db is not a selfrl store (not SQLite, or damaged / no runs table): give a run directory made by selfrl run/serve, or restore it from a backup): " + PASS),
 ], ids=["timeline-missing", "timeline-empty", "sample-incomplete", "timeline-garbage", "events-missing",
         "soak-json-garbage", "soak-json-list", "soak-json-keys", "db-garbage", "db-empty"])
 def test_soak_report_on_a_damaged_soak_folder_is_a_usage_error_naming_the_file(damage, message, tmp_path):
