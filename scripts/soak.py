@@ -327,7 +327,7 @@ class Soak:
         tiny = a.tiny
         (self.out / "serve.toml").write_text(SERVE_TOML.format(
             run_dir=self.run_dir, port=self.port, model=model, tokens=16 if tiny else 96, lora_r=4 if tiny else 8,
-            val_size=12, gate_batch=12 if tiny else 24, families=families_toml(a.val_size, a.tolerance),
+            gate_batch=12 if tiny else 24, families=families_toml(a.val_size, a.tolerance),
             min_batch=8 if tiny else 16, max_batch=16 if tiny else 64,
             micro_batch_tokens=512 if tiny else 2048, checkpointing="true",
             feedback_wait_s=5.0 if tiny else 60.0, max_kl=0.1 if tiny else 0.5, keep_newest=a.keep_newest,

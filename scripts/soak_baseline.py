@@ -75,7 +75,8 @@ def main(argv=None) -> int:
     (out / "fault_trigger").write_text("")
     port = free_port()
     (out / "serve.toml").write_text(SERVE_TOML.format(
-        run_dir=out / "run", port=port, model=a.model, tokens=96, lora_r=8, val_size=1, min_batch=12, max_batch=24,
+        run_dir=out / "run", port=port, model=a.model, tokens=96, lora_r=8, gate_batch=12, min_batch=12, max_batch=24,
+        micro_batch_tokens=2048, checkpointing="true",
         feedback_wait_s=60.0, max_kl=0.5, keep_newest=3, keep_promoted=3, delete="true", lr=1e-4,
         families=families_toml(1, 0.1)))
     server = Server(out, out / "serve.toml", out / "fault_trigger", extra=["--no-learn"])

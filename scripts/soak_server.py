@@ -27,7 +27,6 @@ name = "{model}"
 [lora]
 r = {lora_r}
 [gate]
-val_size = {val_size}
 batch_size = {gate_batch}
 [rollout]
 max_new_tokens = {tokens}

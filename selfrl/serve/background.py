@@ -281,27 +281,8 @@ class BackgroundLearner(threading.Thread):
                 self.busy = False
 
     def validate(self, version: int, stoppable: bool = False):
-        """Held-out validation of the learner's current weights as ``version``, recorded.
-
-        Raises:
-            ValidationStopped: ``stoppable`` and :meth:`stop` was called; checked between
-                generation batches (``gate.batch_size`` tasks), nothing recorded.
-        """
-        done = 0
-
-        def between_batches(n: int) -> None:
-            nonlocal done
-            done += n
-            if stoppable and self._halt.is_set() and done < len(self.val):
-                raise ValidationStopped(done, len(self.val))
-
-        with gate_pass(self.engine, version):
-            res = validate(self.engine, self.val, self.source, self.tools, self.cfg.rollout,
-                           self.cfg.gate.batch_size, on_batch=between_batches, collapse=self.cfg.collapse)
-            self.ledger.record_validation(version, res.success, res.degenerate, res.results)
-            probes = self.cycle.probe(version, self.engine, self.source, self.tools, self.cfg.rollout)  # as run does
-        self.store.log_metrics(self.ledger.run_id, self.updates, {"time/validation_s": res.seconds, **probes})
-        return res
+        """Held-out validation of the learner's current weights as ``version``, recorded (:func:`validate_held_out`)."""
+        return validate_held_out(self, version, stoppable)
 
     def tick(self) -> bool:
         """One update if enough turns are ready and the collapse budget allows one; True when one ran.
@@ -509,3 +490,30 @@ def skip_stale(ledger: Ledger, step_no: int, too_old: list, gone: list[Trajector
     ledger.event(EventKind.SKIP, f"iteration {step_no}: update skipped: {note}",
                  {"iteration": step_no, "reason": "too_old", "too_old": len(too_old), "weights_gone": len(gone)})
     return {**info, "result": f"skipped ({note})", "reason": "too_old"}
+
+
+def validate_held_out(learner: BackgroundLearner, version: int, stoppable: bool = False):
+    """Held-out validation of ``learner``'s current weights as ``version`` on its gate engine: the
+    families' held-out tasks in batches of ``gate.batch_size``, recorded in the ledger with the
+    probes ``selfrl run`` makes, ``time/validation_s`` logged. Returns the gate's result.
+
+    Raises:
+        ValidationStopped: ``stoppable`` and the learner was stopped (:meth:`BackgroundLearner.stop`);
+            checked between generation batches, nothing recorded.
+    """
+    done, n = 0, len(learner.val)
+
+    def between_batches(k: int) -> None:
+        nonlocal done
+        done += k
+        if stoppable and learner._halt.is_set() and done < n:
+            raise ValidationStopped(done, n)
+
+    cfg = learner.cfg
+    with gate_pass(learner.engine, version):
+        res = validate(learner.engine, learner.val, learner.source, learner.tools, cfg.rollout,
+                       cfg.gate.batch_size, on_batch=between_batches, collapse=cfg.collapse)
+        learner.ledger.record_validation(version, res.success, res.degenerate, res.results)
+        probes = learner.cycle.probe(version, learner.engine, learner.source, learner.tools, cfg.rollout)  # as run does
+    learner.store.log_metrics(learner.ledger.run_id, learner.updates, {"time/validation_s": res.seconds, **probes})
+    return res
