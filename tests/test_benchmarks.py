@@ -6,7 +6,6 @@ The TRL comparison runs only where the ``bench`` extra (``trl``) is installed.
 
 import importlib.util
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -19,7 +18,6 @@ import bench_ceiling  # noqa: E402
 import bench_constrain  # noqa: E402
 import bench_cost  # noqa: E402
 import bench_hotswap  # noqa: E402
-import bench_learner_memory  # noqa: E402
 import bench_scaling  # noqa: E402
 import bench_trl  # noqa: E402
 import bench_trl_demo  # noqa: E402
@@ -80,65 +78,6 @@ def test_scaling_tiny(tmp_path):
     assert all(p["skipped"] == 0.0 for p in r["points"])
     assert png.read_bytes()[:4] == b"\x89PNG"
 
-
-
-def test_learner_memory_tiny_runs_every_setting_with_the_same_update(tmp_path):
-    # 6 rows of 40 + 8 = 48 tokens, micro_batch_size 4: no budget -> 4 + 2 rows (2 passes); a budget of
-    # 96 tokens -> 2 rows each (3); checkpointing changes neither
-    r = bench_learner_memory.main(["--tiny", "--rows", "6", "--prompt-tokens", "40", "--completion-tokens", "8",
-                                   "--micro-batch-size", "4", "--budgets", "0,96", "--checkpointing", "off,on",
-                                   "--out", str(tmp_path)])
-    names = [s["name"] for s in r["settings"]]
-    assert names == ["micro_batch_tokens=0, checkpointing off", "micro_batch_tokens=96, checkpointing off",
-                     "micro_batch_tokens=0, checkpointing on", "micro_batch_tokens=96, checkpointing on"]
-    assert [s["micro_batches"] for s in r["settings"]] == [2, 3, 2, 3]
-    assert [s["expected_micro_batches"] for s in r["settings"]] == [2, 3, 2, 3]
-    first = r["settings"][0]
-    # AdamW's first step moves every weight it moves by about the learning rate (serve's 1e-4)
-    assert first["max_weight_move"] == pytest.approx(1e-4, rel=0.01) and first["max_weight_diff"] == 0.0
-    for s in r["settings"]:
-        assert s["max_weight_diff"] < 1e-4 * 1e-2, s["name"]  # the same update, to rounding
-        # AdamW's first step is about lr x sign(gradient): the loss and gradient norm catch a scale error too
-        assert s["stats"]["loss"] == pytest.approx(first["stats"]["loss"], rel=1e-5)
-        assert s["stats"]["grad_norm"] > 0
-        assert s["stats"]["grad_norm"] == pytest.approx(first["stats"]["grad_norm"], rel=1e-4)
-        assert s["stats"]["num_sequences"] == 6 and s["stats"]["num_tokens"] == 6 * 8
-        assert s["peak_since_update_start"] is True  # Linux: VmHWM reset before the update
-        assert 0 < s["rss_start_bytes"] <= s["peak_rss_bytes"] and s["learner_peak_rss_bytes"] > 0
-        assert len(s["seconds"]) == 1 and s["seconds"][0] > 0
-    saved = json.loads((tmp_path / "learner_memory.json").read_text())
-    assert [s["micro_batches"] for s in saved["settings"]] == [2, 3, 2, 3] and saved["rows"] == 6
-
-
-def test_learner_memory_rows_are_long_scored_and_share_only_the_given_prefix():
-    rows = bench_learner_memory.synthetic_rows(50, 2, [0, 1, 2], rows=4, prompt_tokens=6, completion_tokens=3,
-                                               shared_prefix=2, seed=1)
-    assert [len(t.token_ids) for t in rows] == [9] * 4 and all(t.prompt_len == 6 for t in rows)
-    assert all(t.completion_mask == [0] * 6 + [1] * 3 for t in rows)
-    assert all(t.logprobs[6:] == [pytest.approx(-math.log(50))] * 3 and t.logprobs[:6] == [0.0] * 6 for t in rows)
-    assert [t.advantage for t in rows] == [1.0, -1.0, 1.0, -1.0] and [t.reward for t in rows] == [1.0, 0.0, 1.0, 0.0]
-    assert all(t.token_ids[-1] == 2 and not {0, 1, 2} & set(t.token_ids[:-1]) for t in rows)
-    assert len({tuple(t.token_ids[:2]) for t in rows}) == 1  # the shared prefix
-    assert len({t.token_ids[2] for t in rows} | {tuple(t.token_ids[2:8]) for t in rows}) > 2  # then apart
-    again = bench_learner_memory.synthetic_rows(50, 2, [0, 1, 2], 4, 6, 3, 2, seed=1)
-    assert [t.token_ids for t in again] == [t.token_ids for t in rows]  # the same rows in every process
-
-
-@pytest.mark.parametrize("flags, message", [
-    (["--budgets", "0,-8"], "argument --budgets: must be comma-separated distinct integers >= 0, got '0,-8'"),
-    (["--budgets", "0,0"], "argument --budgets: must be comma-separated distinct integers >= 0, got '0,0'"),
-    (["--checkpointing", "maybe"], "argument --checkpointing: must be off, on or off,on, got 'maybe'"),
-    (["--rows", "0"], "argument --rows: must be an integer >= 1, got '0'"),
-    (["--prompt-tokens", "10", "--shared-prefix", "11"], "--shared-prefix (11) must be at most --prompt-tokens (10)"),
-    (["--tiny", "--model", "embedded"], "--tiny and --model embedded contradict each other"),
-    (["--model", "big"], "argument --model: invalid choice: 'big'"),
-    (["--lora-r", "70000"], "lora.r must be >= 1 and <= 65536, got 70000"),
-])
-def test_learner_memory_refuses_bad_flags_before_running_anything(flags, message, capsys):
-    with pytest.raises(SystemExit) as stop:
-        bench_learner_memory.main(flags)
-    assert stop.value.code == 2
-    assert message in capsys.readouterr().err
 
 
 def test_synthetic_batch_shapes(tiny_tokenizer):
@@ -587,93 +526,3 @@ def test_serve_memory_tiny(tmp_path):
                                  "--arms", "gate-kv-kept,bounded+trim"])
     assert list(r["arms"]) == ["gate-kv-kept", "bounded+trim"]
     assert (tmp_path / "serve_memory.json").exists()
-
-
-class _Recorder:
-    """Stands in for a TRL or peft class: keeps the keyword arguments it was built with."""
-
-    def __init__(self, **kwargs):
-        self.kwargs = kwargs
-
-
-@pytest.fixture
-def fake_trl(monkeypatch):
-    """``trl`` and ``peft`` modules whose classes record their arguments (TRL is an optional extra)."""
-    import types
-
-    trl_mod, peft_mod = types.ModuleType("trl"), types.ModuleType("peft")
-    trl_mod.GRPOConfig = type("GRPOConfig", (_Recorder,), {})
-    trl_mod.GRPOTrainer = type("GRPOTrainer", (_Recorder,), {})
-    peft_mod.LoraConfig = type("LoraConfig", (_Recorder,), {})
-    monkeypatch.setitem(sys.modules, "trl", trl_mod)
-    monkeypatch.setitem(sys.modules, "peft", peft_mod)
-
-
-def test_trl_setup_builds_grpo_and_lora_from_the_run_config(tmp_path, fake_trl):
-    """Both TRL benchmarks train with these settings (bench_trl.py and bench_trl_demo.py)."""
-    import torch
-    import trl_setup
-
-    from selfrl.config import load_config
-
-    cfg = load_config(BENCH.parent / "configs" / "demo.toml", {"run_dir": str(tmp_path), "num_prompts": 4,
-                                                               "num_generations": 6, "train.micro_batch_size": 8})
-    args = trl_setup.grpo_args(cfg, gradient_checkpointing=False, max_steps=7)
-    t = cfg.train
-    assert args.kwargs == {
-        "output_dir": str(tmp_path / "trainer"), "use_cpu": True, "bf16": False, "fp16": False,
-        "gradient_checkpointing": False, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 3,
-        "num_generations": 6, "max_completion_length": cfg.rollout.max_new_tokens,
-        "temperature": cfg.rollout.temperature, "top_k": 0, "top_p": 1.0, "learning_rate": t.learning_rate,
-        "lr_scheduler_type": "constant", "warmup_steps": 0, "weight_decay": t.weight_decay,
-        "max_grad_norm": t.max_grad_norm, "beta": t.beta, "epsilon": t.epsilon, "loss_type": t.loss_type,
-        "scale_rewards": t.scale_rewards, "num_iterations": t.num_iterations, "max_steps": 7,
-        "shuffle_dataset": False, "seed": cfg.seed, "disable_dropout": True, "report_to": "none",
-        "logging_steps": 1, "save_strategy": "no", "optim": "adamw_torch", "dataloader_num_workers": 0}
-    cfg.train.micro_batch_size = 5  # 24 completions per update are not whole micro-batches of 5
-    with pytest.raises(ValueError, match=r"num_prompts x num_generations \(24\) must be a multiple of "
-                                         r"train.micro_batch_size \(5\)"):
-        trl_setup.grpo_args(cfg, gradient_checkpointing=False, max_steps=7)
-
-    def reward(prompts, completions, **kw):
-        return [0.0] * len(completions)
-
-    torch.manual_seed(cfg.seed)
-    expected = torch.rand(1)
-    trainer = trl_setup.grpo_trainer(cfg, "model", "tok", reward, args, ["data"], "callback")
-    assert torch.rand(1) == expected  # seeded with cfg.seed just before
-    k = trainer.kwargs
-    assert (k["model"], k["reward_funcs"], k["args"], k["train_dataset"], k["processing_class"], k["callbacks"]) == \
-        ("model", [reward], args, ["data"], "tok", ["callback"])
-    assert k["peft_config"].kwargs == {"r": cfg.lora.r, "lora_alpha": cfg.lora.lora_alpha,
-                                       "lora_dropout": cfg.lora.lora_dropout,
-                                       "target_modules": cfg.lora.target_modules, "task_type": "CAUSAL_LM"}
-
-
-def test_trl_step_timeline_saves_every_step_and_stops_past_the_budget(tmp_path, monkeypatch):
-    import types
-
-    import trl_setup
-
-    clock = iter([0.0, 10.0, 12.0, 30.0, 31.0])  # begin; step 1 ends at 10, saved by 12; step 2 at 30, saved by 31
-    monkeypatch.setattr(trl_setup.time, "perf_counter", lambda: next(clock))
-    saved = []
-    model = types.SimpleNamespace(save_pretrained=saved.append)
-    control = types.SimpleNamespace(should_training_stop=False)
-    timeline = trl_setup.step_timeline(tmp_path, 5, budget_s=15.0)
-    timeline.on_train_begin(None, None, control)
-    for step in (1, 2):
-        timeline.on_step_end(None, types.SimpleNamespace(global_step=step), control, model=model)
-        assert control.should_training_stop is (step == 2)  # 10 s < 15 s; then 30 - 2 s of saving = 28 s
-    assert saved == [tmp_path / "step00001", tmp_path / "step00002"]
-    assert timeline.steps == [{"step": 1, "seconds": 10.0, "adapter": str(tmp_path / "step00001")},
-                              {"step": 2, "seconds": 28.0, "adapter": str(tmp_path / "step00002")}]
-
-    clock = iter([0.0, 10.0, 12.0, 30.0, 31.0])
-    detailed = trl_setup.step_timeline(tmp_path, 4, details=True)
-    detailed.on_train_begin(None, None, control)
-    for step in (1, 2):
-        detailed.on_step_end(None, types.SimpleNamespace(global_step=step), control, model=model)
-    assert [(s["adapter"], s["seconds"], s["step_s"]) for s in detailed.steps] == \
-        [(str(tmp_path / "step0001"), 10.0, 10.0), (str(tmp_path / "step0002"), 28.0, 18.0)]
-    assert all(s["cpu_s"] >= 0 and s["loadavg"] >= 0 for s in detailed.steps)
