@@ -18,6 +18,7 @@ import bench_ceiling  # noqa: E402
 import bench_constrain  # noqa: E402
 import bench_cost  # noqa: E402
 import bench_hotswap  # noqa: E402
+import bench_learner_memory  # noqa: E402
 import bench_scaling  # noqa: E402
 import bench_trl  # noqa: E402
 import bench_trl_demo  # noqa: E402
