@@ -56,6 +56,7 @@ from concurrent.futures import Future
 
 import torch
 
+from selfrl.core.threads_at_exit import close_at_exit
 from selfrl.engines.reference import Engine
 from selfrl.engines.base import AdapterSource, EngineHealth, Generation, check_generate_args, model_context
 from selfrl.engines.kvcache import ContinuationStore, PrefixStore, SlotCache
@@ -211,6 +212,7 @@ class SlotEngine(SlotSteps, CallerDriven, SlotPrefill, SlotDecode):
         if driver == "thread":
             self._worker = threading.Thread(target=self._work, name="selfrl-slot-engine", daemon=True)
             self._worker.start()
+        close_at_exit(self)  # a worker (or a caller's thread) mid-step at exit would abort the process
 
     # ------------------------------------------------------------------ the interface
 
@@ -371,19 +373,22 @@ class SlotEngine(SlotSteps, CallerDriven, SlotPrefill, SlotDecode):
             f"cache {self.cache.nbytes / 2**20:.0f} MiB")
         return EngineHealth(ok, self.version, self.name, detail)
 
-    def close(self) -> None:
-        """Stop the worker (queued requests fail with RuntimeError) and free the cache."""
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop the worker (queued requests fail with RuntimeError) and free the cache. Waits at
+        most ``timeout_s`` for the step in progress (the worker's, or a caller's thread's)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         if self._worker is not None:
             if self._worker.ident != threading.get_ident():  # (from a callback: the worker ends after this step)
-                self._worker.join(timeout=60)
+                self._worker.join(timeout=timeout_s)
         elif self._stepping == threading.get_ident():  # from a callback inside a step
             self._fail_all(RuntimeError("the slot engine is closed"))
-        else:
-            with self._driving:  # after the step in progress, if any
+        elif self._driving.acquire(timeout=timeout_s):  # after the step in progress, if any
+            try:
                 self._fail_all(RuntimeError("the slot engine is closed"))
+            finally:
+                self._driving.release()
         self.cache = SlotCache(slots=1, capacity=1)
         self.merged = None  # its merged weights go with it (later forwards, if any, run the model)
 

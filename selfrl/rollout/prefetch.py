@@ -43,6 +43,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from selfrl.core.threads_at_exit import join_at_exit
 from selfrl.rollout.staleness import staleness
 
 __all__ = ["LocalSampler", "Prefetch", "shadow_policy", "staleness"]
@@ -111,6 +112,7 @@ class Prefetch:
                                         name=f"selfrl-prefetch-{iteration}")
         self.started = time.perf_counter()
         self._thread.start()
+        join_at_exit(self._thread)  # a run that stops mid-update: the batch ends before the process does
 
     def _run(self, sample) -> None:
         try:
