@@ -34,6 +34,14 @@ How each target is measured:
   span at least ``RSS_MIN_SPAN_MIN`` (20) minutes; the target is these slopes weighted by their
   spans. Each process's segment is reported; a shorter one (a process restarted late) is reported
   as too short, not failed; with none long enough the target is not measured.
+* **RSS floor growth** (reported beside the RSS target, not a target of its own): per server
+  process, the lowest RSS of each learner cycle that starts after its warm-up (from the end of one
+  learner update to the end of the next: the ``promote``, ``reject``, ``collapse`` and ``skip``
+  events of its store), the least-squares slope of those floors in % of the first per hour where
+  they are 3 or more over at least ``RSS_MIN_SPAN_MIN`` minutes, weighted by span across processes.
+  A served learner's RSS is a sawtooth (it climbs through an update and its gate, and falls when
+  the update ends and its memory is given back), so the slope over every sample rises when later
+  updates run longer; the floor rises only when something is kept from update to update.
 * **the figure** (``soak.png``): each family's served success and the completions' latency p95
   per sample window come from ``events.jsonl`` (the simulator's own log), each event placed at
   its ``t_real`` plus ``soak.json``'s ``sim_offset_s`` (the simulator's start, in seconds after
@@ -321,6 +329,78 @@ def rss_growth(d: dict, warmup_min: float, min_span_min: float = RSS_MIN_SPAN_MI
             "max_rss_mb": max((t["rss_mb"] for t in d["timeline"] if t.get("rss_mb")), default=None)}
 
 
+LEARNER_CYCLE_ENDS = ("promote", "reject", "collapse", "skip")  # events a learner update ends with (then the trim)
+CYCLE_MERGE_S = 60.0  # an end this soon after the one before is the same pause (a batch skipped after a promotion)
+
+
+def _slope_pct(pts: list[tuple[float, float]], base: float) -> float:
+    """Least-squares slope of ``pts`` ((s, MB), 2 or more distinct times) in % of ``base`` MB per hour."""
+    mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)  # MB/s
+    return 100 * slope * 3600 / base
+
+
+def rss_floor_growth(d: dict, warmup_min: float, min_span_min: float = RSS_MIN_SPAN_MIN) -> dict:
+    """The RSS floor's growth, reported beside :func:`rss_growth` (a leak detector, not a target).
+
+    A learner cycle runs from the end of one learner update (an event of :data:`LEARNER_CYCLE_ENDS`
+    in the server's store, at ``time - soak.json's started`` s; ends within :data:`CYCLE_MERGE_S` of
+    the one before are one) to the end of the next; its floor is
+    its lowest RSS sample (the server gives an update's memory back as the update ends, so the floor
+    is the first sample or two). Per server process (``pid``), the cycles that start after its
+    ``warmup_min`` minutes and hold a sample of it; a process's last cycle ends with its samples. Where
+    their floors span at least ``min_span_min`` minutes and number 3 or more, the least-squares
+    slope of the floors in % of the first floor per hour (``pct_per_hour``); otherwise
+    ``too_short``. The processes' slopes are weighted by their spans, as :func:`rss_growth` weighs its own.
+
+    Returns:
+        ``{"pct_per_hour": float | None, "warmup_min", "min_span_min", "segments": [{"pid", "cycles",
+        "span_min", "floors_mb": [MB per cycle], "pct_per_hour", "too_short"}]}``.
+    """
+    t0 = d["soak"]["started"]
+    ends: list[float] = []
+    for t in sorted(e["time"] - t0 for e in d["events"] if e["kind"] in LEARNER_CYCLE_ENDS):
+        if not ends or t - ends[-1] >= CYCLE_MERGE_S:
+            ends.append(t)
+    segs: dict[int, list[tuple[float, float]]] = {}
+    for t in d["timeline"]:
+        if t.get("rss_mb") and t.get("pid"):
+            segs.setdefault(t["pid"], []).append((t["t"], t["rss_mb"]))
+    rows = []
+    for pid, pts in segs.items():
+        starts = [e for e in ends if pts[0][0] + warmup_min * 60 <= e <= pts[-1][0]]
+        floors = []
+        for lo, hi in zip(starts, starts[1:] + [float("inf")]):
+            inside = [p for p in pts if lo <= p[0] < hi]
+            if inside:
+                floors.append(min(inside, key=lambda p: p[1]))
+        span = (floors[-1][0] - floors[0][0]) / 60 if floors else 0.0
+        row = {"pid": pid, "cycles": len(floors), "span_min": round(span, 1),
+               "floors_mb": [round(y) for _, y in floors], "pct_per_hour": None,
+               "too_short": span < min_span_min or len(floors) < 3}
+        if not row["too_short"]:
+            row["pct_per_hour"] = _slope_pct(floors, floors[0][1])
+        rows.append(row)
+    fitted = [g for g in rows if not g["too_short"]]
+    weight = sum(g["span_min"] for g in fitted)
+    pct = sum(g["pct_per_hour"] * g["span_min"] for g in fitted) / weight if fitted else None
+    return {"pct_per_hour": pct, "warmup_min": warmup_min, "min_span_min": min_span_min, "segments": rows}
+
+
+def rss_floor_text(floor: dict) -> str:
+    """The floor row's measured cell: the weighted floor growth, then each process's floors."""
+    def one(g):
+        where = f"pid {g['pid']}: {g['cycles']} cycles over {g['span_min']:.0f} min"
+        if g["too_short"]:
+            return f"{where}, too short for a slope"
+        return f"{where}, floors {', '.join(str(y) for y in g['floors_mb'])} MB, {g['pct_per_hour']:+.1f} %/h"
+
+    head = (f"not measured (no process had 3 learner cycles over {floor['min_span_min']:.0f} min past its "
+            f"{floor['warmup_min']:.0f}-min warm-up)") if floor["pct_per_hour"] is None else \
+        f"{floor['pct_per_hour']:+.1f} %/h, least squares over the lowest RSS between two learner updates"
+    return f"{head} ({'; '.join(one(g) for g in floor['segments']) or 'no samples'})"
+
+
 def rss_text(rss: dict) -> str:
     """The RSS row's measured cell: the weighted growth, then each process's segment."""
     def one(g):
@@ -398,6 +478,7 @@ def measure(out: Path) -> dict:
             "collapses_caught": collapses_caught(d), "trajectories_lost": trajectories(d),
             "unpromoted_served": versions_served(d), "learner_never_stopped": learner_alive(d),
             "rss_growth": rss_growth(d, args["rss_warmup_min"]),
+            "rss_floor_growth": rss_floor_growth(d, args["rss_warmup_min"]),
             "disk_within_retention": disk_retention(d, args["keep_newest"])}, d
 
 
@@ -432,6 +513,8 @@ def markdown(t: dict, d: dict) -> str:
          f"collapse events, stops: {la['stops'] or 'none'}", yes(la["met"])),
         ("RSS growth after the warm-up < 10 %/h", rss_text(rss), "not measured" if rss["met"] is None else
          yes(rss["met"])),
+        ("RSS floor growth after the warm-up (beside the target above: its leak detector)",
+         rss_floor_text(t["rss_floor_growth"]), "reported, no target"),
         ("disk within the retention policy", f"{disk['folders']} adapter folders for {disk['versions']} versions, "
          f"{len(disk['outside_policy'])} outside the policy; max run dir {disk['max_disk_mb']:.1f} MB",
          yes(disk["met"])),
