@@ -29,11 +29,19 @@ How each target is measured:
 * **unpromoted versions served**: every version a 200 named is 0, promoted at some point, or pinned.
 * **learner never stopped**: no ``collapse_stop`` or ``learner_error`` event, and the last sample
   shows the learner alive.
-* **RSS growth**: per server process, the least-squares slope of RSS over the samples after
+* **RSS growth** (``scripts/soak_rss.py``): per server process, the least-squares slope of RSS over the samples after
   ``--rss-warmup-min`` minutes of that process, in % of its RSS then, per hour, where those samples
   span at least ``RSS_MIN_SPAN_MIN`` (20) minutes; the target is these slopes weighted by their
   spans. Each process's segment is reported; a shorter one (a process restarted late) is reported
   as too short, not failed; with none long enough the target is not measured.
+* **RSS floor growth** (reported beside the RSS target, not a target of its own): per server
+  process, the lowest RSS of each learner cycle that starts after its warm-up (from the end of one
+  learner update to the end of the next: the ``promote``, ``reject``, ``collapse`` and ``skip``
+  events of its store), the least-squares slope of those floors in % of the first per hour where
+  they are 3 or more over at least ``RSS_MIN_SPAN_MIN`` minutes, weighted by span across processes.
+  A served learner's RSS is a sawtooth (it climbs through an update and its gate, and falls when
+  the update ends and its memory is given back), so the slope over every sample rises when later
+  updates run longer; the floor rises only when something is kept from update to update.
 * **the figure** (``soak.png``): each family's served success and the completions' latency p95
   per sample window come from ``events.jsonl`` (the simulator's own log), each event placed at
   its ``t_real`` plus ``soak.json``'s ``sim_offset_s`` (the simulator's start, in seconds after
@@ -56,6 +64,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # soak_rss, beside this script
+
+from soak_rss import (  # noqa: E402,F401  (the RSS measures; the tests import them from here too)
+    RSS_MIN_SPAN_MIN, rss_floor_growth, rss_floor_text, rss_growth, rss_segments, rss_text,
+)
 
 
 PASS_THE_FOLDER = "pass the folder written by scripts/soak.py --out"
@@ -278,62 +291,6 @@ def learner_alive(d: dict) -> dict:
             "updates": (last.get("learner") or {}).get("updates")}
 
 
-RSS_MIN_SPAN_MIN = 20.0  # minutes after a process's warm-up its samples must span for a slope
-
-
-def rss_segments(d: dict, warmup_min: float, min_span_min: float = RSS_MIN_SPAN_MIN) -> list[dict]:
-    """One row per server process (``pid``) of the timeline, in the order they started: its samples
-    after ``warmup_min`` minutes of its own, their span (minutes) and, when they span at least
-    ``min_span_min`` minutes (3 samples or more), the least-squares slope of RSS over them in % of
-    the RSS at the end of the warm-up per hour (``pct_per_hour``); a shorter segment has
-    ``pct_per_hour`` None and ``too_short`` True (a slope over minutes says nothing of hours)."""
-    segs: dict[int, list[tuple[float, float]]] = {}
-    for t in d["timeline"]:
-        if t.get("rss_mb") and t.get("pid"):
-            segs.setdefault(t["pid"], []).append((t["t"], t["rss_mb"]))
-    rows = []
-    for pid, pts in segs.items():
-        start = pts[0][0]
-        later = [(x, y) for x, y in pts if x - start >= warmup_min * 60]
-        span = (later[-1][0] - later[0][0]) / 60 if later else 0.0
-        row = {"pid": pid, "samples": len(later), "span_min": round(span, 1),
-               "rss_mb_at_warmup": later[0][1] if later else None, "pct_per_hour": None,
-               "too_short": span < min_span_min or len(later) < 3}
-        if not row["too_short"]:
-            mx, my = sum(x for x, _ in later) / len(later), sum(y for _, y in later) / len(later)
-            slope = sum((x - mx) * (y - my) for x, y in later) / sum((x - mx) ** 2 for x, _ in later)  # MB/s
-            row["pct_per_hour"] = 100 * slope * 3600 / later[0][1]
-        rows.append(row)
-    return rows
-
-
-def rss_growth(d: dict, warmup_min: float, min_span_min: float = RSS_MIN_SPAN_MIN) -> dict:
-    """The RSS target: the growth of the server processes whose samples after their own warm-up span
-    at least ``min_span_min`` minutes (:func:`rss_segments`), their slopes weighted by those spans
-    (%/h); met below 10 %/h. With no such process, not measured (``met`` None): a restarted
-    process's few minutes are reported, never failed on."""
-    segments = rss_segments(d, warmup_min, min_span_min)
-    fitted = [g for g in segments if not g["too_short"]]
-    weight = sum(g["span_min"] for g in fitted)
-    pct = sum(g["pct_per_hour"] * g["span_min"] for g in fitted) / weight if fitted else None
-    return {"met": None if pct is None else pct < 10.0, "pct_per_hour": pct, "segments": segments,
-            "min_span_min": min_span_min, "warmup_min": warmup_min,
-            "max_rss_mb": max((t["rss_mb"] for t in d["timeline"] if t.get("rss_mb")), default=None)}
-
-
-def rss_text(rss: dict) -> str:
-    """The RSS row's measured cell: the weighted growth, then each process's segment."""
-    def one(g):
-        where = f"pid {g['pid']}: {g['samples']} samples over {g['span_min']:.0f} min"
-        return f"{where}, too short for a slope" if g["too_short"] else f"{where}, {g['pct_per_hour']:+.1f} %/h"
-
-    head = (f"not measured (no process ran {rss['min_span_min']:.0f} min past its {rss['warmup_min']:.0f}-min "
-            "warm-up)") if rss["pct_per_hour"] is None else \
-        f"{rss['pct_per_hour']:+.1f} %/h, time-weighted over the segments of {rss['min_span_min']:.0f} min or more"
-    peak = "" if rss["max_rss_mb"] is None else f"; max RSS {rss['max_rss_mb']:.0f} MB"
-    return f"{head} ({'; '.join(one(g) for g in rss['segments']) or 'no samples'}){peak}"
-
-
 def disk_retention(d: dict, keep: int) -> dict:
     folders = sorted(int(p.name[1:]) for p in (d["run"] / "adapters").glob("v*") if p.name[1:].isdigit()) \
         if (d["run"] / "adapters").exists() else []
@@ -398,6 +355,7 @@ def measure(out: Path) -> dict:
             "collapses_caught": collapses_caught(d), "trajectories_lost": trajectories(d),
             "unpromoted_served": versions_served(d), "learner_never_stopped": learner_alive(d),
             "rss_growth": rss_growth(d, args["rss_warmup_min"]),
+            "rss_floor_growth": rss_floor_growth(d, args["rss_warmup_min"]),
             "disk_within_retention": disk_retention(d, args["keep_newest"])}, d
 
 
@@ -432,6 +390,8 @@ def markdown(t: dict, d: dict) -> str:
          f"collapse events, stops: {la['stops'] or 'none'}", yes(la["met"])),
         ("RSS growth after the warm-up < 10 %/h", rss_text(rss), "not measured" if rss["met"] is None else
          yes(rss["met"])),
+        ("RSS floor growth after the warm-up (beside the target above: its leak detector)",
+         rss_floor_text(t["rss_floor_growth"]), "reported, no target"),
         ("disk within the retention policy", f"{disk['folders']} adapter folders for {disk['versions']} versions, "
          f"{len(disk['outside_policy'])} outside the policy; max run dir {disk['max_disk_mb']:.1f} MB",
          yes(disk["met"])),

@@ -225,3 +225,13 @@ def test_monitor_raises_a_dominance_alert_once_per_flagged_iteration():
     assert mon.history == [{"verifier": 1.0, "format": 0.0}, {"verifier": 0.0, "format": 2.0}]
     assert mon.pop_alerts() == ["component_dominance: format +2 drives the total over 2 iterations while verifier -1"]
     assert mon.pop_alerts() == []
+
+
+def test_monitor_keeps_only_the_iterations_component_dominance_compares():
+    # one dict of component means an update was kept for as long as a server ran
+    mon = HackingMonitor(DetectorConfig(names=["component_dominance"], dominance_window=3), {"verifier": 1.0})
+    for i in range(10):
+        t = traj(reward=float(i))
+        t.rewards = {"verifier": float(i)}
+        mon.apply([t])
+    assert mon.history == [{"verifier": 7.0}, {"verifier": 8.0}, {"verifier": 9.0}]

@@ -158,3 +158,20 @@ def test_the_kept_lora_states_are_bounded_and_an_evicted_version_is_read_again(t
         assert list(kept) == [6, 7, 8, 2]
     finally:
         service.close()
+
+
+def test_the_swap_times_kept_are_bounded(tiny_tokenizer, tiny_model_factory, tmp_path):
+    # one swap time a promoted version was kept for as long as the server ran (the status shows the last 10)
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    service = Service(model, tiny_tokenizer, tiny_serve_config(tmp_path / "run"))
+    try:
+        state = new_state(model)
+        seen = []
+        for v in range(1, 16):
+            add_version(service, state, v, metrics={"val/success": 0.5})
+            seen.append(service.versions.publish(v, state, "promoted"))
+        assert len(seen) == 15 and all(s is not None for s in seen)
+        assert service.versions.swap_seconds == seen[-10:]
+        assert service.status()["swap_ms"] == [round(s * 1000, 2) for s in seen[-10:]]
+    finally:
+        service.close()

@@ -328,7 +328,7 @@ class HackingMonitor:
     def __init__(self, cfg: DetectorConfig, weights: dict[str, float]):
         check_detectors(cfg.names)
         self.cfg, self.weights = cfg, dict(weights)
-        self.history: list[dict[str, float]] = []  # mean weighted component per iteration
+        self.history: list[dict[str, float]] = []  # mean weighted component per iteration, the last dominance_window
         self.probe_scores: dict[int, float] = {}
         self.alerts: list[str] = []
 
@@ -338,6 +338,7 @@ class HackingMonitor:
         if scored:
             self.history.append({n: mean_std([w * (t.rewards.get(n) or 0.0) for t in scored])[0]
                                  for n, w in self.weights.items()})
+            del self.history[:-self.cfg.dominance_window]  # all component_dominance reads: a server runs for weeks
         metrics = apply_detectors(trajs, self.cfg)
         if "component_dominance" in self.cfg.names:
             verdict = component_dominance(self.history, self.cfg)

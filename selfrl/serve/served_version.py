@@ -48,7 +48,7 @@ class ServedVersion:
     Attributes:
         pinned: the pinned version, or None.
         admin: the lock that serialises pin, unpin, rollback and publish.
-        swap_seconds: how long each published swap took.
+        swap_seconds: how long each of the last :attr:`SWAPS_KEPT` published swaps took (s), oldest first.
         on_rollback: called with the champion after an admin rollback, under the admin lock
             (the background learner's ``reset_to``), or None.
 
@@ -59,6 +59,7 @@ class ServedVersion:
     """
 
     STATES_KEPT = 4  # LoRA states kept in memory: the served one, the champion and a few recent ones
+    SWAPS_KEPT = 10  # swap times kept (the status shows them; one a version would grow for as long as it serves)
 
     def __init__(self, engine, ledger: Ledger, run_dir: Path, replica: bool = False):
         self.engine, self.ledger, self.run_dir, self.replica = engine, ledger, Path(run_dir), replica
@@ -235,6 +236,7 @@ class ServedVersion:
                            {"version": version, "served": False, "swap_check": e.result.reason})
                 return None
             self.swap_seconds.append(seconds)
+            del self.swap_seconds[:-self.SWAPS_KEPT]
             self.event(EventKind.SWAP, f"serving version {version} ({reason}); swap took {seconds * 1000:.1f} ms",
                        {"version": version, "swap_s": seconds})
             return seconds

@@ -209,7 +209,7 @@ class Service:
         return {
             "served_version": self.engine.version, "pinned": self.pinned, "versions": versions,
             "queue": self.batcher.pending, "batches": self.batcher.batches, "rows": self.batcher.rows,
-            "turns": counts, "swap_ms": [round(s * 1000, 2) for s in self.versions.swap_seconds[-10:]],
+            "turns": counts, "swap_ms": [round(s * 1000, 2) for s in self.versions.swap_seconds],
             "learner": None if self.learner is None else self.learner.status(),
             "replica": None if self.follower is None else {"swaps": self.follower.swaps, "error": self.follower.error},
             "retention": None if self.turn_retention is None else self.turn_retention.status(),

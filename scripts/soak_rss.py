@@ -1,0 +1,134 @@
+"""The soak's RSS measures (``scripts/soak_report.py`` reports them): the RSS target's growth over
+every sample after each server process's warm-up (:func:`rss_growth`), and beside it the growth of
+the RSS floor between learner updates (:func:`rss_floor_growth`). How each is measured: the
+docstring of ``scripts/soak_report.py``."""
+
+from __future__ import annotations
+
+
+RSS_MIN_SPAN_MIN = 20.0  # minutes after a process's warm-up its samples must span for a slope
+
+
+def rss_segments(d: dict, warmup_min: float, min_span_min: float = RSS_MIN_SPAN_MIN) -> list[dict]:
+    """One row per server process (``pid``) of the timeline, in the order they started: its samples
+    after ``warmup_min`` minutes of its own, their span (minutes) and, when they span at least
+    ``min_span_min`` minutes (3 samples or more), the least-squares slope of RSS over them in % of
+    the RSS at the end of the warm-up per hour (``pct_per_hour``); a shorter segment has
+    ``pct_per_hour`` None and ``too_short`` True (a slope over minutes says nothing of hours)."""
+    segs: dict[int, list[tuple[float, float]]] = {}
+    for t in d["timeline"]:
+        if t.get("rss_mb") and t.get("pid"):
+            segs.setdefault(t["pid"], []).append((t["t"], t["rss_mb"]))
+    rows = []
+    for pid, pts in segs.items():
+        start = pts[0][0]
+        later = [(x, y) for x, y in pts if x - start >= warmup_min * 60]
+        span = (later[-1][0] - later[0][0]) / 60 if later else 0.0
+        row = {"pid": pid, "samples": len(later), "span_min": round(span, 1),
+               "rss_mb_at_warmup": later[0][1] if later else None, "pct_per_hour": None,
+               "too_short": span < min_span_min or len(later) < 3}
+        if not row["too_short"]:
+            mx, my = sum(x for x, _ in later) / len(later), sum(y for _, y in later) / len(later)
+            slope = sum((x - mx) * (y - my) for x, y in later) / sum((x - mx) ** 2 for x, _ in later)  # MB/s
+            row["pct_per_hour"] = 100 * slope * 3600 / later[0][1]
+        rows.append(row)
+    return rows
+
+
+def rss_growth(d: dict, warmup_min: float, min_span_min: float = RSS_MIN_SPAN_MIN) -> dict:
+    """The RSS target: the growth of the server processes whose samples after their own warm-up span
+    at least ``min_span_min`` minutes (:func:`rss_segments`), their slopes weighted by those spans
+    (%/h); met below 10 %/h. With no such process, not measured (``met`` None): a restarted
+    process's few minutes are reported, never failed on."""
+    segments = rss_segments(d, warmup_min, min_span_min)
+    fitted = [g for g in segments if not g["too_short"]]
+    weight = sum(g["span_min"] for g in fitted)
+    pct = sum(g["pct_per_hour"] * g["span_min"] for g in fitted) / weight if fitted else None
+    return {"met": None if pct is None else pct < 10.0, "pct_per_hour": pct, "segments": segments,
+            "min_span_min": min_span_min, "warmup_min": warmup_min,
+            "max_rss_mb": max((t["rss_mb"] for t in d["timeline"] if t.get("rss_mb")), default=None)}
+
+
+LEARNER_CYCLE_ENDS = ("promote", "reject", "collapse", "skip")  # events a learner update ends with (then the trim)
+CYCLE_MERGE_S = 60.0  # an end this soon after the one before is the same pause (a batch skipped after a promotion)
+
+
+def _slope_pct(pts: list[tuple[float, float]], base: float) -> float:
+    """Least-squares slope of ``pts`` ((s, MB), 2 or more distinct times) in % of ``base`` MB per hour."""
+    mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)  # MB/s
+    return 100 * slope * 3600 / base
+
+
+def rss_floor_growth(d: dict, warmup_min: float, min_span_min: float = RSS_MIN_SPAN_MIN) -> dict:
+    """The RSS floor's growth, reported beside :func:`rss_growth` (a leak detector, not a target).
+
+    A learner cycle runs from the end of one learner update (an event of :data:`LEARNER_CYCLE_ENDS`
+    in the server's store, at ``time - soak.json's started`` s; ends within :data:`CYCLE_MERGE_S` of
+    the one before are one) to the end of the next; its floor is
+    its lowest RSS sample (the server gives an update's memory back as the update ends, so the floor
+    is the first sample or two). Per server process (``pid``), the cycles that start after its
+    ``warmup_min`` minutes and hold a sample of it; a process's last cycle ends with its samples. Where
+    their floors span at least ``min_span_min`` minutes and number 3 or more, the least-squares
+    slope of the floors in % of the first floor per hour (``pct_per_hour``); otherwise
+    ``too_short``. The processes' slopes are weighted by their spans, as :func:`rss_growth` weighs its own.
+
+    Returns:
+        ``{"pct_per_hour": float | None, "warmup_min", "min_span_min", "segments": [{"pid", "cycles",
+        "span_min", "floors_mb": [MB per cycle], "pct_per_hour", "too_short"}]}``.
+    """
+    t0 = d["soak"]["started"]
+    ends: list[float] = []
+    for t in sorted(e["time"] - t0 for e in d["events"] if e["kind"] in LEARNER_CYCLE_ENDS):
+        if not ends or t - ends[-1] >= CYCLE_MERGE_S:
+            ends.append(t)
+    segs: dict[int, list[tuple[float, float]]] = {}
+    for t in d["timeline"]:
+        if t.get("rss_mb") and t.get("pid"):
+            segs.setdefault(t["pid"], []).append((t["t"], t["rss_mb"]))
+    rows = []
+    for pid, pts in segs.items():
+        starts = [e for e in ends if pts[0][0] + warmup_min * 60 <= e <= pts[-1][0]]
+        floors = []
+        for lo, hi in zip(starts, starts[1:] + [float("inf")]):
+            inside = [p for p in pts if lo <= p[0] < hi]
+            if inside:
+                floors.append(min(inside, key=lambda p: p[1]))
+        span = (floors[-1][0] - floors[0][0]) / 60 if floors else 0.0
+        row = {"pid": pid, "cycles": len(floors), "span_min": round(span, 1),
+               "floors_mb": [round(y) for _, y in floors], "pct_per_hour": None,
+               "too_short": span < min_span_min or len(floors) < 3}
+        if not row["too_short"]:
+            row["pct_per_hour"] = _slope_pct(floors, floors[0][1])
+        rows.append(row)
+    fitted = [g for g in rows if not g["too_short"]]
+    weight = sum(g["span_min"] for g in fitted)
+    pct = sum(g["pct_per_hour"] * g["span_min"] for g in fitted) / weight if fitted else None
+    return {"pct_per_hour": pct, "warmup_min": warmup_min, "min_span_min": min_span_min, "segments": rows}
+
+
+def rss_floor_text(floor: dict) -> str:
+    """The floor row's measured cell: the weighted floor growth, then each process's floors."""
+    def one(g):
+        where = f"pid {g['pid']}: {g['cycles']} cycles over {g['span_min']:.0f} min"
+        if g["too_short"]:
+            return f"{where}, too short for a slope"
+        return f"{where}, floors {', '.join(str(y) for y in g['floors_mb'])} MB, {g['pct_per_hour']:+.1f} %/h"
+
+    head = (f"not measured (no process had 3 learner cycles over {floor['min_span_min']:.0f} min past its "
+            f"{floor['warmup_min']:.0f}-min warm-up)") if floor["pct_per_hour"] is None else \
+        f"{floor['pct_per_hour']:+.1f} %/h, least squares over the lowest RSS between two learner updates"
+    return f"{head} ({'; '.join(one(g) for g in floor['segments']) or 'no samples'})"
+
+
+def rss_text(rss: dict) -> str:
+    """The RSS row's measured cell: the weighted growth, then each process's segment."""
+    def one(g):
+        where = f"pid {g['pid']}: {g['samples']} samples over {g['span_min']:.0f} min"
+        return f"{where}, too short for a slope" if g["too_short"] else f"{where}, {g['pct_per_hour']:+.1f} %/h"
+
+    head = (f"not measured (no process ran {rss['min_span_min']:.0f} min past its {rss['warmup_min']:.0f}-min "
+            "warm-up)") if rss["pct_per_hour"] is None else \
+        f"{rss['pct_per_hour']:+.1f} %/h, time-weighted over the segments of {rss['min_span_min']:.0f} min or more"
+    peak = "" if rss["max_rss_mb"] is None else f"; max RSS {rss['max_rss_mb']:.0f} MB"
+    return f"{head} ({'; '.join(one(g) for g in rss['segments']) or 'no samples'}){peak}"
