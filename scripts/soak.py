@@ -149,6 +149,19 @@ def simulate_config(args, url: str, minutes: float, out: Path):
     return cfg.validate()
 
 
+def serve_toml(a: argparse.Namespace, run_dir: Path, port: int, model: str) -> str:
+    """The server's config for the soak's flags ``a`` (``--tiny``: the tiny model's smaller settings)."""
+    tiny = a.tiny
+    return SERVE_TOML.format(
+        run_dir=run_dir, port=port, model=model, tokens=16 if tiny else 96, lora_r=4 if tiny else 8,
+        gate_batch=12 if tiny else 24, families=families_toml(a.val_size, a.tolerance),
+        min_batch=8 if tiny else 16, max_batch=16 if tiny else 64,
+        micro_batch_tokens=512 if tiny else 2048, checkpointing="true",
+        feedback_wait_s=5.0 if tiny else 60.0, max_kl=0.1 if tiny else 0.5, keep_newest=a.keep_newest,
+        keep_promoted=a.keep_promoted, delete=str(not a.keep_pruned).lower(),
+        lr=1e-3 if tiny else 1e-4)
+
+
 def fault_times(faults: list[str], seconds: float, seed: int) -> list[tuple[float, str]]:
     """One time per fault, each drawn uniformly in its own slice of the middle 80 % of the run
     (in a seeded random order), so that no two overlap and each has traffic before and after."""
@@ -324,15 +337,7 @@ class Soak:
             model = str(save_tiny_model(self.out / "tiny-model", eos_bias=3.0))
         (self.out / "key").write_text(KEY + "\n")
         self.port = free_port()
-        tiny = a.tiny
-        (self.out / "serve.toml").write_text(SERVE_TOML.format(
-            run_dir=self.run_dir, port=self.port, model=model, tokens=16 if tiny else 96, lora_r=4 if tiny else 8,
-            gate_batch=12 if tiny else 24, families=families_toml(a.val_size, a.tolerance),
-            min_batch=8 if tiny else 16, max_batch=16 if tiny else 64,
-            micro_batch_tokens=512 if tiny else 2048, checkpointing="true",
-            feedback_wait_s=5.0 if tiny else 60.0, max_kl=0.1 if tiny else 0.5, keep_newest=a.keep_newest,
-            keep_promoted=a.keep_promoted, delete=str(not a.keep_pruned).lower(),
-            lr=1e-3 if tiny else 1e-4))
+        (self.out / "serve.toml").write_text(serve_toml(a, self.run_dir, self.port, model))
         self.fault_file.write_text("")
         self.server = Server(self.out, self.out / "serve.toml", self.fault_file)
 

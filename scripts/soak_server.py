@@ -17,6 +17,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "soak-key-0123456789abcdef"
+# The server's config. The learner validates every second candidate (gate.eval_every = 2: it trains
+# on from the first unvalidated, unserved), so a gate's cost is paid once per two updates; the served
+# turns are then up to one weight change behind at the chain's second update, within the age rule
+# (learner.max_feedback_age_versions = 4, at least eval_every - 1, or serve refuses the config).
 SERVE_TOML = """\
 run_dir = "{run_dir}"
 port = {port}
@@ -28,6 +32,7 @@ name = "{model}"
 r = {lora_r}
 [gate]
 batch_size = {gate_batch}
+eval_every = 2
 [rollout]
 max_new_tokens = {tokens}
 max_turns = 2
@@ -36,6 +41,7 @@ min_batch = {min_batch}
 max_batch = {max_batch}
 poll_s = 0.5
 feedback_wait_s = {feedback_wait_s}
+max_feedback_age_versions = 4
 retry_s = 0.5
 retry_max_s = 5.0
 [collapse]

@@ -185,3 +185,141 @@ def test_turns_whose_version_weights_are_gone_are_too_old_and_the_skip_says_so(
             assert records.find_response(service.store, late[0][0].id)["status"] == "skipped"
     finally:
         service.close()
+
+
+class EventLedger(FakeLedger):
+    """A :class:`FakeLedger` that keeps the events it is given."""
+
+    def __init__(self, rows, champion):
+        super().__init__(rows, champion)
+        self.events = []
+
+    def event(self, kind, message, data=None):
+        self.events.append((kind.value, message, data))
+
+
+def store_turns(store, run, spec):
+    """Served turns ``{name: (version, created_at, feedback or None)}``, each its own response ``name``."""
+    from selfrl.record import served as records
+
+    for name, (version, created, value) in spec.items():
+        t = Trajectory(name, "g", version, prompt_len=1, token_ids=[5, 6, 7], completion_mask=[0, 1, 1],
+                       logprobs=[0.0, -1.0, -1.0], id=name)
+        records.add_turns(store, run, [records.ServedTurn(t, name, 0, name, "g", name)], now=created)
+        if value is not None:
+            records.apply_feedback(store, name, 0, "explicit", value)
+
+
+def test_the_batch_is_the_newest_eligible_turns_and_the_too_old_expire_while_awaited_turns_wait(tmp_path):
+    # before: the batch was the oldest ready turns (b, a, c), two of them past the age rule, and the
+    # rest of the backlog waited behind them; a learner behind its traffic trained on nothing fresh
+    from selfrl.config.serve import LearnerSettings
+    from selfrl.record import served as records
+    from selfrl.record.store import Store
+    from selfrl.serve.late_feedback import take_batch
+
+    store = Store(tmp_path / "db.sqlite")
+    records.init(store)
+    run = store.start_run({})
+    ledger = EventLedger([(0, None), (1, 0), (2, 1)], 2)  # weights 0 -> 1 -> 2
+    clock = Clock(10_000.0)
+    ages = FeedbackAges(AgePolicy(max_versions=1, max_age_s=3600.0), ledger, clock)
+    lc = LearnerSettings(min_batch=2, max_batch=3, feedback_wait_s=60.0, max_feedback_age_versions=1,
+                         max_feedback_age_s=3600.0)
+    store_turns(store, run, {
+        "b": (2, 5_000.0, 1.0),  # 5000 s old: past max_age_s
+        "a": (0, 9_000.0, 1.0),  # 2 weight changes behind: past max_versions
+        "c": (1, 9_100.0, -1.0), "d": (2, 9_200.0, None), "e": (2, 9_300.0, 1.0), "f": (1, 9_400.0, -1.0),
+        "h": (0, 9_980.0, None),  # past max_versions, but its feedback may still come for 40 s: it waits
+        "g": (2, 9_990.0, None),  # the newest turn, awaiting its feedback: not taken early
+    })
+    batch = take_batch(store, ages, lc)
+    assert [t.id for t, _ in batch] == ["f", "e", "d"]  # newest first, within the age rule; d's wait is over
+    status = {n: records.find_response(store, n)["status"] for n in "abcdefgh"}
+    assert status == {"a": "skipped", "b": "skipped", "c": "pending", "d": "pending", "e": "pending",
+                      "f": "pending", "g": "pending", "h": "pending"}
+    stored = {t.id: t for t in store.trajectories()}
+    assert set(stored) == set("abcdefgh")  # expiry changes the status only
+    assert stored["a"].reward_details["user_feedback"]["age"]["reason"] == (
+        "only recorded: the policy changed 2 times since version 0, more than max_versions = 1")
+    assert stored["b"].reward_details["user_feedback"]["age"]["reason"] == (
+        "only recorded: the turn is 5000 s old, more than max_age_s = 3600")
+    [(kind, message, data)] = ledger.events
+    assert kind == "expire" and data == {"reason": "too_old", "expired": 2, "versions": [0, 2]}
+    assert message.startswith("expired before an update: 2 turn(s) sampled by versions [0, 2] were past the age "
+                              "rule (learner.max_feedback_age_versions = 1 weight changes, max_feedback_age_s = 3600)")
+    # feedback on an expired turn is answered as the age rule answers it at an update
+    applied = records.apply_feedback(store, "a", 0, "explicit", 1.0, age=ages.at_feedback)
+    assert (applied.outcome, applied.reason, applied.updated) == (
+        "too_old", "only recorded: the policy changed 2 times since version 0, more than max_versions = 1", 0)
+    assert records.find_response(store, "a")["status"] == "skipped"
+
+    # g's feedback arrives: the newest ready turn now; h's wait ends: it is expired at the next batch
+    records.apply_feedback(store, "g", 0, "explicit", 1.0)
+    clock.t = 10_041.0
+    assert [t.id for t, _ in take_batch(store, ages, lc)] == ["g", "f", "e"]
+    assert records.find_response(store, "h")["status"] == "skipped" and ledger.events[-1][2]["expired"] == 1
+    lc.order = "oldest"  # arrival order, among the turns within the age rule
+    assert [t.id for t, _ in take_batch(store, ages, lc)] == ["c", "d", "e"]
+
+
+def test_a_turn_awaiting_its_feedback_is_neither_taken_nor_expired(tmp_path):
+    from selfrl.config.serve import LearnerSettings
+    from selfrl.record import served as records
+    from selfrl.record.store import Store
+    from selfrl.serve.late_feedback import take_batch
+
+    store = Store(tmp_path / "db.sqlite")
+    records.init(store)
+    run = store.start_run({})
+    ledger = EventLedger([(0, None), (1, 0), (2, 1), (3, 2)], 3)
+    ages = FeedbackAges(AgePolicy(max_versions=0, max_age_s=3600.0), ledger, Clock(10_000.0))
+    lc = LearnerSettings(min_batch=2, max_batch=8, feedback_wait_s=120.0, max_feedback_age_versions=0)
+    store_turns(store, run, {"x": (3, 9_950.0, 1.0), "y": (3, 9_960.0, -1.0),
+                             "old": (0, 9_970.0, None), "new": (3, 9_990.0, None)})  # both within their 120 s
+    assert [t.id for t, _ in take_batch(store, ages, lc)] == ["y", "x"]
+    assert {records.find_response(store, n)["status"] for n in ("old", "new")} == {"pending"} and not ledger.events
+    assert records.ready(store, 120.0, 8, now=10_000.0, order="newest") == take_batch(store, ages, lc)
+    with pytest.raises(ValueError, match="order must be one of 'oldest', 'newest', got 'random'"):
+        records.ready(store, 120.0, 8, order="random")
+
+
+def test_the_served_learner_trains_on_the_newest_turns_within_the_age_rule(
+        tiny_tokenizer, tiny_model_factory, tmp_path):
+    # through BackgroundLearner.tick, on the real ledger: two promotions, then a backlog of three versions
+    from selfrl.record import served as records
+    from selfrl.serve.protocol import FeedbackRequest
+    from selfrl.serve.service import Service
+    from serving import rated_turns, tiny_serve_config
+
+    clock = Clock(time.time())
+    cfg = tiny_serve_config(tmp_path / "run", min_batch=4, max_batch=4, max_feedback_age_versions=1)
+    cfg.train.learning_rate, cfg.gate.tolerance, cfg.collapse.max_kl = 1e-2, 1.0, 5.0  # every candidate promoted
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    service = Service(model, tiny_tokenizer, cfg, learner_model=copy.deepcopy(model), clock=clock)
+    try:
+        learner = service.learner
+        learner.ensure_champion_validated()
+        for _ in range(2):
+            assert learner.update(rated_turns(service))["result"] == "promoted"
+        assert service.ledger.champion.version == 2
+        t0 = clock()
+        store_turns(service.store, service.run_id, {
+            "v0a": (0, t0 + 1, 1.0), "v0b": (0, t0 + 2, -1.0),  # two weight changes behind: too old
+            "v1a": (1, t0 + 3, 1.0), "v1b": (1, t0 + 4, -1.0), "v2a": (2, t0 + 5, 1.0), "v2b": (2, t0 + 6, -1.0),
+            "v2c": (2, t0 + 7, 1.0), "wait": (2, t0 + 8, None)})  # the newest, awaiting its feedback
+        clock.t = t0 + 10
+        taken = []
+        learner.update = lambda batch: taken.append([t.id for t, _ in batch]) or {}
+        assert learner.tick()
+        assert taken == [["v2c", "v2b", "v2a", "v1b"]]
+        with service.store.lock:
+            status = {n: records.find_response(service.store, n)["status"] for n in ("v0a", "v0b", "v1a", "wait")}
+        assert status == {"v0a": "skipped", "v0b": "skipped", "v1a": "pending", "wait": "pending"}
+        answer = service.feedback(FeedbackRequest(response_id="v0a", rating=1.0))
+        assert answer["outcome"] == "too_old" and answer["reason"] == (
+            "only recorded: the policy changed 2 times since version 0, more than max_versions = 1")
+        [event] = [e for e in service.store.events() if e["kind"] == "expire"]
+        assert event["data"] == {"reason": "too_old", "expired": 2, "versions": [0]}
+    finally:
+        service.close()

@@ -257,6 +257,7 @@ def test_an_unreachable_vllm_sampler_is_one_line_before_the_model_loads(tmp_path
     ({"learner.retry_max_s": 0.5}, "learner.retry_s (1) must be at most learner.retry_max_s (0.5)"),
     ({"learner.retry_s": 0.0}, "learner.retry_s must be > 0"),
     ({"learner.min_batch": 1}, "learner.min_batch must be >= 2"),
+    ({"learner.order": "random"}, "learner.order must be one of 'newest', 'oldest', got 'random'"),
 ])
 def test_the_learner_s_bound_pairs_name_both_keys(overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -262,3 +262,14 @@ def test_soak_report_on_a_damaged_soak_folder_is_a_usage_error_naming_the_file(d
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == f"usage: soak_report.py [-h] out\nsoak_report.py: error: {message.format(tmp=tmp_path)}\n"
     assert not (tmp_path / "targets.md").exists()
+
+
+@pytest.mark.parametrize("flags", [[], ["--tiny"]])
+def test_the_soak_s_server_validates_every_second_candidate_within_the_age_rule(flags, tmp_path):
+    from selfrl.serve.main import load_serve_config
+
+    path = tmp_path / "serve.toml"
+    path.write_text(soak.serve_toml(soak.parse_args(flags), tmp_path / "run", 8123, "a-model"))
+    cfg = load_serve_config(str(path), {})  # serve's own checks: eval_every - 1 <= max_feedback_age_versions
+    assert (cfg.gate.eval_every, cfg.learner.max_feedback_age_versions, cfg.learner.order) == (2, 4, "newest")
+    assert [f.name for f in cfg.families] == ["arithmetic", "function_calling", "web"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from selfrl.config.base import (
     NAME_MAX, SECONDS_MAX, SEED_MAX, ConfigError, at_most, in_range, name_length, non_finite_weights, one_of, require,
@@ -30,6 +30,7 @@ from selfrl.engines import DEFAULT_SERVE_ENGINE
 from selfrl.engines.base import MAX_TEMPERATURE, MIN_TEMPERATURE
 
 KV_MB_MAX = 1 << 20  # 1 TiB: the largest key/value bound in MB a setting takes
+LearnerOrder = Literal["newest", "oldest"]  # which ready turns an update takes first (selfrl.serve.late_feedback)
 
 
 @dataclass
@@ -39,6 +40,7 @@ class LearnerSettings:
     enabled: bool = True  # run the background learner (off: serve and record only)
     min_batch: int = 32  # served turns with a complete reward that trigger an update
     max_batch: int = 64  # most turns used by one update
+    order: LearnerOrder = "newest"  # which ready turns an update takes first: newest (fresh data; a backlog's older turns wait, and once past the age rule are only recorded) | oldest (arrival order)
     feedback_wait_s: float = 120.0  # seconds a turn waits for feedback before it may be trained without it
     poll_s: float = 1.0  # seconds between checks for enough ready turns
     retry_s: float = 1.0  # seconds a learner paused by a storage fault (disk full, ...) waits before a retry
@@ -55,6 +57,7 @@ class LearnerSettings:
         require([
             in_range(self.min_batch, "min_batch", 2, 65536),
             in_range(self.max_batch, "max_batch", 2, 65536),
+            one_of(self.order, LearnerOrder, "order"),
             in_range(self.feedback_wait_s, "feedback_wait_s", 0, SECONDS_MAX),
             in_range(self.poll_s, "poll_s", 0, 3600, low_open=True),
             in_range(self.retry_s, "retry_s", 0, SECONDS_MAX, low_open=True),

@@ -13,7 +13,7 @@ between threads).
 
 Training status of a served trajectory: ``pending`` (waiting for a reward),
 ``trained`` (used by the update that made version ``trained_in``), ``skipped``
-(no reward component applied; never trained).
+(no reward component applied, or past the age rule: :func:`ready_past`; never trained).
 
 Old turns leave through retention (:mod:`selfrl.serve.retention`): :func:`old_turns` reads
 them as export rows, :func:`delete_turns` deletes them with their feedback, in one transaction.
@@ -279,24 +279,50 @@ def _judged_turn(store: Store, row: dict[str, Any], age: AgeRule | None) -> tupl
     return age(int(t["adapter_version"]), float(row["created_at"]))
 
 
+READY = "s.status = 'pending' AND (s.feedback IS NOT NULL OR s.created_at <= ?)"  # a reward is complete
+ORDERS = {"oldest": "s.created_at, s.rowid", "newest": "s.created_at DESC, s.rowid DESC"}
+
+
 @locked
-def ready(store: Store, wait_s: float, limit: int, now: float | None = None) -> list[tuple[Trajectory, dict[str, Any]]]:
+def ready(store: Store, wait_s: float, limit: int, now: float | None = None,
+          order: str = "oldest") -> list[tuple[Trajectory, dict[str, Any]]]:
     """Pending turns whose reward is complete: feedback arrived, or ``wait_s`` seconds passed.
 
+    Args:
+        order: ``"oldest"`` or ``"newest"`` first, by ``created_at`` (``learner.order``).
+
     Returns:
-        up to ``limit`` ``(trajectory, served row)`` pairs, oldest first.
+        up to ``limit`` ``(trajectory, served row)`` pairs, in that order.
+
+    Raises:
+        ValueError: an ``order`` other than those two.
     """
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {', '.join(map(repr, ORDERS))}, got {order!r}")
     now = time.time() if now is None else now
-    rows = store.conn.execute(
+    return _pairs(store.conn.execute(
         "SELECT s.*, t.data_json FROM served s JOIN trajectories t ON t.id = s.trajectory_id"
-        " WHERE s.status = 'pending' AND (s.feedback IS NOT NULL OR s.created_at <= ?)"
-        " ORDER BY s.created_at LIMIT ?", (now - wait_s, limit),
-    ).fetchall()
-    out = []
-    for r in rows:
-        d = dict(r)
-        out.append((Trajectory.from_dict(json.loads(d.pop("data_json"))), d))
-    return out
+        f" WHERE {READY} ORDER BY {ORDERS[order]} LIMIT ?", (now - wait_s, limit)).fetchall())
+
+
+@locked
+def ready_past(store: Store, wait_s: float, keep_versions: set[int], before: float, limit: int,
+               now: float | None = None) -> list[tuple[Trajectory, dict[str, Any]]]:
+    """Those of the turns :func:`ready` would give that are past an age cutoff: sampled by a
+    version not in ``keep_versions``, or stored before ``before`` (seconds, the server's clock).
+    A turn still waiting for feedback is not among them. Returns up to ``limit`` pairs, oldest first."""
+    now = time.time() if now is None else now
+    versions = f"t.adapter_version NOT IN ({','.join('?' * len(keep_versions))})" if keep_versions else "1"
+    return _pairs(store.conn.execute(
+        "SELECT s.*, t.data_json FROM served s JOIN trajectories t ON t.id = s.trajectory_id"
+        f" WHERE {READY} AND ({versions} OR s.created_at < ?) ORDER BY {ORDERS['oldest']} LIMIT ?",
+        (now - wait_s, *sorted(keep_versions), before, limit)).fetchall())
+
+
+def _pairs(rows) -> list[tuple[Trajectory, dict[str, Any]]]:
+    """``(trajectory, served row)`` of each row read with its trajectory's ``data_json``."""
+    return [(Trajectory.from_dict(json.loads(r["data_json"])), {k: r[k] for k in r.keys() if k != "data_json"})
+            for r in rows]
 
 
 @locked

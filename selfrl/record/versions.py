@@ -56,6 +56,7 @@ class EventKind(str, enum.Enum):
     STEP_BACK = "step_back"  # a stable stretch after a collapse: one backoff level back toward the configured setting
     ROLLBACK = "rollback"  # an admin rolled the server back to an earlier version
     SKIP = "skip"  # an update was skipped (UpdateResult.reason says why); no version made
+    EXPIRE = "expire"  # pending served turns past the age rule were marked skipped before an update (only recorded)
     RECOVER = "recover"  # a stray folder left by a killed save was moved aside, or the base re-saved
     RESUME = "resume"  # a run continued after a stop
     HACKING = "hacking"  # a reward-hacking detector fired

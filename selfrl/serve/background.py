@@ -22,6 +22,9 @@ Departures from ``selfrl run``, on purpose:
   skipped as ``no_group`` (the message says how to fix it).
 * A turn none of whose reward components applies (no feedback, no tool call) is not
   trained on (``run`` scores such a rollout 0).
+* An update takes the newest ready turns first (``learner.order``), and the pending turns
+  already past the age rule are expired before it (:func:`selfrl.serve.late_feedback.take_batch`):
+  a learner slower than its traffic trains on the freshest turns, not on a backlog that ages out.
 * ``gate.eval_every`` defaults to 1 (``selfrl run``'s to 4): every candidate is validated before
   it may be served. With k > 1 the learner trains on from k - 1 unvalidated candidates that are
   never served and validates the k-th; rejected, it goes back to the champion and the chain's
@@ -63,7 +66,7 @@ from selfrl.serve.chain import CandidateChain
 from selfrl.serve.families import held_out_sets
 from selfrl.serve.feedback import score_served
 from selfrl.serve.health import StorageWatch
-from selfrl.serve.late_feedback import FeedbackAges
+from selfrl.serve.late_feedback import FeedbackAges, stale_note, take_batch
 from selfrl.record.storage_errors import StorageFault
 from selfrl.record.store import Store
 from selfrl.core.tools import resolve_tools
@@ -293,7 +296,7 @@ class BackgroundLearner(threading.Thread):
         lc = self.cfg.learner
         if self.cycle.check_budget() > 0:  # a cool-down: the turns wait, serving goes on
             return False
-        batch = records.ready(self.store, lc.feedback_wait_s, lc.max_batch, now=self.clock())
+        batch = take_batch(self.store, self.ages, lc)  # learner.order (newest first); those past the age rule expired
         if len(batch) < lc.min_batch:
             return False
         with self.lock:
@@ -445,25 +448,6 @@ def own_logps(model, learner: Learner, temperature: float, trajs: list[Trajector
             copy.advantage = t.advantage
             out.append(copy)
     return out
-
-
-def stale_note(too_old: list, gone: list[Trajectory], policy) -> str:
-    """Why an update had nothing to train on but turns past the age rule (``too_old``: pairs of a
-    turn and its :class:`~selfrl.serve.late_feedback.AgeDecision`) or whose version's weights are
-    gone (``gone``): the counts, the versions, the cutoffs and what to change."""
-    parts = []
-    if too_old:
-        versions = sorted({t.adapter_version for t, _ in too_old})
-        parts.append(f"{len(too_old)} turn(s) sampled by versions {versions} were past the age rule "
-                     f"(learner.max_feedback_age_versions = {policy.max_versions} weight changes, "
-                     f"max_feedback_age_s = {policy.max_age_s:g}): the learner is behind the traffic; they are only "
-                     "recorded (raise the cutoff, send less traffic, or validate less often: gate.eval_every)")
-    if gone:
-        versions = sorted({t.adapter_version for t in gone})
-        parts.append(f"every turn with a signal ({len(gone)}) was sampled by a version whose weights are no longer "
-                     f"stored or cannot be read (versions {versions}): only recorded (version retention keeps "
-                     "every served version the age rule may still train on)")
-    return "; ".join(parts)
 
 
 def leave_out_gone(store: Store, usable: list[Trajectory], train: list[Trajectory], scored: list[Trajectory]):

@@ -14,6 +14,16 @@ late (:func:`selfrl.record.served.apply_feedback`). Then:
   cutoff are left out (marked ``skipped``, the decision kept in ``reward_details``); a turn of
   an older version is trained with the truncated sequence weight ``min(exp(sum_t m_t (logp_now_t
   - logp_then_t)), learner.feedback_tis_cap)``, multiplied into its advantage.
+* **Which turns an update takes** (:func:`take_batch`): the newest ready turns first
+  (``learner.order = "newest"``, the default), after the pending turns already past a cutoff
+  were expired in bulk (:func:`expire`: marked ``skipped`` with the same decision, an ``expire``
+  event). Why newest first: a learner slower than its traffic that took the oldest turns first
+  would train on turns one or more weight changes behind, each weighed down by the sequence
+  weight, while the fresh ones waited behind them until they too were past the age rule, and
+  from then on every batch was skipped whole as too old. Newest first, every update trains on
+  the freshest data there is; what the learner cannot keep up with is what ages out, and the
+  expiry keeps the pending turns bounded by the age rule. ``"oldest"`` (arrival order) trains
+  every turn while the learner keeps up, for a replay of recorded traffic, say.
 
 Which correction, and why only one. The learner's per-token TIS (``train.tis_cap``,
 :mod:`selfrl.rl.off_policy`) corrects each token for the sampler's own numerics. In ``serve``
@@ -38,7 +48,9 @@ import time
 from collections.abc import Callable
 
 from selfrl.core.trajectory import Trajectory
-from selfrl.record.versions import Ledger
+from selfrl.record import served as records
+from selfrl.record.store import Store
+from selfrl.record.versions import EventKind, Ledger
 from selfrl.rl.feedback_age import (AgeDecision, AgePolicy, Outcome, decide, sequence_weight, trainable_versions,
                                     versions_behind)
 
@@ -187,3 +199,80 @@ def describe(d: AgeDecision) -> dict:
     k = None if d.versions_behind == float("inf") else d.versions_behind
     return {"outcome": d.outcome.value, "weight": d.weight, "versions_behind": k, "age_s": d.age_s,
             "reason": d.reason}
+
+
+def take_batch(store: Store, ages: FeedbackAges, lc) -> list[tuple[Trajectory, dict]]:
+    """The learner's next batch: up to ``lc.max_batch`` ready turns (:func:`selfrl.record.served.ready`:
+    feedback arrived or ``lc.feedback_wait_s`` passed), in ``lc.order`` (newest first by default:
+    see the module docstring). When at least ``lc.min_batch`` are ready, an update is due: the
+    pending turns past the age rule are expired first (:func:`expire`) and the batch taken again
+    without them. A turn still waiting for its feedback is never taken nor expired.
+
+    Args:
+        lc: ``[learner]`` (``feedback_wait_s``, ``min_batch``, ``max_batch``, ``order``).
+
+    Returns:
+        ``(trajectory, served row)`` pairs, fewer than ``lc.min_batch`` when no update is due.
+    """
+    def take():
+        return records.ready(store, lc.feedback_wait_s, lc.max_batch, now=ages.clock(), order=lc.order)
+
+    batch = take()
+    if len(batch) >= lc.min_batch and expire(store, ages, lc.feedback_wait_s):
+        batch = take()
+    return batch
+
+
+def expire(store: Store, ages: FeedbackAges, wait_s: float, chunk: int = 256) -> int:
+    """Mark ``skipped`` every pending turn whose reward is complete (feedback arrived, or ``wait_s``
+    seconds passed) and that is past the age rule: sampled more than ``max_feedback_age_versions``
+    weight changes ago (or by a version this learner never held), or older than
+    ``max_feedback_age_s``. Each keeps its decision in ``reward_details["user_feedback"]["age"]``,
+    as a turn the update leaves out (:meth:`FeedbackAges.split`), so feedback on it is answered
+    ``too_old`` with the same reason; its trajectory stays stored. One transaction per ``chunk``
+    turns; one ``expire`` event (reason ``too_old``, :func:`stale_note` its message) when any.
+
+    Returns:
+        how many turns were expired.
+
+    Raises:
+        sqlite3.Error: the store cannot be written; the turns of the chunk under way stay pending.
+    """
+    keep, n, versions = ages.needed(), 0, set()
+    while True:
+        with store.lock:  # no feedback lands between the read and the mark
+            now = ages.clock()
+            rows = records.ready_past(store, wait_s, keep, now - ages.policy.max_age_s, chunk, now=now)
+            _, old = ages.split(rows)
+            records.mark(store, [t for t, _ in old], "skipped", None)
+        n, versions = n + len(old), versions | {t.adapter_version for t, _ in old}
+        if len(rows) < chunk or not old:
+            break
+    if n:
+        note = past_age_note(n, sorted(versions), ages.policy)
+        ages.ledger.event(EventKind.EXPIRE, f"expired before an update: {note}",
+                          {"reason": "too_old", "expired": n, "versions": sorted(versions)})
+    return n
+
+
+def past_age_note(n: int, versions: list[int], policy: AgePolicy) -> str:
+    """``n`` turns of ``versions`` past the age rule ``policy``: the cutoffs and what to change."""
+    return (f"{n} turn(s) sampled by versions {versions} were past the age rule "
+            f"(learner.max_feedback_age_versions = {policy.max_versions} weight changes, "
+            f"max_feedback_age_s = {policy.max_age_s:g}): the learner is behind the traffic; they are only "
+            "recorded (raise the cutoff, send less traffic, or validate less often: gate.eval_every)")
+
+
+def stale_note(too_old: list, gone: list[Trajectory], policy: AgePolicy) -> str:
+    """Why an update had nothing to train on but turns past the age rule (``too_old``: pairs of a
+    turn and its :class:`~selfrl.rl.feedback_age.AgeDecision`) or whose version's weights are
+    gone (``gone``): the counts, the versions, the cutoffs and what to change."""
+    parts = []
+    if too_old:
+        parts.append(past_age_note(len(too_old), sorted({t.adapter_version for t, _ in too_old}), policy))
+    if gone:
+        versions = sorted({t.adapter_version for t in gone})
+        parts.append(f"every turn with a signal ({len(gone)}) was sampled by a version whose weights are no longer "
+                     f"stored or cannot be read (versions {versions}): only recorded (version retention keeps "
+                     "every served version the age rule may still train on)")
+    return "; ".join(parts)
