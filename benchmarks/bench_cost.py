@@ -6,7 +6,8 @@
     .venv/bin/python benchmarks/bench_cost.py --tiny                                      # seconds
 
 Read from the run's store (``time/rollout_s``, ``time/update_s``, ``time/validation_s``,
-``num_tokens``, ``train/completion_tokens``). Per-iteration figures are medians over the
+``num_tokens``, ``train/completion_tokens``) by :func:`selfrl.report.cost.run_cost`, as
+``scripts/results.py table`` reads it. Per-iteration figures are medians over the
 run's iterations with min and max (``--repeats`` does not apply: one run, many
 iterations). Tokens generated count the sampled completion tokens of every rollout;
 tokens trained count the completion tokens of the sequences that went into the update
@@ -37,6 +38,7 @@ def cost_figures(run_dir: Path) -> dict:
         ValueError: the run has no completed iteration.
     """
     from selfrl.record.store import Store
+    from selfrl.report.cost import run_cost
     from selfrl.report.finished import run_progress
 
     run_dir = Path(run_dir)
@@ -45,32 +47,22 @@ def cost_figures(run_dir: Path) -> dict:
     cfg = json.loads((run_dir / "config.json").read_text())
     per_iter = cfg["num_prompts"] * cfg["num_generations"]
     with Store(run_dir / "selfrl.db", readonly=True) as store:
-        rows = store.metrics()
+        cost = run_cost(store, cfg)
         progress = run_progress(store, cfg)
-    by_step: dict[int, dict[str, float]] = {}
-    validation = []
-    for r in rows:
-        if r["value"] is None:
-            continue
-        if r["name"] == "time/validation_s":
-            validation.append(r["value"])
-        else:
-            by_step.setdefault(r["step"], {})[r["name"]] = r["value"]
-    iters = [m for _, m in sorted(by_step.items()) if "time/rollout_s" in m]
+    iters, validation = cost.iterations, cost.validations_s
     if not iters:
         raise ValueError(f"the run at {run_dir} has no completed iteration")
-    roll = [m["time/rollout_s"] for m in iters]
-    upd = [m.get("time/update_s", 0.0) for m in iters]
-    gen_tokens = [m.get("train/completion_tokens", 0.0) * per_iter for m in iters]
-    trained = [m.get("num_tokens", 0.0) for m in iters]
-    inference, training = sum(roll), sum(upd)
+    roll = [i.rollout_s for i in iters]
+    upd = [i.update_s for i in iters]
+    gen_tokens = [i.completion_tokens * per_iter for i in iters]
+    trained = [i.trained_tokens for i in iters]
     return {
         "run_dir": str(run_dir), "finished": progress.finished,
         "status": progress.line(),
         "iterations": len(iters), "rollouts_per_iteration": per_iter,
-        "inference_s": inference, "training_s": training, "validation_s": sum(validation),
+        "inference_s": cost.inference_s, "training_s": cost.training_s, "validation_s": cost.validation_s,
         "validations": len(validation), "val_size": cfg["gate"]["val_size"],
-        "cost_ratio": (inference + training) / inference,
+        "cost_ratio": cost.cost_ratio,
         "cost_ratio_per_iteration": Stats.of([(r + u) / r for r, u in zip(roll, upd)]),
         "inference_per_task_s": Stats.of([r / per_iter for r in roll]),
         "training_per_task_s": Stats.of([u / per_iter for u in upd]),
@@ -78,7 +70,7 @@ def cost_figures(run_dir: Path) -> dict:
         "generated_tokens_per_s": Stats.of([g / r for g, r in zip(gen_tokens, roll)]),
         "trained_tokens_per_s": Stats.of([t / u for t, u in zip(trained, upd) if u > 0 and t > 0] or [0.0]),
         "generated_tokens": sum(gen_tokens), "trained_tokens": sum(trained),
-        "skipped_updates": sum(1 for m in iters if m.get("skipped")),
+        "skipped_updates": sum(1 for i in iters if i.skipped),
     }
 
 
