@@ -23,6 +23,16 @@ interval, and the paired differences RL - base and RL - best prompt with their 9
 exactly the same task ids, and no held-out task may appear among the tasks the run trained on;
 either mismatch stops the table with an error naming the files.
 
+Each row also says what the run cost, read from its store (:mod:`selfrl.report.cost`):
+``rollouts`` (``rl``: the trajectories it sampled for RL, every session's; ``warm_start``: the
+warm start's samples), ``cost_s`` (seconds of the iterations' rollouts and updates, of every
+held-out validation, and of the warm start's sampling and fine-tuning), ``cost_ratio``
+((rollouts + updates) / rollouts over the iterations, as ``benchmarks/bench_cost.py`` has it;
+None before the first iteration) and ``warm_start`` (None when the config has it off, else its
+outcome, or ``"not recorded"`` when it stopped before recording anything: then its samples and
+seconds are None, not guessed). ``results.md`` shows the rollouts and the ratio in the table and
+the seconds under "Cost".
+
 A seed whose run has not finished (still running, interrupted or killed midway: fewer updates
 logged than its config's ``iterations``, or its last candidate not yet gated;
 :mod:`selfrl.report.finished`) keeps its row, with what it has so far, but the row says
@@ -47,6 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
+    from selfrl.report.cost import RunCost
     from selfrl.report.finished import RunProgress
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,9 +246,21 @@ def best_prompt(prompts: dict[int, dict[str, bool]]) -> int | None:
     return max(sorted(prompts), key=lambda k: sum(prompts[k].values()), default=None)
 
 
-def run_outcome(run_dir: Path) -> tuple[int, bool, dict[str, bool], dict[str, bool], RunProgress]:
-    """``(served version, promoted anything, base per task, served per task, how far it got)`` of
-    one run's store.
+@dataclass(frozen=True)
+class Outcome:
+    """What one run's store says: the version it serves, whether anything was promoted, the base's
+    and the served version's held-out results per task, how far it got and what it cost."""
+
+    version: int
+    promoted: bool
+    base: dict[str, bool]
+    served: dict[str, bool]
+    progress: RunProgress
+    cost: RunCost
+
+
+def run_outcome(run_dir: Path) -> Outcome:
+    """The :class:`Outcome` of one run's store.
 
     Raises:
         FileNotFoundError: no store in ``run_dir``.
@@ -245,6 +268,7 @@ def run_outcome(run_dir: Path) -> tuple[int, bool, dict[str, bool], dict[str, bo
             tasks, or a held-out task is among the tasks the run trained on.
     """
     from selfrl.record.store import Store
+    from selfrl.report.cost import run_cost
     from selfrl.report.finished import run_progress
     from selfrl.report.run import run_config, served_choice
 
@@ -256,6 +280,7 @@ def run_outcome(run_dir: Path) -> tuple[int, bool, dict[str, bool], dict[str, bo
         config = run_config(run_dir, store)
         choice = served_choice(store, config)
         progress = run_progress(store, config)
+        cost = run_cost(store, config)
         promoted = any(v["status"] == "promoted" for v in store.versions())
         version = 0 if choice is None else choice.served
         base, served = store.evaluation(0), store.evaluation(version)
@@ -269,7 +294,16 @@ def run_outcome(run_dir: Path) -> tuple[int, bool, dict[str, bool], dict[str, bo
     if leaked:
         raise ValueError(f"{run_dir}: {len(leaked)} held-out tasks were also trained on (e.g. {leaked[0]}): "
                          "its held-out numbers are not held out")
-    return version, promoted, base, served, progress
+    return Outcome(version, promoted, base, served, progress, cost)
+
+
+def warm_start_status(cost: RunCost) -> str | None:
+    """The warm start's outcome ("promoted", "no_successes", "not yet gated", ...), "not recorded"
+    when it is on but recorded nothing (stopped before its sampling ended), None when it is off."""
+    ws = cost.warm_start
+    if ws is None:
+        return None
+    return (ws.outcome or "recorded") if ws.recorded else "not recorded"
 
 
 def table_rows(envs: list[str], seeds: list[int], out: Path) -> list[dict[str, Any]]:
@@ -284,7 +318,8 @@ def table_rows(envs: list[str], seeds: list[int], out: Path) -> list[dict[str, A
         ledger = read_ledger(folder)
         for seed in seeds:
             run_dir = folder / f"seed{seed}"
-            version, promoted, base, rl, progress = run_outcome(run_dir)
+            o = run_outcome(run_dir)
+            base, rl, progress, cost, warm = o.base, o.served, o.progress, o.cost, o.cost.warm_start
             prompts = read_prompts(folder, set(base), str(run_dir))
             k = best_prompt(prompts)
             step = ledger.get(f"seed{seed}", {})
@@ -295,9 +330,14 @@ def table_rows(envs: list[str], seeds: list[int], out: Path) -> list[dict[str, A
                 "base": rate(base),
                 "prompts": {str(s): rate(p) for s, p in sorted(prompts.items())},
                 "best_prompt": None if k is None else {"shots": k, **rate(prompts[k])},
-                "rl": {"version": version, "promoted": promoted, **rate(rl)},
+                "rl": {"version": o.version, "promoted": o.promoted, **rate(rl)},
                 "rl_minus_base": paired(base, rl),
                 "rl_minus_best_prompt": None if k is None else paired(prompts[k], rl),
+                "rollouts": {"rl": cost.rollouts, "warm_start": None if warm is None else warm.samples},
+                "cost_ratio": cost.cost_ratio,
+                "cost_s": {"rollout": cost.inference_s, "update": cost.training_s, "validation": cost.validation_s,
+                           "warm_start": None if warm is None else warm.seconds},
+                "warm_start": warm_start_status(cost),
                 "wall_s": {"rl": step.get("wall_s"),
                            "prompts": {s: ledger.get(f"prompt-k{s}", {}).get("wall_s") for s in sorted(prompts)}},
                 "commands": {"rl": step.get("command"),
@@ -325,16 +365,39 @@ def minutes(s: float | None) -> str:
     return "" if s is None else f"{s / 60:.1f} min"
 
 
+def seconds(s: float | None) -> str:
+    return "" if s is None else f"{s:.1f} s"
+
+
+def rollouts_cell(r: dict[str, Any]) -> str:
+    """The RL rollouts, and the warm start's samples when it is on: ``"96 + 128 warm start"``."""
+    rl, warm = r["rollouts"]["rl"], r["rollouts"]["warm_start"]
+    if r["warm_start"] is None:
+        return str(rl)
+    return f"{rl} + {'warm start not recorded' if warm is None else f'{warm} warm start'}"
+
+
+def ratio_cell(x: float | None) -> str:
+    return "no iteration yet" if x is None else f"{x:.2f}"
+
+
+def warm_start_cell(r: dict[str, Any]) -> str:
+    """``"off"``, ``"not recorded"`` or ``"128 samples, 95.0 s (promoted)"``."""
+    if r["warm_start"] in (None, "not recorded"):
+        return r["warm_start"] or "off"
+    return f"{r['rollouts']['warm_start']} samples, {seconds(r['cost_s']['warm_start'])} ({r['warm_start']})"
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """The table, then each row's commands."""
+    """The table, each run's cost, every prompt, then the commands."""
     lines = ["# Results: base, best prompt and RL on the same held-out tasks", "",
              "Greedy held-out success with 95 % Wilson intervals; differences in percentage points with 95 % "
              "intervals, paired on the same held-out tasks. RL is the version the run serves (`gate.rule`); "
              "the best prompt is the k with the most held-out successes, chosen on these same tasks, "
              "which favours the prompt.", "",
              "| environment | seed | held-out | base | best prompt (k) | RL (version) | RL − base | RL − best prompt "
-             "| beats the best prompt | RL wall time | prompts' wall time |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| beats the best prompt | RL wall time | rollouts | cost ratio | prompts' wall time |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         best = r["best_prompt"]
         prompt = "not measured" if best is None else f"{cell(best)} (k = {best['shots']})"
@@ -345,7 +408,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['environment']} | {r['seed']} | {r['held_out']} | {cell(r['base'])} | {prompt} "
                      f"| {cell(r['rl'])} ({version}) | {points(r['rl_minus_base'])} "
                      f"| {points(r['rl_minus_best_prompt'])} | {verdict} | {minutes(r['wall_s']['rl'])} "
-                     f"| {minutes(prompt_s)} |")
+                     f"| {rollouts_cell(r)} | {ratio_cell(r['cost_ratio'])} | {minutes(prompt_s)} |")
     lines.append("")
     for name in dict.fromkeys(r["environment"] for r in rows):
         verdicts = [r["beats_best_prompt"] for r in rows if r["environment"] == name and r["finished"]]
@@ -356,6 +419,19 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         elif None not in verdicts:
             lines.append(f"- {name}: RL beats the best prompt in {sum(verdicts)} of {len(verdicts)} seeds"
                          f"{left_out}.")
+    lines += ["", "## Cost", "",
+              "Seconds over every session of the run: its iterations' rollouts (inference) and updates "
+              "(training), every held-out validation (the base's and the warm start's included), and the "
+              "warm start's sampling and fine-tuning. Cost ratio: (rollouts + updates) / rollouts. Rollouts: "
+              "the trajectories sampled for RL, then the warm start's samples. The RL wall time above is "
+              "the whole `selfrl run`, loading included.", "",
+              "| environment | seed | iterations | rollouts | rollouts' time | updates' time | validation time "
+              "| warm start | cost ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r["cost_s"]
+        lines.append(f"| {r['environment']} | {r['seed']} | {r['iterations']['done']} | {r['rollouts']['rl']} "
+                     f"| {seconds(c['rollout'])} | {seconds(c['update'])} | {seconds(c['validation'])} "
+                     f"| {warm_start_cell(r)} | {ratio_cell(r['cost_ratio'])} |")
     lines += ["", "## Every prompt", "", "| environment | k | held-out success |", "|---|---|---|"]
     seen = set()
     for r in rows:

@@ -36,16 +36,24 @@ PROMPTS = {
 }
 
 
+ROLLOUT_S, UPDATE_S = (4.0, 6.0), (1.0, 2.0)  # seconds of iterations 0 and 1
+VALIDATION_S = 3.5  # seconds of the base's validation
+
+
 def write_run(run_dir: Path, rl: list[bool] | None, trained: tuple[str, ...] = ("x1", "x2"), rule: str = "newest",
-              done: int = 2):
-    """A run's store: base evaluated; version 1 promoted with ``rl`` (None: nothing promoted);
-    ``done`` of its 2 iterations logged their update (2: a finished run)."""
+              done: int = 2, warm_start: bool = False):
+    """A run's store: base evaluated (in :data:`VALIDATION_S`); version 1 promoted with ``rl``
+    (None: nothing promoted); ``done`` of its 2 iterations logged their update (2: a finished
+    run), with the seconds of :data:`ROLLOUT_S` and :data:`UPDATE_S`; ``warm_start`` on in its config."""
     run_dir.mkdir(parents=True)
-    (run_dir / "config.json").write_text(json.dumps({"iterations": 2, "gate": {"rule": rule, "tolerance": 0.0}}))
+    (run_dir / "config.json").write_text(json.dumps({"iterations": 2, "gate": {"rule": rule, "tolerance": 0.0},
+                                                     "warm_start": {"enabled": warm_start}}))
     with Store(run_dir / "selfrl.db") as store:
         run = store.start_run({})
+        store.log_metrics(run, 0, {"time/validation_s": VALIDATION_S})
         for step in range(done):
-            store.log_metrics(run, step, {"reward/mean": 0.5})
+            store.log_metrics(run, step, {"reward/mean": 0.5, "time/rollout_s": ROLLOUT_S[step],
+                                          "time/update_s": UPDATE_S[step]})
         store.add_trajectories(run, 0, [Trajectory(t, t, 0) for t in trained])
         store.add_version(0, None, None, "base", {"val/success": sum(BASE) / len(BASE)})
         store.add_evaluation(0, [(t, ok, None) for t, ok in zip(TASKS, BASE)])
@@ -90,6 +98,46 @@ def test_the_table_pairs_rl_with_the_base_and_the_best_prompt(tmp_path, tiny_env
            "| 4/5 = 80.0% [37.6%, 96.4%] (v1) | +40.0 [-8.0, +88.0] | +20.0 [-19.2, +59.2] | no |" in text
     assert "(the base: nothing promoted) | +0.0 [+0.0, +0.0] | -20.0 [-59.2, +19.2] | no |" in text
     assert "- tiny: RL beats the best prompt in 0 of 2 seeds." in text
+    # the cost: 2 stored trajectories; (4 + 6 + 1 + 2) / (4 + 6) = 1.3
+    assert r0["rollouts"] == {"rl": 2, "warm_start": None} and r0["warm_start"] is None
+    assert r0["cost_ratio"] == pytest.approx(1.3)
+    assert r0["cost_s"] == pytest.approx({"rollout": 10.0, "update": 3.0, "validation": 3.5, "warm_start": None})
+    assert "| +20.0 [-19.2, +59.2] | no |  | 2 | 1.30 |  |" in text  # no ledger: no wall times
+    assert "| tiny | 0 | 2 | 2 | 10.0 s | 3.0 s | 3.5 s | off | 1.30 |" in text
+
+
+TRAINED = {"phase": "trained", "version": 1, "parent": 0, "tasks": 16, "samples": 64, "kept": 5, "train_seconds": 30.0}
+WARM_STARTS = {  # the warm_start events a run records (selfrl.run.warm_start) -> (status, samples, seconds)
+    "none yet": ([], ("not recorded", None, None)),
+    "gated": ([TRAINED, {**TRAINED, "phase": "done", "outcome": "promoted", "seconds": 42.0}], ("promoted", 64, 30.0)),
+    "not yet gated": ([TRAINED], ("not yet gated", 64, 30.0)),
+    "no success": ([{"phase": "no_successes", "outcome": "no_successes", "tasks": 16, "samples": 64, "kept": 0,
+                     "seconds": 12.0}], ("no_successes", 64, 12.0)),
+}
+
+
+@pytest.mark.parametrize("case", WARM_STARTS)
+def test_the_warm_start_s_samples_and_seconds_come_from_its_last_event(tmp_path, tiny_env, case):
+    """Its seconds are sampling and fine-tuning ("train_seconds"; the gate's validation is counted
+    under validation), or "seconds" when no candidate was made; none recorded: none invented.
+    The cost ratio stays over the RL iterations."""
+    events, (status, samples, seconds) = WARM_STARTS[case]
+    write_run(tmp_path / "tiny" / "seed0", RL, warm_start=True)
+    with Store(tmp_path / "tiny" / "seed0" / "selfrl.db") as store:
+        for data in events:
+            store.log_event(1, "warm_start", "warm start: ...", data)
+    write_prompts(tmp_path / "tiny")
+    (row,) = results.table_rows(["tiny"], [0], tmp_path)
+    assert (row["warm_start"], row["rollouts"], row["cost_s"]["warm_start"]) == \
+        (status, {"rl": 2, "warm_start": samples}, seconds)
+    assert row["cost_ratio"] == pytest.approx(1.3)
+    text = results.markdown([row])
+    if samples is None:
+        assert "| 2 + warm start not recorded | 1.30 |" in text
+        assert "| 3.5 s | not recorded | 1.30 |" in text
+    else:
+        assert "| 2 + 64 warm start | 1.30 |" in text
+        assert f"| 3.5 s | 64 samples, {seconds:.1f} s ({status}) | 1.30 |" in text
 
 
 def test_the_served_version_follows_the_gate_rule(tmp_path, tiny_env):
@@ -167,7 +215,8 @@ def test_a_second_run_skips_what_is_finished_and_resumes_what_is_not(tmp_path, t
 
 def test_a_tiny_model_end_to_end(tmp_path, model_dir, monkeypatch):
     """The real steps on a tiny model: the prompt baseline and the run agree on the held-out
-    tasks (else the table refuses), and the table pairs them."""
+    tasks (else the table refuses), and the table pairs them; the run's rollouts, the warm
+    start's samples and the seconds are those its store holds."""
     config = tmp_path / "tiny.toml"
     config.write_text(f"""
 iterations = 1
@@ -186,6 +235,10 @@ max_new_tokens = 6
 max_turns = 1
 [gate]
 val_size = 6
+[warm_start]
+enabled = true
+num_tasks = 3
+samples_per_task = 2
 """)
     monkeypatch.setattr(results, "ENVIRONMENTS", {"tiny": results.Environment(str(config), (0, 1))})
     out = tmp_path / "out"
@@ -195,6 +248,22 @@ val_size = 6
     assert row["held_out"] == 6 and set(row["prompts"]) == {"0", "1"}
     assert row["best_prompt"]["shots"] in (0, 1) and row["wall_s"]["rl"] > 0
     assert row["commands"]["rl"] == f"selfrl run --config {config} --seed 0 --run-dir {out}/tiny/seed0"
+    # 1 iteration x 2 prompts x 2 generations; the warm start's 3 tasks x 2 samples
+    assert row["rollouts"] == {"rl": 1 * 2 * 2, "warm_start": 3 * 2}
+    with Store(out / "tiny" / "seed0" / "selfrl.db", readonly=True) as store:
+        totals: dict[str, float] = {}
+        for m in store.metrics():
+            totals[m["name"]] = totals.get(m["name"], 0.0) + (m["value"] or 0.0)
+        (warm,) = [e["data"] for e in store.events() if e["kind"] == "warm_start" and e["data"]["phase"] != "trained"]
+    inference, training = totals["time/rollout_s"], totals.get("time/update_s", 0.0)
+    assert inference > 0
+    assert row["cost_ratio"] == pytest.approx((inference + training) / inference)
+    assert row["cost_s"] == pytest.approx({"rollout": inference, "update": training,
+                                           "validation": totals["time/validation_s"],
+                                           "warm_start": warm.get("train_seconds", warm["seconds"])})
+    assert row["warm_start"] == warm["outcome"] and row["cost_s"]["warm_start"] > 0
+    text = (out / "results.md").read_text()
+    assert f"| 4 + 6 warm start | {(inference + training) / inference:.2f} |" in text
 
 
 def test_a_seed_whose_interval_is_above_zero_beats_the_best_prompt(tmp_path, tiny_env, monkeypatch):
@@ -260,6 +329,8 @@ def test_a_run_stopped_by_the_signal_check_is_finished_only_under_stop(tmp_path,
     write_prompts(tmp_path / "tiny")
     (row,) = results.table_rows(["tiny"], [0], tmp_path)
     assert row["status"] == "unfinished: iteration 0 of 2"  # the default signal_check ("warn") goes on
+    assert (row["cost_ratio"], row["cost_s"]["rollout"]) == (None, 0)  # no iteration, no ratio
+    assert "| tiny | 0 | 0 | 2 | 0.0 s | 0.0 s | 3.5 s | off | no iteration yet |" in results.markdown([row])
     config = tmp_path / "tiny" / "seed0" / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "task": {"signal_check": "stop"}}))
     (row,) = results.table_rows(["tiny"], [0], tmp_path)

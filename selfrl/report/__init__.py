@@ -3,6 +3,7 @@
 - :mod:`selfrl.report.run`: ``report.md`` of a run, and ``selfrl report`` for any run directory.
 - :mod:`selfrl.report.serve`: the serving report of a ``selfrl serve`` run directory.
 - :mod:`selfrl.report.compare`: ``selfrl compare``, with paired held-out differences.
+- :mod:`selfrl.report.cost`: what a run spent: rollouts, seconds, (inference + training) / inference.
 - :mod:`selfrl.report.figures`, :mod:`selfrl.report.timeline`: the overview figure and the
   timeline it is drawn from.
 - :mod:`selfrl.core.stats` (below every floor): the confidence intervals for success rates the
