@@ -51,3 +51,34 @@ def test_a_batch_sampled_in_a_thread_ends_once_its_engine_closes(tiny_model, tin
     threads_at_exit.stop_all(join_timeout_s=60)
     assert not thread.is_alive()
     assert box["error"] == "the slot engine is closed"
+
+
+def test_the_served_learner_is_stopped_and_joined_at_exit(tiny_tokenizer, tiny_model_factory, tmp_path):
+    """The served learner trains in a daemon thread until it is told to stop: one left running at
+    exit (a graceful stop whose wait for the update ran out, a server never closed) was still
+    inside an update's torch operators when the interpreter finalised."""
+    import copy
+    import time
+
+    from selfrl.serve.service import Service, start_learning
+    from serving import tiny_serve_config
+
+    model = tiny_model_factory(lora=True, eos_bias=2.0)
+    service = Service(model, tiny_tokenizer, tiny_serve_config(tmp_path / "run", poll_s=0.01),
+                      learner_model=copy.deepcopy(model))
+    try:
+        learner, updating = service.learner, threading.Event()
+
+        def tick():  # an update of 0.2 s, again and again: the learner never runs out of work
+            updating.set()
+            time.sleep(0.2)
+            return True
+
+        learner.tick = tick
+        start_learning(service)
+        assert updating.wait(120)
+        threads_at_exit.stop_all(join_timeout_s=60)
+        assert not learner.is_alive()
+        assert learner.error is None  # it stopped as asked, not on a failure
+    finally:
+        service.close()

@@ -3,9 +3,11 @@
 At exit CPython ends a daemon thread the moment it next takes the GIL; one inside a torch
 operator is unwound through C++ frames that do not allow it, and the process aborts
 ("terminate called without an active exception", exit status -6 / 134) after its work is done.
-The slot engine's worker and a background rollout batch are such threads. Each registers here;
-at exit the engines close first (a worker ends after the step in progress, queued requests fail),
-then the remaining threads are joined (they end once their engine refuses the next step).
+The slot engine's worker, a background rollout batch and the served learner are such threads.
+Each registers here; at exit the threads that loop until told are told to stop first (the served
+learner: it ends after its update, or between two batches of its gate), then the engines close (a
+worker ends after the step in progress, queued requests fail), then the remaining threads are
+joined (they end once their engine refuses the next step).
 
 Registration holds weak references: an object collected before exit is skipped.
 """
@@ -21,6 +23,7 @@ JOIN_TIMEOUT_S = 60.0  # per engine and thread at exit; one still busy after it 
 
 _engines: weakref.WeakSet = weakref.WeakSet()
 _threads: weakref.WeakSet = weakref.WeakSet()
+_stops: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # thread -> what asks it to end
 
 
 def close_at_exit(engine) -> None:
@@ -29,14 +32,30 @@ def close_at_exit(engine) -> None:
     _engines.add(engine)
 
 
-def join_at_exit(thread: threading.Thread) -> None:
-    """Join ``thread`` (at most :data:`JOIN_TIMEOUT_S`) at interpreter exit, after the engines closed."""
+def join_at_exit(thread: threading.Thread, stop: Callable[[], None] | None = None) -> None:
+    """Join ``thread`` (at most :data:`JOIN_TIMEOUT_S`) at interpreter exit, after the engines closed.
+
+    Args:
+        stop: for a thread that runs until told: called first, before any engine closes; it must
+            only ask the thread to end, not wait for it, and must not hold a reference to
+            ``thread`` (a bound method of the thread would keep it from being collected).
+    """
     _threads.add(thread)
+    if stop is not None:
+        _stops[thread] = stop
 
 
 def stop_all(join_timeout_s: float = JOIN_TIMEOUT_S, log: Callable[[str], None] | None = None) -> None:
-    """Close every registered engine, then join every registered thread (what runs at exit).
-    A close that raises is reported to ``log`` (default: none) and the rest still run."""
+    """Ask every registered thread that loops until told to stop, close every registered engine,
+    then join every registered thread (what runs at exit). A stop or close that raises is reported
+    to ``log`` (default: none) and the rest still run."""
+    for thread, stop in list(_stops.items()):
+        if thread.is_alive():
+            try:
+                stop()
+            except Exception as e:  # at exit nothing can be done about it; the others still stop
+                if log is not None:
+                    log(f"stopping thread {thread.name} at exit failed: {e!r}")
     for engine in list(_engines):
         try:
             engine.close(join_timeout_s)

@@ -53,6 +53,7 @@ import torch
 from selfrl.safety import collapse
 from selfrl.core import faults
 from selfrl.core.memory import trim_heap
+from selfrl.core.threads_at_exit import join_at_exit
 from selfrl.safety.collapse import CollapseGuard, CollapseStop
 from selfrl.run.cycle import UpdateCycle
 from selfrl.safety.detectors import HackingMonitor
@@ -169,6 +170,12 @@ class BackgroundLearner(threading.Thread):
         self._reset: Champion | None = None  # set by an admin rollback, applied before the next update
 
     # -- thread ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the thread; at interpreter exit it is stopped and joined (an update still in a
+        torch operator when the interpreter finalises aborts the process: :mod:`selfrl.core.threads_at_exit`)."""
+        super().start()
+        join_at_exit(self, stop=self._halt.set)  # the event's method: the registry holds no reference to self
 
     def run(self) -> None:
         try:
