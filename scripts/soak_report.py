@@ -35,12 +35,14 @@ How each target is measured:
   spans. Each process's segment is reported; a shorter one (a process restarted late) is reported
   as too short, not failed; with none long enough the target is not measured.
 * **RSS floor growth** (reported beside the RSS target, not a target of its own): per server
-  process, the lowest RSS of each learner cycle that starts after its warm-up (from the end of one
-  learner update to the end of the next: the ``promote``, ``reject``, ``collapse`` and ``skip``
-  events of its store), the least-squares slope of those floors in % of the first per hour where
-  they are 3 or more over at least ``RSS_MIN_SPAN_MIN`` minutes, weighted by span across processes.
-  A served learner's RSS is a sawtooth (it climbs through an update and its gate, and falls when
-  the update ends and its memory is given back), so the slope over every sample rises when later
+  process, the lowest RSS of each learner cycle (from the end of one learner update to the end of
+  the next: a version's ``created_at`` in its store, a chained candidate's too, or a ``skip`` event;
+  a skip within a minute of an update's end or of a ``promote``, ``reject`` or ``collapse`` is no
+  end of its own) whose trim comes after the process's warm-up, the least-squares slope of those
+  floors in % of the first per hour where they are 3 or more over at least ``RSS_MIN_SPAN_MIN``
+  minutes, weighted by span across processes (``soak_rss.rss_floor_growth``). A served learner's
+  RSS is a sawtooth (it climbs through an update and its gate, and falls when the learner gives
+  the update's memory back before the next), so the slope over every sample rises when later
   updates run longer; the floor rises only when something is kept from update to update.
 * **the figure** (``soak.png``): each family's served success and the completions' latency p95
   per sample window come from ``events.jsonl`` (the simulator's own log), each event placed at

@@ -1,7 +1,7 @@
 """The soak's RSS measures (``scripts/soak_report.py`` reports them): the RSS target's growth over
 every sample after each server process's warm-up (:func:`rss_growth`), and beside it the growth of
-the RSS floor between learner updates (:func:`rss_floor_growth`). How each is measured: the
-docstring of ``scripts/soak_report.py``."""
+the RSS floor between the ends of two successive learner updates (:func:`rss_floor_growth`). How each
+is measured: the docstring of ``scripts/soak_report.py``."""
 
 from __future__ import annotations
 
@@ -49,8 +49,41 @@ def rss_growth(d: dict, warmup_min: float, min_span_min: float = RSS_MIN_SPAN_MI
             "max_rss_mb": max((t["rss_mb"] for t in d["timeline"] if t.get("rss_mb")), default=None)}
 
 
-LEARNER_CYCLE_ENDS = ("promote", "reject", "collapse", "skip")  # events a learner update ends with (then the trim)
-CYCLE_MERGE_S = 60.0  # an end this soon after the one before is the same pause (a batch skipped after a promotion)
+GATE_OUTCOMES = ("promote", "reject", "collapse")  # a gate's (or a collapse rule's) verdict: the trim follows
+CYCLE_MERGE_S = 60.0  # a skip this soon after an update's end or a verdict: one pause (turns queued in the gate)
+
+
+def learner_cycle_starts(d: dict) -> tuple[list[float], list[float]]:
+    """Where the learner's updates ended and where its trims are known to follow, from ``d``'s store.
+
+    An update ends with a version (``adapter_versions.created_at`` of a version with a parent: the
+    end of its training, before its gate; a chained candidate's too, which records no event) or with
+    a ``skip`` event (no version). A skip within :data:`CYCLE_MERGE_S` of the last end kept or of a
+    verdict (:data:`GATE_OUTCOMES`) is no end of its own: its batch came in while that update was
+    judged, and the trim comes just before it, so a cycle ending there would hold the gate's samples
+    and no floor. The trim follows each skip and each verdict within seconds; it follows a chained
+    candidate's end too, but nothing in the store says so.
+
+    Returns:
+        ``(ends, settled)``: s after ``soak.json``'s started, each sorted; ``ends`` the updates' ends
+        kept, ``settled`` the times of every verdict and of the skips kept (a skip merged into a
+        verdict's pause settles nothing of its own).
+    """
+    t0 = d["soak"]["started"]
+    verdicts = sorted(e["time"] - t0 for e in d["events"] if e["kind"] in GATE_OUTCOMES)
+    skips = sorted(e["time"] - t0 for e in d["events"] if e["kind"] == "skip")
+    ends = sorted([(v["created_at"] - t0, False) for v in d["versions"].values() if v.get("parent") is not None]
+                  + [(t, True) for t in skips])
+    starts: list[float] = []
+    kept_skips: list[float] = []
+    for t, skip in ends:
+        last = max(([starts[-1]] if starts else []) + [v for v in verdicts if v <= t], default=None)
+        if skip and last is not None and t - last < CYCLE_MERGE_S:
+            continue
+        starts.append(t)
+        if skip:
+            kept_skips.append(t)
+    return starts, sorted(verdicts + kept_skips)
 
 
 def _slope_pct(pts: list[tuple[float, float]], base: float) -> float:
@@ -63,35 +96,39 @@ def _slope_pct(pts: list[tuple[float, float]], base: float) -> float:
 def rss_floor_growth(d: dict, warmup_min: float, min_span_min: float = RSS_MIN_SPAN_MIN) -> dict:
     """The RSS floor's growth, reported beside :func:`rss_growth` (a leak detector, not a target).
 
-    A learner cycle runs from the end of one learner update (an event of :data:`LEARNER_CYCLE_ENDS`
-    in the server's store, at ``time - soak.json's started`` s; ends within :data:`CYCLE_MERGE_S` of
-    the one before are one) to the end of the next; its floor is
-    its lowest RSS sample (the server gives an update's memory back as the update ends, so the floor
-    is the first sample or two). Per server process (``pid``), the cycles that start after its
-    ``warmup_min`` minutes and hold a sample of it; a process's last cycle ends with its samples. Where
-    their floors span at least ``min_span_min`` minutes and number 3 or more, the least-squares
-    slope of the floors in % of the first floor per hour (``pct_per_hour``); otherwise
-    ``too_short``. The processes' slopes are weighted by their spans, as :func:`rss_growth` weighs its own.
+    A learner cycle is one learner tick: from the end of one learner update to the end of the next
+    (:func:`learner_cycle_starts`: a version's creation or a ``skip``, at ``time - soak.json's started``
+    s), it holds that update's gate when one ran (a chained candidate of ``gate.eval_every`` above 1
+    has none), then its trim, which gives the update's memory back; its floor is its lowest RSS
+    sample after the warm-up (the first sample or two after the trim). Per server process (``pid``),
+    the cycles whose trim is known to come after its ``warmup_min`` minutes and within its samples:
+    one that starts after the warm-up and ends within the process, or one with a verdict or a kept
+    skip (``settled``) after the warm-up and before its end. Left out: a cycle whose trim came
+    before the warm-up's end, and a process's last cycle (it ends with the samples) without a
+    verdict or skip, whose gate a kill or the soak's end may have cut short before the trim (a
+    chained candidate's too: the store cannot tell it apart). Where their floors span at least
+    ``min_span_min`` minutes and number 3 or more, the least-squares slope of the floors in % of the
+    first floor per hour (``pct_per_hour``); otherwise ``too_short``. The processes' slopes are
+    weighted by their spans, as :func:`rss_growth` weighs its own.
 
     Returns:
         ``{"pct_per_hour": float | None, "warmup_min", "min_span_min", "segments": [{"pid", "cycles",
         "span_min", "floors_mb": [MB per cycle], "pct_per_hour", "too_short"}]}``.
     """
-    t0 = d["soak"]["started"]
-    ends: list[float] = []
-    for t in sorted(e["time"] - t0 for e in d["events"] if e["kind"] in LEARNER_CYCLE_ENDS):
-        if not ends or t - ends[-1] >= CYCLE_MERGE_S:
-            ends.append(t)
+    ends, settled = learner_cycle_starts(d)
     segs: dict[int, list[tuple[float, float]]] = {}
     for t in d["timeline"]:
         if t.get("rss_mb") and t.get("pid"):
             segs.setdefault(t["pid"], []).append((t["t"], t["rss_mb"]))
     rows = []
     for pid, pts in segs.items():
-        starts = [e for e in ends if pts[0][0] + warmup_min * 60 <= e <= pts[-1][0]]
+        warm, last = pts[0][0] + warmup_min * 60, pts[-1][0]
+        starts = [e for e in ends if pts[0][0] <= e <= last]
         floors = []
         for lo, hi in zip(starts, starts[1:] + [float("inf")]):
-            inside = [p for p in pts if lo <= p[0] < hi]
+            if not (lo >= warm and hi <= last) and not any(max(lo, warm) <= s < hi and s <= last for s in settled):
+                continue  # its trim came before the warm-up's end, or is not known to have come at all
+            inside = [p for p in pts if max(lo, warm) <= p[0] < hi]
             if inside:
                 floors.append(min(inside, key=lambda p: p[1]))
         span = (floors[-1][0] - floors[0][0]) / 60 if floors else 0.0
@@ -117,7 +154,8 @@ def rss_floor_text(floor: dict) -> str:
 
     head = (f"not measured (no process had 3 learner cycles over {floor['min_span_min']:.0f} min past its "
             f"{floor['warmup_min']:.0f}-min warm-up)") if floor["pct_per_hour"] is None else \
-        f"{floor['pct_per_hour']:+.1f} %/h, least squares over the lowest RSS between two learner updates"
+        f"{floor['pct_per_hour']:+.1f} %/h, least squares over the lowest RSS between the ends of two successive " \
+        "learner updates"
     return f"{head} ({'; '.join(one(g) for g in floor['segments']) or 'no samples'})"
 
 
