@@ -72,7 +72,6 @@ def main(argv: list[str] | None = None) -> dict:
                    "(the first is the baseline)")
     args = p.parse_args(argv)
     from selfrl.engines.slots import SlotEngine
-    from selfrl.core.tasks import split_tasks
     from selfrl.envs import get_env
     from selfrl.core.tools import resolve_tools
 
@@ -101,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     tasks, tools = first_batch(cfg)
     source = get_env(cfg.task.source, **cfg.task.options)
-    _, val = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
+    _, val = source.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     val = val[:8 if args.tiny else 64]
     for e in engines.values():  # warm-up: allocations, the first stored prefix
         timed_rollouts(e, tasks[:max(2, len(tasks) // 8)], tools, cfg.rollout, 99)

@@ -178,7 +178,6 @@ def main(argv: list[str] | None = None) -> Path:
     from selfrl.run.loop import iteration_tasks
     from selfrl.envs.rewards import get_preset, score_batch
     from selfrl.rl.advantages import group_advantages
-    from selfrl.core.tasks import split_tasks
     from selfrl.envs import get_env
     from selfrl.core.tools import resolve_tools
 
@@ -188,7 +187,7 @@ def main(argv: list[str] | None = None) -> Path:
     model, tok = build_policy(cfg)
     engines = {n: make_engine(n, model, tok) for n in names}
     source = get_env(cfg.task.source, **cfg.task.options)
-    train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
+    train, _ = source.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     tools = resolve_tools(cfg.rollout.tools)
     weights = get_preset(args.preset)
     from selfrl.rollout.agent import rollout

@@ -17,7 +17,6 @@ from selfrl.config import load_config
 from selfrl.engines import make_engine
 from selfrl.model.load import build_policy
 from selfrl.run.loop import iteration_tasks
-from selfrl.core.tasks import split_tasks
 from selfrl.envs import get_env
 from selfrl.core.tools import resolve_tools
 from selfrl.rollout.agent import rollout
@@ -25,7 +24,7 @@ from selfrl.engines.two_sample import chi_square_homogeneity, combine_chi_square
 cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "demo.toml", {"preset": "label-free", "rollout.max_new_tokens": 4, "rollout.max_turns": 1})
 model, tok = build_policy(cfg)
 source = get_env(cfg.task.source, **cfg.task.options)
-train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
+train, _ = source.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
 tasks = iteration_tasks(train, 0, 8, cfg.task.train_seed)
 tools = resolve_tools(cfg.rollout.tools)
 R = int(sys.argv[1]) if len(sys.argv) > 1 else 128

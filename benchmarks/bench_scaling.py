@@ -59,7 +59,6 @@ def main(argv: list[str] | None = None) -> dict:
     from selfrl.config import load_config
     from selfrl.model.load import build_policy
     from selfrl.rollout.agent import initial_messages
-    from selfrl.core.tasks import split_tasks
     from selfrl.envs import get_env
     from selfrl.core.tools import resolve_tools
     from selfrl.rl.learner import Learner
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                                "task.num_train": 16, "gate.val_size": 4})
             model, tok = build_policy(cfg)
             source = get_env(cfg.task.source, **cfg.task.options)
-            train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
+            train, _ = source.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
             tools = resolve_tools(cfg.rollout.tools)
             prompts = [prompt_ids(tok, initial_messages(t, tools, cfg.rollout, tok)) for t in train]
             models = {r: (model, tok, cfg, prompts)}  # keep one model in memory at a time

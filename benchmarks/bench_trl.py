@@ -153,7 +153,6 @@ def worker_trl(cfg_dict: dict, budget_s: float, out: Path) -> None:
     adapter after every step and writes each step's end time and folder to ``out``."""
     from selfrl.chat.template import prompt_ids, render, template_supports_tools
     from selfrl.config import load_config
-    from selfrl.core.tasks import split_tasks
     from selfrl.envs import get_env
     from selfrl.envs.rewards import get_preset, score_batch
     from selfrl.rollout.agent import initial_messages
@@ -161,7 +160,7 @@ def worker_trl(cfg_dict: dict, budget_s: float, out: Path) -> None:
 
     cfg = load_config(base=cfg_dict)
     source = get_env(cfg.task.source, **cfg.task.options)
-    train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
+    train, _ = source.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     by_id = {t.id: t for t in train}
     weights = cfg.reward_weights or get_preset(cfg.preset)
     model, tok = load_trainable(cfg.model.name)
@@ -205,7 +204,6 @@ def worker_eval(cfg_dict: dict, adapters: dict[str, str | None], constrain: str,
     from safetensors.torch import load_file
 
     from selfrl.config import load_config
-    from selfrl.core.tasks import split_tasks
     from selfrl.core.tools import resolve_tools
     from selfrl.engines import make_engine
     from selfrl.envs import get_env
@@ -215,7 +213,7 @@ def worker_eval(cfg_dict: dict, adapters: dict[str, str | None], constrain: str,
 
     cfg = load_config(base=cfg_dict, overrides={"rollout.constrain": constrain})
     source = get_env(cfg.task.source, **cfg.task.options)
-    _, val = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
+    _, val = source.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     model, tok = build_policy(cfg)  # B = 0: the base model until an adapter is swapped in
     engine = make_engine(cfg.engine, model, tok, driver="caller")
     base = lora_state(model)

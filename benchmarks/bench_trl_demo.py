@@ -96,7 +96,6 @@ def worker_trl(cfg_dict: dict, out: Path) -> None:
     from selfrl.run.loop import iteration_tasks
     from selfrl.envs.rewards import get_preset, score_batch
     from selfrl.rollout.agent import initial_messages
-    from selfrl.core.tasks import split_tasks
     from selfrl.envs import get_env
     from selfrl.chat.toolcall import execute_call, parse_tool_calls
     from selfrl.core.tools import resolve_tools
@@ -104,7 +103,7 @@ def worker_trl(cfg_dict: dict, out: Path) -> None:
 
     cfg = load_config(base=cfg_dict)
     source = get_env(cfg.task.source, **cfg.task.options)
-    train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
+    train, _ = source.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     tasks = [t for it in range(cfg.iterations) for t in iteration_tasks(train, it, cfg.num_prompts, cfg.task.train_seed)]
     by_id = {t.id: t for t in tasks}
     tools = resolve_tools(cfg.rollout.tools)
@@ -144,13 +143,12 @@ def worker_eval(cfg_dict: dict, adapters: dict[str, str | None], out: Path) -> N
     from selfrl.engines.reference import Engine
     from selfrl.safety.gate import validate
     from selfrl.model.load import build_policy
-    from selfrl.core.tasks import split_tasks
     from selfrl.envs import get_env
     from selfrl.core.tools import resolve_tools
 
     cfg = load_config(base=cfg_dict)
     source = get_env(cfg.task.source, **cfg.task.options)
-    _, val = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
+    _, val = source.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     tools = resolve_tools(cfg.rollout.tools)
     model, tok = build_policy(cfg)  # B = 0: the base model until a version is swapped in
     engine = Engine(model, tok)

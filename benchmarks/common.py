@@ -247,12 +247,11 @@ def first_batch(cfg) -> tuple[list, list]:
     """(the tasks of ``selfrl run``'s first iteration, each ``cfg.num_generations`` times in a row, the tools)
     of run config ``cfg``: one rollout batch of ``cfg.num_prompts * cfg.num_generations`` trajectories."""
     from selfrl.run.loop import iteration_tasks
-    from selfrl.core.tasks import split_tasks
     from selfrl.envs import get_env
     from selfrl.core.tools import resolve_tools
 
     source = get_env(cfg.task.source, **cfg.task.options)
-    train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
+    train, _ = source.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     batch = iteration_tasks(train, 0, cfg.num_prompts, cfg.task.train_seed)
     return [t for t in batch for _ in range(cfg.num_generations)], resolve_tools(cfg.rollout.tools)
 

@@ -158,6 +158,7 @@ class BackgroundLearner(threading.Thread):
                                  cfg.gate.tolerance, cfg.train.scale_rewards, load=self._load, clock=clock)
         self.lock = threading.RLock()
         self._halt = threading.Event()
+        join_at_exit(self, stop=self._halt.set)  # stopped and joined at exit, if started (selfrl.core.threads_at_exit)
         done = [m["step"] for m in store.metrics() if m["name"] == "reward/mean"]
         self.updates = max(done) + 1 if done else 0  # numbered on from the run directory's earlier sessions
         self.cycle.resume(store)  # their collapse budget, history and setting, as run --resume
@@ -170,12 +171,6 @@ class BackgroundLearner(threading.Thread):
         self._reset: Champion | None = None  # set by an admin rollback, applied before the next update
 
     # -- thread ------------------------------------------------------------------------
-
-    def start(self) -> None:
-        """Start the thread; at interpreter exit it is stopped and joined (an update still in a
-        torch operator when the interpreter finalises aborts the process: :mod:`selfrl.core.threads_at_exit`)."""
-        super().start()
-        join_at_exit(self, stop=self._halt.set)  # the event's method: the registry holds no reference to self
 
     def run(self) -> None:
         try:

@@ -25,7 +25,7 @@ from typing import Any
 
 from selfrl.config import AgentConfig
 from selfrl.config.serve import ServeConfig
-from selfrl.core.tasks import Task, TaskSource, assert_disjoint, split_tasks
+from selfrl.core.tasks import Task, TaskSource, assert_disjoint
 from selfrl.envs.agents import AgentsEnv, agent_results
 from selfrl.envs.registry import get_env
 from selfrl.record import served as records
@@ -45,7 +45,7 @@ def held_out_sets(cfg: ServeConfig, store: Store, ledger: Ledger) -> tuple[TaskS
         gate = FamilyGate(cfg, store, ledger)
         return gate.source, gate.val, gate
     source = get_env(cfg.task.source, **cfg.task.options)
-    _, val = split_tasks(source, 0, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
+    _, val = source.split(0, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     assert_disjoint([], val)
     return source, val, None
 
