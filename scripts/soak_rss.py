@@ -9,16 +9,23 @@ from __future__ import annotations
 RSS_MIN_SPAN_MIN = 20.0  # minutes after a process's warm-up its samples must span for a slope
 
 
+def rss_by_process(d: dict) -> dict[int, list[tuple[float, float]]]:
+    """The timeline's RSS samples per server process: ``{pid: [(t seconds, rss MB), ...]}``, in
+    the order the processes first appear; samples without an RSS or a pid are left out."""
+    segs: dict[int, list[tuple[float, float]]] = {}
+    for t in d["timeline"]:
+        if t.get("rss_mb") and t.get("pid"):
+            segs.setdefault(t["pid"], []).append((t["t"], t["rss_mb"]))
+    return segs
+
+
 def rss_segments(d: dict, warmup_min: float, min_span_min: float = RSS_MIN_SPAN_MIN) -> list[dict]:
     """One row per server process (``pid``) of the timeline, in the order they started: its samples
     after ``warmup_min`` minutes of its own, their span (minutes) and, when they span at least
     ``min_span_min`` minutes (3 samples or more), the least-squares slope of RSS over them in % of
     the RSS at the end of the warm-up per hour (``pct_per_hour``); a shorter segment has
     ``pct_per_hour`` None and ``too_short`` True (a slope over minutes says nothing of hours)."""
-    segs: dict[int, list[tuple[float, float]]] = {}
-    for t in d["timeline"]:
-        if t.get("rss_mb") and t.get("pid"):
-            segs.setdefault(t["pid"], []).append((t["t"], t["rss_mb"]))
+    segs = rss_by_process(d)
     rows = []
     for pid, pts in segs.items():
         start = pts[0][0]
@@ -116,10 +123,7 @@ def rss_floor_growth(d: dict, warmup_min: float, min_span_min: float = RSS_MIN_S
         "span_min", "floors_mb": [MB per cycle], "pct_per_hour", "too_short"}]}``.
     """
     ends, settled = learner_cycle_starts(d)
-    segs: dict[int, list[tuple[float, float]]] = {}
-    for t in d["timeline"]:
-        if t.get("rss_mb") and t.get("pid"):
-            segs.setdefault(t["pid"], []).append((t["t"], t["rss_mb"]))
+    segs = rss_by_process(d)
     rows = []
     for pid, pts in segs.items():
         warm, last = pts[0][0] + warmup_min * 60, pts[-1][0]
