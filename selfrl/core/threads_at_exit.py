@@ -22,8 +22,7 @@ from collections.abc import Callable
 JOIN_TIMEOUT_S = 60.0  # per engine and thread at exit; one still busy after it is left (and may abort the exit)
 
 _engines: weakref.WeakSet = weakref.WeakSet()
-_threads: weakref.WeakSet = weakref.WeakSet()
-_stops: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # thread -> what asks it to end
+_threads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # thread -> what asks it to end, or None
 
 
 def close_at_exit(engine) -> None:
@@ -40,17 +39,15 @@ def join_at_exit(thread: threading.Thread, stop: Callable[[], None] | None = Non
             only ask the thread to end, not wait for it, and must not hold a reference to
             ``thread`` (a bound method of the thread would keep it from being collected).
     """
-    _threads.add(thread)
-    if stop is not None:
-        _stops[thread] = stop
+    _threads[thread] = stop
 
 
 def stop_all(join_timeout_s: float = JOIN_TIMEOUT_S, log: Callable[[str], None] | None = None) -> None:
     """Ask every registered thread that loops until told to stop, close every registered engine,
     then join every registered thread (what runs at exit). A stop or close that raises is reported
     to ``log`` (default: none) and the rest still run."""
-    for thread, stop in list(_stops.items()):
-        if thread.is_alive():
+    for thread, stop in list(_threads.items()):
+        if stop is not None and thread.is_alive():
             try:
                 stop()
             except Exception as e:  # at exit nothing can be done about it; the others still stop
