@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak_server import (FAMILIES, KEY, SERVE_TOML, Server, call, disk_mb, families_toml, free_port,  # noqa: E402
+from soak_server import (FAMILIES, KEY, LEARNING_RATE, SERVE_TOML, Server, call, disk_mb, families_toml, free_port,  # noqa: E402
                          rss_mb, val_size_of)
 
 FAULTS = ("collapse", "nan_loss", "kill", "disk")
@@ -159,7 +159,7 @@ def serve_toml(a: argparse.Namespace, run_dir: Path, port: int, model: str) -> s
         micro_batch_tokens=512 if tiny else 2048, checkpointing="true",
         feedback_wait_s=5.0 if tiny else 60.0, max_kl=0.1 if tiny else 0.5, keep_newest=a.keep_newest,
         keep_promoted=a.keep_promoted, delete=str(not a.keep_pruned).lower(),
-        lr=1e-3 if tiny else 1e-4)
+        lr=1e-3 if tiny else LEARNING_RATE)
 
 
 def fault_times(faults: list[str], seconds: float, seed: int) -> list[tuple[float, str]]:
