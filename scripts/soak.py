@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak_server import (FAMILIES, KEY, LEARNING_RATE, SERVE_TOML, Server, call, disk_mb, families_toml, free_port,  # noqa: E402
+from soak_server import (FAMILIES, KEY, LEARNING_RATE, MAX_KL, SERVE_TOML, Server, call, disk_mb, families_toml, free_port,  # noqa: E402
                          rss_mb, val_size_of)
 
 FAULTS = ("collapse", "nan_loss", "kill", "disk")
@@ -157,7 +157,7 @@ def serve_toml(a: argparse.Namespace, run_dir: Path, port: int, model: str) -> s
         gate_batch=12 if tiny else 24, families=families_toml(a.val_size, a.tolerance),
         min_batch=8 if tiny else 16, max_batch=16 if tiny else 64,
         micro_batch_tokens=512 if tiny else 2048, checkpointing="true",
-        feedback_wait_s=5.0 if tiny else 60.0, max_kl=0.1 if tiny else 0.5, keep_newest=a.keep_newest,
+        feedback_wait_s=5.0 if tiny else 60.0, max_kl=0.1 if tiny else MAX_KL, keep_newest=a.keep_newest,
         keep_promoted=a.keep_promoted, delete=str(not a.keep_pruned).lower(),
         lr=1e-3 if tiny else LEARNING_RATE)
 

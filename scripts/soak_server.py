@@ -89,6 +89,10 @@ class SoakFamily:
 # The learner's learning rate on the embedded model: configs/function_calling.toml's (the
 # soak's slowest family to learn; 1e-4 left its 48 held-out answers unchanged in 90 minutes).
 LEARNING_RATE = 2e-4
+# The collapse rule's cap on the candidate's KL to the reference (whole vocabulary, on the batch's
+# turns): at 2e-4 a chain of two ordinary updates probed 0.52 and was rolled back under a cap of 0.5
+# (at 1e-4 ordinary candidates probed up to 0.42); the injected noise probes about 10.
+MAX_KL = 1.0
 
 FAMILIES = (
     SoakFamily("arithmetic", "chain_sum", {}, "auto", max_turns=3, max_tokens=None, constrain=None),
