@@ -219,6 +219,7 @@ class HostFixture:
         self._udp.bind(("0.0.0.0", 0))
         self._udp.settimeout(0.2)
         self._stop = threading.Event()
+        # not joined at exit (selfrl.core.threads_at_exit): sockets only, and __exit__ joins it
         self._thread = threading.Thread(target=self._listen, daemon=True)
         self._thread.start()
         return self

@@ -196,6 +196,7 @@ class _Driver:
     def submit(self, fn: Callable[[], Any]) -> Future:
         with self._lock:
             if self._thread is None:
+                # not joined at exit (selfrl.core.threads_at_exit): Playwright only, no torch, no store
                 self._thread = threading.Thread(target=self._loop, name="selfrl-chromium", daemon=True)
                 self._thread.start()
         fut: Future = Future()

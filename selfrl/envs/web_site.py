@@ -304,6 +304,7 @@ def serve() -> tuple[Site, str]:
             site = Site()
             server = uvicorn.Server(uvicorn.Config(site.app, host="127.0.0.1", port=0, log_level="warning",
                                                    lifespan="off"))
+            # not joined at exit (selfrl.core.threads_at_exit): no torch; its SQLite is in memory, gone anyway
             thread = threading.Thread(target=server.run, name="selfrl-web-site", daemon=True)
             thread.start()
             deadline = time.monotonic() + 10

@@ -178,6 +178,7 @@ class ProgressLog:
             self.phase_start = self.clock()
         self.inner.phase(description, total)
         if self.thread is None:
+            # not joined at exit (selfrl.core.threads_at_exit): it only writes a log file, no torch, no store
             self.thread = threading.Thread(target=self._beat_loop, name="selfrl-progress-log", daemon=True)
             self.thread.start()
 

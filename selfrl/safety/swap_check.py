@@ -19,7 +19,8 @@ ratios drift, and nothing says so. The check:
    loose bf16 tolerance of a version that moved little). With noise that is
    symmetric around the true values, E|noise + gap| >= E|noise|, so an honest
    backend is not closer to the old version on average;
-4. does all of it within a deadline: a backend that does not answer in time fails.
+4. does all of it within a deadline: a backend that does not answer in time fails (its call
+   goes on in a daemon thread, which the exit joins within a bound: :mod:`selfrl.core.threads_at_exit`).
 
 A failure is a :class:`SwapCheckResult` with ``ok = False`` and a reason
 (``mismatch``, ``stale``, ``timeout``, ``wrong_version``, ``error``);
@@ -36,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 from selfrl.config import SwapCheckConfig  # the settings live with every other settings dataclass
+from selfrl.core.threads_at_exit import join_at_exit
 
 # Mean |served - learner| log-prob per probe token allowed, by the lower precision of the two sides.
 TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2}
@@ -161,6 +163,7 @@ def check_swap(backend: ProbeScorer, expected: list[float], probe: list[int], ve
             box["error"] = e
 
     worker = threading.Thread(target=call, daemon=True, name=f"swap-check-v{version}")
+    join_at_exit(worker)  # an in-process sampler scores in torch: one past the deadline is joined (bounded) at exit
     worker.start()
     worker.join(timeout=deadline_s)
     if worker.is_alive():  # a backend given the same deadline raises at about this moment: let its reason through
@@ -266,7 +269,8 @@ class SwapChecker:
 def swap_within(engine, adapter, version: int, deadline_s: float, tolerance: float) -> SwapCheckResult | None:
     """``engine.swap(adapter, version)`` given ``deadline_s`` seconds; None when it was acknowledged
     in time, else a failed :class:`SwapCheckResult` (``timeout``, or ``error`` with the sampler's reason).
-    A swap still under way at the deadline is left to its daemon thread."""
+    A swap still under way at the deadline is left to its daemon thread, which the exit joins
+    (at most :data:`selfrl.core.threads_at_exit.JOIN_TIMEOUT_S`)."""
     t0, box = time.monotonic(), {}
 
     def call() -> None:
@@ -276,6 +280,7 @@ def swap_within(engine, adapter, version: int, deadline_s: float, tolerance: flo
             box["error"] = e
 
     worker = threading.Thread(target=call, daemon=True, name=f"sampler-swap-v{version}")
+    join_at_exit(worker)  # an in-process sampler loads in torch: one past the deadline is joined (bounded) at exit
     worker.start()
     worker.join(timeout=deadline_s)
     base = dict(version=version, ok=False, tolerance=tolerance, seconds=time.monotonic() - t0)

@@ -21,6 +21,9 @@ Every job's future is settled, whatever fails: an engine call that raises, or re
 generation fewer than it was given rows, fails the jobs of that call only (the worker
 goes on with the next); a worker that dies all the same (a ``BaseException``) fails every
 job still queued, and :meth:`Batcher.submit` then refuses new ones with the reason.
+
+At interpreter exit the worker (an engine call runs torch in it) ends after its batch in
+progress, the jobs still queued fail, and it is joined (:mod:`selfrl.core.threads_at_exit`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
+from selfrl.core.threads_at_exit import join_at_exit
 from selfrl.engines.base import Generation, SamplingEngine
+
+EXITING = "the process is exiting"  # the batcher's error once the exit stopped its worker
 
 
 @dataclass
@@ -154,7 +160,9 @@ class Batcher:
         self.rows = 0  # rows sampled so far
         self.continuous = callable(getattr(engine, "submit", None))
         self.error: str | None = None  # why the worker stopped, once it has (closed, or died)
+        self._halt = threading.Event()  # set at exit: the worker ends after its batch in progress
         self._thread = threading.Thread(target=self._work, name="selfrl-batcher", daemon=True)
+        join_at_exit(self._thread, stop=lambda halt=self._halt, q=self.queue: (halt.set(), q.put(None)))
         self._thread.start()
 
     def submit(self, job: Job) -> Future:
@@ -185,8 +193,12 @@ class Batcher:
                 job = self.queue.get_nowait()
             except queue.Empty:
                 return
-            if job is not None and job.future.set_running_or_notify_cancel():
-                job.future.set_exception(RuntimeError(f"the batcher stopped before this request ran: {self.error}"))
+            self._refuse(job)
+
+    def _refuse(self, job: Job | None) -> None:
+        """Fail ``job`` (unless None or cancelled) with :attr:`error`: it never ran."""
+        if job is not None and job.future.set_running_or_notify_cancel():
+            job.future.set_exception(RuntimeError(f"the batcher stopped before this request ran: {self.error}"))
 
     @property
     def pending(self) -> int:
@@ -216,6 +228,10 @@ class Batcher:
         try:
             while True:
                 first = self.queue.get()
+                if self._halt.is_set():  # the exit, after the batch in progress: no other starts
+                    self.error = EXITING
+                    self._refuse(first)  # and those still queued (finally)
+                    return
                 if first is None:
                     return
                 jobs, stop = [first], False

@@ -12,7 +12,8 @@ non-streaming request whose connection closed while it waited), the server:
    the learner never trains on it and it still shows in the store.
 
 Recording happens in a thread of its own (the event loop may be cancelling the
-request's task; the batcher's worker must not wait on the store).
+request's task; the batcher's worker must not wait on the store), which the exit waits for
+(at most :data:`selfrl.core.threads_at_exit.JOIN_TIMEOUT_S`).
 
 A request one of whose jobs fails (an engine error) is answered with that error at once
 (:func:`generation_failed`: a 500, or a 400 ``invalid_schema`` when its own grammar failed;
@@ -27,6 +28,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 
+from selfrl.core.threads_at_exit import join_at_exit
 from selfrl.record import served as records
 
 REASON = "client disconnected"
@@ -89,7 +91,9 @@ def cut_off(service, prepared, jobs: list, started: float) -> None:
             if done or not all(j.future.done() for j in jobs):
                 return
             done.append(True)
-        threading.Thread(target=record, name="selfrl-cut-off", daemon=True).start()
+        thread = threading.Thread(target=record, name="selfrl-cut-off", daemon=True)
+        join_at_exit(thread)  # a store write cut off at exit is lost: the exit waits for it (bounded)
+        thread.start()
 
     for j in jobs:
         j.future.add_done_callback(when_resolved)
