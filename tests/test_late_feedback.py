@@ -423,3 +423,28 @@ def test_the_served_learner_trains_on_the_newest_turns_within_the_age_rule(
         assert event["data"] == {"reason": "too_old", "expired": 2, "versions": [0]}
     finally:
         service.close()
+
+
+def test_a_replica_whose_age_rule_is_not_its_owners_is_refused(tmp_path):
+    # before: a replica answered feedback, and left turns out for good, by its own [learner] age rule,
+    # so with max_feedback_age_versions = 1 there it skipped turns its owner (4) would have trained
+    from selfrl.config import ConfigError
+    from selfrl.config.serve import LearnerSettings
+    from selfrl.serve.replica import check_owner_age_rule
+
+    owner = {"config": {"serve": {"replica": False, "learner": {"max_feedback_age_versions": 4,
+                                                                "max_feedback_age_s": 3600.0,
+                                                                "feedback_tis_cap": 2.0}}}}
+    other = {"config": {"serve": {"replica": True, "learner": {"max_feedback_age_versions": 9}}}}
+    same = LearnerSettings(max_feedback_age_versions=4, max_feedback_age_s=3600.0, min_batch=2, max_batch=2)
+    check_owner_age_rule(same, [owner, other], "runs/x")  # another replica's values are not the owner's
+    check_owner_age_rule(LearnerSettings(), [{"config": {"run": {}}}], "runs/x")  # no owner's start recorded
+    with pytest.raises(ConfigError) as e:
+        check_owner_age_rule(LearnerSettings(max_feedback_age_versions=1, max_feedback_age_s=3600.0),
+                             [owner, other], "runs/x")
+    assert str(e.value).endswith(
+        "this replica's age rule is not its owner's (the last start of selfrl serve on runs/x): "
+        "learner.max_feedback_age_versions = 1 here, 4 there; a replica answers feedback, and leaves turns too old "
+        "to train out, by the age rule of the owner's learner, which trains its turns: set "
+        "learner.max_feedback_age_versions = 4 in this replica's config (or restart the owner with this replica's "
+        "values)")
