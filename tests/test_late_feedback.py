@@ -10,7 +10,7 @@ import pytest
 
 from selfrl.core.trajectory import Trajectory
 from selfrl.rl.feedback_age import AgePolicy
-from selfrl.serve.late_feedback import FeedbackAges, weight_history
+from selfrl.serve.late_feedback import FeedbackAges, version_tree
 
 
 class Clock:
@@ -22,20 +22,71 @@ class Clock:
 
 
 class FakeLedger:
-    """Versions ``(version, parent)`` in order and the champion."""
+    """Versions ``(version, parent)`` or ``(version, parent, status)`` in order, and the champion."""
 
     def __init__(self, rows, champion):
         self.rows, self.champion = rows, type("C", (), {"version": champion})
 
     def all(self):
-        return [type("V", (), {"version": v, "parent": p}) for v, p in self.rows]
+        from selfrl.record.versions import VersionStatus
+
+        return [type("V", (), {"version": r[0], "parent": r[1], "status": VersionStatus(r[2] if len(r) > 2 else
+                                                                                           "promoted")})
+                for r in self.rows]
 
 
-def test_weight_history_rebuilt_from_the_ledger():
+def test_the_version_tree_is_read_from_the_ledger():
     # 1 promoted, 2 rejected (the weights go back to 1), 3 from 1 promoted, an admin rollback to 0
-    assert weight_history(FakeLedger([(0, None), (1, 0), (2, 1), (3, 1)], 3)) == [0, 1, 2, 1, 3]
-    assert weight_history(FakeLedger([(0, None), (1, 0), (2, 1), (3, 1)], 0)) == [0, 1, 2, 1, 3, 0]
-    assert weight_history(FakeLedger([(0, None)], 0)) == [0]
+    assert version_tree(FakeLedger([(0, None), (1, 0), (2, 1), (3, 1)], 3)) == ({0: None, 1: 0, 2: 1, 3: 1}, 3)
+    assert version_tree(FakeLedger([(0, None), (1, 0), (2, 1), (3, 1)], 0))[1] == 0
+    assert version_tree(FakeLedger([(0, None)], 0)) == ({0: None}, 0)
+
+
+def test_weight_changes_are_counted_along_the_lineage_not_the_versions_loaded():
+    # 0 -> 1 promoted -> 2 (from 1) rejected -> 3 (from 1) promoted, then an admin rolls back to 1
+    # (3 rolled_back) -> 4 (from 1) promoted; max_feedback_age_versions = 1. Counted by hand along the
+    # parent links, the weights the learner holds (champion) and a turn of version 0, 1 or 3:
+    #   champion 1 after 2's rejection:  0 is 1 change back (0 -> 1); 2 made no change that 1 carries
+    #   champion 3:                      0 is 2 back (0 -> 1 -> 3), 1 is 1 back
+    #   champion 1 after the rollback:   0 is 1 back again, 1 is 0 (fresh), 3 is 1 (3 -> 1, undone)
+    #   champion 4:                      0 is 2 back, 1 is 1, 3 is 2 (back to 1, then on to 4)
+    # Before, the count was the versions loaded since (history 0 1 2 1 3 1 4): a turn of 0 was 3 changes
+    # back after 2's rejection and 5 after the rollback, so it was expired although 1 change back.
+    rows = [(0, None), (1, 0), (2, 1, "rejected"), (3, 1, "rolled_back"), (4, 1)]
+    clock, policy = Clock(10_000.0), AgePolicy(max_versions=1, max_age_s=3600.0)
+    cases = [(3, 1, {0: 1, 1: 0}, {0, 1, 2}),  # rows, champion, changes back per turn version, versions kept
+             (4, 3, {0: 2, 1: 1, 3: 0}, {1, 3}),
+             (4, 1, {0: 1, 1: 0, 3: 1}, {0, 1, 2, 3}),
+             (5, 4, {0: 2, 1: 1, 3: 2}, {1, 4})]
+    for n, champion, behind, needed in cases:
+        ages = FeedbackAges(policy, FakeLedger(rows[:n], champion), clock)
+        turns = [(turn(f"v{v}", v, 1.0), {"created_at": 9_000.0}) for v in behind]
+        kept, old = ages.split(turns)
+        got = {t.adapter_version: t.reward_details["user_feedback"]["age"]["versions_behind"] for t, _ in old}
+        assert got == {v: k for v, k in behind.items() if k > 1}, champion
+        assert sorted(t.adapter_version for t, _ in kept) == sorted(v for v, k in behind.items() if k <= 1)
+        assert {v: ages.at_feedback(v, 9_000.0)[0] for v in behind} == {
+            v: "used" if k == 0 else "queued" if k == 1 else "too_old" for v, k in behind.items()}
+        assert ages.needed() == needed  # retention keeps these versions' weights
+    assert ages.at_feedback(0, 9_000.0)[1] == (
+        "only recorded: the policy changed 2 times since version 0, more than max_versions = 1")
+    # the update weighs the turn of 0 after the rollback (one change behind); 1's turn is the current one's
+    ages = FeedbackAges(policy, FakeLedger(rows[:4], 1), clock)
+    assert ages.behind([turn("a", 0, 1.0), turn("b", 1, 1.0)]).keys() == {0}
+
+
+def test_a_chain_that_did_not_start_from_the_champion_is_not_the_weights_held():
+    # gate.eval_every = 3: the champion 1 trained on into the chain 2, 3 (the learner holds 3); then an
+    # admin rolls back to 0 (1 rolled_back): the learner goes back to 0 before its next update, so a turn
+    # of 0 is fresh, not 3 changes back
+    ledger = FakeLedger([(0, None), (1, 0), (2, 1, "candidate"), (3, 2, "candidate")], 1)
+    ledger.chain_head = 3
+    assert version_tree(ledger)[1] == 3
+    ages = FeedbackAges(AgePolicy(max_versions=2), ledger, Clock(10_000.0))
+    assert ages.at_feedback(1, 9_000.0)[0] == "queued" and ages.at_feedback(0, 9_000.0)[0] == "too_old"
+    ledger.rows[1], ledger.champion = (1, 0, "rolled_back"), type("C", (), {"version": 0})
+    assert version_tree(ledger)[1] == 0
+    assert ages.at_feedback(0, 9_000.0)[0] == "used" and ages.at_feedback(1, 9_000.0)[0] == "queued"
 
 
 def turn(tid, version, advantage):
@@ -246,7 +297,7 @@ def test_the_batch_is_the_newest_eligible_turns_and_the_too_old_expire_while_awa
         "only recorded: the turn is 5000 s old, more than max_age_s = 3600")
     [(kind, message, data)] = ledger.events
     assert kind == "expire" and data == {"reason": "too_old", "expired": 2, "versions": [0, 2]}
-    assert message.startswith("expired before an update: 2 turn(s) sampled by versions [0, 2] were past the age "
+    assert message.startswith("expired: 2 turn(s) sampled by versions [0, 2] were past the age "
                               "rule (learner.max_feedback_age_versions = 1 weight changes, max_feedback_age_s = 3600)")
     # feedback on an expired turn is answered as the age rule answers it at an update
     applied = records.apply_feedback(store, "a", 0, "explicit", 1.0, age=ages.at_feedback)
@@ -261,6 +312,55 @@ def test_the_batch_is_the_newest_eligible_turns_and_the_too_old_expire_while_awa
     assert records.find_response(store, "h")["status"] == "skipped" and ledger.events[-1][2]["expired"] == 1
     lc.order = "oldest"  # arrival order, among the turns within the age rule
     assert [t.id for t, _ in take_batch(store, ages, lc)] == ["c", "d", "e"]
+
+
+def test_turns_expired_only_by_changes_later_undone_come_back_and_expiry_follows_the_weights(tmp_path):
+    # before: expiry ran only when an update was due, so a turn past the rule after a promotion was
+    # counted pending until then; and a turn expired by weight changes a rollback undid stayed skipped
+    from selfrl.config.serve import LearnerSettings
+    from selfrl.record import served as records
+    from selfrl.record.store import Store
+    from selfrl.serve.late_feedback import take_batch
+
+    store = Store(tmp_path / "db.sqlite")
+    records.init(store)
+    run = store.start_run({})
+    ledger = EventLedger([(0, None), (1, 0)], 1)  # the learner holds 1 (trained from the base 0)
+    clock = Clock(10_000.0)
+    ages = FeedbackAges(AgePolicy(max_versions=1, max_age_s=3600.0), ledger, clock)
+    lc = LearnerSettings(min_batch=8, max_batch=8, feedback_wait_s=60.0, max_feedback_age_versions=1,
+                         max_feedback_age_s=3600.0)
+    store_turns(store, run, {"a": (0, 9_000.0, 1.0), "b": (0, 9_100.0, -1.0), "c": (1, 9_200.0, 1.0),
+                             "old": (0, 6_500.0, 1.0),  # within the hour now, 3500 s old
+                             "cut": (0, 9_300.0, 1.0)})
+    records.mark_cut_off(store, "cut", "the client disconnected")
+
+    def status():
+        return {n: records.find_response(store, n)["status"] for n in ("a", "b", "c", "old", "cut")}
+
+    assert len(take_batch(store, ages, lc)) == 4 and not ledger.events  # 1 change back: within; no update due
+    ledger.rows.append((2, 1))  # 2 promoted: 0 is 2 changes back; no update is due (4 ready < min_batch 8)
+    ledger.champion = type("C", (), {"version": 2})
+    clock.t = 10_200.0  # "old" is 3700 s old: past max_age_s too
+    assert [t.id for t, _ in take_batch(store, ages, lc)] == ["c"]
+    assert status() == {"a": "skipped", "b": "skipped", "c": "pending", "old": "skipped", "cut": "skipped"}
+    assert records.counts(store)["pending"] == 1  # what /admin/status and the report show
+    assert ledger.events[-1][2] == {"reason": "too_old", "expired": 3, "versions": [0]}
+    assert len(take_batch(store, ages, lc)) == 1 and len(ledger.events) == 1  # nothing moved: nothing read again
+
+    # an admin rolls back to 1 (2 rolled back): 0 is 1 change back again; a and b come back, their
+    # decision dropped; "old" stays (past max_age_s), "cut" stays (cut off, never trained)
+    ledger.rows[2], ledger.champion = (2, 1, "rolled_back"), type("C", (), {"version": 1})
+    assert [t.id for t, _ in take_batch(store, ages, lc)] == ["c", "b", "a"]
+    assert status() == {"a": "pending", "b": "pending", "c": "pending", "old": "skipped", "cut": "skipped"}
+    kind, message, data = ledger.events[-1]
+    assert (kind, data) == ("revive", {"revived": 2, "versions": [0]})
+    assert message.startswith("2 turn(s) sampled by versions [0] are within the age rule again")
+    stored = {t.id: t for t in store.trajectories()}
+    assert "age" not in stored["a"].reward_details["user_feedback"]
+    assert stored["old"].reward_details["user_feedback"]["age"]["outcome"] == "too_old"
+    assert records.apply_feedback(store, "a", 0, "explicit", -1.0, age=ages.at_feedback).outcome == "queued"
+    assert len(take_batch(store, ages, lc)) == 3 and len(ledger.events) == 2  # nothing moved since
 
 
 def test_a_turn_awaiting_its_feedback_is_neither_taken_nor_expired(tmp_path):
@@ -323,3 +423,28 @@ def test_the_served_learner_trains_on_the_newest_turns_within_the_age_rule(
         assert event["data"] == {"reason": "too_old", "expired": 2, "versions": [0]}
     finally:
         service.close()
+
+
+def test_a_replica_whose_age_rule_is_not_its_owners_is_refused(tmp_path):
+    # before: a replica answered feedback, and left turns out for good, by its own [learner] age rule,
+    # so with max_feedback_age_versions = 1 there it skipped turns its owner (4) would have trained
+    from selfrl.config import ConfigError
+    from selfrl.config.serve import LearnerSettings
+    from selfrl.serve.replica import check_owner_age_rule
+
+    owner = {"config": {"serve": {"replica": False, "learner": {"max_feedback_age_versions": 4,
+                                                                "max_feedback_age_s": 3600.0,
+                                                                "feedback_tis_cap": 2.0}}}}
+    other = {"config": {"serve": {"replica": True, "learner": {"max_feedback_age_versions": 9}}}}
+    same = LearnerSettings(max_feedback_age_versions=4, max_feedback_age_s=3600.0, min_batch=2, max_batch=2)
+    check_owner_age_rule(same, [owner, other], "runs/x")  # another replica's values are not the owner's
+    check_owner_age_rule(LearnerSettings(), [{"config": {"run": {}}}], "runs/x")  # no owner's start recorded
+    with pytest.raises(ConfigError) as e:
+        check_owner_age_rule(LearnerSettings(max_feedback_age_versions=1, max_feedback_age_s=3600.0),
+                             [owner, other], "runs/x")
+    assert str(e.value).endswith(
+        "this replica's age rule is not its owner's (the last start of selfrl serve on runs/x): "
+        "learner.max_feedback_age_versions = 1 here, 4 there; a replica answers feedback, and leaves turns too old "
+        "to train out, by the age rule of the owner's learner, which trains its turns: set "
+        "learner.max_feedback_age_versions = 4 in this replica's config (or restart the owner with this replica's "
+        "values)")

@@ -249,12 +249,12 @@ def test_serve_keeps_the_versions_a_late_judgement_is_weighed_by(tiny_tokenizer,
 
     try:
         state = lora_state(model)
-        for v in range(1, 7):  # weights 0 -> 1 -> ... -> 6, then the champion (the base here) loaded back
+        for v in range(1, 7):  # weights 0 -> 1 -> ... -> 6, the champion
             add_version(service, state, v, parent=v - 1, status="promoted", metrics={"val/success": 0.1 * v})
-        assert service.ledger.champion.version == 0
-        turn(2, "pending")  # 5 weight changes back: past the cutoff, its folder may go
-        turn(4, "pending")  # 3 back: a judgement may still come
-        turn(5, "trained")  # 2 back, but trained: no judgement can train it again
+        service.ledger.set_champion(6, state)
+        turn(2, "pending")  # 4 weight changes back: past the cutoff, its folder may go
+        turn(4, "pending")  # 2 back: a judgement may still come
+        turn(5, "trained")  # 1 back, but trained: no judgement can train it again
         turn(5, "trained")
         assert service.prune_versions() == [1, 2, 3, 5]  # 0 base, 6 newest and promoted, 4 still needed
         assert {v["version"] for v in service.version_ids()} == {0, 4, 6}

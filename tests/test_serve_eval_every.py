@@ -14,7 +14,7 @@ from selfrl.config.serve import ServeConfig
 from selfrl.record.adapters import lora_state
 from selfrl.safety.gate import EvalResult
 from selfrl.serve.health import health
-from selfrl.serve.late_feedback import weight_history
+from selfrl.serve.late_feedback import version_tree
 from selfrl.serve.main import load_serve_config
 from serving import rated_turns, tiny_serve_config
 
@@ -85,7 +85,7 @@ def test_two_chained_updates_make_one_validation_and_only_the_second_is_served(s
     assert learner.status()["last_update"]["result"] == "chained: 1 of 2 before the gate"
     assert health(service)[1]["chained"]["message"] == "chained: 1 of 2 before the gate"
     # the age rule counts the chain's weight change: a turn of the served version 0 is one behind
-    assert weight_history(ledger) == [0, 1]
+    assert version_tree(ledger) == ({0: None, 1: 0}, 1)
     assert service.ages.at_feedback(0, time.time())[0] == "queued"
     turns = [t for t, _ in rated_turns(service)]
     for t in turns:
@@ -101,7 +101,7 @@ def test_two_chained_updates_make_one_validation_and_only_the_second_is_served(s
     m = {r["name"]: r["value"] for r in service.store.metrics() if r["step"] == 1}
     assert m["feedback/behind"] == 4.0 and m["sampled_version"] == 0.0
     assert learner.status()["chained"] is None and "chained" not in health(service)[1]
-    assert ledger.chain_head is None and weight_history(ledger) == [0, 1, 2]
+    assert ledger.chain_head is None and version_tree(ledger) == ({0: None, 1: 0, 2: 1}, 2)
     assert [v.version for v in ledger.all() if v.servable] == [0, 2]
 
 
@@ -121,7 +121,7 @@ def test_a_rejected_chain_goes_back_to_the_champion_and_serves_nothing_new(serve
     assert rejects[1]["message"] == ("version 1 rejected unvalidated (gate.eval_every = 2): the chain's last "
                                      "version 2 was not promoted; serving version 0")
     assert learner.status()["chained"] is None and ledger.chain_head is None
-    assert weight_history(ledger) == [0, 1, 2, 0]
+    assert version_tree(ledger) == ({0: None, 1: 0, 2: 1}, 0)
     info = learner.update(rated_turns(service))  # a new chain, from the champion
     assert (info["version"], info["result"]) == (3, "chained: 1 of 2 before the gate")
     assert ledger.get(3).parent == 0 and gate.calls == [2]

@@ -57,6 +57,7 @@ class EventKind(str, enum.Enum):
     ROLLBACK = "rollback"  # an admin rolled the server back to an earlier version
     SKIP = "skip"  # an update was skipped (UpdateResult.reason says why); no version made
     EXPIRE = "expire"  # pending served turns past the age rule were marked skipped before an update (only recorded)
+    REVIVE = "revive"  # served turns the age rule had left out are within it again (the learner's weights went back)
     RECOVER = "recover"  # a stray folder left by a killed save was moved aside, or the base re-saved
     RESUME = "resume"  # a run continued after a stop
     HACKING = "hacking"  # a reward-hacking detector fired

@@ -12,10 +12,15 @@ returns one of three outcomes, each with a reason a user can read:
 * ``too_old``: older than ``max_versions`` weight changes or ``max_age_s`` seconds (or
   sampled by a version this learner never held); only recorded, never trained.
 
-Age in versions is counted in *weight changes of the learner* since the turn's version
-was last in it, not the difference of version numbers (a rejection puts the champion's
-smaller number back in): :func:`versions_behind`, the one count, which
-:mod:`selfrl.rollout.staleness` also uses for the staleness of rollouts.
+Age in versions is counted in *weight changes* between the turn's version and the weights
+the learner holds now, along the version tree (each version's parent is the weights it was
+trained from): :func:`lineage_distance`. For a version the current weights descend from, these
+are the updates on the way from it to them; a candidate that was rejected, or rolled back,
+made no change that the current weights carry, so it never counts, and after a rollback to a
+version its turns are fresh again. Not the difference of version numbers (a rejection puts the
+champion's smaller number back in), nor the number of versions the learner loaded since
+(:func:`versions_behind`, the staleness of rollouts in :mod:`selfrl.rollout.staleness`, where
+the sampler itself loads every candidate).
 
 The weight is the truncated importance ratio of the whole completion (Yao et al. 2025,
 "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"; truncation as
@@ -51,7 +56,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from selfrl.core.wording import plural
 
@@ -105,8 +110,10 @@ class AgeDecision:
 
 
 def versions_behind(turn_version: int, loaded: Sequence[int]) -> float:
-    """Weight changes of the learner since ``turn_version`` was last in it; ``inf`` if it never
-    was (a turn of another run). The staleness of rollouts (:mod:`selfrl.rollout.staleness`) too.
+    """Weight changes of the learner since ``turn_version`` was last in it (the versions it loaded
+    since, rejected ones included); ``inf`` if it never was (a turn of another run). The staleness
+    of rollouts (:mod:`selfrl.rollout.staleness`); the age of late feedback counts along the
+    version tree instead (:func:`lineage_distance`), where a rejected candidate changes nothing.
 
     Raises:
         ValueError: ``loaded`` is empty.
@@ -122,20 +129,87 @@ def versions_behind(turn_version: int, loaded: Sequence[int]) -> float:
     return math.inf
 
 
-def trainable_versions(loaded: Sequence[int], max_versions: int) -> set[int]:
-    """The versions whose turns the age rule may still train on: those at most ``max_versions``
-    weight changes back in ``loaded`` (:func:`versions_behind`). A late judgement of such a turn
-    is weighed by its version's log-probs, so these versions' weights must stay stored; a turn
-    of any other version is ``too_old`` whatever its weights.
+def lineage_depths(current: int, parents: Mapping[int, int | None]) -> dict[int, int]:
+    """``current`` and every version its weights descend from, each with the weight changes from
+    it to ``current`` (0 for ``current``, 1 for its parent, ...); empty when ``current`` is not in
+    ``parents`` (each version's parent, None for a base).
+
+    >>> lineage_depths(4, {0: None, 1: 0, 2: 1, 3: 1, 4: 1})
+    {4: 0, 1: 1, 0: 2}
+    """
+    depth: dict[int, int] = {}
+    v: int | None = current
+    while v is not None and v in parents and v not in depth:  # (a loop in bad links ends here)
+        depth[v] = len(depth)
+        v = parents[v]
+    return depth
+
+
+def lineage_distance(version: int, current: int, parents: Mapping[int, int | None],
+                     depths: Mapping[int, int] | None = None) -> float:
+    """Weight changes between ``version``'s weights and ``current``'s, along the version tree.
+
+    Each version was trained from its parent, so the changes are the parent links from each of
+    the two up to the nearest version both descend from, counted. For an ancestor of ``current``
+    (a turn of the champion, or of an earlier champion) that is the updates along the lineage of
+    the current weights: a rejected or rolled-back candidate is on no such path and never counts.
+    A version off the lineage (a promoted version that was later rolled back) counts its own
+    updates back to where the two lines part as well.
 
     Args:
-        loaded: versions the learner's weights held, oldest first; the last is current.
+        version: the version whose weights sampled the turn.
+        current: the version whose weights the learner holds.
+        parents: every version's parent (None for a base), e.g. from the version ledger.
+        depths: :func:`lineage_depths` of ``current``, when already at hand (many turns, one tree).
+
+    Returns:
+        a count of weight changes (0: the same weights), or ``inf`` when ``version`` or
+        ``current`` is not in ``parents`` or the two share no ancestor.
+
+    >>> parents = {0: None, 1: 0, 2: 1, 3: 1, 4: 1}  # 1 promoted, 2 rejected, 3 rolled back, 4 from 1
+    >>> [lineage_distance(v, 4, parents) for v in (4, 1, 0, 2, 9)]
+    [0, 1, 2, 2, inf]
+    """
+    depths = lineage_depths(current, parents) if depths is None else depths
+    v, k, seen = version, 0, set()
+    while v is not None and v in parents and v not in seen:
+        if v in depths:
+            return k + depths[v]
+        seen.add(v)
+        v, k = parents[v], k + 1
+    return math.inf
+
+
+def versions_within(current: int, parents: Mapping[int, int | None], max_versions: int) -> set[int]:
+    """The versions whose turns the age rule may still train on: those at most ``max_versions``
+    weight changes from ``current`` (:func:`lineage_distance`). A late judgement of such a turn is
+    weighed by its version's log-probs, so these versions' weights must stay stored; a turn of any
+    other version is ``too_old`` whatever its weights. Each version is followed up at most
+    ``max_versions`` links, so a ledger of thousands of versions costs milliseconds.
+
+    Args:
+        current: the version whose weights the learner holds.
+        parents: every version's parent (None for a base).
         max_versions: the cutoff in weight changes (``AgePolicy.max_versions``, >= 0).
 
-    >>> sorted(trainable_versions([0, 1, 2, 3, 1, 4], 2))  # 4 now, 1 one change back, 3 two
-    [1, 3, 4]
+    Raises:
+        ValueError: ``max_versions`` < 0.
+
+    >>> sorted(versions_within(4, {0: None, 1: 0, 2: 1, 3: 2, 4: 1, 5: 4}, 1))  # 0, 2: two changes; 3: three
+    [1, 4, 5]
     """
-    return set(loaded[-(max_versions + 1):])  # within N changes: its last entry is among the last N + 1
+    if max_versions < 0:
+        raise ValueError(f"max_versions must be >= 0, got {max_versions}")
+    depths, out = lineage_depths(current, parents), set()
+    for version in parents:
+        v, k = version, 0
+        while v is not None and v in parents and k <= max_versions:
+            if v in depths:
+                if k + depths[v] <= max_versions:
+                    out.add(version)
+                break
+            v, k = parents[v], k + 1
+    return out
 
 
 def sequence_weight(current_logps: Sequence[float], behaviour_logps: Sequence[float],
@@ -172,28 +246,46 @@ def sequence_weight(current_logps: Sequence[float], behaviour_logps: Sequence[fl
 def decide(turn_version: int, loaded: Sequence[int], turn_time: float, now: float, policy: AgePolicy,
            current_logps: Sequence[float] | None = None, behaviour_logps: Sequence[float] | None = None,
            completion_mask: Sequence[int] | None = None) -> AgeDecision:
+    """What a judgement of a turn is worth at ``now``, its age counted in the versions ``loaded``
+    since (:func:`versions_behind`); :func:`decide_at` with that count.
+
+    Args:
+        loaded: versions the learner's weights held, oldest first; the last is current.
+
+    Raises:
+        ValueError: ``loaded`` empty, or as :func:`decide_at`.
+
+    >>> decide(5, [4, 5], 100.0, 160.0, AgePolicy()).reason
+    'used now at full weight: version 5 is still the current one'
+    """
+    return decide_at(turn_version, versions_behind(turn_version, loaded), loaded[-1], turn_time, now, policy,
+                     current_logps, behaviour_logps, completion_mask)
+
+
+def decide_at(turn_version: int, behind: float, current: int, turn_time: float, now: float, policy: AgePolicy,
+              current_logps: Sequence[float] | None = None, behaviour_logps: Sequence[float] | None = None,
+              completion_mask: Sequence[int] | None = None) -> AgeDecision:
     """What a judgement of a turn is worth at ``now``.
 
     Args:
         turn_version: the adapter version that sampled the turn.
-        loaded: versions the learner's weights held, oldest first; the last is current.
+        behind: weight changes between its weights and the current ones (:func:`lineage_distance`;
+            ``inf``: a version this learner never held).
+        current: the version whose weights the learner holds (named in the reason).
         turn_time, now: seconds on one clock (``now`` injectable for tests and simulations).
         policy: the cutoffs and the cap.
         current_logps, behaviour_logps, completion_mask: (T,) each; the current log-probs
             are needed only when the policy has moved (else the turn is ``queued``).
 
     Raises:
-        ValueError: ``now`` before ``turn_time``, ``loaded`` empty, or bad log-probs (see
-            :func:`sequence_weight`).
+        ValueError: ``now`` before ``turn_time``, or bad log-probs (see :func:`sequence_weight`).
 
-    >>> decide(5, [4, 5], 100.0, 160.0, AgePolicy()).reason
-    'used now at full weight: version 5 is still the current one'
+    >>> decide_at(1, 2, 4, 100.0, 160.0, AgePolicy(max_versions=1)).reason
+    'only recorded: the policy changed 2 times since version 1, more than max_versions = 1'
     """
     if now < turn_time:
         raise ValueError(f"the judgement is dated {turn_time - now:g} s before its turn; check the clocks")
-    age = now - turn_time
-    k = versions_behind(turn_version, loaded)
-    current = loaded[-1]
+    age, k = now - turn_time, behind
     if math.isinf(k):
         return AgeDecision(Outcome.TOO_OLD, None, k, age, f"only recorded: version {turn_version} was never "
                            "loaded by this learner")

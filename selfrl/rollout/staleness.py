@@ -25,7 +25,7 @@ from selfrl.rl.feedback_age import versions_behind
 
 def staleness(sampled_version: int, loaded: list[int]) -> float:
     """Weight changes of the learner since ``sampled_version`` was last loaded
-    (:func:`selfrl.rl.feedback_age.versions_behind`, the one count, also the age of late feedback).
+    (:func:`selfrl.rl.feedback_age.versions_behind`).
 
     Args:
         sampled_version: the version whose weights sampled the group.

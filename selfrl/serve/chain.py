@@ -21,7 +21,7 @@ the champion's weights loaded again). Nothing unvalidated is ever served: only t
 A chain does not outlive the process: after a restart the learner starts from the champion, and
 a candidate the chain held stays ``candidate``, as one a killed validation left. While a chain is
 under way the ledger's ``chain_head`` names the candidate whose weights the learner holds, so that
-the age rule (:func:`selfrl.serve.late_feedback.weight_history`) counts the chain's weight changes.
+the age rule (:func:`selfrl.serve.late_feedback.version_tree`) counts the chain's weight changes.
 """
 
 from __future__ import annotations

@@ -35,60 +35,74 @@ the version gap twice. Both log-prob sequences are at ``learner.temperature``: `
 is the turn's version loaded into the learner for one no-grad pass, ``logp_now`` the learner's
 current weights.
 
-The learner's weight history (``loaded``) is rebuilt from the version ledger, so it outlives a
-restart: every candidate was trained from its parent, which the weights held just before it
-(:func:`weight_history`). With ``gate.eval_every`` above 1 the learner trains on from candidates
-that are never served (:mod:`selfrl.serve.chain`): each is a weight change, but no turn is ever
-sampled by one, so a turn's version is always a served one, behind by the chain's changes.
+How far a turn is behind is read from the version ledger, so it outlives a restart: every
+candidate was trained from its parent, and the weight changes between a turn's version and the
+weights the learner holds are counted along those links (:func:`version_tree`,
+:func:`selfrl.rl.feedback_age.lineage_distance`). A rejected or rolled-back candidate's changes
+are gone with its weights: they never count, and after a rollback the turns of the version
+rolled back to are fresh again. With ``gate.eval_every`` above 1 the learner trains on from
+candidates that are never served (:mod:`selfrl.serve.chain`): each is a weight change, but no
+turn is ever sampled by one, so a turn's version is always a served one, behind by the chain's
+changes, and by none of them once the chain is rejected.
+
+When the learner's weights go back (a rejected chain, a rollback), turns that were expired only
+because of the changes undone are within the rule again: they are pending again
+(:func:`revive`, a ``revive`` event) and trained as any other. Expiry and revival run when an
+update is due and whenever the weights the learner holds change (:func:`take_batch`), so the
+pending count of ``GET /admin/status`` and the report holds no turn past the version cutoff for
+longer than one ``learner.poll_s``; a turn that passes ``learner.max_feedback_age_s`` while the
+weights stay put and no update is due is counted pending until then (it is never trained).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 
 from selfrl.core.trajectory import Trajectory
 from selfrl.record import served as records
-from selfrl.record.store import Store
-from selfrl.record.versions import EventKind, Ledger
-from selfrl.rl.feedback_age import (AgeDecision, AgePolicy, Outcome, decide, sequence_weight, trainable_versions,
-                                    versions_behind)
+from selfrl.record.store import Store, to_json
+from selfrl.record.versions import EventKind, Ledger, VersionStatus
+from selfrl.rl.feedback_age import (AgeDecision, AgePolicy, Outcome, decide_at, lineage_depths, lineage_distance,
+                                    sequence_weight, versions_within)
+
+Tree = tuple[dict[int, "int | None"], int, dict[int, int]]  # parents, the version held, its lineage_depths
 
 
-def weight_history(ledger: Ledger) -> list[int]:
-    """The versions the learner's weights held, oldest first, the champion last.
+def version_tree(ledger: Ledger) -> tuple[dict[int, int | None], int]:
+    """Every version's parent (None for a base), and the version whose weights the learner holds:
+    the champion; while it trains on from unvalidated candidates (``gate.eval_every``, the ledger's
+    ``chain_head``: :mod:`selfrl.serve.chain`) the newest of them, unless the chain did not start
+    from the champion (an admin rolled back meanwhile: the learner goes back to the champion
+    before its next update); on a replica, which holds no champion, the owner's newest servable row.
 
-    Every version after the base was trained from its ``parent``, so the weights held the
-    parent just before it; a parent that is not the previous entry was loaded back (a
-    rejection, a rollback).
+    Raises:
+        ValueError: the ledger holds no version the learner could hold.
 
-    >>> class L:  # versions 1 (promoted) and 2 (rejected), then 3 from 1; champion 3
-    ...     champion = type("C", (), {"version": 3})
+    >>> class L:  # 1 promoted, 2 rejected, 3 rolled back (both trained from 1), 4 from 1: champion 4
+    ...     champion = type("C", (), {"version": 4})
     ...     def all(self):
-    ...         return [type("V", (), {"version": v, "parent": p}) for v, p in [(0, None), (1, 0), (2, 1), (3, 1)]]
-    >>> weight_history(L())
-    [0, 1, 2, 1, 3]
-
-    While the learner trains on from an unvalidated candidate (``gate.eval_every``, the ledger's
-    ``chain_head``: :mod:`selfrl.serve.chain`), that candidate is last instead of the champion: a
-    served turn is behind by the chain's weight changes too. On a replica, which holds no
-    champion, the owner's is the newest servable row.
+    ...         return [type("V", (), {"version": v, "parent": p}) for v, p in [(0, None), (1, 0), (2, 1), (3, 1), (4, 1)]]
+    >>> version_tree(L())
+    ({0: None, 1: 0, 2: 1, 3: 1, 4: 1}, 4)
     """
-    loaded: list[int] = []
     records = ledger.all()
-    for v in records:
-        if v.parent is not None and (not loaded or loaded[-1] != v.parent):
-            loaded.append(v.parent)
-        loaded.append(v.version)
-    if getattr(ledger, "chain_head", None) is not None:  # gate.eval_every: the learner holds a chained candidate
-        champ = ledger.chain_head
-    elif ledger.champion is not None:
-        champ = ledger.champion.version
-    else:  # a replica (selfrl.serve.replica) holds no champion: the owner's is the newest servable row
-        champ = next((v.version for v in reversed(records) if v.servable), None)
-    if champ is not None and (not loaded or loaded[-1] != champ):
-        loaded.append(champ)
-    return loaded
+    parents = {v.version: v.parent for v in records}
+    head, champ = getattr(ledger, "chain_head", None), ledger.champion
+    if head is not None and champ is not None:
+        by = {v.version: v for v in records}
+        root = by.get(head)
+        while root is not None and root.status == VersionStatus.CANDIDATE and root.parent is not None:
+            root = by.get(root.parent)  # back through the chain to where it was trained from
+        if root is not None and root.version == champ.version:
+            return parents, head
+    if champ is not None:
+        return parents, champ.version
+    held = next((v.version for v in reversed(records) if v.servable), None)
+    if held is None:
+        raise ValueError("no version was loaded yet")
+    return parents, held
 
 
 class FeedbackAges:
@@ -96,26 +110,39 @@ class FeedbackAges:
 
     def __init__(self, policy: AgePolicy, ledger: Ledger, clock: Callable[[], float] = time.time):
         self.policy, self.ledger, self.clock = policy, ledger, clock
+        self._held: tuple | None = None  # (chain head, champion) at the last :meth:`moved`
+        self.within: set[int] | None = None  # the versions within the rule at the last :func:`revive`
 
     @classmethod
     def from_config(cls, lc, ledger: Ledger, clock: Callable[[], float] = time.time) -> "FeedbackAges":
         """From ``[learner]``: ``max_feedback_age_versions``, ``max_feedback_age_s``, ``feedback_tis_cap``."""
         return cls(AgePolicy(lc.max_feedback_age_versions, lc.max_feedback_age_s, lc.feedback_tis_cap), ledger, clock)
 
+    def tree(self) -> Tree:
+        """:func:`version_tree` of the ledger now, with the held version's :func:`lineage_depths`."""
+        parents, held = version_tree(self.ledger)
+        return parents, held, lineage_depths(held, parents)
+
+    def decide(self, version: int, created_at: float, now: float, tree: Tree) -> AgeDecision:
+        """The age rule for a turn of ``version`` stored at ``created_at`` (seconds), at ``now``."""
+        parents, held, depths = tree
+        behind = lineage_distance(version, held, parents, depths)
+        return decide_at(version, behind, held, created_at, max(now, created_at), self.policy)
+
     def at_feedback(self, version: int, created_at: float) -> tuple[str, str]:
         """``(outcome, reason)`` for feedback on a turn of ``version`` stored at ``created_at``
-        (see the module docstring); the rule :func:`selfrl.record.served.apply_feedback` applies."""
-        now = max(self.clock(), created_at)  # a clock behind the stored time (a restart) reads as age 0
-        d = decide(version, weight_history(self.ledger), created_at, now, self.policy)
+        (see the module docstring); the rule :func:`selfrl.record.served.apply_feedback` applies.
+        A clock behind the stored time (a restart) reads as age 0."""
+        d = self.decide(version, created_at, self.clock(), self.tree())
         return d.outcome.value, d.reason
 
     def split(self, batch: list[tuple[Trajectory, dict]]) -> tuple[list[tuple[Trajectory, dict]],
                                                                  list[tuple[Trajectory, AgeDecision]]]:
         """Turns within the cutoffs, and those past one with their decision (to leave out)."""
-        loaded, now = weight_history(self.ledger), self.clock()
+        tree, now = self.tree(), self.clock()
         kept, old = [], []
         for traj, row in batch:
-            d = decide(traj.adapter_version, loaded, row["created_at"], max(now, row["created_at"]), self.policy)
+            d = self.decide(traj.adapter_version, row["created_at"], now, tree)
             if d.outcome is Outcome.TOO_OLD:
                 traj.reward_details.setdefault("user_feedback", {})["age"] = describe(d)
                 old.append((traj, d))
@@ -124,16 +151,25 @@ class FeedbackAges:
         return kept, old
 
     def needed(self) -> set[int]:
-        """The versions whose weights a late judgement may still need (:func:`trainable_versions`
-        on the learner's weight history): version retention keeps their folders."""
-        return trainable_versions(weight_history(self.ledger), self.policy.max_versions)
+        """The versions whose turns the age rule may still train on (:func:`versions_within` of the
+        version the learner holds): a late judgement may need their weights, so version retention
+        keeps their folders."""
+        parents, held = version_tree(self.ledger)
+        return versions_within(held, parents, self.policy.max_versions)
+
+    def moved(self) -> bool:
+        """Whether the weights the learner holds (the champion, or a chain's newest candidate) are
+        other than at the last call (True at the first): the ages of the stored turns changed."""
+        champ = getattr(self.ledger.champion, "version", None)
+        held, self._held = self._held, (getattr(self.ledger, "chain_head", None), champ)
+        return held != self._held
 
     def behind(self, trajs: list[Trajectory]) -> dict[int, list[Trajectory]]:
         """The turns sampled by a version the learner has moved from, by version."""
-        loaded = weight_history(self.ledger)
+        parents, held, depths = self.tree()
         out: dict[int, list[Trajectory]] = {}
         for t in trajs:
-            if versions_behind(t.adapter_version, loaded) > 0:
+            if lineage_distance(t.adapter_version, held, parents, depths) > 0:
                 out.setdefault(t.adapter_version, []).append(t)
         return out
 
@@ -204,9 +240,11 @@ def describe(d: AgeDecision) -> dict:
 def take_batch(store: Store, ages: FeedbackAges, lc) -> list[tuple[Trajectory, dict]]:
     """The learner's next batch: up to ``lc.max_batch`` ready turns (:func:`selfrl.record.served.ready`:
     feedback arrived or ``lc.feedback_wait_s`` passed), in ``lc.order`` (newest first by default:
-    see the module docstring). When at least ``lc.min_batch`` are ready, an update is due: the
-    pending turns past the age rule are expired first (:func:`expire`) and the batch taken again
-    without them. A turn still waiting for its feedback is never taken nor expired.
+    see the module docstring). When at least ``lc.min_batch`` are ready (an update is due), or the
+    weights the learner holds changed since the last call (:meth:`FeedbackAges.moved`: a promotion,
+    a chained candidate, a rejection, a rollback), the turns within the age rule again are brought
+    back (:func:`revive`), the pending turns past it expired (:func:`expire`), and the batch taken
+    again. A turn still waiting for its feedback is never taken nor expired.
 
     Args:
         lc: ``[learner]`` (``feedback_wait_s``, ``min_batch``, ``max_batch``, ``order``).
@@ -218,12 +256,15 @@ def take_batch(store: Store, ages: FeedbackAges, lc) -> list[tuple[Trajectory, d
         return records.ready(store, lc.feedback_wait_s, lc.max_batch, now=ages.clock(), order=lc.order)
 
     batch = take()
-    if len(batch) >= lc.min_batch and expire(store, ages, lc.feedback_wait_s):
-        batch = take()
+    moved = ages.moved()  # (every call: it keeps the weights it saw)
+    if moved or len(batch) >= lc.min_batch:
+        keep = ages.needed()
+        if revive(store, ages, keep) + expire(store, ages, lc.feedback_wait_s, keep=keep):
+            batch = take()
     return batch
 
 
-def expire(store: Store, ages: FeedbackAges, wait_s: float, chunk: int = 256) -> int:
+def expire(store: Store, ages: FeedbackAges, wait_s: float, chunk: int = 256, keep: set[int] | None = None) -> int:
     """Mark ``skipped`` every pending turn whose reward is complete (feedback arrived, or ``wait_s``
     seconds passed) and that is past the age rule: sampled more than ``max_feedback_age_versions``
     weight changes ago (or by a version this learner never held), or older than
@@ -231,6 +272,7 @@ def expire(store: Store, ages: FeedbackAges, wait_s: float, chunk: int = 256) ->
     as a turn the update leaves out (:meth:`FeedbackAges.split`), so feedback on it is answered
     ``too_old`` with the same reason; its trajectory stays stored. One transaction per ``chunk``
     turns; one ``expire`` event (reason ``too_old``, :func:`stale_note` its message) when any.
+    ``keep``: :meth:`FeedbackAges.needed`, when already at hand.
 
     Returns:
         how many turns were expired.
@@ -238,7 +280,7 @@ def expire(store: Store, ages: FeedbackAges, wait_s: float, chunk: int = 256) ->
     Raises:
         sqlite3.Error: the store cannot be written; the turns of the chunk under way stay pending.
     """
-    keep, n, versions = ages.needed(), 0, set()
+    keep, n, versions = ages.needed() if keep is None else keep, 0, set()
     while True:
         with store.lock:  # no feedback lands between the read and the mark
             now = ages.clock()
@@ -250,9 +292,57 @@ def expire(store: Store, ages: FeedbackAges, wait_s: float, chunk: int = 256) ->
             break
     if n:
         note = past_age_note(n, sorted(versions), ages.policy)
-        ages.ledger.event(EventKind.EXPIRE, f"expired before an update: {note}",
+        ages.ledger.event(EventKind.EXPIRE, f"expired: {note}",
                           {"reason": "too_old", "expired": n, "versions": sorted(versions)})
     return n
+
+
+def revive(store: Store, ages: FeedbackAges, keep: set[int]) -> int:
+    """Bring back (``pending``) the turns the age rule left out for their version's distance whose
+    version is within it again: the learner's weights went back (a rejected chain, a rollback),
+    so the weight changes that made them too old are undone. Only the versions of ``keep``
+    (:meth:`FeedbackAges.needed`) that were not within the rule at the last call
+    (:attr:`FeedbackAges.within`; all of them at the first) are read: nothing, when none went back. A turn comes back when it is ``skipped`` with an age decision
+    that counted its version's distance (``too_old`` with ``versions_behind``: expired, or left
+    out by an update), is not cut off and is within ``max_feedback_age_s``; its decision is
+    dropped (the next update decides again). One ``revive`` event when any.
+
+    Returns:
+        how many turns came back.
+
+    Raises:
+        sqlite3.Error: the store cannot be read or written; nothing changes.
+    """
+    versions = sorted(keep - (ages.within or set()))
+    if not versions:
+        ages.within = set(keep)
+        return 0
+    back, came = [], set()
+    with store.lock:  # no feedback lands between the read and the write
+        rows = store.conn.execute(
+            "SELECT t.id, t.adapter_version, t.data_json FROM served s JOIN trajectories t ON t.id = s.trajectory_id"
+            f" WHERE s.status = 'skipped' AND s.created_at >= ? AND t.adapter_version IN ({','.join('?' * len(versions))})",
+            (ages.clock() - ages.policy.max_age_s, *versions)).fetchall()
+        for r in rows:
+            data = json.loads(r["data_json"])
+            judged = (data.get("reward_details") or {}).get("user_feedback") or {}
+            age = judged.get("age") or {}
+            if data.get("error") or age.get("outcome") != "too_old" or age.get("versions_behind") is None:
+                continue
+            del judged["age"]
+            back.append((to_json(data), r["id"]))
+            came.add(int(r["adapter_version"]))
+        with store.conn:
+            store.conn.executemany("UPDATE trajectories SET data_json = ? WHERE id = ?", back)
+            store.conn.executemany("UPDATE served SET status = 'pending' WHERE trajectory_id = ?",
+                                   [(tid,) for _, tid in back])
+    ages.within = set(keep)  # after the write: a failed one is tried again
+    if back:
+        ages.ledger.event(EventKind.REVIVE, f"{len(back)} turn(s) sampled by versions {sorted(came)} are within the "
+                          "age rule again (the learner's weights went back: a rejection or a rollback undid the "
+                          "weight changes that made them too old): pending again",
+                          {"revived": len(back), "versions": sorted(came)})
+    return len(back)
 
 
 def past_age_note(n: int, versions: list[int], policy: AgePolicy) -> str:

@@ -64,7 +64,8 @@ def check_before_load(cfg: ServeConfig, learn: bool) -> None:
         selfrl.record.rundir.NotAFolder: ``run_dir`` is a file.
         selfrl.record.store.NotAStore: ``run_dir/selfrl.db`` is not a selfrl store.
         selfrl.serve.replica.NoOwner: ``replica`` on a run directory no owner has served.
-        selfrl.config.ConfigError: ``retention.trajectories_max_age_s`` on a server that does not learn.
+        selfrl.config.ConfigError: ``retention.trajectories_max_age_s`` on a server that does not learn; a
+            replica whose ``[learner]`` age rule is not its owner's.
         selfrl.model.load.ModelLoadError: ``model.name`` is a path that does not exist.
     """
     from pathlib import Path
@@ -75,7 +76,11 @@ def check_before_load(cfg: ServeConfig, learn: bool) -> None:
     check_folder(cfg.run_dir)
     db = Path(cfg.run_dir) / "selfrl.db"
     if db.exists():
-        Store(db, readonly=True).close()
+        with Store(db, readonly=True) as store:
+            if cfg.replica:  # it answers feedback by the owner's age rule
+                from selfrl.serve.replica import check_owner_age_rule
+
+                check_owner_age_rule(cfg.learner, store.runs(), cfg.run_dir)
     elif cfg.replica:
         from selfrl.serve.replica import no_owner
 

@@ -39,6 +39,40 @@ class NoOwner(ValueError):
     """A replica was started on a run directory whose owner never recorded a base version."""
 
 
+AGE_SETTINGS = ("max_feedback_age_versions", "max_feedback_age_s", "feedback_tis_cap")  # [learner]'s age rule
+
+
+def check_owner_age_rule(learner, runs: list[dict[str, Any]], run_dir: str | Path) -> None:
+    """Refuse a replica whose ``[learner]`` age rule (:data:`AGE_SETTINGS`) is not its owner's.
+
+    A replica answers ``POST /v1/feedback`` on its turns by the age rule, and leaves a turn it
+    finds ``too_old`` out for good (``skipped``); the owner's learner trains them, so the rule
+    must be the owner's: with another one, a turn the owner would train could be left out, or
+    one it will expire be answered ``queued``. The owner's is that of its last start recorded in
+    the store (``runs``, oldest first: ``{"config": {"serve": ...}}``); nothing to compare when
+    no owner's start recorded it.
+
+    Args:
+        learner: this replica's ``[learner]`` (:class:`selfrl.config.serve.LearnerSettings`).
+
+    Raises:
+        selfrl.config.ConfigError: a setting differs; the message names each and its owner's value.
+    """
+    from selfrl.config.base import ConfigError
+
+    owner = next((c for c in (r["config"].get("serve") for r in reversed(runs))
+                  if isinstance(c, dict) and not c.get("replica")), None)
+    theirs = (owner or {}).get("learner") or {}
+    differ = [(k, getattr(learner, k), theirs[k]) for k in AGE_SETTINGS if k in theirs and theirs[k] != getattr(learner, k)]
+    if differ:
+        here = ", ".join(f"learner.{k} = {mine!r} here, {owner_value!r} there" for k, mine, owner_value in differ)
+        fix = ", ".join(f"learner.{k} = {owner_value!r}" for k, _, owner_value in differ)
+        raise ConfigError(f"this replica's age rule is not its owner's (the last start of selfrl serve on {run_dir}): "
+                          f"{here}; a replica answers feedback, and leaves turns too old to train out, by the age rule "
+                          f"of the owner's learner, which trains its turns: set {fix} in this replica's config (or "
+                          "restart the owner with this replica's values)")
+
+
 def no_owner(run_dir: str | Path) -> NoOwner:
     """The refusal of a replica on ``run_dir``, which holds no store: its owner never served it."""
     return NoOwner(f"{run_dir} has no servable version to follow: start its owner (selfrl serve "

@@ -61,7 +61,8 @@ class Service:
             clock to play days without waiting. Stored row times stay real.
 
     Raises:
-        selfrl.config.ConfigError: a value out of range, or a name no registry knows.
+        selfrl.config.ConfigError: a value out of range, or a name no registry knows; a replica whose
+            ``[learner]`` age rule is not its owner's (:func:`selfrl.serve.replica.check_owner_age_rule`).
         ValueError: the stored versions do not fit the model.
         selfrl.record.runlock.RunDirLocked: another process serves (or runs) this run directory.
         ConnectionError: ``sampler.url`` cannot be reached.
@@ -91,6 +92,11 @@ class Service:
             from selfrl.serve.replica import no_owner
 
             raise no_owner(self.run_dir)
+        if cfg.replica:  # it answers feedback by the owner's age rule
+            from selfrl.serve.replica import check_owner_age_rule
+
+            with Store(self.run_dir / "selfrl.db", readonly=True) as owner:
+                check_owner_age_rule(cfg.learner, owner.runs(), self.run_dir)
         self.storage = StorageWatch(self.run_dir)  # storage faults met while serving (selfrl.serve.health)
         self.store = Store(self.run_dir / "selfrl.db", shared=True)
         records.init(self.store)
