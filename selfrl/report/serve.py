@@ -12,7 +12,8 @@ wall-clock time (sessions joined as in :mod:`selfrl.report.timeline`):
 
 Promotions (swaps), rejections and rollbacks are marked on every panel, as in the
 run overview (:func:`selfrl.report.figures.draw_events`). Below the figure: the turn counts
-(pending, with feedback, trained, skipped), the turns retention exported and deleted (the
+(pending, with feedback, trained, skipped), what each family learned and why not
+(:mod:`selfrl.report.serve_families`), the turns retention exported and deleted (the
 counts and the figure show only the turns still stored), each version's gate result, and the events.
 """
 
@@ -29,6 +30,7 @@ from selfrl.record import served as records
 from selfrl.core.stats import wilson_interval
 from selfrl.core.wording import plural
 from selfrl.record.store import Store
+from selfrl.report.serve_families import families_section
 from selfrl.report.timeline import duration, load_timeline, session_clock
 
 STATUS_COLOURS = {"base": "#555555", "promoted": "#2ca02c", "rejected": "#ff7f0e", "rolled_back": "#9467bd",
@@ -71,6 +73,7 @@ def write_serve_report(out: Path, store: Store, label: str) -> Path:
     save(fig, out / "plots" / "serve_overview.png")
     lines = [f"# selfrl serve report: {label}", "", "![serving overview](plots/serve_overview.png)", ""]
     lines += counts_section(store if served else None, len(turns))
+    lines += families_section(store) if served else []
     lines += retention_section(store)
     lines += backoff_section(store)
     lines += versions_section(store, versions, clock)
