@@ -448,3 +448,50 @@ def test_a_replica_whose_age_rule_is_not_its_owners_is_refused(tmp_path):
         "to train out, by the age rule of the owner's learner, which trains its turns: set "
         "learner.max_feedback_age_versions = 4 in this replica's config (or restart the owner with this replica's "
         "values)")
+
+
+def real_ledger(tmp_path, rows, champion):
+    """A store with served-turn tables and a real :class:`Ledger` of ``rows`` ``(version, parent, status)``."""
+    from selfrl.record import served as records
+    from selfrl.record.store import Store
+    from selfrl.record.versions import Champion, Ledger
+
+    store = Store(tmp_path / "db.sqlite")
+    records.init(store)
+    run = store.start_run({})
+    for v, parent, status in rows:
+        store.add_version(v, parent, str(tmp_path / f"v{v}"), status, {})
+    ledger = Ledger(store, run, tmp_path)
+    ledger.champion = Champion(champion, None, {})
+    return store, run, ledger
+
+
+def test_turns_of_a_version_retention_pruned_do_not_come_back_when_it_is_within_the_rule_again(tmp_path):
+    # before: version 1 (2 changes back from the champion 3) was out of the rule, so retention pruned its
+    # folder; an admin's rollback to 2 put 1 within the rule again (1 change back), and its expired turns
+    # came back as pending (a revive event), feedback on them answered "queued": never trainable, their
+    # log-probs cannot be computed any more (the update found the weights gone and skipped them again)
+    from selfrl.config.serve import LearnerSettings
+    from selfrl.record import served as records
+    from selfrl.serve.late_feedback import take_batch
+
+    store, run, ledger = real_ledger(tmp_path, [(0, None, "base"), (1, 0, "promoted"), (2, 1, "promoted"),
+                                                (3, 2, "promoted")], 3)
+    clock = Clock(10_000.0)
+    ages = FeedbackAges(AgePolicy(max_versions=1, max_age_s=3600.0), ledger, clock)
+    lc = LearnerSettings(min_batch=8, max_batch=8, feedback_wait_s=60.0, max_feedback_age_versions=1,
+                         max_feedback_age_s=3600.0)
+    store_turns(store, run, {"a": (1, 9_000.0, 1.0), "b": (1, 9_100.0, -1.0), "c": (2, 9_200.0, 1.0)})
+    assert [t.id for t, _ in take_batch(store, ages, lc)] == ["c"]  # a, b: 2 changes back, expired
+    assert ages.needed() == {2, 3}
+    ledger.mark_pruned(1, "deleted")  # retention: 1 is not needed
+    store.set_version_status(3, "rolled_back")  # an admin rolls back to 2
+    ledger.champion = type(ledger.champion)(2, None, {})
+    assert [t.id for t, _ in take_batch(store, ages, lc)] == ["c"]
+    assert {records.find_response(store, n)["status"] for n in "ab"} == {"skipped"}
+    assert not [e for e in store.events() if e["kind"] == "revive"]
+    assert ages.needed() == {2, 3}  # 0 and 1 have no weights to weigh a turn by; 3 (rolled back) is 1 change back
+    outcome, reason = ages.at_feedback(1, 9_500.0)
+    assert (outcome, reason) == ("too_old", "only recorded: the weights of version 1 are no longer stored "
+                                            "(pruned by retention: deleted)")
+    assert ages.at_feedback(2, 9_500.0)[0] == "used"

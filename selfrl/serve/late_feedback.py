@@ -67,7 +67,8 @@ from selfrl.record.versions import EventKind, Ledger, VersionStatus
 from selfrl.rl.feedback_age import (AgeDecision, AgePolicy, Outcome, decide_at, lineage_depths, lineage_distance,
                                     sequence_weight, versions_within)
 
-Tree = tuple[dict[int, "int | None"], int, dict[int, int]]  # parents, the version held, its lineage_depths
+# parents, the version held, its lineage_depths, and the versions retention pruned (version -> where they went)
+Tree = tuple[dict[int, "int | None"], int, dict[int, int], dict[int, str]]
 
 
 def version_tree(ledger: Ledger) -> tuple[dict[int, int | None], int]:
@@ -87,7 +88,11 @@ def version_tree(ledger: Ledger) -> tuple[dict[int, int | None], int]:
     >>> version_tree(L())
     ({0: None, 1: 0, 2: 1, 3: 1, 4: 1}, 4)
     """
-    records = ledger.all()
+    return tree_of(ledger.all(), ledger)
+
+
+def tree_of(records: list, ledger: Ledger) -> tuple[dict[int, int | None], int]:
+    """:func:`version_tree` from the ledger's rows ``records`` (:meth:`Ledger.all`), already read."""
     parents = {v.version: v.parent for v in records}
     head, champ = getattr(ledger, "chain_head", None), ledger.champion
     if head is not None and champ is not None:
@@ -119,15 +124,24 @@ class FeedbackAges:
         return cls(AgePolicy(lc.max_feedback_age_versions, lc.max_feedback_age_s, lc.feedback_tis_cap), ledger, clock)
 
     def tree(self) -> Tree:
-        """:func:`version_tree` of the ledger now, with the held version's :func:`lineage_depths`."""
-        parents, held = version_tree(self.ledger)
-        return parents, held, lineage_depths(held, parents)
+        """:func:`version_tree` of the ledger now, with the held version's :func:`lineage_depths` and
+        the versions whose folders retention pruned (``{version: where}``)."""
+        records = self.ledger.all()
+        parents, held = tree_of(records, self.ledger)
+        return parents, held, lineage_depths(held, parents), pruned(records)
 
     def decide(self, version: int, created_at: float, now: float, tree: Tree) -> AgeDecision:
-        """The age rule for a turn of ``version`` stored at ``created_at`` (seconds), at ``now``."""
-        parents, held, depths = tree
+        """The age rule for a turn of ``version`` stored at ``created_at`` (seconds), at ``now``. A turn
+        of a version the learner has moved from whose weights retention pruned is ``too_old``: its
+        log-probs, which weigh it, cannot be computed any more (retention prunes only versions past the
+        rule; a rejection or a rollback can put one within it again)."""
+        parents, held, depths, gone = tree
         behind = lineage_distance(version, held, parents, depths)
-        return decide_at(version, behind, held, created_at, max(now, created_at), self.policy)
+        d = decide_at(version, behind, held, created_at, max(now, created_at), self.policy)
+        if d.outcome is not Outcome.TOO_OLD and behind > 0 and version in gone:
+            return AgeDecision(Outcome.TOO_OLD, None, behind, d.age_s, f"only recorded: the weights of version "
+                               f"{version} are no longer stored (pruned by retention: {gone[version]})")
+        return d
 
     def at_feedback(self, version: int, created_at: float) -> tuple[str, str]:
         """``(outcome, reason)`` for feedback on a turn of ``version`` stored at ``created_at``
@@ -152,10 +166,11 @@ class FeedbackAges:
 
     def needed(self) -> set[int]:
         """The versions whose turns the age rule may still train on (:func:`versions_within` of the
-        version the learner holds): a late judgement may need their weights, so version retention
-        keeps their folders."""
-        parents, held = version_tree(self.ledger)
-        return versions_within(held, parents, self.policy.max_versions)
+        version the learner holds), but for those behind it whose weights retention pruned (see
+        :meth:`decide`): a late judgement may need their weights, so version retention keeps their
+        folders."""
+        parents, held, _, gone = self.tree()
+        return versions_within(held, parents, self.policy.max_versions) - (gone.keys() - {held})
 
     def moved(self) -> bool:
         """Whether the weights the learner holds (the champion, or a chain's newest candidate) are
@@ -166,7 +181,7 @@ class FeedbackAges:
 
     def behind(self, trajs: list[Trajectory]) -> dict[int, list[Trajectory]]:
         """The turns sampled by a version the learner has moved from, by version."""
-        parents, held, depths = self.tree()
+        parents, held, depths, _ = self.tree()
         out: dict[int, list[Trajectory]] = {}
         for t in trajs:
             if lineage_distance(t.adapter_version, held, parents, depths) > 0:
@@ -227,6 +242,16 @@ class FeedbackAges:
         kept = [w for t, w in zip(train, weights) if t.id not in gone]  # the caller leaves the gone ones out
         return {"feedback/behind": float(len(then)),
                 "feedback/weight_mean": sum(kept) / len(kept) if kept else 1.0}
+
+
+def pruned(records: list) -> dict[int, str]:
+    """``{version: where its folder went}`` for the ledger's rows ``records`` that retention pruned."""
+    out = {}
+    for v in records:
+        metrics = getattr(v, "metrics", None) or {}
+        if metrics.get("pruned"):
+            out[v.version] = str(metrics.get("pruned_to") or "pruned")
+    return out
 
 
 def describe(d: AgeDecision) -> dict:
