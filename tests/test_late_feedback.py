@@ -495,3 +495,44 @@ def test_turns_of_a_version_retention_pruned_do_not_come_back_when_it_is_within_
     assert (outcome, reason) == ("too_old", "only recorded: the weights of version 1 are no longer stored "
                                             "(pruned by retention: deleted)")
     assert ages.at_feedback(2, 9_500.0)[0] == "used"
+
+
+def test_a_turn_left_out_by_its_feedback_answer_comes_back_as_an_expired_one_does(tmp_path):
+    # before: gate.eval_every = 2 (a chain's candidate 2 held), a turn of 0 awaiting its feedback was not
+    # expired; its feedback, 2 changes back, was answered too_old and the turn skipped with no age decision
+    # stored, so when the chain was rejected (0 one change back again) the expired turn x came back and w,
+    # left out by the same changes, did not
+    from selfrl.config.serve import LearnerSettings
+    from selfrl.record import served as records
+    from selfrl.serve.late_feedback import take_batch
+
+    store, run, ledger = real_ledger(tmp_path, [(0, None, "base"), (1, 0, "promoted")], 1)
+    clock = Clock(10_000.0)
+    ages = FeedbackAges(AgePolicy(max_versions=1, max_age_s=3600.0), ledger, clock)
+    lc = LearnerSettings(min_batch=8, max_batch=8, feedback_wait_s=60.0, max_feedback_age_versions=1,
+                         max_feedback_age_s=3600.0)
+    store_turns(store, run, {"x": (0, 9_000.0, 1.0), "w": (0, 9_990.0, None), "y": (1, 9_100.0, 1.0)})
+    assert [t.id for t, _ in take_batch(store, ages, lc)] == ["y", "x"]
+    store.add_version(2, 1, str(tmp_path / "v2"), "candidate", {})
+    ledger.chain_head = 2  # the learner trains on from 2, unvalidated
+    assert [t.id for t, _ in take_batch(store, ages, lc)] == ["y"]  # x expired; w still awaits its feedback
+    clock.t = 10_010.0
+    applied = records.apply_feedback(store, "w", 0, "explicit", 1.0, now=clock.t,
+                                     age=lambda v, at: ages.at_feedback(v, at, note=True))
+    assert (applied.outcome, applied.reason) == (
+        "too_old", "only recorded: the policy changed 2 times since version 0, more than max_versions = 1")
+    assert records.find_response(store, "w")["status"] == "skipped"
+    [w] = [t for t in store.trajectories() if t.id == "w"]
+    assert w.reward_details["user_feedback"]["age"]["versions_behind"] == 2
+    store.set_version_status(2, "rejected")  # the chain is rejected: the learner holds 1 again
+    ledger.chain_head = None
+    assert [t.id for t, _ in take_batch(store, ages, lc)] == ["w", "y", "x"]
+    assert [e["data"] for e in store.events() if e["kind"] == "revive"] == [{"revived": 2, "versions": [0]}]
+    # a rule without the decision (two items) leaves the turn as before: a later feedback decides again
+    clock.t = 10_020.0
+    store_turns(store, run, {"z": (0, 10_015.0, None)})
+    store.add_version(3, 1, str(tmp_path / "v3"), "candidate", {})
+    ledger.chain_head = 3  # a new chain
+    assert records.apply_feedback(store, "z", 0, "explicit", 1.0, now=clock.t, age=ages.at_feedback).outcome == "too_old"
+    [z] = [t for t in store.trajectories() if t.id == "z"]
+    assert "age" not in z.reward_details.get("user_feedback", {})

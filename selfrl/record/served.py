@@ -204,8 +204,8 @@ class FeedbackApplied:
     reason: str = ""
 
 
-# The judged turn's age decision: ``age(adapter_version, created_at) -> (outcome, reason)``.
-AgeRule = Callable[[int, float], tuple[str, str]]
+# The judged turn's age decision: ``age(adapter_version, created_at) -> (outcome, reason[, stored decision])``.
+AgeRule = Callable[[int, float], tuple]
 
 
 @locked
@@ -215,16 +215,15 @@ def apply_feedback(store: Store, response_id: str, choice: int, source: str, val
                    age: AgeRule | None = None) -> FeedbackApplied:
     """Record feedback on a response and attach its value to the turn and its earlier turns.
 
-    The turn itself gets ``source`` (``explicit`` or ``implicit``); its ancestors get
-    ``inherited`` (explicit) or ``implicit``. A value never replaces one from a
-    stronger source (:data:`SOURCE_RANK`). Turns already trained or skipped keep the
-    value for the record but are never trained on: they count as ``too_late``.
+    The turn itself gets ``source`` (``explicit`` or ``implicit``); its ancestors get ``inherited`` (explicit)
+    or ``implicit``. A value never replaces one from a stronger source (:data:`SOURCE_RANK`). Turns already
+    trained or skipped keep the value for the record but are never trained on: they count as ``too_late``.
 
-    With ``age`` (the learner's age rule), the judged turn itself is decided: ``too_old``
-    leaves it only recorded (a pending turn is marked ``skipped``); ``used`` or ``queued``
-    keeps it pending, or brings back a turn that was skipped for want of a reward (not cut
-    off, never trained) so that the feedback reaches an update however late it came. A
-    turn already trained is never trained twice (``too_old``, "already trained").
+    With ``age`` (the learner's age rule), the judged turn itself is decided: ``too_old`` leaves it only
+    recorded (a pending turn is marked ``skipped``, with the rule's decision when it gives one, as a turn the
+    learner leaves out: so it may come back); ``used`` or ``queued`` keeps it pending, or brings back a turn
+    that was skipped for want of a reward (not cut off, never trained) so that the feedback reaches an update
+    however late it came. A turn already trained is never trained twice (``too_old``, "already trained").
     ``now``: the feedback's ``created_at`` (the server's clock; ``time.time()`` by default).
 
     Raises:
@@ -234,8 +233,8 @@ def apply_feedback(store: Store, response_id: str, choice: int, source: str, val
     if row is None:
         raise KeyError(f"no response {response_id!r} with choice {choice}")
     now = time.time() if now is None else now
-    changed = late = 0
-    outcome, reason = _judged_turn(store, row, age)
+    changed, late, own = 0, 0, row["trajectory_id"]
+    outcome, reason, *decision = _judged_turn(store, row, age)
     with store.conn:
         store.conn.execute(
             "INSERT INTO feedback (response_id, choice, source, value, rating, corrected, correction, comment,"
@@ -243,10 +242,14 @@ def apply_feedback(store: Store, response_id: str, choice: int, source: str, val
             (response_id, choice, source, value, rating, int(corrected), correction, comment, now),
         )
         if age is not None and outcome != "too_old" and row["status"] == "skipped":
-            store.conn.execute("UPDATE served SET status = 'pending' WHERE trajectory_id = ?", (row["trajectory_id"],))
+            store.conn.execute("UPDATE served SET status = 'pending' WHERE trajectory_id = ?", (own,))
         elif age is not None and outcome == "too_old" and row["status"] == "pending":
-            store.conn.execute("UPDATE served SET status = 'skipped' WHERE trajectory_id = ?", (row["trajectory_id"],))
-        for i, tid in enumerate(chain(store, row["trajectory_id"])):
+            store.conn.execute("UPDATE served SET status = 'skipped' WHERE trajectory_id = ?", (own,))
+            if decision:  # kept as a turn the learner leaves out keeps it (late_feedback.describe)
+                t = json.loads(store.conn.execute("SELECT data_json FROM trajectories WHERE id = ?", (own,)).fetchone()[0])
+                t["reward_details"].setdefault("user_feedback", {})["age"] = decision[0]
+                store.conn.execute("UPDATE trajectories SET data_json = ? WHERE id = ?", (to_json(t), own))
+        for i, tid in enumerate(chain(store, own)):
             src = source if i == 0 else ("inherited" if source == "explicit" else "implicit")
             cur = store.conn.execute("SELECT feedback_source, status FROM served WHERE trajectory_id = ?",
                                      (tid,)).fetchone()
@@ -261,8 +264,8 @@ def apply_feedback(store: Store, response_id: str, choice: int, source: str, val
     return FeedbackApplied(changed, late, outcome, reason)
 
 
-def _judged_turn(store: Store, row: dict[str, Any], age: AgeRule | None) -> tuple[str, str]:
-    """The outcome of feedback on the turn ``row`` (see :func:`apply_feedback`)."""
+def _judged_turn(store: Store, row: dict[str, Any], age: AgeRule | None) -> tuple:
+    """``(outcome, reason[, decision])`` of feedback on the turn ``row`` (see :func:`apply_feedback`)."""
     status = row["status"]
     if status == "trained":
         return "too_old", f"only recorded: the turn was already trained on (version {row['trained_in']})"

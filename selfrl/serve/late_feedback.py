@@ -143,12 +143,14 @@ class FeedbackAges:
                                f"{version} are no longer stored (pruned by retention: {gone[version]})")
         return d
 
-    def at_feedback(self, version: int, created_at: float) -> tuple[str, str]:
+    def at_feedback(self, version: int, created_at: float, note: bool = False) -> tuple:
         """``(outcome, reason)`` for feedback on a turn of ``version`` stored at ``created_at``
         (see the module docstring); the rule :func:`selfrl.record.served.apply_feedback` applies.
-        A clock behind the stored time (a restart) reads as age 0."""
+        With ``note``, the decision as a turn left out keeps it (:func:`describe`) third: a pending
+        turn the feedback leaves out keeps it, so that :func:`revive` brings it back as an expired
+        one. A clock behind the stored time (a restart) reads as age 0."""
         d = self.decide(version, created_at, self.clock(), self.tree())
-        return d.outcome.value, d.reason
+        return (d.outcome.value, d.reason, describe(d)) if note else (d.outcome.value, d.reason)
 
     def split(self, batch: list[tuple[Trajectory, dict]]) -> tuple[list[tuple[Trajectory, dict]],
                                                                  list[tuple[Trajectory, AgeDecision]]]:
@@ -328,8 +330,8 @@ def revive(store: Store, ages: FeedbackAges, keep: set[int]) -> int:
     so the weight changes that made them too old are undone. Only the versions of ``keep``
     (:meth:`FeedbackAges.needed`) that were not within the rule at the last call
     (:attr:`FeedbackAges.within`; all of them at the first) are read: nothing, when none went back. A turn comes back when it is ``skipped`` with an age decision
-    that counted its version's distance (``too_old`` with ``versions_behind``: expired, or left
-    out by an update), is not cut off and is within ``max_feedback_age_s``; its decision is
+    that counted its version's distance (``too_old`` with ``versions_behind``: expired, left out
+    by an update, or by its feedback's answer), is not cut off and is within ``max_feedback_age_s``; its decision is
     dropped (the next update decides again). One ``revive`` event when any.
 
     Returns:

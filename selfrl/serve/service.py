@@ -269,14 +269,15 @@ class Service:
             raise ApiError(499, "the client disconnected", code="client_disconnected")
         return await asyncio.to_thread(self.finish, p, gens, time.perf_counter() - t0)
 
-    def age_rule(self, version: int, created_at: float) -> tuple[str, str]:
-        """The outcome of feedback on a turn of ``version`` stored at ``created_at``: the age rule
-        of the learner that trains it (this server's, or a replica's owner's), else only recorded."""
-        outcome, reason = self.ages.at_feedback(version, created_at)
+    def age_rule(self, version: int, created_at: float) -> tuple[str, str, dict]:
+        """The outcome of feedback on a turn of ``version`` stored at ``created_at``, its reason and the
+        decision (:meth:`FeedbackAges.at_feedback`): the age rule of the learner that trains it (this
+        server's, or a replica's owner's), else only recorded."""
+        outcome, reason, decision = self.ages.at_feedback(version, created_at, note=True)
         if self.learner is None and not self.cfg.replica and outcome != "too_old":
             return "queued", ("queued: this server does not learn (learner.enabled = false, or no learner model); "
-                              "a learning server on this run directory trains it within the age cutoffs")
-        return outcome, reason
+                              "a learning server on this run directory trains it within the age cutoffs"), decision
+        return outcome, reason, decision
 
     def feedback(self, f: FeedbackRequest) -> dict[str, Any]:
         """Attach a user's feedback to a response (and its conversation's earlier turns).
