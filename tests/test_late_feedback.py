@@ -536,3 +536,31 @@ def test_a_turn_left_out_by_its_feedback_answer_comes_back_as_an_expired_one_doe
     assert records.apply_feedback(store, "z", 0, "explicit", 1.0, now=clock.t, age=ages.at_feedback).outcome == "too_old"
     [z] = [t for t in store.trajectories() if t.id == "z"]
     assert "age" not in z.reward_details.get("user_feedback", {})
+
+
+def test_after_a_restart_the_turns_a_lost_chain_expired_come_back_and_counts_start_from_the_champion(tmp_path):
+    # pins: a kill -9 during a chain (gate.eval_every = 3); the restarted learner holds the champion 1
+    # (the chain's candidates stay candidate), its first poll reads every version within the rule
+    from selfrl.config.serve import LearnerSettings
+    from selfrl.record import served as records
+    from selfrl.record.versions import Champion, Ledger
+    from selfrl.serve.late_feedback import take_batch
+
+    store, run, ledger = real_ledger(tmp_path, [(0, None, "base"), (1, 0, "promoted"), (2, 1, "candidate"),
+                                                (3, 2, "candidate")], 1)
+    ledger.chain_head = 3
+    ages = FeedbackAges(AgePolicy(max_versions=2, max_age_s=3600.0), ledger, Clock(10_000.0))
+    lc = LearnerSettings(min_batch=8, max_batch=8, feedback_wait_s=60.0, max_feedback_age_versions=2,
+                         max_feedback_age_s=3600.0)
+    store_turns(store, run, {"x": (0, 9_000.0, 1.0), "y": (1, 9_100.0, -1.0)})
+    assert [t.id for t, _ in take_batch(store, ages, lc)] == ["y"]  # 0 is 3 changes from 3: expired
+    assert ages.needed() == {1, 2, 3}
+    restarted = Ledger(store, store.start_run({}), tmp_path)  # the store read again; no chain
+    restarted.champion = Champion(1, None, {})
+    ages = FeedbackAges(AgePolicy(max_versions=2, max_age_s=3600.0), restarted, Clock(10_100.0))
+    assert ages.needed() == {0, 1, 2, 3}  # 2 and 3 (never served) are 1 and 2 changes off the champion
+    assert [t.id for t, _ in take_batch(store, ages, lc)] == ["y", "x"]
+    assert records.find_response(store, "x")["status"] == "pending"
+    assert ages.at_feedback(0, 9_000.0)[0] == "queued" and ages.at_feedback(1, 9_100.0)[0] == "used"
+    [revive] = [e for e in store.events() if e["kind"] == "revive"]
+    assert revive["data"] == {"revived": 1, "versions": [0]}
