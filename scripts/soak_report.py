@@ -55,7 +55,10 @@ How each target is measured:
   ``keep_newest``, a base, promoted, pinned or served version (with ``--keep-promoted`` the server
   keeps fewer promoted ones: the check allows every promoted version, so it is an upper bound; the
   server also keeps the served versions whose turns a late judgement may still train on, at most
-  ``learner.max_feedback_age_versions`` weight changes back).
+  ``learner.max_feedback_age_versions`` weight changes back). Retention runs after each learner
+  update, its gate included; the versions made by an update still under way at the end (newer
+  than the last sample's last finished update) have had no pass, so the newest ``keep_newest``
+  are counted among the versions before them, and those versions are allowed too (named).
 """
 
 from __future__ import annotations
@@ -296,11 +299,17 @@ def learner_alive(d: dict) -> dict:
 def disk_retention(d: dict, keep: int) -> dict:
     folders = sorted(int(p.name[1:]) for p in (d["run"] / "adapters").glob("v*") if p.name[1:].isdigit()) \
         if (d["run"] / "adapters").exists() else []
-    newest = set(sorted(d["versions"])[-keep:]) if keep else set(d["versions"])
+    # Retention runs after each learner update (its gate included); a version made by an update still
+    # under way at the end (newer than the last sample's last finished update) has had no pass yet.
+    done = max((((t.get("learner") or {}).get("last_update") or {}).get("version") or 0 for t in d["timeline"]),
+               default=0)
+    in_flight = sorted(v for v in d["versions"] if v > done)
+    passed = sorted(v for v in d["versions"] if v <= done)
+    newest = (set(passed[-keep:]) if keep else set(passed)) | set(in_flight)
     kept_ok = _promoted(d) | newest | {e["data"].get("version") for e in d["events"] if e["kind"] in ("pin", "swap")}
     extra = [v for v in folders if v not in kept_ok]
     return {"met": not extra, "folders": len(folders), "versions": len(d["versions"]), "outside_policy": extra,
-            "max_disk_mb": max((t["disk_mb"] for t in d["timeline"]), default=None)}
+            "in_flight": in_flight, "max_disk_mb": max((t["disk_mb"] for t in d["timeline"]), default=None)}
 
 
 NO_OFFSET_NOTE = ("soak.json has no sim_offset_s (an older soak): the simulator's events are placed on the "
@@ -395,7 +404,9 @@ def markdown(t: dict, d: dict) -> str:
         ("RSS floor growth after the warm-up (beside the target above: its leak detector)",
          rss_floor_text(t["rss_floor_growth"]), "reported, no target"),
         ("disk within the retention policy", f"{disk['folders']} adapter folders for {disk['versions']} versions, "
-         f"{len(disk['outside_policy'])} outside the policy; max run dir {disk['max_disk_mb']:.1f} MB",
+         f"{len(disk['outside_policy'])} outside the policy"
+         + (f" (versions {disk['in_flight']} made by an update still under way at the end, before its retention pass)"
+            if disk["in_flight"] else "") + f"; max run dir {disk['max_disk_mb']:.1f} MB",
          yes(disk["met"])),
     ]
     lines = ["| target | measured | |", "|---|---|---|", *(f"| {a} | {b} | {c} |" for a, b, c in rows)]

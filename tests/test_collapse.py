@@ -68,6 +68,18 @@ def test_entropy_blow_up_fires_and_nan_entropy_does_not():
     assert cheap_alarms(base + [rec(2, entropy=math.nan)], CFG) == []  # no completion tokens: nothing measured
 
 
+def test_a_near_zero_baseline_needs_an_absolute_rise_for_a_blowup():
+    # grammar-constrained turns (the soak's web family): baseline 0.019 nats/token, ordinary updates at 0.103 and
+    # 0.163 (5-8 times it) are not weights turned to noise; the limit is the baseline + entropy_max_rise (0.5)
+    base = [rec(0, entropy=0.019), rec(1, entropy=0.019)]
+    assert cheap_alarms(base + [rec(2, entropy=0.163)], CFG) == []
+    assert cheap_alarms(base + [rec(2, entropy=0.518)], CFG) == []
+    alarms = cheap_alarms(base + [rec(2, entropy=0.52)], CFG)
+    assert [(a.rule, round(a.threshold, 3)) for a in alarms] == [("entropy_blowup", 0.519)]
+    tight = CollapseConfig(entropy_max_rise=0.0)  # the ratio alone, as before
+    assert [a.rule for a in cheap_alarms(base + [rec(2, entropy=0.163)], tight)] == ["entropy_blowup"]
+
+
 def test_rules_are_silent_inside_the_baseline_window():
     # a strange start is the baseline, not a collapse
     assert cheap_alarms([rec(0, entropy=0.01, degenerate=0.9)], CFG) == []

@@ -79,7 +79,7 @@ def test_a_family_that_joins_with_a_higher_entropy_is_no_blowup_and_its_own_coll
     # and above 3 x 1.2: blow-up, named
     hist[-1] = mixed(5, arithmetic=(4, 0.3, 0.04), function_calling=(12, 3.7, 0.04))
     assert [(a.rule, a.message) for a in cheap_alarms(hist, CFG)] == [
-        ("entropy_blowup", "entropy 3.700 nats/token > 3 x baseline 1.200 (family function_calling)")]
+        ("entropy_blowup", "entropy 3.700 nats/token > 3.600 (3 x baseline 1.200, at least +0.5) (family function_calling)")]
 
 
 def test_a_family_with_too_few_turns_is_neither_judged_nor_part_of_its_baseline():
@@ -106,7 +106,7 @@ def test_turns_without_a_family_are_their_own_group():
 def test_without_families_the_rules_and_messages_are_the_run_wide_ones():
     hist = [UpdateRecord(0, 0, 0.2, 1.0, 0.5), UpdateRecord(1, 1, 0.2, 1.0, 0.6), UpdateRecord(2, 2, 0.2, 3.5, 1.0)]
     assert [(a.rule, a.message) for a in cheap_alarms(hist, CFG)] == [
-        ("entropy_blowup", "entropy 3.500 nats/token > 3 x baseline 1.000"),
+        ("entropy_blowup", "entropy 3.500 nats/token > 3.000 (3 x baseline 1.000, at least +0.5)"),
         ("degenerate", "degenerate rollouts 1.00 > baseline 0.55 + 0.35")]
 
 
