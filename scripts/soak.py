@@ -107,10 +107,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     for flag, lo, hi, open_low, what in ranges:
         value = getattr(args, flag[2:].replace("-", "_"))
-        if not ((lo < value) if open_low else (lo <= value)) or not value <= hi:  # NaN fails too
-            valid = (f"> {lo}" if open_low else f">= {lo}") if hi == inf else \
+        if not ((lo < value) if open_low else (lo <= value)) or not value < inf or not value <= hi:  # NaN fails too
+            valid = (f"finite and > {lo}" if open_low else f"finite and >= {lo}") if hi == inf else \
                 f"in ({lo}, {hi}]" if open_low else f"in [{lo}, {hi}]"
             p.error(f"{flag} must be {valid} ({what}), got {value}")
+    for flag in ("--disk-hold-s", "--outage-s"):  # a fault that outlasts the run would hold the soak past --minutes
+        if getattr(args, flag[2:].replace("-", "_")) >= args.minutes * 60:
+            p.error(f"{flag} must be shorter than the run (--minutes {args.minutes:g} = {args.minutes * 60:g} s), "
+                    f"got {getattr(args, flag[2:].replace('-', '_')):g}")
     if args.keep_promoted and not args.keep_newest:
         p.error("--keep-promoted applies only with --keep-newest >= 1 (0 keeps every version): set --keep-newest too")
     return args

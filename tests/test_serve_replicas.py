@@ -142,3 +142,34 @@ def test_a_replicas_traffic_trains_the_owners_learner_and_it_serves_the_promoted
         assert not [r for r in rows if r["run_id"] == owner_run]  # the owner served nothing itself
         swaps = [e for e in store.events(replica_run) if e["kind"] == "swap"]
         assert [e["data"]["version"] for e in swaps] == [1], logs
+
+
+def test_a_replica_whose_model_or_lora_shape_is_not_its_owners_is_refused():
+    # before: a replica on another model was accepted and recorded another tokenizer's token ids in the
+    # owner's store, which the owner's learner trains on with its own model
+    from selfrl.config import ConfigError
+    from selfrl.config.serve import ServeConfig
+    from selfrl.serve.replica import check_owner_model
+
+    owner = {"config": {"serve": {"replica": False, "model": {"name": "tiny:a", "device": "cpu"},
+                                  "lora": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"],
+                                           "init_adapter": None}}}}
+    other = {"config": {"serve": {"replica": True, "model": {"name": "tiny:b"}}}}
+    same = ServeConfig()
+    same.model.name, same.model.device = "tiny:a", "auto"  # where it runs may differ
+    same.lora.r, same.lora.lora_alpha, same.lora.target_modules = 8, 16, ("q_proj", "v_proj")
+    check_owner_model(same, [owner, other], "runs/x")  # another replica's values are not the owner's
+    check_owner_model(ServeConfig(), [{"config": {"run": {}}}], "runs/x")  # no owner's start recorded
+    bad = ServeConfig()
+    bad.model.name, bad.lora.r, bad.lora.lora_alpha, bad.lora.target_modules = "embedded:smollm2-135m-instruct", 8, 16, \
+        ["q_proj", "v_proj"]
+    with pytest.raises(ConfigError) as e:
+        check_owner_model(bad, [owner, other], "runs/x")
+    assert str(e.value).endswith(
+        "this replica's model is not its owner's (the last start of selfrl serve on runs/x): model.name = "
+        "'embedded:smollm2-135m-instruct' here, 'tiny:a' there; the owner's learner trains on the token ids a "
+        "replica records and a replica serves the owner's adapter versions, so both must be the owner's: set "
+        "model.name = 'tiny:a' in this replica's config")
+    bad.model.name, bad.lora.r = "tiny:a", 4
+    with pytest.raises(ConfigError, match=r"lora\.r = 4 here, 8 there; .* set lora\.r = 8 in"):
+        check_owner_model(bad, [owner], "runs/x")

@@ -143,7 +143,13 @@ def test_other_causes_each_named():
     aged = diagnose_family(acct(skipped={"too old": 90}))
     assert "90 of its turns aged out before an update took them" in aged
     never = diagnose_family(acct(trained=0, trained_positive=0, skipped={"too old": 60, "no reward": 40}))
-    assert "never trained: none of its 100 turns reached an update (skipped: 60 too old, 40 no reward)" in never
+    assert ("never trained: none of its 100 turns was trained on (skipped: 60 too old, 40 no reward); "
+            "its ratings came after the learner had moved on: rate sooner, or raise "
+            "learner.max_feedback_age_versions;") in never
+    # turns that were in an update, skipped as a whole: not told to rate sooner (the review's soak smoke)
+    flat = diagnose_family(acct(trained=0, trained_positive=0, skipped={"update skipped": 8}))
+    assert "none of its 100 turns was trained on (skipped: 8 update skipped); the updates its turns were in " \
+           "were skipped" in flat and "rate sooner" not in flat and "soon after" not in flat
     assert "held-out fell (-0.250" in diagnose_family(acct(difference=(-0.25, -0.45, -0.05)))
     assert diagnose_family(acct(base=(0, 12, 12))).startswith("the base already solves all 12 held-out tasks")
     assert diagnose_family(acct(base=None, evaluated=0)) == "no held-out verdict (no held-out set)"

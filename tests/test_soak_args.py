@@ -18,20 +18,24 @@ import soak  # noqa: E402
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--minutes", "-1"], "--minutes must be > 0 (real minutes of traffic), got -1.0"),
-    (["--minutes", "0"], "--minutes must be > 0 (real minutes of traffic), got 0.0"),
-    (["--minutes", "nan"], "--minutes must be > 0 (real minutes of traffic), got nan"),
-    (["--concurrency", "0"], "--concurrency must be >= 1 (users in flight at once), got 0"),
-    (["--sample-s", "0"], "--sample-s must be > 0 (seconds between two samples), got 0.0"),
-    (["--day-s", "-5"], "--day-s must be > 0 (real seconds a simulated day lasts), got -5.0"),
-    (["--arrivals-per-hour", "0"], "--arrivals-per-hour must be > 0 (conversations per simulated hour), got 0.0"),
+    (["--minutes", "-1"], "--minutes must be finite and > 0 (real minutes of traffic), got -1.0"),
+    (["--minutes", "0"], "--minutes must be finite and > 0 (real minutes of traffic), got 0.0"),
+    (["--minutes", "nan"], "--minutes must be finite and > 0 (real minutes of traffic), got nan"),
+    (["--concurrency", "0"], "--concurrency must be finite and >= 1 (users in flight at once), got 0"),
+    (["--sample-s", "0"], "--sample-s must be finite and > 0 (seconds between two samples), got 0.0"),
+    (["--day-s", "-5"], "--day-s must be finite and > 0 (real seconds a simulated day lasts), got -5.0"),
+    (["--arrivals-per-hour", "0"], "--arrivals-per-hour must be finite and > 0 (conversations per simulated hour), got 0.0"),
     (["--tolerance", "1.5"], "--tolerance must be in [0, 1] (a drop in held-out success, a share), got 1.5"),
     (["--tolerance", "-0.1"], "--tolerance must be in [0, 1] (a drop in held-out success, a share), got -0.1"),
-    (["--rss-warmup-min", "-1"], "--rss-warmup-min must be >= 0 (minutes), got -1.0"),
-    (["--disk-mb", "8"], "--disk-mb must be >= 64 (MB of tmpfs: the run directory, its versions and the store "
+    (["--rss-warmup-min", "-1"], "--rss-warmup-min must be finite and >= 0 (minutes), got -1.0"),
+    (["--disk-mb", "8"], "--disk-mb must be finite and >= 64 (MB of tmpfs: the run directory, its versions and the store "
                          "must fit), got 8"),
-    (["--disk-hold-s", "-1"], "--disk-hold-s must be >= 0 (seconds), got -1.0"),
-    (["--outage-s", "-2"], "--outage-s must be >= 0 (seconds), got -2.0"),
+    (["--disk-hold-s", "-1"], "--disk-hold-s must be finite and >= 0 (seconds), got -1.0"),
+    (["--outage-s", "-2"], "--outage-s must be finite and >= 0 (seconds), got -2.0"),
+    (["--minutes", "inf"], "--minutes must be finite and > 0 (real minutes of traffic), got inf"),
+    (["--disk-hold-s", "1e308"], "--disk-hold-s must be shorter than the run (--minutes 90 = 5400 s), got 1e+308"),
+    (["--minutes", "2", "--outage-s", "120"], "--outage-s must be shorter than the run (--minutes 2 = 120 s), got 120"),
+    (["--minutes", "1", "--disk-hold-s", "90"], "--disk-hold-s must be shorter than the run (--minutes 1 = 60 s), got 90"),
     (["--keep-newest", "-1"], "--keep-newest must be in [0, 1000000] (versions; 0 keeps every one), got -1"),
     (["--keep-promoted", "-1"], "--keep-promoted must be in [0, 1000000] (promoted versions; 0 keeps every one), "
                                 "got -1"),

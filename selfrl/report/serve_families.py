@@ -237,7 +237,8 @@ def diagnose_family(a: FamilyAccount, learning_rate: float | None = None) -> str
                       "learner is behind its traffic or the ratings come late; raise learner.max_feedback_age_versions "
                       "or learner.max_batch, or rate sooner")
     if cv == a.base[0]:
-        causes.append("no candidate was promoted: the base still serves (the events say why each was rejected)")
+        causes.append("no candidate was promoted: the base still serves (the versions table and the events say what "
+                      "became of each candidate: rejected, rolled back, or not yet decided)")
     elif (a.changed_since if a.before is not None else a.changed) == 0:
         ref = ("the base did" if a.before in (None, a.base[0])
                else f"v{a.before} did before this family's first update")
@@ -268,9 +269,20 @@ def never_trained(a: FamilyAccount) -> str:
     """Why a family has no trained turn, from its skip reasons and ratings."""
     if not a.served:
         return "never trained: no turn of this family was served (clients send metadata.family)"
-    why = ", ".join(f"{n} {w}" for w, n in sorted(a.skipped.items(), key=lambda x: -x[1]))
-    return (f"never trained: none of its {a.served} turns reached an update"
-            + (f" (skipped: {why})" if why else "") + "; rate its answers (POST /v1/feedback) soon after they are served")
+    ranked = sorted(a.skipped.items(), key=lambda x: -x[1])
+    why = ", ".join(f"{n} {w}" for w, n in ranked)
+    fix = NEVER_TRAINED_FIX.get(ranked[0][0] if ranked else "no reward", NEVER_TRAINED_FIX["no reward"])
+    return f"never trained: none of its {a.served} turns was trained on" + (f" (skipped: {why})" if why else "") + fix
+
+
+NEVER_TRAINED_FIX = {  # by the most frequent skip reason
+    "no reward": "; rate its answers (POST /v1/feedback) soon after they are served",
+    "too old": "; its ratings came after the learner had moved on: rate sooner, or raise "
+               "learner.max_feedback_age_versions",
+    "update skipped": "; the updates its turns were in were skipped (the events say why, e.g. no group had reward "
+                      "spread): rate good answers as well as bad ones, so that a group's rewards differ",
+    "cut off": "; its clients disconnected before the answers were finished: raise the clients' timeouts",
+}
 
 
 def families_section(store: Store) -> list[str]:

@@ -65,7 +65,7 @@ def check_before_load(cfg: ServeConfig, learn: bool) -> None:
         selfrl.record.store.NotAStore: ``run_dir/selfrl.db`` is not a selfrl store.
         selfrl.serve.replica.NoOwner: ``replica`` on a run directory no owner has served.
         selfrl.config.ConfigError: ``retention.trajectories_max_age_s`` on a server that does not learn; a
-            replica whose ``[learner]`` age rule is not its owner's.
+            replica whose ``[learner]`` age rule, model or LoRA shape is not its owner's.
         selfrl.model.load.ModelLoadError: ``model.name`` is a path that does not exist.
     """
     from pathlib import Path
@@ -78,8 +78,9 @@ def check_before_load(cfg: ServeConfig, learn: bool) -> None:
     if db.exists():
         with Store(db, readonly=True) as store:
             if cfg.replica:  # it answers feedback by the owner's age rule
-                from selfrl.serve.replica import check_owner_age_rule
+                from selfrl.serve.replica import check_owner_age_rule, check_owner_model
 
+                check_owner_model(cfg, store.runs(), cfg.run_dir)
                 check_owner_age_rule(cfg.learner, store.runs(), cfg.run_dir)
     elif cfg.replica:
         from selfrl.serve.replica import no_owner

@@ -60,9 +60,7 @@ def check_owner_age_rule(learner, runs: list[dict[str, Any]], run_dir: str | Pat
     """
     from selfrl.config.base import ConfigError
 
-    owner = next((c for c in (r["config"].get("serve") for r in reversed(runs))
-                  if isinstance(c, dict) and not c.get("replica")), None)
-    theirs = (owner or {}).get("learner") or {}
+    theirs = _owner_config(runs).get("learner") or {}
     differ = [(k, getattr(learner, k), theirs[k]) for k in AGE_SETTINGS if k in theirs and theirs[k] != getattr(learner, k)]
     if differ:
         here = ", ".join(f"learner.{k} = {mine!r} here, {owner_value!r} there" for k, mine, owner_value in differ)
@@ -71,6 +69,54 @@ def check_owner_age_rule(learner, runs: list[dict[str, Any]], run_dir: str | Pat
                           f"{here}; a replica answers feedback, and leaves turns too old to train out, by the age rule "
                           f"of the owner's learner, which trains its turns: set {fix} in this replica's config (or "
                           "restart the owner with this replica's values)")
+
+
+OWNER_SETTINGS = (("model", "name"), ("lora", "r"), ("lora", "lora_alpha"), ("lora", "target_modules"),
+                  ("lora", "init_adapter"))  # what a replica's model and adapters must share with its owner's
+
+
+def check_owner_model(cfg, runs: list[dict[str, Any]], run_dir: str | Path) -> None:
+    """Refuse a replica whose model or LoRA shape (:data:`OWNER_SETTINGS`) is not its owner's.
+
+    A replica records its turns' token ids in the owner's store, and the owner's learner trains
+    on them with its own model and tokenizer; it also loads the owner's adapter versions. With
+    another model the ids are another tokenizer's, and with another LoRA shape the versions do not
+    fit. The owner's settings are those of its last start recorded in ``runs`` (as in
+    :func:`check_owner_age_rule`); nothing to compare when none is recorded.
+
+    Args:
+        cfg: this replica's :class:`selfrl.config.serve.ServeConfig`.
+
+    Raises:
+        selfrl.config.ConfigError: a setting differs; the message names each and its owner's value.
+    """
+    from selfrl.config.base import ConfigError
+
+    owner = _owner_config(runs)
+    differ = []
+    for section, key in OWNER_SETTINGS:
+        theirs = (owner.get(section) or {})
+        mine = getattr(getattr(cfg, section), key)
+        if key in theirs and _plain(theirs[key]) != _plain(mine):
+            differ.append((f"{section}.{key}", mine, theirs[key]))
+    if differ:
+        here = ", ".join(f"{k} = {mine!r} here, {theirs!r} there" for k, mine, theirs in differ)
+        fix = ", ".join(f"{k} = {theirs!r}" for k, _, theirs in differ)
+        raise ConfigError(f"this replica's model is not its owner's (the last start of selfrl serve on {run_dir}): "
+                          f"{here}; the owner's learner trains on the token ids a replica records and a replica "
+                          f"serves the owner's adapter versions, so both must be the owner's: set {fix} in this "
+                          "replica's config")
+
+
+def _owner_config(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The serve config of the owner's last recorded start ({} when none)."""
+    return next((c for c in (r["config"].get("serve") for r in reversed(runs))
+                 if isinstance(c, dict) and not c.get("replica")), None) or {}
+
+
+def _plain(value: Any) -> Any:
+    """A setting as compared: lists and tuples alike (the store holds JSON)."""
+    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def no_owner(run_dir: str | Path) -> NoOwner:
