@@ -28,6 +28,7 @@ would be the next step, as ``selfrl run --ray`` does for rollouts).
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -58,17 +59,10 @@ def check_owner_age_rule(learner, runs: list[dict[str, Any]], run_dir: str | Pat
     Raises:
         selfrl.config.ConfigError: a setting differs; the message names each and its owner's value.
     """
-    from selfrl.config.base import ConfigError
-
-    theirs = _owner_config(runs).get("learner") or {}
-    differ = [(k, getattr(learner, k), theirs[k]) for k in AGE_SETTINGS if k in theirs and theirs[k] != getattr(learner, k)]
-    if differ:
-        here = ", ".join(f"learner.{k} = {mine!r} here, {owner_value!r} there" for k, mine, owner_value in differ)
-        fix = ", ".join(f"learner.{k} = {owner_value!r}" for k, _, owner_value in differ)
-        raise ConfigError(f"this replica's age rule is not its owner's (the last start of selfrl serve on {run_dir}): "
-                          f"{here}; a replica answers feedback, and leaves turns too old to train out, by the age rule "
-                          f"of the owner's learner, which trains its turns: set {fix} in this replica's config (or "
-                          "restart the owner with this replica's values)")
+    _refuse_differences(_differences({"learner": learner}, runs, [("learner", k) for k in AGE_SETTINGS]),
+                        "age rule", run_dir, "a replica answers feedback, and leaves turns too old to train out, by the "
+                        "age rule of the owner's learner, which trains its turns",
+                        " (or restart the owner with this replica's values)")
 
 
 OWNER_SETTINGS = (("model", "name"), ("lora", "r"), ("lora", "lora_alpha"), ("lora", "target_modules"),
@@ -90,28 +84,41 @@ def check_owner_model(cfg, runs: list[dict[str, Any]], run_dir: str | Path) -> N
     Raises:
         selfrl.config.ConfigError: a setting differs; the message names each and its owner's value.
     """
+    _refuse_differences(_differences({"model": cfg.model, "lora": cfg.lora}, runs, OWNER_SETTINGS), "model", run_dir,
+                        "the owner's learner trains on the token ids a replica records and a replica serves the "
+                        "owner's adapter versions, so both must be the owner's")
+
+
+def _differences(mine: dict[str, Any], runs: list[dict[str, Any]],
+                 keys: Iterable[tuple[str, str]]) -> list[tuple[str, Any, Any]]:
+    """``(section.key, this replica's value, the owner's)`` for each of ``keys`` whose values differ;
+    ``mine`` maps a section's name to this replica's settings of it. The owner's values are those of
+    its last start recorded in ``runs`` (serve configs of replicas skipped); a key it did not record
+    is not compared."""
+    owner = next((c for c in (r["config"].get("serve") for r in reversed(runs))
+                  if isinstance(c, dict) and not c.get("replica")), None) or {}
+    out = []
+    for section, key in keys:
+        theirs, value = owner.get(section) or {}, getattr(mine[section], key)
+        if key in theirs and _plain(theirs[key]) != _plain(value):
+            out.append((f"{section}.{key}", value, theirs[key]))
+    return out
+
+
+def _refuse_differences(differ: list[tuple[str, Any, Any]], what: str, run_dir: str | Path, why: str,
+                        alternative: str = "") -> None:
+    """Raise the replica's refusal naming each of ``differ`` (see :func:`_differences`); nothing when empty.
+
+    Raises:
+        selfrl.config.ConfigError: ``differ`` is not empty.
+    """
     from selfrl.config.base import ConfigError
 
-    owner = _owner_config(runs)
-    differ = []
-    for section, key in OWNER_SETTINGS:
-        theirs = (owner.get(section) or {})
-        mine = getattr(getattr(cfg, section), key)
-        if key in theirs and _plain(theirs[key]) != _plain(mine):
-            differ.append((f"{section}.{key}", mine, theirs[key]))
     if differ:
         here = ", ".join(f"{k} = {mine!r} here, {theirs!r} there" for k, mine, theirs in differ)
         fix = ", ".join(f"{k} = {theirs!r}" for k, _, theirs in differ)
-        raise ConfigError(f"this replica's model is not its owner's (the last start of selfrl serve on {run_dir}): "
-                          f"{here}; the owner's learner trains on the token ids a replica records and a replica "
-                          f"serves the owner's adapter versions, so both must be the owner's: set {fix} in this "
-                          "replica's config")
-
-
-def _owner_config(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The serve config of the owner's last recorded start ({} when none)."""
-    return next((c for c in (r["config"].get("serve") for r in reversed(runs))
-                 if isinstance(c, dict) and not c.get("replica")), None) or {}
+        raise ConfigError(f"this replica's {what} is not its owner's (the last start of selfrl serve on {run_dir}): "
+                          f"{here}; {why}: set {fix} in this replica's config{alternative}")
 
 
 def _plain(value: Any) -> Any:
