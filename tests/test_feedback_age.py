@@ -4,10 +4,17 @@ import math
 
 import pytest
 
-from selfrl.rl.feedback_age import AgePolicy, Outcome, decide, sequence_weight, versions_behind
+from selfrl.rl.feedback_age import AgePolicy, Outcome, decide_at, lineage_distance, sequence_weight, versions_behind
 
 BEHAVIOUR = [-1.0, -2.0, -0.5]  # the sampler's log-probs of a 3-token completion
 POLICY = AgePolicy(max_versions=2, max_age_s=3600.0, tis_cap=2.0)
+
+
+def decide(turn_version, chain, *args, **kwargs):
+    """:func:`decide_at` for a turn of ``turn_version`` when the learner's weights went through
+    ``chain`` (each version trained from the one before; the last is current)."""
+    parents = {v: (chain[i - 1] if i else None) for i, v in enumerate(chain)}
+    return decide_at(turn_version, lineage_distance(turn_version, chain[-1], parents), chain[-1], *args, **kwargs)
 
 
 def test_unmoved_policy_weight_is_exactly_one_without_logprobs():
@@ -75,7 +82,7 @@ def test_errors():
     with pytest.raises(ValueError, match="before its turn"):
         decide(1, [1], 10.0, 5.0, POLICY)
     with pytest.raises(ValueError, match="no version"):
-        decide(1, [], 0.0, 1.0, POLICY)
+        versions_behind(1, [])  # the staleness of rollouts: a learner that held no version
     with pytest.raises(ValueError, match="NaN"):
         sequence_weight([math.nan, 0.0, 0.0], BEHAVIOUR, [1, 1, 1], 2.0)
     with pytest.raises(ValueError, match="lengths differ"):

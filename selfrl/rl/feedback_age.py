@@ -3,7 +3,7 @@
 A user's judgement (a reward) may arrive seconds or days after the turn it judges. The
 turn's exact token ids, the sampler's log-probs of its completion tokens (the behaviour
 policy mu) and the adapter version that produced it are recorded, so the judgement can
-still train the policy, if the policy has not moved too far since. :func:`decide`
+still train the policy, if the policy has not moved too far since. :func:`decide_at`
 returns one of three outcomes, each with a reason a user can read:
 
 * ``used``: train on it now, with the importance weight ``weight``;
@@ -146,7 +146,7 @@ def lineage_depths(current: int, parents: Mapping[int, int | None]) -> dict[int,
 
 
 def lineage_distance(version: int, current: int, parents: Mapping[int, int | None],
-                     depths: Mapping[int, int] | None = None) -> float:
+                     depths: Mapping[int, int] | None = None, limit: float = math.inf) -> float:
     """Weight changes between ``version``'s weights and ``current``'s, along the version tree.
 
     Each version was trained from its parent, so the changes are the parent links from each of
@@ -161,6 +161,8 @@ def lineage_distance(version: int, current: int, parents: Mapping[int, int | Non
         current: the version whose weights the learner holds.
         parents: every version's parent (None for a base), e.g. from the version ledger.
         depths: :func:`lineage_depths` of ``current``, when already at hand (many turns, one tree).
+        limit: follow ``version``'s parent links at most this many times (``inf`` beyond): the
+            cost bound of :func:`versions_within`, which needs no count above its cutoff.
 
     Returns:
         a count of weight changes (0: the same weights), or ``inf`` when ``version`` or
@@ -172,7 +174,7 @@ def lineage_distance(version: int, current: int, parents: Mapping[int, int | Non
     """
     depths = lineage_depths(current, parents) if depths is None else depths
     v, k, seen = version, 0, set()
-    while v is not None and v in parents and v not in seen:
+    while v is not None and v in parents and v not in seen and k <= limit:
         if v in depths:
             return k + depths[v]
         seen.add(v)
@@ -200,16 +202,8 @@ def versions_within(current: int, parents: Mapping[int, int | None], max_version
     """
     if max_versions < 0:
         raise ValueError(f"max_versions must be >= 0, got {max_versions}")
-    depths, out = lineage_depths(current, parents), set()
-    for version in parents:
-        v, k = version, 0
-        while v is not None and v in parents and k <= max_versions:
-            if v in depths:
-                if k + depths[v] <= max_versions:
-                    out.add(version)
-                break
-            v, k = parents[v], k + 1
-    return out
+    depths = lineage_depths(current, parents)
+    return {v for v in parents if lineage_distance(v, current, parents, depths, limit=max_versions) <= max_versions}
 
 
 def sequence_weight(current_logps: Sequence[float], behaviour_logps: Sequence[float],
@@ -241,25 +235,6 @@ def sequence_weight(current_logps: Sequence[float], behaviour_logps: Sequence[fl
             total += cur - beh
     total = min(max(total, -LOG_RATIO_BOUND), LOG_RATIO_BOUND)  # also maps -inf/+inf into the bound
     return min(math.exp(total), cap)
-
-
-def decide(turn_version: int, loaded: Sequence[int], turn_time: float, now: float, policy: AgePolicy,
-           current_logps: Sequence[float] | None = None, behaviour_logps: Sequence[float] | None = None,
-           completion_mask: Sequence[int] | None = None) -> AgeDecision:
-    """What a judgement of a turn is worth at ``now``, its age counted in the versions ``loaded``
-    since (:func:`versions_behind`); :func:`decide_at` with that count.
-
-    Args:
-        loaded: versions the learner's weights held, oldest first; the last is current.
-
-    Raises:
-        ValueError: ``loaded`` empty, or as :func:`decide_at`.
-
-    >>> decide(5, [4, 5], 100.0, 160.0, AgePolicy()).reason
-    'used now at full weight: version 5 is still the current one'
-    """
-    return decide_at(turn_version, versions_behind(turn_version, loaded), loaded[-1], turn_time, now, policy,
-                     current_logps, behaviour_logps, completion_mask)
 
 
 def decide_at(turn_version: int, behind: float, current: int, turn_time: float, now: float, policy: AgePolicy,
