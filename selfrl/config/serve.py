@@ -49,6 +49,7 @@ class LearnerSettings:
     max_feedback_age_versions: int = 4  # a turn trains only while the learner's weights changed at most this many times since its version
     max_feedback_age_s: float = 604800.0  # ... and only while it is at most this many seconds old; older feedback is only recorded
     idle_kv_cache_mb: int = 0  # the learner's own slot engine (it samples the held-out gate once an update) keeps at most this many MB of key/value cache between updates (0: freed after each; the next gate allocates its own)
+    learn_from_corrections: bool = False  # a correction that says what the answer should have been (feedback correction text or correction_tool_calls) also trains as a demonstration, reward +1, in its turn's group (selfrl.serve.corrections); on only for users you trust: a correction is trained on as written
     feedback_tis_cap: float = 2.0  # cap C of a late turn's weight min(exp(sum of log-ratios since its version), C) (truncated, as TIS)
     reward_weights: dict[str, float] = field(
         default_factory=lambda: {"user_feedback": 1.0, "tool_success": 0.2})  # registered rewards (selfrl.envs.rewards)

@@ -362,12 +362,23 @@ def _first(value: Any) -> Any:
     return value
 
 
+def first_answer_calls(task: Task) -> list[dict[str, Any]]:
+    """The task's first possible answer as calls ``[{"name", "arguments": {...}}]`` (each argument
+    its first accepted value, optional ones left out); [] for a task whose right answer is no call.
+
+    >>> t = Task("t", "function_calling", "q", "", {"ground_truth": [{"f": {"x": [1, 2], "y": ["", 3]}}]})
+    >>> first_answer_calls(t)
+    [{'name': 'f', 'arguments': {'x': 1}}]
+    """
+    return [{"name": name, "arguments": {p: _first(v[0]) for p, v in args.items() if v and v[0] != ""}}
+            for answer in task.metadata.get("ground_truth") or [] for name, args in answer.items()]
+
+
 def _shots(examples: list[Task]) -> list[dict[str, str]]:
     """Worked examples: each task's question, then its first possible answer as calls."""
     out: list[dict[str, str]] = []
     for t in examples:
-        calls = [{"name": name, "arguments": {p: _first(v[0]) for p, v in args.items() if v and v[0] != ""}}
-                 for answer in t.metadata["ground_truth"] for name, args in answer.items()]
+        calls = first_answer_calls(t)
         out.append({"role": "user", "content": t.question})
         if calls:
             out.append({"role": "assistant", "content": "".join(

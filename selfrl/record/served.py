@@ -62,6 +62,7 @@ CREATE TABLE IF NOT EXISTS feedback (
     rating      REAL,
     corrected   INTEGER NOT NULL,
     correction  TEXT,
+    correction_calls TEXT,
     comment     TEXT,
     created_at  REAL NOT NULL
 );
@@ -97,7 +98,7 @@ def locked(fn):
 def init(store: Store) -> None:
     """Create the server's tables in ``store`` (idempotent; adds the ``client`` and ``family``
     columns to a store written before they existed: its turns belong to no client, and are never
-    continued, and to no family)."""
+    continued, and to no family; and feedback's ``correction_calls``: its corrections carry no calls)."""
     with store.conn:
         store.conn.executescript(SERVE_SCHEMA)
         columns = {r[1] for r in store.conn.execute("PRAGMA table_info(served)")}
@@ -105,6 +106,8 @@ def init(store: Store) -> None:
             store.conn.execute("ALTER TABLE served ADD COLUMN client TEXT NOT NULL DEFAULT ''")
         if "family" not in columns:
             store.conn.execute("ALTER TABLE served ADD COLUMN family TEXT")
+        if "correction_calls" not in {r[1] for r in store.conn.execute("PRAGMA table_info(feedback)")}:
+            store.conn.execute("ALTER TABLE feedback ADD COLUMN correction_calls TEXT")
 
 
 @dataclass(frozen=True)
@@ -212,7 +215,7 @@ AgeRule = Callable[[int, float], tuple]
 def apply_feedback(store: Store, response_id: str, choice: int, source: str, value: float,
                    rating: float | None = None, corrected: bool = False, correction: str | None = None,
                    comment: str | None = None, now: float | None = None,
-                   age: AgeRule | None = None) -> FeedbackApplied:
+                   age: AgeRule | None = None, correction_calls: list[dict[str, Any]] | None = None) -> FeedbackApplied:
     """Record feedback on a response and attach its value to the turn and its earlier turns.
 
     The turn itself gets ``source`` (``explicit`` or ``implicit``); its ancestors get ``inherited`` (explicit)
@@ -225,6 +228,8 @@ def apply_feedback(store: Store, response_id: str, choice: int, source: str, val
     that was skipped for want of a reward (not cut off, never trained) so that the feedback reaches an update
     however late it came. A turn already trained is never trained twice (``too_old``, "already trained").
     ``now``: the feedback's ``created_at`` (the server's clock; ``time.time()`` by default).
+    ``correction_calls``: the calls the corrected answer makes (``[{"name", "arguments": {...}}]``),
+    stored as JSON beside ``correction`` (:func:`corrections` reads both back).
 
     Raises:
         KeyError: no such response (nothing is written).
@@ -237,9 +242,10 @@ def apply_feedback(store: Store, response_id: str, choice: int, source: str, val
     outcome, reason, *decision = _judged_turn(store, row, age)
     with store.conn:
         store.conn.execute(
-            "INSERT INTO feedback (response_id, choice, source, value, rating, corrected, correction, comment,"
-            " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (response_id, choice, source, value, rating, int(corrected), correction, comment, now),
+            "INSERT INTO feedback (response_id, choice, source, value, rating, corrected, correction, correction_calls,"
+            " comment, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (response_id, choice, source, value, rating, int(corrected), correction,
+             None if correction_calls is None else json.dumps(correction_calls), comment, now),
         )
         if age is not None and outcome != "too_old" and row["status"] == "skipped":
             store.conn.execute("UPDATE served SET status = 'pending' WHERE trajectory_id = ?", (own,))
@@ -326,6 +332,23 @@ def _pairs(rows) -> list[tuple[Trajectory, dict[str, Any]]]:
     """``(trajectory, served row)`` of each row read with its trajectory's ``data_json``."""
     return [(Trajectory.from_dict(json.loads(r["data_json"])), {k: r[k] for k in r.keys() if k != "data_json"})
             for r in rows]
+
+
+@locked
+def corrections(store: Store, turns: list[tuple[str, int]]) -> dict[tuple[str, int], tuple[str, list[dict[str, Any]]]]:
+    """The newest explicit correction of each of ``turns`` (``(response_id, choice)``) that says
+    what the answer should have been: ``{turn: (text, calls)}`` (``text`` "" when only calls were
+    given, ``calls`` ``[{"name", "arguments": {...}}]`` or []). A turn whose feedback carries
+    no correction text or calls is absent."""
+    out: dict[tuple[str, int], tuple[str, list[dict[str, Any]]]] = {}
+    for rid, choice in turns:
+        row = store.conn.execute(
+            "SELECT correction, correction_calls FROM feedback WHERE response_id = ? AND choice = ? AND"
+            " source = 'explicit' AND (COALESCE(correction, '') != '' OR correction_calls IS NOT NULL)"
+            " ORDER BY id DESC LIMIT 1", (rid, choice)).fetchone()
+        if row is not None:
+            out[(rid, choice)] = (row[0] or "", json.loads(row[1]) if row[1] else [])
+    return out
 
 
 @locked
@@ -495,36 +518,3 @@ def delete_turns(store: Store, ids: list[str], feedback_after: int | None = None
         if n != len(ids):
             raise KeyError(f"{n} trajectories found for {len(ids)} served turns; nothing deleted")
     return n
-
-
-@locked
-def remember_response(store: Store, response_id: str, client: str, messages: list[dict[str, Any]],
-                      max_items: int, max_bytes: int) -> None:
-    """Store the conversation up to and including ``response_id``'s output, for ``client``;
-    then forget the oldest ones beyond ``max_items`` rows or ``max_bytes`` of JSON. One
-    transaction: a crash keeps all of it or none."""
-    data = to_json(messages)
-    with store.conn:
-        store.conn.execute(
-            "INSERT INTO response_history (response_id, client, created_at, bytes, messages_json) VALUES (?, ?, ?, ?, ?)",
-            (response_id, client, time.time(), len(data), data))
-        store.conn.execute(
-            "DELETE FROM response_history WHERE seq <= (SELECT MAX(seq) FROM response_history) - ?", (max_items,))
-        total = store.conn.execute("SELECT COALESCE(SUM(bytes), 0) FROM response_history").fetchone()[0]
-        if total > max_bytes:  # oldest first, until what is left fits (the newest always stays)
-            drop, cut = total - max_bytes, None
-            for seq, size in store.conn.execute("SELECT seq, bytes FROM response_history ORDER BY seq"):
-                cut, drop = seq, drop - size
-                if drop <= 0:
-                    break
-            store.conn.execute("DELETE FROM response_history WHERE seq <= ? AND response_id != ?", (cut, response_id))
-
-
-@locked
-def recall_response(store: Store, response_id: str, client: str) -> list[dict[str, Any]] | None:
-    """The conversation stored for ``response_id`` when ``client`` made it; None when it was
-    never stored, was forgotten, or belongs to another client (the same answer, so an id
-    reveals nothing about other clients' conversations)."""
-    row = store.conn.execute("SELECT messages_json FROM response_history WHERE response_id = ? AND client = ?",
-                             (response_id, client)).fetchone()
-    return None if row is None else json.loads(row[0])

@@ -242,9 +242,8 @@ class BackgroundLearner(threading.Thread):
     def _resumed(self) -> None:
         fault, since = self.paused, self.paused_since
         seconds = time.time() - since
-        self.ledger.event(EventKind.LEARNER_RESUMED, f"the background learner resumed after a pause of "
-                          f"{seconds:.0f} s ({fault.kind.value})", {"kind": fault.kind.value, "since": since,
-                                                                    "paused_s": seconds})
+        self.ledger.event(EventKind.LEARNER_RESUMED, f"the background learner resumed after a pause of {seconds:.0f} s "
+                          f"({fault.kind.value})", {"kind": fault.kind.value, "since": since, "paused_s": seconds})
         self.paused = self.paused_since = None
         log.warning("the background learner resumed after %.0f s (%s)", seconds, fault.kind.value)
 
@@ -312,11 +311,11 @@ class BackgroundLearner(threading.Thread):
                 self.busy = False  # last: whoever sees it idle sees the update, the prune and the trim done
         return True
 
-    def score(self, batch: list[tuple[Trajectory, dict]]) -> tuple[list[Trajectory], list[Trajectory]]:
-        """Rewards, detectors and group advantages; returns (scored, left out because no reward applied)."""
+    def score(self, batch: list[tuple[Trajectory, dict]], demos=()) -> tuple[list[Trajectory], list[Trajectory]]:
+        """Rewards, detectors, group advantages (with ``demos``); returns (scored, left out: no reward applied)."""
         scored, unscored = score_served(batch, self.cfg.learner.reward_weights)
         if scored:
-            self.cycle.advantages(self.updates, scored)
+            self.cycle.advantages(self.updates, scored + list(demos))
         return scored, unscored
 
     def recompute_old_logps(self, trajs: list[Trajectory]) -> list[Trajectory]:
@@ -334,9 +333,10 @@ class BackgroundLearner(threading.Thread):
         n_turns = len(batch)
         batch, too_old = self.ages.split(batch)  # past an age cutoff: only recorded
         records.mark(self.store, [t for t, _ in too_old], "skipped", None)
-        scored, unscored = self.score(batch)
+        demos, seen = demonstrations_of(self, batch)  # corrections that say the right answer (off by default)
+        scored, unscored = self.score(batch, demos)
         records.mark(self.store, unscored, "skipped", None)
-        usable = [t for t in scored if t.advantage]
+        usable = [t for t in scored + demos if t.advantage]
         parent, sampled = self.chain.current, self.ledger.champion.version  # a chain's candidate samples nothing
         step_no = self.updates
         train, ages = (self.recompute_old_logps(usable), {}) if usable else (scored, {})
@@ -346,7 +346,7 @@ class BackgroundLearner(threading.Thread):
             gone, train, scored = leave_out_gone(self.store, usable, train, scored)
         reward_mean = sum(t.reward for t in scored) / max(len(scored), 1)
         info: dict[str, Any] = {"turns": n_turns, "scored": len(scored), "with_signal": len(usable) - len(gone),
-                                "reward_mean": reward_mean, "too_old": len(too_old) + len(gone)}
+                                "reward_mean": reward_mean, "too_old": len(too_old) + len(gone), **seen}
         if (gone or too_old) and not train:  # nothing left to train on: the skip names the age rule, not "no spread"
             self.updates += 1
             self.last = skip_stale(self.ledger, step_no, too_old, gone, scored, info, self.ages.policy)
@@ -366,8 +366,8 @@ class BackgroundLearner(threading.Thread):
         # the names run logs, so that a restart rebuilds the collapse history (UpdateCycle.resume); each family's too
         metrics = step.result.metrics() | ages | {
             "feedback/too_old": float(len(too_old) + len(gone)), "reward/mean": reward_mean, "version": float(version),
-            "sampled_version": float(sampled)} | collapse.batch_metrics(
-                scored, {t.id: row.get("family") for t, row in batch}, self.cfg.collapse)
+            "sampled_version": float(sampled)} | ({"feedback/demonstrations": float(len(demos))} if demos else {}) | (
+            collapse.batch_metrics(scored, {t.id: row.get("family") for t, row in batch}, self.cfg.collapse))
         if step.candidate_kl is not None:
             metrics["candidate_kl"] = step.candidate_kl
         records.mark(self.store, scored, "trained", version)
@@ -432,6 +432,21 @@ class BackgroundLearner(threading.Thread):
             self.learner.reset_optimizer()
             self.cycle.guard.new_chain()
             self.chain.end(f"an admin rolled back to version {champion.version}")
+
+
+def demonstrations_of(bl: BackgroundLearner, batch: list[tuple[Trajectory, dict]]) -> tuple[list[Trajectory], dict]:
+    """The corrections of ``batch``'s turns as demonstrations (:mod:`selfrl.serve.corrections`) when
+    ``learner.learn_from_corrections`` is on, and what the update says of them: ``{}`` when it found
+    none, else ``{"demonstrations": n, "corrections_left_out": {reason: count}}``."""
+    if not bl.cfg.learner.learn_from_corrections or not batch:
+        return [], {}
+    from selfrl.engines.reference import eos_ids
+    from selfrl.serve.corrections import demonstrations
+
+    found = records.corrections(bl.store, [(r["response_id"], r["choice"]) for _, r in batch])
+    demos, skipped = demonstrations(batch, found, bl.tok, eos_ids(bl.model, bl.tok), bl.ages.held(),
+                                    bl.cfg.max_completion_length, bl.cfg.learner.reward_weights)
+    return demos, {"demonstrations": len(demos), "corrections_left_out": dict(skipped)} if demos or skipped else {}
 
 
 @torch.no_grad()

@@ -130,6 +130,10 @@ class FeedbackAges:
         parents, held = tree_of(records, self.ledger)
         return parents, held, lineage_depths(held, parents), pruned(records)
 
+    def held(self) -> int:
+        """The version whose weights the learner holds (a turn of it is never behind)."""
+        return tree_of(self.ledger.all(), self.ledger)[1]
+
     def decide(self, version: int, created_at: float, now: float, tree: Tree) -> AgeDecision:
         """The age rule for a turn of ``version`` stored at ``created_at`` (seconds), at ``now``. A turn
         of a version the learner has moved from whose weights retention pruned is ``too_old``: its

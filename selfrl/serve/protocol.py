@@ -342,7 +342,10 @@ class FeedbackRequest(_Strict):
 
     ``rating`` is in [-1, 1] (thumbs down -1, up +1); ``corrected=True`` means the
     user had to correct the answer (counts as -1 unless a rating is given);
-    ``correction`` is the corrected answer, stored with the trajectory.
+    ``correction`` is the corrected answer, stored with the trajectory; ``correction_tool_calls``
+    the calls the answer should have made (``[{"name", "arguments": "<JSON object>"}]``, the
+    ``function`` of an OpenAI tool call). With ``learner.learn_from_corrections`` a correction
+    that carries either trains as a demonstration (:mod:`selfrl.serve.corrections`).
     ``choice`` picks one of ``n`` choices (default 0).
     """
 
@@ -351,6 +354,7 @@ class FeedbackRequest(_Strict):
     rating: float | None = Field(default=None, ge=-1.0, le=1.0)
     corrected: bool = False
     correction: str | None = Field(default=None, max_length=20000)
+    correction_tool_calls: list[FunctionCall] | None = Field(default=None, max_length=16)
     comment: str | None = Field(default=None, max_length=20000)
 
     @field_validator("rating", mode="before")

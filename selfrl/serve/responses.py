@@ -357,7 +357,7 @@ def sse(events: list[dict[str, Any]]) -> str:
 
 class ResponseLog:
     """The conversation behind each recent response id, for ``previous_response_id``: kept
-    in the run's store (:func:`selfrl.record.served.remember_response`), so it outlives a
+    in the run's store (:func:`selfrl.record.response_history.remember_response`), so it outlives a
     restart; the last ``size`` responses, at most ``max_bytes`` of JSON in all, each one
     visible only to the client that made it.
 
@@ -379,20 +379,20 @@ class ResponseLog:
         Raises:
             KeyError: the id is unknown to ``client`` (never served to it, or forgotten).
         """
-        from selfrl.record import served as records
+        from selfrl.record.response_history import recall_response
 
         if response_id is None:
             return []
-        found = records.recall_response(self.store, response_id, client)
+        found = recall_response(self.store, response_id, client)
         if found is None:
             raise KeyError(response_id)
         return found
 
     def add(self, response_id: str, messages: list[dict[str, Any]], message: dict[str, Any],
             client: str = "") -> None:
-        from selfrl.record import served as records
+        from selfrl.record.response_history import remember_response
 
-        records.remember_response(self.store, response_id, client,
+        remember_response(self.store, response_id, client,
                                   [*messages, {k: v for k, v in message.items() if k != "refusal"}],
                                   self.size, self.max_bytes)
 

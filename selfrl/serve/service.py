@@ -20,6 +20,7 @@ the HTTP layer talks to:
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -295,13 +296,18 @@ class Service:
         value = explicit_value(f.rating, f.corrected)
         try:
             applied = records.apply_feedback(self.store, f.response_id, f.choice, "explicit", value, f.rating,
-                                             f.corrected, f.correction, f.comment, now=self.clock(), age=self.age_rule)
+                                             f.corrected, f.correction, f.comment, now=self.clock(), age=self.age_rule,
+                                             correction_calls=None if f.correction_tool_calls is None else [
+                                                 {"name": c.name, "arguments": json.loads(c.arguments or "{}")}
+                                                 for c in f.correction_tool_calls])
         except KeyError:
             raise ApiError(404, f"no recorded response {f.response_id!r} with choice {f.choice}",
                            "response_id", "response_not_found") from None
         out = {"object": "feedback", "response_id": f.response_id, "choice": f.choice, "reward": value,
                "outcome": applied.outcome, "reason": applied.reason,
                "turns_updated": applied.updated, "turns_too_late": applied.too_late}
+        if f.correction or f.correction_tool_calls:
+            out["correction"] = self.correction_use(applied.outcome)
         if applied.too_late:
             note = (f"came too late for {applied.too_late} turn(s): already trained on or skipped (a turn waits "
                     f"learner.feedback_wait_s = {self.cfg.learner.feedback_wait_s:g} s for feedback); recorded, "
@@ -310,6 +316,15 @@ class Service:
             self.event(EventKind.LATE_FEEDBACK, f"feedback on {f.response_id}: {note}",
                        {"response_id": f.response_id, "updated": applied.updated, "too_late": applied.too_late})
         return out
+
+    def correction_use(self, outcome: str) -> str:
+        """What becomes of a correction that carries the right answer (:mod:`selfrl.serve.corrections`)."""
+        if not self.cfg.learner.learn_from_corrections:
+            return ("recorded only: learner.learn_from_corrections is off (turn it on to train on corrections "
+                    "as demonstrations)")
+        if outcome == "too_old":
+            return "recorded only: its turn is not trained on (see reason)"
+        return "trains as a demonstration with its turn, unless it cannot be the turn's answer (the update says why)"
 
     def close(self) -> None:
         if self.learner is not None:

@@ -221,6 +221,15 @@ class Family:
             return [t.openai_schema() for t in ep.tools.values()]
         return [t.openai_schema() for t in [*self.shared_tools, *turn]]
 
+    def right_calls(self, task: Task) -> list[dict[str, Any]]:
+        """The calls a user who knows the answer corrects with: a function-calling task's first
+        possible answer (``[{"name", "arguments": {...}}]``); [] for any other task."""
+        if "ground_truth" not in task.metadata:
+            return []
+        from selfrl.envs.function_calling import first_answer_calls
+
+        return first_answer_calls(task)
+
     def correct(self, ep: Episode, final_text: str, state: dict[str, Any] | None) -> bool:
         """The verifier's verdict on the conversation (``final_text``: the last answer's text)."""
         traj = Trajectory(ep.task.id, "simulate", 0, messages=[{"role": "assistant", "content": final_text}],

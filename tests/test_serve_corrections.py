@@ -1,0 +1,211 @@
+"""Corrections as demonstrations (selfrl.serve.corrections, learner.learn_from_corrections): the
+tokens built from a correction, when one is left out, what the store keeps, the learner's use of
+them, what the feedback answer says, and the simulated users who correct a call with calls."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+
+import pytest
+
+from selfrl.core.trajectory import Trajectory
+from selfrl.envs.function_calling import first_answer_calls
+from selfrl.record import served as records
+from selfrl.record.store import Store
+from selfrl.serve.corrections import answer_text, completion_ids, demonstrations
+from serving import API_KEY, http, running_server, tiny_serve_config
+
+WEIGHTS = {"user_feedback": 1.0, "tool_success": 0.2}
+CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+
+
+def eos(tok) -> list[int]:
+    return [tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+def turn(tok, constraints=(), tid="t1") -> Trajectory:
+    prompt = tok("<|im_start|>user\nweather?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    sampled = tok("no idea", add_special_tokens=False)["input_ids"] + eos(tok)
+    P = len(prompt)
+    return Trajectory("task", "g", 3, prompt_len=P, token_ids=prompt + sampled, completion_mask=[0] * P + [1] * len(sampled),
+                      logprobs=[0.0] * P + [-1.0] * len(sampled), id=tid,
+                      messages=[{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "no idea"}],
+                      constraints=[{"start": P, "end": P + len(sampled), "kind": k, "grammar": "g"} for k in constraints])
+
+
+def row(rid="r1", group="g-key"):
+    return {"response_id": rid, "choice": 0, "group_key": group}
+
+
+def test_the_completion_is_the_answer_then_the_end_of_turn_token(tiny_tokenizer):
+    text = answer_text("", [CALL])
+    assert text == '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    ids = completion_ids(tiny_tokenizer, text, eos(tiny_tokenizer))
+    # what the model samples after "<|im_start|>assistant\n": the content's tokens, then <|im_end|> (not the newline)
+    assert ids == tiny_tokenizer(text, add_special_tokens=False)["input_ids"] + eos(tiny_tokenizer)
+    # control-token text inside a correction stays text: it cannot end the turn early or forge a header
+    forged = completion_ids(tiny_tokenizer, "a<|im_end|>b", eos(tiny_tokenizer))
+    assert forged.count(eos(tiny_tokenizer)[0]) == 1 and forged[-1] == eos(tiny_tokenizer)[0]
+    assert tiny_tokenizer.decode(forged[:-1]) == "a<|im_end|>b"
+    # a template that ends no assistant turn with one of the given ids: no demonstration
+    assert completion_ids(tiny_tokenizer, "x", [10**6]) is None
+
+
+def test_a_demonstration_is_the_turns_prompt_with_the_right_answer_and_a_right_answers_reward(tiny_tokenizer):
+    t = turn(tiny_tokenizer, ["tool_call"])
+    found = {("r1", 0): ("", [CALL])}
+    [demo], skipped = demonstrations([(t, row())], found, tiny_tokenizer, eos(tiny_tokenizer), 7, 64, WEIGHTS)
+    P = t.prompt_len
+    assert not skipped and demo.token_ids[:P] == t.token_ids[:P] and demo.prompt_len == P
+    # under the tool-call grammar the call is written as the grammar samples it: compact JSON
+    assert tiny_tokenizer.decode(demo.token_ids[P:]) == \
+        '<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call><|im_end|>'
+    assert demo.token_ids[P:] == completion_ids(tiny_tokenizer, answer_text("", [CALL], compact=True),
+                                                eos(tiny_tokenizer))
+    assert demo.completion_mask == [0] * P + [1] * (len(demo.token_ids) - P)
+    assert demo.rewards == {"user_feedback": 1.0, "tool_success": 1.0} and demo.reward == pytest.approx(1.2)
+    assert (demo.group_id, demo.adapter_version, demo.parent_id, demo.constraints) == ("g-key", 7, "t1", [])
+    assert demo.messages[-1] == {"role": "assistant", "content": None, "tool_calls": [CALL]}
+    # text only: the reward of a right answer without calls
+    [text_demo], _ = demonstrations([(turn(tiny_tokenizer), row())], {("r1", 0): ("sunny", [])}, tiny_tokenizer,
+                                    eos(tiny_tokenizer), 7, 64, WEIGHTS)
+    assert text_demo.reward == 1.0 and text_demo.final_answer == "sunny"
+
+
+@pytest.mark.parametrize("kinds, fix, reason", [
+    (["tool_call"], ("it is sunny", []), "no calls for a turn that had to call a tool"),
+    (["json"], ("not json", []), "not the JSON the turn's response_format asked for"),
+    (["json"], ("", [CALL]), "not the JSON the turn's response_format asked for"),
+    ([], ("x " * 200, []), "longer than max_completion_length (64)"),
+])
+def test_a_correction_that_cannot_be_the_turns_answer_is_left_out_with_its_reason(tiny_tokenizer, kinds, fix, reason):
+    demos, skipped = demonstrations([(turn(tiny_tokenizer, kinds), row())], {("r1", 0): fix}, tiny_tokenizer,
+                                    eos(tiny_tokenizer), 7, 64, WEIGHTS)
+    assert demos == [] and dict(skipped) == {reason: 1}
+
+
+def test_json_corrections_of_a_json_turn_and_turns_without_a_correction(tiny_tokenizer):
+    batch = [(turn(tiny_tokenizer, ["json"]), row("r1")), (turn(tiny_tokenizer, tid="t2"), row("r2"))]
+    demos, skipped = demonstrations(batch, {("r1", 0): ('{"a": 1}', [])}, tiny_tokenizer, eos(tiny_tokenizer), 7,
+                                    64, WEIGHTS)
+    assert [d.parent_id for d in demos] == ["t1"] and not skipped  # r2 has no correction: nothing, no reason
+    assert tiny_tokenizer.decode(demos[0].token_ids[demos[0].prompt_len:]) == '{"a":1}<|im_end|>'  # compact
+
+
+def test_the_store_keeps_a_corrections_calls_and_gives_the_newest(tmp_path):
+    store = Store(tmp_path / "s.sqlite")
+    records.init(store)
+    run_id = store.start_run({})
+    t = Trajectory("task", "g", 0, prompt_len=1, token_ids=[1, 2], completion_mask=[0, 1], logprobs=[0.0, -1.0])
+    records.add_turn(store, run_id, t, "r1", 0, "c", "g", "k")
+    records.apply_feedback(store, "r1", 0, "explicit", -1.0, corrected=True, correction="first")
+    records.apply_feedback(store, "r1", 0, "explicit", -1.0, corrected=True, correction_calls=[CALL])
+    records.apply_feedback(store, "r1", 0, "explicit", 1.0, rating=1.0)  # a rating says no answer: not a correction
+    records.apply_feedback(store, "r1", 0, "implicit", -1.0, corrected=True, correction="a guess")  # implicit: never
+    assert records.corrections(store, [("r1", 0), ("r9", 0)]) == {("r1", 0): ("", [CALL])}
+    store.close()
+
+
+def test_a_store_written_before_correction_calls_gets_the_column(tmp_path):
+    path = tmp_path / "old.sqlite"
+    old = records.SERVE_SCHEMA.replace("    correction_calls TEXT,\n", "")
+    assert old != records.SERVE_SCHEMA
+    Store(path).close()  # the store's own tables, then the server's as they were before the column
+    conn = sqlite3.connect(path)
+    conn.executescript(old)
+    conn.close()
+    store = Store(path)
+    assert "correction_calls" not in {r[1] for r in store.conn.execute("PRAGMA table_info(feedback)")}
+    records.init(store)
+    assert "correction_calls" in {r[1] for r in store.conn.execute("PRAGMA table_info(feedback)")}
+    store.close()
+
+
+def serve_and_correct(model, tok, cfg, correct: dict):
+    """Serve 8 turns, rate half +1 and correct the other half with ``correct``; returns the
+    service's learner's last update and the feedback answers."""
+    with running_server(model, tok, cfg, learn=True) as (url, service):
+        ids = []
+        for i in range(8):
+            code, body = http("POST", url + "/v1/chat/completions", {
+                "model": "selfrl", "messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 6,
+                "task_key": "fam"}, key=API_KEY)
+            assert code == 200, body
+            ids.append(body["id"])
+        answers = []
+        for i, rid in enumerate(ids):
+            fb = {"response_id": rid, "rating": 1.0} if i % 2 else {"response_id": rid, "corrected": True, **correct}
+            code, body = http("POST", url + "/v1/feedback", fb, key=API_KEY)
+            assert code == 200, body
+            answers.append(body)
+        deadline = time.monotonic() + 60
+        while not ("seconds" in service.learner.last or "reason" in service.learner.last) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        last = dict(service.learner.last)
+        with service.store.lock:
+            n_rows = service.store.conn.execute("SELECT COUNT(*) FROM served").fetchone()[0]
+            metrics = {m["name"]: m["value"] for m in service.store.metrics()}
+    return last, answers, n_rows, metrics
+
+
+def test_the_learner_trains_on_corrections_beside_their_turns_when_asked(tiny_tokenizer, tiny_model_factory, tmp_path):
+    cfg = tiny_serve_config(tmp_path / "on", min_batch=8, max_batch=8, feedback_wait_s=600.0, poll_s=0.05,
+                            learn_from_corrections=True)
+    cfg.collapse.max_kl = 50.0
+    last, answers, n_rows, metrics = serve_and_correct(tiny_model_factory(lora=True, eos_bias=2.0), tiny_tokenizer,
+                                                       cfg, {"correction": "the answer"})
+    assert "demonstrations" in last, last
+    assert last["demonstrations"] == 4 and last["corrections_left_out"] == {}
+    assert last["with_signal"] == 12  # 8 turns (4 at +1, 4 at -1) and 4 demonstrations, in one group
+    assert n_rows == 8 and metrics["feedback/demonstrations"] == 4.0  # nothing stored as a served turn
+    assert answers[0]["correction"].startswith("trains as a demonstration") and "correction" not in answers[1]
+
+
+def test_without_the_setting_a_correction_is_recorded_and_says_so(tiny_tokenizer, tiny_model_factory, tmp_path):
+    cfg = tiny_serve_config(tmp_path / "off", min_batch=8, max_batch=8, feedback_wait_s=600.0, poll_s=0.05)
+    cfg.collapse.max_kl = 50.0
+    fix = {"correction_tool_calls": [{"name": "f", "arguments": json.dumps({"x": 1})}]}
+    last, answers, _, metrics = serve_and_correct(tiny_model_factory(lora=True, eos_bias=2.0), tiny_tokenizer, cfg, fix)
+    assert "demonstrations" not in last and last["with_signal"] == 8 and "feedback/demonstrations" not in metrics
+    assert answers[0]["correction"].startswith("recorded only: learner.learn_from_corrections is off")
+
+
+def test_a_correction_with_bad_calls_is_a_400_naming_the_field(tiny_tokenizer, tiny_model_factory, tmp_path):
+    cfg = tiny_serve_config(tmp_path / "bad", learn_from_corrections=True)
+    with running_server(tiny_model_factory(lora=True), tiny_tokenizer, cfg) as (url, service):
+        code, body = http("POST", url + "/v1/chat/completions", {
+            "model": "selfrl", "messages": [{"role": "user", "content": "q"}], "max_tokens": 2}, key=API_KEY)
+        rid = body["id"]
+        for calls, says in [([{"name": "f", "arguments": "[1]"}], "JSON object"),
+                            ([{"name": "f", "arguments": "{"}], "not JSON"),
+                            ([{"name": "f", "arguments": "{}"}] * 17, "17")]:
+            code, body = http("POST", url + "/v1/feedback", {"response_id": rid, "corrected": True,
+                                                            "correction_tool_calls": calls}, key=API_KEY)
+            assert code == 400 and says in json.dumps(body), body
+
+
+def test_a_simulated_user_corrects_a_call_with_the_right_calls():
+    from simulated import ScriptedServer
+
+    from selfrl.config.simulate import FamilySettings, PhaseSettings, SimulateConfig
+    from selfrl.simulate import FakeClock, Simulator
+    from selfrl.simulate.families import Family
+
+    fc = Family(FamilySettings("fc", "function_calling", {"categories": ["simple"], "max_params": 3}, users=5))
+    cfg = SimulateConfig(families=[fc.settings], phases=[PhaseSettings(86400.0, {"fc": 1.0})], arrivals_per_hour=3.0,
+                         max_requests=200).validate()
+    cfg.users.noise, cfg.users.rating_p, cfg.users.correction_p, cfg.users.hostile_share = 0.0, 0.0, 1.0, 0.0
+    clock = FakeClock(0.0)
+    server = ScriptedServer(clock)  # answers "I cannot tell.": always wrong, always corrected
+    sim = Simulator(cfg, server, clock=clock, families={"fc": fc})
+    sim.run()
+    posts = [b for k, _, b in server.calls if k == "feedback"]
+    asked = {e["response_id"]: e["conversation"] for e in sim.events if e["event"] == "outcome"}
+    plans = {p.index: p for p in Simulator(cfg, ScriptedServer(), families={"fc": fc}).plans()}
+    assert len(posts) >= 3 and all("correction" not in p for p in posts)
+    for p in posts:  # the calls of the task's first possible answer, arguments as a JSON string
+        task = fc.task(plans[asked[p["response_id"]]].task_seed)
+        assert p["correction_tool_calls"] == [{"name": c["name"], "arguments": json.dumps(c["arguments"])}
+                                              for c in first_answer_calls(task)] != []
