@@ -178,7 +178,8 @@ def above_base(d: dict) -> dict:
 
 def no_forgetting(d: dict, tolerance: float) -> dict:
     """Held-out success per family at each promoted version against the best earlier one (see
-    the module docstring): ``{met, checked, fails, unchecked, held_out, served_success}``."""
+    the module docstring): ``{met, checked, fails, unchecked, held_out, served_success}``; ``met`` is
+    None when nothing was checked (no version promoted over the base)."""
     from selfrl.envs.agents import agent_results
     from selfrl.safety.families import judge_families
 
@@ -206,7 +207,8 @@ def no_forgetting(d: dict, tolerance: float) -> dict:
                 best[fam] = (v, got)
     held_out = {f"{f}@v{v}": {"n": len(r), "correct": sum(r.values())} for v, rs in by_version.items()
                 for f, r in sorted(rs.items())}
-    return {"met": not fails and checked > 0, "checked": checked, "fails": fails, "unchecked": unchecked,
+    # no check (no version promoted over the base): nothing measured, neither met nor failed
+    return {"met": None if checked == 0 else not fails, "checked": checked, "fails": fails, "unchecked": unchecked,
             "held_out": held_out, "served_success": served_success(d, tolerance)}
 
 
@@ -390,7 +392,7 @@ def markdown(t: dict, d: dict) -> str:
          + (f" ({dropped})" if dropped else "")
          + f"; {len(nf['unchecked'])} unchecked. Secondary, served success (different tasks per version, "
          f"Wilson): {nf['served_success']['checked']} checks, {len(nf['served_success']['below'])} below",
-         yes(nf["met"])),
+         "not measured (no version promoted over the base)" if nf["met"] is None else yes(nf["met"])),
         ("100 % of injected collapses caught", f"{cc['caught']}/{cc['applied']} applied ({cc['injected']} injected): "
          f"{faults}", yes(cc["met"])),
         ("0 trajectories lost", f"{tl['lost']} of {tl['acknowledged']} acknowledged turns missing; "
