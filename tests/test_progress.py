@@ -84,7 +84,7 @@ def test_a_long_phase_writes_a_heartbeat(tmp_path, interactive):
     assert p.beat() is None  # not yet
     p.advance(64)
     now[0] = 95.0
-    assert p.beat() == "validation (version 0): 64/128, 95 s"
+    assert p.beat() == "validation (version 0): 64 of 128 done, 95 s"
     now[0] = 110.0
     assert p.beat() is None  # 15 s since the last line
     p.log("validation done")
@@ -92,8 +92,8 @@ def test_a_long_phase_writes_a_heartbeat(tmp_path, interactive):
     assert p.beat() is None  # 29 s since the last line
     p.close()
     text = (tmp_path / "progress.log").read_text()
-    assert "validation (version 0): 64/128, 95 s" in text and inner.steps == 64
-    assert ("validation (version 0): 64/128, 95 s" in inner.lines) == (not interactive)
+    assert "validation (version 0): 64 of 128 done, 95 s" in text and inner.steps == 64
+    assert ("validation (version 0): 64 of 128 done, 95 s" in inner.lines) == (not interactive)
 
 
 def test_the_heartbeat_thread_writes_and_stops(tmp_path):
@@ -105,7 +105,7 @@ def test_the_heartbeat_thread_writes_and_stops(tmp_path):
         time.sleep(0.01)
     p.close()
     assert not p.thread.is_alive()
-    assert "iteration 0: rollouts (turns): 0/3" in (tmp_path / "progress.log").read_text()
+    assert "iteration 0: rollouts (turns): 0 of 3 done" in (tmp_path / "progress.log").read_text()
 
 
 def test_the_file_rotates(tmp_path, monkeypatch):

@@ -121,7 +121,7 @@ class ProgressLog:
     """A :class:`Progress` that passes everything to ``inner`` and writes every log line to
     ``path`` too, with the time, flushed at once (``logging`` with a ``RotatingFileHandler``:
     ``LOG_MAX_BYTES`` a file, ``LOG_BACKUPS`` kept). While a phase runs, a heartbeat line
-    (``"validation (version 0): 64/128, 95 s"``) follows whenever ``heartbeat_s`` pass without
+    (``"validation (version 0): 64 of 128 done, 95 s"``) follows whenever ``heartbeat_s`` pass without
     a line, from a daemon thread; it goes to ``inner`` as well when ``inner`` draws no bars
     (``interactive`` false: output to a file or a pipe). The file is opened at the first line
     (after the run directory's lock is held) and appended to, so a resumed run continues it.
@@ -193,7 +193,8 @@ class ProgressLog:
             now = self.clock()
             if self.description is None or now - self.last_line < self.heartbeat_s:
                 return None
-            line = f"{self.description}: {self.done}/{self.total}, {now - self.phase_start:.0f} s"
+            # "64 of 128 done", not "64/128": a validation's count reads as correct answers otherwise
+            line = f"{self.description}: {self.done} of {self.total} done, {now - self.phase_start:.0f} s"
             self._write(line)
         if not getattr(self.inner, "interactive", True):  # no bar shows it: say it there too
             self.inner.log(line)
