@@ -100,7 +100,7 @@ def test_the_heartbeat_thread_writes_and_stops(tmp_path):
     p = ProgressLog(Recorder(True), tmp_path / "progress.log", heartbeat_s=0.01)
     p.phase("iteration 0: rollouts (turns)", 3)
     for _ in range(1000):  # up to 10 s on a busy machine; a few ms on an idle one
-        if "rollouts (turns): 0/3" in (tmp_path / "progress.log").read_text() if p.logger else False:
+        if "rollouts (turns): 0 of 3 done" in (tmp_path / "progress.log").read_text() if p.logger else False:
             break
         time.sleep(0.01)
     p.close()
