@@ -339,13 +339,13 @@ def corrections(store: Store, turns: list[tuple[str, int]]) -> dict[tuple[str, i
     """The newest explicit correction of each of ``turns`` (``(response_id, choice)``) that says
     what the answer should have been: ``{turn: (text, calls)}`` (``text`` "" when only calls were
     given, ``calls`` ``[{"name", "arguments": {...}}]`` or []). A turn whose feedback carries
-    no correction text or calls is absent."""
+    no correction text (but blank space) or calls is absent."""
     out: dict[tuple[str, int], tuple[str, list[dict[str, Any]]]] = {}
     for rid, choice in turns:
         row = store.conn.execute(
             "SELECT correction, correction_calls FROM feedback WHERE response_id = ? AND choice = ? AND"
-            " source = 'explicit' AND (COALESCE(correction, '') != '' OR correction_calls IS NOT NULL)"
-            " ORDER BY id DESC LIMIT 1", (rid, choice)).fetchone()
+            " source = 'explicit' AND (TRIM(COALESCE(correction, ''), ' ' || char(9, 10, 13)) != ''"
+            " OR COALESCE(correction_calls, '[]') != '[]') ORDER BY id DESC LIMIT 1", (rid, choice)).fetchone()
         if row is not None:
             out[(rid, choice)] = (row[0] or "", json.loads(row[1]) if row[1] else [])
     return out

@@ -64,6 +64,7 @@ from selfrl.rl.logprobs import per_token_logps
 from selfrl.record import adapters, served as records
 from selfrl.config.serve import ServeConfig
 from selfrl.serve.chain import CandidateChain
+from selfrl.serve.corrections import signal_report, with_its_group
 from selfrl.serve.families import held_out_sets
 from selfrl.serve.feedback import score_served
 from selfrl.serve.health import StorageWatch
@@ -315,7 +316,7 @@ class BackgroundLearner(threading.Thread):
         """Rewards, detectors, group advantages (with ``demos``); returns (scored, left out: no reward applied)."""
         scored, unscored = score_served(batch, self.cfg.learner.reward_weights)
         if scored:
-            self.cycle.advantages(self.updates, scored + list(demos))
+            self.cycle.advantages(self.updates, scored + with_its_group(scored, list(demos)))
         return scored, unscored
 
     def recompute_old_logps(self, trajs: list[Trajectory]) -> list[Trajectory]:
@@ -346,7 +347,7 @@ class BackgroundLearner(threading.Thread):
             gone, train, scored = leave_out_gone(self.store, usable, train, scored)
         reward_mean = sum(t.reward for t in scored) / max(len(scored), 1)
         info: dict[str, Any] = {"turns": n_turns, "scored": len(scored), "with_signal": len(usable) - len(gone),
-                                "reward_mean": reward_mean, "too_old": len(too_old) + len(gone), **seen}
+                                "reward_mean": reward_mean, "too_old": len(too_old) + len(gone), **signal_report(seen, demos)}
         if (gone or too_old) and not train:  # nothing left to train on: the skip names the age rule, not "no spread"
             self.updates += 1
             self.last = skip_stale(self.ledger, step_no, too_old, gone, scored, info, self.ages.policy)
@@ -366,7 +367,7 @@ class BackgroundLearner(threading.Thread):
         # the names run logs, so that a restart rebuilds the collapse history (UpdateCycle.resume); each family's too
         metrics = step.result.metrics() | ages | {
             "feedback/too_old": float(len(too_old) + len(gone)), "reward/mean": reward_mean, "version": float(version),
-            "sampled_version": float(sampled)} | ({"feedback/demonstrations": float(len(demos))} if demos else {}) | (
+            "sampled_version": float(sampled)} | ({"feedback/demonstrations": float(info["demonstrations"])} if demos else {}) | (
             collapse.batch_metrics(scored, {t.id: row.get("family") for t, row in batch}, self.cfg.collapse))
         if step.candidate_kl is not None:
             metrics["candidate_kl"] = step.candidate_kl
@@ -440,12 +441,14 @@ def demonstrations_of(bl: BackgroundLearner, batch: list[tuple[Trajectory, dict]
     none, else ``{"demonstrations": n, "corrections_left_out": {reason: count}}``."""
     if not bl.cfg.learner.learn_from_corrections or not batch:
         return [], {}
+    from selfrl.engines.base import model_context
     from selfrl.engines.reference import eos_ids
     from selfrl.serve.corrections import demonstrations
 
     found = records.corrections(bl.store, [(r["response_id"], r["choice"]) for _, r in batch])
     demos, skipped = demonstrations(batch, found, bl.tok, eos_ids(bl.model, bl.tok), bl.ages.held(),
-                                    bl.cfg.max_completion_length, bl.cfg.learner.reward_weights)
+                                    bl.cfg.max_completion_length, bl.cfg.learner.reward_weights,
+                                    model_context(bl.model, bl.tok), bl.model.get_output_embeddings().weight.shape[0])
     return demos, {"demonstrations": len(demos), "corrections_left_out": dict(skipped)} if demos or skipped else {}
 
 

@@ -357,6 +357,16 @@ class FeedbackRequest(_Strict):
     correction_tool_calls: list[FunctionCall] | None = Field(default=None, max_length=16)
     comment: str | None = Field(default=None, max_length=20000)
 
+    @field_validator("correction_tool_calls")
+    @classmethod
+    def _named(cls, v: list[FunctionCall] | None) -> list[FunctionCall] | None:
+        """Each call names a tool: a call of no name is no answer."""
+        for i, call in enumerate(v or []):
+            if not call.name.strip():
+                raise ValueError(f"correction_tool_calls[{i}].name is empty: name the tool the answer should "
+                                 "have called")
+        return v
+
     @field_validator("rating", mode="before")
     @classmethod
     def _finite(cls, v):

@@ -44,7 +44,8 @@ AGE_SETTINGS = ("max_feedback_age_versions", "max_feedback_age_s", "feedback_tis
 
 
 def check_owner_age_rule(learner, runs: list[dict[str, Any]], run_dir: str | Path) -> None:
-    """Refuse a replica whose ``[learner]`` age rule (:data:`AGE_SETTINGS`) is not its owner's.
+    """Refuse a replica whose ``[learner]`` age rule (:data:`AGE_SETTINGS`), or its
+    ``learn_from_corrections``, is not its owner's.
 
     A replica answers ``POST /v1/feedback`` on its turns by the age rule, and leaves a turn it
     finds ``too_old`` out for good (``skipped``); the owner's learner trains them, so the rule
@@ -63,6 +64,10 @@ def check_owner_age_rule(learner, runs: list[dict[str, Any]], run_dir: str | Pat
                         "age rule", run_dir, "a replica answers feedback, and leaves turns too old to train out, by the "
                         "age rule of the owner's learner, which trains its turns",
                         " (or restart the owner with this replica's values)")
+    _refuse_differences(_differences({"learner": learner}, runs, [("learner", "learn_from_corrections")]),
+                        "use of corrections", run_dir, "a replica's feedback answer says whether a correction trains "
+                        "as a demonstration, and the owner's learner, which trains its turns, decides",
+                        " (or restart the owner with this replica's value)")
 
 
 OWNER_SETTINGS = (("model", "name"), ("lora", "r"), ("lora", "lora_alpha"), ("lora", "target_modules"),
