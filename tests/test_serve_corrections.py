@@ -78,7 +78,10 @@ def test_a_demonstration_is_the_turns_prompt_with_the_right_answer_and_a_right_a
     assert demo.token_ids[P:] == completion_ids(tiny_tokenizer, "", eos(tiny_tokenizer), [CALL], compact=True)
     assert demo.completion_mask == [0] * P + [1] * (len(demo.token_ids) - P)
     assert demo.rewards == {"user_feedback": 1.0, "tool_success": 1.0} and demo.reward == pytest.approx(1.2)
-    assert (demo.group_id, demo.adapter_version, demo.parent_id, demo.constraints) == ("g-key", 7, "t1", [])
+    assert (demo.group_id, demo.adapter_version, demo.parent_id) == ("g-key", 7, "t1")
+    # the learner replays the turn's grammar over the demonstration's own tokens, as over the turn's
+    [c] = demo.constraints
+    assert (c["start"], c["end"], c["kind"], c["grammar"]) == (P, len(demo.token_ids), "tool_call", t.constraints[0]["grammar"])
     assert demo.messages[-1] == {"role": "assistant", "content": None, "tool_calls": [CALL]}
     # text only: the reward of a right answer without calls
     [text_demo], _ = demonstrations([(turn(tiny_tokenizer), row())], {("r1", 0): ("sunny", [])}, tiny_tokenizer,
@@ -164,7 +167,7 @@ def serve_and_correct(model, tok, cfg, correct: dict):
 
 def test_the_learner_trains_on_corrections_beside_their_turns_when_asked(tiny_tokenizer, tiny_model_factory, tmp_path):
     cfg = tiny_serve_config(tmp_path / "on", min_batch=8, max_batch=8, feedback_wait_s=600.0, poll_s=0.05,
-                            learn_from_corrections=True)
+                            learn_from_corrections="all")
     cfg.collapse.max_kl = 50.0
     last, answers, n_rows, metrics = serve_and_correct(tiny_model_factory(lora=True, eos_bias=2.0), tiny_tokenizer,
                                                        cfg, {"correction": "the answer"})
@@ -177,7 +180,7 @@ def test_the_learner_trains_on_corrections_beside_their_turns_when_asked(tiny_to
 
 def test_a_demonstration_without_signal_is_not_counted_as_trained(tiny_tokenizer, tiny_model_factory, tmp_path):
     cfg = tiny_serve_config(tmp_path / "flat", min_batch=8, max_batch=8, feedback_wait_s=600.0, poll_s=0.05,
-                            learn_from_corrections=True)
+                            learn_from_corrections="all")
     # every turn rated +1, the corrected ones too: each demonstration ties its group, so none trains
     last, answers, _, metrics = serve_and_correct(tiny_model_factory(lora=True, eos_bias=2.0), tiny_tokenizer, cfg,
                                                   {"correction": "a better answer", "rating": 1.0})
@@ -196,7 +199,7 @@ def test_without_the_setting_a_correction_is_recorded_and_says_so(tiny_tokenizer
 
 
 def test_a_correction_with_bad_calls_is_a_400_naming_the_field(tiny_tokenizer, tiny_model_factory, tmp_path):
-    cfg = tiny_serve_config(tmp_path / "bad", learn_from_corrections=True)
+    cfg = tiny_serve_config(tmp_path / "bad", learn_from_corrections="all")
     with running_server(tiny_model_factory(lora=True), tiny_tokenizer, cfg) as (url, service):
         code, body = http("POST", url + "/v1/chat/completions", {
             "model": "selfrl", "messages": [{"role": "user", "content": "q"}], "max_tokens": 2}, key=API_KEY)
@@ -216,7 +219,7 @@ def test_a_correction_with_bad_calls_is_a_400_naming_the_field(tiny_tokenizer, t
             assert code == 200, body
             answers[name] = body["correction"]
         assert answers["text"].startswith("queued: this server does not learn; a learning server on this run "
-                                          "directory with learner.learn_from_corrections on trains it")
+                                          "directory with learner.learn_from_corrections = 'all' trains it")
         # before: [] was stored as "[]" and trained an empty answer; a blank text was said to train
         assert answers["no calls"] == answers["blank"] == "recorded only: an empty answer (no text, no calls)"
         with service.store.lock:
@@ -375,8 +378,31 @@ def test_a_replica_whose_use_of_corrections_is_not_its_owners_is_refused():
     from selfrl.config.serve import LearnerSettings
     from selfrl.serve.replica import check_owner_age_rule
 
-    owner = {"config": {"serve": {"replica": False, "learner": {"learn_from_corrections": True}}}}
-    check_owner_age_rule(LearnerSettings(learn_from_corrections=True), [owner], "runs/x")
+    owner = {"config": {"serve": {"replica": False, "learner": {"learn_from_corrections": "all"}}}}
+    check_owner_age_rule(LearnerSettings(learn_from_corrections="all"), [owner], "runs/x")
     # before: the replica answered "recorded only: learn_from_corrections is off" and the owner trained it
-    with pytest.raises(ConfigError, match="learner.learn_from_corrections = False here, True there"):
+    with pytest.raises(ConfigError, match="learner.learn_from_corrections = 'off' here, 'all' there"):
         check_owner_age_rule(LearnerSettings(), [owner], "runs/x")
+
+
+def test_calls_only_leaves_text_corrections_out_and_says_so(tiny_tokenizer):
+    # arithmetic's users correct with the final number alone: trained on, it taught the soak's model to answer
+    # without the calculator; "calls" trains only corrections whose calls are the whole answer
+    batch = [(turn(tiny_tokenizer, tid="t1"), row("r1")), (turn(tiny_tokenizer, tid="t2"), row("r2"))]
+    found = {("r1", 0): ("47", []), ("r2", 0): ("", [CALL])}
+    demos, skipped = demonstrations(batch, found, tiny_tokenizer, eos(tiny_tokenizer), 7, 64, WEIGHTS, use="calls")
+    assert [d.parent_id for d in demos] == ["t2"]
+    assert dict(skipped) == {'learner.learn_from_corrections = "calls" trains only corrections that carry the calls '
+                             '(correction_tool_calls); "all" trains text too': 1}
+    demos, skipped = demonstrations(batch, found, tiny_tokenizer, eos(tiny_tokenizer), 7, 64, WEIGHTS, use="all")
+    assert [d.parent_id for d in demos] == ["t1", "t2"] and not skipped
+
+
+def test_the_setting_takes_off_calls_or_all():
+    from selfrl.config import ConfigError
+    from selfrl.config.serve import LearnerSettings
+
+    for ok in ("off", "calls", "all"):
+        LearnerSettings(learn_from_corrections=ok).check()
+    with pytest.raises(ConfigError, match="learn_from_corrections"):
+        LearnerSettings(learn_from_corrections=True).check()

@@ -31,6 +31,7 @@ from selfrl.engines.base import MAX_TEMPERATURE, MIN_TEMPERATURE
 
 KV_MB_MAX = 1 << 20  # 1 TiB: the largest key/value bound in MB a setting takes
 LearnerOrder = Literal["newest", "oldest"]  # which ready turns an update takes first (selfrl.serve.late_feedback)
+CorrectionUse = Literal["off", "calls", "all"]  # which corrections train as demonstrations (selfrl.serve.corrections)
 
 
 @dataclass
@@ -49,7 +50,7 @@ class LearnerSettings:
     max_feedback_age_versions: int = 4  # a turn trains only while the learner's weights changed at most this many times since its version
     max_feedback_age_s: float = 604800.0  # ... and only while it is at most this many seconds old; older feedback is only recorded
     idle_kv_cache_mb: int = 0  # the learner's own slot engine (it samples the held-out gate once an update) keeps at most this many MB of key/value cache between updates (0: freed after each; the next gate allocates its own)
-    learn_from_corrections: bool = False  # a correction that says what the answer should have been (feedback correction text or correction_tool_calls) also trains as a demonstration, reward +1, in its turn's group (selfrl.serve.corrections); on only for users you trust: a correction is trained on as written
+    learn_from_corrections: CorrectionUse = "off"  # which corrections that say what the answer should have been also train as a demonstration in their turn's group (selfrl.serve.corrections): off | calls (only those with correction_tool_calls: the call is the whole answer) | all (text too: a final answer alone can teach skipping the tools that reach it); only for users you trust: a correction is trained on as written
     feedback_tis_cap: float = 2.0  # cap C of a late turn's weight min(exp(sum of log-ratios since its version), C) (truncated, as TIS)
     reward_weights: dict[str, float] = field(
         default_factory=lambda: {"user_feedback": 1.0, "tool_success": 0.2})  # registered rewards (selfrl.envs.rewards)
@@ -59,6 +60,7 @@ class LearnerSettings:
             in_range(self.min_batch, "min_batch", 2, 65536),
             in_range(self.max_batch, "max_batch", 2, 65536),
             one_of(self.order, LearnerOrder, "order"),
+            one_of(self.learn_from_corrections, CorrectionUse, "learn_from_corrections"),
             in_range(self.feedback_wait_s, "feedback_wait_s", 0, SECONDS_MAX),
             in_range(self.poll_s, "poll_s", 0, 3600, low_open=True),
             in_range(self.retry_s, "retry_s", 0, SECONDS_MAX, low_open=True),

@@ -230,7 +230,7 @@ def diagnose_family(a: FamilyAccount, learning_rate: float | None = None) -> str
                  "almost every turn is pushed down" if a.groups == 1 else "")
         causes.append(f"almost no positive feedback: {a.trained_positive} of its {a.trained} trained turns "
                       f"({a.trained_positive / a.trained:.0%}) were rated positively{group}; rate good answers too, "
-                      "or correct the bad ones with the right answer (correction / correction_tool_calls) and turn on "
+                      "or correct the bad ones with the right answer (correction / correction_tool_calls) and set "
                       "learner.learn_from_corrections, so that there is something to reinforce")
     old = a.skipped.get("too old", 0)
     if a.trained and old >= a.trained:

@@ -437,9 +437,9 @@ class BackgroundLearner(threading.Thread):
 
 def demonstrations_of(bl: BackgroundLearner, batch: list[tuple[Trajectory, dict]]) -> tuple[list[Trajectory], dict]:
     """The corrections of ``batch``'s turns as demonstrations (:mod:`selfrl.serve.corrections`) when
-    ``learner.learn_from_corrections`` is on, and what the update says of them: ``{}`` when it found
+    ``learner.learn_from_corrections`` is not off, and what the update says of them: ``{}`` when it found
     none, else ``{"demonstrations": n, "corrections_left_out": {reason: count}}``."""
-    if not bl.cfg.learner.learn_from_corrections or not batch:
+    if bl.cfg.learner.learn_from_corrections == "off" or not batch:
         return [], {}
     from selfrl.engines.base import model_context
     from selfrl.engines.reference import eos_ids
@@ -448,7 +448,8 @@ def demonstrations_of(bl: BackgroundLearner, batch: list[tuple[Trajectory, dict]
     found = records.corrections(bl.store, [(r["response_id"], r["choice"]) for _, r in batch])
     demos, skipped = demonstrations(batch, found, bl.tok, eos_ids(bl.model, bl.tok), bl.ages.held(),
                                     bl.cfg.max_completion_length, bl.cfg.learner.reward_weights,
-                                    model_context(bl.model, bl.tok), bl.model.get_output_embeddings().weight.shape[0])
+                                    model_context(bl.model, bl.tok), bl.model.get_output_embeddings().weight.shape[0],
+                                    bl.cfg.learner.learn_from_corrections)
     return demos, {"demonstrations": len(demos), "corrections_left_out": dict(skipped)} if demos or skipped else {}
 
 

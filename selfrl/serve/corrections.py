@@ -1,5 +1,7 @@
 """Corrections as demonstrations: what a user said the answer should have been, trained beside
-the turn it corrects (``learner.learn_from_corrections``).
+the turn it corrects (``learner.learn_from_corrections``: ``"calls"`` for corrections that carry
+calls, ``"all"`` for text ones too; a final answer given alone as text can teach the model to skip
+the tools that would reach it).
 
 A rating says only whether a turn was right. A correction that carries the right answer
 (``POST /v1/feedback`` with ``correction`` text and/or ``correction_tool_calls``) says what
@@ -24,9 +26,10 @@ update (:func:`demonstrations`):
 * **Loss.** The same clipped loss as every turn. Its behaviour log-probs are the learner's
   own (the learner recomputes them for every turn before an update), so its ratio is 1 and
   its gradient is ``advantage x grad log pi(demonstration)``: supervised learning on the
-  correction, weighted by how much better it is than its group. It is decoded without the
-  turn's grammar (none sampled it), and it carries the version the learner holds, so the age
-  rule gives it weight 1. This is the mixed-policy group of LUFFY (Yan et al., 2025,
+  correction, weighted by how much better it is than its group. Its log-probs are taken
+  under its turn's grammar, as the turn's are (the learner replays the masks: the tokens the
+  grammar forbids take no probability mass, so the update moves only the choices the model
+  really has), and it carries the version the learner holds, so the age rule gives it weight 1. This is the mixed-policy group of LUFFY (Yan et al., 2025,
   "Learning to Reason under Off-Policy Guidance", arXiv:2504.14945), without its policy shaping.
 
 A correction is left out (``skip`` reasons, counted by the update) when it cannot be the
@@ -93,6 +96,20 @@ def says_answer(text: str | None, calls: list[dict[str, Any]] | None) -> str | N
     return None
 
 
+def setting_refuses(use: str, calls: list | None) -> str | None:
+    """Why ``learner.learn_from_corrections = use`` leaves a correction with ``calls`` out, or None.
+
+    >>> setting_refuses("calls", []) is not None, setting_refuses("calls", [{"name": "f"}]), setting_refuses("all", [])
+    (True, None, None)
+    """
+    if use == "off":
+        return "learner.learn_from_corrections is off (\"calls\" or \"all\" trains corrections as demonstrations)"
+    if use == "calls" and not calls:
+        return ("learner.learn_from_corrections = \"calls\" trains only corrections that carry the calls "
+                "(correction_tool_calls); \"all\" trains text too")
+    return None
+
+
 def _is_json(text: str) -> bool:
     try:
         json.loads(text)
@@ -152,7 +169,7 @@ def _shape_problem(kind: str | None, text: str, calls: list) -> str | None:
 def demonstrations(batch: list[tuple[Trajectory, dict]], found: dict[tuple[str, int], tuple[str, list]],
                    tokenizer, eos_ids: list[int], version: int, max_len: int,
                    weights: dict[str, float], context: int | None = None,
-                   vocab_size: int | None = None) -> tuple[list[Trajectory], Counter]:
+                   vocab_size: int | None = None, use: str = "all") -> tuple[list[Trajectory], Counter]:
     """One demonstration per turn of ``batch`` that ``found`` holds a correction for.
 
     Args:
@@ -165,6 +182,7 @@ def demonstrations(batch: list[tuple[Trajectory, dict]], found: dict[tuple[str, 
         context: the most tokens, prompt and completion, the learner's model attends to; None: no limit.
         vocab_size: V of the model's output layer, to replay a turn's grammar on its
             demonstration; None: ``len(tokenizer)``.
+        use: ``learner.learn_from_corrections`` (``"calls"``: a correction without calls is left out).
 
     Returns:
         ``(demonstrations, skipped)``: the trajectories, scored (``reward``, ``rewards``,
@@ -178,6 +196,9 @@ def demonstrations(batch: list[tuple[Trajectory, dict]], found: dict[tuple[str, 
         if hit is None:
             continue
         text, calls = hit
+        if (why := setting_refuses(use, calls)) is not None:
+            skipped[why] += 1
+            continue
         grammar = turn.constraints[0] if turn.constraints else None  # a served turn has one or none
         kind = None if grammar is None else grammar.get("kind")
         if (why := says_answer(text, calls) or _shape_problem(kind, text, calls)) is not None:
@@ -200,20 +221,22 @@ def demonstrations(batch: list[tuple[Trajectory, dict]], found: dict[tuple[str, 
             skipped["the same answer as a corrected choice of its response (trained once)"] += 1
         else:
             made.add((row["response_id"], tuple(ids)))
-            out.append(_demonstration(turn, row, prompt, ids, text, calls, version, weights))
+            out.append(_demonstration(turn, row, prompt, ids, text, calls, version, weights, grammar))
     return out, skipped
 
 
 def _demonstration(turn: Trajectory, row: dict, prompt: list[int], ids: list[int], text: str, calls: list,
-                   version: int, weights: dict[str, float]) -> Trajectory:
+                   version: int, weights: dict[str, float], grammar: dict | None) -> Trajectory:
     rewards, total = served_rewards(1.0, 1.0 if calls else None, weights)
+    P = len(prompt)  # the turn's grammar over the demonstration's tokens (the learner replays its masks)
+    constraints = [] if grammar is None else [{**grammar, "start": P, "end": P + len(ids)}]
     return Trajectory(
         turn.task_id, row["group_key"], version, prompt_len=len(prompt), token_ids=prompt + ids,
         completion_mask=[0] * len(prompt) + [1] * len(ids), logprobs=[0.0] * (len(prompt) + len(ids)),
         messages=[*turn.messages[:-1], {"role": "assistant", "content": text or None,
                                         **({"tool_calls": calls} if calls else {})}],
         final_answer=None if calls else text, num_turns=1, rewards=rewards, reward=total,
-        id=f"{turn.id}-correction", parent_id=turn.id)
+        id=f"{turn.id}-correction", parent_id=turn.id, constraints=constraints)
 
 
 def with_its_group(scored: list[Trajectory], demos: list[Trajectory]) -> list[Trajectory]:

@@ -344,8 +344,8 @@ class FeedbackRequest(_Strict):
     user had to correct the answer (counts as -1 unless a rating is given);
     ``correction`` is the corrected answer, stored with the trajectory; ``correction_tool_calls``
     the calls the answer should have made (``[{"name", "arguments": "<JSON object>"}]``, the
-    ``function`` of an OpenAI tool call). With ``learner.learn_from_corrections`` a correction
-    that carries either trains as a demonstration (:mod:`selfrl.serve.corrections`).
+    ``function`` of an OpenAI tool call). With ``learner.learn_from_corrections`` (``"calls"``:
+    only those with calls; ``"all"``) a correction that carries either trains as a demonstration (:mod:`selfrl.serve.corrections`).
     ``choice`` picks one of ``n`` choices (default 0).
     """
 

@@ -36,7 +36,7 @@ from selfrl.record.store import Store
 from selfrl.record.versions import EventKind, Ledger
 from selfrl.run.setup import check_names
 from selfrl.serve.batcher import Batcher
-from selfrl.serve.corrections import says_answer
+from selfrl.serve.corrections import says_answer, setting_refuses
 from selfrl.serve.errors import ApiError
 from selfrl.serve.feedback import explicit_value
 from selfrl.serve.health import StorageWatch
@@ -308,7 +308,8 @@ class Service:
                "outcome": applied.outcome, "reason": applied.reason,
                "turns_updated": applied.updated, "turns_too_late": applied.too_late}
         if f.correction is not None or f.correction_tool_calls is not None:
-            out["correction"] = self.correction_use(applied.outcome, says_answer(f.correction, f.correction_tool_calls))
+            out["correction"] = self.correction_use(applied.outcome, says_answer(f.correction, f.correction_tool_calls),
+                                                    f.correction_tool_calls)
         if applied.too_late:
             note = (f"came too late for {applied.too_late} turn(s): already trained on or skipped (a turn waits "
                     f"learner.feedback_wait_s = {self.cfg.learner.feedback_wait_s:g} s for feedback); recorded, "
@@ -318,21 +319,21 @@ class Service:
                        {"response_id": f.response_id, "updated": applied.updated, "too_late": applied.too_late})
         return out
 
-    def correction_use(self, outcome: str, problem: str | None = None) -> str:
+    def correction_use(self, outcome: str, problem: str | None = None, calls: list | None = None) -> str:
         """What becomes of a correction (:mod:`selfrl.serve.corrections`) of a turn whose feedback
         ``outcome`` this is; ``problem``: why it cannot be an answer at all
-        (:func:`selfrl.serve.corrections.says_answer`), or None. A replica answers by its owner's
+        (:func:`selfrl.serve.corrections.says_answer`), or None; ``calls``: its ``correction_tool_calls``. A replica answers by its owner's
         setting (it refuses to start with another one: :func:`selfrl.serve.replica.check_owner_age_rule`)."""
         if problem is not None:
             return f"recorded only: {problem}"
-        if not self.cfg.learner.learn_from_corrections:
-            return ("recorded only: learner.learn_from_corrections is off (turn it on to train on corrections "
-                    "as demonstrations)")
+        if (why := setting_refuses(self.cfg.learner.learn_from_corrections, calls)) is not None:
+            return f"recorded only: {why}"
         if outcome == "too_old":
             return "recorded only: its turn is not trained on (see reason)"
         if self.learner is None and not self.cfg.replica:
             return ("queued: this server does not learn; a learning server on this run directory with "
-                    "learner.learn_from_corrections on trains it as a demonstration with its turn")
+                    f"learner.learn_from_corrections = {self.cfg.learner.learn_from_corrections!r} trains it as a "
+                    "demonstration with its turn")
         return "trains as a demonstration with its turn, unless it cannot be the turn's answer (the update says why)"
 
     def close(self) -> None:
