@@ -94,8 +94,7 @@ LEARNING_RATE = 2e-4
 # demonstrations (learner.learn_from_corrections = "calls"). Without them, a 90-minute run at 2e-4 left
 # function calling at its base (12/48 -> 11/48): its users rated 32 of its 352 trained turns right, too
 # few for one baseline per family to learn from. Not "all": arithmetic's corrections give the final
-# number alone, and trained on they taught answering without the calculator (held out 1/12 at
-# version 6 with them, 12/12 at version 2 without).
+# number alone, which trained on the turn's prompt rewards answering without the calculator.
 # The collapse rule's cap on the candidate's KL to the reference (whole vocabulary, on the batch's
 # turns): at 2e-4 a chain of two ordinary updates probed 0.52 and was rolled back under a cap of 0.5
 # (at 1e-4 ordinary candidates probed up to 0.42); the injected noise probes about 10.

@@ -386,8 +386,8 @@ def test_a_replica_whose_use_of_corrections_is_not_its_owners_is_refused():
 
 
 def test_calls_only_leaves_text_corrections_out_and_says_so(tiny_tokenizer):
-    # arithmetic's users correct with the final number alone: trained on, it taught the soak's model to answer
-    # without the calculator; "calls" trains only corrections whose calls are the whole answer
+    # arithmetic's users correct with the final number alone, which trained on rewards answering without the
+    # calculator; "calls" trains only corrections whose calls are the whole answer
     batch = [(turn(tiny_tokenizer, tid="t1"), row("r1")), (turn(tiny_tokenizer, tid="t2"), row("r2"))]
     found = {("r1", 0): ("47", []), ("r2", 0): ("", [CALL])}
     demos, skipped = demonstrations(batch, found, tiny_tokenizer, eos(tiny_tokenizer), 7, 64, WEIGHTS, use="calls")
