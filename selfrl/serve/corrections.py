@@ -44,7 +44,7 @@ from its newest correction: a flood of corrections on one turn trains once, and 
 one response corrected with the same answer train it once.
 
 A correction is trained on as written: turn this on only where the users who correct are
-trusted (``docs/guides/serve.md``).
+trusted (``docs/concepts/serving.md``).
 """
 
 from __future__ import annotations
