@@ -109,12 +109,17 @@ def test_json_corrections_of_a_json_turn_and_turns_without_a_correction(tiny_tok
     assert tiny_tokenizer.decode(demos[0].token_ids[demos[0].prompt_len:]) == '{"a":1}<|im_end|>'  # compact
 
 
-def test_the_store_keeps_a_corrections_calls_and_gives_the_newest(tmp_path):
+def store_with_one_turn(tmp_path) -> Store:
+    """A server store holding one served turn, response ``r1`` choice 0."""
     store = Store(tmp_path / "s.sqlite")
     records.init(store)
-    run_id = store.start_run({})
     t = Trajectory("task", "g", 0, prompt_len=1, token_ids=[1, 2], completion_mask=[0, 1], logprobs=[0.0, -1.0])
-    records.add_turn(store, run_id, t, "r1", 0, "c", "g", "k")
+    records.add_turn(store, store.start_run({}), t, "r1", 0, "c", "g", "k")
+    return store
+
+
+def test_the_store_keeps_a_corrections_calls_and_gives_the_newest(tmp_path):
+    store = store_with_one_turn(tmp_path)
     records.apply_feedback(store, "r1", 0, "explicit", -1.0, corrected=True, correction="first")
     records.apply_feedback(store, "r1", 0, "explicit", -1.0, corrected=True, correction_calls=[CALL])
     records.apply_feedback(store, "r1", 0, "explicit", 1.0, rating=1.0)  # a rating says no answer: not a correction
@@ -361,11 +366,7 @@ def test_a_demonstration_is_never_below_its_group_and_one_without_signal_says_so
 
 
 def test_the_store_ignores_empty_corrections(tmp_path):
-    store = Store(tmp_path / "s.sqlite")
-    records.init(store)
-    run_id = store.start_run({})
-    t = Trajectory("task", "g", 0, prompt_len=1, token_ids=[1, 2], completion_mask=[0, 1], logprobs=[0.0, -1.0])
-    records.add_turn(store, run_id, t, "r1", 0, "c", "g", "k")
+    store = store_with_one_turn(tmp_path)
     records.apply_feedback(store, "r1", 0, "explicit", -1.0, corrected=True, correction="the answer")
     records.apply_feedback(store, "r1", 0, "explicit", -1.0, corrected=True, correction_calls=[])  # before: won
     records.apply_feedback(store, "r1", 0, "explicit", -1.0, corrected=True, correction=" \n")

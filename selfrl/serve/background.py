@@ -64,7 +64,7 @@ from selfrl.rl.logprobs import per_token_logps
 from selfrl.record import adapters, served as records
 from selfrl.config.serve import ServeConfig
 from selfrl.serve.chain import CandidateChain
-from selfrl.serve.corrections import signal_report, with_its_group
+from selfrl.serve.corrections import demonstrations, signal_report, with_its_group
 from selfrl.serve.families import held_out_sets
 from selfrl.serve.feedback import score_served
 from selfrl.serve.health import StorageWatch
@@ -443,7 +443,6 @@ def demonstrations_of(bl: BackgroundLearner, batch: list[tuple[Trajectory, dict]
         return [], {}
     from selfrl.engines.base import model_context
     from selfrl.engines.reference import eos_ids
-    from selfrl.serve.corrections import demonstrations
 
     found = records.corrections(bl.store, [(r["response_id"], r["choice"]) for _, r in batch])
     demos, skipped = demonstrations(batch, found, bl.tok, eos_ids(bl.model, bl.tok), bl.ages.held(),
