@@ -258,6 +258,58 @@ def test_a_simulated_user_corrects_a_call_with_the_right_calls():
                                               for c in first_answer_calls(task)] != []
 
 
+
+@pytest.mark.parametrize("calls_first", [False, True])
+def test_an_arithmetic_user_corrects_a_first_step_with_the_calculator_call(calls_first):
+    from simulated import ScriptedServer
+
+    from selfrl.config.simulate import FamilySettings, PhaseSettings, SimulateConfig
+    from selfrl.simulate import FakeClock, Simulator
+    from selfrl.simulate.families import Family
+
+    class Guesser(ScriptedServer):  # answers at once, without the calculator: always wrong
+        def chat(self, user, body):
+            return super().chat(user, {k: v for k, v in body.items() if k != "tools"})
+
+    ar = Family(FamilySettings("ar", "arithmetic", {}, users=5))
+    cfg = SimulateConfig(families=[ar.settings], phases=[PhaseSettings(86400.0, {"ar": 1.0})], arrivals_per_hour=3.0,
+                         max_requests=200).validate()
+    cfg.users.noise, cfg.users.rating_p, cfg.users.correction_p, cfg.users.hostile_share = 0.0, 0.0, 1.0, 0.0
+    clock = FakeClock(0.0)
+    server = ScriptedServer(clock, wrong=True) if calls_first else Guesser(clock)
+    sim = Simulator(cfg, server, clock=clock, families={"ar": ar})
+    sim.run()
+    posts = [b for k, _, b in server.calls if k == "feedback"]
+    asked = {e["response_id"]: e["conversation"] for e in sim.events if e["event"] == "outcome"}
+    plans = {p.index: p for p in Simulator(cfg, ScriptedServer(), families={"ar": ar}).plans()}
+    assert len(posts) >= 3
+    for p in posts:
+        task = ar.task(plans[asked[p["response_id"]]].task_seed)
+        if calls_first:  # the turn after the calculator's result: its right answer is the number
+            assert p["correction"] == task.answer and "correction_tool_calls" not in p
+        else:  # before: a text correction, which learn_from_corrections = "calls" never trains
+            expression = task.metadata["entry"]["metadata"]["expression"]
+            assert "correction" not in p and p["correction_tool_calls"] == [
+                {"name": "calculator", "arguments": json.dumps({"expression": expression})}]
+
+
+def test_after_a_tool_result_the_right_answer_is_the_number_as_text():
+    from selfrl.config.simulate import FamilySettings
+    from selfrl.simulate.families import Family
+
+    ar = Family(FamilySettings("ar", "arithmetic", {}, users=1))
+    task = ar.task(5)
+    expression = task.metadata["entry"]["metadata"]["expression"]
+    first = [{"role": "system", "content": "s"}, {"role": "user", "content": "example"},
+             {"role": "tool", "content": "47"}, {"role": "assistant", "content": "<answer>47</answer>"},
+             {"role": "user", "content": task.question}, {"role": "assistant", "content": "<answer>3</answer>"}]
+    assert ar.right_calls(task, first) == [{"name": "calculator", "arguments": {"expression": expression}}]
+    called = first[:-1] + [{"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]},
+                           {"role": "tool", "content": "4"}, {"role": "assistant", "content": "<answer>3</answer>"}]
+    assert ar.right_calls(task, called) == []
+    web = Family(FamilySettings("w", "web", {"tier": "easy"}, users=1))
+    assert web.right_calls(web.task(0), first) == []  # no calculator expression: a text correction
+
 def one(tok, kinds, fix, max_len=256, context=None):
     return demonstrations([(turn(tok, kinds), row())], {("r1", 0): fix}, tok, eos(tok), 7, max_len, WEIGHTS,
                           context)

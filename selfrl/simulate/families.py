@@ -221,14 +221,30 @@ class Family:
             return [t.openai_schema() for t in ep.tools.values()]
         return [t.openai_schema() for t in [*self.shared_tools, *turn]]
 
-    def right_calls(self, task: Task) -> list[dict[str, Any]]:
-        """The calls a user who knows the answer corrects with: a function-calling task's first
-        possible answer (``[{"name", "arguments": {...}}]``); [] for any other task."""
-        if "ground_truth" not in task.metadata:
-            return []
-        from selfrl.envs.function_calling import first_answer_calls
+    def right_calls(self, task: Task, messages: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """The calls a user who knows the answer corrects a turn with (``[{"name", "arguments": {...}}]``),
+        or [] when the turn's right answer is text.
 
-        return first_answer_calls(task)
+        * A function-calling task: its first possible answer.
+        * An arithmetic task whose item has an ``expression``, where the calculator is offered and
+          the corrected turn is the task's first step (no tool result in ``messages``, the
+          conversation through the corrected turn, since its last user message): the calculator on
+          that expression, as the worked example calls it. After a tool result the right answer is
+          the number, as text.
+        """
+        if "ground_truth" in task.metadata:
+            from selfrl.envs.function_calling import first_answer_calls
+
+            return first_answer_calls(task)
+        entry = task.metadata.get("entry")
+        expression = ((entry.get("metadata") or {}) if isinstance(entry, dict) else {}).get("expression")
+        if not isinstance(expression, str) or "calculator" not in {t.name for t in self.shared_tools}:
+            return []
+        since = list(messages or [])
+        last_user = max((i for i, m in enumerate(since) if m.get("role") == "user"), default=-1)
+        if any(m.get("role") == "tool" for m in since[last_user + 1:]):
+            return []
+        return [{"name": "calculator", "arguments": {"expression": expression}}]
 
     def correct(self, ep: Episode, final_text: str, state: dict[str, Any] | None) -> bool:
         """The verifier's verdict on the conversation (``final_text``: the last answer's text)."""

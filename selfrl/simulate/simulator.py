@@ -21,8 +21,10 @@ from that later time; the plans and their draws are the same for every ``concurr
 * **A reaction**: a rating is ``POST /v1/feedback {response_id, choice: 0, rating: ±1}``; a
   correction is the conversation sent back with a user message "No, that's wrong, the answer
   is X." (X: the task's reference answer), then ``POST /v1/feedback`` with ``corrected: true``
-  and ``correction: X`` (the server reads corrections from feedback too), or for a function-calling
-  task ``correction_tool_calls``, the calls of its first possible answer; a hostile user's
+  and ``correction: X`` (the server reads corrections from feedback too), or
+  ``correction_tool_calls`` where the corrected turn's right answer is a call
+  (:meth:`Family.right_calls`: a function-calling task's first possible answer; the calculator
+  on an arithmetic task's expression, for its first step); a hostile user's
   action (``selfrl.simulate.users``).
 
 Bounds: at most ``max_requests`` HTTP requests (completions and feedback alike) and
@@ -354,7 +356,7 @@ class Simulator:
             answer = task.answer
             follow = [*messages, {"role": "user", "content": f"No, that's wrong, the answer is {answer}."}]
             self._request("chat", "correction_turn", p, self._body(p, fam, follow, tools, task.id))
-            calls = fam.right_calls(task)  # a call's right answer is the calls, not their JSON as text
+            calls = fam.right_calls(task, messages)  # a call's right answer is the calls, not their JSON as text
             fix = {"correction_tool_calls": [{"name": c["name"], "arguments": json.dumps(c["arguments"])}
                                              for c in calls]} if calls else {"correction": answer}
             self._request("feedback", "correction", p, {"response_id": response_id, "choice": 0, "corrected": True,
