@@ -183,6 +183,23 @@ def test_the_learner_trains_on_corrections_beside_their_turns_when_asked(tiny_to
     assert answers[0]["correction"].startswith("trains as a demonstration") and "correction" not in answers[1]
 
 
+def test_the_kl_probe_of_a_candidate_reads_only_sampled_turns(tiny_tokenizer, tiny_model_factory, tmp_path,
+                                                               monkeypatch):
+    from selfrl.rl.learner import Learner
+
+    probed, probe = [], Learner.probe_kl
+    monkeypatch.setattr(Learner, "probe_kl", lambda self, trajs, n: probed.append([t.id for t in trajs]) or
+                        probe(self, trajs, n))
+    cfg = tiny_serve_config(tmp_path / "probe", min_batch=8, max_batch=8, feedback_wait_s=600.0, poll_s=0.05,
+                            learn_from_corrections="all")
+    cfg.collapse.max_kl, cfg.collapse.kl_probe_size = 50.0, 64
+    last, *_ = serve_and_correct(tiny_model_factory(lora=True, eos_bias=2.0), tiny_tokenizer, cfg,
+                                 {"correction": "the answer"})
+    assert last["demonstrations"] == 4 and last["with_signal"] == 12, last
+    # before: the 4 demonstrations were probed too (12 ids), their tokens the very ones the update pushed up
+    assert len(probed) == 1 and len(probed[0]) == 8 and not any(i.endswith("-correction") for i in probed[0])
+
+
 def test_a_demonstration_without_signal_is_not_counted_as_trained(tiny_tokenizer, tiny_model_factory, tmp_path):
     cfg = tiny_serve_config(tmp_path / "flat", min_batch=8, max_batch=8, feedback_wait_s=600.0, poll_s=0.05,
                             learn_from_corrections="all")

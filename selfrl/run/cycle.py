@@ -109,9 +109,13 @@ class UpdateCycle:
         return adv, hacking
 
     def update(self, step: int, trajs: list[Trajectory], parent: int,
-               on_micro_batch: Callable[[], None] | None = None) -> CycleStep:
+               on_micro_batch: Callable[[], None] | None = None,
+               sampled: list[Trajectory] | None = None) -> CycleStep:
         """One GRPO update; on success the new weights are saved as a candidate trained from
-        ``parent`` and, when the collapse rules are on, their KL to the reference probed. A
+        ``parent`` and, when the collapse rules are on, their KL to the reference probed on
+        ``sampled`` (default ``trajs``): the sequences a policy sampled. A demonstration
+        (:mod:`selfrl.serve.corrections`) is not a sample of any policy, and the k3 estimate on
+        the very tokens the update pushed up reads as a drift the policy does not have. A
         skipped update makes no version and records a ``skip`` event with its reason."""
         result = self.learner.step(trajs, on_micro_batch=on_micro_batch)
         if result.skipped:
@@ -123,7 +127,7 @@ class UpdateCycle:
         candidate = self.ledger.save_candidate(self.learner.model, parent)
         kl = None
         if self.collapse_cfg.enabled and self.collapse_cfg.kl_probe_size:
-            kl = self.learner.probe_kl(trajs, self.collapse_cfg.kl_probe_size)
+            kl = self.learner.probe_kl(trajs if sampled is None else sampled, self.collapse_cfg.kl_probe_size)
         return CycleStep(result, candidate, kl)
 
     def probe(self, version: int, engine, source, tools, rollout_cfg) -> dict[str, float]:

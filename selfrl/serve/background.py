@@ -64,7 +64,7 @@ from selfrl.rl.logprobs import per_token_logps
 from selfrl.record import adapters, served as records
 from selfrl.config.serve import ServeConfig
 from selfrl.serve.chain import CandidateChain
-from selfrl.serve.corrections import demonstrations, signal_report, with_its_group
+from selfrl.serve.corrections import demonstrations, sampled_only, signal_report, with_its_group
 from selfrl.serve.families import held_out_sets
 from selfrl.serve.feedback import score_served
 from selfrl.serve.health import StorageWatch
@@ -352,7 +352,7 @@ class BackgroundLearner(threading.Thread):
             self.updates += 1
             self.last = skip_stale(self.ledger, step_no, too_old, gone, scored, info, self.ages.policy)
             return self.last
-        step = cycle.update(step_no, train, parent)
+        step = cycle.update(step_no, train, parent, sampled=sampled_only(train, demos))  # the KL probe's
         self.updates += 1
         if step.candidate is not None:
             self._made = step.candidate.version

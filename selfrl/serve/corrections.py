@@ -254,6 +254,14 @@ def with_its_group(scored: list[Trajectory], demos: list[Trajectory]) -> list[Tr
     return demos
 
 
+def sampled_only(trajs: list[Trajectory], demos: list[Trajectory]) -> list[Trajectory]:
+    """``trajs`` less the copies of ``demos`` (by id): the turns a policy sampled, which the new
+    candidate's KL probe reads (a demonstration is no policy's sample; the KL estimate on the
+    tokens its update pushed up would read as drift)."""
+    shown = {d.id for d in demos}
+    return [t for t in trajs if t.id not in shown]
+
+
 def signal_report(seen: dict, demos: list[Trajectory]) -> dict:
     """What an update says of its demonstrations, once advantages are set: ``demonstrations``
     counts those that train (a non-zero advantage); one whose group's rewards are all equal
