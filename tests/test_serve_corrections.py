@@ -324,6 +324,9 @@ def test_after_a_tool_result_the_right_answer_is_the_number_as_text():
     called = first[:-1] + [{"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]},
                            {"role": "tool", "content": "4"}, {"role": "assistant", "content": "<answer>3</answer>"}]
     assert ar.right_calls(task, called) == []
+    failed = called[:-2] + [{"role": "tool", "content": "error: unknown tool 'add'; valid tools: calculator"},
+                            {"role": "assistant", "content": "<answer>3</answer>"}]
+    assert ar.right_calls(task, failed) == ar.right_calls(task, first)  # an error is no result: call it again
     web = Family(FamilySettings("w", "web", {"tier": "easy"}, users=1))
     assert web.right_calls(web.task(0), first) == []  # no calculator expression: a text correction
 

@@ -352,7 +352,7 @@ class BackgroundLearner(threading.Thread):
             self.updates += 1
             self.last = skip_stale(self.ledger, step_no, too_old, gone, scored, info, self.ages.policy)
             return self.last
-        step = cycle.update(step_no, train, parent, sampled=sampled_only(train, demos))  # the KL probe's
+        step = cycle.update(step_no, train, parent, sampled=sampled_only(train, demos))  # KL probed on these
         self.updates += 1
         if step.candidate is not None:
             self._made = step.candidate.version

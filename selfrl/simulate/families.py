@@ -227,9 +227,9 @@ class Family:
 
         * A function-calling task: its first possible answer.
         * An arithmetic task whose item has an ``expression``, where the calculator is offered and
-          the corrected turn is the task's first step (no tool result in ``messages``, the
-          conversation through the corrected turn, since its last user message): the calculator on
-          that expression, as the worked example calls it. After a tool result the right answer is
+          no tool has answered since the user's question (in ``messages``, the conversation
+          through the corrected turn; a tool's error is no answer): the calculator on that
+          expression, as the worked example calls it. After a tool's result the right answer is
           the number, as text.
         """
         if "ground_truth" in task.metadata:
@@ -242,7 +242,8 @@ class Family:
             return []
         since = list(messages or [])
         last_user = max((i for i, m in enumerate(since) if m.get("role") == "user"), default=-1)
-        if any(m.get("role") == "tool" for m in since[last_user + 1:]):
+        if any(m.get("role") == "tool" and not str(m.get("content") or "").startswith("error")
+               for m in since[last_user + 1:]):
             return []
         return [{"name": "calculator", "arguments": {"expression": expression}}]
 
