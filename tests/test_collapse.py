@@ -80,6 +80,21 @@ def test_a_near_zero_baseline_needs_an_absolute_rise_for_a_blowup():
     assert [a.rule for a in cheap_alarms(base + [rec(2, entropy=0.163)], tight)] == ["entropy_blowup"]
 
 
+def test_a_near_zero_baseline_needs_an_absolute_drop_for_a_collapse():
+    # the soak's web family (grammar-constrained): baseline 0.129 nats/token, ordinary updates anywhere in 0.01-0.20
+    base = [rec(0, entropy=0.06), rec(1, entropy=0.198)]
+    assert cheap_alarms(base + [rec(2, entropy=0.012)], CFG) == []  # before: entropy_collapse, rolled back
+    tight = CollapseConfig(entropy_min_drop=0.0)  # the ratio alone, as before
+    assert [a.rule for a in cheap_alarms(base + [rec(2, entropy=0.012)], tight)] == ["entropy_collapse"]
+    # a family that explored (function calling, 0.5 nats/token) and stops: below 0.125 = 0.25 x 0.5, 0.375 down
+    fc = [rec(0, entropy=0.5), rec(1, entropy=0.5)]
+    alarms = cheap_alarms(fc + [rec(2, entropy=0.12)], CFG)
+    assert [(a.rule, a.threshold) for a in alarms] == [("entropy_collapse", 0.125)]
+    low = [rec(0, entropy=0.3), rec(1, entropy=0.3)]  # limits 0.075 (ratio) and 0.05 (drop): the lower holds
+    assert cheap_alarms(low + [rec(2, entropy=0.06)], CFG) == []
+    assert [round(a.threshold, 3) for a in cheap_alarms(low + [rec(2, entropy=0.04)], CFG)] == [0.05]
+
+
 def test_rules_are_silent_inside_the_baseline_window():
     # a strange start is the baseline, not a collapse
     assert cheap_alarms([rec(0, entropy=0.01, degenerate=0.9)], CFG) == []

@@ -75,7 +75,7 @@ def test_a_family_that_joins_with_a_higher_entropy_is_no_blowup_and_its_own_coll
     alarms = cheap_alarms(hist, CFG)
     assert [(a.rule, a.value) for a in alarms] == [("entropy_collapse", 0.2)]
     assert alarms[0].threshold == pytest.approx(0.3)
-    assert alarms[0].message == "entropy 0.200 nats/token < 0.25 x baseline 1.200 (family function_calling)"
+    assert alarms[0].message == "entropy 0.200 nats/token < 0.300 (0.25 x baseline 1.200, at least -0.25) (family function_calling)"
     # and above 3 x 1.2: blow-up, named
     hist[-1] = mixed(5, arithmetic=(4, 0.3, 0.04), function_calling=(12, 3.7, 0.04))
     assert [(a.rule, a.message) for a in cheap_alarms(hist, CFG)] == [

@@ -256,6 +256,7 @@ class CollapseConfig:
     max_kl: float = 0.5  # kl: mean per-token KL to the reference (sampling version or new candidate) above this
     entropy_min_ratio: float = 0.25  # entropy_collapse: entropy below this times the baseline entropy ...
     entropy_reward_gain: float = 0.1  # ... unless the training reward rose at least this much over its baseline
+    entropy_min_drop: float = 0.25  # entropy_collapse also needs the entropy this many nats/token below the baseline (grammar-constrained turns: a near-0 baseline, noisy from update to update)
     entropy_max_ratio: float = 3.0  # entropy_blowup: entropy above this times the baseline (weights turned to noise) and above baseline + entropy_max_rise
     entropy_max_rise: float = 0.5  # entropy_blowup also needs the entropy this many nats/token above the baseline (grammar-constrained turns: a near-0 baseline)
     degenerate_rise: float = 0.35  # degenerate: share of degenerate rollouts above the baseline share plus this
@@ -282,6 +283,7 @@ class CollapseConfig:
             in_range(self.family_min_turns, "family_min_turns", 1, 10**6),
             in_range(self.entropy_min_ratio, "entropy_min_ratio", 0, 1, high_open=True, interval=True),
             in_range(self.entropy_reward_gain, "entropy_reward_gain", 0),
+            in_range(self.entropy_min_drop, "entropy_min_drop", 0, 10**6),
             in_range(self.entropy_max_ratio, "entropy_max_ratio", 1, 10**6, low_open=True),
             in_range(self.entropy_max_rise, "entropy_max_rise", 0, 10**6),
             in_range(self.max_kl, "max_kl", 0, low_open=True),
