@@ -292,26 +292,37 @@ READY = "s.status = 'pending' AND (s.feedback IS NOT NULL OR s.created_at <= ?)"
 ORDERS = {"oldest": "s.created_at, s.rowid", "newest": "s.created_at DESC, s.rowid DESC"}
 
 
+_SAYS = {"calls": "COALESCE(correction_calls, '[]') != '[]'",  # an explicit feedback row's correction says the answer
+         "all": "(COALESCE(correction_calls, '[]') != '[]' OR TRIM(COALESCE(correction, ''), ' ' || char(9, 10, 13)) != '')"}
+
+
 @locked
 def ready(store: Store, wait_s: float, limit: int, now: float | None = None,
-          order: str = "oldest") -> list[tuple[Trajectory, dict[str, Any]]]:
+          order: str = "oldest", corrected_first: str = "off") -> list[tuple[Trajectory, dict[str, Any]]]:
     """Pending turns whose reward is complete: feedback arrived, or ``wait_s`` seconds passed.
 
     Args:
         order: ``"oldest"`` or ``"newest"`` first, by ``created_at`` (``learner.order``).
+        corrected_first: ``learner.learn_from_corrections``: unless ``"off"``, the turns with a correction it
+            trains (:func:`corrections`; ``"calls"``: one with calls) come first, each part in ``order``.
 
     Returns:
         up to ``limit`` ``(trajectory, served row)`` pairs, in that order.
 
     Raises:
-        ValueError: an ``order`` other than those two.
+        ValueError: an ``order`` other than those two, or a ``corrected_first`` other than off, calls, all.
     """
     if order not in ORDERS:
         raise ValueError(f"order must be one of {', '.join(map(repr, ORDERS))}, got {order!r}")
+    if corrected_first not in ("off", *_SAYS):
+        raise ValueError(f"corrected_first must be 'off', 'calls' or 'all', got {corrected_first!r}")
+    first = "" if corrected_first == "off" else (
+        "EXISTS (SELECT 1 FROM feedback WHERE response_id = s.response_id AND choice = s.choice"
+        f" AND source = 'explicit' AND {_SAYS[corrected_first]}) DESC, ")
     now = time.time() if now is None else now
     return _pairs(store.conn.execute(
         "SELECT s.*, t.data_json FROM served s JOIN trajectories t ON t.id = s.trajectory_id"
-        f" WHERE {READY} ORDER BY {ORDERS[order]} LIMIT ?", (now - wait_s, limit)).fetchall())
+        f" WHERE {READY} ORDER BY {first}{ORDERS[order]} LIMIT ?", (now - wait_s, limit)).fetchall())
 
 
 @locked
@@ -344,8 +355,7 @@ def corrections(store: Store, turns: list[tuple[str, int]]) -> dict[tuple[str, i
     for rid, choice in turns:
         row = store.conn.execute(
             "SELECT correction, correction_calls FROM feedback WHERE response_id = ? AND choice = ? AND"
-            " source = 'explicit' AND (TRIM(COALESCE(correction, ''), ' ' || char(9, 10, 13)) != ''"
-            " OR COALESCE(correction_calls, '[]') != '[]') ORDER BY id DESC LIMIT 1", (rid, choice)).fetchone()
+            f" source = 'explicit' AND {_SAYS['all']} ORDER BY id DESC LIMIT 1", (rid, choice)).fetchone()
         if row is not None:
             out[(rid, choice)] = (row[0] or "", json.loads(row[1]) if row[1] else [])
     return out

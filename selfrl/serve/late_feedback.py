@@ -23,7 +23,9 @@ late (:func:`selfrl.record.served.apply_feedback`). Then:
   from then on every batch was skipped whole as too old. Newest first, every update trains on
   the freshest data there is; what the learner cannot keep up with is what ages out, and the
   expiry keeps the pending turns bounded by the age rule. ``"oldest"`` (arrival order) trains
-  every turn while the learner keeps up, for a replay of recorded traffic, say.
+  every turn while the learner keeps up, for a replay of recorded traffic, say. With
+  ``learner.learn_from_corrections`` on, the turns with a correction it trains come first, each
+  part in that order: they are the scarcest signal, and behind newer turns they would age out.
 
 Which correction, and why only one. The learner's per-token TIS (``train.tis_cap``,
 :mod:`selfrl.rl.off_policy`) corrects each token for the sampler's own numerics. In ``serve``
@@ -271,20 +273,23 @@ def describe(d: AgeDecision) -> dict:
 def take_batch(store: Store, ages: FeedbackAges, lc) -> list[tuple[Trajectory, dict]]:
     """The learner's next batch: up to ``lc.max_batch`` ready turns (:func:`selfrl.record.served.ready`:
     feedback arrived or ``lc.feedback_wait_s`` passed), in ``lc.order`` (newest first by default:
-    see the module docstring). When at least ``lc.min_batch`` are ready (an update is due), or the
+    see the module docstring), those with a correction that ``lc.learn_from_corrections`` trains
+    first (a learner slower than its traffic would otherwise leave most of them waiting until they
+    age out: in a 90-minute soak 170 of 239 call corrections were never taken). When at least ``lc.min_batch`` are ready (an update is due), or the
     weights the learner holds changed since the last call (:meth:`FeedbackAges.moved`: a promotion,
     a chained candidate, a rejection, a rollback), the turns within the age rule again are brought
     back (:func:`revive`), the pending turns past it expired (:func:`expire`), and the batch taken
     again. A turn still waiting for its feedback is never taken nor expired.
 
     Args:
-        lc: ``[learner]`` (``feedback_wait_s``, ``min_batch``, ``max_batch``, ``order``).
+        lc: ``[learner]`` (``feedback_wait_s``, ``min_batch``, ``max_batch``, ``order``, ``learn_from_corrections``).
 
     Returns:
         ``(trajectory, served row)`` pairs, fewer than ``lc.min_batch`` when no update is due.
     """
     def take():
-        return records.ready(store, lc.feedback_wait_s, lc.max_batch, now=ages.clock(), order=lc.order)
+        return records.ready(store, lc.feedback_wait_s, lc.max_batch, now=ages.clock(), order=lc.order,
+                             corrected_first=lc.learn_from_corrections)
 
     batch = take()
     moved = ages.moved()  # (every call: it keeps the weights it saw)
