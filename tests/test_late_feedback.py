@@ -341,6 +341,23 @@ def test_turns_with_a_correction_the_learner_trains_are_taken_first(tmp_path, us
         records.ready(store, 60.0, 3, corrected_first="text")
 
 
+def test_a_turn_whose_newest_correction_is_text_is_not_first_under_calls(tmp_path):
+    # before: an older calls correction put it first, and demonstrations() (the newest correction, text) left it out
+    from selfrl.record import served as records
+    from selfrl.record.store import Store
+
+    store = Store(tmp_path / "db.sqlite")
+    records.init(store)
+    store_turns(store, store.start_run({}), {n: (0, 9_000.0 + 10 * i, 1.0) for i, n in enumerate("abc")})
+    records.apply_feedback(store, "a", 0, "explicit", -1.0, corrected=True,
+                           correction_calls=[{"name": "calculator", "arguments": {"expression": "1+1"}}])
+    records.apply_feedback(store, "a", 0, "explicit", -1.0, corrected=True, correction="2")
+    assert records.corrections(store, [("a", 0)]) == {("a", 0): ("2", [])}
+    take = lambda use: [t.id for t, _ in records.ready(store, 60.0, 3, now=10_000.0, order="newest",  # noqa: E731
+                                                       corrected_first=use)]
+    assert take("calls") == ["c", "b", "a"] and take("all") == ["a", "c", "b"]
+
+
 def test_turns_expired_only_by_changes_later_undone_come_back_and_expiry_follows_the_weights(tmp_path):
     # before: expiry ran only when an update was due, so a turn past the rule after a promotion was
     # counted pending until then; and a turn expired by weight changes a rollback undid stayed skipped

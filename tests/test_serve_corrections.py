@@ -330,6 +330,53 @@ def test_after_a_tool_result_the_right_answer_is_the_number_as_text():
     web = Family(FamilySettings("w", "web", {"tier": "easy"}, users=1))
     assert web.right_calls(web.task(0), first) == []  # no calculator expression: a text correction
 
+def said(task):
+    return [{"role": "system", "content": "s"}, {"role": "user", "content": task.question},
+            {"role": "assistant", "content": "<answer>1</answer>"}]
+
+
+@pytest.mark.parametrize("env, options", [("arithmetic", {"tool_choice": "none"}), ("rg:countdown", {}),
+                                          ("rg:circuit_logic", {})])
+def test_no_calculator_correction_where_the_calculator_is_not_the_right_step(env, options):
+    # before: a calculator call for a prompt that offered no tools, for countdown (whose answer is the
+    # expression itself) and for circuit_logic (a logic formula the calculator refuses)
+    from selfrl.config.simulate import FamilySettings
+    from selfrl.simulate.families import Family
+
+    fam = Family(FamilySettings("x", env, {}, users=1, **options))
+    task = fam.task(3)
+    assert fam.right_calls(task, said(task)) == []
+
+
+def test_an_empty_tool_result_is_no_answer():
+    from selfrl.config.simulate import FamilySettings
+    from selfrl.simulate.families import Family
+
+    fam = Family(FamilySettings("x", "arithmetic", {}, users=1))
+    task = fam.task(3)
+    msgs = said(task)[:2] + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]},
+                             {"role": "tool", "content": None}, {"role": "assistant", "content": "<answer>1</answer>"}]
+    assert fam.right_calls(task, msgs) == [{"name": "calculator", "arguments": {
+        "expression": task.metadata["entry"]["metadata"]["expression"]}}]
+
+
+def test_an_update_of_demonstrations_alone_is_still_kl_probed():
+    import types
+
+    from selfrl.run.cycle import UpdateCycle
+    from selfrl.serve.corrections import sampled_only
+
+    demo = Trajectory("t", "g", 0, prompt_len=1, token_ids=[5, 6], completion_mask=[0, 1], logprobs=[0, -1],
+                      id="x-correction")
+    demo.advantage, seen = 1.0, []
+    learner = types.SimpleNamespace(step=lambda trajs, on_micro_batch=None: types.SimpleNamespace(skipped=False),
+                                    probe_kl=lambda trajs, n: seen.append([t.id for t in trajs]) or 0.1, model=None)
+    cycle = types.SimpleNamespace(learner=learner, ledger=types.SimpleNamespace(save_candidate=lambda m, p: "v1"),
+                                  collapse_cfg=types.SimpleNamespace(enabled=True, kl_probe_size=4))
+    step = UpdateCycle.update(cycle, 0, [demo], 0, sampled=sampled_only([demo], [demo]))
+    assert step.candidate_kl == 0.1 and seen == [["x-correction"]]  # before: nothing probed, no KL check
+
+
 def one(tok, kinds, fix, max_len=256, context=None):
     return demonstrations([(turn(tok, kinds), row())], {("r1", 0): fix}, tok, eos(tok), 7, max_len, WEIGHTS,
                           context)

@@ -303,8 +303,8 @@ def ready(store: Store, wait_s: float, limit: int, now: float | None = None,
 
     Args:
         order: ``"oldest"`` or ``"newest"`` first, by ``created_at`` (``learner.order``).
-        corrected_first: ``learner.learn_from_corrections``: unless ``"off"``, the turns with a correction it
-            trains (:func:`corrections`; ``"calls"``: one with calls) come first, each part in ``order``.
+        corrected_first: ``learner.learn_from_corrections``: unless ``"off"``, the turns whose newest correction
+            (:func:`corrections`) that setting takes (``"calls"``: one with calls) come first, each part in ``order``.
 
     Returns:
         up to ``limit`` ``(trajectory, served row)`` pairs, in that order.
@@ -316,9 +316,9 @@ def ready(store: Store, wait_s: float, limit: int, now: float | None = None,
         raise ValueError(f"order must be one of {', '.join(map(repr, ORDERS))}, got {order!r}")
     if corrected_first not in ("off", *_SAYS):
         raise ValueError(f"corrected_first must be 'off', 'calls' or 'all', got {corrected_first!r}")
-    first = "" if corrected_first == "off" else (
-        "EXISTS (SELECT 1 FROM feedback WHERE response_id = s.response_id AND choice = s.choice"
-        f" AND source = 'explicit' AND {_SAYS[corrected_first]}) DESC, ")
+    first = "" if corrected_first == "off" else (  # the newest correction that says something, as corrections()
+        f"COALESCE((SELECT {_SAYS[corrected_first]} FROM feedback WHERE response_id = s.response_id AND choice ="
+        f" s.choice AND source = 'explicit' AND {_SAYS['all']} ORDER BY id DESC LIMIT 1), 0) DESC, ")
     now = time.time() if now is None else now
     return _pairs(store.conn.execute(
         "SELECT s.*, t.data_json FROM served s JOIN trajectories t ON t.id = s.trajectory_id"

@@ -113,9 +113,10 @@ class UpdateCycle:
                sampled: list[Trajectory] | None = None) -> CycleStep:
         """One GRPO update; on success the new weights are saved as a candidate trained from
         ``parent`` and, when the collapse rules are on, their KL to the reference probed on
-        ``sampled`` (default ``trajs``): the sequences a policy sampled. A demonstration
+        ``sampled`` (None or empty: ``trajs``): the sequences a policy sampled. A demonstration
         (:mod:`selfrl.serve.corrections`) is not a sample of any policy, and the k3 estimate on
-        the very tokens the update pushed up reads as a drift the policy does not have. A
+        the very tokens the update pushed up reads as a drift the policy does not have; an
+        update of demonstrations alone is still probed, on them. A
         skipped update makes no version and records a ``skip`` event with its reason."""
         result = self.learner.step(trajs, on_micro_batch=on_micro_batch)
         if result.skipped:
@@ -127,7 +128,7 @@ class UpdateCycle:
         candidate = self.ledger.save_candidate(self.learner.model, parent)
         kl = None
         if self.collapse_cfg.enabled and self.collapse_cfg.kl_probe_size:
-            kl = self.learner.probe_kl(trajs if sampled is None else sampled, self.collapse_cfg.kl_probe_size)
+            kl = self.learner.probe_kl(sampled or trajs, self.collapse_cfg.kl_probe_size)
         return CycleStep(result, candidate, kl)
 
     def probe(self, version: int, engine, source, tools, rollout_cfg) -> dict[str, float]:

@@ -24,7 +24,7 @@ late (:func:`selfrl.record.served.apply_feedback`). Then:
   the freshest data there is; what the learner cannot keep up with is what ages out, and the
   expiry keeps the pending turns bounded by the age rule. ``"oldest"`` (arrival order) trains
   every turn while the learner keeps up, for a replay of recorded traffic, say. With
-  ``learner.learn_from_corrections`` on, the turns with a correction it trains come first, each
+  ``learner.learn_from_corrections`` on, the turns whose newest correction it takes come first, each
   part in that order: they are the scarcest signal, and behind newer turns they would age out.
 
 Which correction, and why only one. The learner's per-token TIS (``train.tis_cap``,
@@ -273,7 +273,7 @@ def describe(d: AgeDecision) -> dict:
 def take_batch(store: Store, ages: FeedbackAges, lc) -> list[tuple[Trajectory, dict]]:
     """The learner's next batch: up to ``lc.max_batch`` ready turns (:func:`selfrl.record.served.ready`:
     feedback arrived or ``lc.feedback_wait_s`` passed), in ``lc.order`` (newest first by default:
-    see the module docstring), those with a correction that ``lc.learn_from_corrections`` trains
+    see the module docstring), those whose newest correction ``lc.learn_from_corrections`` takes
     first (a learner slower than its traffic would otherwise leave most of them waiting until they
     age out: in a 90-minute soak 170 of 239 call corrections were never taken). When at least ``lc.min_batch`` are ready (an update is due), or the
     weights the learner holds changed since the last call (:meth:`FeedbackAges.moved`: a promotion,

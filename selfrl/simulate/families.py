@@ -31,7 +31,7 @@ from selfrl.chat.toolcall import ParsedCall, execute_call, parse_tool_calls
 from selfrl.config import DEFAULT_SYSTEM_PROMPT, RolloutConfig
 from selfrl.config.simulate import FamilySettings
 from selfrl.core.tasks import Task, distinct_sample
-from selfrl.core.tools import Tool, resolve_tools
+from selfrl.core.tools import Tool, ToolError, evaluate_expression, resolve_tools
 from selfrl.core.trajectory import ToolCallRecord, Trajectory
 from selfrl.envs.registry import build_env
 
@@ -226,11 +226,13 @@ class Family:
         or [] when the turn's right answer is text.
 
         * A function-calling task: its first possible answer.
-        * An arithmetic task whose item has an ``expression``, where the calculator is offered and
-          no tool has answered since the user's question (in ``messages``, the conversation
-          through the corrected turn; a tool's error is no answer): the calculator on that
-          expression, as the worked example calls it. After a tool's result the right answer is
-          the number, as text.
+        * A task whose item has an ``expression`` that the calculator evaluates to the task's
+          answer (arithmetic; not countdown, whose answer is the expression itself), where the
+          family's users offer the calculator (not ``tool_choice = "none"``) and no tool has
+          answered since the user's question (in ``messages``, the conversation through the
+          corrected turn; an error or an empty result is no answer): the calculator on that
+          expression, as the worked example calls it. After the calculator's result the right
+          answer is the number, as text.
         """
         if "ground_truth" in task.metadata:
             from selfrl.envs.function_calling import first_answer_calls
@@ -238,11 +240,12 @@ class Family:
             return first_answer_calls(task)
         entry = task.metadata.get("entry")
         expression = ((entry.get("metadata") or {}) if isinstance(entry, dict) else {}).get("expression")
-        if not isinstance(expression, str) or "calculator" not in {t.name for t in self.shared_tools}:
+        offered = self.settings.tool_choice != "none" and "calculator" in {t.name for t in self.shared_tools}
+        if not isinstance(expression, str) or not offered or not _evaluates_to(expression, task.answer):
             return []
         since = list(messages or [])
         last_user = max((i for i, m in enumerate(since) if m.get("role") == "user"), default=-1)
-        if any(m.get("role") == "tool" and not str(m.get("content") or "").startswith("error")
+        if any(m.get("role") == "tool" and (c := str(m.get("content") or "").strip()) and not c.startswith("error")
                for m in since[last_user + 1:]):
             return []
         return [{"name": "calculator", "arguments": {"expression": expression}}]
@@ -252,3 +255,11 @@ class Family:
         traj = Trajectory(ep.task.id, "simulate", 0, messages=[{"role": "assistant", "content": final_text}],
                           tool_calls=list(ep.records), final_answer=final_text, env_state=state)
         return bool(self.env.correct(ep.task, self.env.trajectory_answer(traj)))
+
+
+def _evaluates_to(expression: str, answer: str) -> bool:
+    """Whether the calculator evaluates ``expression`` to the number ``answer``."""
+    try:
+        return abs(float(evaluate_expression(expression)) - float(answer)) < 1e-9
+    except (ToolError, ValueError):
+        return False

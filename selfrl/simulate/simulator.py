@@ -24,7 +24,7 @@ from that later time; the plans and their draws are the same for every ``concurr
   and ``correction: X`` (the server reads corrections from feedback too), or
   ``correction_tool_calls`` where the corrected turn's right answer is a call
   (:meth:`Family.right_calls`: a function-calling task's first possible answer; the calculator
-  on an arithmetic task's expression, for its first step); a hostile user's
+  on an arithmetic task's expression, while no tool has answered); a hostile user's
   action (``selfrl.simulate.users``).
 
 Bounds: at most ``max_requests`` HTTP requests (completions and feedback alike) and
