@@ -275,9 +275,10 @@ def take_batch(store: Store, ages: FeedbackAges, lc) -> list[tuple[Trajectory, d
     feedback arrived or ``lc.feedback_wait_s`` passed), in ``lc.order`` (newest first by default:
     see the module docstring), those whose newest correction ``lc.learn_from_corrections`` takes
     first (a learner slower than its traffic would otherwise leave most of them waiting until they
-    age out: in a 90-minute soak 170 of 239 call corrections were never taken). When at least ``lc.min_batch`` are ready (an update is due), or the
-    weights the learner holds changed since the last call (:meth:`FeedbackAges.moved`: a promotion,
-    a chained candidate, a rejection, a rollback), the turns within the age rule again are brought
+    age out: in a 90-minute soak 170 of 239 call corrections were never taken). When at least
+    ``lc.min_batch`` are ready (an update is due), or the weights the learner holds changed since
+    the last call (:meth:`FeedbackAges.moved`: a promotion, a chained candidate, a rejection, a
+    rollback), the turns within the age rule again are brought
     back (:func:`revive`), the pending turns past it expired (:func:`expire`), and the batch taken
     again. A turn still waiting for its feedback is never taken nor expired.
 
