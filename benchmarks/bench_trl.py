@@ -342,6 +342,8 @@ def compare(arms: list[dict], levels: list[float]) -> dict:
     ``levels`` and TRL's final success, the speed-up there (TRL's seconds / the arm's), and
     the paired difference of its final version against TRL's on the held-out tasks both
     were scored on (mean, 95 % low, high; :func:`selfrl.core.stats.paired_difference_ci`).
+    ``trl_above_base`` is False where TRL ended no higher than its base: every arm is there at
+    0 seconds, so no speed-up is measured (``speedup`` None).
 
     Raises:
         SystemExit: more than one TRL result of one seed, or the arms scored on different held-out tasks.
@@ -371,6 +373,7 @@ def compare(arms: list[dict], levels: list[float]) -> dict:
             row["reach_trl_final_s"] = time_to_reach(a["curve"], target["success"])
             row["speedup"] = (row["trl_final_s"] / row["reach_trl_final_s"]
                               if row["reach_trl_final_s"] and row["trl_final_s"] else None)
+            row["trl_above_base"] = target["success"] > ref["curve"][0]["success"]
             shared = sorted(set(final["results"]) & set(target["results"]))
             row["paired_vs_trl"] = paired_difference_ci([target["results"][t] for t in shared],
                                                         [final["results"][t] for t in shared])
@@ -485,6 +488,9 @@ def plot(argv: list[str]) -> dict:
     print_table("Held-out success against training time (seconds)",
                 ["arm", "updates", "training s", "base", "final", *[f"s to {lv:g}" for lv in levels],
                  "s to TRL's final", "speed-up", "final - TRL's final [95 % CI]"], rows)
+    for seed in sorted({r["seed"] for r in table["rows"] if r.get("trl_above_base") is False}):
+        print(f"seed {seed}: TRL ended at its base's held-out success, where every arm starts: there is no "
+              "speed-up to measure; compare the finals (the last column) or train TRL longer (--minutes)")
     result = {"command": command_line("bench_trl.py", ["plot", *map(str, args.results)]),
               "files": [str(r) for r in args.results], "png": str(args.png), **table}
     print(f"wrote {args.png} and {write_result('trl_compare', result, args.out)}")

@@ -199,6 +199,7 @@ def test_trl_plot_times_each_arm_to_trls_final_success(tmp_path):
     theirs, mine = r["rows"]
     assert theirs["reach"] == {"0.3": 1200.0, "0.6": None} and mine["reach"] == {"0.3": 300.0, "0.6": 900.0}
     assert (theirs["trl_final"], theirs["trl_final_s"], theirs["speedup"]) == (0.5, 1200.0, 1.0)
+    assert theirs["trl_above_base"] is True
     assert (mine["final"], mine["reach_trl_final_s"], mine["speedup"]) == (0.75, 300.0, 4.0)
     # paired on a, b, c, d: TRL's final solves a b, selfrl's a b c: differences 0 0 1 0, mean 0.25,
     # sample standard deviation 0.5, half width 1.96 x 0.5 / 2
@@ -206,6 +207,20 @@ def test_trl_plot_times_each_arm_to_trls_final_success(tmp_path):
     assert theirs["paired_vs_trl"] == (0.0, 0.0, 0.0)
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "trl_compare.json").read_text())["rows"][1]["speedup"] == 4.0
+
+
+def test_trl_plot_says_when_trl_never_rose_above_its_base(tmp_path, capsys):
+    trl = _arm("trl", "trl", [(0.0, 0, "a"), (600.0, 5, "a")], 620.0)
+    ours = _arm("selfrl", "selfrl", [(0.0, 0, "a"), (120.0, 6, "ab")], 130.0)
+    files = []
+    for a in (trl, ours):
+        files.append(tmp_path / f"{a['label']}.json")
+        files[-1].write_text(json.dumps(a))
+    r = bench_trl.main(["plot", *map(str, files), "--png", str(tmp_path / "c.png"), "--out", str(tmp_path)])
+    theirs, mine = r["rows"]
+    assert (theirs["trl_above_base"], mine["trl_above_base"]) == (False, False)
+    assert (mine["reach_trl_final_s"], mine["speedup"]) == (0.0, None)
+    assert "seed 0: TRL ended at its base's held-out success" in capsys.readouterr().out
 
 
 def test_trl_plot_refuses_arms_scored_on_different_tasks(tmp_path):
