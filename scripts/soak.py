@@ -71,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--arrivals-per-hour", type=float, default=30.0, help="conversations per simulated hour")
     p.add_argument("--val-size", type=int, default=None,
                    help="held-out tasks of every family (default: each family's own, soak_server.FAMILIES: function "
-                        "calling 48, the others 12): the server validates every version on them, no user asks them, "
+                        "calling 96, the others 12): the server validates every version on them, no user asks them, "
                         "and champion and base are compared on them at the end")
     p.add_argument("--tolerance", type=float, default=0.1,
                    help="each family's no-forgetting tolerance (the server's gate and the report's check)")
