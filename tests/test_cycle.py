@@ -128,6 +128,8 @@ def test_a_collapse_backs_off_recovers_and_a_second_one_in_the_window_pauses_nev
     msg = observed.rolled_back
     assert observed.stepped_back is None and msg == store.events()[-1]["message"]
     assert "backing off to level 1" in msg and lr() == (5e-3, 0.01) and cycle.check_budget() == 0.0
+    # no candidate was trained: the champion sampled the batch, and the message says so (it said "Versions []")
+    assert "No candidate since version 0 to roll back (it sampled these rollouts), serving version 0" in msg
     event = store.events()[-1]
     assert event["kind"] == "collapse" and event["data"]["action"] == "backoff" and event["data"]["level"] == 1
     assert cycle.backoff()["backing_off"] and cycle.backoff()["next_step_back_after_updates"] == 2

@@ -214,7 +214,9 @@ class UpdateCycle:
         decision = self.budget.collapse()
         self.learner.set_hyperparameters(decision.learning_rate, decision.beta)
         champ, state = self.ledger.champion, self.budget.state()
-        msg = (f"iteration {step}: collapse: {'; '.join(a.message for a in alarms)}. Versions {bad} rolled back, "
+        undone = (f"Versions {bad} rolled back" if bad else
+                  f"No candidate since version {champ.version} to roll back (it sampled these rollouts)")
+        msg = (f"iteration {step}: collapse: {'; '.join(a.message for a in alarms)}. {undone}, "
                f"serving version {champ.version}; {decision.reason}")
         self.ledger.event(EventKind.COLLAPSE, msg, {
             "iteration": step, "alarms": [a.to_dict() for a in alarms], "rolled_back": bad,
