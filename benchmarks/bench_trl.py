@@ -256,6 +256,25 @@ def eval_points(steps: list[dict], every_s: float) -> list[tuple[float, dict | N
     return points
 
 
+def count_updates(steps: list[dict]) -> int:
+    """The steps that changed the weights: a selfrl iteration whose update was skipped (no
+    signal, no gradient) is marked ``"skipped"``; every TRL step is an update.
+
+    >>> count_updates([{"skipped": True}, {"skipped": False}, {}])
+    2
+    """
+    return sum(1 for s in steps if not s.get("skipped", False))
+
+
+def iterations_and_updates(arm: dict) -> tuple[int, int]:
+    """An arm's training iterations and the updates among them, from its recorded steps (a
+    result written before ``"iterations"`` existed counted iterations as ``"updates"``)."""
+    steps = arm.get("train", {}).get("steps")
+    if steps is None:
+        return arm.get("iterations", arm["updates"]), arm["updates"]
+    return len(steps), count_updates(steps)
+
+
 def run_arm(args: argparse.Namespace, argv: list[str] | None) -> dict:
     """Train one arm in a child process, evaluate its adapters in another; write and return the result."""
     if args.arm == "trl":
@@ -289,13 +308,13 @@ def run_arm(args: argparse.Namespace, argv: list[str] | None) -> dict:
     result.update({
         "arm": args.arm, "label": label, "grammar": args.grammar, "seed": args.seed, "minutes": args.minutes,
         "eval_every_s": args.eval_every, "eval_constrain": constrain, "trl_version": trl_version,
-        "model": cfg.model.name, "updates": len(train["steps"]),
+        "model": cfg.model.name, "iterations": len(train["steps"]), "updates": count_updates(train["steps"]),
         "training_s": train["steps"][-1]["seconds"] if train["steps"] else 0.0,
         "curve": curve, "train": train, "eval_peak_rss_bytes": scored["peak_rss_bytes"],
         "workdir": str(workdir), "config": cfg.to_dict(),
     })
     print_table(f"{label}, seed {args.seed}: held-out success ({len(curve[0]['results'])} tasks, "
-                f"{len(train['steps'])} updates in {result['training_s']:.0f} s)",
+                f"{len(train['steps'])} iterations, {result['updates']} updates, in {result['training_s']:.0f} s)",
                 ["training s", "update", "held-out success"],
                 [[f"{c['seconds']:.0f}", c["step"], f"{c['success']:.3f}"] for c in curve])
     print(f"load average: start {result['loadavg_start']:.2f}, end {loadavg():.2f}")
@@ -362,7 +381,9 @@ def compare(arms: list[dict], levels: list[float]) -> dict:
     rows = []
     for a in arms:
         final = a["curve"][-1]
-        row = {"label": a["label"], "seed": a["seed"], "updates": a["updates"], "training_s": a["training_s"],
+        iterations, updates = iterations_and_updates(a)
+        row = {"label": a["label"], "seed": a["seed"], "iterations": iterations, "updates": updates,
+               "training_s": a["training_s"],
                "base": a["curve"][0]["success"], "final": final["success"],
                "reach": {str(lv): time_to_reach(a["curve"], lv) for lv in levels}}
         ref = trl.get(a["seed"])
@@ -481,12 +502,12 @@ def plot(argv: list[str]) -> dict:
     rows = []
     for r in table["rows"]:
         ci = r.get("paired_vs_trl")
-        rows.append([f"{r['label']} (seed {r['seed']})", r["updates"], f"{r['training_s']:.0f}",
+        rows.append([f"{r['label']} (seed {r['seed']})", r["iterations"], r["updates"], f"{r['training_s']:.0f}",
                      f"{r['base']:.3f}", f"{r['final']:.3f}", *[sec(r["reach"][str(lv)]) for lv in levels],
                      sec(r.get("reach_trl_final_s")), "-" if r.get("speedup") is None else f"{r['speedup']:.2f}",
                      "-" if ci is None else f"{ci[0]:+.3f} [{ci[1]:+.3f}, {ci[2]:+.3f}]"])
     print_table("Held-out success against training time (seconds)",
-                ["arm", "updates", "training s", "base", "final", *[f"s to {lv:g}" for lv in levels],
+                ["arm", "iterations", "updates", "training s", "base", "final", *[f"s to {lv:g}" for lv in levels],
                  "s to TRL's final", "speed-up", "final - TRL's final [95 % CI]"], rows)
     for seed in sorted({r["seed"] for r in table["rows"] if r.get("trl_above_base") is False}):
         print(f"seed {seed}: TRL ended at its base's held-out success, where every arm starts: there is no "

@@ -223,6 +223,23 @@ def test_trl_plot_says_when_trl_never_rose_above_its_base(tmp_path, capsys):
     assert "seed 0: TRL ended at its base's held-out success" in capsys.readouterr().out
 
 
+def test_trl_plot_counts_skipped_iterations_apart_from_updates(tmp_path, capsys):
+    # the column was "updates" and counted iterations: 152 for an arm that updated 3 times
+    trl = _arm("trl", "trl", [(0.0, 0, "a"), (600.0, 2, "ab")], 620.0)
+    trl["train"] = {"steps": [{"step": 1, "seconds": 300.0}, {"step": 2, "seconds": 600.0}]}
+    ours = _arm("selfrl", "selfrl", [(0.0, 0, "a"), (120.0, 4, "ab")], 130.0)
+    ours["train"] = {"steps": [{"step": k, "seconds": 30.0 * k, "skipped": k != 3} for k in (1, 2, 3, 4)]}
+    files = []
+    for a in (trl, ours):
+        files.append(tmp_path / f"{a['label']}.json")
+        files[-1].write_text(json.dumps(a))
+    r = bench_trl.main(["plot", *map(str, files), "--png", str(tmp_path / "c.png"), "--out", str(tmp_path)])
+    theirs, mine = r["rows"]
+    assert (theirs["iterations"], theirs["updates"]) == (2, 2) and (mine["iterations"], mine["updates"]) == (4, 1)
+    header = next(line for line in capsys.readouterr().out.splitlines() if " arm " in line)
+    assert [c.strip() for c in header.split("┃")[1:4]] == ["arm", "iterations", "updates"]
+
+
 def test_trl_plot_refuses_arms_scored_on_different_tasks(tmp_path):
     a = _arm("trl", "trl", [(0.0, 0, "")], 0.0)
     b = _arm("selfrl", "selfrl", [(0.0, 0, "")], 0.0)
