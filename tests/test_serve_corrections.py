@@ -327,6 +327,12 @@ def test_after_a_tool_result_the_right_answer_is_the_number_as_text():
     failed = called[:-2] + [{"role": "tool", "content": "error: unknown tool 'add'; valid tools: calculator"},
                             {"role": "assistant", "content": "<answer>3</answer>"}]
     assert ar.right_calls(task, failed) == ar.right_calls(task, first)  # an error is no result: call it again
+    wrapped = called[:-2] + [{"role": "tool", "content": "<tool_response>\nerror: arguments are not JSON\n</tool_response>"},
+                             {"role": "assistant", "content": "<answer>3</answer>"}]
+    assert ar.right_calls(task, wrapped) == ar.right_calls(task, first)  # the tags around it: still an error
+    worded = called[:-2] + [{"role": "tool", "content": "errors: 0; result 4"},
+                            {"role": "assistant", "content": "<answer>3</answer>"}]
+    assert ar.right_calls(task, worded) == []  # a result that begins "error" is a result (it read as an error)
     web = Family(FamilySettings("w", "web", {"tier": "easy"}, users=1))
     assert web.right_calls(web.task(0), first) == []  # no calculator expression: a text correction
 

@@ -395,9 +395,34 @@ def parse_tool_calls(text: str) -> tuple[str, list[ParsedCall]]:
     return "".join(pieces).strip(), [c for _, _, c in calls]
 
 
+TOOL_ERROR_PREFIX = "error: "  # how a failed call's result begins: the tool message the model reads
+
+
+def tool_error_result(why: str) -> str:
+    """The result of a call that failed for ``why``, as the model reads it in the tool message.
+
+    >>> tool_error_result("unknown tool 'x'")
+    "error: unknown tool 'x'"
+    """
+    return f"{TOOL_ERROR_PREFIX}{why}"
+
+
+def is_tool_error(result: str) -> bool:
+    """Whether a tool message's text (its ``<tool_response>`` tags and blank space around it
+    stripped) is a failed call's result (:func:`tool_error_result`), not the tool's answer.
+
+    >>> is_tool_error("error: arguments are not JSON"), is_tool_error("<tool_response>\\n47\\n</tool_response>")
+    (True, False)
+    """
+    text = result.strip()
+    if text.startswith(TOOL_RESPONSE_OPEN) and text.endswith(TOOL_RESPONSE_CLOSE):
+        text = text[len(TOOL_RESPONSE_OPEN):-len(TOOL_RESPONSE_CLOSE)].strip()
+    return text.startswith(TOOL_ERROR_PREFIX)
+
+
 def _failed(call: ParsedCall, why: str) -> ToolCallRecord:
     return ToolCallRecord(
-        name=call.name, arguments=call.arguments, raw=call.raw, ok=False, result=f"error: {why}", error=why
+        name=call.name, arguments=call.arguments, raw=call.raw, ok=False, result=tool_error_result(why), error=why
     )
 
 

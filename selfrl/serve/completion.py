@@ -14,7 +14,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from selfrl.chat.toolcall import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, markup_spans, scan_blocks, split_reasoning, strip_markup
+from selfrl.chat.toolcall import (TOOL_CALL_CLOSE, TOOL_CALL_OPEN, markup_spans, scan_blocks, split_reasoning, strip_markup,
+                                 tool_error_result)
 from selfrl.core.tools import Tool, ToolError, validate_arguments
 from selfrl.core.trajectory import ToolCallRecord
 
@@ -126,7 +127,7 @@ def split_completion(text: str, tools: list[Tool], control: tuple[str, ...] = ()
                   and text.startswith(TOOL_CALL_CLOSE, end - len(TOOL_CALL_CLOSE)))
         if tools:
             why = c.error or f"unknown tool {c.name!r}; valid tools: {', '.join(sorted(by_name))}"
-            records.append(ToolCallRecord(c.name, c.arguments, c.raw, False, f"error: {why}", why))
+            records.append(ToolCallRecord(c.name, c.arguments, c.raw, False, tool_error_result(why), why))
             if not closed:  # a call cut off (by max_tokens, or an end token): not a call, and not text either
                 removed.append((start, end))
                 continue

@@ -27,7 +27,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from selfrl.chat.toolcall import ParsedCall, execute_call, parse_tool_calls
+from selfrl.chat.toolcall import ParsedCall, execute_call, is_tool_error, parse_tool_calls
 from selfrl.config import DEFAULT_SYSTEM_PROMPT, RolloutConfig
 from selfrl.config.simulate import FamilySettings
 from selfrl.core.tasks import Task, distinct_sample
@@ -245,7 +245,7 @@ class Family:
             return []
         since = list(messages or [])
         last_user = max((i for i, m in enumerate(since) if m.get("role") == "user"), default=-1)
-        if any(m.get("role") == "tool" and (c := str(m.get("content") or "").strip()) and not c.startswith("error")
+        if any(m.get("role") == "tool" and (c := str(m.get("content") or "").strip()) and not is_tool_error(c)
                for m in since[last_user + 1:]):
             return []
         return [{"name": "calculator", "arguments": {"expression": expression}}]
@@ -261,5 +261,5 @@ def _evaluates_to(expression: str, answer: str) -> bool:
     """Whether the calculator evaluates ``expression`` to the number ``answer``."""
     try:
         return abs(float(evaluate_expression(expression)) - float(answer)) < 1e-9
-    except (ToolError, ValueError):
+    except (ToolError, ValueError, TypeError):  # TypeError: a task whose answer is None
         return False
