@@ -135,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=EXIT_CODES)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run the self-improvement loop")
-    r.add_argument("--config", help=f"TOML config file of selfrl run, one table per concern ({CONFIG_DOCS}; "
-                                    "examples in configs/); flags override it")
+    r.add_argument("--config", help=f"TOML config file of selfrl run, one table per concern ({CONFIG_DOCS}); "
+                                    "flags override it")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue the run stored in RUN_DIR")
     for flag, (_, typ, help_) in RUN_FLAGS.items():
         r.add_argument(flag, type=typ, help=help_)
