@@ -66,13 +66,13 @@ class Help(argparse.RawTextHelpFormatter, argparse.ArgumentDefaultsHelpFormatter
         return action.help if action.default is None else super()._get_help_string(action)
 
 
-def out_problem(out: Path) -> str | None:
-    """Why ``out`` cannot be the soak's folder (a file, a folder not empty, no folder can be made
-    there, or one not writable), or None."""
+def out_problem(out: Path, empty: bool = True) -> str | None:
+    """Why ``out`` cannot be the soak's folder (a file, a folder not empty where ``empty``, no
+    folder can be made there, or one not writable), or None."""
     if out.exists():
         if not out.is_dir():
             return "is a file, not a folder; give a new folder"
-        if any(out.iterdir()):
+        if empty and any(out.iterdir()):
             return "is not empty; give a new folder"
         where = out
     else:

@@ -189,10 +189,15 @@ def test_close_after_a_refused_out_touches_nothing(tmp_path):
     (["--families", "arithmetic,nope"], "unknown families ['nope'] in --families; valid: arithmetic, "
                                         "function_calling, web"),
     (["--settings", "new,older"], "unknown settings ['older'] in --settings; valid: new, old"),
+    (["--concurrency", "2000"], "--concurrency must be <= 1024 (the simulator's bound), got 2000"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--out", "{tmp}/file"], "--out {tmp}/file is a file, not a folder; give a new folder"),
 ])
 def test_soak_baseline_refuses_flags_out_of_range_before_it_starts_a_server(flags, message, tmp_path, capsys):
     import soak_baseline
 
+    (tmp_path / "file").write_text("")
+    flags, message = [f.format(tmp=tmp_path) for f in flags], message.format(tmp=tmp_path)
     with pytest.raises(SystemExit) as stop:
         soak_baseline.main(["--out", str(tmp_path / "out"), *flags])
     assert stop.value.code == 2 and f"error: {message}" in capsys.readouterr().err
