@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak import simulate_config  # noqa: E402
+from soak import out_problem, simulate_config  # noqa: E402
 from soak_server import FAMILIES, KEY, SERVE_TOML, Server, families_toml, free_port  # noqa: E402
 
 OLD = {"function_calling": {"options": {"categories": ["simple"]}, "max_turns": 2, "max_tokens": 96,
@@ -61,9 +61,17 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="the users' seed")
     p.add_argument("--concurrency", type=int, default=4, help="conversations in flight at once")
     a = p.parse_args(argv)
-    for flag, value in (("--conversations", a.conversations), ("--concurrency", a.concurrency)):
-        if value < 1:
-            p.error(f"{flag} must be >= 1, got {value}")
+    from selfrl.config import SEED_MAX
+    from selfrl.config.simulate import MAX_CONCURRENCY
+
+    for flag, value, lo, hi in (("--conversations", a.conversations, 1, None), ("--concurrency", a.concurrency, 1,
+                                MAX_CONCURRENCY), ("--seed", a.seed, 0, SEED_MAX)):
+        if value < lo:
+            p.error(f"{flag} must be >= {lo}, got {value}")
+        if hi is not None and value > hi:
+            p.error(f"{flag} must be <= {hi} (the simulator's bound), got {value}")
+    if why := out_problem(Path(a.out).absolute(), empty=False):
+        p.error(f"--out {a.out} {why}")
     known = [f.name for f in FAMILIES]
     if bad := [f for f in a.families.split(",") if f not in known]:
         p.error(f"unknown families {bad} in --families; valid: {', '.join(known)}")

@@ -18,21 +18,22 @@ import soak  # noqa: E402
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--minutes", "-1"], "--minutes must be finite and > 0 (real minutes of traffic), got -1.0"),
-    (["--minutes", "0"], "--minutes must be finite and > 0 (real minutes of traffic), got 0.0"),
-    (["--minutes", "nan"], "--minutes must be finite and > 0 (real minutes of traffic), got nan"),
-    (["--concurrency", "0"], "--concurrency must be finite and >= 1 (users in flight at once), got 0"),
+    (["--minutes", "-1"], "--minutes must be in (0, 525600] (real minutes of traffic, a year at most), got -1.0"),
+    (["--minutes", "0"], "--minutes must be in (0, 525600] (real minutes of traffic, a year at most), got 0.0"),
+    (["--minutes", "nan"], "--minutes must be in (0, 525600] (real minutes of traffic, a year at most), got nan"),
+    (["--concurrency", "0"], "--concurrency must be in [1, 1024] (users in flight at once), got 0"),
     (["--sample-s", "0"], "--sample-s must be finite and > 0 (seconds between two samples), got 0.0"),
-    (["--day-s", "-5"], "--day-s must be finite and > 0 (real seconds a simulated day lasts), got -5.0"),
-    (["--arrivals-per-hour", "0"], "--arrivals-per-hour must be finite and > 0 (conversations per simulated hour), got 0.0"),
+    (["--day-s", "-5"], "--day-s must be in (0, 31536000] (real seconds a simulated day lasts), got -5.0"),
+    (["--arrivals-per-hour", "0"], "--arrivals-per-hour must be in (0, 10000000] (conversations per simulated hour), "
+                                          "got 0.0"),
     (["--tolerance", "1.5"], "--tolerance must be in [0, 1] (a drop in held-out success, a share), got 1.5"),
     (["--tolerance", "-0.1"], "--tolerance must be in [0, 1] (a drop in held-out success, a share), got -0.1"),
     (["--rss-warmup-min", "-1"], "--rss-warmup-min must be finite and >= 0 (minutes), got -1.0"),
-    (["--disk-mb", "8"], "--disk-mb must be finite and >= 64 (MB of tmpfs: the run directory, its versions and the store "
+    (["--faults", "kill", "--disk-mb", "8"], "--disk-mb must be finite and >= 64 (MB of tmpfs: the run directory, its versions and the store "
                          "must fit), got 8"),
     (["--disk-hold-s", "-1"], "--disk-hold-s must be finite and >= 0 (seconds), got -1.0"),
     (["--outage-s", "-2"], "--outage-s must be finite and >= 0 (seconds), got -2.0"),
-    (["--minutes", "inf"], "--minutes must be finite and > 0 (real minutes of traffic), got inf"),
+    (["--minutes", "inf"], "--minutes must be in (0, 525600] (real minutes of traffic, a year at most), got inf"),
     (["--disk-hold-s", "1e308"], "--disk-hold-s must be shorter than the run (--minutes 90 = 5400 s), got 1e+308"),
     (["--minutes", "2", "--outage-s", "120"], "--outage-s must be shorter than the run (--minutes 2 = 120 s), got 120"),
     (["--minutes", "1", "--disk-hold-s", "90"], "--disk-hold-s must be shorter than the run (--minutes 1 = 60 s), got 90"),
@@ -40,6 +41,14 @@ import soak  # noqa: E402
     (["--keep-promoted", "-1"], "--keep-promoted must be in [0, 1000000] (promoted versions; 0 keeps every one), "
                                 "got -1"),
     (["--keep-newest", "0"], "--keep-promoted applies only with --keep-newest >= 1 (0 keeps every version)"),
+    (["--seed", "-1"], "--seed must be in [0, 9223372036854775807] (the simulator's seed), got -1"),
+    (["--concurrency", "100000"], "--concurrency must be in [1, 1024] (users in flight at once), got 100000"),
+    (["--minutes", "1e9"], "--minutes must be in (0, 525600] (real minutes of traffic, a year at most), got 1000000000.0"),
+    (["--day-s", "1e9"], "--day-s must be in (0, 31536000] (real seconds a simulated day lasts), got 1000000000.0"),
+    (["--arrivals-per-hour", "1e8"], "--arrivals-per-hour must be in (0, 10000000] (conversations per simulated hour), "
+                                     "got 100000000.0"),
+    (["--val-size", "0"], "--val-size must be in [1, 100000] (held-out tasks of every family), got 0"),
+    (["--val-size", "100000000"], "--val-size must be in [1, 100000] (held-out tasks of every family), got 100000000"),
 ])
 def test_a_flag_out_of_its_range_is_a_usage_error_naming_it(flags, message, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -48,11 +57,22 @@ def test_a_flag_out_of_its_range_is_a_usage_error_naming_it(flags, message, caps
     assert f"error: {message}" in capsys.readouterr().err
 
 
-def test_the_ends_of_each_range_are_accepted():
-    a = soak.parse_args(["--tolerance", "0", "--outage-s", "0", "--disk-hold-s", "0", "--disk-mb", "64",
+def test_the_ends_of_each_range_are_accepted(tmp_path):
+    a = soak.parse_args(["--out", str(tmp_path / "out"), "--tolerance", "0", "--outage-s", "0", "--disk-hold-s", "0", "--disk-mb", "64",
                          "--concurrency", "1", "--rss-warmup-min", "0", "--keep-newest", "0", "--keep-promoted", "0"])
     assert (a.tolerance, a.outage_s, a.disk_mb, a.concurrency, a.keep_newest, a.keep_promoted) == (0, 0, 64, 1, 0, 0)
-    assert soak.parse_args(["--tolerance", "1"]).tolerance == 1.0
+    assert soak.parse_args(["--out", str(tmp_path / "out"), "--tolerance", "1"]).tolerance == 1.0
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_disk_fault_s_tmpfs_is_at_most_half_the_memory(capsys):
+    half = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20 // 2
+    with pytest.raises(SystemExit) as stop:
+        soak.parse_args(["--disk-mb", str(half + 1)])
+    assert stop.value.code == 2
+    assert (f"error: --disk-mb must be in [64, {half}] (MB of tmpfs: the run directory, its versions and the store "
+            f"must fit; the disk fault fills it, in memory: at most half of this machine's), got {half + 1}"
+            in capsys.readouterr().err)
 
 
 class FakeServer:
@@ -153,8 +173,9 @@ def test_a_setup_that_fails_after_the_mount_still_unmounts(fake_soak):
 def test_close_after_a_refused_out_touches_nothing(tmp_path):
     """``--out`` not empty: setup refuses before making a server; close then leaves the folder alone."""
     out = tmp_path / "out"
+    args = soak.parse_args(["--out", str(out)])  # (parse_args refuses a folder not empty: made after it)
     (out / "disk" / "run").mkdir(parents=True)
-    s = soak.Soak(soak.parse_args(["--out", str(out)]))
+    s = soak.Soak(args)
     with pytest.raises(SystemExit, match="is not empty; give a new --out"):
         s.setup()
     s.close()
@@ -168,10 +189,15 @@ def test_close_after_a_refused_out_touches_nothing(tmp_path):
     (["--families", "arithmetic,nope"], "unknown families ['nope'] in --families; valid: arithmetic, "
                                         "function_calling, web"),
     (["--settings", "new,older"], "unknown settings ['older'] in --settings; valid: new, old"),
+    (["--concurrency", "2000"], "--concurrency must be <= 1024 (the simulator's bound), got 2000"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--out", "{tmp}/file"], "--out {tmp}/file is a file, not a folder; give a new folder"),
 ])
 def test_soak_baseline_refuses_flags_out_of_range_before_it_starts_a_server(flags, message, tmp_path, capsys):
     import soak_baseline
 
+    (tmp_path / "file").write_text("")
+    flags, message = [f.format(tmp=tmp_path) for f in flags], message.format(tmp=tmp_path)
     with pytest.raises(SystemExit) as stop:
         soak_baseline.main(["--out", str(tmp_path / "out"), *flags])
     assert stop.value.code == 2 and f"error: {message}" in capsys.readouterr().err
@@ -273,7 +299,7 @@ def test_the_soak_s_server_validates_every_second_candidate_within_the_age_rule(
     from selfrl.serve.main import load_serve_config
 
     path = tmp_path / "serve.toml"
-    path.write_text(soak.serve_toml(soak.parse_args(flags), tmp_path / "run", 8123, "a-model"))
+    path.write_text(soak.serve_toml(soak.parse_args(["--out", str(tmp_path / "out"), *flags]), tmp_path / "run", 8123, "a-model"))
     cfg = load_serve_config(str(path), {})  # serve's own checks: eval_every - 1 <= max_feedback_age_versions
     assert (cfg.gate.eval_every, cfg.learner.max_feedback_age_versions, cfg.learner.order) == (2, 4, "newest")
     assert [f.name for f in cfg.families] == ["arithmetic", "function_calling", "web"]

@@ -13,6 +13,7 @@ from selfrl.config.base import (
 )
 from selfrl.config.judge import JUDGE_REWARD
 from selfrl.config.sections import (
+    MAX_VAL,
     CollapseConfig,
     DetectorConfig,
     GateConfig,
@@ -107,7 +108,7 @@ class FamilyConfig:
             (isinstance(self.source, str) and bool(self.source), "source must not be empty"),
             (isinstance(self.options, dict), "options must be a table"),
             *[in_range(value, key, low, high) for key, value, low, high in (
-                ("tolerance", self.tolerance, 0, 1), ("val_size", self.val_size, 1, 100_000),
+                ("tolerance", self.tolerance, 0, 1), ("val_size", self.val_size, 1, MAX_VAL),
                 ("val_seed", self.val_seed, 0, SEED_MAX)) if value is not None],
         ], where)
 

@@ -19,6 +19,8 @@ TOOL_CHOICES: tuple[str, ...] = get_args(ToolChoice)
 GROUP_BY: tuple[str, ...] = get_args(GroupBy)
 MAX_TURNS = 32  # turns of one conversation (tool calls and answers)
 MAX_SIM_S = 10 * 365 * 24 * 3600.0  # ten simulated years: a schedule, a delay
+MAX_CONCURRENCY = 1024  # conversations and reactions in flight at once (threads of one process)
+MAX_ARRIVALS_PER_HOUR = 10**7  # conversations that start per simulated hour
 
 
 @dataclass
@@ -156,11 +158,11 @@ class SimulateConfig:
             in_range(self.seed, "seed", 0, SEED_MAX),
             in_range(self.max_requests, "max_requests", 1, 10**9),
             in_range(self.max_seconds, "max_seconds", 0, SECONDS_MAX, low_open=True),
-            in_range(self.arrivals_per_hour, "arrivals_per_hour", 0, 10**7, low_open=True),
+            in_range(self.arrivals_per_hour, "arrivals_per_hour", 0, MAX_ARRIVALS_PER_HOUR, low_open=True),
             in_range(self.day_s, "day_s", 0, SECONDS_MAX),
             in_range(self.window_s, "window_s", 0, MAX_SIM_S, low_open=True),
             in_range(self.temperature, "temperature", 0, 2),
-            in_range(self.concurrency, "concurrency", 1, 1024),
+            in_range(self.concurrency, "concurrency", 1, MAX_CONCURRENCY),
             (self.group_by in GROUP_BY, f"group_by must be one of {', '.join(GROUP_BY)}, got {self.group_by!r}"),
             in_range(self.timeout_s, "timeout_s", 0, SECONDS_MAX, low_open=True),
             (bool(self.families), "[[families]] must name at least one family"),
