@@ -257,12 +257,43 @@ def versions_section(store: Store, versions: list[dict], clock) -> list[str]:
     return lines + [""]
 
 
+PER_RESPONSE_EVENTS = ("late_feedback",)  # one client can send these as often as it likes: one row per response
+
+
+def grouped_events(events: list[dict]) -> list[tuple[dict, int, dict]]:
+    """``(first event, count, last event)`` rows of ``events``: the events of a kind in
+    :data:`PER_RESPONSE_EVENTS` on one response (``data.response_id``) in one row at the first of them,
+    and a run of events with the same kind and message one after another in one row. No event is
+    dropped: ``count`` says how many a row holds (the store keeps each)."""
+    rows: list[list] = []
+    by_response: dict[tuple[str, str], list] = {}
+    for e in events:
+        rid = (e["data"] or {}).get("response_id") if e["kind"] in PER_RESPONSE_EVENTS else None
+        row = by_response.get((e["kind"], rid)) if rid is not None else None
+        if row is None and rid is None and rows and (rows[-1][0]["kind"], rows[-1][0]["message"]) == (
+                e["kind"], e["message"]):
+            row = rows[-1]
+        if row is None:
+            rows.append(row := [e, 0, e])
+            if rid is not None:
+                by_response[(e["kind"], rid)] = row
+        row[1] += 1
+        row[2] = e
+    return [tuple(r) for r in rows]
+
+
 def events_section(store: Store, clock) -> list[str]:
+    """The events in time order; repeated ones in one row with their count (:func:`grouped_events`)."""
     events = store.events()
     if not events:
         return []
     lines = ["## Events", "", "| at | kind | message |", "|---|---|---|"]
-    lines += [f"| {duration(clock.elapsed(e['run_id'], e['time']))} | {e['kind']} | {e['message']} |" for e in events]
+    for first, n, last in grouped_events(events):
+        at = duration(clock.elapsed(first["run_id"], first["time"]))
+        more = "" if n == 1 else (f" ({n} such events, the last at {duration(clock.elapsed(last['run_id'], last['time']))}"
+                                  + (f"; the last: {last['message']}" if last["message"] != first["message"] else "")
+                                  + ")")
+        lines.append(f"| {at} | {first['kind']} | {first['message']}{more} |")
     return lines + [""]
 
 
