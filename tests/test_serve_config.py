@@ -195,6 +195,72 @@ def test_serve_refuses_the_judge_reward_in_one_line_before_the_model_loads(tmp_p
     assert cfg.learner.reward_weights == {"user_feedback": 1.0, "tool_success": 0.2}
 
 
+@pytest.mark.parametrize("weights, says", [
+    ({"verifier": 1.0}, "cannot use the 'verifier' reward on served turns: it checks a task's reference answer"),
+    ({"user_feedback": 1.0, "partial_credit": 0.5}, "cannot use the 'partial_credit' reward"),
+    ({"user_feedback": 1.0, "self_consistency": 1.0}, "cannot use the 'self_consistency' reward on served turns: "
+                                                      "it compares the samples of one task"),
+    ({"user_feedback": 1.0, "agreement": 1.0}, "cannot use the 'agreement' reward"),
+    ({"user_feedback": 1.0, "user_correction": 1.0}, "serve already counts a correcting next message as user_feedback"),
+    ({"web_naive": 1.0}, "cannot use the 'web_naive' reward on served turns: a served turn runs no environment task"),
+    ({"webshop_naive": 1.0, "user_feedback": 1.0}, "cannot use the 'webshop_naive' reward"),
+    ({}, "{} has no positive 'user_feedback' weight"),
+    ({"tool_success": 0.2}, "{'tool_success': 0.2} has no positive 'user_feedback' weight"),
+    ({"user_feedback": 0.0, "tool_success": 0.2}, "has no positive 'user_feedback' weight"),
+    ({"user_feedback": -1.0}, "negative weight {'user_feedback': -1.0}: selfrl serve would train away"),
+    ({"user_feedback": 1.0, "length_penalty": -0.1}, "negative weight {'length_penalty': -0.1}"),
+])
+def test_serve_refuses_reward_weights_that_cannot_apply_to_served_turns(tmp_path, capsys, monkeypatch, weights, says):
+    """A reward served turns cannot carry, a table without user_feedback, or a negative weight would
+    start fine and then score every rated turn alike ("no group had reward spread"): refused at load."""
+    from selfrl.serve import main
+
+    with pytest.raises(ConfigError) as err:
+        load_serve_config(None, {"learner": {"reward_weights": weights}})
+    assert str(err.value).startswith("learner.reward_weights: ") and says in str(err.value)
+    if "cannot use" in says:
+        assert "use only user_feedback, tool_success, format, length_penalty" in str(err.value)
+    toml = tmp_path / "serve.toml"
+    toml.write_text("[learner]\nreward_weights = { " + ", ".join(f"{k} = {v}" for k, v in weights.items()) + " }\n")
+    loaded = []
+    monkeypatch.setattr("selfrl.model.load.build_policy", lambda cfg: loaded.append(cfg))  # must not be reached
+    code = main.serve(str(toml), {"run_dir": str(tmp_path / "run")}, None)
+    err_text = capsys.readouterr().err.strip()
+    assert code == 2 and loaded == [] and len(err_text.splitlines()) == 1 and says in err_text
+
+
+def test_serve_takes_the_rewards_a_served_turn_carries_and_families_change_nothing(tmp_path):
+    weights = {"user_feedback": 1.0, "tool_success": 0.2, "format": 0.1, "length_penalty": 0.05}
+    assert load_serve_config(None, {"learner": {"reward_weights": weights}}).learner.reward_weights == weights
+    assert load_serve_config(None, {"learner": {"reward_weights": {"user_feedback": 0.5}}})
+    from pathlib import Path
+
+    families = Path(__file__).resolve().parents[1] / "configs" / "serve_families.toml"
+    assert load_serve_config(str(families), {}).learner.reward_weights == {"user_feedback": 1.0, "tool_success": 0.2}
+    toml = tmp_path / "families.toml"  # a family's held-out gate uses its verifier; the learner's reward cannot
+    toml.write_text(families.read_text() + '\n[learner]\nreward_weights = { user_feedback = 1.0, verifier = 1.0 }\n')
+    with pytest.raises(ConfigError, match="cannot use the 'verifier' reward on served turns"):
+        load_serve_config(str(toml), {})
+
+
+def test_every_built_in_reward_is_either_usable_by_serve_or_refused_with_its_reason():
+    from selfrl.config.judge import JUDGE_REWARD
+    from selfrl.config.serve import SERVE_REFUSED_REWARDS, SERVE_REWARDS
+    from selfrl.envs.builtin import load_builtin_envs
+    from selfrl.envs.rewards import REWARD_FUNCS
+    from selfrl.serve.feedback import served_rewards
+
+    load_builtin_envs()
+    assert set(SERVE_REWARDS) <= set(REWARD_FUNCS)
+    assert set(SERVE_REFUSED_REWARDS) <= set(REWARD_FUNCS)
+    assert not set(SERVE_REWARDS) & set(SERVE_REFUSED_REWARDS)
+    # the components a served turn's own reward rows name (selfrl.serve.feedback) are all usable
+    assert set(served_rewards(1.0, 1.0, {})[0]) <= set(SERVE_REWARDS)
+    ours = {n for n, fn in REWARD_FUNCS.items() if getattr(fn, "__module__", "").startswith("selfrl.")}  # not tests'
+    unclassified = ours - set(SERVE_REWARDS) - set(SERVE_REFUSED_REWARDS) - {JUDGE_REWARD}
+    assert unclassified <= {"web_naive", "webshop_naive"}, unclassified  # environments' rewards: the generic reason
+
+
 def test_a_sampler_setting_without_a_sampler_url_is_refused_not_ignored():
     """serve's default kind is vllm: --sampler-kind (or a [swap_check] key) without --sampler would
     change nothing, so it is refused; a kind serve does not take is refused listing the one it does."""

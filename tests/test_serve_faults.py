@@ -125,6 +125,8 @@ def test_the_learner_backs_off_pauses_and_says_so_in_health_never_stopping(tiny_
     # before: with max_rollbacks = 1 the second collapse stopped the learner for good
     import copy
 
+    import time
+
     from selfrl.serve.health import health
     from selfrl.serve.service import Service
     from serving import tiny_serve_config
@@ -144,12 +146,16 @@ def test_the_learner_backs_off_pauses_and_says_so_in_health_never_stopping(tiny_
         code, body, _ = health(service)
         b = body["backoff"]
         assert (code, b["backing_off"], b["level"], b["paused_until"]) == (200, True, 1, None)
+        # each time beside its UTC ISO 8601 text (the fake clock's 5000 s: 1970-01-01 01:23:20)
+        assert (b["paused_until_utc"], b["next_step_back_at"]) == (None, 5000.0 + cfg.collapse.stable_s)
+        assert b["next_step_back_at_utc"] == time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(b["next_step_back_at"]))
         assert (b["learning_rate"], b["beta"]) == pytest.approx((5e-3, 0.1))
         clock.t += 10
         assert learner.update(rated_turns(service))["result"] == "rolled back (collapse)"  # 2 > 1 in the window
         b = health(service)[1]["backoff"]
-        assert (b["level"], b["paused_until"]) == (2, 5010.0 + 600.0)
+        assert (b["level"], b["paused_until"], b["paused_until_utc"]) == (2, 5010.0 + 600.0, "1970-01-01T01:33:30Z")
         assert service.status()["learner"]["backoff"]["paused_until"] == 5610.0
+        assert service.status()["learner"]["backoff"]["paused_until_utc"] == "1970-01-01T01:33:30Z"
         pending, taken = rated_turns(service), []
         monkeypatch.setattr("selfrl.serve.background.records.ready", lambda *a: taken.append(1) or pending)
         assert not learner.tick() and taken == []  # the cool-down: no batch taken, the turns stay pending

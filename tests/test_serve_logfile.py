@@ -178,3 +178,56 @@ def test_a_stop_during_the_start_up_validation_ends_it_after_the_batch_under_way
     log = (tmp_path / "run" / "serve.log").read_text()
     assert (f"WARNING selfrl.serve: the start-up validation of version {champ.version} stopped after 1 of 4 held-out tasks: the "
             "server stops; the next start validates it again") in log
+
+
+def test_repeated_late_feedback_is_one_line_a_minute_per_response_and_no_count_is_lost(tmp_path, monkeypatch):
+    """200 ratings of one already-trained turn were 200 lines of serve.log: now its first line, then one
+    line per minute with the count of those not written; another response has its own lines; the
+    store keeps every event, and the report has one row with the count."""
+    from selfrl.record.store import Store
+    from selfrl.record.versions import EventKind, Ledger
+    from selfrl.report.serve import write_serve_report
+
+    clock = [1000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])  # LogRecord.created and the close's count
+    monkeypatch.setattr(time, "time_ns", lambda: int(clock[0] * 1e9))
+    store = Store(tmp_path / "selfrl.db")
+    records.init(store)
+    ledger = Ledger(store, store.start_run({"serve": {}}), tmp_path)
+    handler = open_log(tmp_path, 1_000_000, 1, stream=io.StringIO())
+    late = "came too late for 1 turn(s): already trained on or skipped; recorded, but it changes no update"
+    try:
+        for i in range(200):  # 200 in 100 s
+            clock[0] = 1000.0 + i * 0.5
+            ledger.event(EventKind.LATE_FEEDBACK, f"feedback on r1: {late}", {"response_id": "r1", "too_late": 1})
+            if i == 10:
+                ledger.event(EventKind.LATE_FEEDBACK, f"feedback on r2: {late}", {"response_id": "r2", "too_late": 1})
+        clock[0] = 1200.0
+        logging.getLogger("selfrl.serve").info("an unrelated line")  # r1's second window has passed: its count
+        for _ in range(3):
+            ledger.event(EventKind.LATE_FEEDBACK, f"feedback on r1: {late}", {"response_id": "r1", "too_late": 1})
+        clock[0] = 1210.0
+    finally:
+        close_log(handler)
+    lines = (tmp_path / "serve.log").read_text().splitlines()
+    ours = [ln.split("selfrl.events.late_feedback: ")[1] for ln in lines if "late_feedback" in ln]
+    assert ours == [
+        f"feedback on r1: {late}",
+        f"feedback on r2: {late}",
+        f"119 more late_feedback events on response_id r1 in the 60 s since the line above for it, not written one "
+        "by one (the store's events table holds each)",
+        f"feedback on r1: {late}",  # at 1060 s, a new window
+        "79 more late_feedback events on response_id r1 in the 140 s since the line above for it, not written one "
+        "by one (the store's events table holds each)",
+        f"feedback on r1: {late}",
+        "2 more late_feedback events on response_id r1 in the 10 s since the line above for it, not written one by "
+        "one (the store's events table holds each)",
+    ]
+    assert 1 + 119 + 1 + 79 + 1 + 2 == 203
+    assert len([e for e in store.events() if e["kind"] == "late_feedback"]) == 204  # every one stored
+    text = write_serve_report(tmp_path / "report", store, "serve").read_text()
+    store.close()
+    rows = [r for r in text.splitlines() if "| late_feedback |" in r]
+    assert len(rows) == 2
+    assert rows[0].startswith("| 0 s | late_feedback | feedback on r1: ") and "(203 such events, the last at " in rows[0]
+    assert rows[1].startswith("| 5 s | late_feedback | feedback on r2: ") and "such events" not in rows[1]

@@ -170,3 +170,39 @@ def test_a_run_without_families_is_one_row(tmp_path):
         "all traffic", 1, 1, (0, 1, 2), (0, 1, 2), 0)
     assert families_section(s)[4].startswith("| all traffic | 1 | 1 / 0 / 0 | 1 (1) | 0 | 0 (0) | 1/2 -> 1/2 (v0)")
     s.close()
+
+
+def test_families_a_server_does_not_configure_are_capped_and_the_rest_summed(tmp_path):
+    """Without [[families]] a client may send any metadata.family: the 20 with the most turns get
+    a row each, the other families one summed row, and the report says so."""
+    from selfrl.report.serve_families import MAX_FAMILY_ROWS
+
+    s = Store(tmp_path / "selfrl.db")
+    records.init(s)
+    run = s.start_run({"serve": {}})
+    s.add_version(0, None, "/a/0", "base", {})
+    s.add_version(1, 0, "/a/1", "promoted", {})
+    big = {f"big{i:02d}": 3 + i for i in range(MAX_FAMILY_ROWS)}  # 3..22 turns each: a row each
+    small = [f"small{i:02d}" for i in range(30)]  # 2 turns each (one rated +, trained in v1): summed
+    for family, n in big.items():
+        for _ in range(n):
+            turn(s, run, family, None)
+    for family in small:
+        mark(s, [turn(s, run, family, 1.0)], "trained", 1)
+        mark(s, [turn(s, run, family, None)], "skipped", None, reward=None)
+    for i in range(4):  # no family
+        t = Trajectory(task_id=f"none:{i}", group_id="g", adapter_version=0, prompt_len=1, token_ids=[1, 2],
+                       completion_mask=[0, 1], logprobs=[0.0, -1.0])
+        records.add_turns(s, run, [records.ServedTurn(t, f"n{i}", 0, f"n{i}", "g", f"n{i}")])
+    accounts = family_accounts(s)
+    assert [a.family for a in accounts[:MAX_FAMILY_ROWS]] == sorted(big, key=lambda f: -big[f])
+    assert [a.name for a in accounts[MAX_FAMILY_ROWS:]] == ["all traffic", "(30 other families)"]
+    other = accounts[-1]
+    assert (other.served, other.positive, other.unrated, other.trained, other.trained_positive) == (60, 30, 30, 30, 30)
+    assert other.skipped == {"no reward": 30} and (other.updates, other.updates_kept, other.groups) == (1, 1, 30)
+    text = "\n".join(families_section(s))
+    s.close()
+    assert len([r for r in text.splitlines() if r.startswith("| ") and not r.startswith("| family")]) == 22
+    assert "| (30 other families) | 60 | 30 / 0 / 30 | 30 (30) | 30: 30 no reward | 1 (1) |" in text
+    assert ("The 20 families not in [[families]] with the most turns have a row each; the other 30 "
+            "(metadata.family as clients sent it) are summed in the last row.") in text

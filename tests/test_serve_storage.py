@@ -174,6 +174,9 @@ def test_a_completion_that_cannot_be_stored_is_a_507_that_says_what_to_do(served
     code, body, headers = health(service)
     assert (code, body["status"], body["served_version"]) == (503, "degraded", 0)
     assert [r["code"] for r in body["reasons"]] == ["disk_full"] and headers["Retry-After"] == "30"
+    since = body["reasons"][0]["since"]  # seconds since the epoch, and the same in UTC ISO 8601 beside it
+    assert abs(since - time.time()) < 600
+    assert body["reasons"][0]["since_utc"] == time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since))
     status, _, answer = call("GET", url + "/health")
     assert status == 503 and answer["reasons"][0]["code"] == "disk_full"
     # while the fault lasts, a request that records is refused before anything is generated

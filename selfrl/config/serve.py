@@ -31,6 +31,24 @@ from selfrl.engines import DEFAULT_SERVE_ENGINE
 from selfrl.engines.base import MAX_TEMPERATURE, MIN_TEMPERATURE
 
 KV_MB_MAX = 1 << 20  # 1 TiB: the largest key/value bound in MB a setting takes
+FEEDBACK_REWARD = "user_feedback"  # the users' verdict on a served turn (selfrl.serve.feedback)
+# the rewards a served turn carries: its users' verdict and what the turn itself shows (its tool calls, its
+# answer tag, its length). The learner scores served turns against no task (selfrl.serve.feedback.SERVED),
+# so a reward that reads a task's answer or environment would score every turn alike.
+SERVE_REWARDS = (FEEDBACK_REWARD, "tool_success", "format", "length_penalty")
+_NO_ANSWER = ("it checks a task's reference answer, which a served turn lacks, so every turn would score 0 "
+              "(a [[families]] environment's verifier validates candidates on its held-out tasks, never served turns)")
+_NO_TASK = ("it compares the samples of one task, and a served group holds different users' turns (of different "
+            "prompts under a task_key)")
+SERVE_REFUSED_REWARDS = {  # why serve cannot use each built-in reward outside SERVE_REWARDS
+    "verifier": _NO_ANSWER,
+    "partial_credit": _NO_ANSWER,
+    "self_consistency": _NO_TASK,
+    "agreement": _NO_TASK,
+    "user_correction": ("it reads the user messages after the first answer of the turn's own messages, which in a "
+                        "served turn correct an earlier answer of its conversation; serve already counts a "
+                        "correcting next message as user_feedback"),
+}
 LearnerOrder = Literal["newest", "oldest"]  # which ready turns an update takes first (selfrl.serve.late_feedback)
 CorrectionUse = Literal["off", "calls", "all"]  # which corrections train as demonstrations (selfrl.serve.corrections)
 
@@ -54,7 +72,7 @@ class LearnerSettings:
     learn_from_corrections: CorrectionUse = "off"  # which corrections that say what the answer should have been also train as a demonstration in their turn's group (selfrl.serve.corrections): off | calls (only those with correction_tool_calls: the call is the whole answer) | all (text too: a final answer alone can teach skipping the tools that reach it); only for users you trust: a correction is trained on as written
     feedback_tis_cap: float = 2.0  # cap C of a late turn's weight min(exp(sum of log-ratios since its version), C) (truncated, as TIS)
     reward_weights: dict[str, float] = field(
-        default_factory=lambda: {"user_feedback": 1.0, "tool_success": 0.2})  # registered rewards (selfrl.envs.rewards)
+        default_factory=lambda: {"user_feedback": 1.0, "tool_success": 0.2})  # rewards a served turn carries (SERVE_REWARDS): user_feedback (weight > 0), tool_success, format, length_penalty; weights >= 0
 
     def check(self, where: str = "") -> None:
         require([
@@ -79,8 +97,35 @@ class LearnerSettings:
              "endpoints to call); train with a judge through selfrl run (docs/guides/judge.md), or weight "
              "user_feedback here"),
         ], where)
+        if isinstance(self.reward_weights, dict):
+            require(serve_reward_problems(self.reward_weights), where)
         require([at_most(self.min_batch, f"{where}min_batch", self.max_batch, f"{where}max_batch"),
                  at_most(self.retry_s, f"{where}retry_s", self.retry_max_s, f"{where}retry_max_s")])
+
+
+def serve_reward_problems(weights: dict[str, Any]) -> list[tuple[bool, str]]:
+    """The rules ``learner.reward_weights`` of ``selfrl serve`` meets (:func:`selfrl.config.base.require`'s
+    ``(ok, message)`` pairs): only rewards a served turn carries (:data:`SERVE_REWARDS`), a positive
+    ``user_feedback`` weight, and no negative weight (``selfrl run`` keeps its own rules)."""
+    usable = ", ".join(SERVE_REWARDS)
+    rules = []
+    for name in weights:
+        if name in SERVE_REWARDS or name == JUDGE_REWARD:  # the judge has its own message
+            continue
+        why = SERVE_REFUSED_REWARDS.get(name, "a served turn runs no environment task for it to read, so every "
+                                                "turn would score alike")
+        rules.append((False, f"reward_weights: selfrl serve cannot use the {name!r} reward on served turns: {why}; "
+                             f"use only {usable} (docs/concepts/serving.md), or train with {name!r} through "
+                             "selfrl run"))
+    negative = {n: w for n, w in weights.items() if w < 0}  # finite numbers here (checked before)
+    rules.append((not negative, f"reward_weights: negative weight {negative}: selfrl serve would train away from "
+                  "what the reward pays (a negative user_feedback learns the opposite of what its users rate); "
+                  "use weights >= 0 (length_penalty's values are already negative)"))
+    feedback = weights.get(FEEDBACK_REWARD, 0)
+    rules.append((feedback > 0, f"reward_weights: {dict(weights)} has no positive {FEEDBACK_REWARD!r} weight, and "
+                  f"selfrl serve learns from its users' feedback: add {FEEDBACK_REWARD} = 1.0 (the default table "
+                  f"is {{ {FEEDBACK_REWARD} = 1.0, tool_success = 0.2 }})"))
+    return rules
 
 
 @dataclass

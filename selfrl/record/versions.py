@@ -222,7 +222,7 @@ class Ledger:
         """
         kind = EventKind(kind)
         self.store.log_event(self.run_id, kind.value, message, data)
-        event_logger(kind).info(message)
+        event_logger(kind).info(message, extra={"event_data": data or {}})  # (serve.log groups repeats by it)
 
     def load_state(self, version: int) -> dict:
         """The LoRA tensors of ``version``, checked against their checksums.

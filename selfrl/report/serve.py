@@ -35,13 +35,67 @@ from selfrl.report.timeline import duration, load_timeline, session_clock
 
 STATUS_COLOURS = {"base": "#555555", "promoted": "#2ca02c", "rejected": "#ff7f0e", "rolled_back": "#9467bd",
                   "candidate": "#7f7f7f"}
-GATE_RESULT = {
+STATUS_LABELS = {  # the figure's legend: true of every version of the status (the table says more)
     "base": "base model",
     "promoted": "passed the gate; served",
-    "rejected": "failed the gate; never served",
-    "rolled_back": "passed the gate; later rolled back",
-    "candidate": "saved; not yet decided",
+    "rejected": "not promoted; never served",
+    "rolled_back": "rolled back (the table says by what)",
+    "candidate": "saved; not validated",
 }
+
+
+def admin_rollbacks(events: list[dict]) -> dict[int, int]:
+    """``{version: the version an admin rolled back to}`` for each promoted version an admin's rollback
+    (``rollback`` events, :meth:`selfrl.record.versions.Ledger.roll_back_to`) marked ``rolled_back``; the last
+    rollback that named it wins (a version rolled back to is promoted again, and may be rolled back again)."""
+    out: dict[int, int] = {}
+    for e in events:
+        if e["kind"] == "rollback":
+            for v in (e["data"] or {}).get("rolled_back") or []:
+                out[int(v)] = (e["data"] or {}).get("version")
+    return out
+
+
+def gate_result(v: dict, versions: list[dict], admin: dict[int, int]) -> str:
+    """What the gate (or something before or after it) made of version ``v``, in words true of it:
+    its status read with the reason the ledger recorded in its metrics (:mod:`selfrl.record.versions`,
+    :mod:`selfrl.serve.chain`) and ``admin`` (:func:`admin_rollbacks`)."""
+    m, status, number = v["metrics"], v["status"], v["version"]
+    if m.get("corrupt") and status == "rolled_back":  # found damaged at a restart (Ledger.latest_servable)
+        was = "base model" if v["parent"] is None else "passed the gate; served"
+        return f"{was}; its folder was found damaged at a restart ({m['corrupt']}) and it is not served again"
+    if status == "base":
+        return "base model"
+    if status == "promoted":
+        again = ", rolled back by an admin, then served again (an admin rolled back to it)" if number in admin else ""
+        return f"passed the gate; served{again}"
+    if status == "rolled_back":
+        if m.get("collapse"):
+            return f"rolled back by the collapse rules ({m['collapse']}) before the gate decided; never served"
+        if number in admin:
+            return f"passed the gate; served, then rolled back by an admin (to version {admin[number]})"
+        return "rolled back"
+    if status == "rejected":
+        if m.get("unvalidated"):
+            return f"never validated (a gate.eval_every chain); rejected with its chain: {m['unvalidated']}"
+        if m.get("swap_check"):
+            return f"rejected: its swap check failed ({m['swap_check']}); never served"
+        if m.get("corrupt"):
+            return f"not promoted: its folder is damaged ({m['corrupt']}); never served"
+        if m.get("parent_rolled_back") is not None:
+            return (f"rejected: trained from version {m['parent_rolled_back']}, which was rolled back meanwhile; "
+                    "never served")
+        if m.get("veto"):
+            return f"failed the gate ({m['veto']}); never served"
+        return "failed the gate; never served"
+    if status == "candidate":
+        later = [w for w in versions if w["parent"] == number]
+        if later:  # a chain went on from it: gate.eval_every validates only the chain's last candidate
+            return "never validated (a gate.eval_every chain went on from it); never served"
+        if any(w["version"] > number for w in versions):
+            return "never validated (its validation did not finish); never served"
+        return "saved; not yet decided"
+    return status
 
 
 def has_serve_tables(store: Store) -> bool:
@@ -125,7 +179,7 @@ def serve_figure(store: Store, label: str, turns: list[dict], feedback: list[dic
         c.annotate(f"v{v['version']}", (x, success), textcoords="offset points", xytext=(4, 4), fontsize=8)
     for status in ("promoted", "rejected", "rolled_back"):
         if any(v["status"] == status and v["version"] for v in versions):
-            c.plot([], [], "o", color=STATUS_COLOURS[status], label=GATE_RESULT[status])
+            c.plot([], [], "o", color=STATUS_COLOURS[status], label=STATUS_LABELS[status])
     c.set(title="gate: held-out success of each candidate (95 % Wilson)", ylabel="held-out success", ylim=(-0.03, 1.03))
 
     xs, ys = timeline.xy("reward/mean", "elapsed")
@@ -186,6 +240,7 @@ def versions_section(store: Store, versions: list[dict], clock) -> list[str]:
     """Each version: when it was saved, its parent, held-out success and the gate's result."""
     lines = ["## Versions and gate results", "", "| version | parent | saved at | held-out success, 95% Wilson CI "
              "| gate result |", "|---|---|---|---|---|"]
+    admin = admin_rollbacks(store.events())
     for v in versions:
         res = store.evaluation(v["version"])
         if res:
@@ -198,16 +253,47 @@ def versions_section(store: Store, versions: list[dict], clock) -> list[str]:
             success = "not evaluated"
         parent = "" if v["parent"] is None else v["parent"]
         when = duration(clock.elapsed(None, v["created_at"]))
-        lines.append(f"| {v['version']} | {parent} | {when} | {success} | {GATE_RESULT.get(v['status'], v['status'])} |")
+        lines.append(f"| {v['version']} | {parent} | {when} | {success} | {gate_result(v, versions, admin)} |")
     return lines + [""]
 
 
+PER_RESPONSE_EVENTS = ("late_feedback",)  # one client can send these as often as it likes: one row per response
+
+
+def grouped_events(events: list[dict]) -> list[tuple[dict, int, dict]]:
+    """``(first event, count, last event)`` rows of ``events``: the events of a kind in
+    :data:`PER_RESPONSE_EVENTS` on one response (``data.response_id``) in one row at the first of them,
+    and a run of events with the same kind and message one after another in one row. No event is
+    dropped: ``count`` says how many a row holds (the store keeps each)."""
+    rows: list[list] = []
+    by_response: dict[tuple[str, str], list] = {}
+    for e in events:
+        rid = (e["data"] or {}).get("response_id") if e["kind"] in PER_RESPONSE_EVENTS else None
+        row = by_response.get((e["kind"], rid)) if rid is not None else None
+        if row is None and rid is None and rows and (rows[-1][0]["kind"], rows[-1][0]["message"]) == (
+                e["kind"], e["message"]):
+            row = rows[-1]
+        if row is None:
+            rows.append(row := [e, 0, e])
+            if rid is not None:
+                by_response[(e["kind"], rid)] = row
+        row[1] += 1
+        row[2] = e
+    return [tuple(r) for r in rows]
+
+
 def events_section(store: Store, clock) -> list[str]:
+    """The events in time order; repeated ones in one row with their count (:func:`grouped_events`)."""
     events = store.events()
     if not events:
         return []
     lines = ["## Events", "", "| at | kind | message |", "|---|---|---|"]
-    lines += [f"| {duration(clock.elapsed(e['run_id'], e['time']))} | {e['kind']} | {e['message']} |" for e in events]
+    for first, n, last in grouped_events(events):
+        at = duration(clock.elapsed(first["run_id"], first["time"]))
+        more = "" if n == 1 else (f" ({n} such events, the last at {duration(clock.elapsed(last['run_id'], last['time']))}"
+                                  + (f"; the last: {last['message']}" if last["message"] != first["message"] else "")
+                                  + ")")
+        lines.append(f"| {at} | {first['kind']} | {first['message']}{more} |")
     return lines + [""]
 
 

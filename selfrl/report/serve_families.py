@@ -33,6 +33,9 @@ MIN_TRAINED = 32  # fewer trained turns than this: too few to move a family
 MIN_POSITIVE_SHARE = 0.15  # fewer trained turns rated positively than this share: almost nothing to reinforce
 ALL = ""  # the family key of a turn or task without a family (a run without [[families]]: all of them)
 SKIP_WHY = ("too old", "cut off", "no reward", "update skipped")
+# rows of families a client named that [[families]] does not configure (a server without them takes any
+# metadata.family): the ones with the most turns get a row each, the rest are summed in one
+MAX_FAMILY_ROWS = 20
 
 
 @dataclass
@@ -78,9 +81,12 @@ class FamilyAccount:
     changed_since: int | None = None
     moved: int | None = None
     evaluated: int = 0
+    others: int = 0  # families summed in this row (those past MAX_FAMILY_ROWS); 0: one family's row
 
     @property
     def name(self) -> str:
+        if self.others:
+            return f"({self.others} other families)"
         return self.family or "all traffic"
 
     @property
@@ -105,15 +111,26 @@ def smallest_detectable(n: int) -> int:
 
 def family_accounts(store: Store) -> list[FamilyAccount]:
     """The learning account of every family of the serve run in ``store``: the configured
-    ``[[families]]`` (of the newest session) in their order, then any other family a turn names;
-    turns without a family as their own row (``all traffic`` when no family is configured)."""
+    ``[[families]]`` (of the newest session) in their order, then any other family a turn names (the most
+    turns first);
+    turns without a family as their own row (``all traffic`` when no family is configured). Of the
+    families not configured, the :data:`MAX_FAMILY_ROWS` with the most turns have a row each and the
+    others are summed in one last row (its ``others`` counts them)."""
     conn = store.conn
     runs = store.runs()
     config = (runs[-1]["config"].get("serve") or {}) if runs else {}
     names = [f["name"] for f in config.get("families") or [] if isinstance(f, dict) and "name" in f]
     accounts: dict[str, FamilyAccount] = {n: FamilyAccount(n) for n in names}
+    unconfigured = sorted(((n, f) for f, n in conn.execute("SELECT family, COUNT(*) FROM served GROUP BY 1")
+                           if f and f not in accounts), key=lambda x: (-x[0], x[1]))
+    accounts.update((f, FamilyAccount(f)) for _, f in unconfigured[:MAX_FAMILY_ROWS])  # the most turns first
+    summed = {f for _, f in unconfigured[MAX_FAMILY_ROWS:]}
+    other = FamilyAccount(ALL, others=len(summed))
+    counted: dict[int, set[int]] = {}  # id(account) -> versions counted in its updates
 
     def acc(family: str | None) -> FamilyAccount:
+        if family in summed:
+            return other
         key = family or ALL
         return accounts.setdefault(key, FamilyAccount(key))
 
@@ -133,20 +150,24 @@ def family_accounts(store: Store) -> list[FamilyAccount]:
         if version is None:
             continue
         a = acc(family)
+        if version in counted.setdefault(id(a), set()):  # the summed row: one update of several of its families
+            continue
+        counted[id(a)].add(version)
         a.updates += 1
         a.updates_kept += version in lineage
         a.first_update = version if a.first_update is None else min(a.first_update, version)
     for family, groups in conn.execute(
             "SELECT family, COUNT(DISTINCT group_key) FROM served WHERE status = 'trained' GROUP BY 1"):
-        acc(family).groups = groups
+        acc(family).groups += groups
     for family, why, n in conn.execute(
             "SELECT s.family, CASE WHEN json_extract(t.data_json, '$.error') IS NOT NULL THEN 'cut off'"
             " WHEN json_extract(t.data_json, '$.reward_details.user_feedback.age.outcome') = 'too_old' THEN 'too old'"
             " WHEN t.reward IS NULL THEN 'no reward' ELSE 'update skipped' END, COUNT(*)"
             " FROM served s JOIN trajectories t ON t.id = s.trajectory_id WHERE s.status = 'skipped' GROUP BY 1, 2"):
-        acc(family).skipped[why] = n
+        a = acc(family)
+        a.skipped[why] = a.skipped.get(why, 0) + n
     held_out(store, accounts, set(names), lineage[0] if lineage else None)
-    return list(accounts.values())
+    return list(accounts.values()) + ([other] if summed else [])
 
 
 def champion_lineage(store: Store) -> list[int]:
@@ -310,6 +331,11 @@ def families_section(store: Store) -> list[str]:
         lines.append(f"| {a.name} | {a.served} | {a.positive} / {a.negative} / {a.unrated} | {a.trained} "
                      f"({a.trained_positive}) | {skipped}{f': {why}' if why else ''} | {a.updates} ({a.updates_kept}) "
                      f"| {held} | {diff} | {changed} |")
+    summed = next((a for a in accounts if a.others), None)
+    if summed is not None:
+        lines += ["", f"The {MAX_FAMILY_ROWS} families not in [[families]] with the most turns have a row each; the "
+                  f"other {summed.others} (metadata.family as clients sent it) are summed in the last row. Configure "
+                  "the families you mean to watch in [[families]]: each then has its row and its held-out set."]
     lines += ["", "Diagnosis:", ""]
     lines += [f"- **{a.name}**: {diagnose_family(a, lr if isinstance(lr, (int, float)) else None)}." for a in accounts]
     return lines + [""]

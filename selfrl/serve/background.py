@@ -67,7 +67,7 @@ from selfrl.serve.chain import CandidateChain
 from selfrl.serve.corrections import demonstrations, sampled_only, signal_report, with_its_group
 from selfrl.serve.families import held_out_sets
 from selfrl.serve.feedback import score_served
-from selfrl.serve.health import StorageWatch
+from selfrl.serve.health import BACKOFF_TIMES, StorageWatch, with_utc
 from selfrl.serve.late_feedback import FeedbackAges, stale_note, take_batch
 from selfrl.record.storage_errors import StorageFault
 from selfrl.record.store import Store
@@ -195,11 +195,11 @@ class BackgroundLearner(threading.Thread):
 
     def status(self) -> dict[str, Any]:
         champ = self.ledger.champion
-        paused = None if self.paused is None else {"code": self.paused.kind.value, "message": self.paused.message,
-                                                   "since": self.paused_since}
+        paused = None if self.paused is None else with_utc({"code": self.paused.kind.value, "message": self.paused.message,
+                                                            "since": self.paused_since}, ("since",))
         return {"alive": self.is_alive(), "busy": self.busy, "updates": self.updates, "best_version": champ.version,
                 "best_val_success": champ.success, "last_update": self.last, "error": self.error, "paused": paused,
-                "backoff": self.cycle.backoff(), "families_learned": self.families.learned() if self.families else None,
+                "backoff": with_utc(self.cycle.backoff(), BACKOFF_TIMES), "families_learned": self.families.learned() if self.families else None,
                 "chained": self.chain.status()}
 
     # -- storage faults: pause, undo, resume -------------------------------------------

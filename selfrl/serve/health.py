@@ -12,12 +12,14 @@ be stored), and at most once every ``probe_every_s`` a probe write
 writable again; the first that succeeds clears the fault. A log line (``selfrl.serve``,
 WARNING) marks where a fault begins and where it ends.
 
-**Health** (``GET /health``):
+**Health** (``GET /health``). Every time field (``since``, ``paused_until``, ``next_step_back_at``) is
+seconds since the epoch on the server's clock, for machines, with a ``<field>_utc`` beside it: the
+same time as UTC ISO 8601 (``2026-12-04T12:18:08Z``), for people (:func:`with_utc`).
 
 * healthy: 200 ``{"status": "ok", "served_version": N}``;
 * while the learner backs off after a collapse, also ``"backoff"``: the collapse budget's state
   (:meth:`selfrl.run.cycle.UpdateCycle.backoff`: ``backing_off``, ``level``, the current
-  ``learning_rate`` and ``beta``, ``paused_until`` of a cool-down, ...); backing off or pausing
+  ``learning_rate`` and ``beta``, ``paused_until`` of a cool-down, ``next_step_back_at``, ...); backing off or pausing
   is not a fault: the answer stays 200 ``ok`` and requests are served as usual;
 * while candidates wait for the gate (``gate.eval_every`` > 1, :mod:`selfrl.serve.chain`), also
   ``"chained"``: ``{"versions", "eval_every", "message": "chained: 1 of 2 before the gate"}``
@@ -51,6 +53,27 @@ from selfrl.record.storage_errors import (
 
 log = logging.getLogger("selfrl.serve")
 WHERE = "the server's run directory"  # how clients are told where: the path itself goes to the log only
+BACKOFF_TIMES = ("paused_until", "next_step_back_at")  # the collapse budget's times (server clock seconds)
+
+
+def utc(t: float | None) -> str | None:
+    """``t`` (seconds since the epoch, as the server's clock gives them) as UTC ISO 8601 to the
+    second; None stays None.
+
+    >>> utc(1796386688.25), utc(None)
+    ('2026-12-04T12:18:08Z', None)
+    """
+    return None if t is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def with_utc(d: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """``d`` with ``<key>_utc`` (:func:`utc`) beside each of ``keys`` it holds: every time field of
+    ``/health`` and ``/admin/status`` is the epoch float, for machines, and its UTC ISO 8601 text."""
+    out = dict(d)
+    for k in keys:
+        if k in d:
+            out[f"{k}_utc"] = utc(d[k])
+    return out
 
 
 class StorageWatch:
@@ -124,13 +147,14 @@ def health(service) -> tuple[int, dict[str, Any], dict[str, str]]:
     status = 200
     fault = service.storage.current()
     if fault is not None:
-        reasons.append({"code": fault.kind.value, "message": f"the server cannot record requests: {fault.message}",
-                        "since": service.storage.since})
+        reasons.append(with_utc({"code": fault.kind.value, "message": f"the server cannot record requests: "
+                                 f"{fault.message}", "since": service.storage.since}, ("since",)))
         status, headers = 503, {"Retry-After": str(fault.retry_after_s)}
     learner = service.learner
     if learner is not None and learner.paused is not None:
-        reasons.append({"code": "learner_paused", "message": f"the learner is paused ({learner.paused.kind.value}) "
-                        "and resumes by itself once the run directory can be written", "since": learner.paused_since})
+        reasons.append(with_utc({"code": "learner_paused", "message": f"the learner is paused "
+                                 f"({learner.paused.kind.value}) and resumes by itself once the run directory can be "
+                                 "written", "since": learner.paused_since}, ("since",)))
     elif learner is not None and learner.error is not None:
         reasons.append({"code": "learner_stopped", "message": "the learner stopped (GET /admin/status and the "
                         "server log say why); requests are served and recorded, nothing is learned until the "
@@ -146,7 +170,7 @@ def health(service) -> tuple[int, dict[str, Any], dict[str, str]]:
     body: dict[str, Any] = {"status": "degraded" if reasons else "ok", "served_version": service.engine.version}
     backoff = learner.cycle.backoff() if learner is not None else None
     if backoff and (backoff["backing_off"] or backoff["paused_until"] is not None or backoff["stopped"]):
-        body["backoff"] = backoff  # the collapse budget off its configured setting (serving goes on as usual)
+        body["backoff"] = with_utc(backoff, BACKOFF_TIMES)  # off its configured setting (serving goes on as usual)
     if learner is not None and (chained := learner.chain.status()) is not None:
         body["chained"] = chained  # candidates trained on, not validated yet (gate.eval_every), none served
     if reasons:

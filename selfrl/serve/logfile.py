@@ -11,12 +11,18 @@ watching the server wants to see as it happens. uvicorn's own messages stay on t
 (uvicorn configures its loggers itself when it starts). The rotation is the standard library's
 :class:`logging.handlers.RotatingFileHandler` (``serve.log`` -> ``serve.log.1`` -> ..., the
 oldest deleted).
+
+Events a client can repeat as often as it likes (:data:`REPEATED_EVENTS`: late feedback, per
+response) are written once a :data:`REPEAT_WINDOW_S` per response: the first line, then a count
+of those not written one by one (:class:`Repeats`), at the next line of the log after the window
+or when the log is closed. The store's ``events`` table keeps every one.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
 from dataclasses import dataclass
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
@@ -36,6 +42,63 @@ CONSOLE_EVENTS = frozenset({
     EventKind.PROMOTE, EventKind.REJECT, EventKind.CORRUPT_VERSION, EventKind.MISSING_VERSION,
     EventKind.COLLAPSE, EventKind.COLLAPSE_STOP, EventKind.STEP_BACK, EventKind.ROLLBACK, EventKind.PIN,
     EventKind.UNPIN, EventKind.RECOVER, EventKind.HACKING, EventKind.SWAP_CHECK_FAILED})
+
+
+REPEAT_WINDOW_S = 60.0  # seconds in which one response's repeated events are written once
+REPEATED_EVENTS = {EventKind.LATE_FEEDBACK: "response_id"}  # kind -> the event data's key they are grouped by
+
+
+class Repeats:
+    """Which records of :data:`REPEATED_EVENTS` the file writes. Per (kind, response): the first is
+    written; the next ones within ``window`` seconds of it are counted, not written; once the window
+    has passed, one line says how many were not written (:meth:`due`, at the next record of the log, or
+    :meth:`flush` at close), and the next one is written again. Counts are never lost: a key leaves
+    only with its line."""
+
+    def __init__(self, window: float = REPEAT_WINDOW_S):
+        self.window = window
+        self.keys = {event_logger(kind).name: (kind.value, field) for kind, field in REPEATED_EVENTS.items()}
+        self.open: dict[tuple[str, str, str], list] = {}  # (logger, kind, id) -> [time of its written line, not written]
+        self.swept = 0.0
+
+    def admit(self, record: logging.LogRecord) -> bool:
+        """Whether to write ``record`` (False: counted in its window)."""
+        if record.name not in self.keys:
+            return True
+        kind, field = self.keys[record.name]
+        value = (getattr(record, "event_data", None) or {}).get(field)
+        if value is None:
+            return True
+        window = self.open.get((record.name, kind, str(value)))
+        if window is None:
+            self.open[(record.name, kind, str(value))] = [record.created, 0]
+            return True
+        window[1] += 1
+        return False
+
+    def due(self, now: float) -> list[logging.LogRecord]:
+        """The count lines of the windows that passed by ``now`` (checked at most once a second)."""
+        if now - self.swept < 1.0:
+            return []
+        self.swept = now
+        return self._close([k for k, (t, _) in self.open.items() if now - t >= self.window], now)
+
+    def flush(self, now: float) -> list[logging.LogRecord]:
+        """The count lines of every open window (the log is closing)."""
+        return self._close(list(self.open), now)
+
+    def _close(self, keys: list, now: float) -> list[logging.LogRecord]:
+        out = []
+        for key in keys:
+            name, kind, value = key
+            since, n = self.open.pop(key)
+            field = self.keys[name][1]
+            if n:
+                out.append(logging.makeLogRecord({
+                    "name": name, "levelno": logging.INFO, "levelname": "INFO", "created": now,
+                    "msg": f"{n} more {kind} events on {field} {value} in the {now - since:.0f} s since the line "
+                           "above for it, not written one by one (the store's events table holds each)"}))
+        return out
 
 
 class ConsoleFilter(logging.Filter):
@@ -60,8 +123,24 @@ class LogFile(RotatingFileHandler):
         super().__init__(*args, **kwargs)
         self.lost = 0  # records not written since the last failure began
         self._failed = False
+        self.repeats = Repeats()
 
     def emit(self, record: logging.LogRecord) -> None:
+        for line in self.repeats.due(record.created):
+            self._emit(line)
+        if self.repeats.admit(record):
+            self._emit(record)
+
+    def close(self) -> None:
+        self.acquire()
+        try:
+            for line in self.repeats.flush(time.time()):  # the counts of the open windows
+                self._emit(line)
+        finally:
+            self.release()
+        super().close()
+
+    def _emit(self, record: logging.LogRecord) -> None:
         if self.lost and self._write(logging.makeLogRecord({
                 "name": "selfrl", "levelno": logging.WARNING, "levelname": "WARNING",
                 "msg": f"{self.lost} lines of this log were lost while it could not be written"})):
