@@ -61,10 +61,19 @@ def check_depth(data: Any) -> Any:
     return data
 
 
-class _Strict(BaseModel):
-    """A request body part: unknown fields refused, every string valid Unicode."""
+STRICT = ConfigDict(extra="forbid", strict=True)
+"""The config of every request model: unknown fields refused, and no type coercion: a boolean
+field takes only ``true``/``false`` (not ``"yes"`` or ``1``), an integer field only a JSON integer
+(not ``"0"`` or ``1.0``), a number field a JSON number (an integer is one), a string field a
+string; anything else is a 400 naming the field and the type it takes
+(:func:`selfrl.serve.errors.validation_message`)."""
 
-    model_config = ConfigDict(extra="forbid")
+
+class _Strict(BaseModel):
+    """A request body part: unknown fields refused, no type coercion (:data:`STRICT`), every
+    string valid Unicode."""
+
+    model_config = STRICT
     _text = model_validator(mode="before")(_valid_text)
 
 
@@ -216,7 +225,8 @@ class ToolDef(_Strict):
 
 
 class ChatCompletionRequest(BaseModel):
-    """``POST /v1/chat/completions`` body. Unknown fields are rejected (400), as OpenAI does.
+    """``POST /v1/chat/completions`` body. Unknown fields are rejected (400), as OpenAI does, and so
+is a value of the wrong JSON type (:data:`STRICT`).
 
     selfrl extensions (pass them with the openai client's ``extra_body``):
     ``task_key`` groups requests for the learner (default: the conversation's first
@@ -224,7 +234,7 @@ class ChatCompletionRequest(BaseModel):
     (for evaluation traffic).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     _text = model_validator(mode="before")(_valid_text)
     _depth = model_validator(mode="before")(check_depth)
 
