@@ -1,5 +1,9 @@
 """What ``POST /v1/feedback`` makes of a message, and how every request body is typed.
 
+* a comment alone judges nothing: the turn keeps its value (or stays without one), and the
+  answer says so (old code: the turn's rating became 0.0, and an unrated turn got reward 0);
+* a message that carries a correction is a corrected one (old code: ``{"correction": "42"}``
+  stored 0.0);
 * booleans and integers are not coerced (old code: ``"corrected": "yes"`` was -1, ``"record":
   "no"`` kept a turn out of the store, ``"choice": 1.0`` and ``"version": 1e3`` were taken);
 * a body without ``Content-Type: application/json`` is told to set it.
@@ -36,6 +40,65 @@ def held(service, response_id):
         rows = service.store.conn.execute("SELECT value, corrected, comment FROM feedback WHERE response_id = ? "
                                           "ORDER BY id", (response_id,)).fetchall()
     return (row["feedback"], row["feedback_source"], row["status"]), [tuple(r) for r in rows]
+
+
+# ------------------------------------------------------------------ a comment alone
+
+
+def test_a_comment_alone_keeps_the_rating_the_turn_holds(server, client):
+    url, service = server
+    rid = turn(client)
+    assert feedback(url, {"response_id": rid, "rating": 1})[1]["reward"] == 1.0
+    status, body = feedback(url, {"response_id": rid, "comment": "thanks"})
+    assert status == 200, body
+    assert body["reward"] is None and body["outcome"] == "comment_only"
+    assert body["turns_updated"] == 0 and body["turns_too_late"] == 0
+    assert body["reason"].endswith("it keeps its feedback value 1 (explicit)")
+    assert "a comment alone is no judgement" in body["reason"]
+    turn_row, rows = held(service, rid)
+    assert turn_row == (1.0, "explicit", "pending")
+    assert rows == [(1.0, 0, None), (None, 0, "thanks")]  # both stored, the comment without a value
+
+
+def test_a_comment_alone_leaves_an_unrated_turn_without_a_value(server, client):
+    url, service = server
+    rid = turn(client, "What is 2+2?")
+    status, body = feedback(url, {"response_id": rid, "comment": "hm", "correction": "  "})
+    assert status == 200 and body["reward"] is None and body["outcome"] == "comment_only"
+    assert body["reason"].endswith("it has no feedback value yet")
+    assert body["correction"].startswith("recorded only: an empty answer")
+    assert held(service, rid)[0] == (None, None, "pending")  # not made trainable with reward 0
+
+
+# ------------------------------------------------------------------ a correction is a correction
+
+
+@pytest.mark.parametrize("fix", [{"correction": "42"},
+                                 {"correction_tool_calls": [{"name": "calculator",
+                                                             "arguments": '{"expression": "6*7"}'}]}])
+def test_a_message_that_carries_a_correction_counts_as_corrected(server, client, fix):
+    url, service = server
+    rid = turn(client)
+    status, body = feedback(url, {"response_id": rid, **fix})
+    assert status == 200 and body["reward"] == -1.0 and body["outcome"] in ("used", "queued")
+    turn_row, rows = held(service, rid)
+    assert turn_row[:2] == (-1.0, "explicit") and rows == [(-1.0, 1, None)]
+    # a rating still wins over the -1 of a correction
+    assert feedback(url, {"response_id": rid, "rating": 0.5, **fix})[1]["reward"] == 0.5
+
+
+@pytest.mark.parametrize("body, param, phrase", [
+    ({"corrected": False, "correction": "42"}, "corrected", "corrected is false, but the message carries a correction"),
+    ({}, None, "the feedback says nothing"),
+    ({"comment": "   "}, None, "the feedback says nothing"),
+    ({"rating": None}, None, "the feedback says nothing"),
+])
+def test_feedback_that_contradicts_itself_or_says_nothing_is_refused(server, client, body, param, phrase):
+    url, service = server
+    rid = turn(client)
+    status, out = feedback(url, {"response_id": rid, **body})
+    assert status == 400 and out["error"]["param"] == param and phrase in out["error"]["message"], out
+    assert held(service, rid) == ((None, None, "pending"), [])  # nothing stored
 
 
 # ------------------------------------------------------------------ strict types
@@ -115,3 +178,31 @@ def test_a_json_body_that_is_no_object_says_so(server, raw, says):
     status, out = post_raw(url + "/admin/pin", raw, "application/json")
     assert status == 400 and out["error"]["message"] == ("the body must be a JSON object sent with Content-Type: "
                                                          f"application/json; {says}")
+
+
+# ------------------------------------------------------------------ stores written before
+
+
+def test_a_store_whose_feedback_value_was_not_null_is_rebuilt_with_its_rows(tmp_path):
+    store = Store(tmp_path / "selfrl.db")
+    old = records.FEEDBACK_COLUMNS.replace("value       REAL,", "value       REAL NOT NULL,").replace(
+        "    correction_calls TEXT,\n", "")
+    with store.conn:
+        store.conn.executescript(f"CREATE TABLE feedback {old};"
+                                 "INSERT INTO feedback (id, response_id, choice, source, value, corrected, comment,"
+                                 " created_at) VALUES (7, 'chatcmpl-a', 0, 'explicit', 1.0, 0, 'kept', 5.0);")
+    records.init(store)
+    columns = {r[1]: r[3] for r in store.conn.execute("PRAGMA table_info(feedback)")}
+    assert columns["value"] == 0 and "correction_calls" in columns
+    assert [tuple(r) for r in store.conn.execute("SELECT id, value, comment FROM feedback")] == [(7, 1.0, "kept")]
+    with store.conn:
+        store.conn.execute("INSERT INTO feedback (response_id, choice, source, value, corrected, created_at) "
+                           "VALUES ('chatcmpl-a', 0, 'explicit', NULL, 0, 6.0)")
+    assert store.conn.execute("SELECT MAX(id) FROM feedback").fetchone()[0] == 8  # ids go on from the old ones
+    records.init(store)  # again: nothing to do
+    assert store.conn.execute("SELECT COUNT(*) FROM feedback").fetchone()[0] == 2
+    with pytest.raises(sqlite3.IntegrityError):  # the other constraints stay
+        with store.conn:
+            store.conn.execute("INSERT INTO feedback (response_id, choice, source, value, corrected, created_at) "
+                               "VALUES ('x', 0, 'guess', NULL, 0, 6.0)")
+    store.close()
