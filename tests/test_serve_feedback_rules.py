@@ -6,7 +6,8 @@
   stored 0.0);
 * booleans and integers are not coerced (old code: ``"corrected": "yes"`` was -1, ``"record":
   "no"`` kept a turn out of the store, ``"choice": 1.0`` and ``"version": 1e3`` were taken);
-* a body without ``Content-Type: application/json`` is told to set it.
+* a body without ``Content-Type: application/json`` is told to set it;
+* the admin routes name ``version`` (old code: a rollback to an unknown version named ``model``).
 """
 
 from __future__ import annotations
@@ -178,6 +179,17 @@ def test_a_json_body_that_is_no_object_says_so(server, raw, says):
     status, out = post_raw(url + "/admin/pin", raw, "application/json")
     assert status == 400 and out["error"]["message"] == ("the body must be a JSON object sent with Content-Type: "
                                                          f"application/json; {says}")
+
+
+# ------------------------------------------------------------------ admin params
+
+
+@pytest.mark.parametrize("route", ["/admin/pin", "/admin/rollback"])
+def test_the_admin_routes_name_version_for_an_unknown_version(server, route):
+    url, service = server
+    status, out = http("POST", url + route, {"version": 99}, key=API_KEY)
+    assert status == 404 and out["error"]["param"] == "version" and out["error"]["code"] == "model_not_found"
+    assert out["error"]["message"] == "adapter version 99 does not exist"
 
 
 # ------------------------------------------------------------------ stores written before
