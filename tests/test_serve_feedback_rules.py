@@ -7,7 +7,8 @@
 * booleans and integers are not coerced (old code: ``"corrected": "yes"`` was -1, ``"record":
   "no"`` kept a turn out of the store, ``"choice": 1.0`` and ``"version": 1e3`` were taken);
 * a body without ``Content-Type: application/json`` is told to set it;
-* the admin routes name ``version`` (old code: a rollback to an unknown version named ``model``).
+* the admin routes name ``version`` (old code: a rollback to an unknown version named ``model``);
+* an empty answer has ``content: ""`` (old code: null, which OpenAI sends only beside tool calls).
 """
 
 from __future__ import annotations
@@ -190,6 +191,31 @@ def test_the_admin_routes_name_version_for_an_unknown_version(server, route):
     status, out = http("POST", url + route, {"version": 99}, key=API_KEY)
     assert status == 404 and out["error"]["param"] == "version" and out["error"]["code"] == "model_not_found"
     assert out["error"]["message"] == "adapter version 99 does not exist"
+
+
+# ------------------------------------------------------------------ empty answers
+
+
+def test_an_empty_answer_has_empty_content_not_null(server, monkeypatch):
+    url, service = server
+    script(monkeypatch, service, "")  # the model ends its turn at once
+    body = {"model": "selfrl", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+    status, out = http("POST", url + "/v1/chat/completions", body)
+    assert status == 200 and out["choices"][0]["finish_reason"] == "stop"
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": ""}
+    # streamed: every content delta is a string, and they join to ""
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                 method="POST", headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as f:
+        events = [json.loads(line[6:]) for line in f.read().decode().splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    assert all(isinstance(d["content"], str) for d in deltas if "content" in d)
+    assert "".join(d.get("content") or "" for d in deltas) == ""
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    # the answer sent back as the next turn's history is a valid assistant message (null was a 400)
+    follow = {**body, "messages": [*body["messages"], out["choices"][0]["message"], {"role": "user", "content": "y"}]}
+    assert http("POST", url + "/v1/chat/completions", follow)[0] == 200
 
 
 # ------------------------------------------------------------------ stores written before
