@@ -91,7 +91,8 @@ SERVE_FLAGS = {
 }
 
 SIMULATE_FLAGS = {
-    "--base-url": ("base_url", str, "the server, e.g. http://127.0.0.1:8000 (selfrl serve)"),
+    "--base-url": ("base_url", str, "the server, e.g. http://127.0.0.1:8000 (selfrl serve); a trailing /v1, "
+                   "as OpenAI clients are given, is taken off"),
     "--seed": ("seed", int, "one seed for the schedule, users, tasks, noise, delays and hostile acts"),
     "--max-requests": ("max_requests", int, "most HTTP requests sent (completions and feedback together)"),
     "--max-seconds": ("max_seconds", float, "most real seconds the simulation runs"),

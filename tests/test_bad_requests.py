@@ -259,7 +259,7 @@ def test_schemas_that_can_be_decoded_are_served_and_their_refs_are_the_tools_own
         "name": "calculator", "arguments": "[1]"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "4"}],
      "messages[1].tool_calls[0].function.arguments", "got an array"),
     ([{"role": "wizard", "content": "hi"}], "messages[0].role", "Input should be 'system', 'developer'"),
-    ([{"role": "user", "content": "hi", "name": 5}], "messages[0].name", "Input should be a valid string"),
+    ([{"role": "user", "content": "hi", "name": 5}], "messages[0].name", "messages[0].name must be a string, got the number 5"),
 ])
 def test_a_bad_message_is_a_400_that_says_what_is_wrong_and_where(server, messages, param, phrase):
     url, _ = server
@@ -427,7 +427,7 @@ def test_the_sampler_refuses_a_token_limit_beyond_the_context_as_serve_does(samp
 def test_the_sampler_names_a_field_of_the_wrong_type_and_an_empty_stop(sampler):
     url, _ = sampler
     status, out = http("POST", url + "/sampler/generate", {"prompts": "abc", "max_new_tokens": 4})
-    assert status == 400 and out == {"detail": "Input should be a valid list (at prompts)"}
+    assert status == 400 and out == {"detail": 'prompts must be an array, got the string "abc"'}
     status, out = http("POST", url + "/sampler/generate", {"prompts": [[1, 2]], "max_new_tokens": 4, "stop": [""]})
     assert status == 400 and "stop strings must be non-empty" in out["detail"]
 

@@ -450,3 +450,43 @@ def test_a_signal_stops_selfrl_simulate_with_its_summary_written(arithmetic, tmp
     err = capsys.readouterr().err
     assert f"selfrl: stopped by {signame}; summary.json holds what was sent" in err
     assert signal.getsignal(signal.SIGTERM) is not None  # the handlers are put back
+
+
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/", "/"])
+def test_a_base_url_given_as_openai_clients_take_it_is_the_server_s_root(suffix, tmp_path, monkeypatch, capsys):
+    # old code: --base-url http://HOST:PORT/v1 asked for /v1/admin/status, a bare 404
+    import http.server
+    import threading
+
+    from selfrl.cli import main
+
+    assert load_simulate_config(None, {"base_url": "http://127.0.0.1:8000" + suffix}).base_url == "http://127.0.0.1:8000"
+    paths = []
+
+    class Recording(http.server.BaseHTTPRequestHandler):
+        def reply(self):
+            paths.append((self.command, self.path))
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(404 if self.path != "/admin/status" else 200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        do_GET = do_POST = reply
+
+        def log_message(self, *args):
+            pass
+
+    monkeypatch.setenv("SELFRL_API_KEY", "0123456789abcdef-env")
+    toml = tmp_path / "sim.toml"
+    toml.write_text(SIM_TOML)
+    server = http.server.HTTPServer(("127.0.0.1", 0), Recording)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        main(["simulate", "--config", str(toml), "--base-url", f"http://127.0.0.1:{server.server_port}{suffix}",
+              "--out", str(tmp_path / "sim")])
+    finally:
+        server.shutdown()
+    assert paths[0] == ("GET", "/admin/status")
+    assert {p for _, p in paths[1:]} == {"/v1/chat/completions"}

@@ -125,7 +125,7 @@ def _default_phases() -> list[PhaseSettings]:
 class SimulateConfig:
     """Everything ``selfrl simulate`` needs (defaults: a ``selfrl serve`` on 127.0.0.1:8000)."""
 
-    base_url: str = "http://127.0.0.1:8000"  # the server (selfrl serve); /v1 is added for the OpenAI client
+    base_url: str = "http://127.0.0.1:8000"  # the server (selfrl serve); /v1 is added for the OpenAI client (a trailing /v1 given is taken off)
     model: str = "selfrl"  # the model id asked for (the server's served_model_name)
     seed: int = 0  # one seed for the whole traffic: schedule, users, tasks, noise, delays, hostile acts
     max_requests: int = 1000  # most HTTP requests sent (completions and feedback together)
@@ -144,7 +144,8 @@ class SimulateConfig:
     phases: list[PhaseSettings] = field(default_factory=_default_phases, metadata={"table_of": PhaseSettings})
 
     def validate(self) -> SimulateConfig:
-        """Check every value; returns ``self``.
+        """Check every value, and take a trailing ``/v1`` (the form OpenAI clients are given) and
+        ``/`` off ``base_url`` (:func:`server_root`); returns ``self``.
 
         Raises:
             ConfigError: the first value out of range, named with its table.
@@ -169,6 +170,7 @@ class SimulateConfig:
             (len(set(names)) == len(names), f"family names must differ, got {names}"),
             (bool(self.phases), "[[phases]] must hold at least one phase"),
         ])
+        self.base_url = server_root(self.base_url)
         self.users.check()
         for i, f in enumerate(self.families):
             f.check(f"families[{i}].")
@@ -181,6 +183,17 @@ class SimulateConfig:
         for i, p in enumerate(self.phases):
             p.check(names, f"phases[{i}].")
         return self
+
+
+def server_root(url: str) -> str:
+    """The server's root URL: ``url`` without a trailing ``/`` and ``/v1`` (the address OpenAI
+    clients take; the simulator adds ``/v1`` itself, and the admin routes are not under it).
+
+    >>> server_root("http://127.0.0.1:8000/v1/"), server_root("http://h:1"), server_root("https://h/api/v1")
+    ('http://127.0.0.1:8000', 'http://h:1', 'https://h/api')
+    """
+    url = url.rstrip("/")
+    return url.removesuffix("/v1").rstrip("/") if url.endswith("/v1") else url
 
 
 def load_simulate_config(path=None, overrides: dict[str, Any] | None = None) -> SimulateConfig:

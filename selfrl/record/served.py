@@ -15,6 +15,8 @@ Training status of a served trajectory: ``pending`` (waiting for a reward),
 ``trained`` (used by the update that made version ``trained_in``), ``skipped``
 (no reward component applied, or past the age rule: :func:`ready_past`; never trained).
 
+The tables, and bringing an older store up to date: :mod:`selfrl.record.served_schema`.
+
 Old turns leave through retention (:mod:`selfrl.serve.retention`): :func:`old_turns` reads
 them as export rows, :func:`delete_turns` deletes them with their feedback, in one transaction.
 """
@@ -28,54 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from selfrl.record.served_schema import FEEDBACK_COLUMNS, SERVE_SCHEMA, init  # noqa: F401  (the tables)
 from selfrl.record.store import Store, real, to_json
 from selfrl.core.trajectory import Trajectory
-
-SERVE_SCHEMA = """
-CREATE TABLE IF NOT EXISTS served (
-    trajectory_id   TEXT PRIMARY KEY REFERENCES trajectories(id),
-    response_id     TEXT NOT NULL,
-    choice          INTEGER NOT NULL,
-    conversation_id TEXT NOT NULL,
-    parent_id       TEXT REFERENCES trajectories(id),
-    group_key       TEXT NOT NULL,
-    continuation    TEXT NOT NULL,
-    created_at      REAL NOT NULL,
-    status          TEXT NOT NULL CHECK (status IN ('pending', 'trained', 'skipped')),
-    trained_in      INTEGER,
-    feedback        REAL,
-    feedback_source TEXT CHECK (feedback_source IN ('explicit', 'inherited', 'implicit')),
-    client          TEXT NOT NULL DEFAULT '',
-    family          TEXT,
-    UNIQUE (response_id, choice)
-);
-CREATE INDEX IF NOT EXISTS served_continuation ON served(continuation);
-CREATE INDEX IF NOT EXISTS served_status ON served(status, created_at);
-CREATE INDEX IF NOT EXISTS served_created ON served(created_at);
-CREATE INDEX IF NOT EXISTS served_parent ON served(parent_id);
-CREATE TABLE IF NOT EXISTS feedback (
-    id          INTEGER PRIMARY KEY AUTOINCREMENT,
-    response_id TEXT NOT NULL,
-    choice      INTEGER NOT NULL,
-    source      TEXT NOT NULL CHECK (source IN ('explicit', 'implicit')),
-    value       REAL NOT NULL,
-    rating      REAL,
-    corrected   INTEGER NOT NULL,
-    correction  TEXT,
-    correction_calls TEXT,
-    comment     TEXT,
-    created_at  REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS response_history (
-    seq           INTEGER PRIMARY KEY AUTOINCREMENT,
-    response_id   TEXT NOT NULL UNIQUE,
-    client        TEXT NOT NULL,
-    created_at    REAL NOT NULL,
-    bytes         INTEGER NOT NULL,
-    messages_json TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS feedback_response ON feedback(response_id, choice);
-"""
 
 # A stronger source replaces a weaker one, never the other way round: the user's own
 # verdict on a turn beats a verdict on a later turn of the conversation, which beats
@@ -92,22 +49,6 @@ def locked(fn):
             return fn(store, *args, **kwargs)
 
     return call
-
-
-@locked
-def init(store: Store) -> None:
-    """Create the server's tables in ``store`` (idempotent; adds the ``client`` and ``family``
-    columns to a store written before they existed: its turns belong to no client, and are never
-    continued, and to no family; and feedback's ``correction_calls``: its corrections carry no calls)."""
-    with store.conn:
-        store.conn.executescript(SERVE_SCHEMA)
-        columns = {r[1] for r in store.conn.execute("PRAGMA table_info(served)")}
-        if "client" not in columns:
-            store.conn.execute("ALTER TABLE served ADD COLUMN client TEXT NOT NULL DEFAULT ''")
-        if "family" not in columns:
-            store.conn.execute("ALTER TABLE served ADD COLUMN family TEXT")
-        if "correction_calls" not in {r[1] for r in store.conn.execute("PRAGMA table_info(feedback)")}:
-            store.conn.execute("ALTER TABLE feedback ADD COLUMN correction_calls TEXT")
 
 
 @dataclass(frozen=True)
@@ -203,7 +144,7 @@ class FeedbackApplied:
 
     updated: int
     too_late: int
-    outcome: str = "used"  # the judged turn's: used | queued | too_old (only recorded)
+    outcome: str = "used"  # the judged turn's: used | queued | too_old (only recorded) | comment_only
     reason: str = ""
 
 
@@ -212,7 +153,7 @@ AgeRule = Callable[[int, float], tuple]
 
 
 @locked
-def apply_feedback(store: Store, response_id: str, choice: int, source: str, value: float,
+def apply_feedback(store: Store, response_id: str, choice: int, source: str, value: float | None,
                    rating: float | None = None, corrected: bool = False, correction: str | None = None,
                    comment: str | None = None, now: float | None = None,
                    age: AgeRule | None = None, correction_calls: list[dict[str, Any]] | None = None) -> FeedbackApplied:
@@ -231,6 +172,10 @@ def apply_feedback(store: Store, response_id: str, choice: int, source: str, val
     ``correction_calls``: the calls the corrected answer makes (``[{"name", "arguments": {...}}]``),
     stored as JSON beside ``correction`` (:func:`corrections` reads both back).
 
+    ``value`` None: the message judges nothing (a comment alone). It is stored, and nothing else
+    changes: no turn's value, no turn's status (the age rule is not applied); the outcome is
+    ``comment_only``, whose reason gives the value the turn holds, if any.
+
     Raises:
         KeyError: no such response (nothing is written).
     """
@@ -239,7 +184,7 @@ def apply_feedback(store: Store, response_id: str, choice: int, source: str, val
         raise KeyError(f"no response {response_id!r} with choice {choice}")
     now = time.time() if now is None else now
     changed, late, own = 0, 0, row["trajectory_id"]
-    outcome, reason, *decision = _judged_turn(store, row, age)
+    outcome, reason, *decision = _judged_turn(store, row, age) if value is not None else _unjudged(row)
     with store.conn:
         store.conn.execute(
             "INSERT INTO feedback (response_id, choice, source, value, rating, corrected, correction, correction_calls,"
@@ -247,6 +192,8 @@ def apply_feedback(store: Store, response_id: str, choice: int, source: str, val
             (response_id, choice, source, value, rating, int(corrected), correction,
              None if correction_calls is None else json.dumps(correction_calls), comment, now),
         )
+        if value is None:
+            return FeedbackApplied(0, 0, outcome, reason)
         if age is not None and outcome != "too_old" and row["status"] == "skipped":
             store.conn.execute("UPDATE served SET status = 'pending' WHERE trajectory_id = ?", (own,))
         elif age is not None and outcome == "too_old" and row["status"] == "pending":
@@ -268,6 +215,14 @@ def apply_feedback(store: Store, response_id: str, choice: int, source: str, val
             else:
                 late += 1
     return FeedbackApplied(changed, late, outcome, reason)
+
+
+def _unjudged(row: dict[str, Any]) -> tuple[str, str]:
+    """``("comment_only", reason)`` of a message that judges nothing, on the turn ``row``."""
+    held = ("it has no feedback value yet" if row["feedback"] is None else
+            f"it keeps its feedback value {row['feedback']:g} ({row['feedback_source']})")
+    return "comment_only", ("recorded, the turn unchanged: a comment alone is no judgement (rate it with rating, "
+                            f"or send corrected: true or a correction); {held}")
 
 
 def _judged_turn(store: Store, row: dict[str, Any], age: AgeRule | None) -> tuple:

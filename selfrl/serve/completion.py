@@ -94,7 +94,7 @@ def split_completion(text: str, tools: list[Tool], control: tuple[str, ...] = ()
       token inside it) while tools are offered is dropped whole: the partial call is
       neither a call nor content (recorded as a failed call). With
       ``tool_choice: "required"`` or a named function and a tiny ``max_tokens`` the
-      answer is then ``content: null``, no ``tool_calls``, ``finish_reason: "length"``;
+      answer is then empty content, no ``tool_calls``, ``finish_reason: "length"``;
     * any other block (malformed, an unknown tool, or no tools offered, which is the
       case under ``tool_choice: "none"``) is not a call: it is returned as plain text,
       the text between its tags, in place;
@@ -104,7 +104,9 @@ def split_completion(text: str, tools: list[Tool], control: tuple[str, ...] = ()
       template's control-token text, ``<|im_end|>``, written out as plain text) and a
       tag cut off at the very end (``<tool_``, ``</tool_respo``, ``<|im_``) are removed,
       the text between them stays;
-    * ``content`` is what remains, without leading or trailing whitespace.
+    * ``content`` is what remains, without leading or trailing whitespace (None when nothing
+      does; the response's message has ``""`` then, unless it has tool calls:
+      :meth:`selfrl.serve.turns.Turns.finish`).
     """
     by_name = {t.name: t for t in tools}
     thinks, blocks = scan_blocks(text)

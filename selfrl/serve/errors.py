@@ -24,6 +24,7 @@ finite numbers, and the 500 for an exception nothing else handled.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Callable
@@ -137,20 +138,55 @@ def finite_fields(*names: str):
 
 
 
+# what a field of each pydantic type error takes, in JSON's words
+_WANTED = {"bool_type": "true or false (a JSON boolean)", "int_type": "an integer", "float_type": "a number",
+           "string_type": "a string", "list_type": "an array", "dict_type": "a JSON object",
+           "model_type": "a JSON object", "model_attributes_type": "a JSON object"}
+JSON_BODY = "the body must be a JSON object sent with Content-Type: application/json"
+
+
+def _got(v: Any) -> str:
+    """What a client sent, for a type error's message: the JSON type, with the value when it is
+    short (a number, a boolean, a string of up to 20 characters) and finite."""
+    if isinstance(v, bool):
+        return f"the boolean {str(v).lower()}"
+    if isinstance(v, (int, float)) and math.isfinite(v):
+        return f"the number {v!r}"
+    if isinstance(v, str) and len(v) <= 20:
+        return f"the string {json.dumps(v)}"
+    return _json_type(v)
+
+
 def validation_message(errors: list[dict], skip: int = 1) -> tuple[str, str | None]:
     """``(message, param)`` for the first of FastAPI's request validation errors: the field in
     OpenAI's notation (:func:`error_param`; the first ``skip`` parts of its location, FastAPI's
-    ``"body"``, are left out) and a message that says what is wrong there. The input value is
-    never echoed (it may be NaN, which JSON cannot carry back)."""
+    ``"body"``, are left out) and a message that says what is wrong there: a value of the wrong
+    type is "``<field>`` must be <the type it takes>, got <what came>"; a body that is no JSON
+    object, or was sent without ``Content-Type: application/json`` (``curl -d`` sends a form
+    type), says so. A non-finite input value is never echoed (JSON cannot carry NaN back).
+
+    >>> validation_message([{"type": "bool_type", "loc": ("body", "corrected"), "input": "yes"}])
+    ('corrected must be true or false (a JSON boolean), got the string "yes"', 'corrected')
+    >>> validation_message([{"type": "model_attributes_type", "loc": ("body",), "input": b"{}"}])[0]
+    'the body must be a JSON object sent with Content-Type: application/json; it came with another content type'
+    """
     first = errors[0] if errors else {}
     where = error_param(first.get("loc", ())[skip:], first.get("ctx"))
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-    if first.get("type") == "json_invalid":
+    kind, got = first.get("type"), first.get("input")
+    if kind == "json_invalid":
         return f"the body is not valid JSON: {first.get('ctx', {}).get('error', msg)}", None
-    if first.get("type") == "missing" and where is None:
-        return "the request needs a JSON object as its body", None
-    if first.get("type") == "extra_forbidden":
+    if kind == "missing" and where is None:
+        return JSON_BODY + "; it came empty", None
+    if kind == "extra_forbidden":
         return f"unrecognized request argument supplied: {where}", where
+    if kind in _WANTED and where is None:
+        if isinstance(got, (bytes, bytearray)):  # not decoded: the content type was not JSON
+            return JSON_BODY + "; it came with another content type", None
+        return f"{JSON_BODY}; it is {_json_type(got)}", None
+    union = any(isinstance(p, str) and ("[" in p or p in _UNION_TAGS) for p in first.get("loc", ()))
+    if kind in _WANTED and not union:  # (a member of a union takes other types too: pydantic's message)
+        return f"{where} must be {_WANTED[kind]}, got {_got(got)}", where
     return msg + (f" (at {where})" if where else ""), where
 
 

@@ -2,7 +2,11 @@
 conversation links, and the reward of a served turn.
 
 **Explicit feedback** (``POST /v1/feedback``) gives a value in [-1, 1]: the rating
-when one is given, else -1 when the user says they corrected the answer, else 0.
+when one is given, else -1 when the user corrected the answer (``corrected: true``, or a
+message that carries a correction: ``correction`` text or ``correction_tool_calls``). A
+message with neither (a ``comment`` alone) judges nothing: it is stored with the turn, and
+the turn keeps the value it had, or stays without one (:func:`explicit_value` is None; a
+comment never makes a turn trainable with reward 0).
 
 **Implicit correction.** When a conversation comes back with a new *user* message
 right after our answer, that message is read as a correction
@@ -50,15 +54,17 @@ from selfrl.envs.rewards import CORRECTION_RE, REPEAT_SIMILARITY, correction_rea
 from selfrl.envs.rewards import score_group
 
 
-def explicit_value(rating: float | None, corrected: bool) -> float:
-    """The reward value of explicit feedback (see the module docstring).
+def explicit_value(rating: float | None, corrected: bool) -> float | None:
+    """The reward value of explicit feedback (see the module docstring): None when the message
+    judges nothing (no rating, not corrected). ``corrected``: the message's ``corrected`` or the
+    correction it carries (:attr:`selfrl.serve.protocol.FeedbackRequest.is_corrected`).
 
     >>> explicit_value(0.5, True), explicit_value(None, True), explicit_value(None, False)
-    (0.5, -1.0, 0.0)
+    (0.5, -1.0, None)
     """
     if rating is not None:
         return float(rating)
-    return -1.0 if corrected else 0.0
+    return -1.0 if corrected else None
 
 
 def _canonical(messages: list[dict[str, Any]]) -> list[Any]:

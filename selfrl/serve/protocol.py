@@ -61,10 +61,19 @@ def check_depth(data: Any) -> Any:
     return data
 
 
-class _Strict(BaseModel):
-    """A request body part: unknown fields refused, every string valid Unicode."""
+STRICT = ConfigDict(extra="forbid", strict=True)
+"""The config of every request model: unknown fields refused, and no type coercion: a boolean
+field takes only ``true``/``false`` (not ``"yes"`` or ``1``), an integer field only a JSON integer
+(not ``"0"`` or ``1.0``), a number field a JSON number (an integer is one), a string field a
+string; anything else is a 400 naming the field and the type it takes
+(:func:`selfrl.serve.errors.validation_message`)."""
 
-    model_config = ConfigDict(extra="forbid")
+
+class _Strict(BaseModel):
+    """A request body part: unknown fields refused, no type coercion (:data:`STRICT`), every
+    string valid Unicode."""
+
+    model_config = STRICT
     _text = model_validator(mode="before")(_valid_text)
 
 
@@ -216,7 +225,8 @@ class ToolDef(_Strict):
 
 
 class ChatCompletionRequest(BaseModel):
-    """``POST /v1/chat/completions`` body. Unknown fields are rejected (400), as OpenAI does.
+    """``POST /v1/chat/completions`` body. Unknown fields are rejected (400), as OpenAI does, and so
+is a value of the wrong JSON type (:data:`STRICT`).
 
     selfrl extensions (pass them with the openai client's ``extra_body``):
     ``task_key`` groups requests for the learner (default: the conversation's first
@@ -224,7 +234,7 @@ class ChatCompletionRequest(BaseModel):
     (for evaluation traffic).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     _text = model_validator(mode="before")(_valid_text)
     _depth = model_validator(mode="before")(check_depth)
 
@@ -344,9 +354,16 @@ class FeedbackRequest(_Strict):
     user had to correct the answer (counts as -1 unless a rating is given);
     ``correction`` is the corrected answer, stored with the trajectory; ``correction_tool_calls``
     the calls the answer should have made (``[{"name", "arguments": "<JSON object>"}]``, the
-    ``function`` of an OpenAI tool call). With ``learner.learn_from_corrections`` (``"calls"``:
-    only those with calls; ``"all"``) a correction that carries either trains as a demonstration (:mod:`selfrl.serve.corrections`).
+    ``function`` of an OpenAI tool call). A message that carries a correction (text other than
+    blank space, or calls) is a corrected one, ``corrected`` left out (:attr:`is_corrected`). With
+    ``learner.learn_from_corrections`` (``"calls"``: only those with calls; ``"all"``) a correction
+    that carries either trains as a demonstration (:mod:`selfrl.serve.corrections`). ``comment``
+    is stored with the turn; a comment alone judges nothing (:func:`selfrl.serve.feedback.explicit_value`).
     ``choice`` picks one of ``n`` choices (default 0).
+
+    Raises (each a 400 naming the field):
+        pydantic.ValidationError: a message that says nothing (no rating, no ``corrected: true``, no
+            correction, no comment but blank space); ``corrected: false`` with a correction.
     """
 
     response_id: str = Field(min_length=1, max_length=100)
@@ -366,6 +383,28 @@ class FeedbackRequest(_Strict):
                 raise ValueError(f"correction_tool_calls[{i}].name is empty: name the tool the answer should "
                                  "have called")
         return v
+
+    @property
+    def carries_correction(self) -> bool:
+        """Whether the message says what the answer should have been: ``correction`` text other
+        than blank space, or at least one of ``correction_tool_calls``."""
+        return bool((self.correction or "").strip() or self.correction_tool_calls)
+
+    @property
+    def is_corrected(self) -> bool:
+        """``corrected``, or a message that carries a correction."""
+        return self.corrected or self.carries_correction
+
+    @model_validator(mode="after")
+    def _says_something(self) -> "FeedbackRequest":
+        if "corrected" in self.model_fields_set and not self.corrected and self.carries_correction:
+            raise refuse("corrected is false, but the message carries a correction (correction or "
+                         "correction_tool_calls), which says the answer was wrong: leave corrected out or "
+                         "set it to true", "corrected")
+        if self.rating is None and not self.is_corrected and not (self.comment or "").strip():
+            raise refuse("the feedback says nothing: give a rating in [-1, 1], corrected: true, a correction "
+                         "(correction or correction_tool_calls), or a comment")
+        return self
 
     @field_validator("rating", mode="before")
     @classmethod

@@ -36,19 +36,20 @@ import json
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from selfrl.serve.errors import array_of_objects
-from selfrl.serve.protocol import ChatCompletionRequest, check_depth, finite_fields
+from selfrl.serve.protocol import STRICT, ChatCompletionRequest, check_depth, finite_fields
 
 RESPONSE_LOG_SIZE = 10_000  # responses whose conversation previous_response_id can continue
 RESPONSE_LOG_BYTES = 256 * 2**20  # and at most this much of their JSON, in the run's store
 
 
 class ResponsesRequest(BaseModel):
-    """``POST /v1/responses`` body. Unknown fields are rejected (400)."""
+    """``POST /v1/responses`` body. Unknown fields are rejected (400), and so is a value of the
+    wrong JSON type (:data:`selfrl.serve.protocol.STRICT`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     _depth = model_validator(mode="before")(check_depth)
 
     model: str

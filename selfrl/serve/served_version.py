@@ -90,9 +90,10 @@ class ServedVersion:
             return self.engine.swap(state, version, stage=stage)
         return self.engine.swap(state, version)
 
-    def _failed(self, e: SwapCheckError, what: str) -> ApiError:
-        """The 502 an admin gets when ``what`` failed its swap check."""
-        return ApiError(502, f"{what}: {e}; still serving version {self.served} (GET /health says why)", "version",
+    def _failed(self, e: SwapCheckError, what: str, param: str | None = "version") -> ApiError:
+        """The 502 an admin gets when ``what`` failed its swap check (``param``: the body's field that
+        named the version, None for ``/admin/unpin``, which names none)."""
+        return ApiError(502, f"{what}: {e}; still serving version {self.served} (GET /health says why)", param,
                         "swap_check_failed", type_="server_error")
 
     def restore(self) -> None:
@@ -143,8 +144,10 @@ class ServedVersion:
             raise ApiError(409, f"this server is a replica of the run directory {self.run_dir}; {action} on the "
                            "server that owns it (it holds the learner and the versions)", code="replica")
 
-    def state_of(self, version: int):
-        """The LoRA tensors of a stored version (the last few used kept in memory).
+    def state_of(self, version: int, param: str | None = "model"):
+        """The LoRA tensors of a stored version (the last few used kept in memory); ``param``: the
+        request field that named the version, which an error names (``model`` for ``selfrl@vN``,
+        ``version`` for the admin routes, None when the server chose it).
 
         Raises:
             ApiError: 404 when the version does not exist or was never saved; 409 when its
@@ -159,13 +162,13 @@ class ServedVersion:
         if rec is not None and rec.metrics.get("pruned"):  # never served or rolled back to again
             raise ApiError(409, f"adapter version {version} was pruned by retention "
                            f"({rec.metrics.get('pruned_to')}); GET /v1/models lists the versions kept",
-                           "model", "version_pruned")
+                           param, "version_pruned")
         try:
             state = self.ledger.load_state(version)
         except KeyError:
-            raise ApiError(404, f"adapter version {version} does not exist", "model", "model_not_found") from None
+            raise ApiError(404, f"adapter version {version} does not exist", param, "model_not_found") from None
         except (adapters.CorruptVersionError, FileNotFoundError) as e:
-            raise ApiError(409, f"adapter version {version} cannot be served: {e}", "model",
+            raise ApiError(409, f"adapter version {version} cannot be served: {e}", param,
                            "version_incomplete") from e
         self._keep(version, state)
         return state
@@ -180,14 +183,15 @@ class ServedVersion:
                 self._states.popitem(last=False)
 
     def check_servable(self, version: int, param: str = "model") -> None:
-        """Raise ApiError unless ``version`` is the base or a promoted version with a complete folder."""
+        """Raise ApiError (naming ``param``) unless ``version`` is the base or a promoted version with a
+        complete folder."""
         rec = self.ledger.get(version)
         if rec is None:
             raise ApiError(404, f"adapter version {version} does not exist", param, "model_not_found")
         if not rec.servable:
             raise ApiError(409, f"adapter version {version} cannot be served: it is {rec.status.value}; only the "
                            "base and promoted versions are served", param, "version_not_servable")
-        self.state_of(version)
+        self.state_of(version, param)
 
     def version_ids(self) -> list[dict[str, Any]]:
         """The servable versions as dicts: version, status, created_at, metrics (a version whose
@@ -248,7 +252,7 @@ class ServedVersion:
         self.owner_only("pin")
         with self.admin:
             self.check_servable(version, "version")
-            state = self.state_of(version)
+            state = self.state_of(version, "version")
             pin = self.run_dir / "pinned.json"
             before = pin.read_text() if pin.exists() else None
             write_atomic(pin, json.dumps({"version": version}))
@@ -264,11 +268,11 @@ class ServedVersion:
         self.owner_only("unpin")
         with self.admin:
             best = self.ledger.latest_servable()
-            state = self.state_of(best.version)
+            state = self.state_of(best.version, None)
             try:
                 self._swap(state, best.version, "unpin")
             except SwapCheckError as e:  # still pinned
-                raise self._failed(e, f"unpinning (to serve version {best.version})") from e
+                raise self._failed(e, f"unpinning (to serve version {best.version})", None) from e
             (self.run_dir / "pinned.json").unlink(missing_ok=True)
             self.pinned = None
             self.event(EventKind.UNPIN, f"unpinned; serving the latest promoted version {best.version}")
@@ -280,7 +284,7 @@ class ServedVersion:
         rejected at its gate (``Ledger.judge``), and the learner continues from ``version``."""
         self.owner_only("roll back")
         with self.admin:
-            self.state_of(version)  # 404 / 409 before anything changes
+            self.state_of(version, "version")  # 404 / 409 before anything changes
             try:
                 self.ledger.roll_back_to(version)
             except KeyError:

@@ -289,15 +289,17 @@ class Service:
         moved since the turn: the next update weighs it) or ``too_old`` (only recorded: past
         an age cutoff, already trained, cut off, or a server that does not learn), with a
         ``reason``; ``turns_updated`` / ``turns_too_late`` count the turns of the conversation
-        it reached.
+        it reached. A message that judges nothing (a comment alone:
+        :func:`selfrl.serve.feedback.explicit_value`) is stored and changes no turn: ``reward``
+        None, ``outcome`` ``comment_only``, whose reason gives the value the turn keeps.
 
         Raises:
             ApiError: 404 when the response (or that choice) was never served or recorded.
         """
-        value = explicit_value(f.rating, f.corrected)
+        value = explicit_value(f.rating, f.is_corrected)
         try:
             applied = records.apply_feedback(self.store, f.response_id, f.choice, "explicit", value, f.rating,
-                                             f.corrected, f.correction, f.comment, now=self.clock(), age=self.age_rule,
+                                             f.is_corrected, f.correction, f.comment, now=self.clock(), age=self.age_rule,
                                              correction_calls=[{"name": c.name, "arguments": json.loads(
                                                  c.arguments or "{}")} for c in f.correction_tool_calls]
                                              if f.correction_tool_calls else None)  # []: no calls

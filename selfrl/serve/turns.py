@@ -264,7 +264,8 @@ class Turns:
             parts = split_completion(text, tools, self.control)
             content, calls, records_ = parts.content, parts.tool_calls, parts.records
             finish = finish_reason(finished or stopped, bool(calls))
-            message = {"role": "assistant", "content": content}
+            # as OpenAI: content is null only beside tool calls; an empty answer without any is ""
+            message = {"role": "assistant", "content": content if calls else (content or "")}
             if parts.reasoning:
                 message["reasoning_content"] = parts.reasoning
             if calls:
