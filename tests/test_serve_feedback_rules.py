@@ -244,3 +244,78 @@ def test_a_store_whose_feedback_value_was_not_null_is_rebuilt_with_its_rows(tmp_
             store.conn.execute("INSERT INTO feedback (response_id, choice, source, value, corrected, created_at) "
                                "VALUES ('x', 0, 'guess', NULL, 0, 6.0)")
     store.close()
+
+
+def old_store(tmp_path) -> Store:
+    """A store written when ``feedback.value`` was NOT NULL (and before ``correction_calls``)."""
+    store = Store(tmp_path / "selfrl.db")
+    old = records.FEEDBACK_COLUMNS.replace("value       REAL,", "value       REAL NOT NULL,").replace(
+        "    correction_calls TEXT,\n", "")
+    with store.conn:
+        store.conn.executescript(f"CREATE TABLE feedback {old};" + records.SERVE_SCHEMA)
+    return store
+
+
+def test_the_rebuild_takes_back_the_value_0_an_old_store_gave_a_comment_alone(tmp_path):
+    store = old_store(tmp_path)
+    turns = [  # (turn, parent, status, feedback, source) as the old code left them
+        ("rated", None, "pending", 0.5, "explicit"),
+        ("parent", None, "pending", 0.0, "inherited"),  # implicit -1, then its next turn's comment
+        ("comment", "parent", "pending", 0.0, "explicit"),
+        ("rated_then_comment", None, "pending", 0.0, "explicit"),
+        ("answer_42", None, "pending", 0.0, "explicit"),  # {"correction": "42"}: not a comment alone
+        ("trained", None, "trained", 0.0, "explicit")]
+    messages = [  # (turn, source, value, rating, correction, comment)
+        ("rated", "explicit", 0.5, 0.5, None, None),
+        ("parent", "implicit", -1.0, None, None, None),
+        ("comment", "explicit", 0.0, None, None, "hm"),
+        ("rated_then_comment", "explicit", 1.0, 1.0, None, None),
+        ("rated_then_comment", "explicit", 0.0, None, None, "thanks"),
+        ("answer_42", "explicit", 0.0, None, "42", None),
+        ("trained", "explicit", 0.0, None, None, "old")]
+    store.conn.execute("PRAGMA foreign_keys = OFF")  # turns without their trajectories: only the tables matter here
+    with store.conn:
+        for tid, parent, status, value, source in turns:
+            store.conn.execute(
+                "INSERT INTO served (trajectory_id, response_id, choice, conversation_id, parent_id, group_key,"
+                " continuation, created_at, status, trained_in, feedback, feedback_source) VALUES"
+                " (?, ?, 0, 'c', ?, 'g', ?, 1.0, ?, ?, ?, ?)",
+                (tid, "r-" + tid, parent, "k-" + tid, status, 1 if status == "trained" else None, value, source))
+        for i, (tid, source, value, rating, correction, comment) in enumerate(messages):
+            store.conn.execute("INSERT INTO feedback (response_id, choice, source, value, rating, corrected, correction,"
+                               " comment, created_at) VALUES (?, 0, ?, ?, ?, 0, ?, ?, ?)",
+                               ("r-" + tid, source, value, rating, correction, comment, 2.0 + i))
+    store.conn.execute("PRAGMA foreign_keys = ON")
+    records.init(store)
+    held = {r[0]: tuple(r[1:]) for r in store.conn.execute(
+        "SELECT trajectory_id, feedback, feedback_source, status FROM served")}
+    assert held == {"rated": (0.5, "explicit", "pending"),
+                    "parent": (-1.0, "implicit", "pending"),  # its own implicit judgement again
+                    "comment": (None, None, "pending"),  # no judgement: not trainable with reward 0
+                    "rated_then_comment": (1.0, "explicit", "pending"),  # the rating stands
+                    "answer_42": (0.0, "explicit", "pending"),
+                    "trained": (0.0, "explicit", "trained")}  # what it was trained on, as history
+    values = [tuple(r) for r in store.conn.execute("SELECT response_id, value, comment FROM feedback ORDER BY id")]
+    assert values == [("r-rated", 0.5, None), ("r-parent", -1.0, None), ("r-comment", None, "hm"),
+                      ("r-rated_then_comment", 1.0, None), ("r-rated_then_comment", None, "thanks"),
+                      ("r-answer_42", 0.0, None), ("r-trained", None, "old")]
+    info = records.find_response(store, "r-comment")
+    assert records._unjudged(info)[1].endswith("it has no feedback value yet")
+    store.close()
+
+
+def test_the_rebuild_keeps_the_autoincrement_counter(tmp_path):
+    store = old_store(tmp_path)
+    with store.conn:
+        for i in range(1, 13):
+            store.conn.execute("INSERT INTO feedback (id, response_id, choice, source, value, corrected, created_at)"
+                               " VALUES (?, 'r', 0, 'explicit', 1.0, 0, 1.0)", (i,))
+        store.conn.execute("DELETE FROM feedback WHERE id > 10")  # the newest rows went (retention, a deletion)
+    assert store.conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'feedback'").fetchone()[0] == 12
+    records.init(store)
+    with store.conn:
+        ids = [store.conn.execute("INSERT INTO feedback (response_id, choice, source, value, corrected, created_at)"
+                                  " VALUES ('r', 0, 'explicit', NULL, 0, 2.0)").lastrowid for _ in range(2)]
+    assert ids == [13, 14]  # 11 and 12 were handed out once: never again
+    assert store.conn.execute("SELECT COUNT(*) FROM sqlite_sequence WHERE name = 'feedback'").fetchone()[0] == 1
+    store.close()

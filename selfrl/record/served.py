@@ -30,14 +30,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from selfrl.record.served_feedback import SOURCE_RANK, attach  # noqa: F401  (where a value lands)
+from selfrl.record.served_feedback import chain as _chain
 from selfrl.record.served_schema import FEEDBACK_COLUMNS, SERVE_SCHEMA, init  # noqa: F401  (the tables)
 from selfrl.record.store import Store, real, to_json
 from selfrl.core.trajectory import Trajectory
-
-# A stronger source replaces a weaker one, never the other way round: the user's own
-# verdict on a turn beats a verdict on a later turn of the conversation, which beats
-# a correction guessed from the next user message.
-SOURCE_RANK = {"implicit": 1, "inherited": 2, "explicit": 3}
 
 
 def locked(fn):
@@ -124,12 +121,7 @@ def find_response(store: Store, response_id: str, choice: int = 0) -> dict[str, 
 @locked
 def chain(store: Store, trajectory_id: str, limit: int = 100) -> list[str]:
     """``trajectory_id`` and its ancestors (earlier turns of the conversation), latest first."""
-    out, cur = [], trajectory_id
-    while cur is not None and len(out) < limit:
-        out.append(cur)
-        row = store.conn.execute("SELECT parent_id FROM served WHERE trajectory_id = ?", (cur,)).fetchone()
-        cur = None if row is None else row["parent_id"]
-    return out
+    return _chain(store.conn, trajectory_id, limit)
 
 
 @dataclass(frozen=True)
@@ -183,7 +175,7 @@ def apply_feedback(store: Store, response_id: str, choice: int, source: str, val
     if row is None:
         raise KeyError(f"no response {response_id!r} with choice {choice}")
     now = time.time() if now is None else now
-    changed, late, own = 0, 0, row["trajectory_id"]
+    own = row["trajectory_id"]
     outcome, reason, *decision = _judged_turn(store, row, age) if value is not None else _unjudged(row)
     with store.conn:
         store.conn.execute(
@@ -202,18 +194,7 @@ def apply_feedback(store: Store, response_id: str, choice: int, source: str, val
                 t = json.loads(store.conn.execute("SELECT data_json FROM trajectories WHERE id = ?", (own,)).fetchone()[0])
                 t["reward_details"].setdefault("user_feedback", {})["age"] = decision[0]
                 store.conn.execute("UPDATE trajectories SET data_json = ? WHERE id = ?", (to_json(t), own))
-        for i, tid in enumerate(chain(store, own)):
-            src = source if i == 0 else ("inherited" if source == "explicit" else "implicit")
-            cur = store.conn.execute("SELECT feedback_source, status FROM served WHERE trajectory_id = ?",
-                                     (tid,)).fetchone()
-            if cur["feedback_source"] is not None and SOURCE_RANK[cur["feedback_source"]] > SOURCE_RANK[src]:
-                continue
-            store.conn.execute("UPDATE served SET feedback = ?, feedback_source = ? WHERE trajectory_id = ?",
-                               (value, src, tid))
-            if cur["status"] == "pending":
-                changed += 1
-            else:
-                late += 1
+        changed, late = attach(store.conn, own, source, value)
     return FeedbackApplied(changed, late, outcome, reason)
 
 
