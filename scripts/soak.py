@@ -45,6 +45,7 @@ import random
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -55,6 +56,7 @@ from soak_server import (FAMILIES, KEY, LEARNING_RATE, MAX_KL, SERVE_TOML, Serve
 
 FAULTS = ("collapse", "nan_loss", "kill", "disk")
 RSS_WARMUP_MIN = 15.0  # --rss-warmup-min's default: minutes of a server process before its RSS growth is measured
+KEEP_PROMOTED = 3  # --keep-promoted's default where --keep-newest keeps some versions (0 keeps every one)
 MIN_SAMPLES = 5  # samples of the timeline a run must hold at least (--sample-s against --minutes)
 
 
@@ -79,8 +81,10 @@ def out_problem(out: Path, empty: bool = True) -> str | None:
         where = next(p for p in out.parents if p.exists())
         if not where.is_dir():
             return f"cannot be made: {where} is a file, not a folder"
-    if not os.access(where, os.W_OK | os.X_OK):
-        return f"cannot be written: {where} is not writable here"
+    try:  # a folder made and removed: os.access says yes to root, and to a read-only or virtual file system
+        os.rmdir(tempfile.mkdtemp(prefix=".soak-probe-", dir=where))
+    except OSError as e:
+        return f"cannot be written: {where} is not writable here ({e.strerror or e})"
     return None
 
 
@@ -125,8 +129,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--disk-hold-s", type=float, default=30.0, help="seconds the disk stays nearly full")
     p.add_argument("--outage-s", type=float, default=5.0, help="seconds the server stays down after kill -9")
     p.add_argument("--keep-newest", type=int, default=3, help="the server's retention.keep_newest")
-    p.add_argument("--keep-promoted", type=int, default=3,
-                   help="the server's retention.keep_promoted (0: every promoted version's folder stays)")
+    p.add_argument("--keep-promoted", type=int, default=None,
+                   help=f"the server's retention.keep_promoted (0: every promoted version's folder stays; default: "
+                        f"{KEEP_PROMOTED} with --keep-newest >= 1, else 0)")
     p.add_argument("--keep-pruned", action="store_true",
                    help="move pruned folders to adapters/.pruned (on the same disk) instead of deleting them")
     args = p.parse_args(argv)
@@ -174,21 +179,32 @@ def parse_args(argv=None) -> argparse.Namespace:
                 f"in ({lo}, {hi}]" if open_low else f"in [{lo}, {hi}]"
             p.error(f"{flag} must be {valid} ({what}), got {value}")
     seconds = args.minutes * 60
-    for flag in ("--disk-hold-s", "--outage-s"):  # a fault that outlasts the run would hold the soak past --minutes
-        if getattr(args, flag[2:].replace("-", "_")) >= seconds:
-            p.error(f"{flag} must be shorter than the run (--minutes {args.minutes:g} = {seconds:g} s), "
-                    f"got {getattr(args, flag[2:].replace('-', '_')):g}")
-    if args.sample_s > seconds / MIN_SAMPLES:
+    needs = {"--disk-hold-s": (args.disk_hold_s, args.disk_hold_s < seconds),  # a fault outlasting the run would
+             "--outage-s": (args.outage_s, args.outage_s < seconds),  # hold the soak past --minutes
+             "--sample-s": (args.sample_s * MIN_SAMPLES, args.sample_s <= seconds / MIN_SAMPLES)}
+    for flag in ("--disk-hold-s", "--outage-s"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if not needs[flag][1] and value != p.get_default(flag[2:].replace("-", "_")):
+            p.error(f"{flag} must be shorter than the run (--minutes {args.minutes:g} = {seconds:g} s), got {value:g}")
+    if not needs["--sample-s"][1] and args.sample_s != p.get_default("sample_s"):
         p.error(f"--sample-s {args.sample_s:g} leaves fewer than {MIN_SAMPLES} samples in the run (--minutes "
                 f"{args.minutes:g} = {seconds:g} s): lower --sample-s to at most {seconds / MIN_SAMPLES:g} "
                 "or lengthen --minutes")
+    if short := [flag for flag, (_, fits) in needs.items() if not fits]:  # only flags left at their defaults
+        p.error(f"--minutes {args.minutes:g} ({seconds:g} s) is too short for the default "
+                + ", ".join(f"{f} {getattr(args, f[2:].replace('-', '_')):g}" for f in short)
+                + f" (each fault's hold must end within the run, which holds {MIN_SAMPLES} samples): lengthen --minutes"
+                f" to more than {max(needs[f][0] for f in short) / 60:g}, or lower {' and '.join(short)}")
     if warmup_given and args.minutes < args.rss_warmup_min + RSS_MIN_SPAN_MIN:
         p.error(f"--rss-warmup-min {args.rss_warmup_min:g} leaves no RSS growth to measure in the run (--minutes "
                 f"{args.minutes:g}): the slope needs {RSS_MIN_SPAN_MIN:g} min after the warm-up; lengthen --minutes to "
                 f"at least {args.rss_warmup_min + RSS_MIN_SPAN_MIN:g}, or leave --rss-warmup-min out (a short run then "
                 "reports RSS growth not measured)")
-    if args.keep_promoted and not args.keep_newest:
-        p.error("--keep-promoted applies only with --keep-newest >= 1 (0 keeps every version): set --keep-newest too")
+    if args.keep_promoted is None:
+        args.keep_promoted = KEEP_PROMOTED if args.keep_newest else 0
+    elif args.keep_promoted and not args.keep_newest:
+        p.error(f"--keep-promoted {args.keep_promoted} applies only with --keep-newest >= 1 (--keep-newest 0 keeps "
+                "every version): raise --keep-newest, or leave --keep-promoted out")
     if why := out_problem(Path(args.out).absolute()):
         p.error(f"--out {args.out} {why}")
     check_configs(p, args)
@@ -208,8 +224,6 @@ def check_configs(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     them (``SimulateConfig.validate``, its families built; ``load_serve_config`` and each
     family's environment and held-out set) before anything starts; a refusal is a usage error
     naming the flags behind the setting."""
-    import tempfile
-
     from selfrl.config import ConfigError
     from selfrl.serve.families import check_family_sources
     from selfrl.serve.main import load_serve_config

@@ -40,7 +40,13 @@ import soak  # noqa: E402
     (["--keep-newest", "-1"], "--keep-newest must be in [0, 1000000] (versions; 0 keeps every one), got -1"),
     (["--keep-promoted", "-1"], "--keep-promoted must be in [0, 1000000] (promoted versions; 0 keeps every one), "
                                 "got -1"),
-    (["--keep-newest", "0"], "--keep-promoted applies only with --keep-newest >= 1 (0 keeps every version)"),
+    (["--keep-newest", "0", "--keep-promoted", "2"], "--keep-promoted 2 applies only with --keep-newest >= 1 "
+     "(--keep-newest 0 keeps every version): raise --keep-newest, or leave --keep-promoted out"),
+    (["--minutes", "1e-9"], "--minutes 1e-09 (6e-08 s) is too short for the default --disk-hold-s 30, --outage-s 5, "
+     "--sample-s 10 (each fault's hold must end within the run, which holds 5 samples): lengthen --minutes to more "
+     "than 0.833333, or lower --disk-hold-s and --outage-s and --sample-s"),
+    (["--minutes", "0.7"], "--minutes 0.7 (42 s) is too short for the default --sample-s 10 (each fault's hold must "
+     "end within the run, which holds 5 samples): lengthen --minutes to more than 0.833333, or lower --sample-s"),
     (["--seed", "-1"], "--seed must be in [0, 9223372036854775807] (the simulator's seed), got -1"),
     (["--concurrency", "100000"], "--concurrency must be in [1, 1024] (users in flight at once), got 100000"),
     (["--minutes", "1e9"], "--minutes must be in (0, 525600] (real minutes of traffic, a year at most), got 1000000000.0"),
@@ -63,6 +69,31 @@ def test_the_ends_of_each_range_are_accepted(tmp_path):
     assert (a.tolerance, a.outage_s, a.disk_mb, a.concurrency, a.keep_newest, a.keep_promoted) == (0, 0, 64, 1, 0, 0)
     assert soak.parse_args(["--out", str(tmp_path / "out"), "--tolerance", "1"]).tolerance == 1.0
     assert not (tmp_path / "out").exists()
+
+
+def test_keep_newest_0_alone_keeps_every_version(tmp_path):
+    a = soak.parse_args(["--out", str(tmp_path / "out"), "--tiny", "--keep-newest", "0"])
+    assert (a.keep_newest, a.keep_promoted) == (0, 0)
+    a = soak.parse_args(["--out", str(tmp_path / "out"), "--tiny"])
+    assert (a.keep_newest, a.keep_promoted) == (3, soak.KEEP_PROMOTED)
+    a = soak.parse_args(["--out", str(tmp_path / "out"), "--tiny", "--keep-newest", "1", "--keep-promoted", "0"])
+    assert (a.keep_newest, a.keep_promoted) == (1, 0)
+
+
+@pytest.mark.parametrize("where", ["file", "proc"])
+def test_an_out_that_cannot_be_written_is_a_usage_error(tmp_path, where, capsys):
+    if where == "file":
+        (tmp_path / "f").write_text("")
+        out, says = tmp_path / "f" / "x", f"cannot be made: {tmp_path / 'f'} is a file, not a folder"
+    else:
+        if not Path("/proc").is_dir():
+            pytest.skip("no /proc here")
+        out, says = Path("/proc/x"), "cannot be written: /proc is not writable here ("  # even as root
+    with pytest.raises(SystemExit) as stop:
+        soak.parse_args(["--tiny", "--out", str(out)])
+    assert stop.value.code == 2
+    assert f"error: --out {out} {says}" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_the_disk_fault_s_tmpfs_is_at_most_half_the_memory(capsys):
