@@ -174,6 +174,22 @@ def test_a_body_sent_without_the_json_content_type_is_told_to_set_it(server, rou
                                        "it came with another content type")
 
 
+@pytest.mark.parametrize("route", ["/v1/feedback", "/admin/pin"])
+def test_a_body_sent_with_no_content_type_header_is_told_so(server, route):
+    import http.client
+    from urllib.parse import urlsplit
+    url, _ = server
+    conn = http.client.HTTPConnection(urlsplit(url).netloc, timeout=60)
+    try:  # http.client, unlike urllib and curl -d, adds no Content-Type of its own
+        conn.request("POST", route, body=b'{"version": 0}', headers={"authorization": f"Bearer {API_KEY}"})
+        resp = conn.getresponse()
+        status, out = resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+    assert status == 400 and out["error"]["message"] == ("the body must be a JSON object sent with Content-Type: "
+                                                         "application/json; it came with no Content-Type header")
+
+
 @pytest.mark.parametrize("raw, says", [(b"[1]", "it is an array"), (b'"x"', "it is a string"), (b"", "it came empty")])
 def test_a_json_body_that_is_no_object_says_so(server, raw, says):
     url, _ = server

@@ -105,8 +105,8 @@ def create_app(service: Service, api_key: str | None, protect_completions: bool 
         return _error(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None)
 
     @app.exception_handler(RequestValidationError)
-    async def bad_request(_: Request, e: RequestValidationError):
-        message, where = validation_message(e.errors())
+    async def bad_request(request: Request, e: RequestValidationError):
+        message, where = validation_message(e.errors(), typed="content-type" in request.headers)
         return _error(400, message, param=where)
 
     add_server_error_handler(app, log, service.storage.failed)

@@ -157,18 +157,21 @@ def _got(v: Any) -> str:
     return _json_type(v)
 
 
-def validation_message(errors: list[dict], skip: int = 1) -> tuple[str, str | None]:
+def validation_message(errors: list[dict], skip: int = 1, typed: bool = True) -> tuple[str, str | None]:
     """``(message, param)`` for the first of FastAPI's request validation errors: the field in
     OpenAI's notation (:func:`error_param`; the first ``skip`` parts of its location, FastAPI's
     ``"body"``, are left out) and a message that says what is wrong there: a value of the wrong
     type is "``<field>`` must be <the type it takes>, got <what came>"; a body that is no JSON
     object, or was sent without ``Content-Type: application/json`` (``curl -d`` sends a form
-    type), says so. A non-finite input value is never echoed (JSON cannot carry NaN back).
+    type), says so: ``typed`` False, the request sent no ``Content-Type`` header at all. A
+    non-finite input value is never echoed (JSON cannot carry NaN back).
 
     >>> validation_message([{"type": "bool_type", "loc": ("body", "corrected"), "input": "yes"}])
     ('corrected must be true or false (a JSON boolean), got the string "yes"', 'corrected')
     >>> validation_message([{"type": "model_attributes_type", "loc": ("body",), "input": b"{}"}])[0]
     'the body must be a JSON object sent with Content-Type: application/json; it came with another content type'
+    >>> validation_message([{"type": "model_attributes_type", "loc": ("body",), "input": b"{}"}], typed=False)[0]
+    'the body must be a JSON object sent with Content-Type: application/json; it came with no Content-Type header'
     """
     first = errors[0] if errors else {}
     where = error_param(first.get("loc", ())[skip:], first.get("ctx"))
@@ -182,7 +185,8 @@ def validation_message(errors: list[dict], skip: int = 1) -> tuple[str, str | No
         return f"unrecognized request argument supplied: {where}", where
     if kind in _WANTED and where is None:
         if isinstance(got, (bytes, bytearray)):  # not decoded: the content type was not JSON
-            return JSON_BODY + "; it came with another content type", None
+            return JSON_BODY + ("; it came with another content type" if typed else
+                                "; it came with no Content-Type header"), None
         return f"{JSON_BODY}; it is {_json_type(got)}", None
     union = any(isinstance(p, str) and ("[" in p or p in _UNION_TAGS) for p in first.get("loc", ()))
     if kind in _WANTED and not union:  # (a member of a union takes other types too: pydantic's message)

@@ -91,8 +91,9 @@ def create_sampler_app(engine: SamplingEngine, api_key: str | None = None, model
     app = FastAPI(title="selfrl sampler")
 
     @app.exception_handler(RequestValidationError)
-    async def bad_request(_: Request, e: RequestValidationError):
-        return JSONResponse({"detail": validation_message(e.errors())[0]}, status_code=400)
+    async def bad_request(request: Request, e: RequestValidationError):
+        return JSONResponse({"detail": validation_message(e.errors(), typed="content-type" in request.headers)[0]},
+                            status_code=400)
 
     add_server_error_handler(app, log)
 
