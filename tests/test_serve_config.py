@@ -229,6 +229,20 @@ def test_serve_refuses_reward_weights_that_cannot_apply_to_served_turns(tmp_path
     assert code == 2 and loaded == [] and len(err_text.splitlines()) == 1 and says in err_text
 
 
+@pytest.mark.parametrize("weights, says", [
+    ({"user_feedback": True}, "learner.reward_weights: each weight must be a number, got {'user_feedback': True}"),
+    ({"user_feedback": "1"}, "learner.reward_weights: each weight must be a number, got {'user_feedback': '1'}"),
+    ({"user_feedback": float("inf")}, "learner.reward_weights must be finite, got {'user_feedback': inf}"),
+    ({"User_Feedback": 1.0}, "learner.reward_weights: unknown reward 'User_Feedback' (did you mean user_feedback?); "
+                             "selfrl serve uses only user_feedback, tool_success, format, length_penalty"),
+    ({"user_feedback": 1.0, "tool_sucess": 0.2}, "unknown reward 'tool_sucess' (did you mean tool_success?)"),
+])
+def test_a_weight_that_is_no_number_or_a_misspelt_reward_says_so(weights, says):
+    with pytest.raises(ConfigError) as err:
+        load_serve_config(None, {"learner": {"reward_weights": weights}})
+    assert says in str(err.value)
+
+
 def test_serve_takes_the_rewards_a_served_turn_carries_and_families_change_nothing(tmp_path):
     weights = {"user_feedback": 1.0, "tool_success": 0.2, "format": 0.1, "length_penalty": 0.05}
     assert load_serve_config(None, {"learner": {"reward_weights": weights}}).learner.reward_weights == weights

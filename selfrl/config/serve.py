@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection
+from difflib import get_close_matches
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -75,6 +76,8 @@ class LearnerSettings:
         default_factory=lambda: {"user_feedback": 1.0, "tool_success": 0.2})  # rewards a served turn carries (SERVE_REWARDS): user_feedback (weight > 0), tool_success, format, length_penalty; weights >= 0
 
     def check(self, where: str = "") -> None:
+        odd = non_finite_weights(self.reward_weights)
+        words = {n: w for n, w in odd.items() if not _is_number(w)}  # a bool or a string: no number at all
         require([
             in_range(self.min_batch, "min_batch", 2, 65536),
             in_range(self.max_batch, "max_batch", 2, 65536),
@@ -90,8 +93,8 @@ class LearnerSettings:
             in_range(self.feedback_tis_cap, "feedback_tis_cap", 0, 1000, low_open=True),
             in_range(self.idle_kv_cache_mb, "idle_kv_cache_mb", 0, KV_MB_MAX),
             (isinstance(self.reward_weights, dict), "reward_weights must be a table of name = weight"),
-            (not non_finite_weights(self.reward_weights),
-             f"reward_weights must be finite, got {non_finite_weights(self.reward_weights)}"),
+            (not words, f"reward_weights: each weight must be a number, got {words}"),
+            (not odd, f"reward_weights must be finite, got {odd}"),
             (not isinstance(self.reward_weights, dict) or JUDGE_REWARD not in self.reward_weights,
              f"reward_weights: selfrl serve does not offer the {JUDGE_REWARD!r} reward (it has no [judge] "
              "endpoints to call); train with a judge through selfrl run (docs/guides/judge.md), or weight "
@@ -103,14 +106,27 @@ class LearnerSettings:
                  at_most(self.retry_s, f"{where}retry_s", self.retry_max_s, f"{where}retry_max_s")])
 
 
+def _is_number(w: Any) -> bool:
+    return isinstance(w, (int, float)) and not isinstance(w, bool)
+
+
 def serve_reward_problems(weights: dict[str, Any]) -> list[tuple[bool, str]]:
     """The rules ``learner.reward_weights`` of ``selfrl serve`` meets (:func:`selfrl.config.base.require`'s
     ``(ok, message)`` pairs): only rewards a served turn carries (:data:`SERVE_REWARDS`), a positive
-    ``user_feedback`` weight, and no negative weight (``selfrl run`` keeps its own rules)."""
+    ``user_feedback`` weight, and no negative weight (``selfrl run`` keeps its own rules). A name
+    that differs from a known reward's only in case, or by a letter or two, is called unknown, with
+    the name it is likely to mean."""
     usable = ", ".join(SERVE_REWARDS)
+    known = sorted({*SERVE_REWARDS, *SERVE_REFUSED_REWARDS, JUDGE_REWARD})
     rules = []
     for name in weights:
         if name in SERVE_REWARDS or name == JUDGE_REWARD:  # the judge has its own message
+            continue
+        like = [] if name in known else ([k for k in known if k.lower() == str(name).lower()]
+                                         or get_close_matches(str(name), known, 1, cutoff=0.8))
+        if like:  # a misspelt name, not a reward of its own (format_strict is no typo of format)
+            rules.append((False, f"reward_weights: unknown reward {name!r} (did you mean {like[0]}?); "
+                                 f"selfrl serve uses only {usable}"))
             continue
         why = SERVE_REFUSED_REWARDS.get(name, "a served turn runs no environment task for it to read, so every "
                                                 "turn would score alike")
