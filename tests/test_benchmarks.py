@@ -187,13 +187,19 @@ def _arm(arm: str, label: str, curve: list[tuple[float, int, str]], training_s: 
                       for t, k, won in curve]}
 
 
+def write_arms(folder, *arms: dict) -> list:
+    """Each arm's result written to ``folder/<label>.json``, as bench_trl.py's plot reads them; the paths."""
+    files = []
+    for a in arms:
+        files.append(folder / f"{a['label']}.json")
+        files[-1].write_text(json.dumps(a))
+    return files
+
+
 def test_trl_plot_times_each_arm_to_trls_final_success(tmp_path):
     trl = _arm("trl", "trl", [(0.0, 0, ""), (600.0, 10, "a"), (1200.0, 20, "ab")], 1250.0)
     ours = _arm("selfrl", "selfrl", [(0.0, 0, ""), (300.0, 12, "ab"), (900.0, 40, "abc")], 930.0)
-    files = []
-    for a in (trl, ours):
-        files.append(tmp_path / f"{a['label']}.json")
-        files[-1].write_text(json.dumps(a))
+    files = write_arms(tmp_path, trl, ours)
     png = tmp_path / "curve.png"
     r = bench_trl.main(["plot", *map(str, files), "--png", str(png), "--levels", "0.3,0.6", "--out", str(tmp_path)])
     theirs, mine = r["rows"]
@@ -212,10 +218,7 @@ def test_trl_plot_times_each_arm_to_trls_final_success(tmp_path):
 def test_trl_plot_says_when_trl_never_rose_above_its_base(tmp_path, capsys):
     trl = _arm("trl", "trl", [(0.0, 0, "a"), (600.0, 5, "a")], 620.0)
     ours = _arm("selfrl", "selfrl", [(0.0, 0, "a"), (120.0, 6, "ab")], 130.0)
-    files = []
-    for a in (trl, ours):
-        files.append(tmp_path / f"{a['label']}.json")
-        files[-1].write_text(json.dumps(a))
+    files = write_arms(tmp_path, trl, ours)
     r = bench_trl.main(["plot", *map(str, files), "--png", str(tmp_path / "c.png"), "--out", str(tmp_path)])
     theirs, mine = r["rows"]
     assert (theirs["trl_above_base"], mine["trl_above_base"]) == (False, False)
@@ -229,10 +232,7 @@ def test_trl_plot_counts_skipped_iterations_apart_from_updates(tmp_path, capsys)
     trl["train"] = {"steps": [{"step": 1, "seconds": 300.0}, {"step": 2, "seconds": 600.0}]}
     ours = _arm("selfrl", "selfrl", [(0.0, 0, "a"), (120.0, 4, "ab")], 130.0)
     ours["train"] = {"steps": [{"step": k, "seconds": 30.0 * k, "skipped": k != 3} for k in (1, 2, 3, 4)]}
-    files = []
-    for a in (trl, ours):
-        files.append(tmp_path / f"{a['label']}.json")
-        files[-1].write_text(json.dumps(a))
+    files = write_arms(tmp_path, trl, ours)
     r = bench_trl.main(["plot", *map(str, files), "--png", str(tmp_path / "c.png"), "--out", str(tmp_path)])
     theirs, mine = r["rows"]
     assert (theirs["iterations"], theirs["updates"]) == (2, 2) and (mine["iterations"], mine["updates"]) == (4, 1)
