@@ -87,6 +87,25 @@ def test_response_and_events_from_a_chat_completion():
     assert input_messages("hi") == [{"role": "user", "content": "hi"}]
 
 
+@pytest.mark.parametrize("content, calls, kinds", [
+    ("", [], ["message"]),  # an empty answer is an empty text item, as OpenAI gives it: output_text is ""
+    (None, [{"id": "c", "type": "function", "function": {"name": "add", "arguments": "{}"}}], ["function_call"]),
+    ("hi", [], ["message"]),
+])
+def test_every_answer_has_an_output_item_and_an_empty_one_reads_back(content, calls, kinds):
+    message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+    chat = {"id": "x", "created": 5, "model": "selfrl", "adapter_version": 0, "system_fingerprint": "selfrl-v0",
+            "choices": [{"index": 0, "finish_reason": "tool_calls" if calls else "stop", "logprobs": None,
+                         "message": message}], "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+    req = ResponsesRequest(model="m", input="hi")
+    r = to_response(chat, req, to_chat_request(req, []), "resp_1")
+    assert [i["type"] for i in r["output"]] == kinds
+    texts = [p["text"] for i in r["output"] if i["type"] == "message" for p in i["content"]]
+    assert texts == ([content] if not calls else [])
+    back = to_chat_request(ResponsesRequest(model="m", input=[{"role": "user", "content": "hi"}, *r["output"]]), [])
+    assert [m.role for m in back.messages] == ["user", "assistant"]
+
+
 def test_the_log_is_bounded_by_bytes_and_scoped_to_its_client(tmp_path):
     from selfrl.record.store import Store
 

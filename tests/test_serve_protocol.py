@@ -159,6 +159,31 @@ def test_what_openai_accepts_is_accepted():
     assert [m.role for m in accepted.messages] == ["user", "assistant", "tool", "assistant", "user"]
 
 
+def test_a_response_message_sent_back_by_an_openai_client_is_read_as_sent():
+    # the pattern `messages.append(resp.choices[0].message.model_dump())`: the client's model
+    # adds annotations, audio, function_call and refusal as null; the chat is the same without them
+    from openai.types.chat import ChatCompletionMessage
+
+    served = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}]}
+    dumped = ChatCompletionMessage.model_validate(served).model_dump()
+    assert {"annotations", "audio", "function_call", "refusal"} <= set(dumped)
+    head, tail = [{"role": "user", "content": "2+3?"}], [{"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    plain, sent_back = (req(messages=[*head, m, *tail], tools=[CALC]) for m in (served, dumped))
+    assert to_chat(sent_back, native_tools=False) == to_chat(plain, native_tools=False)
+    assert req(messages=[*head, {"role": "assistant", "content": "5", "annotations": []}]).messages[1].text() == "5"
+
+
+@pytest.mark.parametrize("field, value, reason", [
+    ("annotations", [{"type": "url_citation"}], "annotations are output citations"),
+    ("audio", {"id": "audio_1"}, "audio is not supported"),
+    ("function_call", {"name": "calculator", "arguments": "{}"}, "send it in tool_calls"),
+])
+def test_a_response_message_field_that_holds_something_is_refused_with_its_reason(field, value, reason):
+    with pytest.raises(ValidationError, match=reason):
+        req(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", field: value}])
+
+
 @pytest.mark.parametrize("rating", [5, -2, "1.5"])
 def test_a_rating_out_of_range_says_the_range_in_one_line(rating):
     from selfrl.serve.errors import validation_message

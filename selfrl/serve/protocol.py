@@ -112,6 +112,34 @@ class Message(_Strict):
     tool_call_id: str | None = None
     refusal: str | None = None
     reasoning_content: str | None = None  # what we returned; accepted back, not shown to the model again
+    # Fields of an OpenAI client's response message (``message.model_dump()`` sends them back as
+    # null): accepted when empty, each refused with its reason when it holds something.
+    annotations: list[dict[str, Any]] | None = None  # output citations: the model never sees them
+    audio: Any = None
+    function_call: Any = None
+
+    @field_validator("annotations")
+    @classmethod
+    def _annotations(cls, v: list | None) -> list | None:
+        if v:
+            raise refuse("annotations are output citations, not part of a request message: "
+                         "send the message without them (null or [] is accepted)")
+        return v
+
+    @field_validator("audio")
+    @classmethod
+    def _audio(cls, v: Any) -> Any:
+        if v is not None:
+            raise refuse("audio is not supported (selfrl serves text models): send audio: null or leave it out")
+        return v
+
+    @field_validator("function_call")
+    @classmethod
+    def _function_call(cls, v: Any) -> Any:
+        if v is not None:
+            raise refuse("function_call is OpenAI's deprecated form of a call: send it in tool_calls "
+                         '([{"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}])')
+        return v
 
     @field_validator("content", mode="before")
     @classmethod

@@ -286,10 +286,10 @@ def output_items(message: dict[str, Any], logprobs: list[dict[str, Any]] | None 
     ['message', 'function_call']
     """
     items: list[dict[str, Any]] = []
-    if message.get("content"):
+    if message.get("content") or not message.get("tool_calls"):  # an empty answer is an empty text item
         items.append({"type": "message", "id": "msg_" + uuid.uuid4().hex,
                       "status": "incomplete" if cut else "completed", "role": "assistant",
-                      "content": [{"type": "output_text", "text": message["content"], "annotations": [],
+                      "content": [{"type": "output_text", "text": message.get("content") or "", "annotations": [],
                                    "logprobs": logprobs or []}]})
     for call in message.get("tool_calls") or []:
         items.append({"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call["id"],
