@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from selfrl.config import ConfigError, RunConfig, load_config
@@ -90,7 +92,9 @@ def test_out_of_range_values(overrides, message):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ({"reward_weights": {"verifier": "a"}}, "finite"),
+        ({"reward_weights": {"verifier": "a"}}, re.escape("reward_weights: each weight must be a number, got {'verifier': 'a'}")),
+        ({"reward_weights": {"verifier": True}}, re.escape("reward_weights: each weight must be a number, got {'verifier': True}")),
+        ({"reward_weights": {"verifier": float("nan")}}, re.escape("reward_weights must be finite, got {'verifier': nan}")),
         ({"train.scale_rewards": "x"}, "train.scale_rewards"),
         ({"rollout.tools_prompt": "x"}, "rollout.tools_prompt"),
         ({"gate.batch_size": 0}, "gate.batch_size"),

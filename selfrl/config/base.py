@@ -114,6 +114,22 @@ def _numeric(hint: Any) -> tuple:
     return tuple(a for a in args if a in (int, float))
 
 
+def weights_problem(weights: Any, field: str = "reward_weights") -> str | None:
+    """What is wrong with the weights of a ``name = weight`` table (``field``), or None: a weight
+    that is no number at all (a string, a bool), or one that is not finite.
+
+    >>> weights_problem({"verifier": "1"})
+    "reward_weights: each weight must be a number, got {'verifier': '1'}"
+    >>> weights_problem({"verifier": float("nan")})
+    "reward_weights must be finite, got {'verifier': nan}"
+    """
+    odd = non_finite_weights(weights)
+    words = {n: w for n, w in odd.items() if isinstance(w, bool) or not isinstance(w, (int, float))}
+    if words:
+        return f"{field}: each weight must be a number, got {words}"
+    return f"{field} must be finite, got {odd}" if odd else None
+
+
 def non_finite_weights(weights: Any) -> dict[str, Any]:
     """The entries of a ``name = weight`` table whose weight is not a finite number (a bool is
     not a number here); empty for anything that is not a table (another rule refuses that).

@@ -36,7 +36,7 @@ from selfrl.config.base import (  # noqa: F401  (re-exported)
     check_finite,
     fill,
     in_range,
-    non_finite_weights,
+    weights_problem,
     one_of,
     require,
 )
@@ -163,8 +163,7 @@ class RunConfig:
             in_range(self.seed, "seed", 0, SEED_MAX),
             (self.reward_weights is None or isinstance(self.reward_weights, dict),
              "reward_weights must be a table of name = weight"),
-            (not non_finite_weights(self.reward_weights),
-             f"reward_weights must be finite, got {non_finite_weights(self.reward_weights)}"),
+            (not weights_problem(self.reward_weights), weights_problem(self.reward_weights) or ""),
         ])
         self.check_agents()
         check_engine(self)

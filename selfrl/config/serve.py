@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from selfrl.config.base import (
-    NAME_MAX, SECONDS_MAX, SEED_MAX, ConfigError, at_most, in_range, name_length, non_finite_weights, one_of, require,
+    NAME_MAX, SECONDS_MAX, SEED_MAX, ConfigError, at_most, in_range, name_length, one_of, require,
+    weights_problem,
 )
 from selfrl.config.judge import JUDGE_REWARD
 from selfrl.config.sections import (
@@ -76,8 +77,7 @@ class LearnerSettings:
         default_factory=lambda: {"user_feedback": 1.0, "tool_success": 0.2})  # rewards a served turn carries (SERVE_REWARDS): user_feedback (weight > 0), tool_success, format, length_penalty; weights >= 0
 
     def check(self, where: str = "") -> None:
-        odd = non_finite_weights(self.reward_weights)
-        words = {n: w for n, w in odd.items() if not _is_number(w)}  # a bool or a string: no number at all
+        weights_bad = weights_problem(self.reward_weights)
         require([
             in_range(self.min_batch, "min_batch", 2, 65536),
             in_range(self.max_batch, "max_batch", 2, 65536),
@@ -93,8 +93,7 @@ class LearnerSettings:
             in_range(self.feedback_tis_cap, "feedback_tis_cap", 0, 1000, low_open=True),
             in_range(self.idle_kv_cache_mb, "idle_kv_cache_mb", 0, KV_MB_MAX),
             (isinstance(self.reward_weights, dict), "reward_weights must be a table of name = weight"),
-            (not words, f"reward_weights: each weight must be a number, got {words}"),
-            (not odd, f"reward_weights must be finite, got {odd}"),
+            (not weights_bad, weights_bad or ""),
             (not isinstance(self.reward_weights, dict) or JUDGE_REWARD not in self.reward_weights,
              f"reward_weights: selfrl serve does not offer the {JUDGE_REWARD!r} reward (it has no [judge] "
              "endpoints to call); train with a judge through selfrl run (docs/guides/judge.md), or weight "
@@ -104,10 +103,6 @@ class LearnerSettings:
             require(serve_reward_problems(self.reward_weights), where)
         require([at_most(self.min_batch, f"{where}min_batch", self.max_batch, f"{where}max_batch"),
                  at_most(self.retry_s, f"{where}retry_s", self.retry_max_s, f"{where}retry_max_s")])
-
-
-def _is_number(w: Any) -> bool:
-    return isinstance(w, (int, float)) and not isinstance(w, bool)
 
 
 def serve_reward_problems(weights: dict[str, Any]) -> list[tuple[bool, str]]:
