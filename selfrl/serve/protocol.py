@@ -29,7 +29,7 @@ import json
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from selfrl.engines.base import MIN_TEMPERATURE
@@ -102,6 +102,16 @@ class ToolCall(_Strict):
     function: FunctionCall
 
 
+RESPONSE_ONLY = {
+    "annotations": "annotations are output citations, not part of a request message: send the message "
+                   "without them (null or [] is accepted)",
+    "audio": "audio is not supported (selfrl serves text models): send audio: null or leave it out",
+    "function_call": "function_call is OpenAI's deprecated form of a call: send it in tool_calls "
+                     '([{"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}])',
+}
+"""Fields an OpenAI client's response message carries that a request message cannot use, and why."""
+
+
 class Message(_Strict):
     """One OpenAI chat message (roles system, developer, user, assistant, tool)."""
 
@@ -113,32 +123,16 @@ class Message(_Strict):
     refusal: str | None = None
     reasoning_content: str | None = None  # what we returned; accepted back, not shown to the model again
     # Fields of an OpenAI client's response message (``message.model_dump()`` sends them back as
-    # null): accepted when empty, each refused with its reason when it holds something.
-    annotations: list[dict[str, Any]] | None = None  # output citations: the model never sees them
+    # null): accepted when empty, refused with the reason (:data:`RESPONSE_ONLY`) when they hold something.
+    annotations: Any = None
     audio: Any = None
     function_call: Any = None
 
-    @field_validator("annotations")
+    @field_validator(*RESPONSE_ONLY)
     @classmethod
-    def _annotations(cls, v: list | None) -> list | None:
+    def _response_only(cls, v: Any, info: ValidationInfo) -> Any:
         if v:
-            raise refuse("annotations are output citations, not part of a request message: "
-                         "send the message without them (null or [] is accepted)")
-        return v
-
-    @field_validator("audio")
-    @classmethod
-    def _audio(cls, v: Any) -> Any:
-        if v is not None:
-            raise refuse("audio is not supported (selfrl serves text models): send audio: null or leave it out")
-        return v
-
-    @field_validator("function_call")
-    @classmethod
-    def _function_call(cls, v: Any) -> Any:
-        if v is not None:
-            raise refuse("function_call is OpenAI's deprecated form of a call: send it in tool_calls "
-                         '([{"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}])')
+            raise refuse(RESPONSE_ONLY[info.field_name])
         return v
 
     @field_validator("content", mode="before")
