@@ -99,6 +99,22 @@ def test_parse_arguments_missing_or_as_json_string():
     assert [(c.name, c.arguments, c.error) for c in calls] == [("spy", {}, None), ("spy", {"x": 1}, None)]
 
 
+@pytest.mark.parametrize("body, why", [
+    ('{"name": "add", "arguments": {"a": 1e434, "b": 0}}', "invalid JSON in <tool_call>: the number 1e434 is beyond a double's range"),
+    ('{"name": "add", "arguments": {"a": Infinity}}', "invalid JSON in <tool_call>: Infinity is not a JSON number"),
+    ('{"name": "add", "arguments": {"a": [-Infinity]}}', "invalid JSON in <tool_call>: -Infinity is not a JSON number"),
+    ('{"name": "add", "arguments": {"a": NaN}}', "invalid JSON in <tool_call>: NaN is not a JSON number"),
+    ('{"name": "add", "arguments": "{\\"a\\": -1e999}"}', '"arguments" string is not valid JSON: the number -1e999 is beyond a double\'s range'),
+])
+def test_a_call_whose_numbers_json_cannot_carry_is_no_call(body, why):
+    # a grammar lets the model write 1e434; parsed, it is an infinity that json.dumps writes as
+    # Infinity, which no strict JSON reader takes: such a call never reaches a client or a tool
+    _, [call] = parse_tool_calls(f"<tool_call>{body}</tool_call>")
+    assert call.error == why and call.arguments == {}
+    _, [ok] = parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1e2, "b": 11403917163434172561256176225}}</tool_call>')
+    assert ok.error is None and json.loads(json.dumps(ok.arguments)) == {"a": 100.0, "b": 11403917163434172561256176225}
+
+
 def test_parse_unclosed_call():
     text = 'ok ' + call_block({"name": "spy"}) + ' then <tool_call>{"name": "spy", "arguments": {}'
     remaining, calls = parse_tool_calls(text)

@@ -43,6 +43,7 @@ server both go through :func:`scan_blocks`, so the rule is the same in both.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -150,14 +151,36 @@ class ParsedCall:
     error: str | None = None
 
 
+class NotFiniteError(ValueError):
+    """A number JSON cannot carry: ``NaN``, ``Infinity`` (no JSON at all), or a literal beyond a
+    double's range (``1e400``), which every JSON reader takes as an infinity."""
+
+
+def _no_constant(name: str) -> float:
+    raise NotFiniteError(f"{name} is not a JSON number")
+
+
+def _finite(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise NotFiniteError(f"the number {literal[:20]}{'...' if len(literal) > 20 else ''} is beyond a double's range")
+    return value
+
+
+STRICT_JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
+"""The decoder of a call's JSON: standard JSON, every number finite (:class:`NotFiniteError`
+otherwise), so a parsed call's arguments always encode back to JSON any client can read."""
+
+
 def _parse_block(raw: str) -> ParsedCall:
     body = raw.strip()
     if not body:
         return ParsedCall("", {}, raw, "empty <tool_call>")
     try:
-        obj, end = json.JSONDecoder().raw_decode(body)
+        obj, end = STRICT_JSON.raw_decode(body)
     except (json.JSONDecodeError, RecursionError, ValueError) as e:
-        why = f"{e.msg} at char {e.pos}" if isinstance(e, json.JSONDecodeError) else type(e).__name__
+        why = (f"{e.msg} at char {e.pos}" if isinstance(e, json.JSONDecodeError)
+               else str(e) if isinstance(e, NotFiniteError) else type(e).__name__)
         return ParsedCall("", {}, raw, f"invalid JSON in <tool_call>: {why}")
     if body[end:].strip():
         return ParsedCall("", {}, raw, "expected one JSON object, found extra data")
@@ -180,9 +203,10 @@ def _parse_block(raw: str) -> ParsedCall:
     args = obj[key]
     if isinstance(args, str):  # OpenAI sends arguments as a JSON string
         try:
-            args = json.loads(args)
+            args = STRICT_JSON.decode(args)
         except (json.JSONDecodeError, RecursionError, ValueError) as e:
-            return ParsedCall(name, {}, raw, f'"{key}" string is not valid JSON: {getattr(e, "msg", type(e).__name__)}')
+            why = str(e) if isinstance(e, NotFiniteError) else getattr(e, "msg", type(e).__name__)
+            return ParsedCall(name, {}, raw, f'"{key}" string is not valid JSON: {why}')
     if not isinstance(args, dict):
         return ParsedCall(name, {}, raw, f'"{key}" must be a JSON object, found {json_type_name(args)}')
     return ParsedCall(name, args, raw, None)
