@@ -67,6 +67,14 @@ def test_what_is_outside_the_subset_is_refused_by_name(body, param):
     assert e.value.param == param
 
 
+@pytest.mark.parametrize("item", [{"role": "user", "content": None}, {"role": "user"},
+                                  {"type": "message", "role": "assistant", "content": None}])
+def test_a_message_item_without_content_is_refused_as_chat_completions_refuses_it(item):
+    with pytest.raises(ResponsesError, match=r"input\.0: a (user|assistant) message needs content") as e:
+        input_messages([item])
+    assert e.value.param == "input.0.content"
+
+
 def test_response_and_events_from_a_chat_completion():
     chat = {"id": "x", "created": 5, "model": "selfrl", "adapter_version": 3, "system_fingerprint": "selfrl-v3",
             "choices": [{"index": 0, "finish_reason": "length", "logprobs": None, "message": {

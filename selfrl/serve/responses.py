@@ -152,6 +152,9 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise ResponsesError(f"unknown message role {role!r}", where)
+            if item.get("content") is None:  # as chat completions refuses it (protocol.check_messages)
+                raise ResponsesError(f"{where}: a {role} message needs content (a string or an array of content "
+                                     "parts), got null", f"{where}.content")
             out.append({"role": role, "content": _text(item.get("content"), where)})
         elif kind == "function_call":
             _require(item, ("call_id", "name"), f"{kind} item", where)
