@@ -202,13 +202,17 @@ def test_serve_refuses_the_judge_reward_in_one_line_before_the_model_loads(tmp_p
                                                       "it compares the samples of one task"),
     ({"user_feedback": 1.0, "agreement": 1.0}, "cannot use the 'agreement' reward"),
     ({"user_feedback": 1.0, "user_correction": 1.0}, "serve already counts a correcting next message as user_feedback"),
-    ({"web_naive": 1.0}, "cannot use the 'web_naive' reward on served turns: a served turn runs no environment task"),
-    ({"webshop_naive": 1.0, "user_feedback": 1.0}, "cannot use the 'webshop_naive' reward"),
+    ({"web_naive": 1.0}, "cannot use 'web_naive' on served turns: it is no built-in reward, and an environment's own "
+                         "reward needs its task, which a served turn does not run"),
+    ({"user_feedback": 1.0, "bogus": 0.5}, "cannot use 'bogus' on served turns: it is no built-in reward"),
+    ({"webshop_naive": 1.0, "user_feedback": 1.0}, "cannot use 'webshop_naive' on served turns"),
     ({}, "{} has no positive 'user_feedback' weight"),
     ({"tool_success": 0.2}, "{'tool_success': 0.2} has no positive 'user_feedback' weight"),
     ({"user_feedback": 0.0, "tool_success": 0.2}, "has no positive 'user_feedback' weight"),
     ({"user_feedback": -1.0}, "negative weight {'user_feedback': -1.0}: selfrl serve would train away"),
-    ({"user_feedback": 1.0, "length_penalty": -0.1}, "negative weight {'length_penalty': -0.1}"),
+    ({"user_feedback": 1.0, "length_penalty": -0.1}, "negative weight {'length_penalty': -0.1}: selfrl serve would "
+                                                     "train away from what the reward pays; use weights >= 0 "
+                                                     "(length_penalty's values are already negative)"),
 ])
 def test_serve_refuses_reward_weights_that_cannot_apply_to_served_turns(tmp_path, capsys, monkeypatch, weights, says):
     """A reward served turns cannot carry, a table without user_feedback, or a negative weight would

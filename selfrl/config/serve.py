@@ -123,15 +123,22 @@ def serve_reward_problems(weights: dict[str, Any]) -> list[tuple[bool, str]]:
             rules.append((False, f"reward_weights: unknown reward {name!r} (did you mean {like[0]}?); "
                                  f"selfrl serve uses only {usable}"))
             continue
-        why = SERVE_REFUSED_REWARDS.get(name, "a served turn runs no environment task for it to read, so every "
-                                                "turn would score alike")
+        if name not in known:  # an environment's own reward (web_naive, ...), or a name nothing registers
+            rules.append((False, f"reward_weights: selfrl serve cannot use {name!r} on served turns: it is no "
+                                 "built-in reward, and an environment's own reward needs its task, which a served "
+                                 f"turn does not run; use only {usable} (docs/concepts/serving.md), or train with "
+                                 f"{name!r} through selfrl run where an environment registers it"))
+            continue
+        why = SERVE_REFUSED_REWARDS[name]
         rules.append((False, f"reward_weights: selfrl serve cannot use the {name!r} reward on served turns: {why}; "
                              f"use only {usable} (docs/concepts/serving.md), or train with {name!r} through "
                              "selfrl run"))
     negative = {n: w for n, w in weights.items() if w < 0}  # finite numbers here (checked before)
     rules.append((not negative, f"reward_weights: negative weight {negative}: selfrl serve would train away from "
-                  "what the reward pays (a negative user_feedback learns the opposite of what its users rate); "
-                  "use weights >= 0 (length_penalty's values are already negative)"))
+                  "what the reward pays" + (" (a negative user_feedback learns the opposite of what its users rate)"
+                                            if FEEDBACK_REWARD in negative else "")
+                  + "; use weights >= 0" + (" (length_penalty's values are already negative)"
+                                            if "length_penalty" in negative else "")))
     feedback = weights.get(FEEDBACK_REWARD, 0)
     rules.append((feedback > 0, f"reward_weights: {dict(weights)} has no positive {FEEDBACK_REWARD!r} weight, and "
                   f"selfrl serve learns from its users' feedback: add {FEEDBACK_REWARD} = 1.0 (the default table "
