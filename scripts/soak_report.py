@@ -268,7 +268,8 @@ def collapses_caught(d: dict) -> dict:
             row["caught"] = row["caught"] and not row["served"]
         rows.append(row)
     applied = [r for r in rows if r["applied"]]
-    return {"met": bool(applied) and all(r["caught"] for r in applied), "faults": rows,
+    met = None if not rows else bool(applied) and all(r["caught"] for r in applied)  # None: none injected
+    return {"met": met, "faults": rows,
             "caught": sum(r["caught"] for r in applied), "applied": len(applied), "injected": len(rows)}
 
 
@@ -393,8 +394,9 @@ def markdown(t: dict, d: dict) -> str:
          + f"; {len(nf['unchecked'])} unchecked. Secondary, served success (different tasks per version, "
          f"Wilson): {nf['served_success']['checked']} checks, {len(nf['served_success']['below'])} below",
          "not measured (no version promoted over the base)" if nf["met"] is None else yes(nf["met"])),
-        ("100 % of injected collapses caught", f"{cc['caught']}/{cc['applied']} applied ({cc['injected']} injected): "
-         f"{faults}", yes(cc["met"])),
+        ("100 % of injected collapses caught", "no collapse or NaN loss injected (--faults)" if cc["met"] is None else
+         f"{cc['caught']}/{cc['applied']} applied ({cc['injected']} injected): {faults}",
+         "not applicable" if cc["met"] is None else yes(cc["met"])),
         ("0 trajectories lost", f"{tl['lost']} of {tl['acknowledged']} acknowledged turns missing; "
          f"{tl['unanswered_during_outages']} requests unanswered during outages", yes(tl["met"])),
         ("0 versions served that were neither promoted nor pinned", f"{len(us['bad'])} bad of versions "
