@@ -95,6 +95,11 @@ def test_out_of_range_values(overrides, message):
         ({"reward_weights": {"verifier": "a"}}, re.escape("reward_weights: each weight must be a number, got {'verifier': 'a'}")),
         ({"reward_weights": {"verifier": True}}, re.escape("reward_weights: each weight must be a number, got {'verifier': True}")),
         ({"reward_weights": {"verifier": float("nan")}}, re.escape("reward_weights must be finite, got {'verifier': nan}")),
+        ({"reward_weights": {}}, re.escape("reward_weights = {} names no reward: leave it out to use the preset's weights")),
+        ({"reward_weights": {"verifier": -1.0}}, re.escape("reward_weights: negative weight {'verifier': -1.0}: selfrl run "
+                                                           "would train away from what the reward pays; use weights >= 0")),
+        ({"reward_weights": {"verifier": 1.0, "length_penalty": -0.1}}, re.escape("(length_penalty's values are already negative)")),
+        ({"reward_weights": {"verifier": 0.0}}, re.escape("reward_weights: {'verifier': 0.0} has no weight above 0")),
         ({"train.scale_rewards": "x"}, "train.scale_rewards"),
         ({"rollout.tools_prompt": "x"}, "rollout.tools_prompt"),
         ({"gate.batch_size": 0}, "gate.batch_size"),

@@ -130,6 +130,26 @@ def weights_problem(weights: Any, field: str = "reward_weights") -> str | None:
     return f"{field} must be finite, got {odd}" if odd else None
 
 
+def negative_weights_problem(weights: Any, who: str) -> str | None:
+    """Why a table of finite reward weights with a negative weight is refused (``who`` trains it:
+    ``"selfrl run"``, ``"selfrl serve"``), or None (no negative weight, or not a table of numbers:
+    :func:`weights_problem` says so).
+
+    >>> negative_weights_problem({"verifier": 1.0, "length_penalty": -0.1}, "selfrl run")[:64]
+    "reward_weights: negative weight {'length_penalty': -0.1}: selfrl"
+    """
+    if not isinstance(weights, dict) or weights_problem(weights):
+        return None
+    negative = {n: w for n, w in weights.items() if w < 0}
+    if not negative:
+        return None
+    return (f"reward_weights: negative weight {negative}: {who} would train away from what the reward pays"
+            + (" (a negative user_feedback learns the opposite of what its users rate)" if "user_feedback" in negative
+               else "")
+            + "; use weights >= 0" + (" (length_penalty's values are already negative)" if "length_penalty" in negative
+                                      else ""))
+
+
 def non_finite_weights(weights: Any) -> dict[str, Any]:
     """The entries of a ``name = weight`` table whose weight is not a finite number (a bool is
     not a number here); empty for anything that is not a table (another rule refuses that).

@@ -36,6 +36,7 @@ from selfrl.config.base import (  # noqa: F401  (re-exported)
     check_finite,
     fill,
     in_range,
+    negative_weights_problem,
     weights_problem,
     one_of,
     require,
@@ -164,6 +165,15 @@ class RunConfig:
             (self.reward_weights is None or isinstance(self.reward_weights, dict),
              "reward_weights must be a table of name = weight"),
             (not weights_problem(self.reward_weights), weights_problem(self.reward_weights) or ""),
+            (self.reward_weights != {}, "reward_weights = {} names no reward: leave it out to use the preset's "
+             f"weights ({self.preset}), or name at least one reward with a weight above 0"),
+            (negative_weights_problem(self.reward_weights, "selfrl run") is None,
+             negative_weights_problem(self.reward_weights, "selfrl run") or ""),
+            (not isinstance(self.reward_weights, dict) or not self.reward_weights
+             or weights_problem(self.reward_weights) is not None
+             or any(w > 0 for w in self.reward_weights.values()),
+             f"reward_weights: {self.reward_weights} has no weight above 0, so every rollout would score 0: "
+             "weight at least one reward above 0"),
         ])
         self.check_agents()
         check_engine(self)

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from selfrl.config.base import (
     NAME_MAX, SECONDS_MAX, SEED_MAX, ConfigError, at_most, in_range, name_length, one_of, require,
-    weights_problem,
+    negative_weights_problem, weights_problem,
 )
 from selfrl.config.judge import JUDGE_REWARD
 from selfrl.config.sections import (
@@ -133,12 +133,8 @@ def serve_reward_problems(weights: dict[str, Any]) -> list[tuple[bool, str]]:
         rules.append((False, f"reward_weights: selfrl serve cannot use the {name!r} reward on served turns: {why}; "
                              f"use only {usable} (docs/concepts/serving.md), or train with {name!r} through "
                              "selfrl run"))
-    negative = {n: w for n, w in weights.items() if w < 0}  # finite numbers here (checked before)
-    rules.append((not negative, f"reward_weights: negative weight {negative}: selfrl serve would train away from "
-                  "what the reward pays" + (" (a negative user_feedback learns the opposite of what its users rate)"
-                                            if FEEDBACK_REWARD in negative else "")
-                  + "; use weights >= 0" + (" (length_penalty's values are already negative)"
-                                            if "length_penalty" in negative else "")))
+    negative = negative_weights_problem(weights, "selfrl serve")
+    rules.append((negative is None, negative or ""))
     feedback = weights.get(FEEDBACK_REWARD, 0)
     rules.append((feedback > 0, f"reward_weights: {dict(weights)} has no positive {FEEDBACK_REWARD!r} weight, and "
                   f"selfrl serve learns from its users' feedback: add {FEEDBACK_REWARD} = 1.0 (the default table "
