@@ -184,6 +184,19 @@ def test_a_response_message_field_that_holds_something_is_refused_with_its_reaso
         req(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", field: value}])
 
 
+def test_a_correction_call_in_openai_tool_call_shape_is_taken_as_its_function():
+    from openai.types.chat import ChatCompletionMessageFunctionToolCall
+
+    from selfrl.serve.protocol import FeedbackRequest
+
+    call = ChatCompletionMessageFunctionToolCall.model_validate(
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}).model_dump()
+    both = FeedbackRequest(response_id="chatcmpl-1", correction_tool_calls=[call, {"name": "mul", "arguments": "{}"}])
+    assert [(c.name, c.arguments) for c in both.correction_tool_calls] == [("add", '{"a": 2}'), ("mul", "{}")]
+    with pytest.raises(ValidationError, match="name"):  # another shape stays refused, naming the field
+        FeedbackRequest(response_id="chatcmpl-1", correction_tool_calls=[{"id": "c", "type": "custom", "function": {}}])
+
+
 @pytest.mark.parametrize("rating", [5, -2, "1.5"])
 def test_a_rating_out_of_range_says_the_range_in_one_line(rating):
     from selfrl.serve.errors import validation_message

@@ -376,7 +376,7 @@ class FeedbackRequest(_Strict):
     user had to correct the answer (counts as -1 unless a rating is given);
     ``correction`` is the corrected answer, stored with the trajectory; ``correction_tool_calls``
     the calls the answer should have made (``[{"name", "arguments": "<JSON object>"}]``, the
-    ``function`` of an OpenAI tool call). A message that carries a correction (text other than
+    ``function`` of an OpenAI tool call, or the whole tool call: ``{"id", "type", "function"}``). A message that carries a correction (text other than
     blank space, or calls) is a corrected one, ``corrected`` left out (:attr:`is_corrected`). With
     ``learner.learn_from_corrections`` (``"calls"``: only those with calls; ``"all"``) a correction
     that carries either trains as a demonstration (:mod:`selfrl.serve.corrections`). ``comment``
@@ -395,6 +395,16 @@ class FeedbackRequest(_Strict):
     correction: str | None = Field(default=None, max_length=20000)
     correction_tool_calls: list[FunctionCall] | None = Field(default=None, max_length=16)
     comment: str | None = Field(default=None, max_length=20000)
+
+    @field_validator("correction_tool_calls", mode="before")
+    @classmethod
+    def _openai_shape(cls, v: Any) -> Any:
+        """A call in OpenAI's tool-call shape (``{"id", "type": "function", "function": {...}}``, as
+        ``message.tool_calls`` dumps it) is taken as its ``function``; the id and type say nothing of the answer."""
+        if not isinstance(v, list):
+            return v
+        return [c["function"] if isinstance(c, dict) and "function" in c and set(c) <= {"id", "type", "function"}
+                and c.get("type", "function") == "function" else c for c in v]
 
     @field_validator("correction_tool_calls")
     @classmethod
