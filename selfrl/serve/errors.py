@@ -168,6 +168,8 @@ def validation_message(errors: list[dict], skip: int = 1, typed: bool = True) ->
 
     >>> validation_message([{"type": "bool_type", "loc": ("body", "corrected"), "input": "yes"}])
     ('corrected must be true or false (a JSON boolean), got the string "yes"', 'corrected')
+    >>> validation_message([{"type": "extra_forbidden", "loc": ("body", "service_tier"), "input": "auto"}])[0][:70]
+    'unrecognized request argument supplied: service_tier (selfrl serve doe'
     >>> validation_message([{"type": "model_attributes_type", "loc": ("body",), "input": b"{}"}])[0]
     'the body must be a JSON object sent with Content-Type: application/json; it came with another content type'
     >>> validation_message([{"type": "model_attributes_type", "loc": ("body",), "input": b"{}"}], typed=False)[0]
@@ -182,7 +184,8 @@ def validation_message(errors: list[dict], skip: int = 1, typed: bool = True) ->
     if kind == "missing" and where is None:
         return JSON_BODY + "; it came empty", None
     if kind == "extra_forbidden":
-        return f"unrecognized request argument supplied: {where}", where
+        return (f"unrecognized request argument supplied: {where} (selfrl serve does not take it, or cannot honour "
+                "it: remove it; docs/reference/http-api.md lists what each route takes)"), where
     if kind in _WANTED and where is None:
         if isinstance(got, (bytes, bytearray)):  # not decoded: the content type was not JSON
             return JSON_BODY + ("; it came with another content type" if typed else
