@@ -137,10 +137,18 @@ def parse_args(argv=None, description: str = "The soak.") -> argparse.Namespace:
             valid = (f"finite and > {lo}" if open_low else f"finite and >= {lo}") if hi == inf else \
                 f"in ({lo}, {hi}]" if open_low else f"in [{lo}, {hi}]"
             p.error(f"{flag} must be {valid} ({what}), got {value}")
+    needs_fault = (("disk_mb", "disk"), ("disk_hold_s", "disk"), ("outage_s", "kill"))  # a flag of one fault's
+    for name, fault in needs_fault:
+        if fault not in args.faults and getattr(args, name) != p.get_default(name):
+            p.error(f"--{name.replace('_', '-')} applies only with the {fault} fault (--faults {given}): add {fault} to "
+                    f"--faults, or leave --{name.replace('_', '-')} out")
+    if args.keep_pruned and args.keep_newest == 0:
+        p.error("--keep-pruned applies only with --keep-newest >= 1 (--keep-newest 0 keeps every version, so none is "
+                "pruned): raise --keep-newest, or leave --keep-pruned out")
     seconds = args.minutes * 60
-    needs = {"--disk-hold-s": (args.disk_hold_s, args.disk_hold_s < seconds),  # a fault outlasting the run would
-             "--outage-s": (args.outage_s, args.outage_s < seconds),  # hold the soak past --minutes
-             "--sample-s": (args.sample_s * MIN_SAMPLES, args.sample_s <= seconds / MIN_SAMPLES)}
+    needs = {"--disk-hold-s": (args.disk_hold_s, args.disk_hold_s < seconds or "disk" not in args.faults),  # a fault
+             "--outage-s": (args.outage_s, args.outage_s < seconds or "kill" not in args.faults),  # outlasting the run
+             "--sample-s": (args.sample_s * MIN_SAMPLES, args.sample_s <= seconds / MIN_SAMPLES)}  # holds it past it
     for flag in ("--disk-hold-s", "--outage-s"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if not needs[flag][1] and value != p.get_default(flag[2:].replace("-", "_")):

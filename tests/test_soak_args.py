@@ -55,6 +55,16 @@ import soak  # noqa: E402
                                      "got 100000000.0"),
     (["--val-size", "0"], "--val-size must be in [1, 100000] (held-out tasks of every family), got 0"),
     (["--val-size", "100000000"], "--val-size must be in [1, 100000] (held-out tasks of every family), got 100000000"),
+    # a flag of a fault not injected does nothing: refused, not ignored
+    (["--faults", "kill", "--disk-mb", "128"], "--disk-mb applies only with the disk fault (--faults kill): add disk to "
+     "--faults, or leave --disk-mb out"),
+    (["--faults", "kill", "--disk-hold-s", "60"], "--disk-hold-s applies only with the disk fault (--faults kill)"),
+    (["--faults", "collapse", "--outage-s", "30"], "--outage-s applies only with the kill fault (--faults collapse)"),
+    (["--keep-newest", "0", "--keep-pruned"], "--keep-pruned applies only with --keep-newest >= 1 (--keep-newest 0 "
+     "keeps every version, so none is pruned): raise --keep-newest, or leave --keep-pruned out"),
+    (["--minutes", "0.05", "--faults", "kill"], "--minutes 0.05 (3 s) is too short for the default --outage-s 5, "
+     "--sample-s 10 (each fault's hold must end within the run, which holds 5 samples): lengthen --minutes to more "
+     "than 0.833333, or lower --outage-s and --sample-s"),  # no disk fault: --disk-hold-s not named
 ])
 def test_a_flag_out_of_its_range_is_a_usage_error_naming_it(flags, message, capsys):
     with pytest.raises(SystemExit) as stop:
