@@ -377,4 +377,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Soak.close has run: one line, no traceback
+        print("soak: interrupted (Ctrl-C): the server stopped, the run directory copied out to <out>/run; "
+              "no soak.json or report", file=sys.stderr)
+        sys.exit(130)
