@@ -380,6 +380,6 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except KeyboardInterrupt:  # Soak.close has run: one line, no traceback
-        print("soak: interrupted (Ctrl-C): the server stopped, the run directory copied out to <out>/run; "
-              "no soak.json or report", file=sys.stderr)
+        print("soak: interrupted (Ctrl-C): closed as at the end (the server stopped, a run directory on the tmpfs "
+              "copied out to <out>/run); no soak.json or report", file=sys.stderr)
         sys.exit(130)
