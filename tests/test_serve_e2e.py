@@ -268,6 +268,14 @@ def test_an_unknown_model_is_a_404_and_the_listed_ids_are_served(tiny_tokenizer,
         with pytest.raises(openai.NotFoundError):
             client.responses.create(model="gpt-4", input="hi", max_output_tokens=2)
         assert service.store.count_trajectories() == before
+        # client.models.retrieve: each listed id, and a 404 naming them for another
+        assert [client.models.retrieve(m).model_extra["adapter_version"] for m in ids] == [0, 0, 0]
+        with pytest.raises(openai.NotFoundError) as e:
+            client.models.retrieve("gpt-4")
+        assert e.value.body["code"] == "model_not_found" and "selfrl, gpt-4o, selfrl@v0" in e.value.body["message"]
+        with pytest.raises(openai.NotFoundError) as e:  # a stored response is not retrievable: the 404 says what is
+            client.responses.retrieve("resp_1")
+        assert "pass its id as previous_response_id" in e.value.body["message"]
 
 
 @pytest.mark.parametrize("limit", [1, 3, 9])

@@ -131,6 +131,21 @@ def create_app(service: Service, api_key: str | None, protect_completions: bool 
             return StreamingResponse(iter([sse(stream_events(resp))]), media_type="text/event-stream", headers=headers)
         return JSONResponse(resp, headers=headers)
 
+    @app.get("/v1/models/{model_id:path}", dependencies=open_or_key)
+    async def model(model_id: str):
+        """One entry of ``GET /v1/models`` (``client.models.retrieve``); 404 naming the ids served."""
+        listed = (await models())["data"]
+        found = next((m for m in listed if m["id"] == model_id), None)
+        if found is None:
+            return _error(404, f"model {model_id!r} is not served here; the ids served: "
+                          f"{', '.join(m['id'] for m in listed)}", param="model", code="model_not_found")
+        return found
+
+    @app.get("/v1/responses/{response_id}", dependencies=open_or_key)
+    async def response_not_kept(response_id: str):
+        return _error(404, f"retrieving a stored response ({response_id!r}) is not supported by selfrl serve: pass "
+                      "its id as previous_response_id to continue its conversation", code="not_found")
+
     @app.get("/v1/models", dependencies=open_or_key)
     async def models():
         name, served, versions = service.cfg.served_model_name, service.engine.version, service.version_ids()
