@@ -143,10 +143,20 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "calculator", "
       {"role": "tool", "content": "5"}], "messages[2]: the tool message has no tool_call_id"),
     ([{"role": "tool", "tool_call_id": "call_1", "content": "5"}, {"role": "assistant", "tool_calls": [CALL]}],
      "answers tool_call_id 'call_1'"),  # the call must come before its answer
+    ([{"role": "user", "content": []}], "messages[0]: content of a 'user' message must not be an empty array"),
 ])
 def test_messages_that_openai_refuses_are_refused_with_the_reason(messages, reason):
     with pytest.raises(ValidationError, match=re.escape(reason)):
         req(messages=messages)
+
+
+def test_a_tool_name_offered_twice_is_refused():
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    with pytest.raises(ValidationError, match="tools\\[1\\]: a tool named 'add' is offered twice"):
+        req(messages=[{"role": "user", "content": "x"}], tools=[tool, tool])
+    dotted = {"type": "function", "function": {"name": "math.add", "parameters": {"type": "object"}}}
+    assert [t.function.name for t in req(messages=[{"role": "user", "content": "x"}], tools=[tool, dotted]).tools] == [
+        "add", "math.add"]  # names outside OpenAI's pattern (BFCL's dotted ones) are served, as vLLM does
 
 
 def test_what_openai_accepts_is_accepted():

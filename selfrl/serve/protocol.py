@@ -202,6 +202,9 @@ def check_messages(messages: list[Message]) -> None:
             calls.update(c.id for c in m.tool_calls or [])
         elif m.content is None:
             raise refuse(f"messages[{i}]: content of a {m.role!r} message must not be null", f"[{i}].content")
+        elif m.content == []:
+            raise refuse(f"messages[{i}]: content of a {m.role!r} message must not be an empty array (send at least "
+                         'one part, {"type": "text", "text": ...}, or a string)', f"[{i}].content")
         if m.role == "tool" and m.tool_call_id not in calls:
             said = "has no tool_call_id" if m.tool_call_id is None else f"answers tool_call_id {m.tool_call_id!r}"
             raise refuse(f"messages[{i}]: the tool message {said}, which is no tool call of an earlier "
@@ -339,6 +342,18 @@ is a value of the wrong JSON type (:data:`STRICT`).
     @classmethod
     def _messages(cls, v: list[Message]) -> list[Message]:
         check_messages(v)
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_names(cls, v: list[ToolDef] | None) -> list[ToolDef] | None:
+        """Each tool has a name of its own: a call names one tool, whose schema checks its arguments."""
+        seen: set[str] = set()
+        for i, t in enumerate(v or []):
+            if t.function.name in seen:
+                raise refuse(f"tools[{i}]: a tool named {t.function.name!r} is offered twice; give each tool a name "
+                             "of its own", f"[{i}].function.name")
+            seen.add(t.function.name)
         return v
 
     @field_validator("stop")
