@@ -69,7 +69,7 @@ def test_agents_tables_parse_and_are_checked(tmp_path):
         load_config(None, None, {"agents": [{"name": "x/y"}]})
     with pytest.raises(ConfigError, match="task.options does not apply with"):
         load_config(None, {"task.options": {"min_terms": 2}}, {"agents": [{"name": "a"}]})
-    with pytest.raises(ConfigError, match=r"unknown key agents\[0\].'tolernce'; valid: name, num_train"):
+    with pytest.raises(ConfigError, match=r"unknown key 'agents\[0\].tolernce' \(did you mean 'tolerance'\?\); valid: name, num_train"):
         load_config(None, None, {"agents": [{"name": "a", "tolernce": 0.1}]})
     with pytest.raises(ConfigError, match=r"agents must be an array of tables \(\[\[agents\]\]\)"):
         load_config(None, None, {"agents": {"name": "a"}})

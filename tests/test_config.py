@@ -37,11 +37,11 @@ def test_toml_file_then_dotted_overrides(tmp_path):
 
 
 def test_unknown_keys_list_the_valid_ones(tmp_path):
-    with pytest.raises(ConfigError, match=r"unknown key train\.'lr'; valid: .*beta.*learning_rate"):
+    with pytest.raises(ConfigError, match=r"unknown key 'train\.lr'; valid: .*beta.*learning_rate"):
         load_config(overrides={"train.lr": 1e-4})
     path = tmp_path / "run.toml"
     path.write_text("[trian]\nbeta = 0.1\n")
-    with pytest.raises(ConfigError, match=r"unknown key 'trian'; valid: agent_adapters, agents, async_rollouts, collapse, detectors, distributed, engine, gate, iterations, judge, lora, model"):
+    with pytest.raises(ConfigError, match=r"unknown key 'trian' \(did you mean 'train'\?\); valid: agent_adapters, agents, async_rollouts, collapse, detectors, distributed, engine, gate, iterations, judge, lora, model"):
         load_config(path)
 
 

@@ -40,8 +40,14 @@ def test_serve_config_layers_and_errors(tmp_path):
     cfg = load_serve_config(str(toml), {"learner.feedback_wait_s": 30, "port": None})
     assert (cfg.port, cfg.learner.min_batch, cfg.train.learning_rate, cfg.learner.feedback_wait_s) == (9000, 16, 5e-5, 30.0)
     assert cfg.host == "127.0.0.1"  # loopback unless told otherwise
-    with pytest.raises(ConfigError, match="unknown key"):
+    with pytest.raises(ConfigError, match=re.escape("unknown key 'learner.min_btch' (did you mean 'min_batch'?); valid: ")):
         load_serve_config(None, {"learner.min_btch": 3})
+    # a selfrl run key written at the top of a serve config: the error says which table takes it
+    top = tmp_path / "ported.toml"
+    top.write_text("reward_weights = { user_feedback = 1.0 }\n")
+    with pytest.raises(ConfigError, match=re.escape("unknown key 'reward_weights'; it belongs in [learner] "
+                                                    "(learner.reward_weights); valid: ")):
+        load_serve_config(str(top), {})
     with pytest.raises(ConfigError, match="min_batch"):
         load_serve_config(None, {"learner.min_batch": 1})
     with pytest.raises(ConfigError, match="must be int"):

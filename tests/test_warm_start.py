@@ -197,7 +197,7 @@ def test_config_table_is_validated():
     cfg = load_config(None, {"warm_start.enabled": True, "warm_start.samples_per_task": 4})
     assert cfg.warm_start.enabled and cfg.warm_start.samples_per_task == 4
     assert cfg.warm_start.max_per_task == 4 and not cfg.warm_start.required
-    with pytest.raises(ConfigError, match="unknown key warm_start.'samples'"):
+    with pytest.raises(ConfigError, match="unknown key 'warm_start.samples'"):
         load_config(None, {"warm_start.samples": 4})
     for key, value, msg in [("samples_per_task", 0, "samples_per_task"), ("num_tasks", 0, "num_tasks"),
                             ("temperature", 0.0, "temperature"), ("epochs", 0, "epochs"),

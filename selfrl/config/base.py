@@ -163,13 +163,41 @@ def non_finite_weights(weights: Any) -> dict[str, Any]:
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)}
 
 
+def unknown_key(obj: Any, key: str, where: str) -> str:
+    """The error for ``key``, no field of the dataclass ``obj`` (at ``where``, ``"train."`` say): the
+    full key, the field it is likely a misspelling of, the tables of ``obj`` that do have it (a key
+    written at the top of the file that belongs in a table), then the valid keys.
+
+    >>> from dataclasses import dataclass, field
+    >>> @dataclass
+    ... class L: reward_weights: dict = None; min_batch: int = 2
+    >>> @dataclass
+    ... class C: port: int = 0; learner: L = field(default_factory=L)
+    >>> unknown_key(C(), "reward_weights", "")
+    "unknown key 'reward_weights'; it belongs in [learner] (learner.reward_weights); valid: learner, port"
+    >>> unknown_key(L(), "min_bach", "learner.")
+    "unknown key 'learner.min_bach' (did you mean 'min_batch'?); valid: min_batch, reward_weights"
+    """
+    from difflib import get_close_matches
+
+    names = sorted(f.name for f in dataclasses.fields(obj))
+    message = f"unknown key {where + str(key)!r}"
+    if like := get_close_matches(str(key), names, 1, cutoff=0.75):
+        message += f" (did you mean {like[0]!r}?)"
+    homes = [f.name for f in dataclasses.fields(obj) if dataclasses.is_dataclass(getattr(obj, f.name, None))
+             and key in {g.name for g in dataclasses.fields(getattr(obj, f.name))}]
+    if homes:
+        message += "; it belongs in " + " or ".join(f"[{where}{h}] ({where}{h}.{key})" for h in homes)
+    return message + f"; valid: {', '.join(names)}"
+
+
 def _apply(obj, values: dict[str, Any], where: str, given: set[str] | None = None) -> None:
     """Set dataclass fields from a dict, recursing into nested dataclasses; each dotted key set
     (a table's own name too) is added to ``given`` when it is a set."""
     fields = {f.name: f for f in dataclasses.fields(obj)}
     for key, value in values.items():
         if key not in fields:
-            raise ConfigError(f"unknown key {where}{key!r}; valid: {', '.join(sorted(fields))}")
+            raise ConfigError(unknown_key(obj, key, where))
         if given is not None:
             given.add(where + key)
         current = getattr(obj, key)
