@@ -157,7 +157,7 @@ class Turns:
             prompt = prompt_ids(self.tok, chat, tools=tools, max_tokens=fits)
         except PromptTooLong as e:  # refused from its size in bytes, before the tokenizer read it
             message, param = context_overflow(e.tokens, req.token_limit, self.context, "messages", field)
-            raise ApiError(400, message.replace(f"{e.tokens} tokens", f"at least {e.tokens} tokens", 1), param,
+            raise ApiError(400, message.replace(f"{e.tokens} tokens", f"at least {e.tokens} token" + "s" * (e.tokens != 1), 1), param,
                            "context_length_exceeded") from None
         except Exception as e:  # a template that rejects this message order, e.g.
             raise ApiError(400, f"the chat template cannot render these messages: {e}", "messages") from e
