@@ -144,7 +144,7 @@ def test_hand_computed_cutoffs_and_weights():
 def test_the_served_learner_drops_too_old_turns_weighs_late_ones_and_answers_feedback(
         tiny_tokenizer, tiny_model_factory, tmp_path):
     from selfrl.record import served as records
-    from selfrl.serve.protocol import FeedbackRequest
+    from selfrl.serve.feedback_request import FeedbackRequest
     from selfrl.serve.service import Service
     from serving import rated_turns, tiny_serve_config
 
@@ -200,7 +200,7 @@ def test_turns_whose_version_weights_are_gone_are_too_old_and_the_skip_says_so(
     # before: they stayed in the batch with advantage 0 and the update was skipped as "no group
     # had reward spread", the cause nowhere
     from selfrl.record import served as records
-    from selfrl.serve.protocol import FeedbackRequest
+    from selfrl.serve.feedback_request import FeedbackRequest
     from selfrl.serve.service import Service
     from serving import rated_turns, tiny_serve_config
 
@@ -388,7 +388,7 @@ def test_the_served_learner_trains_on_the_newest_turns_within_the_age_rule(
         tiny_tokenizer, tiny_model_factory, tmp_path):
     # through BackgroundLearner.tick, on the real ledger: two promotions, then a backlog of three versions
     from selfrl.record import served as records
-    from selfrl.serve.protocol import FeedbackRequest
+    from selfrl.serve.feedback_request import FeedbackRequest
     from selfrl.serve.service import Service
     from serving import rated_turns, tiny_serve_config
 

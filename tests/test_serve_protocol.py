@@ -197,7 +197,7 @@ def test_a_response_message_field_that_holds_something_is_refused_with_its_reaso
 def test_a_correction_call_in_openai_tool_call_shape_is_taken_as_its_function():
     from openai.types.chat import ChatCompletionMessageFunctionToolCall
 
-    from selfrl.serve.protocol import FeedbackRequest
+    from selfrl.serve.feedback_request import FeedbackRequest
 
     call = ChatCompletionMessageFunctionToolCall.model_validate(
         {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}).model_dump()
@@ -210,7 +210,7 @@ def test_a_correction_call_in_openai_tool_call_shape_is_taken_as_its_function():
 @pytest.mark.parametrize("rating", [5, -2, "1.5"])
 def test_a_rating_out_of_range_says_the_range_in_one_line(rating):
     from selfrl.serve.errors import validation_message
-    from selfrl.serve.protocol import FeedbackRequest
+    from selfrl.serve.feedback_request import FeedbackRequest
 
     with pytest.raises(ValidationError) as err:
         FeedbackRequest(response_id="chatcmpl-1", rating=rating)

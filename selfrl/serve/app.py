@@ -45,7 +45,8 @@ from selfrl.serve.feedback import client_identity
 from selfrl.serve.health import health as health_of
 from selfrl.serve.limits import BodyLimit
 from selfrl.serve.errors import add_server_error_handler, error_body, validation_message
-from selfrl.serve.protocol import ChatCompletionRequest, FeedbackRequest, VersionRequest
+from selfrl.serve.feedback_request import FeedbackRequest
+from selfrl.serve.protocol import ChatCompletionRequest, VersionRequest
 from selfrl.serve.responses import ResponseLog, ResponsesRequest, create_response, sse, stream_events
 from selfrl.serve.errors import ApiError
 from selfrl.serve.service import Service, start_learning

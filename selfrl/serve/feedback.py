@@ -57,7 +57,7 @@ from selfrl.envs.rewards import score_group
 def explicit_value(rating: float | None, corrected: bool) -> float | None:
     """The reward value of explicit feedback (see the module docstring): None when the message
     judges nothing (no rating, not corrected). ``corrected``: the message's ``corrected`` or the
-    correction it carries (:attr:`selfrl.serve.protocol.FeedbackRequest.is_corrected`).
+    correction it carries (:attr:`selfrl.serve.feedback_request.FeedbackRequest.is_corrected`).
 
     >>> explicit_value(0.5, True), explicit_value(None, True), explicit_value(None, False)
     (0.5, -1.0, None)

@@ -41,7 +41,8 @@ from selfrl.serve.errors import ApiError
 from selfrl.serve.feedback import explicit_value
 from selfrl.serve.health import StorageWatch
 from selfrl.serve.late_feedback import FeedbackAges
-from selfrl.serve.protocol import ChatCompletionRequest, FeedbackRequest
+from selfrl.serve.feedback_request import FeedbackRequest
+from selfrl.serve.protocol import ChatCompletionRequest
 from selfrl.serve.served_version import ServedVersion
 from selfrl.serve.turns import Prepared, Turns
 
