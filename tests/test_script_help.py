@@ -14,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p for folder in ("scripts", "benchmarks") for p in (ROOT / folder).glob("*.py")
-                 if re.search(r"ArgumentParser\(|base_parser\(", p.read_text()) and p.name != "common.py")
+                 if re.search(r"ArgumentParser\(|base_parser\(", p.read_text()) and p.name != "common.py"
+                 and '__name__ == "__main__"' in p.read_text())  # a program, not a module of one (soak_args.py)
 
 
 def help_text(path: Path, monkeypatch) -> str:
