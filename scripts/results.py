@@ -77,6 +77,7 @@ ENVIRONMENTS = {
     "function_calling_warm": Environment("configs/function_calling_warm.toml", (0, 1, 3, 5)),
     "function_calling_live": Environment("configs/function_calling_live.toml", (0, 1, 3, 5)),
     "code_easy": Environment("configs/code_easy.toml", (0, 1, 3)),
+    "code_easy_warm": Environment("configs/code_easy_warm.toml", (0, 1, 3)),
     "web_easy": Environment("configs/web_easy.toml", (0, 1, 2, 3, 4)),
 }
 LEDGER = "steps.json"

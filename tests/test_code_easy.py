@@ -103,3 +103,17 @@ def test_config_code_easy_loads_and_builds_the_easy_tier():
     train, val = env.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
     assert (len(train), len(val)) == (400, 64) and val[0].metadata["problem_id"].startswith("CodeEasy/")
     assert cfg.rollout.tools == ["run_python"] and cfg.preset == "code"
+
+
+def test_config_code_easy_warm_is_code_easy_from_the_3_shot_prompt_with_a_warm_start():
+    # the same held-out and training problems as code_easy.toml (the split does not depend on shots),
+    # the three shown problems in neither
+    plain, warm = (load_run_config(ROOT / "configs" / f"{n}.toml") for n in ("code_easy", "code_easy_warm"))
+    assert warm.task.options == {"tier": "easy", "shots": 3} and warm.warm_start.enabled
+    assert (warm.train, warm.rollout, warm.gate) == (plain.train, plain.rollout, plain.gate)
+    splits = [get_env(c.task.source, **c.task.options).split(c.task.num_train, c.gate.val_size, c.task.train_seed,
+                                                             c.task.val_seed) for c in (plain, warm)]
+    assert [[t.id for t in part] for part in splits[0]] == [[t.id for t in part] for part in splits[1]]
+    shown = get_env(warm.task.source, **warm.task.options).demonstration
+    assert len([m for m in shown if m["role"] == "user"]) == 3
+    assert not any(t.question in m["content"] for t in splits[1][0] + splits[1][1] for m in shown if m["role"] == "user")
