@@ -153,6 +153,10 @@ class RunConfig:
         require([(not (self.async_rollouts and self.distributed.address is not None),
                   "async_rollouts (--async-rollouts) with distributed.address (--ray): --ray already samples "
                   "asynchronously, bounded by distributed.max_staleness; drop one")])
+        weights = self.reward_weights  # one problem each: a weight no finite number, or negative, then none above 0
+        weights_bad = weights_problem(weights) or negative_weights_problem(weights, "selfrl run")
+        none_positive = (isinstance(weights, dict) and bool(weights) and weights_bad is None
+                         and not any(w > 0 for w in weights.values()))
         require([
             in_range(self.iterations, "iterations", 1, 10**7),
             in_range(self.num_prompts, "num_prompts", 1, MAX_BATCH),
@@ -164,16 +168,11 @@ class RunConfig:
             in_range(self.seed, "seed", 0, SEED_MAX),
             (self.reward_weights is None or isinstance(self.reward_weights, dict),
              "reward_weights must be a table of name = weight"),
-            (not weights_problem(self.reward_weights), weights_problem(self.reward_weights) or ""),
+            (weights_bad is None, weights_bad or ""),
             (self.reward_weights != {}, "reward_weights = {} names no reward: leave it out to use the preset's "
              f"weights ({self.preset}), or name at least one reward with a weight above 0"),
-            (negative_weights_problem(self.reward_weights, "selfrl run") is None,
-             negative_weights_problem(self.reward_weights, "selfrl run") or ""),
-            (not isinstance(self.reward_weights, dict) or not self.reward_weights
-             or weights_problem(self.reward_weights) is not None
-             or any(w > 0 for w in self.reward_weights.values()),
-             f"reward_weights: {self.reward_weights} has no weight above 0, so every rollout would score 0: "
-             "weight at least one reward above 0"),
+            (not none_positive, f"reward_weights: {self.reward_weights} has no weight above 0, so every rollout "
+             "would score 0: weight at least one reward above 0"),
         ])
         self.check_agents()
         check_engine(self)
