@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import urllib.request
-
-import re
 
 import pytest
 
