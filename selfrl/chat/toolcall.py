@@ -172,6 +172,14 @@ STRICT_JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
 otherwise), so a parsed call's arguments always encode back to JSON any client can read."""
 
 
+def _json_error(e: Exception, at: bool = False) -> str:
+    """Why :data:`STRICT_JSON` refused a text: the decoder's message (``at``: with its position),
+    a :class:`NotFiniteError`'s, or the error's type (a recursion too deep, say)."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg} at char {e.pos}" if at else e.msg
+    return str(e) if isinstance(e, NotFiniteError) else type(e).__name__
+
+
 def _parse_block(raw: str) -> ParsedCall:
     body = raw.strip()
     if not body:
@@ -179,9 +187,7 @@ def _parse_block(raw: str) -> ParsedCall:
     try:
         obj, end = STRICT_JSON.raw_decode(body)
     except (json.JSONDecodeError, RecursionError, ValueError) as e:
-        why = (f"{e.msg} at char {e.pos}" if isinstance(e, json.JSONDecodeError)
-               else str(e) if isinstance(e, NotFiniteError) else type(e).__name__)
-        return ParsedCall("", {}, raw, f"invalid JSON in <tool_call>: {why}")
+        return ParsedCall("", {}, raw, f"invalid JSON in <tool_call>: {_json_error(e, at=True)}")
     if body[end:].strip():
         return ParsedCall("", {}, raw, "expected one JSON object, found extra data")
     if not isinstance(obj, dict):
@@ -205,8 +211,7 @@ def _parse_block(raw: str) -> ParsedCall:
         try:
             args = STRICT_JSON.decode(args)
         except (json.JSONDecodeError, RecursionError, ValueError) as e:
-            why = str(e) if isinstance(e, NotFiniteError) else getattr(e, "msg", type(e).__name__)
-            return ParsedCall(name, {}, raw, f'"{key}" string is not valid JSON: {why}')
+            return ParsedCall(name, {}, raw, f'"{key}" string is not valid JSON: {_json_error(e)}')
     if not isinstance(args, dict):
         return ParsedCall(name, {}, raw, f'"{key}" must be a JSON object, found {json_type_name(args)}')
     return ParsedCall(name, args, raw, None)

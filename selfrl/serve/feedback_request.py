@@ -19,8 +19,9 @@ class FeedbackRequest(_Strict):
     user had to correct the answer (counts as -1 unless a rating is given);
     ``correction`` is the corrected answer, stored with the trajectory; ``correction_tool_calls``
     the calls the answer should have made (``[{"name", "arguments": "<JSON object>"}]``, the
-    ``function`` of an OpenAI tool call, or the whole tool call: ``{"id", "type", "function"}``). A message that carries a correction (text other than
-    blank space, or calls) is a corrected one, ``corrected`` left out (:attr:`is_corrected`). With
+    ``function`` of an OpenAI tool call, or the whole tool call: ``{"id", "type", "function"}``).
+    A message that carries a correction (text other than blank space, or calls) is a corrected
+    one, ``corrected`` left out (:attr:`is_corrected`). With
     ``learner.learn_from_corrections`` (``"calls"``: only those with calls; ``"all"``) a correction
     that carries either trains as a demonstration (:mod:`selfrl.serve.corrections`). ``comment``
     is stored with the turn; a comment alone judges nothing (:func:`selfrl.serve.feedback.explicit_value`).
