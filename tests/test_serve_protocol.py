@@ -207,6 +207,35 @@ def test_a_correction_call_in_openai_tool_call_shape_is_taken_as_its_function():
         FeedbackRequest(response_id="chatcmpl-1", correction_tool_calls=[{"id": "c", "type": "custom", "function": {}}])
 
 
+@pytest.mark.parametrize("args, why", [
+    ('{"a": Infinity}', "Infinity is not a JSON number"), ('{"a": NaN}', "NaN is not a JSON number"),
+    ('{"a": -Infinity}', "-Infinity is not a JSON number"), ('{"a": 1e400}', "beyond a double's range"),
+    ('{"a": [' * 5000 + "]" * 5000 + "}", "not JSON")])
+def test_call_arguments_a_client_sends_back_hold_only_finite_json(args, why):
+    from selfrl.serve.feedback_request import FeedbackRequest
+
+    history = {"model": "m", "messages": [
+        {"role": "user", "content": "add"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": args}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"}]}
+    for build in (lambda: ChatCompletionRequest(**history),
+                  lambda: FeedbackRequest(response_id="chatcmpl-1",
+                                          correction_tool_calls=[{"name": "add", "arguments": args}])):
+        with pytest.raises(ValidationError, match=re.escape(why)):
+            build()
+    ok = FeedbackRequest(response_id="chatcmpl-1", correction_tool_calls=[{"name": "add", "arguments": '{"a": 1e300}'}])
+    assert ok.correction_tool_calls[0].arguments == '{"a": 1e300}'
+
+
+def test_a_json_answer_with_a_non_finite_number_is_not_the_json_a_grammar_asked_for():
+    from selfrl.serve.corrections import _shape_problem
+
+    assert _shape_problem("json", '{"a": 1.5}', []) is None
+    assert _shape_problem("json", '{"a": NaN}', []) == "not the JSON the turn's response_format asked for"
+    assert _shape_problem("json", "[" * 5000 + "]" * 5000, []) == "not the JSON the turn's response_format asked for"
+
+
 @pytest.mark.parametrize("rating", [5, -2, "1.5"])
 def test_a_rating_out_of_range_says_the_range_in_one_line(rating):
     from selfrl.serve.errors import validation_message

@@ -54,7 +54,7 @@ from collections import Counter
 from typing import Any
 
 from selfrl.chat.template import encode_chat, render
-from selfrl.chat.toolcall import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from selfrl.chat.toolcall import STRICT_JSON, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from selfrl.core.trajectory import Trajectory
 from selfrl.serve.feedback import served_rewards
 
@@ -111,9 +111,10 @@ def setting_refuses(use: str, calls: list | None) -> str | None:
 
 
 def _is_json(text: str) -> bool:
+    """Whether ``text`` is one JSON value whose numbers are all finite (:data:`STRICT_JSON`)."""
     try:
-        json.loads(text)
-    except ValueError:
+        STRICT_JSON.decode(text)
+    except (ValueError, RecursionError):
         return False
     return True
 

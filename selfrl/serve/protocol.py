@@ -39,6 +39,8 @@ from selfrl.chat.toolcall import (
     TOOL_CALL_OPEN,
     TOOL_RESPONSE_CLOSE,
     TOOL_RESPONSE_OPEN,
+    STRICT_JSON,
+    NotFiniteError,
     render_tools_prompt,
 )
 from selfrl.core.tools import Tool, ToolError
@@ -83,12 +85,17 @@ class FunctionCall(_Strict):
     @field_validator("arguments")
     @classmethod
     def _arguments(cls, v: str) -> str:
-        """A JSON object as a string (what a call returned by the server holds); empty means ``{}``."""
+        """A JSON object as a string (what a call returned by the server holds); empty means ``{}``.
+        Its numbers are finite, as in a call the server returns (:data:`STRICT_JSON`): ``NaN``,
+        ``Infinity`` and ``1e400`` are refused, so a client's history or correction never carries
+        a value no strict JSON reader takes."""
         if not v:
             return v
         try:
-            args = json.loads(v)
-        except ValueError as e:
+            args = STRICT_JSON.decode(v)
+        except NotFiniteError as e:
+            raise refuse(f"arguments must be a JSON object with finite numbers: {e}") from None
+        except (ValueError, RecursionError) as e:
             raise refuse(f"arguments must be a JSON object encoded as a string; this is not JSON ({e})") from None
         if not isinstance(args, dict):
             raise refuse(f"arguments must be a JSON object encoded as a string, got {_json_type(args)}")
