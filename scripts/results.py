@@ -9,7 +9,8 @@ the base model, the best k-shot prompt and RL, with paired 95 % intervals on the
 ``scripts/prompt_baseline.py`` once per shot count k (greedy, so one run per k is the result;
 ``--per-task`` keeps each task's verdict in ``OUT/ENV/prompt-kK.json``), then
 ``selfrl run --config CONFIG --seed S --run-dir OUT/ENV/seedS`` per seed. Each step's command and
-wall time go to ``OUT/ENV/steps.json`` when it ends; a step recorded as finished is skipped, so
+wall time go to ``OUT/ENV/steps.json`` when it ends, with the code it ran on (:func:`code_version`:
+the commit, and whether tracked files differed from it); a step recorded as finished is skipped, so
 running the same command again resumes where it stopped (an interrupted RL run continues with
 ``selfrl run --resume``, its wall time summed over the attempts). A failing step stops the run
 with its exit status.
@@ -32,6 +33,9 @@ None before the first iteration) and ``warm_start`` (None when the config has it
 outcome, or ``"not recorded"`` when it stopped before recording anything: then its samples and
 seconds are None, not guessed). ``results.md`` shows the rollouts and the ratio in the table and
 the seconds under "Cost".
+
+``results.md`` ends with the code each step ran on: one line when every step ran on one commit,
+else one line per step (a step resumed on other code lists each).
 
 A seed whose run has not finished (still running, interrupted or killed midway: fewer updates
 logged than its config's ``iterations``, or its last candidate not yet gated;
@@ -111,20 +115,40 @@ def execute(argv: list[str]) -> int:
     return subprocess.run(argv, cwd=ROOT).returncode
 
 
+def code_version(root: Path = ROOT) -> str:
+    """The code a step runs on: ``root``'s commit (12 hex digits), ``"<commit> with uncommitted
+    changes"`` when a tracked file differs from it, or ``"unknown (not a git checkout)"`` when
+    git cannot say (no git, or no repository)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short=12", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return f"{commit} with uncommitted changes" if dirty else commit
+
+
 def read_ledger(folder: Path) -> dict[str, dict[str, Any]]:
-    """``{step: {"command", "wall_s", "attempts", "finished"}}`` of ``folder/steps.json`` ({} if none)."""
+    """``{step: {"command", "wall_s", "attempts", "finished", "code"}}`` of ``folder/steps.json``
+    ({} if none); ``code``: the :func:`code_version` of each attempt, without repeats."""
     path = folder / LEDGER
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def record_step(folder: Path, step: str, command: str, wall_s: float, finished: bool) -> dict[str, Any]:
-    """Add one attempt of ``step`` to the ledger (wall time summed over attempts), written atomically."""
+def record_step(folder: Path, step: str, command: str, wall_s: float, finished: bool,
+                code: str | None = None) -> dict[str, Any]:
+    """Add one attempt of ``step`` to the ledger (wall time summed over attempts, ``code`` added to
+    the codes it ran on; None: :func:`code_version`), written atomically."""
     from selfrl.core.atomic import write_atomic
 
     ledger = read_ledger(folder)
     before = ledger.get(step, {})
+    code = code_version() if code is None else code
     entry = {"command": command, "wall_s": before.get("wall_s", 0.0) + wall_s,
-             "attempts": before.get("attempts", 0) + 1, "finished": finished}
+             "attempts": before.get("attempts", 0) + 1, "finished": finished,
+             "code": list(dict.fromkeys([*before.get("code", []), code]))}
     ledger[step] = entry
     write_atomic(folder / LEDGER, json.dumps(ledger, indent=1, sort_keys=True))
     return entry
@@ -181,9 +205,10 @@ def run_all(envs: list[str], seeds: list[int], out: Path, runner: Callable[[list
                 print(f"results: {name} {step}: finished before ({done['wall_s']:.0f} s), skipped", flush=True)
                 continue
             print(f"results: {name} {step}: {shown(argv)}", flush=True)
+            code = code_version()  # before it runs: the code it starts on
             t0 = time.perf_counter()
             rc = runner(argv)
-            entry = record_step(folder, step, shown(argv), time.perf_counter() - t0, rc == 0)
+            entry = record_step(folder, step, shown(argv), time.perf_counter() - t0, rc == 0, code)
             if rc != 0:
                 print(f"results: error: {name} {step} exited with status {rc} after {entry['wall_s']:.0f} s; "
                       "fix the cause and run the same command again to resume", file=sys.stderr)
@@ -343,6 +368,8 @@ def table_rows(envs: list[str], seeds: list[int], out: Path) -> list[dict[str, A
                            "prompts": {s: ledger.get(f"prompt-k{s}", {}).get("wall_s") for s in sorted(prompts)}},
                 "commands": {"rl": step.get("command"),
                              "prompts": {s: ledger.get(f"prompt-k{s}", {}).get("command") for s in sorted(prompts)}},
+                "code": {"rl": step.get("code", []),
+                         "prompts": {s: ledger.get(f"prompt-k{s}", {}).get("code", []) for s in sorted(prompts)}},
             })
             best = rows[-1]["rl_minus_best_prompt"]
             # an unfinished seed has no verdict: its RL is not the run's result yet
@@ -447,7 +474,22 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             if command and command not in done:
                 done.add(command)
                 lines.append(command)
-    return "\n".join(lines + ["```", ""])
+    return "\n".join(lines + ["```", "", *code_lines(rows)])
+
+
+def code_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The "Code" section: the commit every step ran on, or each step's when they differ (a step
+    recorded before commits were, or with no ledger, is "not recorded")."""
+    steps: dict[str, list[str]] = {}
+    for r in rows:
+        for k, code in r["code"]["prompts"].items():
+            steps.setdefault(f"{r['environment']} prompt k = {k}", code)
+        steps[f"{r['environment']} seed {r['seed']}"] = r["code"]["rl"]
+    codes = {tuple(c) for c in steps.values()}
+    lines = ["## Code", ""]
+    if len(codes) == 1 and len(next(iter(codes))) == 1:
+        return lines + [f"Every step ran on commit `{next(iter(codes))[0]}`.", ""]
+    return lines + [f"- {step}: {', '.join(f'`{c}`' for c in code) or 'not recorded'}" for step, code in steps.items()] + [""]
 
 
 def write_table(envs: list[str], seeds: list[int], out: Path) -> Path:

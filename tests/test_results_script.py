@@ -213,6 +213,52 @@ def test_a_second_run_skips_what_is_finished_and_resumes_what_is_not(tmp_path, t
     assert len(calls) == 1 and calls[0][calls[0].index("--shots") + 1] == "5"
 
 
+def test_the_code_a_step_ran_on_is_its_commit_and_whether_tracked_files_differed(tmp_path):
+    import subprocess
+
+    assert results.code_version(tmp_path) == "unknown (not a git checkout)"
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "a.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "a"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert results.code_version(tmp_path) == head[:12]
+    (tmp_path / "new.txt").write_text("an untracked file changes no code")
+    assert results.code_version(tmp_path) == head[:12]
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert results.code_version(tmp_path) == f"{head[:12]} with uncommitted changes"
+
+
+def test_the_table_names_the_code_of_every_step(tmp_path, tiny_env):
+    folder = tmp_path / "tiny"
+    write_run(folder / "seed0", RL)
+    write_run(folder / "seed1", RL)
+    write_prompts(folder)
+    for k in (0, 3, 5):
+        results.record_step(folder, f"prompt-k{k}", f"prompt {k}", 1.0, True, "aaaa")
+    results.record_step(folder, "seed0", "run 0", 5.0, True, "aaaa")
+    results.record_step(folder, "seed1", "run 1", 5.0, False, "aaaa")
+    assert results.write_table(["tiny"], [0, 1], tmp_path).read_text().endswith(
+        "## Code\n\nEvery step ran on commit `aaaa`.\n")
+    results.record_step(folder, "seed1", "run 1", 7.0, True, "bbbb")  # resumed on other code
+    results.record_step(folder, "seed1", "run 1", 1.0, True, "aaaa")  # and back: listed once
+    entry = results.read_ledger(folder)["seed1"]
+    assert (entry["code"], entry["attempts"], entry["wall_s"]) == (["aaaa", "bbbb"], 3, 13.0)
+    text = results.write_table(["tiny"], [0, 1], tmp_path).read_text()
+    assert text.endswith("## Code\n\n- tiny prompt k = 0: `aaaa`\n- tiny prompt k = 3: `aaaa`\n"
+                         "- tiny prompt k = 5: `aaaa`\n- tiny seed 0: `aaaa`\n- tiny seed 1: `aaaa`, `bbbb`\n")
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert rows[1]["code"] == {"rl": ["aaaa", "bbbb"], "prompts": {"0": ["aaaa"], "3": ["aaaa"], "5": ["aaaa"]}}
+
+
+def test_a_table_of_steps_recorded_without_their_code_says_so(tmp_path, tiny_env):
+    write_run(tmp_path / "tiny" / "seed0", RL)
+    write_prompts(tmp_path / "tiny")
+    text = results.write_table(["tiny"], [0], tmp_path).read_text()  # no ledger at all
+    assert "- tiny seed 0: not recorded\n" in text and "- tiny prompt k = 3: not recorded\n" in text
+
+
 def test_a_tiny_model_end_to_end(tmp_path, model_dir, monkeypatch):
     """The real steps on a tiny model: the prompt baseline and the run agree on the held-out
     tasks (else the table refuses), and the table pairs them; the run's rollouts, the warm
