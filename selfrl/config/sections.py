@@ -36,6 +36,7 @@ MAX_BETA = 1000.0  # KL coefficient
 DAY_S = 86400.0  # seconds in a day (the bound of a time window)
 
 ScaleRewards = Literal["group", "none"]  # advantage scaling: group (GRPO) | none (Dr. GRPO)
+LrSchedule = Literal["constant", "linear", "cosine"]  # selfrl.rl.schedule.SCHEDULES
 ToolsPrompt = Literal["compact", "json"]  # how tool schemas are shown to a template without tool support
 TaskChoice = Literal["cycle", "signal"]  # task choice: a shuffled walk | skip tasks predicted to give constant groups
 Constrain = Literal["none", "tool_call"]  # grammar-constrained rollouts (selfrl.chat.constrain)
@@ -187,6 +188,8 @@ class TrainConfig:
     """GRPO update settings (names as in TRL's GRPOConfig)."""
 
     learning_rate: float = 1e-4  # AdamW learning rate for the LoRA parameters
+    lr_scheduler_type: LrSchedule = "constant"  # the learning rate over selfrl run's updates (selfrl.rl.schedule): constant | linear | cosine (decay over the run's iterations, toward 0 after the last); selfrl serve takes only constant
+    warmup_ratio: float = 0.0  # share of the run's updates that ramp the learning rate up, in [0, 1) (selfrl.rl.schedule); selfrl serve takes only 0
     beta: float = 0.02  # KL coefficient to the reference model (k3 estimator); 0 disables the reference pass
     epsilon: float = 0.2  # lower clip of the importance ratio
     epsilon_high: float | None = None  # upper clip (None = epsilon; DAPO uses 0.28)
@@ -206,6 +209,8 @@ class TrainConfig:
     def check(self, where: str = "") -> None:
         require([
             in_range(self.learning_rate, "learning_rate", 0, 1, low_open=True),
+            one_of(self.lr_scheduler_type, LrSchedule, "lr_scheduler_type"),
+            in_range(self.warmup_ratio, "warmup_ratio", 0, 1, high_open=True),
             in_range(self.beta, "beta", 0, MAX_BETA),
             in_range(self.epsilon, "epsilon", 0, 1, low_open=True, high_open=True, interval=True),
             in_range(self.epsilon_high, "epsilon_high", 0, 10, low_open=True) if self.epsilon_high is not None

@@ -360,6 +360,11 @@ class ServeConfig:
             in_range(self.log_max_bytes, "log_max_bytes", 0, 2**40),
             in_range(self.log_backups, "log_backups", 1, 1000),
             one_of(self.tools_prompt, ToolsPrompt, "tools_prompt"),
+            (self.train.lr_scheduler_type == "constant" and self.train.warmup_ratio == 0,
+             f"train.lr_scheduler_type = {self.train.lr_scheduler_type!r} with train.warmup_ratio = "
+             f"{self.train.warmup_ratio:g} shapes the learning rate over selfrl run's iterations; selfrl serve "
+             "learns with no last update to decay toward: drop both (the collapse budget lowers the rate "
+             "after a collapse)"),
             (self.gate.rule == "newest", f"gate.rule = {self.gate.rule!r} chooses what selfrl run serves at its end; "
              "selfrl serve serves its newest promoted version (roll back to another through the admin API): "
              "drop gate.rule"),

@@ -293,13 +293,15 @@ class Learner:
         mask = mb.completion_mask  # (B, T)
         return float((kl * mask).sum() / mask.sum())
 
-    def step(self, trajs: list[Trajectory], on_micro_batch: Callable[[], None] | None = None) -> UpdateResult:
-        """One update from scored trajectories (``advantage`` set on each).
+    def step(self, trajs: list[Trajectory], on_micro_batch: Callable[[], None] | None = None,
+             lr_factor: float = 1.0) -> UpdateResult:
+        """One update from scored trajectories (``advantage`` set on each), AdamW's step at
+        ``learning_rate x lr_factor`` (the run's schedule: :mod:`selfrl.rl.schedule`).
 
         Returns:
             an :class:`UpdateResult`; its stats are ``loss``, ``kl``, ``clip_ratio``,
-            ``ratio_mean``, ``grad_norm``, ``mismatch_kl`` (mean per-token KL(sampler ||
-            learner)), ``tis_weight_mean`` and ``tis_capped`` (share of tokens at the cap; both
+            ``ratio_mean``, ``grad_norm``, ``learning_rate`` (AdamW's, this step's), ``mismatch_kl``
+            (mean per-token KL(sampler || learner)), ``tis_weight_mean`` and ``tis_capped`` (share of tokens at the cap; both
             when ``tis_cap`` > 0), ``num_sequences``, ``num_tokens``, ``reward_spread`` (when
             skipped for it), ``time/update_s`` (seconds), and the peak memory in bytes once the
             model ran (``memory/peak_cuda_bytes`` on a GPU, ``memory/peak_rss_bytes`` on the CPU;
@@ -386,7 +388,7 @@ class Learner:
                                          clip_ratio=totals["clipped"], grad_norm=grad_norm,
                                          num_sequences=float(len(usable)), mismatch_kl=off["mismatch_kl"],
                                          **{"time/update_s": time.perf_counter() - t0, peak.metric: peak.read()})
-            scale = 1000.0 if faults.active("lr_x1000") else 1.0
+            scale = (1000.0 if faults.active("lr_x1000") else 1.0) * lr_factor
             for group in self.optimizer.param_groups:
                 group["lr"] = self.cfg.learning_rate * scale
             self.optimizer.step()
@@ -397,7 +399,7 @@ class Learner:
             "loss": totals["loss"], "kl": totals["kl"], "clip_ratio": totals["clipped"],
             "ratio_mean": totals["ratio"], "grad_norm": grad_norm,
             "num_sequences": float(len(usable)), "num_tokens": float(norm.num_tokens),
-            "mismatch_kl": off["mismatch_kl"],
+            "mismatch_kl": off["mismatch_kl"], "learning_rate": self.cfg.learning_rate * lr_factor,
             **({"tis_weight_mean": off["tis_weight_mean"], "tis_capped": off["tis_capped"]}
                if self.cfg.tis_cap > 0 else {}),
             "time/update_s": time.perf_counter() - t0, peak.metric: peak.read(),

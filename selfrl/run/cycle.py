@@ -110,15 +110,16 @@ class UpdateCycle:
 
     def update(self, step: int, trajs: list[Trajectory], parent: int,
                on_micro_batch: Callable[[], None] | None = None,
-               sampled: list[Trajectory] | None = None) -> CycleStep:
+               sampled: list[Trajectory] | None = None, lr_factor: float = 1.0) -> CycleStep:
         """One GRPO update; on success the new weights are saved as a candidate trained from
         ``parent`` and, when the collapse rules are on, their KL to the reference probed on
         ``sampled`` (None or empty: ``trajs``): the sequences a policy sampled. A demonstration
         (:mod:`selfrl.serve.corrections`) is not a sample of any policy, and the k3 estimate on
         the very tokens the update pushed up reads as a drift the policy does not have; an
         update of demonstrations alone is still probed, on them. A
-        skipped update makes no version and records a ``skip`` event with its reason."""
-        result = self.learner.step(trajs, on_micro_batch=on_micro_batch)
+        skipped update makes no version and records a ``skip`` event with its reason. ``lr_factor``:
+        the run's learning-rate schedule at this update (:func:`selfrl.rl.schedule.lr_factor`)."""
+        result = self.learner.step(trajs, on_micro_batch=on_micro_batch, lr_factor=lr_factor)
         if result.skipped:
             self.ledger.event(EventKind.SKIP, f"iteration {step}: update skipped: {result.note}",
                               {"iteration": step, "reason": result.reason.value, **result.metrics()})

@@ -24,6 +24,7 @@ from selfrl.run.metrics import MetricsLog, iteration_line, iteration_metrics
 from selfrl.run.order import iteration_tasks, shuffled
 from selfrl.run.result import RunResult, finish_run
 from selfrl.record.versions import Champion, EventKind
+from selfrl.rl.schedule import lr_factor
 from selfrl.rollout.agent import env_offers_tools, rollout
 from selfrl.rollout.prefetch import Prefetch, staleness
 from selfrl.safety import collapse
@@ -157,7 +158,8 @@ class Runner:
         self.prefetch(it + 1)
         signal = sum(1 for t in trajs if t.advantage)
         self.progress.phase(f"iteration {it}: update (micro-batches)", max(1, -(-signal // cfg.train.micro_batch_size)))
-        step = s.cycle.update(it, trajs, parent, on_micro_batch=self.progress.advance)
+        factor = lr_factor(cfg.train.lr_scheduler_type, it, cfg.iterations, cfg.train.warmup_ratio)
+        step = s.cycle.update(it, trajs, parent, on_micro_batch=self.progress.advance, lr_factor=factor)
         if self.pending is not None:  # the sampler's weights change only once its batch is back
             self.pending.wait()
         if step.candidate is not None and s.sampler is not None:  # it samples the next rollouts: pushed, checked
