@@ -37,15 +37,22 @@ def grpo_args(cfg, gradient_checkpointing: bool, max_steps: int):
     in fp32, dropout off, nothing saved or reported by TRL itself.
 
     Raises:
-        ValueError: ``num_prompts x num_generations`` is not a multiple of ``train.micro_batch_size``.
+        ValueError: ``num_prompts x num_generations`` is not a multiple of ``train.micro_batch_size``,
+            or a learning-rate schedule other than a constant rate (``train.lr_scheduler_type``,
+            ``warmup_ratio``), which the arm's wall-clock budget has no last step for.
     """
-    from trl import GRPOConfig
-
     micro = cfg.train.micro_batch_size
     per_update = cfg.num_prompts * cfg.num_generations
+    if (cfg.train.lr_scheduler_type, cfg.train.warmup_ratio) != ("constant", 0.0):
+        raise ValueError(f"train.lr_scheduler_type = {cfg.train.lr_scheduler_type!r}, warmup_ratio = "
+                         f"{cfg.train.warmup_ratio:g}: the TRL arm runs for a wall-clock budget, with no last step to "
+                         "decay toward; compare the two at a constant rate (lr_scheduler_type = 'constant', "
+                         "warmup_ratio = 0)")
     if per_update % micro:
         raise ValueError(f"num_prompts x num_generations ({per_update}) must be a multiple of "
                          f"train.micro_batch_size ({micro}) for TRL's gradient accumulation")
+    from trl import GRPOConfig
+
     return GRPOConfig(
         output_dir=str(Path(cfg.run_dir) / "trainer"), use_cpu=True, bf16=False, fp16=False,
         gradient_checkpointing=gradient_checkpointing, per_device_train_batch_size=micro,

@@ -118,11 +118,14 @@ def execute(argv: list[str]) -> int:
 def code_version(root: Path = ROOT) -> str:
     """The code a step runs on: ``root``'s commit (12 hex digits), ``"<commit> with uncommitted
     changes"`` when a tracked file differs from it, or ``"unknown (not a git checkout)"`` when
-    git cannot say (no git, or no repository)."""
+    git cannot say (no git, no commit yet, or ``root`` is not the top of a repository: a folder
+    inside another one would report that one's commit)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout.strip()
 
     try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != Path(root).resolve():
+            return "unknown (not a git checkout)"
         commit = git("rev-parse", "--short=12", "HEAD")
         dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.CalledProcessError):

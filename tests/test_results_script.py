@@ -217,7 +217,7 @@ def test_the_code_a_step_ran_on_is_its_commit_and_whether_tracked_files_differed
     import subprocess
 
     assert results.code_version(tmp_path) == "unknown (not a git checkout)"
-    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
     subprocess.run([*git, "init", "-q"], check=True)
     (tmp_path / "a.py").write_text("x = 1\n")
     subprocess.run([*git, "add", "a.py"], check=True)
@@ -228,6 +228,8 @@ def test_the_code_a_step_ran_on_is_its_commit_and_whether_tracked_files_differed
     assert results.code_version(tmp_path) == head[:12]
     (tmp_path / "a.py").write_text("x = 2\n")
     assert results.code_version(tmp_path) == f"{head[:12]} with uncommitted changes"
+    (tmp_path / "sub").mkdir()  # a folder inside a checkout is not one: it would name the outer commit
+    assert results.code_version(tmp_path / "sub") == "unknown (not a git checkout)"
 
 
 def test_the_table_names_the_code_of_every_step(tmp_path, tiny_env):

@@ -67,6 +67,49 @@ def test_serve_refuses_a_schedule_it_could_not_follow(override):
     assert load_serve_config(None, {"train.lr_scheduler_type": "constant"}).train.warmup_ratio == 0
 
 
+def test_a_warmup_that_leaves_no_update_after_it_is_refused():
+    with pytest.raises(ConfigError, match="train.warmup_ratio = 0.6 of 2 iterations is 2 warmup updates, so none would "
+                                          "run after the warmup: lower warmup_ratio, or raise iterations"):
+        load_config(None, {"iterations": 2, "train.warmup_ratio": 0.6})
+    with pytest.raises(ConfigError, match="0.76 of 4 iterations is 4 warmup updates"):
+        load_config(None, {"iterations": 4, "train.warmup_ratio": 0.76})
+    assert load_config(None, {"iterations": 4, "train.warmup_ratio": 0.75}).train.warmup_ratio == 0.75
+    assert load_config(None, {"iterations": 1, "train.warmup_ratio": 0.5}).iterations == 1  # one update: full rate
+
+
+def test_a_scheduled_run_resumes_only_with_its_schedule_over_its_iterations():
+    from selfrl.config import check_resumable
+
+    constant = load_config(None, {"iterations": 16}).to_dict()
+    assert check_resumable(constant, load_config(None, {"iterations": 32}).to_dict()) is None
+    linear16 = load_config(None, {"iterations": 16, "train.lr_scheduler_type": "linear"}).to_dict()
+    assert check_resumable(linear16, linear16) is None
+    for new in ({"iterations": 32, "train.lr_scheduler_type": "linear"},  # the rate would jump 0.0625 -> 0.5
+                {"iterations": 16, "train.lr_scheduler_type": "cosine"},
+                {"iterations": 16, "train.lr_scheduler_type": "linear", "train.warmup_ratio": 0.1}):
+        with pytest.raises(ConfigError, match="--resume cannot change the learning-rate schedule of the stored run: it "
+                                              "was train.lr_scheduler_type = 'linear', warmup_ratio = 0 over 16 "
+                                              "iterations, and this would be .*resume with --iterations 16"):
+            check_resumable(linear16, load_config(None, new).to_dict())
+    with pytest.raises(ConfigError, match="learning-rate schedule"):  # adding one to a constant run moves its rate too
+        check_resumable(constant, load_config(None, {"iterations": 16, "train.lr_scheduler_type": "cosine"}).to_dict())
+    stored_before = {**constant, "train": {k: v for k, v in constant["train"].items()
+                                           if k not in ("lr_scheduler_type", "warmup_ratio")}}
+    assert check_resumable(stored_before, load_config(None, {"iterations": 40}).to_dict()) is None
+
+
+def test_the_trl_arm_refuses_a_schedule_it_would_not_follow():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from trl_setup import grpo_args  # refuses before it imports TRL: no bench extra needed
+
+    cfg = load_config(None, {"train.lr_scheduler_type": "cosine"})
+    with pytest.raises(ValueError, match="compare the two at a constant rate"):
+        grpo_args(cfg, False, 10)
+
+
 def test_the_learner_steps_at_the_rate_times_the_factor(tiny_model_factory, tiny_tokenizer):
     from test_trainer import learner, params, sample
 

@@ -228,6 +228,20 @@ def test_call_arguments_a_client_sends_back_hold_only_finite_json(args, why):
     assert ok.correction_tool_calls[0].arguments == '{"a": 1e300}'
 
 
+@pytest.mark.parametrize("schema, where", [
+    ({"type": "object", "properties": {"a": {"type": "number", "maximum": float("nan")}}}, "parameters.properties.a.maximum"),
+    ({"type": "object", "properties": {"a": {"enum": [1, float("-inf")]}}}, "parameters.properties.a.enum[1]"),
+    ({"type": "object", "properties": {}, "x-default": float("inf")}, "parameters.x-default")])
+def test_a_tool_schema_with_a_non_finite_number_is_refused_naming_where(schema, where):
+    # it would reach the prompt (tools_prompt = "json" writes NaN) and the stored trajectory
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]}
+    with pytest.raises(ValidationError, match=re.escape(f"{where} is not a finite number (NaN and infinities are not JSON)")):
+        ChatCompletionRequest(**body)
+    body["tools"][0]["function"]["parameters"] = {"type": "object", "properties": {"a": {"maximum": 1e308}}}
+    assert ChatCompletionRequest(**body).tools[0].function.parameters["properties"]["a"]["maximum"] == 1e308
+
+
 def test_a_json_answer_with_a_non_finite_number_is_not_the_json_a_grammar_asked_for():
     from selfrl.serve.corrections import _shape_problem
 

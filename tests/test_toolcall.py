@@ -105,6 +105,8 @@ def test_parse_arguments_missing_or_as_json_string():
     ('{"name": "add", "arguments": {"a": [-Infinity]}}', "invalid JSON in <tool_call>: -Infinity is not a JSON number"),
     ('{"name": "add", "arguments": {"a": NaN}}', "invalid JSON in <tool_call>: NaN is not a JSON number"),
     ('{"name": "add", "arguments": "{\\"a\\": -1e999}"}', '"arguments" string is not valid JSON: the number -1e999 is beyond a double\'s range'),
+    # an integer literal too: a reader that holds numbers as doubles (JavaScript) takes it as an infinity
+    ('{"name": "add", "arguments": {"a": -' + "9" * 400 + '}}', "invalid JSON in <tool_call>: the number -" + "9" * 19 + "... is beyond a double's range"),
 ])
 def test_a_call_whose_numbers_json_cannot_carry_is_no_call(body, why):
     # a grammar lets the model write 1e434; parsed, it is an infinity that json.dumps writes as

@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -167,7 +168,14 @@ def _finite(literal: str) -> float:
     return value
 
 
-STRICT_JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
+def _finite_int(literal: str) -> int:
+    value = int(literal)
+    if abs(value) > sys.float_info.max:  # a reader that holds numbers as doubles takes it as an infinity
+        raise NotFiniteError(f"the number {literal[:20]}... is beyond a double's range")
+    return value
+
+
+STRICT_JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite, parse_int=_finite_int)
 """The decoder of a call's JSON: standard JSON, every number finite (:class:`NotFiniteError`
 otherwise), so a parsed call's arguments always encode back to JSON any client can read."""
 

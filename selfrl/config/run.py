@@ -24,6 +24,7 @@ Importing this module imports no torch.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,6 +174,11 @@ class RunConfig:
              f"weights ({self.preset}), or name at least one reward with a weight above 0"),
             (not none_positive, f"reward_weights: {self.reward_weights} has no weight above 0, so every rollout "
              "would score 0: weight at least one reward above 0"),
+            # selfrl.rl.schedule.warmup_updates: ceil(ratio x iterations) updates ramp up
+            (self.iterations == 1 or math.ceil(self.train.warmup_ratio * self.iterations) < self.iterations,
+             f"train.warmup_ratio = {self.train.warmup_ratio:g} of {self.iterations} iterations is "
+             f"{math.ceil(self.train.warmup_ratio * self.iterations)} warmup updates, so none would run after the "
+             "warmup: lower warmup_ratio, or raise iterations"),
         ])
         self.check_agents()
         check_engine(self)
@@ -255,6 +261,30 @@ def check_resumable(stored: dict, new: dict) -> None:
     if changed:
         raise ConfigError(f"--resume cannot change {', '.join(changed)} of the stored run; "
                           "start a new run (another --run-dir) for that")
+    check_schedule_resumable(stored, new)
+
+
+def check_schedule_resumable(stored: dict, new: dict) -> None:
+    """A run with a learning-rate schedule (:mod:`selfrl.rl.schedule`) resumes only with the same
+    schedule over the same ``iterations``: the schedule is a function of the total, so another total
+    would move every later update's rate (a linear decay over 16 resumed to 32 would jump from
+    0.0625 to 0.5 of the rate), and another schedule would too. A constant rate without warmup on
+    both sides may change ``iterations`` freely.
+
+    Raises:
+        ConfigError: naming the stored and the new setting, and what to do instead.
+    """
+    def plan(d: dict) -> tuple:
+        train = d.get("train", {})
+        return train.get("lr_scheduler_type", "constant"), train.get("warmup_ratio", 0.0), d.get("iterations")
+
+    (kind0, warm0, n0), (kind1, warm1, n1) = plan(stored), plan(new)
+    if (kind0, warm0) == (kind1, warm1) == ("constant", 0.0) or (kind0, warm0, n0) == (kind1, warm1, n1):
+        return
+    raise ConfigError(f"--resume cannot change the learning-rate schedule of the stored run: it was "
+                      f"train.lr_scheduler_type = {kind0!r}, warmup_ratio = {warm0:g} over {n0} iterations, and this "
+                      f"would be {kind1!r}, {warm1:g} over {n1}, which changes the rate of every update still to come; "
+                      f"resume with --iterations {n0} and the stored schedule, or start a new run (another --run-dir)")
 
 def load_config(
     path: str | Path | None = None, overrides: dict[str, Any] | None = None, base: dict[str, Any] | None = None

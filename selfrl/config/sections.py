@@ -273,7 +273,7 @@ class CollapseConfig:
     lr_factor: float = 0.5  # after a rollback: learning rate times this (one backoff level)
     beta_factor: float = 2.0  # after a rollback: beta times this ...
     beta_min: float = 0.01  # ... and at least this (so beta = 0 becomes beta_min)
-    lr_floor: float = 0.0  # backing off never lowers the learning rate below this (at most train.learning_rate)
+    lr_floor: float = 0.0  # backing off never lowers the learning rate below this (at most train.learning_rate; a schedule's factor applies on top)
     beta_max: float = 1.0  # backing off never raises beta above this (or above train.beta when larger); at least beta_min
     stable_updates: int = 20  # updates without a collapse that earn one step back toward the configured setting ...
     stable_s: float = 3600.0  # ... or seconds without a collapse or step back, whichever comes first

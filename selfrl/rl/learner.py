@@ -399,7 +399,7 @@ class Learner:
             "loss": totals["loss"], "kl": totals["kl"], "clip_ratio": totals["clipped"],
             "ratio_mean": totals["ratio"], "grad_norm": grad_norm,
             "num_sequences": float(len(usable)), "num_tokens": float(norm.num_tokens),
-            "mismatch_kl": off["mismatch_kl"], "learning_rate": self.cfg.learning_rate * lr_factor,
+            "mismatch_kl": off["mismatch_kl"], "learning_rate": self.cfg.learning_rate * lr_factor * (1000.0 if faults.active("lr_x1000") else 1.0),
             **({"tis_weight_mean": off["tis_weight_mean"], "tis_capped": off["tis_capped"]}
                if self.cfg.tis_cap > 0 else {}),
             "time/update_s": time.perf_counter() - t0, peak.metric: peak.read(),

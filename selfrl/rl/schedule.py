@@ -7,8 +7,10 @@ collapse budget's backed-off rate): a schedule shapes a run, a backoff answers a
 both apply. ``selfrl serve`` learns with no last update to decay toward and refuses any schedule
 but ``constant``.
 
-Shapes follow transformers' ``get_linear_schedule_with_warmup`` and
-``get_cosine_schedule_with_warmup`` (one cosine half-period): with ``W`` warmup updates of ``N``,
+After the warmup, the shapes are transformers' ``get_linear_schedule_with_warmup`` and
+``get_cosine_schedule_with_warmup`` (one cosine half-period): with ``W = ceil(warmup_ratio x N)``
+warmup updates of ``N`` (at most ``N - 1``: ``selfrl run`` refuses a ratio that leaves no update
+after the warmup, and a single update runs at the full rate),
 update ``i`` (0-based) has factor ``(i + 1) / (W + 1)`` while ``i < W``, then, with progress
 ``p = (i - W) / (N - W)``, 1 (``constant``), ``1 - p`` (``linear``) or ``(1 + cos(pi p)) / 2``
 (``cosine``). The first update after the warmup has factor 1 and none reaches 0 (the last
@@ -42,8 +44,7 @@ def lr_factor(kind: str, update: int, total: int, warmup_ratio: float = 0.0) -> 
 
     Args:
         kind: one of :data:`SCHEDULES`.
-        update: the update's index; one at or past ``total`` (a run resumed to fewer iterations
-            than it made) gets the last update's factor.
+        update: the update's index; one at or past ``total`` gets the last update's factor.
         total: the run's updates (``iterations``), >= 1.
         warmup_ratio: the share of ``total`` spent warming up, in [0, 1).
 

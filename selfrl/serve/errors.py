@@ -130,6 +130,34 @@ def finite(name: str, v: Any) -> Any:
     return v
 
 
+def non_finite_path(value: Any, path: str = "") -> str | None:
+    """The path (``.a.b[2]``) of the first number in the JSON ``value`` that JSON cannot carry
+    (``NaN``, an infinity: Python's json reads ``NaN``, ``Infinity`` and ``1e400`` as such), or None.
+
+    >>> non_finite_path({"a": [1, {"b": float("nan")}]}), non_finite_path({"a": 1e308})
+    ('.a[1].b', None)
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return path or "."
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = non_finite_path(v, f"{path}.{k}" if isinstance(value, dict) else f"{path}[{k}]")
+        if found is not None:
+            return found
+    return None
+
+
+def finite_json(name: str, v: Any) -> Any:
+    """``v`` unchanged unless a number in it is NaN or an infinity: then a :func:`refuse` error
+    naming where, since the value would reach the model's prompt and the stored trajectory, and no
+    strict JSON reader takes it back."""
+    where = non_finite_path(v)
+    if where is not None:
+        raise refuse(f"{name}{'' if where == '.' else where} is not a finite number (NaN and infinities are not "
+                     "JSON): send a finite number, or leave the keyword out")
+    return v
+
+
 def finite_fields(*names: str):
     """A before-validator that applies :func:`finite` to each of ``names``."""
     def check(cls, v, info):

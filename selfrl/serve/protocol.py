@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from selfrl.engines.base import MIN_TEMPERATURE
-from selfrl.serve.errors import _json_type, array_of_objects, error_body, error_param, finite, finite_fields, refuse  # noqa: F401
+from selfrl.serve.errors import _json_type, array_of_objects, error_body, error_param, finite, finite_fields, finite_json, refuse  # noqa: F401
 from selfrl.serve.limits import MAX_DEPTH, check_text, too_deep
 from selfrl.chat.toolcall import (
     TOOL_CALL_CLOSE,
@@ -225,6 +225,7 @@ def check_parameters_schema(schema: dict[str, Any]) -> dict[str, Any]:
     Raises:
         ValueError: the first problem found.
     """
+    finite_json("parameters", schema)
     props = schema.get("properties", {})
     if not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()):
         raise ValueError('"properties" must be an object mapping each argument name to a schema object')
