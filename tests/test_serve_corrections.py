@@ -375,7 +375,7 @@ def test_an_update_of_demonstrations_alone_is_still_kl_probed():
     demo = Trajectory("t", "g", 0, prompt_len=1, token_ids=[5, 6], completion_mask=[0, 1], logprobs=[0, -1],
                       id="x-correction")
     demo.advantage, seen = 1.0, []
-    learner = types.SimpleNamespace(step=lambda trajs, on_micro_batch=None: types.SimpleNamespace(skipped=False),
+    learner = types.SimpleNamespace(step=lambda trajs, on_micro_batch=None, lr_factor=1.0: types.SimpleNamespace(skipped=False),
                                     probe_kl=lambda trajs, n: seen.append([t.id for t in trajs]) or 0.1, model=None)
     cycle = types.SimpleNamespace(learner=learner, ledger=types.SimpleNamespace(save_candidate=lambda m, p: "v1"),
                                   collapse_cfg=types.SimpleNamespace(enabled=True, kl_probe_size=4))
