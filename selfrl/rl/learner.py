@@ -388,9 +388,9 @@ class Learner:
                                          clip_ratio=totals["clipped"], grad_norm=grad_norm,
                                          num_sequences=float(len(usable)), mismatch_kl=off["mismatch_kl"],
                                          **{"time/update_s": time.perf_counter() - t0, peak.metric: peak.read()})
-            scale = (1000.0 if faults.active("lr_x1000") else 1.0) * lr_factor
+            step_lr = self.cfg.learning_rate * lr_factor * (1000.0 if faults.active("lr_x1000") else 1.0)
             for group in self.optimizer.param_groups:
-                group["lr"] = self.cfg.learning_rate * scale
+                group["lr"] = step_lr
             self.optimizer.step()
             for group in self.optimizer.param_groups:
                 group["lr"] = self.cfg.learning_rate
@@ -399,7 +399,7 @@ class Learner:
             "loss": totals["loss"], "kl": totals["kl"], "clip_ratio": totals["clipped"],
             "ratio_mean": totals["ratio"], "grad_norm": grad_norm,
             "num_sequences": float(len(usable)), "num_tokens": float(norm.num_tokens),
-            "mismatch_kl": off["mismatch_kl"], "learning_rate": self.cfg.learning_rate * lr_factor * (1000.0 if faults.active("lr_x1000") else 1.0),
+            "mismatch_kl": off["mismatch_kl"], "learning_rate": step_lr,
             **({"tis_weight_mean": off["tis_weight_mean"], "tis_capped": off["tis_capped"]}
                if self.cfg.tis_cap > 0 else {}),
             "time/update_s": time.perf_counter() - t0, peak.metric: peak.read(),
