@@ -75,6 +75,8 @@ def test_a_warmup_that_leaves_no_update_after_it_is_refused():
         load_config(None, {"iterations": 4, "train.warmup_ratio": 0.76})
     assert load_config(None, {"iterations": 4, "train.warmup_ratio": 0.75}).train.warmup_ratio == 0.75
     assert load_config(None, {"iterations": 1, "train.warmup_ratio": 0.5}).iterations == 1  # one update: full rate
+    with pytest.raises(ConfigError, match="iterations must be"):  # out of range: the range's message, no traceback
+        load_config(None, {"iterations": 10 ** 400, "train.warmup_ratio": 0.5})
 
 
 def test_a_scheduled_run_resumes_only_with_its_schedule_over_its_iterations():

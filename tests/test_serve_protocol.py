@@ -231,7 +231,8 @@ def test_call_arguments_a_client_sends_back_hold_only_finite_json(args, why):
 @pytest.mark.parametrize("schema, where", [
     ({"type": "object", "properties": {"a": {"type": "number", "maximum": float("nan")}}}, "parameters.properties.a.maximum"),
     ({"type": "object", "properties": {"a": {"enum": [1, float("-inf")]}}}, "parameters.properties.a.enum[1]"),
-    ({"type": "object", "properties": {}, "x-default": float("inf")}, "parameters.x-default")])
+    ({"type": "object", "properties": {}, "x-default": float("inf")}, "parameters.x-default"),
+    ({"type": "object", "properties": {"a": {"default": 10 ** 400}}}, "parameters.properties.a.default")])
 def test_a_tool_schema_with_a_non_finite_number_is_refused_naming_where(schema, where):
     # it would reach the prompt (tools_prompt = "json" writes NaN) and the stored trajectory
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],

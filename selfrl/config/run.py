@@ -158,6 +158,9 @@ class RunConfig:
         weights_bad = weights_problem(weights) or negative_weights_problem(weights, "selfrl run")
         none_positive = (isinstance(weights, dict) and bool(weights) and weights_bad is None
                          and not any(w > 0 for w in weights.values()))
+        # selfrl.rl.schedule.warmup_updates: ceil(ratio x iterations) updates ramp up (0 when iterations is
+        # out of range, which its own rule names)
+        warmup = math.ceil(self.train.warmup_ratio * self.iterations) if 1 <= self.iterations <= 10**7 else 0
         require([
             in_range(self.iterations, "iterations", 1, 10**7),
             in_range(self.num_prompts, "num_prompts", 1, MAX_BATCH),
@@ -174,11 +177,9 @@ class RunConfig:
              f"weights ({self.preset}), or name at least one reward with a weight above 0"),
             (not none_positive, f"reward_weights: {self.reward_weights} has no weight above 0, so every rollout "
              "would score 0: weight at least one reward above 0"),
-            # selfrl.rl.schedule.warmup_updates: ceil(ratio x iterations) updates ramp up
-            (self.iterations == 1 or math.ceil(self.train.warmup_ratio * self.iterations) < self.iterations,
+            (warmup < self.iterations or not 1 < self.iterations <= 10**7,
              f"train.warmup_ratio = {self.train.warmup_ratio:g} of {self.iterations} iterations is "
-             f"{math.ceil(self.train.warmup_ratio * self.iterations)} warmup updates, so none would run after the "
-             "warmup: lower warmup_ratio, or raise iterations"),
+             f"{warmup} warmup updates, so none would run after the warmup: lower warmup_ratio, or raise iterations"),
         ])
         self.check_agents()
         check_engine(self)

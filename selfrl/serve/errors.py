@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -132,12 +133,14 @@ def finite(name: str, v: Any) -> Any:
 
 def non_finite_path(value: Any, path: str = "") -> str | None:
     """The path (``.a.b[2]``) of the first number in the JSON ``value`` that JSON cannot carry
-    (``NaN``, an infinity: Python's json reads ``NaN``, ``Infinity`` and ``1e400`` as such), or None.
+    (``NaN``, an infinity: Python's json reads ``NaN``, ``Infinity`` and ``1e400`` as such; an
+    integer beyond a double's range, which a reader holding numbers as doubles takes as one), or None.
 
     >>> non_finite_path({"a": [1, {"b": float("nan")}]}), non_finite_path({"a": 1e308})
     ('.a[1].b', None)
     """
-    if isinstance(value, float) and not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value) or \
+            isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max:
         return path or "."
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for k, v in items:
