@@ -137,7 +137,20 @@ def read_ledger(folder: Path) -> dict[str, dict[str, Any]]:
     """``{step: {"command", "wall_s", "attempts", "finished", "code"}}`` of ``folder/steps.json``
     ({} if none); ``code``: the :func:`code_version` of each attempt, without repeats."""
     path = folder / LEDGER
-    return json.loads(path.read_text()) if path.exists() else {}
+    return read_json(path, "delete it to run every step again") if path.exists() else {}
+
+
+def read_json(path: Path, fix: str) -> Any:
+    """The JSON of ``path``.
+
+    Raises:
+        ValueError: the file is not JSON (a run stopped while writing it, or an edit): the message
+            names the file and ``fix``, what to do.
+    """
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON ({e}): {fix}") from None
 
 
 def record_step(folder: Path, step: str, command: str, wall_s: float, finished: bool,
@@ -255,7 +268,8 @@ def read_prompts(folder: Path, held_out: set[str], where: str) -> dict[int, dict
     """
     prompts: dict[int, dict[str, bool]] = {}
     for path in sorted(folder.glob("prompt-k*.json")):
-        for k, solved in json.loads(path.read_text()).items():
+        fix = "delete it and rerun `scripts/results.py run` to measure that prompt again"
+        for k, solved in read_json(path, fix).items():
             if set(solved) != held_out:
                 raise ValueError(
                     f"{path}: its {len(solved)} tasks are not {where}'s {len(held_out)} held-out tasks "

@@ -161,6 +161,18 @@ def test_a_prompt_measured_on_other_tasks_is_refused(tmp_path, tiny_env):
     assert not (tmp_path / "results.md").exists()
 
 
+def test_a_file_that_is_not_json_is_named_with_what_to_do(tmp_path, tiny_env, capsys):
+    write_run(tmp_path / "tiny" / "seed0", RL)
+    write_prompts(tmp_path / "tiny")
+    (tmp_path / "tiny" / "prompt-k3.json").write_text('{"3": {"t1": tru')  # a write cut short
+    assert results.main(["table", "--envs", "tiny", "--seeds", "0", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'tiny' / 'prompt-k3.json'} is not JSON (" in err and "delete it and rerun" in err
+    (tmp_path / "steps.json").write_text("{")
+    with pytest.raises(ValueError, match=r"steps.json is not JSON \(.*\): delete it to run every step again"):
+        results.read_ledger(tmp_path)
+
+
 def test_a_held_out_task_that_was_trained_on_is_refused(tmp_path, tiny_env):
     write_run(tmp_path / "tiny" / "seed0", RL, trained=("x1", "t4"))
     write_prompts(tmp_path / "tiny")

@@ -402,6 +402,11 @@ def one(tok, kinds, fix, max_len=256, context=None):
     ([], (" \n\t", []), "an empty answer"),
     # before: the markup in the text trained a call that no reward checked
     ([], ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', []), "tool-call markup"),
+    # before: a correction stored before NaN was refused (a 400 now) trained the text "NaN"
+    (["tool_call"], ("", [{"name": "get_weather", "arguments": {"city": float("nan")}}]),
+     "correction_tool_calls[0].arguments.city is not a finite number"),
+    ([], ("", [CALL, {"name": "f", "arguments": {"x": [1, float("-inf")]}}]),
+     "correction_tool_calls[1].arguments.x[1] is not a finite number"),
 ])
 def test_a_correction_a_grammar_or_common_sense_refuses_is_left_out(tiny_tokenizer, kinds, fix, reason):
     demos, skipped = one(tiny_tokenizer, kinds, fix)

@@ -3,6 +3,7 @@ import json
 import pytest
 
 from selfrl.chat.toolcall import (
+    json_number_ok,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     ParsedCall,
@@ -341,3 +342,15 @@ def test_a_closing_think_tag_inside_a_drafted_calls_string_does_not_end_the_thou
     draft = call_block({"name": "spy", "arguments": {"note": "</think> is a tag"}})
     rest, calls = parse_tool_calls(f"<think>maybe {draft}? no.</think>The answer is 4.")
     assert calls == [] and rest == "The answer is 4."
+
+
+def test_json_number_ok_is_the_one_rule_of_the_decoder_and_the_server():
+    from selfrl.serve.errors import non_finite_path
+
+    big = 10 ** 309  # past a double's largest, about 1.8e308
+    cases = [(0, True), (-3.5, True), (1.7e308, True), (10 ** 308, True), (big, False), (-big, False),
+             (float("nan"), False), (float("inf"), False), (-float("inf"), False)]
+    assert [json_number_ok(x) for x, _ in cases] == [ok for _, ok in cases]
+    for x, ok in cases:  # the server's check of decoded values agrees with the predicate
+        assert non_finite_path({"a": [x]}) == (None if ok else ".a[0]")
+    assert non_finite_path({"a": True}) is None  # a bool is not a number here

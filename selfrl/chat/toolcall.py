@@ -161,17 +161,32 @@ def _no_constant(name: str) -> float:
     raise NotFiniteError(f"{name} is not a JSON number")
 
 
+def json_number_ok(value: Any) -> bool:
+    """Whether JSON can carry the number ``value`` (an int or float, not a bool) as itself: False
+    for ``NaN``, an infinity, and a number beyond a double's range (an integer past about 1.8e308),
+    which a reader holding numbers as doubles takes as an infinity. The one rule of the strict
+    decoder (:data:`STRICT_JSON`) and of the server's check of values already decoded
+    (``selfrl.serve.errors.non_finite_path``)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return abs(value) <= sys.float_info.max
+
+
+def _beyond(literal: str) -> NotFiniteError:
+    return NotFiniteError(f"the number {literal[:20]}{'...' if len(literal) > 20 else ''} is beyond a double's range")
+
+
 def _finite(literal: str) -> float:
     value = float(literal)
-    if not math.isfinite(value):
-        raise NotFiniteError(f"the number {literal[:20]}{'...' if len(literal) > 20 else ''} is beyond a double's range")
+    if not json_number_ok(value):
+        raise _beyond(literal)
     return value
 
 
 def _finite_int(literal: str) -> int:
     value = int(literal)
-    if abs(value) > sys.float_info.max:  # a reader that holds numbers as doubles takes it as an infinity
-        raise NotFiniteError(f"the number {literal[:20]}... is beyond a double's range")
+    if not json_number_ok(value):
+        raise _beyond(literal)
     return value
 
 

@@ -57,6 +57,7 @@ from selfrl.chat.template import encode_chat, render
 from selfrl.chat.toolcall import STRICT_JSON, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from selfrl.core.trajectory import Trajectory
 from selfrl.serve.feedback import served_rewards
+from selfrl.serve.errors import non_finite_path
 
 _PROBE = [{"role": "user", "content": "?"}]  # any chat: only what the template adds after it matters
 
@@ -93,6 +94,11 @@ def says_answer(text: str | None, calls: list[dict[str, Any]] | None) -> str | N
         return "an empty answer (no text, no calls)"
     if TOOL_CALL_OPEN in text or TOOL_CALL_CLOSE in text:
         return (f"its text holds tool-call markup ({TOOL_CALL_OPEN}): send the calls as correction_tool_calls")
+    for i, call in enumerate(calls or []):
+        if (where := non_finite_path(call.get("arguments") if isinstance(call, dict) else None)) is not None:
+            # a request is refused this (a 400); a correction stored before that rule still reads back
+            return (f"correction_tool_calls[{i}].arguments{'' if where == '.' else where} is not a finite number "
+                    "(NaN and infinities are not JSON)")
     return None
 
 

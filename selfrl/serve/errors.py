@@ -27,12 +27,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from pydantic import field_validator
 from pydantic_core import PydanticCustomError
+
+from selfrl.chat.toolcall import json_number_ok
 
 
 class ApiError(Exception):
@@ -139,8 +140,7 @@ def non_finite_path(value: Any, path: str = "") -> str | None:
     >>> non_finite_path({"a": [1, {"b": float("nan")}]}), non_finite_path({"a": 1e308})
     ('.a[1].b', None)
     """
-    if isinstance(value, float) and not math.isfinite(value) or \
-            isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not json_number_ok(value):
         return path or "."
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for k, v in items:
