@@ -282,13 +282,29 @@ def test_run_warm_start_is_gated_recorded_and_reported(model_dir, patched, tmp_p
         seen.append(([t.id for t in tasks], [t.id for t in held_out]))
         return real(engine, tasks, held_out, *a, **kw)
 
+    class Phases:  # the progress a terminal or progress.log shows: phases and their steps
+        interactive, phases = False, []
+
+        def log(self, message):
+            pass
+
+        def phase(self, description, total):
+            self.phases.append([description, total, 0])
+
+        def advance(self, steps=1):
+            self.phases[-1][2] += steps
+
     patched.setattr(warm_start, "sample_successes", spy)
     cfg = make_cfg(model_dir, tmp_path / "r")
-    result = run(cfg)
+    result = run(cfg, progress=Phases())
     events, versions, trajs = warm_events(result.run_dir)
     assert [e["data"]["phase"] for e in events] == ["trained", "done"]
     done = events[-1]["data"]
     assert done["tasks"] == 3 and done["samples"] == 12 and 1 <= done["kept"] <= 6
+    # one bar step per optimizer step (1 epoch, batch 8), not one for the whole fine-tuning
+    (tuning,) = [p for p in Phases.phases if p[0].startswith("warm start: fine-tuning")]
+    assert tuning == [f"warm start: fine-tuning steps on {done['kept']} trajectories over 1 epoch", 1, 1]
+    assert done["steps"] == 1
     assert done["loss_after"] < done["loss_before"] and done["seconds"] > 0
     # the candidate is version 1, from the base, and went through the gate (chain_sum: 0 = 0, promoted)
     assert done["version"] == 1 and versions[1]["parent"] == 0 and versions[1]["status"] == done["outcome"]
@@ -414,8 +430,10 @@ def test_constrained_successes_train_with_their_grammar_masks_replayed(tiny_mode
                       tokenizer=tiny_tokenizer)
     sampled = -sum(sum(t.logprobs) for t in trajs) / sum(t.num_completion_tokens for t in trajs)
     assert mean_nll(learner, trajs) == pytest.approx(sampled, rel=1e-4)
-    stats = fine_tune(learner, trajs, epochs=2, learning_rate=1e-2, batch_size=3)
+    ticks = []
+    stats = fine_tune(learner, trajs, epochs=2, learning_rate=1e-2, batch_size=2, on_step=lambda: ticks.append(1))
     assert stats.loss_after < stats.loss_before
+    assert len(ticks) == stats.steps + stats.skipped_steps == 4  # 3 trajectories, batch 2: 2 steps an epoch
     no_tokenizer = Learner(model, TrainConfig(), 0.8, tiny_tokenizer.pad_token_id, 40)
     with pytest.raises(ValueError, match="grammar masks"):
         mean_nll(no_tokenizer, trajs)

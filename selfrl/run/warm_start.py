@@ -49,6 +49,7 @@ import dataclasses
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -266,12 +267,13 @@ def mean_nll(learner: "Learner", trajs: list[Trajectory]) -> float:
 
 
 def fine_tune(learner: "Learner", trajs: list[Trajectory], epochs: int, learning_rate: float, batch_size: int,
-              seed: int = 0) -> FineTuneStats:
+              seed: int = 0, on_step: Callable[[], None] | None = None) -> FineTuneStats:
     """Fine-tune the learner's LoRA parameters on ``trajs`` by :func:`sft_loss`: ``epochs`` passes,
     each over the trajectories shuffled by ``seed`` + epoch, one AdamW step (its own optimizer,
     ``learning_rate``, the learner's weight decay and gradient clipping) per ``batch_size``
     trajectories, micro-batched by ``train.micro_batch_size``. A step whose loss or gradient
-    norm is not finite is not applied (counted in ``skipped_steps``).
+    norm is not finite is not applied (counted in ``skipped_steps``). ``on_step`` is called after each
+    of the ``epochs * ceil(len(trajs) / batch_size)`` steps, applied or skipped (a progress bar).
 
     Raises:
         ValueError: no trajectory, or none with a sampled token.
@@ -302,9 +304,11 @@ def fine_tune(learner: "Learner", trajs: list[Trajectory], epochs: int, learning
                 if not (math.isfinite(loss) and math.isfinite(norm)):
                     optimizer.zero_grad(set_to_none=True)
                     skipped += 1
-                    continue
-                optimizer.step()
-                steps += 1
+                else:
+                    optimizer.step()
+                    steps += 1
+                if on_step is not None:
+                    on_step()
     finally:
         optimizer.zero_grad(set_to_none=True)
         learner.model.eval()
@@ -389,9 +393,11 @@ def run_warm_start(runner: Runner, start: int) -> WarmStartResult:
         if ws.required:
             raise WarmStartError(msg)
         return WarmStartResult("no_successes", msg, None, out)
-    runner.progress.phase(f"warm start: fine-tuning on {len(sel.kept)} trajectories", 1)
-    stats = fine_tune(s.learner, sel.kept, ws.epochs, ws.learning_rate, ws.batch_size, cfg.seed)
-    runner.progress.advance()
+    usable = sum(t.num_completion_tokens > 0 for t in sel.kept)
+    runner.progress.phase(f"warm start: fine-tuning steps on {len(sel.kept)} trajectories over {ws.epochs} epoch{'s' * (ws.epochs != 1)}",
+                          ws.epochs * math.ceil(usable / ws.batch_size))
+    stats = fine_tune(s.learner, sel.kept, ws.epochs, ws.learning_rate, ws.batch_size, cfg.seed,
+                      on_step=runner.progress.advance)
     counts.update({"loss_before": stats.loss_before, "loss_after": stats.loss_after, "steps": stats.steps,
                    "skipped_steps": stats.skipped_steps, "tokens": stats.num_tokens})
     if stats.steps == 0:
