@@ -137,20 +137,24 @@ def read_ledger(folder: Path) -> dict[str, dict[str, Any]]:
     """``{step: {"command", "wall_s", "attempts", "finished", "code"}}`` of ``folder/steps.json``
     ({} if none); ``code``: the :func:`code_version` of each attempt, without repeats."""
     path = folder / LEDGER
-    return read_json(path, "delete it to run every step again") if path.exists() else {}
+    return read_json(path, "delete it to run every step again", '{"step": {"command", "wall_s", ...}}') \
+        if path.exists() else {}
 
 
-def read_json(path: Path, fix: str) -> Any:
-    """The JSON of ``path``.
+def read_json(path: Path, fix: str, shape: str) -> dict[str, dict[str, Any]]:
+    """The JSON object of ``path``: an object whose every value is an object.
 
     Raises:
-        ValueError: the file is not JSON (a run stopped while writing it, or an edit): the message
-            names the file and ``fix``, what to do.
+        ValueError: the file is not JSON (a run stopped while writing it, or an edit), or not of
+            that shape (``shape`` describes it): the message names the file and ``fix``, what to do.
     """
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not JSON ({e}): {fix}") from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise ValueError(f"{path} is JSON but not {shape}: {fix}")
+    return data
 
 
 def record_step(folder: Path, step: str, command: str, wall_s: float, finished: bool,
@@ -269,7 +273,9 @@ def read_prompts(folder: Path, held_out: set[str], where: str) -> dict[int, dict
     prompts: dict[int, dict[str, bool]] = {}
     for path in sorted(folder.glob("prompt-k*.json")):
         fix = "delete it and rerun `scripts/results.py run` to measure that prompt again"
-        for k, solved in read_json(path, fix).items():
+        for k, solved in read_json(path, fix, '{"k": {"task id": true or false}}').items():
+            if not k.isdigit() or not all(isinstance(v, bool) for v in solved.values()):
+                raise ValueError(f"{path} is JSON but not {{\"k\": {{\"task id\": true or false}}}}: {fix}")
             if set(solved) != held_out:
                 raise ValueError(
                     f"{path}: its {len(solved)} tasks are not {where}'s {len(held_out)} held-out tasks "

@@ -171,6 +171,14 @@ def test_a_file_that_is_not_json_is_named_with_what_to_do(tmp_path, tiny_env, ca
     (tmp_path / "steps.json").write_text("{")
     with pytest.raises(ValueError, match=r"steps.json is not JSON \(.*\): delete it to run every step again"):
         results.read_ledger(tmp_path)
+    for bad in (b"\xff", b"[]", b"null", b'{"seed0": 5}'):  # not UTF-8, or JSON of another shape
+        (tmp_path / "steps.json").write_bytes(bad)
+        with pytest.raises(ValueError, match=r"steps.json is (not JSON \(.*\)|JSON but not .*): delete it to run every step again"):
+            results.read_ledger(tmp_path)
+    for bad in ('[1, 2]', '{"3": 5}', '{"three": {"t1": true}}', '{"3": {"t1": 1}}'):
+        (tmp_path / "tiny" / "prompt-k3.json").write_text(bad)
+        with pytest.raises(ValueError, match=r"prompt-k3.json is JSON but not .*: delete it and rerun"):
+            results.read_prompts(tmp_path / "tiny", set(TASKS), "seed0")
 
 
 def test_a_held_out_task_that_was_trained_on_is_refused(tmp_path, tiny_env):

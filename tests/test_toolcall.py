@@ -108,6 +108,8 @@ def test_parse_arguments_missing_or_as_json_string():
     ('{"name": "add", "arguments": "{\\"a\\": -1e999}"}', '"arguments" string is not valid JSON: the number -1e999 is beyond a double\'s range'),
     # an integer literal too: a reader that holds numbers as doubles (JavaScript) takes it as an infinity
     ('{"name": "add", "arguments": {"a": -' + "9" * 400 + '}}', "invalid JSON in <tool_call>: the number -" + "9" * 19 + "... is beyond a double's range"),
+    # 5,000 digits: past int()'s own limit of 4,300, still a number beyond a double, not "not JSON"
+    ('{"name": "add", "arguments": {"a": 1' + "0" * 5000 + '}}', "invalid JSON in <tool_call>: the number 1" + "0" * 19 + "... is beyond a double's range"),
 ])
 def test_a_call_whose_numbers_json_cannot_carry_is_no_call(body, why):
     # a grammar lets the model write 1e434; parsed, it is an infinity that json.dumps writes as
@@ -348,7 +350,9 @@ def test_json_number_ok_is_the_one_rule_of_the_decoder_and_the_server():
     from selfrl.serve.errors import non_finite_path
 
     big = 10 ** 309  # past a double's largest, about 1.8e308
-    cases = [(0, True), (-3.5, True), (1.7e308, True), (10 ** 308, True), (big, False), (-big, False),
+    # an integer a reader rounds to the largest double is carried; the halfway point rounds to infinity
+    cases = [(0, True), (-3.5, True), (1.7e308, True), (10 ** 308, True), (2 ** 1024 - 2 ** 970 - 1, True),
+             (2 ** 1024 - 2 ** 970, False), (big, False), (-big, False),
              (float("nan"), False), (float("inf"), False), (-float("inf"), False)]
     assert [json_number_ok(x) for x, _ in cases] == [ok for _, ok in cases]
     for x, ok in cases:  # the server's check of decoded values agrees with the predicate

@@ -45,7 +45,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -163,13 +162,17 @@ def _no_constant(name: str) -> float:
 
 def json_number_ok(value: Any) -> bool:
     """Whether JSON can carry the number ``value`` (an int or float, not a bool) as itself: False
-    for ``NaN``, an infinity, and a number beyond a double's range (an integer past about 1.8e308),
+    for ``NaN``, an infinity, and an integer that rounds past the largest double (about 1.8e308),
     which a reader holding numbers as doubles takes as an infinity. The one rule of the strict
     decoder (:data:`STRICT_JSON`) and of the server's check of values already decoded
     (``selfrl.serve.errors.non_finite_path``)."""
     if isinstance(value, float):
         return math.isfinite(value)
-    return abs(value) <= sys.float_info.max
+    try:
+        float(value)  # rounds to the nearest double, as a reader does; too large for any double raises
+    except OverflowError:
+        return False
+    return True
 
 
 def _beyond(literal: str) -> NotFiniteError:
@@ -184,6 +187,8 @@ def _finite(literal: str) -> float:
 
 
 def _finite_int(literal: str) -> int:
+    if len(literal.lstrip("-")) > 400:  # past any double (10**309 has 310 digits); int() refuses 4,300+ digits
+        raise _beyond(literal)
     value = int(literal)
     if not json_number_ok(value):
         raise _beyond(literal)

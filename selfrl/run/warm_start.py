@@ -273,7 +273,8 @@ def fine_tune(learner: "Learner", trajs: list[Trajectory], epochs: int, learning
     ``learning_rate``, the learner's weight decay and gradient clipping) per ``batch_size``
     trajectories, micro-batched by ``train.micro_batch_size``. A step whose loss or gradient
     norm is not finite is not applied (counted in ``skipped_steps``). ``on_step`` is called after each
-    of the ``epochs * ceil(len(trajs) / batch_size)`` steps, applied or skipped (a progress bar).
+    of the ``epochs * ceil(n / batch_size)`` steps (``n``: the trajectories with a sampled token),
+    applied or skipped (a progress bar).
 
     Raises:
         ValueError: no trajectory, or none with a sampled token.
