@@ -395,7 +395,8 @@ def run_warm_start(runner: Runner, start: int) -> WarmStartResult:
             raise WarmStartError(msg)
         return WarmStartResult("no_successes", msg, None, out)
     usable = sum(t.num_completion_tokens > 0 for t in sel.kept)
-    runner.progress.phase(f"warm start: fine-tuning steps on {len(sel.kept)} trajectories over {ws.epochs} epoch{'s' * (ws.epochs != 1)}",
+    epochs = f"{ws.epochs} epoch{'s' * (ws.epochs != 1)}"
+    runner.progress.phase(f"warm start: fine-tuning steps on {len(sel.kept)} trajectories over {epochs}",
                           ws.epochs * math.ceil(usable / ws.batch_size))
     stats = fine_tune(s.learner, sel.kept, ws.epochs, ws.learning_rate, ws.batch_size, cfg.seed,
                       on_step=runner.progress.advance)
