@@ -434,6 +434,9 @@ def test_constrained_successes_train_with_their_grammar_masks_replayed(tiny_mode
     stats = fine_tune(learner, trajs, epochs=2, learning_rate=1e-2, batch_size=2, on_step=lambda: ticks.append(1))
     assert stats.loss_after < stats.loss_before
     assert len(ticks) == stats.steps + stats.skipped_steps == 4  # 3 trajectories, batch 2: 2 steps an epoch
+    assert warm_start.fine_tune_steps(trajs, 2, 2) == 4 and warm_start.fine_tune_steps(trajs, 3, 8) == 3
+    no_tokens = dataclasses.replace(trajs[0], completion_mask=[0] * len(trajs[0].completion_mask))
+    assert warm_start.fine_tune_steps([*trajs, no_tokens], 1, 1) == 3  # a trajectory without a token takes none
     no_tokenizer = Learner(model, TrainConfig(), 0.8, tiny_tokenizer.pad_token_id, 40)
     with pytest.raises(ValueError, match="grammar masks"):
         mean_nll(no_tokenizer, trajs)

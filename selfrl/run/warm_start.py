@@ -266,6 +266,12 @@ def mean_nll(learner: "Learner", trajs: list[Trajectory]) -> float:
     return total / tokens if tokens else math.nan
 
 
+def fine_tune_steps(trajs: list[Trajectory], epochs: int, batch_size: int) -> int:
+    """How many optimizer steps :func:`fine_tune` takes (applied or skipped) on ``trajs``:
+    ``epochs * ceil(n / batch_size)``, ``n`` the trajectories with a sampled token."""
+    return epochs * math.ceil(sum(t.num_completion_tokens > 0 for t in trajs) / batch_size)
+
+
 def fine_tune(learner: "Learner", trajs: list[Trajectory], epochs: int, learning_rate: float, batch_size: int,
               seed: int = 0, on_step: Callable[[], None] | None = None) -> FineTuneStats:
     """Fine-tune the learner's LoRA parameters on ``trajs`` by :func:`sft_loss`: ``epochs`` passes,
@@ -273,8 +279,7 @@ def fine_tune(learner: "Learner", trajs: list[Trajectory], epochs: int, learning
     ``learning_rate``, the learner's weight decay and gradient clipping) per ``batch_size``
     trajectories, micro-batched by ``train.micro_batch_size``. A step whose loss or gradient
     norm is not finite is not applied (counted in ``skipped_steps``). ``on_step`` is called after each
-    of the ``epochs * ceil(n / batch_size)`` steps (``n``: the trajectories with a sampled token),
-    applied or skipped (a progress bar).
+    of the :func:`fine_tune_steps` steps, applied or skipped (a progress bar).
 
     Raises:
         ValueError: no trajectory, or none with a sampled token.
@@ -394,10 +399,9 @@ def run_warm_start(runner: Runner, start: int) -> WarmStartResult:
         if ws.required:
             raise WarmStartError(msg)
         return WarmStartResult("no_successes", msg, None, out)
-    usable = sum(t.num_completion_tokens > 0 for t in sel.kept)
     epochs = f"{ws.epochs} epoch{'s' * (ws.epochs != 1)}"
     runner.progress.phase(f"warm start: fine-tuning steps on {len(sel.kept)} trajectories over {epochs}",
-                          ws.epochs * math.ceil(usable / ws.batch_size))
+                          fine_tune_steps(sel.kept, ws.epochs, ws.batch_size))
     stats = fine_tune(s.learner, sel.kept, ws.epochs, ws.learning_rate, ws.batch_size, cfg.seed,
                       on_step=runner.progress.advance)
     counts.update({"loss_before": stats.loss_before, "loss_after": stats.loss_after, "steps": stats.steps,
