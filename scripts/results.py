@@ -273,9 +273,10 @@ def read_prompts(folder: Path, held_out: set[str], where: str) -> dict[int, dict
     prompts: dict[int, dict[str, bool]] = {}
     for path in sorted(folder.glob("prompt-k*.json")):
         fix = "delete it and rerun `scripts/results.py run` to measure that prompt again"
-        for k, solved in read_json(path, fix, '{"k": {"task id": true or false}}').items():
+        shape = '{"k": {"task id": true or false}}'
+        for k, solved in read_json(path, fix, shape).items():
             if not k.isdigit() or not all(isinstance(v, bool) for v in solved.values()):
-                raise ValueError(f"{path} is JSON but not {{\"k\": {{\"task id\": true or false}}}}: {fix}")
+                raise ValueError(f"{path} is JSON but not {shape}: {fix}")
             if set(solved) != held_out:
                 raise ValueError(
                     f"{path}: its {len(solved)} tasks are not {where}'s {len(held_out)} held-out tasks "

@@ -160,9 +160,9 @@ class RunConfig:
                          and not any(w > 0 for w in weights.values()))
         # selfrl.rl.schedule.warmup_updates: ceil(ratio x iterations) updates ramp up (0 when iterations is
         # out of range, which its own rule names)
-        warmup = math.ceil(self.train.warmup_ratio * self.iterations) if 1 <= self.iterations <= 10**7 else 0
+        warmup = math.ceil(self.train.warmup_ratio * self.iterations) if 1 <= self.iterations <= ITERATIONS_MAX else 0
         require([
-            in_range(self.iterations, "iterations", 1, 10**7),
+            in_range(self.iterations, "iterations", 1, ITERATIONS_MAX),
             in_range(self.num_prompts, "num_prompts", 1, MAX_BATCH),
             (self.num_generations >= 2, f"num_generations must be >= 2 (a group of one has no advantage), "
              f"got {self.num_generations!r}"),
@@ -177,7 +177,7 @@ class RunConfig:
              f"weights ({self.preset}), or name at least one reward with a weight above 0"),
             (not none_positive, f"reward_weights: {self.reward_weights} has no weight above 0, so every rollout "
              "would score 0: weight at least one reward above 0"),
-            (warmup < self.iterations or not 1 < self.iterations <= 10**7,
+            (warmup < self.iterations or not 1 < self.iterations <= ITERATIONS_MAX,
              f"train.warmup_ratio = {self.train.warmup_ratio:g} of {self.iterations} iterations is "
              f"{warmup} warmup updates, so none would run after the warmup: lower warmup_ratio, or raise iterations"),
         ])
@@ -212,6 +212,8 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+
+ITERATIONS_MAX = 10**7  # iterations of one selfrl run
 
 # Settings a resumed run must share with the run it continues: the same policy, tasks,
 # held-out set, agent and reward (the judge is part of the reward). Anything else
