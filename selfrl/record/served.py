@@ -52,7 +52,10 @@ def locked(fn):
 class ServedTurn:
     """One returned choice to store: its trajectory and the ``served`` row's fields.
     ``client`` is the requesting client's identity (``feedback.client_identity``); ``family`` the
-    request's ``metadata.family`` (``[[families]]``, :mod:`selfrl.safety.families`), or None."""
+    request's ``metadata.family`` (``[[families]]``, :mod:`selfrl.safety.families`), or None;
+    ``tools`` the tools the turn could call, ``[{"name", "parameters"}]`` (``[]``: none, or
+    ``tool_choice`` "none"), or None when not known: a correction's calls are checked against
+    them (:func:`selfrl.serve.corrections.offered_problem`)."""
 
     traj: Trajectory
     response_id: str
@@ -62,6 +65,7 @@ class ServedTurn:
     continuation: str
     client: str = ""
     family: str | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 @locked
@@ -83,10 +87,10 @@ def add_turns(store: Store, run_id: int, turns: list[ServedTurn], now: float | N
             store.insert_trajectory(run_id, 0, t.traj, now)
             store.conn.execute(
                 "INSERT INTO served (trajectory_id, response_id, choice, conversation_id, parent_id, group_key,"
-                " continuation, created_at, status, client, family) VALUES (?, ?, ?, ?,"
-                " (SELECT id FROM trajectories WHERE id = ?), ?, ?, ?, 'pending', ?, ?)",  # a pruned parent: NULL
+                " continuation, created_at, status, client, family, tools) VALUES (?, ?, ?, ?,"
+                " (SELECT id FROM trajectories WHERE id = ?), ?, ?, ?, 'pending', ?, ?, ?)",  # a pruned parent: NULL
                 (t.traj.id, t.response_id, t.choice, t.conversation_id, t.traj.parent_id, t.group_key,
-                 t.continuation, now, t.client, t.family),
+                 t.continuation, now, t.client, t.family, None if t.tools is None else json.dumps(t.tools)),
             )
 
 

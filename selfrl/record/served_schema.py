@@ -39,6 +39,7 @@ CREATE TABLE IF NOT EXISTS served (
     feedback_source TEXT CHECK (feedback_source IN ('explicit', 'inherited', 'implicit')),
     client          TEXT NOT NULL DEFAULT '',
     family          TEXT,
+    tools           TEXT,
     UNIQUE (response_id, choice)
 );
 CREATE INDEX IF NOT EXISTS served_continuation ON served(continuation);
@@ -59,9 +60,10 @@ CREATE INDEX IF NOT EXISTS feedback_response ON feedback(response_id, choice);
 
 
 def init(store: Store) -> None:
-    """Create the server's tables in ``store`` (idempotent; adds the ``client`` and ``family``
-    columns to a store written before they existed: its turns belong to no client, and are never
-    continued, and to no family; and feedback's ``correction_calls``: its corrections carry no calls;
+    """Create the server's tables in ``store`` (idempotent; adds the ``client``, ``family`` and
+    ``tools`` columns to a store written before they existed: its turns belong to no client, and are
+    never continued, to no family, and their offered tools are unknown (NULL); and feedback's
+    ``correction_calls``: its corrections carry no calls;
     and rebuilds a ``feedback`` table whose ``value`` may not be NULL, rows and ids kept, so that a
     comment alone can be stored without a value). Takes ``store.lock``.
 
@@ -81,6 +83,8 @@ def _create(store: Store) -> None:
             store.conn.execute("ALTER TABLE served ADD COLUMN client TEXT NOT NULL DEFAULT ''")
         if "family" not in columns:
             store.conn.execute("ALTER TABLE served ADD COLUMN family TEXT")
+        if "tools" not in columns:
+            store.conn.execute("ALTER TABLE served ADD COLUMN tools TEXT")
         if "correction_calls" not in {r[1] for r in store.conn.execute("PRAGMA table_info(feedback)")}:
             store.conn.execute("ALTER TABLE feedback ADD COLUMN correction_calls TEXT")
 

@@ -37,7 +37,8 @@ turn's answer: it is empty (no text but blank space, no calls) or its text holds
 format's tags (calls go in ``correction_tool_calls``); the turn was decoded under a grammar
 (``tool_choice``, ``response_format``) that would not let the model write it (no call where
 one was required, text beside the one call, a tool not offered, arguments the schema refuses,
-not the JSON asked for); the template does not render the message after the generation
+not the JSON asked for); it calls a tool its turn was not offered, or with arguments that tool's
+schema refuses, whether or not the turn had a grammar (:func:`offered_problem`); the template does not render the message after the generation
 prompt; the demonstration is longer than ``max_completion_length`` or than the model's
 context leaves after its prompt; or it has no end-of-turn token. One demonstration per turn,
 from its newest correction: a flood of corrections on one turn trains once, and choices of
@@ -55,6 +56,7 @@ from typing import Any
 
 from selfrl.chat.template import encode_chat, render
 from selfrl.chat.toolcall import STRICT_JSON, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from selfrl.core.tools import Tool, ToolError, validate_arguments
 from selfrl.core.trajectory import Trajectory
 from selfrl.serve.feedback import served_rewards
 from selfrl.serve.errors import non_finite_path
@@ -99,6 +101,40 @@ def says_answer(text: str | None, calls: list[dict[str, Any]] | None) -> str | N
             # a request is refused this (a 400); a correction stored before that rule still reads back
             return (f"correction_tool_calls[{i}].arguments{'' if where == '.' else where} is not a finite number "
                     "(NaN and infinities are not JSON)")
+    return None
+
+
+def offered_problem(calls: list[dict[str, Any]] | None, tools: list[dict[str, Any]] | None) -> str | None:
+    """Why ``calls`` cannot be those of a turn that could call ``tools``, or None when they can.
+
+    A call to a tool the turn was not offered, or with arguments its schema refuses
+    (:func:`selfrl.core.tools.validate_arguments`, the check a served call gets), would teach
+    the model a call it could never make there. Checked for every turn, decoded under a grammar
+    or not.
+
+    Args:
+        calls: the correction's calls, ``[{"name", "arguments": {...}}]``.
+        tools: the turn's, ``[{"name", "parameters"}]`` (``ServedTurn.tools``: ``[]`` when it
+            could call none); None when not known (a turn stored before they were): not checked.
+
+    >>> offered_problem([{"name": "f", "arguments": {}}], [])
+    "correction_tool_calls[0] calls 'f', and its turn could call no tool"
+    >>> offered_problem([{"name": "f", "arguments": {}}], None) is None
+    True
+    """
+    if tools is None or not calls:
+        return None
+    by_name = {t["name"]: t for t in tools}
+    for i, call in enumerate(calls):
+        name = call.get("name")
+        if name not in by_name:
+            return (f"correction_tool_calls[{i}] calls {name!r}, and its turn could call no tool" if not by_name else
+                    f"correction_tool_calls[{i}] calls {name!r}, a tool its turn was not offered (offered: "
+                    f"{', '.join(sorted(by_name))})")
+        try:
+            validate_arguments(Tool(name, "", by_name[name].get("parameters") or {}, str), call.get("arguments"))
+        except (ToolError, ValueError) as e:
+            return f"correction_tool_calls[{i}].arguments: {e}"
     return None
 
 
@@ -181,7 +217,8 @@ def demonstrations(batch: list[tuple[Trajectory, dict]], found: dict[tuple[str, 
 
     Args:
         batch: ``(turn, served row)`` pairs of the update (rows with ``response_id``, ``choice``,
-            ``group_key``).
+            ``group_key``, and optionally ``tools``: the JSON of ``ServedTurn.tools``, None or absent
+            when not known).
         found: ``{(response_id, choice): (text, calls)}`` (:func:`selfrl.record.served.corrections`).
         version: the version the learner holds (the demonstrations' ``adapter_version``).
         max_len: the most completion tokens a demonstration may have.
@@ -208,7 +245,9 @@ def demonstrations(batch: list[tuple[Trajectory, dict]], found: dict[tuple[str, 
             continue
         grammar = turn.constraints[0] if turn.constraints else None  # a served turn has one or none
         kind = None if grammar is None else grammar.get("kind")
-        if (why := says_answer(text, calls) or _shape_problem(kind, text, calls)) is not None:
+        tools = None if row.get("tools") is None else json.loads(row["tools"])
+        if (why := says_answer(text, calls) or offered_problem(calls, tools)
+                or _shape_problem(kind, text, calls)) is not None:
             skipped[why] += 1
             continue
         if grammar is not None and not calls:  # the JSON as the grammar samples it: compact

@@ -36,7 +36,7 @@ from selfrl.record.store import Store
 from selfrl.record.versions import EventKind, Ledger
 from selfrl.run.setup import check_names
 from selfrl.serve.batcher import Batcher
-from selfrl.serve.corrections import says_answer, setting_refuses
+from selfrl.serve.corrections import offered_problem, says_answer, setting_refuses
 from selfrl.serve.errors import ApiError
 from selfrl.serve.feedback import explicit_value
 from selfrl.serve.health import StorageWatch
@@ -298,12 +298,12 @@ class Service:
             ApiError: 404 when the response (or that choice) was never served or recorded.
         """
         value = explicit_value(f.rating, f.is_corrected)
+        calls = [{"name": c.name, "arguments": json.loads(c.arguments or "{}")}
+                 for c in f.correction_tool_calls] if f.correction_tool_calls else None  # []: no calls
         try:
             applied = records.apply_feedback(self.store, f.response_id, f.choice, "explicit", value, f.rating,
                                              f.is_corrected, f.correction, f.comment, now=self.clock(), age=self.age_rule,
-                                             correction_calls=[{"name": c.name, "arguments": json.loads(
-                                                 c.arguments or "{}")} for c in f.correction_tool_calls]
-                                             if f.correction_tool_calls else None)  # []: no calls
+                                             correction_calls=calls)
         except KeyError:
             raise ApiError(404, f"no recorded response {f.response_id!r} with choice {f.choice}",
                            "response_id", "response_not_found") from None
@@ -311,8 +311,10 @@ class Service:
                "outcome": applied.outcome, "reason": applied.reason,
                "turns_updated": applied.updated, "turns_too_late": applied.too_late}
         if f.correction is not None or f.correction_tool_calls is not None:
+            row = records.find_response(self.store, f.response_id, f.choice)
+            offered = None if row is None or row.get("tools") is None else json.loads(row["tools"])
             out["correction"] = self.correction_use(applied.outcome, says_answer(f.correction, f.correction_tool_calls),
-                                                    f.correction_tool_calls)
+                                                    f.correction_tool_calls, offered_problem(calls, offered))
         if applied.too_late:
             note = (f"came too late for {applied.too_late} turn(s): already trained on or skipped (a turn waits "
                     f"learner.feedback_wait_s = {self.cfg.learner.feedback_wait_s:g} s for feedback); recorded, "
@@ -322,15 +324,20 @@ class Service:
                        {"response_id": f.response_id, "updated": applied.updated, "too_late": applied.too_late})
         return out
 
-    def correction_use(self, outcome: str, problem: str | None = None, calls: list | None = None) -> str:
+    def correction_use(self, outcome: str, problem: str | None = None, calls: list | None = None,
+                       unoffered: str | None = None) -> str:
         """What becomes of a correction (:mod:`selfrl.serve.corrections`) of a turn whose feedback
         ``outcome`` this is; ``problem``: why it cannot be an answer at all
-        (:func:`selfrl.serve.corrections.says_answer`), or None; ``calls``: its ``correction_tool_calls``. A replica answers by its owner's
+        (:func:`selfrl.serve.corrections.says_answer`), or None; ``calls``: its
+        ``correction_tool_calls``; ``unoffered``: why its calls cannot be its turn's
+        (:func:`selfrl.serve.corrections.offered_problem`), or None. A replica answers by its owner's
         setting (it refuses to start with another one: :func:`selfrl.serve.replica.check_owner_age_rule`)."""
         if problem is not None:
             return f"recorded only: {problem}"
         if (why := setting_refuses(self.cfg.learner.learn_from_corrections, calls)) is not None:
             return f"recorded only: {why}"
+        if unoffered is not None:
+            return f"recorded only: {unoffered}"
         if outcome == "too_old":
             return "recorded only: its turn is not trained on (see reason)"
         if self.learner is None and not self.cfg.replica:

@@ -251,6 +251,8 @@ class Turns:
             sqlite3.Error: the store could not be written (nothing of the response is recorded).
         """
         tools = client_tools(p.req.tools) if p.req.tool_choice != "none" else []
+        offered = [{"name": t.name, "parameters": t.parameters} for t in tools if not isinstance(p.req.tool_choice, dict)
+                   or t.name == p.req.tool_choice["function"]["name"]]  # a named tool_choice: that tool alone
         choices, completion_tokens, turns = [], 0, []
         version = gens[0].adapter_version
         for i, g in enumerate(gens):
@@ -280,7 +282,8 @@ class Turns:
             choices.append(choice)
             completion_tokens += len(ids)
             if p.req.record:
-                turns.append(self._turn(p, i, g, message, records_, content, not (finished or stopped), seconds))
+                turns.append(self._turn(p, i, g, message, records_, content, not (finished or stopped), seconds,
+                                        offered))
         if turns:
             records.add_turns(self.store, self.run_id, turns, now=self.clock())  # a turn's age runs on the clock
         return {
@@ -293,7 +296,7 @@ class Turns:
         }
 
     def _turn(self, p: Prepared, i: int, g: Generation, message: dict, calls, content, truncated,
-              seconds) -> records.ServedTurn:
+              seconds, offered: list[dict[str, Any]]) -> records.ServedTurn:
         P = len(p.prompt)
         # a turn sampled under a grammar records it: the learner replays its masks (selfrl.chat.constrain)
         trained = [1] * len(g.token_ids)
@@ -310,4 +313,5 @@ class Turns:
         )
         conversation = p.parent["conversation_id"] if p.parent else uuid.uuid4().hex
         key = conversation_key([*p.messages, message])
-        return records.ServedTurn(traj, p.response_id, i, conversation, p.group_key, key, p.client, p.family)
+        return records.ServedTurn(traj, p.response_id, i, conversation, p.group_key, key, p.client, p.family,
+                                  offered)
