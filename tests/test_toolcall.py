@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 
@@ -358,3 +359,8 @@ def test_json_number_ok_is_the_one_rule_of_the_decoder_and_the_server():
     for x, ok in cases:  # the server's check of decoded values agrees with the predicate
         assert non_finite_path({"a": [x]}) == (None if ok else ".a[0]")
     assert non_finite_path({"a": True}) is None  # a bool is not a number here
+    # before: ".a.b[0]", which reads as key a, key b, item 0
+    assert non_finite_path({"a.b[0]": math.nan}) == '["a.b[0]"]'
+    assert non_finite_path({"x": {"has space": [1, math.inf]}}) == '.x["has space"][1]'
+    assert non_finite_path({"x-default": {"é": math.nan}}) == ".x-default.é"  # nothing to mistake: as written
+    assert non_finite_path({"": [math.nan]}) == '[""][0]'

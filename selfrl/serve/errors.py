@@ -132,19 +132,31 @@ def finite(name: str, v: Any) -> Any:
     return v
 
 
+def _key_step(key: str) -> str:
+    """One key of a path: ``.key``, or the key as a JSON string in brackets when it is empty or
+    holds what would read as another step (``.``, ``[``, ``]``, ``"``, blank space or a control
+    character), so that the path names one key: ``x-default`` stays ``.x-default``, ``a.b`` is
+    ``["a.b"]``."""
+    plain = key and not any(c in '.[]"' or c.isspace() or not c.isprintable() for c in key)
+    return f".{key}" if plain else f"[{json.dumps(key, ensure_ascii=False)}]"
+
+
 def non_finite_path(value: Any, path: str = "") -> str | None:
     """The path (``.a.b[2]``) of the first number in the JSON ``value`` that JSON cannot carry
     (``NaN``, an infinity: Python's json reads ``NaN``, ``Infinity`` and ``1e400`` as such; an
     integer beyond a double's range, which a reader holding numbers as doubles takes as one), or None.
+    A key that is not a plain name is written as a JSON string in brackets (``["a.b"]``).
 
     >>> non_finite_path({"a": [1, {"b": float("nan")}]}), non_finite_path({"a": 1e308})
     ('.a[1].b', None)
+    >>> non_finite_path({"a.b[0]": float("inf")}), non_finite_path({"": [float("nan")]})
+    ('["a.b[0]"]', '[""][0]')
     """
     if isinstance(value, (int, float)) and not isinstance(value, bool) and not json_number_ok(value):
         return path or "."
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for k, v in items:
-        found = non_finite_path(v, f"{path}.{k}" if isinstance(value, dict) else f"{path}[{k}]")
+        found = non_finite_path(v, path + _key_step(str(k)) if isinstance(value, dict) else f"{path}[{k}]")
         if found is not None:
             return found
     return None
