@@ -46,8 +46,8 @@ serve-demo: $(STAMP)
 
 # Every learning result (docs/results/index.md): per environment its prompt baselines, then one RL run
 # per seed, each skipped when finished before (so the same command resumes); then the table
-# ($(RESULTS_DIR)/results.md and results.json). Hours on a CPU for all seven environments.
-ENVS ?= arithmetic function_calling function_calling_warm function_calling_live code_easy code_easy_warm web_easy
+# ($(RESULTS_DIR)/results.md and results.json). Hours on a CPU for all eight environments.
+ENVS ?= arithmetic function_calling function_calling_warm function_calling_live code_easy code_easy_warm web_easy swe_choice
 SEEDS ?= 0 1 2
 RESULTS_DIR ?= runs/results
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -69,10 +70,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclass(frozen=True)
 class Environment:
-    """One row group of the table: the shipped config and the shot counts of its prompt baseline."""
+    """One row group of the table: the shipped config, the shot counts of its prompt baseline, and
+    the arguments its prompt baseline needs beyond them (``scripts/prompt_baseline.py --set ...``)."""
 
     config: str  # relative to the repository root
     shots: tuple[int, ...]
+    prompt_args: tuple[str, ...] = ()
 
 
 ENVIRONMENTS = {
@@ -83,6 +86,9 @@ ENVIRONMENTS = {
     "code_easy": Environment("configs/code_easy.toml", (0, 1, 3)),
     "code_easy_warm": Environment("configs/code_easy_warm.toml", (0, 1, 3)),
     "web_easy": Environment("configs/web_easy.toml", (0, 1, 2, 3, 4)),
+    # 116 instances: 64 held out and 50 trained on leave 2 to show as solved examples; the prompts
+    # take theirs from a training pool of 40 (the held-out 64 come first and do not change)
+    "swe_choice": Environment("configs/swe_choice_64.toml", (0, 1, 3), ("--set", "task.num_train=40")),
 }
 LEDGER = "steps.json"
 
@@ -119,9 +125,13 @@ def code_version(root: Path = ROOT) -> str:
     """The code a step runs on: ``root``'s commit (12 hex digits), ``"<commit> with uncommitted
     changes"`` when a tracked file differs from it, or ``"unknown (not a git checkout)"`` when
     git cannot say (no git, no commit yet, or ``root`` is not the top of a repository: a folder
-    inside another one would report that one's commit)."""
+    inside another one would report that one's commit). Git's ``GIT_*`` variables (``GIT_DIR``,
+    ``GIT_WORK_TREE``...) are not passed on: they would name another repository's commit."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
+                              env=env).stdout.strip()
 
     try:
         if Path(git("rev-parse", "--show-toplevel")).resolve() != Path(root).resolve():
@@ -192,7 +202,7 @@ def steps(name: str, env: Environment, seeds: list[int], out: Path) -> list[tupl
     for k in env.shots:
         per_task = folder / f"prompt-k{k}.json"
         todo.append((f"prompt-k{k}", [sys.executable, "scripts/prompt_baseline.py", "--config", env.config,
-                                      "--shots", str(k), "--per-task", str(per_task)], per_task))
+                                      "--shots", str(k), *env.prompt_args, "--per-task", str(per_task)], per_task))
     for seed in seeds:
         run_dir = folder / f"seed{seed}"
         if (run_dir / "selfrl.db").exists():

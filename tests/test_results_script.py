@@ -5,6 +5,7 @@ interrupted RL run continues with ``--resume``)."""
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -233,16 +234,29 @@ def test_a_second_run_skips_what_is_finished_and_resumes_what_is_not(tmp_path, t
     assert len(calls) == 1 and calls[0][calls[0].index("--shots") + 1] == "5"
 
 
-def test_the_code_a_step_ran_on_is_its_commit_and_whether_tracked_files_differed(tmp_path):
+def test_the_code_a_step_ran_on_is_its_commit_and_whether_tracked_files_differed(tmp_path, monkeypatch):
     import subprocess
 
+    def commit(repo: Path) -> str:
+        git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+        subprocess.run([*git, "init", "-q"], check=True, env=clean)
+        (repo / "a.py").write_text("x = 1\n")
+        subprocess.run([*git, "add", "a.py"], check=True, env=clean)
+        subprocess.run([*git, "commit", "-qm", "a"], check=True, env=clean)
+        return subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              env=clean).stdout.strip()
+
+    other = tmp_path / "other"  # the repository GIT_DIR names: before, its commit was reported for any folder
+    other.mkdir()
+    commit(other)
+    monkeypatch.setenv("GIT_DIR", str(other / ".git"))
+    monkeypatch.setenv("GIT_WORK_TREE", str(other))
+    tmp_path = tmp_path / "repo"
+    tmp_path.mkdir()
+
     assert results.code_version(tmp_path) == "unknown (not a git checkout)"
-    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
-    subprocess.run([*git, "init", "-q"], check=True)
-    (tmp_path / "a.py").write_text("x = 1\n")
-    subprocess.run([*git, "add", "a.py"], check=True)
-    subprocess.run([*git, "commit", "-qm", "a"], check=True)
-    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    head = commit(tmp_path)
     assert results.code_version(tmp_path) == head[:12]
     (tmp_path / "new.txt").write_text("an untracked file changes no code")
     assert results.code_version(tmp_path) == head[:12]
@@ -420,3 +434,46 @@ def test_judge_vs_verifier_leaves_an_interrupted_run_out_of_its_tables(tmp_path,
     assert "| 0 | verifier | 2/5 = 0.400 [0.12, 0.77] | 4/5 = 0.800 [0.38, 0.96] | 1 | 2 of 2 |" in out
     assert "| 0 | judge |" not in out
     assert "Left out, not finished: judge-s0 (unfinished: iteration 1 of 2)" in out
+
+
+def load_prompt_baseline():
+    spec = importlib.util.spec_from_file_location("prompt_baseline", ROOT / "scripts" / "prompt_baseline.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def held_out_ids(cfg) -> list[str]:
+    from selfrl.envs import get_env
+
+    env = get_env(cfg.task.source, **cfg.task.options)
+    return [t.id for t in env.split(cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)[1]]
+
+
+@pytest.mark.parametrize("name", sorted(results.ENVIRONMENTS))
+def test_every_environment_s_prompts_are_measured_on_its_run_s_held_out_tasks(name):
+    """Each shipped environment's prompt baseline, with its ``prompt_args``, builds every shot
+    count it measures, and holds out exactly the tasks its RL run holds out (the table refuses
+    anything else, hours later)."""
+    from selfrl.envs import load_run_config
+
+    env = results.ENVIRONMENTS[name]
+    args = list(env.prompt_args)
+    assert args[::2] == ["--set"] * (len(args) // 2)  # the only argument the script's steps add
+    overrides = {k: json.loads(v) for k, _, v in (a.partition("=") for a in args[1::2])}
+    run_ids = held_out_ids(load_run_config(ROOT / env.config))
+    built = load_prompt_baseline().build_shot_envs(load_run_config(ROOT / env.config, overrides), list(env.shots))
+    assert [k for k, _, _ in built] == list(env.shots)
+    for k, _, val in built:
+        assert [t.id for t in val] == run_ids, f"k = {k}"
+
+
+def test_the_repair_tier_s_three_examples_need_the_smaller_training_pool():
+    """116 instances, 64 held out and 50 trained on leave 2: the 3-shot prompt is refused with the
+    run's config, which is why ``swe_choice`` passes ``task.num_train=40`` to its prompts."""
+    from selfrl.envs import load_run_config
+
+    env = results.ENVIRONMENTS["swe_choice"]
+    with pytest.raises(ValueError, match="--shots 3: swe refuses it"):
+        load_prompt_baseline().build_shot_envs(load_run_config(ROOT / env.config), [3])
+    assert "task.num_train=40" in env.prompt_args
