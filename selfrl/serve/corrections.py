@@ -104,6 +104,12 @@ def says_answer(text: str | None, calls: list[dict[str, Any]] | None) -> str | N
     return None
 
 
+def row_tools(row: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+    """The tools a served row's turn could call (its ``tools`` column, ``ServedTurn.tools``), or
+    None when not known: no row, or one stored before the column existed."""
+    return None if row is None or row.get("tools") is None else json.loads(row["tools"])
+
+
 def offered_problem(calls: list[dict[str, Any]] | None, tools: list[dict[str, Any]] | None) -> str | None:
     """Why ``calls`` cannot be those of a turn that could call ``tools``, or None when they can.
 
@@ -245,8 +251,7 @@ def demonstrations(batch: list[tuple[Trajectory, dict]], found: dict[tuple[str, 
             continue
         grammar = turn.constraints[0] if turn.constraints else None  # a served turn has one or none
         kind = None if grammar is None else grammar.get("kind")
-        tools = None if row.get("tools") is None else json.loads(row["tools"])
-        if (why := says_answer(text, calls) or offered_problem(calls, tools)
+        if (why := says_answer(text, calls) or offered_problem(calls, row_tools(row))
                 or _shape_problem(kind, text, calls)) is not None:
             skipped[why] += 1
             continue

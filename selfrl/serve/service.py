@@ -36,7 +36,7 @@ from selfrl.record.store import Store
 from selfrl.record.versions import EventKind, Ledger
 from selfrl.run.setup import check_names
 from selfrl.serve.batcher import Batcher
-from selfrl.serve.corrections import offered_problem, says_answer, setting_refuses
+from selfrl.serve.corrections import offered_problem, row_tools, says_answer, setting_refuses
 from selfrl.serve.errors import ApiError
 from selfrl.serve.feedback import explicit_value
 from selfrl.serve.health import StorageWatch
@@ -311,8 +311,7 @@ class Service:
                "outcome": applied.outcome, "reason": applied.reason,
                "turns_updated": applied.updated, "turns_too_late": applied.too_late}
         if f.correction is not None or f.correction_tool_calls is not None:
-            row = records.find_response(self.store, f.response_id, f.choice)
-            offered = None if row is None or row.get("tools") is None else json.loads(row["tools"])
+            offered = row_tools(records.find_response(self.store, f.response_id, f.choice))
             out["correction"] = self.correction_use(applied.outcome, says_answer(f.correction, f.correction_tool_calls),
                                                     f.correction_tool_calls, offered_problem(calls, offered))
         if applied.too_late:
