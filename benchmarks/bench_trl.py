@@ -60,10 +60,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    RESULTS, ROOT, base_parser, command_line, envelope, finish, in_memory_dataset, loadavg, model_name, out_folder,
-    peak_rss_bytes, print_table, run_child, write_result,
+    ROOT, base_parser, command_line, envelope, finish, in_memory_dataset, loadavg, model_name, peak_rss_bytes,
+    print_table, run_child,
 )
-from trl_setup import grpo_args, grpo_trainer, load_trainable, step_timeline  # noqa: E402
+from trl_compare import count_updates, plot, rate  # noqa: E402
+from trl_setup import constrain_generation, grpo_args, grpo_trainer, load_trainable, step_timeline  # noqa: E402
 
 CONFIG = ROOT / "configs" / "function_calling.toml"
 ARMS = ("trl", "selfrl")
@@ -72,24 +73,29 @@ TOOL_CALL_CLOSE = "</tool_call>"
 TINY = {"rollout.max_new_tokens": 16, "gate.val_size": 8, "gate.batch_size": 8}
 
 
-def arm_label(arm: str, grammar: bool) -> str:
-    """``trl``, ``selfrl`` or ``selfrl-free`` (selfrl sampling without the grammar).
+def arm_label(arm: str, grammar: bool, gated: bool = False) -> str:
+    """``selfrl`` / ``selfrl-free`` (selfrl with / without the grammar; ``-gated`` added with
+    ``--gate-every``), ``trl`` / ``trl-grammar`` (TRL sampling freely, as it does by itself /
+    under selfrl's grammar).
 
-    >>> arm_label("selfrl", False)
-    'selfrl-free'
+    >>> arm_label("selfrl", False), arm_label("selfrl", True, gated=True), arm_label("trl", True)
+    ('selfrl-free', 'selfrl-gated', 'trl-grammar')
     """
-    return arm if grammar or arm == "trl" else f"{arm}-free"
+    if arm == "trl":
+        return "trl-grammar" if grammar else "trl"
+    return arm + ("" if grammar else "-free") + ("-gated" if gated else "")
 
 
 def arm_config(args: argparse.Namespace, workdir: Path):
     """The run config of one arm: ``configs/function_calling.toml`` (with the environment's
     defaults under it) with ``--seed``, the run folder in ``workdir``, no validation while
-    training, ``rollout.constrain = "none"`` with ``--no-grammar`` and ``gate.batch_size`` =
+    training (``--gate-every N``: the gate every N updates), ``rollout.constrain = "none"``
+    without the grammar and ``gate.batch_size`` =
     ``--eval-batch-size`` when given."""
     from selfrl.envs import load_run_config
 
     overrides = {"model.name": model_name(args, workdir), "run_dir": str(workdir / "run"), "seed": args.seed,
-                 "iterations": 1_000_000, "gate.eval_every": 1_000_000}
+                 "iterations": 1_000_000, "gate.eval_every": args.gate_every or 1_000_000}
     if not args.grammar:
         overrides["rollout.constrain"] = "none"
     if args.eval_batch_size is not None:
@@ -105,7 +111,8 @@ def arm_config(args: argparse.Namespace, workdir: Path):
 def worker_selfrl(cfg_dict: dict, budget_s: float, out: Path) -> None:
     """``selfrl run``'s loop (:class:`selfrl.run.loop.Runner`), one iteration after another
     until ``budget_s`` seconds of iterations have passed; writes each update's end time
-    (seconds of training), version folder, mean reward and update note to ``out``."""
+    (seconds of training, the gate's validations included when it gates), version folder (the
+    newest candidate's; the champion's when the run gates), mean reward and update note to ``out``."""
     from selfrl.config import load_config
     from selfrl.record.adapters import version_dir
     from selfrl.run.loop import Runner
@@ -113,6 +120,7 @@ def worker_selfrl(cfg_dict: dict, budget_s: float, out: Path) -> None:
     from selfrl.run.setup import build_run
 
     cfg = load_config(base=cfg_dict)
+    gated = cfg.gate.eval_every < cfg.iterations
     runner = Runner(build_run(cfg), PlainProgress())
     steps, elapsed, t_wall = [], 0.0, time.perf_counter()
     try:
@@ -121,10 +129,14 @@ def worker_selfrl(cfg_dict: dict, budget_s: float, out: Path) -> None:
             it = len(steps)
             t = time.perf_counter()
             metrics = runner.iteration(it)
+            if gated and (it + 1) % cfg.gate.eval_every == 0 and runner.s.engine.version != runner.champion.version:
+                runner.gate(it, runner.validate())  # as selfrl.run.loop.Runner.run gates, and timed with it
             elapsed += time.perf_counter() - t
             version = runner.s.engine.version
-            steps.append({"step": it + 1, "seconds": elapsed, "version": version,
-                          "adapter": str(version_dir(cfg.run_dir, version)), "reward": metrics["reward/mean"],
+            # with the gate, the version a user is served is the champion, not the newest candidate
+            shown = runner.champion.version if gated else version
+            steps.append({"step": it + 1, "seconds": elapsed, "version": version, "champion": runner.champion.version,
+                          "adapter": str(version_dir(cfg.run_dir, shown)), "reward": metrics["reward/mean"],
                           "skipped": bool(metrics.get("skipped", 0.0))})
         runner.finish(False)
     finally:
@@ -155,7 +167,7 @@ def worker_trl(cfg_dict: dict, budget_s: float, out: Path) -> None:
     from selfrl.config import load_config
     from selfrl.envs import get_env
     from selfrl.envs.rewards import get_preset, score_batch
-    from selfrl.rollout.agent import initial_messages
+    from selfrl.rollout.agent import initial_messages, turn_constraint
     from selfrl.run.loop import iteration_tasks
 
     cfg = load_config(base=cfg_dict)
@@ -165,13 +177,17 @@ def worker_trl(cfg_dict: dict, budget_s: float, out: Path) -> None:
     weights = cfg.reward_weights or get_preset(cfg.preset)
     model, tok = load_trainable(cfg.model.name)
 
-    prompts, matches = {}, 0
+    prompts, matches, constraints = {}, 0, {}
     for t in train:  # the prompt of selfrl's rollout (selfrl.rollout.agent.rollout), as text
         env = source.make_env(t)
         native = [x.openai_schema() for x in env.tools] if template_supports_tools(tok) else None
         msgs = initial_messages(t, env.tools, cfg.rollout, tok, env.demonstration)
         prompts[t.id] = render(tok, msgs, add_generation_prompt=True, tools=native)
-        matches += tok(text=prompts[t.id])["input_ids"] == prompt_ids(tok, msgs, tools=native)
+        ids = tok(text=prompts[t.id])["input_ids"]
+        matches += ids == prompt_ids(tok, msgs, tools=native)
+        constraint = turn_constraint(cfg.rollout, env.tools)  # None without the grammar
+        if constraint is not None:
+            constraints[tuple(ids)] = constraint
     # one whole cycle of selfrl's walk through the training set (num_prompts passes), which
     # TRL's epochs repeat without a seam; TRL stops on time
     order = [t for it in range(len(train)) for t in iteration_tasks(train, it, cfg.num_prompts, cfg.task.train_seed)]
@@ -188,13 +204,14 @@ def worker_trl(cfg_dict: dict, budget_s: float, out: Path) -> None:
     steps = timeline.steps
     args = grpo_args(cfg, gradient_checkpointing=cfg.train.gradient_checkpointing, max_steps=10**9)
     trainer = grpo_trainer(cfg, model, tok, selfrl_reward, args, data, timeline)
+    grammar = constrain_generation(trainer, constraints) if constraints else None
     t = time.perf_counter()
     trainer.train()
     rewards = {r["step"]: r["reward"] for r in trainer.state.log_history if "reward" in r and "step" in r}
     for s in steps:  # the step's log is written after on_step_end
         s["reward"] = rewards.get(s["step"])
     json.dump({"steps": steps, "wall_s": time.perf_counter() - t, "peak_rss_bytes": peak_rss_bytes(),
-               "prompt_ids_match": [matches, len(train)], "trl_config": args.to_dict()},
+               "prompt_ids_match": [matches, len(train)], "grammar": grammar, "trl_config": args.to_dict()},
               open(out, "w"), default=str)
 
 
@@ -256,25 +273,6 @@ def eval_points(steps: list[dict], every_s: float) -> list[tuple[float, dict | N
     return points
 
 
-def count_updates(steps: list[dict]) -> int:
-    """The steps that changed the weights: a selfrl iteration whose update was skipped (no
-    signal, no gradient) is marked ``"skipped"``; every TRL step is an update.
-
-    >>> count_updates([{"skipped": True}, {"skipped": False}, {}])
-    2
-    """
-    return sum(1 for s in steps if not s.get("skipped", False))
-
-
-def iterations_and_updates(arm: dict) -> tuple[int, int]:
-    """An arm's training iterations and the updates among them, from its recorded steps (a
-    result written before ``"iterations"`` existed counted iterations as ``"updates"``)."""
-    steps = arm.get("train", {}).get("steps")
-    if steps is None:
-        return arm.get("iterations", arm["updates"]), arm["updates"]
-    return len(steps), count_updates(steps)
-
-
 def run_arm(args: argparse.Namespace, argv: list[str] | None) -> dict:
     """Train one arm in a child process, evaluate its adapters in another; write and return the result."""
     if args.arm == "trl":
@@ -287,9 +285,7 @@ def run_arm(args: argparse.Namespace, argv: list[str] | None) -> dict:
         trl_version = None
     if args.minutes <= 0:
         raise SystemExit(f"--minutes must be > 0, got {args.minutes}")
-    if args.arm == "trl" and not args.grammar:
-        raise SystemExit("--no-grammar is for --arm selfrl: TRL samples without a grammar anyway")
-    label = arm_label(args.arm, args.grammar)
+    label = arm_label(args.arm, args.grammar, gated=args.gate_every is not None)
     result = envelope(args, command_line("bench_trl.py", argv))
     workdir = args.workdir / f"{label}-seed{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     workdir.mkdir(parents=True)
@@ -306,7 +302,8 @@ def run_arm(args: argparse.Namespace, argv: list[str] | None) -> dict:
         curve.append({"seconds": t, "step": 0 if s is None else s["step"], "success": rate(per_task),
                       "results": per_task})
     result.update({
-        "arm": args.arm, "label": label, "grammar": args.grammar, "seed": args.seed, "minutes": args.minutes,
+        "arm": args.arm, "label": label, "grammar": args.grammar, "gate_every": args.gate_every, "seed": args.seed,
+        "minutes": args.minutes,
         "eval_every_s": args.eval_every, "eval_constrain": constrain, "trl_version": trl_version,
         "model": cfg.model.name, "iterations": len(train["steps"]), "updates": count_updates(train["steps"]),
         "training_s": train["steps"][-1]["seconds"] if train["steps"] else 0.0,
@@ -335,190 +332,7 @@ def _call(worker: str, payload: dict, workdir: Path) -> dict:
     return run_child([__file__, "--worker", worker, "--input", str(spec), "--output", str(out)], out)
 
 
-# ------------------------------------------------------------------ the comparison
-
-
-def rate(per_task: dict[str, bool]) -> float:
-    """Share of tasks solved (0.0 for none).
-
-    >>> rate({"a": True, "b": False})
-    0.5
-    """
-    return sum(per_task.values()) / max(len(per_task), 1)
-
-
-def time_to_reach(curve: list[dict], level: float) -> float | None:
-    """Training seconds of the first evaluation with success >= ``level`` (None: never).
-
-    >>> time_to_reach([{"seconds": 0, "success": 0.2}, {"seconds": 60, "success": 0.5}], 0.4)
-    60
-    """
-    return next((c["seconds"] for c in curve if c["success"] >= level - 1e-12), None)
-
-
-def compare(arms: list[dict], levels: list[float]) -> dict:
-    """The table over arms' results: per arm its final success, the seconds to reach each of
-    ``levels`` and TRL's final success, the speed-up there (TRL's seconds / the arm's), and
-    the paired difference of its final version against TRL's on the held-out tasks both
-    were scored on (mean, 95 % low, high; :func:`selfrl.core.stats.paired_difference_ci`).
-    ``trl_above_base`` is False where TRL ended no higher than its base: every arm is there at
-    0 seconds, so no speed-up is measured (``speedup`` None).
-
-    Raises:
-        SystemExit: more than one TRL result of one seed, or the arms scored on different held-out tasks.
-    """
-    from selfrl.core.stats import paired_difference_ci
-
-    tasks = {frozenset(a["curve"][0]["results"]) for a in arms}
-    if len(tasks) > 1:
-        raise SystemExit("the results were scored on different held-out tasks; compare runs of one config")
-    trl = {}
-    for a in arms:
-        if a["arm"] == "trl":
-            if a["seed"] in trl:
-                raise SystemExit(f"two TRL results for seed {a['seed']}; pass one")
-            trl[a["seed"]] = a
-    rows = []
-    for a in arms:
-        final = a["curve"][-1]
-        iterations, updates = iterations_and_updates(a)
-        row = {"label": a["label"], "seed": a["seed"], "iterations": iterations, "updates": updates,
-               "training_s": a["training_s"],
-               "base": a["curve"][0]["success"], "final": final["success"],
-               "reach": {str(lv): time_to_reach(a["curve"], lv) for lv in levels}}
-        ref = trl.get(a["seed"])
-        if ref is not None:
-            target = ref["curve"][-1]
-            row["trl_final"] = target["success"]
-            row["trl_final_s"] = time_to_reach(ref["curve"], target["success"])
-            row["reach_trl_final_s"] = time_to_reach(a["curve"], target["success"])
-            row["speedup"] = (row["trl_final_s"] / row["reach_trl_final_s"]
-                              if row["reach_trl_final_s"] and row["trl_final_s"] else None)
-            row["trl_above_base"] = target["success"] > ref["curve"][0]["success"]
-            shared = sorted(set(final["results"]) & set(target["results"]))
-            row["paired_vs_trl"] = paired_difference_ci([target["results"][t] for t in shared],
-                                                        [final["results"][t] for t in shared])
-        rows.append(row)
-    return {"levels": levels, "rows": rows}
-
-
-def draw(arms: list[dict], png: Path) -> None:
-    """One line per arm: held-out success (y) against training minutes (x), steps between evaluations."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4.2))
-    ax = fig.add_subplot()
-    for a in arms:
-        xs = [c["seconds"] / 60 for c in a["curve"]]
-        ax.step(xs, [c["success"] for c in a["curve"]], where="post", marker="o", markersize=3,
-                label=f"{a['label']} (seed {a['seed']})")
-    ax.set_xlabel("training time (minutes)")
-    ax.set_ylabel(f"held-out exact match ({len(arms[0]['curve'][0]['results'])} tasks)")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    model = "a tiny random model" if arms[0].get("tiny") else arms[0]["model"]
-    ax.set_title(f"BFCL simple (<= 3 parameters), {model} + LoRA")
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120, bbox_inches="tight")
-
-
-ARM_KEYS = ("arm", "label", "seed", "model", "updates", "training_s", "curve")
-POINT_KEYS = ("seconds", "step", "success", "results")
-
-
-def read_arm(path: Path) -> dict:
-    """One arm's result file as :func:`run_arm` writes it.
-
-    Raises:
-        ValueError: the file cannot be read, is not JSON, or lacks a key of :data:`ARM_KEYS`, a
-            non-empty ``curve`` or a key of :data:`POINT_KEYS` in a point (the message names the
-            file and what is missing).
-    """
-    again = "pass the JSON file an arm wrote (benchmarks/results/trl_<label>_seed<S>.json), or run the arm again"
-    try:
-        arm = json.loads(path.read_text())
-    except OSError as e:
-        raise ValueError(f"{path}: cannot be read ({e.strerror or e}); {again}") from None
-    except ValueError as e:
-        raise ValueError(f"{path}: not JSON ({e}); {again}") from None
-    if not isinstance(arm, dict):
-        raise ValueError(f"{path}: holds a {type(arm).__name__}, not an arm's result; {again}")
-    missing = [k for k in ARM_KEYS if k not in arm]
-    if missing:
-        raise ValueError(f"{path}: not an arm's result of bench_trl.py (no {', '.join(map(repr, missing))}); {again}")
-    curve = arm["curve"]
-    if not isinstance(curve, list) or not curve or not all(isinstance(c, dict) for c in curve):
-        raise ValueError(f"{path}: its 'curve' is not a non-empty list of points; {again}")
-    for i, c in enumerate(curve):
-        lacking = [k for k in POINT_KEYS if k not in c]
-        if lacking:
-            raise ValueError(f"{path}: point {i} of its 'curve' has no {', '.join(map(repr, lacking))}; {again}")
-    return arm
-
-
-def plot_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench_trl.py plot", description="Draw and tabulate arms' results.")
-    p.add_argument("results", nargs="+", type=Path, help="arms' JSON files (benchmarks/results/trl_*.json)")
-    p.add_argument("--png", type=Path, default=RESULTS / "trl_curve.png", help="the figure (PNG)")
-    p.add_argument("--levels", default="0.3,0.4,0.5", help="held-out success levels to time, comma-separated")
-    p.add_argument("--out", type=out_folder, default=None,
-                   help="folder for trl_compare.json (default benchmarks/results)")
-    return p
-
-
-def plot(argv: list[str]) -> dict:
-    """``bench_trl.py plot RESULT.json ...``: the figure and the table over arms' results.
-
-    Raises:
-        SystemExit: 2 (argparse's usage error, on stderr) for a missing or malformed result file
-            or bad ``--levels``; the message names the file and what to pass instead.
-    """
-    p = plot_parser()
-    args = p.parse_args(argv)
-    missing = [str(r) for r in args.results if not r.is_file()]
-    if missing:
-        p.error(f"no such result file: {', '.join(missing)}; run an arm first (bench_trl.py --arm trl|selfrl), "
-                "then pass the JSON file it wrote")
-    try:
-        levels = [float(x) for x in args.levels.split(",") if x.strip()]
-    except ValueError:
-        levels = []
-    if not levels or not all(0 <= lv <= 1 for lv in levels):
-        p.error(f"--levels takes numbers in [0, 1] separated by commas, got {args.levels!r}")
-    try:
-        arms = [read_arm(r) for r in args.results]
-    except ValueError as e:
-        p.error(str(e))
-    table = compare(arms, levels)
-    draw(arms, args.png)
-
-    def sec(x):
-        return "never" if x is None else f"{x:.0f}"
-
-    rows = []
-    for r in table["rows"]:
-        ci = r.get("paired_vs_trl")
-        rows.append([f"{r['label']} (seed {r['seed']})", r["iterations"], r["updates"], f"{r['training_s']:.0f}",
-                     f"{r['base']:.3f}", f"{r['final']:.3f}", *[sec(r["reach"][str(lv)]) for lv in levels],
-                     sec(r.get("reach_trl_final_s")), "-" if r.get("speedup") is None else f"{r['speedup']:.2f}",
-                     "-" if ci is None else f"{ci[0]:+.3f} [{ci[1]:+.3f}, {ci[2]:+.3f}]"])
-    print_table("Held-out success against training time (seconds)",
-                ["arm", "iterations", "updates", "training s", "base", "final", *[f"s to {lv:g}" for lv in levels],
-                 "s to TRL's final", "speed-up", "final - TRL's final [95 % CI]"], rows)
-    for seed in sorted({r["seed"] for r in table["rows"] if r.get("trl_above_base") is False}):
-        print(f"seed {seed}: TRL ended at its base's held-out success, where every arm starts: there is no "
-              "speed-up to measure; compare the finals (the last column) or train TRL longer (--minutes)")
-    result = {"command": command_line("bench_trl.py", ["plot", *map(str, args.results)]),
-              "files": [str(r) for r in args.results], "png": str(args.png), **table}
-    print(f"wrote {args.png} and {write_result('trl_compare', result, args.out)}")
-    return result
-
-
-USAGE = """%(prog)s [-h] --arm {trl,selfrl} [--minutes MINUTES] [--seed SEED] [--no-grammar] [options]
+USAGE = """%(prog)s [-h] --arm {trl,selfrl} [--minutes MINUTES] [--seed SEED] [--grammar | --no-grammar] [options]
        %(prog)s plot RESULT.json [RESULT.json ...] [--png PNG] [--levels LEVELS] [--out OUT]"""
 EPILOG = ("Subcommand: bench_trl.py plot RESULT.json ... draws the figure and the table over the JSON files "
           "the arms wrote (bench_trl.py plot --help lists its flags).")
@@ -533,8 +347,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--arm", choices=ARMS, help="which trainer this invocation runs")
     p.add_argument("--minutes", type=float, default=30.0, help="training time of the arm (minutes)")
     p.add_argument("--seed", type=int, default=0, help="run seed (LoRA initialisation, sampling)")
-    p.add_argument("--no-grammar", dest="grammar", action="store_false",
-                   help="selfrl samples without the tool-call grammar, as TRL does")
+    p.add_argument("--grammar", action=argparse.BooleanOptionalAction, default=None,
+                   help="sample the training turns under the config's tool-call grammar (default: on for "
+                        "selfrl, off for TRL, which has no constrained decoding without vLLM; --arm trl "
+                        "--grammar gives TRL's generate selfrl's grammar as a logits processor)")
+    p.add_argument("--gate-every", type=int, default=None,
+                   help="selfrl only: validate and gate every N updates, as a shipped config does (default: no "
+                        "gate while training); its validations count as training time, and the curve scores the "
+                        "version the gate serves")
     p.add_argument("--eval-every", type=float, default=120.0, help="score the adapter reached every this many seconds")
     p.add_argument("--eval-constrain", choices=("tool_call", "none"), default=None,
                    help="the held-out evaluation's grammar (default: the config's, tool_call)")
@@ -550,6 +370,10 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     if args.arm is None:
         p.error("pass --arm trl or --arm selfrl (or the plot subcommand: bench_trl.py plot RESULT.json ...)")
+    if args.grammar is None:
+        args.grammar = args.arm == "selfrl"
+    if args.gate_every is not None and (args.arm != "selfrl" or args.gate_every < 1):
+        p.error("--gate-every takes a number of updates >= 1, for --arm selfrl (TRL has no gate)")
     return run_arm(args, argv)
 
 

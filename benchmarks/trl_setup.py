@@ -120,3 +120,56 @@ def step_timeline(adapters_dir: Path, width: int, budget_s: float | None = None,
                 control.should_training_stop = True
 
     return Timeline()
+
+
+def constrain_generation(trainer, constraints: dict[tuple[int, ...], Any]) -> dict[str, int]:
+    """Make ``trainer`` (a ``trl.GRPOTrainer`` generating with transformers, no vLLM) sample
+    every completion under its prompt's grammar, as selfrl's rollout samples it.
+
+    TRL 1.16 constrains decoding only through vLLM (``vllm_structured_outputs_regex``); this
+    replaces the ``generate`` of the trainer's model (the object TRL's
+    ``unwrap_model_for_generation`` yields on one CPU process) with one that passes selfrl's
+    per-row logits processor (:class:`selfrl.chat.constrain.GrammarMasks`): each row's
+    prompt ids (the unpadded ``input_ids``) pick its constraint in ``constraints``. TRL's
+    loss is unchanged: its log-probabilities are of the unmasked distribution (as with vLLM's
+    structured outputs), where selfrl's learner recomputes the masked one.
+
+    Args:
+        trainer: the trainer, already built.
+        constraints: prompt token ids -> :class:`selfrl.chat.constrain.Constraint`.
+
+    Returns:
+        Counters the patched ``generate`` keeps up to date: ``calls``, ``rows`` sampled and
+        ``failed`` rows (a grammar that failed mid-row ends it with an EOS, as in selfrl).
+
+    Raises:
+        RuntimeError: (at generation) a prompt whose ids are not in ``constraints``: sampling
+            it unconstrained would change the arm silently.
+    """
+    from transformers import LogitsProcessorList
+
+    from selfrl.chat.constrain import GrammarMasks
+
+    model, tok = trainer.model, trainer.processing_class
+    original = model.generate
+    vocab = model.get_output_embeddings().weight.shape[0]
+    stats = {"calls": 0, "rows": 0, "failed": 0}
+
+    def generate(*args, input_ids, attention_mask, **kwargs):
+        rows = []
+        for ids, keep in zip(input_ids, attention_mask):
+            key = tuple(ids[keep.bool()].tolist())
+            if key not in constraints:
+                raise RuntimeError(f"no grammar for a prompt of {len(key)} tokens (ending "
+                                   f"{tok.decode(list(key[-12:]))!r}): the arm would sample it unconstrained")
+            rows.append(constraints[key])
+        masks = GrammarMasks(rows, tok, vocab, list(trainer.eos_token_ids), input_ids.shape[1])
+        out = original(*args, input_ids=input_ids, attention_mask=attention_mask,
+                       logits_processor=LogitsProcessorList([masks]), **kwargs)
+        stats["calls"] += 1
+        stats["rows"] += len(rows)
+        stats["failed"] += sum(e is not None for e in masks.errors)
+        return out
+
+    model.generate = generate
+    return stats

@@ -1,7 +1,7 @@
 """Smoke tests of the benchmarks: each runs once on a tiny random model (``--tiny``) so the
 scripts don't rot, and its JSON holds the values it must (hand-computed where possible).
 
-The TRL comparison runs only where the ``bench`` extra (``trl``) is installed.
+The TRL comparisons are tested in ``test_bench_trl.py``.
 """
 
 import importlib.util
@@ -20,8 +20,6 @@ import bench_cost  # noqa: E402
 import bench_hotswap  # noqa: E402
 import bench_learner_memory  # noqa: E402
 import bench_scaling  # noqa: E402
-import bench_trl  # noqa: E402
-import bench_trl_demo  # noqa: E402
 from common import Stats  # noqa: E402
 
 TINY = ["--tiny", "--repeats", "1"]
@@ -78,7 +76,6 @@ def test_scaling_tiny(tmp_path):
     assert [p["completion_tokens"] for p in r["points"]] == [16, 32, 32, 16]
     assert all(p["skipped"] == 0.0 for p in r["points"])
     assert png.read_bytes()[:4] == b"\x89PNG"
-
 
 
 def test_synthetic_batch_shapes(tiny_tokenizer):
@@ -157,173 +154,6 @@ def test_cost_marks_a_run_that_has_not_finished(tmp_path, capsys):
     assert "(0 updates skipped); unfinished: iteration 1 of 3" in out
     assert f"bench_cost: note: the run at {run_dir} is unfinished: iteration 1 of 3: the figures are over the " \
            "1 iterations it has" in err
-
-
-def test_checkpoint_at_equal_wall_clock():
-    steps = [{"step": 1, "seconds": 10.0}, {"step": 2, "seconds": 20.0}]
-    assert bench_trl_demo.checkpoint_at(steps, 20.0)["step"] == 2
-    assert bench_trl_demo.checkpoint_at(steps, 19.9)["step"] == 1
-    assert bench_trl_demo.checkpoint_at(steps, 9.0) is None
-
-
-@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="the bench extra (trl) is not installed")
-def test_trl_tiny(tmp_path):
-    r = bench_trl_demo.main(TINY + ["--inprocess", "--out", str(tmp_path), "--workdir", str(tmp_path / "work")])
-    assert r["rollouts_per_trainer"] == 2 * 2 * 2
-    assert [s["step"] for s in r["trl"]["steps"]] == [1, 2]
-    assert len(r["selfrl"]["steps"]) == 2
-    for s in r["trl"]["steps"]:
-        assert (Path(s["adapter"]) / "adapter_model.safetensors").exists()
-    per = r["rows"]["seconds per update (median)"]
-    assert per["ratio"] == pytest.approx(per["selfrl"] / per["trl"])
-    assert 0.0 <= r["rows"]["held-out success, equal rollouts"]["trl"] <= 1.0
-
-
-def _arm(arm: str, label: str, curve: list[tuple[float, int, str]], training_s: float) -> dict:
-    """An arm's result as bench_trl.py writes it: ``curve`` is (seconds, step, solved task
-    letters) over the held-out tasks a, b, c, d."""
-    return {"arm": arm, "label": label, "seed": 0, "model": "m", "updates": curve[-1][1], "training_s": training_s,
-            "curve": [{"seconds": t, "step": k, "success": len(won) / 4, "results": {x: x in won for x in "abcd"}}
-                      for t, k, won in curve]}
-
-
-def write_arms(folder, *arms: dict) -> list:
-    """Each arm's result written to ``folder/<label>.json``, as bench_trl.py's plot reads them; the paths."""
-    files = []
-    for a in arms:
-        files.append(folder / f"{a['label']}.json")
-        files[-1].write_text(json.dumps(a))
-    return files
-
-
-def test_trl_plot_times_each_arm_to_trls_final_success(tmp_path):
-    trl = _arm("trl", "trl", [(0.0, 0, ""), (600.0, 10, "a"), (1200.0, 20, "ab")], 1250.0)
-    ours = _arm("selfrl", "selfrl", [(0.0, 0, ""), (300.0, 12, "ab"), (900.0, 40, "abc")], 930.0)
-    files = write_arms(tmp_path, trl, ours)
-    png = tmp_path / "curve.png"
-    r = bench_trl.main(["plot", *map(str, files), "--png", str(png), "--levels", "0.3,0.6", "--out", str(tmp_path)])
-    theirs, mine = r["rows"]
-    assert theirs["reach"] == {"0.3": 1200.0, "0.6": None} and mine["reach"] == {"0.3": 300.0, "0.6": 900.0}
-    assert (theirs["trl_final"], theirs["trl_final_s"], theirs["speedup"]) == (0.5, 1200.0, 1.0)
-    assert theirs["trl_above_base"] is True
-    assert (mine["final"], mine["reach_trl_final_s"], mine["speedup"]) == (0.75, 300.0, 4.0)
-    # paired on a, b, c, d: TRL's final solves a b, selfrl's a b c: differences 0 0 1 0, mean 0.25,
-    # sample standard deviation 0.5, half width 1.96 x 0.5 / 2
-    assert mine["paired_vs_trl"] == pytest.approx((0.25, 0.25 - 0.49, 0.25 + 0.49))
-    assert theirs["paired_vs_trl"] == (0.0, 0.0, 0.0)
-    assert png.read_bytes()[:4] == b"\x89PNG"
-    assert json.loads((tmp_path / "trl_compare.json").read_text())["rows"][1]["speedup"] == 4.0
-
-
-def test_trl_plot_says_when_trl_never_rose_above_its_base(tmp_path, capsys):
-    trl = _arm("trl", "trl", [(0.0, 0, "a"), (600.0, 5, "a")], 620.0)
-    ours = _arm("selfrl", "selfrl", [(0.0, 0, "a"), (120.0, 6, "ab")], 130.0)
-    files = write_arms(tmp_path, trl, ours)
-    r = bench_trl.main(["plot", *map(str, files), "--png", str(tmp_path / "c.png"), "--out", str(tmp_path)])
-    theirs, mine = r["rows"]
-    assert (theirs["trl_above_base"], mine["trl_above_base"]) == (False, False)
-    assert (mine["reach_trl_final_s"], mine["speedup"]) == (0.0, None)
-    assert "seed 0: TRL ended at its base's held-out success" in capsys.readouterr().out
-
-
-def test_trl_plot_counts_skipped_iterations_apart_from_updates(tmp_path, capsys):
-    # the column was "updates" and counted iterations: 152 for an arm that updated 3 times
-    trl = _arm("trl", "trl", [(0.0, 0, "a"), (600.0, 2, "ab")], 620.0)
-    trl["train"] = {"steps": [{"step": 1, "seconds": 300.0}, {"step": 2, "seconds": 600.0}]}
-    ours = _arm("selfrl", "selfrl", [(0.0, 0, "a"), (120.0, 4, "ab")], 130.0)
-    ours["train"] = {"steps": [{"step": k, "seconds": 30.0 * k, "skipped": k != 3} for k in (1, 2, 3, 4)]}
-    files = write_arms(tmp_path, trl, ours)
-    r = bench_trl.main(["plot", *map(str, files), "--png", str(tmp_path / "c.png"), "--out", str(tmp_path)])
-    theirs, mine = r["rows"]
-    assert (theirs["iterations"], theirs["updates"]) == (2, 2) and (mine["iterations"], mine["updates"]) == (4, 1)
-    header = next(line for line in capsys.readouterr().out.splitlines() if " arm " in line)
-    assert [c.strip() for c in header.split("┃")[1:4]] == ["arm", "iterations", "updates"]
-
-
-def test_trl_plot_refuses_arms_scored_on_different_tasks(tmp_path):
-    a = _arm("trl", "trl", [(0.0, 0, "")], 0.0)
-    b = _arm("selfrl", "selfrl", [(0.0, 0, "")], 0.0)
-    b["curve"][0]["results"] = {"z": True}
-    for x in (a, b):
-        (tmp_path / f"{x['label']}.json").write_text(json.dumps(x))
-    with pytest.raises(SystemExit, match="different held-out tasks"):
-        bench_trl.main(["plot", str(tmp_path / "trl.json"), str(tmp_path / "selfrl.json"), "--png",
-                        str(tmp_path / "c.png"), "--out", str(tmp_path)])
-
-
-def test_trl_help_names_the_plot_subcommand(capsys):
-    with pytest.raises(SystemExit) as stop:
-        bench_trl.main(["--help"])
-    out = capsys.readouterr().out
-    assert stop.value.code == 0
-    assert "bench_trl.py plot RESULT.json [RESULT.json ...] [--png PNG] [--levels LEVELS] [--out OUT]" in out
-    assert "Subcommand: bench_trl.py plot RESULT.json ... draws the figure" in out
-
-
-@pytest.mark.parametrize("content, message", [
-    (None, "no such result file: {path}; run an arm first (bench_trl.py --arm trl|selfrl)"),
-    ("{", "{path}: not JSON (Expecting property name"),
-    ("[1, 2]", "{path}: holds a list, not an arm's result"),
-    ('{"arm": "trl"}', "{path}: not an arm's result of bench_trl.py (no 'label', 'seed', 'model', 'updates', "
-                       "'training_s', 'curve')"),
-    ("ARM_EMPTY_CURVE", "{path}: its 'curve' is not a non-empty list of points"),
-    ("ARM_BAD_POINT", "{path}: point 0 of its 'curve' has no 'results'"),
-])
-def test_trl_plot_refuses_a_missing_or_malformed_file_without_a_traceback(tmp_path, capsys, content, message):
-    path = tmp_path / "arm.json"
-    arm = _arm("trl", "trl", [(0.0, 0, "")], 0.0)
-    if content == "ARM_EMPTY_CURVE":
-        content = json.dumps({**arm, "curve": []})
-    elif content == "ARM_BAD_POINT":
-        content = json.dumps({**arm, "curve": [{"seconds": 0, "step": 0, "success": 0.0}]})
-    if content is not None:
-        path.write_text(content)
-    with pytest.raises(SystemExit) as stop:
-        bench_trl.main(["plot", str(path), "--png", str(tmp_path / "c.png"), "--out", str(tmp_path)])
-    err = capsys.readouterr().err
-    assert stop.value.code == 2
-    assert f"bench_trl.py plot: error: {message.format(path=path)}" in err
-    assert "Traceback" not in err and not (tmp_path / "c.png").exists()
-
-
-@pytest.mark.parametrize("levels", ["", "a,b", "0.3,1.5"])
-def test_trl_plot_refuses_levels_outside_0_1(tmp_path, capsys, levels):
-    path = tmp_path / "arm.json"
-    path.write_text(json.dumps(_arm("trl", "trl", [(0.0, 0, "")], 0.0)))
-    with pytest.raises(SystemExit) as stop:
-        bench_trl.main(["plot", str(path), "--levels", levels, "--png", str(tmp_path / "c.png")])
-    assert stop.value.code == 2
-    assert f"--levels takes numbers in [0, 1] separated by commas, got {levels!r}" in capsys.readouterr().err
-
-
-def test_trl_eval_points_score_each_reached_step_once():
-    steps = [{"step": k, "seconds": s} for k, s in ((1, 50.0), (2, 130.0), (3, 170.0), (4, 250.0))]
-    # at 120 s step 1 is still the last, at 240 s step 3: neither is scored twice
-    assert [(t, s and s["step"]) for t, s in bench_trl.eval_points(steps, 60.0)] == [
-        (0.0, None), (60.0, 1), (180.0, 3), (250.0, 4)]
-    with pytest.raises(ValueError, match="--eval-every"):
-        bench_trl.eval_points(steps, 0.0)
-
-
-def test_trl_reward_scores_a_completion_as_selfrl_scores_its_rollout():
-    """TRL's reward is selfrl's on the completion cut after its first call (selfrl stops there):
-    the right call earns 1.0 whatever follows, a wrong argument value partial credit."""
-    from selfrl.envs import get_env, load_run_config
-    from selfrl.envs.rewards import get_preset, score_batch
-    from selfrl.core.tasks import split_tasks
-
-    cfg = load_run_config(bench_trl.CONFIG)
-    source = get_env(cfg.task.source, **cfg.task.options)
-    train, _ = split_tasks(source, cfg.task.num_train, cfg.gate.val_size, cfg.task.train_seed, cfg.task.val_seed)
-    task = train[0]
-    (name, args), = json.loads(task.answer)[0].items()
-    right = {"name": name, "arguments": {k: v[0] for k, v in args.items() if v[0] != ""}}
-    wrong = {"name": name, "arguments": {k: "no such value" for k in right["arguments"]}}
-    texts = [f"<tool_call>{json.dumps(right)}</tool_call> and then <tool_call>{json.dumps(wrong)}</tool_call>",
-             f"<tool_call>{json.dumps(wrong)}</tool_call>", "no call"]
-    trajs = [bench_trl.completion_trajectory(x, task.id, "g") for x in texts]
-    score_batch(trajs, {task.id: task}, source, get_preset(cfg.preset))
-    assert [t.reward for t in trajs] == [1.0, 0.5, 0.0]
 
 
 def test_overlap_tiny(tmp_path):
