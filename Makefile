@@ -82,10 +82,11 @@ MINUTES ?= 30
 SEED ?= 0
 bench-trl: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
-	for arm in "trl" "selfrl" "selfrl --no-grammar"; do \
+	for arm in "trl --grammar" "selfrl" "trl" "selfrl --no-grammar"; do \
 		HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_trl.py --arm $$arm --minutes $(MINUTES) --seed $(SEED) || exit 1; done
-	$(BIN)/python benchmarks/bench_trl.py plot benchmarks/results/trl_trl_seed$(SEED).json \
-		benchmarks/results/trl_selfrl_seed$(SEED).json benchmarks/results/trl_selfrl-free_seed$(SEED).json
+	$(BIN)/python benchmarks/bench_trl.py plot benchmarks/results/trl_trl-grammar_seed$(SEED).json \
+		benchmarks/results/trl_selfrl_seed$(SEED).json benchmarks/results/trl_trl_seed$(SEED).json \
+		benchmarks/results/trl_selfrl-free_seed$(SEED).json
 
 test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m slow -q

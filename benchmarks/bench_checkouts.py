@@ -70,7 +70,7 @@ def run_in(checkout: Path, argv: list[str], result: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = base_parser(__doc__)
+    p = base_parser(__doc__, repeats=False)
     p.add_argument("--before", type=Path, default=None, help="the other checkout (a git worktree of an earlier commit)")
     p.add_argument("--rounds", type=int, default=2, help="processes per checkout")
     p.add_argument("--seeds", type=int, default=3, help="batches per process (seeds 0 to N - 1)")

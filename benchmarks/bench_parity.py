@@ -146,7 +146,7 @@ COLUMNS = ["", "tool use", "correct", "zero-spread groups", "distinct compl./gro
 
 
 def main(argv: list[str] | None = None) -> Path:
-    p = base_parser(__doc__)
+    p = base_parser(__doc__, repeats=False)
     p.add_argument("--engines", default="reference,slots", help="backends, comma-separated (selfrl.engines)")
     p.add_argument("--seeds", type=int, default=6, help="first iterations sampled per backend (seed = iteration)")
     p.add_argument("--preset", default="label-free", help="reward preset the rollouts are scored with")

@@ -130,7 +130,7 @@ def level_in_child(url: str, clients: int, requests: int, max_tokens: int, out: 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = base_parser(__doc__)
+    p = base_parser(__doc__, repeats=False)
     p.add_argument("--engines", default="reference,slots", help="backends, comma-separated (selfrl.engines)")
     p.add_argument("--clients", default="1,8,32", help="levels: concurrent clients, comma-separated")
     p.add_argument("--requests", type=int, default=3, help="requests per client at each level")

@@ -127,7 +127,7 @@ def child(arm: str, model: str, rounds: int, tokens: int, val_size: int, out: Pa
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    p = base_parser(__doc__)
+    p = base_parser(__doc__, repeats=False)
     p.add_argument("--rounds", type=int, default=12, help="learner updates per arm")
     p.add_argument("--tokens", type=int, default=24, help="completion tokens of each rated turn, and of each held-out answer")
     p.add_argument("--val-size", type=int, default=8, help="held-out arithmetic tasks of each gate")

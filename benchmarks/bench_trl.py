@@ -2,9 +2,11 @@
 
 One arm per invocation, then one figure and table over the arms' JSON files:
 
-    nice -n 19 python benchmarks/bench_trl.py --arm trl --minutes 30 --seed 0
+    nice -n 19 python benchmarks/bench_trl.py --arm trl --grammar --minutes 30 --seed 0
     nice -n 19 python benchmarks/bench_trl.py --arm selfrl --minutes 30 --seed 0
+    nice -n 19 python benchmarks/bench_trl.py --arm trl --minutes 30 --seed 0
     nice -n 19 python benchmarks/bench_trl.py --arm selfrl --no-grammar --minutes 30 --seed 0
+    nice -n 19 python benchmarks/bench_trl.py --arm selfrl --gate-every 4 --minutes 30 --seed 0
     python benchmarks/bench_trl.py plot benchmarks/results/trl_*_seed0.json --png docs/results/trl_curve.png
     python benchmarks/bench_trl.py --arm trl --tiny --minutes 1      # tiny random model (smoke test)
 
@@ -31,10 +33,19 @@ Each arm runs alone: run them one after the other on an otherwise idle machine.
 Where the arms cannot be the same:
 
 * **Grammar.** selfrl samples each turn under the config's ``tool_call`` grammar (one call to
-  the offered function, arguments valid against its schema); TRL's GRPOTrainer has no
-  constrained decoding and samples freely. ``--arm selfrl --no-grammar`` trains selfrl without
-  the grammar too (``rollout.constrain = "none"``): compare TRL with both. The held-out
+  the offered function, arguments valid against its schema); TRL 1.16's GRPOTrainer
+  constrains decoding only through vLLM, so by itself it samples freely. ``--arm trl
+  --grammar`` gives TRL's ``generate`` selfrl's grammar masks as a logits processor
+  (``trl_setup.constrain_generation``): the same completions can be sampled, but TRL's loss
+  keeps the unmasked log-probabilities, where selfrl's learner replays the masks.
+  ``--arm selfrl --no-grammar`` trains selfrl without the grammar (``rollout.constrain =
+  "none"``). Each arm is compared with the TRL arm that sampled as it did. The held-out
   evaluation uses the grammar for every arm (``--eval-constrain none`` evaluates without it).
+* **Gate.** By default the selfrl arm runs without its held-out gate (no validation counts
+  against its time), so a collapse rolls back to the base; ``--gate-every N`` gates every N
+  updates as a shipped config does, counts the validations as training time, and the curve
+  scores the version the gate serves. The gate validates on the same held-out tasks the curve
+  scores, which flatters that arm.
 * **Stop.** selfrl stops a turn at ``</tool_call>`` (``rollout.stop_at_tool_call``); TRL stops
   only at the end of turn or at 64 tokens, so it samples and trains on tokens after the call.
   Its reward sees the completion up to the first ``</tool_call>``, as selfrl's would.
@@ -43,8 +54,7 @@ Where the arms cannot be the same:
   reward function that raises fails the TRL step (TRL has no way to leave one sample out).
 * **The update.** selfrl skips sequences whose advantage is 0, and its update guards
   (``train.skip_max_*``) may skip an update; TRL trains on every completion. selfrl's
-  collapse rules may roll back to an earlier version; TRL has none. Neither gates: the
-  held-out set is scored afterwards, not during training.
+  collapse rules may roll back to an earlier version; TRL has none.
 * **Prompt.** TRL gets selfrl's prompt as text (system prompt, tool description, the worked
   example, the question, rendered by the chat template); ``prompt_ids_match`` in the JSON
   counts the tasks whose tokens TRL's tokenizer call gives exactly as selfrl's.
@@ -283,8 +293,6 @@ def run_arm(args: argparse.Namespace, argv: list[str] | None) -> dict:
         trl_version = trl.__version__
     else:
         trl_version = None
-    if args.minutes <= 0:
-        raise SystemExit(f"--minutes must be > 0, got {args.minutes}")
     label = arm_label(args.arm, args.grammar, gated=args.gate_every is not None)
     result = envelope(args, command_line("bench_trl.py", argv))
     workdir = args.workdir / f"{label}-seed{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -342,15 +350,17 @@ def main(argv: list[str] | None = None) -> dict:
     raw = sys.argv[1:] if argv is None else argv
     if raw[:1] == ["plot"]:
         return plot(raw[1:])
-    p = base_parser(__doc__)
+    p = base_parser(__doc__, repeats=False)
     p.prog, p.usage, p.epilog = "bench_trl.py", USAGE, EPILOG
     p.add_argument("--arm", choices=ARMS, help="which trainer this invocation runs")
     p.add_argument("--minutes", type=float, default=30.0, help="training time of the arm (minutes)")
     p.add_argument("--seed", type=int, default=0, help="run seed (LoRA initialisation, sampling)")
-    p.add_argument("--grammar", action=argparse.BooleanOptionalAction, default=None,
-                   help="sample the training turns under the config's tool-call grammar (default: on for "
-                        "selfrl, off for TRL, which has no constrained decoding without vLLM; --arm trl "
-                        "--grammar gives TRL's generate selfrl's grammar as a logits processor)")
+    p.add_argument("--grammar", dest="grammar", action="store_const", const=True, default=None,
+                   help="sample the training turns under the config's tool-call grammar (the default for "
+                        "selfrl; for TRL, which constrains decoding only through vLLM, selfrl's grammar masks "
+                        "become a logits processor on its generate)")
+    p.add_argument("--no-grammar", dest="grammar", action="store_const", const=False,
+                   help="sample without the grammar (the default for TRL)")
     p.add_argument("--gate-every", type=int, default=None,
                    help="selfrl only: validate and gate every N updates, as a shipped config does (default: no "
                         "gate while training); its validations count as training time, and the curve scores the "
@@ -372,6 +382,13 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("pass --arm trl or --arm selfrl (or the plot subcommand: bench_trl.py plot RESULT.json ...)")
     if args.grammar is None:
         args.grammar = args.arm == "selfrl"
+    # checked before the arm trains for --minutes, not after
+    if args.eval_every <= 0:
+        p.error(f"--eval-every takes seconds > 0, got {args.eval_every:g}")
+    if args.eval_batch_size is not None and args.eval_batch_size < 1:
+        p.error(f"--eval-batch-size takes a number of tasks >= 1, got {args.eval_batch_size}")
+    if args.minutes <= 0:
+        p.error(f"--minutes takes minutes > 0, got {args.minutes:g}")
     if args.gate_every is not None and (args.arm != "selfrl" or args.gate_every < 1):
         p.error("--gate-every takes a number of updates >= 1, for --arm selfrl (TRL has no gate)")
     return run_arm(args, argv)

@@ -209,7 +209,7 @@ def ratio(a: float, b: float) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = base_parser(__doc__)
+    p = base_parser(__doc__, repeats=False)
     p.add_argument("--updates", type=int, default=4, help="updates (optimizer steps) for each trainer")
     p.add_argument("--num-prompts", type=int, default=8, help="tasks per update")
     p.add_argument("--num-generations", type=int, default=8, help="samples per task (group size)")

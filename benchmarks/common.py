@@ -166,12 +166,15 @@ def out_folder(text: str) -> Path:
     return Path(text)
 
 
-def base_parser(doc: str) -> argparse.ArgumentParser:
-    """The flags every benchmark takes: ``--tiny``, ``--repeats``, ``--out``; the description is
-    the first paragraph of ``doc`` (the benchmark's docstring), whole sentences."""
+def base_parser(doc: str, repeats: bool = True) -> argparse.ArgumentParser:
+    """The flags every benchmark takes: ``--tiny``, ``--out``, and ``--repeats`` where it times a
+    figure more than once (``repeats=False``: a benchmark that does not, which then refuses the
+    flag rather than ignore it); the description is the first paragraph of ``doc`` (the
+    benchmark's docstring), whole sentences."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny random model built from a config (seconds; smoke test)")
-    p.add_argument("--repeats", type=at_least(1), default=3, help="timed repeats per figure (median, min, max)")
+    if repeats:
+        p.add_argument("--repeats", type=at_least(1), default=3, help="timed repeats per figure (median, min, max)")
     p.add_argument("--out", type=out_folder, default=None,
                    help="folder for the JSON result (default benchmarks/results); checked before any work")
     return p
@@ -188,7 +191,7 @@ def command_line(script: str, argv: list[str] | None) -> str:
 
 def envelope(args: argparse.Namespace, command: str) -> dict[str, Any]:
     """What every result starts with: the command, the machine, the time and the load."""
-    return {"command": command, "tiny": bool(args.tiny), "repeats": args.repeats, "machine": machine(),
+    return {"command": command, "tiny": bool(args.tiny), "repeats": getattr(args, "repeats", None), "machine": machine(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "loadavg_start": loadavg()}
 
 

@@ -545,7 +545,8 @@ def write_table(envs: list[str], seeds: list[int], out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{run,table}",
+                           title="commands (one is required)")
     for name, text in (("run", "run every step not yet finished"), ("table", "write results.md and results.json")):
         s = sub.add_parser(name, help=text)
         s.add_argument("--envs", nargs="+", default=list(ENVIRONMENTS),
@@ -553,6 +554,10 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="RL seeds (default 0 1 2)")
         s.add_argument("--out", default="runs/results", help="results folder (default runs/results)")
     a = p.parse_args(argv)
+    for flag, values in (("--envs", a.envs), ("--seeds", a.seeds)):
+        twice = sorted({str(v) for v in values if values.count(v) > 1})
+        if twice:  # a row per name: a repeated one would count one run twice
+            sub.choices[a.command].error(f"{flag} names {', '.join(twice)} more than once; name each once")
     out = Path(a.out).resolve()  # the steps run from the repository root
     try:
         if a.command == "run":

@@ -19,7 +19,6 @@ import bench_trl_demo  # noqa: E402
 import trl_compare  # noqa: E402
 import trl_setup  # noqa: E402
 
-TINY = ["--tiny", "--repeats", "1"]
 
 
 def test_checkpoint_at_equal_wall_clock():
@@ -31,7 +30,7 @@ def test_checkpoint_at_equal_wall_clock():
 
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="the bench extra (trl) is not installed")
 def test_trl_tiny(tmp_path):
-    r = bench_trl_demo.main(TINY + ["--inprocess", "--out", str(tmp_path), "--workdir", str(tmp_path / "work")])
+    r = bench_trl_demo.main(["--tiny", "--inprocess", "--out", str(tmp_path), "--workdir", str(tmp_path / "work")])
     assert r["rollouts_per_trainer"] == 2 * 2 * 2
     assert [s["step"] for s in r["trl"]["steps"]] == [1, 2]
     assert len(r["selfrl"]["steps"]) == 2
@@ -256,3 +255,19 @@ def test_trl_reward_scores_a_completion_as_selfrl_scores_its_rollout():
     trajs = [bench_trl.completion_trajectory(x, task.id, "g") for x in texts]
     score_batch(trajs, {task.id: task}, source, get_preset(cfg.preset))
     assert [t.reward for t in trajs] == [1.0, 0.5, 0.0]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--eval-every", "0"], "--eval-every takes seconds > 0, got 0"),
+    (["--eval-batch-size", "0"], "--eval-batch-size takes a number of tasks >= 1, got 0"),
+    (["--minutes", "-1"], "--minutes takes minutes > 0, got -1"),
+    (["--gate-every", "0"], "--gate-every takes a number of updates >= 1, for --arm selfrl"),
+    (["--repeats", "2"], "unrecognized arguments: --repeats 2"),  # before: accepted, and never used
+])
+def test_trl_arm_flags_are_refused_before_any_training(tmp_path, capsys, flags, message):
+    # before: --eval-every 0 trained for --minutes, then failed with a traceback
+    with pytest.raises(SystemExit) as stop:
+        bench_trl.main(["--arm", "selfrl", "--tiny", "--workdir", str(tmp_path / "w"), *flags])
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()

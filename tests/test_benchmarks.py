@@ -213,7 +213,7 @@ def test_constrain_tiny(tmp_path):
 def test_serve_tiny(tmp_path):
     import bench_serve
 
-    r = bench_serve.main(TINY + ["--out", str(tmp_path), "--clients", "1,3", "--requests", "1"])
+    r = bench_serve.main(["--tiny", "--out", str(tmp_path), "--clients", "1,3", "--requests", "1"])
     assert r["engines"] == ["reference", "slots"]
     for name in ("reference", "slots"):
         levels = r["serve"][name]
@@ -230,7 +230,7 @@ def test_serve_tiny(tmp_path):
 def test_serve_tiny_clients_in_a_child_process(tmp_path):
     import bench_serve
 
-    r = bench_serve.main(TINY + ["--out", str(tmp_path), "--engines", "slots", "--clients", "2", "--requests", "1",
+    r = bench_serve.main(["--tiny", "--out", str(tmp_path), "--engines", "slots", "--clients", "2", "--requests", "1",
                                  "--client-process", "both"])
     assert r["clients_in"] == ["thread", "process"] and list(r["serve"]) == ["slots/thread", "slots/process"]
     for key, way in (("slots/thread", "thread"), ("slots/process", "process")):
@@ -353,13 +353,13 @@ def test_checkouts_tiny(tmp_path):
     from common import ROOT
 
     # this checkout against itself: the same ids in every batch, each process's selfrl its own checkout's
-    r = bench_checkouts.main(TINY + ["--before", str(ROOT), "--rounds", "1", "--seeds", "1", "--out", str(tmp_path)])
+    r = bench_checkouts.main(["--tiny", "--before", str(ROOT), "--rounds", "1", "--seeds", "1", "--out", str(tmp_path)])
     before, after = r["checkouts"]["before"], r["checkouts"]["after"]
     assert r["same_ids"] and before["tokens"] == after["tokens"] > 0
     assert r["speed_up_by_seed"][0] == pytest.approx(after["median_tokens_per_s"] / before["median_tokens_per_s"])
     assert after["fraction_of_bound"] == pytest.approx(after["median_tokens_per_s"] / r["bound_tokens_per_s"])
     with pytest.raises(SystemExit, match="another checkout"):
-        bench_checkouts.main(TINY + ["--before", str(tmp_path)])
+        bench_checkouts.main(["--tiny", "--before", str(tmp_path)])
 
 
 def test_vllm_skips_without_a_vllm(capsys):

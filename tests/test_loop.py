@@ -135,6 +135,23 @@ def test_resume_keeps_stored_trajectories_and_continues(first_run, tmp_path):
     assert res.final_version in versions
 
 
+def test_resume_says_which_candidates_it_sets_aside(first_run, tmp_path):
+    # before: a run stopped after an update it had not gated yet resumed from the champion and said
+    # only "resuming at iteration 2 from version 1": the ungated candidate's update was dropped unsaid
+    cfg, result = first_run
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(result.run_dir, run_dir)
+    with Store(run_dir / "selfrl.db") as store:
+        store.conn.execute("UPDATE adapter_versions SET status = 'candidate' WHERE version = 2")
+        store.conn.commit()
+        champion = max(v["version"] for v in store.versions() if v["status"] in ("base", "promoted"))
+    run(make_cfg(cfg.model.name, run_dir, iterations=3), resume=True)
+    with Store(run_dir / "selfrl.db") as store:
+        resumed = [e["message"] for e in store.events() if e["kind"] == "resume"]
+    assert resumed == [f"resumed at iteration 2 from version {champion}; 1 candidate trained after it but not yet "
+                       f"gated (v2) set aside: training goes on from version {champion}"]
+
+
 def test_new_run_into_an_existing_run_dir_is_refused(first_run):
     cfg, result = first_run
     with pytest.raises(FileExistsError, match="already holds a run; pass --resume"):

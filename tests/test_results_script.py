@@ -477,3 +477,17 @@ def test_the_repair_tier_s_three_examples_need_the_smaller_training_pool():
     with pytest.raises(ValueError, match="--shots 3: swe refuses it"):
         load_prompt_baseline().build_shot_envs(load_run_config(ROOT / env.config), [3])
     assert "task.num_train=40" in env.prompt_args
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["table", "--envs", "arithmetic", "arithmetic"], "--envs names arithmetic more than once; name each once"),
+    (["run", "--seeds", "0", "1", "0"], "--seeds names 0 more than once; name each once"),
+    ([], "the following arguments are required: {run,table}"),  # before: "required: command"
+])
+def test_a_repeated_environment_or_seed_is_refused(tmp_path, capsys, argv, message):
+    # before: table --envs tiny tiny --seeds 0 0 wrote 4 rows of one run, "beats the best prompt in 0 of 4 seeds"
+    with pytest.raises(SystemExit) as stop:
+        results.main([*argv, "--out", str(tmp_path)] if argv else argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

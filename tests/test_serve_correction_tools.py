@@ -93,3 +93,16 @@ def test_a_store_written_before_the_tools_column_gets_it_and_its_turns_are_not_c
     records.add_turn(store, store.start_run({}), t, "r1", 0, "c", "g", "k")  # add_turn: tools not known
     assert records.find_response(store, "r1")["tools"] is None
     store.close()
+
+
+def test_a_name_that_imitates_an_offered_one_reads_apart_from_it():
+    # before: "calls 'météo_天気', a tool its turn was not offered (offered: météo_天気)": the called name
+    # was e + a combining accent, the offered one the composed é, and the two read the same
+    from selfrl.serve.corrections import offered_problem
+
+    offered = [{"name": "météo_天気", "parameters": {}}, {"name": "get\u200btime", "parameters": {}}]
+    assert offered_problem([{"name": "me\u0301te\u0301o_天気", "arguments": {}}], offered) == (
+        'correction_tool_calls[0] calls "me\\u0301te\\u0301o_天気", a tool its turn was not offered '
+        '(offered: "get\\u200btime", météo_天気)')
+    assert offered_problem([{"name": "météo_天気", "arguments": {}}], offered) is None
+

@@ -240,8 +240,9 @@ def test_a_correction_with_bad_calls_is_a_400_naming_the_field(tiny_tokenizer, t
             code, body = http("POST", url + "/v1/feedback", {"response_id": rid, "corrected": True, **fix}, key=API_KEY)
             assert code == 200, body
             answers[name] = body["correction"]
-        assert answers["text"].startswith("queued: this server does not learn; a learning server on this run "
-                                          "directory with learner.learn_from_corrections = 'all' trains it")
+        assert answers["text"] == ("queued: this server does not learn; a learning server on this run directory with "
+                                   "learner.learn_from_corrections = 'all' trains it as a demonstration with its turn, "
+                                   "unless it cannot be the turn's answer (its update says why)")
         # before: [] was stored as "[]" and trained an empty answer; a blank text was said to train
         assert answers["no calls"] == answers["blank"] == "recorded only: an empty answer (no text, no calls)"
         with service.store.lock:

@@ -243,6 +243,39 @@ def test_a_tool_schema_with_a_non_finite_number_is_refused_naming_where(schema, 
     assert ChatCompletionRequest(**body).tools[0].function.parameters["properties"]["a"]["maximum"] == 1e308
 
 
+@pytest.mark.parametrize("args, where", [
+    ('{"a": {"b.c": [1, NaN]}}', 'arguments.a["b.c"][1]'), ('{"x": Infinity}', "arguments.x"),
+    ('{"list": [[1e400]]}', "arguments.list[0][0]")])
+def test_a_non_finite_number_in_call_arguments_is_refused_naming_where(args, where):
+    # before: "... NaN is not a JSON number" and no path, where a tool schema's message names one
+    from selfrl.serve.feedback_request import FeedbackRequest
+
+    with pytest.raises(ValidationError, match=re.escape(f"is not a JSON number, at {where}") + "|" +
+                       re.escape(f"beyond a double's range, at {where}")):
+        FeedbackRequest(response_id="chatcmpl-1", correction_tool_calls=[{"name": "add", "arguments": args}])
+
+
+def test_a_response_format_schema_with_a_non_finite_number_is_refused_naming_where():
+    # before: "the schema cannot be compiled: expected value at line 1 column 55"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"properties": {"a.b": {"minimum": float("nan")}}}}}}
+    with pytest.raises(ValidationError, match=re.escape(
+            'response_format.json_schema.schema.properties["a.b"].minimum is not a finite number')):
+        ChatCompletionRequest(**body)
+
+
+@pytest.mark.parametrize("kind, named", [("str", "'str'"), (["string", "int"], "'int'"), ("Integer", "'Integer'")])
+def test_a_tool_schema_type_json_schema_does_not_have_is_refused_at_the_request(kind, named):
+    # before: accepted, and every later call or correction of the tool failed on "unsupported type(s)"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": "k", "parameters": {"properties": {"a": {"type": kind}}}}}]}
+    with pytest.raises(ValidationError, match=re.escape(f'"type" of argument \'a\' names {named}, not a JSON Schema '
+                                                        "type: use one of string, number, integer, boolean, object")):
+        ChatCompletionRequest(**body)
+    body["tools"][0]["function"]["parameters"]["properties"]["a"]["type"] = ["string", "null"]
+    assert ChatCompletionRequest(**body).tools[0].function.name == "k"
+
+
 def test_a_json_answer_with_a_non_finite_number_is_not_the_json_a_grammar_asked_for():
     from selfrl.serve.corrections import _shape_problem
 

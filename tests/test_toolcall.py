@@ -364,3 +364,7 @@ def test_json_number_ok_is_the_one_rule_of_the_decoder_and_the_server():
     assert non_finite_path({"x": {"has space": [1, math.inf]}}) == '.x["has space"][1]'
     assert non_finite_path({"x-default": {"é": math.nan}}) == ".x-default.é"  # nothing to mistake: as written
     assert non_finite_path({"": [math.nan]}) == '[""][0]'
+    # before: a zero-width space read as the empty key ([""]), and a key ending in a backslash as an escaped dot
+    assert non_finite_path({"\u200b": math.nan}) == '["\\u200b"]'
+    assert non_finite_path({"a\\": {"b": math.nan}}) == '["a\\\\"].b'
+    assert non_finite_path({"me\u0301te\u0301o": math.nan}) == '["me\\u0301te\\u0301o"]'  # not the key "météo"

@@ -131,6 +131,8 @@ _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
     "array": lambda v: isinstance(v, list),
     "null": lambda v: v is None,
 }
+JSON_TYPE_NAMES = tuple(_JSON_TYPES)
+"""The ``type`` names a tool's argument schema may use (JSON Schema's seven)."""
 
 
 def json_type_name(value: Any) -> str:

@@ -1,6 +1,45 @@
-"""Counts in messages: ``1 time``, ``2 times`` (:func:`plural`)."""
+"""Words in messages: counts (``1 time``, ``2 times``: :func:`plural`) and a client's names
+quoted so that two different names never read the same (:func:`shown`, :func:`json_visible`)."""
 
 from __future__ import annotations
+
+import json
+import unicodedata
+
+
+def _hidden(c: str) -> bool:
+    """Whether ``c`` does not show as a character of its own: a control, format (zero-width
+    space, direction marks), private-use or unassigned code point, a separator other than the
+    space, or a combining mark (which merges into the character before it)."""
+    return not c.isprintable() or unicodedata.combining(c) != 0 or unicodedata.category(c) == "Mn"
+
+
+def json_visible(text: str) -> str:
+    r"""``text`` as a JSON string in which every character that does not show on its own
+    (:func:`_hidden`) is escaped: ``"é"`` (e and a combining accent) reads apart from
+    ``"é"``, and a zero-width space is not an empty string.
+
+    >>> json_visible("météo"), json_visible("me\u0301te\u0301o"), json_visible("\u200b"), json_visible('a\\"')
+    ('"météo"', '"me\\u0301te\\u0301o"', '"\\u200b"', '"a\\\\\\""')
+    """
+    return '"' + "".join(json.dumps(c)[1:-1] if _hidden(c) or c in '"\\' else c for c in text) + '"'
+
+
+def plain(name: str) -> bool:
+    """Whether ``name`` reads as itself: composed (NFC), every character showing on its own."""
+    return unicodedata.is_normalized("NFC", name) and not any(_hidden(c) for c in name)
+
+
+def shown(name: str) -> str:
+    r"""A client's ``name`` quoted for a message: ``repr`` (``'get_time'``) when each of its
+    characters shows on its own and it is in Unicode's composed form (NFC); else
+    :func:`json_visible`, so that a name spelled with a combining accent or an invisible
+    character does not read as the name it imitates.
+
+    >>> shown("get_time"), shown("météo"), shown("me\u0301te\u0301o")
+    ("'get_time'", "'météo'", '"me\\u0301te\\u0301o"')
+    """
+    return repr(name) if plain(name) else json_visible(name)
 
 
 def plural(n: int, word: str, many: str | None = None) -> str:

@@ -23,7 +23,7 @@ from selfrl.run.agents import agents_gate
 from selfrl.run.metrics import MetricsLog, iteration_line, iteration_metrics
 from selfrl.run.order import iteration_tasks, shuffled
 from selfrl.run.result import RunResult, finish_run
-from selfrl.record.versions import Champion, EventKind
+from selfrl.record.versions import Champion, EventKind, VersionStatus
 from selfrl.rl.schedule import lr_factor
 from selfrl.rollout.agent import env_offers_tools, rollout
 from selfrl.rollout.prefetch import Prefetch, staleness
@@ -131,9 +131,15 @@ class Runner:
         s.cycle.guard.new_chain()
         if s.resume:
             champ = self.champion
-            s.ledger.event(EventKind.RESUME, f"resumed at iteration {start} from version {champ.version}")
+            # candidates trained after the champion and never gated: the chain goes on from the champion
+            ungated = [v.version for v in s.ledger.all()
+                       if v.status == VersionStatus.CANDIDATE and v.version > champ.version]
+            aside = (f"; {plural(len(ungated), 'candidate')} trained after it but not yet gated "
+                     f"({', '.join(f'v{v}' for v in ungated)}) set aside: training goes on from version "
+                     f"{champ.version}" if ungated else "")
+            s.ledger.event(EventKind.RESUME, f"resumed at iteration {start} from version {champ.version}{aside}")
             self.progress.log(f"resuming at iteration {start} from version {champ.version} "
-                              f"(held-out {champ.success:.3f})")
+                              f"(held-out {champ.success:.3f}){aside}")
         return start
 
     def iteration(self, it: int) -> dict[str, float]:

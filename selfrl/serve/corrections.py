@@ -58,6 +58,7 @@ from selfrl.chat.template import encode_chat, render
 from selfrl.chat.toolcall import STRICT_JSON, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from selfrl.core.tools import Tool, ToolError, validate_arguments
 from selfrl.core.trajectory import Trajectory
+from selfrl.core.wording import plain, shown
 from selfrl.serve.feedback import served_rewards
 from selfrl.serve.errors import non_finite_path
 
@@ -134,9 +135,11 @@ def offered_problem(calls: list[dict[str, Any]] | None, tools: list[dict[str, An
     for i, call in enumerate(calls):
         name = call.get("name")
         if name not in by_name:
-            return (f"correction_tool_calls[{i}] calls {name!r}, and its turn could call no tool" if not by_name else
-                    f"correction_tool_calls[{i}] calls {name!r}, a tool its turn was not offered (offered: "
-                    f"{', '.join(sorted(by_name))})")
+            offered = ", ".join(n if plain(n) else shown(n) for n in sorted(by_name))
+            return (f"correction_tool_calls[{i}] calls {shown(str(name))}, and its turn could call no tool"
+                    if not by_name else
+                    f"correction_tool_calls[{i}] calls {shown(str(name))}, a tool its turn was not offered "
+                    f"(offered: {offered})")
         try:
             validate_arguments(Tool(name, "", by_name[name].get("parameters") or {}, str), call.get("arguments"))
         except (ToolError, ValueError) as e:

@@ -34,6 +34,7 @@ from pydantic import field_validator
 from pydantic_core import PydanticCustomError
 
 from selfrl.chat.toolcall import json_number_ok
+from selfrl.core.wording import json_visible, plain
 
 
 class ApiError(Exception):
@@ -133,12 +134,13 @@ def finite(name: str, v: Any) -> Any:
 
 
 def _key_step(key: str) -> str:
-    """One key of a path: ``.key``, or the key as a JSON string in brackets when it is empty or
-    holds what would read as another step (``.``, ``[``, ``]``, ``"``, blank space or a control
-    character), so that the path names one key: ``x-default`` stays ``.x-default``, ``a.b`` is
-    ``["a.b"]``."""
-    plain = key and not any(c in '.[]"' or c.isspace() or not c.isprintable() for c in key)
-    return f".{key}" if plain else f"[{json.dumps(key, ensure_ascii=False)}]"
+    r"""One key of a path: ``.key``, or the key as a JSON string in brackets when it is empty,
+    holds what would read as another step or an escape (``.``, ``[``, ``]``, ``"``, ``\``,
+    blank space), or does not read as itself (:func:`selfrl.core.wording.plain`: an invisible or
+    combining character, each escaped), so that the path names one key: ``x-default`` stays
+    ``.x-default``, ``a.b`` is ``["a.b"]``, a zero-width space ``["\u200b"]``."""
+    simple = key and plain(key) and not any(c in '.[]"\\' or c.isspace() for c in key)
+    return f".{key}" if simple else f"[{json_visible(key)}]"
 
 
 def non_finite_path(value: Any, path: str = "") -> str | None:

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from selfrl.engines.base import MIN_TEMPERATURE
-from selfrl.serve.errors import _json_type, array_of_objects, error_body, error_param, finite, finite_fields, finite_json, refuse  # noqa: F401
+from selfrl.serve.errors import _json_type, array_of_objects, error_body, error_param, finite, finite_fields, finite_json, non_finite_path, refuse  # noqa: F401
 from selfrl.serve.limits import MAX_DEPTH, check_text, too_deep
 from selfrl.chat.toolcall import (
     TOOL_CALL_CLOSE,
@@ -43,7 +43,7 @@ from selfrl.chat.toolcall import (
     NotFiniteError,
     render_tools_prompt,
 )
-from selfrl.core.tools import Tool, ToolError
+from selfrl.core.tools import JSON_TYPE_NAMES, Tool, ToolError
 from selfrl.serve.completion import Completion, new_call_id, parse_completion, split_completion  # noqa: F401
 
 
@@ -78,6 +78,16 @@ class _Strict(BaseModel):
     _text = model_validator(mode="before")(_valid_text)
 
 
+def _where_in(arguments: str) -> str:
+    """`` at arguments<path>``: where in the JSON text ``arguments`` (which Python's json reads
+    with its NaN and infinities) the first number JSON cannot carry is, or "" when not found."""
+    try:
+        where = non_finite_path(json.loads(arguments))
+    except (ValueError, RecursionError):
+        return ""
+    return "" if where in (None, ".") else f", at arguments{where}"
+
+
 class FunctionCall(_Strict):
     name: str
     arguments: str = "{}"
@@ -94,7 +104,7 @@ class FunctionCall(_Strict):
         try:
             args = STRICT_JSON.decode(v)
         except NotFiniteError as e:
-            raise refuse(f"arguments must be a JSON object with finite numbers: {e}") from None
+            raise refuse(f"arguments must be a JSON object with finite numbers: {e}{_where_in(v)}") from None
         except (ValueError, RecursionError) as e:
             raise refuse(f"arguments must be a JSON object encoded as a string; this is not JSON ({e})") from None
         if not isinstance(args, dict):
@@ -219,8 +229,9 @@ def check_messages(messages: list[Message]) -> None:
 
 def check_parameters_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """Refuse a tool's ``parameters`` that the prompt and the argument checks cannot read:
-    ``properties`` must map names to objects, a property's ``type`` must be a string or a
-    list of strings, ``enum`` a list, ``required`` a list of strings.
+    ``properties`` must map names to objects, a property's ``type`` must be one of JSON
+    Schema's type names or a list of them (``"str"`` is refused here, not at every later call
+    or correction), ``enum`` a list, ``required`` a list of strings.
 
     Raises:
         ValueError: the first problem found.
@@ -234,6 +245,11 @@ def check_parameters_schema(schema: dict[str, Any]) -> dict[str, Any]:
         if kind is not None and not (isinstance(kind, str) or (isinstance(kind, list) and kind
                                                                and all(isinstance(k, str) for k in kind))):
             raise ValueError(f'"type" of argument {name!r} must be a string or a list of strings')
+        unknown = [k for k in ([kind] if isinstance(kind, str) else kind or []) if k not in JSON_TYPE_NAMES]
+        if unknown:
+            raise ValueError(f'"type" of argument {name!r} names {", ".join(map(repr, unknown))}, not a JSON Schema '
+                             f'type: use one of {", ".join(JSON_TYPE_NAMES)} (a call\'s arguments are checked '
+                             "against it)")
         if "enum" in prop and not isinstance(prop["enum"], list):
             raise ValueError(f'"enum" of argument {name!r} must be a list')
     required = schema.get("required", [])
@@ -343,6 +359,7 @@ is a value of the wrong JSON type (:data:`STRICT`).
         if not isinstance(spec.get("schema", {}), dict):
             raise refuse(f"the schema must be a JSON schema object, got {_json_type(spec['schema'])}",
                          ".json_schema.schema")
+        finite_json("response_format.json_schema.schema", spec.get("schema", {}))
         return v
 
     @field_validator("messages")

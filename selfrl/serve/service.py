@@ -342,7 +342,7 @@ class Service:
         if self.learner is None and not self.cfg.replica:
             return ("queued: this server does not learn; a learning server on this run directory with "
                     f"learner.learn_from_corrections = {self.cfg.learner.learn_from_corrections!r} trains it as a "
-                    "demonstration with its turn")
+                    "demonstration with its turn, unless it cannot be the turn's answer (its update says why)")
         return "trains as a demonstration with its turn, unless it cannot be the turn's answer (the update says why)"
 
     def close(self) -> None:
