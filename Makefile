@@ -82,11 +82,12 @@ MINUTES ?= 30
 SEED ?= 0
 bench-trl: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
-	for arm in "trl --grammar" "selfrl" "trl" "selfrl --no-grammar"; do \
+	for arm in "trl --grammar" "selfrl" "selfrl --gate-every 4" "trl" "selfrl --no-grammar"; do \
 		HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_trl.py --arm $$arm --minutes $(MINUTES) --seed $(SEED) || exit 1; done
 	$(BIN)/python benchmarks/bench_trl.py plot benchmarks/results/trl_trl-grammar_seed$(SEED).json \
-		benchmarks/results/trl_selfrl_seed$(SEED).json benchmarks/results/trl_trl_seed$(SEED).json \
-		benchmarks/results/trl_selfrl-free_seed$(SEED).json
+		benchmarks/results/trl_selfrl_seed$(SEED).json benchmarks/results/trl_selfrl-gated_seed$(SEED).json \
+		benchmarks/results/trl_trl_seed$(SEED).json benchmarks/results/trl_selfrl-free_seed$(SEED).json \
+		--levels 0.25,0.3,0.35 --png docs/images/trl-bfcl-30min.png
 
 test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m slow -q
