@@ -122,21 +122,33 @@ def worker_selfrl(cfg_dict: dict, budget_s: float, out: Path) -> None:
     """``selfrl run``'s loop (:class:`selfrl.run.loop.Runner`), one iteration after another
     until ``budget_s`` seconds of iterations have passed; writes each update's end time
     (seconds of training, the gate's validations included when it gates), version folder (the
-    newest candidate's; the champion's when the run gates), mean reward and update note to ``out``."""
+    newest candidate's; the champion's when the run gates), mean reward and update note to ``out``.
+    A collapse cool-down (``collapse.max_per_window``) is waited out and counted as training
+    time, and a collapse stop (``collapse.max_rollbacks``) ends training, as in ``selfrl run``."""
     from selfrl.config import load_config
     from selfrl.record.adapters import version_dir
     from selfrl.run.loop import Runner
     from selfrl.run.progress import PlainProgress
     from selfrl.run.setup import build_run
+    from selfrl.safety.collapse import CollapseStop
 
     cfg = load_config(base=cfg_dict)
     gated = cfg.gate.eval_every < cfg.iterations
     runner = Runner(build_run(cfg), PlainProgress())
-    steps, elapsed, t_wall = [], 0.0, time.perf_counter()
+    steps, elapsed, t_wall, waited, stopped = [], 0.0, time.perf_counter(), 0.0, None
     try:
         runner.start()  # validates the base model: not counted
         while elapsed < budget_s:
             it = len(steps)
+            try:  # as selfrl.run.loop.Runner.run: a collapse cool-down is waited out, a collapse stop ends training
+                wait = min(runner.s.cycle.check_budget(), budget_s - elapsed)
+            except CollapseStop as e:
+                stopped = str(e)
+                break
+            if wait > 0:
+                time.sleep(wait)
+                elapsed, waited = elapsed + wait, waited + wait
+                continue
             t = time.perf_counter()
             metrics = runner.iteration(it)
             if gated and (it + 1) % cfg.gate.eval_every == 0 and runner.s.engine.version != runner.champion.version:
@@ -153,8 +165,8 @@ def worker_selfrl(cfg_dict: dict, budget_s: float, out: Path) -> None:
         runner.progress.close()
         if runner.s.lock is not None:
             runner.s.lock.release()
-    json.dump({"steps": steps, "wall_s": time.perf_counter() - t_wall, "peak_rss_bytes": peak_rss_bytes()},
-              open(out, "w"))
+    json.dump({"steps": steps, "wall_s": time.perf_counter() - t_wall, "peak_rss_bytes": peak_rss_bytes(),
+               "cooldown_s": waited, "stopped": stopped}, open(out, "w"))
 
 
 def completion_trajectory(text: str, task_id: str, group_id: str):

@@ -271,3 +271,30 @@ def test_trl_arm_flags_are_refused_before_any_training(tmp_path, capsys, flags, 
     assert stop.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
+
+
+def test_trl_selfrl_arm_waits_out_a_collapse_cool_down_and_ends_at_a_collapse_stop(tmp_path, monkeypatch):
+    # before: the arm never asked the collapse budget, so it went on updating where `selfrl run` pauses
+    import argparse
+
+    from selfrl.run.cycle import UpdateCycle
+    from selfrl.safety.collapse import CollapseStop
+
+    args = argparse.Namespace(tiny=True, seed=0, grammar=True, gate_every=None, eval_batch_size=None)
+    cfg = bench_trl.arm_config(args, tmp_path)
+    answers = iter([0.0, 0.3, 0.0])  # an iteration, a cool-down of 0.3 s, an iteration, then a stop
+
+    def budget(self):
+        try:
+            return next(answers)
+        except StopIteration:
+            raise CollapseStop("stopping: 4 collapse rollbacks exceed collapse.max_rollbacks = 3") from None
+
+    monkeypatch.setattr(UpdateCycle, "check_budget", budget)
+    out = tmp_path / "selfrl.json"
+    bench_trl.worker_selfrl(cfg.to_dict(), 600.0, out)
+    r = json.loads(out.read_text())
+    assert [s["step"] for s in r["steps"]] == [1, 2]
+    assert r["cooldown_s"] == pytest.approx(0.3)
+    assert r["steps"][1]["seconds"] - r["steps"][0]["seconds"] >= 0.3  # the wait is training time
+    assert r["stopped"].startswith("stopping: 4 collapse rollbacks")
