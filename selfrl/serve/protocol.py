@@ -79,8 +79,12 @@ class _Strict(BaseModel):
 
 
 def _where_in(arguments: str) -> str:
-    """`` at arguments<path>``: where in the JSON text ``arguments`` (which Python's json reads
-    with its NaN and infinities) the first number JSON cannot carry is, or "" when not found."""
+    """``", at arguments<path>"``: where in the JSON text ``arguments`` (which Python's json reads
+    with its NaN and infinities) the first number JSON cannot carry is, or "" when not found.
+
+    >>> _where_in('{"a": {"b.c": [1, NaN]}}'), _where_in("not json")
+    (', at arguments.a["b.c"][1]', '')
+    """
     try:
         where = non_finite_path(json.loads(arguments))
     except (ValueError, RecursionError):
