@@ -25,7 +25,7 @@ greedy, the 64 held-out tasks of the config, success = exact AST match), the sam
 arms, and the base model (time 0).
 
 Training time: selfrl's is the sum of its iterations (rollouts, rewards, update, saving the
-candidate version); TRL's is the time since ``on_train_begin`` at the end of each optimizer
+candidate version; with ``--gate-every``, the gate's validations and any collapse cool-down too); TRL's is the time since ``on_train_begin`` at the end of each optimizer
 step, less the time this script spends saving its adapters. Loading the model, selfrl's
 validation of the base model before its first update, and the evaluation are not counted.
 Each arm runs alone: run them one after the other on an otherwise idle machine.
@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -332,7 +333,7 @@ def run_arm(args: argparse.Namespace, argv: list[str] | None) -> dict:
     })
     print_table(f"{label}, seed {args.seed}: held-out success ({len(curve[0]['results'])} tasks, "
                 f"{len(train['steps'])} iterations, {result['updates']} updates, in {result['training_s']:.0f} s)",
-                ["training s", "update", "held-out success"],
+                ["training s", "iteration", "held-out success"],
                 [[f"{c['seconds']:.0f}", c["step"], f"{c['success']:.3f}"] for c in curve])
     print(f"load average: start {result['loadavg_start']:.2f}, end {loadavg():.2f}")
     print(f"wrote {finish(result, f'trl_{label}_seed{args.seed}', args.out)}")
@@ -394,13 +395,15 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("pass --arm trl or --arm selfrl (or the plot subcommand: bench_trl.py plot RESULT.json ...)")
     if args.grammar is None:
         args.grammar = args.arm == "selfrl"
-    # checked before the arm trains for --minutes, not after
-    if args.eval_every <= 0:
+    # checked before the arm trains for --minutes, not after (NaN and infinities included)
+    if not (math.isfinite(args.eval_every) and args.eval_every > 0):
         p.error(f"--eval-every takes seconds > 0, got {args.eval_every:g}")
     if args.eval_batch_size is not None and args.eval_batch_size < 1:
         p.error(f"--eval-batch-size takes a number of tasks >= 1, got {args.eval_batch_size}")
-    if args.minutes <= 0:
+    if not (math.isfinite(args.minutes) and args.minutes > 0):
         p.error(f"--minutes takes minutes > 0, got {args.minutes:g}")
+    if args.seed < 0:
+        p.error(f"--seed takes an integer >= 0, got {args.seed}")
     if args.gate_every is not None and (args.arm != "selfrl" or args.gate_every < 1):
         p.error("--gate-every takes a number of updates >= 1, for --arm selfrl (TRL has no gate)")
     return run_arm(args, argv)

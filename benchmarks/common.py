@@ -196,9 +196,13 @@ def envelope(args: argparse.Namespace, command: str) -> dict[str, Any]:
 
 
 def finish(result: dict[str, Any], name: str, out_dir: Path | None) -> Path:
-    """Add the end load average (and a ``contended`` flag) and write the result."""
+    """Add the end load average (and a ``contended`` flag) and write the result; a ``--tiny``
+    run without ``--out`` writes to ``benchmarks/results/tiny/`` (not kept in git), never over a
+    measured result of the same name."""
     result["loadavg_end"] = loadavg()
     result["contended"] = max(result["loadavg_start"], result["loadavg_end"]) > 1.5 * (os.cpu_count() or 1) / 2
+    if out_dir is None and result.get("tiny"):
+        out_dir = RESULTS / "tiny"
     return write_result(name, result, out_dir)
 
 

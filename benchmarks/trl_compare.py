@@ -73,20 +73,26 @@ def compare(arms: list[dict], levels: list[float]) -> dict:
     0 seconds, so no speed-up is measured (``speedup`` None).
 
     Raises:
-        SystemExit: more than one TRL result of one seed, or the arms scored on different held-out tasks.
+        SystemExit: one arm's result twice (its label and seed), or arms
+            scored on different held-out tasks, with different models or evaluation grammars, or
+            --tiny beside real runs.
     """
     from selfrl.core.stats import paired_difference_ci
 
     tasks = {frozenset(a["curve"][0]["results"]) for a in arms}
     if len(tasks) > 1:
-        raise SystemExit("the results were scored on different held-out tasks; compare runs of one config")
-    trl = {}
-    for a in arms:
-        if a["arm"] == "trl":
-            key = (a["seed"], sampled_with_grammar(a))
-            if key in trl:
-                raise SystemExit(f"two TRL results for seed {a['seed']} ({a['label']}); pass one")
-            trl[key] = a
+        raise SystemExit("the results were scored on different held-out tasks; compare runs of one config "
+                         "(and not --tiny runs beside real ones)")
+    for key, what in (("model", "models"), ("eval_constrain", "evaluation grammars"), ("tiny", "--tiny and real runs")):
+        seen = sorted({str(a.get(key)) for a in arms})
+        if len(seen) > 1:
+            raise SystemExit(f"the results mix {what} ({', '.join(seen)}); compare arms measured alike")
+    twice = sorted({f"{a['label']} (seed {a['seed']})" for a in arms
+                    if sum(b["label"] == a["label"] and b["seed"] == a["seed"] for b in arms) > 1})
+    if twice:
+        raise SystemExit(f"{', '.join(twice)} passed more than once; pass each arm's result once")
+    # one TRL result per seed and grammar: its label says which, and no label comes twice
+    trl = {(a["seed"], sampled_with_grammar(a)): a for a in arms if a["arm"] == "trl"}
     rows = []
     for a in arms:
         final = a["curve"][-1]
@@ -240,7 +246,8 @@ def plot(argv: list[str]) -> dict:
     for seed, label in sorted(flat):
         print(f"seed {seed}: {label} ended at its base's held-out success, where every arm starts: there is no "
               "speed-up to measure against it; compare the finals (the last column) or train TRL longer (--minutes)")
-    result = {"command": command_line("bench_trl.py", ["plot", *map(str, args.results)]),
+    result = {"command": command_line("bench_trl.py", ["plot", *map(str, args.results), "--levels", args.levels,
+                                                      "--png", str(args.png)]),
               "files": [str(r) for r in args.results], "png": str(args.png), **table}
     print(f"wrote {args.png} and {write_result('trl_compare', result, args.out)}")
     return result

@@ -5,6 +5,7 @@ and a tiny run of TRL where the ``bench`` extra (``trl``) is installed.
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -99,7 +100,7 @@ def test_trl_compare_measures_each_arm_against_the_trl_arm_that_sampled_as_it_di
                        "selfrl-free": ("trl", 0.25)}
     mine = table["rows"][2]
     assert (mine["reach_trl_final_s"], mine["speedup"]) == (300.0, 2.0)
-    with pytest.raises(SystemExit, match=r"two TRL results for seed 0 \(trl-grammar\)"):
+    with pytest.raises(SystemExit, match=r"trl-grammar \(seed 0\) passed more than once"):
         trl_compare.compare([constrained, dict(constrained)], [0.5])
 
 
@@ -263,6 +264,10 @@ def test_trl_reward_scores_a_completion_as_selfrl_scores_its_rollout():
     (["--minutes", "-1"], "--minutes takes minutes > 0, got -1"),
     (["--gate-every", "0"], "--gate-every takes a number of updates >= 1, for --arm selfrl"),
     (["--repeats", "2"], "unrecognized arguments: --repeats 2"),  # before: accepted, and never used
+    (["--minutes", "nan"], "--minutes takes minutes > 0, got nan"),  # before: TRL's arm never stopped
+    (["--minutes", "inf"], "--minutes takes minutes > 0, got inf"),
+    (["--eval-every", "nan"], "--eval-every takes seconds > 0, got nan"),
+    (["--seed", "-1"], "--seed takes an integer >= 0, got -1"),
 ])
 def test_trl_arm_flags_are_refused_before_any_training(tmp_path, capsys, flags, message):
     # before: --eval-every 0 trained for --minutes, then failed with a traceback
@@ -298,3 +303,26 @@ def test_trl_selfrl_arm_waits_out_a_collapse_cool_down_and_ends_at_a_collapse_st
     assert r["cooldown_s"] == pytest.approx(0.3)
     assert r["steps"][1]["seconds"] - r["steps"][0]["seconds"] >= 0.3  # the wait is training time
     assert r["stopped"].startswith("stopping: 4 collapse rollbacks")
+
+
+def test_trl_plot_refuses_arms_not_measured_alike_or_passed_twice(tmp_path):
+    # before: a copy of one arm with another model, grammar or --tiny, or one file twice, was tabulated
+    a = _arm("trl", "trl-grammar", [(0.0, 0, ""), (60.0, 1, "a")], 60.0)
+    b = _arm("selfrl", "selfrl", [(0.0, 0, ""), (60.0, 2, "ab")], 60.0)
+    for key, value, message in (("model", "other", "the results mix models (m, other)"),
+                                ("eval_constrain", "none", "the results mix evaluation grammars"),
+                                ("tiny", True, "the results mix --tiny and real runs")):
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            trl_compare.compare([a, {**b, key: value}], [0.5])
+    with pytest.raises(SystemExit, match=re.escape("selfrl (seed 0) passed more than once")):
+        trl_compare.compare([a, b, dict(b)], [0.5])
+
+
+def test_a_tiny_benchmark_run_without_out_never_writes_over_a_measured_result(monkeypatch, tmp_path):
+    import common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    path = common.finish({"tiny": True, "loadavg_start": 0.0}, "trl_trl_seed0", None)
+    assert path == tmp_path / "tiny" / "trl_trl_seed0.json"
+    assert common.finish({"tiny": False, "loadavg_start": 0.0}, "x", None) == tmp_path / "x.json"
+

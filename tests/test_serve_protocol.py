@@ -264,6 +264,23 @@ def test_a_response_format_schema_with_a_non_finite_number_is_refused_naming_whe
         ChatCompletionRequest(**body)
 
 
+@pytest.mark.parametrize("field, value, where", [
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "x": float("nan")}},
+     "response_format.json_schema.x"),
+    ("response_format", {"type": "json_object", "x": float("inf")}, "response_format.x"),
+    ("stream_options", {"a": float("inf")}, "stream_options.a"),
+])
+def test_a_non_finite_number_anywhere_in_a_free_form_field_is_refused_naming_where(field, value, where):
+    # before: accepted outside response_format.json_schema.schema
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
+    with pytest.raises(ValidationError, match=re.escape(f"{where} is not a finite number")):
+        ChatCompletionRequest(**body)
+    tool = {"type": "function", "function": {"name": "k", "parameters": {"type": "object"}}}
+    with pytest.raises(ValidationError, match=re.escape("tool_choice.function.x is not a finite number")):
+        ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[tool],
+                              tool_choice={"type": "function", "function": {"name": "k", "x": float("nan")}})
+
+
 @pytest.mark.parametrize("kind, named", [("str", "'str'"), (["string", "int"], "'int'"), ("Integer", "'Integer'")])
 def test_a_tool_schema_type_json_schema_does_not_have_is_refused_at_the_request(kind, named):
     # before: accepted, and every later call or correction of the tool failed on "unsupported type(s)"

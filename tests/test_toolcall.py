@@ -368,3 +368,6 @@ def test_json_number_ok_is_the_one_rule_of_the_decoder_and_the_server():
     assert non_finite_path({"\u200b": math.nan}) == '["\\u200b"]'
     assert non_finite_path({"a\\": {"b": math.nan}}) == '["a\\\\"].b'
     assert non_finite_path({"me\u0301te\u0301o": math.nan}) == '["me\\u0301te\\u0301o"]'  # not the key "météo"
+    # a letter that draws nothing, and one NFC replaces (the Kelvin sign reads as K)
+    assert non_finite_path({"\u115fa": math.nan}) == '["\\u115fa"]'
+    assert non_finite_path({"\u212a.": math.nan}) == '["\\u212a."]' != non_finite_path({"K.": math.nan})

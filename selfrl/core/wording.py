@@ -7,11 +7,19 @@ import json
 import unicodedata
 
 
+BLANK_LETTERS = frozenset("\u115f\u1160\u3164\uffa0\u2800")
+"""Characters that count as printable letters or symbols yet draw nothing (the Hangul fillers,
+the blank Braille pattern)."""
+
+
 def _hidden(c: str) -> bool:
     """Whether ``c`` does not show as a character of its own: a control, format (zero-width
     space, direction marks), private-use or unassigned code point, a separator other than the
-    space, or a combining mark (which merges into the character before it)."""
-    return not c.isprintable() or unicodedata.combining(c) != 0 or unicodedata.category(c) == "Mn"
+    space, a combining mark (which merges into the character before it), a letter that draws
+    nothing (:data:`BLANK_LETTERS`), or one that Unicode's composed form (NFC) replaces with
+    another (the Kelvin sign with ``K``)."""
+    return (not c.isprintable() or unicodedata.combining(c) != 0 or unicodedata.category(c) == "Mn"
+            or c in BLANK_LETTERS or unicodedata.normalize("NFC", c) != c)
 
 
 def json_visible(text: str) -> str:

@@ -44,6 +44,7 @@ from selfrl.chat.toolcall import (
     render_tools_prompt,
 )
 from selfrl.core.tools import JSON_TYPE_NAMES, Tool, ToolError
+from selfrl.core.wording import shown
 from selfrl.serve.completion import Completion, new_call_id, parse_completion, split_completion  # noqa: F401
 
 
@@ -251,8 +252,8 @@ def check_parameters_schema(schema: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f'"type" of argument {name!r} must be a string or a list of strings')
         unknown = [k for k in ([kind] if isinstance(kind, str) else kind or []) if k not in JSON_TYPE_NAMES]
         if unknown:
-            raise ValueError(f'"type" of argument {name!r} names {", ".join(map(repr, unknown))}, not a JSON Schema '
-                             f'type: use one of {", ".join(JSON_TYPE_NAMES)} (a call\'s arguments are checked '
+            raise ValueError(f'"type" of argument {shown(name)} names {", ".join(map(shown, unknown))}, not a JSON '
+                             f'Schema type: use one of {", ".join(JSON_TYPE_NAMES)} (a call\'s arguments are checked '
                              "against it)")
         if "enum" in prop and not isinstance(prop["enum"], list):
             raise ValueError(f'"enum" of argument {name!r} must be a list')
@@ -344,14 +345,19 @@ is a value of the wrong JSON type (:data:`STRICT`).
             return v
         fn = v.get("function") if isinstance(v, dict) else None
         if isinstance(v, dict) and v.get("type") == "function" and isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            return v
+            return finite_json("tool_choice", v)
         raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v):
+        return finite_json("stream_options", v) if v is not None else v
 
     @field_validator("response_format")
     @classmethod
     def _response_format(cls, v):
         if v is None or v.get("type") in ("text", "json_object"):
-            return v
+            return v if v is None else finite_json("response_format", v)
         if v.get("type") != "json_schema":
             raise refuse('response_format must be {"type": "text"}, {"type": "json_object"} or {"type": '
                          f'"json_schema", "json_schema": {{"name": ..., "schema": {{...}}}}}}; got type '
@@ -363,8 +369,7 @@ is a value of the wrong JSON type (:data:`STRICT`).
         if not isinstance(spec.get("schema", {}), dict):
             raise refuse(f"the schema must be a JSON schema object, got {_json_type(spec['schema'])}",
                          ".json_schema.schema")
-        finite_json("response_format.json_schema.schema", spec.get("schema", {}))
-        return v
+        return finite_json("response_format", v)  # its types are checked by the grammar compiler (always run)
 
     @field_validator("messages")
     @classmethod
