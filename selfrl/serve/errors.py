@@ -158,9 +158,10 @@ def non_finite_path(value: Any, path: str = "") -> str | None:
         return path or "."
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for k, v in items:
-        found = non_finite_path(v, path + _key_step(str(k)) if isinstance(value, dict) else f"{path}[{k}]")
+        found = non_finite_path(v)  # the step to ``v`` is written only on the way back from a find
         if found is not None:
-            return found
+            step = _key_step(str(k)) if isinstance(value, dict) else f"[{k}]"
+            return path + step + ("" if found == "." else found)
     return None
 
 
