@@ -16,7 +16,9 @@ validates each candidate on its own held-out set and swaps promoted versions in.
 
 Held-out success is measured from the client side, on tasks neither the agent's
 traffic nor the server's gate ever saw, greedy, with `record: false`, before the
-session and after each round. Prints a table and writes it as JSON.
+session and after each round. Prints a table (each round's success with its 95 % Wilson
+interval, and its paired difference from the base on the same tasks) and writes it as JSON,
+with the per-task outcomes.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pathlib import Path
 from openai import OpenAI
 
 from selfrl.rollout.agent import DEFAULT_SYSTEM_PROMPT
+from selfrl.core.stats import paired_difference_ci, wilson_interval
 from selfrl.core.tasks import Task, assert_disjoint, split_tasks
 from selfrl.envs import get_env
 from selfrl.core.tools import get_tool
@@ -85,10 +88,21 @@ def get(url: str, key: str) -> dict:
         return json.loads(f.read())
 
 
-def held_out(client: OpenAI, source, tasks: list[Task], workers: int) -> float:
+def held_out(client: OpenAI, source, tasks: list[Task], workers: int) -> list[bool]:
+    """Greedy, unrecorded answers to ``tasks``: whether each is right, in the order of ``tasks``."""
     with ThreadPoolExecutor(workers) as pool:
         answers = list(pool.map(lambda t: solve(client, t, 0.0, record=False)[0], tasks))
-    return sum(source.correct(t, source.extract_answer(a or "")) for t, a in zip(tasks, answers)) / len(tasks)
+    return [bool(source.correct(t, source.extract_answer(a or ""))) for t, a in zip(tasks, answers)]
+
+
+def scored(correct: list[bool], base: list[bool] | None) -> dict:
+    """A row's held-out fields: success, its Wilson 95 % interval, and the paired difference
+    from ``base`` (the same tasks before any update) with its normal-approximation 95 % interval."""
+    k, n = sum(correct), len(correct)
+    row = {"held_out": k / n, "held_out_correct": correct, "held_out_ci": list(wilson_interval(k, n))}
+    if base is not None:
+        row["minus_base"] = list(paired_difference_ci(base, correct))
+    return row
 
 
 def start_server(run_dir: str, key: str, args) -> tuple[subprocess.Popen, str]:
@@ -141,7 +155,8 @@ def main() -> int:
     rows = []
     t0 = time.time()
     try:
-        rows.append({"round": 0, "held_out": held_out(client, source, held, args.workers), "served_version": None,
+        base = held_out(client, source, held, args.workers)
+        rows.append({"round": 0, **scored(base, None), "served_version": None,
                      "traffic_correct": None, "elapsed_s": time.time() - t0})
         print(f"before: held-out {rows[0]['held_out']:.3f}", flush=True)
         for rnd in range(1, args.rounds + 1):
@@ -163,7 +178,7 @@ def main() -> int:
                     break
                 time.sleep(2)
             rows.append({"round": rnd, "traffic_correct": right / len(batch), "served_version": st["served_version"],
-                         "held_out": held_out(client, source, held, args.workers), "elapsed_s": time.time() - t0,
+                         **scored(held_out(client, source, held, args.workers), base), "elapsed_s": time.time() - t0,
                          "updates": st["learner"]["updates"] if st["learner"] else 0})
             print(f"round {rnd}: traffic correct {right}/{len(batch)}, served version {st['served_version']}, "
                   f"held-out {rows[-1]['held_out']:.3f} ({rows[-1]['elapsed_s']:.0f} s)", flush=True)
@@ -176,12 +191,15 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "versions": status["versions"], "swap_ms": status["swap_ms"],
                                "args": vars(args)}, indent=2))
-    print("\n| round | traffic correct | served version | held-out success | elapsed |")
-    print("|---|---|---|---|---|")
+    print("\n| round | traffic correct | served version | held-out success [95 % CI] | minus the base, paired [95 % CI] | elapsed |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        tc = "" if r["traffic_correct"] is None else f"{r['traffic_correct']:.3f}"
+        tc = "" if r["traffic_correct"] is None else f"{round(r['traffic_correct'] * args.tasks_per_round)}/{args.tasks_per_round}"
+        lo, hi = r["held_out_ci"]
+        diff = "" if "minus_base" not in r else "{:+.1f} [{:+.1f}, {:+.1f}]".format(*(100 * x for x in r["minus_base"]))
         print(f"| {r['round']} | {tc} | {r['served_version'] if r['served_version'] is not None else 0} | "
-              f"{r['held_out']:.3f} | {r['elapsed_s']:.0f} s |")
+              f"{sum(r['held_out_correct'])}/{len(r['held_out_correct'])} = {100 * r['held_out']:.1f} % "
+              f"[{100 * lo:.1f}, {100 * hi:.1f}] | {diff} | {r['elapsed_s'] / 60:.1f} min |")
     print(f"versions: {[(v['version'], v['status'], v['val_success']) for v in status['versions']]}")
     print(f"swap times (ms): {status['swap_ms']}\nresults: {out}")
     return 0
