@@ -155,8 +155,8 @@ def main() -> int:
     rows = []
     t0 = time.time()
     try:
-        base = held_out(client, source, held, args.workers)
-        rows.append({"round": 0, **scored(base, None), "served_version": None,
+        before = held_out(client, source, held, args.workers)
+        rows.append({"round": 0, **scored(before, None), "served_version": None,
                      "traffic_correct": None, "elapsed_s": time.time() - t0})
         print(f"before: held-out {rows[0]['held_out']:.3f}", flush=True)
         for rnd in range(1, args.rounds + 1):
@@ -178,7 +178,7 @@ def main() -> int:
                     break
                 time.sleep(2)
             rows.append({"round": rnd, "traffic_correct": right / len(batch), "served_version": st["served_version"],
-                         **scored(held_out(client, source, held, args.workers), base), "elapsed_s": time.time() - t0,
+                         **scored(held_out(client, source, held, args.workers), before), "elapsed_s": time.time() - t0,
                          "updates": st["learner"]["updates"] if st["learner"] else 0})
             print(f"round {rnd}: traffic correct {right}/{len(batch)}, served version {st['served_version']}, "
                   f"held-out {rows[-1]['held_out']:.3f} ({rows[-1]['elapsed_s']:.0f} s)", flush=True)
