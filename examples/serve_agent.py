@@ -177,7 +177,8 @@ def main() -> int:
                 if st["turns"]["pending_with_feedback"] < args.min_batch and not learner.get("busy"):
                     break
                 time.sleep(2)
-            rows.append({"round": rnd, "traffic_correct": right / len(batch), "served_version": st["served_version"],
+            rows.append({"round": rnd, "traffic_correct": right / len(batch), "traffic_right": right,
+                         "served_version": st["served_version"],
                          **scored(held_out(client, source, held, args.workers), before), "elapsed_s": time.time() - t0,
                          "updates": st["learner"]["updates"] if st["learner"] else 0})
             print(f"round {rnd}: traffic correct {right}/{len(batch)}, served version {st['served_version']}, "
@@ -194,7 +195,7 @@ def main() -> int:
     print("\n| round | traffic correct | served version | held-out success [95 % CI] | minus the base, paired [95 % CI] | elapsed |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        tc = "" if r["traffic_correct"] is None else f"{round(r['traffic_correct'] * args.tasks_per_round)}/{args.tasks_per_round}"
+        tc = "" if r["traffic_correct"] is None else f"{r['traffic_right']}/{args.tasks_per_round}"
         lo, hi = r["held_out_ci"]
         diff = "" if "minus_base" not in r else "{:+.1f} [{:+.1f}, {:+.1f}]".format(*(100 * x for x in r["minus_base"]))
         print(f"| {r['round']} | {tc} | {r['served_version'] if r['served_version'] is not None else 0} | "

@@ -55,4 +55,5 @@ def test_demo_against_a_running_server_writes_per_task_outcomes(serve_agent, tin
     assert rows[1]["minus_base"] == pytest.approx(list(paired_difference_ci(before, after)))
     printed = capsys.readouterr().out
     assert f"| 0 |  | 0 | {sum(before)}/3 = " in printed
-    assert f"| 1 | {round(rows[1]['traffic_correct'] * 2)}/2 | " in printed
+    assert rows[1]["traffic_correct"] == rows[1]["traffic_right"] / 2
+    assert f"| 1 | {rows[1]['traffic_right']}/2 | " in printed
