@@ -44,10 +44,18 @@ def test_a_request_joins_a_running_batch(tiny_tokenizer, tiny_model_factory):
     model = tiny_model_factory(eos_bias=-50.0, lora=True)  # no EOS: every row runs to its limit
     engine = SlotEngine(model, tiny_tokenizer)
     prompt = prompts_with_system(tiny_tokenizer, ["Hi"])[0]
-    long = engine.submit(prompt, 200, greedy=True)
-    while engine.steps < 3:  # the long row is decoding
-        time.sleep(0.01)
-    short = engine.submit(prompt, 2, greedy=True).result(timeout=60)
+    reached, go = threading.Event(), threading.Event()
+
+    def hold(ids):  # the long row waits at its third id until the short request is queued
+        if len(ids) == 3 and not go.is_set():
+            reached.set()
+            go.wait(60)
+
+    long = engine.submit(prompt, 200, greedy=True, on_tokens=hold)
+    assert reached.wait(60)  # the long row is decoding
+    pending = engine.submit(prompt, 2, greedy=True)
+    go.set()
+    short = pending.result(timeout=60)
     assert not long.done()  # the short request did not wait for the long one
     full = long.result(timeout=120)
     assert short.token_ids == full.token_ids[:2]  # same prompt, greedy: the same first ids
