@@ -16,7 +16,10 @@ success with its 95 % Wilson interval; with ``--run-dir``, also the paired diffe
 the run's final (latest promoted) version against each prompt on the tasks both were
 evaluated on (``selfrl.core.stats.paired_difference_ci``); a run that has not finished
 (:mod:`selfrl.report.finished`: still going, interrupted or killed midway) is refused before the
-model loads, as its final version is not the run's result yet. Nothing is trained or stored;
+model loads, as its final version is not the run's result yet. A task whose rollout or verdict
+failed (a prompt beyond the model's context, say) counts as not solved, as in the gate, and is
+said on stderr; when every task failed, nothing was measured and the script fails (exit 2).
+Nothing is trained or stored;
 ``--per-task FILE`` writes ``{k: {task id: solved}}`` as JSON, to pair with a run measured later.
 """
 
@@ -170,13 +173,24 @@ def baseline(argv: list[str] | None = None) -> int:
 
         res = validate(engine, val, env, tools, cfg.rollout, cfg.gate.batch_size, on_batch=progress,
                        collapse=cfg.collapse)
+        failed = ""
+        if res.errors:  # counted as not solved, as the gate counts them; said, never hidden
+            tid, why = next(iter(res.errors.items()))
+            if len(res.errors) >= len(res.results):
+                raise ValueError(f"--shots {k}: every held-out task failed ({len(res.errors)} of {len(res.results)}), "
+                                 f"e.g. {tid}: {why}; that measures no prompt: lower --shots (or fix what the error "
+                                 "names)")
+            failed = f"; {len(res.errors)} failed, counted as not solved"
+            print(f"{k}-shot: {len(res.errors)} of {len(res.results)} task(s) failed in their environment or verifier "
+                  f"(counted as not solved), e.g. {tid}: {why}", file=sys.stderr, flush=True)
         solved = {tid: ok for tid, ok, _ in res.results}
         per_task[str(k)] = solved
         if a.per_task:
             Path(a.per_task).write_text(json.dumps(per_task, indent=1, sort_keys=True))
         s, n = sum(solved.values()), len(solved)
         lo, hi = wilson_interval(s, n)
-        line = f"base model, {k}-shot prompt: {s}/{n} = {s / n:.1%} [{lo:.1%}, {hi:.1%}] ({time.perf_counter() - t0:.0f} s)"
+        line = (f"base model, {k}-shot prompt: {s}/{n} = {s / n:.1%} [{lo:.1%}, {hi:.1%}] "
+                f"({time.perf_counter() - t0:.0f} s{failed})")
         if run is not None:
             common = sorted(set(solved) & set(run.final))
             if not common:

@@ -205,3 +205,38 @@ def test_flags_have_help_and_the_transformers_warning_is_silenced(tmp_path, mode
             warnings.warn("`is_gradient_checkpointing` is deprecated", FutureWarning)
             warnings.warn("another deprecation", FutureWarning)
         assert [str(w.message) for w in seen] == ["another deprecation"]
+
+
+def test_a_prompt_on_which_every_task_failed_is_refused_not_reported_as_zero(tmp_path, model_dir, capsys):
+    """More examples than the environment can show make every rollout fail (so does a prompt beyond
+    the model's context): that was printed as a measured 0/N = 0.0 % (exit 0)."""
+    cfg = write_config(tmp_path, model_dir, val_size=3)
+    per_task = tmp_path / "per_task.json"
+    assert load_script().main(["--config", str(cfg), "--shots", "0", "400", "--per-task", str(per_task)]) == 2
+    out = capsys.readouterr()
+    assert "base model, 0-shot prompt: " in out.out and "400-shot" not in out.out
+    last = out.err.splitlines()[-1]
+    assert last.startswith("prompt_baseline: error: --shots 400: every held-out task failed (3 of 3), e.g. ")
+    assert "400 shots" in last and last.endswith("lower --shots (or fix what the error names)")
+    assert list(__import__("json").loads(per_task.read_text())) == ["0"]  # the failed count is not kept
+
+
+def test_tasks_that_failed_are_counted_as_not_solved_and_said(tmp_path, model_dir, monkeypatch, capsys):
+    import selfrl.safety.gate as gate
+
+    real = gate.validate
+
+    def one_fails(*args, **kwargs):
+        res = real(*args, **kwargs)
+        tid = res.results[0][0]
+        res.results[0] = (tid, False, None)
+        res.errors[tid] = "RuntimeError('verifier broke')"
+        return res
+
+    monkeypatch.setattr(gate, "validate", one_fails)
+    cfg = write_config(tmp_path, model_dir, val_size=4)
+    assert load_script().main(["--config", str(cfg), "--shots", "0"]) == 0
+    out = capsys.readouterr()
+    assert "0-shot: 1 of 4 task(s) failed in their environment or verifier (counted as not solved), e.g. " in out.err
+    assert "RuntimeError('verifier broke')" in out.err
+    assert "; 1 failed, counted as not solved)" in out.out
