@@ -543,6 +543,18 @@ def write_table(envs: list[str], seeds: list[int], out: Path) -> Path:
 # ------------------------------------------------------------------ command line
 
 
+def seed_value(text: str) -> int:
+    """An argparse ``type`` for ``--seeds``: an integer >= 0, as ``selfrl run --seed`` takes (checked
+    before the prompts, which take minutes, rather than at the first RL run)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="{run,table}",
@@ -551,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         s = sub.add_parser(name, help=text)
         s.add_argument("--envs", nargs="+", default=list(ENVIRONMENTS),
                        help=f"environments (default all: {' '.join(ENVIRONMENTS)})")
-        s.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="RL seeds (default 0 1 2)")
+        s.add_argument("--seeds", type=seed_value, nargs="+", default=[0, 1, 2], help="RL seeds (default 0 1 2)")
         s.add_argument("--out", default="runs/results", help="results folder (default runs/results)")
     a = p.parse_args(argv)
     for flag, values in (("--envs", a.envs), ("--seeds", a.seeds)):

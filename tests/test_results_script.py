@@ -482,6 +482,9 @@ def test_the_repair_tier_s_three_examples_need_the_smaller_training_pool():
 @pytest.mark.parametrize("argv, message", [
     (["table", "--envs", "arithmetic", "arithmetic"], "--envs names arithmetic more than once; name each once"),
     (["run", "--seeds", "0", "1", "0"], "--seeds names 0 more than once; name each once"),
+    # before: run --seeds -1 measured every prompt (minutes), then selfrl run refused the seed
+    (["run", "--envs", "arithmetic", "--seeds", "0", "-1"], "argument --seeds: must be an integer >= 0, got '-1'"),
+    (["table", "--seeds", "one"], "argument --seeds: must be an integer >= 0, got 'one'"),
     ([], "the following arguments are required: {run,table}"),  # before: "required: command"
 ])
 def test_a_repeated_environment_or_seed_is_refused(tmp_path, capsys, argv, message):
