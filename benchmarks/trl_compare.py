@@ -237,11 +237,17 @@ def plot(argv: list[str]) -> dict:
         ci = r.get("paired_vs_trl")
         rows.append([f"{r['label']} (seed {r['seed']})", r["iterations"], r["updates"], f"{r['training_s']:.0f}",
                      f"{r['base']:.3f}", f"{r['final']:.3f}", *[sec(r["reach"][str(lv)]) for lv in levels],
-                     r.get("trl_label", "-"), sec(r.get("reach_trl_final_s")), "-" if r.get("speedup") is None else f"{r['speedup']:.2f}",
+                     r.get("trl_label", "-"), sec(r["reach_trl_final_s"]) if "trl_label" in r else "-",
+                     "-" if r.get("speedup") is None else f"{r['speedup']:.2f}",
                      "-" if ci is None else f"{ci[0]:+.3f} [{ci[1]:+.3f}, {ci[2]:+.3f}]"])
     print_table("Held-out success against training time (seconds)",
                 ["arm", "iterations", "updates", "training s", "base", "final", *[f"s to {lv:g}" for lv in levels],
                  "against", "s to TRL's final", "speed-up", "final - TRL's final [95 % CI]"], rows)
+    alone = sorted({(r["seed"], r["label"]) for r in table["rows"]
+                    if "trl_label" not in r and not r["label"].startswith("trl")})
+    for seed, label in alone:  # "never" read as "never reached TRL's final", against no TRL arm at all
+        print(f"seed {seed}: {label} has no TRL arm of its seed among the files, so it is compared with none; pass "
+              f"the TRL arm's result of seed {seed} too (bench_trl.py --arm trl [--grammar] --seed {seed})")
     flat = {(r["seed"], r["trl_label"]) for r in table["rows"] if r.get("trl_above_base") is False}
     for seed, label in sorted(flat):
         print(f"seed {seed}: {label} ended at its base's held-out success, where every arm starts: there is no "

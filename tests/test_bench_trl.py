@@ -158,6 +158,21 @@ def test_trl_plot_says_when_trl_never_rose_above_its_base(tmp_path, capsys):
     assert "seed 0: trl ended at its base's held-out success" in capsys.readouterr().out
 
 
+def test_trl_plot_says_when_an_arm_has_no_trl_arm_of_its_seed(tmp_path, capsys):
+    # TRL's seed 0 beside selfrl's seed 1: the row read "s to TRL's final: never", with no note
+    trl = _arm("trl", "trl", [(0.0, 0, ""), (600.0, 10, "a")], 620.0)
+    ours = {**_arm("selfrl", "selfrl", [(0.0, 0, ""), (120.0, 6, "ab")], 130.0), "seed": 1}
+    files = write_arms(tmp_path, trl, ours)
+    r = bench_trl.main(["plot", *map(str, files), "--png", str(tmp_path / "c.png"), "--out", str(tmp_path)])
+    mine = r["rows"][1]
+    assert "trl_label" not in mine and "reach_trl_final_s" not in mine and "speedup" not in mine
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "selfrl (seed" in line)
+    assert "never" not in row
+    assert ("seed 1: selfrl has no TRL arm of its seed among the files, so it is compared with none; pass the TRL "
+            "arm's result of seed 1 too (bench_trl.py --arm trl [--grammar] --seed 1)") in " ".join(out.split())
+
+
 def test_trl_plot_counts_skipped_iterations_apart_from_updates(tmp_path, capsys):
     # the column was "updates" and counted iterations: 152 for an arm that updated 3 times
     trl = _arm("trl", "trl", [(0.0, 0, "a"), (600.0, 2, "ab")], 620.0)
