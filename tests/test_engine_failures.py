@@ -17,6 +17,7 @@ import torch
 
 from selfrl.engines.reference import Engine
 from selfrl.engines.slots import SlotEngine
+from tests.held_row import HeldRow
 from tests.test_slot_engine import prompts_with_system
 
 
@@ -58,18 +59,9 @@ def test_a_failed_prefill_fails_the_admitted_requests_and_the_running_row_goes_o
     model = tiny_model_factory(eos_bias=-50.0, lora=True)  # no EOS: rows run to their limit
     engine = SlotEngine(model, tiny_tokenizer)
     prompt = prompts_with_system(tiny_tokenizer, ["Hi"])[0]
-    # the running row holds the worker at its third id until both late requests are queued, so that one
-    # admission takes them together while the row still decodes (polling engine.steps raced on a busy
-    # machine: the row could finish, or the worker admit the first late request alone, in between)
-    reached, go = threading.Event(), threading.Event()
-
-    def hold(ids):
-        if len(ids) == 3 and not go.is_set():
-            reached.set()
-            go.wait(60)
-
-    running = engine.submit(prompt, 40, greedy=True, on_tokens=hold)
-    assert reached.wait(60)
+    held = HeldRow(at=3)  # one admission takes both late requests, while this row still decodes
+    running = engine.submit(prompt, 40, greedy=True, on_tokens=held)
+    assert held.wait()
     real = getattr(engine, where)
 
     def failing(*args):
@@ -78,7 +70,7 @@ def test_a_failed_prefill_fails_the_admitted_requests_and_the_running_row_goes_o
 
     monkeypatch.setattr(engine, where, failing)
     late = [engine.submit(prompt, 5, greedy=True), engine.submit(prompt[:-1], 5, greedy=True)]
-    go.set()
+    held.release()
     for f in late:
         with pytest.raises(MemoryError, match="no room"):
             f.result(timeout=60)

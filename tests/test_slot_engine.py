@@ -16,6 +16,7 @@ from selfrl.chat.template import prompt_ids
 from selfrl.engines.kvcache import SlotCache
 from selfrl.engines.sampling import nucleus_mask, sample_tokens
 from selfrl.engines.slots import SlotEngine, VersionGate
+from tests.held_row import HeldRow
 from tests.test_engine_conformance import assert_matches_model, naive_logps
 
 LONG_SYSTEM = "You are a careful assistant. Use the calculator tool for any arithmetic, then give the final answer."
@@ -44,17 +45,11 @@ def test_a_request_joins_a_running_batch(tiny_tokenizer, tiny_model_factory):
     model = tiny_model_factory(eos_bias=-50.0, lora=True)  # no EOS: every row runs to its limit
     engine = SlotEngine(model, tiny_tokenizer)
     prompt = prompts_with_system(tiny_tokenizer, ["Hi"])[0]
-    reached, go = threading.Event(), threading.Event()
-
-    def hold(ids):  # the long row waits at its third id until the short request is queued
-        if len(ids) == 3 and not go.is_set():
-            reached.set()
-            go.wait(60)
-
-    long = engine.submit(prompt, 200, greedy=True, on_tokens=hold)
-    assert reached.wait(60)  # the long row is decoding
+    held = HeldRow(at=3)
+    long = engine.submit(prompt, 200, greedy=True, on_tokens=held)
+    assert held.wait()  # the long row is decoding
     pending = engine.submit(prompt, 2, greedy=True)
-    go.set()
+    held.release()
     short = pending.result(timeout=60)
     assert not long.done()  # the short request did not wait for the long one
     full = long.result(timeout=120)
