@@ -243,8 +243,8 @@ def plot(argv: list[str]) -> dict:
     print_table("Held-out success against training time (seconds)",
                 ["arm", "iterations", "updates", "training s", "base", "final", *[f"s to {lv:g}" for lv in levels],
                  "against", "s to TRL's final", "speed-up", "final - TRL's final [95 % CI]"], rows)
-    alone = sorted({(r["seed"], r["label"]) for r in table["rows"]
-                    if "trl_label" not in r and not r["label"].startswith("trl")})
+    alone = sorted({(r["seed"], r["label"]) for a, r in zip(arms, table["rows"])
+                    if a["arm"] != "trl" and "trl_label" not in r})
     for seed, label in alone:  # "never" read as "never reached TRL's final", against no TRL arm at all
         print(f"seed {seed}: {label} has no TRL arm of its seed among the files, so it is compared with none; pass "
               f"the TRL arm's result of seed {seed} too (bench_trl.py --arm trl [--grammar] --seed {seed})")
